@@ -1,0 +1,1 @@
+"""gpukillctl: the unprivileged gpukill client (CLI and library API over D-Bus)."""

@@ -1,0 +1,166 @@
+"""The privileged acts, bus-independent: kill a process, reset a device. Each one is authorized and audited.
+
+The bus layer (manager.py) turns D-Bus calls into these; Guard Mode will call the same kill path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from . import audit
+from .backends import Backend
+from .bouncer import KILL_ANY, KILL_OWN, RESET_DEVICE, Bouncer, Caller
+from .errors import AccessDenied, DeviceBusy, GpukillError, NoSuchDevice, Protected, ResetFailed
+from .killer import KILLED, STILL_ALIVE, TERMINATED, Killer, check_grace
+from .model import Snapshot
+
+log = logging.getLogger(__name__)
+
+RESET_KILL_GRACE = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class KillResult:
+    pid: int
+    start_time: int
+    uid: int
+    comm: str
+    device_ids: tuple[str, ...]
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResetResult:
+    device_index: int
+    device_id: str
+    message: str
+    killed: tuple[int, ...]
+
+
+class Actions:
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot],
+        backends: dict[str, Backend],
+        bouncer: Bouncer,
+        killer: Killer,
+        auditor: audit.Audit,
+        on_killed: Callable[[KillResult, Caller | None], None],
+        on_reset: Callable[[ResetResult, bool], None],
+        resample: Callable[[], Awaitable[Snapshot]],
+    ) -> None:
+        self._snapshot = snapshot
+        self.backends = backends
+        self.bouncer = bouncer
+        self.killer = killer
+        self.audit = auditor
+        self._on_killed = on_killed
+        self._on_reset = on_reset
+        self._resample = resample
+
+    @staticmethod
+    def _caller_fields(caller: Caller | None) -> dict[str, object]:
+        if caller is None:
+            return {"caller_uid": None, "caller_pid": None}
+        return {"caller_uid": caller.uid, "caller_pid": caller.pid}
+
+    async def kill(
+        self, caller: Caller | None, pid: int, start_time: int, grace: float, force: bool, initiator: str
+    ) -> KillResult:
+        """Kill (pid, start_time). caller None means the daemon itself acts (a reset with force)."""
+        base = {
+            "action": "kill", "target_pid": pid, "target_start_time": start_time, "initiator": initiator,
+            "force": int(force), **self._caller_fields(caller),
+        }
+        who = f"uid {caller.uid}" if caller else initiator
+        try:
+            check_grace(grace)
+            target = self.killer.open(pid, start_time, self._snapshot())
+        except GpukillError as e:
+            self.audit.log(audit.KILL_FAILED, f"Kill of PID {pid} requested by {who} refused: {e}",
+                           result=e.result, error=str(e), **base)
+            raise
+        try:
+            fields = {**base, "target_uid": target.uid, "target_comm": target.comm,
+                      "device": ",".join(target.device_ids)}
+            if caller is not None:
+                action = KILL_OWN if caller.uid == target.uid else KILL_ANY
+                allowed, why = await self.bouncer.authorize(
+                    caller, action,
+                    {"pid": str(pid), "target_user": target.user, "device": ",".join(target.device_ids)},
+                )
+                if not allowed:
+                    self.audit.log(audit.KILL_DENIED,
+                                   f"Kill of PID {pid} ({target.comm}, user {target.user}) denied to {who}: {why}",
+                                   result="denied", polkit_action=action, reason=why, **fields)
+                    raise AccessDenied(f"not authorized to kill PID {pid} ({target.comm}) of user "
+                                       f"{target.user}: {why}")
+                fields["polkit_action"] = action
+            outcome = await self.killer.terminate(target, grace, force)
+        finally:
+            target.close()
+        verb = {TERMINATED: "terminated", KILLED: "killed with SIGKILL", STILL_ALIVE: "still alive after SIGTERM"}
+        self.audit.log(audit.KILL,
+                       f"PID {pid} ({target.comm}, user {target.user}) {verb[outcome]}; requested by {who}",
+                       result=outcome, grace=grace, **fields)
+        result = KillResult(pid, start_time, target.uid, target.comm, target.device_ids, outcome)
+        self._on_killed(result, caller)
+        return result
+
+    async def reset(self, caller: Caller, device_key: str, force: bool) -> ResetResult:
+        who = f"uid {caller.uid}"
+        base = {"action": "reset", "force": int(force), **self._caller_fields(caller)}
+        snapshot = self._snapshot()
+        device = snapshot.find_device(device_key) if len(device_key) <= 256 else None
+        if device is None:
+            err = NoSuchDevice(f"no GPU {device_key[:64]!r} (give an index, UUID or PCI bus id)")
+            self.audit.log(audit.RESET_FAILED, f"Reset of {device_key[:64]!r} requested by {who}: {err}",
+                           result=err.result, device=device_key[:256], **base)
+            raise err
+        fields = {**base, "device": device.id, "device_index": device.index}
+        allowed, why = await self.bouncer.authorize(
+            caller, RESET_DEVICE, {"device": device.id, "device_index": str(device.index)}
+        )
+        if not allowed:
+            self.audit.log(audit.RESET_DENIED, f"Reset of GPU {device.index} ({device.id}) denied to {who}: {why}",
+                           result="denied", polkit_action=RESET_DEVICE, reason=why, **fields)
+            raise AccessDenied(f"not authorized to reset GPU {device.index}: {why}")
+        try:
+            killed = await self._clear_device(device.id, force)
+            backend = self.backends[device.backend]
+            message = await asyncio.to_thread(backend.reset, device.id)
+        except GpukillError as e:
+            self.audit.log(audit.RESET_FAILED, f"Reset of GPU {device.index} ({device.id}) failed: {e}",
+                           result=e.result, error=str(e), **fields)
+            self._on_reset(ResetResult(device.index, device.id, str(e), ()), False)
+            raise
+        result = ResetResult(device.index, device.id, message, tuple(killed))
+        self.audit.log(audit.RESET, f"GPU {device.index} ({device.id}) reset by {who}: {message}",
+                       result="reset", killed=",".join(map(str, killed)) or None, **fields)
+        self._on_reset(result, True)
+        return result
+
+    async def _clear_device(self, device_id: str, force: bool) -> list[int]:
+        """Make sure nothing runs on the device: DeviceBusy without force, else kill each holder first."""
+        snapshot = await self._resample()  # a process may have started since the last sample
+        holders = {(p.pid, p.start_time): p for p in snapshot.processes if p.device_id == device_id}
+        if not holders:
+            return []
+        if not force:
+            names = ", ".join(f"{p.pid} ({p.comm})" for p in list(holders.values())[:8])
+            raise DeviceBusy(f"{len(holders)} process(es) use the device: {names}; use force to kill them first")
+        killed = []
+        for (pid, start_time), _proc in holders.items():
+            try:
+                result = await self.kill(None, pid, start_time, RESET_KILL_GRACE, True, "reset")
+            except Protected as e:
+                raise DeviceBusy(f"cannot clear the device: {e}") from None
+            except GpukillError:
+                continue  # gone meanwhile: nothing left to clear
+            if result.outcome == STILL_ALIVE:
+                raise ResetFailed(f"PID {pid} survived SIGKILL; the device was not reset")
+            killed.append(pid)
+        return killed

@@ -1,0 +1,65 @@
+"""Who a process belongs to beyond its uid: systemd unit, container, Kubernetes pod, Slurm job.
+
+Read from the text of /proc/PID/cgroup, cgroup v2 ("0::/path") or v1 (one line per hierarchy).
+"""
+
+from __future__ import annotations
+
+import re
+
+from .model import Attribution
+
+_CONTAINER_PATTERNS = (
+    # systemd cgroup driver: docker-<id>.scope, libpod-<id>.scope, cri-containerd-<id>.scope, crio-<id>.scope
+    re.compile(r"(?:docker|libpod|cri-containerd|crio|containerd)-([0-9a-f]{64})\.scope"),
+    # cgroupfs driver: /docker/<id>, /libpod_parent/libpod-<id>, /kubepods/.../<id>
+    re.compile(r"/(?:docker|libpod-|containerd/)?([0-9a-f]{64})(?:/|$)"),
+)
+# kubepods-burstable-pod1b2c_..._.slice (systemd driver, "_" for "-") or /kubepods/burstable/pod<uid>/
+_POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+_SLURM_JOB = re.compile(r"/job_(\d+)(?:/|$)")
+_UNIT = re.compile(r"[^/]+\.(?:service|scope)$")
+
+
+def _cgroup_path(text: str) -> str:
+    """The path that says most: the v2 unified one, else v1's name=systemd, else the first."""
+    v1_systemd = first = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hier, controllers, path = parts
+        if hier == "0" and controllers == "":
+            return path
+        if controllers == "name=systemd":
+            v1_systemd = path
+        first = first or path
+    return v1_systemd or first or ""
+
+
+def _all_paths(text: str) -> list[str]:
+    return [parts[2] for line in text.splitlines() if len(parts := line.split(":", 2)) == 3]
+
+
+def parse_cgroup(text: str) -> Attribution:
+    path = _cgroup_path(text)
+    paths = [path, *_all_paths(text)]  # v1 hosts spread containers and jobs over several hierarchies
+
+    unit = None
+    for component in reversed(path.split("/")):
+        if _UNIT.fullmatch(component):
+            unit = component
+            break
+
+    container_id = None
+    for candidate in paths:
+        for pattern in _CONTAINER_PATTERNS:
+            if m := pattern.search(candidate):
+                container_id = m.group(1)
+                break
+        if container_id:
+            break
+
+    pod_uid = next((m.group(1).replace("_", "-") for p in paths if (m := _POD.search(p))), None)
+    slurm_job = next((m.group(1) for p in paths if (m := _SLURM_JOB.search(p))), None)
+    return Attribution(unit=unit, container_id=container_id, pod_uid=pod_uid, slurm_job=slurm_job)

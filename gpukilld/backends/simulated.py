@@ -1,0 +1,245 @@
+"""Simulated GPUs for hosts without any: devices from a YAML file, processes that are real.
+
+A process is "on" simulated GPU N when its environment holds GPUKILL_SIM_GPU=N (or "0,2" for two);
+GPUKILL_SIM_MEM (bytes or 4GiB) and GPUKILL_SIM_UTIL (percent) give its usage. Because the processes
+are real, kill, users and cgroups are all real. The file is re-read when it changes, so tests and demos
+can lose a device or inject a fault while the daemon runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import yaml
+
+from ..errors import ConfigError, NotSupported, ResetFailed
+from ..model import STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
+from ..procfs import ProcFS
+from ..units import parse_size
+from . import Backend, BackendSample
+
+log = logging.getLogger(__name__)
+
+_DEVICE_KEYS = {
+    "name", "vendor", "uuid", "pci_bus_id", "memory_total", "memory_used", "utilization",
+    "temperature", "power", "state", "state_reason", "reset",
+}
+_TOP_KEYS = {"devices", "faults"}
+_FAULT_KEYS = {"hang_sampling"}
+
+
+@dataclass(frozen=True, slots=True)
+class SimDevice:
+    uuid: str
+    name: str
+    vendor: str
+    pci_bus_id: str | None
+    memory_total: int | None
+    memory_used: int  # baseline used by nobody we can see (driver, other VMs)
+    utilization: float  # baseline
+    temperature: float | None
+    power: float | None
+    state: str
+    state_reason: str
+    reset: str  # "ok", "unsupported" or "fail: MESSAGE"
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    devices: tuple[SimDevice, ...]
+    hang_sampling: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SimUsage:
+    gpus: tuple[int, ...]
+    memory: int | None
+    utilization: float | None
+
+
+def _number(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
+def load_sim_config(path: str) -> SimConfig:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
+        raise ConfigError(f"{path}: expected a mapping with a 'devices:' list")
+    if unknown := set(data) - _TOP_KEYS:
+        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r} (known: devices, faults)")
+    faults = data.get("faults") or {}
+    if not isinstance(faults, dict) or (set(faults) - _FAULT_KEYS):
+        raise ConfigError(f"{path}: 'faults' takes only: {', '.join(sorted(_FAULT_KEYS))}")
+    devices = []
+    for i, raw in enumerate(data["devices"]):
+        where = f"{path}: devices[{i}]"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        if unknown := set(raw) - _DEVICE_KEYS:
+            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}")
+        try:
+            memory_total = parse_size(raw["memory_total"]) if "memory_total" in raw else None
+            memory_used = parse_size(raw.get("memory_used", 0))
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        state = raw.get("state", STATE_OK)
+        if state not in (STATE_OK, STATE_LOST):
+            raise ConfigError(f"{where}: state must be 'ok' or 'lost', not {state!r}")
+        reset = str(raw.get("reset", "ok"))
+        if reset not in ("ok", "unsupported") and not reset.startswith("fail:"):
+            raise ConfigError(f"{where}: reset must be 'ok', 'unsupported' or 'fail: MESSAGE'")
+        devices.append(
+            SimDevice(
+                uuid=str(raw.get("uuid") or f"SIM-{i:04d}"),
+                name=str(raw.get("name", f"Simulated GPU {i}")),
+                vendor=str(raw.get("vendor", "simulated")),
+                pci_bus_id=str(raw["pci_bus_id"]) if "pci_bus_id" in raw else None,
+                memory_total=memory_total,
+                memory_used=memory_used,
+                utilization=_number(raw.get("utilization", 0), f"{where}.utilization"),
+                temperature=_number(raw["temperature"], f"{where}.temperature") if "temperature" in raw else None,
+                power=_number(raw["power"], f"{where}.power") if "power" in raw else None,
+                state=state,
+                state_reason=str(raw.get("state_reason", "")),
+                reset=reset,
+            )
+        )
+    if len({d.uuid for d in devices}) != len(devices):
+        raise ConfigError(f"{path}: two devices share one uuid")
+    return SimConfig(devices=tuple(devices), hang_sampling=bool(faults.get("hang_sampling", False)))
+
+
+def parse_usage(env: dict[str, str]) -> SimUsage | None:
+    spec = env.get("GPUKILL_SIM_GPU")
+    if spec is None:
+        return None
+    try:
+        gpus = tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        return None
+    memory = utilization = None
+    if "GPUKILL_SIM_MEM" in env:
+        try:
+            memory = parse_size(env["GPUKILL_SIM_MEM"])
+        except ValueError:
+            memory = None
+    if "GPUKILL_SIM_UTIL" in env:
+        try:
+            utilization = max(0.0, min(100.0, float(env["GPUKILL_SIM_UTIL"])))
+        except ValueError:
+            utilization = None
+    return SimUsage(gpus=gpus, memory=memory, utilization=utilization)
+
+
+class SimulatedBackend(Backend):
+    name = "simulated"
+
+    def __init__(self, path: str, procfs: ProcFS | None = None) -> None:
+        self.path = path
+        self.procfs = procfs or ProcFS()
+        self._config = load_sim_config(path)  # a broken file at start-up is fatal: say so and stop
+        self._mtime = self._file_mtime()
+        self._usage: dict[tuple[int, int], SimUsage | None] = {}  # per (pid, start time)
+        self._lock = threading.Lock()
+        self._resets: dict[str, int] = {}
+
+    def _file_mtime(self) -> float | None:
+        try:
+            return os.stat(self.path).st_mtime_ns
+        except OSError:
+            return None
+
+    def _reload_if_changed(self) -> None:
+        mtime = self._file_mtime()
+        if mtime == self._mtime:
+            return
+        self._mtime = mtime
+        try:
+            self._config = load_sim_config(self.path)
+        except ConfigError as e:
+            log.error("%s; keeping the devices loaded before", e)
+
+    def status(self) -> BackendStatus:
+        return BackendStatus(self.name, True, f"{len(self._config.devices)} devices from {self.path}")
+
+    def _scan_usage(self) -> dict[int, tuple[int, SimUsage]]:
+        found: dict[int, tuple[int, SimUsage]] = {}
+        seen: set[tuple[int, int]] = set()
+        for pid in self.procfs.pids():
+            stat = self.procfs.stat(pid)
+            if stat is None or stat.is_kernel_thread or stat.state == "Z":
+                continue
+            key = (pid, stat.start_time)
+            seen.add(key)
+            if key not in self._usage:
+                self._usage[key] = parse_usage(self.procfs.environ(pid))
+            usage = self._usage[key]
+            if usage is not None:
+                found[pid] = (stat.start_time, usage)
+        for key in self._usage.keys() - seen:
+            del self._usage[key]
+        return found
+
+    def sample(self) -> BackendSample:
+        self._reload_if_changed()
+        while self._config.hang_sampling:  # fault injection: a backend that stops answering
+            threading.Event().wait(0.2)
+            self._reload_if_changed()
+        config = self._config
+        usage = self._scan_usage()
+        per_device: dict[int, list[ProcessUsage]] = {i: [] for i in range(len(config.devices))}
+        for pid, (start_time, u) in usage.items():
+            for gpu in u.gpus:
+                if gpu in per_device and config.devices[gpu].state == STATE_OK:
+                    per_device[gpu].append(
+                        ProcessUsage(pid, start_time, config.devices[gpu].uuid, u.memory, u.utilization)
+                    )
+        sample = BackendSample()
+        for i, dev in enumerate(config.devices):
+            procs = per_device[i]
+            sample.processes.extend(procs)
+            if dev.state != STATE_OK:
+                sample.devices.append(
+                    DeviceReading(
+                        id=dev.uuid, vendor=dev.vendor, name=dev.name, pci_bus_id=dev.pci_bus_id,
+                        memory_total=dev.memory_total, state=dev.state,
+                        state_reason=dev.state_reason or "simulated device lost",
+                    )
+                )
+                continue
+            used = dev.memory_used + sum(p.gpu_memory or 0 for p in procs)
+            util = min(100.0, dev.utilization + sum(p.gpu_utilization or 0 for p in procs))
+            sample.devices.append(
+                DeviceReading(
+                    id=dev.uuid, vendor=dev.vendor, name=dev.name, pci_bus_id=dev.pci_bus_id,
+                    utilization=util, memory_used=used, memory_total=dev.memory_total,
+                    temperature=dev.temperature, power=dev.power,
+                )
+            )
+        return sample
+
+    def reset(self, device_id: str) -> str:
+        dev = next((d for d in self._config.devices if d.uuid == device_id), None)
+        if dev is None:
+            raise ResetFailed(f"device {device_id} is no longer present")
+        if dev.reset == "unsupported":
+            raise NotSupported(f"reset is not supported on {dev.name} ({device_id})")
+        if dev.reset.startswith("fail:"):
+            raise ResetFailed(dev.reset[5:].strip() or "simulated reset failure")
+        with self._lock:
+            self._resets[device_id] = self._resets.get(device_id, 0) + 1
+            count = self._resets[device_id]
+        return f"simulated reset of {device_id} done (reset #{count})"

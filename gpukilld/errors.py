@@ -1,0 +1,65 @@
+"""Failures the core reports; the bus layer sends each as the D-Bus error named in `dbus_name`.
+
+Kept free of D-Bus so backends and the kill path can raise them without knowing about the bus.
+"""
+
+from __future__ import annotations
+
+
+class GpukillError(Exception):
+    dbus_name = "org.gpukill1.Error.Failed"
+    result = "failed"  # GPUKILL_RESULT in the audit trail
+
+
+class NoSuchProcess(GpukillError):
+    dbus_name = "org.gpukill1.Error.NoSuchProcess"
+    result = "no-such-process"
+
+
+class ProcessChanged(GpukillError):
+    dbus_name = "org.gpukill1.Error.ProcessChanged"
+    result = "process-changed"
+
+
+class NotAGpuProcess(GpukillError):
+    dbus_name = "org.gpukill1.Error.NotAGpuProcess"
+    result = "not-a-gpu-process"
+
+
+class Protected(GpukillError):
+    dbus_name = "org.gpukill1.Error.Protected"
+    result = "protected"
+
+
+class NoSuchDevice(GpukillError):
+    dbus_name = "org.gpukill1.Error.NoSuchDevice"
+    result = "no-such-device"
+
+
+class DeviceBusy(GpukillError):
+    dbus_name = "org.gpukill1.Error.DeviceBusy"
+    result = "device-busy"
+
+
+class NotSupported(GpukillError):
+    dbus_name = "org.gpukill1.Error.NotSupported"
+    result = "not-supported"
+
+
+class ResetFailed(GpukillError):
+    dbus_name = "org.gpukill1.Error.ResetFailed"
+    result = "reset-failed"
+
+
+class InvalidArgs(GpukillError):
+    dbus_name = "org.freedesktop.DBus.Error.InvalidArgs"
+    result = "invalid-arguments"
+
+
+class AccessDenied(GpukillError):
+    dbus_name = "org.freedesktop.DBus.Error.AccessDenied"
+    result = "denied"
+
+
+class ConfigError(Exception):
+    """A configuration or device file is wrong; the message names FILE[:LINE] and what is wrong."""

@@ -1,0 +1,238 @@
+"""gpukilld start-up and life cycle: config, backends, sampler, bus, sd_notify, signals."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+import sdnotify
+from dbus_fast import BusType, RequestNameReply
+from dbus_fast.aio import MessageBus
+from dbus_fast.constants import NameFlag
+
+from . import __version__, audit
+from .actions import Actions, KillResult, ResetResult
+from .backends import Backend
+from .backends.simulated import SimulatedBackend
+from .bouncer import Bouncer, Caller
+from .config import DEFAULT_PATH, Config, check_interval, load_config
+from .errors import ConfigError
+from .killer import Killer
+from .manager import BUS_NAME, OBJECT_PATH, ManagerInterface, door
+from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
+from .procfs import ProcFS
+from .sampler import Sampler, StateChange
+
+log = logging.getLogger("gpukilld")
+
+FIRST_SAMPLE_WAIT = 10.0
+
+
+def build_backends(config: Config) -> list[Backend]:
+    backends: list[Backend] = []
+    if config.simulate:
+        backends.append(SimulatedBackend(config.simulate))
+    return backends
+
+
+def status_line(snap: Snapshot) -> str:
+    lost = sum(1 for d in snap.devices if d.state != STATE_OK)
+    names = ", ".join(b.name if b.available else f"{b.name} (unavailable)" for b in snap.backends) or "none"
+    lost_text = f" ({lost} lost)" if lost else ""
+    return f"{len(snap.devices)} GPUs{lost_text}, {len(snap.processes)} GPU processes; backends: {names}"
+
+
+class Daemon:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.config = self._load_config()
+        self.snapshot: Snapshot = EMPTY_SNAPSHOT
+        self.notifier = sdnotify.SystemdNotifier()
+        self.audit = audit.Audit()
+        self._status = ""
+        self._snapshot_waiters: list[asyncio.Future[Snapshot]] = []
+        self._stop = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # -- configuration ---------------------------------------------------------------------------------
+
+    def _load_config(self) -> Config:
+        config = load_config(self.args.config, required=self.args.config != DEFAULT_PATH)
+        if self.args.simulate:
+            config = Config(sample_interval=config.sample_interval, simulate=self.args.simulate)
+        if self.args.sample_interval is not None:
+            interval = check_interval(self.args.sample_interval, "--sample-interval")
+            config = Config(sample_interval=interval, simulate=config.simulate)
+        return config
+
+    def _watchdog_interval(self) -> float | None:
+        usec = os.environ.get("WATCHDOG_USEC")
+        wd_pid = os.environ.get("WATCHDOG_PID")
+        if not usec or (wd_pid and wd_pid != str(os.getpid())):
+            return None
+        return int(usec) / 1e6 / 2  # sd_watchdog_enabled(3): ping at half the timeout
+
+    # -- snapshot flow (sampler thread -> loop) --------------------------------------------------------
+
+    def _publish(self, snap: Snapshot, changes: list[StateChange]) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._on_snapshot, snap, changes)
+
+    def _on_snapshot(self, snap: Snapshot, changes: list[StateChange]) -> None:
+        self.snapshot = snap
+        for change in changes:
+            dev = change.device
+            self.audit.log(
+                audit.DEVICE_STATE,
+                f"GPU {dev.index} ({dev.id}) is {dev.state}" + (f": {dev.state_reason}" if dev.state_reason else ""),
+                device=dev.id, device_index=dev.index, state=dev.state, previous_state=change.previous,
+                reason=dev.state_reason or None,
+            )
+            self.manager.DeviceStateChanged(dev)
+        line = status_line(snap)
+        if line != self._status:
+            self._status = line
+            self.notifier.notify(f"STATUS={line}")
+        waiters, self._snapshot_waiters = self._snapshot_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(snap)
+
+    async def next_snapshot(self) -> Snapshot:
+        """A snapshot taken after this call: for acts that must not trust one up to an interval old."""
+        assert self.loop is not None
+        fut: asyncio.Future[Snapshot] = self.loop.create_future()
+        self._snapshot_waiters.append(fut)
+        try:
+            return await asyncio.wait_for(fut, self.sampler.interval * 2 + 5)
+        except TimeoutError:
+            from .errors import ResetFailed
+
+            raise ResetFailed("the GPU backends are not answering; nothing was done") from None
+
+    # -- signals from actions --------------------------------------------------------------------------
+
+    def _on_killed(self, result: KillResult, caller: Caller | None) -> None:
+        self.manager.ProcessKilled(result, caller.uid if caller else 0, "user" if caller else "reset")
+
+    def _on_reset(self, result: ResetResult, success: bool) -> None:
+        self.manager.DeviceReset(result, success)
+
+    # -- reload ----------------------------------------------------------------------------------------
+
+    def reload(self) -> None:
+        self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+        try:
+            config = self._load_config()
+            backends = build_backends(config)
+        except ConfigError as e:
+            log.error("reload failed, keeping the configuration in force: %s", e)
+            self.audit.log(audit.DAEMON, f"Reload failed, configuration unchanged: {e}", result="reload-failed",
+                           error=str(e))
+        else:
+            self.config = config
+            self.sampler.interval = config.sample_interval
+            self.sampler.backends = backends
+            self.actions.backends = {b.name: b for b in backends}
+            self.audit.log(audit.DAEMON, "Configuration reloaded", result="reloaded")
+        self.notifier.notify(f"READY=1\nSTATUS={self._status}")
+
+    # -- main ------------------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        backends = build_backends(self.config)
+        try:
+            bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+        except Exception as e:
+            log.error("cannot connect to the system bus: %s", e)
+            return 1
+        self.bus = bus
+        bouncer = Bouncer(bus)
+        self.sampler = Sampler(
+            backends, self.config.sample_interval, ProcFS(), self._publish,
+            watchdog=lambda: self.notifier.notify("WATCHDOG=1"), watchdog_interval=self._watchdog_interval(),
+        )
+        self.actions = Actions(
+            snapshot=lambda: self.snapshot, backends={b.name: b for b in backends}, bouncer=bouncer,
+            killer=Killer(), auditor=self.audit, on_killed=self._on_killed, on_reset=self._on_reset,
+            resample=self.next_snapshot,
+        )
+        self.manager = ManagerInterface(lambda: self.snapshot, self.actions, bouncer,
+                                        lambda: self.sampler.interval)
+        bus.add_message_handler(door)
+        bus.export(OBJECT_PATH, self.manager)
+
+        first: asyncio.Future[Snapshot] = self.loop.create_future()
+        self._snapshot_waiters.append(first)
+        self.sampler.start()
+        try:
+            await asyncio.wait_for(first, FIRST_SAMPLE_WAIT)
+        except TimeoutError:
+            log.warning("the first sample took over %gs; serving an empty list until it comes", FIRST_SAMPLE_WAIT)
+
+        reply = await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
+        if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
+            log.error("the bus name %s is owned by another process; is gpukilld already running?", BUS_NAME)
+            self.sampler.stop()
+            bus.disconnect()
+            return 1
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self._stop.set)
+        self.loop.add_signal_handler(signal.SIGHUP, self.reload)
+
+        # READY only now: the name is ours, so a client started after READY finds us.
+        self.notifier.notify(f"READY=1\nSTATUS={self._status or 'starting'}\nMAINPID={os.getpid()}")
+        self.audit.log(audit.DAEMON, f"gpukilld {__version__} started: {self._status}", result="started")
+        log.info("gpukilld %s ready on %s", __version__, BUS_NAME)
+
+        disconnected = asyncio.ensure_future(bus.wait_for_disconnect())
+        stopped = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait({disconnected, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        self.notifier.notify("STOPPING=1")
+        self.sampler.stop()
+        if disconnected in done:
+            log.error("lost the system bus connection")
+            self.audit.log(audit.DAEMON, "gpukilld lost the system bus; exiting", result="bus-lost")
+            return 1
+        self.audit.log(audit.DAEMON, "gpukilld stopped", result="stopped")
+        bus.disconnect()
+        return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="gpukilld",
+        description="The gpukill daemon: samples GPUs, serves org.gpukill1 on the system bus, kills and resets "
+        "on request after asking polkit, and audits every act to the journal. Runs as root under systemd.",
+    )
+    p.add_argument("--config", default=DEFAULT_PATH, help=f"configuration file (default {DEFAULT_PATH})")
+    p.add_argument("--simulate", metavar="FILE", help="simulated GPUs described in FILE (see examples/simulate.yaml)")
+    p.add_argument("--sample-interval", type=float, metavar="SECONDS", help="seconds between samples (default 1)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--version", action="version", version=f"gpukilld {__version__}")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="gpukilld: %(message)s", stream=sys.stderr)
+    try:
+        daemon = Daemon(args)
+    except ConfigError as e:
+        print(f"gpukilld: {e}", file=sys.stderr)
+        return 1
+    try:
+        return asyncio.run(daemon.run())
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

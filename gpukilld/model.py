@@ -1,0 +1,115 @@
+"""Records that flow from the backends through the snapshot to the bus.
+
+A value a backend cannot read is None, never 0: "0 %" and "unknown" are different answers to an admin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STATE_OK = "ok"
+STATE_LOST = "lost"
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    index: int  # global index across all backends, assigned by the sampler
+    id: str  # stable id: UUID where the vendor has one, else the PCI address
+    backend: str
+    vendor: str
+    name: str
+    pci_bus_id: str | None
+    utilization: float | None  # percent
+    memory_used: int | None  # bytes
+    memory_total: int | None  # bytes
+    temperature: float | None  # degrees Celsius
+    power: float | None  # watts
+    state: str = STATE_OK
+    state_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceReading:
+    """What a backend reports for one device; the sampler turns it into a Device with a global index."""
+
+    id: str
+    vendor: str
+    name: str
+    pci_bus_id: str | None = None
+    utilization: float | None = None
+    memory_used: int | None = None
+    memory_total: int | None = None
+    temperature: float | None = None
+    power: float | None = None
+    state: str = STATE_OK
+    state_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessUsage:
+    """What a backend knows of one process on one of its devices; host facts come from /proc later."""
+
+    pid: int
+    start_time: int  # clock ticks since boot, field 22 of /proc/PID/stat
+    device_id: str
+    gpu_memory: int | None = None
+    gpu_utilization: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    unit: str | None = None  # innermost systemd .service or .scope
+    container_id: str | None = None  # docker, podman, containerd, cri-o
+    pod_uid: str | None = None  # Kubernetes pod UID
+    slurm_job: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    pid: int
+    start_time: int
+    uid: int
+    user: str
+    comm: str
+    cmdline: str
+    exe: str | None
+    device: int  # global device index
+    device_id: str
+    gpu_memory: int | None
+    gpu_utilization: float | None
+    attribution: Attribution = field(default_factory=Attribution)
+    container_pid: int | None = None  # PID inside the innermost PID namespace, from NSpid
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatus:
+    name: str
+    available: bool
+    detail: str  # why it is unavailable, or a one-line summary (driver version, device count)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    generation: int
+    taken_at: float  # wall clock, seconds since the epoch
+    devices: tuple[Device, ...]
+    processes: tuple[GpuProcess, ...]
+    backends: tuple[BackendStatus, ...]
+
+    def find_device(self, key: str) -> Device | None:
+        """A device by global index, id (UUID) or PCI bus id; ids are matched case-insensitively."""
+        key = key.strip()
+        if key.isdigit():
+            index = int(key)
+            return next((d for d in self.devices if d.index == index), None)
+        low = key.lower()
+        for device in self.devices:
+            if device.id.lower() == low or (device.pci_bus_id or "").lower() == low:
+                return device
+        return None
+
+    def processes_of(self, pid: int, start_time: int) -> list[GpuProcess]:
+        return [p for p in self.processes if p.pid == pid and p.start_time == start_time]
+
+
+EMPTY_SNAPSHOT = Snapshot(generation=0, taken_at=0.0, devices=(), processes=(), backends=())

@@ -1,0 +1,167 @@
+"""The sampler: one thread that reads every backend at a fixed interval into an immutable Snapshot.
+
+D-Bus reads are served from the latest snapshot, never by touching vendors per call. The thread pings the
+systemd watchdog only after a completed sample (or while sleeping between samples), so a backend that hangs
+stops the pings and systemd restarts the daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .backends import Backend, BackendSample
+from .model import STATE_LOST, STATE_OK, BackendStatus, Device, GpuProcess, Snapshot
+from .procfs import ProcFS, ProcInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StateChange:
+    device: Device
+    previous: str | None  # None: first time seen
+
+
+class Sampler:
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        interval: float,
+        procfs: ProcFS,
+        publish: Callable[[Snapshot, list[StateChange]], None],
+        watchdog: Callable[[], None] = lambda: None,
+        watchdog_interval: float | None = None,
+    ) -> None:
+        self.backends = list(backends)
+        self.interval = interval
+        self.procfs = procfs
+        self._publish = publish
+        self._watchdog = watchdog
+        # Ping at least every watchdog_interval while idle; sampling itself must finish within WatchdogSec.
+        self._ping_every = min(interval, watchdog_interval) if watchdog_interval else interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._generation = 0
+        self._index_of: dict[str, int] = {}  # device id -> global index, stable for the daemon's life
+        self._last_devices: dict[str, Device] = {}
+        self._last_samples: dict[str, BackendSample] = {}
+        self._info_cache: dict[tuple[int, int], ProcInfo] = {}
+
+    # -- thread control --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        # A daemon thread: a backend stuck in a vendor call must not keep the process alive at exit.
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                snapshot, changes = self.sample_once()
+                self._publish(snapshot, changes)
+            except Exception:  # a bug in one sample must not end sampling for good
+                log.exception("sampling failed")
+            self._watchdog()
+            deadline = time.monotonic() + self.interval
+            while (left := deadline - time.monotonic()) > 0:
+                if self._stop.wait(min(left, self._ping_every)):
+                    return
+                self._watchdog()
+
+    # -- one sample ------------------------------------------------------------------------------------
+
+    def _sample_backend(self, backend: Backend) -> tuple[BackendSample, BackendStatus]:
+        status = backend.status()
+        if not status.available:
+            return BackendSample(), status
+        try:
+            sample = backend.sample()
+        except Exception as e:  # keep the devices listed, marked lost, rather than let them vanish
+            log.error("backend %s failed to sample: %s", backend.name, e)
+            reason = f"{backend.name} backend error: {e}"
+            last = self._last_samples.get(backend.name, BackendSample())
+            lost = [dataclasses.replace(d, state=STATE_LOST, state_reason=reason) for d in last.devices]
+            return BackendSample(devices=lost), BackendStatus(backend.name, False, reason)
+        self._last_samples[backend.name] = sample
+        return sample, status
+
+    def _index(self, device_id: str) -> int:
+        if device_id not in self._index_of:
+            self._index_of[device_id] = len(self._index_of)
+        return self._index_of[device_id]
+
+    def sample_once(self) -> tuple[Snapshot, list[StateChange]]:
+        devices: dict[str, Device] = {}
+        statuses: list[BackendStatus] = []
+        usages = []
+        for backend in self.backends:
+            sample, status = self._sample_backend(backend)
+            statuses.append(status)
+            for r in sample.devices:
+                devices[r.id] = Device(
+                    index=self._index(r.id), id=r.id, backend=backend.name, vendor=r.vendor, name=r.name,
+                    pci_bus_id=r.pci_bus_id, utilization=r.utilization, memory_used=r.memory_used,
+                    memory_total=r.memory_total, temperature=r.temperature, power=r.power,
+                    state=r.state, state_reason=r.state_reason,
+                )
+            usages.extend(sample.processes)
+
+        # A device that stops being reported stays listed as lost: an admin must see that it went away.
+        for dev_id, old in self._last_devices.items():
+            if dev_id not in devices:
+                devices[dev_id] = dataclasses.replace(
+                    old, state=STATE_LOST, state_reason="no longer reported by its backend",
+                    utilization=None, memory_used=None, temperature=None, power=None,
+                )
+
+        changes = [
+            StateChange(dev, self._last_devices[dev.id].state if dev.id in self._last_devices else None)
+            for dev in devices.values()
+            if (dev.id not in self._last_devices and dev.state != STATE_OK)
+            or (dev.id in self._last_devices and self._last_devices[dev.id].state != dev.state)
+        ]
+        self._last_devices = devices
+
+        processes = []
+        live_keys = set()
+        for u in usages:
+            dev = devices.get(u.device_id)
+            if dev is None:
+                continue
+            key = (u.pid, u.start_time)
+            live_keys.add(key)
+            info = self._info_cache.get(key)
+            if info is None:
+                info = self.procfs.info(u.pid)
+                if info is None or info.start_time != u.start_time:
+                    continue  # gone, or the PID was reused since the backend saw it
+                self._info_cache[key] = info
+            processes.append(
+                GpuProcess(
+                    pid=u.pid, start_time=u.start_time, uid=info.uid, user=info.user, comm=info.comm,
+                    cmdline=info.cmdline, exe=info.exe, device=dev.index, device_id=dev.id,
+                    gpu_memory=u.gpu_memory, gpu_utilization=u.gpu_utilization,
+                    attribution=info.attribution, container_pid=info.container_pid,
+                )
+            )
+        for key in self._info_cache.keys() - live_keys:
+            del self._info_cache[key]
+
+        processes.sort(key=lambda p: (p.device, p.pid))
+        self._generation += 1
+        snapshot = Snapshot(
+            generation=self._generation,
+            taken_at=time.time(),
+            devices=tuple(sorted(devices.values(), key=lambda d: d.index)),
+            processes=tuple(processes),
+            backends=tuple(statuses),
+        )
+        return snapshot, changes
