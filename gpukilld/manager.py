@@ -247,3 +247,29 @@ class ManagerInterface(ServiceInterface):
     @signal()
     def DeviceStateChanged(self, device: Device) -> "usss":
         return [device.index, device.id, device.state, device.state_reason]
+
+
+# Names for return values and signal arguments, as in dbus/org.gpukill1.xml (dbus-fast leaves them unnamed).
+OUTPUT_NAMES = {
+    "ListDevices": ["devices"],
+    "ListProcesses": ["processes"],
+    "KillProcess": ["outcome"],
+    "ResetDevice": ["result"],
+    "ProcessKilled": ["pid", "start_time", "uid", "comm", "devices", "outcome", "caller_uid", "initiator"],
+    "DeviceReset": ["index", "id", "success", "message", "killed"],
+    "DeviceStateChanged": ["index", "id", "state", "reason"],
+}
+
+
+def _name_outputs(cls: type, names: dict[str, list[str]]) -> None:
+    for member in vars(cls).values():
+        d = getattr(member, "__dict__", {})
+        item = d.get("__DBUS_METHOD") or d.get("__DBUS_SIGNAL")
+        if item is None:
+            continue
+        args = item.introspection.out_args if "__DBUS_METHOD" in d else item.introspection.args
+        for arg, name in zip(args, names[item.name], strict=True):
+            arg.name = name
+
+
+_name_outputs(ManagerInterface, OUTPUT_NAMES)

@@ -1,0 +1,274 @@
+"""gpukillctl: see who is on which GPU, stop a process safely, reset a GPU. Everything goes through gpukilld.
+
+Errors are one line on stderr with a distinct exit code (listed in --help); never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any, NoReturn
+
+from dbus_fast import Variant
+
+from .client import ClientError, DaemonUnavailable, GpukillClient
+from .format import devices_table, processes_table
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+EXIT_DENIED = 4
+EXIT_NOT_FOUND = 5
+EXIT_CHANGED = 6
+EXIT_REFUSED = 7
+EXIT_BUSY = 8
+EXIT_NOT_SUPPORTED = 9
+EXIT_STILL_ALIVE = 10
+EXIT_RESET_FAILED = 11
+
+EXIT_FOR_ERROR = {
+    "org.freedesktop.DBus.Error.AccessDenied": EXIT_DENIED,
+    "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired": EXIT_DENIED,
+    "org.gpukill1.Error.NoSuchProcess": EXIT_NOT_FOUND,
+    "org.gpukill1.Error.NoSuchDevice": EXIT_NOT_FOUND,
+    "org.gpukill1.Error.ProcessChanged": EXIT_CHANGED,
+    "org.gpukill1.Error.Protected": EXIT_REFUSED,
+    "org.gpukill1.Error.NotAGpuProcess": EXIT_REFUSED,
+    "org.gpukill1.Error.DeviceBusy": EXIT_BUSY,
+    "org.gpukill1.Error.NotSupported": EXIT_NOT_SUPPORTED,
+    "org.gpukill1.Error.ResetFailed": EXIT_RESET_FAILED,
+    "org.freedesktop.DBus.Error.InvalidArgs": EXIT_USAGE,
+}
+
+EXIT_CODES_HELP = """\
+exit status:
+  0   success
+  1   other failure
+  2   usage error or invalid arguments
+  3   gpukilld or the system bus is not reachable
+  4   access denied (polkit said no)
+  5   no such process or GPU
+  6   the PID now belongs to another process (list again)
+  7   refused: protected process (PID 1, kernel thread, gpukilld) or not a GPU process
+  8   GPU busy: processes still use it (reset --force kills them first)
+  9   not supported on this GPU
+  10  the process is still alive after the grace period (kill --force sends SIGKILL)
+  11  GPU reset failed; the device was left as it was
+
+JSON (list --json) is stable: {"format": 1, "devices": [...], "processes": [...]}; every key documented in
+README.md is always present, null where the daemon cannot read a value."""
+
+JSON_FORMAT = 1
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not usage + message
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a PID: {text!r}") from None
+    if not 0 < value < 2**22:
+        raise argparse.ArgumentTypeError(f"PID out of range: {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= 300:
+        raise argparse.ArgumentTypeError(f"grace must be between 0 and 300 seconds, not {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="gpukillctl", description="See and stop GPU processes, reset GPUs, through gpukilld.",
+               epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    ls = sub.add_parser("list", help="devices and the processes on them")
+    ls.add_argument("--json", action="store_true", help="machine-readable output (stable format)")
+    ls.add_argument("--device", help="only processes on this GPU (index, UUID or PCI bus id)")
+    ls.add_argument("--user", help="only processes of this user (name or uid)")
+    ls.add_argument("--name", help="only processes whose name contains this")
+    ls.add_argument("--name-regex", help="only processes whose name matches this regular expression")
+    ls.add_argument("--min-memory", type=int, metavar="BYTES", help="only processes using at least BYTES")
+
+    kill = sub.add_parser("kill", help="stop a GPU process: SIGTERM, then SIGKILL with --force")
+    kill.add_argument("pid", type=positive_int, metavar="PID")
+    kill.add_argument("--force", action="store_true", help="send SIGKILL if it outlives the grace period")
+    kill.add_argument("--grace", type=seconds, metavar="SECONDS", help="wait this long after SIGTERM (default 5)")
+    kill.add_argument("--start-time", type=int, metavar="TICKS",
+                      help="the start time from `list --json`: refuse if PID now names another process")
+
+    reset = sub.add_parser("reset", help="reset a GPU (refused while processes use it unless --force)")
+    reset.add_argument("device", metavar="DEVICE", help="index, UUID or PCI bus id")
+    reset.add_argument("--force", action="store_true", help="kill the processes on the GPU first")
+
+    sub.add_parser("status", help="daemon version, backends and a summary")
+    return p
+
+
+def fail(message: str, code: int) -> int:
+    print(f"gpukillctl: {message}", file=sys.stderr)
+    return code
+
+
+class PolkitAgent:
+    """On a terminal, run pkttyagent for our bus connection so polkit can ask for a password."""
+
+    def __init__(self, bus_name: str) -> None:
+        self.proc: subprocess.Popen | None = None
+        agent = shutil.which("pkttyagent")
+        if not agent or not sys.stdin.isatty() or os.geteuid() == 0:
+            return
+        read_fd, write_fd = os.pipe()
+        self.proc = subprocess.Popen([agent, "--fallback", "--notify-fd", str(write_fd),
+                                      "--system-bus-name", bus_name], pass_fds=(write_fd,))
+        os.close(write_fd)
+        os.read(read_fd, 1)  # EOF once the agent is registered (or has died)
+        os.close(read_fd)
+
+    @property
+    def active(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
+
+
+def _start_time_from_proc(pid: int) -> int:
+    """For a PID the daemon does not list (so it can say why it refuses): its start time, or 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+        return int(text[text.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _filter(args: argparse.Namespace) -> dict[str, Variant]:
+    f: dict[str, Variant] = {}
+    if args.device is not None:
+        f["device"] = Variant("s", args.device)
+    if args.user is not None:
+        f["user"] = Variant("s", args.user)
+    if args.name is not None:
+        f["name"] = Variant("s", args.name)
+    if args.name_regex is not None:
+        f["name_regex"] = Variant("s", args.name_regex)
+    if args.min_memory is not None:
+        if args.min_memory < 0:
+            raise ClientError("org.freedesktop.DBus.Error.InvalidArgs", "--min-memory must not be negative")
+        f["min_memory"] = Variant("t", args.min_memory)
+    return f
+
+
+async def cmd_list(client: GpukillClient, args: argparse.Namespace) -> int:
+    devices = await client.list_devices()
+    procs = await client.list_processes(_filter(args))
+    if args.json:
+        json.dump({"format": JSON_FORMAT, "devices": devices, "processes": procs}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(devices_table(devices) if devices else "No GPUs.")
+        print()
+        print(processes_table(procs))
+    return EXIT_OK
+
+
+async def cmd_kill(client: GpukillClient, args: argparse.Namespace) -> int:
+    start_time = args.start_time
+    listed: dict[str, Any] | None = None
+    if start_time is None:
+        listed = next((p for p in await client.list_processes() if p["pid"] == args.pid), None)
+        start_time = listed["start_time"] if listed else _start_time_from_proc(args.pid)
+    agent = PolkitAgent(client.unique_name)
+    try:
+        outcome = await client.kill(args.pid, start_time, force=args.force, grace=args.grace,
+                                    interactive=agent.active)
+    finally:
+        agent.close()
+    name = f" ({listed['comm']})" if listed else ""
+    if outcome == "terminated":
+        print(f"PID {args.pid}{name} terminated")
+        return EXIT_OK
+    if outcome == "killed":
+        print(f"PID {args.pid}{name} killed with SIGKILL after the grace period")
+        return EXIT_OK
+    return fail(f"PID {args.pid}{name} is still alive after SIGTERM; use --force to send SIGKILL",
+                EXIT_STILL_ALIVE)
+
+
+async def cmd_reset(client: GpukillClient, args: argparse.Namespace) -> int:
+    agent = PolkitAgent(client.unique_name)
+    try:
+        result = await client.reset(args.device, force=args.force, interactive=agent.active)
+    finally:
+        agent.close()
+    if result.get("killed"):
+        print(f"killed first: {', '.join(map(str, result['killed']))}")
+    print(f"GPU {result['device']} ({result['device_id']}): {result['message']}")
+    return EXIT_OK
+
+
+async def cmd_status(client: GpukillClient, args: argparse.Namespace) -> int:
+    status = await client.status()
+    devices = await client.list_devices()
+    procs = await client.list_processes()
+    lost = [d for d in devices if d["state"] != "ok"]
+    print(f"gpukilld {status.version}, sampling every {status.sample_interval:g}s")
+    print(f"{len(devices)} GPUs ({len(lost)} lost), {len(procs)} GPU processes")
+    print("backends:")
+    if not status.backends:
+        print("  none configured")
+    for name, available, detail in status.backends:
+        print(f"  {name}: {'available' if available else 'unavailable'}" + (f" - {detail}" if detail else ""))
+    for d in lost:
+        print(f"GPU {d['index']} ({d['id']}) lost" + (f": {d['state_reason']}" if d["state_reason"] else ""))
+    return EXIT_OK
+
+
+COMMANDS = {"list": cmd_list, "kill": cmd_kill, "reset": cmd_reset, "status": cmd_status}
+
+
+async def run(args: argparse.Namespace) -> int:
+    client = await GpukillClient.connect()
+    try:
+        return await COMMANDS[args.command](client, args)
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return asyncio.run(run(args))
+    except DaemonUnavailable as e:
+        return fail(str(e), EXIT_UNAVAILABLE)
+    except ClientError as e:
+        return fail(str(e), EXIT_FOR_ERROR.get(e.name, EXIT_FAILURE))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception as e:  # a bug must still end in one line, not a traceback
+        return fail(f"internal error: {type(e).__name__}: {e}", EXIT_FAILURE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
