@@ -20,6 +20,8 @@ from .procfs import ProcFS, ProcInfo
 
 log = logging.getLogger(__name__)
 
+INFO_TTL = 10.0  # seconds before cmdline, exe and cgroup of a process are read again (cgroup moves are rare)
+
 
 @dataclass(frozen=True, slots=True)
 class StateChange:
@@ -50,7 +52,7 @@ class Sampler:
         self._index_of: dict[str, int] = {}  # device id -> global index, stable for the daemon's life
         self._last_devices: dict[str, Device] = {}
         self._last_samples: dict[str, BackendSample] = {}
-        self._info_cache: dict[tuple[int, int], ProcInfo] = {}
+        self._info_cache: dict[tuple[int, int], tuple[ProcInfo, float]] = {}
 
     # -- thread control --------------------------------------------------------------------------------
 
@@ -98,6 +100,20 @@ class Sampler:
             self._index_of[device_id] = len(self._index_of)
         return self._index_of[device_id]
 
+    def _host_info(self, pid: int, start_time: int, now: float) -> ProcInfo | None:
+        """/proc facts, cached per (pid, start time). stat is read every time because exec and prctl change
+        the name without changing the start time; the rest (cmdline, exe, cgroup) is refreshed with it."""
+        stat = self.procfs.stat(pid)
+        if stat is None or stat.start_time != start_time:
+            return None
+        cached = self._info_cache.get((pid, start_time))
+        if cached and cached[0].comm == stat.comm and now - cached[1] < INFO_TTL:
+            return cached[0]
+        info = self.procfs.info(pid, stat)
+        if info is not None:
+            self._info_cache[(pid, start_time)] = (info, now)
+        return info
+
     def sample_once(self) -> tuple[Snapshot, list[StateChange]]:
         devices: dict[str, Device] = {}
         statuses: list[BackendStatus] = []
@@ -132,18 +148,16 @@ class Sampler:
 
         processes = []
         live_keys = set()
+        now = time.monotonic()
         for u in usages:
             dev = devices.get(u.device_id)
             if dev is None:
                 continue
             key = (u.pid, u.start_time)
             live_keys.add(key)
-            info = self._info_cache.get(key)
+            info = self._host_info(u.pid, u.start_time, now)
             if info is None:
-                info = self.procfs.info(u.pid)
-                if info is None or info.start_time != u.start_time:
-                    continue  # gone, or the PID was reused since the backend saw it
-                self._info_cache[key] = info
+                continue  # gone, or the PID was reused since the backend saw it
             processes.append(
                 GpuProcess(
                     pid=u.pid, start_time=u.start_time, uid=info.uid, user=info.user, comm=info.comm,

@@ -47,4 +47,5 @@ async def call(spec):
     return {"ok": True, "body": from_dbus(reply.body)}
 
 
-print(json.dumps(asyncio.run(call(json.loads(sys.argv[1])))))
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(call(json.loads(sys.argv[1])))))

@@ -9,10 +9,11 @@ machine's own polkit rules and journal are neither used nor touched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import grp
 import json
 import os
 import pwd
-import grp
 import shutil
 import signal
 import socket
@@ -127,10 +128,8 @@ def _kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout)
 
 
@@ -197,6 +196,35 @@ class CallResult:
     message: str = ""
 
 
+class SignalRecorder:
+    """Signals of org.gpukill1.Manager as a real client (any user) receives them."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.signals: list[dict] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.signals.append(json.loads(line))
+                self._cond.notify_all()
+
+    def wait_for(self, member: str, timeout: float = 10.0, where=lambda body: True) -> dict | None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for s in self.signals:
+                    if s["member"] == member and where(s.get("body")):
+                        return s
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+
 class Testbed:
     def __init__(self, workdir: Path | None = None) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="gpukill-bed-"))
@@ -210,10 +238,9 @@ class Testbed:
     # -- components ------------------------------------------------------------------------------------
 
     def _spawn(self, argv: list[str], log_name: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-        log = open(self.workdir / log_name, "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env, **kw)
-        log.close()
+        with open(self.workdir / log_name, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=env, **kw)
         self.procs.append(proc)
         return proc
 
@@ -369,6 +396,18 @@ class Testbed:
                 return found
             time.sleep(0.2)
         raise AssertionError(f"PID {pid} {'never listed' if present else 'still listed'} after {timeout}s")
+
+    def record_signals(self, user: User = ROOT) -> SignalRecorder:
+        kwargs = {}
+        if user.uid != 0:
+            kwargs = {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
+        proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "dbus_signals.py")], stdout=subprocess.PIPE,
+                                env=self.env(), cwd="/", start_new_session=True, text=True, **kwargs)
+        self.procs.append(proc)
+        rec = SignalRecorder(proc)
+        if rec.wait_for("_ready", 15) is None:
+            raise RuntimeError("signal recorder did not start")
+        return rec
 
     # -- victims ---------------------------------------------------------------------------------------
 
