@@ -51,6 +51,7 @@ class Daemon:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.config = self._load_config()
+        self.backends = build_backends(self.config)  # a broken device file fails here, before the bus
         self.snapshot: Snapshot = EMPTY_SNAPSHOT
         self.notifier = sdnotify.SystemdNotifier()
         self.audit = audit.Audit()
@@ -137,6 +138,7 @@ class Daemon:
         else:
             self.config = config
             self.sampler.interval = config.sample_interval
+            self.backends = backends
             self.sampler.backends = backends
             self.actions.backends = {b.name: b for b in backends}
             self.audit.log(audit.DAEMON, "Configuration reloaded", result="reloaded")
@@ -146,7 +148,7 @@ class Daemon:
 
     async def run(self) -> int:
         self.loop = asyncio.get_running_loop()
-        backends = build_backends(self.config)
+        backends = self.backends
         try:
             bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
         except Exception as e:

@@ -226,6 +226,7 @@ class SignalRecorder:
 
 
 class Testbed:
+    __test__ = False  # not a test class, whatever pytest thinks of the name
     def __init__(self, workdir: Path | None = None) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="gpukill-bed-"))
         os.chmod(self.workdir, 0o755)
