@@ -1,6 +1,6 @@
 """Make one D-Bus method call on the system bus and print the outcome as JSON (run as any user by tests).
 
-Argument: a JSON object {dest, path, iface, member, signature, body}. Variants in the body are written as
+Standard input: a JSON object {dest, path, iface, member, signature, body} (stdin, as bodies can be huge). Variants in the body are written as
 {"$variant": [signature, value]}. Output: {"ok", "body", "error", "message"}.
 """
 
@@ -48,4 +48,4 @@ async def call(spec):
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(call(json.loads(sys.argv[1])))))
+    print(json.dumps(asyncio.run(call(json.load(sys.stdin)))))

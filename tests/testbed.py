@@ -374,7 +374,7 @@ class Testbed:
         """One raw D-Bus method call made by a real process running as `user`."""
         spec = json.dumps({"dest": dest, "path": path, "iface": iface, "member": member,
                            "signature": signature, "body": body or []})
-        r = self.run_as(user, [PYTHON, str(REPO / "tests" / "dbus_call.py"), spec], timeout=timeout)
+        r = self.run_as(user, [PYTHON, str(REPO / "tests" / "dbus_call.py")], timeout=timeout, input=spec)
         if r.returncode != 0:
             raise RuntimeError(f"dbus_call failed: {r.stderr}")
         return CallResult(**json.loads(r.stdout))

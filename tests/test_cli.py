@@ -1,0 +1,127 @@
+"""gpukillctl as users run it: one-line errors with distinct exit codes, never a traceback; stable JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import yaml
+from conftest import needs_root
+from testbed import PYTHON, REPO, ROOT
+
+from gpukillctl.client import DEVICE_KEYS, PROCESS_KEYS
+from gpukilld import audit
+
+pytestmark = needs_root
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, code: int, text: str) -> None:
+    assert r.returncode == code, r
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("gpukillctl"), r.stderr
+    assert text in r.stderr, r.stderr
+
+
+def test_usage_errors(bed, users):
+    other = users["other"]
+    for args, text in [
+        (["kill", "abc"], "not a PID"),
+        (["kill", "-5"], ""),
+        (["kill", "0"], "PID out of range"),
+        (["kill", "99999999999"], "PID out of range"),
+        (["kill", "12", "--grace", "soon"], "not a number of seconds"),
+        (["kill", "12", "--grace", "1e9"], "grace must be between"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+        (["list", "--min-memory", "lots"], "invalid int value"),
+    ]:
+        assert_one_line_error(bed.ctl(other, *args), 2, text)
+
+
+def test_help_lists_exit_codes(bed, users):
+    r = bed.ctl(users["other"], "--help")
+    assert r.returncode == 0
+    for line in ("3   gpukilld or the system bus is not reachable", "4   access denied", "6   the PID now belongs"):
+        assert line in r.stdout
+
+
+def test_daemon_errors(victims, users):
+    bed = victims
+    owner, other = users["owner"], users["other"]
+    victim = bed.victim(owner, gpu=2, comm="busy")
+    bed.wait_listed(victim.pid)
+    assert_one_line_error(bed.ctl(other, "kill", str(victim.pid)), 4, "not authorized to kill")
+    assert_one_line_error(bed.ctl(other, "reset", "0"), 4, "not authorized to reset")
+    assert_one_line_error(bed.ctl(other, "kill", "4194000"), 5, "no process with PID 4194000")
+    assert_one_line_error(bed.ctl(ROOT, "kill", "1"), 7, "PID 1 (init) is protected")
+    assert_one_line_error(bed.ctl(ROOT, "kill", str(os.getpid())), 7, "is not using a GPU")
+    assert_one_line_error(bed.ctl(ROOT, "kill", str(victim.pid), "--start-time", "5"), 6, "list again")
+    assert_one_line_error(bed.ctl(ROOT, "reset", "no-such-gpu"), 5, "no GPU 'no-such-gpu'")
+    assert_one_line_error(bed.ctl(ROOT, "reset", "3"), 9, "not supported")
+    assert_one_line_error(bed.ctl(ROOT, "reset", "2"), 8, "1 process(es) use the device")
+    assert_one_line_error(bed.ctl(other, "list", "--name-regex", "(["), 2, "not a valid regular expression")
+
+
+def test_daemon_absent_and_bus_absent(fresh_bed, users):
+    bed = fresh_bed  # a bus without gpukilld on it
+    assert_one_line_error(bed.ctl(users["other"], "list"), 3, "gpukilld is not running")
+    r = subprocess.run([PYTHON, "-m", "gpukillctl", "status"], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"})
+    assert_one_line_error(r, 3, "cannot connect to the system bus")
+
+
+def test_failed_reset_leaves_device_and_says_so(fresh_bed, users):
+    bed = fresh_bed
+    sim = yaml.safe_load((REPO / "examples" / "simulate.yaml").read_text())
+    sim["devices"][0]["reset"] = "fail: GPU 0000:18:00.0 is in use by the display server"
+    path = bed.workdir / "failing.yaml"
+    path.write_text(yaml.safe_dump(sim))
+    bed.start_daemon(sim_yaml=path)
+    rec = bed.record_signals()
+    before = bed.manager(ROOT, "ListDevices").body[0][0]
+    r = bed.ctl(ROOT, "reset", "GPU-8f1c6a2e-0b7d-4c1e-9a55-3d2e7f10a001")
+    assert_one_line_error(r, 11, "in use by the display server")
+    assert bed.manager(ROOT, "ListDevices").body[0][0] == before
+    sig = rec.wait_for("DeviceReset")
+    assert sig and sig["body"][:3] == [0, before["id"], False]
+    entry = bed.wait_journal(MESSAGE_ID=audit.RESET_FAILED.message_id)
+    assert entry and entry[0]["GPUKILL_RESULT"] == "reset-failed"
+
+
+def test_force_reset_kills_holders_first(victims, users, alive):
+    bed = victims
+    rec = bed.record_signals()
+    holder = bed.victim(users["owner"], gpu=1, ignore_term=True, comm="holder")
+    bed.wait_listed(holder.pid)
+    r = bed.ctl(ROOT, "reset", "1", "--force")
+    assert r.returncode == 0, r
+    assert f"killed first: {holder.pid}" in r.stdout
+    assert not alive(holder.pid)
+    kill = rec.wait_for("ProcessKilled", where=lambda b: b[0] == holder.pid)
+    assert kill and kill["body"][5] == "killed" and kill["body"][7] == "reset"
+    reset = rec.wait_for("DeviceReset", where=lambda b: b[0] == 1)
+    assert reset and reset["body"][2] is True and reset["body"][4] == [holder.pid]
+    assert bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(holder.pid),
+                            GPUKILL_INITIATOR="reset")
+
+
+def test_json_output_is_stable(victims, users):
+    bed = victims
+    victim = bed.victim(users["owner"], gpu=3, mem="1500MiB", util=12.5, comm="jsonner")
+    bed.wait_listed(victim.pid)
+    r = bed.ctl(users["other"], "list", "--json")
+    assert r.returncode == 0, r
+    doc = json.loads(r.stdout)
+    assert doc["format"] == 1
+    assert [list(d) for d in doc["devices"]] == [list(DEVICE_KEYS)] * 4
+    dev3 = doc["devices"][3]
+    assert dev3["temperature"] is None and dev3["power"] is None  # unknown is null, never 0
+    assert dev3["memory_total"] == 16 * 2**30
+    proc = next(p for p in doc["processes"] if p["pid"] == victim.pid)
+    assert list(proc) == list(PROCESS_KEYS)
+    assert proc["user"] == "gpkowner" and proc["uid"] == users["owner"].uid and proc["comm"] == "jsonner"
+    assert proc["gpu_memory"] == 1500 * 2**20 and proc["gpu_utilization"] == 12.5 and proc["device"] == 3
+    assert proc["exe"] is None or proc["exe"].startswith("/usr/bin/python3")
+    table = bed.ctl(users["other"], "list")
+    assert table.returncode == 0 and "jsonner" in table.stdout and "Simulated Arc A770" in table.stdout
