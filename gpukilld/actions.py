@@ -129,8 +129,9 @@ class Actions:
                            result="denied", polkit_action=RESET_DEVICE, reason=why, **fields)
             raise AccessDenied(f"not authorized to reset GPU {device.index}: {why}")
         try:
-            killed = await self._clear_device(device.id, force)
             backend = self.backends[device.backend]
+            backend.check_reset(device.id)  # never kill to clear a device that cannot be reset anyway
+            killed = await self._clear_device(device.id, force)
             message = await asyncio.to_thread(backend.reset, device.id)
         except GpukillError as e:
             self.audit.log(audit.RESET_FAILED, f"Reset of GPU {device.index} ({device.id}) failed: {e}",

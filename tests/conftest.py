@@ -55,7 +55,8 @@ def victims(bed):
     """Victims started in a test are killed after it, so tests do not see each other's processes."""
     before = len(bed.procs)
     yield bed
-    extra = bed.procs[before:]
+    services = {bed.polkit, bed.daemon.proc if bed.daemon else None}  # a test may restart these
+    extra = [p for p in bed.procs[before:] if p not in services]
     for proc in extra:
         testbed._kill_group(proc)
         bed.procs.remove(proc)

@@ -84,7 +84,7 @@ def test_real_pid_reuse(victims, users, alive):
         with open("/proc/sys/kernel/ns_last_pid", "w") as f:
             f.write(str(pid - 1))
         p = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time; time.sleep(60)"],
-                             env={"GPUKILL_SIM_GPU": "0"}, start_new_session=True)
+                             env={"GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope}, start_new_session=True)
         bed.procs.append(p)
         if p.pid == pid:
             newcomer = p

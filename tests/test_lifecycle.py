@@ -32,6 +32,7 @@ asyncio.run(main())
 
 def _sim(path: Path, **device_changes) -> None:
     data = yaml.safe_load((REPO / "examples" / "simulate.yaml").read_text())
+    data["scope"] = yaml.safe_load(path.read_text())["scope"]  # keep the testbed's scope
     faults = device_changes.pop("faults", None)
     for index, changes in device_changes.items():
         data["devices"][int(index.removeprefix("gpu"))].update(changes)

@@ -76,6 +76,10 @@ def test_sim_usage_from_environment():
     assert u.gpus == (0, 2) and u.memory == 4 * 2**30 and u.utilization == 100.0
     assert parse_usage({}) is None and parse_usage({"GPUKILL_SIM_GPU": "x"}) is None
     assert parse_usage({"GPUKILL_SIM_GPU": "1"}).memory is None  # unknown, not 0
+    # a scoped simulated host counts only its own processes
+    assert parse_usage({"GPUKILL_SIM_GPU": "1"}, scope="bed1") is None
+    assert parse_usage({"GPUKILL_SIM_GPU": "1", "GPUKILL_SIM_SCOPE": "bed2"}, scope="bed1") is None
+    assert parse_usage({"GPUKILL_SIM_GPU": "1", "GPUKILL_SIM_SCOPE": "bed1"}, scope="bed1").gpus == (1,)
 
 
 @pytest.mark.parametrize(("content", "error"), [

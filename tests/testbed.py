@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 SYSTEM_PYTHON = "/usr/bin/python3"  # world-executable, for victims run as other users
@@ -230,6 +232,7 @@ class Testbed:
     def __init__(self, workdir: Path | None = None) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="gpukill-bed-"))
         os.chmod(self.workdir, 0o755)
+        self.scope = self.workdir.name
         self.procs: list[subprocess.Popen] = []
         self.bus_address = ""
         self.journal_pid: int | None = None
@@ -308,7 +311,9 @@ class Testbed:
     def start_daemon(self, sim_yaml: str | Path | None = None, args: list[str] | None = None,
                      env: dict[str, str] | None = None, wait_ready: bool = True) -> Daemon:
         sim_path = self.workdir / "simulate.yaml"
-        shutil.copy(sim_yaml or REPO / "examples" / "simulate.yaml", sim_path)
+        sim = yaml.safe_load(Path(sim_yaml or REPO / "examples" / "simulate.yaml").read_text())
+        sim.setdefault("scope", self.scope)  # see only this bed's victims, not other runs' on the machine
+        sim_path.write_text(yaml.safe_dump(sim))
         notify_path = self.workdir / f"notify-{len(self.procs)}.sock"
         listener = NotifyListener(notify_path)
         argv = self.in_journal_ns([PYTHON, "-m", "gpukilld", "--simulate", str(sim_path),
@@ -334,6 +339,8 @@ class Testbed:
         for proc in reversed(self.procs):
             _kill_group(proc)
         self.procs.clear()
+        if not os.environ.get("GPUKILL_KEEP_BED"):  # set it to keep logs and sockets for a post-mortem
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- observation -----------------------------------------------------------------------------------
 
@@ -363,6 +370,8 @@ class Testbed:
         kwargs = {}
         if user.uid != 0:
             kwargs = {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
+        if "input" not in kw:
+            kw["stdin"] = subprocess.DEVNULL  # not our terminal: no password prompt from pkttyagent
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(**(env or {})),
                               cwd="/", **kwargs, **kw)
 
@@ -415,7 +424,7 @@ class Testbed:
     def victim(self, user: User, gpu: int | str = 0, mem: str | None = None, util: float | None = None,
                comm: str | None = None, ignore_term: bool = False) -> subprocess.Popen:
         """A real process "on" a simulated GPU, owned by `user`; returns once it is set up."""
-        env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu)}
+        env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": self.scope}
         if mem is not None:
             env["GPUKILL_SIM_MEM"] = mem
         if util is not None:

@@ -25,6 +25,9 @@ class Backend(ABC):
     def sample(self) -> BackendSample:
         """Read devices and the processes on them. Runs in the sampler thread; may block."""
 
+    def check_reset(self, device_id: str) -> None:  # noqa: B027 - optional hook
+        """Raise NotSupported when this device cannot be reset, before anything is killed to clear it."""
+
     @abstractmethod
     def reset(self, device_id: str) -> str:
         """Reset one device; return a one-line result. Raise NotSupported or ResetFailed (device unchanged)."""

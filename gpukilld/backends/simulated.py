@@ -3,7 +3,8 @@
 A process is "on" simulated GPU N when its environment holds GPUKILL_SIM_GPU=N (or "0,2" for two);
 GPUKILL_SIM_MEM (bytes or 4GiB) and GPUKILL_SIM_UTIL (percent) give its usage. Because the processes
 are real, kill, users and cgroups are all real. The file is re-read when it changes, so tests and demos
-can lose a device or inject a fault while the daemon runs.
+can lose a device or inject a fault while the daemon runs. A file with `scope: NAME` counts only processes that
+also carry GPUKILL_SIM_SCOPE=NAME, so several simulated hosts (test runs, a demo) can share one machine.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _DEVICE_KEYS = {
     "name", "vendor", "uuid", "pci_bus_id", "memory_total", "memory_used", "utilization",
     "temperature", "power", "state", "state_reason", "reset",
 }
-_TOP_KEYS = {"devices", "faults"}
+_TOP_KEYS = {"devices", "faults", "scope"}
 _FAULT_KEYS = {"hang_sampling"}
 
 
@@ -51,6 +52,7 @@ class SimDevice:
 class SimConfig:
     devices: tuple[SimDevice, ...]
     hang_sampling: bool
+    scope: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +81,7 @@ def load_sim_config(path: str) -> SimConfig:
     if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
         raise ConfigError(f"{path}: expected a mapping with a 'devices:' list")
     if unknown := set(data) - _TOP_KEYS:
-        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r} (known: devices, faults)")
+        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(_TOP_KEYS))})")
     faults = data.get("faults") or {}
     if not isinstance(faults, dict) or (set(faults) - _FAULT_KEYS):
         raise ConfigError(f"{path}: 'faults' takes only: {', '.join(sorted(_FAULT_KEYS))}")
@@ -119,12 +121,15 @@ def load_sim_config(path: str) -> SimConfig:
         )
     if len({d.uuid for d in devices}) != len(devices):
         raise ConfigError(f"{path}: two devices share one uuid")
-    return SimConfig(devices=tuple(devices), hang_sampling=bool(faults.get("hang_sampling", False)))
+    scope = data.get("scope")
+    if scope is not None and not isinstance(scope, str):
+        raise ConfigError(f"{path}: scope must be a string")
+    return SimConfig(devices=tuple(devices), hang_sampling=bool(faults.get("hang_sampling", False)), scope=scope)
 
 
-def parse_usage(env: dict[str, str]) -> SimUsage | None:
+def parse_usage(env: dict[str, str], scope: str | None = None) -> SimUsage | None:
     spec = env.get("GPUKILL_SIM_GPU")
-    if spec is None:
+    if spec is None or (scope is not None and env.get("GPUKILL_SIM_SCOPE") != scope):
         return None
     try:
         gpus = tuple(int(x) for x in spec.split(",") if x.strip())
@@ -168,9 +173,13 @@ class SimulatedBackend(Backend):
             return
         self._mtime = mtime
         try:
-            self._config = load_sim_config(self.path)
+            config = load_sim_config(self.path)
         except ConfigError as e:
             log.error("%s; keeping the devices loaded before", e)
+            return
+        if config.scope != self._config.scope:
+            self._usage.clear()  # cached verdicts were made for the old scope
+        self._config = config
 
     def status(self) -> BackendStatus:
         return BackendStatus(self.name, True, f"{len(self._config.devices)} devices from {self.path}")
@@ -185,7 +194,7 @@ class SimulatedBackend(Backend):
             key = (pid, stat.start_time)
             seen.add(key)
             if key not in self._usage:
-                self._usage[key] = parse_usage(self.procfs.environ(pid))
+                self._usage[key] = parse_usage(self.procfs.environ(pid), self._config.scope)
             usage = self._usage[key]
             if usage is not None:
                 found[pid] = (stat.start_time, usage)
@@ -231,12 +240,20 @@ class SimulatedBackend(Backend):
             )
         return sample
 
-    def reset(self, device_id: str) -> str:
+    def _device(self, device_id: str) -> SimDevice:
         dev = next((d for d in self._config.devices if d.uuid == device_id), None)
         if dev is None:
             raise ResetFailed(f"device {device_id} is no longer present")
+        return dev
+
+    def check_reset(self, device_id: str) -> None:
+        dev = self._device(device_id)
         if dev.reset == "unsupported":
             raise NotSupported(f"reset is not supported on {dev.name} ({device_id})")
+
+    def reset(self, device_id: str) -> str:
+        self.check_reset(device_id)
+        dev = self._device(device_id)
         if dev.reset.startswith("fail:"):
             raise ResetFailed(dev.reset[5:].strip() or "simulated reset failure")
         with self._lock:
