@@ -133,3 +133,15 @@ def test_bouncer_table():
     assert action_for(None, "ResetDevice") == RESET_DEVICE  # no interface: matched by member
     assert action_for("org.gpukill1.Manager", "Frobnicate") is None
     assert action_for("org.gpukill1.Other", "KillProcess") is None
+
+
+def test_audit_without_a_journal_goes_to_stderr(monkeypatch, capsys):
+    from gpukilld import audit
+
+    monkeypatch.setattr(audit, "JOURNAL_SOCKET", "/nonexistent/socket")
+    a = audit.Audit()
+    assert not a.to_journal
+    a.log(audit.KILL_DENIED, "Kill of PID 42 denied to uid 1000", caller_uid=1000, target_pid=42, device=None)
+    err = capsys.readouterr().err
+    assert err == ("<4>Kill of PID 42 denied to uid 1000 [GPUKILL_CALLER_UID=1000 GPUKILL_TARGET_PID=42 "
+                   "GPUKILL_EVENT=kill-denied]\n")
