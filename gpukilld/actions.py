@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import audit
 from .backends import Backend
 from .bouncer import KILL_ANY, KILL_OWN, RESET_DEVICE, Bouncer, Caller
-from .errors import AccessDenied, DeviceBusy, GpukillError, NoSuchDevice, Protected, ResetFailed
+from .errors import AccessDenied, DeviceBusy, GpukillError, NoSuchDevice, NotSupported, Protected, ResetFailed
 from .killer import KILLED, STILL_ALIVE, TERMINATED, Killer, check_grace
 from .model import Snapshot
 
@@ -129,7 +129,9 @@ class Actions:
                            result="denied", polkit_action=RESET_DEVICE, reason=why, **fields)
             raise AccessDenied(f"not authorized to reset GPU {device.index}: {why}")
         try:
-            backend = self.backends[device.backend]
+            backend = self.backends.get(device.backend)
+            if backend is None:
+                raise NotSupported(f"the {device.backend} backend is no longer configured")
             backend.check_reset(device.id)  # never kill to clear a device that cannot be reset anyway
             killed = await self._clear_device(device.id, force)
             message = await asyncio.to_thread(backend.reset, device.id)

@@ -82,7 +82,10 @@ class Daemon:
 
     def _publish(self, snap: Snapshot, changes: list[StateChange]) -> None:
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._on_snapshot, snap, changes)
+        try:
+            self.loop.call_soon_threadsafe(self._on_snapshot, snap, changes)
+        except RuntimeError:  # the loop closed while this sample ran: shutting down
+            self.sampler.stop()
 
     def _on_snapshot(self, snap: Snapshot, changes: list[StateChange]) -> None:
         self.snapshot = snap
