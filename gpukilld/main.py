@@ -15,7 +15,7 @@ from dbus_fast import BusType, RequestNameReply
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag
 
-from . import __version__, audit
+from . import __version__, audit, busio
 from .actions import Actions, KillResult, ResetResult
 from .backends import Backend
 from .backends.simulated import SimulatedBackend
@@ -23,7 +23,7 @@ from .bouncer import Bouncer, Caller
 from .config import DEFAULT_PATH, Config, check_interval, load_config
 from .errors import ConfigError
 from .killer import Killer
-from .manager import BUS_NAME, OBJECT_PATH, ManagerInterface, door
+from .manager import BUS_NAME, OBJECT_PATH, Door, ManagerInterface
 from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
 from .procfs import ProcFS
 from .sampler import Sampler, StateChange
@@ -170,7 +170,8 @@ class Daemon:
         )
         self.manager = ManagerInterface(lambda: self.snapshot, self.actions, bouncer,
                                         lambda: self.sampler.interval)
-        bus.add_message_handler(door)
+        busio.tolerate_full_socket(bus)
+        bus.add_message_handler(Door(bus, self.manager))
         bus.export(OBJECT_PATH, self.manager)
 
         first: asyncio.Future[Snapshot] = self.loop.create_future()

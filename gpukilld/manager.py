@@ -14,10 +14,11 @@ from contextvars import ContextVar
 from typing import Any
 
 from dbus_fast import DBusError, Message, MessageType, Variant
-from dbus_fast.constants import PropertyAccess
+from dbus_fast.aio import MessageBus
+from dbus_fast.constants import MessageFlag, PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
-from . import __version__
+from . import __version__, busio
 from .actions import Actions, KillResult, ResetResult
 from .bouncer import OUR_INTERFACES, Bouncer, action_for
 from .errors import GpukillError, InvalidArgs
@@ -29,25 +30,38 @@ INTERFACE = "org.gpukill1.Manager"
 
 _current_call: ContextVar[Message | None] = ContextVar("gpukill_current_call", default=None)
 
+NO_REPLY_EXPECTED = MessageFlag.NO_REPLY_EXPECTED.value
 DEFAULT_GRACE = 5.0
 MAX_FILTER_STRING = 4096
 
 
-def door(msg: Message) -> Message | None:
-    """First look at every message: deny unmapped methods of our interfaces, remember the call."""
-    if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
+class Door:
+    """First look at every message: deny unmapped methods of our interfaces, remember the call for the
+    method body, and answer the hot unfiltered ListProcesses from a body marshalled once per snapshot."""
+
+    def __init__(self, bus: MessageBus, manager: "ManagerInterface") -> None:
+        self.bus = bus
+        self.manager = manager
+
+    def __call__(self, msg: Message) -> Message | bool | None:
+        if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
+            return None
+        iface = msg.interface
+        if iface in OUR_INTERFACES or iface is None:
+            if action_for(iface, msg.member) is None:
+                return Message.new_error(
+                    msg, "org.freedesktop.DBus.Error.AccessDenied",
+                    f"{iface or '(no interface)'}.{msg.member} is not a method gpukilld allows",
+                )
+            if (msg.member == "ListProcesses" and msg.signature == "a{sv}" and not msg.body[0]
+                    and not msg.flags.value & NO_REPLY_EXPECTED
+                    and busio.send_premarshalled_reply(self.bus, msg, "aa{sv}", self.manager.all_processes_body())):
+                return True
+            _current_call.set(msg)
+        elif iface == "org.freedesktop.DBus.Properties" and msg.member == "Set":
+            return Message.new_error(msg, "org.freedesktop.DBus.Error.PropertyReadOnly",
+                                     "gpukilld properties are read-only")
         return None
-    iface = msg.interface
-    if iface in OUR_INTERFACES or iface is None:
-        if action_for(iface, msg.member) is None:
-            return Message.new_error(
-                msg, "org.freedesktop.DBus.Error.AccessDenied",
-                f"{iface or '(no interface)'}.{msg.member} is not a method gpukilld allows",
-            )
-        _current_call.set(msg)
-    elif iface == "org.freedesktop.DBus.Properties" and msg.member == "Set":
-        return Message.new_error(msg, "org.freedesktop.DBus.Error.PropertyReadOnly", "gpukilld properties are read-only")
-    return None
 
 
 def _dbus_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,6 +171,16 @@ class ManagerInterface(ServiceInterface):
         self._cache_generation = -1
         self._devices_reply: list[dict[str, Variant]] = []
         self._processes_reply: list[tuple[GpuProcess, dict[str, Variant]]] = []
+        self._body_generation = -1
+        self._processes_body = b""
+
+    def all_processes_body(self) -> bytes:
+        """The marshalled body of an unfiltered ListProcesses reply, built once per snapshot."""
+        processes = self._converted()[1]
+        if self._body_generation != self._cache_generation:
+            self._processes_body = busio.marshal_body("aa{sv}", [[d for _, d in processes]])
+            self._body_generation = self._cache_generation
+        return self._processes_body
 
     def _converted(self) -> tuple[list[dict[str, Variant]], list[tuple[GpuProcess, dict[str, Variant]]]]:
         """Replies built once per snapshot: most calls in a second see the same one."""

@@ -49,6 +49,7 @@ class Sampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._generation = 0
+        self._last_content: tuple | None = None
         self._index_of: dict[str, int] = {}  # device id -> global index, stable for the daemon's life
         self._last_devices: dict[str, Device] = {}
         self._last_samples: dict[str, BackendSample] = {}
@@ -170,12 +171,16 @@ class Sampler:
             del self._info_cache[key]
 
         processes.sort(key=lambda p: (p.device, p.pid))
-        self._generation += 1
+        content = (tuple(sorted(devices.values(), key=lambda d: d.index)), tuple(processes), tuple(statuses))
+        # The generation is the content's version: readers rebuild their replies only when it changes.
+        if self._last_content != content:
+            self._generation += 1
+            self._last_content = content
         snapshot = Snapshot(
             generation=self._generation,
             taken_at=time.time(),
-            devices=tuple(sorted(devices.values(), key=lambda d: d.index)),
-            processes=tuple(processes),
-            backends=tuple(statuses),
+            devices=content[0],
+            processes=content[1],
+            backends=content[2],
         )
         return snapshot, changes

@@ -422,7 +422,7 @@ class Testbed:
     # -- victims ---------------------------------------------------------------------------------------
 
     def victim(self, user: User, gpu: int | str = 0, mem: str | None = None, util: float | None = None,
-               comm: str | None = None, ignore_term: bool = False) -> subprocess.Popen:
+               comm: str | None = None, ignore_term: bool = False, padding: int = 0) -> subprocess.Popen:
         """A real process "on" a simulated GPU, owned by `user`; returns once it is set up."""
         env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": self.scope}
         if mem is not None:
@@ -438,7 +438,8 @@ class Testbed:
         kwargs = {}
         if user.uid != 0:
             kwargs = {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
-        proc = subprocess.Popen([SYSTEM_PYTHON, "-c", code], stdout=subprocess.PIPE, env=env, cwd="/",
+        argv = [SYSTEM_PYTHON, "-c", code] + (["x" * padding] if padding else [])  # a long cmdline, if asked
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd="/",
                                 start_new_session=True, **kwargs)
         self.procs.append(proc)
         assert proc.stdout is not None

@@ -1,0 +1,87 @@
+"""Two changes to how gpukilld's bus connection writes, over dbus-fast internals; each is feature-detected
+and falls back to dbus-fast's own behaviour, and tests/test_busio.py checks both against the library.
+
+1. A full socket buffer is not a disconnect. dbus-fast's asyncio writer treats EAGAIN from send() as a fatal
+   error and drops the connection (python-dbus-next issue #153, still so in dbus-fast 5.2). Large replies to
+   many concurrent callers fill the buffer whenever dbus-daemon falls behind, so any user could make the
+   daemon fall off the bus. We make EAGAIN mean "0 bytes written": the writer then keeps the buffer and waits
+   for the socket to become writable, as it already does after a partial write.
+
+2. ListProcesses without a filter is the hot call, and its reply body is the same for every caller until
+   the next sample. We marshal that body once per snapshot and only build the small header per call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dbus_fast import Message, Variant
+from dbus_fast._private.marshaller import Marshaller
+from dbus_fast.aio import MessageBus
+
+log = logging.getLogger(__name__)
+
+LITTLE_ENDIAN = ord("l")
+METHOD_RETURN = 2
+PROTOCOL_VERSION = 1
+HEADER_REPLY_SERIAL = 5
+HEADER_DESTINATION = 6
+HEADER_SIGNATURE = 8
+
+
+class _FullBufferIsNotFatal:
+    """A socket whose send() reports a full buffer as 0 bytes written instead of raising."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+
+    def send(self, data: Any, *args: Any) -> int:
+        try:
+            return self._sock.send(data, *args)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def tolerate_full_socket(bus: MessageBus) -> bool:
+    """Apply fix 1 to a connected bus. False (and a warning) if this dbus-fast is shaped differently."""
+    writer = getattr(bus, "_writer", None)
+    if writer is None or not hasattr(writer, "sock") or getattr(bus, "_negotiate_unix_fd", False):
+        log.warning("dbus-fast internals changed: a full bus socket may still drop the connection")
+        return False
+    writer.sock = _FullBufferIsNotFatal(writer.sock)
+    return True
+
+
+def marshal_body(signature: str, body: list) -> bytes:
+    return bytes(Marshaller(signature, body).marshall())
+
+
+def _reply_header(call: Message, signature: str, body_len: int, serial: int) -> bytes:
+    fields = [
+        (HEADER_REPLY_SERIAL, Variant("u", call.serial)),
+        (HEADER_DESTINATION, Variant("s", call.sender)),
+        (HEADER_SIGNATURE, Variant("g", signature)),
+    ]
+    header = Marshaller("yyyyuua(yv)", [LITTLE_ENDIAN, METHOD_RETURN, 0, PROTOCOL_VERSION, body_len, serial, fields])
+    raw = bytes(header.marshall())
+    return raw + b"\0" * (-len(raw) % 8)  # the body starts on an 8-byte boundary
+
+
+def build_reply(call: Message, signature: str, body: bytes, serial: int) -> bytes:
+    """The bytes of a METHOD_RETURN to `call` carrying an already marshalled body."""
+    return _reply_header(call, signature, len(body), serial) + body
+
+
+def send_premarshalled_reply(bus: MessageBus, call: Message, signature: str, body: bytes) -> bool:
+    """Queue a reply with a cached body (fix 2). False when dbus-fast's writer is not as expected."""
+    writer = getattr(bus, "_writer", None)
+    messages = getattr(writer, "messages", None)
+    if messages is None or not hasattr(writer, "schedule_write"):
+        return False
+    messages.append((bytearray(build_reply(call, signature, body, bus.next_serial())), None, None))
+    writer.schedule_write()
+    return True

@@ -1,0 +1,99 @@
+"""gpukilld's bus I/O changes (gpukilld/busio.py): byte-identical replies, and no disconnect under load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+from conftest import needs_root
+from dbus_fast import Message, MessageType, Variant
+from testbed import PYTHON
+
+from gpukilld import busio
+
+FLOOD = """
+import asyncio, json, sys
+from dbus_fast import BusType, Message, MessageType, Variant
+from dbus_fast.aio import MessageBus
+async def main(n):
+    # half unfiltered (the premarshalled reply), half with a filter that matches all (dbus-fast's own path)
+    filters = [{}, {"min_memory": Variant("t", 0)}]
+    bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+    call = lambda f: bus.call(Message(destination="org.gpukill1", path="/org/gpukill1",
+                                    interface="org.gpukill1.Manager", member="ListProcesses",
+                                    signature="a{sv}", body=[f]))
+    replies = []
+    for _ in range(3):  # rounds
+        replies += await asyncio.gather(*(call(filters[i % 2]) for i in range(n)), return_exceptions=True)
+    ok = [len(r.body[0]) for r in replies if isinstance(r, Message) and r.message_type == MessageType.METHOD_RETURN]
+    print(json.dumps({"ok": len(ok), "sizes": sorted(set(ok)), "errors": [str(r)[:200] for r in replies
+                      if not (isinstance(r, Message) and r.message_type == MessageType.METHOD_RETURN)][:3]}))
+asyncio.run(main(int(sys.argv[1])))
+"""
+
+
+def test_premarshalled_reply_is_byte_identical_to_dbus_fast():
+    call = Message(destination="org.gpukill1", path="/org/gpukill1", interface="org.gpukill1.Manager",
+                   member="ListProcesses", signature="a{sv}", body=[{}], serial=4242)
+    call.sender = ":1.77"
+    for records in ([], [{"pid": Variant("u", 7), "comm": Variant("s", "x" * 999), "gpu_memory": Variant("t", 2**40)}]):
+        expected = Message.new_method_return(call, "aa{sv}", [records])
+        expected.serial = 99
+        got = busio.build_reply(call, "aa{sv}", busio.marshal_body("aa{sv}", [records]), 99)
+        assert got == bytes(expected._marshall(False))
+
+
+def _writer_over_a_full_socket(fix: bool):
+    """dbus-fast's asyncio writer on a socket whose peer never reads; returns what it reported as fatal."""
+    from dbus_fast.aio.message_bus import _MessageWriter
+
+    ours, peer = socket.socketpair()
+    ours.setblocking(False)
+    loop = asyncio.new_event_loop()
+    fatal: list[Exception] = []
+    bus = SimpleNamespace(_negotiate_unix_fd=False, _sock=ours, _loop=loop, _fd=ours.fileno(), unique_name=":1.1",
+                          _user_disconnect=False, _finalize=fatal.append)
+    bus._writer = _MessageWriter(bus)
+    if fix:
+        assert busio.tolerate_full_socket(bus)
+    try:
+        for serial in range(1, 4):  # the first fills the buffer (partial write), the next ones hit EAGAIN
+            reply = Message(message_type=MessageType.METHOD_RETURN, reply_serial=serial, destination=":1.2",
+                            signature="s", body=["x" * 1_000_000], serial=serial)
+            bus._writer.schedule_write(reply, loop.create_future())
+    finally:
+        loop.remove_writer(ours.fileno())
+        loop.close()
+        ours.close()
+        peer.close()
+    return fatal
+
+
+def test_full_socket_buffer_does_not_drop_the_connection():
+    assert _writer_over_a_full_socket(fix=True) == []
+    unfixed = _writer_over_a_full_socket(fix=False)
+    if not unfixed:
+        pytest.skip("this dbus-fast no longer treats EAGAIN as fatal; busio's fix 1 can go")
+    assert isinstance(unfixed[0], BlockingIOError)
+
+
+@needs_root
+def test_many_concurrent_large_replies_do_not_drop_the_daemon(victims, users):
+    """32 clients, each with 16 ListProcesses calls in flight three times over, replies of about 0.4 MB. Before busio, dbus-fast
+    dropped the daemon's bus connection on EAGAIN whenever dbus-daemon fell behind, and the daemon exited."""
+    bed = victims
+    procs = [bed.victim(users["owner"], gpu=i % 4, mem="1GiB", padding=8000) for i in range(48)]
+    bed.wait_listed(procs[-1].pid)
+    kwargs = {"user": users["other"].uid, "group": users["other"].gid, "extra_groups": []}
+    clients = [subprocess.Popen([PYTHON, "-c", FLOOD, "16"], stdout=subprocess.PIPE, text=True, env=bed.env(),
+                                cwd="/", **kwargs) for _ in range(32)]
+    results = [json.loads(c.communicate(timeout=120)[0]) for c in clients]
+    assert bed.daemon.proc.poll() is None, bed.daemon.log()
+    assert "lost the system bus" not in bed.daemon.log()
+    assert all(r["ok"] == 48 for r in results), results
+    assert min(min(r["sizes"]) for r in results) >= 48
+    assert bed.manager(users["other"], "ListDevices").ok
