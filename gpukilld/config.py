@@ -2,7 +2,13 @@
 
     [daemon]
     sample_interval = 1.0            # seconds between samples
+    backends = auto                  # or a list: nvidia, drm, simulated
     simulate = /etc/gpukill/simulate.yaml   # simulated GPUs (hosts without any, demos, tests)
+
+    [paths]                          # where the kernel's trees are: for containers and test fixtures
+    proc = /proc
+    sys = /sys
+    debugfs = /sys/kernel/debug
 
 Command-line options win over the file. A missing file is fine (defaults); a broken one is an error that
 names the file and line.
@@ -24,9 +30,13 @@ MIN_INTERVAL, MAX_INTERVAL = 0.05, 3600.0
 class Config:
     sample_interval: float = 1.0
     simulate: str | None = None
+    backends: tuple[str, ...] | None = None  # None: auto
+    proc_root: str = "/proc"
+    sys_root: str = "/sys"
+    debugfs_root: str = "/sys/kernel/debug"
 
 
-_KNOWN = {"daemon": {"sample_interval", "simulate"}}
+_KNOWN = {"daemon": {"sample_interval", "simulate", "backends"}, "paths": {"proc", "sys", "debugfs"}}
 
 
 def check_interval(value: float, where: str) -> float:
@@ -83,4 +93,11 @@ def load_config(path: str, required: bool = False) -> Config:
             raise ConfigError(f"{where}: sample_interval must be a number of seconds") from None
     if parser.has_option("daemon", "simulate"):
         values["simulate"] = parser["daemon"]["simulate"].strip() or None
+    if parser.has_option("daemon", "backends"):
+        names = tuple(n.strip() for n in parser["daemon"]["backends"].replace(",", " ").split())
+        if names and names != ("auto",):
+            values["backends"] = names
+    for key, field in (("proc", "proc_root"), ("sys", "sys_root"), ("debugfs", "debugfs_root")):
+        if parser.has_option("paths", key):
+            values[field] = parser["paths"][key].strip()
     return Config(**values)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -17,8 +18,7 @@ from dbus_fast.constants import NameFlag
 
 from . import __version__, audit, busio
 from .actions import Actions, KillResult, ResetResult
-from .backends import Backend
-from .backends.simulated import SimulatedBackend
+from .backends.registry import build_backends
 from .bouncer import Bouncer, Caller
 from .config import DEFAULT_PATH, Config, check_interval, load_config
 from .errors import ConfigError
@@ -31,13 +31,6 @@ from .sampler import Sampler, StateChange
 log = logging.getLogger("gpukilld")
 
 FIRST_SAMPLE_WAIT = 10.0
-
-
-def build_backends(config: Config) -> list[Backend]:
-    backends: list[Backend] = []
-    if config.simulate:
-        backends.append(SimulatedBackend(config.simulate))
-    return backends
 
 
 def status_line(snap: Snapshot) -> str:
@@ -65,10 +58,10 @@ class Daemon:
     def _load_config(self) -> Config:
         config = load_config(self.args.config, required=self.args.config != DEFAULT_PATH)
         if self.args.simulate:
-            config = Config(sample_interval=config.sample_interval, simulate=self.args.simulate)
+            config = dataclasses.replace(config, simulate=self.args.simulate)
         if self.args.sample_interval is not None:
             interval = check_interval(self.args.sample_interval, "--sample-interval")
-            config = Config(sample_interval=interval, simulate=config.simulate)
+            config = dataclasses.replace(config, sample_interval=interval)
         return config
 
     def _watchdog_interval(self) -> float | None:
@@ -160,7 +153,7 @@ class Daemon:
         self.bus = bus
         bouncer = Bouncer(bus)
         self.sampler = Sampler(
-            backends, self.config.sample_interval, ProcFS(), self._publish,
+            backends, self.config.sample_interval, ProcFS(self.config.proc_root), self._publish,
             watchdog=lambda: self.notifier.notify("WATCHDOG=1"), watchdog_interval=self._watchdog_interval(),
         )
         self.actions = Actions(

@@ -145,3 +145,20 @@ def test_audit_without_a_journal_goes_to_stderr(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err == ("<4>Kill of PID 42 denied to uid 1000 [GPUKILL_CALLER_UID=1000 GPUKILL_TARGET_PID=42 "
                    "GPUKILL_EVENT=kill-denied]\n")
+
+
+def test_backend_selection(tmp_path):
+    import dataclasses
+
+    from gpukilld.backends.registry import backend_names, build_backends
+    from gpukilld.config import Config
+
+    path = tmp_path / "gpukilld.conf"
+    path.write_text("[daemon]\nbackends = drm, simulated\n[paths]\nproc = /fixture/proc\nsys = /fixture/sys\n")
+    c = load_config(str(path))
+    assert c.backends == ("drm", "simulated") and (c.proc_root, c.sys_root) == ("/fixture/proc", "/fixture/sys")
+    assert backend_names(Config(simulate="x.yaml")) == ("simulated",)
+    with pytest.raises(ConfigError, match="unknown backend 'quantum'"):
+        build_backends(Config(backends=("quantum",)))
+    with pytest.raises(ConfigError, match="needs a device file"):
+        build_backends(dataclasses.replace(Config(), backends=("simulated",)))
