@@ -30,6 +30,7 @@ class KillResult:
     comm: str
     device_ids: tuple[str, ...]
     outcome: str
+    initiator: str  # "user" (a D-Bus caller), "reset" (clearing a device), "guard:RULE" (Guard Mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,8 @@ class Actions:
         self.audit.log(audit.KILL,
                        f"PID {pid} ({target.comm}, user {target.user}) {verb[outcome]}; requested by {who}",
                        result=outcome, grace=grace, **fields)
-        result = KillResult(pid, start_time, target.uid, target.comm, target.device_ids, outcome)
+        result = KillResult(pid, start_time, target.uid, target.comm, target.device_ids, outcome,
+                            "user" if caller else initiator)
         self._on_killed(result, caller)
         return result
 

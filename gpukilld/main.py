@@ -115,7 +115,7 @@ class Daemon:
     # -- signals from actions --------------------------------------------------------------------------
 
     def _on_killed(self, result: KillResult, caller: Caller | None) -> None:
-        self.manager.ProcessKilled(result, caller.uid if caller else 0, "user" if caller else "reset")
+        self.manager.ProcessKilled(result, caller.uid if caller else 0)
 
     def _on_reset(self, result: ResetResult, success: bool) -> None:
         self.manager.DeviceReset(result, success)

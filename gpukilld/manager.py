@@ -260,9 +260,9 @@ class ManagerInterface(ServiceInterface):
     # -- signals ---------------------------------------------------------------------------------------
 
     @signal()
-    def ProcessKilled(self, result: KillResult, caller_uid: int, initiator: str) -> "utusassus":
+    def ProcessKilled(self, result: KillResult, caller_uid: int) -> "utusassus":
         return [result.pid, result.start_time, result.uid, result.comm, list(result.device_ids),
-                result.outcome, caller_uid, initiator]
+                result.outcome, caller_uid, result.initiator]
 
     @signal()
     def DeviceReset(self, result: ResetResult, success: bool) -> "usbsau":
