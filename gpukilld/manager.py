@@ -89,6 +89,7 @@ def device_to_dbus(d: Device) -> dict[str, Variant]:
     for key, sig, value in (
         ("utilization", "d", d.utilization), ("memory_used", "t", d.memory_used),
         ("memory_total", "t", d.memory_total), ("temperature", "d", d.temperature), ("power", "d", d.power),
+        ("power_limit", "d", d.power_limit), ("mig_mode", "b", d.mig_mode), ("parent_id", "s", d.parent_id),
     ):
         if value is not None:
             out[key] = Variant(sig, value)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 STATE_OK = "ok"
-STATE_LOST = "lost"
+STATE_LOST = "lost"  # the device stopped answering (fell off the bus, GPU_IS_LOST, a hung driver call)
+STATE_ERROR = "error"  # answering, but the driver reported a critical error (an Xid): it needs attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,9 @@ class Device:
     power: float | None  # watts
     state: str = STATE_OK
     state_reason: str = ""
+    power_limit: float | None = None  # watts, the enforced limit
+    mig_mode: bool | None = None  # NVIDIA Multi-Instance GPU mode; None where the device has no such mode
+    parent_id: str | None = None  # for a partition (a MIG instance): the id of its physical GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,9 @@ class DeviceReading:
     power: float | None = None
     state: str = STATE_OK
     state_reason: str = ""
+    power_limit: float | None = None
+    mig_mode: bool | None = None
+    parent_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,7 +127,8 @@ class Sampler:
                     index=self._index(r.id), id=r.id, backend=backend.name, vendor=r.vendor, name=r.name,
                     pci_bus_id=r.pci_bus_id, utilization=r.utilization, memory_used=r.memory_used,
                     memory_total=r.memory_total, temperature=r.temperature, power=r.power,
-                    state=r.state, state_reason=r.state_reason,
+                    state=r.state, state_reason=r.state_reason, power_limit=r.power_limit,
+                    mig_mode=r.mig_mode, parent_id=r.parent_id,
                 )
             usages.extend(sample.processes)
 

@@ -16,8 +16,15 @@ from .simulated import SimulatedBackend
 
 FACTORIES: dict[str, Callable[[Config], Backend]] = {
     "simulated": lambda c: SimulatedBackend(c.simulate or "", _procfs(c)),
+    "nvidia": lambda c: _nvidia(c),
 }
-REAL_BACKENDS: tuple[str, ...] = ()  # in this order under `auto`; each vendor backend appends its name
+REAL_BACKENDS: tuple[str, ...] = ("nvidia",)  # in this order under `auto`; each vendor backend appends its name
+
+
+def _nvidia(config: Config) -> Backend:
+    from .nvidia import NvidiaBackend  # imports pynvml only when configured
+
+    return NvidiaBackend(_procfs(config))
 
 
 def _procfs(config: Config):

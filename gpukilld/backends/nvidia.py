@@ -1,0 +1,399 @@
+"""NVIDIA GPUs through NVML (pynvml, from the nvidia-ml-py package).
+
+What a device cannot tell (NOT_SUPPORTED) is None, never 0. A device that reports GPU_IS_LOST or
+RESET_REQUIRED is marked lost while the others keep updating. Each device is read in its own worker thread
+with a deadline, so an NVML call that hangs marks that device lost instead of stopping the sampler. Process
+lists are sanity-checked against /proc, since a driver and bindings that disagree on the struct version of
+the _v2/_v3 calls produce garbage PIDs and sizes; then the unversioned (v1) call is used instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import shutil
+import subprocess
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..errors import NotSupported, ResetFailed
+from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
+from ..procfs import ProcFS
+from . import Backend, BackendSample
+
+log = logging.getLogger(__name__)
+
+DEVICE_DEADLINE = 2.0  # seconds one device may take to answer in one sample before it is marked lost
+RESET_TIMEOUT = 120.0
+RETRY_MIN, RETRY_MAX = 5.0, 300.0  # back-off between attempts to initialise NVML
+NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId of a process outside MIG
+XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
+FI_GPU_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+RECOVERY_ACTIONS = {1: "GPU reset", 2: "node reboot", 3: "drain peer-to-peer", 4: "drain and reset",
+                    5: "recover IMEX domain", 6: "bus reset", 7: "system reboot"}
+
+
+class _ProcessInfoV1(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+
+
+@dataclass
+class _DeviceState:
+    """What we remember about one physical GPU between samples."""
+
+    index: int
+    uuid: str | None = None
+    name: str = "NVIDIA GPU"
+    pci_bus_id: str | None = None
+    last_util_ts: int = 0
+    pending: Future | None = None  # a read still running from an earlier sample (a hung call)
+    error: str = ""  # an Xid / recovery action reported since the last successful reset
+    mig_names: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _DeviceRead:
+    devices: list[DeviceReading]
+    processes: list[ProcessUsage]
+
+
+class NvidiaBackend(Backend):
+    name = "nvidia"
+
+    def __init__(self, procfs: ProcFS | None = None, nvidia_smi: str = "nvidia-smi",
+                 device_deadline: float = DEVICE_DEADLINE) -> None:
+        self.procfs = procfs or ProcFS()
+        self.nvidia_smi = nvidia_smi
+        self.device_deadline = device_deadline
+        self._nvml = None  # the pynvml module once NVML is initialised
+        self._status = BackendStatus(self.name, False, "not initialised yet")
+        self._next_attempt = 0.0
+        self._retry = RETRY_MIN
+        self._devices: dict[int, _DeviceState] = {}
+        self._events = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # -- initialisation with back-off -------------------------------------------------------------------
+
+    def status(self) -> BackendStatus:
+        self._ensure_init()
+        return self._status
+
+    def _ensure_init(self) -> None:
+        if self._nvml is not None or time.monotonic() < self._next_attempt:
+            return
+        try:
+            import pynvml
+        except ImportError:
+            self._fail("the nvidia-ml-py package (pynvml) is not installed")
+            return
+        try:
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError_LibraryNotFound:
+            self._fail("no NVIDIA driver: libnvidia-ml.so.1 not found")
+            return
+        except pynvml.NVMLError as e:
+            self._fail(f"NVML could not start: {e}")
+            return
+        self._nvml = pynvml
+        self._retry = RETRY_MIN
+        self._pool = ThreadPoolExecutor(max_workers=max(4, count * 2), thread_name_prefix="nvml")
+        self._events = self._register_events(pynvml, count)
+        self._status = BackendStatus(self.name, True, f"NVML, driver {driver}, {count} GPUs")
+
+    def _fail(self, why: str) -> None:
+        self._status = BackendStatus(self.name, False, f"{why}; retrying in {self._retry:.0f}s")
+        self._next_attempt = time.monotonic() + self._retry
+        self._retry = min(self._retry * 2, RETRY_MAX)
+
+    @staticmethod
+    def _register_events(nv, count: int):
+        try:
+            events = nv.nvmlEventSetCreate()
+        except nv.NVMLError:
+            return None
+        for i in range(count):
+            with contextlib.suppress(nv.NVMLError):  # a device without event support reports no Xids
+                nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(i), XID_EVENT, events)
+        return events
+
+    # -- sampling -------------------------------------------------------------------------------------------
+
+    def sample(self) -> BackendSample:
+        self._ensure_init()
+        nv = self._nvml
+        if nv is None:
+            return BackendSample()
+        try:
+            count = nv.nvmlDeviceGetCount()
+        except nv.NVMLError as e:
+            raise RuntimeError(f"NVML stopped answering: {e}") from None
+        self._drain_xid_events()
+        reads: dict[int, Future] = {}
+        for i in range(count):
+            state = self._devices.setdefault(i, _DeviceState(i))
+            if state.pending is not None and not state.pending.done():
+                continue  # still stuck in an earlier call: do not pile up threads behind it
+            assert self._pool is not None
+            state.pending = self._pool.submit(self._read_device, state)
+            reads[i] = state.pending
+        deadline = time.monotonic() + self.device_deadline
+        sample = BackendSample()
+        for i in range(count):
+            state = self._devices[i]
+            fut = reads.get(i)
+            try:
+                if fut is None:
+                    raise TimeoutError
+                read = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                sample.devices.append(self._lost(state, f"NVML did not answer within {self.device_deadline:g}s"))
+                continue
+            except Exception as e:  # a bug in reading one device must not hide the others
+                log.error("reading NVIDIA GPU %d failed: %s", i, e)
+                sample.devices.append(self._lost(state, f"read failed: {e}"))
+                continue
+            sample.devices.extend(read.devices)
+            sample.processes.extend(read.processes)
+        return sample
+
+    def _lost(self, state: _DeviceState, reason: str) -> DeviceReading:
+        return DeviceReading(id=state.uuid or state.pci_bus_id or f"nvidia:{state.index}", vendor="nvidia",
+                             name=state.name, pci_bus_id=state.pci_bus_id, state=STATE_LOST, state_reason=reason)
+
+    def _get(self, fn, *args, default=None):
+        """One NVML getter: NOT_SUPPORTED and friends give `default` (None: unknown, never 0)."""
+        nv = self._nvml
+        try:
+            return fn(*args)
+        except (nv.NVMLError_GpuIsLost, nv.NVMLError_ResetRequired):
+            raise
+        except nv.NVMLError:
+            return default
+
+    def _read_device(self, state: _DeviceState) -> _DeviceRead:
+        nv = self._nvml
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(state.index)
+            if state.uuid is None:  # identity does not change: read it once
+                state.uuid = nv.nvmlDeviceGetUUID(handle)
+                state.name = nv.nvmlDeviceGetName(handle)
+                state.pci_bus_id = self._get(lambda: nv.nvmlDeviceGetPciInfo(handle).busId)
+                if isinstance(state.pci_bus_id, bytes):
+                    state.pci_bus_id = state.pci_bus_id.decode()
+            return self._read_live(state, handle)
+        except nv.NVMLError_GpuIsLost:
+            return _DeviceRead([self._lost(state, "NVML: GPU is lost")], [])
+        except nv.NVMLError_ResetRequired:
+            return _DeviceRead([self._lost(state, "NVML: GPU requires a reset")], [])
+
+    def _read_live(self, state: _DeviceState, handle) -> _DeviceRead:
+        nv = self._nvml
+        util = self._get(nv.nvmlDeviceGetUtilizationRates, handle)
+        memory = self._get(nv.nvmlDeviceGetMemoryInfo, handle, nv.nvmlMemory_v2)
+        if memory is None:  # drivers before v2 of the struct
+            memory = self._get(nv.nvmlDeviceGetMemoryInfo, handle)
+        temperature = self._get(nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
+        power_mw = self._get(nv.nvmlDeviceGetPowerUsage, handle)
+        limit_mw = self._get(nv.nvmlDeviceGetEnforcedPowerLimit, handle)
+        mig = self._get(nv.nvmlDeviceGetMigMode, handle)
+        mig_on = None if mig is None else bool(mig[0])
+        total = memory.total if memory is not None else None
+        device = DeviceReading(
+            id=state.uuid or f"nvidia:{state.index}", vendor="nvidia", name=state.name, pci_bus_id=state.pci_bus_id,
+            utilization=float(util.gpu) if util is not None else None,
+            memory_used=memory.used if memory is not None else None, memory_total=total,
+            temperature=float(temperature) if temperature is not None else None,
+            power=power_mw / 1000 if power_mw is not None else None,
+            power_limit=limit_mw / 1000 if limit_mw is not None else None,
+            mig_mode=mig_on,
+            state=STATE_ERROR if state.error else STATE_OK, state_reason=state.error,
+        )
+        instances = self._mig_instances(state, handle) if mig_on else {}
+        usage = self._process_util(state, handle)
+        processes = []
+        for pid, (memory_used, gi, ci) in self._running_processes(handle, total).items():
+            start_time = self.procfs.start_time(pid)
+            if start_time is None:
+                continue  # exited, or in a PID namespace we cannot see
+            device_id = instances.get((gi, ci), (device.id,))[0]
+            util_pct = None if usage is None else float(usage.get(pid, 0))
+            processes.append(ProcessUsage(pid, start_time, device_id, memory_used, util_pct))
+        devices = [device] + [reading for _, reading in instances.values()]
+        return _DeviceRead(devices, processes)
+
+    def _mig_instances(self, state: _DeviceState, handle) -> dict[tuple[int, int], tuple[str, DeviceReading]]:
+        """MIG instances as devices of their own, keyed by (GPU instance, compute instance)."""
+        nv = self._nvml
+        found = {}
+        count = self._get(nv.nvmlDeviceGetMaxMigDeviceCount, handle, default=0)
+        for i in range(count):
+            try:
+                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            except nv.NVMLError_NotFound:
+                continue
+            except nv.NVMLError:
+                break
+            uuid = self._get(nv.nvmlDeviceGetUUID, mig)
+            gi = self._get(nv.nvmlDeviceGetGpuInstanceId, mig)
+            ci = self._get(nv.nvmlDeviceGetComputeInstanceId, mig)
+            if uuid is None or gi is None or ci is None:
+                continue
+            memory = self._get(nv.nvmlDeviceGetMemoryInfo, mig)
+            state.mig_names[uuid] = f"{state.name} MIG {gi}/{ci}"
+            found[(gi, ci)] = (uuid, DeviceReading(
+                id=uuid, vendor="nvidia", name=f"{state.name} MIG {gi}/{ci}", pci_bus_id=state.pci_bus_id,
+                memory_used=memory.used if memory is not None else None,
+                memory_total=memory.total if memory is not None else None,
+                parent_id=state.uuid,
+            ))
+        return found
+
+    def _process_util(self, state: _DeviceState, handle) -> dict[int, int] | None:
+        """SM utilization per PID since the last sample; NOT_FOUND means no samples, i.e. 0 % for everyone."""
+        nv = self._nvml
+        try:
+            samples = nv.nvmlDeviceGetProcessUtilization(handle, state.last_util_ts)
+        except nv.NVMLError_NotFound:
+            return {}
+        except (nv.NVMLError_GpuIsLost, nv.NVMLError_ResetRequired):
+            raise
+        except nv.NVMLError:
+            return None
+        latest: dict[int, tuple[int, int]] = {}
+        for s in samples:
+            if s.pid not in latest or s.timeStamp > latest[s.pid][0]:
+                latest[s.pid] = (s.timeStamp, s.smUtil)
+            state.last_util_ts = max(state.last_util_ts, s.timeStamp)
+        return {pid: min(100, sm) for pid, (_, sm) in latest.items()}
+
+    def _running_processes(self, handle, total: int | None) -> dict[int, tuple[int | None, int, int]]:
+        """Compute, graphics and MPS lists merged by PID: {pid: (memory, gpu instance, compute instance)}."""
+        nv = self._nvml
+        merged: dict[int, tuple[int | None, int, int]] = {}
+        for kind, call in (("Compute", nv.nvmlDeviceGetComputeRunningProcesses),
+                           ("Graphics", nv.nvmlDeviceGetGraphicsRunningProcesses),
+                           ("MPSCompute", nv.nvmlDeviceGetMPSComputeRunningProcesses)):
+            entries = self._get(call, handle, default=[])
+            records = [(p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId) for p in entries]
+            if not self._plausible(records, total):
+                log.warning("NVML %s process list looks like a struct-version mismatch; using the v1 call", kind)
+                records = self._v1_processes(handle, f"nvmlDeviceGet{kind}RunningProcesses")
+            for pid, memory, gi, ci in records:
+                old = merged.get(pid)
+                if old is None or (memory or 0) > (old[0] or 0):
+                    merged[pid] = (memory, gi, ci)
+        return merged
+
+    def _plausible(self, records: list[tuple], total: int | None) -> bool:
+        for pid, memory, gi, ci in records:
+            if pid <= 0 or pid > 2**22:
+                return False
+            stat = self.procfs.stat(pid)
+            if stat is None or stat.is_kernel_thread:
+                return False
+            if memory is not None and total is not None and memory > total:
+                return False
+            if (gi == NO_INSTANCE) != (ci == NO_INSTANCE) or (gi != NO_INSTANCE and gi > 64):
+                return False
+        return True
+
+    def _v1_processes(self, handle, symbol: str) -> list[tuple[int, int | None, int, int]]:
+        nv = self._nvml
+        try:
+            fn = nv._nvmlGetFunctionPointer(symbol)
+        except nv.NVMLError:
+            return []
+        count = ctypes.c_uint(0)
+        ret = fn(handle, ctypes.byref(count), None)
+        if ret == nv.NVML_SUCCESS or ret != nv.NVML_ERROR_INSUFFICIENT_SIZE:
+            return []
+        count.value = count.value * 2 + 5
+        buf = (_ProcessInfoV1 * count.value)()
+        if fn(handle, ctypes.byref(count), buf) != nv.NVML_SUCCESS:
+            return []
+        out = []
+        for p in buf[: count.value]:
+            memory = None if p.usedGpuMemory == 2**64 - 1 else p.usedGpuMemory
+            out.append((p.pid, memory, NO_INSTANCE, NO_INSTANCE))
+        return out
+
+    # -- Xid events -------------------------------------------------------------------------------------
+
+    def _drain_xid_events(self) -> None:
+        nv = self._nvml
+        if self._events is None:
+            return
+        for _ in range(64):  # bounded: a storm of events must not stall the sample
+            try:
+                event = nv.nvmlEventSetWait_v2(self._events, 0)
+            except nv.NVMLError:
+                return  # timeout: nothing pending
+            if event.eventType != XID_EVENT:
+                continue
+            index = self._index_of_handle(event.device)
+            if index is None:
+                continue
+            state = self._devices.setdefault(index, _DeviceState(index))
+            reason = f"Xid {event.eventData}"
+            action = self._recovery_action(event.device)
+            if action:
+                reason += f"; recovery action: {action}"
+            state.error = reason
+
+    def _index_of_handle(self, handle) -> int | None:
+        try:
+            return self._nvml.nvmlDeviceGetIndex(handle)
+        except self._nvml.NVMLError:
+            return None
+
+    def _recovery_action(self, handle) -> str | None:
+        nv = self._nvml
+        try:
+            (value,) = nv.nvmlDeviceGetFieldValues(handle, [FI_GPU_RECOVERY_ACTION])
+        except nv.NVMLError:
+            return None
+        if value.nvmlReturn != nv.NVML_SUCCESS:
+            return None
+        return RECOVERY_ACTIONS.get(value.value.uiVal)
+
+    # -- reset ----------------------------------------------------------------------------------------------
+
+    def _state_for(self, device_id: str) -> _DeviceState | None:
+        return next((s for s in self._devices.values() if s.uuid == device_id), None)
+
+    def check_reset(self, device_id: str) -> None:
+        if any(device_id in s.mig_names for s in self._devices.values()):
+            raise NotSupported(f"{device_id} is a MIG instance: reset its parent GPU instead")
+        if self._state_for(device_id) is None:
+            raise ResetFailed(f"GPU {device_id} is no longer present")
+        if shutil.which(self.nvidia_smi) is None:
+            raise NotSupported(f"GPU reset needs {self.nvidia_smi}, which is not installed")
+
+    def reset(self, device_id: str) -> str:
+        self.check_reset(device_id)
+        argv = [self.nvidia_smi, "--gpu-reset", "-i", device_id]
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=RESET_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise ResetFailed(f"nvidia-smi --gpu-reset did not finish within {RESET_TIMEOUT:g}s") from None
+        text = " ".join((r.stdout + " " + r.stderr).split())
+        if r.returncode != 0:
+            raise ResetFailed(f"nvidia-smi --gpu-reset failed (exit {r.returncode}): {text or 'no output'}")
+        state = self._state_for(device_id)
+        if state is not None:
+            state.error = ""  # a successful reset clears a reported Xid
+        return text or f"GPU {device_id} reset"
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._nvml is not None:
+            with contextlib.suppress(self._nvml.NVMLError):
+                self._nvml.nvmlShutdown()

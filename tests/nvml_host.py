@@ -1,0 +1,101 @@
+"""A fake NVIDIA host for tests and benches: the C fake libnvidia-ml built with cc, a JSON state that the
+library re-reads when it changes, and a fake nvidia-smi that records resets. pynvml loads it as the real one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "fake_nvml"
+SOURCE = HERE / "fake_nvml.c"
+
+
+def build_fake_nvml(outdir: Path) -> Path:
+    """Compile the fake into outdir/libnvidia-ml.so.1 (with that soname, so a preloaded copy satisfies
+    pynvml's dlopen in the same process). Raises RuntimeError when there is no C compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc) to build the fake libnvidia-ml")
+    outdir.mkdir(parents=True, exist_ok=True)
+    lib = outdir / "libnvidia-ml.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-Wno-unused-parameter",
+                    "-Wl,-soname,libnvidia-ml.so.1", "-o", str(lib), str(SOURCE), "-lpthread"], check=True)
+    os.chmod(outdir, 0o755)
+    return lib
+
+
+def h100(i: int) -> dict:
+    return {
+        "name": "NVIDIA H100 80GB HBM3", "uuid": f"GPU-4b1d6c2e-0000-4000-8000-{i:012x}",
+        "pci_bus_id": f"00000000:{0x18 + i * 0x10:02X}:00.0", "memory_total": 85520809984,
+        "memory_reserved": 536870912, "memory_used": 0, "util_gpu": 10 + i, "util_memory": 3 + i,
+        "temperature": 40 + i, "power_mw": 70000 + i * 1000, "power_limit_mw": 700000,
+        "compute": [], "graphics": [], "mps": [], "process_util": [],
+    }
+
+
+class FakeNvidiaHost:
+    def __init__(self, workdir: Path | None = None, devices: int = 8) -> None:
+        self.dir = Path(workdir or tempfile.mkdtemp(prefix="gpukill-nvml-"))
+        os.chmod(self.dir, 0o755)
+        self.lib = build_fake_nvml(self.dir / "lib")
+        self.bin = self.dir / "bin"
+        self.bin.mkdir(exist_ok=True)
+        shutil.copy(HERE / "nvidia-smi", self.bin / "nvidia-smi")
+        os.chmod(self.bin, 0o755)
+        self.state_path = self.dir / "state.json"
+        self.smi_log = self.dir / "nvidia-smi.log"
+        self.state: dict = {"driver_version": "550.54.15", "devices": [h100(i) for i in range(devices)],
+                            "xid_events": []}
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state))
+        os.replace(tmp, self.state_path)  # atomic: the library never reads half a file
+        # the library compares mtimes; make sure two writes within one timestamp tick differ
+        st = os.stat(self.state_path)
+        os.utime(self.state_path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+
+    def device(self, i: int) -> dict:
+        return self.state["devices"][i]
+
+    def add_process(self, i: int, pid: int, memory: int | None, kind: str = "compute", sm: int | None = None,
+                    timestamp: int = 1) -> None:
+        entry: dict = {"pid": pid}
+        if memory is not None:
+            entry["used_memory"] = memory
+        self.device(i)[kind].append(entry)
+        if sm is not None:
+            self.device(i)["process_util"].append({"pid": pid, "sm": sm, "mem": 1, "timestamp": timestamp})
+        self.device(i)["memory_used"] = sum(p.get("used_memory", 0) for k in ("compute", "graphics", "mps")
+                                            for p in self.device(i)[k])
+
+    def fault(self, i: int, **faults) -> None:
+        self.device(i).setdefault("faults", {}).update(faults)
+        self.write()
+
+    def clear_faults(self, i: int) -> None:
+        self.device(i).pop("faults", None)
+        self.write()
+
+    def env(self, with_library: bool = True) -> dict[str, str]:
+        env = {"GPUKILL_FAKE_NVML_STATE": str(self.state_path), "GPUKILL_FAKE_SMI_LOG": str(self.smi_log),
+               "PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin"}
+        if with_library:
+            env["LD_LIBRARY_PATH"] = str(self.lib.parent)
+        return env
+
+    def resets(self) -> list[list[str]]:
+        if not self.smi_log.exists():
+            return []
+        return [json.loads(line) for line in self.smi_log.read_text().splitlines()]
+
+    def snapshot(self) -> dict:
+        return copy.deepcopy(self.state)

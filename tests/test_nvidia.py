@@ -1,0 +1,215 @@
+"""The NVIDIA backend through the real pynvml bindings, loading a fake libnvidia-ml built from C
+(tests/fake_nvml/fake_nvml.c), with gpukilld running for real on a private bus."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from conftest import needs_root
+from nvml_host import FakeNvidiaHost
+from testbed import ROOT
+
+from gpukilld import audit
+
+pytestmark = needs_root
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def nvhost(tmp_path_factory):
+    try:
+        return FakeNvidiaHost(tmp_path_factory.mktemp("nvml"))
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def nvbed(fresh_bed, nvhost, users):
+    """gpukilld with only the NVIDIA backend, on the fake host, sampling every 0.3 s."""
+    saved = nvhost.snapshot()
+    (fresh_bed.workdir / "gpukilld.conf").write_text("[daemon]\nbackends = nvidia\n")
+    fresh_bed.start_polkit()
+    fresh_bed.start_daemon(args=["--sample-interval", "0.3"], env=nvhost.env())
+    yield fresh_bed
+    nvhost.state = saved
+    nvhost.write()
+
+
+def listing(bed) -> dict:
+    r = bed.ctl(ROOT, "list", "--json")
+    assert r.returncode == 0, r
+    return json.loads(r.stdout)
+
+
+def wait_for(what, timeout: float = 10.0, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = what()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def test_eight_gpus_with_every_field_and_real_processes(nvbed, nvhost, users):
+    bed = nvbed
+    train = bed.victim(users["owner"], comm="train.py")
+    render = bed.victim(users["other"], comm="blender")
+    nvhost.add_process(0, train.pid, 12 * GIB, sm=87, timestamp=5)
+    nvhost.add_process(5, render.pid, 3 * GIB, kind="graphics")
+    nvhost.add_process(5, train.pid, 1 * GIB, kind="mps")
+    nvhost.write()
+    doc = wait_for(lambda: (d := listing(bed)) and len(d["processes"]) == 3 and d)
+    assert doc, listing(bed)
+    assert len(doc["devices"]) == 8
+    for i, dev in enumerate(doc["devices"]):
+        fake = nvhost.device(i)
+        assert dev == {
+            "index": i, "id": fake["uuid"], "backend": "nvidia", "vendor": "nvidia", "name": fake["name"],
+            "pci_bus_id": fake["pci_bus_id"], "utilization": float(fake["util_gpu"]),
+            "memory_used": fake["memory_used"], "memory_total": fake["memory_total"],
+            "temperature": float(fake["temperature"]), "power": fake["power_mw"] / 1000, "state": "ok",
+            "state_reason": None, "power_limit": 700.0, "mig_mode": False, "parent_id": None,
+        }, (i, dev)
+    procs = {(p["pid"], p["device"]): p for p in doc["processes"]}
+    t = procs[(train.pid, 0)]
+    assert (t["user"], t["uid"], t["comm"], t["gpu_memory"], t["gpu_utilization"]) == (
+        "gpkowner", users["owner"].uid, "train.py", 12 * GIB, 87.0)
+    r = procs[(render.pid, 5)]
+    assert (r["user"], r["comm"], r["gpu_memory"], r["gpu_utilization"]) == ("gpkother", "blender", 3 * GIB, 0.0)
+    assert procs[(train.pid, 5)]["gpu_memory"] == 1 * GIB  # MPS client listed on its device
+    table = bed.ctl(users["other"], "list")
+    assert "NVIDIA H100 80GB HBM3" in table.stdout and "train.py" in table.stdout
+
+
+def test_not_supported_is_null_and_mig_instances(nvbed, nvhost, users):
+    bed = nvbed
+    job = bed.victim(users["owner"], comm="mig-job")
+    dev = nvhost.device(2)
+    dev["mig_mode"] = 1
+    dev["mig_devices"] = [{"uuid": "MIG-11111111-2222-3333-4444-555555555555", "gi": 1, "ci": 0,
+                           "memory_total": 10 * GIB, "memory_used": 2 * GIB,
+                           "compute": [{"pid": job.pid, "used_memory": 2 * GIB}]}]
+    nvhost.fault(3, not_supported=["temperature", "power", "process_utilization"])
+    doc = wait_for(lambda: (d := listing(bed)) and len(d["devices"]) == 9 and d["processes"] and d)
+    assert doc
+    by_id = {d["id"]: d for d in doc["devices"]}
+    mig = by_id["MIG-11111111-2222-3333-4444-555555555555"]
+    assert (mig["parent_id"], mig["memory_total"], mig["name"]) == (dev["uuid"], 10 * GIB, "NVIDIA H100 80GB HBM3 MIG 1/0")
+    assert by_id[dev["uuid"]]["mig_mode"] is True
+    (p,) = doc["processes"]
+    assert (p["pid"], p["device_id"], p["gpu_memory"]) == (job.pid, mig["id"], 2 * GIB)
+    d3 = doc["devices"][3]
+    assert d3["temperature"] is None and d3["power"] is None and d3["utilization"] == 13.0
+
+
+def test_wrong_struct_version_gives_no_garbage(nvbed, nvhost, users):
+    """The driver writes v1-sized records into the v3 buffer pynvml hands it: the rows pynvml decodes are
+    garbage (shifted PIDs and sizes). The backend must notice and use the v1 call."""
+    bed = nvbed
+    a = bed.victim(users["owner"], comm="proc-a")
+    b = bed.victim(users["other"], comm="proc-b")
+    nvhost.add_process(4, a.pid, 3 * GIB)
+    nvhost.add_process(4, b.pid, 5 * GIB)
+    nvhost.fault(4, process_struct="v1")
+    doc = wait_for(lambda: (d := listing(bed)) and len(d["processes"]) == 2 and d)
+    assert doc, listing(bed)
+    got = sorted((p["pid"], p["gpu_memory"], p["device"]) for p in doc["processes"])
+    assert got == sorted([(a.pid, 3 * GIB, 4), (b.pid, 5 * GIB, 4)])
+    assert "struct-version mismatch" in bed.daemon.log()
+
+
+def test_lost_gpu_is_signalled_while_others_keep_updating(nvbed, nvhost, users):
+    bed = nvbed
+    rec = bed.record_signals(users["other"])
+    nvhost.fault(6, lost=True)
+    sig = rec.wait_for("DeviceStateChanged", where=lambda b: b[0] == 6 and b[2] == "lost")
+    assert sig and sig["body"][3] == "NVML: GPU is lost", sig
+    nvhost.device(1)["util_gpu"] = 77
+    nvhost.write()
+    assert wait_for(lambda: listing(bed)["devices"][1]["utilization"] == 77.0)
+    doc = listing(bed)
+    assert doc["devices"][6]["state"] == "lost" and doc["devices"][6]["id"] == nvhost.device(6)["uuid"]
+    assert bed.wait_journal(MESSAGE_ID=audit.DEVICE_STATE.message_id, GPUKILL_STATE="lost", GPUKILL_DEVICE_INDEX="6")
+    status = bed.ctl(users["other"], "status")
+    assert "8 GPUs (1 lost)" in status.stdout and "NVML: GPU is lost" in status.stdout
+
+
+def test_hung_nvml_call_marks_only_that_gpu_lost(nvbed, nvhost, users):
+    bed = nvbed
+    nvhost.fault(7, slow_ms=60000)
+    doc = wait_for(lambda: (d := listing(bed)) and d["devices"][7]["state"] == "lost" and d, timeout=15)
+    assert doc and doc["devices"][7]["state_reason"] == "NVML did not answer within 2s"
+    nvhost.device(0)["util_gpu"] = 55
+    nvhost.write()
+    assert wait_for(lambda: listing(bed)["devices"][0]["utilization"] == 55.0, timeout=15)
+    assert bed.daemon.proc.poll() is None
+
+
+def test_xid_error_surfaces_with_the_recovery_action(nvbed, nvhost, users):
+    bed = nvbed
+    rec = bed.record_signals()
+    nvhost.device(1)["recovery_action"] = 1
+    nvhost.state["xid_events"] = [{"device": 1, "xid": 79, "seq": 1}]
+    nvhost.write()
+    sig = rec.wait_for("DeviceStateChanged", where=lambda b: b[0] == 1 and b[2] == "error")
+    assert sig and sig["body"][3] == "Xid 79; recovery action: GPU reset", sig
+
+
+def test_force_reset_kills_then_calls_nvidia_smi(nvbed, nvhost, users, alive):
+    bed = nvbed
+    stuck = bed.victim(users["owner"], ignore_term=True, comm="stuck")
+    nvhost.add_process(3, stuck.pid, 4 * GIB)
+    nvhost.write()
+    assert wait_for(lambda: listing(bed)["processes"])
+    uuid = nvhost.device(3)["uuid"]
+    busy = bed.ctl(ROOT, "reset", "3")
+    assert busy.returncode == 8 and nvhost.resets() == [], busy
+    r = bed.ctl(ROOT, "reset", uuid, "--force")
+    assert r.returncode == 0, r
+    assert f"killed first: {stuck.pid}" in r.stdout and f"GPU {uuid} was successfully reset." in r.stdout
+    assert not alive(stuck.pid)
+    assert nvhost.resets() == [["--gpu-reset", "-i", uuid]]
+    kill = bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(stuck.pid))
+    assert kill and kill[0]["GPUKILL_INITIATOR"] == "reset" and kill[0]["GPUKILL_RESULT"] == "killed"
+    reset = bed.wait_journal(MESSAGE_ID=audit.RESET.message_id, GPUKILL_DEVICE=uuid)
+    assert reset and reset[0]["GPUKILL_KILLED"] == str(stuck.pid)
+
+
+def test_failed_nvidia_smi_reset_returns_its_text(fresh_bed, nvhost, users):
+    bed = fresh_bed
+    (bed.workdir / "gpukilld.conf").write_text("[daemon]\nbackends = nvidia\n")
+    bed.start_daemon(args=["--sample-interval", "0.3"], env={
+        **nvhost.env(), "GPUKILL_FAKE_SMI_FAIL": "Unable to reset this GPU because it's being used by some other process"})
+    wait_for(lambda: len(listing(bed)["devices"]) == 8)
+    r = bed.ctl(ROOT, "reset", "0")
+    assert r.returncode == 11, r
+    assert "nvidia-smi --gpu-reset failed (exit 255): Unable to reset this GPU" in r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+def test_no_nvidia_library_daemon_runs_and_says_why(fresh_bed, nvhost, users):
+    bed = fresh_bed
+    (bed.workdir / "gpukilld.conf").write_text("[daemon]\nbackends = nvidia\n")
+    bed.start_daemon(env=nvhost.env(with_library=False))
+    r = bed.ctl(users["other"], "status")
+    assert r.returncode == 0, r
+    assert "nvidia: unavailable - no NVIDIA driver: libnvidia-ml.so.1 not found; retrying in" in r.stdout
+    assert "0 GPUs" in r.stdout
+    assert listing(bed)["devices"] == []
+
+
+def test_driver_not_loaded_is_reported(fresh_bed, nvhost, users):
+    bed = fresh_bed
+    nvhost.state["init_error"] = 9
+    nvhost.write()
+    try:
+        (bed.workdir / "gpukilld.conf").write_text("[daemon]\nbackends = nvidia\n")
+        bed.start_daemon(env=nvhost.env())
+        r = bed.ctl(users["other"], "status")
+        assert "nvidia: unavailable - NVML could not start: Driver Not Loaded; retrying in 5s" in r.stdout, r.stdout
+    finally:
+        del nvhost.state["init_error"]
+        nvhost.write()
