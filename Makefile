@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # building systemd-python needs.
 APT_PACKAGES := dbus-daemon polkitd systemd util-linux libsystemd-dev pkg-config gcc python3-dev python3-venv
 
-.PHONY: all deps venv test lint demo bench clean
+.PHONY: all deps venv test test-gpu lint demo bench clean
 
 all: test
 
@@ -29,6 +29,10 @@ test: venv
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
+# The NVIDIA checks against a real driver, compared with nvidia-smi; skipped with the reason elsewhere.
+test-gpu: venv
+	$(PY) -m pytest -q -rs tests/gpu
+
 lint: venv
 	$(VENV)/bin/ruff check .
 
@@ -36,7 +40,9 @@ demo: venv
 	$(PY) examples/demo.py
 
 bench: venv
+	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/list_latency
+	$(PY) bench/nvml_peers
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -702,3 +702,7 @@ UNSUPPORTED(nvmlDeviceGetConfComputeMemSizeInfo)
 UNSUPPORTED(nvmlSystemGetConfComputeState)
 UNSUPPORTED(nvmlSystemGetHicVersion)
 UNSUPPORTED(nvmlUnitGetCount)
+UNSUPPORTED(nvmlDeviceGetDriverModel)
+UNSUPPORTED(nvmlDeviceGetDriverModel_v2)
+/* exported by 550+ drivers, whose _v3 process records are v2-sized (tools use its presence to pick the layout) */
+UNSUPPORTED(nvmlDeviceGetRunningProcessDetailList)
