@@ -109,7 +109,7 @@ def test_force_reset_kills_holders_first(victims, users, alive):
 def test_json_output_is_stable(victims, users):
     bed = victims
     victim = bed.victim(users["owner"], gpu=3, mem="1500MiB", util=12.5, comm="jsonner")
-    bed.wait_listed(victim.pid)
+    bed.wait_listed(victim.pid, comm="jsonner")
     r = bed.ctl(users["other"], "list", "--json")
     assert r.returncode == 0, r
     doc = json.loads(r.stdout)

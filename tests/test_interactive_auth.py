@@ -84,7 +84,7 @@ def interactive_bed(fresh_bed, users, tmp_path):
 def test_password_on_the_terminal_authorizes_the_kill(interactive_bed, users, alive):
     bed = interactive_bed
     victim = bed.victim(users["owner"], gpu=0, comm="victim")
-    bed.wait_listed(victim.pid)
+    bed.wait_listed(victim.pid, comm="victim")
     code, out = run_on_terminal(bed, users["other"], ["kill", str(victim.pid)], PASSWORD)
     assert "AUTHENTICATING FOR org.gpukill.kill-any-process" in out, out
     assert "AUTHENTICATION COMPLETE" in out and code == 0, out
@@ -97,7 +97,7 @@ def test_password_on_the_terminal_authorizes_the_kill(interactive_bed, users, al
 def test_wrong_password_denies_and_nothing_is_signalled(interactive_bed, users, alive):
     bed = interactive_bed
     victim = bed.victim(users["owner"], gpu=0, comm="victim")
-    bed.wait_listed(victim.pid)
+    bed.wait_listed(victim.pid, comm="victim")
     code, out = run_on_terminal(bed, users["other"], ["kill", str(victim.pid)], "wrong-password", timeout=90)
     assert "AUTHENTICATION FAILED" in out, out
     assert code == 4, out

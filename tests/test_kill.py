@@ -127,7 +127,7 @@ def test_protected_targets(victims, users, alive):
 def test_kill_through_cli_by_owner(victims, users):
     bed = victims
     victim = bed.victim(users["owner"], gpu=1, comm="xmrig")
-    bed.wait_listed(victim.pid)
+    bed.wait_listed(victim.pid, comm="xmrig")
     r = bed.ctl(users["owner"], "kill", str(victim.pid))
     assert r.returncode == 0, r
     assert r.stdout.strip() == f"PID {victim.pid} (xmrig) terminated"

@@ -83,8 +83,8 @@ def test_filters_work(victims, users):
     bed = victims
     a = bed.victim(users["owner"], gpu=0, mem="2GiB", comm="trainer")
     b = bed.victim(users["other"], gpu=1, mem="8GiB", comm="notebook")
-    bed.wait_listed(a.pid)
-    bed.wait_listed(b.pid)
+    bed.wait_listed(a.pid, comm="trainer")
+    bed.wait_listed(b.pid, comm="notebook")
 
     def pids(filt: dict) -> set[int]:
         r = bed.manager(users["other"], "ListProcesses", "a{sv}", [filt])

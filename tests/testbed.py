@@ -398,10 +398,11 @@ class Testbed:
         assert r.ok, r
         return r.body[0]
 
-    def wait_listed(self, pid: int, timeout: float = 10.0, present: bool = True) -> dict | None:
+    def wait_listed(self, pid: int, timeout: float = 10.0, present: bool = True, comm: str | None = None) -> dict | None:
+        """Wait until pid is listed (with this comm: a victim may be sampled before it renames itself)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = next((p for p in self.processes() if p["pid"] == pid), None)
+            found = next((p for p in self.processes() if p["pid"] == pid and comm in (None, p["comm"])), None)
             if (found is not None) == present:
                 return found
             time.sleep(0.2)
