@@ -22,9 +22,10 @@ CALL_TIMEOUT = 25.0
 
 DEVICE_KEYS = ("index", "id", "backend", "vendor", "name", "pci_bus_id", "utilization", "memory_used",
                "memory_total", "temperature", "power", "state", "state_reason", "power_limit", "mig_mode",
-               "parent_id")
+               "parent_id", "clock_mhz")
 PROCESS_KEYS = ("pid", "start_time", "uid", "user", "comm", "cmdline", "exe", "device", "device_id",
-                "gpu_memory", "gpu_utilization", "unit", "container_id", "pod_uid", "slurm_job", "container_pid")
+                "gpu_memory", "gpu_utilization", "unit", "container_id", "pod_uid", "slurm_job", "container_pid",
+                "memory_regions")
 
 
 class ClientError(Exception):

@@ -90,6 +90,7 @@ def device_to_dbus(d: Device) -> dict[str, Variant]:
         ("utilization", "d", d.utilization), ("memory_used", "t", d.memory_used),
         ("memory_total", "t", d.memory_total), ("temperature", "d", d.temperature), ("power", "d", d.power),
         ("power_limit", "d", d.power_limit), ("mig_mode", "b", d.mig_mode), ("parent_id", "s", d.parent_id),
+        ("clock_mhz", "d", d.clock_mhz),
     ):
         if value is not None:
             out[key] = Variant(sig, value)
@@ -110,6 +111,11 @@ def process_to_dbus(p: GpuProcess) -> dict[str, Variant]:
     ):
         if value is not None:
             out[key] = Variant(sig, value)
+    if p.memory_regions:  # region -> {"total": bytes, "resident": bytes}, each only where known
+        out["memory_regions"] = Variant("a{sa{st}}", {
+            r.name: {k: v for k, v in (("total", r.total), ("resident", r.resident)) if v is not None}
+            for r in p.memory_regions
+        })
     return out
 
 

@@ -30,6 +30,7 @@ class Device:
     power_limit: float | None = None  # watts, the enforced limit
     mig_mode: bool | None = None  # NVIDIA Multi-Instance GPU mode; None where the device has no such mode
     parent_id: str | None = None  # for a partition (a MIG instance): the id of its physical GPU
+    clock_mhz: float | None = None  # current graphics clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,16 @@ class DeviceReading:
     power_limit: float | None = None
     mig_mode: bool | None = None
     parent_id: str | None = None
+    clock_mhz: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRegion:
+    """A process's GPU memory in one region (vram, gtt, system0, ...), as DRM fdinfo or KFD report it."""
+
+    name: str
+    total: int | None  # bytes: every buffer created in the region, backed or not
+    resident: int | None  # bytes: buffers whose backing store is present
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +72,7 @@ class ProcessUsage:
     device_id: str
     gpu_memory: int | None = None
     gpu_utilization: float | None = None
+    memory_regions: tuple[MemoryRegion, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +98,7 @@ class GpuProcess:
     gpu_utilization: float | None
     attribution: Attribution = field(default_factory=Attribution)
     container_pid: int | None = None  # PID inside the innermost PID namespace, from NSpid
+    memory_regions: tuple[MemoryRegion, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

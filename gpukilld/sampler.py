@@ -128,7 +128,7 @@ class Sampler:
                     pci_bus_id=r.pci_bus_id, utilization=r.utilization, memory_used=r.memory_used,
                     memory_total=r.memory_total, temperature=r.temperature, power=r.power,
                     state=r.state, state_reason=r.state_reason, power_limit=r.power_limit,
-                    mig_mode=r.mig_mode, parent_id=r.parent_id,
+                    mig_mode=r.mig_mode, parent_id=r.parent_id, clock_mhz=r.clock_mhz,
                 )
             usages.extend(sample.processes)
 
@@ -137,7 +137,7 @@ class Sampler:
             if dev_id not in devices:
                 devices[dev_id] = dataclasses.replace(
                     old, state=STATE_LOST, state_reason="no longer reported by its backend",
-                    utilization=None, memory_used=None, temperature=None, power=None,
+                    utilization=None, memory_used=None, temperature=None, power=None, clock_mhz=None,
                 )
 
         changes = [
@@ -166,6 +166,7 @@ class Sampler:
                     cmdline=info.cmdline, exe=info.exe, device=dev.index, device_id=dev.id,
                     gpu_memory=u.gpu_memory, gpu_utilization=u.gpu_utilization,
                     attribution=info.attribution, container_pid=info.container_pid,
+                    memory_regions=u.memory_regions,
                 )
             )
         for key in self._info_cache.keys() - live_keys:
