@@ -17,14 +17,21 @@ from .simulated import SimulatedBackend
 FACTORIES: dict[str, Callable[[Config], Backend]] = {
     "simulated": lambda c: SimulatedBackend(c.simulate or "", _procfs(c)),
     "nvidia": lambda c: _nvidia(c),
+    "drm": lambda c: _drm(c),
 }
-REAL_BACKENDS: tuple[str, ...] = ("nvidia",)  # in this order under `auto`; each vendor backend appends its name
+REAL_BACKENDS: tuple[str, ...] = ("nvidia", "drm")  # in this order under `auto`; each vendor backend appends its name
 
 
 def _nvidia(config: Config) -> Backend:
     from .nvidia import NvidiaBackend  # imports pynvml only when configured
 
     return NvidiaBackend(_procfs(config))
+
+
+def _drm(config: Config) -> Backend:
+    from .drm import DrmBackend  # AMD, Intel, Arm and Apple GPUs through sysfs, DRM fdinfo and KFD
+
+    return DrmBackend(config.sys_root, config.proc_root, config.debugfs_root)
 
 
 def _procfs(config: Config):

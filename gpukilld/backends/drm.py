@@ -1,0 +1,183 @@
+"""AMD, Intel and other DRM GPUs (amdgpu, i915, xe, msm, panfrost, panthor, v3d, asahi, ...) from what the
+kernel exposes, without vendor tools: devices from sysfs, telemetry from sysfs and hwmon (pyrsmi first for
+AMD where ROCm is installed), processes from DRM fdinfo and ROCm compute processes from KFD.
+
+Each sample: discover the cards, scan /proc for DRM clients (incrementally, drm_scan), turn counters into
+utilization against the previous sample (drm_usage), add KFD processes (drm_kfd), read telemetry
+(drm_telemetry, drm_rsmi). Resets are planned and run by drm_reset. Every root (/sys, /proc, debugfs) comes
+from the configuration, so the tests run all of it on fixture trees.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ..errors import ResetFailed
+from ..model import BackendStatus, DeviceReading
+from . import Backend, BackendSample
+from .drm_discovery import DrmCard, discover
+from .drm_fdinfo import Engine
+from .drm_kfd import read_kfd
+from .drm_reset import execute, plan_reset
+from .drm_rsmi import RsmiSource, merge
+from .drm_scan import ClientRead, FdScanner, read_start_time
+from .drm_telemetry import Telemetry, TelemetryReader
+from .drm_usage import Client, UtilizationTracker, device_utilization, process_usages
+
+log = logging.getLogger(__name__)
+
+# Drivers whose fdinfo carries engine counters: where sysfs has no busy figure, the device's utilization is
+# derived from its clients. Others (asahi) report none: their utilization stays unknown.
+ENGINE_DRIVERS = {"amdgpu", "i915", "xe", "msm", "panfrost", "panthor", "v3d", "etnaviv", "lima", "powervr"}
+WHY_UNAVAILABLE = {
+    "asahi": "the asahi driver exports no usage counters in fdinfo and no hwmon sensors",
+}
+
+
+class DrmBackend(Backend):
+    name = "drm"
+
+    def __init__(self, sys_root: str = "/sys", proc_root: str = "/proc", debugfs_root: str = "/sys/kernel/debug",
+                 clock: Callable[[], float] = time.monotonic, use_rsmi: bool = True,
+                 revalidate_every: int = 100) -> None:
+        self.sys_root = sys_root
+        self.proc_root = proc_root
+        self.debugfs_root = debugfs_root
+        self.clock = clock  # monotonic seconds; the tests drive it for exact percentages
+        self.scanner = FdScanner(proc_root, revalidate_every)
+        self.tracker = UtilizationTracker()
+        self.telemetry = TelemetryReader()
+        self._use_rsmi = use_rsmi
+        self._rsmi: RsmiSource | None = None
+        self._notes: dict[str, str] = {}  # card id -> what it cannot report, and why
+        self._lock = threading.Lock()  # reset runs in a worker thread while the sampler samples
+
+    # -- status ----------------------------------------------------------------------------------------
+
+    def status(self) -> BackendStatus:
+        cards = discover(self.sys_root)
+        if not cards:
+            return BackendStatus(self.name, False, f"no DRM GPU under {self.sys_root}/class/drm "
+                                 "(display-only devices and cards on NVIDIA's driver are not counted)")
+        listed = ", ".join(f"{c.driver} {c.pci_address or c.id}" for c in cards)
+        parts = [f"{len(cards)} GPU{'s' if len(cards) > 1 else ''}: {listed}"]
+        if self._rsmi is not None and any(c.driver == "amdgpu" for c in cards):
+            parts.append(self._rsmi.reason)
+        with self._lock:
+            parts.extend(self._notes[c.id] for c in cards if c.id in self._notes)
+        return BackendStatus(self.name, True, "; ".join(parts))
+
+    # -- sampling --------------------------------------------------------------------------------------
+
+    def _rsmi_source(self, cards: list[DrmCard]) -> RsmiSource | None:
+        if self._use_rsmi and self._rsmi is None and any(c.driver == "amdgpu" for c in cards):
+            self._rsmi = RsmiSource()  # only on hosts with an AMD GPU; imports pyrsmi if installed
+        return self._rsmi
+
+    def _fdinfo_clients(self, reads: list[ClientRead], by_minor: dict[int, DrmCard], now: float,
+                        clients: dict[tuple, Client], incomplete: set[str]) -> None:
+        for r in reads:
+            card = by_minor.get(r.minor)
+            if card is None:
+                continue  # a DRM device we do not list (display-only, NVIDIA's)
+            holder = (r.start_time, r.pid)
+            info = r.info
+            if info is None or info.client_id is None:
+                key: tuple = (card.id, "fd", r.pid, r.start_time, r.fd)  # no id: cannot be matched to others
+            else:
+                key = (card.id, info.client_id)
+            if info is None:
+                incomplete.add(card.id)
+                clients[key] = Client(key, card.id, {holder}, None)
+                continue
+            known = clients.get(key)
+            if known is not None:  # the same client through a dup'ed or inherited fd: count it once
+                known.holders.add(holder)
+                continue
+            has_usage_keys = bool(info.engines or info.regions)  # asahi prints neither: usage unknown
+            engines = self.tracker.update(key, info.engines, now) if has_usage_keys else None
+            clients[key] = Client(key, card.id, {holder}, engines, info.regions, has_usage_keys=has_usage_keys)
+
+    def _kfd_clients(self, by_minor: dict[int, DrmCard], now: float, clients: dict[tuple, Client]) -> None:
+        for k in read_kfd(self.sys_root):
+            card = by_minor.get(k.render_minor)
+            start_time = read_start_time(self.proc_root, k.pid)
+            if card is None or start_time is None:
+                continue
+            key = (card.id, "kfd", k.pid, start_time)
+            sdma = None
+            if k.sdma_us is not None:
+                sdma = self.tracker.update(key, {"sdma": Engine(busy_ns=k.sdma_us * 1000)}, now)
+            occupancy = None
+            if k.cu_occupancy is not None and k.compute_units:
+                occupancy = min(1.0, k.cu_occupancy / k.compute_units)
+            clients[key] = Client(key, card.id, {(start_time, k.pid)}, sdma, has_usage_keys=True,
+                                  occupancy=occupancy, kfd_vram=k.vram)
+
+    def _note(self, card: DrmCard, t: Telemetry, utilization: float | None) -> str | None:
+        missing = []
+        if utilization is None and card.driver not in ENGINE_DRIVERS:
+            missing.append("utilization")
+        if t.memory_used is None and t.memory_total is None:
+            missing.append("memory")
+        if t.temperature is None:
+            missing.append("temperature")
+        if not missing:
+            return None
+        why = WHY_UNAVAILABLE.get(card.driver, f"not exported by the {card.driver} driver")
+        return f"{card.driver} {card.pci_address or card.id}: no {', '.join(missing)} ({why})"
+
+    def sample(self) -> BackendSample:
+        now = self.clock()
+        cards = discover(self.sys_root)
+        by_minor = {m: c for c in cards for m in (c.card_minor, c.render_minor)}
+        clients: dict[tuple, Client] = {}
+        incomplete: set[str] = set()  # devices with a client whose fdinfo could not be read
+        self._fdinfo_clients(self.scanner.scan(), by_minor, now, clients, incomplete)
+        self._kfd_clients(by_minor, now, clients)
+        self.tracker.end_round()
+
+        sample = BackendSample(processes=process_usages(clients.values()))
+        rsmi = self._rsmi_source(cards)
+        notes = {}
+        for card in cards:
+            t = self.telemetry.read(card, now)
+            if card.driver == "amdgpu" and rsmi is not None:
+                t = merge(rsmi.read(card.pci_address), t)
+            utilization = t.utilization
+            if utilization is None and card.driver in ENGINE_DRIVERS:
+                on_card = [c for c in clients.values() if c.device_id == card.id]
+                utilization = device_utilization(on_card, card.id not in incomplete)
+            if (note := self._note(card, t, utilization)) is not None:
+                notes[card.id] = note
+            sample.devices.append(DeviceReading(
+                id=card.id, vendor=card.vendor, name=card.name, pci_bus_id=card.pci_address,
+                utilization=utilization, memory_used=t.memory_used, memory_total=t.memory_total,
+                temperature=t.temperature, power=t.power, clock_mhz=t.clock_mhz,
+            ))
+        self.telemetry.forget({c.id for c in cards})
+        with self._lock:
+            self._notes = notes
+        return sample
+
+    # -- reset -----------------------------------------------------------------------------------------
+
+    def _plan(self, device_id: str):
+        cards = discover(self.sys_root)  # fresh: the device may have gone since the last sample
+        card = next((c for c in cards if c.id == device_id), None)
+        if card is None:
+            raise ResetFailed(f"device {device_id} is no longer present")
+        return plan_reset(card, cards, self.sys_root, self.debugfs_root)
+
+    def check_reset(self, device_id: str) -> None:
+        self._plan(device_id)
+
+    def reset(self, device_id: str) -> str:
+        return execute(self._plan(device_id))
+
+    def close(self) -> None:
+        if self._rsmi is not None:
+            self._rsmi.close()

@@ -1,0 +1,201 @@
+"""From fdinfo counters to usage: per-client utilization between two samples, each client counted once, and
+per-process and per-device figures.
+
+Utilization of an engine over the time between a client's previous and current sample:
+    drm-cycles and drm-total-cycles (xe)        d(cycles) / (d(total cycles) x capacity)
+    drm-cycles and drm-maxfreq (msm, panfrost)  d(cycles) / (maxfreq x dt x capacity)
+    drm-engine ns (i915, amdgpu, ...)           d(ns) / (dt x capacity)
+The first sample of a client has nothing to compare with: its utilization is None, not 0. A counter lower than
+the largest value seen is held at that value until it climbs past it (drm-usage-stats.rst: drivers may go
+backwards briefly and must catch up), so a dip never gives a negative or inflated figure.
+
+A process's utilization is its busiest engine (engines run in parallel; adding render and copy time would go
+past 100 %), summed over its clients. A client shared by several processes (an fd inherited across fork,
+passed over a socket, or dup'ed) is one (device, drm-client-id): its usage is counted once, under the holder
+that started first; the other holders are still listed on the device (a reset must stop them too) but with
+unknown usage, since none of it is theirs alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..model import MemoryRegion, ProcessUsage
+from .drm_fdinfo import Engine, Region
+
+LOCAL_REGIONS = ("vram", "local")  # device memory (amdgpu vram, xe vram0, i915 local0); the rest is system RAM
+
+ClientKey = tuple  # (device id, drm-client-id) or, for a client without an id, (device id, pid, start, fd)
+Holder = tuple[int, int]  # (start time, pid): min() is the holder that started first
+
+
+@dataclass(slots=True)
+class _Marks:
+    """Largest counter values seen for one engine of one client."""
+
+    busy_ns: int | None
+    cycles: int | None
+    total_cycles: int | None
+
+
+@dataclass(slots=True)
+class _ClientState:
+    at: float
+    marks: dict[str, _Marks]
+
+
+def _advance(previous: int | None, current: int | None) -> tuple[int | None, int | None]:
+    """(delta, new mark) for a counter that may dip: stay with the larger previous value until it is passed."""
+    if current is None or previous is None:
+        return None, current
+    mark = max(previous, current)
+    return mark - previous, mark
+
+
+def engine_fraction(engine: Engine, prev: _Marks, dt: float, new: _Marks) -> float | None:
+    """Fraction (0..1) of the engine this client kept busy; fills `new` with the marks to keep."""
+    d_busy, new.busy_ns = _advance(prev.busy_ns, engine.busy_ns)
+    d_cycles, new.cycles = _advance(prev.cycles, engine.cycles)
+    d_total, new.total_cycles = _advance(prev.total_cycles, engine.total_cycles)
+    capacity = engine.capacity
+    if d_cycles is not None and d_total is not None:
+        value = d_cycles / (d_total * capacity) if d_total > 0 else None
+    elif d_cycles is not None and engine.maxfreq_hz:
+        value = d_cycles / (engine.maxfreq_hz * dt * capacity) if dt > 0 else None
+    elif d_busy is not None:
+        value = d_busy / (dt * 1e9 * capacity) if dt > 0 else None
+    else:
+        value = None
+    return None if value is None else min(1.0, max(0.0, value))
+
+
+class UtilizationTracker:
+    """Counters of every client from its previous sample; forgets clients that were not seen in a sample."""
+
+    def __init__(self) -> None:
+        self._clients: dict[ClientKey, _ClientState] = {}
+        self._seen: set[ClientKey] = set()
+
+    def update(self, key: ClientKey, engines: dict[str, Engine], now: float) -> dict[str, float] | None:
+        """Per-engine busy fraction since this client's last update; None on its first."""
+        self._seen.add(key)
+        prev = self._clients.get(key)
+        marks = {name: _Marks(e.busy_ns, e.cycles, e.total_cycles) for name, e in engines.items()}
+        if prev is None:
+            self._clients[key] = _ClientState(now, marks)
+            return None
+        dt = now - prev.at
+        fractions = {}
+        for name, engine in engines.items():
+            old = prev.marks.get(name)
+            if old is None:
+                # A counter that appeared since counted from zero: amdgpu prints an engine only once the
+                # client used it. A GPU timestamp (drm-total-cycles) has no such zero: wait for the next.
+                if engine.total_cycles is not None:
+                    continue
+                old = _Marks(0 if engine.busy_ns is not None else None, 0 if engine.cycles is not None else None,
+                             None)
+            value = engine_fraction(engine, old, dt, marks[name])
+            if value is not None:
+                fractions[name] = value
+        self._clients[key] = _ClientState(now, marks)
+        return fractions
+
+    def end_round(self) -> None:
+        """Clients not updated since the last round exited: drop them, so a reused id starts afresh."""
+        for key in self._clients.keys() - self._seen:
+            del self._clients[key]
+        self._seen = set()
+
+
+@dataclass(slots=True)
+class Client:
+    """One DRM client (or KFD process) on one device, as seen in one sample."""
+
+    key: ClientKey
+    device_id: str
+    holders: set[Holder]
+    engines: dict[str, float] | None  # busy fraction per engine; None: not known (first sample, unreadable)
+    regions: dict[str, Region] = field(default_factory=dict)
+    has_usage_keys: bool = False  # the driver printed engine or memory keys at all
+    occupancy: float | None = None  # KFD: fraction of compute units busy with this process's waves
+    kfd_vram: int | None = None  # KFD: VRAM allocated through /dev/kfd
+
+
+def region_bytes(region: Region) -> int | None:
+    return region.resident if region.resident is not None else region.total
+
+
+def gpu_memory(regions: dict[str, Region]) -> int | None:
+    """Device memory where the client has any (a discrete GPU), else all of it (an integrated one shares RAM)."""
+    local = {n: r for n, r in regions.items() if n.startswith(LOCAL_REGIONS)}
+    values = [region_bytes(r) for r in (local or regions).values()]
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _sum(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else a + b
+
+
+def _busiest(per_engine: dict[str, float]) -> float | None:
+    return min(100.0, 100.0 * max(per_engine.values())) if per_engine else None
+
+
+def process_usages(clients: Iterable[Client]) -> list[ProcessUsage]:
+    """One ProcessUsage per (process, device): owned clients summed, shared ones counted under their owner."""
+    owned: dict[tuple[int, int, str], list[Client]] = {}
+    for client in clients:
+        owner = min(client.holders)
+        for holder in client.holders:
+            slot = owned.setdefault((holder[1], holder[0], client.device_id), [])
+            if holder == owner:
+                slot.append(client)
+    usages = []
+    for (pid, start_time, device_id), mine in sorted(owned.items()):
+        engines: dict[str, float] = {}
+        known_engines = False
+        regions: dict[str, Region] = {}
+        occupancy: float | None = None
+        kfd_vram: int | None = None
+        for c in mine:
+            if c.engines is not None:
+                known_engines = True
+                for name, value in c.engines.items():
+                    engines[name] = engines.get(name, 0.0) + value
+            for name, r in c.regions.items():
+                acc = regions.setdefault(name, Region())
+                acc.total, acc.resident = _sum(acc.total, r.total), _sum(acc.resident, r.resident)
+            if c.occupancy is not None:
+                occupancy = (occupancy or 0.0) + c.occupancy
+            kfd_vram = _sum(kfd_vram, c.kfd_vram)
+        utilization = _busiest(engines) if known_engines else None
+        if known_engines and utilization is None:
+            utilization = 0.0  # the driver reported engines and none moved
+        if occupancy is not None:
+            utilization = max(utilization or 0.0, min(100.0, 100.0 * occupancy))
+        memory = gpu_memory(regions)
+        if kfd_vram is not None:  # KFD buffers live in the same VM the render fd reports: never add the two
+            memory = max(memory or 0, kfd_vram)
+            if not regions:
+                regions["vram"] = Region(total=kfd_vram)
+        usages.append(ProcessUsage(
+            pid=pid, start_time=start_time, device_id=device_id, gpu_memory=memory, gpu_utilization=utilization,
+            memory_regions=tuple(MemoryRegion(n, r.total, r.resident) for n, r in sorted(regions.items())),
+        ))
+    return usages
+
+
+def device_utilization(clients: list[Client], complete: bool) -> float | None:
+    """Busiest engine summed over every client of one device, for drivers with no busy figure in sysfs.
+
+    None unless every client's share is known (complete: no unreadable fdinfo; none in its first sample)."""
+    if not complete or any(c.engines is None for c in clients if c.has_usage_keys):
+        return None
+    per_engine: dict[str, float] = {}
+    for c in clients:
+        for name, value in (c.engines or {}).items():
+            per_engine[name] = per_engine.get(name, 0.0) + value
+    return _busiest(per_engine) if per_engine else 0.0
+
