@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # building systemd-python needs.
 APT_PACKAGES := dbus-daemon polkitd systemd util-linux libsystemd-dev pkg-config gcc python3-dev python3-venv
 
-.PHONY: all deps venv test test-gpu lint demo bench clean
+.PHONY: all deps venv test test-gpu lint demo bench clean deb rpm pkg-deps test-package
 
 all: test
 
@@ -44,5 +44,42 @@ bench: venv
 	$(PY) bench/list_latency
 	$(PY) bench/nvml_peers
 
+# --- packages --------------------------------------------------------------------------------------------
+PKG_APT_PACKAGES := debhelper dh-python dpkg-dev fakeroot lintian rpm python3-pip debootstrap systemd-container
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+BUILD := build
+
+pkg-deps:
+	@missing=""; for p in $(PKG_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "installing:$$missing"; apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
+
+# The source as it is in the working tree (tracked and untracked-not-ignored files), plus the wheels that
+# the packages bundle (packaging/vendor-requirements.txt), for CPython 3.11 on x86-64 as bookworm has.
+$(BUILD)/src: pkg-deps
+	rm -rf $(BUILD)/src && mkdir -p $(BUILD)/src
+	git ls-files -co --exclude-standard -z | xargs -0 tar -cf - | tar -xf - -C $(BUILD)/src
+	/usr/bin/python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d $(BUILD)/src/wheels -r packaging/vendor-requirements.txt
+
+deb: $(BUILD)/src
+	rm -rf $(BUILD)/src/debian && cp -r packaging/debian $(BUILD)/src/debian
+	cd $(BUILD)/src && dpkg-buildpackage -us -uc -b
+	mkdir -p dist && mv $(BUILD)/gpukill_$(VERSION)_*.deb dist/
+	rm -f $(BUILD)/gpukill_$(VERSION)_*
+	lintian --fail-on error dist/gpukill_$(VERSION)_amd64.deb
+
+rpm: $(BUILD)/src
+	mkdir -p $(BUILD)/rpm/SOURCES dist
+	tar -czf $(BUILD)/rpm/SOURCES/gpukill-$(VERSION).tar.gz -C $(BUILD) --transform 's,^src,gpukill-$(VERSION),' src
+	rpmbuild -bb --nodeps --define "_topdir $(CURDIR)/$(BUILD)/rpm" --define "version $(VERSION)" packaging/rpm/gpukill.spec
+	cp $(BUILD)/rpm/RPMS/x86_64/gpukill-$(VERSION)-*.rpm dist/
+	rpm -qlp dist/gpukill-$(VERSION)-*.rpm
+
+# Install the .deb into a debootstrapped bookworm booted under systemd-nspawn and check it there.
+test-package: venv deb
+	$(PY) -m pytest -q -rs -s tests/package
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache $(BUILD) dist

@@ -39,7 +39,8 @@ def test_live_introspection_equals_the_xml(bed, users):
     assert r.ok, r
     live = ET.fromstring(r.body[0])
     contract = ET.parse(XML).getroot()
-    assert interface_shape(live, "org.gpukill1.Manager") == interface_shape(contract, "org.gpukill1.Manager")
+    for name in ("org.gpukill1.Manager", "org.gpukill1.Guard"):
+        assert interface_shape(live, name) == interface_shape(contract, name), name
     ours = {i.get("name") for i in live.iter("interface") if i.get("name").startswith("org.gpukill1")}
     assert ours == {i.get("name") for i in contract.iter("interface")}
 
@@ -68,7 +69,7 @@ def test_polkit_defaults_are_as_specified():
 def test_unit_passes_systemd_analyze_verify(tmp_path):
     gpukilld = shutil.which("gpukilld") or str(REPO / ".venv" / "bin" / "gpukilld")
     unit = tmp_path / "gpukilld.service"
-    unit.write_text((REPO / "systemd" / "gpukilld.service").read_text().replace("/usr/bin/gpukilld", gpukilld))
+    unit.write_text((REPO / "systemd" / "gpukilld.service").read_text().replace("/usr/sbin/gpukilld", gpukilld))
     r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
     text = unit.read_text()
