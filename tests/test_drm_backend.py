@@ -27,8 +27,9 @@ from drm_fixtures import (
 
 from gpukilld.backends.drm import DrmBackend
 from gpukilld.backends.drm_rsmi import RsmiSource, bdf_to_address, merge
+from gpukilld.backends.drm_scan import FdScanner
 from gpukilld.backends.drm_telemetry import Telemetry
-from gpukilld.errors import NotSupported, ResetFailed
+from gpukilld.errors import DeviceBusy, NotSupported, ResetFailed
 from gpukilld.model import MemoryRegion
 
 REPO = Path(__file__).resolve().parents[1]
@@ -338,7 +339,50 @@ def test_every_process_is_revalidated_within_the_period(host):
     assert found.count(True) >= 1 and found[-1]
 
 
+def test_kernels_before_6_2_fingerprint_the_fd_numbers(host):
+    """Before Linux 6.2 the size of /proc/PID/fd is 0 whatever is open; the scanner then keeps the fd numbers.
+    The fixture directory's size never moves either, so a new fd behind a restored mtime shows the difference."""
+    host.amdgpu()
+    host.process(3100, "late-opener", start_time=1)
+    host.open_file(3100, 0, "/dev/null")
+    by_numbers = FdScanner(str(host.proc), revalidate_every=1000, fd_counts=False)
+    by_size = FdScanner(str(host.proc), revalidate_every=1000)
+    by_numbers.scan()
+    by_size.scan()
+    assert by_size.fd_counts is True  # found out from the tree: a non-zero size
+    fd_dir = host.proc / "3100" / "fd"
+    before = os.stat(fd_dir)
+    host.open_drm(3100, 5, 128, amdgpu_fdinfo(8, "0000:03:00.0", vram=GiB))
+    os.utime(fd_dir, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert [r.pid for r in by_numbers.scan()] == [3100]
+    assert by_size.scan() == []  # same size, same mtime: only the periodic re-read would find it
+
+
 # -- resets ------------------------------------------------------------------------------------------
+
+
+def test_reset_refuses_while_a_full_scan_finds_holders(host):
+    a = host.amdgpu("0000:c1:00.0", card=0, render=128)
+    peer = host.amdgpu("0000:c2:00.0", card=1, render=129)
+    host.xgmi_hive([a, peer], hive_id=77)
+    host.amdgpu_recover(0, "0\n")
+    host.amdgpu_recover(1, "0\n")
+    host.kfd_gpu(1, gpu_id=1111, render_minor=128)
+    b = backend(host, Clock())
+    host.process(4100, "on-peer", start_time=5)  # opened after the last sample: only a full scan sees it
+    host.open_drm(4100, 9, 129, amdgpu_fdinfo(3, "0000:c2:00.0", vram=GiB))
+    with pytest.raises(DeviceBusy, match="1 process\\(es\\) hold 0000:c1:00.0 or its XGMI peers: 4100; nothing "
+                                         "was reset; XGMI hive 77: its peers 0000:c2:00.0 are reset with it"):
+        b.reset("0000:c1:00.0")
+    host.exit(4100)
+    host.process(4101, "rocm-only", start_time=6)
+    host.kfd_process(4101, 1111, vram=GiB)
+    with pytest.raises(DeviceBusy, match="hold 0000:c1:00.0 or its XGMI peers: 4101;"):
+        b.reset("0000:c1:00.0")
+    host.exit(4101)  # KFD's entry outlives the /proc one for a moment: a dead PID holds nothing
+    assert b.reset("0000:c1:00.0").startswith("amdgpu GPU recovery of 0000:c1:00.0 done")
+
+
 
 
 def test_amdgpu_reset_reads_amdgpu_gpu_recover(host):

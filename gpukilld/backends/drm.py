@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import ResetFailed
+from ..errors import DeviceBusy, ResetFailed
 from ..model import BackendStatus, DeviceReading
 from . import Backend, BackendSample
 from .drm_discovery import DrmCard, discover
@@ -23,7 +23,7 @@ from .drm_fdinfo import Engine
 from .drm_kfd import read_kfd
 from .drm_reset import execute, plan_reset
 from .drm_rsmi import RsmiSource, merge
-from .drm_scan import ClientRead, FdScanner, read_start_time
+from .drm_scan import ClientRead, FdScanner, holders, is_running, read_start_time
 from .drm_telemetry import Telemetry, TelemetryReader
 from .drm_usage import Client, UtilizationTracker, device_utilization, process_usages
 
@@ -176,7 +176,21 @@ class DrmBackend(Backend):
         self._plan(device_id)
 
     def reset(self, device_id: str) -> str:
-        return execute(self._plan(device_id))
+        """Reset, after a full scan finds nobody on the GPU (or on an XGMI peer, which is reset with it).
+
+        The caller cleared the holders it knew of from the last sample; the incremental scan may lag behind
+        an fd number reused between two samples, so this look is a full one, however long it takes."""
+        plan = self._plan(device_id)
+        cards = [plan.card] + [c for c in discover(self.sys_root) if (c.pci_address or c.id) in plan.peers]
+        minors = {m for c in cards for m in (c.card_minor, c.render_minor)}
+        pids = set(holders(self.proc_root, minors))
+        pids.update(k.pid for k in read_kfd(self.sys_root) if k.render_minor in minors
+                    and is_running(self.proc_root, k.pid))
+        if pids:
+            where = f"{plan.card.pci_address or plan.card.id}" + (" or its XGMI peers" if plan.peers else "")
+            listed = ", ".join(map(str, sorted(pids)[:8]))
+            raise DeviceBusy(f"{len(pids)} process(es) hold {where}: {listed}; nothing was reset{plan.peers_note}")
+        return execute(plan)
 
     def close(self) -> None:
         if self._rsmi is not None:
