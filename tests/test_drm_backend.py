@@ -456,11 +456,13 @@ def test_mixed_host_lists_each_gpu_once_in_card_order(host):
     host.i915("0000:00:02.0", card=1, render=129)
     host.xe("0000:04:00.0", card=2, render=130)
     host.ast("0000:02:00.0", card=3)  # the BMC's display: no render node, not a GPU
+    host.amdgpu("0000:83:00.0", card=4, render=131, unique_id="00aa11bb22cc33dd")  # a serial seen twice
     b = backend(host, Clock())
     s = b.sample()
     assert [(d.id, d.vendor) for d in s.devices] == [("GPU-00aa11bb22cc33dd", "amd"), ("0000:00:02.0", "intel"),
-                                                     ("0000:04:00.0", "intel")]
-    assert b.status().detail.startswith("3 GPUs: amdgpu 0000:03:00.0, i915 0000:00:02.0, xe 0000:04:00.0")
+                                                     ("0000:04:00.0", "intel"), ("0000:83:00.0", "amd")]
+    assert b.status().detail.startswith("4 GPUs: amdgpu 0000:03:00.0, i915 0000:00:02.0, xe 0000:04:00.0, "
+                                        "amdgpu 0000:83:00.0")
 
 
 def test_no_gpu_means_unavailable_with_the_reason(host):

@@ -8,6 +8,7 @@ backend and are left out, so a mixed host never lists one GPU twice.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -104,9 +105,12 @@ def _card(sys_root: str, card: str) -> DrmCard | None:
 def discover(sys_root: str = "/sys") -> list[DrmCard]:
     """Every GPU under sys_root, in card order. Cheap enough to run every sample, so hot-plug and unbinding show."""
     cards = [c for c in listdir(f"{sys_root}/class/drm") if re.fullmatch(r"card\d+", c)]
-    found = []
+    found: list[DrmCard] = []
     for card in sorted(cards, key=lambda c: int(c[4:])):
         drm_card = _card(sys_root, card)
-        if drm_card is not None:
-            found.append(drm_card)
+        if drm_card is None:
+            continue
+        if any(c.id == drm_card.id for c in found):  # a serial two cards share cannot name either alone
+            drm_card = dataclasses.replace(drm_card, id=os.path.basename(drm_card.device_path))
+        found.append(drm_card)
     return found

@@ -19,10 +19,10 @@ def bdf_to_address(bdf: int) -> str:
     return f"{bdf >> 32:04x}:{(bdf >> 8) & 0xFF:02x}:{(bdf >> 3) & 0x1F:02x}.{bdf & 0x7}"
 
 
-def _value(fn: Any, index: int) -> float | None:
+def _value(rocml: Any, function: str, index: int) -> float | None:
     try:
-        v = fn(index)
-    except Exception:  # a vendor call that fails for one value must not cost the others
+        v = getattr(rocml, function)(index)
+    except Exception:  # a call missing from this pyrsmi, or failing for one value, must not cost the others
         return None
     return None if v is None or v < 0 else v
 
@@ -60,12 +60,12 @@ class RsmiSource:
             return None
         r = self._rocml
         t = Telemetry()
-        busy = _value(r.smi_get_device_utilization, index)
+        busy = _value(r, "smi_get_device_utilization", index)
         t.utilization = None if busy is None else float(busy)
-        used, total = _value(r.smi_get_device_memory_used, index), _value(r.smi_get_device_memory_total, index)
+        used, total = _value(r, "smi_get_device_memory_used", index), _value(r, "smi_get_device_memory_total", index)
         t.memory_used = None if used is None else int(used)
         t.memory_total = None if total is None else int(total)
-        t.power = _value(r.smi_get_device_average_power, index)  # watts already
+        t.power = _value(r, "smi_get_device_average_power", index)  # watts already
         return t
 
     def close(self) -> None:
