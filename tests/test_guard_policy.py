@@ -1,0 +1,254 @@
+"""Guard policy files: the admins' policy loads as is, and broken files are reported as FILE:LINE:COL.
+
+No daemon here: policy.py is what `gpukillctl guard validate` runs offline, and what LoadPolicy runs before
+anything is swapped. Every broken file is checked for the exact line and column of the mistake.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+from testbed import PYTHON, REPO
+
+from gpukilld.guard.policy import (
+    PER_PROCESS,
+    PER_USER,
+    PolicyError,
+    load_paths,
+    load_texts,
+    parse_duration,
+)
+
+ISSUE_POLICY = REPO / "tests" / "guard_policies" / "issue5.yaml"
+EXAMPLE = REPO / "examples" / "guard.yaml"
+
+# The policy exactly as issue 5 gives it ("The policy admins will paste first (must load as is)").
+ISSUE_TEXT = '''\
+rules:
+  - name: "block-crypto-miners"
+    description: "Terminate processes with miner-like names or high compute load"
+    conditions:
+      - type: "process_name"
+        operator: "contains_any"
+        value: ["xmrig", "ethminer", "cpuminer"]
+      - type: "gpu_utilization"
+        operator: ">"
+        value: 95
+        duration: "5m"
+    action: "kill"
+    force: true
+    notify: ["admin@company.com"]
+  - name: "limit-user-memory"
+    description: "Limit any single user's GPU memory usage to 8GB"
+    conditions:
+      - type: "user_memory"
+        operator: ">"
+        value: 8589934592
+        scope: "per_user"
+    action: "kill"
+    force: false
+    grace_period: "30s"
+'''
+
+
+def test_the_issue_policy_file_is_the_issue_text():
+    assert ISSUE_POLICY.read_text() == ISSUE_TEXT
+
+
+def test_the_issue_policy_loads_as_is_with_and_by_default():
+    policy = load_paths([str(ISSUE_POLICY)])
+    miners, memory = policy.rules
+    assert miners.name == "block-crypto-miners" and memory.name == "limit-user-memory"
+    # "Terminate processes with miner-like names OR high compute load" says the description; the rule is AND
+    assert miners.match == "all" and miners.scope == PER_PROCESS
+    assert [c.type for c in miners.conditions] == ["process_name", "gpu_utilization"]
+    assert miners.conditions[0].value == ("xmrig", "ethminer", "cpuminer")
+    assert miners.conditions[1].value == 95 and miners.conditions[1].duration == 300.0
+    assert miners.force and miners.grace_period == 0 and miners.notify == ("admin@company.com",)
+    # the condition's scope makes the rule per_user: only the largest processes are killed
+    assert memory.scope == PER_USER and memory.conditions[0].value == 8 * 1024**3
+    assert not memory.force and memory.grace_period == 30.0 and memory.notify is None
+
+
+def test_the_example_is_the_issue_policy_with_comments():
+    """examples/guard.yaml explains AND-by-default around the same two rules, which must mean the same."""
+    example = load_paths([str(EXAMPLE)])
+    issue = load_paths([str(ISSUE_POLICY)])
+    assert [r.fingerprint for r in example.rules[:2]] == [r.fingerprint for r in issue.rules]
+    text = EXAMPLE.read_text()
+    assert "match: any" in text and "AND" in text
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("90s", 90), ("5m", 300), ("1h30m", 5400), ("500ms", 0.5), (90, 90), (2.5, 2.5), ("1d", 86400)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["5 minutes", "5", "m", "-5m", "", "5m3", True, None, "1h 30m"])
+def test_bad_durations(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_sizes_in_three_spellings():
+    for value, expected in (("8589934592", 8589934592), ('"8GiB"', 8 * 1024**3), ('"8GB"', 8 * 1000**3)):
+        policy = load_texts([("p.yaml", _one_condition(f"type: user_memory\noperator: '>'\nvalue: {value}",
+                                                       rule_extra="scope: per_user"))])
+        assert policy.rules[0].conditions[0].value == expected
+
+
+def _one_condition(condition: str, rule_extra: str = "", action: str = "kill") -> str:
+    cond = textwrap.indent(condition, "        ").lstrip()
+    extra = textwrap.indent(rule_extra, "    ") + "\n" if rule_extra else ""
+    return f"rules:\n  - name: r\n    action: {action}\n{extra}    conditions:\n      - {cond}\n"
+
+
+# (what is wrong, the file, "LINE:COL" of the mistake, a fragment of the message)
+BROKEN = [
+    ("YAML syntax: a tab", "rules:\n\t- name: x\n", "2:1", "not valid YAML"),
+    ("YAML syntax: unclosed flow list", "rules: [\n  {name: x\n", "3:1", "not valid YAML"),
+    ("empty file", "", "1:1", "empty"),
+    ("top level is a list", "- rules\n", "1:1", "must be a mapping"),
+    ("unknown top-level key", "rules: []\nrule: []\n", "2:1", "unknown field 'rule'"),
+    ("no rules key", "dry_run: true\n", "1:1", "no 'rules:' list"),
+    ("rules is a mapping", "rules:\n  name: x\n", "2:3", "'rules' must be a list"),
+    ("a rule is a string", "rules:\n  - block miners\n", "2:5", "a rule must be a mapping"),
+    ("unknown rule field", _one_condition("type: process_name\noperator: '=='\nvalue: x").replace(
+        "    action: kill", "    action: kill\n    severity: high"), "4:5", "unknown field 'severity'"),
+    ("missing rule name", "rules:\n  - action: kill\n    conditions:\n      - {type: exe, operator: '==', value: x}\n",
+     "2:5", "needs a 'name'"),
+    ("rule name with a space", _one_condition("type: exe\noperator: '=='\nvalue: x").replace("name: r", "name: my rule"),
+     "2:11", "rule name 'my rule'"),
+    ("duplicate rule names", "rules:\n" + "".join(
+        f"  - name: same\n    action: log\n    conditions:\n      - {{type: exe, operator: '==', value: {v}}}\n"
+        for v in "ab"), "6:5", "duplicate rule name 'same' (first defined at bad.yaml:2:5)"),
+    ("no conditions", "rules:\n  - name: r\n    action: kill\n", "2:5", "needs 'conditions'"),
+    ("empty conditions", "rules:\n  - name: r\n    action: kill\n    conditions: []\n", "4:17",
+     "empty conditions list"),
+    ("unknown condition field", _one_condition("type: exe\noperater: '=='\nvalue: x"), "6:9",
+     "unknown field 'operater' in a condition (did you mean 'operator'?)"),
+    ("unknown condition type", _one_condition("type: gpu_util\noperator: '>'\nvalue: 5"), "5:15",
+     "unknown condition type 'gpu_util'"),
+    ("unknown operator", _one_condition("type: gpu_memory\noperator: '=>'\nvalue: 5"), "6:19",
+     "unknown operator '=>'"),
+    ("operator that does not fit the type", _one_condition("type: gpu_utilization\noperator: contains_any\n"
+                                                          "value: [9]"), "6:19", "does not fit gpu_utilization"),
+    ("number compared as a string", _one_condition("type: process_name\noperator: '>'\nvalue: 5"), "6:19",
+     "operator '>' does not fit process_name"),
+    ("wrong value type", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: high"), "7:16",
+     "must be a number, not the string 'high'"),
+    ("a list where one value goes", _one_condition("type: process_name\noperator: '=='\nvalue: [a, b]"), "7:16",
+     "must be a single value, not a list"),
+    ("percentage out of range", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 150"), "7:16",
+     "0 to 100"),
+    ("bad size", _one_condition("type: gpu_memory\noperator: '>'\nvalue: 8XB"), "7:16", "not a size: '8XB'"),
+    ("bad duration", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 95\nduration: 5 minutes"),
+     "8:19", "not a duration: '5 minutes'"),
+    ("negative duration", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 95\nduration: -5m"),
+     "8:19", "not a duration"),
+    ("bad regex", _one_condition("type: cmdline\noperator: matches\nvalue: '([a-z'"), "7:16",
+     "bad regular expression"),
+    ("unknown action", _one_condition("type: exe\noperator: '=='\nvalue: x", action="terminate"), "3:13",
+     "unknown action 'terminate'"),
+    ("force is not a boolean", _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="force: 'yes'"),
+     "4:12", "force must be true or false, not the string 'yes'"),
+    ("grace period on a notify rule", _one_condition("type: exe\noperator: '=='\nvalue: x", action="notify",
+                                                     rule_extra="notify: [journal]\ngrace_period: 30s"),
+     "5:5", "grace_period applies only to action kill"),
+    ("user_memory without per_user", _one_condition("type: user_memory\noperator: '>'\nvalue: 8GiB"), "5:15",
+     "needs scope per_user"),
+    ("conflicting scopes", _one_condition("type: user_memory\noperator: '>'\nvalue: 8GiB\nscope: per_user",
+                                          rule_extra="scope: per_device"), "9:16",
+     "condition scope per_user conflicts with the rule's scope per_device"),
+    ("unknown scope", _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="scope: per_node"), "4:12",
+     "unknown scope 'per_node'"),
+    ("bad match", _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="match: some"), "4:12",
+     "match must be 'all' or 'any'"),
+    ("not a notify target", _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="notify: [admin]"),
+     "4:14", "not a notify target: 'admin'"),
+    ("webhook that is not http", _one_condition("type: exe\noperator: '=='\nvalue: x",
+                                                rule_extra="notify: ['webhook:ftp://h/x']"), "4:14",
+     "bad webhook URL"),
+    ("duplicate key", _one_condition("type: exe\noperator: '=='\nvalue: x\nvalue: y"), "8:9",
+     "duplicate key 'value' in a condition (first at bad.yaml:7:9)"),
+    ("bad top-level setting", "dry_run: maybe\nrules: []\n", "1:10", "dry_run must be true or false"),
+    ("max kills per cycle of zero", "max_kills_per_cycle: 0\nrules: []\n", "1:22", "from 1 to 10000"),
+    ("unknown exemption", _one_condition("type: exe\noperator: '=='\nvalue: x",
+                                         rule_extra="exemptions:\n  uids: [0]"), "5:7", "unknown field 'uids'"),
+    ("notify rule without targets", _one_condition("type: exe\noperator: '=='\nvalue: x", action="notify"), "2:5",
+     "action notify but no notify targets"),
+    ("missing action", "rules:\n  - name: r\n    conditions:\n      - {type: exe, operator: '==', value: x}\n",
+     "2:5", "needs an 'action'"),
+    ("duration on a process condition of a per_user rule",
+     "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n"
+     "      - {type: user_memory, operator: '>', value: 1GiB}\n"
+     "      - {type: process_name, operator: '==', value: x, duration: 5m}\n", "7:56",
+     "duration on process_name is not supported in scope per_user"),
+    ("a per_user kill rule with only process conditions",
+     "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n"
+     "      - {type: process_name, operator: '==', value: x}\n", "2:5", "would kill every selected process"),
+]
+
+
+@pytest.mark.parametrize("what, text, where, fragment", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_policy_is_reported_at_its_line_and_column(what, text, where, fragment):
+    with pytest.raises(PolicyError) as info:
+        load_texts([("bad.yaml", text)])
+    first = info.value.errors[0]
+    assert first.startswith(f"bad.yaml:{where}: "), (what, info.value.errors)
+    assert fragment in first, (what, first)
+    assert "\n" not in first
+
+
+def test_at_least_twenty_kinds_of_broken_files():
+    assert len({b[0] for b in BROKEN}) >= 20
+
+
+def test_every_error_of_a_file_is_reported():
+    text = ("rules:\n  - name: a\n    action: explode\n    conditions:\n      - {type: gpu_util, operator: '>', value: 1}\n"
+            "  - name: b\n    action: kill\n    force: sometimes\n    conditions:\n"
+            "      - {type: exe, operator: '==', value: x}\n")
+    with pytest.raises(PolicyError) as info:
+        load_texts([("many.yaml", text)])
+    assert [e.split(": ", 1)[0] for e in info.value.errors] == ["many.yaml:3:13", "many.yaml:5:16", "many.yaml:8:12"]
+    assert str(info.value).endswith("(and 2 more; see gpukillctl guard validate)")
+
+
+def test_rule_names_are_unique_across_files():
+    one = "rules:\n  - {name: dup, action: log, conditions: [{type: exe, operator: '==', value: x}]}\n"
+    with pytest.raises(PolicyError) as info:
+        load_texts([("10-a.yaml", one), ("20-b.yaml", "\n" + one)])
+    assert info.value.errors == ["20-b.yaml:3:5: duplicate rule name 'dup' (first defined at 10-a.yaml:2:5)"]
+
+
+def test_later_files_override_settings_and_add_exemptions():
+    a = "cooldown: 30s\nexemptions: {users: [root]}\nrules: []\n"
+    b = "cooldown: 1m\nexemptions: {processes: [Xorg]}\nrules: []\n"
+    policy = load_texts([("a.yaml", a), ("b.yaml", b)])
+    assert policy.settings.cooldown == 60 and policy.settings.exemptions.users == ("root",)
+    assert policy.settings.exemptions.processes == ("Xorg",)
+
+
+def test_validate_from_the_cli_without_a_daemon(tmp_path: Path):
+    """No bus in the environment at all: validate is offline; errors are FILE:LINE:COL, exit status 12."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BROKEN[16][1])  # unknown operator
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"}
+    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(bad)], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 12, r
+    assert r.stderr == f"{bad}:6:19: unknown operator '=>' does not fit gpu_memory (use one of: >, >=, <, <=, ==, !=)\n"
+    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(ISSUE_POLICY), str(EXAMPLE.parent /
+                        "guard.yaml")], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 12 and "duplicate rule name 'block-crypto-miners'" in r.stderr  # two files, one set
+    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(ISSUE_POLICY)], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0 and "valid, 2 rule(s): block-crypto-miners, limit-user-memory" in r.stdout, r
+    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(tmp_path / "missing.yaml")],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 12 and r.stderr.endswith("missing.yaml:1:1: cannot read: No such file or directory\n")
+    assert "Traceback" not in r.stderr
