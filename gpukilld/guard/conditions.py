@@ -1,0 +1,541 @@
+"""What a rule looks at and how a condition is tested: views of the snapshot per subject, compiled predicates.
+
+A snapshot has one record per (process, device). Rules look at subjects: a process (its devices summed:
+memory added up, utilization the highest), a user (the processes counted for the rule, summed across
+devices) or a device. A value the backend cannot read (None) never makes a condition true, whatever the
+operator: "unknown" is not "over" and not "under".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import grp
+import operator
+import os
+import pwd
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..model import Device, Snapshot
+from .policy import PER_DEVICE, PER_PROCESS, PER_USER, SELECTOR, Condition, Exemptions, Rule, format_size
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+MEMO_LIMIT = 20_000  # distinct strings remembered per condition (names, command lines) before starting over
+
+ProcKey = tuple[int, int]  # (pid, start time): a process, never confused with a later one reusing the PID
+
+
+@dataclass(slots=True)
+class ProcView:
+    key: ProcKey
+    pid: int
+    start_time: int
+    uid: int
+    user: str
+    comm: str
+    cmdline: str
+    exe: str | None
+    unit: str
+    container: str
+    gpu_memory: int | None  # summed over its devices; None when no device reports it
+    gpu_utilization: float | None  # the highest over its devices
+    runtime: float | None  # seconds since it started
+    per_device: dict[int, tuple[int | None, float | None]] = field(default_factory=dict)  # index -> (mem, util)
+
+    @property
+    def label(self) -> str:
+        return f"PID {self.pid} ({self.comm}, user {self.user})"
+
+
+@dataclass(slots=True)
+class UserView:
+    uid: int
+    user: str
+    procs: list[ProcView]
+    memory: int | None
+
+    @property
+    def key(self) -> int:
+        return self.uid
+
+    @property
+    def label(self) -> str:
+        return f"user {self.user}"
+
+    def without(self, proc: ProcView) -> UserView:
+        """The user's figures as if proc were gone. Only the sums change (what conditions on a user read);
+        the process list stays, so choosing victims among thousands costs no copies."""
+        memory = None if self.memory is None else max(0, self.memory - (proc.gpu_memory or 0))
+        return UserView(self.uid, self.user, self.procs, memory)
+
+
+@dataclass(slots=True)
+class DeviceView:
+    device: Device
+    procs: list[ProcView]
+    memory_used: int | None
+    utilization: float | None
+
+    @property
+    def key(self) -> str:
+        return self.device.id
+
+    @property
+    def label(self) -> str:
+        return f"GPU {self.device.index} ({self.device.id})"
+
+    def without(self, proc: ProcView) -> DeviceView:
+        """The device as if proc were gone: its share of memory and utilization taken off (the sums only,
+        as for UserView.without)."""
+        mem, util = proc.per_device.get(self.device.index, (None, None))
+        return DeviceView(
+            self.device, self.procs,
+            None if self.memory_used is None else max(0, self.memory_used - (mem or 0)),
+            None if self.utilization is None else max(0.0, self.utilization - (util or 0.0)),
+        )
+
+
+Subject = ProcView | UserView | DeviceView
+
+
+def _sum(values: Iterable[int | None]) -> int | None:
+    total, known = 0, False
+    for v in values:
+        if v is not None:
+            total += v
+            known = True
+    return total if known else None
+
+
+def boot_seconds() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def process_views(snapshot: Snapshot, boot_now: float,
+                  reuse: dict[ProcKey, ProcView] | None = None) -> dict[ProcKey, ProcView]:
+    """One view per process: a process on two GPUs is one subject, with its memory added up. Views of the
+    last cycle (reuse) are updated in place rather than made anew: every cycle would otherwise allocate
+    thousands of objects, and the garbage collector's pauses would show in the evaluation time."""
+    views: dict[ProcKey, ProcView] = {}
+    old = reuse or {}
+    tck = CLK_TCK
+    for p in snapshot.processes:
+        key = (p.pid, p.start_time)
+        v = views.get(key)
+        if v is not None:  # the same process on another device
+            if p.gpu_memory is not None:
+                v.gpu_memory = (v.gpu_memory or 0) + p.gpu_memory
+            if p.gpu_utilization is not None:
+                v.gpu_utilization = max(v.gpu_utilization or 0.0, p.gpu_utilization)
+            v.per_device[p.device] = (p.gpu_memory, p.gpu_utilization)
+            continue
+        a = p.attribution
+        runtime = max(0.0, boot_now - p.start_time / tck)
+        v = old.get(key)
+        if v is None:
+            v = ProcView(key, p.pid, p.start_time, p.uid, p.user, p.comm, p.cmdline, p.exe, a.unit or "",
+                         a.container_id or "", p.gpu_memory, p.gpu_utilization, runtime)
+        else:  # names change with exec and prctl, units with cgroup moves: every field is refreshed
+            v.uid, v.user, v.comm, v.cmdline, v.exe = p.uid, p.user, p.comm, p.cmdline, p.exe
+            v.unit, v.container = a.unit or "", a.container_id or ""
+            v.gpu_memory, v.gpu_utilization, v.runtime = p.gpu_memory, p.gpu_utilization, runtime
+            v.per_device.clear()
+        v.per_device[p.device] = (p.gpu_memory, p.gpu_utilization)
+        views[key] = v
+    return views
+
+
+def user_views(procs: list[ProcView]) -> list[UserView]:
+    by_uid: dict[int, list[ProcView]] = {}
+    for p in procs:
+        by_uid.setdefault(p.uid, []).append(p)
+    return [UserView(uid, ps[0].user, ps, _sum(p.gpu_memory for p in ps)) for uid, ps in by_uid.items()]
+
+
+def device_views(procs: list[ProcView], devices: tuple[Device, ...]) -> list[DeviceView]:
+    """Devices that are present (not lost), with the selected processes on each."""
+    out = []
+    for d in devices:
+        if d.state != "ok":
+            continue
+        out.append(DeviceView(d, [p for p in procs if d.index in p.per_device], d.memory_used, d.utilization))
+    return out
+
+
+class Groups:
+    """Group names (and gids as text) a uid belongs to, primary and supplementary; cached for a while because
+    every cycle asks and NSS lookups can be slow (LDAP)."""
+
+    TTL = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._cache: dict[int, tuple[frozenset[str], float]] = {}
+
+    def of(self, uid: int, user: str) -> frozenset[str]:
+        now = self._clock()
+        hit = self._cache.get(uid)
+        if hit is not None and now - hit[1] < self.TTL:
+            return hit[0]
+        names: set[str] = set()
+        try:
+            pw = pwd.getpwuid(uid)
+            gids = os.getgrouplist(pw.pw_name, pw.pw_gid)
+        except (KeyError, OSError):
+            gids = []
+        for gid in gids:
+            names.add(str(gid))
+            with contextlib.suppress(KeyError):  # a gid without a name still counts by number
+                names.add(grp.getgrgid(gid).gr_name)
+        result = frozenset(names)
+        if len(self._cache) > 4096:
+            self._cache.clear()
+        self._cache[uid] = (result, now)
+        return result
+
+
+class Exempt:
+    """Whether a process is exempt under a set of exemptions; exempt processes are invisible to the rule.
+    The answer depends on (uid, user, name, unit) only, so it is remembered per such tuple."""
+
+    def __init__(self, exemptions: Exemptions, groups: Groups) -> None:
+        self.e = exemptions
+        self.groups = groups
+        self._users = set(exemptions.users)
+        self._memo: dict[tuple[int, str, str, str], bool] = {}
+
+    def __call__(self, p: ProcView) -> bool:
+        key = (p.uid, p.user, p.comm, p.unit)
+        hit = self._memo.get(key)
+        if hit is None:
+            if len(self._memo) >= MEMO_LIMIT:
+                self._memo.clear()
+            hit = self._memo[key] = self._decide(p)
+        return hit
+
+    def _decide(self, p: ProcView) -> bool:
+        e = self.e
+        if e.users and (p.user in self._users or str(p.uid) in self._users):
+            return True
+        if e.groups and not self.groups.of(p.uid, p.user).isdisjoint(e.groups):
+            return True
+        if e.units and p.unit and any(fnmatch.fnmatchcase(p.unit, pat) for pat in e.units):
+            return True
+        return bool(e.processes and any(fnmatch.fnmatchcase(p.comm, pat) for pat in e.processes))
+
+
+_COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq,
+            "!=": operator.ne}
+
+
+def string_test(op: str, value: Any) -> Callable[[str], bool]:
+    if op == "==":
+        return lambda s: s == value
+    if op == "!=":
+        return lambda s: s != value
+    if op == "in":
+        values = frozenset(value)
+        return lambda s: s in values
+    if op == "contains_any":
+        return lambda s: any(v in s for v in value)
+    if op == "matches":
+        return lambda s: value.search(s) is not None
+    raise AssertionError(op)
+
+
+_STRING_FIELDS = {"process_name": "comm", "cmdline": "cmdline", "exe": "exe", "unit": "unit",
+                  "container": "container"}
+# Attributes with few distinct values on a machine: a rule's first test on them runs once per value.
+_INDEXED = {"comm", "exe", "unit", "container", "uid"}
+
+
+def value_getter(cond: Condition, scope: str) -> Callable[[Any], Any]:
+    """How to read the condition's value off the subject it tests (a process view when it selects)."""
+    t = cond.type
+    on_device = scope == PER_DEVICE and cond.role != SELECTOR
+    if t in _STRING_FIELDS:
+        return operator.attrgetter(_STRING_FIELDS[t])
+    if t == "gpu_utilization":
+        return operator.attrgetter("utilization" if on_device else "gpu_utilization")
+    if t == "gpu_memory":
+        return operator.attrgetter("gpu_memory")
+    if t == "runtime":
+        return operator.attrgetter("runtime")
+    if t == "user_memory":
+        return operator.attrgetter("memory")
+    if t == "device_memory":
+        if cond.percent_of_total:
+            def share(d: DeviceView) -> float | None:
+                total = d.device.memory_total
+                return None if d.memory_used is None or not total else d.memory_used * 100.0 / total
+            return share
+        return operator.attrgetter("memory_used")
+    if t == "temperature":
+        return lambda d: d.device.temperature
+    if t in ("user", "group"):
+        return operator.attrgetter("user")
+    raise AssertionError(t)
+
+
+def format_value(cond: Condition, v: Any) -> str:
+    if v is None:
+        return "unknown"
+    if cond.type in ("gpu_memory", "user_memory") or (cond.type == "device_memory" and not cond.percent_of_total):
+        return format_size(v)
+    if cond.type == "gpu_utilization" or cond.percent_of_total:
+        return f"{v:.0f}%"
+    if cond.type == "temperature":
+        return f"{v:g}°C"
+    if cond.type == "runtime":
+        return f"{v:.0f}s"
+    return repr(v)
+
+
+class CompiledCondition:
+    """A condition ready to test subjects one by one (test) or a list at a time (filter, the fast path).
+
+    Where the answer depends on one attribute only (a name, a user), it is decided once per distinct value
+    and remembered: names and command lines repeat every cycle, so a regular expression runs once per value.
+    """
+
+    __slots__ = ("cond", "index", "attr", "decide", "test", "filter", "cheap", "_memo")
+
+    def __init__(self, cond: Condition, index: int, scope: str, groups: Groups) -> None:
+        self.cond = cond
+        self.index = index
+        self.attr: str | None = None  # the one attribute the answer depends on, if so
+        self._memo: dict[Any, bool] = {}
+        op, value = cond.operator, cond.value
+        if cond.type == "user":
+            names = {v for v in (value if op == "in" else (value,)) if isinstance(v, str) and not v.isdigit()}
+            uids = {int(v) for v in (value if op == "in" else (value,)) if not isinstance(v, str) or v.isdigit()}
+            if op == "matches":
+                name_test = string_test(op, value)
+                self._keyed("uid", lambda k: name_test(k[1]), lambda s: (s.uid, s.user))
+            else:
+                want = op != "!="
+                self._keyed("uid", lambda k: (k[1] in names or k[0] in uids) is want, lambda s: (s.uid, s.user))
+        elif cond.type == "group":
+            def member(k: tuple[int, str]) -> bool:
+                groups_of = groups.of(k[0], k[1])
+                if op == "in":
+                    return not groups_of.isdisjoint(value)
+                return (value in groups_of) is (op == "==")
+            self._keyed("uid", member, lambda s: (s.uid, s.user))
+        elif cond.type in _STRING_FIELDS:
+            attr = _STRING_FIELDS[cond.type]
+            test = string_test(op, value)
+            self._keyed(attr, lambda v: v is not None and test(v), operator.attrgetter(attr))
+        else:
+            get = value_getter(cond, scope)
+            compare, limit = _COMPARE[op], value
+            self.decide = None
+            self.test = lambda s: (v := get(s)) is not None and compare(v, limit)
+            # attrgetter and operator.gt are C: no Python frame per subject in the comprehension
+            self.filter = lambda items: [s for s in items if (v := get(s)) is not None and compare(v, limit)]
+        self.cheap = self.decide is not None
+
+    def _keyed(self, attr: str | None, decide: Callable[[Any], bool], key: Callable[[Any], Any]) -> None:
+        self.attr = attr
+        self.decide = decide
+        memo = self._memo
+
+        def test(s: Any) -> bool:
+            k = key(s)
+            r = memo.get(k)
+            if r is None:
+                if len(memo) >= MEMO_LIMIT:
+                    memo.clear()
+                r = memo[k] = decide(k)
+            return r
+
+        self.test = test
+        self.filter = lambda items: [s for s in items if test(s)]
+
+    def filter_indexed(self, index: dict[Any, list[ProcView]]) -> list[ProcView]:
+        """The filter over processes grouped by this condition's attribute: one decision per value."""
+        memo, decide = self._memo, self.decide
+        out: list[ProcView] = []
+        for k, procs in index.items():
+            if self.attr == "uid":  # user and group conditions decide on (uid, name)
+                k = (k, procs[0].user)
+            r = memo.get(k)
+            if r is None:
+                r = memo[k] = decide(k)  # type: ignore[misc]
+            if r:
+                out.extend(procs)
+        return out
+
+    def describe(self, scope: str, subject: Any) -> str:
+        """The subject's value for the condition, as audit entries and notifications show it."""
+        if self.cond.type == "group":
+            return self.cond.text
+        return f"{self.cond.type} is {format_value(self.cond, value_getter(self.cond, scope)(subject))} " \
+               f"({self.cond.text})"
+
+
+class Cycle:
+    """What one evaluation computes once and every rule shares: the processes a set of exemptions leaves
+    visible, those grouped by an attribute, and user and device views of them."""
+
+    def __init__(self, procs: list[ProcView], devices: tuple[Device, ...], own_pid: int) -> None:
+        self.procs = procs
+        self.devices = devices
+        self.own_pid = own_pid
+        self._visible: dict[Exemptions, list[ProcView]] = {}
+        # Keyed by id() of a list, which each entry keeps alive so the id cannot be reused this cycle.
+        self._index: dict[tuple[int, str], tuple[list[ProcView], dict[Any, list[ProcView]]]] = {}
+        self._users: dict[int, tuple[list[ProcView], list[UserView]]] = {}
+        self._devices: dict[int, tuple[list[ProcView], list[DeviceView]]] = {}
+
+    def visible(self, exemptions: Exemptions, exempt: Exempt | None) -> list[ProcView]:
+        """Not exempt, not PID 1, not gpukilld: the processes a rule may look at."""
+        hit = self._visible.get(exemptions)
+        if hit is None:
+            own = self.own_pid
+            if exempt is None:
+                hit = [p for p in self.procs if p.pid != 1 and p.pid != own]
+            else:
+                hit = [p for p in self.procs if p.pid != 1 and p.pid != own and not exempt(p)]
+            self._visible[exemptions] = hit
+        return hit
+
+    def index(self, procs: list[ProcView], attr: str) -> dict[Any, list[ProcView]]:
+        key = (id(procs), attr)
+        cached = self._index.get(key)
+        if cached is not None:
+            return cached[1]
+        groups: dict[Any, list[ProcView]] = {}
+        get = operator.attrgetter(attr)
+        for p in procs:
+            v = get(p)
+            if v in groups:
+                groups[v].append(p)
+            else:
+                groups[v] = [p]
+        self._index[key] = (procs, groups)
+        return groups
+
+    def users(self, procs: list[ProcView], shared: bool) -> list[UserView]:
+        if not shared:
+            return user_views(procs)
+        cached = self._users.get(id(procs))
+        if cached is None:
+            cached = self._users[id(procs)] = (procs, user_views(procs))
+        return cached[1]
+
+    def device_views(self, procs: list[ProcView], shared: bool) -> list[DeviceView]:
+        if not shared:
+            return device_views(procs, self.devices)
+        cached = self._devices.get(id(procs))
+        if cached is None:
+            cached = self._devices[id(procs)] = (procs, device_views(procs, self.devices))
+        return cached[1]
+
+
+class CompiledRule:
+    """A rule ready to run: exemptions, selectors (which processes count) and subject conditions."""
+
+    def __init__(self, rule: Rule, global_exemptions: Exemptions, groups: Groups, own_pid: int) -> None:
+        self.rule = rule
+        self.scope = rule.scope
+        exemptions = global_exemptions.merged(rule.exemptions)
+        self.exempt = Exempt(exemptions, groups) if exemptions else None
+        self.exemptions_key = exemptions
+        self.own_pid = own_pid
+        compiled = [CompiledCondition(c, i, rule.scope, groups) for i, c in enumerate(rule.conditions)]
+        # Cheap tests first so the others see fewer subjects; selectors always combine with AND.
+        self.selectors = sorted((c for c in compiled if c.cond.role == SELECTOR), key=lambda c: not c.cheap)
+        subject = [c for c in compiled if c.cond.role != SELECTOR]
+        # Conditions with a duration come last, each tracked on its own.
+        self.instant = sorted((c for c in subject if c.cond.duration is None), key=lambda c: not c.cheap)
+        self.timed = [c for c in subject if c.cond.duration is not None]
+        self.conditions = subject
+        # What "largest first" means when a per-user or per-device rule picks its victims.
+        mem_types = {"user_memory", "device_memory", "gpu_memory"}
+        if any(c.type in mem_types for c in rule.conditions):
+            self.size_of = _memory_size
+        elif any(c.type == "gpu_utilization" for c in rule.conditions):
+            self.size_of = _util_size
+        else:
+            self.size_of = _memory_size
+
+    def visible(self, cycle: Cycle) -> list[ProcView]:
+        return cycle.visible(self.exemptions_key, self.exempt)
+
+    def _filter_first(self, conds: list[CompiledCondition], procs: list[ProcView], cycle: Cycle) -> list[ProcView]:
+        """AND of conditions on processes; the first, if it looks at a name or a user, once per value."""
+        first = conds[0]
+        if first.attr in _INDEXED:
+            out = first.filter_indexed(cycle.index(procs, first.attr))
+        else:
+            out = first.filter(procs)
+        for c in conds[1:]:
+            if not out:
+                break
+            out = c.filter(out)
+        return out
+
+    def subjects(self, cycle: Cycle) -> list[Subject]:
+        """The subjects the rule looks at; for per_process with match all, already narrowed by the
+        conditions without a duration (the rest is up to the engine)."""
+        visible = self.visible(cycle)
+        selected = self._filter_first(self.selectors, visible, cycle) if self.selectors else visible
+        if self.scope == PER_PROCESS:
+            return selected  # type: ignore[return-value]
+        shared = not self.selectors  # views of the visible processes are the same for every such rule
+        if self.scope == PER_USER:
+            return cycle.users(selected, shared)  # type: ignore[return-value]
+        return cycle.device_views(selected, shared)  # type: ignore[return-value]
+
+    def narrow(self, subjects: list[Subject], cycle: Cycle) -> list[Subject]:
+        """Subjects for which every condition without a duration holds (match all)."""
+        if not self.instant or not subjects:
+            return subjects
+        if self.scope == PER_PROCESS:
+            return self._filter_first(self.instant, subjects, cycle)  # type: ignore[arg-type]
+        for c in self.instant:
+            subjects = c.filter(subjects)
+        return subjects
+
+    def holds_now(self, subject: Subject) -> bool:
+        """Whether the subject conditions hold at this instant, durations set aside (victim choice, preview)."""
+        if self.rule.match == "any":
+            return any(c.test(subject) for c in self.conditions)
+        return all(c.test(subject) for c in self.conditions)
+
+    def victims(self, subject: Subject, going: Callable[[ProcView], bool],
+                refused: Callable[[ProcView], bool]) -> list[ProcView]:
+        """Which processes to stop for a subject that violates the rule. A process subject is itself; for a
+        user or a device, the largest first, only until the rest would no longer violate the rule. Processes
+        `going` (a kill in flight) count as gone; `refused` ones (the kill path said protected) stay."""
+        if isinstance(subject, ProcView):
+            return [] if going(subject) or refused(subject) else [subject]
+        chosen: list[ProcView] = []
+        remaining = subject
+        for p in subject.procs:
+            if going(p):
+                remaining = remaining.without(p)
+        for p in sorted(subject.procs, key=lambda p: self.size_of(p, subject), reverse=True):
+            if not self.holds_now(remaining):
+                break
+            if refused(p) or going(p):
+                continue
+            chosen.append(p)
+            remaining = remaining.without(p)
+        return chosen
+
+
+def _memory_size(p: ProcView, subject: Subject) -> tuple[float, float]:
+    if isinstance(subject, DeviceView):
+        mem, util = p.per_device.get(subject.device.index, (None, None))
+        return (mem or 0, util or 0.0)
+    return (p.gpu_memory or 0, p.gpu_utilization or 0.0)
+
+
+def _util_size(p: ProcView, subject: Subject) -> tuple[float, float]:
+    mem, util = _memory_size(p, subject)
+    return (util, mem)

@@ -1,0 +1,412 @@
+"""The guard's state machine: which rules hold for which subjects, and when to act.
+
+Modelled on systemd-oomd: a condition with a duration holds only once it has been true continuously that
+long for that subject (we remember when it first became true and forget it the moment it is false). When a
+rule starts to hold for a subject, that is a violation: it is reported (notifications go out) and, for
+action kill, the subject gets the rule's grace period to come back under. Still violating after the grace,
+its processes are stopped through the daemon's kill path; after a kill the rule leaves that subject alone for
+the cooldown, so the next decision is made on a snapshot that shows the kill's effect. At most
+max_kills_per_cycle processes are ordered killed per evaluation, and a subject with a kill in flight gets no
+second one.
+
+This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder) that
+service.py carries out, and the clock is injected, so all of it is tested without waiting. With match: all
+the duration windows are kept only while the rule's conditions without a duration hold, so a window measures
+how long the rule as a whole has been about to fire (an xmrig above 95% for 5 minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..model import Snapshot
+from .conditions import (
+    CompiledRule,
+    Cycle,
+    Groups,
+    ProcKey,
+    ProcView,
+    Subject,
+    UserView,
+    boot_seconds,
+    process_views,
+)
+from .policy import EMPTY_POLICY, Policy, Rule
+
+# Outcomes of the kill path that mean a signal was sent (killer.py); anything else is a refusal.
+SIGNALLED = ("terminated", "killed", "still-alive")
+
+
+@dataclass(slots=True)
+class Clock:
+    monotonic: Callable[[], float] = time.monotonic  # durations, grace, cooldown
+    boottime: Callable[[], float] = boot_seconds  # process runtimes (start times are ticks since boot)
+    wall: Callable[[], float] = time.time  # what reports show
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    pid: int
+    start_time: int
+    uid: int
+    user: str
+    comm: str
+    gpu_memory: int | None
+    gpu_utilization: float | None
+
+    @classmethod
+    def of(cls, p: ProcView) -> Target:
+        return cls(p.pid, p.start_time, p.uid, p.user, p.comm, p.gpu_memory, p.gpu_utilization)
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    rule: Rule
+    subject: str
+    subject_key: Any
+    uid: int | None  # the user concerned, where there is one (not for a device)
+    targets: tuple[Target, ...]  # the processes concerned: for action kill, those that would be stopped now
+    reason: str
+    at: float  # wall clock
+
+
+@dataclass(frozen=True, slots=True)
+class GraceCancelled:
+    rule: Rule
+    subject: str
+    subject_key: Any
+    uid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class KillOrder:
+    rule: Rule
+    subject: str
+    subject_key: Any
+    uid: int | None
+    targets: tuple[Target, ...]
+    force: bool
+    kill_grace: float
+    dry_run: bool
+    reason: str
+
+
+Event = Violation | GraceCancelled | KillOrder
+
+
+@dataclass(slots=True)
+class RuleStats:
+    triggers: int = 0  # violations (a subject starting to violate the rule)
+    kills: int = 0  # processes signalled
+    would_kill: int = 0  # processes a dry run would have signalled
+    cancelled: int = 0  # violations that ended within the grace period
+    failed: int = 0  # kills the kill path refused (protected, gone, PID reused)
+    last_triggered: float = 0.0  # wall clock
+
+    def to_dict(self) -> dict[str, float]:
+        return {"triggers": self.triggers, "kills": self.kills, "would_kill": self.would_kill,
+                "cancelled": self.cancelled, "failed": self.failed, "last_triggered": self.last_triggered}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RuleStats:
+        s = cls()
+        for k in ("triggers", "kills", "would_kill", "cancelled", "failed"):
+            v = d.get(k)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                setattr(s, k, v)
+        v = d.get("last_triggered")
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            s.last_triggered = float(v)
+        return s
+
+
+@dataclass(slots=True)
+class Episode:
+    """A subject violating a rule, from the first evaluation it holds until the first it does not."""
+
+    since: float  # monotonic
+    grace_until: float
+    label: str
+    uid: int | None
+    acted: bool = False  # a kill (or a dry run's would-kill) was ordered in this episode
+
+
+@dataclass(slots=True)
+class RuleState:
+    rule: Rule
+    compiled: CompiledRule
+    windows: dict[int, dict[Any, float]] = field(default_factory=dict)  # condition index -> key -> since
+    seen: dict[Any, Subject] = field(default_factory=dict)  # subjects in a window, for reports
+    episodes: dict[Any, Episode] = field(default_factory=dict)
+    cooldown: dict[Any, float] = field(default_factory=dict)  # key -> monotonic time it ends
+    dry_cooldown: dict[Any, float] = field(default_factory=dict)  # the same after a dry run's would-kill
+    in_flight: dict[Any, set[ProcKey]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Preview:
+    """What TestPolicies reports for one rule and subject; nothing is ever done for it."""
+
+    rule: str
+    subject: str
+    action: str
+    status: str  # "now", "waiting", "exempt", "in-flight"
+    wait: float  # seconds until the action would be taken (durations, grace, cooldown still to run)
+    pids: tuple[int, ...]
+    reason: str
+
+
+def _uid_of(s: Subject) -> int | None:
+    return s.uid if isinstance(s, ProcView | UserView) else None
+
+
+class Engine:
+    def __init__(self, policy: Policy = EMPTY_POLICY, clock: Clock | None = None, groups: Groups | None = None,
+                 own_pid: int | None = None) -> None:
+        self.clock = clock or Clock()
+        self.groups = groups or Groups(self.clock.monotonic)
+        self.own_pid = os.getpid() if own_pid is None else own_pid
+        self.stats: dict[str, RuleStats] = {}
+        self.busy: set[ProcKey] = set()  # processes with a kill in flight, whichever rule ordered it
+        self.refused: set[ProcKey] = set()  # the kill path refused them (protected): not tried again
+        self.policy = EMPTY_POLICY
+        self.states: list[RuleState] = []
+        self.last_eval_seconds = 0.0
+        self._views: dict[ProcKey, ProcView] = {}  # the last cycle's, updated in place by the next
+        self.set_policy(policy)
+
+    # -- policy ----------------------------------------------------------------------------------------
+
+    def _compile(self, rule: Rule, policy: Policy) -> CompiledRule:
+        return CompiledRule(rule, policy.settings.exemptions, self.groups, self.own_pid)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Swap the policy. A rule that is unchanged keeps its windows, grace periods and cooldowns, so
+        reloading the same files does not restart a 5-minute window; counters are kept by rule name."""
+        old = {s.rule.name: s for s in self.states}
+        states = []
+        for rule in policy.rules:
+            compiled = self._compile(rule, policy)
+            prev = old.get(rule.name)
+            if (prev is not None and prev.rule.fingerprint == rule.fingerprint
+                    and prev.compiled.exemptions_key == compiled.exemptions_key):
+                prev.rule, prev.compiled = rule, compiled
+                states.append(prev)
+            else:
+                new = RuleState(rule, compiled, windows={c.index: {} for c in compiled.timed})
+                if prev is not None:  # a kill in flight under the old rule still blocks a second one
+                    new.in_flight = prev.in_flight
+                states.append(new)
+            self.stats.setdefault(rule.name, RuleStats())
+        self.policy = policy
+        self.states = states
+
+    def restart_windows(self) -> None:
+        """Forget every window and violation (the guard was off): they start again from the next snapshot.
+        Cooldowns and kills in flight stay."""
+        for st in self.states:
+            st.windows = {i: {} for i in st.windows}
+            st.seen.clear()
+            st.episodes.clear()
+
+    # -- evaluation ------------------------------------------------------------------------------------
+
+    def evaluate(self, snapshot: Snapshot, dry_run: bool) -> list[Event]:
+        t0 = time.perf_counter()
+        now, wall = self.clock.monotonic(), self.clock.wall()
+        self._views = process_views(snapshot, self.clock.boottime(), self._views)
+        procs = list(self._views.values())
+        if self.refused:
+            self.refused &= self._views.keys()
+        cycle = Cycle(procs, snapshot.devices, self.own_pid)
+        events: list[Event] = []
+        kills_left = self.policy.settings.max_kills_per_cycle
+        for st in self.states:
+            holding = self._match(st, st.compiled.subjects(cycle), cycle, now)
+            kills_left = self._act(st, holding, now, wall, dry_run, kills_left, events)
+        self.last_eval_seconds = time.perf_counter() - t0
+        return events
+
+    def _match(self, st: RuleState, subjects: list[Subject], cycle: Cycle, now: float) -> list[Subject]:
+        """Subjects for which the rule holds, durations included; updates the duration windows."""
+        c = st.compiled
+        match_all = st.rule.match == "all"
+        cands = c.narrow(subjects, cycle) if match_all else subjects
+        if not c.timed:
+            if match_all:
+                return cands
+            return [s for s in cands if any(cc.test(s) for cc in c.instant)]
+        windows: dict[int, dict[Any, float]] = {}
+        seen: dict[Any, Subject] = {}
+        held: list[set[Any]] = []
+        for cc in c.timed:
+            old = st.windows[cc.index]
+            true_now = cc.filter(cands)
+            window = {s.key: old.get(s.key, now) for s in true_now}  # a window starts, goes on, or is gone
+            windows[cc.index] = window
+            seen.update((s.key, s) for s in true_now)
+            limit = now - cc.cond.duration  # type: ignore[operator]
+            held.append({k for k, since in window.items() if since <= limit})
+        st.windows = windows
+        st.seen = seen
+        if match_all:
+            first, rest = held[0], held[1:]
+            return [s for s in cands if s.key in first and all(s.key in h for h in rest)]
+        held_any = set().union(*held)
+        return [s for s in cands if s.key in held_any or any(cc.test(s) for cc in c.instant)]
+
+    def _reason(self, st: RuleState, s: Subject) -> str:
+        c = st.compiled
+        parts = [cc.describe(c.scope, s) for cc in c.conditions if cc.test(s)]
+        if c.selectors:
+            parts.append(f"counting {len(s.procs)} process(es) with "  # type: ignore[union-attr]
+                         + " and ".join(cc.cond.text for cc in c.selectors))
+        return "; ".join(parts)
+
+    def _going(self, p: ProcView) -> bool:
+        return p.key in self.busy
+
+    def _refused(self, p: ProcView) -> bool:
+        return p.key in self.refused
+
+    def _act(self, st: RuleState, holding: list[Subject], now: float, wall: float, dry_run: bool,
+             kills_left: int, events: list[Event]) -> int:
+        rule = st.rule
+        settings = self.policy.settings
+        stats = self.stats[rule.name]
+        held = set()
+        for s in holding:
+            key = s.key
+            held.add(key)
+            ep = st.episodes.get(key)
+            if ep is None:
+                grace = rule.grace_period if rule.action == "kill" else 0.0
+                ep = st.episodes[key] = Episode(now, now + grace, s.label, _uid_of(s))
+                stats.triggers += 1
+                stats.last_triggered = wall
+                if rule.action == "kill":
+                    concerned = st.compiled.victims(s, self._going, self._refused)
+                else:
+                    concerned = [s] if isinstance(s, ProcView) else list(s.procs)
+                events.append(Violation(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in concerned),
+                                        self._reason(st, s), wall))
+            if rule.action != "kill" or now < ep.grace_until or st.in_flight.get(key):
+                continue
+            cooldown = st.dry_cooldown if dry_run else st.cooldown  # dry run off: enforce at once
+            if now < cooldown.get(key, 0.0) or kills_left <= 0:
+                continue  # the cap holds the rest for the next cycle
+            victims = st.compiled.victims(s, self._going, self._refused)[:kills_left]
+            if not victims:
+                continue
+            kills_left -= len(victims)
+            ep.acted = True
+            if dry_run:
+                stats.would_kill += len(victims)
+                st.dry_cooldown[key] = now + settings.cooldown  # as if killed: decide again after the cooldown
+            else:
+                keys = {p.key for p in victims}
+                st.in_flight[key] = keys
+                self.busy |= keys
+            kill_grace = rule.kill_grace if rule.kill_grace is not None else settings.kill_grace
+            events.append(KillOrder(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in victims), rule.force,
+                                    kill_grace, dry_run, self._reason(st, s)))
+        for key in [k for k in st.episodes if k not in held]:
+            ep = st.episodes.pop(key)
+            if rule.action == "kill" and not ep.acted:
+                stats.cancelled += 1
+                events.append(GraceCancelled(rule, ep.label, key, ep.uid))
+        for cooldowns in (st.cooldown, st.dry_cooldown):
+            for key in [k for k, until in cooldowns.items() if until <= now]:
+                del cooldowns[key]
+        return kills_left
+
+    def kill_finished(self, order: KillOrder, target: Target, outcome: str) -> None:
+        """The kill path's answer for one target of an order: frees the subject, starts its cooldown."""
+        pkey = (target.pid, target.start_time)
+        self.busy.discard(pkey)
+        stats = self.stats.setdefault(order.rule.name, RuleStats())
+        if outcome in SIGNALLED:
+            stats.kills += 1
+        else:
+            stats.failed += 1
+            if outcome == "protected":
+                self.refused.add(pkey)
+        st = next((s for s in self.states if s.rule.name == order.rule.name), None)
+        if st is None:
+            return
+        pending = st.in_flight.get(order.subject_key)
+        if pending is not None:
+            pending.discard(pkey)
+            if not pending:
+                del st.in_flight[order.subject_key]
+                st.cooldown[order.subject_key] = self.clock.monotonic() + self.policy.settings.cooldown
+
+    # -- reports ---------------------------------------------------------------------------------------
+
+    def windows_report(self) -> list[dict[str, Any]]:
+        """Subjects inside a duration window: which rule and condition, for how long, out of how long."""
+        now = self.clock.monotonic()
+        out = []
+        for st in self.states:
+            for index, window in st.windows.items():
+                cond = st.rule.conditions[index]
+                for key, since in window.items():
+                    subject = st.seen.get(key)
+                    out.append({"rule": st.rule.name, "subject": subject.label if subject else str(key),
+                                "condition": cond.text, "elapsed": now - since, "duration": cond.duration})
+        return out
+
+    def grace_report(self) -> list[dict[str, Any]]:
+        """Subjects violating a kill rule and still inside its grace period."""
+        now = self.clock.monotonic()
+        return [{"rule": st.rule.name, "subject": ep.label, "remaining": ep.grace_until - now}
+                for st in self.states if st.rule.action == "kill"
+                for ep in st.episodes.values() if not ep.acted and now < ep.grace_until]
+
+    def preview(self, snapshot: Snapshot) -> list[Preview]:
+        """What the policy would do with this snapshot, given the windows and grace periods running now.
+        Changes nothing: no window, episode, cooldown or counter."""
+        now = self.clock.monotonic()
+        procs = list(process_views(snapshot, self.clock.boottime()).values())  # fresh: the engine's stay as they are
+        cycle = Cycle(procs, snapshot.devices, self.own_pid)
+        out: list[Preview] = []
+        for st in self.states:
+            c, rule = st.compiled, st.rule
+            visible = c.visible(cycle)
+            for s in c.subjects(cycle):
+                if not c.holds_now(s):
+                    continue
+                out.append(self._preview_one(st, s, now))
+            if c.scope == "per_process" and (c.exempt is not None):
+                shown = {p.key for p in visible}
+                for p in procs:
+                    if p.key not in shown and all(sel.test(p) for sel in c.selectors) and c.holds_now(p):
+                        out.append(Preview(rule.name, p.label, rule.action, "exempt", 0.0, (p.pid,),
+                                           "exempt or protected: never touched"))
+        return out
+
+    def _preview_one(self, st: RuleState, s: Subject, now: float) -> Preview:
+        c, rule, key = st.compiled, st.rule, s.key
+        waits = [max(0.0, cc.cond.duration - (now - st.windows.get(cc.index, {}).get(key, now)))
+                 for cc in c.timed if cc.test(s)]
+        if rule.match == "all":
+            duration_left = max(waits, default=0.0)
+        else:
+            duration_left = 0.0 if any(cc.test(s) for cc in c.instant) else min(waits, default=0.0)
+        ep = st.episodes.get(key)
+        if ep is not None:
+            wait = max(0.0, ep.grace_until - now) if rule.action == "kill" else 0.0
+        else:
+            wait = duration_left + (rule.grace_period if rule.action == "kill" else 0.0)
+        wait = max(wait, st.cooldown.get(key, 0.0) - now)  # previews show what enforcing would do
+        if rule.action == "kill":
+            pids = tuple(p.pid for p in c.victims(s, self._going, self._refused))
+            status = "in-flight" if st.in_flight.get(key) else ("now" if wait <= 0 else "waiting")
+        else:
+            pids = (s.pid,) if isinstance(s, ProcView) else tuple(p.pid for p in s.procs)
+            status = "now" if wait <= 0 else "waiting"
+        return Preview(rule.name, s.label, rule.action, status, max(0.0, wait), pids, self._reason(st, s))

@@ -1,0 +1,333 @@
+"""The guard's state machine with an injected clock: durations, AND by default, grace, per-user largest-first,
+cooldown, the per-cycle cap, kills in flight, exemptions, dry run and previews. No waiting, no processes:
+the daemon tests (test_guard_daemon.py) show the same on real processes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from testbed import REPO
+
+from gpukilld.guard.conditions import CLK_TCK, Groups
+from gpukilld.guard.engine import Clock, Engine, GraceCancelled, KillOrder, Violation
+from gpukilld.guard.policy import load_paths, load_texts
+from gpukilld.model import Attribution, Device, GpuProcess, Snapshot
+
+GiB = 1024**3
+OWN_PID = 4_000_000
+
+
+@dataclass
+class FakeTime:
+    now: float = 1000.0
+
+    def clock(self) -> Clock:
+        return Clock(monotonic=lambda: self.now, boottime=lambda: self.now, wall=lambda: 1.7e9 + self.now)
+
+
+class FakeGroups(Groups):
+    def __init__(self, table: dict[int, set[str]]) -> None:
+        super().__init__()
+        self.table = table
+
+    def of(self, uid: int, user: str) -> frozenset[str]:
+        return frozenset(self.table.get(uid, set()))
+
+
+def dev(index: int, temperature: float | None = 40.0, util: float | None = 0.0, used: int | None = 0) -> Device:
+    return Device(index, f"GPU-{index}", "simulated", "nvidia", "H100", None, util, used, 80 * GiB, temperature, 100.0)
+
+
+def proc(pid: int, comm: str = "python", mem: int | None = None, util: float | None = None, uid: int = 1000,
+         user: str = "alice", device: int = 0, start: int = 100, unit: str | None = None,
+         cmdline: str | None = None) -> GpuProcess:
+    return GpuProcess(pid, start, uid, user, comm, cmdline or comm, f"/usr/bin/{comm}", device, f"GPU-{device}", mem,
+                      util, Attribution(unit=unit))
+
+
+def snap(*processes: GpuProcess, devices: tuple[Device, ...] | None = None) -> Snapshot:
+    return Snapshot(1, 0.0, devices or tuple(dev(i) for i in range(4)), tuple(processes), ())
+
+
+def policy(text: str):
+    return load_texts([("test.yaml", text)])
+
+
+def scaled_issue_policy():
+    return load_paths([str(REPO / "tests" / "guard_policies" / "issue5.yaml")])
+
+
+def kinds(events) -> list[str]:
+    return [type(e).__name__ for e in events]
+
+
+def step(engine: Engine, t: FakeTime, snapshot: Snapshot, seconds: float, dry_run: bool = False) -> list:
+    t.now += seconds
+    return engine.evaluate(snapshot, dry_run)
+
+
+def test_duration_holds_only_after_being_true_that_long_and_restarts_when_false():
+    t = FakeTime()
+    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    busy = snap(proc(10, "xmrig", util=99))
+    idle = snap(proc(10, "xmrig", util=20))
+    assert e.evaluate(busy, False) == []
+    assert step(e, t, busy, 299) == []  # 4m59s: not yet
+    assert e.windows_report()[0]["elapsed"] == 299
+    assert step(e, t, idle, 0.5) == []  # dropped under: the window is gone
+    assert e.windows_report() == []
+    assert step(e, t, busy, 0.5) == []
+    assert step(e, t, busy, 299.9) == []
+    events = step(e, t, busy, 0.1)  # 5 minutes continuously
+    assert kinds(events) == ["Violation", "KillOrder"]
+    order = events[1]
+    assert order.targets[0].pid == 10 and order.force and order.kill_grace == 5.0
+    assert order.rule.name == "block-crypto-miners"
+
+
+def test_conditions_combine_with_and():
+    t = FakeTime()
+    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "python", util=99), proc(11, "xmrig", util=50), proc(12, "cpuminer-opt", util=100, device=1))
+    e.evaluate(s, False)
+    events = step(e, t, s, 301)
+    assert [ev.targets[0].pid for ev in events if isinstance(ev, KillOrder)] == [12]  # name AND load, nothing else
+
+
+def test_match_any():
+    t = FakeTime()
+    e = Engine(policy("rules:\n  - name: any\n    match: any\n    action: notify\n    notify: [journal]\n"
+                      "    conditions:\n      - {type: process_name, operator: ==, value: xmrig}\n"
+                      "      - {type: gpu_utilization, operator: '>', value: 95, duration: 1m}\n"),
+               t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "xmrig", util=1), proc(11, "python", util=99), proc(12, "python", util=10))
+    assert [ev.subject for ev in e.evaluate(s, False)] == ["PID 10 (xmrig, user alice)"]
+    assert [ev.subject for ev in step(e, t, s, 60)] == ["PID 11 (python, user alice)"]
+    assert step(e, t, s, 60) == []  # one violation per episode, not one per cycle
+
+
+def test_grace_period_then_kill_largest_first_only_until_under():
+    t = FakeTime()
+    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, mem=5 * GiB), proc(11, mem=4 * GiB, device=1), proc(12, mem=1 * GiB, device=2),
+             proc(20, mem=7 * GiB, uid=1001, user="bob"))
+    events = e.evaluate(s, False)
+    assert kinds(events) == ["Violation"]
+    v = events[0]
+    assert v.subject == "user alice" and v.uid == 1000 and [x.pid for x in v.targets] == [10]
+    assert "10.0 GiB" in v.reason
+    assert e.grace_report()[0]["remaining"] == 30
+    assert step(e, t, s, 29.9) == []  # not before the grace ends
+    events = step(e, t, s, 0.1)
+    assert kinds(events) == ["KillOrder"]
+    assert [x.pid for x in events[0].targets] == [10]  # 10 GiB - 5 GiB = 5 GiB: under, so only the largest
+    assert not events[0].force
+
+
+def test_per_user_kills_several_when_one_is_not_enough():
+    t = FakeTime()
+    e = Engine(policy("rules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
+                      "    conditions: [{type: user_memory, operator: '>', value: 3GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    events = e.evaluate(snap(proc(10, mem=2 * GiB), proc(11, mem=5 * GiB), proc(12, mem=4 * GiB)), False)
+    order = next(ev for ev in events if isinstance(ev, KillOrder))
+    assert [x.pid for x in order.targets] == [11, 12]  # 11 GiB -> 6 GiB -> 2 GiB <= 3 GiB
+
+
+def test_coming_back_under_during_the_grace_cancels():
+    t = FakeTime()
+    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    over = snap(proc(10, mem=5 * GiB), proc(11, mem=4 * GiB))
+    under = snap(proc(10, mem=5 * GiB))
+    e.evaluate(over, False)
+    events = step(e, t, under, 10)
+    assert kinds(events) == ["GraceCancelled"] and events[0].subject == "user alice"
+    assert step(e, t, under, 60) == []
+    assert e.stats["limit-user-memory"].cancelled == 1 and e.stats["limit-user-memory"].triggers == 1
+    # over again later: a new violation and a new full grace period
+    assert kinds(step(e, t, over, 1)) == ["Violation"]
+    assert step(e, t, over, 29) == []
+    assert kinds(step(e, t, over, 1)) == ["KillOrder"]
+
+
+def test_no_second_kill_while_one_is_in_flight_then_cooldown():
+    t = FakeTime()
+    e = Engine(policy("cooldown: 20s\nrules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
+                      "    conditions: [{type: user_memory, operator: '>', value: 3GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, mem=5 * GiB), proc(11, mem=1 * GiB))
+    order = next(ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder))
+    assert [x.pid for x in order.targets] == [10]
+    for _ in range(5):  # the kill is slow (grace of SIGTERM): the next snapshots still show the process
+        assert step(e, t, s, 1) == []
+    e.kill_finished(order, order.targets[0], "still-alive")  # it survived SIGTERM (no force)
+    assert step(e, t, s, 19) == []  # cooldown
+    events = step(e, t, s, 1)
+    assert kinds(events) == ["KillOrder"] and events[0].targets[0].pid == 10  # tried again after the cooldown
+    assert e.stats["cap"].kills == 1
+
+
+def test_cap_on_kills_per_cycle():
+    t = FakeTime()
+    e = Engine(policy("max_kills_per_cycle: 2\nrules:\n  - name: miners\n    action: kill\n"
+                      "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"), t.clock(), own_pid=OWN_PID)
+    s = snap(*(proc(10 + i, "xmrig") for i in range(5)))
+    first = [x.pid for ev in e.evaluate(s, False) if isinstance(ev, KillOrder) for x in ev.targets]
+    second = [x.pid for ev in step(e, t, s, 1) if isinstance(ev, KillOrder) for x in ev.targets]
+    third = [x.pid for ev in step(e, t, s, 1) if isinstance(ev, KillOrder) for x in ev.targets]
+    assert len(first) == 2 and len(second) == 2 and len(third) == 1
+    assert sorted(first + second + third) == [10, 11, 12, 13, 14]
+
+
+def test_exempt_and_protected_processes_are_never_touched():
+    t = FakeTime()
+    groups = FakeGroups({1002: {"research", "1002"}})
+    text = ("exemptions: {users: [root]}\nrules:\n  - name: miners\n    action: kill\n"
+            "    exemptions: {groups: [research], units: ['slurm*.scope'], processes: ['xmrig-ok*']}\n"
+            "    conditions: [{type: process_name, operator: contains_any, value: [xmrig]}]\n")
+    e = Engine(load_texts([("p.yaml", text)]), t.clock(), groups=groups, own_pid=OWN_PID)
+    s = snap(proc(1, "xmrig"), proc(OWN_PID, "xmrig"), proc(10, "xmrig", uid=0, user="root"),
+             proc(11, "xmrig", uid=1002, user="carol"), proc(12, "xmrig", unit="slurm-42.scope"),
+             proc(13, "xmrig-ok-bench"), proc(14, "xmrig"))
+    killed = [x.pid for ev in e.evaluate(s, False) if isinstance(ev, KillOrder) for x in ev.targets]
+    assert killed == [14]
+    exempt = {p.pids[0] for p in e.preview(s) if p.status == "exempt"}
+    assert exempt == {1, OWN_PID, 10, 11, 12, 13}
+
+
+def test_refused_by_the_kill_path_is_not_retried():
+    t = FakeTime()
+    e = Engine(policy("cooldown: 1s\nrules:\n  - name: miners\n    action: kill\n"
+                      "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "xmrig"))
+    order = next(ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder))
+    e.kill_finished(order, order.targets[0], "protected")
+    assert [ev for ev in step(e, t, s, 5) if isinstance(ev, KillOrder)] == []
+    assert e.stats["miners"].failed == 1
+
+
+def test_dry_run_orders_nothing_in_flight_and_repeats_after_the_cooldown():
+    t = FakeTime()
+    e = Engine(policy("cooldown: 10s\nrules:\n  - name: miners\n    action: kill\n"
+                      "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "xmrig"))
+    events = e.evaluate(s, True)
+    assert kinds(events) == ["Violation", "KillOrder"] and events[1].dry_run
+    assert e.busy == set()  # nothing will report back: a dry run never reaches the kill path
+    assert step(e, t, s, 9, dry_run=True) == []
+    assert [ev.dry_run for ev in step(e, t, s, 1, dry_run=True)] == [True]
+    assert e.stats["miners"].would_kill == 2 and e.stats["miners"].kills == 0
+    real = step(e, t, s, 1, dry_run=False)  # dry run switched off: the would-kill's cooldown does not hold it
+    assert kinds(real) == ["KillOrder"] and not real[0].dry_run and e.busy == {(10, 100)}
+
+
+def test_per_device_rules():
+    t = FakeTime()
+    e = Engine(policy("rules:\n  - name: full\n    scope: per_device\n    action: kill\n    conditions:\n"
+                      "      - {type: device_memory, operator: '>', value: '90%'}\n"
+                      "      - {type: user, operator: '!=', value: root}\n"
+                      "  - name: hot\n    scope: per_device\n    action: log\n"
+                      "    conditions: [{type: temperature, operator: '>=', value: 85, duration: 30s}]\n"),
+               t.clock(), own_pid=OWN_PID)
+    devices = (dev(0, used=78 * GiB, temperature=90.0), dev(1, used=10 * GiB, temperature=None))
+    s = snap(proc(10, mem=40 * GiB), proc(11, mem=30 * GiB), proc(12, mem=8 * GiB, uid=0, user="root"),
+             proc(13, mem=10 * GiB, device=1), devices=devices)
+    events = e.evaluate(s, False)
+    order = next(ev for ev in events if isinstance(ev, KillOrder))
+    assert order.subject == "GPU 0 (GPU-0)" and [x.pid for x in order.targets] == [10]  # root's is not selected
+    hot = [ev for ev in step(e, t, s, 30) if isinstance(ev, Violation)]
+    assert [ev.subject for ev in hot] == ["GPU 0 (GPU-0)"]  # GPU 1's temperature is unknown: never "hot"
+
+
+def test_unknown_values_never_make_a_condition_true():
+    t = FakeTime()
+    e = Engine(policy("rules:\n  - name: small\n    action: log\n"
+                      "    conditions: [{type: gpu_memory, operator: '<', value: 1GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    assert e.evaluate(snap(proc(10, mem=None), proc(11, mem=1024)), False)[0].subject.startswith("PID 11")
+
+
+def test_a_process_on_two_gpus_is_one_subject_with_its_memory_summed():
+    t = FakeTime()
+    e = Engine(policy("rules:\n  - name: big\n    action: kill\n"
+                      "    conditions: [{type: gpu_memory, operator: '>', value: 6GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    events = e.evaluate(snap(proc(10, mem=4 * GiB, device=0), proc(10, mem=4 * GiB, device=1)), False)
+    assert kinds(events) == ["Violation", "KillOrder"] and len(events[1].targets) == 1
+
+
+def test_runtime_cmdline_and_group_conditions():
+    t = FakeTime(now=10_000.0)
+    groups = FakeGroups({1000: {"students"}})
+    e = Engine(load_texts([("p.yaml", "rules:\n  - name: long\n    action: log\n    conditions:\n"
+                                      "      - {type: runtime, operator: '>', value: 1h}\n"
+                                      "      - {type: group, operator: ==, value: students}\n"
+                                      "      - {type: cmdline, operator: matches, value: '--epochs[= ]1000'}\n")]),
+               t.clock(), groups=groups, own_pid=OWN_PID)
+    started_two_hours_ago = int((10_000 - 7200) * CLK_TCK)
+    started_now = int(10_000 * CLK_TCK)
+    s = snap(proc(10, cmdline="python train.py --epochs 1000", start=started_two_hours_ago),
+             proc(11, cmdline="python train.py --epochs 1000", start=started_now),
+             proc(12, cmdline="python train.py --epochs 1000", start=started_two_hours_ago, uid=1001, user="bob"),
+             proc(13, cmdline="python train.py --epochs 10", start=started_two_hours_ago))
+    assert [ev.subject for ev in e.evaluate(s, False)] == ["PID 10 (python, user alice)"]
+
+
+def test_an_unchanged_rule_keeps_its_window_across_a_reload():
+    t = FakeTime()
+    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "xmrig", util=99))
+    e.evaluate(s, False)
+    step(e, t, s, 200)
+    e.set_policy(scaled_issue_policy())  # the same files read again (SIGHUP)
+    assert kinds(step(e, t, s, 100)) == ["Violation", "KillOrder"]
+    changed = load_texts([("p.yaml", (REPO / "tests/guard_policies/issue5.yaml").read_text().replace("95", "90"))])
+    e2 = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    e2.evaluate(s, False)
+    step(e2, t, s, 200)
+    e2.set_policy(changed)  # a changed rule starts over
+    assert step(e2, t, s, 100) == []
+
+
+def test_preview_reports_and_changes_nothing():
+    t = FakeTime()
+    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "xmrig", util=99), proc(11, mem=5 * GiB), proc(12, mem=4 * GiB, device=1))
+    e.evaluate(s, False)
+    t.now += 120
+    before = (e.windows_report(), e.grace_report(), {k: v.to_dict() for k, v in e.stats.items()})
+    previews = {p.rule: p for p in e.preview(s)}
+    assert before == (e.windows_report(), e.grace_report(), {k: v.to_dict() for k, v in e.stats.items()})
+    miners = previews["block-crypto-miners"]
+    assert miners.status == "waiting" and miners.wait == 180 and miners.pids == (10,)
+    memory = previews["limit-user-memory"]
+    assert memory.status == "now" and memory.pids == (11,)  # its 30 s grace ran out while we waited
+    fresh = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)  # as TestPolicies with a new policy
+    assert {p.rule: p.wait for p in fresh.preview(s)} == {"block-crypto-miners": 300, "limit-user-memory": 30}
+
+
+def test_grace_cancelled_event_type():
+    t = FakeTime()
+    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    e.evaluate(snap(proc(10, mem=9 * GiB)), False)
+    events = step(e, t, snap(), 1)
+    assert isinstance(events[0], GraceCancelled) and events[0].uid == 1000
+
+
+def test_a_process_renamed_since_the_last_cycle_is_judged_by_its_new_name():
+    """Views are reused from cycle to cycle: every field must follow the snapshot (exec, prctl, cgroups)."""
+    t = FakeTime()
+    e = Engine(policy("rules:\n  - name: miners\n    action: kill\n"
+                      "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"), t.clock(), own_pid=OWN_PID)
+    assert e.evaluate(snap(proc(10, "python", mem=GiB)), False) == []
+    events = step(e, t, snap(proc(10, "xmrig", mem=2 * GiB)), 1)
+    assert kinds(events) == ["Violation", "KillOrder"] and events[1].targets[0].gpu_memory == 2 * GiB
+
+
+def test_choosing_victims_among_thousands_stays_cheap():
+    """A user with 5,000 processes far over the limit: choosing largest-first must not copy lists per pick."""
+    t = FakeTime()
+    e = Engine(policy("rules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
+                      "    conditions: [{type: user_memory, operator: '>', value: 1GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    s = snap(*(proc(10 + i, mem=GiB + i, device=i % 4) for i in range(5000)))
+    t0 = time.perf_counter()
+    order = next(ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder))
+    assert time.perf_counter() - t0 < 1.5
+    assert [x.pid for x in order.targets] == [10 + 4999 - i for i in range(10)]  # largest first, capped at 10
