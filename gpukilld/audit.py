@@ -32,7 +32,16 @@ RESET_FAILED = EventKind("reset-failed", "10b89340a75f437880f4a156e1283296", sys
 DEVICE_STATE = EventKind("device-state", "ede32fe6bbd54d1f984f08e124554019", syslog.LOG_WARNING)
 DAEMON = EventKind("daemon", "e2a7c366d5844cac91f70e462072e14d", syslog.LOG_INFO)
 
-ALL_KINDS = (KILL, KILL_DENIED, KILL_FAILED, RESET, RESET_DENIED, RESET_FAILED, DEVICE_STATE, DAEMON)
+# Guard Mode: every entry carries GPUKILL_RULE (the rule's name) where a rule is concerned.
+GUARD_VIOLATION = EventKind("guard-violation", "cf5243f6102f4795829414419a215b48", syslog.LOG_WARNING)
+GUARD_ACTION = EventKind("guard-action", "fbe65fec4222427794f7b607f1c2462f", syslog.LOG_NOTICE)
+GUARD_DRY_RUN = EventKind("guard-dry-run", "10c71d16a90847f189d5d79d5ab7f684", syslog.LOG_NOTICE)
+GUARD_POLICY = EventKind("guard-policy", "2a392ee210d443fcb4e17a08e3eb12ce", syslog.LOG_NOTICE)
+GUARD_NOTIFY_FAILED = EventKind("guard-notify-failed", "8cbf9129bbea4b40a09c797f2c2f3595", syslog.LOG_WARNING)
+GUARD_NOTICE = EventKind("guard-notice", "96738fcc40704013a2c74c51bcff18f8", syslog.LOG_WARNING)
+
+ALL_KINDS = (KILL, KILL_DENIED, KILL_FAILED, RESET, RESET_DENIED, RESET_FAILED, DEVICE_STATE, DAEMON,
+             GUARD_VIOLATION, GUARD_ACTION, GUARD_DRY_RUN, GUARD_POLICY, GUARD_NOTIFY_FAILED, GUARD_NOTICE)
 
 
 class Audit:

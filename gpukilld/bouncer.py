@@ -17,6 +17,7 @@ from dbus_fast.aio import MessageBus
 log = logging.getLogger(__name__)
 
 MANAGER = "org.gpukill1.Manager"
+GUARD = "org.gpukill1.Guard"
 READ_ONLY = ""  # needs no authorization
 KILL_OWN = "org.gpukill.kill-own-process"
 KILL_ANY = "org.gpukill.kill-any-process"
@@ -29,6 +30,14 @@ METHOD_ACTIONS: dict[tuple[str, str], str] = {
     (MANAGER, "ListProcesses"): READ_ONLY,
     (MANAGER, "KillProcess"): KILL_ANY,
     (MANAGER, "ResetDevice"): RESET_DEVICE,
+    # Guard Mode: reading the state and asking what a policy would do (TestPolicies never acts) are open to
+    # everyone; whatever changes what the guard enforces needs manage-guard.
+    (GUARD, "GetStatus"): READ_ONLY,
+    (GUARD, "TestPolicies"): READ_ONLY,
+    (GUARD, "Enable"): MANAGE_GUARD,
+    (GUARD, "Disable"): MANAGE_GUARD,
+    (GUARD, "SetDryRun"): MANAGE_GUARD,
+    (GUARD, "LoadPolicy"): MANAGE_GUARD,
 }
 OUR_INTERFACES = {iface for iface, _ in METHOD_ACTIONS}
 

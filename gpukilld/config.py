@@ -10,6 +10,16 @@
     sys = /sys
     debugfs = /sys/kernel/debug
 
+    [guard]                          # Guard Mode (README.md)
+    policy_dir = /etc/gpukill/guard.d   # *.yaml read in name order, again on reload
+    state_dir = /var/lib/gpukill     # enabled, dry run, counters and the policy in force, across restarts
+
+    [notify]                         # where guard e-mail goes: a relay that delivers onwards (postfix, ...)
+    smtp_host = localhost
+    smtp_port = 25
+    from = gpukilld@HOSTNAME
+    timeout = 10                     # seconds per delivery attempt (SMTP or webhook); 3 attempts
+
 Command-line options win over the file. A missing file is fine (defaults); a broken one is an error that
 names the file and line.
 """
@@ -34,9 +44,16 @@ class Config:
     proc_root: str = "/proc"
     sys_root: str = "/sys"
     debugfs_root: str = "/sys/kernel/debug"
+    guard_policy_dir: str = "/etc/gpukill/guard.d"
+    guard_state_dir: str = "/var/lib/gpukill"
+    smtp_host: str = "localhost"
+    smtp_port: int = 25
+    mail_from: str = ""  # "": gpukilld@HOSTNAME
+    notify_timeout: float = 10.0
 
 
-_KNOWN = {"daemon": {"sample_interval", "simulate", "backends"}, "paths": {"proc", "sys", "debugfs"}}
+_KNOWN = {"daemon": {"sample_interval", "simulate", "backends"}, "paths": {"proc", "sys", "debugfs"},
+          "guard": {"policy_dir", "state_dir"}, "notify": {"smtp_host", "smtp_port", "from", "timeout"}}
 
 
 def check_interval(value: float, where: str) -> float:
@@ -100,4 +117,24 @@ def load_config(path: str, required: bool = False) -> Config:
     for key, field in (("proc", "proc_root"), ("sys", "sys_root"), ("debugfs", "debugfs_root")):
         if parser.has_option("paths", key):
             values[field] = parser["paths"][key].strip()
+    for key, field in (("policy_dir", "guard_policy_dir"), ("state_dir", "guard_state_dir")):
+        if parser.has_option("guard", key):
+            if not (value := parser["guard"][key].strip()):
+                raise ConfigError(f"{path}:{_line_of(path, 'guard', key) or '?'}: {key} must not be empty")
+            values[field] = value
+    if parser.has_option("notify", "smtp_host"):
+        values["smtp_host"] = parser["notify"]["smtp_host"].strip() or "localhost"
+    if parser.has_option("notify", "from"):
+        values["mail_from"] = parser["notify"]["from"].strip()
+    for key, field, kind, low, high in (("smtp_port", "smtp_port", int, 1, 65535),
+                                        ("timeout", "notify_timeout", float, 0.1, 300.0)):
+        if parser.has_option("notify", key):
+            where = f"{path}:{_line_of(path, 'notify', key) or '?'}"
+            try:
+                number = kind(parser["notify"][key])
+            except ValueError:
+                raise ConfigError(f"{where}: {key} must be a number") from None
+            if not low <= number <= high:  # also rejects NaN
+                raise ConfigError(f"{where}: {key} must be between {low} and {high:g}")
+            values[field] = number
     return Config(**values)  # type: ignore[arg-type]

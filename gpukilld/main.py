@@ -22,6 +22,8 @@ from .backends.registry import build_backends
 from .bouncer import Bouncer, Caller
 from .config import DEFAULT_PATH, Config, check_interval, load_config
 from .errors import ConfigError
+from .guard.runner import GuardRunner, notify_config
+from .guard.service import GuardInterface
 from .killer import Killer
 from .manager import BUS_NAME, OBJECT_PATH, Door, ManagerInterface
 from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
@@ -99,6 +101,7 @@ class Daemon:
         for fut in waiters:
             if not fut.done():
                 fut.set_result(snap)
+        self.guard.on_snapshot(snap)  # evaluates and starts kills as tasks; never raises, never waits
 
     async def next_snapshot(self) -> Snapshot:
         """A snapshot taken after this call: for acts that must not trust one up to an interval old."""
@@ -137,7 +140,9 @@ class Daemon:
             self.backends = backends
             self.sampler.backends = backends
             self.actions.backends = {b.name: b for b in backends}
+            self.guard.configure(notify_config(config), config.guard_policy_dir, config.guard_state_dir)
             self.audit.log(audit.DAEMON, "Configuration reloaded", result="reloaded")
+        self.guard.reload_files()  # a broken policy file leaves the policy in force (and says so)
         self.notifier.notify(f"READY=1\nSTATUS={self._status}")
 
     # -- main ------------------------------------------------------------------------------------------
@@ -163,9 +168,12 @@ class Daemon:
         )
         self.manager = ManagerInterface(lambda: self.snapshot, self.actions, bouncer,
                                         lambda: self.sampler.interval)
+        self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
+                                 self.config.guard_policy_dir, self.config.guard_state_dir)
         busio.tolerate_full_socket(bus)
         bus.add_message_handler(Door(bus, self.manager))
         bus.export(OBJECT_PATH, self.manager)
+        bus.export(OBJECT_PATH, GuardInterface(self.guard, bouncer, lambda: self.snapshot))
 
         first: asyncio.Future[Snapshot] = self.loop.create_future()
         self._snapshot_waiters.append(first)
@@ -182,6 +190,8 @@ class Daemon:
             bus.disconnect()
             return 1
 
+        # Only now that the name is ours: a second gpukilld that loses the name must never enforce anything.
+        self.guard.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stop.set)
         self.loop.add_signal_handler(signal.SIGHUP, self.reload)
@@ -196,6 +206,7 @@ class Daemon:
         done, _ = await asyncio.wait({disconnected, stopped}, return_when=asyncio.FIRST_COMPLETED)
         self.notifier.notify("STOPPING=1")
         self.sampler.stop()
+        self.guard.stop()  # saves counters; notices still queued are dropped (the journal has every event)
         if disconnected in done:
             log.error("lost the system bus connection")
             self.audit.log(audit.DAEMON, "gpukilld lost the system bus; exiting", result="bus-lost")

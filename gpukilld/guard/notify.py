@@ -1,0 +1,185 @@
+"""Notifications, delivered off the enforcement path.
+
+send() never blocks: e-mail and webhook deliveries go into bounded queues, each drained by its own thread
+with a timeout per attempt and a few retries, so a slow or dead SMTP relay never delays a kill (nor holds up
+webhooks). A full queue drops the new notice and counts it; a notice that still fails after its retries is
+reported through on_failure (the audit trail). `journal` and `desktop` are handled at once by the caller's
+callbacks: a journal entry and the Notification D-Bus signal.
+
+The threads are daemon threads: gpukilld's exit never waits for a relay that does not answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import smtplib
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from email.message import EmailMessage
+from email.utils import formatdate, make_msgid
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+QUEUE_SIZE = 256
+RETRIES = 3  # attempts per notice
+BACKOFF = 2.0  # seconds before the 2nd attempt, doubling after that
+
+
+@dataclass(frozen=True, slots=True)
+class NotifyConfig:
+    smtp_host: str = "localhost"
+    smtp_port: int = 25
+    mail_from: str = ""  # "" means gpukilld@HOSTNAME
+    timeout: float = 10.0  # per attempt: connect, each SMTP reply, the HTTP response
+    retries: int = RETRIES
+    backoff: float = BACKOFF
+    queue_size: int = QUEUE_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    event: str  # violation, action
+    rule: str
+    subject: str
+    summary: str  # one line: the e-mail subject, the desktop title
+    body: str  # a few lines for people
+    data: dict[str, Any] = field(default_factory=dict)  # the webhook's JSON object
+
+
+@dataclass(slots=True)
+class ChannelStats:
+    queued: int = 0
+    delivered: int = 0
+    failed: int = 0
+    dropped: int = 0
+
+
+class _Channel:
+    """One transport: a bounded queue and the thread that drains it."""
+
+    def __init__(self, name: str, deliver: Callable[[Any, Notice], None], config: NotifyConfig,
+                 on_failure: Callable[[str, Notice, str], None], stop: threading.Event) -> None:
+        self.name = name
+        self.deliver = deliver
+        self.config = config
+        self.on_failure = on_failure
+        self.stop = stop
+        self.queue: queue.Queue[tuple[Any, Notice]] = queue.Queue(config.queue_size)
+        self.stats = ChannelStats()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.thread = threading.Thread(target=self._run, name=f"notify-{name}", daemon=True)
+        self.thread.start()
+
+    def put(self, target: Any, notice: Notice) -> None:
+        try:
+            self.idle.clear()
+            self.queue.put_nowait((target, notice))
+            self.stats.queued += 1
+        except queue.Full:
+            self.stats.dropped += 1
+            self.on_failure(str(target), notice, f"the {self.name} queue is full ({self.config.queue_size}); "
+                                                 "notice dropped")
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                target, notice = self.queue.get(timeout=0.5)
+            except queue.Empty:
+                self.idle.set()
+                continue
+            error = ""
+            delay = self.config.backoff
+            for attempt in range(1, self.config.retries + 1):
+                try:
+                    self.deliver(target, notice)
+                    error = ""
+                    break
+                except Exception as e:  # any failure of a relay or endpoint: retry, then report
+                    error = _one_line(e)
+                    log.warning("%s delivery to %s failed (attempt %d of %d): %s", self.name, target, attempt,
+                                self.config.retries, error)
+                    if attempt < self.config.retries and self.stop.wait(delay):
+                        break
+                    delay *= 2
+            if error:
+                self.stats.failed += 1
+                self.on_failure(str(target), notice, error)
+            else:
+                self.stats.delivered += 1
+            if self.queue.empty():
+                self.idle.set()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).replace("\n", " ").strip()
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class Notifier:
+    def __init__(self, config: NotifyConfig, on_failure: Callable[[str, Notice, str], None],
+                 journal: Callable[[Notice], None], desktop: Callable[[Notice], None]) -> None:
+        self.config = config
+        self._journal = journal
+        self._desktop = desktop
+        self._stop = threading.Event()
+        self.mail = _Channel("e-mail", self._send_mail, config, on_failure, self._stop)
+        self.webhook = _Channel("webhook", self._post, config, on_failure, self._stop)
+
+    def send(self, targets: tuple[str, ...], notice: Notice) -> None:
+        """Hand a notice to each target; returns at once."""
+        addresses = []
+        for target in targets:
+            if target == "journal":
+                self._journal(notice)
+            elif target == "desktop":
+                self._desktop(notice)
+            elif target.startswith("webhook:"):
+                self.webhook.put(target[len("webhook:"):], notice)
+            else:
+                addresses.append(target)
+        if addresses:  # one message to all the rule's addresses, as a relay would fan it out
+            self.mail.put(tuple(addresses), notice)
+
+    def stats(self) -> dict[str, ChannelStats]:
+        return {"email": self.mail.stats, "webhook": self.webhook.stats}
+
+    def wait_idle(self, timeout: float) -> bool:
+        """For tests and shutdown: True once both queues are drained."""
+        return self.mail.idle.wait(timeout) and self.webhook.idle.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- transports (run in the channel threads) ---------------------------------------------------------
+
+    def _send_mail(self, addresses: tuple[str, ...], notice: Notice) -> None:
+        c = self.config
+        msg = EmailMessage()
+        msg["From"] = c.mail_from or f"gpukilld@{socket.gethostname()}"
+        msg["To"] = ", ".join(addresses)
+        msg["Subject"] = f"[gpukill] {notice.summary}"
+        msg["Date"] = formatdate(localtime=True)
+        msg["Message-ID"] = make_msgid(domain=socket.gethostname())
+        msg["X-Gpukill-Rule"] = notice.rule
+        msg["X-Gpukill-Event"] = notice.event
+        msg.set_content(notice.body)
+        with smtplib.SMTP(c.smtp_host, c.smtp_port, timeout=c.timeout) as smtp:
+            smtp.send_message(msg)
+
+    def _post(self, url: str, notice: Notice) -> None:
+        body = json.dumps(notice.data).encode()
+        req = urllib.request.Request(url, data=body, method="POST", headers={
+            "Content-Type": "application/json", "User-Agent": "gpukilld"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.config.timeout) as resp:
+                resp.read(65536)
+        except urllib.error.HTTPError as e:  # a 4xx/5xx answer is a failed delivery: retried, then reported
+            raise RuntimeError(f"HTTP {e.code} {e.reason} from {url}") from None

@@ -1,0 +1,430 @@
+"""Carries out what the engine decides: kills through the daemon's kill path, audit entries, D-Bus signals,
+notifications, and the state kept across restarts. Also where the policy in force is swapped.
+
+The guard never signals by itself: every kill goes through Actions.kill with initiator "guard:RULE", which
+pins the process with a pidfd, refuses protected processes and audits. Kills run as asyncio tasks, so the
+evaluation of the next snapshot never waits for a grace period; a dry run never calls the kill path at all.
+Nothing here may raise into the daemon: a failure is logged and audited, and the daemon goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from .. import audit
+from ..config import Config
+from ..errors import GpukillError
+from ..model import Snapshot
+from .engine import Clock, Engine, Event, GraceCancelled, KillOrder, Preview, RuleStats, Target, Violation
+from .notify import Notice, Notifier, NotifyConfig
+from .policy import (
+    EMPTY_POLICY,
+    Policy,
+    PolicyError,
+    Rule,
+    directory_texts,
+    format_duration,
+    format_size,
+    load_texts,
+)
+from .state import MAX_RECENT, GuardState, load_state, save_state
+
+log = logging.getLogger(__name__)
+
+SAVE_DELAY = 1.0  # counters are written at most once a second; switches and policies at once
+KillPath = Callable[..., Awaitable[Any]]  # Actions.kill(caller, pid, start_time, grace, force, initiator)
+
+
+def notify_config(config: Config) -> NotifyConfig:
+    return NotifyConfig(smtp_host=config.smtp_host, smtp_port=config.smtp_port, mail_from=config.mail_from,
+                        timeout=config.notify_timeout)
+
+
+class GuardSignals(Protocol):
+    def violated(self, event: Violation, dry_run: bool) -> None: ...
+
+    def action_taken(self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str,
+                     dry_run: bool) -> None: ...
+
+    def notification(self, notice: Notice, uid: int | None) -> None: ...
+
+
+class _NoSignals:
+    def violated(self, event: Violation, dry_run: bool) -> None:
+        pass
+
+    def action_taken(self, *args: Any) -> None:
+        pass
+
+    def notification(self, notice: Notice, uid: int | None) -> None:
+        pass
+
+
+def _pids(targets: tuple[Target, ...]) -> str:
+    return ", ".join(f"{t.pid} ({t.comm}" + (f", {format_size(t.gpu_memory)}" if t.gpu_memory else "") + ")"
+                     for t in targets)
+
+
+class GuardRunner:
+    def __init__(self, kill: KillPath, auditor: audit.Audit, notify_config: NotifyConfig, policy_dir: str,
+                 state_dir: str, clock: Clock | None = None, own_pid: int | None = None) -> None:
+        self.kill = kill
+        self.audit = auditor
+        self.policy_dir = policy_dir
+        self.state_dir = state_dir
+        self.clock = clock or Clock()
+        self.engine = Engine(clock=self.clock, own_pid=own_pid)
+        self.state = GuardState()
+        self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice)
+        self.signals: GuardSignals = _NoSignals()
+        self.started = False
+        self.policy_error = ""  # why the last attempt to read the policy files failed ("" when it did not)
+        self.evaluations = 0
+        self.max_eval_seconds = 0.0
+        self._last_eval = -math.inf
+        self._tasks: set[asyncio.Task] = set()
+        self._save_handle: asyncio.TimerHandle | None = None
+        self._dirty = False  # counters or recent events not yet written
+        self._host = socket.gethostname()
+
+    @property
+    def policy(self) -> Policy:
+        return self.engine.policy
+
+    @property
+    def dry_run(self) -> bool:
+        """In force: SetDryRun(true), or dry_run: true in the policy, makes every rule dry."""
+        return self.state.dry_run or self.policy.settings.dry_run
+
+    # -- life cycle ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Restore the saved state and the policy; evaluation begins with the next snapshot."""
+        state, warning = load_state(self.state_dir)
+        if warning:
+            log.error("%s", warning)
+            self.audit.log(audit.GUARD_POLICY, f"Guard state unreadable: {warning}", action="guard",
+                           result="state-unreadable", error=warning)
+        self.state = state
+        for name, d in state.stats.items():
+            self.engine.stats[name] = RuleStats.from_dict(d)
+        policy = self._initial_policy()
+        self.engine.set_policy(policy)
+        self.started = True
+        self.audit.log(audit.GUARD_POLICY,
+                       f"Guard {'enabled' if state.enabled else 'disabled'}{', dry run' if self.dry_run else ''}: "
+                       f"{len(policy.rules)} rule(s) from {policy.source}",
+                       action="guard", result="started", enabled=int(state.enabled), dry_run=int(self.dry_run),
+                       rules=",".join(r.name for r in policy.rules) or None)
+
+    def _initial_policy(self) -> Policy:
+        saved = self.state.policy_files
+        if self.state.policy_source == "loaded" and saved:
+            try:
+                return load_texts(saved)
+            except PolicyError as e:  # saved by an older version that accepted more: fall back to the files
+                log.error("the policy loaded before the restart is no longer valid: %s", e)
+        try:
+            texts = directory_texts(self.policy_dir)
+            policy = load_texts(texts) if texts else EMPTY_POLICY
+        except PolicyError as e:
+            self._rejected(e, "start")
+            if saved:
+                try:
+                    policy = load_texts(saved)
+                except PolicyError:
+                    return EMPTY_POLICY
+                log.warning("enforcing the last good policy (%s) until the files are fixed", policy.source)
+                return policy
+            return EMPTY_POLICY
+        if (self.state.policy_source, self.state.policy_files) != ("files", texts):
+            self.state.policy_source, self.state.policy_files = "files", texts
+            self._save_now()
+        return policy
+
+    def stop(self) -> None:
+        if self._save_handle is not None:
+            self._save_handle.cancel()
+            self._save_handle = None
+        if self.started and self._dirty:
+            self._save_now()
+        self.notifier.close()
+
+    def configure(self, notify_config: NotifyConfig, policy_dir: str, state_dir: str) -> None:
+        """After a reload of gpukilld.conf; a queued notice already in a channel keeps its old relay."""
+        self.policy_dir = policy_dir
+        if state_dir != self.state_dir:
+            self.state_dir = state_dir
+            self._save_now()
+        if notify_config != self.notifier.config:
+            old = self.notifier
+            self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice,
+                                     self._desktop_notice)
+            old.close()
+
+    # -- policy and switches ---------------------------------------------------------------------------
+
+    def _rejected(self, e: PolicyError, who: str) -> None:
+        self.policy_error = str(e)
+        for line in e.errors:
+            log.error("%s", line)
+        self.audit.log(audit.GUARD_POLICY, f"Guard policy rejected ({who}); the policy in force stays: {e}",
+                       action="guard", result="rejected", error=str(e), requested_by=who)
+
+    def _install(self, policy: Policy, source: str, texts: list[tuple[str, str]], who: str) -> None:
+        self.engine.set_policy(policy)
+        self.state.policy_source, self.state.policy_files = source, texts
+        self.policy_error = ""
+        self._save_now()
+        names = ", ".join(r.name for r in policy.rules) or "none"
+        self.audit.log(audit.GUARD_POLICY, f"Guard policy from {policy.source} in force ({who}): rules {names}",
+                       action="guard", result="loaded", source=policy.source, rules=names, requested_by=who)
+
+    def reload_files(self, who: str = "reload") -> bool:
+        """Re-read guard.d (SIGHUP). On any error the policy in force stays and False is returned."""
+        try:
+            texts = directory_texts(self.policy_dir)
+            policy = load_texts(texts) if texts else EMPTY_POLICY
+        except PolicyError as e:
+            self._rejected(e, who)
+            return False
+        self._install(policy, "files", texts, who)
+        return True
+
+    def load_policy(self, name: str, text: str, who: str) -> Policy:
+        """Validate, then swap atomically; PolicyError (the policy in force stays) otherwise."""
+        try:
+            policy = load_texts([(name, text)])
+        except PolicyError as e:
+            self._rejected(e, who)
+            raise
+        self._install(policy, "loaded", [(name, text)], who)
+        return policy
+
+    def set_enabled(self, enabled: bool, who: str) -> None:
+        if enabled and not self.state.enabled:
+            self.engine.restart_windows()  # time spent disabled must not count towards a duration
+        self.state.enabled = enabled
+        self._save_now()
+        self.audit.log(audit.GUARD_POLICY, f"Guard {'enabled' if enabled else 'disabled'} by {who}",
+                       action="guard", result="enabled" if enabled else "disabled", requested_by=who)
+
+    def set_dry_run(self, dry_run: bool, who: str) -> None:
+        self.state.dry_run = dry_run
+        self._save_now()
+        self.audit.log(audit.GUARD_POLICY, f"Guard dry run {'on' if dry_run else 'off'}, set by {who}",
+                       action="guard", result="dry-run-on" if dry_run else "dry-run-off", requested_by=who)
+
+    # -- evaluation ------------------------------------------------------------------------------------
+
+    def on_snapshot(self, snapshot: Snapshot) -> None:
+        """Called by the daemon for every snapshot; evaluates when due and starts what the engine decides."""
+        if not self.started or not self.state.enabled or not self.policy.rules:
+            return
+        now = self.clock.monotonic()
+        interval = self.policy.settings.sample_interval
+        if interval and now - self._last_eval < interval * 0.95:  # snapshots come with some jitter
+            return
+        self._last_eval = now
+        dry_run = self.dry_run
+        try:
+            events = self.engine.evaluate(snapshot, dry_run)
+        except Exception:  # a bug in a rule must not take the daemon (and its manual kill path) down
+            log.exception("guard evaluation failed")
+            return
+        self.evaluations += 1
+        self.max_eval_seconds = max(self.max_eval_seconds, self.engine.last_eval_seconds)
+        for event in events:
+            try:
+                self._handle(event, dry_run)
+            except Exception:
+                log.exception("guard could not carry out %s", type(event).__name__)
+        if events:
+            self._save_soon()
+
+    def _handle(self, event: Event, dry_run: bool) -> None:
+        if isinstance(event, Violation):
+            self._violation(event, dry_run)
+        elif isinstance(event, GraceCancelled):
+            self._cancelled(event, dry_run)
+        elif isinstance(event, KillOrder):
+            if event.dry_run:
+                self._would_kill(event)
+            else:
+                for target in event.targets:
+                    task = asyncio.get_running_loop().create_task(self._kill(event, target))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+
+    def _targets(self, rule: Rule) -> tuple[str, ...]:
+        if rule.notify is not None:
+            return rule.notify
+        return () if rule.action == "log" else self.policy.settings.notify  # log: the journal entry only
+
+    def _remember(self, **entry: Any) -> None:
+        self.state.recent.append({"time": self.clock.wall(), **entry})
+        del self.state.recent[:-MAX_RECENT]
+
+    def _violation(self, ev: Violation, dry_run: bool) -> None:
+        rule = ev.rule
+        dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == "kill" else ""
+        if rule.action == "kill":
+            what = (f"its process(es) {_pids(ev.targets)} get SIGTERM in {format_duration(rule.grace_period)} "
+                    "unless it comes back under" if rule.grace_period else f"stopping {_pids(ev.targets)} now")
+        else:
+            what = "notifying" if rule.action == "notify" else "logged"
+        self.audit.log(audit.GUARD_VIOLATION, f"Guard rule {rule.name}: {ev.subject} violates it ({ev.reason}); "
+                                              f"{what}{dry}",
+                       action="guard", result="violation", rule=rule.name, rule_action=rule.action,
+                       subject=ev.subject, reason=ev.reason, grace=rule.grace_period, dry_run=int(dry_run),
+                       target_pids=",".join(str(t.pid) for t in ev.targets) or None, target_uid=ev.uid)
+        self.signals.violated(ev, dry_run)
+        self._remember(rule=rule.name, subject=ev.subject, event="violation", action=rule.action,
+                       outcome="", dry_run=dry_run)
+        self._notify(rule, ev.uid, "violation", f"{rule.name}: {ev.subject} violates the rule",
+                     [f"Host: {self._host}", f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
+                      f"Subject: {ev.subject}", f"Why: {ev.reason}", f"What happens: {what}{dry}"],
+                     {"subject": ev.subject, "reason": ev.reason, "action": rule.action, "dry_run": dry_run,
+                      "grace": rule.grace_period, "pids": [t.pid for t in ev.targets], "uid": ev.uid})
+
+    def _cancelled(self, ev: GraceCancelled, dry_run: bool) -> None:
+        self.audit.log(audit.GUARD_ACTION, f"Guard rule {ev.rule.name}: {ev.subject} came back under within the "
+                                           "grace period; nothing was signalled",
+                       action="guard", result="cancelled", rule=ev.rule.name, subject=ev.subject,
+                       target_uid=ev.uid, dry_run=int(dry_run))
+        self.signals.action_taken(ev.rule.name, ev.subject, "kill", 0, 0, "cancelled", dry_run)
+        self._remember(rule=ev.rule.name, subject=ev.subject, event="cancelled", action="kill", outcome="cancelled",
+                       dry_run=dry_run)
+
+    def _would_kill(self, order: KillOrder) -> None:
+        rule = order.rule
+        for t in order.targets:
+            self.audit.log(audit.GUARD_DRY_RUN,
+                           f"Dry run: guard rule {rule.name} would stop PID {t.pid} ({t.comm}, user {t.user}) for "
+                           f"{order.subject}; nothing was signalled",
+                           action="guard", result="would-kill", rule=rule.name, subject=order.subject,
+                           target_pid=t.pid, target_start_time=t.start_time, target_uid=t.uid,
+                           target_comm=t.comm, force=int(order.force), reason=order.reason, dry_run=1)
+            self.signals.action_taken(rule.name, order.subject, "kill", t.pid, t.start_time, "would-kill", True)
+            self._remember(rule=rule.name, subject=order.subject, event="action", action="kill",
+                           outcome="would-kill", pid=t.pid, dry_run=True)
+        self._notify(rule, order.uid, "action", f"{rule.name}: would stop {_pids(order.targets)} (dry run)",
+                     [f"Host: {self._host}", f"Rule: {rule.name}", f"Subject: {order.subject}",
+                      f"Why: {order.reason}", f"Dry run: would have stopped {_pids(order.targets)}; nothing was "
+                      "signalled"],
+                     {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": True,
+                      "outcome": "would-kill", "pids": [t.pid for t in order.targets], "uid": order.uid})
+
+    async def _kill(self, order: KillOrder, t: Target) -> None:
+        rule = order.rule
+        error = ""
+        try:
+            result = await self.kill(None, t.pid, t.start_time, order.kill_grace, order.force, f"guard:{rule.name}")
+            outcome = result.outcome
+        except GpukillError as e:  # protected, gone, PID reused: the kill path audited it already
+            outcome, error = e.result, str(e)
+        except Exception as e:
+            log.exception("guard kill of PID %d failed", t.pid)
+            outcome, error = "failed", f"{type(e).__name__}: {e}"
+        try:
+            self.engine.kill_finished(order, t, outcome)
+            text = {"terminated": "terminated", "killed": "killed with SIGKILL",
+                    "still-alive": "still alive after SIGTERM"}.get(outcome, f"not stopped: {error or outcome}")
+            self.audit.log(audit.GUARD_ACTION, f"Guard rule {rule.name}: PID {t.pid} ({t.comm}, user {t.user}) "
+                                               f"{text}; {order.subject}: {order.reason}",
+                           action="guard", result=outcome, rule=rule.name, subject=order.subject, target_pid=t.pid,
+                           target_start_time=t.start_time, target_uid=t.uid, target_comm=t.comm,
+                           force=int(order.force), error=error or None, dry_run=0)
+            self.signals.action_taken(rule.name, order.subject, "kill", t.pid, t.start_time, outcome, False)
+            self._remember(rule=rule.name, subject=order.subject, event="action", action="kill", outcome=outcome,
+                           pid=t.pid, dry_run=False)
+            self._notify(rule, order.uid, "action", f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
+                         [f"Host: {self._host}", f"Rule: {rule.name}", f"Subject: {order.subject}",
+                          f"Why: {order.reason}", f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}"],
+                         {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": False,
+                          "outcome": outcome, "pids": [t.pid], "uid": t.uid})
+            self._save_soon()
+        except Exception:
+            log.exception("guard could not report the kill of PID %d", t.pid)
+
+    # -- notifications ---------------------------------------------------------------------------------
+
+    def _notify(self, rule: Rule, uid: int | None, event: str, summary: str, lines: list[str],
+                data: dict[str, Any]) -> None:
+        targets = self._targets(rule)
+        if not targets:
+            return
+        notice = Notice(event, rule.name, str(data.get("subject", "")), summary, "\n".join(lines) + "\n",
+                        {"event": event, "rule": rule.name, "host": self._host, "time": self.clock.wall(),
+                         "summary": summary, **data})
+        self.notifier.send(targets, notice)
+
+    def _journal_notice(self, notice: Notice) -> None:
+        self.audit.log(audit.GUARD_NOTICE, f"gpukill guard: {notice.summary}", action="guard", result=notice.event,
+                       rule=notice.rule, subject=notice.subject)
+
+    def _desktop_notice(self, notice: Notice) -> None:
+        self.signals.notification(notice, notice.data.get("uid"))
+
+    def _delivery_failed(self, target: str, notice: Notice, error: str) -> None:
+        """From a channel thread: the audit trail is thread-safe."""
+        self.audit.log(audit.GUARD_NOTIFY_FAILED, f"Guard notification to {target} for rule {notice.rule} failed: "
+                                                  f"{error}",
+                       action="guard", result="notify-failed", rule=notice.rule, target=target, error=error)
+
+    # -- reports ---------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        rules = []
+        for rule in self.policy.rules:
+            stats = self.engine.stats.get(rule.name, RuleStats())
+            rules.append({"name": rule.name, "description": rule.description, "action": rule.action,
+                          "scope": rule.scope, "match": rule.match,
+                          "conditions": [c.text for c in rule.conditions], **stats.to_dict()})
+        return {
+            "enabled": self.state.enabled,
+            "dry_run": self.state.dry_run,
+            "policy_dry_run": self.policy.settings.dry_run,
+            "source": self.state.policy_source,
+            "files": list(self.policy.sources),
+            "policy_error": self.policy_error,
+            "rules": rules,
+            "recent": list(self.state.recent[-20:]),
+            "windows": self.engine.windows_report(),
+            "graces": self.engine.grace_report(),
+            "evaluations": self.evaluations,
+            "last_eval_ms": self.engine.last_eval_seconds * 1000,
+            "max_eval_ms": self.max_eval_seconds * 1000,
+            "notifications": {k: {"queued": s.queued, "delivered": s.delivered, "failed": s.failed,
+                                  "dropped": s.dropped} for k, s in self.notifier.stats().items()},
+        }
+
+    def preview(self, snapshot: Snapshot) -> list[Preview]:
+        return self.engine.preview(snapshot)
+
+    # -- persistence -----------------------------------------------------------------------------------
+
+    def _save_now(self) -> None:
+        self._dirty = False
+        self.state.stats = {name: s.to_dict() for name, s in self.engine.stats.items()}
+        try:
+            save_state(self.state_dir, self.state)
+        except OSError as e:
+            log.error("cannot save the guard state in %s: %s", self.state_dir, e.strerror or e)
+
+    def _save_soon(self) -> None:
+        self._dirty = True
+        if self._save_handle is not None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def save() -> None:
+            self._save_handle = None
+            self._save_now()
+
+        self._save_handle = loop.call_later(SAVE_DELAY, save)

@@ -1,0 +1,191 @@
+"""org.gpukill1.Guard on the system bus: a thin layer from D-Bus calls to the GuardRunner.
+
+GetStatus and TestPolicies are read-only (TestPolicies never acts; a policy a caller sends is evaluated in a
+child process, see sandbox.py). Enable, Disable, SetDryRun and LoadPolicy need org.gpukill.manage-guard, as
+the bouncer's table says; each request, allowed or denied, is audited. The caller is identified from the
+message the door handler (manager.Door) remembered for this call, as for the Manager interface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+from dbus_fast import DBusError, Variant
+from dbus_fast.service import ServiceInterface, method, signal
+
+from .. import audit
+from ..bouncer import Bouncer, action_for
+from ..errors import AccessDenied, InvalidArgs
+
+# The door handler and the error wrapper are the Manager's: one way to identify callers and report errors.
+from ..manager import _current_call, _dbus_errors, _name_outputs
+from ..model import Snapshot
+from .engine import Violation
+from .notify import Notice
+from .runner import GuardRunner
+from .sandbox import Sandbox
+
+GUARD_INTERFACE = "org.gpukill1.Guard"
+NO_UID = 0xFFFFFFFF  # a notice about a device concerns no one user
+MAX_NAME = 4096
+
+_TYPES = {"pid": "u", "uid": "u", "start_time": "t", "pids": "au", "conditions": "as", "files": "as"}
+
+
+def _variant(key: str, value: Any) -> Variant | None:
+    if value is None:
+        return None
+    if isinstance(value, tuple):  # dbus-fast marshals arrays from lists
+        value = list(value)
+    sig = _TYPES.get(key)
+    if sig is not None:
+        return Variant(sig, value)
+    if isinstance(value, bool):
+        return Variant("b", value)
+    if isinstance(value, int):
+        return Variant("t" if value >= 0 else "x", value)
+    if isinstance(value, float):
+        return Variant("d", value)
+    if isinstance(value, str):
+        return Variant("s", value)
+    if isinstance(value, dict):
+        return Variant("a{sv}", record(value))
+    if isinstance(value, list | tuple):
+        return Variant("aa{sv}", [record(v) for v in value])
+    raise TypeError(f"{key}: {type(value).__name__}")
+
+
+def record(d: dict[str, Any]) -> dict[str, Variant]:
+    """A plain dict as a{sv}; None values are left out, as everywhere in the API."""
+    out = {}
+    for k, v in d.items():
+        var = _variant(k, v)
+        if var is not None:
+            out[k] = var
+    return out
+
+
+def _clean_name(name: str) -> str:
+    if len(name) > MAX_NAME:
+        raise InvalidArgs(f"the policy name is longer than {MAX_NAME} characters")
+    name = "".join(ch if ch.isprintable() else "?" for ch in name)
+    return name or "<policy>"
+
+
+class GuardInterface(ServiceInterface):
+    def __init__(self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot]) -> None:
+        super().__init__(GUARD_INTERFACE)
+        self._runner = runner
+        self._bouncer = bouncer
+        self._snapshot = snapshot
+        self._sandbox = Sandbox()
+        runner.signals = self
+
+    async def _authorize(self, member: str, details: dict[str, str], what: str) -> str:
+        """Who asked, once polkit (or root) allows it; AccessDenied otherwise. Audited either way."""
+        msg = _current_call.get()
+        if msg is None:
+            raise AccessDenied("caller could not be identified")
+        try:
+            caller = await self._bouncer.caller(msg)
+        except Exception as e:
+            raise AccessDenied(f"caller could not be identified: {e}") from None
+        action = action_for(GUARD_INTERFACE, member)
+        if action is None:  # cannot happen while the door denies unmapped methods; refuse rather than act
+            raise AccessDenied(f"{member} is not a method gpukilld allows")
+        who = f"uid {caller.uid}" + (f" (PID {caller.pid})" if caller.pid else "")
+        allowed, why = await self._bouncer.authorize(caller, action, {"operation": member, **details})
+        if not allowed:
+            self._runner.audit.log(audit.GUARD_POLICY, f"Guard request {member} denied to {who}: {why}",
+                                   action="guard", result="denied", polkit_action=action, reason=why,
+                                   caller_uid=caller.uid, caller_pid=caller.pid, requested_by=who)
+            raise AccessDenied(f"not authorized to {what}: {why}")
+        return who
+
+    # -- methods ---------------------------------------------------------------------------------------
+
+    @method()
+    @_dbus_errors
+    async def Enable(self):  # no return annotation: dbus-fast would read one as the reply signature
+        self._runner.set_enabled(True, await self._authorize("Enable", {}, "enable the guard"))
+
+    @method()
+    @_dbus_errors
+    async def Disable(self):
+        self._runner.set_enabled(False, await self._authorize("Disable", {}, "disable the guard"))
+
+    @method()
+    @_dbus_errors
+    async def SetDryRun(self, dry_run: "b"):
+        who = await self._authorize("SetDryRun", {"dry_run": str(bool(dry_run)).lower()}, "change dry run")
+        self._runner.set_dry_run(bool(dry_run), who)
+
+    @method()
+    @_dbus_errors
+    async def LoadPolicy(self, name: "s", text: "s") -> "a{sv}":
+        name = _clean_name(name)
+        who = await self._authorize("LoadPolicy", {"policy": name[:256]}, "load a guard policy")
+        policy = self._runner.load_policy(name, text, who)
+        return {"source": Variant("s", policy.source), "rules": Variant("as", [r.name for r in policy.rules])}
+
+    @method()
+    def GetStatus(self) -> "a{sv}":
+        try:
+            return record(self._runner.status())
+        except Exception as e:  # a report must never cost the daemon
+            raise DBusError("org.gpukill1.Error.Failed", f"status unavailable: {type(e).__name__}: {e}") from None
+
+    @method()
+    @_dbus_errors
+    async def TestPolicies(self, name: "s", text: "s") -> "aa{sv}":
+        snapshot = self._snapshot()
+        if text:
+            previews = await self._sandbox.preview(_clean_name(name), text, snapshot, os.getpid())
+        else:
+            previews = [dataclasses.asdict(p) for p in self._runner.preview(snapshot)]
+        return [record(p) for p in previews]
+
+    # -- signals ---------------------------------------------------------------------------------------
+
+    @signal()
+    def PolicyViolated(self, event: Violation, dry_run: bool) -> "sssba{sv}":
+        details = record({"scope": event.rule.scope, "reason": event.reason, "grace": event.rule.grace_period,
+                          "uid": event.uid, "pids": [t.pid for t in event.targets], "time": event.at})
+        return [event.rule.name, event.subject, event.rule.action, dry_run, details]
+
+    @signal()
+    def GuardActionTaken(self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str,
+                         dry_run: bool) -> "sssutsb":
+        return [rule, subject, action, pid, start_time, outcome, dry_run]
+
+    @signal()
+    def Notification(self, notice: Notice, uid: int | None) -> "usss":
+        return [NO_UID if uid is None else uid, notice.rule, notice.summary, notice.body]
+
+    # -- GuardSignals, for the runner ------------------------------------------------------------------
+
+    def violated(self, event: Violation, dry_run: bool) -> None:
+        self.PolicyViolated(event, dry_run)
+
+    def action_taken(self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str,
+                     dry_run: bool) -> None:
+        self.GuardActionTaken(rule, subject, action, pid, start_time, outcome, dry_run)
+
+    def notification(self, notice: Notice, uid: int | None) -> None:
+        self.Notification(notice, uid)
+
+
+# Names for return values and signal arguments, as in dbus/org.gpukill1.xml.
+OUTPUT_NAMES = {
+    "Enable": [], "Disable": [], "SetDryRun": [],
+    "LoadPolicy": ["result"],
+    "GetStatus": ["status"],
+    "TestPolicies": ["decisions"],
+    "PolicyViolated": ["rule", "subject", "action", "dry_run", "details"],
+    "GuardActionTaken": ["rule", "subject", "action", "pid", "start_time", "outcome", "dry_run"],
+    "Notification": ["uid", "rule", "summary", "body"],
+}
+_name_outputs(GuardInterface, OUTPUT_NAMES)

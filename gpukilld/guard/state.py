@@ -1,0 +1,100 @@
+"""What Guard Mode keeps across restarts, in one JSON file under the state directory (/var/lib/gpukill).
+
+Kept: enabled, dry run, per-rule counters, recent violations, and the policy in force with its source
+(the guard.d files, or a policy loaded with LoadPolicy). Keeping the policy text means a restart enforces
+what was in force before even if a file in guard.d was broken meanwhile. Written atomically (a temporary
+file in the same directory, fsync, rename, fsync of the directory): a crash leaves the old file or the new
+one, never half of one. The file is 0600: webhook URLs can carry tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+STATE_FILE = "guard-state.json"
+FORMAT = 1
+MAX_RECENT = 100
+
+
+@dataclass(slots=True)
+class GuardState:
+    enabled: bool = True
+    dry_run: bool = False
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # rule name -> RuleStats.to_dict()
+    recent: list[dict[str, Any]] = field(default_factory=list)  # newest last, at most MAX_RECENT
+    policy_source: str = "files"  # "files" (guard.d) or "loaded" (LoadPolicy)
+    policy_files: list[tuple[str, str]] = field(default_factory=list)  # (name, text) of the policy in force
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "enabled": self.enabled, "dry_run": self.dry_run, "stats": self.stats,
+                "recent": self.recent[-MAX_RECENT:], "policy_source": self.policy_source,
+                "policy_files": [list(f) for f in self.policy_files]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> GuardState:
+        """Lenient: a field of the wrong type is left at its default rather than failing the daemon."""
+        s = cls()
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        if isinstance(data.get("enabled"), bool):
+            s.enabled = data["enabled"]
+        if isinstance(data.get("dry_run"), bool):
+            s.dry_run = data["dry_run"]
+        if isinstance(data.get("stats"), dict):
+            s.stats = {k: v for k, v in data["stats"].items() if isinstance(k, str) and isinstance(v, dict)}
+        if isinstance(data.get("recent"), list):
+            s.recent = [r for r in data["recent"] if isinstance(r, dict)][-MAX_RECENT:]
+        if data.get("policy_source") in ("files", "loaded"):
+            s.policy_source = data["policy_source"]
+        files = data.get("policy_files")
+        if isinstance(files, list):
+            s.policy_files = [(f[0], f[1]) for f in files
+                              if isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)]
+        return s
+
+
+def state_path(directory: str) -> str:
+    return os.path.join(directory, STATE_FILE)
+
+
+def load_state(directory: str) -> tuple[GuardState, str | None]:
+    """The saved state, or defaults; the second item says why the saved state could not be used."""
+    path = state_path(directory)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return GuardState.from_json(json.load(f)), None
+    except FileNotFoundError:
+        return GuardState(), None
+    except (OSError, ValueError) as e:
+        # Keep the unreadable file for a post-mortem; never start over silently.
+        with contextlib.suppress(OSError):
+            os.replace(path, path + ".broken")
+        return GuardState(), f"{path}: cannot be read ({e}); kept as {STATE_FILE}.broken, starting from defaults"
+
+
+def save_state(directory: str, state: GuardState) -> None:
+    """Write atomically; raises OSError (the caller logs it: the daemon keeps running)."""
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode()
+    fd, tmp = tempfile.mkstemp(  # created 0600
+        prefix=".guard-state.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, state_path(directory))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -1,0 +1,200 @@
+"""Guard notifications against real servers on loopback: aiosmtpd for e-mail, http.server for webhooks, and a
+TCP listener that never answers for a dead relay. send() must return at once whatever the relay does."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+aiosmtpd = pytest.importorskip("aiosmtpd.controller", reason="aiosmtpd is in the test extra (pip install -e .[test])")
+
+from gpukilld.guard.notify import Notice, Notifier, NotifyConfig  # noqa: E402
+
+NOTICE = Notice("violation", "block-crypto-miners", "PID 42 (xmrig, user bob)", "block-crypto-miners: PID 42 violates",
+                "Rule: block-crypto-miners\n", {"event": "violation", "rule": "block-crypto-miners", "pids": [42]})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Mailbox:
+    """aiosmtpd handler: keeps what a real relay would accept."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, list[str], bytes]] = []
+        self.cond = threading.Condition()
+
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
+        with self.cond:
+            self.messages.append((envelope.mail_from, list(envelope.rcpt_tos), envelope.content))
+            self.cond.notify_all()
+        return "250 Message accepted for delivery"
+
+    def wait(self, count: int, timeout: float = 15.0) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.messages) >= count, timeout)
+
+
+@pytest.fixture
+def smtp_server():
+    box = Mailbox()
+    port = free_port()
+    controller = aiosmtpd.Controller(box, hostname="127.0.0.1", port=port)
+    controller.start()
+    try:
+        yield box, port
+    finally:
+        controller.stop()
+
+
+class Hooks:
+    def __init__(self, status: int = 200) -> None:
+        self.posts: list[tuple[str, dict, str]] = []
+        self.status = status
+        self.cond = threading.Condition()
+        hooks = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's hook name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with hooks.cond:
+                    hooks.posts.append((self.path, json.loads(body), self.headers["Content-Type"]))
+                    hooks.cond.notify_all()
+                self.send_response(hooks.status)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait(self, count: int, timeout: float = 15.0) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.posts) >= count, timeout)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Blackhole:
+    """Accepts TCP connections (the kernel completes them from the backlog) and never says a word."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.failures: list[tuple[str, str]] = []
+        self.journal: list[Notice] = []
+        self.desktop: list[Notice] = []
+        self.cond = threading.Condition()
+
+    def failed(self, target: str, notice: Notice, error: str) -> None:
+        with self.cond:
+            self.failures.append((target, error))
+            self.cond.notify_all()
+
+    def notifier(self, config: NotifyConfig) -> Notifier:
+        return Notifier(config, self.failed, self.journal.append, self.desktop.append)
+
+
+def test_email_reaches_a_real_smtp_server(smtp_server):
+    box, port = smtp_server
+    rec = Recorder()
+    n = rec.notifier(NotifyConfig(smtp_port=port, smtp_host="127.0.0.1", mail_from="gpukilld@test.example"))
+    try:
+        n.send(("admin@company.com", "ops@company.com", "journal", "desktop"), NOTICE)
+        assert box.wait(1), rec.failures
+        mail_from, rcpts, content = box.messages[0]
+        assert mail_from == "gpukilld@test.example" and rcpts == ["admin@company.com", "ops@company.com"]
+        text = content.decode()
+        assert "Subject: [gpukill] block-crypto-miners: PID 42 violates" in text
+        assert "X-Gpukill-Rule: block-crypto-miners" in text and "Rule: block-crypto-miners" in text
+        assert [x.rule for x in rec.journal] == ["block-crypto-miners"] and len(rec.desktop) == 1
+        assert n.wait_idle(5) and n.stats()["email"].delivered == 1
+    finally:
+        n.close()
+
+
+def test_webhook_posts_json():
+    hooks = Hooks()
+    rec = Recorder()
+    n = rec.notifier(NotifyConfig())
+    try:
+        n.send((f"webhook:http://127.0.0.1:{hooks.port}/gpu/alerts",), NOTICE)
+        assert hooks.wait(1)
+        path, body, ctype = hooks.posts[0]
+        assert path == "/gpu/alerts" and ctype == "application/json"
+        assert body == {"event": "violation", "rule": "block-crypto-miners", "pids": [42]}
+    finally:
+        n.close()
+        hooks.close()
+
+
+def test_failures_are_retried_then_reported():
+    hooks = Hooks(status=503)
+    rec = Recorder()
+    n = rec.notifier(NotifyConfig(retries=3, backoff=0.05))
+    try:
+        n.send((f"webhook:http://127.0.0.1:{hooks.port}/x",), NOTICE)
+        with rec.cond:
+            assert rec.cond.wait_for(lambda: rec.failures, 15)
+        assert len(hooks.posts) == 3  # three attempts reached the endpoint
+        assert "HTTP 503" in rec.failures[0][1] and n.stats()["webhook"].failed == 1
+    finally:
+        n.close()
+        hooks.close()
+
+
+def test_a_blackholed_relay_never_blocks_send_nor_other_channels():
+    hole = Blackhole()
+    hooks = Hooks()
+    rec = Recorder()
+    n = rec.notifier(NotifyConfig(smtp_host="127.0.0.1", smtp_port=hole.port, timeout=1.0, retries=2, backoff=0.1))
+    try:
+        t0 = time.monotonic()
+        for _ in range(20):
+            n.send(("admin@company.com", f"webhook:http://127.0.0.1:{hooks.port}/x"), NOTICE)
+        assert time.monotonic() - t0 < 0.5, "send() must only enqueue"
+        assert hooks.wait(20, timeout=10), "webhooks must not queue behind a dead SMTP relay"
+        with rec.cond:  # the first e-mail fails after 2 attempts of 1 s each
+            assert rec.cond.wait_for(lambda: rec.failures, 15)
+        assert "timed out" in rec.failures[0][1] and rec.failures[0][0] == "('admin@company.com',)"
+    finally:
+        n.close()
+        hooks.close()
+        hole.close()
+
+
+def test_the_queue_is_bounded():
+    hole = Blackhole()
+    rec = Recorder()
+    n = rec.notifier(NotifyConfig(smtp_host="127.0.0.1", smtp_port=hole.port, timeout=5.0, queue_size=4))
+    try:
+        for _ in range(10):
+            n.send(("admin@company.com",), NOTICE)
+        stats = n.stats()["email"]
+        # one is being delivered (stuck), four wait, the rest are dropped and reported
+        assert stats.queued + stats.dropped == 10 and stats.dropped >= 5
+        assert sum("queue is full" in e for _, e in rec.failures) == stats.dropped
+    finally:
+        n.close()
+        hole.close()
