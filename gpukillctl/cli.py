@@ -18,6 +18,8 @@ from dbus_fast import Variant
 
 from .client import ClientError, DaemonUnavailable, GpukillClient
 from .format import devices_table, processes_table
+from .guard_cli import EXIT_INVALID_POLICY, cmd_guard
+from .guard_cli import register as register_guard
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -43,6 +45,7 @@ EXIT_FOR_ERROR = {
     "org.gpukill1.Error.DeviceBusy": EXIT_BUSY,
     "org.gpukill1.Error.NotSupported": EXIT_NOT_SUPPORTED,
     "org.gpukill1.Error.ResetFailed": EXIT_RESET_FAILED,
+    "org.gpukill1.Error.InvalidPolicy": EXIT_INVALID_POLICY,
     "org.freedesktop.DBus.Error.InvalidArgs": EXIT_USAGE,
 }
 
@@ -60,6 +63,7 @@ exit status:
   9   not supported on this GPU
   10  the process is still alive after the grace period (kill --force sends SIGKILL)
   11  GPU reset failed; the device was left as it was
+  12  the guard policy is invalid (each error as FILE:LINE:COL: message; the policy in force stays)
 
 JSON (list --json) is stable: {"format": 1, "devices": [...], "processes": [...]}; every key documented in
 README.md is always present, null where the daemon cannot read a value."""
@@ -118,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--force", action="store_true", help="kill the processes on the GPU first")
 
     sub.add_parser("status", help="daemon version, backends and a summary")
+    register_guard(sub)
     return p
 
 
@@ -243,7 +248,7 @@ async def cmd_status(client: GpukillClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"list": cmd_list, "kill": cmd_kill, "reset": cmd_reset, "status": cmd_status}
+COMMANDS = {"list": cmd_list, "kill": cmd_kill, "reset": cmd_reset, "status": cmd_status, "guard": cmd_guard}
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -257,6 +262,8 @@ async def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "offline", None) is not None:  # guard validate: needs neither the bus nor gpukilld
+            return args.offline(args)
         return asyncio.run(run(args))
     except DaemonUnavailable as e:
         return fail(str(e), EXIT_UNAVAILABLE)

@@ -18,6 +18,7 @@ from dbus_fast.constants import MessageFlag
 BUS_NAME = "org.gpukill1"
 OBJECT_PATH = "/org/gpukill1"
 INTERFACE = "org.gpukill1.Manager"
+GUARD_INTERFACE = "org.gpukill1.Guard"
 CALL_TIMEOUT = 25.0
 
 DEVICE_KEYS = ("index", "id", "backend", "vendor", "name", "pci_bus_id", "utilization", "memory_used",
@@ -132,3 +133,41 @@ class GpukillClient:
             sample_interval=props["SampleInterval"].value,
             backends=[(n, bool(a), d) for n, a, d in props["Backends"].value],
         )
+
+    # -- Guard Mode (org.gpukill1.Guard) ---------------------------------------------------------------
+
+    async def _guard(self, member: str, signature: str = "", body: list | None = None, *,
+                     interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
+        return await self._call(member, signature, body, interface=GUARD_INTERFACE, interactive=interactive,
+                                timeout=timeout + (300.0 if interactive else 0.0))
+
+    async def guard_status(self) -> dict[str, Any]:
+        (status,) = await self._guard("GetStatus")
+        return _deep(status)
+
+    async def guard_enable(self, enabled: bool = True, *, interactive: bool = False) -> None:
+        await self._guard("Enable" if enabled else "Disable", interactive=interactive)
+
+    async def guard_set_dry_run(self, dry_run: bool, *, interactive: bool = False) -> None:
+        await self._guard("SetDryRun", "b", [dry_run], interactive=interactive)
+
+    async def guard_load_policy(self, name: str, text: str, *, interactive: bool = False) -> dict[str, Any]:
+        """Make the policy the one in force; ClientError org.gpukill1.Error.InvalidPolicy when invalid."""
+        (result,) = await self._guard("LoadPolicy", "ss", [name, text], interactive=interactive)
+        return _deep(result)
+
+    async def guard_test(self, name: str = "", text: str = "") -> list[dict[str, Any]]:
+        """What a policy (text "": the one in force) would do with the current snapshot; never acts."""
+        (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
+        return [_deep(d) for d in decisions]
+
+
+def _deep(value: Any) -> Any:
+    """Variants, a{sv} and arrays of them as plain dicts and lists."""
+    if isinstance(value, Variant):
+        return _deep(value.value)
+    if isinstance(value, dict):
+        return {k: _deep(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep(v) for v in value]
+    return value

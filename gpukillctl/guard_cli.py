@@ -1,0 +1,218 @@
+"""gpukillctl guard: enable, disable, dry-run, status, test, load, validate (Guard Mode).
+
+`validate` needs no daemon: it parses with the daemon's own policy module, so what it accepts the daemon
+accepts. `load` validates locally first, so every error is shown, not just the first the daemon reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from .client import GpukillClient
+from .format import _table
+
+EXIT_INVALID_POLICY = 12
+
+# The policy module (and PyYAML) is imported by the guard commands only: `gpukillctl list` starts faster.
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    guard = sub.add_parser("guard", help="Guard Mode: policies the daemon enforces (see README.md)")
+    gsub = guard.add_subparsers(dest="guard_command", metavar="GUARD_COMMAND", parser_class=type(guard))
+    gsub.required = True
+    gsub.add_parser("enable", help="evaluate the policy and act on it")
+    gsub.add_parser("disable", help="stop evaluating (kills already started finish)")
+    dry = gsub.add_parser("dry-run", help="on: evaluate and report 'would kill', never signal")
+    dry.add_argument("state", choices=["on", "off"])
+    status = gsub.add_parser("status", help="switches, rules with their counters, windows, graces, recent events")
+    status.add_argument("--json", action="store_true", help="the whole status as JSON")
+    test = gsub.add_parser("test", help="what the policy in force (or --policy FILE) would do now; never acts")
+    test.add_argument("--policy", metavar="FILE", help="test this policy instead, as if loaded now")
+    test.add_argument("--json", action="store_true", help="decisions as JSON")
+    load = gsub.add_parser("load", help="validate FILE and make it the policy in force (the old one stays on error)")
+    load.add_argument("file", metavar="FILE")
+    validate = gsub.add_parser("validate", help="check policy files without the daemon (FILE:LINE:COL errors)")
+    validate.add_argument("files", metavar="FILE", nargs="+", help="policy files, or a directory of *.yaml")
+    validate.set_defaults(offline=cmd_validate)
+
+
+def _print_errors(e: Any) -> int:
+    for line in e.errors:
+        print(line, file=sys.stderr)
+    return EXIT_INVALID_POLICY
+
+
+def _texts(names: list[str]) -> list[tuple[str, str]]:
+    from gpukilld.guard.policy import PolicyError, policy_paths, read_text
+
+    texts: list[tuple[str, str]] = []
+    errors: list[str] = []
+    for name in names:
+        paths = policy_paths(name) if os.path.isdir(name) else [name]
+        for path in paths:
+            try:
+                texts.append((path, read_text(path)))
+            except PolicyError as e:
+                errors.extend(e.errors)
+    if errors:
+        raise PolicyError(errors)
+    return texts
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Offline: the files together, as the daemon would read them from guard.d (names unique across files)."""
+    from gpukilld.guard.policy import PolicyError, load_texts
+
+    try:
+        texts = _texts(args.files)
+        if not texts:
+            print("gpukillctl: no policy files (*.yaml) found", file=sys.stderr)
+            return EXIT_INVALID_POLICY
+        policy = load_texts(texts)
+    except PolicyError as e:
+        return _print_errors(e)
+    for name, _ in texts:
+        rules = [r.name for r in policy.rules if r.where.startswith(f"{name}:")]
+        print(f"{name}: valid, {len(rules)} rule(s)" + (f": {', '.join(rules)}" if rules else ""))
+    return 0
+
+
+async def cmd_guard(client: GpukillClient, args: argparse.Namespace) -> int:
+    command = args.guard_command
+    if command in ("enable", "disable", "dry-run", "load"):
+        return await _change(client, args)
+    if command == "status":
+        return await _status(client, args)
+    return await _test(client, args)
+
+
+async def _change(client: GpukillClient, args: argparse.Namespace) -> int:
+    from gpukilld.guard.policy import PolicyError, load_texts, read_text
+
+    from .cli import PolkitAgent  # cli imports this module to register the subcommands
+
+    command = args.guard_command
+    text = ""
+    if command == "load":
+        try:
+            text = read_text(args.file)
+            policy = load_texts([(args.file, text)])
+        except PolicyError as e:
+            return _print_errors(e)
+    agent = PolkitAgent(client.unique_name)
+    try:
+        if command in ("enable", "disable"):
+            await client.guard_enable(command == "enable", interactive=agent.active)
+            print(f"guard {command}d")
+        elif command == "dry-run":
+            await client.guard_set_dry_run(args.state == "on", interactive=agent.active)
+            print(f"guard dry run {args.state}")
+        else:
+            result = await client.guard_load_policy(os.path.abspath(args.file), text, interactive=agent.active)
+            names = ", ".join(result.get("rules", [])) or "none"
+            print(f"policy {args.file} in force: {len(policy.rules)} rule(s): {names}")
+    finally:
+        agent.close()
+    return 0
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _seconds(s: float) -> str:
+    from gpukilld.guard.policy import format_duration
+
+    return format_duration(round(s)) if s >= 1 else f"{s:.1f}s"
+
+
+async def _status(client: GpukillClient, args: argparse.Namespace) -> int:
+    st = await client.guard_status()
+    if args.json:
+        json.dump(st, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    dry = st.get("dry_run") or st.get("policy_dry_run")
+    mode = "disabled" if not st.get("enabled") else ("enabled, DRY RUN (nothing is signalled)" if dry else
+                                                      "enabled, enforcing")
+    print(f"guard: {mode}")
+    files = st.get("files") or []
+    source = "loaded with gpukillctl guard load" if st.get("source") == "loaded" else "guard.d"
+    print(f"policy: {', '.join(files) or 'none'} ({source})")
+    if st.get("policy_error"):
+        print(f"policy files rejected (the policy above stays in force): {st['policy_error']}")
+    print(f"evaluations: {st.get('evaluations', 0)}, last {st.get('last_eval_ms', 0):.1f} ms, "
+          f"slowest {st.get('max_eval_ms', 0):.1f} ms")
+    rules = st.get("rules") or []
+    if rules:
+        print()
+        print(_table(["RULE", "ACTION", "SCOPE", "TRIGGERS", "KILLS", "WOULD-KILL", "CANCELLED", "FAILED", "LAST"],
+                     [[r["name"], r["action"], r["scope"], str(r["triggers"]), str(r["kills"]),
+                       str(r["would_kill"]), str(r["cancelled"]), str(r["failed"]), _when(r["last_triggered"])]
+                      for r in rules]))
+    windows = st.get("windows") or []
+    if windows:
+        print("\nin a duration window:")
+        for w in windows:
+            print(f"  {w['rule']}: {w['subject']}: {w['condition']}: {_seconds(w['elapsed'])} "
+                  f"of {_seconds(w['duration'])}")
+    graces = st.get("graces") or []
+    if graces:
+        print("\nin a grace period:")
+        for g in graces:
+            print(f"  {g['rule']}: {g['subject']}: {_seconds(g['remaining'])} left")
+    recent = st.get("recent") or []
+    if recent:
+        print("\nrecent:")
+        for r in recent[-10:]:
+            outcome = r.get("outcome") or r.get("event")
+            dry_tag = " (dry run)" if r.get("dry_run") and outcome != "would-kill" else ""
+            print(f"  {_when(r.get('time', 0))}  {r.get('rule')}: {r.get('subject')}: {outcome}{dry_tag}")
+    notes = st.get("notifications") or {}
+    if any(c.get("queued") for c in notes.values()):
+        print("\nnotifications: " + "; ".join(
+            f"{name}: {c['delivered']} delivered, {c['failed']} failed, {c['dropped']} dropped"
+            for name, c in notes.items()))
+    return 0
+
+
+def _decision_row(d: dict[str, Any]) -> list[str]:
+    status = d.get("status", "")
+    if status == "now":
+        when = "now"
+    elif status == "waiting":
+        when = f"in {_seconds(d.get('wait', 0.0))}"
+    else:
+        when = status
+    pids = ", ".join(map(str, d.get("pids") or [])) or "-"
+    what = f"{d['action']} {pids}" if d.get("action") == "kill" else d.get("action", "")
+    return [d["rule"], d["subject"], what, when, d.get("reason", "")]
+
+
+async def _test(client: GpukillClient, args: argparse.Namespace) -> int:
+    from gpukilld.guard.policy import PolicyError, load_texts, read_text
+
+    if args.policy:
+        try:
+            text = read_text(args.policy)
+            load_texts([(args.policy, text)])  # every error here, before asking the daemon
+        except PolicyError as e:
+            return _print_errors(e)
+        decisions = await client.guard_test(os.path.abspath(args.policy), text)
+    else:
+        decisions = await client.guard_test()
+    if args.json:
+        json.dump({"decisions": decisions}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    if not decisions:
+        print("no rule matches anything now; nothing would be done")
+        return 0
+    print(_table(["RULE", "SUBJECT", "WOULD", "WHEN", "WHY"], [_decision_row(d) for d in decisions]))
+    print("(a test: nothing was signalled)")
+    return 0
