@@ -318,7 +318,9 @@ class Testbed:
         listener = NotifyListener(notify_path)
         argv = self.in_journal_ns([PYTHON, "-m", "gpukilld", "--simulate", str(sim_path),
                                    "--config", str(self.workdir / "gpukilld.conf"), *(args or [])])
-        (self.workdir / "gpukilld.conf").touch()
+        conf = self.workdir / "gpukilld.conf"
+        if not conf.exists():  # the machine's /etc/gpukill/guard.d and /var/lib/gpukill are never used
+            conf.write_text(f"[guard]\npolicy_dir = {self.workdir / 'guard.d'}\nstate_dir = {self.workdir / 'state'}\n")
         log_name = f"gpukilld-{len(self.procs)}.log"
         proc = self._spawn(argv, log_name, env=self.env(NOTIFY_SOCKET=str(notify_path), **(env or {})),
                            cwd=str(REPO))
