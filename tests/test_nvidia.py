@@ -72,6 +72,7 @@ def test_eight_gpus_with_every_field_and_real_processes(nvbed, nvhost, users):
             "memory_used": fake["memory_used"], "memory_total": fake["memory_total"],
             "temperature": float(fake["temperature"]), "power": fake["power_mw"] / 1000, "state": "ok",
             "state_reason": None, "power_limit": 700.0, "mig_mode": False, "parent_id": None,
+            "clock_mhz": None,  # the nvidia backend does not read clocks
         }, (i, dev)
     procs = {(p["pid"], p["device"]): p for p in doc["processes"]}
     t = procs[(train.pid, 0)]
