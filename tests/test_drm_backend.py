@@ -24,6 +24,7 @@ from drm_fixtures import (
     panfrost_fdinfo,
     xe_fdinfo,
 )
+from testbed import make_traversable
 
 from gpukilld.backends.drm import DrmBackend
 from gpukilld.backends.drm_rsmi import RsmiSource, bdf_to_address, merge
@@ -256,6 +257,7 @@ def test_unreadable_fdinfo_is_skipped_without_an_error(host):
         "print(json.dumps({'procs': {p.pid: p.gpu_memory for p in s.processes},\n"
         "                  'util': s.devices[0].utilization, 'unreadable': b.scanner.stats.unreadable}))\n"
     )
+    make_traversable(REPO)  # the unprivileged reader imports gpukilld from the checkout
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"}
     r = subprocess.run(["/usr/bin/python3", "-c", script, str(host.sys), str(host.proc), str(host.debugfs)],
                        user=65534, group=65534, extra_groups=[], env=env, capture_output=True, text=True,
@@ -474,7 +476,6 @@ def test_no_gpu_means_unavailable_with_the_reason(host):
 def test_pyrsmi_absent_falls_back_to_sysfs(host):
     """pyrsmi is not installed here (no ROCm): the backend says so and reads sysfs. The pyrsmi path itself
     needs ROCm and an AMD GPU to be exercised; only its pure helpers are checked below."""
-    pytest.importorskip("gpukilld")
     try:
         import pyrsmi  # noqa: F401
         pytest.skip("pyrsmi is installed here: the fallback is not what runs")
