@@ -371,10 +371,12 @@ class CompiledCondition:
 
     def describe(self, scope: str, subject: Any) -> str:
         """The subject's value for the condition, as audit entries and notifications show it."""
-        if self.cond.type == "group":
-            return self.cond.text
-        return f"{self.cond.type} is {format_value(self.cond, value_getter(self.cond, scope)(subject))} " \
-               f"({self.cond.text})"
+        cond = self.cond
+        if cond.type == "group":
+            return cond.text
+        # "gpu_utilization 99% > 95% for 5m": the value read, then the condition it met
+        shown = format_value(cond, value_getter(cond, scope)(subject))
+        return f"{cond.type} {shown} {cond.text.removeprefix(cond.type + ' ')}"
 
 
 class Cycle:

@@ -335,8 +335,9 @@ class GuardRunner:
             self.engine.kill_finished(order, t, outcome)
             text = {"terminated": "terminated", "killed": "killed with SIGKILL",
                     "still-alive": "still alive after SIGTERM"}.get(outcome, f"not stopped: {error or outcome}")
+            whose = "" if order.subject.startswith(f"PID {t.pid} ") else f" for {order.subject}"
             self.audit.log(audit.GUARD_ACTION, f"Guard rule {rule.name}: PID {t.pid} ({t.comm}, user {t.user}) "
-                                               f"{text}; {order.subject}: {order.reason}",
+                                               f"{text}{whose} ({order.reason})",
                            action="guard", result=outcome, rule=rule.name, subject=order.subject, target_pid=t.pid,
                            target_start_time=t.start_time, target_uid=t.uid, target_comm=t.comm,
                            force=int(order.force), error=error or None, dry_run=0)
