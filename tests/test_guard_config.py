@@ -1,0 +1,68 @@
+"""Guard settings in gpukilld.conf ([guard], [notify]) and the state kept across restarts (state.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from gpukilld.config import load_config
+from gpukilld.errors import ConfigError
+from gpukilld.guard.state import STATE_FILE, GuardState, load_state, save_state
+
+
+def test_guard_and_notify_sections(tmp_path: Path):
+    conf = tmp_path / "gpukilld.conf"
+    conf.write_text("[guard]\npolicy_dir = /srv/guard.d\nstate_dir = /srv/state\n"
+                    "[notify]\nsmtp_host = relay.example\nsmtp_port = 2525\nfrom = gpu@example.com\ntimeout = 2.5\n")
+    c = load_config(str(conf))
+    assert (c.guard_policy_dir, c.guard_state_dir) == ("/srv/guard.d", "/srv/state")
+    assert (c.smtp_host, c.smtp_port, c.mail_from, c.notify_timeout) == ("relay.example", 2525, "gpu@example.com", 2.5)
+    defaults = load_config(str(tmp_path / "missing.conf"))
+    assert (defaults.guard_policy_dir, defaults.guard_state_dir) == ("/etc/gpukill/guard.d", "/var/lib/gpukill")
+    assert (defaults.smtp_host, defaults.smtp_port) == ("localhost", 25)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[notify]\nsmtp_port = 99999\n", ":2: smtp_port must be between 1 and 65535"),
+    ("[notify]\n\nsmtp_port = twenty-five\n", ":3: smtp_port must be a number"),
+    ("[notify]\ntimeout = nan\n", ":2: timeout must be between"),
+    ("[notify]\nsmtp_server = x\n", ":2: unknown key 'smtp_server' in [notify]"),
+    ("[guard]\npolicy_dir =\n", ":2: policy_dir must not be empty"),
+])
+def test_bad_guard_settings_name_the_line(tmp_path: Path, text: str, message: str):
+    conf = tmp_path / "gpukilld.conf"
+    conf.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(conf))
+    assert str(info.value).startswith(str(conf)) and message in str(info.value)
+
+
+def test_state_round_trip_is_atomic_and_private(tmp_path: Path):
+    state = GuardState(enabled=False, dry_run=True, stats={"miners": {"kills": 3}},
+                       recent=[{"time": 1.0, "rule": "miners"}], policy_source="loaded",
+                       policy_files=[("p.yaml", "rules: []\n")])
+    save_state(str(tmp_path / "state"), state)
+    path = tmp_path / "state" / STATE_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in (tmp_path / "state").iterdir()] == [STATE_FILE]  # no temporary file left
+    loaded, warning = load_state(str(tmp_path / "state"))
+    assert warning is None and loaded == state
+
+
+def test_an_unreadable_state_is_kept_aside_and_defaults_are_used(tmp_path: Path):
+    (tmp_path / STATE_FILE).write_text("{not json")
+    loaded, warning = load_state(str(tmp_path))
+    assert loaded == GuardState() and "kept as guard-state.json.broken" in warning
+    assert (tmp_path / f"{STATE_FILE}.broken").read_text() == "{not json"
+    (tmp_path / STATE_FILE).write_text(json.dumps({"enabled": "yes", "dry_run": True, "stats": [1]}))
+    loaded, warning = load_state(str(tmp_path))  # wrong types: that field only falls back to its default
+    assert warning is None and loaded.enabled is True and loaded.dry_run is True and loaded.stats == {}
+
+
+def test_a_missing_state_is_the_default(tmp_path: Path):
+    assert load_state(str(tmp_path / "nowhere")) == (GuardState(), None)
+    assert not os.path.exists(tmp_path / "nowhere")  # reading never creates the directory
