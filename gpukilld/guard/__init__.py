@@ -1,7 +1,9 @@
 """Guard Mode: declarative policies the daemon enforces on its own snapshots.
 
 policy.py parses and validates policy files (no daemon or D-Bus imports: gpukillctl uses it offline),
-conditions.py compiles conditions into predicates, engine.py is the evaluation and duration / grace /
-cooldown state machine (pure, clock injected), notify.py delivers notifications off the enforcement path,
-state.py persists what must survive a restart, service.py is org.gpukill1.Guard on the bus.
+conditions.py turns the snapshot into subjects and compiles conditions, engine.py is the evaluation and
+duration / grace / cooldown state machine (pure, clock injected), runner.py carries its decisions out through
+the daemon's kill path, notify.py delivers notifications off the enforcement path, state.py persists what must
+survive a restart, sandbox.py evaluates a client's policy in a confined child, service.py is
+org.gpukill1.Guard on the bus.
 """
