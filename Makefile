@@ -43,6 +43,8 @@ bench: venv
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) bench/list_latency
 	$(PY) bench/nvml_peers
+	$(PY) bench/fdinfo_scan
+	$(PY) bench/guard_cycle
 
 # --- packages --------------------------------------------------------------------------------------------
 PKG_APT_PACKAGES := debhelper dh-python dpkg-dev fakeroot lintian rpm python3-pip debootstrap systemd-container
@@ -56,9 +58,11 @@ pkg-deps:
 
 # The source as it is in the working tree (tracked and untracked-not-ignored files), plus the wheels that
 # the packages bundle (packaging/vendor-requirements.txt), for CPython 3.11 on x86-64 as bookworm has.
-$(BUILD)/src: pkg-deps
-	rm -rf $(BUILD)/src && mkdir -p $(BUILD)/src
+$(BUILD)/src: pkg-deps venv
+	rm -rf $(BUILD)/src && mkdir -p $(BUILD)/src/generated/completions
 	git ls-files -co --exclude-standard -z | xargs -0 tar -cf - | tar -xf - -C $(BUILD)/src
+	$(PY) -m shtab --shell=bash --prog gpukillctl gpukillctl.cli.build_parser > $(BUILD)/src/generated/completions/gpukillctl.bash
+	$(PY) -m shtab --shell=zsh --prog gpukillctl gpukillctl.cli.build_parser > $(BUILD)/src/generated/completions/_gpukillctl
 	/usr/bin/python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d $(BUILD)/src/wheels -r packaging/vendor-requirements.txt

@@ -67,13 +67,14 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 snapshot, changes = self.sample_once()
                 self._publish(snapshot, changes)
             except Exception:  # a bug in one sample must not end sampling for good
                 log.exception("sampling failed")
             self._watchdog()
-            deadline = time.monotonic() + self.interval
+            deadline = started + self.interval  # a fixed rate: the sample's own time is not added to the wait
             while (left := deadline - time.monotonic()) > 0:
                 if self._stop.wait(min(left, self._ping_every)):
                     return

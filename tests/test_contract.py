@@ -114,3 +114,30 @@ def test_bus_policy_is_enforced(bed, users):
     r = bed.call_as(ROOT, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
                     "GetNameOwner", "s", ["org.gpukill1"])
     assert r.ok
+
+
+def test_man_page_and_help_cover_every_command_and_exit_code():
+    from gpukillctl import cli
+
+    parser = cli.build_parser()
+    man = (REPO / "man" / "gpukillctl.1").read_text().replace("\\-", "-")
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, sp in sub.choices.items():
+        assert f".B {name}" in man or f"\\fB{name}" in man or f" {name}" in man, name
+        nested = [a for a in sp._actions if getattr(a, "choices", None) and a.dest != "help"]
+        for action in nested:
+            if isinstance(action.choices, dict):
+                for child in action.choices:
+                    assert child in man, f"{name} {child}"
+    codes = [int(line.split()[0]) for line in cli.EXIT_CODES_HELP.splitlines() if line.strip()[:2].strip().isdigit()]
+    for code in codes:
+        assert f"{code} " in man.split(".SH EXIT STATUS")[1], code
+    assert (REPO / "man" / "gpukilld.8").exists()
+
+
+def test_completions_generate():
+    shtab = pytest.importorskip("shtab")
+    from gpukillctl import cli
+
+    bash = shtab.complete(cli.build_parser(), shell="bash")
+    assert "gpukillctl" in bash and "guard" in bash and "--force" in bash

@@ -162,3 +162,36 @@ def test_backend_selection(tmp_path):
         build_backends(Config(backends=("quantum",)))
     with pytest.raises(ConfigError, match="needs a device file"):
         build_backends(dataclasses.replace(Config(), backends=("simulated",)))
+
+
+def test_simulated_backend_reads_the_environment_again_after_exec(tmp_path):
+    """A process seen between fork and exec has its parent's environment; after exec (same pid and start
+    time, new name) it must be read again, or it would never be listed."""
+    import shutil
+    import subprocess
+    import time
+
+    from testbed import REPO
+
+    from gpukilld.backends.simulated import SimulatedBackend
+
+    sim = tmp_path / "sim.yaml"
+    shutil.copy(REPO / "examples" / "simulate.yaml", sim)
+    backend = SimulatedBackend(str(sim))
+    # sh renames nothing and has no GPUKILL_SIM_GPU; it then execs sleep with the variable set
+    proc = subprocess.Popen(["sh", "-c", "read x; exec env GPUKILL_SIM_GPU=2 sleep 30"], stdin=subprocess.PIPE)
+    try:
+        time.sleep(0.2)
+        assert all(p.pid != proc.pid for p in backend.sample().processes)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            found = [p for p in backend.sample().processes if p.pid == proc.pid]
+            if found:
+                break
+            time.sleep(0.05)
+        assert found and found[0].device_id == "0000:c1:00.0"
+    finally:
+        proc.kill()
+        proc.wait()

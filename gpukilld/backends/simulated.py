@@ -157,7 +157,9 @@ class SimulatedBackend(Backend):
         self.procfs = procfs or ProcFS()
         self._config = load_sim_config(path)  # a broken file at start-up is fatal: say so and stop
         self._mtime = self._file_mtime()
-        self._usage: dict[tuple[int, int], SimUsage | None] = {}  # per (pid, start time)
+        # Per (pid, start time, comm): exec replaces the environment but keeps pid and start time, and a
+        # process caught between fork and exec (systemd names it "(sleep)" there) must be read again after.
+        self._usage: dict[tuple[int, int, str], SimUsage | None] = {}
         self._lock = threading.Lock()
         self._resets: dict[str, int] = {}
 
@@ -186,12 +188,12 @@ class SimulatedBackend(Backend):
 
     def _scan_usage(self) -> dict[int, tuple[int, SimUsage]]:
         found: dict[int, tuple[int, SimUsage]] = {}
-        seen: set[tuple[int, int]] = set()
+        seen: set[tuple[int, int, str]] = set()
         for pid in self.procfs.pids():
             stat = self.procfs.stat(pid)
             if stat is None or stat.is_kernel_thread or stat.state == "Z":
                 continue
-            key = (pid, stat.start_time)
+            key = (pid, stat.start_time, stat.comm)
             seen.add(key)
             if key not in self._usage:
                 self._usage[key] = parse_usage(self.procfs.environ(pid), self._config.scope)

@@ -104,7 +104,7 @@ def _confine() -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_SECONDS, CHILD_CPU_SECONDS))
     resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
     if os.geteuid() == 0:
-        with contextlib.suppress(OSError):  # without CAP_SETUID (the systemd unit) it stays root, but confined
+        with contextlib.suppress(OSError):  # without CAP_SETUID/CAP_SETGID it stays root, but confined
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)

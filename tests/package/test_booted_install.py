@@ -165,12 +165,22 @@ def test_owner_kill_is_audited_with_catalog_text(machine):
     machine.run("systemd-run", "--uid=alice", "--unit=victim", "--setenv=GPUKILL_SIM_GPU=0",
                 "--setenv=GPUKILL_SIM_MEM=2GiB", "/bin/sleep", "600")
     victim = pid_of(machine, "victim")
-    assert wait_until(lambda: str(victim) in machine.run("gpukillctl", "list", user="alice").stdout)
+    listed = wait_until(lambda: str(victim) in machine.run("gpukillctl", "list", user="alice").stdout)
+    assert listed, (victim, machine.run("gpukillctl", "list").stdout,
+                    machine.run("journalctl", "-u", "gpukilld", "--no-pager", "-n", "30").stdout)
     r = machine.run("gpukillctl", "kill", str(victim), user="alice")
     assert f"PID {victim} (sleep) terminated" in r.stdout
     journal = machine.run("journalctl", "-u", "gpukilld", "-x", "--no-pager", f"GPUKILL_TARGET_PID={victim}").stdout
     assert f"PID {victim} (sleep, user alice) terminated" in journal
     assert "gpukilld sent SIGTERM" in journal, journal  # the catalog text, installed and indexed by the package
+
+
+def test_guard_state_lives_in_the_state_directory(machine):
+    """Under the unit's ProtectSystem=strict only StateDirectory= is writable: the guard state must land there."""
+    assert "enabled" in machine.run("gpukillctl", "guard", "status", user="alice").stdout.lower()
+    machine.run("gpukillctl", "guard", "dry-run", "on")
+    assert wait_until(lambda: (machine.root / "var/lib/gpukill/guard-state.json").exists())
+    machine.run("gpukillctl", "guard", "dry-run", "off")
 
 
 def test_sigkill_is_followed_by_a_restart(machine):
@@ -195,7 +205,8 @@ def test_purge_leaves_nothing_of_ours(machine):
             "etc/systemd/system/dbus-org.gpukill1.service", "etc/systemd/system/multi-user.target.wants/gpukilld.service",
             "usr/share/dbus-1/system.d/org.gpukill1.conf", "usr/share/dbus-1/system-services/org.gpukill1.service",
             "usr/share/dbus-1/interfaces/org.gpukill1.xml", "usr/share/polkit-1/actions/org.gpukill.policy",
-            "usr/lib/systemd/catalog/gpukill.catalog", "etc/gpukill/gpukilld.conf", "var/lib/gpukill",
+            "usr/lib/systemd/catalog/gpukill.catalog", "etc/gpukill/gpukilld.conf", "etc/gpukill/guard.d",
+            "var/lib/gpukill", "usr/share/man/man8/gpukilld.8.gz", "usr/share/bash-completion/completions/gpukillctl",
             "usr/share/doc/gpukill"]
     left = [p for p in ours if (machine.root / p).exists() or (machine.root / p).is_symlink()]
     assert left == [], left
