@@ -48,20 +48,9 @@ def _print_errors(e: Any) -> int:
 
 
 def _texts(names: list[str]) -> list[tuple[str, str]]:
-    from gpukilld.guard.policy import PolicyError, policy_paths, read_text
+    from gpukilld.guard.policy import policy_paths, read_paths
 
-    texts: list[tuple[str, str]] = []
-    errors: list[str] = []
-    for name in names:
-        paths = policy_paths(name) if os.path.isdir(name) else [name]
-        for path in paths:
-            try:
-                texts.append((path, read_text(path)))
-            except PolicyError as e:
-                errors.extend(e.errors)
-    if errors:
-        raise PolicyError(errors)
-    return texts
+    return read_paths([p for name in names for p in (policy_paths(name) if os.path.isdir(name) else [name])])
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
