@@ -158,12 +158,9 @@ class PolkitAgent:
 
 def _start_time_from_proc(pid: int) -> int:
     """For a PID the daemon does not list (so it can say why it refuses): its start time, or 0 if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-        return int(text[text.rindex(")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
+    from gpukilld.procfs import ProcFS  # reads /proc/PID/stat only: no vendor library
+
+    return ProcFS().start_time(pid) or 0
 
 
 def _filter(args: argparse.Namespace) -> dict[str, Variant]:

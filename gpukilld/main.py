@@ -21,7 +21,7 @@ from .actions import Actions, KillResult, ResetResult
 from .backends.registry import build_backends
 from .bouncer import Bouncer, Caller
 from .config import DEFAULT_PATH, Config, check_interval, load_config
-from .errors import ConfigError
+from .errors import ConfigError, ResetFailed
 from .guard.runner import GuardRunner, notify_config
 from .guard.service import GuardInterface
 from .killer import Killer
@@ -111,8 +111,6 @@ class Daemon:
         try:
             return await asyncio.wait_for(fut, self.sampler.interval * 2 + 5)
         except TimeoutError:
-            from .errors import ResetFailed
-
             raise ResetFailed("the GPU backends are not answering; nothing was done") from None
 
     # -- signals from actions --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import os
 import stat
 from dataclasses import dataclass
 
+from ..procfs import ProcStat, parse_stat
 from .drm_discovery import DRM_MAJOR
 from .drm_fdinfo import FdInfo, parse_fdinfo
 
@@ -61,10 +62,9 @@ class ScanStats:
     unreadable: int = 0  # DRM fds whose fdinfo could not be read
 
 
-def _start_time(text: str) -> int | None:
-    # comm may hold spaces and parentheses; field 22 is the 20th after the last ")".
+def _stat(pid: int, text: str | None) -> ProcStat | None:
     try:
-        return int(text[text.rindex(")") + 2 :].split()[19])
+        return parse_stat(pid, text) if text else None
     except (ValueError, IndexError):
         return None
 
@@ -83,17 +83,14 @@ def _read(path: str) -> str | None:
 
 
 def read_start_time(proc_root: str, pid: int) -> int | None:
-    text = _read(f"{proc_root}/{pid}/stat")
-    return _start_time(text) if text else None
+    st = _stat(pid, _read(f"{proc_root}/{pid}/stat"))
+    return st.start_time if st else None
 
 
 def is_running(proc_root: str, pid: int) -> bool:
     """Alive and not a zombie (a zombie's files are closed; only its parent's wait is missing)."""
-    text = _read(f"{proc_root}/{pid}/stat")
-    try:
-        return text is not None and text[text.rindex(")") + 2] not in "ZX"
-    except (ValueError, IndexError):
-        return False
+    st = _stat(pid, _read(f"{proc_root}/{pid}/stat"))
+    return st is not None and st.state not in "ZX"
 
 
 def _drm_fds(fd_dir: str) -> list[DrmFd] | None:
