@@ -53,6 +53,11 @@ class _DeviceState:
     error: str = ""  # an Xid / recovery action reported since the last successful reset
     mig_names: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def device_id(self) -> str:
+        """The UUID; before it could ever be read (lost from the start), the PCI address or the index."""
+        return self.uuid or self.pci_bus_id or f"nvidia:{self.index}"
+
 
 @dataclass
 class _DeviceRead:
@@ -164,7 +169,7 @@ class NvidiaBackend(Backend):
         return sample
 
     def _lost(self, state: _DeviceState, reason: str) -> DeviceReading:
-        return DeviceReading(id=state.uuid or state.pci_bus_id or f"nvidia:{state.index}", vendor="nvidia",
+        return DeviceReading(id=state.device_id, vendor="nvidia",
                              name=state.name, pci_bus_id=state.pci_bus_id, state=STATE_LOST, state_reason=reason)
 
     def _get(self, fn, *args, default=None):
@@ -206,7 +211,7 @@ class NvidiaBackend(Backend):
         mig_on = None if mig is None else bool(mig[0])
         total = memory.total if memory is not None else None
         device = DeviceReading(
-            id=state.uuid or f"nvidia:{state.index}", vendor="nvidia", name=state.name, pci_bus_id=state.pci_bus_id,
+            id=state.device_id, vendor="nvidia", name=state.name, pci_bus_id=state.pci_bus_id,
             utilization=float(util.gpu) if util is not None else None,
             memory_used=memory.used if memory is not None else None, memory_total=total,
             temperature=float(temperature) if temperature is not None else None,
