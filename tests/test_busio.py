@@ -88,7 +88,7 @@ def test_many_concurrent_large_replies_do_not_drop_the_daemon(victims, users):
     bed = victims
     procs = [bed.victim(users["owner"], gpu=i % 4, mem="1GiB", padding=8000) for i in range(48)]
     bed.wait_listed(procs[-1].pid)
-    kwargs = {"user": users["other"].uid, "group": users["other"].gid, "extra_groups": []}
+    kwargs = users["other"].popen_kwargs()
     clients = [subprocess.Popen([PYTHON, "-c", FLOOD, "16"], stdout=subprocess.PIPE, text=True, env=bed.env(),
                                 cwd="/", **kwargs) for _ in range(32)]
     results = [json.loads(c.communicate(timeout=120)[0]) for c in clients]

@@ -26,7 +26,7 @@ GiB, MiB = 1 << 30, 1 << 20
 
 def spawn(bed, user) -> subprocess.Popen:
     """A real process of `user` doing nothing, as a GPU job would between kernels."""
-    kwargs = {"user": user.uid, "group": user.gid, "extra_groups": user.groups} if user.uid else {}
+    kwargs = user.popen_kwargs()
     proc = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"},
                             cwd="/", start_new_session=True, **kwargs)

@@ -117,7 +117,7 @@ def start(bed: Testbed, user, gpu: int = 0, util: float | None = None, mem: str 
         env["GPUKILL_SIM_UTIL"] = str(util)
     code = (f"import ctypes, time\nctypes.CDLL(None).prctl(15, {comm.encode()!r}, 0, 0, 0)\n"
             f"print('ready', flush=True)\ntime.sleep({lifetime})\n")
-    kwargs = {"user": user.uid, "group": user.gid, "extra_groups": user.groups} if user.uid else {}
+    kwargs = user.popen_kwargs()
     argv = [SYSTEM_PYTHON, "-c", code] + (["x" * padding] if padding else [])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True, **kwargs)
     bed.procs.append(proc)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import yaml
 
+from gpukilld.procfs import ProcFS
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 SYSTEM_PYTHON = "/usr/bin/python3"  # world-executable, for victims run as other users
@@ -109,6 +111,10 @@ class User:
     uid: int
     gid: int
     groups: list[int]
+
+    def popen_kwargs(self) -> dict:
+        """subprocess arguments that run a child as this user (nothing for root: stay as we are)."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": self.groups} if self.uid else {}
 
     @classmethod
     def get(cls, name: str) -> User:
@@ -369,9 +375,7 @@ class Testbed:
 
     def run_as(self, user: User, argv: list[str], timeout: float = 60, env: dict[str, str] | None = None,
                **kw) -> subprocess.CompletedProcess:
-        kwargs = {}
-        if user.uid != 0:
-            kwargs = {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
+        kwargs = user.popen_kwargs()
         if "input" not in kw:
             kw["stdin"] = subprocess.DEVNULL  # not our terminal: no password prompt from pkttyagent
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(**(env or {})),
@@ -411,9 +415,7 @@ class Testbed:
         raise AssertionError(f"PID {pid} {'never listed' if present else 'still listed'} after {timeout}s")
 
     def record_signals(self, user: User = ROOT) -> SignalRecorder:
-        kwargs = {}
-        if user.uid != 0:
-            kwargs = {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
+        kwargs = user.popen_kwargs()
         proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "dbus_signals.py")], stdout=subprocess.PIPE,
                                 env=self.env(), cwd="/", start_new_session=True, text=True, **kwargs)
         self.procs.append(proc)
@@ -438,9 +440,7 @@ class Testbed:
         if ignore_term:
             code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         code += "print('ready', flush=True)\ntime.sleep(3600)\n"
-        kwargs = {}
-        if user.uid != 0:
-            kwargs = {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
+        kwargs = user.popen_kwargs()
         argv = [SYSTEM_PYTHON, "-c", code] + (["x" * padding] if padding else [])  # a long cmdline, if asked
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd="/",
                                 start_new_session=True, **kwargs)
@@ -452,9 +452,9 @@ class Testbed:
 
 
 def start_time_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        text = f.read()
-    return int(text[text.rindex(")") + 2 :].split()[19])
+    start_time = ProcFS().start_time(pid)
+    assert start_time is not None, f"no process {pid}"
+    return start_time
 
 
 def _wait(cond, timeout: float, what: str) -> None:
