@@ -84,17 +84,25 @@ def missing_tools() -> list[str]:
     return [n for n, t in zip(names, tools, strict=True) if t is None]
 
 
+REGULAR_UID_MIN = 1000  # Debian's UID_MIN: below it are system accounts, which Guard protects by default
+
+
 def ensure_users() -> None:
-    """Real accounts for the authorization matrix: an owner, another user, and an admin in group gpukill."""
+    """Real accounts for the authorization matrix: an owner, another user, and an admin in group gpukill.
+    They are regular users (uid >= 1000), as the people on a shared GPU machine are; accounts left by an
+    older version of this function as system users are made again."""
     try:
         grp.getgrnam(ADMIN_GROUP)
     except KeyError:
         subprocess.run(["groupadd", "--system", ADMIN_GROUP], check=True)
     for name, extra in ((OWNER, []), (OTHER, []), (ADMIN, ["-G", ADMIN_GROUP])):
         try:
-            pwd.getpwnam(name)
+            if pwd.getpwnam(name).pw_uid >= REGULAR_UID_MIN:
+                continue
+            subprocess.run(["userdel", name], check=True)
         except KeyError:
-            subprocess.run(["useradd", "--system", "-M", "-U", "-s", "/usr/sbin/nologin", *extra, name], check=True)
+            pass
+        subprocess.run(["useradd", "-M", "-U", "-s", "/usr/sbin/nologin", *extra, name], check=True)
 
 
 def make_traversable(path: Path) -> None:
