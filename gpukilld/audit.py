@@ -2,18 +2,43 @@
 
 Each event kind has its own MESSAGE_ID, documented in systemd/gpukill.catalog, so admins can filter with
 `journalctl MESSAGE_ID=...` and read the catalog text with `journalctl -x`. Structured GPUKILL_* fields say
-who asked for what. Without a journal socket (or without systemd-python) entries go to stderr as one line.
+who asked for what.
+
+Entries are written with journald's native protocol (https://systemd.io/JOURNAL_NATIVE_PROTOCOL/), spoken
+here rather than through systemd-python so that every install, `pip install .` included, has the fields and
+MESSAGE_IDs: an optional binding silently turned the audit trail into bare stderr lines. Without a journal
+socket (or when a send fails) an entry goes to stderr as one escaped line.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import socket
+import struct
 import sys
 import syslog
 import threading
 from dataclasses import dataclass
 
+from .text import shown
+
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
+
+# libsystemd's size (the kernel doubles it), so that entries queue here rather than block at once. A datagram
+# over the buffer, or over what the kernel allocates at once (4 MiB on Linux 6), fails with EMSGSIZE or
+# ENOBUFS: that entry goes by memfd instead.
+SNDBUF_SIZE = 8 * 1024 * 1024
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)  # Linux's number; Python does not export the name
+
+# sd_journal_send blocks while journald's queue is full; so do we, but at most this long. An entry must not
+# be dropped because journald is briefly busy, and the daemon must not hang on a stalled journald either:
+# it serves the bus from the same loop and WatchdogSec=30 would restart it over and over. After a timeout
+# the entry goes to stderr and later sends do not wait (MSG_DONTWAIT) until one gets through again.
+SEND_TIMEOUT = 5.0
+
+_FIELD_NAME_MAX = 64  # journald ignores longer names
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,39 +69,106 @@ ALL_KINDS = (KILL, KILL_DENIED, KILL_FAILED, RESET, RESET_DENIED, RESET_FAILED, 
              GUARD_VIOLATION, GUARD_ACTION, GUARD_DRY_RUN, GUARD_POLICY, GUARD_NOTIFY_FAILED, GUARD_NOTICE)
 
 
+def field_name(key: str) -> str:
+    """GPUKILL_KEY as journald accepts it: A-Z, 0-9 and _, at most 64 characters. journald silently drops
+    any other name, so an odd one (a dash, a non-ASCII letter) is made legal rather than lost."""
+    name = "".join(c if "A" <= c <= "Z" or "0" <= c <= "9" else "_" for c in f"GPUKILL_{key}".upper())
+    return name[:_FIELD_NAME_MAX]
+
+
+def encode(fields: list[tuple[str, str]]) -> bytes:
+    """One entry in the native format. A value with a newline must use the length-prefixed binary form, or
+    its second line would be read as a field of its own: a forged one, when a process chose the text."""
+    out = bytearray()
+    for name, value in fields:
+        data = value.encode("utf-8", "backslashreplace")  # a lone surrogate must not make the entry fail
+        if b"\n" in data:
+            out += b"%s\n%s%s\n" % (name.encode("ascii"), struct.pack("<Q", len(data)), data)
+        else:
+            out += b"%s=%s\n" % (name.encode("ascii"), data)
+    return bytes(out)
+
+
+def _stderr_value(value: str) -> str:
+    # shown() keeps the line whole (no newline, no escape sequence); quoting keeps a value such as
+    # "x GPUKILL_RESULT=allowed" from reading as a field of its own, and no raw quote is left inside to end
+    # the quoted text early (a backslash escape could be undone by a backslash of the process's own).
+    text = shown(value)
+    if text and not any(c in text for c in ' "]'):
+        return text
+    return '"' + text.replace('"', "\\x22") + '"'
+
+
 class Audit:
     def __init__(self, identifier: str = "gpukilld") -> None:
         self.identifier = identifier
-        self._send = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one stderr line at a time; datagrams are atomic by themselves
+        self._sock: socket.socket | None = None
+        self._stalled = False
         if os.path.exists(JOURNAL_SOCKET):
-            try:
-                from systemd import journal
-
-                self._send = journal.send
-            except ImportError:
-                print("gpukilld: systemd-python is not installed; audit entries go to stderr", file=sys.stderr)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            try:  # FORCE passes net.core.wmem_max, with CAP_NET_ADMIN only; the unit does not grant it
+                sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, SNDBUF_SIZE)
+            except OSError:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF_SIZE)
+            seconds = int(SEND_TIMEOUT)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("@ll", seconds, int((SEND_TIMEOUT - seconds) * 1e6)))  # a timeval
+            self._sock = sock
 
     @property
     def to_journal(self) -> bool:
-        return self._send is not None
+        return self._sock is not None
 
     def log(self, kind: EventKind, message: str, **fields: object) -> None:
-        """Record one event. Field names are given without the GPUKILL_ prefix; None values are left out."""
-        extra = {f"GPUKILL_{k.upper()}": str(v) for k, v in fields.items() if v is not None}
+        """Record one event. Field names are given without the GPUKILL_ prefix; None values are left out.
+        Never raises: an entry the journal refuses goes to stderr."""
+        extra = {field_name(k): str(v) for k, v in fields.items() if v is not None}
         extra.setdefault("GPUKILL_EVENT", kind.name)
-        if self._send is not None:
+        if self._sock is not None:
+            caller = sys._getframe(1)  # the code that audits, not this function: what CODE_* is for
+            entry = [("MESSAGE", message), ("MESSAGE_ID", kind.message_id), ("PRIORITY", str(kind.priority)),
+                     ("SYSLOG_IDENTIFIER", self.identifier), ("CODE_FILE", caller.f_code.co_filename),
+                     ("CODE_LINE", str(caller.f_lineno)), ("CODE_FUNC", caller.f_code.co_qualname),
+                     *extra.items()]
             try:
-                self._send(
-                    MESSAGE=message,
-                    MESSAGE_ID=kind.message_id,
-                    PRIORITY=str(kind.priority),
-                    SYSLOG_IDENTIFIER=self.identifier,
-                    **extra,
-                )
+                self._send(encode(entry))
                 return
-            except OSError as e:  # journald restarting: the entry must not be lost silently
-                print(f"gpukilld: journal unavailable ({e.strerror}); audit entry follows", file=sys.stderr)
-        detail = " ".join(f"{k}={v}" for k, v in extra.items())
+            except OSError as e:  # journald gone, restarting or stalled: the entry must not be lost silently
+                why = f"not in the journal: {e.strerror or e}"
+        else:
+            why = ""
+        detail = " ".join(f"{k}={_stderr_value(v)}" for k, v in extra.items())
+        suffix = f" ({why})" if why else ""
         with self._lock:
-            print(f"<{kind.priority}>{message} [{detail}]", file=sys.stderr, flush=True)
+            print(f"<{kind.priority}>{shown(message)} [{detail}]{suffix}", file=sys.stderr, flush=True)
+
+    def _send(self, payload: bytes) -> None:
+        assert self._sock is not None
+        flags = socket.MSG_DONTWAIT if self._stalled else 0
+        try:
+            try:
+                self._sock.sendto(payload, flags, JOURNAL_SOCKET)  # by name: journald may have restarted
+            except OSError as e:
+                if e.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
+                    raise
+                self._send_memfd(payload, flags)
+        except OSError as e:
+            self._stalled = e.errno == errno.EAGAIN
+            raise
+        self._stalled = False
+
+    def _send_memfd(self, payload: bytes, flags: int) -> None:
+        """Too large for a datagram: the documented fallback passes the entry in a memfd, sealed so that
+        journald can trust what it reads (it refuses unsealed ones from senders other than root)."""
+        fd = os.memfd_create("gpukilld-audit", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
+            self._sock.sendmsg([], rights, flags, JOURNAL_SOCKET)  # empty payload: the fd is the entry
+        finally:
+            os.close(fd)
