@@ -1,23 +1,55 @@
-"""Sizes as admins write them: 8589934592, 8GiB, 8GB, 512M."""
+"""Sizes as admins write them: 8589934592, 8GiB, 8GB, 512M.
+
+Sizes come from policy files, TestPolicies callers and device files, so every input is bounded: at most
+MAX_SIZE bytes (1 EiB), strings of at most MAX_SIZE_TEXT characters, arithmetic exact (no float to overflow
+into inf, no int(inf)). Anything else is ValueError with a one-line reason.
+"""
 
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?)B?\s*$", re.IGNORECASE)
-_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
+# 1 EiB = 2^60 bytes: a million times the memory of any GPU or host, yet a size that every consumer holds
+# exactly (a signed or unsigned 64-bit integer on the bus and in C, a double in JSON) with room to add a
+# few together. 2^63 would be the type's own limit; it buys nothing real and leaves no room for sums.
+MAX_SIZE = 1 << 60
+MAX_SIZE_TEXT = 64  # characters: "1.5 GiB" needs 7; a bounded text keeps every match and conversion cheap
+
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGTPE]?)(i?)(B?)", re.IGNORECASE)
+_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
 
 
 def parse_size(value: object) -> int:
-    """Bytes from an int or a string with an optional SI (GB) or IEC (GiB) suffix; ValueError if neither."""
+    """Bytes from an int or a string with an optional SI (GB) or IEC (GiB) suffix, 0 to MAX_SIZE; ValueError
+    otherwise (negative, too large, a float, inf or nan, a bool, anything else)."""
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"size must not be negative: {value}")
+            raise ValueError(f"size must not be negative: {_short(value)}")
+        if value > MAX_SIZE:
+            raise ValueError(f"size {_short(value)} is larger than the maximum, 1 EiB (2^60 bytes)")
         return value
-    if not isinstance(value, str) or not (m := _SIZE.match(value)):
-        raise ValueError(f"not a size: {value!r} (use bytes, or a suffix such as 8GiB or 8GB)")
-    number, prefix, binary = m.groups()
-    base = 1024 if (binary or (prefix and not value.strip().upper().endswith("B"))) else 1000
-    return int(float(number) * base ** _POWERS[prefix.upper()])
+    if not isinstance(value, str):
+        raise ValueError(f"not a size: {_short(value)} (use bytes, or a suffix such as 8GiB or 8GB)")
+    text = value.strip()
+    if len(text) > MAX_SIZE_TEXT:
+        raise ValueError(f"not a size: {text[:20]!r}… is longer than {MAX_SIZE_TEXT} characters")
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use bytes, or a suffix such as 8GiB or 8GB)")
+    number, prefix, binary, b = m.groups()
+    base = 1024 if (binary or (prefix and not b)) else 1000
+    size = int(Fraction(number) * base ** _POWERS[prefix.upper()])  # exact: "1.5GiB" is 1610612736
+    if size > MAX_SIZE:
+        raise ValueError(f"size {text!r} is larger than the maximum, 1 EiB (2^60 bytes)")
+    return size
+
+
+def _short(value: object) -> str:
+    """A value for a message: a huge int by its number of digits (str() refuses more than 4300 of them)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"

@@ -10,6 +10,7 @@ also carry GPUKILL_SIM_SCOPE=NAME, so several simulated hosts (test runs, a demo
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ _DEVICE_KEYS = {
 }
 _TOP_KEYS = {"devices", "faults", "scope"}
 _FAULT_KEYS = {"hang_sampling"}
+_TEMPERATURE = (-273.15, 1000.0)  # °C
+_MAX_POWER = 1e6  # W: a GPU draws at most a few kW
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +65,56 @@ class SimUsage:
     utilization: float | None
 
 
-def _number(value: object, where: str) -> float:
+def _number(value: object, where: str, lo: float, hi: float) -> float:
+    """A finite number from lo to hi: ints of any size are compared exactly before float() (which would raise
+    OverflowError), inf and nan are refused."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    return float(value)
+        raise ConfigError(f"{where}: expected a number, got {_shown(value)}")
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"{where}: expected a number, got nan")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{where}: expected a number from {lo:g} to {hi:g}, got {_shown(value)}")
+    return float(value) + 0.0  # -0.0 is 0
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _sim_device(i: int, raw: object, where: str) -> SimDevice:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping")
+    if unknown := set(raw) - _DEVICE_KEYS:
+        raise ConfigError(f"{where}: unknown key {_shown(sorted(unknown, key=_shown)[0])}")
+    try:
+        memory_total = parse_size(raw["memory_total"]) if "memory_total" in raw else None
+        memory_used = parse_size(raw.get("memory_used", 0))
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    state = raw.get("state", STATE_OK)
+    if state not in (STATE_OK, STATE_LOST):
+        raise ConfigError(f"{where}: state must be 'ok' or 'lost', not {state!r}")
+    reset = str(raw.get("reset", "ok"))
+    if reset not in ("ok", "unsupported") and not reset.startswith("fail:"):
+        raise ConfigError(f"{where}: reset must be 'ok', 'unsupported' or 'fail: MESSAGE'")
+    return SimDevice(
+        uuid=str(raw.get("uuid") or f"SIM-{i:04d}"),
+        name=str(raw.get("name", f"Simulated GPU {i}")),
+        vendor=str(raw.get("vendor", "simulated")),
+        pci_bus_id=str(raw["pci_bus_id"]) if "pci_bus_id" in raw else None,
+        memory_total=memory_total,
+        memory_used=memory_used,
+        utilization=_number(raw.get("utilization", 0), f"{where}.utilization", 0.0, 100.0),
+        temperature=(_number(raw["temperature"], f"{where}.temperature", *_TEMPERATURE)
+                     if "temperature" in raw else None),
+        power=_number(raw["power"], f"{where}.power", 0.0, _MAX_POWER) if "power" in raw else None,
+        state=state,
+        state_reason=str(raw.get("state_reason", "")),
+        reset=reset,
+    )
 
 
 def load_sim_config(path: str) -> SimConfig:
@@ -77,48 +126,28 @@ def load_sim_config(path: str) -> SimConfig:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())  # a ReaderError's text has two lines
+        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+    except (ValueError, OverflowError, TypeError, RecursionError, MemoryError) as e:
+        # PyYAML's constructors call int() (more than 4300 digits: ValueError), float(), datetime(), chr();
+        # its composer and constructor recurse once per level of nesting
+        reason = "nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(reason.split())[:300]}") from None
     if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
         raise ConfigError(f"{path}: expected a mapping with a 'devices:' list")
     if unknown := set(data) - _TOP_KEYS:
-        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(_TOP_KEYS))})")
+        raise ConfigError(f"{path}: unknown key {_shown(sorted(unknown, key=_shown)[0])} "
+                          f"(known: {', '.join(sorted(_TOP_KEYS))})")
     faults = data.get("faults") or {}
     if not isinstance(faults, dict) or (set(faults) - _FAULT_KEYS):
         raise ConfigError(f"{path}: 'faults' takes only: {', '.join(sorted(_FAULT_KEYS))}")
     devices = []
     for i, raw in enumerate(data["devices"]):
         where = f"{path}: devices[{i}]"
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: expected a mapping")
-        if unknown := set(raw) - _DEVICE_KEYS:
-            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}")
         try:
-            memory_total = parse_size(raw["memory_total"]) if "memory_total" in raw else None
-            memory_used = parse_size(raw.get("memory_used", 0))
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        state = raw.get("state", STATE_OK)
-        if state not in (STATE_OK, STATE_LOST):
-            raise ConfigError(f"{where}: state must be 'ok' or 'lost', not {state!r}")
-        reset = str(raw.get("reset", "ok"))
-        if reset not in ("ok", "unsupported") and not reset.startswith("fail:"):
-            raise ConfigError(f"{where}: reset must be 'ok', 'unsupported' or 'fail: MESSAGE'")
-        devices.append(
-            SimDevice(
-                uuid=str(raw.get("uuid") or f"SIM-{i:04d}"),
-                name=str(raw.get("name", f"Simulated GPU {i}")),
-                vendor=str(raw.get("vendor", "simulated")),
-                pci_bus_id=str(raw["pci_bus_id"]) if "pci_bus_id" in raw else None,
-                memory_total=memory_total,
-                memory_used=memory_used,
-                utilization=_number(raw.get("utilization", 0), f"{where}.utilization"),
-                temperature=_number(raw["temperature"], f"{where}.temperature") if "temperature" in raw else None,
-                power=_number(raw["power"], f"{where}.power") if "power" in raw else None,
-                state=state,
-                state_reason=str(raw.get("state_reason", "")),
-                reset=reset,
-            )
-        )
+            devices.append(_sim_device(i, raw, where))
+        except (ValueError, OverflowError) as e:  # str() of an int of more than 4300 digits (0b..., 0x...)
+            raise ConfigError(f"{where}: {' '.join(str(e).split())[:300]}") from None
     if len({d.uuid for d in devices}) != len(devices):
         raise ConfigError(f"{path}: two devices share one uuid")
     scope = data.get("scope")

@@ -7,14 +7,23 @@ keeps the policy in force instead.
 
 Conditions of a rule combine with AND unless the rule says `match: any`. Descriptions are prose for humans
 and never change what a rule does.
+
+Anyone may send a policy (TestPolicies), so the parser treats its text as hostile. It raises nothing but
+PolicyError, whatever the text: numbers of any size, `.inf`/`.nan`, deep nesting and characters PyYAML cannot
+take are errors at FILE:LINE:COL. Its work and its output are bounded: nesting depth, items visited (an alias
+counts each time it is used), errors reported (MAX_ERRORS, then one final line), the length of every string
+and of each condition's text. Regular expressions are RE2 (gpukilld.regex: linear time), and the module's own
+regular expressions only ever see strings whose length was bounded first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,15 +31,33 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from ..errors import GpukillError
+from ..regex import MAX_PATTERN, compile_regex
 from ..units import parse_size
 
 MAX_POLICY_BYTES = 1 << 20  # a policy is a few KiB; a bound keeps a client's text from costing much
 MAX_RULES = 1000
 MAX_LIST = 10_000  # items in one value or exemption list
-MAX_REGEX = 1024
+MAX_REGEX = MAX_PATTERN  # characters of a `matches` pattern (gpukilld.regex)
 MAX_NAME = 100
 MAX_DURATION = 30 * 86400.0
 MAX_KILL_GRACE = 300.0  # the kill path's own limit (killer.MAX_GRACE)
+# Bounds against hostile text. None of them is near what a real policy needs.
+MAX_ERRORS = 100  # error lines kept; then TOO_MANY_ERRORS and parsing stops
+TOO_MANY_ERRORS = "… and more errors; fix these first"
+MAX_ITEMS = 100_000  # list items, mapping entries, rules and conditions visited; an alias counts at each use
+MAX_DEPTH = 64  # nesting of lists and mappings (a policy needs 5)
+MAX_TEXT = 200  # characters of a condition's text (shown in reasons, audit entries, TestPolicies)
+MAX_ERROR_LINE = 1000  # characters of one error line (a path may take 4096: rare, then cut)
+MAX_STRING = 4096  # a string compared with a process's text: command lines are cut at 4 KiB, paths at 4096
+MAX_ID_TEXT = 256  # user and group names, exemption patterns (unit names are at most 256 characters)
+MAX_DESCRIPTION = 1024
+MAX_NUMBER_TEXT = 100  # characters of a number as written: the largest sane value (1 EiB) needs 19 digits
+MAX_DURATION_TEXT = 64  # "1h30m" needs 5
+MAX_ANY_DURATION = 100 * 365.25 * 86400  # no duration anywhere is longer (runtime included)
+MAX_EMAIL = 254  # RFC 5321's limit on a forward path
+MAX_URL = 2048
+MAX_ID = 2**32 - 2  # uids and gids are 32 bits; (uid_t)-1 means "no uid"
+MIN_TEMPERATURE, MAX_TEMPERATURE = -273.15, 1000.0  # °C
 
 PER_PROCESS, PER_USER, PER_DEVICE = "per_process", "per_user", "per_device"
 SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE)
@@ -90,10 +117,20 @@ RULE_KEYS = ("name", "description", "conditions", "match", "scope", "action", "f
 CONDITION_KEYS = ("type", "operator", "value", "duration", "scope", "description")
 EXEMPTION_KEYS = ("users", "groups", "units", "processes")
 
+# Python's `re`, on text whose length is bounded before matching (MAX_NAME, MAX_EMAIL, MAX_URL,
+# MAX_DURATION_TEXT); each is linear in that text anyway (tests/test_policy_hostile.py measures 1 MiB).
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _EMAIL = re.compile(r"^[^@\s<>,;:\"]+@[A-Za-z0-9.-]+\.[A-Za-z0-9-]+$")
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_WEBHOOK = re.compile(r"^(https?)://([^/\s:]+|\[[0-9a-fA-F:]+\])(:\d{1,5})?(/\S*)?$")
+# One part of a duration, matched at a given position: parts are consumed left to right, never searched for
+# (findall would retry from every position of a long run of digits: quadratic).
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+_RE2_PATTERN = type(compile_regex(""))
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 class PolicyError(GpukillError):
@@ -103,36 +140,112 @@ class PolicyError(GpukillError):
     result = "invalid-policy"
 
     def __init__(self, errors: list[str]) -> None:
-        self.errors = list(errors)
-        more = f" (and {len(errors) - 1} more; see gpukillctl guard validate)" if len(errors) > 1 else ""
-        super().__init__(f"{errors[0]}{more}")
+        self.errors = capped_errors(errors) or ["(no reason given)"]
+        n = len(self.errors) - 1
+        more = "" if not n else (" (and many more; see gpukillctl guard validate)"
+                                 if self.errors[-1] == TOO_MANY_ERRORS else
+                                 f" (and {n} more; see gpukillctl guard validate)")
+        super().__init__(f"{self.errors[0]}{more}")
+
+
+def _one_line(line: str) -> str:
+    """An error line as it is shown: one line (controls escaped), at most MAX_ERROR_LINE characters."""
+    if _UNPRINTABLE.search(line):
+        line = _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], line)
+    return line if len(line) <= MAX_ERROR_LINE else line[:MAX_ERROR_LINE - 1] + "…"
+
+
+def capped_errors(errors: list[str]) -> list[str]:
+    """At most MAX_ERRORS lines, each one line, then TOO_MANY_ERRORS if any were left out (several files'
+    errors together, each list capped already, are capped again)."""
+    lines: list[str] = []
+    more = False
+    for e in errors:
+        if e == TOO_MANY_ERRORS:
+            more = True
+        elif len(lines) == MAX_ERRORS:
+            more = True
+            break
+        else:
+            lines.append(_one_line(e))
+    return lines + [TOO_MANY_ERRORS] if more else lines
+
+
+def _q(text: str, limit: int = 60) -> str:
+    """A string from the policy, quoted and cut: no message carries much of what a policy wrote."""
+    return repr(text[:limit]) + ("…" if len(text) > limit else "")
+
+
+def _cut(text: str, limit: int = MAX_TEXT) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _number_text(value: int | float) -> str:
+    """A number for a message; a huge integer by its size, not its 4,000 digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"a number of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return str(value)
+
+
+def _list_text(values: tuple[Any, ...]) -> str:
+    """[a, b, c] for a condition's text, cut to fit MAX_TEXT with "… N more"."""
+    shown: list[str] = []
+    size = 0
+    for i, v in enumerate(values):
+        item = _cut(str(v), 40)
+        if i and size + len(item) > MAX_TEXT - 60:
+            return "[" + ", ".join(shown) + f", … {len(values) - i} more]"
+        shown.append(item)
+        size += len(item) + 2
+    return "[" + ", ".join(shown) + "]"
 
 
 def parse_duration(value: object) -> float:
-    """Seconds from 90, "90s", "5m", "1h30m", "500ms"; ValueError otherwise."""
+    """Seconds from 90, "90s", "5m", "1h30m", "500ms"; ValueError otherwise (negative, not finite, longer
+    than MAX_ANY_DURATION, or a string longer than MAX_DURATION_TEXT)."""
     if isinstance(value, bool):
         raise ValueError(f"not a duration: {value!r}")
-    if isinstance(value, int | float):
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a duration must not be negative: {_number_text(value)}")
+        if value > MAX_ANY_DURATION:
+            raise ValueError(f"a duration of {_number_text(value)} seconds is longer than 100 years")
         seconds = float(value)
+    elif isinstance(value, float):
+        seconds = value
     elif isinstance(value, str):
         text = value.strip()
-        parts = _DURATION_PART.findall(text)
-        if not text or "".join(n + u for n, u in parts) != text:
+        if len(text) > MAX_DURATION_TEXT:
+            raise ValueError(f"not a duration: {_q(text, 20)} is longer than {MAX_DURATION_TEXT} characters")
+        seconds, pos = 0.0, 0
+        while pos < len(text):
+            m = _DURATION_PART.match(text, pos)
+            if m is None:
+                break
+            seconds += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+            pos = m.end()
+        if not text or pos != len(text):
             raise ValueError(f"not a duration: {value!r} (write e.g. 90s, 5m, 1h30m)")
-        seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
     else:
-        raise ValueError(f"not a duration: {value!r} (write e.g. 90s, 5m, 1h30m)")
-    if seconds != seconds or seconds < 0:  # NaN or negative
+        raise ValueError(f"not a duration: {_describe(value)} (write e.g. 90s, 5m, 1h30m)")
+    if math.isnan(seconds):
+        raise ValueError("not a duration: not a number (nan)")
+    if seconds < 0:
         raise ValueError(f"a duration must not be negative: {value!r}")
-    return seconds
+    if seconds > MAX_ANY_DURATION:  # inf included
+        raise ValueError(f"a duration of {seconds:g} seconds is longer than 100 years")
+    return seconds + 0.0  # -0.0 is 0
 
 
 def format_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    """1.5 GiB. Sizes are at most 1 EiB (units.MAX_SIZE); a larger sum still prints in EiB, never overflows."""
+    if isinstance(n, int) and n.bit_length() > 1000:  # beyond any float: n / 1024 would be OverflowError
+        return f"{_number_text(n)} B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(n) < 1024 or unit == "EiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} PiB"
+    raise AssertionError
 
 
 def format_duration(seconds: float) -> str:
@@ -145,7 +258,7 @@ def format_duration(seconds: float) -> str:
 class Condition:
     type: str
     operator: str
-    value: Any  # normalized: str, int, float, tuple of those, or a compiled pattern for `matches`
+    value: Any  # normalized: str, int, float, tuple of those, or a compiled RE2 pattern for `matches`
     duration: float | None  # seconds the condition must hold continuously; None: at once
     percent_of_total: bool  # device_memory given as "90%" of the device's memory
     role: str  # SUBJECT or SELECTOR in the rule's scope
@@ -196,7 +309,9 @@ class Rule:
 
 
 def _fingerprint_value(value: Any) -> Any:
-    return ("re", value.pattern) if isinstance(value, re.Pattern) else value
+    """Compiled patterns compare by their text (RE2 patterns compare by identity, and one compiled from the
+    same text after a reload is another object)."""
+    return ("re", value.pattern) if isinstance(value, _RE2_PATTERN | re.Pattern) else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,10 +354,12 @@ def _describe(value: object) -> str:
     if value is None:
         return "nothing (null)"
     if isinstance(value, int | float):
-        return f"the number {value}"
+        return f"the number {_number_text(value)}"
     if isinstance(value, str):
-        return f"the string {value[:60]!r}"
-    return f"{type(value).__name__} {str(value)[:40]!r}"
+        return f"the string {_q(value)}"
+    if isinstance(value, bytes):
+        value = value[:40]
+    return f"{type(value).__name__} {_q(str(value)[:100], 40)}"
 
 
 def _node_kind(node: Node) -> str:
@@ -253,36 +370,116 @@ def _node_kind(node: Node) -> str:
     return "a value"
 
 
+class _Stop(Exception):
+    """Parsing gives up: too many errors (more=True: TOO_MANY_ERRORS follows), or the policy is too large."""
+
+    def __init__(self, more: bool) -> None:
+        super().__init__()
+        self.more = more
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, with nesting bounded: its composer recurses once per level, and 100,000 `[`s
+    would otherwise end in RecursionError (or, where the stack is smaller, worse)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self._depth = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(None, None, f"lists and mappings nested more than {MAX_DEPTH} "
+                                                              "levels deep", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 class _Parser:
     def __init__(self, text: str, filename: str) -> None:
         self.text = text
         self.file = filename
         self.errors: list[str] = []
-        self.loader = yaml.SafeLoader(text)
+        self.failures = 0  # errors found, reported or not: a part is valid only if none was found while reading it
+        self.items = 0  # nodes visited, for MAX_ITEMS
+        self.loader: _Loader | None = None
+        self.values: dict[int, tuple[bool, Any]] = {}  # id(scalar node) -> scalar(): an alias reads it once
+        self.unreadable: set[int] = set()  # ids of scalar nodes whose one error was reported already
+        self.patterns: dict[str, Any] = {}  # pattern text -> compiled (or the RegexError)
 
     # -- helpers ---------------------------------------------------------------------------------------
 
     def where(self, node: Node) -> str:
         return f"{self.file}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"
 
+    def add(self, line: str) -> None:
+        """Record an error line; past MAX_ERRORS of them, parsing stops."""
+        self.failures += 1
+        if len(self.errors) >= MAX_ERRORS:
+            raise _Stop(more=True)
+        self.errors.append(_one_line(line))
+
     def error(self, node: Node, message: str) -> None:
-        self.errors.append(f"{self.where(node)}: {message}")
+        if id(node) in self.unreadable:  # "cannot read this value" said it already (once, however aliased)
+            self.failures += 1
+            return
+        self.add(f"{self.where(node)}: {message}")
+
+    def budget(self, node: Node, n: int) -> None:
+        """Count n items about to be visited; past MAX_ITEMS the policy is refused and parsing stops. Aliases
+        share nodes, so a list aliased into every rule costs its length at every use: this is what bounds it."""
+        self.items += n
+        if self.items > MAX_ITEMS:
+            self.add(f"{self.where(node)}: the policy is too large: more than {MAX_ITEMS} list items, fields, "
+                     "rules and conditions (an alias counts each time it is used)")
+            raise _Stop(more=False)
 
     def scalar(self, node: Node) -> tuple[bool, Any]:
-        """(True, value) for a scalar node, typed as YAML resolves it; (False, None) otherwise."""
+        """(True, value) for a scalar node, typed as YAML resolves it; (False, None) otherwise. A value that
+        cannot be read is reported here, once per node, and makes no second error at the caller."""
         if not isinstance(node, ScalarNode):
             return False, None
-        try:
-            return True, self.loader.construct_object(node)
-        except yaml.YAMLError as e:  # e.g. a malformed timestamp
-            self.error(node, f"cannot read this value: {getattr(e, 'problem', e)}")
-            return False, None
+        key = id(node)
+        known = self.values.get(key)
+        if known is None:
+            known = self.values[key] = self._construct(node)
+            if not known[0]:
+                self.unreadable.add(key)
+        return known
+
+    def _construct(self, node: ScalarNode) -> tuple[bool, Any]:
+        problem = None
+        if node.tag in (_INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG) and len(node.value) > MAX_NUMBER_TEXT:
+            # Python refuses ints of more than 4300 digits (ValueError), and PyYAML's sexagesimal ints
+            # (1:2:3:...) cost quadratic time: no number this long is valid anywhere in a policy.
+            problem = f"a number written with more than {MAX_NUMBER_TEXT} characters is too large for any setting"
+        else:
+            assert self.loader is not None
+            try:
+                value = self.loader.construct_object(node)
+            except yaml.YAMLError as e:  # e.g. an unknown tag
+                problem = f"cannot read this value: {getattr(e, 'problem', None) or e}"
+            except (ValueError, OverflowError, TypeError, AttributeError, RecursionError, MemoryError) as e:
+                # PyYAML's constructors call int(), float(), datetime() and friends: a 5,000-digit !!int,
+                # a timestamp on 2001-13-40, !!float on a word
+                problem = f"cannot read this value: {type(e).__name__}: {e}"
+            else:
+                if isinstance(value, str) and _SURROGATE.search(value):
+                    problem = "a string with a lone surrogate (an escape such as \\ud800): not valid Unicode text"
+                else:
+                    return True, value
+        self.add(f"{self.where(node)}: {problem}")
+        return False, None
 
     def mapping(self, node: Node, what: str, known: tuple[str, ...]) -> dict[str, tuple[Node, Node]] | None:
         """Keys of a mapping node with their key and value nodes; unknown and duplicate keys are errors."""
         if not isinstance(node, MappingNode):
             self.error(node, f"{what} must be a mapping, not {_node_kind(node)}")
             return None
+        self.budget(node, len(node.value))
         out: dict[str, tuple[Node, Node]] = {}
         for key_node, value_node in node.value:
             ok, key = self.scalar(key_node)
@@ -291,22 +488,25 @@ class _Parser:
                 continue
             if key in out:
                 first = self.where(out[key][0])
-                self.error(key_node, f"duplicate key {key!r} in {what} (first at {first})")
+                self.error(key_node, f"duplicate key {_q(key)} in {what} (first at {first})")
                 continue
             if key not in known:
                 hint = _close_match(key, known)
-                self.error(key_node, f"unknown field {key!r} in {what}{hint} (known: {', '.join(known)})")
+                self.error(key_node, f"unknown field {_q(key)} in {what}{hint} (known: {', '.join(known)})")
                 continue
             out[key] = (key_node, value_node)
         return out
 
-    def string(self, node: Node, what: str, allow_empty: bool = False) -> str | None:
+    def string(self, node: Node, what: str, allow_empty: bool = False, max_len: int = MAX_STRING) -> str | None:
         ok, value = self.scalar(node)
         if not ok or not isinstance(value, str):
             self.error(node, f"{what} must be a string, not {_describe(value) if ok else _node_kind(node)}")
             return None
         if not allow_empty and not value.strip():
             self.error(node, f"{what} must not be empty")
+            return None
+        if len(value) > max_len:
+            self.error(node, f"{what} is longer than {max_len} characters")
             return None
         return value
 
@@ -328,13 +528,15 @@ class _Parser:
             self.error(node, f"{what}: {e}")
             return None
         if not minimum <= seconds <= maximum:
+            shown = value.strip() if isinstance(value, str) else _number_text(value)  # parsed: short
             self.error(node, f"{what} must be between {format_duration(minimum)} and {format_duration(maximum)}, "
-                             f"not {value}")
+                             f"not {shown}")
             return None
         return seconds
 
-    def string_list(self, node: Node, what: str, allow_int: bool = False) -> tuple[Any, ...] | None:
-        """A list of strings (or a single string, for convenience)."""
+    def string_list(self, node: Node, what: str, allow_int: bool = False,
+                    max_len: int = MAX_STRING) -> tuple[Any, ...] | None:
+        """A list of strings (or a single string, for convenience); with allow_int, uids or gids too."""
         items = node.value if isinstance(node, SequenceNode) else [node]
         if isinstance(node, MappingNode):
             self.error(node, f"{what} must be a list of strings, not a mapping")
@@ -345,13 +547,21 @@ class _Parser:
         if len(items) > MAX_LIST:
             self.error(node, f"{what} has more than {MAX_LIST} items")
             return None
+        self.budget(node, len(items))
         out: list[Any] = []
         good = True
         for item in items:
             ok, value = self.scalar(item)
             is_text = ok and isinstance(value, str) and value != ""
-            is_id = ok and allow_int and isinstance(value, int) and not isinstance(value, bool) and value >= 0
-            if is_text or is_id:
+            is_id = ok and allow_int and isinstance(value, int) and not isinstance(value, bool)
+            if is_id and not 0 <= value <= MAX_ID:
+                self.error(item, f"each item of {what}: a uid or gid is from 0 to {MAX_ID}, not "
+                                 f"{_number_text(value)}")
+                good = False
+            elif is_text and len(value) > max_len:
+                self.error(item, f"each item of {what} must be at most {max_len} characters, not {len(value)}")
+                good = False
+            elif is_text or is_id:
                 out.append(value)
             else:
                 kinds = "a string or a number" if allow_int else "a string"
@@ -363,23 +573,63 @@ class _Parser:
     # -- document --------------------------------------------------------------------------------------
 
     def parse(self) -> PolicyFile | None:
+        """The file's settings and rules; None (with self.errors) when it has none to give."""
         try:
-            root = self.loader.get_single_node()
+            root = self.compose()
+            return None if root is None else self.document(root)
+        except _Stop as stop:
+            if stop.more:
+                self.errors.append(TOO_MANY_ERRORS)
+            return None
+        except RecursionError:  # not expected (depth is bounded), but never a crash
+            self.errors.append(f"{self.file}:1:1: the policy is nested too deeply to be read")
+            return None
+
+    def compose(self) -> Node | None:
+        """The document's node tree; errors of YAML itself (and of PyYAML) as FILE:LINE:COL."""
+        loader = None
+        try:
+            loader = self.loader = _Loader(self.text)  # the reader checks the characters here already
+            root = loader.get_single_node()
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
-            where = f"{self.file}:{mark.line + 1}:{mark.column + 1}" if mark else self.file
+            where = f"{self.file}:{mark.line + 1}:{mark.column + 1}" if mark else f"{self.file}:1:1"
             what = " ".join(x for x in (e.context, e.problem) if x)
-            self.errors.append(f"{where}: not valid YAML: {what}")
+            self.add(f"{where}: not valid YAML: {what}")
+            return None
+        except yaml.reader.ReaderError as e:  # a character YAML does not allow (controls, surrogates)
+            self.add(f"{self._at(e.position)}: not valid YAML: character #x{e.character:04x} is not allowed "
+                     f"({e.reason})" if isinstance(e.character, int) else
+                     f"{self._at(e.position)}: not valid YAML: {e.reason}")
             return None
         except yaml.YAMLError as e:
-            self.errors.append(f"{self.file}:1:1: not valid YAML: {e}")
+            self.add(f"{self.file}:1:1: not valid YAML: {e}")
+            return None
+        except (ValueError, OverflowError, TypeError, RecursionError, MemoryError) as e:
+            # PyYAML's scanner calls chr() on escapes ("\U00110000" is ValueError); its composer recurses
+            where = f"{self.file}:1:1"
+            if loader is not None:
+                with contextlib.suppress(Exception):
+                    mark = loader.get_mark()
+                    where = f"{self.file}:{mark.line + 1}:{mark.column + 1}"
+            reason = "nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+            self.add(f"{where}: not valid YAML: {reason}")
             return None
         finally:
-            self.loader.dispose()
+            if loader is not None:
+                loader.dispose()
         if root is None:
-            self.errors.append(f"{self.file}:1:1: the policy is empty: expected a mapping with a 'rules:' list "
-                               "(write 'rules: []' for none)")
-            return None
+            self.add(f"{self.file}:1:1: the policy is empty: expected a mapping with a 'rules:' list "
+                     "(write 'rules: []' for none)")
+        return root
+
+    def _at(self, position: int) -> str:
+        position = max(0, min(position, len(self.text)))
+        line = self.text.count("\n", 0, position)
+        column = position - (self.text.rfind("\n", 0, position) + 1)
+        return f"{self.file}:{line + 1}:{column + 1}"
+
+    def document(self, root: Node) -> PolicyFile | None:
         top = self.mapping(root, "the policy", TOP_KEYS)
         if top is None:
             return None
@@ -395,14 +645,15 @@ class _Parser:
             elif len(rules_node.value) > MAX_RULES:
                 self.error(rules_node, f"more than {MAX_RULES} rules")
             else:
+                self.budget(rules_node, len(rules_node.value))
                 seen: dict[str, str] = {}
                 for rule_node in rules_node.value:
                     rule = self.rule(rule_node)
                     if rule is None:
                         continue
                     if rule.name in seen:
-                        self.errors.append(f"{rule.where}: duplicate rule name {rule.name!r} "
-                                           f"(first defined at {seen[rule.name]})")
+                        self.add(f"{rule.where}: duplicate rule name {rule.name!r} "
+                                 f"(first defined at {seen[rule.name]})")
                         continue
                     seen[rule.name] = rule.where
                     rules.append(rule)
@@ -438,7 +689,7 @@ class _Parser:
     # -- rules -----------------------------------------------------------------------------------------
 
     def rule(self, node: Node) -> Rule | None:
-        before = len(self.errors)
+        before = self.failures
         fields = self.mapping(node, "a rule", RULE_KEYS)
         if fields is None:
             return None
@@ -448,19 +699,20 @@ class _Parser:
         else:
             name = self.string(fields["name"][1], "the rule name")
             if name is not None and (len(name) > MAX_NAME or not _NAME.match(name)):
-                self.error(fields["name"][1], f"rule name {name[:60]!r} must be at most {MAX_NAME} letters, digits, "
+                self.error(fields["name"][1], f"rule name {_q(name)} must be at most {MAX_NAME} letters, digits, "
                                               "'.', '_' or '-', starting with a letter or digit")
                 name = None
         label = f"rule {name!r}" if name else "the rule"
         description = ""
         if "description" in fields:
-            description = self.string(fields["description"][1], "description", allow_empty=True) or ""
+            description = self.string(fields["description"][1], "description", allow_empty=True,
+                                      max_len=MAX_DESCRIPTION) or ""
 
         match = "all"
         if "match" in fields:
             m = self.string(fields["match"][1], "match")
             if m is not None and m not in MATCHES:
-                self.error(fields["match"][1], f"match must be 'all' or 'any', not {m!r}")
+                self.error(fields["match"][1], f"match must be 'all' or 'any', not {_q(m)}")
             elif m is not None:
                 match = m
 
@@ -474,7 +726,7 @@ class _Parser:
         else:
             action = self.string(fields["action"][1], "action")
             if action is not None and action not in ACTIONS:
-                self.error(fields["action"][1], f"unknown action {action!r} (known: {', '.join(ACTIONS)})")
+                self.error(fields["action"][1], f"unknown action {_q(action)} (known: {', '.join(ACTIONS)})")
                 action = None
 
         force = False
@@ -509,9 +761,11 @@ class _Parser:
                 self.error(cnode, f"{label} has an empty conditions list: it would match every process")
             else:
                 cond_nodes = list(cnode.value)
+                self.budget(cnode, len(cond_nodes))
         scope = rule_scope
         for cn in cond_nodes:
             if isinstance(cn, MappingNode):
+                self.budget(cn, len(cn.value))
                 for k, v in cn.value:
                     if isinstance(k, ScalarNode) and k.value == "scope":
                         s = self.scope(v)
@@ -532,7 +786,7 @@ class _Parser:
             self.error(node, f"{label} in scope {scope} has only process conditions: with action kill it would "
                              f"kill every selected process; add a {scope.removeprefix('per_')} condition or use "
                              "scope per_process")
-        if len(self.errors) > before or name is None or action is None:
+        if self.failures > before or name is None or action is None:
             return None
         return Rule(name=name, description=description, conditions=tuple(conditions), match=match, scope=scope,
                     action=action, force=force, grace_period=grace, kill_grace=kill_grace, notify=notify,
@@ -541,12 +795,12 @@ class _Parser:
     def scope(self, node: Node) -> str | None:
         s = self.string(node, "scope")
         if s is not None and s not in SCOPES:
-            self.error(node, f"unknown scope {s!r} (known: {', '.join(SCOPES)})")
+            self.error(node, f"unknown scope {_q(s)} (known: {', '.join(SCOPES)})")
             return None
         return s
 
     def condition(self, node: Node, scope: str) -> Condition | None:
-        before = len(self.errors)
+        before = self.failures
         fields = self.mapping(node, "a condition", CONDITION_KEYS)
         if fields is None:
             return None
@@ -559,7 +813,7 @@ class _Parser:
         ctype = CONDITION_TYPES.get(type_name)
         if ctype is None:
             hint = _close_match(type_name, tuple(CONDITION_TYPES))
-            self.error(fields["type"][1], f"unknown condition type {type_name!r}{hint} "
+            self.error(fields["type"][1], f"unknown condition type {_q(type_name)}{hint} "
                                           f"(known: {', '.join(CONDITION_TYPES)})")
             return None
         role = ctype.roles.get(scope)
@@ -574,7 +828,7 @@ class _Parser:
         if op not in ctype.operators:
             all_ops = dict.fromkeys(STRING_OPS + NUMBER_OPS)
             what = "unknown operator" if op not in all_ops else "operator"
-            self.error(fields["operator"][1], f"{what} {op!r} does not fit {type_name} "
+            self.error(fields["operator"][1], f"{what} {_q(op)} does not fit {type_name} "
                                               f"(use one of: {', '.join(ctype.operators)})")
             return None
         if "value" not in fields:
@@ -589,78 +843,102 @@ class _Parser:
                                                   "process conditions select processes there; put the duration "
                                                   "on a condition about the subject")
         if "description" in fields:
-            self.string(fields["description"][1], "description", allow_empty=True)
-        if len(self.errors) > before or role is None:
+            self.string(fields["description"][1], "description", allow_empty=True, max_len=MAX_DESCRIPTION)
+        if self.failures > before or role is None:
             return None
-        text = f"{type_name} {op} {shown}" + (f" for {format_duration(duration)}" if duration else "")
+        text = _cut(f"{type_name} {op} {shown}" + (f" for {format_duration(duration)}" if duration else ""))
         return Condition(type_name, op, value, duration, percent, role, self.where(node), text)
+
+    def regex(self, node: Node, what: str) -> Any:
+        """A compiled RE2 pattern (linear-time matching), or None with the error recorded."""
+        pattern = self.string(node, what, max_len=MAX_POLICY_BYTES)
+        if pattern is None:
+            return None
+        if len(pattern) > MAX_REGEX:
+            self.error(node, f"the regular expression is longer than {MAX_REGEX} characters")
+            return None
+        compiled = self.patterns.get(pattern)
+        if compiled is None:  # an aliased pattern is compiled once
+            try:
+                compiled = compile_regex(pattern)
+            except (ValueError, MemoryError) as e:  # RegexError is a ValueError
+                compiled = e
+            self.patterns[pattern] = compiled
+        if isinstance(compiled, BaseException):
+            self.error(node, f"bad regular expression {_q(pattern)}: {_regex_hint(pattern, str(compiled))}{compiled}")
+            return None
+        return compiled
+
+    def number(self, node: Node, what: str, raw: Any, lo: float, hi: float, unit: str = "") -> float | None:
+        """A finite number from lo to hi (ints of any size, floats, "95%" for percentages)."""
+        if isinstance(raw, str) and unit == "%" and raw.strip().endswith("%"):
+            digits = raw.strip()[:-1]
+            if len(digits) <= MAX_NUMBER_TEXT:
+                with contextlib.suppress(ValueError):  # not a number: reported just below
+                    raw = float(digits)
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            self.error(node, f"{what} must be a number, not {_describe(raw)}")
+            return None
+        if isinstance(raw, float) and math.isnan(raw):
+            self.error(node, f"{what} must be a number, not nan")
+            return None
+        if not lo <= raw <= hi:  # inf included; exact for ints of any size
+            self.error(node, f"{what} must be from {lo:g} to {hi:g}{unit}, not {_number_text(raw)}")
+            return None
+        return float(raw) + 0.0  # -0.0 is 0
 
     def condition_value(self, ctype: ConditionType, op: str, node: Node) -> tuple[Any, bool, str]:
         """(normalized value, percent_of_total, how to show it); errors recorded on failure."""
         kind = ctype.kind
         what = f"the value of {ctype.name} {op}"
         if op in ("in", "contains_any"):
-            values = self.string_list(node, what, allow_int=kind == "user")
+            values = self.string_list(node, what, allow_int=kind == "user",
+                                      max_len=MAX_ID_TEXT if kind in ("user", "group") else MAX_STRING)
             if values is None:
                 return None, False, ""
             if kind == "group":
                 values = tuple(str(v) for v in values)
-            return values, False, "[" + ", ".join(map(str, values)) + "]"
+            return values, False, _list_text(values)
         if op == "matches":
-            pattern = self.string(node, what)
-            if pattern is None:
-                return None, False, ""
-            if len(pattern) > MAX_REGEX:
-                self.error(node, f"the regular expression is longer than {MAX_REGEX} characters")
-                return None, False, ""
-            try:
-                return re.compile(pattern), False, f"/{pattern}/"
-            except re.error as e:
-                self.error(node, f"bad regular expression {pattern[:60]!r}: {e}")
-                return None, False, ""
+            pattern = self.regex(node, what)
+            return (None, False, "") if pattern is None else (pattern, False, f"/{pattern.pattern}/")
         ok, raw = self.scalar(node)
         if not ok:
             self.error(node, f"{what} must be a single value, not {_node_kind(node)}")
             return None, False, ""
-        if kind in ("string", "group"):
-            if isinstance(raw, int) and not isinstance(raw, bool) and kind == "group":
-                return str(raw), False, str(raw)
-            if not isinstance(raw, str) or (not raw and kind == "group"):
-                self.error(node, f"{what} must be a string, not {_describe(raw)}")
+        if kind in ("string", "group", "user"):
+            is_id = isinstance(raw, int) and not isinstance(raw, bool) and kind in ("group", "user")
+            if is_id and not 0 <= raw <= MAX_ID:
+                self.error(node, f"{what}: a {'uid' if kind == 'user' else 'gid'} is from 0 to {MAX_ID}, "
+                                 f"not {_number_text(raw)}")
                 return None, False, ""
-            return raw, False, repr(raw)
-        if kind == "user":
-            if isinstance(raw, bool) or not isinstance(raw, str | int) or (isinstance(raw, str) and not raw):
-                self.error(node, f"{what} must be a user name or uid, not {_describe(raw)}")
+            if is_id:
+                return (raw if kind == "user" else str(raw)), False, str(raw)
+            if not isinstance(raw, str) or (not raw and kind != "string"):
+                names = {"string": "a string", "group": "a group name or gid", "user": "a user name or uid"}
+                self.error(node, f"{what} must be {names[kind]}, not {_describe(raw)}")
                 return None, False, ""
-            return raw, False, str(raw)
-        if kind in ("percent", "number"):
-            if isinstance(raw, str) and kind == "percent" and raw.strip().endswith("%"):
-                with contextlib.suppress(ValueError):  # not a number: reported just below
-                    raw = float(raw.strip()[:-1])
-            if isinstance(raw, bool) or not isinstance(raw, int | float) or raw != raw:
-                self.error(node, f"{what} must be a number, not {_describe(raw)}")
+            limit = MAX_STRING if kind == "string" else MAX_ID_TEXT
+            if len(raw) > limit:
+                self.error(node, f"{what} must be at most {limit} characters, not {len(raw)}")
                 return None, False, ""
-            if kind == "percent" and not 0 <= raw <= 100:
-                self.error(node, f"{what} is a percentage: 0 to 100, not {raw}")
-                return None, False, ""
-            return float(raw), False, f"{raw:g}" + ("%" if kind == "percent" else "")
+            return raw, False, _cut(repr(raw) if kind == "string" else raw, MAX_TEXT - 40)
+        if kind == "percent":
+            number = self.number(node, what, raw, 0, 100, "%")
+            return (None, False, "") if number is None else (number, False, f"{number:g}%")
+        if kind == "number":  # a temperature
+            number = self.number(node, what, raw, MIN_TEMPERATURE, MAX_TEMPERATURE, "°C")
+            return (None, False, "") if number is None else (number, False, f"{number:g}")
         if kind == "size":
             if ctype.name == "device_memory" and isinstance(raw, str) and raw.strip().endswith("%"):
-                try:
-                    pct = float(raw.strip()[:-1])
-                except ValueError:
-                    pct = -1.0
-                if not 0 <= pct <= 100:
-                    self.error(node, f"{what}: {raw!r} is not a percentage from 0% to 100%")
-                    return None, False, ""
-                return pct, True, f"{pct:g}% of the device's memory"
+                pct = self.number(node, what, raw, 0, 100, "%")
+                return (None, False, "") if pct is None else (pct, True, f"{pct:g}% of the device's memory")
             try:
                 size = parse_size(raw)
             except ValueError as e:
                 self.error(node, f"{what}: {e}")
                 return None, False, ""
-            return size, False, format_size(size) if isinstance(raw, int) else str(raw)
+            return size, False, format_size(size) if isinstance(raw, int) else raw.strip()
         if kind == "duration":
             try:
                 seconds = parse_duration(raw)
@@ -675,7 +953,7 @@ class _Parser:
     def notify_targets(self, node: Node) -> tuple[str, ...] | None:
         if isinstance(node, SequenceNode) and not node.value:
             return ()  # an explicit "notify: []": no notification for this rule
-        targets = self.string_list(node, "notify")
+        targets = self.string_list(node, "notify", max_len=len("webhook:") + MAX_URL)
         if targets is None:
             return None
         items = node.value if isinstance(node, SequenceNode) else [node]
@@ -693,7 +971,8 @@ class _Parser:
             return None
         values: dict[str, tuple[str, ...]] = {}
         for key, (_k, v) in fields.items():
-            items = self.string_list(v, f"exemptions.{key}", allow_int=key in ("users", "groups"))
+            items = self.string_list(v, f"exemptions.{key}", allow_int=key in ("users", "groups"),
+                                     max_len=MAX_ID_TEXT)
             if items is not None:
                 values[key] = tuple(str(i) for i in items)
         return Exemptions(**values)
@@ -701,19 +980,37 @@ class _Parser:
 
 def notify_target_problem(target: str) -> str | None:
     """None when target is an e-mail address, webhook:URL, desktop or journal; else why not."""
-    if target in ("desktop", "journal") or _EMAIL.match(target):
+    if target in ("desktop", "journal"):
         return None
     if target.startswith("webhook:"):
         url = target[len("webhook:"):]
-        m = re.match(r"^(https?)://([^/\s:]+|\[[0-9a-fA-F:]+\])(:\d{1,5})?(/\S*)?$", url)
-        if not m:
-            return f"bad webhook URL {url[:80]!r}: expected webhook:http://HOST[:PORT]/PATH or https://..."
+        if len(url) > MAX_URL:
+            return f"bad webhook URL {_q(url, 80)}: longer than {MAX_URL} characters"
+        if not _WEBHOOK.match(url):
+            return f"bad webhook URL {_q(url, 80)}: expected webhook:http://HOST[:PORT]/PATH or https://..."
         return None
-    return (f"not a notify target: {target[:80]!r} (an e-mail address, webhook:URL, desktop or journal)")
+    if len(target) > MAX_EMAIL and "@" in target:
+        return f"e-mail address {_q(target, 80)} is longer than {MAX_EMAIL} characters"
+    if len(target) <= MAX_EMAIL and _EMAIL.match(target):
+        return None
+    return f"not a notify target: {_q(target, 80)} (an e-mail address, webhook:URL, desktop or journal)"
+
+
+def _regex_hint(pattern: str, reason: str) -> str:
+    """What RE2's reason means when the pattern needs backtracking (Python's re would take it). The pattern is
+    at most MAX_REGEX characters, the reason one line."""
+    if re.search(r"invalid escape sequence: \\[1-9]", reason) or ("(?P=" in pattern and "(?P" in reason):
+        return "backreferences (\\1, (?P=name)) are not supported: "
+    if re.search(r"\(\?<?[=!]", reason):
+        return "lookahead and lookbehind ((?=...), (?!...), (?<=...), (?<!...)) are not supported: "
+    return ""
 
 
 def _close_match(word: str, known: tuple[str, ...]) -> str:
     import difflib
+
+    if len(word) > 64:  # no known name is that long; and difflib's cost grows with the word
+        return ""
 
     close = difflib.get_close_matches(word, known, n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -723,13 +1020,20 @@ def _close_match(word: str, known: tuple[str, ...]) -> str:
 
 
 def parse_file_text(text: str, filename: str) -> PolicyFile:
-    """Parse one policy file's text; PolicyError lists every problem found."""
-    if len(text.encode("utf-8", "replace")) > MAX_POLICY_BYTES:
+    """Parse one policy file's text; PolicyError lists the problems found (at most MAX_ERRORS). Nothing else
+    is raised, whatever the text: the daemon's start-up and reload rely on it."""
+    if not isinstance(text, str):
+        raise PolicyError([f"{filename}:1:1: the policy is not text"])
+    if len(text) > MAX_POLICY_BYTES or len(text.encode("utf-8", "replace")) > MAX_POLICY_BYTES:
         raise PolicyError([f"{filename}:1:1: the policy is larger than {MAX_POLICY_BYTES // 1024} KiB"])
     if "\0" in text:
         raise PolicyError([f"{filename}:1:1: the policy contains a NUL byte: not a text file"])
     parser = _Parser(text, filename)
-    parsed = parser.parse()
+    try:
+        parsed = parser.parse()
+    except Exception as e:  # a bug of ours or PyYAML's: still an invalid policy, never a crash
+        raise PolicyError(parser.errors[:MAX_ERRORS - 1] + [
+            f"{filename}:1:1: the policy could not be read ({type(e).__name__}: {e})"]) from e
     if parser.errors or parsed is None:
         raise PolicyError(parser.errors or [f"{filename}:1:1: the policy could not be read"])
     return parsed
@@ -769,13 +1073,35 @@ def parse_policy(text: str, filename: str) -> Policy:
     return build_policy([parse_file_text(text, filename)])
 
 
-def read_text(path: str) -> str:
-    """A policy file's text; PolicyError (FILE:1:1) when it cannot be read."""
+def read_text(path: str, regular_only: bool = False) -> str:
+    """A policy file's text; PolicyError (FILE:1:1) when it cannot be read. With regular_only (the daemon
+    reading guard.d) nothing but a regular file is read: a FIFO would block the daemon's start-up. Without it
+    (gpukillctl guard load FILE) a pipe such as /dev/stdin is read too. At most MAX_POLICY_BYTES + 1 bytes."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_POLICY_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)  # no wait for a writer
     except OSError as e:
         raise PolicyError([f"{path}:1:1: cannot read: {e.strerror}"]) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise PolicyError([f"{path}:1:1: cannot read: Is a directory"])
+        if not stat.S_ISREG(mode):
+            if regular_only:
+                raise PolicyError([f"{path}:1:1: cannot read: not a regular file"])
+            os.set_blocking(fd, True)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_POLICY_BYTES:
+            chunk = os.read(fd, MAX_POLICY_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        data = b"".join(chunks)
+    except OSError as e:
+        raise PolicyError([f"{path}:1:1: cannot read: {e.strerror}"]) from None
+    finally:
+        os.close(fd)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -801,12 +1127,12 @@ def load_texts(texts: list[tuple[str, str]]) -> Policy:
     return build_policy(files)
 
 
-def read_paths(paths: list[str]) -> list[tuple[str, str]]:
+def read_paths(paths: list[str], regular_only: bool = False) -> list[tuple[str, str]]:
     errors: list[str] = []
     texts: list[tuple[str, str]] = []
     for path in paths:
         try:
-            texts.append((path, read_text(path)))
+            texts.append((path, read_text(path, regular_only)))
         except PolicyError as e:
             errors.extend(e.errors)
     if errors:
@@ -824,7 +1150,7 @@ def directory_texts(directory: str) -> list[tuple[str, str]]:
         return []
     if not os.path.isdir(directory):
         raise PolicyError([f"{directory}:1:1: not a directory"])
-    return read_paths(policy_paths(directory))
+    return read_paths(policy_paths(directory), regular_only=True)  # the daemon's: a FIFO must not block it
 
 
 def load_directory(directory: str) -> Policy:

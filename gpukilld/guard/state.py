@@ -70,7 +70,7 @@ def load_state(directory: str) -> tuple[GuardState, str | None]:
             return GuardState.from_json(json.load(f)), None
     except FileNotFoundError:
         return GuardState(), None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the stack
         # Keep the unreadable file for a post-mortem; never start over silently.
         with contextlib.suppress(OSError):
             os.replace(path, path + ".broken")
