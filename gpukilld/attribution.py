@@ -19,6 +19,9 @@ _CONTAINER_PATTERNS = (
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _SLURM_JOB = re.compile(r"/job_(\d+)(?:/|$)")
 _UNIT = re.compile(r"[^/]+\.(?:service|scope)$")
+# A unit of the system manager: /system.slice, slices only, then the unit. Below a unit, cgroups are made by
+# whoever it delegates to (user@UID.service, a Delegate=yes service): a unit name there proves nothing.
+_SYSTEM_UNIT = re.compile(r"/system\.slice/(?:[^/]+\.slice/)*([^/]+\.(?:service|scope))(?:/|$)")
 
 
 def _cgroup_path(text: str) -> str:
@@ -39,6 +42,18 @@ def _cgroup_path(text: str) -> str:
 
 def _all_paths(text: str) -> list[str]:
     return [parts[2] for line in text.splitlines() if len(parts := line.split(":", 2)) == 3]
+
+
+def _system_unit(text: str) -> str | None:
+    """The system unit holding the process, from systemd's own hierarchy only (v2, or v1 name=systemd): no
+    other v1 hierarchy is laid out by systemd, so no other can tell."""
+    for line in text.splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if (hier == "0" and controllers == "") or controllers == "name=systemd":
+            m = _SYSTEM_UNIT.match(path)
+            return m.group(1) if m else None
+    return None
 
 
 def parse_cgroup(text: str) -> Attribution:
@@ -62,4 +77,5 @@ def parse_cgroup(text: str) -> Attribution:
 
     pod_uid = next((m.group(1).replace("_", "-") for p in paths if (m := _POD.search(p))), None)
     slurm_job = next((m.group(1) for p in paths if (m := _SLURM_JOB.search(p))), None)
-    return Attribution(unit=unit, container_id=container_id, pod_uid=pod_uid, slurm_job=slurm_job)
+    return Attribution(unit=unit, container_id=container_id, pod_uid=pod_uid, slurm_job=slurm_job,
+                       system_unit=_system_unit(text))

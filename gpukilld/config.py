@@ -13,6 +13,8 @@
     [guard]                          # Guard Mode (README.md)
     policy_dir = /etc/gpukill/guard.d   # *.yaml read in name order, again on reload
     state_dir = /var/lib/gpukill     # enabled, dry run, counters and the policy in force, across restarts
+    protect_system_users = yes       # uids up to SYS_UID_MAX of /etc/login.defs (999): invisible to Guard
+    protected_units = dbus.service systemd-*.service ...   # system units invisible to Guard; empty: none
 
     [notify]                         # where guard e-mail goes: a relay that delivers onwards (postfix, ...)
     smtp_host = localhost
@@ -28,12 +30,23 @@ from __future__ import annotations
 
 import configparser
 import math
+import re
 from dataclasses import dataclass
 
 from .errors import ConfigError
 
 DEFAULT_PATH = "/etc/gpukill/gpukilld.conf"
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 3600.0
+LOGIN_DEFS = "/etc/login.defs"
+SYS_UID_MAX = 999  # shadow's and systemd's default when login.defs does not say
+# System units whose death takes the machine down or locks people out; Guard never touches their processes.
+# Matched against the unit under /system.slice only (model.Attribution.system_unit), which users cannot forge.
+DEFAULT_PROTECTED_UNITS = (
+    "dbus.service", "dbus-broker.service", "systemd-*.service", "polkit.service", "gpukilld.service",
+    "display-manager.service", "gdm.service", "gdm3.service", "sddm.service", "lightdm.service",
+    "ssh.service", "sshd.service", "getty@*.service", "serial-getty@*.service",
+)
+_UNIT_PATTERN = re.compile(r"[A-Za-z0-9:_.@\\*?\[\]-]*(?:\.service|\.scope|\*)")  # a unit name, or a pattern of one
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +63,33 @@ class Config:
     smtp_port: int = 25
     mail_from: str = ""  # "": gpukilld@HOSTNAME
     notify_timeout: float = 10.0
+    sys_uid_max: int = SYS_UID_MAX  # the last system account's uid, from login.defs (read by load_config)
+    guard_protect_system_users: bool = True
+    guard_protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
+
+    @property
+    def guard_protected_uid_max(self) -> int | None:
+        """Uids up to this are invisible to Guard; None: none are, for being system accounts."""
+        return self.sys_uid_max if self.guard_protect_system_users else None
 
 
 _KNOWN = {"daemon": {"sample_interval", "simulate", "backends"}, "paths": {"proc", "sys", "debugfs"},
-          "guard": {"policy_dir", "state_dir"}, "notify": {"smtp_host", "smtp_port", "from", "timeout"}}
+          "guard": {"policy_dir", "state_dir", "protect_system_users", "protected_units"},
+          "notify": {"smtp_host", "smtp_port", "from", "timeout"}}
+
+
+def read_sys_uid_max(path: str = LOGIN_DEFS) -> int:
+    """SYS_UID_MAX from login.defs (the last one set, as shadow's getdef reads it); 999 if absent or unreadable."""
+    value = SYS_UID_MAX
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                words = line.split()
+                if len(words) >= 2 and words[0] == "SYS_UID_MAX" and words[1].isdigit():
+                    value = int(words[1])
+    except OSError:
+        pass
+    return value
 
 
 def check_interval(value: float, where: str) -> float:
@@ -86,7 +122,7 @@ def load_config(path: str, required: bool = False) -> Config:
     except FileNotFoundError:
         if required:
             raise ConfigError(f"{path}: no such file") from None
-        return Config()
+        return Config(sys_uid_max=read_sys_uid_max())
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except configparser.Error as e:
@@ -113,6 +149,10 @@ def load_config(path: str, required: bool = False) -> Config:
     if parser.has_option("daemon", "backends"):
         names = tuple(n.strip() for n in parser["daemon"]["backends"].replace(",", " ").split())
         if names and names != ("auto",):
+            if "simulated" in names and len(names) > 1:  # why: backends/registry.py, build_backends
+                raise ConfigError(f"{path}:{_line_of(path, 'daemon', 'backends') or '?'}: backends = "
+                                  f"{', '.join(names)}: the simulated backend cannot be combined with real "
+                                  "backends; use `simulated` alone (or `auto` with simulate = FILE), or only real ones")
             values["backends"] = names
     for key, field in (("proc", "proc_root"), ("sys", "sys_root"), ("debugfs", "debugfs_root")):
         if parser.has_option("paths", key):
@@ -122,6 +162,7 @@ def load_config(path: str, required: bool = False) -> Config:
             if not (value := parser["guard"][key].strip()):
                 raise ConfigError(f"{path}:{_line_of(path, 'guard', key) or '?'}: {key} must not be empty")
             values[field] = value
+    values.update(_protection(parser, path))
     if parser.has_option("notify", "smtp_host"):
         values["smtp_host"] = parser["notify"]["smtp_host"].strip() or "localhost"
     if parser.has_option("notify", "from"):
@@ -138,3 +179,23 @@ def load_config(path: str, required: bool = False) -> Config:
                 raise ConfigError(f"{where}: {key} must be between {low} and {high:g}")
             values[field] = number
     return Config(**values)  # type: ignore[arg-type]
+
+
+def _protection(parser: configparser.ConfigParser, path: str) -> dict[str, object]:
+    """[guard] protect_system_users (yes/no) and protected_units (unit patterns; empty: none)."""
+    values: dict[str, object] = {"sys_uid_max": read_sys_uid_max()}
+    if parser.has_option("guard", "protect_system_users"):
+        try:
+            values["guard_protect_system_users"] = parser.getboolean("guard", "protect_system_users")
+        except ValueError:
+            where = f"{path}:{_line_of(path, 'guard', 'protect_system_users') or '?'}"
+            raise ConfigError(f"{where}: protect_system_users must be yes or no") from None
+    if parser.has_option("guard", "protected_units"):
+        patterns = tuple(parser["guard"]["protected_units"].replace(",", " ").split())
+        for pattern in patterns:
+            if not _UNIT_PATTERN.fullmatch(pattern):
+                where = f"{path}:{_line_of(path, 'guard', 'protected_units') or '?'}"
+                raise ConfigError(f"{where}: protected_units: {pattern!r} is not a unit name or pattern "
+                                  "(e.g. dbus.service, getty@*.service)")
+        values["guard_protected_units"] = patterns
+    return values

@@ -73,6 +73,9 @@ class ProcessUsage:
     gpu_memory: int | None = None
     gpu_utilization: float | None = None
     memory_regions: tuple[MemoryRegion, ...] = ()
+    # Some of its usage is through a GPU context that processes of other users hold too (a DRM fd passed over a
+    # socket): that part is charged to no one, so gpu_memory and gpu_utilization cover only the rest.
+    shared_usage: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,9 @@ class Attribution:
     container_id: str | None = None  # docker, podman, containerd, cri-o
     pod_uid: str | None = None  # Kubernetes pod UID
     slurm_job: str | None = None
+    # The system service or scope that holds the process: the first unit under /system.slice (through slices
+    # only). Unlike `unit`, a user cannot forge it: below a unit, cgroups are whatever its owner creates.
+    system_unit: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +105,7 @@ class GpuProcess:
     attribution: Attribution = field(default_factory=Attribution)
     container_pid: int | None = None  # PID inside the innermost PID namespace, from NSpid
     memory_regions: tuple[MemoryRegion, ...] = ()
+    shared_usage: bool = False  # as ProcessUsage.shared_usage: its figures leave out a part charged to no one
 
 
 @dataclass(frozen=True, slots=True)

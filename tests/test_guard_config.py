@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukilld.config import load_config
+from gpukilld.config import DEFAULT_PROTECTED_UNITS, load_config, read_sys_uid_max
 from gpukilld.errors import ConfigError
 from gpukilld.guard.state import STATE_FILE, GuardState, load_state, save_state
 
@@ -32,6 +32,8 @@ def test_guard_and_notify_sections(tmp_path: Path):
     ("[notify]\ntimeout = nan\n", ":2: timeout must be between"),
     ("[notify]\nsmtp_server = x\n", ":2: unknown key 'smtp_server' in [notify]"),
     ("[guard]\npolicy_dir =\n", ":2: policy_dir must not be empty"),
+    ("[guard]\n\nprotect_system_users = maybe\n", ":3: protect_system_users must be yes or no"),
+    ("[guard]\nprotected_units = dbus.service sshd\n", ":2: protected_units: 'sshd' is not a unit name or pattern"),
 ])
 def test_bad_guard_settings_name_the_line(tmp_path: Path, text: str, message: str):
     conf = tmp_path / "gpukilld.conf"
@@ -39,6 +41,31 @@ def test_bad_guard_settings_name_the_line(tmp_path: Path, text: str, message: st
     with pytest.raises(ConfigError) as info:
         load_config(str(conf))
     assert str(info.value).startswith(str(conf)) and message in str(info.value)
+
+
+def test_protection_settings(tmp_path: Path):
+    conf = tmp_path / "gpukilld.conf"
+    conf.write_text("[guard]\nprotect_system_users = no\nprotected_units = dbus.service, getty@*.service\n")
+    c = load_config(str(conf))
+    assert (c.guard_protected_uid_max, c.guard_protected_units) == (None, ("dbus.service", "getty@*.service"))
+    conf.write_text("[guard]\nprotect_system_users = yes\nprotected_units =\n")  # empty: no unit is protected
+    c = load_config(str(conf))
+    assert (c.guard_protected_uid_max, c.guard_protected_units) == (read_sys_uid_max(), ())
+    defaults = load_config(str(tmp_path / "missing.conf"))
+    assert defaults.guard_protected_uid_max == read_sys_uid_max()
+    assert defaults.guard_protected_units == DEFAULT_PROTECTED_UNITS
+    assert {"dbus.service", "systemd-*.service", "gpukilld.service", "sshd.service"} <= set(DEFAULT_PROTECTED_UNITS)
+
+
+def test_sys_uid_max_comes_from_login_defs(tmp_path: Path):
+    defs = tmp_path / "login.defs"
+    defs.write_text("#SYS_UID_MAX\t\t  999\nUID_MIN\t\t\t 1000\n")  # Debian's: commented out
+    assert read_sys_uid_max(str(defs)) == 999
+    defs.write_text("SYS_UID_MIN   201\nSYS_UID_MAX   499\n")  # an older layout: regular users from 500
+    assert read_sys_uid_max(str(defs)) == 499
+    defs.write_text("SYS_UID_MAX lots\n")
+    assert read_sys_uid_max(str(defs)) == 999
+    assert read_sys_uid_max(str(tmp_path / "absent")) == 999
 
 
 def test_state_round_trip_is_atomic_and_private(tmp_path: Path):

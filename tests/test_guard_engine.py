@@ -1,5 +1,6 @@
 """The guard's state machine with an injected clock: durations, AND by default, grace, per-user largest-first,
-cooldown, the per-cycle cap, kills in flight, exemptions, dry run and previews. No waiting, no processes:
+cooldown, the per-cycle cap, kills in flight, exemptions, protection of system accounts and units, usage
+charged to no one, dry run and previews. No waiting, no processes:
 the daemon tests (test_guard_daemon.py) show the same on real processes."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from dataclasses import dataclass
 
 from testbed import REPO
 
-from gpukilld.guard.conditions import CLK_TCK, Groups
-from gpukilld.guard.engine import Clock, Engine, GraceCancelled, KillOrder, Violation
+from gpukilld.guard.conditions import CLK_TCK, Groups, Protection
+from gpukilld.guard.engine import PROTECTED, Clock, Engine, GraceCancelled, KillOrder, Violation
 from gpukilld.guard.policy import load_paths, load_texts
 from gpukilld.model import Attribution, Device, GpuProcess, Snapshot
 
@@ -41,9 +42,11 @@ def dev(index: int, temperature: float | None = 40.0, util: float | None = 0.0, 
 
 def proc(pid: int, comm: str = "python", mem: int | None = None, util: float | None = None, uid: int = 1000,
          user: str = "alice", device: int = 0, start: int = 100, unit: str | None = None,
-         cmdline: str | None = None) -> GpuProcess:
+         cmdline: str | None = None, system_unit: str | None = None, container: str | None = None,
+         shared: bool = False) -> GpuProcess:
     return GpuProcess(pid, start, uid, user, comm, cmdline or comm, f"/usr/bin/{comm}", device, f"GPU-{device}", mem,
-                      util, Attribution(unit=unit))
+                      util, Attribution(unit=unit, system_unit=system_unit, container_id=container),
+                      shared_usage=shared)
 
 
 def snap(*processes: GpuProcess, devices: tuple[Device, ...] | None = None) -> Snapshot:
@@ -331,3 +334,104 @@ def test_choosing_victims_among_thousands_stays_cheap():
     order = next(ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder))
     assert time.perf_counter() - t0 < 1.5
     assert [x.pid for x in order.targets] == [10 + 4999 - i for i in range(10)]  # largest first, capped at 10
+
+
+# -- protection (issue 9) --------------------------------------------------------------------------------------
+
+MINERS_NOW = ("rules:\n  - name: miners\n    action: kill\n"
+              "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
+USER_CAP = ("rules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
+            "    conditions: [{type: user_memory, operator: '>', value: 8GiB}]\n")
+
+
+def killed(events) -> list[int]:
+    return [x.pid for ev in events if isinstance(ev, KillOrder) for x in ev.targets]
+
+
+def test_system_accounts_and_system_units_are_never_touched_and_say_so_in_previews():
+    t = FakeTime()
+    e = Engine(policy(MINERS_NOW), t.clock(), own_pid=OWN_PID)  # the default protection: uid <= 999, the units
+    s = snap(proc(10, "xmrig", uid=0, user="root"), proc(11, "xmrig", uid=100, user="messagebus"),
+             proc(12, "xmrig", uid=999, user="sysacct"),
+             proc(13, "xmrig", uid=1005, user="svc", unit="dbus.service", system_unit="dbus.service"),
+             proc(14, "xmrig", uid=1005, user="svc", unit="worker.service",
+                  system_unit="getty@tty1.service"),
+             # a cgroup named dbus.service in gpkowner's delegated subtree: its innermost unit, not a system unit
+             proc(15, "xmrig", uid=1000, unit="dbus.service"),
+             proc(16, "xmrig", uid=1000, system_unit="cron.service"),  # a system unit, but not a protected one
+             proc(17, "xmrig", uid=1000))
+    previews = {p.pids[0]: p for p in e.preview(s)}  # TestPolicies: what it would do, and what it may not touch
+    assert {pid for pid, p in previews.items() if p.status == "exempt"} == {10, 11, 12, 13, 14}
+    assert all(previews[pid].reason == PROTECTED for pid in (10, 11, 12, 13, 14))
+    assert [previews[pid].status for pid in (15, 16, 17)] == ["now"] * 3
+    assert killed(e.evaluate(s, False)) == [15, 16, 17]
+
+
+def test_protected_processes_do_not_count_in_a_users_sum_nor_become_a_devices_victims():
+    t = FakeTime()
+    text = USER_CAP + ("  - name: full\n    scope: per_device\n    action: kill\n"
+                       "    conditions: [{type: device_memory, operator: '>', value: '90%'}]\n")
+    s = snap(proc(10, mem=6 * GiB, system_unit="systemd-foo.service"),  # alice's, in a protected system unit
+             proc(11, mem=4 * GiB, device=1),
+             proc(20, mem=60 * GiB, uid=0, user="root"), proc(21, mem=10 * GiB, uid=1001, user="bob", device=1),
+             devices=(dev(0, used=78 * GiB), dev(1, used=74 * GiB)))
+    e = Engine(policy(text), t.clock(), own_pid=OWN_PID)
+    events = e.evaluate(s, False)
+    # alice: 4 GiB counted, not 10. GPU 0 is over 90% only through root's 60 GiB: nothing there may go.
+    assert [ev.subject for ev in events if isinstance(ev, Violation)] == ["user bob", "GPU 0 (GPU-0)",
+                                                                          "GPU 1 (GPU-1)"]
+    assert killed(events) == [21]  # bob's, for the user rule; GPU 1 is then back under (64 of 80 GiB)
+    unprotected = Engine(policy(text), t.clock(), own_pid=OWN_PID, protection=Protection(None, ()))
+    assert killed(unprotected.evaluate(s, False)) == [10, 20, 21]  # alice at 10 GiB; root at 60 GiB
+
+
+def test_protection_is_configurable():
+    t = FakeTime()
+    s = snap(proc(10, "xmrig", uid=0, user="root"), proc(11, "xmrig", uid=1005, system_unit="dbus.service"))
+    off = Engine(policy(MINERS_NOW), t.clock(), own_pid=OWN_PID, protection=Protection(None, ()))
+    assert killed(off.evaluate(s, False)) == [10, 11]
+    units_only = Engine(policy(MINERS_NOW), t.clock(), own_pid=OWN_PID, protection=Protection(None, ("dbus.*",)))
+    assert killed(units_only.evaluate(s, False)) == [10]
+    on = Engine(policy(MINERS_NOW), t.clock(), own_pid=OWN_PID)
+    assert killed(on.evaluate(s, False)) == []
+    on.protection = Protection(None, ())  # a reload of gpukilld.conf: the next evaluation sees it
+    assert killed(step(on, t, s, 1)) == [10, 11]
+
+
+def test_root_in_a_container_is_a_workload_not_a_system_account():
+    t = FakeTime()
+    e = Engine(policy(MINERS_NOW), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "xmrig", uid=0, user="root", container="c0ffee" * 10 + "abcd"),
+             proc(11, "xmrig", uid=0, user="root"))
+    assert killed(e.evaluate(s, False)) == [10]
+
+
+def test_usage_charged_to_no_one_makes_figures_lower_bounds():
+    """A process sharing a DRM context with another user: its own part is known, the shared part is not.
+    That can show it is over a limit, never that it is under one."""
+    t = FakeTime()
+    text = ("rules:\n  - name: big\n    action: log\n"
+            "    conditions: [{type: gpu_memory, operator: '>', value: 1GiB}]\n"
+            "  - name: small\n    action: log\n"
+            "    conditions: [{type: gpu_memory, operator: '<', value: 1GiB}]\n"
+            "  - name: idle\n    action: log\n"
+            "    conditions: [{type: gpu_utilization, operator: '<=', value: 5}]\n"
+            "  - name: light-user\n    scope: per_user\n    action: log\n"
+            "    conditions: [{type: user_memory, operator: '<', value: 1GiB}]\n"
+            "  - name: heavy-user\n    scope: per_user\n    action: log\n"
+            "    conditions: [{type: user_memory, operator: '>=', value: 2GiB}]\n")
+    e = Engine(policy(text), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, mem=2 * GiB, util=0.0, shared=True), proc(11, mem=None, util=None, shared=True, device=1),
+             proc(20, mem=GiB // 2, util=0.0, uid=1001, user="bob"))
+    got = sorted((ev.rule.name, ev.subject) for ev in e.evaluate(s, False))
+    assert got == [("big", "PID 10 (python, user alice)"), ("heavy-user", "user alice"),
+                   ("idle", "PID 20 (python, user bob)"), ("light-user", "user bob"),
+                   ("small", "PID 20 (python, user bob)")]
+
+
+def test_a_process_on_two_gpus_is_partial_if_either_record_is():
+    t = FakeTime()
+    e = Engine(policy("rules:\n  - name: small\n    action: log\n"
+                      "    conditions: [{type: gpu_memory, operator: '<', value: 4GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    assert e.evaluate(snap(proc(10, mem=GiB, device=0), proc(10, mem=None, device=1, shared=True)), False) == []
+    assert len(step(e, t, snap(proc(10, mem=GiB, device=0), proc(10, mem=GiB, device=1)), 1)) == 1

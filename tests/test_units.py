@@ -21,11 +21,12 @@ POD = "1b2c3d4e-5f60-4718-8a9b-0c1d2e3f4a5b"
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("0::/system.slice/cron.service\n", Attribution(unit="cron.service")),
+    ("0::/system.slice/cron.service\n", Attribution(unit="cron.service", system_unit="cron.service")),
     ("0::/user.slice/user-1000.slice/user@1000.service/app.slice/jupyter.service\n",
      Attribution(unit="jupyter.service")),
     ("0::/user.slice/user-1000.slice/session-4.scope\n", Attribution(unit="session-4.scope")),
-    (f"0::/system.slice/docker-{DOCKER_ID}.scope\n", Attribution(unit=f"docker-{DOCKER_ID}.scope", container_id=DOCKER_ID)),
+    (f"0::/system.slice/docker-{DOCKER_ID}.scope\n", Attribution(unit=f"docker-{DOCKER_ID}.scope", container_id=DOCKER_ID,
+                                                                system_unit=f"docker-{DOCKER_ID}.scope")),
     (f"0::/machine.slice/libpod-{DOCKER_ID}.scope/container\n",
      Attribution(unit=f"libpod-{DOCKER_ID}.scope", container_id=DOCKER_ID)),
     (f"12:pids:/docker/{DOCKER_ID}\n1:name=systemd:/docker/{DOCKER_ID}\n", Attribution(container_id=DOCKER_ID)),
@@ -34,9 +35,17 @@ POD = "1b2c3d4e-5f60-4718-8a9b-0c1d2e3f4a5b"
      Attribution(unit=f"cri-containerd-{DOCKER_ID}.scope", container_id=DOCKER_ID, pod_uid=POD)),
     (f"0::/kubepods/burstable/pod{POD}/{DOCKER_ID}\n", Attribution(container_id=DOCKER_ID, pod_uid=POD)),
     ("0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0\n",
-     Attribution(unit="slurmstepd.scope", slurm_job="4242")),
+     Attribution(unit="slurmstepd.scope", slurm_job="4242", system_unit="slurmstepd.scope")),
     ("7:freezer:/slurm/uid_1000/job_77/step_batch\n1:name=systemd:/user.slice\n", Attribution(slurm_job="77")),
     ("", Attribution()),
+    # a user can name a cgroup in its own delegated subtree like a system unit: that is not one
+    ("0::/user.slice/user-1000.slice/user@1000.service/app.slice/dbus.service\n", Attribution(unit="dbus.service")),
+    ("0::/system.slice/delegated.service/dbus.service\n",
+     Attribution(unit="dbus.service", system_unit="delegated.service")),
+    ("0::/system.slice/system-getty.slice/getty@tty1.service\n",
+     Attribution(unit="getty@tty1.service", system_unit="getty@tty1.service")),
+    ("12:pids:/system.slice/dbus.service\n1:name=systemd:/user.slice/user-1000.slice/session-2.scope\n",
+     Attribution(unit="session-2.scope")),
 ])
 def test_cgroup_attribution(text, expected):
     assert parse_cgroup(text) == expected
@@ -71,6 +80,26 @@ def test_bad_sizes(bad):
         parse_size(bad)
 
 
+@pytest.mark.parametrize(("text", "value"), [
+    (2**60, 2**60), ("1EiB", 2**60), ("1024PiB", 2**60), ("1152921504606846976", 2**60), (-0, 0), ("0.5KiB", 512),
+    ("1.1GB", 1_100_000_000), ("0" * 60 + "1K", 1024),
+])
+def test_sizes_up_to_one_exbibyte_exactly(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", [
+    2**60 + 1, 10**5000, -(10**5000), "1152921504606846977", "2EiB", "1.5EiB", "1025PiB", "2EB",
+    "9" * 400, "9" * 400 + "GiB",  # int(float("9"*400) * 2**30) was OverflowError (int of inf)
+    "9" * 60 + "P", "1" * 65, "1" + " " * 100_000 + "x",
+    float("inf"), float("nan"), 1e400, "inf", "nan", "1e400", "1e3", "0x10", "٨GiB", "8 GiB B", b"8GiB",
+], ids=lambda v: f"{type(v).__name__}-{v.bit_length()}-bits" if isinstance(v, int) else ascii(v)[:30])
+def test_sizes_beyond_the_maximum_or_not_sizes_are_value_errors(bad):
+    with pytest.raises(ValueError) as e:
+        parse_size(bad)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 200
+
+
 def test_sim_usage_from_environment():
     u = parse_usage({"GPUKILL_SIM_GPU": "0,2", "GPUKILL_SIM_MEM": "4GiB", "GPUKILL_SIM_UTIL": "150"})
     assert u.gpus == (0, 2) and u.memory == 4 * 2**30 and u.utilization == 100.0
@@ -99,6 +128,46 @@ def test_sim_file_errors(tmp_path, content, error):
     with pytest.raises(ConfigError) as e:
         load_sim_config(str(path))
     assert str(e.value).startswith(str(path)) and error in str(e.value)
+
+
+@pytest.mark.parametrize(("content", "error"), [
+    ("devices:\n  - memory_total: " + "9" * 5000 + "\n", "not valid YAML: ValueError: Exceeds the limit"),
+    ("devices:\n  - memory_total: '" + "9" * 400 + "GiB'\n", "devices[0]: not a size"),
+    ("devices:\n  - memory_total: 1.0e+400\n", "devices[0]: not a size: inf"),
+    ("devices:\n  - memory_total: 2EiB\n", "larger than the maximum, 1 EiB"),
+    ("devices:\n  - memory_used: " + str(2**61) + "\n", "larger than the maximum, 1 EiB"),
+    ("devices:\n  - memory_used: " + "9" * 4000 + "\n", "larger than the maximum, 1 EiB"),
+    ("devices:\n  - memory_used: .nan\n", "devices[0]: not a size: nan"),
+    ("devices:\n  - utilization: .nan\n", "utilization: expected a number, got nan"),
+    ("devices:\n  - utilization: 1.0e+400\n", "utilization: expected a number from 0 to 100, got inf"),
+    ("devices:\n  - utilization: " + "9" * 4000 + "\n", "got a number of about 400"),
+    ("devices:\n  - temperature: .inf\n", "temperature: expected a number from -273.15 to 1000, got inf"),
+    ("devices:\n  - temperature: -.inf\n", "temperature: expected a number from -273.15 to 1000, got -inf"),
+    ("devices:\n  - power: true\n", "power: expected a number, got True"),
+    ("devices:\n  - power: " + "1" + "0" * 30 + "\n", "power: expected a number from 0 to 1e+06"),
+    ("devices:\n  - name: 0b" + "1" * 20_000 + "\n", "devices[0]: Exceeds the limit"),  # str() of it
+    ("devices:\n  - {1: x, name: y}\n", "devices[0]: unknown key 1"),
+    ("devices: " + "[" * 100_000 + "\n", "not valid YAML"),
+    ("devices: []\n# \x01\n", "not valid YAML: unacceptable character #x0001"),
+    ('devices: ["\\U00110000"]\n', "not valid YAML: ValueError"),
+])
+def test_sim_file_numbers_of_any_size_are_errors(tmp_path, content, error):
+    path = tmp_path / "sim.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        load_sim_config(str(path))
+    message = str(e.value)
+    assert message.startswith(str(path)) and error in message, message[:300]
+    assert "\n" not in message and len(message) < 500 + len(str(path))
+
+
+def test_sim_file_minus_zero_and_the_largest_sizes_load(tmp_path):
+    path = tmp_path / "sim.yaml"
+    path.write_text("devices:\n  - {memory_total: 1EiB, memory_used: -0, utilization: -0.0, temperature: -0,"
+                    " power: 0}\n")
+    (dev,) = load_sim_config(str(path)).devices
+    assert (dev.memory_total, dev.memory_used, dev.utilization, dev.temperature, dev.power) == (2**60, 0, 0, 0, 0)
+    assert str(dev.utilization) == "0.0"
 
 
 def test_example_sim_file_loads():
@@ -154,9 +223,9 @@ def test_backend_selection(tmp_path):
     from gpukilld.config import Config
 
     path = tmp_path / "gpukilld.conf"
-    path.write_text("[daemon]\nbackends = drm, simulated\n[paths]\nproc = /fixture/proc\nsys = /fixture/sys\n")
+    path.write_text("[daemon]\nbackends = drm, nvidia\n[paths]\nproc = /fixture/proc\nsys = /fixture/sys\n")
     c = load_config(str(path))
-    assert c.backends == ("drm", "simulated") and (c.proc_root, c.sys_root) == ("/fixture/proc", "/fixture/sys")
+    assert c.backends == ("drm", "nvidia") and (c.proc_root, c.sys_root) == ("/fixture/proc", "/fixture/sys")
     assert backend_names(Config(simulate="x.yaml")) == ("simulated",)
     with pytest.raises(ConfigError, match="unknown backend 'quantum'"):
         build_backends(Config(backends=("quantum",)))

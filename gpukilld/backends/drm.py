@@ -15,8 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..config import read_sys_uid_max
 from ..errors import DeviceBusy, ResetFailed
 from ..model import BackendStatus, DeviceReading
+from ..procfs import ProcFS
 from . import Backend, BackendSample
 from .drm_discovery import DrmCard, discover
 from .drm_fdinfo import Engine
@@ -25,7 +27,15 @@ from .drm_reset import execute, plan_reset
 from .drm_rsmi import RsmiSource, merge
 from .drm_scan import ClientRead, FdScanner, holders, is_running, read_start_time
 from .drm_telemetry import Telemetry, TelemetryReader
-from .drm_usage import Client, UtilizationTracker, device_utilization, process_usages
+from .drm_usage import (
+    UNKNOWN_UID,
+    Client,
+    Holder,
+    UidOf,
+    UtilizationTracker,
+    device_utilization,
+    process_usages,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +52,15 @@ class DrmBackend(Backend):
 
     def __init__(self, sys_root: str = "/sys", proc_root: str = "/proc", debugfs_root: str = "/sys/kernel/debug",
                  clock: Callable[[], float] = time.monotonic, use_rsmi: bool = True,
-                 revalidate_every: int = 100) -> None:
+                 revalidate_every: int = 100, system_uid_max: int | None = None) -> None:
         self.sys_root = sys_root
         self.proc_root = proc_root
         self.debugfs_root = debugfs_root
         self.clock = clock  # monotonic seconds; the tests drive it for exact percentages
         self.scanner = FdScanner(proc_root, revalidate_every)
+        self.procfs = ProcFS(proc_root)
+        # Holders up to this uid are system accounts: a client they share with one user is that user's.
+        self.system_uid_max = read_sys_uid_max() if system_uid_max is None else system_uid_max
         self.tracker = UtilizationTracker()
         self.telemetry = TelemetryReader()
         self._use_rsmi = use_rsmi
@@ -117,6 +130,23 @@ class DrmBackend(Backend):
             clients[key] = Client(key, card.id, {(start_time, k.pid)}, sdma, has_usage_keys=True,
                                   occupancy=occupancy, kfd_vram=k.vram)
 
+    def _holder_uids(self) -> UidOf:
+        """uid_of for process_usages, asked only about clients with several holders; one read per holder."""
+        known: dict[Holder, int | None] = {}
+
+        def uid_of(holder: Holder) -> int | None:
+            if holder not in known:
+                start_time, pid = holder
+                uid = self.procfs.uid(pid)
+                # Read after the uid: the same start time means the uid was that holder's, not a newcomer's.
+                if read_start_time(self.proc_root, pid) != start_time:
+                    known[holder] = None  # gone since the scan: it holds nothing now
+                else:
+                    known[holder] = UNKNOWN_UID if uid is None else uid
+            return known[holder]
+
+        return uid_of
+
     def _note(self, card: DrmCard, t: Telemetry, utilization: float | None) -> str | None:
         missing = []
         if utilization is None and card.driver not in ENGINE_DRIVERS:
@@ -140,7 +170,7 @@ class DrmBackend(Backend):
         self._kfd_clients(by_minor, now, clients)
         self.tracker.end_round()
 
-        sample = BackendSample(processes=process_usages(clients.values()))
+        sample = BackendSample(processes=process_usages(clients.values(), self._holder_uids(), self.system_uid_max))
         rsmi = self._rsmi_source(cards)
         notes = {}
         for card in cards:
@@ -193,5 +223,7 @@ class DrmBackend(Backend):
         return execute(plan)
 
     def close(self) -> None:
+        """Shut down ROCm SMI (pyrsmi), after a reload replaced this backend. Idempotent."""
+        self._use_rsmi = False  # a sample after this must not open a ROCm SMI session that nothing would close
         if self._rsmi is not None:
             self._rsmi.close()

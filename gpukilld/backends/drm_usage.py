@@ -11,14 +11,22 @@ backwards briefly and must catch up), so a dip never gives a negative or inflate
 
 A process's utilization is its busiest engine (engines run in parallel; adding render and copy time would go
 past 100 %), summed over its clients. A client shared by several processes (an fd inherited across fork,
-passed over a socket, or dup'ed) is one (device, drm-client-id): its usage is counted once, under the holder
-that started first; the other holders are still listed on the device (a reset must stop them too) but with
-unknown usage, since none of it is theirs alone.
+dup'ed, or passed over a socket with SCM_RIGHTS) is one (device, drm-client-id), counted once, under its owner;
+the other holders are still listed on the device (a reset must stop them too) but with unknown usage, since
+none of it is theirs alone. Between users, holding an fd proves nothing about whose the client is: anyone can
+pass one to a process of another user (dbus-daemon holds the fds of the messages it queues), so the owner is:
+    holders of one uid (fork, dup)                the one that started first
+    one regular uid, the rest system accounts     the first holder of that uid: a daemon handed an fd neither
+                                                  pays for it nor hides it
+    several regular uids (with no regular one:    no one: every holder is flagged shared_usage and its figures
+    several system uids), or an unreadable uid    leave the client out, so no user is charged on another's word
+Holders that exited since the scan are left out of this. A uid is looked up only for clients with more than one
+holder, which are rare, so the scan stays cheap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..model import MemoryRegion, ProcessUsage
@@ -28,6 +36,9 @@ LOCAL_REGIONS = ("vram", "local")  # device memory (amdgpu vram, xe vram0, i915 
 
 ClientKey = tuple  # (device id, drm-client-id) or, for a client without an id, (device id, pid, start, fd)
 Holder = tuple[int, int]  # (start time, pid): min() is the holder that started first
+# A holder's real uid; None: it exited (or its PID was reused) since the scan; UNKNOWN_UID: alive, unreadable.
+UidOf = Callable[[Holder], int | None]
+UNKNOWN_UID = -1
 
 
 @dataclass(slots=True)
@@ -143,14 +154,33 @@ def _busiest(per_engine: dict[str, float]) -> float | None:
     return min(100.0, 100.0 * max(per_engine.values())) if per_engine else None
 
 
-def process_usages(clients: Iterable[Client]) -> list[ProcessUsage]:
-    """One ProcessUsage per (process, device): owned clients summed, shared ones counted under their owner."""
+def owner(client: Client, uid_of: UidOf, system_uid_max: int) -> Holder | None:
+    """The holder a client's usage is charged to, or None: charged to no one (see the module's docstring)."""
+    if len(client.holders) == 1:
+        return next(iter(client.holders))
+    uids = {h: u for h in client.holders if (u := uid_of(h)) is not None}
+    if not uids:
+        return min(client.holders)  # all gone since the scan: their records are dropped with them
+    if UNKNOWN_UID in uids.values():
+        return None
+    regular = {h: u for h, u in uids.items() if u > system_uid_max}
+    candidates = regular or uids
+    return min(candidates) if len(set(candidates.values())) == 1 else None
+
+
+def process_usages(clients: Iterable[Client], uid_of: UidOf, system_uid_max: int) -> list[ProcessUsage]:
+    """One ProcessUsage per (process, device): owned clients summed, shared ones counted under their owner
+    (uid_of and system_uid_max decide who that is), unowned ones nowhere but in the shared_usage flag."""
     owned: dict[tuple[int, int, str], list[Client]] = {}
+    unowned: set[tuple[int, int, str]] = set()
     for client in clients:
-        owner = min(client.holders)
+        charged = owner(client, uid_of, system_uid_max)
         for holder in client.holders:
-            slot = owned.setdefault((holder[1], holder[0], client.device_id), [])
-            if holder == owner:
+            key = (holder[1], holder[0], client.device_id)
+            slot = owned.setdefault(key, [])
+            if charged is None:
+                unowned.add(key)
+            elif holder == charged:
                 slot.append(client)
     usages = []
     for (pid, start_time, device_id), mine in sorted(owned.items()):
@@ -183,6 +213,7 @@ def process_usages(clients: Iterable[Client]) -> list[ProcessUsage]:
         usages.append(ProcessUsage(
             pid=pid, start_time=start_time, device_id=device_id, gpu_memory=memory, gpu_utilization=utilization,
             memory_regions=tuple(MemoryRegion(n, r.total, r.resident) for n, r in sorted(regions.items())),
+            shared_usage=(pid, start_time, device_id) in unowned,
         ))
     return usages
 

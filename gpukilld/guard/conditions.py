@@ -3,7 +3,12 @@
 A snapshot has one record per (process, device). Rules look at subjects: a process (its devices summed:
 memory added up, utilization the highest), a user (the processes counted for the rule, summed across
 devices) or a device. A value the backend cannot read (None) never makes a condition true, whatever the
-operator: "unknown" is not "over" and not "under".
+operator: "unknown" is not "over" and not "under". A process whose usage is partly charged to no one (a DRM
+context it shares with another user, model.GpuProcess.shared_usage) has figures that are lower bounds: they can
+show it is over a limit, never that it is under one.
+
+Some processes are invisible to every rule, as if they were not on a GPU: PID 1, gpukilld, and what Protection
+covers (system accounts, system units), so that no rule can be turned against the machine itself.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import pwd
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
+from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX
 from ..model import Device, Snapshot
 from .policy import PER_DEVICE, PER_PROCESS, PER_USER, SELECTOR, Condition, Exemptions, Rule, format_size
 
@@ -44,6 +51,8 @@ class ProcView:
     gpu_utilization: float | None  # the highest over its devices
     runtime: float | None  # seconds since it started
     per_device: dict[int, tuple[int | None, float | None]] = field(default_factory=dict)  # index -> (mem, util)
+    partial: bool = False  # gpu_memory and gpu_utilization leave out usage charged to no one: lower bounds
+    system_unit: str = ""  # the unit under /system.slice that holds it, "" if none
 
     @property
     def label(self) -> str:
@@ -56,6 +65,7 @@ class UserView:
     user: str
     procs: list[ProcView]
     memory: int | None
+    partial: bool = False  # some of its processes' usage is charged to no one: memory is a lower bound
 
     @property
     def key(self) -> int:
@@ -69,7 +79,7 @@ class UserView:
         """The user's figures as if proc were gone. Only the sums change (what conditions on a user read);
         the process list stays, so choosing victims among thousands costs no copies."""
         memory = None if self.memory is None else max(0, self.memory - (proc.gpu_memory or 0))
-        return UserView(self.uid, self.user, self.procs, memory)
+        return UserView(self.uid, self.user, self.procs, memory, self.partial)
 
 
 @dataclass(slots=True)
@@ -131,17 +141,20 @@ def process_views(snapshot: Snapshot, boot_now: float,
             if p.gpu_utilization is not None:
                 v.gpu_utilization = max(v.gpu_utilization or 0.0, p.gpu_utilization)
             v.per_device[p.device] = (p.gpu_memory, p.gpu_utilization)
+            v.partial = v.partial or p.shared_usage
             continue
         a = p.attribution
         runtime = max(0.0, boot_now - p.start_time / tck)
         v = old.get(key)
         if v is None:
             v = ProcView(key, p.pid, p.start_time, p.uid, p.user, p.comm, p.cmdline, p.exe, a.unit or "",
-                         a.container_id or "", p.gpu_memory, p.gpu_utilization, runtime)
+                         a.container_id or "", p.gpu_memory, p.gpu_utilization, runtime,
+                         partial=p.shared_usage, system_unit=a.system_unit or "")
         else:  # names change with exec and prctl, units with cgroup moves: every field is refreshed
             v.uid, v.user, v.comm, v.cmdline, v.exe = p.uid, p.user, p.comm, p.cmdline, p.exe
-            v.unit, v.container = a.unit or "", a.container_id or ""
+            v.unit, v.container, v.system_unit = a.unit or "", a.container_id or "", a.system_unit or ""
             v.gpu_memory, v.gpu_utilization, v.runtime = p.gpu_memory, p.gpu_utilization, runtime
+            v.partial = p.shared_usage
             v.per_device.clear()
         v.per_device[p.device] = (p.gpu_memory, p.gpu_utilization)
         views[key] = v
@@ -152,7 +165,8 @@ def user_views(procs: list[ProcView]) -> list[UserView]:
     by_uid: dict[int, list[ProcView]] = {}
     for p in procs:
         by_uid.setdefault(p.uid, []).append(p)
-    return [UserView(uid, ps[0].user, ps, _sum(p.gpu_memory for p in ps)) for uid, ps in by_uid.items()]
+    return [UserView(uid, ps[0].user, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps))
+            for uid, ps in by_uid.items()]
 
 
 def device_views(procs: list[ProcView], devices: tuple[Device, ...]) -> list[DeviceView]:
@@ -227,6 +241,31 @@ class Exempt:
         return bool(e.processes and any(fnmatch.fnmatchcase(p.comm, pat) for pat in e.processes))
 
 
+@dataclass(frozen=True, slots=True)
+class Protection:
+    """Processes that no rule may touch or count, whatever the policy says: those of system accounts (uid up to
+    uid_max, root included; None: none by uid) and those of system units matching `units` (shell patterns).
+
+    Both rest on facts a user cannot forge. A uid is the kernel's. A unit counts only as the system unit that
+    holds the process (the first one under /system.slice), never as the innermost unit name: in a delegated
+    subtree (their user@UID.service) users create cgroups of any name, dbus.service included. A process in a
+    container is judged by its unit alone: root inside a container is that container's workload, not a system
+    account of the host (GPU containers often run as root; protecting them would hide every miner in one)."""
+
+    uid_max: int | None = SYS_UID_MAX
+    units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
+
+    def covers(self, p: ProcView) -> bool:
+        if self.uid_max is not None and p.uid <= self.uid_max and not p.container:
+            return True
+        return bool(p.system_unit) and _unit_protected(self.units, p.system_unit)
+
+
+@lru_cache(maxsize=4096)  # a few dozen system units on a host, every cycle: match each once
+def _unit_protected(patterns: tuple[str, ...], unit: str) -> bool:
+    return any(fnmatch.fnmatchcase(unit, pat) for pat in patterns)
+
+
 _COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq,
             "!=": operator.ne}
 
@@ -248,6 +287,8 @@ def string_test(op: str, value: Any) -> Callable[[str], bool]:
 
 _STRING_FIELDS = {"process_name": "comm", "cmdline": "cmdline", "exe": "exe", "unit": "unit",
                   "container": "container"}
+# Figures summed from processes' usage: lower bounds where some of it is charged to no one (ProcView.partial).
+_LOWER_BOUNDS = {"gpu_memory", "gpu_utilization", "user_memory"}
 # Attributes with few distinct values on a machine: a rule's first test on them runs once per value.
 _INDEXED = {"comm", "exe", "unit", "container", "uid"}
 
@@ -333,9 +374,16 @@ class CompiledCondition:
             get = value_getter(cond, scope)
             compare, limit = _COMPARE[op], value
             self.decide = None
-            self.test = lambda s: (v := get(s)) is not None and compare(v, limit)
-            # attrgetter and operator.gt are C: no Python frame per subject in the comprehension
-            self.filter = lambda items: [s for s in items if (v := get(s)) is not None and compare(v, limit)]
+            if cond.type in _LOWER_BOUNDS and not (scope == PER_DEVICE and cond.role != SELECTOR) \
+                    and op not in (">", ">="):
+                # A lower bound cannot show a subject is under a limit (or at it): only complete figures can.
+                self.test = lambda s: not s.partial and (v := get(s)) is not None and compare(v, limit)
+                self.filter = lambda items: [s for s in items
+                                             if not s.partial and (v := get(s)) is not None and compare(v, limit)]
+            else:
+                self.test = lambda s: (v := get(s)) is not None and compare(v, limit)
+                # attrgetter and operator.gt are C: no Python frame per subject in the comprehension
+                self.filter = lambda items: [s for s in items if (v := get(s)) is not None and compare(v, limit)]
         self.cheap = self.decide is not None
 
     def _keyed(self, attr: str | None, decide: Callable[[Any], bool], key: Callable[[Any], Any]) -> None:
@@ -383,10 +431,13 @@ class Cycle:
     """What one evaluation computes once and every rule shares: the processes a set of exemptions leaves
     visible, those grouped by an attribute, and user and device views of them."""
 
-    def __init__(self, procs: list[ProcView], devices: tuple[Device, ...], own_pid: int) -> None:
+    def __init__(self, procs: list[ProcView], devices: tuple[Device, ...], own_pid: int,
+                 protection: Protection | None = None) -> None:
         self.procs = procs
         self.devices = devices
         self.own_pid = own_pid
+        self.protection = protection or Protection()
+        self._unprotected: list[ProcView] | None = None
         self._visible: dict[Exemptions, list[ProcView]] = {}
         # Keyed by id() of a list, which each entry keeps alive so the id cannot be reused this cycle.
         self._index: dict[tuple[int, str], tuple[list[ProcView], dict[Any, list[ProcView]]]] = {}
@@ -394,14 +445,13 @@ class Cycle:
         self._devices: dict[int, tuple[list[ProcView], list[DeviceView]]] = {}
 
     def visible(self, exemptions: Exemptions, exempt: Exempt | None) -> list[ProcView]:
-        """Not exempt, not PID 1, not gpukilld: the processes a rule may look at."""
+        """Not PID 1, not gpukilld, not protected, not exempt: the processes a rule may look at."""
         hit = self._visible.get(exemptions)
         if hit is None:
-            own = self.own_pid
-            if exempt is None:
-                hit = [p for p in self.procs if p.pid != 1 and p.pid != own]
-            else:
-                hit = [p for p in self.procs if p.pid != 1 and p.pid != own and not exempt(p)]
+            if self._unprotected is None:
+                own, covers = self.own_pid, self.protection.covers
+                self._unprotected = [p for p in self.procs if p.pid != 1 and p.pid != own and not covers(p)]
+            hit = self._unprotected if exempt is None else [p for p in self._unprotected if not exempt(p)]
             self._visible[exemptions] = hit
         return hit
 

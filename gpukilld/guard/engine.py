@@ -13,6 +13,9 @@ This module decides and never acts: evaluate() returns events (Violation, GraceC
 service.py carries out, and the clock is injected, so all of it is tested without waiting. With match: all
 the duration windows are kept only while the rule's conditions without a duration hold, so a window measures
 how long the rule as a whole has been about to fire (an xmrig above 95% for 5 minutes).
+
+Protection (conditions.py) hides system accounts and system units from every rule before any of this runs:
+they are never chosen as victims and never counted in a user's or a device's figures.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .conditions import (
     Groups,
     ProcKey,
     ProcView,
+    Protection,
     Subject,
     UserView,
     boot_seconds,
@@ -37,6 +41,7 @@ from .conditions import (
 )
 from .policy import EMPTY_POLICY, Policy, Rule
 
+PROTECTED = "protected (a system account or system unit): never touched"
 # Outcomes of the kill path that mean a signal was sent (killer.py); anything else is a refusal.
 SIGNALLED = ("terminated", "killed", "still-alive")
 
@@ -166,10 +171,13 @@ def _uid_of(s: Subject) -> int | None:
 
 class Engine:
     def __init__(self, policy: Policy = EMPTY_POLICY, clock: Clock | None = None, groups: Groups | None = None,
-                 own_pid: int | None = None) -> None:
+                 own_pid: int | None = None, protection: Protection | None = None) -> None:
         self.clock = clock or Clock()
         self.groups = groups or Groups(self.clock.monotonic)
         self.own_pid = os.getpid() if own_pid is None else own_pid
+        # System accounts and units no rule may see (gpukilld.conf [guard]); replaced on reload, used from the
+        # next evaluation on: a subject it now hides simply stops holding.
+        self.protection = protection or Protection()
         self.stats: dict[str, RuleStats] = {}
         self.busy: set[ProcKey] = set()  # processes with a kill in flight, whichever rule ordered it
         self.refused: set[ProcKey] = set()  # the kill path refused them (protected): not tried again
@@ -222,7 +230,7 @@ class Engine:
         procs = list(self._views.values())
         if self.refused:
             self.refused &= self._views.keys()
-        cycle = Cycle(procs, snapshot.devices, self.own_pid)
+        cycle = Cycle(procs, snapshot.devices, self.own_pid, self.protection)
         events: list[Event] = []
         kills_left = self.policy.settings.max_kills_per_cycle
         for st in self.states:
@@ -372,7 +380,7 @@ class Engine:
         Changes nothing: no window, episode, cooldown or counter."""
         now = self.clock.monotonic()
         procs = list(process_views(snapshot, self.clock.boottime()).values())  # fresh: the engine's stay as they are
-        cycle = Cycle(procs, snapshot.devices, self.own_pid)
+        cycle = Cycle(procs, snapshot.devices, self.own_pid, self.protection)
         out: list[Preview] = []
         for st in self.states:
             c, rule = st.compiled, st.rule
@@ -381,12 +389,12 @@ class Engine:
                 if not c.holds_now(s):
                     continue
                 out.append(self._preview_one(st, s, now))
-            if c.scope == "per_process" and (c.exempt is not None):
+            if c.scope == "per_process":  # what the rule would match but may not touch: say so, not nothing
                 shown = {p.key for p in visible}
                 for p in procs:
                     if p.key not in shown and all(sel.test(p) for sel in c.selectors) and c.holds_now(p):
-                        out.append(Preview(rule.name, p.label, rule.action, "exempt", 0.0, (p.pid,),
-                                           "exempt or protected: never touched"))
+                        why = PROTECTED if cycle.protection.covers(p) else "exempt or protected: never touched"
+                        out.append(Preview(rule.name, p.label, rule.action, "exempt", 0.0, (p.pid,), why))
         return out
 
     def _preview_one(self, st: RuleState, s: Subject, now: float) -> Preview:

@@ -17,9 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .. import audit
-from ..config import Config
+from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX, Config
 from ..errors import GpukillError
 from ..model import Snapshot
+from .conditions import Protection
 from .engine import Clock, Engine, Event, GraceCancelled, KillOrder, Preview, RuleStats, Target, Violation
 from .notify import Notice, Notifier, NotifyConfig
 from .policy import (
@@ -72,13 +73,16 @@ def _pids(targets: tuple[Target, ...]) -> str:
 
 class GuardRunner:
     def __init__(self, kill: KillPath, auditor: audit.Audit, notify_config: NotifyConfig, policy_dir: str,
-                 state_dir: str, clock: Clock | None = None, own_pid: int | None = None) -> None:
+                 state_dir: str, clock: Clock | None = None, own_pid: int | None = None,
+                 protected_uid_max: int | None = SYS_UID_MAX,
+                 protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS) -> None:
         self.kill = kill
         self.audit = auditor
         self.policy_dir = policy_dir
         self.state_dir = state_dir
         self.clock = clock or Clock()
-        self.engine = Engine(clock=self.clock, own_pid=own_pid)
+        self.engine = Engine(clock=self.clock, own_pid=own_pid,
+                             protection=Protection(protected_uid_max, tuple(protected_units)))
         self.state = GuardState()
         self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice)
         self.signals: GuardSignals = _NoSignals()
@@ -123,21 +127,24 @@ class GuardRunner:
                        rules=",".join(r.name for r in policy.rules) or None)
 
     def _initial_policy(self) -> Policy:
+        """The policy to enforce at start: guard.d's, or (it is broken) the last good one saved in the state,
+        or none. Whatever the files hold, the daemon starts: every failure is a rejection with a reason."""
         saved = self.state.policy_files
         if self.state.policy_source == "loaded" and saved:
             try:
                 return load_texts(saved)
-            except PolicyError as e:  # saved by an older version that accepted more: fall back to the files
+            except Exception as e:  # saved by an older version that accepted more: fall back to the files
                 log.error("the policy loaded before the restart is no longer valid: %s", e)
         try:
             texts = directory_texts(self.policy_dir)
             policy = load_texts(texts) if texts else EMPTY_POLICY
-        except PolicyError as e:
-            self._rejected(e, "start")
+        except Exception as e:  # the parser raises only PolicyError; anything else is still a rejection
+            self._rejected(e, "start", self.policy_dir)
             if saved:
                 try:
                     policy = load_texts(saved)
-                except PolicyError:
+                except Exception as e2:
+                    log.error("the last good policy saved in the state cannot be used either: %s", e2)
                     return EMPTY_POLICY
                 log.warning("enforcing the last good policy (%s) until the files are fixed", policy.source)
                 return policy
@@ -155,8 +162,11 @@ class GuardRunner:
             self._save_now()
         self.notifier.close()
 
-    def configure(self, notify_config: NotifyConfig, policy_dir: str, state_dir: str) -> None:
+    def configure(self, notify_config: NotifyConfig, policy_dir: str, state_dir: str,
+                  protected_uid_max: int | None = SYS_UID_MAX,
+                  protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS) -> None:
         """After a reload of gpukilld.conf; a queued notice already in a channel keeps its old relay."""
+        self.engine.protection = Protection(protected_uid_max, tuple(protected_units))
         self.policy_dir = policy_dir
         if state_dir != self.state_dir:
             self.state_dir = state_dir
@@ -169,12 +179,20 @@ class GuardRunner:
 
     # -- policy and switches ---------------------------------------------------------------------------
 
-    def _rejected(self, e: PolicyError, who: str) -> None:
-        self.policy_error = str(e)
+    def _rejected(self, e: Exception, who: str, where: str = "") -> PolicyError:
+        """Report a policy that cannot be used (the one in force stays). Anything but a PolicyError is a bug
+        of the parser: it becomes one too (FILE:1:1 and a one-line reason), so that a policy can only ever be
+        rejected, never stop the daemon; its traceback goes to the log."""
+        if not isinstance(e, PolicyError):
+            log.error("reading the policy failed unexpectedly", exc_info=e)
+            reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            e = PolicyError([f"{where or self.policy_dir}:1:1: the policy could not be read ({reason})"])
+        self.policy_error = str(e)  # one line: the first error and how many more (PolicyError caps them)
         for line in e.errors:
             log.error("%s", line)
         self.audit.log(audit.GUARD_POLICY, f"Guard policy rejected ({who}); the policy in force stays: {e}",
                        action="guard", result="rejected", error=str(e), requested_by=who)
+        return e
 
     def _install(self, policy: Policy, source: str, texts: list[tuple[str, str]], who: str) -> None:
         self.engine.set_policy(policy)
@@ -190,8 +208,8 @@ class GuardRunner:
         try:
             texts = directory_texts(self.policy_dir)
             policy = load_texts(texts) if texts else EMPTY_POLICY
-        except PolicyError as e:
-            self._rejected(e, who)
+        except Exception as e:  # the parser raises only PolicyError; anything else is still a rejection
+            self._rejected(e, who, self.policy_dir)
             return False
         self._install(policy, "files", texts, who)
         return True
@@ -200,9 +218,11 @@ class GuardRunner:
         """Validate, then swap atomically; PolicyError (the policy in force stays) otherwise."""
         try:
             policy = load_texts([(name, text)])
-        except PolicyError as e:
-            self._rejected(e, who)
-            raise
+        except Exception as e:  # the parser raises only PolicyError; anything else is still a rejection
+            error = self._rejected(e, who, name)
+            if error is e:
+                raise
+            raise error from e
         self._install(policy, "loaded", [(name, text)], who)
         return policy
 
