@@ -51,6 +51,7 @@ class FakeNvidiaHost:
         os.chmod(self.bin, 0o755)
         self.state_path = self.dir / "state.json"
         self.smi_log = self.dir / "nvidia-smi.log"
+        self.counts_path = self.dir / "nvml-counts"  # the library's own totals of init/shutdown and event sets
         self.state: dict = {"driver_version": "550.54.15", "devices": [h100(i) for i in range(devices)],
                             "xid_events": []}
         self.write()
@@ -87,7 +88,7 @@ class FakeNvidiaHost:
 
     def env(self, with_library: bool = True) -> dict[str, str]:
         env = {"GPUKILL_FAKE_NVML_STATE": str(self.state_path), "GPUKILL_FAKE_SMI_LOG": str(self.smi_log),
-               "PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin"}
+               "GPUKILL_FAKE_NVML_COUNTS": str(self.counts_path), "PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin"}
         if with_library:
             env["LD_LIBRARY_PATH"] = str(self.lib.parent)
         return env
@@ -96,6 +97,13 @@ class FakeNvidiaHost:
         if not self.smi_log.exists():
             return []
         return [json.loads(line) for line in self.smi_log.read_text().splitlines()]
+
+    def counts(self) -> dict[str, int]:
+        """nvmlInit, nvmlShutdown, nvmlEventSetCreate and nvmlEventSetFree calls so far, by the last process that
+        loaded the library with this host's env (the file is the library's; each process counts from 0)."""
+        if not self.counts_path.exists():
+            return {"init": 0, "shutdown": 0, "event_set_create": 0, "event_set_free": 0}
+        return {name: int(n) for name, n in (line.split() for line in self.counts_path.read_text().splitlines())}
 
     def snapshot(self) -> dict:
         return copy.deepcopy(self.state)

@@ -1,5 +1,6 @@
-"""The DRM backend inside the real daemon: gpukilld (with `backends = drm, simulated` and [paths] on a fixture
-host) on a private bus, real processes holding fixture DRM fds, gpukillctl as the client.
+"""The DRM backend inside the real daemon: gpukilld (with `backends = drm, nvidia`: [paths] on a fixture host, and
+NVIDIA GPUs from the fake libnvidia-ml of nvml_host.py) on a private bus, real processes holding fixture DRM
+fds, gpukillctl as the client. Two real backends, since the simulated one is never mixed with real ones.
 
 The processes are real: the fixture /proc mirrors their stat, status, cmdline, cgroup and environ from the real
 /proc (symlinks), and adds DRM fds and fdinfo of the fixture's. So their start times are the kernel's and the
@@ -17,6 +18,7 @@ import threading
 import pytest
 from conftest import pid_alive
 from drm_fixtures import DrmHost, amdgpu_fdinfo, i915_fdinfo
+from nvml_host import FakeNvidiaHost
 from testbed import ROOT, SYSTEM_PYTHON
 
 from gpukilld import audit
@@ -44,7 +46,16 @@ def host():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_daemon_on_a_mixed_host_lists_kills_and_resets(fresh_bed, users, host):
+@pytest.fixture
+def nvhost(tmp_path):
+    (tmp_path / "nvml").mkdir()
+    try:
+        return FakeNvidiaHost(tmp_path / "nvml", devices=4)
+    except RuntimeError as e:  # no C compiler for the fake library
+        pytest.skip(str(e))
+
+
+def test_daemon_on_a_mixed_host_lists_kills_and_resets(fresh_bed, users, host, nvhost):
     bed = fresh_bed
     host.amdgpu("0000:03:00.0", card=0, render=128, busy=20, vram_used=3 * GiB, unique_id="00c0ffee12345678",
                 product_name="AMD Instinct MI210")
@@ -64,17 +75,19 @@ def test_daemon_on_a_mixed_host_lists_kills_and_resets(fresh_bed, users, host):
     host.mirror(encoder.pid)
     host.open_drm(encoder.pid, 6, 129, i915_fdinfo(3, "0000:00:02.0", render_ns=0, system0=64 * MiB))
 
-    host.config(bed.workdir / "gpukilld.conf", backends="drm, simulated")
-    bed.start_daemon()
+    host.config(bed.workdir / "gpukilld.conf", backends="drm, nvidia")
+    bed.start_daemon(env=nvhost.env())
     for p in (trainer, viewer, encoder):
         bed.wait_listed(p.pid)
 
-    r = bed.ctl(users["other"], "list", "--json")
+    r = bed.ctl(users["owner"], "list", "--json")  # the trainer's owner: its executable is shown to them alone
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     devices = doc["devices"]
     indexes, ids = [d["index"] for d in devices], [d["id"] for d in devices]
-    assert len(devices) == 3 + 4 and len(set(indexes)) == 7 and len(set(ids)) == 7  # 4 simulated GPUs too
+    assert len(devices) == 3 + 4 and len(set(indexes)) == 7 and len(set(ids)) == 7  # and the 4 NVIDIA GPUs
+    assert sorted(d["id"] for d in devices if d["backend"] == "nvidia") == sorted(nvhost.device(i)["uuid"]
+                                                                                  for i in range(4))
     by_id = {d["id"]: d for d in devices}
     amd, intel, apple = by_id["GPU-00c0ffee12345678"], by_id["0000:00:02.0"], by_id["206400000.gpu"]
     assert "0000:02:00.0" not in by_id  # the BMC display is no GPU

@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import queue
 import shutil
 import subprocess
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..errors import NotSupported, ResetFailed
@@ -40,6 +41,37 @@ class _ProcessInfoV1(ctypes.Structure):
     _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
 
 
+class _Worker:
+    """One GPU's reader: a daemon thread running the calls queued to it, one at a time.
+
+    Not a ThreadPoolExecutor: Python joins a pool's threads at exit, so one stuck in a hung NVML call would hang
+    gpukilld's exit, and how many threads a pool keeps depends on timing. Here each GPU has exactly one thread,
+    which stop() ends without waiting for it: at once if idle, else when the call it is in returns."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._calls.put((fut, fn, args))
+        return fut
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fut, fn, args = call
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except Exception as e:
+                fut.set_exception(e)
+
+
 @dataclass
 class _DeviceState:
     """What we remember about one physical GPU between samples."""
@@ -50,6 +82,7 @@ class _DeviceState:
     pci_bus_id: str | None = None
     last_util_ts: int = 0
     pending: Future | None = None  # a read still running from an earlier sample (a hung call)
+    worker: _Worker | None = None  # started at the first read of this GPU
     error: str = ""  # an Xid / recovery action reported since the last successful reset
     mig_names: dict[str, str] = field(default_factory=dict)
 
@@ -79,17 +112,20 @@ class NvidiaBackend(Backend):
         self._retry = RETRY_MIN
         self._devices: dict[int, _DeviceState] = {}
         self._events = None
-        self._pool: ThreadPoolExecutor | None = None
+        # Held by status() and sample(), so that close() (from another thread, after a reload replaced this
+        # backend) never pulls NVML from under a sample in progress, nor initialises NVML again after it.
         self._lock = threading.Lock()
+        self._closed = False
 
     # -- initialisation with back-off -------------------------------------------------------------------
 
     def status(self) -> BackendStatus:
-        self._ensure_init()
-        return self._status
+        with self._lock:
+            self._ensure_init()
+            return self._status
 
     def _ensure_init(self) -> None:
-        if self._nvml is not None or time.monotonic() < self._next_attempt:
+        if self._closed or self._nvml is not None or time.monotonic() < self._next_attempt:
             return
         try:
             import pynvml
@@ -98,17 +134,22 @@ class NvidiaBackend(Backend):
             return
         try:
             pynvml.nvmlInit()
-            driver = pynvml.nvmlSystemGetDriverVersion()
-            count = pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError_LibraryNotFound:
             self._fail("no NVIDIA driver: libnvidia-ml.so.1 not found")
             return
         except pynvml.NVMLError as e:
             self._fail(f"NVML could not start: {e}")
             return
+        try:
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as e:
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()  # one per nvmlInit: else every retry would leave NVML initialised once more
+            self._fail(f"NVML could not start: {e}")
+            return
         self._nvml = pynvml
         self._retry = RETRY_MIN
-        self._pool = ThreadPoolExecutor(max_workers=max(4, count * 2), thread_name_prefix="nvml")
         self._events = self._register_events(pynvml, count)
         self._status = BackendStatus(self.name, True, f"NVML, driver {driver}, {count} GPUs")
 
@@ -131,9 +172,13 @@ class NvidiaBackend(Backend):
     # -- sampling -------------------------------------------------------------------------------------------
 
     def sample(self) -> BackendSample:
+        with self._lock:
+            return self._sample()
+
+    def _sample(self) -> BackendSample:
         self._ensure_init()
         nv = self._nvml
-        if nv is None:
+        if nv is None or self._closed:
             return BackendSample()
         try:
             count = nv.nvmlDeviceGetCount()
@@ -145,8 +190,9 @@ class NvidiaBackend(Backend):
             state = self._devices.setdefault(i, _DeviceState(i))
             if state.pending is not None and not state.pending.done():
                 continue  # still stuck in an earlier call: do not pile up threads behind it
-            assert self._pool is not None
-            state.pending = self._pool.submit(self._read_device, state)
+            if state.worker is None:
+                state.worker = _Worker(f"nvml-{i}")
+            state.pending = state.worker.submit(self._read_device, state)
             reads[i] = state.pending
         deadline = time.monotonic() + self.device_deadline
         sample = BackendSample()
@@ -397,8 +443,25 @@ class NvidiaBackend(Backend):
         return text or f"GPU {device_id} reset"
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._nvml is not None:
-            with contextlib.suppress(self._nvml.NVMLError):
-                self._nvml.nvmlShutdown()
+        """Give back what _ensure_init took: one nvmlShutdown for its nvmlInit (NVML counts them, so a backend
+        that replaced this one keeps working), the event set, the workers. Safe while the sampler samples: it
+        waits for a sample in progress, which a call hung on the sampler's own thread can make forever, so
+        call it off the event loop. Idempotent; a closed backend reports itself unavailable and reads nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._status = BackendStatus(self.name, False, "closed")
+            nv, events, self._events = self._nvml, self._events, None
+            for state in self._devices.values():
+                if state.worker is not None:
+                    state.worker.stop()  # never joined: one stuck in NVML ends when its call returns
+        if nv is None:
+            return  # NVML was never initialised: nothing to give back
+        # Outside the lock: if NVML hangs here, only the closing thread waits. self._nvml stays set, for a
+        # worker still inside a call.
+        if events is not None:
+            with contextlib.suppress(nv.NVMLError):
+                nv.nvmlEventSetFree(events)
+        with contextlib.suppress(nv.NVMLError):
+            nv.nvmlShutdown()

@@ -9,6 +9,10 @@
  * driver with a different struct version would: the caller then reads garbage). Top level: "init_error"
  * (nvmlInit fails with that code), "driver_version", "xid_events" [{device, xid, seq}], delivered once each.
  *
+ * Resource accounting: with $GPUKILL_FAKE_NVML_COUNTS set, the library rewrites that file (atomically) on every
+ * nvmlInit, nvmlShutdown, nvmlEventSetCreate and nvmlEventSetFree with the running totals, one "name count"
+ * a line, so a test can tell that a daemon gives back what it takes.
+ *
  * Build: cc -shared -fPIC -O2 -o libnvidia-ml.so.1 fake_nvml.c
  */
 #define _GNU_SOURCE
@@ -133,6 +137,21 @@ static struct timespec state_mtime;
 static int initialized;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static double delivered_xid_seq = 0;
+static long n_init, n_shutdown, n_event_create, n_event_free;
+
+/* Called with the lock held. Written to a temporary file and renamed: a reader never sees half of it. */
+static void write_counts(void) {
+    const char *path = getenv("GPUKILL_FAKE_NVML_COUNTS");
+    if (!path) return;
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) return;
+    fprintf(f, "init %ld\nshutdown %ld\nevent_set_create %ld\nevent_set_free %ld\n",
+            n_init, n_shutdown, n_event_create, n_event_free);
+    fclose(f);
+    rename(tmp, path);
+}
 
 static void reload(void) {
     const char *path = getenv("GPUKILL_FAKE_NVML_STATE");
@@ -214,6 +233,8 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     if (!state) err = NVML_ERROR_DRIVER_NOT_LOADED;
     if (!err) {
         initialized++;
+        n_init++;
+        write_counts();
         for (int i = 0; i < MAX_DEVICES; i++) {
             handles[i].index = i; handles[i].mig = -1;
             for (int m = 0; m < MAX_MIG; m++) { mig_handles[i][m].index = i; mig_handles[i][m].mig = m; }
@@ -228,7 +249,11 @@ nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
 nvmlReturn_t nvmlShutdown(void) {
     pthread_mutex_lock(&lock);
     nvmlReturn_t r = initialized ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
-    if (initialized) initialized--;
+    if (initialized) {
+        initialized--;
+        n_shutdown++;
+        write_counts();
+    }
     pthread_mutex_unlock(&lock);
     return r;
 }
@@ -554,10 +579,25 @@ typedef struct {
     unsigned int gpuInstanceId, computeInstanceId;
 } nvmlEventData_t;
 
-static int event_set_token;
-
-nvmlReturn_t nvmlEventSetCreate(void **set) { *set = &event_set_token; return NVML_SUCCESS; }
-nvmlReturn_t nvmlEventSetFree(void *set) { (void)set; return NVML_SUCCESS; }
+/* Each set is a real allocation, so that one never freed is a leak that valgrind or the counts show. */
+nvmlReturn_t nvmlEventSetCreate(void **set) {
+    pthread_mutex_lock(&lock);
+    if (!initialized) { pthread_mutex_unlock(&lock); return NVML_ERROR_UNINITIALIZED; }
+    *set = malloc(16);
+    n_event_create++;
+    write_counts();
+    pthread_mutex_unlock(&lock);
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlEventSetFree(void *set) {
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&lock);
+    free(set);
+    n_event_free++;
+    write_counts();
+    pthread_mutex_unlock(&lock);
+    return NVML_SUCCESS;
+}
 nvmlReturn_t nvmlDeviceRegisterEvents(handle_t *h, unsigned long long types, void *set) {
     (void)types; (void)set;
     ENTER(h, "events");
