@@ -1,9 +1,9 @@
 # gpukill developer entry points. `make test` and `make demo` work on a fresh Debian machine as root.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# What the real-component tests and the demo run: the bus, polkitd, journald, unshare/nsenter, and what
-# building systemd-python needs.
-APT_PACKAGES := dbus-daemon polkitd systemd util-linux libsystemd-dev pkg-config gcc python3-dev python3-venv
+# What the real-component tests and the demo run: the bus, polkitd, journald, unshare/nsenter/setpriv, gcc for
+# the fake NVML library, and gdb to freeze a daemon's main loop in the watchdog test.
+APT_PACKAGES := dbus-daemon polkitd systemd util-linux gcc python3-venv gdb
 
 .PHONY: all deps venv test test-gpu lint demo bench clean deb rpm pkg-deps test-package
 
@@ -76,6 +76,7 @@ deb: $(BUILD)/src
 
 rpm: $(BUILD)/src
 	mkdir -p $(BUILD)/rpm/SOURCES dist
+	cp systemd/gpukill.sysusers $(BUILD)/rpm/SOURCES/gpukill.sysusers
 	tar -czf $(BUILD)/rpm/SOURCES/gpukill-$(VERSION).tar.gz -C $(BUILD) --transform 's,^src,gpukill-$(VERSION),' src
 	rpmbuild -bb --nodeps --define "_topdir $(CURDIR)/$(BUILD)/rpm" --define "version $(VERSION)" packaging/rpm/gpukill.spec
 	cp $(BUILD)/rpm/RPMS/x86_64/gpukill-$(VERSION)-*.rpm dist/
