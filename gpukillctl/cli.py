@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 from dbus_fast import Variant
 
 from .client import ClientError, DaemonUnavailable, GpukillClient
-from .format import devices_table, processes_table
+from .format import devices_table, processes_table, shown
 from .guard_cli import EXIT_INVALID_POLICY, cmd_guard
 from .guard_cli import register as register_guard
 
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def fail(message: str, code: int) -> int:
-    print(f"gpukillctl: {message}", file=sys.stderr)
+    print(f"gpukillctl: {shown(message)}", file=sys.stderr)  # daemon messages name processes: escape them
     return code
 
 
@@ -205,7 +205,7 @@ async def cmd_kill(client: GpukillClient, args: argparse.Namespace) -> int:
                                     interactive=agent.active)
     finally:
         agent.close()
-    name = f" ({listed['comm']})" if listed else ""
+    name = f" ({shown(listed['comm'])})" if listed else ""
     if outcome == "terminated":
         print(f"PID {args.pid}{name} terminated")
         return EXIT_OK
@@ -224,7 +224,7 @@ async def cmd_reset(client: GpukillClient, args: argparse.Namespace) -> int:
         agent.close()
     if result.get("killed"):
         print(f"killed first: {', '.join(map(str, result['killed']))}")
-    print(f"GPU {result['device']} ({result['device_id']}): {result['message']}")
+    print(f"GPU {result['device']} ({shown(result['device_id'])}): {shown(result['message'])}")
     return EXIT_OK
 
 
@@ -239,9 +239,9 @@ async def cmd_status(client: GpukillClient, args: argparse.Namespace) -> int:
     if not status.backends:
         print("  none configured")
     for name, available, detail in status.backends:
-        print(f"  {name}: {'available' if available else 'unavailable'}" + (f" - {detail}" if detail else ""))
+        print(shown(f"  {name}: {'available' if available else 'unavailable'}" + (f" - {detail}" if detail else "")))
     for d in lost:
-        print(f"GPU {d['index']} ({d['id']}) lost" + (f": {d['state_reason']}" if d["state_reason"] else ""))
+        print(shown(f"GPU {d['index']} ({d['id']}) lost" + (f": {d['state_reason']}" if d["state_reason"] else "")))
     return EXIT_OK
 
 

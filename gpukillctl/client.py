@@ -20,13 +20,15 @@ OBJECT_PATH = "/org/gpukill1"
 INTERFACE = "org.gpukill1.Manager"
 GUARD_INTERFACE = "org.gpukill1.Guard"
 CALL_TIMEOUT = 25.0
+REPLY_TOO_LARGE = "org.gpukill1.Error.ReplyTooLarge"
+PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
 
 DEVICE_KEYS = ("index", "id", "backend", "vendor", "name", "pci_bus_id", "utilization", "memory_used",
                "memory_total", "temperature", "power", "state", "state_reason", "power_limit", "mig_mode",
                "parent_id", "clock_mhz")
 PROCESS_KEYS = ("pid", "start_time", "uid", "user", "comm", "cmdline", "exe", "device", "device_id",
                 "gpu_memory", "gpu_utilization", "unit", "container_id", "pod_uid", "slurm_job", "container_pid",
-                "memory_regions")
+                "memory_regions", "shared_usage")
 
 
 class ClientError(Exception):
@@ -57,7 +59,9 @@ def _plain(value: Any) -> Any:
 
 
 def _record(raw: dict[str, Variant], keys: tuple[str, ...]) -> dict[str, Any]:
-    rec = {k: None for k in keys}
+    rec: dict[str, Any] = {k: None for k in keys}
+    if "shared_usage" in rec:
+        rec["shared_usage"] = False  # a flag: left out of the daemon's record when false
     for k, v in raw.items():
         if k in rec:  # keys a newer daemon adds are left out until documented here
             rec[k] = _plain(v)
@@ -107,8 +111,26 @@ class GpukillClient:
         return [_record(d, DEVICE_KEYS) for d in devices]
 
     async def list_processes(self, filter: dict[str, Variant] | None = None) -> list[dict[str, Any]]:
-        (procs,) = await self._call("ListProcesses", "a{sv}", [filter or {}])
+        """Every process the daemon shows us; page by page when the whole listing is too large for one reply."""
+        try:
+            (procs,) = await self._call("ListProcesses", "a{sv}", [filter or {}])
+        except ClientError as e:
+            if e.name != REPLY_TOO_LARGE:
+                raise
+            procs = await self._pages(filter or {})
         return [_record(p, PROCESS_KEYS) for p in procs]
+
+    async def _pages(self, filter: dict[str, Variant]) -> list[dict[str, Variant]]:
+        """Keyset pages in (device, pid) order: a process that comes or goes between pages shifts nothing."""
+        procs: list[dict[str, Variant]] = []
+        page_filter = {**filter, "limit": Variant("u", PAGE_SIZE)}
+        while True:
+            (page,) = await self._call("ListProcesses", "a{sv}", [page_filter])
+            procs.extend(page)
+            if len(page) < PAGE_SIZE:
+                return procs
+            last = page[-1]
+            page_filter["after"] = Variant("(uu)", [last["device"].value, last["pid"].value])
 
     async def kill(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
                    interactive: bool = False) -> str:

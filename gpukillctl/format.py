@@ -1,8 +1,15 @@
-"""Human output: tables of devices and processes. Unknown values print as "-", never as 0."""
+"""Human output: tables of devices and processes. Unknown values print as "-", never as 0.
+
+Every text that comes from the daemon is escaped before it reaches the terminal (`shown`): a process picks its
+own name and command line, and a name with an escape sequence must not repaint the admin's screen. JSON output
+keeps the exact text.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+from gpukilld.text import shown
 
 
 def size(n: int | None) -> str:
@@ -20,6 +27,7 @@ def percent(v: float | None) -> str:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
+    rows = [[shown(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     for r in rows:
@@ -53,7 +61,7 @@ def processes_table(procs: list[dict[str, Any]]) -> str:
     if not procs:
         return "No GPU processes."
     rows = [
-        [str(p["device"]), str(p["pid"]), p["user"], p["comm"], size(p["gpu_memory"]),
+        [str(p["device"]), str(p["pid"]), p["user"], p["comm"] or "-", size(p["gpu_memory"]),
          percent(p["gpu_utilization"]), _owner(p)]
         for p in procs
     ]

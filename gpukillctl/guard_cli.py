@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from .client import GpukillClient
-from .format import _table
+from .format import _table, shown
 
 EXIT_INVALID_POLICY = 12
 
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _print_errors(e: Any) -> int:
     for line in e.errors:
-        print(line, file=sys.stderr)
+        print(shown(line), file=sys.stderr)
     return EXIT_INVALID_POLICY
 
 
@@ -104,7 +104,7 @@ async def _change(client: GpukillClient, args: argparse.Namespace) -> int:
         else:
             result = await client.guard_load_policy(os.path.abspath(args.file), text, interactive=agent.active)
             names = ", ".join(result.get("rules", [])) or "none"
-            print(f"policy {args.file} in force: {len(policy.rules)} rule(s): {names}")
+            print(shown(f"policy {args.file} in force: {len(policy.rules)} rule(s): {names}"))
     finally:
         agent.close()
     return 0
@@ -132,9 +132,9 @@ async def _status(client: GpukillClient, args: argparse.Namespace) -> int:
     print(f"guard: {mode}")
     files = st.get("files") or []
     source = "loaded with gpukillctl guard load" if st.get("source") == "loaded" else "guard.d"
-    print(f"policy: {', '.join(files) or 'none'} ({source})")
+    print(shown(f"policy: {', '.join(files) or 'none'} ({source})"))
     if st.get("policy_error"):
-        print(f"policy files rejected (the policy above stays in force): {st['policy_error']}")
+        print(shown(f"policy files rejected (the policy above stays in force): {st['policy_error']}"))
     print(f"evaluations: {st.get('evaluations', 0)}, last {st.get('last_eval_ms', 0):.1f} ms, "
           f"slowest {st.get('max_eval_ms', 0):.1f} ms")
     rules = st.get("rules") or []
@@ -148,20 +148,20 @@ async def _status(client: GpukillClient, args: argparse.Namespace) -> int:
     if windows:
         print("\nin a duration window:")
         for w in windows:
-            print(f"  {w['rule']}: {w['subject']}: {w['condition']}: {_seconds(w['elapsed'])} "
-                  f"of {_seconds(w['duration'])}")
+            print(shown(f"  {w['rule']}: {w['subject']}: {w['condition']}: {_seconds(w['elapsed'])} "
+                        f"of {_seconds(w['duration'])}"))
     graces = st.get("graces") or []
     if graces:
         print("\nin a grace period:")
         for g in graces:
-            print(f"  {g['rule']}: {g['subject']}: {_seconds(g['remaining'])} left")
+            print(shown(f"  {g['rule']}: {g['subject']}: {_seconds(g['remaining'])} left"))
     recent = st.get("recent") or []
     if recent:
         print("\nrecent:")
         for r in recent[-10:]:
             outcome = r.get("outcome") or r.get("event")
             dry_tag = " (dry run)" if r.get("dry_run") and outcome != "would-kill" else ""
-            print(f"  {_when(r.get('time', 0))}  {r.get('rule')}: {r.get('subject')}: {outcome}{dry_tag}")
+            print(shown(f"  {_when(r.get('time', 0))}  {r.get('rule')}: {r.get('subject')}: {outcome}{dry_tag}"))
     notes = st.get("notifications") or {}
     if any(c.get("queued") for c in notes.values()):
         print("\nnotifications: " + "; ".join(

@@ -1,6 +1,8 @@
 """The privileged acts, bus-independent: kill a process, reset a device. Each one is authorized and audited.
 
-The bus layer (manager.py) turns D-Bus calls into these; Guard Mode will call the same kill path.
+The bus layer (manager.py) turns D-Bus calls into these; Guard Mode calls the same kill path. Refusals of a
+caller's request go through RefusalLog (folded per uid when there are too many); what the daemon does is
+always audited one by one. Process names are escaped in the human text (MESSAGE, errors), exact in the fields.
 """
 
 from __future__ import annotations
@@ -13,9 +15,20 @@ from dataclasses import dataclass
 from . import audit
 from .backends import Backend
 from .bouncer import KILL_ANY, KILL_OWN, RESET_DEVICE, Bouncer, Caller
-from .errors import AccessDenied, DeviceBusy, GpukillError, NoSuchDevice, NotSupported, Protected, ResetFailed
+from .errors import (
+    AccessDenied,
+    DeviceBusy,
+    GpukillError,
+    NoSuchDevice,
+    NotSupported,
+    Protected,
+    ResetFailed,
+    TooBusy,
+)
 from .killer import KILLED, STILL_ALIVE, TERMINATED, Killer, check_grace
 from .model import Snapshot
+from .refusals import RefusalLog
+from .text import shown
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +74,7 @@ class Actions:
         self._on_killed = on_killed
         self._on_reset = on_reset
         self._resample = resample
+        self.refusals = RefusalLog(auditor)  # refusals of callers' requests: folded per uid when too many
 
     @staticmethod
     def _caller_fields(caller: Caller | None) -> dict[str, object]:
@@ -68,10 +82,13 @@ class Actions:
             return {"caller_uid": None, "caller_pid": None}
         return {"caller_uid": caller.uid, "caller_pid": caller.pid}
 
+    def _refused(self, caller: Caller | None, kind: audit.EventKind, message: str, **fields: object) -> None:
+        self.refusals.log(caller.uid if caller else None, kind, message, **fields)
+
     async def kill(
         self, caller: Caller | None, pid: int, start_time: int, grace: float, force: bool, initiator: str
     ) -> KillResult:
-        """Kill (pid, start_time). caller None means the daemon itself acts (a reset with force)."""
+        """Kill (pid, start_time). caller None means the daemon itself acts (a reset with force, Guard)."""
         base = {
             "action": "kill", "target_pid": pid, "target_start_time": start_time, "initiator": initiator,
             "force": int(force), **self._caller_fields(caller),
@@ -81,31 +98,38 @@ class Actions:
             check_grace(grace)
             target = self.killer.open(pid, start_time, self._snapshot())
         except GpukillError as e:
-            self.audit.log(audit.KILL_FAILED, f"Kill of PID {pid} requested by {who} refused: {e}",
-                           result=e.result, error=str(e), **base)
+            self._refused(caller, audit.KILL_FAILED, f"Kill of PID {pid} requested by {who} refused: {e}",
+                          result=e.result, error=str(e), **base)
             raise
         try:
             fields = {**base, "target_uid": target.uid, "target_comm": target.comm,
                       "device": ",".join(target.device_ids)}
+            label = f"PID {pid} ({shown(target.comm)}, user {shown(target.user)})"
             if caller is not None:
                 action = KILL_OWN if caller.uid == target.uid else KILL_ANY
-                allowed, why = await self.bouncer.authorize(
-                    caller, action,
-                    {"pid": str(pid), "target_user": target.user, "device": ",".join(target.device_ids)},
-                )
+                try:
+                    allowed, why = await self.bouncer.authorize(
+                        caller, action,
+                        {"pid": str(pid), "target_user": target.user, "device": ",".join(target.device_ids)},
+                    )
+                except TooBusy as e:
+                    allowed, why = False, str(e)
+                    busy: TooBusy | None = e
+                else:
+                    busy = None
                 if not allowed:
-                    self.audit.log(audit.KILL_DENIED,
-                                   f"Kill of PID {pid} ({target.comm}, user {target.user}) denied to {who}: {why}",
-                                   result="denied", polkit_action=action, reason=why, **fields)
-                    raise AccessDenied(f"not authorized to kill PID {pid} ({target.comm}) of user "
-                                       f"{target.user}: {why}")
+                    self._refused(caller, audit.KILL_DENIED, f"Kill of {label} denied to {who}: {why}",
+                                  result="busy" if busy else "denied", polkit_action=action, reason=why, **fields)
+                    if busy is not None:
+                        raise busy
+                    raise AccessDenied(f"not authorized to kill PID {pid} ({shown(target.comm)}) of user "
+                                       f"{shown(target.user)}: {why}")
                 fields["polkit_action"] = action
             outcome = await self.killer.terminate(target, grace, force)
         finally:
             target.close()
         verb = {TERMINATED: "terminated", KILLED: "killed with SIGKILL", STILL_ALIVE: "still alive after SIGTERM"}
-        self.audit.log(audit.KILL,
-                       f"PID {pid} ({target.comm}, user {target.user}) {verb[outcome]}; requested by {who}",
+        self.audit.log(audit.KILL, f"{label} {verb[outcome]}; requested by {who}",
                        result=outcome, grace=grace, **fields)
         result = KillResult(pid, start_time, target.uid, target.comm, target.device_ids, outcome,
                             "user" if caller else initiator)
@@ -118,17 +142,25 @@ class Actions:
         snapshot = self._snapshot()
         device = snapshot.find_device(device_key) if len(device_key) <= 256 else None
         if device is None:
-            err = NoSuchDevice(f"no GPU {device_key[:64]!r} (give an index, UUID or PCI bus id)")
-            self.audit.log(audit.RESET_FAILED, f"Reset of {device_key[:64]!r} requested by {who}: {err}",
-                           result=err.result, device=device_key[:256], **base)
+            key = shown(device_key[:64])
+            err = NoSuchDevice(f"no GPU '{key}' (give an index, UUID or PCI bus id)")
+            self._refused(caller, audit.RESET_FAILED, f"Reset of '{key}' requested by {who}: {err}",
+                          result=err.result, device=device_key[:256], **base)
             raise err
         fields = {**base, "device": device.id, "device_index": device.index}
-        allowed, why = await self.bouncer.authorize(
-            caller, RESET_DEVICE, {"device": device.id, "device_index": str(device.index)}
-        )
+        try:
+            allowed, why = await self.bouncer.authorize(
+                caller, RESET_DEVICE, {"device": device.id, "device_index": str(device.index)}
+            )
+        except TooBusy as e:
+            self._refused(caller, audit.RESET_DENIED, f"Reset of GPU {device.index} ({device.id}) refused to "
+                                                      f"{who}: {e}",
+                          result="busy", polkit_action=RESET_DEVICE, reason=str(e), **fields)
+            raise
         if not allowed:
-            self.audit.log(audit.RESET_DENIED, f"Reset of GPU {device.index} ({device.id}) denied to {who}: {why}",
-                           result="denied", polkit_action=RESET_DEVICE, reason=why, **fields)
+            self._refused(caller, audit.RESET_DENIED, f"Reset of GPU {device.index} ({device.id}) denied to {who}: "
+                                                      f"{why}",
+                          result="denied", polkit_action=RESET_DEVICE, reason=why, **fields)
             raise AccessDenied(f"not authorized to reset GPU {device.index}: {why}")
         try:
             backend = self.backends.get(device.backend)
@@ -155,7 +187,7 @@ class Actions:
         if not holders:
             return []
         if not force:
-            names = ", ".join(f"{p.pid} ({p.comm})" for p in list(holders.values())[:8])
+            names = ", ".join(f"{p.pid} ({shown(p.comm)})" for p in list(holders.values())[:8])
             raise DeviceBusy(f"{len(holders)} process(es) use the device: {names}; use force to kill them first")
         killed = []
         for (pid, start_time), _proc in holders.items():

@@ -8,11 +8,17 @@ If polkitd is absent or fails, the answer is no.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
+from dbus_fast.constants import MessageFlag
+
+from .errors import TooBusy
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +47,26 @@ METHOD_ACTIONS: dict[tuple[str, str], str] = {
 }
 OUR_INTERFACES = {iface for iface, _ in METHOD_ACTIONS}
 
+POLKIT_NAME = "org.freedesktop.PolicyKit1"
+POLKIT_PATH = "/org/freedesktop/PolicyKit1/Authority"
+POLKIT_AUTHORITY = "org.freedesktop.PolicyKit1.Authority"
+
 # Message flag: the caller is willing to wait for a password prompt (dbus spec, ALLOW_INTERACTIVE_AUTHORIZATION).
 FLAG_ALLOW_INTERACTIVE = 0x4
 POLKIT_ALLOW_USER_INTERACTION = 0x1
 POLKIT_TIMEOUT = 25.0
 POLKIT_INTERACTIVE_TIMEOUT = 300.0
+
+# Not a method: what lets a caller see other users' processes in full (command lines, executables).
+VIEW_ALL = "org.gpukill.view-all-processes"
+VIEW_ALL_TTL = 60.0  # seconds a polkit answer about VIEW_ALL is kept for a connection
+
+# Every CheckAuthorization is a pending reply on gpukilld's bus connection, and dbus-daemon allows a connection
+# 128 of them (max_replies_per_connection): past that, every further authorization would fail. An interactive
+# check can wait minutes for a password (or forever, for an agent that never answers), so one user may hold
+# only a couple at a time and all users together well under 128.
+MAX_PENDING_PER_UID = 2
+MAX_PENDING = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +75,7 @@ class Caller:
     uid: int
     pid: int | None
     interactive: bool
+    gids: tuple[int, ...] = ()  # primary and supplementary groups, as the bus daemon saw them
 
 
 def action_for(interface: str | None, member: str) -> str | None:
@@ -65,14 +87,28 @@ def action_for(interface: str | None, member: str) -> str | None:
 
 
 class Bouncer:
-    def __init__(self, bus: MessageBus) -> None:
+    def __init__(self, bus: MessageBus, clock: Callable[[], float] = time.monotonic,
+                 timeout: float = POLKIT_TIMEOUT, interactive_timeout: float = POLKIT_INTERACTIVE_TIMEOUT) -> None:
         self.bus = bus
-        self._creds: dict[str, tuple[int, int | None]] = {}
+        self._clock = clock
+        self.timeout = timeout
+        self.interactive_timeout = interactive_timeout
+        self._creds: dict[str, tuple[int, int | None, tuple[int, ...]]] = {}
+        self._pending: dict[int, int] = {}  # uid -> polkit checks in flight
+        self._pending_total = 0
+        self._serial = 0
+        self._view_all: dict[str, tuple[bool, float]] = {}  # sender -> (answer, when)
+
+    def known(self, msg: Message) -> Caller | None:
+        """The caller of msg if its credentials are cached already (no bus round trip), else None."""
+        creds = self._creds.get(msg.sender)
+        if creds is None:
+            return None
+        return Caller(msg.sender, creds[0], creds[1], bool(msg.flags.value & FLAG_ALLOW_INTERACTIVE), creds[2])
 
     async def caller(self, msg: Message) -> Caller:
         sender = msg.sender
-        creds = self._creds.get(sender)
-        if creds is None:
+        if sender not in self._creds:
             reply = await self.bus.call(
                 Message(
                     destination="org.freedesktop.DBus",
@@ -87,41 +123,87 @@ class Bouncer:
                 raise PermissionError(f"cannot identify caller {sender}")
             info = reply.body[0]
             pid_v = info.get("ProcessID")
-            creds = (int(info["UnixUserID"].value), int(pid_v.value) if pid_v else None)
+            gids_v = info.get("UnixGroupIDs")
             # Unique names are never reused on a bus; bound the cache anyway.
             if len(self._creds) > 4096:
                 self._creds.clear()
-            self._creds[sender] = creds
-        interactive = bool(msg.flags.value & FLAG_ALLOW_INTERACTIVE)
-        return Caller(sender=sender, uid=creds[0], pid=creds[1], interactive=interactive)
+            self._creds[sender] = (int(info["UnixUserID"].value), int(pid_v.value) if pid_v else None,
+                                   tuple(int(g) for g in gids_v.value) if gids_v else ())
+        caller = self.known(msg)
+        assert caller is not None
+        return caller
+
+    def cached_sees_all(self, caller: Caller) -> bool | None:
+        """Whether the caller may see every process in full, if known without asking polkit now."""
+        if caller.uid == 0:
+            return True
+        hit = self._view_all.get(caller.sender)
+        if hit is None or self._clock() - hit[1] > VIEW_ALL_TTL:
+            return None
+        return hit[0]
+
+    async def sees_all(self, caller: Caller) -> bool:
+        """Root, or polkit grants VIEW_ALL (asked without interaction, as listing must never prompt). Any
+        failure, a busy polkit included, means no: the caller gets the limited view, never an error."""
+        known = self.cached_sees_all(caller)
+        if known is not None:
+            return known
+        try:
+            allowed, _why = await self.authorize(dataclasses.replace(caller, interactive=False), VIEW_ALL, {})
+        except TooBusy:
+            return False  # not cached: asked again on the next call
+        if len(self._view_all) > 4096:
+            self._view_all.clear()
+        self._view_all[caller.sender] = (allowed, self._clock())
+        return allowed
 
     async def authorize(self, caller: Caller, action: str, details: dict[str, str]) -> tuple[bool, str]:
-        """(allowed, why). Root needs no polkit; read-only actions need nothing."""
+        """(allowed, why). Root needs no polkit; read-only actions need nothing. TooBusy when the caller (or
+        everyone together) already has as many checks in flight as allowed: nothing is asked then."""
         if action == READ_ONLY:
             return True, "read-only"
         if caller.uid == 0:
             return True, "root"
-        flags = POLKIT_ALLOW_USER_INTERACTION if caller.interactive else 0
-        timeout = POLKIT_INTERACTIVE_TIMEOUT if caller.interactive else POLKIT_TIMEOUT
+        if self._pending.get(caller.uid, 0) >= MAX_PENDING_PER_UID:
+            raise TooBusy(f"uid {caller.uid} already has {MAX_PENDING_PER_UID} authorizations waiting for polkit "
+                          "(a password prompt?); answer or cancel those first")
+        if self._pending_total >= MAX_PENDING:
+            raise TooBusy("too many authorizations are waiting for polkit; try again in a moment")
+        self._pending[caller.uid] = self._pending.get(caller.uid, 0) + 1
+        self._pending_total += 1
         try:
-            call = self.bus.call(
-                Message(
-                    destination="org.freedesktop.PolicyKit1",
-                    path="/org/freedesktop/PolicyKit1/Authority",
-                    interface="org.freedesktop.PolicyKit1.Authority",
-                    member="CheckAuthorization",
-                    signature="(sa{sv})sa{ss}us",
-                    body=[
-                        ["system-bus-name", {"name": Variant("s", caller.sender)}],
-                        action,
-                        details,
-                        flags,
-                        "",
-                    ],
-                ),
-            )
+            return await self._check(caller, action, details)
+        finally:
+            self._pending_total -= 1
+            left = self._pending[caller.uid] - 1
+            if left:
+                self._pending[caller.uid] = left
+            else:
+                del self._pending[caller.uid]
+
+    async def _check(self, caller: Caller, action: str, details: dict[str, str]) -> tuple[bool, str]:
+        flags = POLKIT_ALLOW_USER_INTERACTION if caller.interactive else 0
+        timeout = self.interactive_timeout if caller.interactive else self.timeout
+        self._serial += 1
+        cancellation_id = f"gpukilld-{self._serial}"  # unique per gpukilld connection, as polkit requires
+        call = self.bus.call(
+            Message(
+                destination=POLKIT_NAME,
+                path=POLKIT_PATH,
+                interface=POLKIT_AUTHORITY,
+                member="CheckAuthorization",
+                signature="(sa{sv})sa{ss}us",
+                body=[["system-bus-name", {"name": Variant("s", caller.sender)}], action, details, flags,
+                      cancellation_id],
+            ),
+        )
+        try:
             # polkit may wait for the user to type a password: allow that, but never forever
             reply = await asyncio.wait_for(call, timeout)
+        except TimeoutError:
+            self._cancel(cancellation_id)
+            log.warning("polkit check for %s by uid %d timed out after %gs; cancelled", action, caller.uid, timeout)
+            return False, f"polkit did not answer within {timeout:g}s"
         except Exception as e:  # polkitd absent, bus error: deny
             log.warning("polkit check for %s failed: %s", action, e)
             return False, f"polkit unavailable: {e}"
@@ -132,3 +214,13 @@ class Bouncer:
         if is_authorized:
             return True, "polkit"
         return False, "authentication required" if is_challenge else "not authorized by polkit"
+
+    def _cancel(self, cancellation_id: str) -> None:
+        """Tell polkit to drop a check we stopped waiting for (it closes the password dialog, if any)."""
+        msg = Message(destination=POLKIT_NAME, path=POLKIT_PATH, interface=POLKIT_AUTHORITY,
+                      member="CancelCheckAuthorization", signature="s", body=[cancellation_id],
+                      flags=MessageFlag.NO_REPLY_EXPECTED)
+        try:
+            self.bus.send(msg)
+        except Exception as e:  # the bus is going away: nothing left to cancel
+            log.debug("could not cancel polkit check %s: %s", cancellation_id, e)

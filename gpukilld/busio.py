@@ -7,8 +7,12 @@ and falls back to dbus-fast's own behaviour, and tests/test_busio.py checks both
    daemon fall off the bus. We make EAGAIN mean "0 bytes written": the writer then keeps the buffer and waits
    for the socket to become writable, as it already does after a partial write.
 
-2. ListProcesses without a filter is the hot call, and its reply body is the same for every caller until
-   the next sample. We marshal that body once per snapshot and only build the small header per call.
+2. ListProcesses without a filter is the hot call, and its reply body is the same for every caller who sees
+   the same processes until the next sample. We marshal that body once per snapshot and kind of caller, and
+   only build the small header per call.
+
+And one measurement: backlog_bytes(), what waits in the writer, so large replies can be refused while the
+connection is backed up instead of queueing without bound in the daemon's memory.
 """
 
 from __future__ import annotations
@@ -54,6 +58,20 @@ def tolerate_full_socket(bus: MessageBus) -> bool:
         return False
     writer.sock = _FullBufferIsNotFatal(writer.sock)
     return True
+
+
+def backlog_bytes(bus: MessageBus, give_up_after: int = 4096) -> int:
+    """Bytes of messages queued on the connection and not yet taken by dbus-daemon (a large number when more
+    than give_up_after messages wait: counting them would itself cost)."""
+    writer = getattr(bus, "_writer", None)
+    messages = getattr(writer, "messages", None)
+    if messages is None:
+        return 0
+    if len(messages) > give_up_after:
+        return 1 << 62
+    current = writer.buf  # the message being written, partly sent
+    pending = len(current) - writer.offset if current is not None else 0
+    return pending + sum(len(m[0]) for m in messages)
 
 
 def marshal_body(signature: str, body: list) -> bytes:

@@ -61,5 +61,20 @@ class AccessDenied(GpukillError):
     result = "denied"
 
 
+class TooBusy(GpukillError):
+    """A per-caller or global limit is reached (authorizations pending, policy tests running, replies queued):
+    nothing was done; the same request later may succeed."""
+
+    dbus_name = "org.gpukill1.Error.TooBusy"
+    result = "busy"
+
+
+class ReplyTooLarge(GpukillError):
+    """The reply would not fit in one bus message: ask for pages (ListProcesses: filter keys limit, after)."""
+
+    dbus_name = "org.gpukill1.Error.ReplyTooLarge"
+    result = "too-large"
+
+
 class ConfigError(Exception):
     """A configuration or device file is wrong; the message names FILE[:LINE] and what is wrong."""

@@ -66,20 +66,19 @@ class Killer:
             stat = self.procfs.stat(pid)
             if stat is None:
                 raise NoSuchProcess(f"process {pid} exited")
+            # These errors reach a caller before any authorization: they say no more than kill(2) would (the
+            # PID exists or not), never another process's name or start time.
             if stat.start_time != start_time:
-                raise ProcessChanged(
-                    f"PID {pid} now belongs to another process (start time {stat.start_time}, "
-                    f"expected {start_time}); list again"
-                )
+                raise ProcessChanged(f"PID {pid} now belongs to another process than the one listed; list again")
             if pid == 1:
                 raise Protected("PID 1 (init) is protected")
             if stat.is_kernel_thread:  # PF_KTHREAD: authoritative, unlike "parent is PID 2" inside containers
-                raise Protected(f"PID {pid} ({stat.comm}) is a kernel thread")
+                raise Protected(f"PID {pid} is a kernel thread")
             if pid == self.own_pid:
                 raise Protected("gpukilld does not kill itself")
             on_gpu = snapshot.processes_of(pid, start_time)
             if not on_gpu:
-                raise NotAGpuProcess(f"PID {pid} ({stat.comm}) is not using a GPU")
+                raise NotAGpuProcess(f"PID {pid} is not using a GPU")
             first = on_gpu[0]
             return Target(
                 pid=pid, start_time=start_time, uid=first.uid, user=first.user or user_name(first.uid),

@@ -29,6 +29,7 @@ from .manager import BUS_NAME, OBJECT_PATH, Door, ManagerInterface
 from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
 from .procfs import ProcFS
 from .sampler import Sampler, StateChange
+from .visibility import read_proc_rules
 
 log = logging.getLogger("gpukilld")
 
@@ -97,11 +98,13 @@ class Daemon:
         if line != self._status:
             self._status = line
             self.notifier.notify(f"STATUS={line}")
+        self.actions.refusals.flush()  # folded refusals are reported when their window is over
         waiters, self._snapshot_waiters = self._snapshot_waiters, []
         for fut in waiters:
             if not fut.done():
                 fut.set_result(snap)
         self.guard.on_snapshot(snap)  # evaluates and starts kills as tasks; never raises, never waits
+        self.sampler.taken(snap)  # the loop is alive: the sampler may ping the watchdog again
 
     async def next_snapshot(self) -> Snapshot:
         """A snapshot taken after this call: for acts that must not trust one up to an interval old."""
@@ -127,21 +130,59 @@ class Daemon:
         self.notifier.notify(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
         try:
             config = self._load_config()
-            backends = build_backends(config)
+            # Backends whose settings did not change are kept, not rebuilt (build_backends says why).
+            backends = build_backends(config, previous=(self.config, self.backends))
         except ConfigError as e:
             log.error("reload failed, keeping the configuration in force: %s", e)
             self.audit.log(audit.DAEMON, f"Reload failed, configuration unchanged: {e}", result="reload-failed",
                            error=str(e))
         else:
+            replaced = [b for b in self.backends if not any(b is kept for kept in backends)]
             self.config = config
             self.sampler.interval = config.sample_interval
             self.backends = backends
             self.sampler.backends = backends
             self.actions.backends = {b.name: b for b in backends}
-            self.guard.configure(notify_config(config), config.guard_policy_dir, config.guard_state_dir)
+            self._close_when_unused(replaced)
+            self.guard.configure(notify_config(config), config.guard_policy_dir, config.guard_state_dir,
+                                 config.guard_protected_uid_max, config.guard_protected_units)
             self.audit.log(audit.DAEMON, "Configuration reloaded", result="reloaded")
         self.guard.reload_files()  # a broken policy file leaves the policy in force (and says so)
         self.notifier.notify(f"READY=1\nSTATUS={self._status}")
+
+    def _close_when_unused(self, replaced: list) -> None:
+        """Close the backends a reload replaced (NVML handles, threads, ROCm SMI) once no sample uses them.
+
+        The sampler takes its backend list once per sample, so the sample in progress at the swap may still be
+        reading the old backends, and any sample begun after the swap reads only the new ones. Each sample ends
+        with a snapshot delivered to this loop: once two more have come (the one in progress, if any, then one
+        begun after the swap), the old backends are unused. They are then closed in a thread of their own, never
+        on this loop, since a vendor call may hang there; a daemon thread, so that it cannot hold up the exit.
+        A sampler that never delivers again is stuck in a backend, and those backends must not be closed."""
+        if not replaced:
+            return
+        assert self.loop is not None
+        loop = self.loop
+
+        def close() -> None:
+            for backend in replaced:
+                try:
+                    backend.close()
+                except Exception:  # one failing close must not keep the others open
+                    log.exception("closing the %s backend replaced by the reload failed", backend.name)
+            log.debug("closed the backends replaced by the reload: %s", ", ".join(b.name for b in replaced))
+
+        def after_snapshots(left: int) -> None:
+            if left == 0:
+                import threading
+
+                threading.Thread(target=close, name="backend-close", daemon=True).start()
+                return
+            fut: asyncio.Future[Snapshot] = loop.create_future()
+            fut.add_done_callback(lambda f: None if f.cancelled() else after_snapshots(left - 1))
+            self._snapshot_waiters.append(fut)  # resolved by _on_snapshot, on this loop
+
+        after_snapshots(2)
 
     # -- main ------------------------------------------------------------------------------------------
 
@@ -164,14 +205,19 @@ class Daemon:
             killer=Killer(), auditor=self.audit, on_killed=self._on_killed, on_reset=self._on_reset,
             resample=self.next_snapshot,
         )
+        proc_rules = read_proc_rules(self.config.proc_root)  # hidepid: what /proc shows users of each other
         self.manager = ManagerInterface(lambda: self.snapshot, self.actions, bouncer,
-                                        lambda: self.sampler.interval)
+                                        lambda: self.sampler.interval, lambda: proc_rules)
+        self.manager.bus = bus
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
-                                 self.config.guard_policy_dir, self.config.guard_state_dir)
+                                 self.config.guard_policy_dir, self.config.guard_state_dir,
+                                 protected_uid_max=self.config.guard_protected_uid_max,
+                                 protected_units=self.config.guard_protected_units)
         busio.tolerate_full_socket(bus)
         bus.add_message_handler(Door(bus, self.manager))
         bus.export(OBJECT_PATH, self.manager)
-        bus.export(OBJECT_PATH, GuardInterface(self.guard, bouncer, lambda: self.snapshot))
+        bus.export(OBJECT_PATH, GuardInterface(self.guard, bouncer, lambda: self.snapshot, self.actions.refusals,
+                                               lambda: proc_rules))
 
         first: asyncio.Future[Snapshot] = self.loop.create_future()
         self._snapshot_waiters.append(first)

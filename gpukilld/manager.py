@@ -8,9 +8,9 @@ that the method reads. dbus-fast starts each async method as a Task, which copie
 
 import functools
 import math
-import re
 from collections.abc import Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from dbus_fast import DBusError, Message, MessageType, Variant
@@ -20,9 +20,11 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from . import __version__, busio
 from .actions import Actions, KillResult, ResetResult
-from .bouncer import OUR_INTERFACES, Bouncer, action_for
-from .errors import GpukillError, InvalidArgs
+from .bouncer import OUR_INTERFACES, READ_ONLY, Bouncer, Caller, action_for
+from .errors import GpukillError, InvalidArgs, ReplyTooLarge, TooBusy
 from .model import Device, GpuProcess, Snapshot
+from .regex import RegexError, compile_regex
+from .visibility import FULL, ProcRules, Viewer, seen_as, viewer_for
 
 OBJECT_PATH = "/org/gpukill1"
 BUS_NAME = "org.gpukill1"
@@ -34,10 +36,21 @@ NO_REPLY_EXPECTED = MessageFlag.NO_REPLY_EXPECTED.value
 DEFAULT_GRACE = 5.0
 MAX_FILTER_STRING = 4096
 
+# A bus message may carry 32 MiB (dbus-daemon's max_message_size on the system bus). Replies are bounded well
+# under it by construction: every string a process controls is bounded when sampled (procfs), so a record is
+# at most ~11 KiB, a page of PAGE_MAX records fits, and a whole listing over MAX_REPLY is refused with
+# ReplyTooLarge (clients then ask for pages) instead of failing to marshal for every caller.
+MAX_REPLY = 16 << 20
+PAGE_MAX = 1000
+# What may wait in the daemon's own write queue before large replies are refused (TooBusy): callers who
+# never read their replies must not grow the daemon's memory.
+MAX_BACKLOG = 64 << 20
+
 
 class Door:
     """First look at every message: deny unmapped methods of our interfaces, remember the call for the
-    method body, and answer the hot unfiltered ListProcesses from a body marshalled once per snapshot."""
+    method body, and answer the hot unfiltered ListProcesses from a body marshalled once per snapshot and
+    kind of caller (when the caller's kind is known without a round trip)."""
 
     def __init__(self, bus: MessageBus, manager: "ManagerInterface") -> None:
         self.bus = bus
@@ -47,31 +60,59 @@ class Door:
         if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
             return None
         iface = msg.interface
+        no_reply = bool(msg.flags.value & NO_REPLY_EXPECTED)
         if iface in OUR_INTERFACES or iface is None:
-            if action_for(iface, msg.member) is None:
-                return Message.new_error(
+            action = action_for(iface, msg.member)
+            if action is None:
+                return True if no_reply else Message.new_error(
                     msg, "org.freedesktop.DBus.Error.AccessDenied",
                     f"{iface or '(no interface)'}.{msg.member} is not a method gpukilld allows",
                 )
+            if no_reply and action == READ_ONLY:
+                return True  # a question nobody waits to hear answered: nothing to do
             if (msg.member == "ListProcesses" and msg.signature == "a{sv}" and not msg.body[0]
-                    and not msg.flags.value & NO_REPLY_EXPECTED
-                    and busio.send_premarshalled_reply(self.bus, msg, "aa{sv}", self.manager.all_processes_body())):
-                return True
+                    and not msg.flags.value & NO_REPLY_EXPECTED):
+                answered = self._list_all(msg)
+                if answered is not None:
+                    return answered
             _current_call.set(msg)
+        elif no_reply:
+            # Properties, Introspectable, Peer: only questions. Dropped, so that dbus-fast has no error to log
+            # with a traceback for a call nobody waits on (any user could fill the journal with those).
+            return True
         elif iface == "org.freedesktop.DBus.Properties" and msg.member == "Set":
             return Message.new_error(msg, "org.freedesktop.DBus.Error.PropertyReadOnly",
                                      "gpukilld properties are read-only")
         return None
 
+    def _list_all(self, msg: Message) -> Message | bool | None:
+        viewer = self.manager.known_viewer(msg)
+        if viewer is None:
+            return None  # first call of this connection: the method asks who it is
+        try:
+            body = self.manager.all_processes_body(viewer)
+        except GpukillError as e:
+            return Message.new_error(msg, e.dbus_name, str(e))
+        if busio.send_premarshalled_reply(self.bus, msg, "aa{sv}", body):
+            return True
+        return None
+
 
 def _dbus_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Our failures become the D-Bus errors named in errors.py; the caller gets one line, never a traceback."""
+    """Our failures become the D-Bus errors named in errors.py; the caller gets one line, never a traceback.
+    A call sent with NO_REPLY_EXPECTED gets no error at all: dbus-fast would log it with a traceback, and that
+    would let any user write to the journal at will (the refusal itself is audited, folded per uid)."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, *args: Any) -> Any:
         try:
             return await fn(self, *args)
-        except GpukillError as e:
+        except (GpukillError, DBusError) as e:
+            msg = _current_call.get()
+            if msg is not None and msg.flags.value & NO_REPLY_EXPECTED:
+                return None
+            if isinstance(e, DBusError):
+                raise
             raise DBusError(e.dbus_name, str(e)) from None
 
     return wrapper
@@ -111,6 +152,8 @@ def process_to_dbus(p: GpuProcess) -> dict[str, Variant]:
     ):
         if value is not None:
             out[key] = Variant(sig, value)
+    if p.shared_usage:  # part of its usage is through a DRM client other users' processes hold: charged to no one
+        out["shared_usage"] = Variant("b", True)
     if p.memory_regions:  # region -> {"total": bytes, "resident": bytes}, each only where known
         out["memory_regions"] = Variant("a{sa{st}}", {
             r.name: {k: v for k, v in (("total", r.total), ("resident", r.resident)) if v is not None}
@@ -119,10 +162,11 @@ def process_to_dbus(p: GpuProcess) -> dict[str, Variant]:
     return out
 
 
-def _option(options: dict[str, Variant], key: str, kinds: str, where: str) -> Any:
+def _option(options: dict[str, Variant], key: str, kinds: str | tuple[str, ...], where: str) -> Any:
+    """The option's value if its signature is one of kinds (a string of one-letter signatures, or a tuple)."""
     v = options[key]
-    if v.signature not in kinds:
-        raise InvalidArgs(f"{where} {key!r} has type {v.signature!r}, expected one of {list(kinds)}")
+    if v.signature not in (tuple(kinds) if isinstance(kinds, str) else kinds):
+        raise InvalidArgs(f"{where} {key!r} has type {v.signature[:32]!r}, expected one of {list(kinds)}")
     return v.value
 
 
@@ -135,8 +179,15 @@ def _check_keys(options: dict[str, Variant], known: tuple[str, ...], where: str)
 ProcessFilter = Callable[[GpuProcess], bool]
 
 
-def build_filter(raw: dict[str, Variant], snapshot: Snapshot) -> list[ProcessFilter]:
-    _check_keys(raw, ("device", "user", "name", "name_regex", "min_memory"), "filter key")
+@dataclass(frozen=True, slots=True)
+class Query:
+    tests: list[ProcessFilter]
+    limit: int | None  # records per page; None: all at once (ReplyTooLarge when they do not fit)
+    after: tuple[int, int] | None  # (device, pid) of the last record of the previous page
+
+
+def build_query(raw: dict[str, Variant], snapshot: Snapshot) -> Query:
+    _check_keys(raw, ("device", "user", "name", "name_regex", "min_memory", "limit", "after"), "filter key")
     tests: list[ProcessFilter] = []
     if "device" in raw:
         dev = _option(raw, "device", "suy", "filter")
@@ -148,55 +199,146 @@ def build_filter(raw: dict[str, Variant], snapshot: Snapshot) -> list[ProcessFil
         if isinstance(user, int):
             tests.append(lambda p: p.uid == user)
         else:
+            user = user[:MAX_FILTER_STRING]
             tests.append(lambda p: p.user == user or str(p.uid) == user)
     if "name" in raw:
         name = _option(raw, "name", "s", "filter")[:MAX_FILTER_STRING]
         tests.append(lambda p: name in p.comm)
     if "name_regex" in raw:
-        pattern = _option(raw, "name_regex", "s", "filter")
-        if len(pattern) > 1024:
-            raise InvalidArgs("filter 'name_regex' is longer than 1024 characters")
         try:
-            rx = re.compile(pattern)
-        except re.error as e:
-            raise InvalidArgs(f"filter 'name_regex' is not a valid regular expression: {e}") from None
-        tests.append(lambda p: rx.search(p.comm) is not None)  # comm is at most 15 bytes: bounded work
+            rx = compile_regex(_option(raw, "name_regex", "s", "filter"))
+        except RegexError as e:
+            raise InvalidArgs(f"filter 'name_regex': {e}") from None
+        decided: dict[str, bool] = {}  # names repeat: one RE2 search per distinct name
+
+        def matches(p: GpuProcess) -> bool:
+            hit = decided.get(p.comm)
+            if hit is None:
+                hit = decided[p.comm] = rx.search(p.comm) is not None
+            return hit
+
+        tests.append(matches)
     if "min_memory" in raw:
         floor = _option(raw, "min_memory", "tuiyqx", "filter")
         tests.append(lambda p: (p.gpu_memory or 0) >= floor)
-    return tests
+    limit = None
+    if "limit" in raw:
+        limit = _option(raw, "limit", "uqy", "filter")
+        if not 1 <= limit <= PAGE_MAX:
+            raise InvalidArgs(f"filter 'limit' must be from 1 to {PAGE_MAX}, not {limit}")
+    after = None
+    if "after" in raw:
+        after = tuple(_option(raw, "after", ("(uu)",), "filter"))
+    return Query(tests, limit, after)  # type: ignore[arg-type]
+
+
+def _value_size(sig: str, value: Any) -> int:
+    """An upper bound of the marshalled size of one value (alignment padding included)."""
+    if sig == "s":
+        return 8 + len(value.encode())
+    if sig in ("u", "b", "y", "q", "n", "i"):
+        return 8
+    if sig in ("t", "d", "x"):
+        return 16
+    if sig in ("as", "au"):
+        return 8 + sum(_value_size(sig[1], v) for v in value)
+    return len(busio.marshal_body(sig, [value])) + 8
+
+
+def record_size(record: dict[str, Variant]) -> int:
+    """An upper bound of the marshalled size of an a{sv} record, to bound replies before marshalling them."""
+    return 8 + sum(16 + len(k) + _value_size(v.signature, v.value) for k, v in record.items())
+
+
+Record = tuple[GpuProcess, dict[str, Variant], int]  # the process as seen, its a{sv}, its size bound
+
+
+def _record(p: GpuProcess) -> Record:
+    d = process_to_dbus(p)
+    return (p, d, record_size(d))
+
+
+def _check_size(records: list[Record], what: str) -> None:
+    size = sum(r[2] for r in records)
+    if size > MAX_REPLY:
+        raise ReplyTooLarge(
+            f"{what} ({len(records)} records, up to {size / (1 << 20):.1f} MiB) does not fit in one reply "
+            f"({MAX_REPLY >> 20} MiB); ask for pages with the filter keys 'limit' (at most {PAGE_MAX}) and 'after'")
 
 
 class ManagerInterface(ServiceInterface):
     def __init__(self, snapshot: Callable[[], Snapshot], actions: Actions, bouncer: Bouncer,
-                 sample_interval: Callable[[], float]) -> None:
+                 sample_interval: Callable[[], float], proc_rules: Callable[[], ProcRules] = ProcRules) -> None:
         super().__init__(INTERFACE)
         self._snapshot = snapshot
         self._actions = actions
         self._bouncer = bouncer
         self._sample_interval = sample_interval
+        self._proc_rules = proc_rules
         self._cache_generation = -1
         self._devices_reply: list[dict[str, Variant]] = []
-        self._processes_reply: list[tuple[GpuProcess, dict[str, Variant]]] = []
-        self._body_generation = -1
-        self._processes_body = b""
+        self._full: list[Record] = []  # every process in full, in (device, pid) order
+        self._reduced: dict[str, list[Record | None]] = {}  # others' processes in one reduced form, by index
+        self._views: dict[tuple[int, str], list[Record]] = {}  # a viewer's listing
+        self._bodies: dict[tuple[int, str], bytes] = {}  # a viewer's whole listing, marshalled
+        self.bus: MessageBus | None = None  # set by main: replies are refused while its queue is backed up
 
-    def all_processes_body(self) -> bytes:
-        """The marshalled body of an unfiltered ListProcesses reply, built once per snapshot."""
-        processes = self._converted()[1]
-        if self._body_generation != self._cache_generation:
-            self._processes_body = busio.marshal_body("aa{sv}", [[d for _, d in processes]])
-            self._body_generation = self._cache_generation
-        return self._processes_body
+    # -- listings, built once per snapshot and kind of viewer ------------------------------------------------
 
-    def _converted(self) -> tuple[list[dict[str, Variant]], list[tuple[GpuProcess, dict[str, Variant]]]]:
-        """Replies built once per snapshot: most calls in a second see the same one."""
+    def _fresh(self) -> None:
         snap = self._snapshot()
         if snap.generation != self._cache_generation:
             self._devices_reply = [device_to_dbus(d) for d in snap.devices]
-            self._processes_reply = [(p, process_to_dbus(p)) for p in snap.processes]
+            self._full = [_record(p) for p in snap.processes]
+            self._reduced, self._views, self._bodies = {}, {}, {}
             self._cache_generation = snap.generation
-        return self._devices_reply, self._processes_reply
+
+    def _view(self, viewer: Viewer) -> list[Record]:
+        self._fresh()
+        if viewer.others == FULL:
+            return self._full
+        view = self._views.get(viewer.key)
+        if view is None:
+            reduced = self._reduced.get(viewer.others)
+            if reduced is None:
+                reduced = self._reduced[viewer.others] = [
+                    None if (q := seen_as(p, viewer.others)) is None else _record(q) for p, _, _ in self._full]
+            view = [full if full[0].uid == viewer.uid else other
+                    for full, other in zip(self._full, reduced, strict=True)
+                    if full[0].uid == viewer.uid or other is not None]
+            if len(self._views) > 256:  # distinct callers in one sample interval: bound the cache
+                self._views.clear()
+                self._bodies.clear()
+            self._views[viewer.key] = view  # type: ignore[assignment]
+        return view  # type: ignore[return-value]
+
+    def all_processes_body(self, viewer: Viewer) -> bytes:
+        """The marshalled body of an unfiltered ListProcesses reply for this viewer, built once per snapshot;
+        ReplyTooLarge when it would not fit, TooBusy while the connection is backed up."""
+        view = self._view(viewer)
+        body = self._bodies.get(viewer.key)
+        if body is None:
+            _check_size(view, "the listing")
+            body = self._bodies[viewer.key] = busio.marshal_body("aa{sv}", [[d for _, d, _ in view]])
+        self._check_backlog()
+        return body
+
+    def _check_backlog(self) -> None:
+        if self.bus is not None and (queued := busio.backlog_bytes(self.bus)) > MAX_BACKLOG:
+            raise TooBusy(f"gpukilld has {queued >> 20} MiB of replies waiting for the bus; try again shortly")
+
+    def known_viewer(self, msg: Message) -> Viewer | None:
+        """The viewer for a call whose caller and view-all answer are known without a round trip."""
+        caller = self._bouncer.known(msg)
+        if caller is None:
+            return None
+        sees_all = self._bouncer.cached_sees_all(caller)
+        if sees_all is None:
+            return None
+        return viewer_for(caller.uid, caller.gids, sees_all, self._proc_rules())
+
+    async def _viewer(self, caller: Caller) -> Viewer:
+        return viewer_for(caller.uid, caller.gids, await self._bouncer.sees_all(caller), self._proc_rules())
 
     async def _caller(self):
         msg = _current_call.get()
@@ -211,18 +353,24 @@ class ManagerInterface(ServiceInterface):
 
     @method()
     def ListDevices(self) -> "aa{sv}":
-        return self._converted()[0]
+        self._fresh()
+        return self._devices_reply
 
     @method()
-    def ListProcesses(self, filter: "a{sv}") -> "aa{sv}":
-        _, processes = self._converted()
-        if not filter:
-            return [d for _, d in processes]
-        try:
-            tests = build_filter(filter, self._snapshot())
-        except GpukillError as e:
-            raise DBusError(e.dbus_name, str(e)) from None
-        return [d for p, d in processes if all(t(p) for t in tests)]
+    @_dbus_errors
+    async def ListProcesses(self, filter: "a{sv}") -> "aa{sv}":
+        viewer = await self._viewer(await self._caller())
+        view = self._view(viewer)
+        query = build_query(filter, self._snapshot())
+        selected = [r for r in view if all(t(r[0]) for t in query.tests)] if query.tests else view
+        if query.after is not None:
+            after = query.after
+            selected = [r for r in selected if (r[0].device, r[0].pid) > after]
+        if query.limit is not None:
+            selected = selected[:query.limit]
+        _check_size(selected, "the page" if query.limit else "the listing")
+        self._check_backlog()
+        return [d for _, d, _ in selected]
 
     @method()
     @_dbus_errors

@@ -9,11 +9,19 @@ import os
 import pwd
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import BinaryIO
 
 from .attribution import parse_cgroup
 from .model import Attribution
+from .text import bounded
 
 PF_KTHREAD = 0x00200000  # include/linux/sched.h: "I am a kernel thread"
+
+# Text a process controls is bounded where it is read, so no record, reply or condition grows with it.
+MAX_CMDLINE = 4096  # bytes of UTF-8; longer command lines end in CUT_MARKER
+CUT_MARKER = " …[cut]"
+MAX_EXE = 4096  # PATH_MAX
+MAX_CGROUP = 65536  # /proc/PID/cgroup: a line per hierarchy, each at most PATH_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +49,18 @@ class ProcInfo:
     exe: str | None
     attribution: Attribution
     container_pid: int | None
+
+
+def read_cmdline(f: BinaryIO) -> str:
+    """A command line as one string, arguments joined by spaces, cut at MAX_CMDLINE bytes (with CUT_MARKER).
+
+    argv may legally be megabytes (ARG_MAX); only its start is read, so neither a reply, a condition nor the
+    daemon's memory grows with what a process puts there."""
+    raw = f.read(MAX_CMDLINE + 1)
+    cut = len(raw) > MAX_CMDLINE
+    text = raw[:MAX_CMDLINE].rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+    text = bounded(text, MAX_CMDLINE, "")  # undecodable bytes became 3-byte U+FFFD: bound it again
+    return text + CUT_MARKER if cut else text
 
 
 def parse_stat(pid: int, text: str) -> ProcStat:
@@ -117,6 +137,13 @@ class ProcFS:
             pass
         return fields
 
+    def uid(self, pid: int) -> int | None:
+        """The real uid (who started it, as info() reads it); None if the process cannot be read."""
+        try:
+            return int(self._status_fields(pid)["Uid"].split()[0])
+        except (KeyError, ValueError, IndexError):
+            return None
+
     def info(self, pid: int, stat: ProcStat | None = None) -> ProcInfo | None:
         stat = stat or self.stat(pid)
         if stat is None:
@@ -132,16 +159,18 @@ class ProcFS:
             container_pid = int(nspid[-1])
         try:
             with open(self._path(pid, "cmdline"), "rb") as f:
-                cmdline = f.read().rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+                cmdline = read_cmdline(f)
         except OSError:
             cmdline = ""
         try:
-            exe: str | None = os.readlink(self._path(pid, "exe"))
+            # bytes: a path need not be UTF-8, and a str with surrogates cannot be sent on the bus
+            exe: str | None = bounded(os.readlink(self._path(pid, "exe").encode()).decode("utf-8", "replace"),
+                                      MAX_EXE)
         except OSError:
             exe = None
         try:
             with open(self._path(pid, "cgroup"), encoding="utf-8", errors="replace") as f:
-                attribution = parse_cgroup(f.read())
+                attribution = parse_cgroup(f.read(MAX_CGROUP))
         except OSError:
             attribution = Attribution()
         return ProcInfo(

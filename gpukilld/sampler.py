@@ -1,8 +1,10 @@
 """The sampler: one thread that reads every backend at a fixed interval into an immutable Snapshot.
 
 D-Bus reads are served from the latest snapshot, never by touching vendors per call. The thread pings the
-systemd watchdog only after a completed sample (or while sleeping between samples), so a backend that hangs
-stops the pings and systemd restarts the daemon.
+systemd watchdog (after a sample, and while sleeping between samples) only when the daemon's main loop has
+taken the latest snapshot it published (`taken`): a backend that hangs stops the pings, and so does a main
+loop that hangs, even in a call that lets this thread run on (a blocking syscall releases the interpreter
+lock). Either way systemd restarts the daemon.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class Sampler:
         self._last_devices: dict[str, Device] = {}
         self._last_samples: dict[str, BackendSample] = {}
         self._info_cache: dict[tuple[int, int], tuple[ProcInfo, float]] = {}
+        self._published: Snapshot | None = None  # the latest snapshot handed to the main loop
+        self._taken = True  # whether the main loop has taken it
 
     # -- thread control --------------------------------------------------------------------------------
 
@@ -65,20 +69,31 @@ class Sampler:
     def stop(self) -> None:
         self._stop.set()
 
+    def taken(self, snapshot: Snapshot) -> None:
+        """Called by the main loop when it has taken a snapshot: the loop is alive, pings may go on."""
+        if snapshot is self._published:
+            self._taken = True
+
+    def _ping(self) -> None:
+        if self._taken:
+            self._watchdog()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
             try:
                 snapshot, changes = self.sample_once()
+                self._taken = False
+                self._published = snapshot
                 self._publish(snapshot, changes)
             except Exception:  # a bug in one sample must not end sampling for good
                 log.exception("sampling failed")
-            self._watchdog()
+            self._ping()
             deadline = started + self.interval  # a fixed rate: the sample's own time is not added to the wait
             while (left := deadline - time.monotonic()) > 0:
                 if self._stop.wait(min(left, self._ping_every)):
                     return
-                self._watchdog()
+                self._ping()
 
     # -- one sample ------------------------------------------------------------------------------------
 
@@ -167,7 +182,7 @@ class Sampler:
                     cmdline=info.cmdline, exe=info.exe, device=dev.index, device_id=dev.id,
                     gpu_memory=u.gpu_memory, gpu_utilization=u.gpu_utilization,
                     attribution=info.attribution, container_pid=info.container_pid,
-                    memory_regions=u.memory_regions,
+                    memory_regions=u.memory_regions, shared_usage=u.shared_usage,
                 )
             )
         for key in self._info_cache.keys() - live_keys:

@@ -33,15 +33,13 @@ def _escape(ch: str) -> str:
 
 
 def shown(text: str) -> str:
-    """`text` with every control or invisible formatting character escaped; a backslash is doubled so an
-    escape in the output is always ours."""
-    if all(ch in _SAFE_ASCII and ch != "\\" for ch in text):
+    """`text` with every control or invisible formatting character escaped. Idempotent (a backslash is left
+    as it is), so text the daemon escaped once can be escaped again by a client without doubling."""
+    if all(ch in _SAFE_ASCII for ch in text):
         return text  # the common case: plain ASCII names
     out = []
     for ch in text:
-        if ch == "\\":
-            out.append("\\\\")
-        elif ch in _SAFE_ASCII or unicodedata.category(ch) not in _UNSAFE_CATEGORIES:
+        if ch in _SAFE_ASCII or unicodedata.category(ch) not in _UNSAFE_CATEGORIES:
             out.append(ch)
         else:
             out.append(_escape(ch))

@@ -62,6 +62,7 @@ def test_polkit_defaults_are_as_specified():
         "org.gpukill.kill-any-process": "auth_admin_keep",
         "org.gpukill.reset-device": "auth_admin",
         "org.gpukill.manage-guard": "auth_admin_keep",
+        "org.gpukill.view-all-processes": "no",
     }
 
 

@@ -252,6 +252,7 @@ class Testbed:
         self.journal_pid: int | None = None
         self.daemon: Daemon | None = None
         self.polkit: subprocess.Popen | None = None
+        self.cgroups: list[Path] = []
 
     # -- components ------------------------------------------------------------------------------------
 
@@ -304,13 +305,19 @@ class Testbed:
             _kill_group(self.polkit)
             self.polkit = None
 
-    def start_journal(self) -> None:
-        """A journald of our own in a mount namespace; gpukilld and journalctl are run inside it."""
+    def start_journal(self, rate_limit: tuple[int, int] | None = None) -> None:
+        """A journald of our own in a mount namespace; gpukilld and journalctl are run inside it.
+        rate_limit (burst, seconds) sets journald's RateLimitBurst and RateLimitIntervalSec, as an admin would in
+        journald.conf, so a test can show which entries survive when a flood makes journald drop some."""
         os.makedirs("/run/systemd/journal", exist_ok=True)
         os.makedirs("/run/log/journal", exist_ok=True)
         mounts = ["mount -t tmpfs tmpfs /run/systemd/journal", "mount -t tmpfs tmpfs /run/log/journal"]
         if os.path.isdir("/var/log/journal"):  # persistent storage would land in the machine's journal
             mounts.append("mount -t tmpfs tmpfs /var/log/journal")
+        if rate_limit is not None:
+            conf = self.workdir / "journald.conf"
+            conf.write_text(f"[Journal]\nRateLimitBurst={rate_limit[0]}\nRateLimitIntervalSec={rate_limit[1]}s\n")
+            mounts.append(f"mount --bind {conf} /etc/systemd/journald.conf")
         script = " && ".join([*mounts, f"exec {JOURNALD}"])
         proc = self._spawn(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], "journald.log")
         self.journal_pid = proc.pid
@@ -322,16 +329,36 @@ class Testbed:
             return argv
         return ["nsenter", "-t", str(self.journal_pid), "-m", "--", *argv]
 
+    def _unit_cgroups(self, unit: str) -> list[Path]:
+        """cgroups named like a system unit, in systemd's hierarchies (v1 name=systemd and v2), so journald
+        takes what the daemon logs as that unit's and applies its per-unit rate limit. Only where systemd does
+        not run the machine: its own tree is not ours to write."""
+        if os.path.isdir("/run/systemd/system"):
+            return []
+        roots = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
+        if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            roots = [Path("/sys/fs/cgroup")]
+        dirs = [r / "system.slice" / unit for r in roots if r.is_dir()]
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        self.cgroups.extend(dirs)
+        return dirs
+
     def start_daemon(self, sim_yaml: str | Path | None = None, args: list[str] | None = None,
-                     env: dict[str, str] | None = None, wait_ready: bool = True) -> Daemon:
+                     env: dict[str, str] | None = None, wait_ready: bool = True, as_unit: bool = False) -> Daemon:
+        """gpukilld on the bed's simulated GPUs; as_unit: in cgroups named like a system unit (_unit_cgroups)."""
         sim_path = self.workdir / "simulate.yaml"
         sim = yaml.safe_load(Path(sim_yaml or REPO / "examples" / "simulate.yaml").read_text())
         sim.setdefault("scope", self.scope)  # see only this bed's victims, not other runs' on the machine
         sim_path.write_text(yaml.safe_dump(sim))
         notify_path = self.workdir / f"notify-{len(self.procs)}.sock"
         listener = NotifyListener(notify_path)
-        argv = self.in_journal_ns([PYTHON, "-m", "gpukilld", "--simulate", str(sim_path),
-                                   "--config", str(self.workdir / "gpukilld.conf"), *(args or [])])
+        command = [PYTHON, "-m", "gpukilld", "--simulate", str(sim_path),
+                   "--config", str(self.workdir / "gpukilld.conf"), *(args or [])]
+        if as_unit and (cgroups := self._unit_cgroups(f"gpukilld-test-{self.scope}.service")):
+            enter = "".join(f"echo $$ > {d}/cgroup.procs && " for d in cgroups)
+            command = ["sh", "-c", enter + 'exec "$@"', "sh", *command]
+        argv = self.in_journal_ns(command)
         conf = self.workdir / "gpukilld.conf"
         if not conf.exists():  # the machine's /etc/gpukill/guard.d and /var/lib/gpukill are never used
             conf.write_text(f"[guard]\npolicy_dir = {self.workdir / 'guard.d'}\nstate_dir = {self.workdir / 'state'}\n")
@@ -355,6 +382,9 @@ class Testbed:
         for proc in reversed(self.procs):
             _kill_group(proc)
         self.procs.clear()
+        for d in self.cgroups:  # empty now that their processes are gone
+            with contextlib.suppress(OSError):
+                d.rmdir()
         if not os.environ.get("GPUKILL_KEEP_BED"):  # set it to keep logs and sockets for a post-mortem
             shutil.rmtree(self.workdir, ignore_errors=True)
 

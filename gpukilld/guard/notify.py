@@ -25,6 +25,8 @@ from email.message import EmailMessage
 from email.utils import formatdate, make_msgid
 from typing import Any
 
+from ..text import shown
+
 log = logging.getLogger(__name__)
 
 QUEUE_SIZE = 256
@@ -165,17 +167,23 @@ class Notifier:
         msg = EmailMessage()
         msg["From"] = c.mail_from or f"gpukilld@{socket.gethostname()}"
         msg["To"] = ", ".join(addresses)
-        msg["Subject"] = f"[gpukill] {notice.summary}"
+        # A process names itself: its name is in the summary and body. Escaped, a name with CR/LF cannot add
+        # headers or make EmailMessage refuse the notice, and one with escape sequences cannot reach a terminal.
+        msg["Subject"] = f"[gpukill] {shown(notice.summary)}"
         msg["Date"] = formatdate(localtime=True)
         msg["Message-ID"] = make_msgid(domain=socket.gethostname())
         msg["X-Gpukill-Rule"] = notice.rule
         msg["X-Gpukill-Event"] = notice.event
-        msg.set_content(notice.body)
+        msg.set_content("\n".join(shown(line) for line in notice.body.split("\n")))
         with smtplib.SMTP(c.smtp_host, c.smtp_port, timeout=c.timeout) as smtp:
             smtp.send_message(msg)
 
     def _post(self, url: str, notice: Notice) -> None:
-        body = json.dumps(notice.data).encode()
+        # JSON keeps every value exact; the human summary is escaped as everywhere text is shown to people.
+        data = notice.data
+        if isinstance(data.get("summary"), str):
+            data = {**data, "summary": shown(data["summary"])}
+        body = json.dumps(data).encode()
         req = urllib.request.Request(url, data=body, method="POST", headers={
             "Content-Type": "application/json", "User-Agent": "gpukilld"})
         try:

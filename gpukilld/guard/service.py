@@ -1,9 +1,11 @@
 """org.gpukill1.Guard on the system bus: a thin layer from D-Bus calls to the GuardRunner.
 
 GetStatus and TestPolicies are read-only (TestPolicies never acts; a policy a caller sends is evaluated in a
-child process, see sandbox.py). Enable, Disable, SetDryRun and LoadPolicy need org.gpukill.manage-guard, as
-the bouncer's table says; each request, allowed or denied, is audited. The caller is identified from the
-message the door handler (manager.Door) remembered for this call, as for the Manager interface.
+child process against what the caller may list, see sandbox.py and visibility.py; one test per caller at a
+time). Enable, Disable, SetDryRun and LoadPolicy need org.gpukill.manage-guard, as the bouncer's table says;
+each request, allowed or denied, is audited (denials folded per uid when there are many: refusals.py). The
+caller is identified from the message the door handler (manager.Door) remembered for this call, as for the
+Manager interface. Every reply is bounded: at most MAX_REPORT entries per list, MAX_PREVIEWS decisions.
 """
 
 from __future__ import annotations
@@ -17,22 +19,26 @@ from dbus_fast import DBusError, Variant
 from dbus_fast.service import ServiceInterface, method, signal
 
 from .. import audit
-from ..bouncer import Bouncer, action_for
-from ..errors import AccessDenied, InvalidArgs
+from ..bouncer import Bouncer, Caller, action_for
+from ..errors import AccessDenied, InvalidArgs, TooBusy
 
 # The door handler and the error wrapper are the Manager's: one way to identify callers and report errors.
 from ..manager import _current_call, _dbus_errors, _name_outputs
 from ..model import Snapshot
+from ..refusals import RefusalLog
+from ..visibility import FULL, ProcRules, Viewer, as_seen_by, viewer_for
 from .engine import Violation
 from .notify import Notice
 from .runner import GuardRunner
-from .sandbox import Sandbox
+from .sandbox import Sandbox, bounded_previews
 
 GUARD_INTERFACE = "org.gpukill1.Guard"
 NO_UID = 0xFFFFFFFF  # a notice about a device concerns no one user
 MAX_NAME = 4096
+MAX_REPORT = 200  # entries of each list in GetStatus (windows, graces: one per subject, as many as processes)
 
-_TYPES = {"pid": "u", "uid": "u", "start_time": "t", "pids": "au", "conditions": "as", "files": "as"}
+_TYPES = {"pid": "u", "uid": "u", "start_time": "t", "pids": "au", "conditions": "as", "files": "as", "more": "u",
+          "windows_more": "u", "graces_more": "u"}
 
 
 def _variant(key: str, value: Any) -> Variant | None:
@@ -75,35 +81,73 @@ def _clean_name(name: str) -> str:
     return name or "<policy>"
 
 
+def view_snapshot(snapshot: Snapshot, viewer: Viewer) -> Snapshot:
+    """The snapshot as the viewer may list it: what a policy it sends is tested against."""
+    if viewer.others == FULL:
+        return snapshot
+    seen = tuple(q for p in snapshot.processes if (q := as_seen_by(p, viewer)) is not None)
+    return dataclasses.replace(snapshot, processes=seen)
+
+
+def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer: Viewer) -> list[dict[str, Any]]:
+    """Decisions of the policy in force as the viewer may see them: where /proc hides other users' processes
+    (hidepid), a decision about only hidden processes is left out and hidden PIDs are taken out of the rest."""
+    if viewer.others == FULL or viewer.others == "program":
+        return previews
+    mine = {p.pid for p in snapshot.processes if p.uid == viewer.uid}
+    out = []
+    for d in previews:
+        pids = list(d.get("pids") or ())
+        if pids and not any(pid in mine for pid in pids):
+            continue
+        out.append({**d, "pids": [pid for pid in pids if pid in mine]})
+    return out
+
+
 class GuardInterface(ServiceInterface):
-    def __init__(self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot],
+                 refusals: RefusalLog, proc_rules: Callable[[], ProcRules] = ProcRules) -> None:
         super().__init__(GUARD_INTERFACE)
         self._runner = runner
         self._bouncer = bouncer
         self._snapshot = snapshot
+        self._refusals = refusals
+        self._proc_rules = proc_rules
         self._sandbox = Sandbox()
         runner.signals = self
 
-    async def _authorize(self, member: str, details: dict[str, str], what: str) -> str:
-        """Who asked, once polkit (or root) allows it; AccessDenied otherwise. Audited either way."""
+    async def _caller(self) -> Caller:
         msg = _current_call.get()
         if msg is None:
             raise AccessDenied("caller could not be identified")
         try:
-            caller = await self._bouncer.caller(msg)
+            return await self._bouncer.caller(msg)
         except Exception as e:
             raise AccessDenied(f"caller could not be identified: {e}") from None
+
+    async def _authorize(self, member: str, details: dict[str, str], what: str) -> str:
+        """Who asked, once polkit (or root) allows it; AccessDenied (or TooBusy) otherwise. Audited either way."""
+        caller = await self._caller()
         action = action_for(GUARD_INTERFACE, member)
         if action is None:  # cannot happen while the door denies unmapped methods; refuse rather than act
             raise AccessDenied(f"{member} is not a method gpukilld allows")
         who = f"uid {caller.uid}" + (f" (PID {caller.pid})" if caller.pid else "")
-        allowed, why = await self._bouncer.authorize(caller, action, {"operation": member, **details})
+        busy: TooBusy | None = None
+        try:
+            allowed, why = await self._bouncer.authorize(caller, action, {"operation": member, **details})
+        except TooBusy as e:
+            allowed, why, busy = False, str(e), e
         if not allowed:
-            self._runner.audit.log(audit.GUARD_POLICY, f"Guard request {member} denied to {who}: {why}",
-                                   action="guard", result="denied", polkit_action=action, reason=why,
-                                   caller_uid=caller.uid, caller_pid=caller.pid, requested_by=who)
+            self._refusals.log(caller.uid, audit.GUARD_POLICY, f"Guard request {member} denied to {who}: {why}",
+                               action="guard", result="busy" if busy else "denied", polkit_action=action,
+                               reason=why, caller_uid=caller.uid, caller_pid=caller.pid, requested_by=who)
+            if busy is not None:
+                raise busy
             raise AccessDenied(f"not authorized to {what}: {why}")
         return who
+
+    async def _viewer(self, caller: Caller) -> Viewer:
+        return viewer_for(caller.uid, caller.gids, await self._bouncer.sees_all(caller), self._proc_rules())
 
     # -- methods ---------------------------------------------------------------------------------------
 
@@ -134,21 +178,29 @@ class GuardInterface(ServiceInterface):
     @method()
     def GetStatus(self) -> "a{sv}":
         try:
-            return record(self._runner.status())
+            status = self._runner.status()
+            for key in ("windows", "graces"):  # one entry per subject: bounded like any reply
+                entries = status.get(key) or []
+                if len(entries) > MAX_REPORT:
+                    status[key] = entries[:MAX_REPORT]
+                    status[f"{key}_more"] = len(entries) - MAX_REPORT
+            return record(status)
         except Exception as e:  # a report must never cost the daemon
             raise DBusError("org.gpukill1.Error.Failed", f"status unavailable: {type(e).__name__}: {e}") from None
 
     @method()
     @_dbus_errors
     async def TestPolicies(self, name: "s", text: "s") -> "aa{sv}":
+        caller = await self._caller()
+        viewer = await self._viewer(caller)
         snapshot = self._snapshot()
         if text:
-            previews = await self._sandbox.preview(_clean_name(name), text, snapshot, os.getpid())
+            previews = await self._sandbox.preview(_clean_name(name), text, view_snapshot(snapshot, viewer),
+                                                   os.getpid(), caller.uid, self._runner.engine.protection)
         else:
-            previews = [dataclasses.asdict(p) for p in self._runner.preview(snapshot)]
+            previews = bounded_previews(visible_decisions(
+                [dataclasses.asdict(p) for p in self._runner.preview(snapshot)], snapshot, viewer))
         return [record(p) for p in previews]
-
-    # -- signals ---------------------------------------------------------------------------------------
 
     @signal()
     def PolicyViolated(self, event: Violation, dry_run: bool) -> "sssba{sv}":
