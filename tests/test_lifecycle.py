@@ -4,11 +4,13 @@ start-up errors; and that a testbed leaves no process behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import needs_root, pid_alive
 from testbed import PYTHON, REPO, ROOT, Testbed
@@ -84,6 +86,33 @@ def test_watchdog_stops_when_the_sampler_hangs(fresh_bed):
     _sim(daemon.sim_path)  # the backend answers again: pings resume
     resumed = time.monotonic()
     assert daemon.notify.wait_for("WATCHDOG=1", 5, after=resumed) is not None
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is needed to freeze the main loop (make deps installs it)")
+def test_watchdog_stops_when_the_main_loop_hangs(fresh_bed):
+    """A main loop stuck in a call that lets other threads run (here gdb makes it call sleep(); in life a
+    blocking syscall) must stop the pings as a hung sampler does: before, the sampler pinged on regardless, so
+    systemd never restarted a daemon that no longer answered anyone."""
+    bed = fresh_bed
+    daemon = bed.start_daemon(args=["--sample-interval", "0.2"], env={"WATCHDOG_USEC": "1000000"})
+    time.sleep(1.0)
+    assert len(daemon.notify.times("WATCHDOG=1")) >= 3, daemon.notify.messages
+    gdb = subprocess.Popen(["gdb", "-nx", "-q", "-batch", "-p", str(daemon.proc.pid), "-ex", "echo calling\\n",
+                            "-ex", "call (unsigned int)sleep(5)"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    try:
+        for line in gdb.stdout:
+            if line.strip() == "calling":
+                break
+        frozen = time.monotonic()  # the main thread sleeps from now; every other thread runs
+        time.sleep(4.0)
+        pings = [t for t in daemon.notify.times("WATCHDOG=1") if frozen + 1.0 < t < frozen + 4.0]
+        assert pings == [], f"{len(pings)} pings while the main loop was frozen"
+    finally:
+        gdb.wait(30)
+    thawed = time.monotonic()
+    assert daemon.notify.wait_for("WATCHDOG=1", 5, after=thawed) is not None, "pings did not resume"
+    assert daemon.proc.poll() is None
 
 
 def test_reload_rereads_config_and_keeps_it_on_error(fresh_bed):
