@@ -420,7 +420,9 @@ class CompiledCondition:
     def describe(self, scope: str, subject: Any) -> str:
         """The subject's value for the condition, as audit entries and notifications show it."""
         cond = self.cond
-        if cond.type == "group":
+        if cond.type == "group" or cond.type in _STRING_FIELDS:
+            # The condition, not the text it matched: a command line (tokens and all) would otherwise go to
+            # every listener of PolicyViolated and into every notice.
             return cond.text
         # "gpu_utilization 99% > 95% for 5m": the value read, then the condition it met
         shown = format_value(cond, value_getter(cond, scope)(subject))

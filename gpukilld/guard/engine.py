@@ -365,13 +365,14 @@ class Engine:
                 for key, since in window.items():
                     subject = st.seen.get(key)
                     out.append({"rule": st.rule.name, "subject": subject.label if subject else str(key),
-                                "condition": cond.text, "elapsed": now - since, "duration": cond.duration})
+                                "uid": _uid_of(subject) if subject else None, "condition": cond.text,
+                                "elapsed": now - since, "duration": cond.duration})
         return out
 
     def grace_report(self) -> list[dict[str, Any]]:
         """Subjects violating a kill rule and still inside its grace period."""
         now = self.clock.monotonic()
-        return [{"rule": st.rule.name, "subject": ep.label, "remaining": ep.grace_until - now}
+        return [{"rule": st.rule.name, "subject": ep.label, "uid": ep.uid, "remaining": ep.grace_until - now}
                 for st in self.states if st.rule.action == "kill"
                 for ep in st.episodes.values() if not ep.acted and now < ep.grace_until]
 

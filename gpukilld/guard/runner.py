@@ -304,7 +304,7 @@ class GuardRunner:
                        subject=ev.subject, reason=ev.reason, grace=rule.grace_period, dry_run=int(dry_run),
                        target_pids=",".join(str(t.pid) for t in ev.targets) or None, target_uid=ev.uid)
         self.signals.violated(ev, dry_run)
-        self._remember(rule=rule.name, subject=ev.subject, event="violation", action=rule.action,
+        self._remember(rule=rule.name, subject=ev.subject, uid=ev.uid, event="violation", action=rule.action,
                        outcome="", dry_run=dry_run)
         self._notify(rule, ev.uid, "violation", f"{rule.name}: {ev.subject} violates the rule",
                      [f"Host: {self._host}", f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
@@ -318,8 +318,8 @@ class GuardRunner:
                        action="guard", result="cancelled", rule=ev.rule.name, subject=ev.subject,
                        target_uid=ev.uid, dry_run=int(dry_run))
         self.signals.action_taken(ev.rule.name, ev.subject, "kill", 0, 0, "cancelled", dry_run)
-        self._remember(rule=ev.rule.name, subject=ev.subject, event="cancelled", action="kill", outcome="cancelled",
-                       dry_run=dry_run)
+        self._remember(rule=ev.rule.name, subject=ev.subject, uid=ev.uid, event="cancelled", action="kill",
+                       outcome="cancelled", dry_run=dry_run)
 
     def _would_kill(self, order: KillOrder) -> None:
         rule = order.rule
@@ -331,7 +331,7 @@ class GuardRunner:
                            target_pid=t.pid, target_start_time=t.start_time, target_uid=t.uid,
                            target_comm=t.comm, force=int(order.force), reason=order.reason, dry_run=1)
             self.signals.action_taken(rule.name, order.subject, "kill", t.pid, t.start_time, "would-kill", True)
-            self._remember(rule=rule.name, subject=order.subject, event="action", action="kill",
+            self._remember(rule=rule.name, subject=order.subject, uid=t.uid, event="action", action="kill",
                            outcome="would-kill", pid=t.pid, dry_run=True)
         self._notify(rule, order.uid, "action", f"{rule.name}: would stop {_pids(order.targets)} (dry run)",
                      [f"Host: {self._host}", f"Rule: {rule.name}", f"Subject: {order.subject}",
@@ -362,7 +362,7 @@ class GuardRunner:
                            target_start_time=t.start_time, target_uid=t.uid, target_comm=t.comm,
                            force=int(order.force), error=error or None, dry_run=0)
             self.signals.action_taken(rule.name, order.subject, "kill", t.pid, t.start_time, outcome, False)
-            self._remember(rule=rule.name, subject=order.subject, event="action", action="kill", outcome=outcome,
+            self._remember(rule=rule.name, subject=order.subject, uid=t.uid, event="action", action="kill", outcome=outcome,
                            pid=t.pid, dry_run=False)
             self._notify(rule, order.uid, "action", f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
                          [f"Host: {self._host}", f"Rule: {rule.name}", f"Subject: {order.subject}",

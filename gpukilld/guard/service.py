@@ -26,7 +26,7 @@ from ..errors import AccessDenied, InvalidArgs, TooBusy
 from ..manager import _current_call, _dbus_errors, _name_outputs
 from ..model import Snapshot
 from ..refusals import RefusalLog
-from ..visibility import FULL, ProcRules, Viewer, as_seen_by, viewer_for
+from ..visibility import FULL, PROGRAM, ProcRules, Viewer, as_seen_by, viewer_for
 from .engine import Violation
 from .notify import Notice
 from .runner import GuardRunner
@@ -38,7 +38,7 @@ MAX_NAME = 4096
 MAX_REPORT = 200  # entries of each list in GetStatus (windows, graces: one per subject, as many as processes)
 
 _TYPES = {"pid": "u", "uid": "u", "start_time": "t", "pids": "au", "conditions": "as", "files": "as", "more": "u",
-          "windows_more": "u", "graces_more": "u"}
+          "windows_more": "u", "graces_more": "u", "recent_more": "u"}
 
 
 def _variant(key: str, value: Any) -> Variant | None:
@@ -92,7 +92,7 @@ def view_snapshot(snapshot: Snapshot, viewer: Viewer) -> Snapshot:
 def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer: Viewer) -> list[dict[str, Any]]:
     """Decisions of the policy in force as the viewer may see them: where /proc hides other users' processes
     (hidepid), a decision about only hidden processes is left out and hidden PIDs are taken out of the rest."""
-    if viewer.others == FULL or viewer.others == "program":
+    if viewer.others in (FULL, PROGRAM):
         return previews
     mine = {p.pid for p in snapshot.processes if p.uid == viewer.uid}
     out = []
@@ -102,6 +102,22 @@ def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer
             continue
         out.append({**d, "pids": [pid for pid in pids if pid in mine]})
     return out
+
+
+def status_as_seen(status: dict[str, Any], viewer: Viewer) -> dict[str, Any]:
+    """The guard's status as the viewer may see it, bounded: windows and graces are one entry per subject (as
+    many as processes), so at most MAX_REPORT of each with a count of the rest. Where /proc hides other users'
+    processes (hidepid), entries about another user's process or user are left out (devices stay)."""
+    hides = viewer.others not in (FULL, PROGRAM)
+    for key in ("windows", "graces", "recent"):
+        entries = status.get(key) or []
+        if hides:
+            entries = [e for e in entries if e.get("uid") is None or e.get("uid") == viewer.uid]
+        if len(entries) > MAX_REPORT:
+            status[f"{key}_more"] = len(entries) - MAX_REPORT
+            entries = entries[:MAX_REPORT]
+        status[key] = entries
+    return status
 
 
 class GuardInterface(ServiceInterface):
@@ -176,15 +192,11 @@ class GuardInterface(ServiceInterface):
         return {"source": Variant("s", policy.source), "rules": Variant("as", [r.name for r in policy.rules])}
 
     @method()
-    def GetStatus(self) -> "a{sv}":
+    @_dbus_errors
+    async def GetStatus(self) -> "a{sv}":
+        viewer = await self._viewer(await self._caller())
         try:
-            status = self._runner.status()
-            for key in ("windows", "graces"):  # one entry per subject: bounded like any reply
-                entries = status.get(key) or []
-                if len(entries) > MAX_REPORT:
-                    status[key] = entries[:MAX_REPORT]
-                    status[f"{key}_more"] = len(entries) - MAX_REPORT
-            return record(status)
+            return record(status_as_seen(self._runner.status(), viewer))
         except Exception as e:  # a report must never cost the daemon
             raise DBusError("org.gpukill1.Error.Failed", f"status unavailable: {type(e).__name__}: {e}") from None
 
