@@ -33,6 +33,7 @@ EXIT_BUSY = 8
 EXIT_NOT_SUPPORTED = 9
 EXIT_STILL_ALIVE = 10
 EXIT_RESET_FAILED = 11
+EXIT_BUSY_TRY_AGAIN = 13
 
 EXIT_FOR_ERROR = {
     "org.freedesktop.DBus.Error.AccessDenied": EXIT_DENIED,
@@ -47,6 +48,7 @@ EXIT_FOR_ERROR = {
     "org.gpukill1.Error.ResetFailed": EXIT_RESET_FAILED,
     "org.gpukill1.Error.InvalidPolicy": EXIT_INVALID_POLICY,
     "org.freedesktop.DBus.Error.InvalidArgs": EXIT_USAGE,
+    "org.gpukill1.Error.TooBusy": EXIT_BUSY_TRY_AGAIN,
 }
 
 EXIT_CODES_HELP = """\
@@ -64,6 +66,8 @@ exit status:
   10  the process is still alive after the grace period (kill --force sends SIGKILL)
   11  GPU reset failed; the device was left as it was
   12  the guard policy is invalid (each error as FILE:LINE:COL: message; the policy in force stays)
+  13  too busy: a limit per user was reached (authorizations waiting for polkit, a policy test running);
+      nothing was done, try again
 
 JSON (list --json) is stable: {"format": 1, "devices": [...], "processes": [...]}; every key documented in
 README.md is always present, null where the daemon cannot read a value."""
