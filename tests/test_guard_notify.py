@@ -3,6 +3,8 @@ TCP listener that never answers for a dead relay. send() must return at once wha
 
 from __future__ import annotations
 
+import email
+import email.policy
 import json
 import socket
 import threading
@@ -198,3 +200,29 @@ def test_the_queue_is_bounded():
     finally:
         n.close()
         hole.close()
+
+
+def test_control_characters_in_a_process_name_neither_break_nor_reach_the_mail(smtp_server):
+    """A process names itself: a CR/LF in the name made EmailMessage refuse the Subject (the notice was lost),
+    and an escape sequence would reach the admin's terminal. Both arrive escaped, in one piece."""
+    box, port = smtp_server
+    rec = Recorder()
+    hooks = Hooks()
+    n = rec.notifier(NotifyConfig(smtp_port=port, smtp_host="127.0.0.1", mail_from="gpukilld@test.example"))
+    evil = Notice("action", "block-crypto-miners", "PID 42 (x\r\nBcc: all@corp\x1b[2J, user bob)",
+                  "block-crypto-miners: PID 42 (x\r\nBcc: all@corp\x1b[2J) terminated",
+                  "Subject: PID 42 (x\r\nBcc: all@corp\x1b[2J)\n",
+                  {"summary": "block-crypto-miners: PID 42 (x\r\nBcc: all@corp\x1b[2J) terminated", "pids": [42]})
+    try:
+        n.send(("admin@company.com", f"webhook:http://127.0.0.1:{hooks.port}/h"), evil)
+        assert box.wait(1) and hooks.wait(1), rec.failures
+        content = box.messages[0][2].decode()
+        headers = content.split("\r\n\r\n", 1)[0]
+        assert "\x1b" not in content and "\nBcc:" not in headers and "\r" not in content.replace("\r\n", "")
+        parsed = email.message_from_string(content, policy=email.policy.default)
+        assert parsed["Subject"] == "[gpukill] block-crypto-miners: PID 42 (x\\x0d\\x0aBcc: all@corp\\x1b[2J) terminated"
+        assert parsed["Bcc"] is None and box.messages[0][1] == ["admin@company.com"]  # no header from a name
+        assert hooks.posts[0][1]["summary"] == "block-crypto-miners: PID 42 (x\\x0d\\x0aBcc: all@corp\\x1b[2J) terminated"
+    finally:
+        n.close()
+        hooks.close()

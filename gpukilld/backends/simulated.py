@@ -224,9 +224,15 @@ class SimulatedBackend(Backend):
                 continue
             key = (pid, stat.start_time, stat.comm)
             seen.add(key)
-            if key not in self._usage:
-                self._usage[key] = parse_usage(self.procfs.environ(pid), self._config.scope)
-            usage = self._usage[key]
+            if key in self._usage:
+                usage = self._usage[key]
+            else:
+                env = self.procfs.environ(pid)
+                usage = parse_usage(env, self._config.scope)
+                # An empty environment is not remembered: during execve the new name shows before the new
+                # environment does, and a verdict made then would stand for the process's whole life.
+                if env:
+                    self._usage[key] = usage
             if usage is not None:
                 found[pid] = (stat.start_time, usage)
         for key in self._usage.keys() - seen:

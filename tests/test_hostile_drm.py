@@ -1,5 +1,6 @@
 """Guard never acts on borrowed evidence (issue 9), in the real daemon on the DRM backend: a DRM client passed
-to a process of another uid under a per-user memory rule.
+to a process of another uid under a per-user memory rule. Part of the hostile-user suite (test_hostile.py),
+on its own because it needs the DRM fixture host.
 
 How fd passing looks in /proc: after SCM_RIGHTS, the receiver's fd table holds the very drm_file the sender
 opened, so both processes' fdinfo show the same drm-client-id with the same counters. The fixture /proc
@@ -123,6 +124,14 @@ def guard_status(bed: Testbed) -> dict:
     return json.loads(r.stdout)
 
 
+def serving(bed: Testbed, user) -> None:
+    """As in test_hostile.py: another user's list answers within 2 s, from the same gpukilld."""
+    t0 = time.monotonic()
+    r = bed.ctl(user, "list")
+    assert r.returncode == 0 and time.monotonic() - t0 < 2.0, r.stderr
+    assert bed.daemon.proc.poll() is None
+
+
 def test_a_client_shared_with_another_user_is_charged_to_no_one(guarded, users):
     bed, host = guarded
     other = spawn(bed, users["other"])  # started first: the holder the old rule charged
@@ -145,6 +154,7 @@ def test_a_client_shared_with_another_user_is_charged_to_no_one(guarded, users):
     assert st["graces"] == [] and st["windows"] == []
     assert guard_entries(bed, other.pid) == [] and guard_entries(bed, miner.pid) == []
     assert bed.journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_SUBJECT="user gpkother") == []
+    serving(bed, users["admin"])
 
 
 def test_a_client_shared_with_a_system_daemon_is_the_users(guarded, users):
@@ -175,3 +185,4 @@ def test_a_client_shared_with_a_system_daemon_is_the_users(guarded, users):
     time.sleep(GRACE + 5 * INTERVAL)
     assert pid_alive(daemon.pid) and guard_entries(bed, daemon.pid) == []
     assert listed(bed)[daemon.pid]["gpu_memory"] == 6 * GiB
+    serving(bed, users["admin"])
