@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,11 +57,7 @@ def victims(bed):
     """Victims started in a test are killed after it, so tests do not see each other's processes."""
     before = len(bed.procs)
     yield bed
-    services = {bed.polkit, bed.daemon.proc if bed.daemon else None}  # a test may restart these
-    extra = [p for p in bed.procs[before:] if p not in services]
-    for proc in extra:
-        testbed._kill_group(proc)
-        bed.procs.remove(proc)
+    bed.kill_since(before)
 
 
 @pytest.fixture
@@ -72,6 +70,19 @@ def fresh_bed(users):
         yield b
     finally:
         b.stop()
+
+
+@pytest.fixture
+def host():
+    """A DRM fixture host (drm_fixtures.DrmHost: /sys, /proc and debugfs in the kernel's formats) of the test's
+    own, under /tmp (0755: an unprivileged reader can walk it)."""
+    from drm_fixtures import DrmHost
+
+    root = tempfile.mkdtemp(prefix="gpukill-drm-")
+    try:
+        yield DrmHost(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def pid_alive(pid: int) -> bool:

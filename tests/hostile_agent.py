@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+from dbus_call import to_dbus  # this folder: the tests' one encoding of variants in JSON
 from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
@@ -47,17 +48,6 @@ class NeverAnswers(ServiceInterface):
     @method()
     def CancelAuthentication(self, cookie: "s"):  # noqa: F821
         say({"cancel": cookie})
-
-
-def to_dbus(value):
-    if isinstance(value, dict):
-        if set(value) == {"$variant"}:
-            sig, inner = value["$variant"]
-            return Variant(sig, to_dbus(inner))
-        return {k: to_dbus(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_dbus(v) for v in value]
-    return value
 
 
 def start_time() -> int:

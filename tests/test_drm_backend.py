@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -48,14 +46,6 @@ class Clock:
     def __call__(self) -> float:
         return self.t
 
-
-@pytest.fixture
-def host():
-    root = tempfile.mkdtemp(prefix="gpukill-drm-")  # under /tmp, 0755: an unprivileged reader can walk it
-    try:
-        yield DrmHost(root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def backend(host: DrmHost, clock: Clock, **kw) -> DrmBackend:

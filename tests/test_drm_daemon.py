@@ -10,14 +10,12 @@ daemon's kill path (a pidfd on the real PID) stops them for real.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import tempfile
 import threading
 
 import pytest
 from conftest import pid_alive
-from drm_fixtures import DrmHost, amdgpu_fdinfo, i915_fdinfo
+from drm_fixtures import amdgpu_fdinfo, i915_fdinfo
 from nvml_host import FakeNvidiaHost
 from testbed import ROOT, SYSTEM_PYTHON
 
@@ -36,14 +34,6 @@ def spawn(bed, user) -> subprocess.Popen:
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     return proc
 
-
-@pytest.fixture
-def host():
-    root = tempfile.mkdtemp(prefix="gpukill-drm-")
-    try:
-        yield DrmHost(root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,11 +8,9 @@ The first tests are pure (process_usages on made-up clients, no root); the last 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
-from drm_fixtures import DrmHost, amdgpu_fdinfo
+from drm_fixtures import amdgpu_fdinfo
 
 from gpukilld.backends.drm import DrmBackend
 from gpukilld.backends.drm_fdinfo import Region
@@ -99,14 +97,6 @@ def test_uids_are_read_only_for_shared_clients():
 
 needs_mknod = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: fixture /dev/dri nodes are made with mknod")
 
-
-@pytest.fixture
-def host():
-    root = tempfile.mkdtemp(prefix="gpukill-drm-")
-    try:
-        yield DrmHost(root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @needs_mknod

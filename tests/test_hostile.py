@@ -56,11 +56,7 @@ def bed(hbed):
     """Processes a test starts are gone after it, so the next test's listings are its own."""
     before = len(hbed.procs)
     yield hbed
-    for proc in hbed.procs[before:]:
-        if proc is not hbed.daemon.proc and proc is not hbed.polkit:
-            proc.kill()
-            proc.wait()
-    del hbed.procs[before:]
+    hbed.kill_since(before)
 
 
 def owner_pid(bed: Testbed) -> int:

@@ -504,6 +504,14 @@ def _runner(tmp_path: Path, journal: Journal):
                        own_pid=4_000_000)
 
 
+def _good_start(tmp_path: Path) -> tuple[Path, Journal]:
+    """guard.d with a good policy, and a journal to see what a runner started on it reports."""
+    guard_d = tmp_path / "guard.d"
+    guard_d.mkdir()
+    (guard_d / "10-policy.yaml").write_text(GOOD)
+    return guard_d, Journal()
+
+
 MORE = GOOD + "      - {type: gpu_memory, operator: '>', value: @}\n"
 
 
@@ -515,10 +523,7 @@ MORE = GOOD + "      - {type: gpu_memory, operator: '>', value: @}\n"
     ("rules: [\"\\U00110000\"]\n", "1:"),  # ValueError from chr() in PyYAML's scanner
 ])
 def test_a_runner_with_a_broken_guard_d_starts_and_keeps_the_last_good_policy(tmp_path, broken, where):
-    guard_d = tmp_path / "guard.d"
-    guard_d.mkdir()
-    (guard_d / "10-policy.yaml").write_text(GOOD)
-    journal = Journal()
+    guard_d, journal = _good_start(tmp_path)
     runner = _runner(tmp_path, journal)
     runner.start()
     assert [r.name for r in runner.policy.rules] == ["good"] and runner.policy_error == ""
@@ -559,10 +564,7 @@ def test_a_runner_survives_an_unexpected_failure_of_the_parser(tmp_path, monkeyp
     """The last resort: anything but PolicyError (a bug) is a rejection too, with the place it came from."""
     from gpukilld.guard import runner as runner_module
 
-    guard_d = tmp_path / "guard.d"
-    guard_d.mkdir()
-    (guard_d / "10-policy.yaml").write_text(GOOD)
-    journal = Journal()
+    guard_d, journal = _good_start(tmp_path)
     runner = _runner(tmp_path, journal)
     runner.start()
     runner.stop()

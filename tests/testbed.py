@@ -377,6 +377,14 @@ class Testbed:
             self.daemon.notify.close()
             self.daemon = None
 
+    def kill_since(self, before: int) -> None:
+        """Kill what was started after self.procs had `before` entries, but the daemon and polkitd (a test may
+        have restarted those): what a test started is gone before the next one."""
+        services = {self.polkit, self.daemon.proc if self.daemon else None}
+        for proc in [p for p in self.procs[before:] if p not in services]:
+            _kill_group(proc)
+            self.procs.remove(proc)
+
     def stop(self) -> None:
         self.stop_daemon()
         for proc in reversed(self.procs):
