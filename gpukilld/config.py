@@ -92,6 +92,15 @@ def read_sys_uid_max(path: str = LOGIN_DEFS) -> int:
     return value
 
 
+def backends_problem(names: tuple[str, ...]) -> str | None:
+    """Why these backends cannot run together, or None. Fake GPUs listed, indexed, killed for and "reset" next
+    to real ones would be a demo setting that reaches production unnoticed."""
+    if "simulated" in names and len(names) > 1:
+        return (f"backends = {', '.join(names)}: the simulated backend cannot be combined with real backends; "
+                "use `simulated` alone (or `auto` with simulate = FILE), or only real ones")
+    return None
+
+
 def check_interval(value: float, where: str) -> float:
     if math.isnan(value) or not (MIN_INTERVAL <= value <= MAX_INTERVAL):
         raise ConfigError(f"{where}: sample_interval must be between {MIN_INTERVAL} and {MAX_INTERVAL:g} seconds")
@@ -149,10 +158,8 @@ def load_config(path: str, required: bool = False) -> Config:
     if parser.has_option("daemon", "backends"):
         names = tuple(n.strip() for n in parser["daemon"]["backends"].replace(",", " ").split())
         if names and names != ("auto",):
-            if "simulated" in names and len(names) > 1:  # why: backends/registry.py, build_backends
-                raise ConfigError(f"{path}:{_line_of(path, 'daemon', 'backends') or '?'}: backends = "
-                                  f"{', '.join(names)}: the simulated backend cannot be combined with real "
-                                  "backends; use `simulated` alone (or `auto` with simulate = FILE), or only real ones")
+            if (why := backends_problem(names)) is not None:
+                raise ConfigError(f"{path}:{_line_of(path, 'daemon', 'backends') or '?'}: {why}")
             values["backends"] = names
     for key, field in (("proc", "proc_root"), ("sys", "sys_root"), ("debugfs", "debugfs_root")):
         if parser.has_option("paths", key):

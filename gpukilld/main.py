@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import sdnotify
@@ -174,8 +175,6 @@ class Daemon:
 
         def after_snapshots(left: int) -> None:
             if left == 0:
-                import threading
-
                 threading.Thread(target=close, name="backend-close", daemon=True).start()
                 return
             fut: asyncio.Future[Snapshot] = loop.create_future()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..config import Config
+from ..config import Config, backends_problem
 from ..errors import ConfigError
 from . import Backend
 from .simulated import SimulatedBackend
@@ -69,11 +69,8 @@ def build_backends(config: Config, previous: tuple[Config, Sequence[Backend]] | 
     for name in names:
         if name not in FACTORIES:
             raise ConfigError(f"unknown backend {name!r} (known: {', '.join(sorted(FACTORIES))})")
-    if "simulated" in names and len(names) > 1:
-        # Fake GPUs listed, indexed, killed for and "reset" next to real ones: a demo setting that would reach
-        # production unnoticed. Checked here for any Config, however it was made (file, options, tests).
-        raise ConfigError(f"backends = {', '.join(names)}: the simulated backend cannot be combined with real "
-                          "backends; use `simulated` alone (or `auto` with simulate = FILE), or only real ones")
+    if (why := backends_problem(names)) is not None:  # for any Config, however made (load_config adds FILE:LINE)
+        raise ConfigError(why)
     if "simulated" in names and not config.simulate:
         raise ConfigError("the simulated backend needs a device file: set simulate = FILE or --simulate FILE")
     keep = dict(zip(backend_specs(previous[0]), previous[1], strict=True)) if previous else {}
