@@ -70,8 +70,7 @@ class Door:
                 )
             if no_reply and action == READ_ONLY:
                 return True  # a question nobody waits to hear answered: nothing to do
-            if (msg.member == "ListProcesses" and msg.signature == "a{sv}" and not msg.body[0]
-                    and not msg.flags.value & NO_REPLY_EXPECTED):
+            if msg.member == "ListProcesses" and msg.signature == "a{sv}" and not msg.body[0]:
                 answered = self._list_all(msg)
                 if answered is not None:
                     return answered
