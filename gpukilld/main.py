@@ -213,7 +213,7 @@ class Daemon:
                                  protected_uid_max=self.config.guard_protected_uid_max,
                                  protected_units=self.config.guard_protected_units)
         busio.tolerate_full_socket(bus)
-        bus.add_message_handler(Door(bus, self.manager))
+        bus.add_message_handler(Door(bus, self.manager, bouncer))
         bus.export(OBJECT_PATH, self.manager)
         bus.export(OBJECT_PATH, GuardInterface(self.guard, bouncer, lambda: self.snapshot, self.actions.refusals,
                                                lambda: proc_rules))

@@ -21,6 +21,7 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 from . import __version__, busio
 from .actions import Actions, KillResult, ResetResult
 from .bouncer import OUR_INTERFACES, READ_ONLY, Bouncer, Caller, action_for
+from .callrate import RATE, CallRate
 from .errors import GpukillError, InvalidArgs, ReplyTooLarge, TooBusy
 from .model import Device, GpuProcess, Snapshot
 from .regex import RegexError, compile_regex
@@ -48,19 +49,26 @@ MAX_BACKLOG = 64 << 20
 
 
 class Door:
-    """First look at every message: deny unmapped methods of our interfaces, remember the call for the
-    method body, and answer the hot unfiltered ListProcesses from a body marshalled once per snapshot and
-    kind of caller (when the caller's kind is known without a round trip)."""
+    """First look at every message: hold each uid to its call rate, deny unmapped methods of our interfaces,
+    remember the call for the method body, and answer the hot unfiltered ListProcesses from a body marshalled
+    once per snapshot and kind of caller (when the caller's kind is known without a round trip)."""
 
-    def __init__(self, bus: MessageBus, manager: "ManagerInterface") -> None:
+    def __init__(self, bus: MessageBus, manager: "ManagerInterface", bouncer: Bouncer) -> None:
         self.bus = bus
         self.manager = manager
+        self.bouncer = bouncer
+        self.rate = CallRate()
 
     def __call__(self, msg: Message) -> Message | bool | None:
         if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
             return None
         iface = msg.interface
         no_reply = bool(msg.flags.value & NO_REPLY_EXPECTED)
+        caller = self.bouncer.known(msg)  # a connection's first call is looked up by the method, then known
+        if caller is not None and not self.rate.allow(caller.uid):
+            return True if no_reply else Message.new_error(
+                msg, TooBusy.dbus_name, f"uid {caller.uid} calls gpukilld more than {RATE:g} times a second; "
+                                        "slow down")
         if iface in OUR_INTERFACES or iface is None:
             action = action_for(iface, msg.member)
             if action is None:

@@ -6,8 +6,9 @@ authorization of its requests ends in BeginAuthentication here, which is never a
 stays pending in gpukilld for as long as gpukilld lets it. Commands, one JSON object per line on stdin:
 
   {"flood": N, "member": "KillProcess", "signature": "uta{sv}", "body": [...], "interactive": true, "wait": S,
-   "batch": B}
-      send N copies of the call, B at a time (default 100), waiting up to S seconds for each wave; print how
+   "batch": B, "pause": P}
+      send N copies of the call, B at a time (default 100), waiting up to S seconds for each wave and P more
+      seconds after it (default 0: a paced flood stays under gpukilld's per-uid call rate); print how
       they ended (error names counted, "pending" for those still unanswered: they stay pending until this
       process exits)
 
@@ -70,6 +71,7 @@ async def flood(bus: MessageBus, spec: dict) -> dict:
         left -= len(calls)
         done, pending = await asyncio.wait(calls, timeout=spec.get("wait", 5.0))
         outcome["pending"] += len(pending)
+        await asyncio.sleep(spec.get("pause", 0.0))
         for fut in done:
             reply = fut.result()
             key = reply.error_name if reply.message_type == MessageType.ERROR else "ok"

@@ -331,7 +331,8 @@ def flood(agent: subprocess.Popen, events: list[dict], **spec) -> dict:
     before = len([e for e in events if "flood" in e])
     agent.stdin.write(json.dumps(spec) + "\n")
     agent.stdin.flush()
-    deadline = time.monotonic() + spec.get("wait", 5) * (spec["flood"] // spec.get("batch", 100) + 1) + 30
+    waves = spec["flood"] // spec.get("batch", 100) + 1
+    deadline = time.monotonic() + (spec.get("wait", 5) + spec.get("pause", 0)) * waves + 30
     while len(floods := [e for e in events if "flood" in e]) == before:
         assert time.monotonic() < deadline, "the flood never finished"
         time.sleep(0.1)
@@ -398,6 +399,31 @@ def test_a_polkit_check_that_times_out_is_cancelled(bed, users):
     assert cancelled and set(cancelled) <= set(begun)
 
 
+def test_a_flood_of_calls_is_held_to_its_rate(bed, users):
+    """20,000 listings as fast as one user's connection takes them. Before, gpukilld and dbus-daemon spent what
+    each listing costs on every one of them (100 s of both here); past its rate, the flooder now gets a small
+    TooBusy at once, and others are served meanwhile."""
+    victims = start_many(bed, users["other"], 50, "0,1,2,3", ["z" * 2000])  # a listing worth relaying: 200 records
+    wait_listed(bed, {p.pid for p in victims})
+    agent, _name, events = start_agent(bed, users["other"])
+    agent.stdin.write(json.dumps({"flood": 20000, "batch": 120, "member": "ListProcesses", "signature": "a{sv}",
+                                  "body": [{}], "wait": 60}) + "\n")
+    agent.stdin.flush()
+    started = time.monotonic()
+    time.sleep(1.0)  # the flood is on
+    for _ in range(3):
+        serving(bed, users["owner"])
+    deadline = time.monotonic() + 120
+    while not any("flood" in e for e in events):
+        assert time.monotonic() < deadline, "the flood never finished"
+        serving(bed, users["owner"])
+        time.sleep(0.5)
+    took = time.monotonic() - started
+    outcome = next(e["flood"] for e in events if "flood" in e)
+    assert outcome["pending"] == 0 and outcome.get(TOO_BUSY, 0) > 10000, outcome
+    assert took < 60, f"the flood kept the daemons busy for {took:.0f}s"
+
+
 # -- the journal ----------------------------------------------------------------------------------------------
 
 
@@ -410,9 +436,10 @@ def test_a_thousand_refusals_do_not_push_a_kill_out_of_the_journal(bed, users):
     agent, _name, events = start_agent(bed, other)
     time.sleep(refusals.WINDOW + 1)  # refusals of earlier tests by the same user are reported first
     before = len(bed.journal(GPUKILL_CALLER_UID=str(other.uid)))
-    refused = flood(agent, events, flood=500, member="KillProcess", signature="uta{sv}", body=[1, 0, {}],
-                    wait=30)
-    denied = flood(agent, events, flood=500, member="KillProcess", signature="uta{sv}",
+    # paced under the per-uid call rate (200/s), so that every one reaches the kill path and its audit
+    refused = flood(agent, events, flood=500, batch=100, pause=0.7, member="KillProcess", signature="uta{sv}",
+                    body=[1, 0, {}], wait=30)
+    denied = flood(agent, events, flood=500, batch=100, pause=0.7, member="KillProcess", signature="uta{sv}",
                    body=[victim.pid, listed["start_time"], {}], wait=60)
     assert refused == {"pending": 0, "org.gpukill1.Error.ProcessChanged": 500}, refused
     assert denied["pending"] == 0 and sum(denied.values()) == 500, denied

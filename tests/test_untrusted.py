@@ -8,6 +8,8 @@ import io
 import pytest
 
 from gpukilld import audit
+from gpukilld.callrate import BURST as CALL_BURST
+from gpukilld.callrate import RATE, CallRate
 from gpukilld.model import Attribution, GpuProcess
 from gpukilld.procfs import CUT_MARKER, MAX_CMDLINE, read_cmdline
 from gpukilld.refusals import BURST, TOTAL_BURST, WINDOW, RefusalLog
@@ -125,3 +127,12 @@ def test_all_users_together_have_a_budget():
         for _ in range(BURST):
             log.log(uid, audit.RESET_DENIED, "x")
     assert len(rec.entries) == TOTAL_BURST
+
+
+def test_each_uid_has_its_call_rate():
+    now = [0.0]
+    rate = CallRate(clock=lambda: now[0])
+    assert sum(rate.allow(1001) for _ in range(int(CALL_BURST) + 50)) == int(CALL_BURST)
+    assert rate.allow(1002) and rate.allow(0)  # another user's bucket; root is not limited
+    now[0] += 10 / RATE
+    assert sum(rate.allow(1001) for _ in range(50)) == 10  # refilled at RATE a second

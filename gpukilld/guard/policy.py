@@ -1019,15 +1019,21 @@ def _close_match(word: str, known: tuple[str, ...]) -> str:
 # -- public API ------------------------------------------------------------------------------------------
 
 
-def parse_file_text(text: str, filename: str) -> PolicyFile:
-    """Parse one policy file's text; PolicyError lists the problems found (at most MAX_ERRORS). Nothing else
-    is raised, whatever the text: the daemon's start-up and reload rely on it."""
+def check_text(text: str, filename: str) -> None:
+    """PolicyError unless text could be a policy at all (text, at most MAX_POLICY_BYTES, no NUL): cheap, so a
+    caller's 30 MiB message is refused before anything is spent on it."""
     if not isinstance(text, str):
         raise PolicyError([f"{filename}:1:1: the policy is not text"])
     if len(text) > MAX_POLICY_BYTES or len(text.encode("utf-8", "replace")) > MAX_POLICY_BYTES:
         raise PolicyError([f"{filename}:1:1: the policy is larger than {MAX_POLICY_BYTES // 1024} KiB"])
     if "\0" in text:
         raise PolicyError([f"{filename}:1:1: the policy contains a NUL byte: not a text file"])
+
+
+def parse_file_text(text: str, filename: str) -> PolicyFile:
+    """Parse one policy file's text; PolicyError lists the problems found (at most MAX_ERRORS). Nothing else
+    is raised, whatever the text: the daemon's start-up and reload rely on it."""
+    check_text(text, filename)
     parser = _Parser(text, filename)
     try:
         parsed = parser.parse()

@@ -29,6 +29,7 @@ from ..refusals import RefusalLog
 from ..visibility import FULL, PROGRAM, ProcRules, Viewer, as_seen_by, viewer_for
 from .engine import Violation
 from .notify import Notice
+from .policy import check_text
 from .runner import GuardRunner
 from .sandbox import Sandbox, bounded_previews
 
@@ -207,8 +208,10 @@ class GuardInterface(ServiceInterface):
         viewer = await self._viewer(caller)
         snapshot = self._snapshot()
         if text:
-            previews = await self._sandbox.preview(_clean_name(name), text, view_snapshot(snapshot, viewer),
-                                                   os.getpid(), caller.uid, self._runner.engine.protection)
+            name = _clean_name(name)
+            check_text(text, name)  # no child for what cannot be a policy
+            previews = await self._sandbox.preview(name, text, view_snapshot(snapshot, viewer), os.getpid(),
+                                                   caller.uid, self._runner.engine.protection)
         else:
             previews = bounded_previews(visible_decisions(
                 [dataclasses.asdict(p) for p in self._runner.preview(snapshot)], snapshot, viewer))

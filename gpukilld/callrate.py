@@ -1,0 +1,36 @@
+"""How often each uid may call gpukilld.
+
+Every call is answered on one main loop, in the order dbus-daemon delivers them: a user who sends calls as
+fast as the bus takes them would queue everyone else's behind their own. Each uid has a token bucket of BURST
+calls refilled at RATE a second; a call beyond it is answered at once with a small TooBusy error, which costs
+neither the daemon nor dbus-daemon what a listing does. Root is not limited (the benchmarks and the admin's own
+tools run as root).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+RATE = 200.0  # calls a second, per uid: a `top` or an exporter needs a few
+BURST = 400.0
+
+
+class CallRate:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[int, tuple[float, float]] = {}  # uid -> (tokens, when)
+
+    def allow(self, uid: int) -> bool:
+        if uid == 0:
+            return True
+        now = self._clock()
+        tokens, when = self._buckets.get(uid, (BURST, now))
+        tokens = min(BURST, tokens + (now - when) * RATE)
+        if tokens < 1.0:
+            self._buckets[uid] = (tokens, now)
+            return False
+        if len(self._buckets) > 65536:  # bounded whatever happens: forgetting means a full bucket
+            self._buckets.clear()
+        self._buckets[uid] = (tokens - 1.0, now)
+        return True
