@@ -140,6 +140,7 @@ class Daemon:
         else:
             replaced = [b for b in self.backends if not any(b is kept for kept in backends)]
             self.config = config
+            self.proc_rules = read_proc_rules(config.proc_root)  # /proc may have been remounted with hidepid
             self.sampler.interval = config.sample_interval
             self.backends = backends
             self.sampler.backends = backends
@@ -204,9 +205,9 @@ class Daemon:
             killer=Killer(), auditor=self.audit, on_killed=self._on_killed, on_reset=self._on_reset,
             resample=self.next_snapshot,
         )
-        proc_rules = read_proc_rules(self.config.proc_root)  # hidepid: what /proc shows users of each other
+        self.proc_rules = read_proc_rules(self.config.proc_root)  # hidepid: what /proc shows users of each other
         self.manager = ManagerInterface(lambda: self.snapshot, self.actions, bouncer,
-                                        lambda: self.sampler.interval, lambda: proc_rules)
+                                        lambda: self.sampler.interval, lambda: self.proc_rules)
         self.manager.bus = bus
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
                                  self.config.guard_policy_dir, self.config.guard_state_dir,
@@ -216,7 +217,7 @@ class Daemon:
         bus.add_message_handler(Door(bus, self.manager, bouncer))
         bus.export(OBJECT_PATH, self.manager)
         bus.export(OBJECT_PATH, GuardInterface(self.guard, bouncer, lambda: self.snapshot, self.actions.refusals,
-                                               lambda: proc_rules))
+                                               lambda: self.proc_rules))
 
         first: asyncio.Future[Snapshot] = self.loop.create_future()
         self._snapshot_waiters.append(first)
