@@ -2,7 +2,9 @@
 
 Read-only methods map to READ_ONLY and need no authorization. Root callers skip polkit. Everyone else is
 judged by polkitd, asked with the caller's bus name as subject, so polkit sees the real process and user.
-If polkitd is absent or fails, the answer is no.
+If polkitd is absent or fails, the answer is no. Each uid may have MAX_PENDING_PER_UID checks in flight
+(TooBusy past it), and a check that outlives its timeout is cancelled at polkitd. VIEW_ALL is asked, never
+interactively, to decide whether a caller sees other users' processes in full (visibility.py).
 """
 
 from __future__ import annotations
