@@ -292,7 +292,7 @@ def test_test_policies_never_signals(guard, users):
     bed = guard
     assert bed.ctl(ROOT, "guard", "disable").returncode == 0
     miner = start(bed, users["owner"], gpu=0, util=99, comm="xmrig")
-    bed.wait_listed(miner.pid)
+    bed.wait_listed(miner.pid, comm="xmrig")  # a sample may have caught it before it named itself
     instant = bed.workdir / "instant.yaml"
     instant.write_text("rules:\n  - name: now\n    action: kill\n    force: true\n"
                        "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
