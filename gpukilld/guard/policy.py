@@ -32,6 +32,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from ..errors import GpukillError
 from ..regex import MAX_PATTERN, compile_regex
+from ..text import shown
 from ..units import parse_size
 
 MAX_POLICY_BYTES = 1 << 20  # a policy is a few KiB; a bound keeps a client's text from costing much
@@ -129,7 +130,6 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 _RE2_PATTERN = type(compile_regex(""))
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
@@ -150,8 +150,7 @@ class PolicyError(GpukillError):
 
 def _one_line(line: str) -> str:
     """An error line as it is shown: one line (controls escaped), at most MAX_ERROR_LINE characters."""
-    if _UNPRINTABLE.search(line):
-        line = _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], line)
+    line = shown(line)
     return line if len(line) <= MAX_ERROR_LINE else line[:MAX_ERROR_LINE - 1] + "…"
 
 
