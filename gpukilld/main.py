@@ -23,7 +23,7 @@ from .backends.registry import build_backends
 from .bouncer import Bouncer, Caller
 from .config import DEFAULT_PATH, Config, check_interval, load_config
 from .errors import ConfigError, ResetFailed
-from .guard.runner import GuardRunner, notify_config
+from .guard.runner import GuardRunner, notify_config, protection_of
 from .guard.service import GuardInterface
 from .killer import Killer
 from .manager import BUS_NAME, OBJECT_PATH, Door, ManagerInterface
@@ -147,7 +147,7 @@ class Daemon:
             self.actions.backends = {b.name: b for b in backends}
             self._close_when_unused(replaced)
             self.guard.configure(notify_config(config), config.guard_policy_dir, config.guard_state_dir,
-                                 config.guard_protected_uid_max, config.guard_protected_units)
+                                 protection_of(config))
             self.audit.log(audit.DAEMON, "Configuration reloaded", result="reloaded")
         self.guard.reload_files()  # a broken policy file leaves the policy in force (and says so)
         self.notifier.notify(f"READY=1\nSTATUS={self._status}")
@@ -211,8 +211,7 @@ class Daemon:
         self.manager.bus = bus
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
                                  self.config.guard_policy_dir, self.config.guard_state_dir,
-                                 protected_uid_max=self.config.guard_protected_uid_max,
-                                 protected_units=self.config.guard_protected_units)
+                                 protection=protection_of(self.config))
         busio.tolerate_full_socket(bus)
         bus.add_message_handler(Door(bus, self.manager, bouncer))
         bus.export(OBJECT_PATH, self.manager)

@@ -25,7 +25,7 @@ REAL_BACKENDS: tuple[str, ...] = ("nvidia", "drm")  # in this order under `auto`
 SETTINGS: dict[str, Callable[[Config], tuple]] = {
     "simulated": lambda c: (c.simulate, c.proc_root),
     "nvidia": lambda c: (c.proc_root,),
-    "drm": lambda c: (c.sys_root, c.proc_root, c.debugfs_root),
+    "drm": lambda c: (c.sys_root, c.proc_root, c.debugfs_root, c.sys_uid_max),
 }
 
 
@@ -38,7 +38,8 @@ def _nvidia(config: Config) -> Backend:
 def _drm(config: Config) -> Backend:
     from .drm import DrmBackend  # AMD, Intel, Arm and Apple GPUs through sysfs, DRM fdinfo and KFD
 
-    return DrmBackend(config.sys_root, config.proc_root, config.debugfs_root)
+    return DrmBackend(config.sys_root, config.proc_root, config.debugfs_root,
+                      system_uid_max=config.sys_uid_max)  # login.defs as the configuration read it
 
 
 def _procfs(config: Config):

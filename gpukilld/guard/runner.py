@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .. import audit
-from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX, Config
+from ..config import Config
 from ..errors import GpukillError
 from ..model import Snapshot
 from .conditions import Protection
@@ -44,6 +44,11 @@ KillPath = Callable[..., Awaitable[Any]]  # Actions.kill(caller, pid, start_time
 def notify_config(config: Config) -> NotifyConfig:
     return NotifyConfig(smtp_host=config.smtp_host, smtp_port=config.smtp_port, mail_from=config.mail_from,
                         timeout=config.notify_timeout)
+
+
+def protection_of(config: Config) -> Protection:
+    """[guard] protect_system_users and protected_units, as the engine applies them."""
+    return Protection(config.guard_protected_uid_max, config.guard_protected_units)
 
 
 class GuardSignals(Protocol):
@@ -74,15 +79,13 @@ def _pids(targets: tuple[Target, ...]) -> str:
 class GuardRunner:
     def __init__(self, kill: KillPath, auditor: audit.Audit, notify_config: NotifyConfig, policy_dir: str,
                  state_dir: str, clock: Clock | None = None, own_pid: int | None = None,
-                 protected_uid_max: int | None = SYS_UID_MAX,
-                 protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS) -> None:
+                 protection: Protection | None = None) -> None:
         self.kill = kill
         self.audit = auditor
         self.policy_dir = policy_dir
         self.state_dir = state_dir
         self.clock = clock or Clock()
-        self.engine = Engine(clock=self.clock, own_pid=own_pid,
-                             protection=Protection(protected_uid_max, tuple(protected_units)))
+        self.engine = Engine(clock=self.clock, own_pid=own_pid, protection=protection)
         self.state = GuardState()
         self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice)
         self.signals: GuardSignals = _NoSignals()
@@ -163,10 +166,9 @@ class GuardRunner:
         self.notifier.close()
 
     def configure(self, notify_config: NotifyConfig, policy_dir: str, state_dir: str,
-                  protected_uid_max: int | None = SYS_UID_MAX,
-                  protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS) -> None:
+                  protection: Protection) -> None:
         """After a reload of gpukilld.conf; a queued notice already in a channel keeps its old relay."""
-        self.engine.protection = Protection(protected_uid_max, tuple(protected_units))
+        self.engine.protection = protection
         self.policy_dir = policy_dir
         if state_dir != self.state_dir:
             self.state_dir = state_dir
