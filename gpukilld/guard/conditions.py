@@ -377,13 +377,12 @@ class CompiledCondition:
             if cond.type in _LOWER_BOUNDS and not (scope == PER_DEVICE and cond.role != SELECTOR) \
                     and op not in (">", ">="):
                 # A lower bound cannot show a subject is under a limit (or at it): only complete figures can.
-                self.test = lambda s: not s.partial and (v := get(s)) is not None and compare(v, limit)
-                self.filter = lambda items: [s for s in items
-                                             if not s.partial and (v := get(s)) is not None and compare(v, limit)]
-            else:
-                self.test = lambda s: (v := get(s)) is not None and compare(v, limit)
-                # attrgetter and operator.gt are C: no Python frame per subject in the comprehension
-                self.filter = lambda items: [s for s in items if (v := get(s)) is not None and compare(v, limit)]
+                # For these operators a partial figure reads as unknown, which never makes a condition true.
+                complete = get
+                get = lambda s: None if s.partial else complete(s)  # noqa: E731 - replaces the getter above
+            self.test = lambda s: (v := get(s)) is not None and compare(v, limit)
+            # attrgetter and operator.gt are C: no Python frame per subject in the comprehension
+            self.filter = lambda items: [s for s in items if (v := get(s)) is not None and compare(v, limit)]
         self.cheap = self.decide is not None
 
     def _keyed(self, attr: str | None, decide: Callable[[Any], bool], key: Callable[[Any], Any]) -> None:
