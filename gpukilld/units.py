@@ -27,12 +27,12 @@ def parse_size(value: object) -> int:
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"size must not be negative: {_short(value)}")
+            raise ValueError(f"size must not be negative: {short(value)}")
         if value > MAX_SIZE:
-            raise ValueError(f"size {_short(value)} is larger than the maximum, 1 EiB (2^60 bytes)")
+            raise ValueError(f"size {short(value)} is larger than the maximum, 1 EiB (2^60 bytes)")
         return value
     if not isinstance(value, str):
-        raise ValueError(f"not a size: {_short(value)} (use bytes, or a suffix such as 8GiB or 8GB)")
+        raise ValueError(f"not a size: {short(value)} (use bytes, or a suffix such as 8GiB or 8GB)")
     text = value.strip()
     if len(text) > MAX_SIZE_TEXT:
         raise ValueError(f"not a size: {text[:20]!r}… is longer than {MAX_SIZE_TEXT} characters")
@@ -47,9 +47,10 @@ def parse_size(value: object) -> int:
     return size
 
 
-def _short(value: object) -> str:
-    """A value for a message: a huge int by its number of digits (str() refuses more than 4300 of them)."""
-    if isinstance(value, int) and value.bit_length() > 64:
+def short(value: object, limit: int = 40) -> str:
+    """A value for a message: a huge int by its number of digits (str() refuses more than 4300 of them), else
+    its repr cut to `limit` characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
-    return text if len(text) <= 40 else text[:39] + "…"
+    return text if len(text) <= limit else text[:limit - 1] + "…"

@@ -20,7 +20,7 @@ import yaml
 from ..errors import ConfigError, NotSupported, ResetFailed
 from ..model import STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
 from ..procfs import ProcFS
-from ..units import parse_size
+from ..units import parse_size, short
 from . import Backend, BackendSample
 
 log = logging.getLogger(__name__)
@@ -69,26 +69,19 @@ def _number(value: object, where: str, lo: float, hi: float) -> float:
     """A finite number from lo to hi: ints of any size are compared exactly before float() (which would raise
     OverflowError), inf and nan are refused."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}: expected a number, got {_shown(value)}")
+        raise ConfigError(f"{where}: expected a number, got {short(value, 60)}")
     if isinstance(value, float) and math.isnan(value):
         raise ConfigError(f"{where}: expected a number, got nan")
     if not lo <= value <= hi:
-        raise ConfigError(f"{where}: expected a number from {lo:g} to {hi:g}, got {_shown(value)}")
+        raise ConfigError(f"{where}: expected a number from {lo:g} to {hi:g}, got {short(value, 60)}")
     return float(value) + 0.0  # -0.0 is 0
-
-
-def _shown(value: object) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:59] + "…"
 
 
 def _sim_device(i: int, raw: object, where: str) -> SimDevice:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping")
     if unknown := set(raw) - _DEVICE_KEYS:
-        raise ConfigError(f"{where}: unknown key {_shown(sorted(unknown, key=_shown)[0])}")
+        raise ConfigError(f"{where}: unknown key {short(sorted(unknown, key=lambda k: short(k, 60))[0], 60)}")
     try:
         memory_total = parse_size(raw["memory_total"]) if "memory_total" in raw else None
         memory_used = parse_size(raw.get("memory_used", 0))
@@ -136,7 +129,7 @@ def load_sim_config(path: str) -> SimConfig:
     if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
         raise ConfigError(f"{path}: expected a mapping with a 'devices:' list")
     if unknown := set(data) - _TOP_KEYS:
-        raise ConfigError(f"{path}: unknown key {_shown(sorted(unknown, key=_shown)[0])} "
+        raise ConfigError(f"{path}: unknown key {short(sorted(unknown, key=lambda k: short(k, 60))[0], 60)} "
                           f"(known: {', '.join(sorted(_TOP_KEYS))})")
     faults = data.get("faults") or {}
     if not isinstance(faults, dict) or (set(faults) - _FAULT_KEYS):

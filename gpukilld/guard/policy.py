@@ -33,7 +33,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ..errors import GpukillError
 from ..regex import MAX_PATTERN, compile_regex
 from ..text import shown
-from ..units import parse_size
+from ..units import parse_size, short
 
 MAX_POLICY_BYTES = 1 << 20  # a policy is a few KiB; a bound keeps a client's text from costing much
 MAX_RULES = 1000
@@ -179,13 +179,6 @@ def _cut(text: str, limit: int = MAX_TEXT) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def _number_text(value: int | float) -> str:
-    """A number for a message; a huge integer by its size, not its 4,000 digits."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"a number of about {int(value.bit_length() * math.log10(2)) + 1} digits"
-    return str(value)
-
-
 def _list_text(values: tuple[Any, ...]) -> str:
     """[a, b, c] for a condition's text, cut to fit MAX_TEXT with "… N more"."""
     shown: list[str] = []
@@ -206,9 +199,9 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"not a duration: {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"a duration must not be negative: {_number_text(value)}")
+            raise ValueError(f"a duration must not be negative: {short(value)}")
         if value > MAX_ANY_DURATION:
-            raise ValueError(f"a duration of {_number_text(value)} seconds is longer than 100 years")
+            raise ValueError(f"a duration of {short(value)} seconds is longer than 100 years")
         seconds = float(value)
     elif isinstance(value, float):
         seconds = value
@@ -239,7 +232,7 @@ def parse_duration(value: object) -> float:
 def format_size(n: float) -> str:
     """1.5 GiB. Sizes are at most 1 EiB (units.MAX_SIZE); a larger sum still prints in EiB, never overflows."""
     if isinstance(n, int) and n.bit_length() > 1000:  # beyond any float: n / 1024 would be OverflowError
-        return f"{_number_text(n)} B"
+        return f"{short(n)} B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
         if abs(n) < 1024 or unit == "EiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -353,7 +346,7 @@ def _describe(value: object) -> str:
     if value is None:
         return "nothing (null)"
     if isinstance(value, int | float):
-        return f"the number {_number_text(value)}"
+        return f"the number {short(value)}"
     if isinstance(value, str):
         return f"the string {_q(value)}"
     if isinstance(value, bytes):
@@ -527,7 +520,7 @@ class _Parser:
             self.error(node, f"{what}: {e}")
             return None
         if not minimum <= seconds <= maximum:
-            shown = value.strip() if isinstance(value, str) else _number_text(value)  # parsed: short
+            shown = value.strip() if isinstance(value, str) else short(value)  # parsed: short
             self.error(node, f"{what} must be between {format_duration(minimum)} and {format_duration(maximum)}, "
                              f"not {shown}")
             return None
@@ -555,7 +548,7 @@ class _Parser:
             is_id = ok and allow_int and isinstance(value, int) and not isinstance(value, bool)
             if is_id and not 0 <= value <= MAX_ID:
                 self.error(item, f"each item of {what}: a uid or gid is from 0 to {MAX_ID}, not "
-                                 f"{_number_text(value)}")
+                                 f"{short(value)}")
                 good = False
             elif is_text and len(value) > max_len:
                 self.error(item, f"each item of {what} must be at most {max_len} characters, not {len(value)}")
@@ -882,7 +875,7 @@ class _Parser:
             self.error(node, f"{what} must be a number, not nan")
             return None
         if not lo <= raw <= hi:  # inf included; exact for ints of any size
-            self.error(node, f"{what} must be from {lo:g} to {hi:g}{unit}, not {_number_text(raw)}")
+            self.error(node, f"{what} must be from {lo:g} to {hi:g}{unit}, not {short(raw)}")
             return None
         return float(raw) + 0.0  # -0.0 is 0
 
@@ -909,7 +902,7 @@ class _Parser:
             is_id = isinstance(raw, int) and not isinstance(raw, bool) and kind in ("group", "user")
             if is_id and not 0 <= raw <= MAX_ID:
                 self.error(node, f"{what}: a {'uid' if kind == 'user' else 'gid'} is from 0 to {MAX_ID}, "
-                                 f"not {_number_text(raw)}")
+                                 f"not {short(raw)}")
                 return None, False, ""
             if is_id:
                 return (raw if kind == "user" else str(raw)), False, str(raw)
