@@ -21,6 +21,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
 
 from .errors import TooBusy
+from .visibility import ProcRules, Viewer, viewer_for
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,10 @@ def action_for(interface: str | None, member: str) -> str | None:
 
 class Bouncer:
     def __init__(self, bus: MessageBus, clock: Callable[[], float] = time.monotonic,
-                 timeout: float = POLKIT_TIMEOUT, interactive_timeout: float = POLKIT_INTERACTIVE_TIMEOUT) -> None:
+                 timeout: float = POLKIT_TIMEOUT, interactive_timeout: float = POLKIT_INTERACTIVE_TIMEOUT,
+                 proc_rules: Callable[[], ProcRules] = ProcRules) -> None:
         self.bus = bus
+        self._proc_rules = proc_rules  # the host's hidepid, for viewer()
         self._clock = clock
         self.timeout = timeout
         self.interactive_timeout = interactive_timeout
@@ -158,6 +161,15 @@ class Bouncer:
             self._view_all.clear()
         self._view_all[caller.sender] = (allowed, self._clock())
         return allowed
+
+    async def viewer(self, caller: Caller) -> Viewer:
+        """How the caller sees other users' processes (visibility.py)."""
+        return viewer_for(caller.uid, caller.gids, await self.sees_all(caller), self._proc_rules())
+
+    def known_viewer(self, caller: Caller) -> Viewer | None:
+        """viewer() if it is known without asking polkit now, else None."""
+        sees_all = self.cached_sees_all(caller)
+        return None if sees_all is None else viewer_for(caller.uid, caller.gids, sees_all, self._proc_rules())
 
     async def authorize(self, caller: Caller, action: str, details: dict[str, str]) -> tuple[bool, str]:
         """(allowed, why). Root needs no polkit; read-only actions need nothing. TooBusy when the caller (or

@@ -195,7 +195,8 @@ class Daemon:
             log.error("cannot connect to the system bus: %s", e)
             return 1
         self.bus = bus
-        bouncer = Bouncer(bus)
+        self.proc_rules = read_proc_rules(self.config.proc_root)  # hidepid: what /proc shows users of each other
+        bouncer = Bouncer(bus, proc_rules=lambda: self.proc_rules)
         self.sampler = Sampler(
             backends, self.config.sample_interval, ProcFS(self.config.proc_root), self._publish,
             watchdog=lambda: self.notifier.notify("WATCHDOG=1"), watchdog_interval=self._watchdog_interval(),
@@ -205,9 +206,8 @@ class Daemon:
             killer=Killer(), auditor=self.audit, on_killed=self._on_killed, on_reset=self._on_reset,
             resample=self.next_snapshot,
         )
-        self.proc_rules = read_proc_rules(self.config.proc_root)  # hidepid: what /proc shows users of each other
         self.manager = ManagerInterface(lambda: self.snapshot, self.actions, bouncer,
-                                        lambda: self.sampler.interval, lambda: self.proc_rules)
+                                        lambda: self.sampler.interval)
         self.manager.bus = bus
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
                                  self.config.guard_policy_dir, self.config.guard_state_dir,
@@ -215,8 +215,7 @@ class Daemon:
         busio.tolerate_full_socket(bus)
         bus.add_message_handler(Door(bus, self.manager, bouncer))
         bus.export(OBJECT_PATH, self.manager)
-        bus.export(OBJECT_PATH, GuardInterface(self.guard, bouncer, lambda: self.snapshot, self.actions.refusals,
-                                               lambda: self.proc_rules))
+        bus.export(OBJECT_PATH, GuardInterface(self.guard, bouncer, lambda: self.snapshot, self.actions.refusals))
 
         first: asyncio.Future[Snapshot] = self.loop.create_future()
         self._snapshot_waiters.append(first)

@@ -20,12 +20,12 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from . import __version__, busio
 from .actions import Actions, KillResult, ResetResult
-from .bouncer import OUR_INTERFACES, READ_ONLY, Bouncer, Caller, action_for
+from .bouncer import OUR_INTERFACES, READ_ONLY, Bouncer, action_for
 from .callrate import RATE, CallRate
 from .errors import GpukillError, InvalidArgs, ReplyTooLarge, TooBusy
 from .model import Device, GpuProcess, Snapshot
 from .regex import RegexError, compile_regex
-from .visibility import FULL, ProcRules, Viewer, seen_as, viewer_for
+from .visibility import FULL, Viewer, seen_as
 
 OBJECT_PATH = "/org/gpukill1"
 BUS_NAME = "org.gpukill1"
@@ -275,13 +275,12 @@ def _check_size(records: list[Record], what: str) -> None:
 
 class ManagerInterface(ServiceInterface):
     def __init__(self, snapshot: Callable[[], Snapshot], actions: Actions, bouncer: Bouncer,
-                 sample_interval: Callable[[], float], proc_rules: Callable[[], ProcRules] = ProcRules) -> None:
+                 sample_interval: Callable[[], float]) -> None:
         super().__init__(INTERFACE)
         self._snapshot = snapshot
         self._actions = actions
         self._bouncer = bouncer
         self._sample_interval = sample_interval
-        self._proc_rules = proc_rules
         self._cache_generation = -1
         self._devices_reply: list[dict[str, Variant]] = []
         self._full: list[Record] = []  # every process in full, in (device, pid) order
@@ -337,15 +336,7 @@ class ManagerInterface(ServiceInterface):
     def known_viewer(self, msg: Message) -> Viewer | None:
         """The viewer for a call whose caller and view-all answer are known without a round trip."""
         caller = self._bouncer.known(msg)
-        if caller is None:
-            return None
-        sees_all = self._bouncer.cached_sees_all(caller)
-        if sees_all is None:
-            return None
-        return viewer_for(caller.uid, caller.gids, sees_all, self._proc_rules())
-
-    async def _viewer(self, caller: Caller) -> Viewer:
-        return viewer_for(caller.uid, caller.gids, await self._bouncer.sees_all(caller), self._proc_rules())
+        return None if caller is None else self._bouncer.known_viewer(caller)
 
     async def _caller(self):
         msg = _current_call.get()
@@ -366,7 +357,7 @@ class ManagerInterface(ServiceInterface):
     @method()
     @_dbus_errors
     async def ListProcesses(self, filter: "a{sv}") -> "aa{sv}":
-        viewer = await self._viewer(await self._caller())
+        viewer = await self._bouncer.viewer(await self._caller())
         view = self._view(viewer)
         query = build_query(filter, self._snapshot())
         selected = [r for r in view if all(t(r[0]) for t in query.tests)] if query.tests else view

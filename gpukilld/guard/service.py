@@ -26,7 +26,7 @@ from ..errors import AccessDenied, InvalidArgs, TooBusy
 from ..manager import _current_call, _dbus_errors, _name_outputs
 from ..model import Snapshot
 from ..refusals import RefusalLog
-from ..visibility import FULL, PROGRAM, ProcRules, Viewer, as_seen_by, viewer_for
+from ..visibility import FULL, PROGRAM, Viewer, as_seen_by
 from .engine import Violation
 from .notify import Notice
 from .policy import check_text
@@ -123,13 +123,12 @@ def status_as_seen(status: dict[str, Any], viewer: Viewer) -> dict[str, Any]:
 
 class GuardInterface(ServiceInterface):
     def __init__(self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot],
-                 refusals: RefusalLog, proc_rules: Callable[[], ProcRules] = ProcRules) -> None:
+                 refusals: RefusalLog) -> None:
         super().__init__(GUARD_INTERFACE)
         self._runner = runner
         self._bouncer = bouncer
         self._snapshot = snapshot
         self._refusals = refusals
-        self._proc_rules = proc_rules
         self._sandbox = Sandbox()
         runner.signals = self
 
@@ -163,9 +162,6 @@ class GuardInterface(ServiceInterface):
             raise AccessDenied(f"not authorized to {what}: {why}")
         return who
 
-    async def _viewer(self, caller: Caller) -> Viewer:
-        return viewer_for(caller.uid, caller.gids, await self._bouncer.sees_all(caller), self._proc_rules())
-
     # -- methods ---------------------------------------------------------------------------------------
 
     @method()
@@ -195,7 +191,7 @@ class GuardInterface(ServiceInterface):
     @method()
     @_dbus_errors
     async def GetStatus(self) -> "a{sv}":
-        viewer = await self._viewer(await self._caller())
+        viewer = await self._bouncer.viewer(await self._caller())
         try:
             return record(status_as_seen(self._runner.status(), viewer))
         except Exception as e:  # a report must never cost the daemon
@@ -205,7 +201,7 @@ class GuardInterface(ServiceInterface):
     @_dbus_errors
     async def TestPolicies(self, name: "s", text: "s") -> "aa{sv}":
         caller = await self._caller()
-        viewer = await self._viewer(caller)
+        viewer = await self._bouncer.viewer(caller)
         snapshot = self._snapshot()
         if text:
             name = _clean_name(name)
