@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpukilld.text import shown
+from gpukill.text import shown
 
 
 def size(n: int | None) -> str:

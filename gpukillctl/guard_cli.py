@@ -48,14 +48,14 @@ def _print_errors(e: Any) -> int:
 
 
 def _texts(names: list[str]) -> list[tuple[str, str]]:
-    from gpukilld.guard.policy import policy_paths, read_paths
+    from gpukill.policy import policy_paths, read_paths
 
     return read_paths([p for name in names for p in (policy_paths(name) if os.path.isdir(name) else [name])])
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Offline: the files together, as the daemon would read them from guard.d (names unique across files)."""
-    from gpukilld.guard.policy import PolicyError, load_texts
+    from gpukill.policy import PolicyError, load_texts
 
     try:
         texts = _texts(args.files)
@@ -81,7 +81,7 @@ async def cmd_guard(client: GpukillClient, args: argparse.Namespace) -> int:
 
 
 async def _change(client: GpukillClient, args: argparse.Namespace) -> int:
-    from gpukilld.guard.policy import PolicyError, load_texts, read_text
+    from gpukill.policy import PolicyError, load_texts, read_text
 
     from .cli import PolkitAgent  # cli imports this module to register the subcommands
 
@@ -115,7 +115,7 @@ def _when(t: float) -> str:
 
 
 def _seconds(s: float) -> str:
-    from gpukilld.guard.policy import format_duration
+    from gpukill.policy import format_duration
 
     return format_duration(round(s)) if s >= 1 else f"{s:.1f}s"
 
@@ -184,7 +184,7 @@ def _decision_row(d: dict[str, Any]) -> list[str]:
 
 
 async def _test(client: GpukillClient, args: argparse.Namespace) -> int:
-    from gpukilld.guard.policy import PolicyError, load_texts, read_text
+    from gpukill.policy import PolicyError, load_texts, read_text
 
     if args.policy:
         try:

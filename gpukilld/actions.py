@@ -12,10 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from . import audit
-from .backends import Backend
-from .bouncer import KILL_ANY, KILL_OWN, RESET_DEVICE, Bouncer, Caller
-from .errors import (
+from gpukill.errors import (
     AccessDenied,
     DeviceBusy,
     GpukillError,
@@ -25,10 +22,14 @@ from .errors import (
     ResetFailed,
     TooBusy,
 )
+from gpukill.text import shown
+
+from . import audit
+from .backends import Backend
+from .bouncer import KILL_ANY, KILL_OWN, RESET_DEVICE, Bouncer, Caller
 from .killer import KILLED, STILL_ALIVE, TERMINATED, Killer, check_grace
 from .model import Snapshot
 from .refusals import RefusalLog
-from .text import shown
 
 log = logging.getLogger(__name__)
 

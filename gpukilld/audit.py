@@ -22,7 +22,7 @@ import syslog
 import threading
 from dataclasses import dataclass
 
-from .text import shown
+from gpukill.text import shown
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 

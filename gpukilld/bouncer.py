@@ -20,7 +20,8 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
 
-from .errors import TooBusy
+from gpukill.errors import TooBusy
+
 from .visibility import ProcRules, Viewer, viewer_for
 
 log = logging.getLogger(__name__)

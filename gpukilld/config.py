@@ -33,7 +33,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from gpukill.errors import ConfigError
 
 DEFAULT_PATH = "/etc/gpukill/gpukilld.conf"
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 3600.0

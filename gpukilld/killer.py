@@ -13,7 +13,8 @@ import os
 import signal
 from dataclasses import dataclass
 
-from .errors import InvalidArgs, NoSuchProcess, NotAGpuProcess, ProcessChanged, Protected
+from gpukill.errors import InvalidArgs, NoSuchProcess, NotAGpuProcess, ProcessChanged, Protected
+
 from .model import Snapshot
 from .procfs import ProcFS, user_name
 

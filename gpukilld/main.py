@@ -17,12 +17,13 @@ from dbus_fast import BusType, RequestNameReply
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag
 
+from gpukill.errors import ConfigError, ResetFailed
+
 from . import __version__, audit, busio
 from .actions import Actions, KillResult, ResetResult
 from .backends.registry import build_backends
 from .bouncer import Bouncer, Caller
 from .config import DEFAULT_PATH, Config, check_interval, load_config
-from .errors import ConfigError, ResetFailed
 from .guard.runner import GuardRunner, notify_config, protection_of
 from .guard.service import GuardInterface
 from .killer import Killer

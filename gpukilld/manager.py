@@ -18,13 +18,14 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag, PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
+from gpukill.errors import GpukillError, InvalidArgs, ReplyTooLarge, TooBusy
+from gpukill.regex import RegexError, compile_regex
+
 from . import __version__, busio
 from .actions import Actions, KillResult, ResetResult
 from .bouncer import OUR_INTERFACES, READ_ONLY, Bouncer, action_for
 from .callrate import RATE, CallRate
-from .errors import GpukillError, InvalidArgs, ReplyTooLarge, TooBusy
 from .model import Device, GpuProcess, Snapshot
-from .regex import RegexError, compile_regex
 from .visibility import FULL, Viewer, seen_as
 
 OBJECT_PATH = "/org/gpukill1"

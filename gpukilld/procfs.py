@@ -11,31 +11,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import BinaryIO
 
+from gpukill.procstat import ProcStat, read_stat
+from gpukill.text import bounded
+
 from .attribution import parse_cgroup
 from .model import Attribution
-from .text import bounded
-
-PF_KTHREAD = 0x00200000  # include/linux/sched.h: "I am a kernel thread"
 
 # Text a process controls is bounded where it is read, so no record, reply or condition grows with it.
 MAX_CMDLINE = 4096  # bytes of UTF-8; longer command lines end in CUT_MARKER
 CUT_MARKER = " …[cut]"
 MAX_EXE = 4096  # PATH_MAX
 MAX_CGROUP = 65536  # /proc/PID/cgroup: a line per hierarchy, each at most PATH_MAX
-
-
-@dataclass(frozen=True, slots=True)
-class ProcStat:
-    pid: int
-    comm: str
-    state: str
-    ppid: int
-    flags: int
-    start_time: int  # clock ticks since boot
-
-    @property
-    def is_kernel_thread(self) -> bool:
-        return bool(self.flags & PF_KTHREAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,23 +49,6 @@ def read_cmdline(f: BinaryIO) -> str:
     return text + CUT_MARKER if cut else text
 
 
-def parse_stat(pid: int, text: str) -> ProcStat:
-    # comm may hold spaces and parentheses: it runs from the first "(" to the last ")".
-    open_paren = text.index("(")
-    close_paren = text.rindex(")")
-    comm = text[open_paren + 1 : close_paren]
-    rest = text[close_paren + 2 :].split()
-    # rest[0] is field 3 (state); field N is rest[N - 3].
-    return ProcStat(
-        pid=pid,
-        comm=comm,
-        state=rest[0],
-        ppid=int(rest[1]),
-        flags=int(rest[6]),
-        start_time=int(rest[19]),
-    )
-
-
 @lru_cache(maxsize=4096)
 def user_name(uid: int) -> str:
     try:
@@ -102,11 +71,7 @@ class ProcFS:
             return []
 
     def stat(self, pid: int) -> ProcStat | None:
-        try:
-            with open(self._path(pid, "stat"), encoding="utf-8", errors="replace") as f:
-                return parse_stat(pid, f.read())
-        except (OSError, ValueError, IndexError):
-            return None
+        return read_stat(pid, self.root)
 
     def start_time(self, pid: int) -> int | None:
         st = self.stat(pid)

@@ -24,11 +24,11 @@ from drm_fixtures import (
 )
 from testbed import make_traversable
 
+from gpukill.errors import DeviceBusy, NotSupported, ResetFailed
 from gpukilld.backends.drm import DrmBackend
 from gpukilld.backends.drm_rsmi import RsmiSource, bdf_to_address, merge
 from gpukilld.backends.drm_scan import FdScanner
 from gpukilld.backends.drm_telemetry import Telemetry
-from gpukilld.errors import DeviceBusy, NotSupported, ResetFailed
 from gpukilld.model import MemoryRegion
 
 REPO = Path(__file__).resolve().parents[1]

@@ -104,8 +104,8 @@ def _documented_errors() -> dict[str, str]:
     """gpukilld's own errors: every GpukillError subclass of gpukilld/errors.py by its dbus_name, the policy
     parser's InvalidPolicy, and the base class's org.gpukill1.Error.Failed (an unexpected failure the daemon
     caught and reported in one line: e.g. the policy sandbox failing, GetStatus failing)."""
-    from gpukilld import errors
-    from gpukilld.guard.policy import PolicyError
+    from gpukill import errors
+    from gpukill.policy import PolicyError
 
     out: dict[str, str] = {}
     stack = [errors.GpukillError]
@@ -115,7 +115,7 @@ def _documented_errors() -> dict[str, str]:
         if cls.__module__ == errors.__name__:
             out[cls.dbus_name] = f"gpukilld/errors.py: {cls.__name__}"
     assert PolicyError.dbus_name == "org.gpukill1.Error.InvalidPolicy"
-    out[PolicyError.dbus_name] = "gpukilld/guard/policy.py: PolicyError (LoadPolicy, TestPolicies)"
+    out[PolicyError.dbus_name] = "gpukill/policy.py: PolicyError (LoadPolicy, TestPolicies)"
     out["org.gpukill1.Error.Failed"] = "gpukilld/errors.py: GpukillError, the base class"
     return out
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gpukill.errors import ConfigError
 from gpukilld.config import DEFAULT_PROTECTED_UNITS, load_config, read_sys_uid_max
-from gpukilld.errors import ConfigError
 from gpukilld.guard.state import STATE_FILE, GuardState, load_state, save_state
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from testbed import REPO
 
+from gpukill.policy import load_paths, load_texts
 from gpukilld.guard.conditions import CLK_TCK, Groups, Protection
 from gpukilld.guard.engine import PROTECTED, Clock, Engine, GraceCancelled, KillOrder, Violation
-from gpukilld.guard.policy import load_paths, load_texts
 from gpukilld.model import Attribution, Device, GpuProcess, Snapshot
 
 GiB = 1024**3

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from testbed import PYTHON, REPO
 
-from gpukilld.guard.policy import (
+from gpukill.policy import (
     PER_PROCESS,
     PER_USER,
     PolicyError,

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukilld.guard import policy as P
-from gpukilld.guard.conditions import string_test
-from gpukilld.guard.policy import (
+from gpukill import policy as P
+from gpukill.policy import (
     MAX_ERRORS,
     MAX_ITEMS,
     MAX_TEXT,
@@ -25,7 +24,8 @@ from gpukilld.guard.policy import (
     notify_target_problem,
     parse_duration,
 )
-from gpukilld.units import parse_size
+from gpukill.units import parse_size
+from gpukilld.guard.conditions import string_test
 
 MiB = 1 << 20
 FAST = 2.0  # seconds: a generous bound for anything a hostile policy can ask of the parser
@@ -342,7 +342,7 @@ ADVERSARIAL = {
 @pytest.mark.parametrize("what", ADVERSARIAL)
 def test_policy_regexes_are_linear_on_a_megabyte(what):
     """Each is linear even unbounded (no nested or adjacent ambiguous repeats); the lengths are bounded anyway."""
-    from gpukilld import units
+    from gpukill import units
 
     s = ADVERSARIAL[what]
     for regex in (P._NAME.match, P._EMAIL.match, P._WEBHOOK.match, units._SIZE.fullmatch):

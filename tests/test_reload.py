@@ -21,9 +21,9 @@ from conftest import needs_root
 from nvml_host import FakeNvidiaHost
 from testbed import REPO, ROOT, NotifyListener
 
+from gpukill.errors import ConfigError
 from gpukilld.backends.registry import build_backends
 from gpukilld.config import Config
-from gpukilld.errors import ConfigError
 
 GIB = 2**30
 INTERVAL = 0.1  # seconds between samples: a replaced backend is closed after two, so each reload takes ~0.3 s

@@ -7,14 +7,15 @@ import textwrap
 
 import pytest
 
+from gpukill.errors import ConfigError
+from gpukill.procstat import parse_stat
+from gpukill.units import parse_size
 from gpukilld.attribution import parse_cgroup
 from gpukilld.backends.simulated import load_sim_config, parse_usage
 from gpukilld.bouncer import KILL_ANY, READ_ONLY, RESET_DEVICE, action_for
 from gpukilld.config import load_config
-from gpukilld.errors import ConfigError
 from gpukilld.model import Attribution
-from gpukilld.procfs import ProcFS, parse_stat
-from gpukilld.units import parse_size
+from gpukilld.procfs import ProcFS
 
 DOCKER_ID = "4f1b6a0f3c2d" + "a" * 52
 POD = "1b2c3d4e-5f60-4718-8a9b-0c1d2e3f4a5b"

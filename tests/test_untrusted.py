@@ -7,13 +7,13 @@ import io
 
 import pytest
 
+from gpukill.text import bounded, shown
 from gpukilld import audit
 from gpukilld.callrate import BURST as CALL_BURST
 from gpukilld.callrate import RATE, CallRate
 from gpukilld.model import Attribution, GpuProcess
 from gpukilld.procfs import CUT_MARKER, MAX_CMDLINE, read_cmdline
 from gpukilld.refusals import BURST, TOTAL_BURST, WINDOW, RefusalLog
-from gpukilld.text import bounded, shown
 from gpukilld.visibility import (
     ANONYMOUS,
     FULL,

@@ -15,8 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from gpukill.errors import DeviceBusy, ResetFailed
+
 from ..config import read_sys_uid_max
-from ..errors import DeviceBusy, ResetFailed
 from ..model import BackendStatus, DeviceReading
 from ..procfs import ProcFS
 from . import Backend, BackendSample

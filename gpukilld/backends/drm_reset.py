@@ -16,7 +16,8 @@ import errno
 import os
 from dataclasses import dataclass
 
-from ..errors import NotSupported, ResetFailed
+from gpukill.errors import NotSupported, ResetFailed
+
 from .drm_discovery import DrmCard
 from .drm_sysfs import listdir, read_text
 

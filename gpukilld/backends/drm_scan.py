@@ -21,7 +21,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from ..procfs import ProcStat, parse_stat
+from gpukill.procstat import ProcStat, parse_stat
+
 from .drm_discovery import DRM_MAJOR
 from .drm_fdinfo import FdInfo, parse_fdinfo
 

@@ -20,7 +20,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ..errors import NotSupported, ResetFailed
+from gpukill.errors import NotSupported, ResetFailed
+
 from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
 from ..procfs import ProcFS
 from . import Backend, BackendSample

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from gpukill.errors import ConfigError
+
 from ..config import Config, backends_problem
-from ..errors import ConfigError
 from . import Backend
 from .simulated import SimulatedBackend
 

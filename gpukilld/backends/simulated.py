@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import yaml
 
-from ..errors import ConfigError, NotSupported, ResetFailed
+from gpukill.errors import ConfigError, NotSupported, ResetFailed
+from gpukill.units import parse_size, short
+
 from ..model import STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
 from ..procfs import ProcFS
-from ..units import parse_size, short
 from . import Backend, BackendSample
 
 log = logging.getLogger(__name__)

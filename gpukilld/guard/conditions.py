@@ -25,9 +25,19 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from gpukill.policy import (
+    PER_DEVICE,
+    PER_PROCESS,
+    PER_USER,
+    SELECTOR,
+    Condition,
+    Exemptions,
+    Rule,
+    format_size,
+)
+
 from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX
 from ..model import Device, Snapshot
-from .policy import PER_DEVICE, PER_PROCESS, PER_USER, SELECTOR, Condition, Exemptions, Rule, format_size
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MEMO_LIMIT = 20_000  # distinct strings remembered per condition (names, command lines) before starting over

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpukill.policy import EMPTY_POLICY, Policy, Rule
+
 from ..model import Snapshot
 from .conditions import (
     CompiledRule,
@@ -39,7 +41,6 @@ from .conditions import (
     boot_seconds,
     process_views,
 )
-from .policy import EMPTY_POLICY, Policy, Rule
 
 PROTECTED = "protected (a system account or system unit): never touched"
 # Outcomes of the kill path that mean a signal was sent (killer.py); anything else is a refusal.

@@ -25,7 +25,7 @@ from email.message import EmailMessage
 from email.utils import formatdate, make_msgid
 from typing import Any
 
-from ..text import shown
+from gpukill.text import shown
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from .. import audit
-from ..config import Config
-from ..errors import GpukillError
-from ..model import Snapshot
-from .conditions import Protection
-from .engine import Clock, Engine, Event, GraceCancelled, KillOrder, Preview, RuleStats, Target, Violation
-from .notify import Notice, Notifier, NotifyConfig
-from .policy import (
+from gpukill.errors import GpukillError
+from gpukill.policy import (
     EMPTY_POLICY,
     Policy,
     PolicyError,
@@ -33,6 +27,13 @@ from .policy import (
     format_size,
     load_texts,
 )
+
+from .. import audit
+from ..config import Config
+from ..model import Snapshot
+from .conditions import Protection
+from .engine import Clock, Engine, Event, GraceCancelled, KillOrder, Preview, RuleStats, Target, Violation
+from .notify import Notice, Notifier, NotifyConfig
 from .state import MAX_RECENT, GuardState, load_state, save_state
 
 log = logging.getLogger(__name__)

@@ -23,10 +23,11 @@ import resource
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..errors import GpukillError, TooBusy
+from gpukill.errors import GpukillError, TooBusy
+from gpukill.policy import PolicyError
+from gpukill.text import bounded
+
 from ..model import Attribution, Device, GpuProcess, Snapshot
-from ..text import bounded
-from .policy import PolicyError
 
 if TYPE_CHECKING:
     from .conditions import Protection
@@ -202,9 +203,10 @@ def _confine(uid: int, gid: int) -> None:
 def main() -> int:
     # Everything the evaluation needs is imported while the files are certainly readable, before the drop;
     # nothing the caller sent is read before it.
+    from gpukill.policy import parse_policy
+
     from .conditions import Protection
     from .engine import Engine
-    from .policy import parse_policy
 
     try:
         _confine(int(sys.argv[1]), int(sys.argv[2]))

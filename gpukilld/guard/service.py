@@ -18,9 +18,11 @@ from typing import Any
 from dbus_fast import DBusError, Variant
 from dbus_fast.service import ServiceInterface, method, signal
 
+from gpukill.errors import AccessDenied, InvalidArgs, TooBusy
+from gpukill.policy import check_text
+
 from .. import audit
 from ..bouncer import Bouncer, Caller, action_for
-from ..errors import AccessDenied, InvalidArgs, TooBusy
 
 # The door handler and the error wrapper are the Manager's: one way to identify callers and report errors.
 from ..manager import _current_call, _dbus_errors, _name_outputs
@@ -29,7 +31,6 @@ from ..refusals import RefusalLog
 from ..visibility import FULL, PROGRAM, Viewer, as_seen_by
 from .engine import Violation
 from .notify import Notice
-from .policy import check_text
 from .runner import GuardRunner
 from .sandbox import Sandbox, bounded_previews
 

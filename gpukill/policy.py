@@ -12,7 +12,7 @@ Anyone may send a policy (TestPolicies), so the parser treats its text as hostil
 PolicyError, whatever the text: numbers of any size, `.inf`/`.nan`, deep nesting and characters PyYAML cannot
 take are errors at FILE:LINE:COL. Its work and its output are bounded: nesting depth, items visited (an alias
 counts each time it is used), errors reported (MAX_ERRORS, then one final line), the length of every string
-and of each condition's text. Regular expressions are RE2 (gpukilld.regex: linear time), and the module's own
+and of each condition's text. Regular expressions are RE2 (gpukill.regex: linear time), and the module's own
 regular expressions only ever see strings whose length was bounded first.
 """
 
@@ -30,15 +30,15 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from ..errors import GpukillError
-from ..regex import MAX_PATTERN, compile_regex
-from ..text import shown
-from ..units import parse_size, short
+from .errors import GpukillError
+from .regex import MAX_PATTERN, compile_regex
+from .text import shown
+from .units import parse_size, short
 
 MAX_POLICY_BYTES = 1 << 20  # a policy is a few KiB; a bound keeps a client's text from costing much
 MAX_RULES = 1000
 MAX_LIST = 10_000  # items in one value or exemption list
-MAX_REGEX = MAX_PATTERN  # characters of a `matches` pattern (gpukilld.regex)
+MAX_REGEX = MAX_PATTERN  # characters of a `matches` pattern (gpukill.regex)
 MAX_NAME = 100
 MAX_DURATION = 30 * 86400.0
 MAX_KILL_GRACE = 300.0  # the kill path's own limit (killer.MAX_GRACE)

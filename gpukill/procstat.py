@@ -1,0 +1,49 @@
+"""/proc/PID/stat, parsed the one way: the daemon's sampler and kill path, and the client asking a start time.
+
+comm may hold spaces and parentheses (a process names itself), so it runs from the first "(" to the last ")".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PF_KTHREAD = 0x00200000  # include/linux/sched.h: "I am a kernel thread"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    flags: int
+    start_time: int  # clock ticks since boot
+
+    @property
+    def is_kernel_thread(self) -> bool:
+        return bool(self.flags & PF_KTHREAD)
+
+
+def parse_stat(pid: int, text: str) -> ProcStat:
+    open_paren = text.index("(")
+    close_paren = text.rindex(")")
+    comm = text[open_paren + 1 : close_paren]
+    rest = text[close_paren + 2 :].split()
+    # rest[0] is field 3 (state); field N is rest[N - 3].
+    return ProcStat(
+        pid=pid,
+        comm=comm,
+        state=rest[0],
+        ppid=int(rest[1]),
+        flags=int(rest[6]),
+        start_time=int(rest[19]),
+    )
+
+
+def read_stat(pid: int, root: str = "/proc") -> ProcStat | None:
+    """The process's stat, or None when it is gone (or its stat cannot be parsed)."""
+    try:
+        with open(f"{root}/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return parse_stat(pid, f.read())
+    except (OSError, ValueError, IndexError):
+        return None
