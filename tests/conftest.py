@@ -1,4 +1,5 @@
-"""Fixtures with real components (see testbed.py). Tests that need them skip, with the reason, when not root."""
+"""Fixtures with real components (see helpers/testbed.py) and the hooks of the suite; the helpers themselves are
+in the package helpers/. Tests that need real components skip, with the reason, when not root."""
 
 from __future__ import annotations
 
@@ -10,22 +11,14 @@ from pathlib import Path
 
 import pytest
 
+# tests/ on sys.path, so that test modules import `helpers.X` whatever pytest's import mode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import testbed  # noqa: E402
-from testbed import ADMIN, OTHER, OWNER, REPO, Testbed, User  # noqa: E402
-
-
-def _why_not() -> str | None:
-    if not testbed.is_root():
-        return "needs root: starts dbus-daemon, polkitd and journald in mount namespaces and switches users"
-    if missing := testbed.missing_tools():
-        return f"missing: {', '.join(missing)} (make test installs them)"
-    return None
-
-
-SKIP_REASON = _why_not()
-needs_root = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+from helpers import testbed  # noqa: E402
+from helpers.drm_fixtures import DrmHost  # noqa: E402
+from helpers.marks import SKIP_REASON  # noqa: E402
+from helpers.procs import pid_alive  # noqa: E402
+from helpers.testbed import ADMIN, OTHER, OWNER, REPO, Testbed, User  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -74,24 +67,13 @@ def fresh_bed(users):
 
 @pytest.fixture
 def host():
-    """A DRM fixture host (drm_fixtures.DrmHost: /sys, /proc and debugfs in the kernel's formats) of the test's
-    own, under /tmp (0755: an unprivileged reader can walk it)."""
-    from drm_fixtures import DrmHost
-
+    """A DRM fixture host (helpers.drm_fixtures.DrmHost: /sys, /proc and debugfs in the kernel's formats) of the
+    test's own, under /tmp (0755: an unprivileged reader can walk it)."""
     root = tempfile.mkdtemp(prefix="gpukill-drm-")
     try:
         yield DrmHost(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from testbed import ROOT, Testbed, is_root  # noqa: E402
+from helpers.testbed import ROOT, Testbed, is_root  # noqa: E402
 
 SMI = shutil.which("nvidia-smi")
 pytestmark = pytest.mark.skipif(

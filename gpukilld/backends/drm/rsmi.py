@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .drm_telemetry import Telemetry
+from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

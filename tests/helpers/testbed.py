@@ -8,7 +8,6 @@ machine's own polkit rules and journal are neither used nor touched.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import grp
 import json
@@ -29,7 +28,7 @@ import yaml
 
 from gpukilld.procfs import ProcFS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 SYSTEM_PYTHON = "/usr/bin/python3"  # world-executable, for victims run as other users
 POLKITD = "/usr/lib/polkit-1/polkitd"
@@ -194,7 +193,7 @@ class NotifyListener:
 
 
 @dataclass
-class Daemon:
+class DaemonProcess:
     proc: subprocess.Popen
     notify: NotifyListener
     log_path: Path
@@ -250,7 +249,7 @@ class Testbed:
         self.procs: list[subprocess.Popen] = []
         self.bus_address = ""
         self.journal_pid: int | None = None
-        self.daemon: Daemon | None = None
+        self.daemon: DaemonProcess | None = None
         self.polkit: subprocess.Popen | None = None
         self.cgroups: list[Path] = []
 
@@ -345,7 +344,7 @@ class Testbed:
         return dirs
 
     def start_daemon(self, sim_yaml: str | Path | None = None, args: list[str] | None = None,
-                     env: dict[str, str] | None = None, wait_ready: bool = True, as_unit: bool = False) -> Daemon:
+                     env: dict[str, str] | None = None, wait_ready: bool = True, as_unit: bool = False) -> DaemonProcess:
         """gpukilld on the bed's simulated GPUs; as_unit: in cgroups named like a system unit (_unit_cgroups)."""
         sim_path = self.workdir / "simulate.yaml"
         sim = yaml.safe_load(Path(sim_yaml or REPO / "examples" / "simulate.yaml").read_text())
@@ -365,7 +364,7 @@ class Testbed:
         log_name = f"gpukilld-{len(self.procs)}.log"
         proc = self._spawn(argv, log_name, env=self.env(NOTIFY_SOCKET=str(notify_path), **(env or {})),
                            cwd=str(REPO))
-        daemon = Daemon(proc, listener, self.workdir / log_name, sim_path)
+        daemon = DaemonProcess(proc, listener, self.workdir / log_name, sim_path)
         self.daemon = daemon
         if wait_ready and listener.wait_for("READY=1", 20) is None:
             raise RuntimeError(f"gpukilld did not become ready:\n{daemon.log()}")
@@ -435,7 +434,7 @@ class Testbed:
         """One raw D-Bus method call made by a real process running as `user`."""
         spec = json.dumps({"dest": dest, "path": path, "iface": iface, "member": member,
                            "signature": signature, "body": body or []})
-        r = self.run_as(user, [PYTHON, str(REPO / "tests" / "dbus_call.py")], timeout=timeout, input=spec)
+        r = self.run_as(user, [PYTHON, str(REPO / "tests" / "clients" / "dbus_call.py")], timeout=timeout, input=spec)
         if r.returncode != 0:
             raise RuntimeError(f"dbus_call failed: {r.stderr}")
         return CallResult(**json.loads(r.stdout))
@@ -462,7 +461,7 @@ class Testbed:
 
     def record_signals(self, user: User = ROOT) -> SignalRecorder:
         kwargs = user.popen_kwargs()
-        proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "dbus_signals.py")], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "dbus_signals.py")], stdout=subprocess.PIPE,
                                 env=self.env(), cwd="/", start_new_session=True, text=True, **kwargs)
         self.procs.append(proc)
         rec = SignalRecorder(proc)
@@ -510,6 +509,3 @@ def _wait(cond, timeout: float, what: str) -> None:
             raise RuntimeError(what)
         time.sleep(0.05)
 
-
-def run_async(coro):
-    return asyncio.run(coro)

@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .drm_sysfs import link_name, listdir, read_hex, read_text
+from .sysfs import link_name, listdir, read_hex, read_text
 
 DRM_MAJOR = 226  # include/uapi/drm/drm.h: every DRM card and render node is char 226:N
 PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")

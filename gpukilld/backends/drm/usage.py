@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..model import MemoryRegion, ProcessUsage
-from .drm_fdinfo import Engine, Region
+from ...model import MemoryRegion, ProcessUsage
+from .fdinfo import EngineCounters, Region
 
 LOCAL_REGIONS = ("vram", "local")  # device memory (amdgpu vram, xe vram0, i915 local0); the rest is system RAM
 
@@ -64,7 +64,7 @@ def _advance(previous: int | None, current: int | None) -> tuple[int | None, int
     return mark - previous, mark
 
 
-def engine_fraction(engine: Engine, prev: _Marks, dt: float, new: _Marks) -> float | None:
+def engine_fraction(engine: EngineCounters, prev: _Marks, dt: float, new: _Marks) -> float | None:
     """Fraction (0..1) of the engine this client kept busy; fills `new` with the marks to keep."""
     d_busy, new.busy_ns = _advance(prev.busy_ns, engine.busy_ns)
     d_cycles, new.cycles = _advance(prev.cycles, engine.cycles)
@@ -88,7 +88,7 @@ class UtilizationTracker:
         self._clients: dict[ClientKey, _ClientState] = {}
         self._seen: set[ClientKey] = set()
 
-    def update(self, key: ClientKey, engines: dict[str, Engine], now: float) -> dict[str, float] | None:
+    def update(self, key: ClientKey, engines: dict[str, EngineCounters], now: float) -> dict[str, float] | None:
         """Per-engine busy fraction since this client's last update; None on its first."""
         self._seen.add(key)
         prev = self._clients.get(key)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .drm_discovery import DrmCard
-from .drm_sysfs import listdir, read_int, read_text
+from .discovery import DrmCard
+from .sysfs import listdir, read_int, read_text
 
 TEMP_LABELS = ("edge", "pkg", "junction", "gpu", "mem", "vram")  # the first one present is "the" temperature
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from gpukill.procstat import ProcStat, parse_stat
 
-from .drm_discovery import DRM_MAJOR
-from .drm_fdinfo import FdInfo, parse_fdinfo
+from .discovery import DRM_MAJOR
+from .fdinfo import FdInfo, parse_fdinfo
 
 Fingerprint = tuple[int, int, int | tuple[str, ...]]  # fd dir inode, mtime, size or fd numbers
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .drm_sysfs import listdir, read_int, read_text
+from .sysfs import listdir, read_int, read_text
 
 
 @dataclass(frozen=True, slots=True)

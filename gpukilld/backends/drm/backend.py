@@ -1,11 +1,9 @@
-"""AMD, Intel and other DRM GPUs (amdgpu, i915, xe, msm, panfrost, panthor, v3d, asahi, ...) from what the
-kernel exposes, without vendor tools: devices from sysfs, telemetry from sysfs and hwmon (pyrsmi first for
-AMD where ROCm is installed), processes from DRM fdinfo and ROCm compute processes from KFD.
+"""DrmBackend: the DRM package's modules put together behind the Backend interface.
 
-Each sample: discover the cards, scan /proc for DRM clients (incrementally, drm_scan), turn counters into
-utilization against the previous sample (drm_usage), add KFD processes (drm_kfd), read telemetry
-(drm_telemetry, drm_rsmi). Resets are planned and run by drm_reset. Every root (/sys, /proc, debugfs) comes
-from the configuration, so the tests run all of it on fixture trees.
+Each sample: discover the cards (discovery), scan /proc for DRM clients (incrementally, scan), turn counters
+into utilization against the previous sample (usage), add KFD processes (kfd), read telemetry (telemetry,
+rsmi). Resets are planned and run by reset. Every root (/sys, /proc, debugfs) comes from the configuration,
+so the tests run all of it on fixture trees.
 """
 
 from __future__ import annotations
@@ -17,18 +15,18 @@ from collections.abc import Callable
 
 from gpukill.errors import DeviceBusy, ResetFailed
 
-from ..config import read_sys_uid_max
-from ..model import BackendStatus, DeviceReading
-from ..procfs import ProcFS
-from . import Backend, BackendSample
-from .drm_discovery import DrmCard, discover
-from .drm_fdinfo import Engine
-from .drm_kfd import read_kfd
-from .drm_reset import execute, plan_reset
-from .drm_rsmi import RsmiSource, merge
-from .drm_scan import ClientRead, FdScanner, holders, is_running, read_start_time
-from .drm_telemetry import Telemetry, TelemetryReader
-from .drm_usage import (
+from ...config import read_sys_uid_max
+from ...model import BackendStatus, DeviceReading
+from ...procfs import ProcFS
+from .. import Backend, BackendSample
+from .discovery import DrmCard, discover
+from .fdinfo import EngineCounters
+from .kfd import read_kfd
+from .reset import execute, plan_reset
+from .rsmi import RsmiSource, merge
+from .scan import ClientRead, FdScanner, holders, is_running, read_start_time
+from .telemetry import Telemetry, TelemetryReader
+from .usage import (
     UNKNOWN_UID,
     Client,
     Holder,
@@ -124,7 +122,7 @@ class DrmBackend(Backend):
             key = (card.id, "kfd", k.pid, start_time)
             sdma = None
             if k.sdma_us is not None:
-                sdma = self.tracker.update(key, {"sdma": Engine(busy_ns=k.sdma_us * 1000)}, now)
+                sdma = self.tracker.update(key, {"sdma": EngineCounters(busy_ns=k.sdma_us * 1000)}, now)
             occupancy = None
             if k.cu_occupancy is not None and k.compute_units:
                 occupancy = min(1.0, k.cu_occupancy / k.compute_units)

@@ -20,7 +20,9 @@ FREQ_UNITS = {"": 1, "Hz": 1, "KHz": 1_000, "kHz": 1_000, "MHz": 1_000_000, "GHz
 
 
 @dataclass(slots=True)
-class Engine:
+class EngineCounters:
+    """One engine's counters from one fdinfo read; a utilization needs two reads (usage.UtilizationTracker)."""
+
     busy_ns: int | None = None
     capacity: int = 1  # "In the absence of this tag parser shall assume capacity of one"
     cycles: int | None = None
@@ -41,7 +43,7 @@ class FdInfo:
     client_id: int | None = None
     client_name: str | None = None
     ino: int | None = None  # the generic fdinfo line: the inode of the opened file
-    engines: dict[str, Engine] = field(default_factory=dict)
+    engines: dict[str, EngineCounters] = field(default_factory=dict)
     regions: dict[str, Region] = field(default_factory=dict)
 
     @property
@@ -83,21 +85,21 @@ def parse_fdinfo(text: str) -> FdInfo:
             info.client_name = value
         elif key.startswith("drm-engine-capacity-"):
             if value.isdigit() and int(value) > 0:  # zero capacity is not allowed: keep the default of one
-                engines.setdefault(key[20:], Engine()).capacity = int(value)
+                engines.setdefault(key[20:], EngineCounters()).capacity = int(value)
         elif key.startswith("drm-engine-"):
             ns = _number(value, {"ns": 1})
             if ns is not None:
-                engines.setdefault(key[11:], Engine()).busy_ns = ns
+                engines.setdefault(key[11:], EngineCounters()).busy_ns = ns
         elif key.startswith("drm-total-cycles-"):
             if value.isdigit():
-                engines.setdefault(key[17:], Engine()).total_cycles = int(value)
+                engines.setdefault(key[17:], EngineCounters()).total_cycles = int(value)
         elif key.startswith("drm-cycles-"):
             if value.isdigit():
-                engines.setdefault(key[11:], Engine()).cycles = int(value)
+                engines.setdefault(key[11:], EngineCounters()).cycles = int(value)
         elif key.startswith("drm-maxfreq-"):
             hz = _number(value, FREQ_UNITS)
             if hz:
-                engines.setdefault(key[12:], Engine()).maxfreq_hz = hz
+                engines.setdefault(key[12:], EngineCounters()).maxfreq_hz = hz
         elif key.startswith("drm-total-"):
             size = _number(value, SIZE_UNITS)
             if size is not None:

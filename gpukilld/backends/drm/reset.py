@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from gpukill.errors import NotSupported, ResetFailed
 
-from .drm_discovery import DrmCard
-from .drm_sysfs import listdir, read_text
+from .discovery import DrmCard
+from .sysfs import listdir, read_text
 
 AMDGPU_RECOVER = "amdgpu_gpu_recover"
 
