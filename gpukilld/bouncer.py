@@ -1,10 +1,14 @@
-"""Who may call what: one table maps every method to a polkit action; anything unmapped is denied.
+"""Who may do what: one table maps every method to a polkit action, and check() is the one decision.
 
-Read-only methods map to READ_ONLY and need no authorization. Root callers skip polkit. Everyone else is
-judged by polkitd, asked with the caller's bus name as subject, so polkit sees the real process and user.
-If polkitd is absent or fails, the answer is no. Each uid may have MAX_PENDING_PER_UID checks in flight
-(TooBusy past it), and a check that outlives its timeout is cancelled at polkitd. VIEW_ALL is asked, never
-interactively, to decide whether a caller sees other users' processes in full (visibility.py).
+Read-only methods map to READ_ONLY and need no authorization; anything unmapped is denied. An entry may be an
+own/any pair (KillProcess): the action for the caller's own target, or the stricter one for anyone else's.
+Every privileged act (Actions.kill and .reset, the Guard interface's switches) calls check(), which picks the
+action from the table, asks polkit, writes a denial's audit entry (through the RefusalLog, folded per uid)
+and raises it. Root callers skip polkit. Everyone else is judged by polkitd, asked with the caller's bus name
+as subject, so polkit sees the real process and user. If polkitd is absent or fails, the answer is no. Each
+uid may have MAX_PENDING_PER_UID checks in flight (TooBusy past it), and a check that outlives its timeout is
+cancelled at polkitd. VIEW_ALL is no method's action: it is asked, never interactively, to decide whether a
+caller sees other users' processes in full (sees_all, viewer; visibility.py).
 """
 
 from __future__ import annotations
@@ -20,36 +24,53 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
 
-from gpukill.errors import TooBusy
+from gpukill.errors import AccessDenied, TooBusy
 
+from . import audit
+from .names import GUARD_INTERFACE, MANAGER_INTERFACE
+from .refusals import RefusalLog
 from .visibility import ProcRules, Viewer, viewer_for
 
 log = logging.getLogger(__name__)
 
-MANAGER = "org.gpukill1.Manager"
-GUARD = "org.gpukill1.Guard"
 READ_ONLY = ""  # needs no authorization
 KILL_OWN = "org.gpukill.kill-own-process"
 KILL_ANY = "org.gpukill.kill-any-process"
 RESET_DEVICE = "org.gpukill.reset-device"
 MANAGE_GUARD = "org.gpukill.manage-guard"
 
-# KillProcess is mapped to KILL_ANY here; the handler lowers it to KILL_OWN when the caller owns the target.
-METHOD_ACTIONS: dict[tuple[str, str], str] = {
-    (MANAGER, "ListDevices"): READ_ONLY,
-    (MANAGER, "ListProcesses"): READ_ONLY,
-    (MANAGER, "KillProcess"): KILL_ANY,
-    (MANAGER, "ResetDevice"): RESET_DEVICE,
+Method = tuple[str, str]  # (interface, member), as called on the bus
+KILL_METHOD: Method = (MANAGER_INTERFACE, "KillProcess")
+RESET_METHOD: Method = (MANAGER_INTERFACE, "ResetDevice")
+
+
+class OwnOrAny(str):
+    """A table entry decided by whose target it is. As a string it is the action for another user's target
+    (the stricter one: what a check without a target asks, and what the .policy file must define); `own` is
+    the action asked when the caller owns the target."""
+
+    own: str
+
+    def __new__(cls, own: str, others: str) -> OwnOrAny:
+        entry = super().__new__(cls, others)
+        entry.own = own
+        return entry
+
+
+METHOD_ACTIONS: dict[Method, str] = {
+    (MANAGER_INTERFACE, "ListDevices"): READ_ONLY,
+    (MANAGER_INTERFACE, "ListProcesses"): READ_ONLY,
+    KILL_METHOD: OwnOrAny(own=KILL_OWN, others=KILL_ANY),
+    RESET_METHOD: RESET_DEVICE,
     # Guard Mode: reading the state and asking what a policy would do (TestPolicies never acts) are open to
     # everyone; whatever changes what the guard enforces needs manage-guard.
-    (GUARD, "GetStatus"): READ_ONLY,
-    (GUARD, "TestPolicies"): READ_ONLY,
-    (GUARD, "Enable"): MANAGE_GUARD,
-    (GUARD, "Disable"): MANAGE_GUARD,
-    (GUARD, "SetDryRun"): MANAGE_GUARD,
-    (GUARD, "LoadPolicy"): MANAGE_GUARD,
+    (GUARD_INTERFACE, "GetStatus"): READ_ONLY,
+    (GUARD_INTERFACE, "TestPolicies"): READ_ONLY,
+    (GUARD_INTERFACE, "Enable"): MANAGE_GUARD,
+    (GUARD_INTERFACE, "Disable"): MANAGE_GUARD,
+    (GUARD_INTERFACE, "SetDryRun"): MANAGE_GUARD,
+    (GUARD_INTERFACE, "LoadPolicy"): MANAGE_GUARD,
 }
-OUR_INTERFACES = {iface for iface, _ in METHOD_ACTIONS}
 
 POLKIT_NAME = "org.freedesktop.PolicyKit1"
 POLKIT_PATH = "/org/freedesktop/PolicyKit1/Authority"
@@ -81,9 +102,25 @@ class Caller:
     interactive: bool
     gids: tuple[int, ...] = ()  # primary and supplementary groups, as the bus daemon saw them
 
+    @property
+    def who(self) -> str:
+        """The caller as the journal names it."""
+        return f"uid {self.uid}" + (f" (PID {self.pid})" if self.pid else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A privileged act as the audit of its denial tells it."""
+
+    kind: audit.EventKind  # the journal entry a denial gets
+    text: str  # the act, for the journal: "Kill of PID 42 (python, user alice)"
+    purpose: str  # the act, for the caller's error: "not authorized to <purpose>: <why>"
+    fields: dict[str, object]  # the act's journal fields, as its other entries have them
+
 
 def action_for(interface: str | None, member: str) -> str | None:
-    """The action for a method, or None when unmapped (deny). A call without interface matches by member."""
+    """The table's entry for a method (an action, an OwnOrAny pair, or READ_ONLY), or None when unmapped (deny).
+    A call without interface matches by member."""
     if interface is not None:
         return METHOD_ACTIONS.get((interface, member))
     matches = [a for (_, m), a in METHOD_ACTIONS.items() if m == member]
@@ -91,10 +128,13 @@ def action_for(interface: str | None, member: str) -> str | None:
 
 
 class Bouncer:
-    def __init__(self, bus: MessageBus, clock: Callable[[], float] = time.monotonic,
-                 timeout: float = POLKIT_TIMEOUT, interactive_timeout: float = POLKIT_INTERACTIVE_TIMEOUT,
+    def __init__(self, bus: MessageBus, refusals: RefusalLog | None = None,
+                 clock: Callable[[], float] = time.monotonic, timeout: float = POLKIT_TIMEOUT,
+                 interactive_timeout: float = POLKIT_INTERACTIVE_TIMEOUT,
                  proc_rules: Callable[[], ProcRules] = ProcRules) -> None:
         self.bus = bus
+        # Refused requests, folded per uid: the bouncer writes its denials there, Actions its other refusals.
+        self.refusals = refusals if refusals is not None else RefusalLog(audit.Audit())
         self._proc_rules = proc_rules  # the host's hidepid, for viewer()
         self._clock = clock
         self.timeout = timeout
@@ -172,9 +212,37 @@ class Bouncer:
         sees_all = self.cached_sees_all(caller)
         return None if sees_all is None else viewer_for(caller.uid, caller.gids, sees_all, self._proc_rules())
 
+    async def check(self, caller: Caller, method: Method, details: dict[str, str], target_uid: int | None = None,
+                    *, request: Request) -> str:
+        """The action from the table that allows `caller` to call `method`, on a target of uid target_uid where
+        there is one (an own/any entry asks its own action when that is the caller's uid). details are shown by
+        polkit. A denial is audited here, as `request` tells it, and raised: AccessDenied, or TooBusy when too
+        many checks are waiting for polkit. A method the table does not map is denied."""
+        entry = action_for(*method)
+        busy: TooBusy | None = None
+        if entry is None:
+            action, allowed, why = READ_ONLY, False, f"{method[1]} is not a method gpukilld allows"
+        else:
+            action = entry.own if isinstance(entry, OwnOrAny) and target_uid == caller.uid else str(entry)
+            try:
+                allowed, why = await self.authorize(caller, action, details)
+            except TooBusy as e:
+                allowed, why, busy = False, str(e), e
+        if allowed:
+            return action
+        self.refusals.log(caller.uid, request.kind,
+                          f"{request.text} {'refused' if busy else 'denied'} to {caller.who}: {why}",
+                          **{**request.fields, "caller_uid": caller.uid, "caller_pid": caller.pid,
+                             "result": "busy" if busy else "denied", "polkit_action": action or None,
+                             "reason": why})
+        if busy is not None:
+            raise busy
+        raise AccessDenied(f"not authorized to {request.purpose}: {why}")
+
     async def authorize(self, caller: Caller, action: str, details: dict[str, str]) -> tuple[bool, str]:
-        """(allowed, why). Root needs no polkit; read-only actions need nothing. TooBusy when the caller (or
-        everyone together) already has as many checks in flight as allowed: nothing is asked then."""
+        """(allowed, why): the polkit question itself, asked by check() and sees_all() (nothing else names an
+        action). Root needs no polkit; read-only actions need nothing. TooBusy when the caller (or everyone
+        together) already has as many checks in flight as allowed: nothing is asked then."""
         if action == READ_ONLY:
             return True, "read-only"
         if caller.uid == 0:

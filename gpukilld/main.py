@@ -1,4 +1,9 @@
-"""gpukilld start-up and life cycle: config, backends, sampler, bus, sd_notify, signals."""
+"""gpukilld start-up and life cycle: config, backends, sampler, bus, sd_notify, signals.
+
+The one place where the parts are wired: Actions and the GuardRunner report what they did through
+callbacks of the Daemon (_on_killed, _on_reset, and the GuardSignals violated, action_taken, notification),
+which emit the interfaces' D-Bus signals; neither interface reaches into the runner or Actions for that.
+"""
 
 from __future__ import annotations
 
@@ -18,18 +23,24 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag
 
 from gpukill.errors import ConfigError, ResetFailed
+from gpukill.records import ResetReply
 
 from . import __version__, audit, busio
-from .actions import Actions, KillResult, ResetResult
+from .actions import Actions, KillResult
 from .backends.registry import build_backends
 from .bouncer import Bouncer, Caller
+from .bus import Door
 from .config import DEFAULT_PATH, Config, check_interval, load_config
+from .guard.engine import Violation
+from .guard.notify import Notice
 from .guard.runner import GuardRunner, notify_config, protection_of
 from .guard.service import GuardInterface
 from .killer import Killer
-from .manager import BUS_NAME, OBJECT_PATH, Door, ManagerInterface
+from .manager import ManagerInterface
 from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
+from .names import BUS_NAME, OBJECT_PATH
 from .procfs import ProcFS
+from .refusals import RefusalLog
 from .sampler import Sampler, StateChange
 from .visibility import read_proc_rules
 
@@ -100,7 +111,7 @@ class Daemon:
         if line != self._status:
             self._status = line
             self.notifier.notify(f"STATUS={line}")
-        self.actions.refusals.flush()  # folded refusals are reported when their window is over
+        self.bouncer.refusals.flush()  # folded refusals are reported when their window is over
         waiters, self._snapshot_waiters = self._snapshot_waiters, []
         for fut in waiters:
             if not fut.done():
@@ -118,13 +129,23 @@ class Daemon:
         except TimeoutError:
             raise ResetFailed("the GPU backends are not answering; nothing was done") from None
 
-    # -- signals from actions --------------------------------------------------------------------------
+    # -- signals from actions and the guard (GuardSignals) ----------------------------------------------
 
     def _on_killed(self, result: KillResult, caller: Caller | None) -> None:
         self.manager.ProcessKilled(result, caller.uid if caller else 0)
 
-    def _on_reset(self, result: ResetResult, success: bool) -> None:
+    def _on_reset(self, result: ResetReply, success: bool) -> None:
         self.manager.DeviceReset(result, success)
+
+    def violated(self, event: Violation, dry_run: bool) -> None:
+        self.guard_interface.PolicyViolated(event, dry_run)
+
+    def action_taken(self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str,
+                     dry_run: bool) -> None:
+        self.guard_interface.GuardActionTaken(rule, subject, action, pid, start_time, outcome, dry_run)
+
+    def notification(self, notice: Notice, uid: int | None) -> None:
+        self.guard_interface.Notification(notice, uid)
 
     # -- reload ----------------------------------------------------------------------------------------
 
@@ -197,7 +218,7 @@ class Daemon:
             return 1
         self.bus = bus
         self.proc_rules = read_proc_rules(self.config.proc_root)  # hidepid: what /proc shows users of each other
-        bouncer = Bouncer(bus, proc_rules=lambda: self.proc_rules)
+        self.bouncer = bouncer = Bouncer(bus, RefusalLog(self.audit), proc_rules=lambda: self.proc_rules)
         self.sampler = Sampler(
             backends, self.config.sample_interval, ProcFS(self.config.proc_root), self._publish,
             watchdog=lambda: self.notifier.notify("WATCHDOG=1"), watchdog_interval=self._watchdog_interval(),
@@ -212,11 +233,12 @@ class Daemon:
         self.manager.bus = bus
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
                                  self.config.guard_policy_dir, self.config.guard_state_dir,
-                                 protection=protection_of(self.config))
+                                 protection=protection_of(self.config), signals=self)
+        self.guard_interface = GuardInterface(self.guard, bouncer, lambda: self.snapshot)
         busio.tolerate_full_socket(bus)
-        bus.add_message_handler(Door(bus, self.manager, bouncer))
+        bus.add_message_handler(Door(bus, bouncer, self.manager.early_answer))
         bus.export(OBJECT_PATH, self.manager)
-        bus.export(OBJECT_PATH, GuardInterface(self.guard, bouncer, lambda: self.snapshot, self.actions.refusals))
+        bus.export(OBJECT_PATH, self.guard_interface)
 
         first: asyncio.Future[Snapshot] = self.loop.create_future()
         self._snapshot_waiters.append(first)

@@ -4,8 +4,8 @@ audit trail in a real journald."""
 from __future__ import annotations
 
 import pytest
-from conftest import needs_root
-from testbed import REPO
+from helpers.marks import needs_root
+from helpers.testbed import REPO
 
 from gpukilld import audit
 

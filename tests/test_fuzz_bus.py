@@ -5,7 +5,7 @@ org.freedesktop.DBus.Properties (Get, GetAll, Set), Introspect, Peer, ObjectMana
 interfaces, no interface and other object paths, with arbitrary arguments: the right signature with arbitrary
 values (a{sv} arguments with arbitrary keys and variants of arbitrary types), near misses (an argument more or
 less) and arbitrary signatures with bodies that fit them. Each identity (an unprivileged user, root, a polkit
-admin) is one long-lived client process (fuzz_client.py) fed JSON lines, so an example costs one bus round trip.
+admin) is one long-lived client process (tests/clients/fuzz_client.py) fed JSON lines, so an example costs one bus round trip.
 
 Properties checked for every call: a reply comes (never a timeout, never NoReply, never a dropped connection);
 an error's name is one of ALLOWED_ERRORS (gpukilld's documented errors and the standard ones that dbus-fast,
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import needs_root
+from helpers.marks import needs_root
+from helpers.testbed import PYTHON, REPO, Testbed, User, start_time_of
 from hypothesis import HealthCheck, assume, example, given, note, seed, settings
 from hypothesis import strategies as st
-from testbed import PYTHON, REPO, Testbed, User, start_time_of
 
 pytestmark = needs_root
 
@@ -121,7 +121,7 @@ def _documented_errors() -> dict[str, str]:
 
 
 # Standard errors, with where each comes from (dbus-fast 5.2: message_bus.py, _find_message_handler and
-# _default_properties_handler; gpukilld/manager.py: Door; dbus-daemon: the bus policy of dbus/org.gpukill1.conf).
+# _default_properties_handler; gpukilld/bus.py: Door; dbus-daemon: the bus policy of dbus/org.gpukill1.conf).
 STANDARD_ERRORS = {
     FDO + "AccessDenied":
         "Door: a member of our interfaces (or, without an interface, a member) the bouncer's table does not "
@@ -152,7 +152,7 @@ STANDARD_ERRORS = {
 ALLOWED_ERRORS = {**_documented_errors(), **STANDARD_ERRORS}
 
 
-# -- strategies: D-Bus types and values in the client's wire JSON (see fuzz_client.py) -----------------------
+# -- strategies: D-Bus types and values in the client's wire JSON (see clients/fuzz_client.py) -----------------------
 
 INT_RANGES = {"y": (0, 2**8 - 1), "n": (-(2**15), 2**15 - 1), "q": (0, 2**16 - 1), "i": (-(2**31), 2**31 - 1),
               "u": (0, 2**32 - 1), "x": (-(2**63), 2**63 - 1), "t": (0, 2**64 - 1)}
@@ -461,7 +461,7 @@ class Client:
     def __init__(self, bed: Testbed, user: User) -> None:
         self.user = user
         with open(bed.workdir / f"fuzz-{user.name}.err", "w") as err:
-            self.proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "fuzz_client.py")], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "fuzz_client.py")], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, env=bed.env(), cwd="/",
                                          start_new_session=True, text=True, **user.popen_kwargs())
         bed.procs.append(self.proc)
@@ -872,6 +872,8 @@ def test_no_reply_calls_log_no_tracebacks(fuzz):
         _spec(GUARD, "SetDryRun", "b", [True], flag=1),  # AccessDenied (polkit)
         _spec(PROPS, "GetAll", "u", [1], flag=1),  # UnknownMethod, from dbus-fast's Properties handler
         _spec(PROPS, "Get", "ss", [MANAGER, "NoSuchProperty"], flag=1),  # UnknownProperty, likewise
+        # UnknownObject, likewise, at a path where nothing is exported (found by the fuzz again)
+        _spec(PROPS, "Set", "ssv", [MANAGER, "Version", v("s", "x")], path=OBJECT_PATH + "/x", flag=1),
     ]
     for spec in calls:
         got = fuzz.client("other").call(spec)
