@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests import testbed  # noqa: E402
-from tests.testbed import ADMIN, ADMIN_GROUP, OTHER, OWNER, ROOT, Testbed, User  # noqa: E402
+from tests.helpers import testbed  # noqa: E402
+from tests.helpers.testbed import ADMIN, ADMIN_GROUP, OTHER, OWNER, ROOT, Testbed, User  # noqa: E402
 
 SIM_YAML = REPO / "examples" / "simulate.yaml"
 ADMIN_RULES = REPO / "polkit" / "49-gpukill-admins.rules"

@@ -51,6 +51,13 @@ class ResetFailed(GpukillError):
     result = "reset-failed"
 
 
+class InvalidPolicy(GpukillError):
+    """A Guard policy that cannot be used; gpukill.policy.PolicyError carries each problem."""
+
+    dbus_name = "org.gpukill1.Error.InvalidPolicy"
+    result = "invalid-policy"
+
+
 class InvalidArgs(GpukillError):
     dbus_name = "org.freedesktop.DBus.Error.InvalidArgs"
     result = "invalid-arguments"

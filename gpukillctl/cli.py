@@ -8,69 +8,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import shutil
-import subprocess
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from dbus_fast import Variant
 
-from .client import ClientError, DaemonUnavailable, GpukillClient
+from gpukill.limits import MAX_GRACE
+from gpukill.outcome import Outcome
+from gpukill.procstat import read_stat
+from gpukill.records import STATE_OK, Process, to_plain
+
+from .client import ClientError, GpukillClient
+from .exits import (
+    EXIT_CODES_HELP,
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_STILL_ALIVE,
+    EXIT_USAGE,
+    exit_code,
+)
 from .format import devices_table, processes_table, shown
-from .guard_cli import EXIT_INVALID_POLICY, cmd_guard
+from .guard_cli import cmd_guard
 from .guard_cli import register as register_guard
-
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 3
-EXIT_DENIED = 4
-EXIT_NOT_FOUND = 5
-EXIT_CHANGED = 6
-EXIT_REFUSED = 7
-EXIT_BUSY = 8
-EXIT_NOT_SUPPORTED = 9
-EXIT_STILL_ALIVE = 10
-EXIT_RESET_FAILED = 11
-EXIT_BUSY_TRY_AGAIN = 13
-
-EXIT_FOR_ERROR = {
-    "org.freedesktop.DBus.Error.AccessDenied": EXIT_DENIED,
-    "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired": EXIT_DENIED,
-    "org.gpukill1.Error.NoSuchProcess": EXIT_NOT_FOUND,
-    "org.gpukill1.Error.NoSuchDevice": EXIT_NOT_FOUND,
-    "org.gpukill1.Error.ProcessChanged": EXIT_CHANGED,
-    "org.gpukill1.Error.Protected": EXIT_REFUSED,
-    "org.gpukill1.Error.NotAGpuProcess": EXIT_REFUSED,
-    "org.gpukill1.Error.DeviceBusy": EXIT_BUSY,
-    "org.gpukill1.Error.NotSupported": EXIT_NOT_SUPPORTED,
-    "org.gpukill1.Error.ResetFailed": EXIT_RESET_FAILED,
-    "org.gpukill1.Error.InvalidPolicy": EXIT_INVALID_POLICY,
-    "org.freedesktop.DBus.Error.InvalidArgs": EXIT_USAGE,
-    "org.gpukill1.Error.TooBusy": EXIT_BUSY_TRY_AGAIN,
-}
-
-EXIT_CODES_HELP = """\
-exit status:
-  0   success
-  1   other failure
-  2   usage error or invalid arguments
-  3   gpukilld or the system bus is not reachable
-  4   access denied (polkit said no)
-  5   no such process or GPU
-  6   the PID now belongs to another process (list again)
-  7   refused: protected process (PID 1, kernel thread, gpukilld) or not a GPU process
-  8   GPU busy: processes still use it (reset --force kills them first)
-  9   not supported on this GPU
-  10  the process is still alive after the grace period (kill --force sends SIGKILL)
-  11  GPU reset failed; the device was left as it was
-  12  the guard policy is invalid (each error as FILE:LINE:COL: message; the policy in force stays)
-  13  too busy: a limit per user was reached (authorizations waiting for polkit, a policy test running);
-      nothing was done, try again
-
-JSON (list --json) is stable: {"format": 1, "devices": [...], "processes": [...]}; every key documented in
-README.md is always present, null where the daemon cannot read a value."""
+from .polkit_agent import PolkitAgent
 
 JSON_FORMAT = 1
 
@@ -90,13 +50,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+def byte_count(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a number of bytes must not be negative, not {text}")
+    return value
+
+
 def seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value <= 300:
-        raise argparse.ArgumentTypeError(f"grace must be between 0 and 300 seconds, not {text}")
+    if not 0 <= value <= MAX_GRACE:
+        raise argparse.ArgumentTypeError(f"grace must be between 0 and {MAX_GRACE:g} seconds, not {text}")
     return value
 
 
@@ -112,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--user", help="only processes of this user (name or uid)")
     ls.add_argument("--name", help="only processes whose name contains this")
     ls.add_argument("--name-regex", help="only processes whose name matches this regular expression")
-    ls.add_argument("--min-memory", type=int, metavar="BYTES", help="only processes using at least BYTES")
+    ls.add_argument("--min-memory", type=byte_count, metavar="BYTES", help="only processes using at least BYTES")
 
     kill = sub.add_parser("kill", help="stop a GPU process: SIGTERM, then SIGKILL with --force")
     kill.add_argument("pid", type=positive_int, metavar="PID")
@@ -135,36 +105,10 @@ def fail(message: str, code: int) -> int:
     return code
 
 
-class PolkitAgent:
-    """On a terminal, run pkttyagent for our bus connection so polkit can ask for a password."""
-
-    def __init__(self, bus_name: str) -> None:
-        self.proc: subprocess.Popen | None = None
-        agent = shutil.which("pkttyagent")
-        if not agent or not sys.stdin.isatty() or os.geteuid() == 0:
-            return
-        read_fd, write_fd = os.pipe()
-        self.proc = subprocess.Popen([agent, "--notify-fd", str(write_fd),
-                                      "--process", str(os.getpid())], pass_fds=(write_fd,))
-        os.close(write_fd)
-        os.read(read_fd, 1)  # EOF once the agent is registered (or has died)
-        os.close(read_fd)
-
-    @property
-    def active(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait()
-
-
 def _start_time_from_proc(pid: int) -> int:
     """For a PID the daemon does not list (so it can say why it refuses): its start time, or 0 if gone."""
-    from gpukilld.procfs import ProcFS  # reads /proc/PID/stat only: no vendor library
-
-    return ProcFS().start_time(pid) or 0
+    stat = read_stat(pid)
+    return stat.start_time if stat else 0
 
 
 def _filter(args: argparse.Namespace) -> dict[str, Variant]:
@@ -178,8 +122,6 @@ def _filter(args: argparse.Namespace) -> dict[str, Variant]:
     if args.name_regex is not None:
         f["name_regex"] = Variant("s", args.name_regex)
     if args.min_memory is not None:
-        if args.min_memory < 0:
-            raise ClientError("org.freedesktop.DBus.Error.InvalidArgs", "--min-memory must not be negative")
         f["min_memory"] = Variant("t", args.min_memory)
     return f
 
@@ -188,7 +130,8 @@ async def cmd_list(client: GpukillClient, args: argparse.Namespace) -> int:
     devices = await client.list_devices()
     procs = await client.list_processes(_filter(args))
     if args.json:
-        json.dump({"format": JSON_FORMAT, "devices": devices, "processes": procs}, sys.stdout)
+        json.dump({"format": JSON_FORMAT, "devices": [to_plain(d) for d in devices],
+                   "processes": [to_plain(p) for p in procs]}, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(devices_table(devices) if devices else "No GPUs.")
@@ -199,24 +142,24 @@ async def cmd_list(client: GpukillClient, args: argparse.Namespace) -> int:
 
 async def cmd_kill(client: GpukillClient, args: argparse.Namespace) -> int:
     start_time = args.start_time
-    listed: dict[str, Any] | None = None
+    listed: Process | None = None
     if start_time is None:
-        listed = next((p for p in await client.list_processes() if p["pid"] == args.pid), None)
-        start_time = listed["start_time"] if listed else _start_time_from_proc(args.pid)
+        listed = next((p for p in await client.list_processes() if p.pid == args.pid), None)
+        start_time = listed.start_time if listed else _start_time_from_proc(args.pid)
     agent = PolkitAgent(client.unique_name)
     try:
         outcome = await client.kill(args.pid, start_time, force=args.force, grace=args.grace,
                                     interactive=agent.active)
     finally:
         agent.close()
-    name = f" ({shown(listed['comm'])})" if listed else ""
-    if outcome == "terminated":
-        print(f"PID {args.pid}{name} terminated")
+    name = f" ({shown(listed.comm)})" if listed else ""
+    if outcome == Outcome.TERMINATED:
+        print(f"PID {args.pid}{name} {Outcome.TERMINATED.text}")
         return EXIT_OK
-    if outcome == "killed":
-        print(f"PID {args.pid}{name} killed with SIGKILL after the grace period")
+    if outcome == Outcome.KILLED:
+        print(f"PID {args.pid}{name} {Outcome.KILLED.text} after the grace period")
         return EXIT_OK
-    return fail(f"PID {args.pid}{name} is still alive after SIGTERM; use --force to send SIGKILL",
+    return fail(f"PID {args.pid}{name} is {Outcome.STILL_ALIVE.text}; use --force to send SIGKILL",
                 EXIT_STILL_ALIVE)
 
 
@@ -226,9 +169,9 @@ async def cmd_reset(client: GpukillClient, args: argparse.Namespace) -> int:
         result = await client.reset(args.device, force=args.force, interactive=agent.active)
     finally:
         agent.close()
-    if result.get("killed"):
-        print(f"killed first: {', '.join(map(str, result['killed']))}")
-    print(f"GPU {result['device']} ({shown(result['device_id'])}): {shown(result['message'])}")
+    if result.killed:
+        print(f"killed first: {', '.join(map(str, result.killed))}")
+    print(f"GPU {result.device} ({shown(result.device_id)}): {shown(result.message)}")
     return EXIT_OK
 
 
@@ -236,16 +179,17 @@ async def cmd_status(client: GpukillClient, args: argparse.Namespace) -> int:
     status = await client.status()
     devices = await client.list_devices()
     procs = await client.list_processes()
-    lost = [d for d in devices if d["state"] != "ok"]
+    lost = [d for d in devices if d.state != STATE_OK]
     print(f"gpukilld {status.version}, sampling every {status.sample_interval:g}s")
     print(f"{len(devices)} GPUs ({len(lost)} lost), {len(procs)} GPU processes")
     print("backends:")
     if not status.backends:
         print("  none configured")
-    for name, available, detail in status.backends:
-        print(shown(f"  {name}: {'available' if available else 'unavailable'}" + (f" - {detail}" if detail else "")))
+    for b in status.backends:
+        print(shown(f"  {b.name}: {'available' if b.available else 'unavailable'}"
+                    + (f" - {b.detail}" if b.detail else "")))
     for d in lost:
-        print(shown(f"GPU {d['index']} ({d['id']}) lost" + (f": {d['state_reason']}" if d["state_reason"] else "")))
+        print(shown(f"GPU {d.index} ({d.id}) lost" + (f": {d.state_reason}" if d.state_reason else "")))
     return EXIT_OK
 
 
@@ -266,10 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "offline", None) is not None:  # guard validate: needs neither the bus nor gpukilld
             return args.offline(args)
         return asyncio.run(run(args))
-    except DaemonUnavailable as e:
-        return fail(str(e), EXIT_UNAVAILABLE)
     except ClientError as e:
-        return fail(str(e), EXIT_FOR_ERROR.get(e.name, EXIT_FAILURE))
+        return fail(str(e), exit_code(e))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -1,8 +1,14 @@
-"""The gpukill client library: org.gpukill1 over the system bus, plain Python values out.
+"""The gpukill client library: org.gpukill1 over the system bus, typed records out.
 
-Front ends (the CLI, later MCP and REST) use this module alone; none of them touches a vendor library or
-/sys, so polkit decides for every one of them. Records come back as dicts with every documented key present
-and None where the daemon could not read a value (see DEVICE_KEYS and PROCESS_KEYS: the stable JSON shape).
+Every front end (the CLI; a desktop agent, MCP, REST, an exporter) uses this module alone; none of them
+touches a vendor library or /sys, so polkit decides for every one of them. Methods return the records of
+gpukill/records.py (Device, Process, ResetReply, GuardStatus, Decision, PolicyLoaded), built from the daemon's
+a{sv} by their one declaration: a value the daemon left out is the field's default (None where it could not
+be read), keys a newer daemon adds are ignored. Kills return a gpukill.outcome.Outcome.
+
+Failures raise a ClientError. One from the daemon is of the class made here for its D-Bus error name, which is
+also the shared error class of gpukill.errors that names it: `except errors.NoSuchProcess` catches what the
+daemon reported as org.gpukill1.Error.NoSuchProcess. DaemonUnavailable: no bus, or no gpukilld on it.
 """
 
 from __future__ import annotations
@@ -15,20 +21,30 @@ from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
 
+from gpukill import errors
+from gpukill.outcome import Outcome
+from gpukill.records import (
+    BackendStatus,
+    Decision,
+    Device,
+    GuardStatus,
+    PolicyLoaded,
+    Process,
+    ResetReply,
+    from_plain,
+    names,
+)
+
 BUS_NAME = "org.gpukill1"
 OBJECT_PATH = "/org/gpukill1"
 INTERFACE = "org.gpukill1.Manager"
 GUARD_INTERFACE = "org.gpukill1.Guard"
 CALL_TIMEOUT = 25.0
-REPLY_TOO_LARGE = "org.gpukill1.Error.ReplyTooLarge"
 PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
 
-DEVICE_KEYS = ("index", "id", "backend", "vendor", "name", "pci_bus_id", "utilization", "memory_used",
-               "memory_total", "temperature", "power", "state", "state_reason", "power_limit", "mig_mode",
-               "parent_id", "clock_mhz")
-PROCESS_KEYS = ("pid", "start_time", "uid", "user", "comm", "cmdline", "exe", "device", "device_id",
-                "gpu_memory", "gpu_utilization", "unit", "container_id", "pod_uid", "slurm_job", "container_pid",
-                "memory_regions", "shared_usage")
+# The keys of `list --json`, in their order.
+DEVICE_KEYS = names(Device)
+PROCESS_KEYS = names(Process)
 
 
 class ClientError(Exception):
@@ -40,32 +56,52 @@ class ClientError(Exception):
 
 
 class DaemonUnavailable(ClientError):
-    pass
+    """No system bus, or gpukilld is not on it."""
+
+
+def _daemon_error(shared: type[errors.GpukillError]) -> type[ClientError]:
+    return type(shared.__name__, (ClientError, shared), {"__module__": __name__, "__doc__": shared.__doc__})
+
+
+# One class per error the daemon sends, each named by its shared class's dbus_name.
+ERRORS: dict[str, type[ClientError]] = {
+    cls.dbus_name: _daemon_error(cls) for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, errors.GpukillError)
+}
+# What the bus itself answers: polkit wanting a password where none may be asked is a denial.
+ERRORS["org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"] = ERRORS[errors.AccessDenied.dbus_name]
+NOT_RUNNING = ("org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner")
+
+
+def error_for(name: str, message: str) -> ClientError:
+    """The exception for a D-Bus error reply."""
+    if name in NOT_RUNNING:
+        return DaemonUnavailable(name, "gpukilld is not running (org.gpukill1 is not on the system bus)")
+    return ERRORS.get(name, ClientError)(name, message)
 
 
 @dataclass(frozen=True, slots=True)
 class DaemonStatus:
+    """The Manager's properties: Version, SampleInterval, Backends."""
+
     version: str
-    sample_interval: float
-    backends: list[tuple[str, bool, str]]
+    sample_interval: float  # seconds between samples: listings are at most this old
+    backends: tuple[BackendStatus, ...]
 
 
-def _plain(value: Any) -> Any:
+def unwrap(value: Any) -> Any:
+    """Variants, a{sv} and arrays of them as plain dicts and lists."""
     if isinstance(value, Variant):
-        return _plain(value.value)
+        return unwrap(value.value)
+    if isinstance(value, dict):
+        return {k: unwrap(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [unwrap(v) for v in value]
     return value
 
 
-def _record(raw: dict[str, Variant], keys: tuple[str, ...]) -> dict[str, Any]:
-    rec: dict[str, Any] = {k: None for k in keys}
-    if "shared_usage" in rec:
-        rec["shared_usage"] = False  # a flag: left out of the daemon's record when false
-    for k, v in raw.items():
-        if k in rec:  # keys a newer daemon adds are left out until documented here
-            rec[k] = _plain(v)
-    return rec
+def _record(cls: type, raw: dict[str, Variant]) -> Any:
+    return from_plain(cls, unwrap(raw))
 
 
 class GpukillClient:
@@ -100,25 +136,20 @@ class GpukillClient:
             raise DaemonUnavailable("", f"lost the system bus: {e}") from None
         if reply.message_type == MessageType.ERROR:
             text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else reply.error_name
-            if reply.error_name in ("org.freedesktop.DBus.Error.ServiceUnknown",
-                                    "org.freedesktop.DBus.Error.NameHasNoOwner"):
-                raise DaemonUnavailable(reply.error_name, "gpukilld is not running (org.gpukill1 is not on the system bus)")
-            raise ClientError(reply.error_name, text)
+            raise error_for(reply.error_name, text)
         return reply.body
 
-    async def list_devices(self) -> list[dict[str, Any]]:
+    async def list_devices(self) -> list[Device]:
         (devices,) = await self._call("ListDevices")
-        return [_record(d, DEVICE_KEYS) for d in devices]
+        return [_record(Device, d) for d in devices]
 
-    async def list_processes(self, filter: dict[str, Variant] | None = None) -> list[dict[str, Any]]:
+    async def list_processes(self, filter: dict[str, Variant] | None = None) -> list[Process]:
         """Every process the daemon shows us; page by page when the whole listing is too large for one reply."""
         try:
             (procs,) = await self._call("ListProcesses", "a{sv}", [filter or {}])
-        except ClientError as e:
-            if e.name != REPLY_TOO_LARGE:
-                raise
+        except errors.ReplyTooLarge:
             procs = await self._pages(filter or {})
-        return [_record(p, PROCESS_KEYS) for p in procs]
+        return [_record(Process, p) for p in procs]
 
     async def _pages(self, filter: dict[str, Variant]) -> list[dict[str, Variant]]:
         """Keyset pages in (device, pid) order: a process that comes or goes between pages shifts nothing."""
@@ -133,7 +164,7 @@ class GpukillClient:
             page_filter["after"] = Variant("(uu)", [last["device"].value, last["pid"].value])
 
     async def kill(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
-                   interactive: bool = False) -> str:
+                   interactive: bool = False) -> Outcome:
         options: dict[str, Variant] = {"force": Variant("b", force)}
         if grace is not None:
             options["grace"] = Variant("d", float(grace))
@@ -141,19 +172,22 @@ class GpukillClient:
         timeout = (grace if grace is not None else 5.0) + 30.0 + (300.0 if interactive else 0.0)
         (outcome,) = await self._call("KillProcess", "uta{sv}", [pid, start_time, options],
                                       interactive=interactive, timeout=timeout)
-        return outcome
+        try:
+            return Outcome(outcome)
+        except ValueError:
+            raise ClientError("", f"gpukilld answered an unknown outcome: {outcome!r}") from None
 
-    async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> dict[str, Any]:
+    async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
         (result,) = await self._call("ResetDevice", "sa{sv}", [device, {"force": Variant("b", force)}],
                                      interactive=interactive, timeout=600.0 if interactive else 300.0)
-        return {k: _plain(v) for k, v in result.items()}
+        return _record(ResetReply, result)
 
     async def status(self) -> DaemonStatus:
         (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")
         return DaemonStatus(
             version=props["Version"].value,
             sample_interval=props["SampleInterval"].value,
-            backends=[(n, bool(a), d) for n, a, d in props["Backends"].value],
+            backends=tuple(BackendStatus(n, bool(a), d) for n, a, d in props["Backends"].value),
         )
 
     # -- Guard Mode (org.gpukill1.Guard) ---------------------------------------------------------------
@@ -163,9 +197,9 @@ class GpukillClient:
         return await self._call(member, signature, body, interface=GUARD_INTERFACE, interactive=interactive,
                                 timeout=timeout + (300.0 if interactive else 0.0))
 
-    async def guard_status(self) -> dict[str, Any]:
+    async def guard_status(self) -> GuardStatus:
         (status,) = await self._guard("GetStatus")
-        return _deep(status)
+        return _record(GuardStatus, status)
 
     async def guard_enable(self, enabled: bool = True, *, interactive: bool = False) -> None:
         await self._guard("Enable" if enabled else "Disable", interactive=interactive)
@@ -173,23 +207,12 @@ class GpukillClient:
     async def guard_set_dry_run(self, dry_run: bool, *, interactive: bool = False) -> None:
         await self._guard("SetDryRun", "b", [dry_run], interactive=interactive)
 
-    async def guard_load_policy(self, name: str, text: str, *, interactive: bool = False) -> dict[str, Any]:
-        """Make the policy the one in force; ClientError org.gpukill1.Error.InvalidPolicy when invalid."""
+    async def guard_load_policy(self, name: str, text: str, *, interactive: bool = False) -> PolicyLoaded:
+        """Make the policy the one in force; errors.InvalidPolicy when it is invalid."""
         (result,) = await self._guard("LoadPolicy", "ss", [name, text], interactive=interactive)
-        return _deep(result)
+        return _record(PolicyLoaded, result)
 
-    async def guard_test(self, name: str = "", text: str = "") -> list[dict[str, Any]]:
+    async def guard_test(self, name: str = "", text: str = "") -> list[Decision]:
         """What a policy (text "": the one in force) would do with the current snapshot; never acts."""
         (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
-        return [_deep(d) for d in decisions]
-
-
-def _deep(value: Any) -> Any:
-    """Variants, a{sv} and arrays of them as plain dicts and lists."""
-    if isinstance(value, Variant):
-        return _deep(value.value)
-    if isinstance(value, dict):
-        return {k: _deep(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep(v) for v in value]
-    return value
+        return [_record(Decision, d) for d in decisions]

@@ -7,8 +7,7 @@ keeps the exact text.
 
 from __future__ import annotations
 
-from typing import Any
-
+from gpukill.records import STATE_OK, Device, Process
 from gpukill.text import shown
 
 
@@ -26,7 +25,8 @@ def percent(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}%"
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """Columns as wide as their widest cell, every cell escaped."""
     rows = [[shown(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
@@ -35,34 +35,33 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def devices_table(devices: list[dict[str, Any]]) -> str:
+def devices_table(devices: list[Device]) -> str:
     rows = []
     for d in devices:
-        memory = f"{size(d['memory_used'])} / {size(d['memory_total'])}"
-        temp = "-" if d["temperature"] is None else f"{d['temperature']:.0f}°C"
-        power = "-" if d["power"] is None else f"{d['power']:.0f} W"
-        state = d["state"] + (f" ({d['state_reason']})" if d["state"] != "ok" and d["state_reason"] else "")
-        rows.append([str(d["index"]), d["name"], d["vendor"], percent(d["utilization"]), memory, temp, power,
-                     state])
-    return _table(["GPU", "NAME", "VENDOR", "UTIL", "MEMORY", "TEMP", "POWER", "STATE"], rows)
+        memory = f"{size(d.memory_used)} / {size(d.memory_total)}"
+        temp = "-" if d.temperature is None else f"{d.temperature:.0f}°C"
+        power = "-" if d.power is None else f"{d.power:.0f} W"
+        state = d.state + (f" ({d.state_reason})" if d.state != STATE_OK and d.state_reason else "")
+        rows.append([str(d.index), d.name, d.vendor, percent(d.utilization), memory, temp, power, state])
+    return table(["GPU", "NAME", "VENDOR", "UTIL", "MEMORY", "TEMP", "POWER", "STATE"], rows)
 
 
-def _owner(p: dict[str, Any]) -> str:
-    if p["pod_uid"]:
-        return f"pod:{p['pod_uid'][:8]}"
-    if p["container_id"]:
-        return f"container:{p['container_id'][:12]}"
-    if p["slurm_job"]:
-        return f"slurm:{p['slurm_job']}"
-    return p["unit"] or "-"
+def _owner(p: Process) -> str:
+    if p.pod_uid:
+        return f"pod:{p.pod_uid[:8]}"
+    if p.container_id:
+        return f"container:{p.container_id[:12]}"
+    if p.slurm_job:
+        return f"slurm:{p.slurm_job}"
+    return p.unit or "-"
 
 
-def processes_table(procs: list[dict[str, Any]]) -> str:
+def processes_table(procs: list[Process]) -> str:
     if not procs:
         return "No GPU processes."
     rows = [
-        [str(p["device"]), str(p["pid"]), p["user"], p["comm"] or "-", size(p["gpu_memory"]),
-         percent(p["gpu_utilization"]), _owner(p)]
+        [str(p.device), str(p.pid), p.user, p.comm or "-", size(p.gpu_memory), percent(p.gpu_utilization),
+         _owner(p)]
         for p in procs
     ]
-    return _table(["GPU", "PID", "USER", "COMMAND", "GPU MEMORY", "UTIL", "UNIT/CONTAINER"], rows)
+    return table(["GPU", "PID", "USER", "COMMAND", "GPU MEMORY", "UTIL", "UNIT/CONTAINER"], rows)

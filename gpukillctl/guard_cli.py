@@ -13,10 +13,14 @@ import sys
 import time
 from typing import Any
 
-from .client import GpukillClient
-from .format import _table, shown
+from gpukill.outcome import Outcome
+from gpukill.records import Decision, to_plain
+from gpukill.units import format_duration
 
-EXIT_INVALID_POLICY = 12
+from .client import GpukillClient
+from .exits import EXIT_INVALID_POLICY
+from .format import shown, table
+from .polkit_agent import PolkitAgent
 
 # The policy module (and PyYAML) is imported by the guard commands only: `gpukillctl list` starts faster.
 
@@ -83,8 +87,6 @@ async def cmd_guard(client: GpukillClient, args: argparse.Namespace) -> int:
 async def _change(client: GpukillClient, args: argparse.Namespace) -> int:
     from gpukill.policy import PolicyError, load_texts, read_text
 
-    from .cli import PolkitAgent  # cli imports this module to register the subcommands
-
     command = args.guard_command
     text = ""
     if command == "load":
@@ -103,7 +105,7 @@ async def _change(client: GpukillClient, args: argparse.Namespace) -> int:
             print(f"guard dry run {args.state}")
         else:
             result = await client.guard_load_policy(os.path.abspath(args.file), text, interactive=agent.active)
-            names = ", ".join(result.get("rules", [])) or "none"
+            names = ", ".join(result.rules) or "none"
             print(shown(f"policy {args.file} in force: {len(policy.rules)} rule(s): {names}"))
     finally:
         agent.close()
@@ -115,7 +117,6 @@ def _when(t: float) -> str:
 
 
 def _seconds(s: float) -> str:
-    from gpukill.policy import format_duration
 
     return format_duration(round(s)) if s >= 1 else f"{s:.1f}s"
 
@@ -123,64 +124,55 @@ def _seconds(s: float) -> str:
 async def _status(client: GpukillClient, args: argparse.Namespace) -> int:
     st = await client.guard_status()
     if args.json:
-        json.dump(st, sys.stdout, indent=1)
+        json.dump(to_plain(st), sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    dry = st.get("dry_run") or st.get("policy_dry_run")
-    mode = "disabled" if not st.get("enabled") else ("enabled, DRY RUN (nothing is signalled)" if dry else
-                                                      "enabled, enforcing")
+    dry = st.dry_run or st.policy_dry_run
+    mode = "disabled" if not st.enabled else ("enabled, DRY RUN (nothing is signalled)" if dry else
+                                              "enabled, enforcing")
     print(f"guard: {mode}")
-    files = st.get("files") or []
-    source = "loaded with gpukillctl guard load" if st.get("source") == "loaded" else "guard.d"
-    print(shown(f"policy: {', '.join(files) or 'none'} ({source})"))
-    if st.get("policy_error"):
-        print(shown(f"policy files rejected (the policy above stays in force): {st['policy_error']}"))
-    print(f"evaluations: {st.get('evaluations', 0)}, last {st.get('last_eval_ms', 0):.1f} ms, "
-          f"slowest {st.get('max_eval_ms', 0):.1f} ms")
-    rules = st.get("rules") or []
-    if rules:
+    source = "loaded with gpukillctl guard load" if st.source == "loaded" else "guard.d"
+    print(shown(f"policy: {', '.join(st.files) or 'none'} ({source})"))
+    if st.policy_error:
+        print(shown(f"policy files rejected (the policy above stays in force): {st.policy_error}"))
+    print(f"evaluations: {st.evaluations}, last {st.last_eval_ms:.1f} ms, slowest {st.max_eval_ms:.1f} ms")
+    if st.rules:
         print()
-        print(_table(["RULE", "ACTION", "SCOPE", "TRIGGERS", "KILLS", "WOULD-KILL", "CANCELLED", "FAILED", "LAST"],
-                     [[r["name"], r["action"], r["scope"], str(r["triggers"]), str(r["kills"]),
-                       str(r["would_kill"]), str(r["cancelled"]), str(r["failed"]), _when(r["last_triggered"])]
-                      for r in rules]))
-    windows = st.get("windows") or []
-    if windows:
+        print(table(["RULE", "ACTION", "SCOPE", "TRIGGERS", "KILLS", "WOULD-KILL", "CANCELLED", "FAILED", "LAST"],
+                    [[r.name, r.action, r.scope, str(r.triggers), str(r.kills), str(r.would_kill),
+                      str(r.cancelled), str(r.failed), _when(r.last_triggered)] for r in st.rules]))
+    if st.windows:
         print("\nin a duration window:")
-        for w in windows:
-            print(shown(f"  {w['rule']}: {w['subject']}: {w['condition']}: {_seconds(w['elapsed'])} "
-                        f"of {_seconds(w['duration'])}"))
-    graces = st.get("graces") or []
-    if graces:
+        for w in st.windows:
+            print(shown(f"  {w.rule}: {w.subject}: {w.condition}: {_seconds(w.elapsed)} "
+                        f"of {_seconds(w.duration)}"))
+    if st.graces:
         print("\nin a grace period:")
-        for g in graces:
-            print(shown(f"  {g['rule']}: {g['subject']}: {_seconds(g['remaining'])} left"))
-    recent = st.get("recent") or []
-    if recent:
+        for g in st.graces:
+            print(shown(f"  {g.rule}: {g.subject}: {_seconds(g.remaining)} left"))
+    if st.recent:
         print("\nrecent:")
-        for r in recent[-10:]:
-            outcome = r.get("outcome") or r.get("event")
-            dry_tag = " (dry run)" if r.get("dry_run") and outcome != "would-kill" else ""
-            print(shown(f"  {_when(r.get('time', 0))}  {r.get('rule')}: {r.get('subject')}: {outcome}{dry_tag}"))
-    notes = st.get("notifications") or {}
-    if any(c.get("queued") for c in notes.values()):
+        for r in st.recent[-10:]:
+            outcome = r.outcome or r.event
+            dry_tag = " (dry run)" if r.dry_run and outcome != Outcome.WOULD_KILL else ""
+            print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}"))
+    if any(c.queued for c in st.notifications):
         print("\nnotifications: " + "; ".join(
-            f"{name}: {c['delivered']} delivered, {c['failed']} failed, {c['dropped']} dropped"
-            for name, c in notes.items()))
+            f"{c.channel}: {c.delivered} delivered, {c.failed} failed, {c.dropped} dropped"
+            for c in st.notifications))
     return 0
 
 
-def _decision_row(d: dict[str, Any]) -> list[str]:
-    status = d.get("status", "")
-    if status == "now":
+def _decision_row(d: Decision) -> list[str]:
+    if d.status == "now":
         when = "now"
-    elif status == "waiting":
-        when = f"in {_seconds(d.get('wait', 0.0))}"
+    elif d.status == "waiting":
+        when = f"in {_seconds(d.wait)}"
     else:
-        when = status
-    pids = ", ".join(map(str, d.get("pids") or [])) or "-"
-    what = f"{d['action']} {pids}" if d.get("action") == "kill" else d.get("action", "")
-    return [d["rule"], d["subject"], what, when, d.get("reason", "")]
+        when = d.status
+    pids = ", ".join(map(str, d.pids)) or "-"
+    what = f"{d.action} {pids}" if d.action == "kill" else d.action
+    return [d.rule, d.subject, what, when, d.reason]
 
 
 async def _test(client: GpukillClient, args: argparse.Namespace) -> int:
@@ -196,12 +188,12 @@ async def _test(client: GpukillClient, args: argparse.Namespace) -> int:
     else:
         decisions = await client.guard_test()
     if args.json:
-        json.dump({"decisions": decisions}, sys.stdout, indent=1)
+        json.dump({"decisions": [to_plain(d) for d in decisions]}, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
     if not decisions:
         print("no rule matches anything now; nothing would be done")
         return 0
-    print(_table(["RULE", "SUBJECT", "WOULD", "WHEN", "WHY"], [_decision_row(d) for d in decisions]))
+    print(table(["RULE", "SUBJECT", "WOULD", "WHEN", "WHY"], [_decision_row(d) for d in decisions]))
     print("(a test: nothing was signalled)")
     return 0

@@ -1,40 +1,34 @@
 """org.gpukill1.Manager on the system bus: a thin layer from D-Bus calls to the snapshot and Actions.
 
-dbus-fast hands method bodies their arguments but not the message, and we need the sender (for polkit and
-the audit) and its flags (interactive authorization). The door handler below sees every message first: it
-denies anything the bouncer's table does not map, and otherwise remembers the message in a context variable
-that the method reads. dbus-fast starts each async method as a Task, which copies the context at that moment.
+What both interfaces share (the Door, the caller, error mapping, output names) is in bus.py; this module has
+what is the Manager's own: the listings, built once per snapshot and kind of viewer, the filter query, reply
+bounds, and the early answer to an unfiltered ListProcesses that the Door lets it give.
 """
 
-import functools
 import math
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from dbus_fast import DBusError, Message, MessageType, Variant
+from dbus_fast import Message, Variant
 from dbus_fast.aio import MessageBus
-from dbus_fast.constants import MessageFlag, PropertyAccess
+from dbus_fast.constants import PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from gpukill.errors import GpukillError, InvalidArgs, ReplyTooLarge, TooBusy
+from gpukill.outcome import INITIATOR_USER
+from gpukill.records import ResetReply
 from gpukill.regex import RegexError, compile_regex
 
 from . import __version__, busio
-from .actions import Actions, KillResult, ResetResult
-from .bouncer import OUR_INTERFACES, READ_ONLY, Bouncer, action_for
-from .callrate import RATE, CallRate
+from .actions import Actions, KillResult
+from .bouncer import Bouncer
+from .bus import current_caller, dbus_errors, name_outputs
 from .model import Device, GpuProcess, Snapshot
+from .names import MANAGER_INTERFACE
 from .visibility import FULL, Viewer, seen_as
+from .wire import to_dbus
 
-OBJECT_PATH = "/org/gpukill1"
-BUS_NAME = "org.gpukill1"
-INTERFACE = "org.gpukill1.Manager"
-
-_current_call: ContextVar[Message | None] = ContextVar("gpukill_current_call", default=None)
-
-NO_REPLY_EXPECTED = MessageFlag.NO_REPLY_EXPECTED.value
 DEFAULT_GRACE = 5.0
 MAX_FILTER_STRING = 4096
 
@@ -47,127 +41,6 @@ PAGE_MAX = 1000
 # What may wait in the daemon's own write queue before large replies are refused (TooBusy): callers who
 # never read their replies must not grow the daemon's memory.
 MAX_BACKLOG = 64 << 20
-
-
-class Door:
-    """First look at every message: hold each uid to its call rate, deny unmapped methods of our interfaces,
-    remember the call for the method body, and answer the hot unfiltered ListProcesses from a body marshalled
-    once per snapshot and kind of caller (when the caller's kind is known without a round trip)."""
-
-    def __init__(self, bus: MessageBus, manager: "ManagerInterface", bouncer: Bouncer) -> None:
-        self.bus = bus
-        self.manager = manager
-        self.bouncer = bouncer
-        self.rate = CallRate()
-
-    def __call__(self, msg: Message) -> Message | bool | None:
-        if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
-            return None
-        iface = msg.interface
-        no_reply = bool(msg.flags.value & NO_REPLY_EXPECTED)
-        caller = self.bouncer.known(msg)  # a connection's first call is looked up by the method, then known
-        if caller is not None and not self.rate.allow(caller.uid):
-            return True if no_reply else Message.new_error(
-                msg, TooBusy.dbus_name, f"uid {caller.uid} calls gpukilld more than {RATE:g} times a second; "
-                                        "slow down")
-        if iface in OUR_INTERFACES or iface is None:
-            action = action_for(iface, msg.member)
-            if action is None:
-                return True if no_reply else Message.new_error(
-                    msg, "org.freedesktop.DBus.Error.AccessDenied",
-                    f"{iface or '(no interface)'}.{msg.member} is not a method gpukilld allows",
-                )
-            if no_reply and action == READ_ONLY:
-                return True  # a question nobody waits to hear answered: nothing to do
-            if msg.member == "ListProcesses" and msg.signature == "a{sv}" and not msg.body[0]:
-                answered = self._list_all(msg)
-                if answered is not None:
-                    return answered
-            _current_call.set(msg)
-        elif no_reply:
-            # Properties, Introspectable, Peer: only questions. Dropped, so that dbus-fast has no error to log
-            # with a traceback for a call nobody waits on (any user could fill the journal with those).
-            return True
-        elif iface == "org.freedesktop.DBus.Properties" and msg.member == "Set":
-            return Message.new_error(msg, "org.freedesktop.DBus.Error.PropertyReadOnly",
-                                     "gpukilld properties are read-only")
-        return None
-
-    def _list_all(self, msg: Message) -> Message | bool | None:
-        viewer = self.manager.known_viewer(msg)
-        if viewer is None:
-            return None  # first call of this connection: the method asks who it is
-        try:
-            body = self.manager.all_processes_body(viewer)
-        except GpukillError as e:
-            return Message.new_error(msg, e.dbus_name, str(e))
-        if busio.send_premarshalled_reply(self.bus, msg, "aa{sv}", body):
-            return True
-        return None
-
-
-def _dbus_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Our failures become the D-Bus errors named in errors.py; the caller gets one line, never a traceback.
-    A call sent with NO_REPLY_EXPECTED gets no error at all: dbus-fast would log it with a traceback, and that
-    would let any user write to the journal at will (the refusal itself is audited, folded per uid)."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: Any, *args: Any) -> Any:
-        try:
-            return await fn(self, *args)
-        except (GpukillError, DBusError) as e:
-            msg = _current_call.get()
-            if msg is not None and msg.flags.value & NO_REPLY_EXPECTED:
-                return None
-            if isinstance(e, DBusError):
-                raise
-            raise DBusError(e.dbus_name, str(e)) from None
-
-    return wrapper
-
-
-def device_to_dbus(d: Device) -> dict[str, Variant]:
-    out = {
-        "index": Variant("u", d.index), "id": Variant("s", d.id), "backend": Variant("s", d.backend),
-        "vendor": Variant("s", d.vendor), "name": Variant("s", d.name), "state": Variant("s", d.state),
-    }
-    if d.state_reason:
-        out["state_reason"] = Variant("s", d.state_reason)
-    if d.pci_bus_id is not None:
-        out["pci_bus_id"] = Variant("s", d.pci_bus_id)
-    for key, sig, value in (
-        ("utilization", "d", d.utilization), ("memory_used", "t", d.memory_used),
-        ("memory_total", "t", d.memory_total), ("temperature", "d", d.temperature), ("power", "d", d.power),
-        ("power_limit", "d", d.power_limit), ("mig_mode", "b", d.mig_mode), ("parent_id", "s", d.parent_id),
-        ("clock_mhz", "d", d.clock_mhz),
-    ):
-        if value is not None:
-            out[key] = Variant(sig, value)
-    return out
-
-
-def process_to_dbus(p: GpuProcess) -> dict[str, Variant]:
-    out = {
-        "pid": Variant("u", p.pid), "start_time": Variant("t", p.start_time), "uid": Variant("u", p.uid),
-        "user": Variant("s", p.user), "comm": Variant("s", p.comm), "cmdline": Variant("s", p.cmdline),
-        "device": Variant("u", p.device), "device_id": Variant("s", p.device_id),
-    }
-    a = p.attribution
-    for key, sig, value in (
-        ("exe", "s", p.exe), ("gpu_memory", "t", p.gpu_memory), ("gpu_utilization", "d", p.gpu_utilization),
-        ("unit", "s", a.unit), ("container_id", "s", a.container_id), ("pod_uid", "s", a.pod_uid),
-        ("slurm_job", "s", a.slurm_job), ("container_pid", "u", p.container_pid),
-    ):
-        if value is not None:
-            out[key] = Variant(sig, value)
-    if p.shared_usage:  # part of its usage is through a DRM client other users' processes hold: charged to no one
-        out["shared_usage"] = Variant("b", True)
-    if p.memory_regions:  # region -> {"total": bytes, "resident": bytes}, each only where known
-        out["memory_regions"] = Variant("a{sa{st}}", {
-            r.name: {k: v for k, v in (("total", r.total), ("resident", r.resident)) if v is not None}
-            for r in p.memory_regions
-        })
-    return out
 
 
 def _option(options: dict[str, Variant], key: str, kinds: str | tuple[str, ...], where: str) -> Any:
@@ -262,7 +135,7 @@ Record = tuple[GpuProcess, dict[str, Variant], int]  # the process as seen, its 
 
 
 def _record(p: GpuProcess) -> Record:
-    d = process_to_dbus(p)
+    d = to_dbus(p.record())
     return (p, d, record_size(d))
 
 
@@ -277,7 +150,7 @@ def _check_size(records: list[Record], what: str) -> None:
 class ManagerInterface(ServiceInterface):
     def __init__(self, snapshot: Callable[[], Snapshot], actions: Actions, bouncer: Bouncer,
                  sample_interval: Callable[[], float]) -> None:
-        super().__init__(INTERFACE)
+        super().__init__(MANAGER_INTERFACE)
         self._snapshot = snapshot
         self._actions = actions
         self._bouncer = bouncer
@@ -295,7 +168,7 @@ class ManagerInterface(ServiceInterface):
     def _fresh(self) -> None:
         snap = self._snapshot()
         if snap.generation != self._cache_generation:
-            self._devices_reply = [device_to_dbus(d) for d in snap.devices]
+            self._devices_reply = [to_dbus(d) for d in snap.devices]
             self._full = [_record(p) for p in snap.processes]
             self._reduced, self._views, self._bodies = {}, {}, {}
             self._cache_generation = snap.generation
@@ -334,19 +207,23 @@ class ManagerInterface(ServiceInterface):
         if self.bus is not None and (queued := busio.backlog_bytes(self.bus)) > MAX_BACKLOG:
             raise TooBusy(f"gpukilld has {queued >> 20} MiB of replies waiting for the bus; try again shortly")
 
-    def known_viewer(self, msg: Message) -> Viewer | None:
-        """The viewer for a call whose caller and view-all answer are known without a round trip."""
-        caller = self._bouncer.known(msg)
-        return None if caller is None else self._bouncer.known_viewer(caller)
-
-    async def _caller(self):
-        msg = _current_call.get()
-        if msg is None:  # cannot happen while door() is installed; refuse rather than act unidentified
-            raise DBusError("org.freedesktop.DBus.Error.AccessDenied", "caller could not be identified")
+    def early_answer(self, msg: Message) -> Message | bool | None:
+        """The Door's EarlyAnswer: an unfiltered ListProcesses answered from the body marshalled once per
+        snapshot and kind of viewer, when the caller's kind is known without a round trip; else None (the
+        method answers, and asks who the caller is)."""
+        if msg.member != "ListProcesses" or msg.signature != "a{sv}" or msg.body[0]:
+            return None
+        known = self._bouncer.known(msg)
+        viewer = None if known is None else self._bouncer.known_viewer(known)
+        if viewer is None:
+            return None
         try:
-            return await self._bouncer.caller(msg)
-        except Exception as e:
-            raise DBusError("org.freedesktop.DBus.Error.AccessDenied", f"caller could not be identified: {e}") from None
+            body = self.all_processes_body(viewer)
+        except GpukillError as e:
+            return Message.new_error(msg, e.dbus_name, str(e))
+        if busio.send_premarshalled_reply(self.bus, msg, "aa{sv}", body):
+            return True
+        return None
 
     # -- methods ---------------------------------------------------------------------------------------
 
@@ -356,9 +233,9 @@ class ManagerInterface(ServiceInterface):
         return self._devices_reply
 
     @method()
-    @_dbus_errors
+    @dbus_errors
     async def ListProcesses(self, filter: "a{sv}") -> "aa{sv}":
-        viewer = await self._bouncer.viewer(await self._caller())
+        viewer = await self._bouncer.viewer(await current_caller(self._bouncer))
         view = self._view(viewer)
         query = build_query(filter, self._snapshot())
         selected = [r for r in view if all(t(r[0]) for t in query.tests)] if query.tests else view
@@ -372,30 +249,25 @@ class ManagerInterface(ServiceInterface):
         return [d for _, d, _ in selected]
 
     @method()
-    @_dbus_errors
+    @dbus_errors
     async def KillProcess(self, pid: "u", start_time: "t", options: "a{sv}") -> "s":
-        caller = await self._caller()
+        caller = await current_caller(self._bouncer)
         _check_keys(options, ("force", "grace"), "option")
         force = bool(_option(options, "force", "b", "option")) if "force" in options else False
         grace = float(_option(options, "grace", "duiyqxt", "option")) if "grace" in options else DEFAULT_GRACE
         if math.isnan(grace):
             raise InvalidArgs("option 'grace' is not a number")
-        result = await self._actions.kill(caller, pid, start_time, grace, force, f"uid:{caller.uid}")
+        result = await self._actions.kill(caller, pid, start_time, grace, force, INITIATOR_USER)
         return result.outcome
 
     @method()
-    @_dbus_errors
+    @dbus_errors
     async def ResetDevice(self, device: "s", options: "a{sv}") -> "a{sv}":
-        caller = await self._caller()
+        caller = await current_caller(self._bouncer)
         _check_keys(options, ("force",), "option")
         force = bool(_option(options, "force", "b", "option")) if "force" in options else False
         result = await self._actions.reset(caller, device, force)
-        return {
-            "device": Variant("u", result.device_index),
-            "device_id": Variant("s", result.device_id),
-            "message": Variant("s", result.message),
-            "killed": Variant("au", list(result.killed)),
-        }
+        return to_dbus(result)
 
     # -- properties ------------------------------------------------------------------------------------
 
@@ -419,15 +291,15 @@ class ManagerInterface(ServiceInterface):
                 result.outcome, caller_uid, result.initiator]
 
     @signal()
-    def DeviceReset(self, result: ResetResult, success: bool) -> "usbsau":
-        return [result.device_index, result.device_id, success, result.message, list(result.killed)]
+    def DeviceReset(self, result: ResetReply, success: bool) -> "usbsau":
+        return [result.device, result.device_id, success, result.message, list(result.killed)]
 
     @signal()
     def DeviceStateChanged(self, device: Device) -> "usss":
         return [device.index, device.id, device.state, device.state_reason]
 
 
-# Names for return values and signal arguments, as in dbus/org.gpukill1.xml (dbus-fast leaves them unnamed).
+# Names for return values and signal arguments, as in dbus/org.gpukill1.xml.
 OUTPUT_NAMES = {
     "ListDevices": ["devices"],
     "ListProcesses": ["processes"],
@@ -439,15 +311,4 @@ OUTPUT_NAMES = {
 }
 
 
-def _name_outputs(cls: type, names: dict[str, list[str]]) -> None:
-    for member in vars(cls).values():
-        d = getattr(member, "__dict__", {})
-        item = d.get("__DBUS_METHOD") or d.get("__DBUS_SIGNAL")
-        if item is None:
-            continue
-        args = item.introspection.out_args if "__DBUS_METHOD" in d else item.introspection.args
-        for arg, name in zip(args, names[item.name], strict=True):
-            arg.name = name
-
-
-_name_outputs(ManagerInterface, OUTPUT_NAMES)
+name_outputs(ManagerInterface, OUTPUT_NAMES)

@@ -1,66 +1,43 @@
-"""Records that flow from the backends through the snapshot to the bus.
+"""The daemon's snapshot: what the backends read, joined with /proc, as the sampler publishes it.
+
+Devices are the bus's Device records (gpukill/records.py); a backend reports a DeviceReading, the same fields
+but the index and backend the sampler adds. Processes are the daemon's own GpuProcess, which keeps the
+attribution nested and the system unit that is not on the bus; GpuProcess.record() is its bus record.
 
 A value a backend cannot read is None, never 0: "0 %" and "unknown" are different answers to an admin.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from typing import Any
 
-STATE_OK = "ok"
-STATE_LOST = "lost"  # the device stopped answering (fell off the bus, GPU_IS_LOST, a hung driver call)
-STATE_ERROR = "error"  # answering, but the driver reported a critical error (an Xid): it needs attention
+# Devices and memory regions are the records the bus carries, declared once in the shared package.
+from gpukill.records import (  # noqa: F401
+    STATE_ERROR,
+    STATE_LOST,
+    STATE_OK,
+    BackendStatus,
+    Device,
+    MemoryRegion,
+    Process,
+    names,
+)
 
+_NUMBERED = ("index", "backend")  # what the sampler gives a device; the backend reads everything else
 
-@dataclass(frozen=True, slots=True)
-class Device:
-    index: int  # global index across all backends, assigned by the sampler
-    id: str  # stable id: UUID where the vendor has one, else the PCI address
-    backend: str
-    vendor: str
-    name: str
-    pci_bus_id: str | None
-    utilization: float | None  # percent
-    memory_used: int | None  # bytes
-    memory_total: int | None  # bytes
-    temperature: float | None  # degrees Celsius
-    power: float | None  # watts
-    state: str = STATE_OK
-    state_reason: str = ""
-    power_limit: float | None = None  # watts, the enforced limit
-    mig_mode: bool | None = None  # NVIDIA Multi-Instance GPU mode; None where the device has no such mode
-    parent_id: str | None = None  # for a partition (a MIG instance): the id of its physical GPU
-    clock_mhz: float | None = None  # current graphics clock
+# What a backend reports for one device: a Device's fields but index and backend, with the same types and
+# defaults. The sampler turns it into a Device (numbered()); a field added to Device comes with it.
+DeviceReading = make_dataclass(
+    "DeviceReading",
+    [(f.name, f.type, field(default=f.default)) if f.default is not MISSING else (f.name, f.type)
+     for f in fields(Device) if f.name not in _NUMBERED],
+    frozen=True, slots=True)
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceReading:
-    """What a backend reports for one device; the sampler turns it into a Device with a global index."""
-
-    id: str
-    vendor: str
-    name: str
-    pci_bus_id: str | None = None
-    utilization: float | None = None
-    memory_used: int | None = None
-    memory_total: int | None = None
-    temperature: float | None = None
-    power: float | None = None
-    state: str = STATE_OK
-    state_reason: str = ""
-    power_limit: float | None = None
-    mig_mode: bool | None = None
-    parent_id: str | None = None
-    clock_mhz: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryRegion:
-    """A process's GPU memory in one region (vram, gtt, system0, ...), as DRM fdinfo or KFD report it."""
-
-    name: str
-    total: int | None  # bytes: every buffer created in the region, backed or not
-    resident: int | None  # bytes: buffers whose backing store is present
+def numbered(reading: Any, index: int, backend: str) -> Device:
+    """The Device a backend's reading becomes: its global index and its backend's name added."""
+    return Device(index=index, backend=backend, **{f.name: getattr(reading, f.name) for f in fields(reading)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +84,22 @@ class GpuProcess:
     memory_regions: tuple[MemoryRegion, ...] = ()
     shared_usage: bool = False  # as ProcessUsage.shared_usage: its figures leave out a part charged to no one
 
+    def record(self) -> Process:
+        """The process as the bus carries it: each of the record's fields taken by name from the process or
+        from its attribution (system_unit is not on the bus)."""
+        a = self.attribution
+        return Process(**{n: getattr(a if attributed else self, n) for n, attributed in _RECORD_SOURCES})
 
-@dataclass(frozen=True, slots=True)
-class BackendStatus:
-    name: str
-    available: bool
-    detail: str  # why it is unavailable, or a one-line summary (driver version, device count)
+    @classmethod
+    def from_record(cls, record: Process, system_unit: str | None) -> GpuProcess:
+        """The inverse of record(), given the system unit the record leaves out."""
+        values = {n: getattr(record, n) for n in names(Process)}
+        attribution = Attribution(**{n: values.pop(n) for n in _ATTRIBUTED}, system_unit=system_unit)
+        return cls(**values, attribution=attribution)
+
+
+_ATTRIBUTED = frozenset(f.name for f in fields(Attribution)) & frozenset(names(Process))
+_RECORD_SOURCES = tuple((n, n in _ATTRIBUTED) for n in names(Process))  # each field, and whether attribution's
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .backends import Backend, BackendSample
-from .model import STATE_LOST, STATE_OK, BackendStatus, Device, GpuProcess, Snapshot
+from .model import STATE_LOST, STATE_OK, BackendStatus, Device, GpuProcess, ProcessUsage, Snapshot, numbered
 from .procfs import ProcFS, ProcInfo
 
 log = logging.getLogger(__name__)
+
+# A GpuProcess joins what /proc says (ProcInfo) with what its backend says (ProcessUsage), field by name,
+# and the device's global index.
+_FROM_HOST = tuple(f.name for f in dataclasses.fields(ProcInfo))
+_FROM_BACKEND = tuple(f.name for f in dataclasses.fields(ProcessUsage) if f.name not in _FROM_HOST)
 
 INFO_TTL = 10.0  # seconds before cmdline, exe and cgroup of a process are read again (cgroup moves are rare)
 
@@ -139,13 +144,7 @@ class Sampler:
             sample, status = self._sample_backend(backend)
             statuses.append(status)
             for r in sample.devices:
-                devices[r.id] = Device(
-                    index=self._index(r.id), id=r.id, backend=backend.name, vendor=r.vendor, name=r.name,
-                    pci_bus_id=r.pci_bus_id, utilization=r.utilization, memory_used=r.memory_used,
-                    memory_total=r.memory_total, temperature=r.temperature, power=r.power,
-                    state=r.state, state_reason=r.state_reason, power_limit=r.power_limit,
-                    mig_mode=r.mig_mode, parent_id=r.parent_id, clock_mhz=r.clock_mhz,
-                )
+                devices[r.id] = numbered(r, self._index(r.id), backend.name)
             usages.extend(sample.processes)
 
         # A device that stops being reported stays listed as lost: an admin must see that it went away.
@@ -176,15 +175,8 @@ class Sampler:
             info = self._host_info(u.pid, u.start_time, now)
             if info is None:
                 continue  # gone, or the PID was reused since the backend saw it
-            processes.append(
-                GpuProcess(
-                    pid=u.pid, start_time=u.start_time, uid=info.uid, user=info.user, comm=info.comm,
-                    cmdline=info.cmdline, exe=info.exe, device=dev.index, device_id=dev.id,
-                    gpu_memory=u.gpu_memory, gpu_utilization=u.gpu_utilization,
-                    attribution=info.attribution, container_pid=info.container_pid,
-                    memory_regions=u.memory_regions, shared_usage=u.shared_usage,
-                )
-            )
+            processes.append(GpuProcess(**{n: getattr(info, n) for n in _FROM_HOST},
+                                        **{n: getattr(u, n) for n in _FROM_BACKEND}, device=dev.index))
         for key in self._info_cache.keys() - live_keys:
             del self._info_cache[key]
 

@@ -7,8 +7,8 @@ import os
 import subprocess
 
 import yaml
-from conftest import needs_root
-from testbed import PYTHON, REPO, ROOT
+from helpers.marks import needs_root
+from helpers.testbed import PYTHON, REPO, ROOT
 
 from gpukillctl.client import DEVICE_KEYS, PROCESS_KEYS
 from gpukilld import audit

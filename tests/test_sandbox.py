@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from testbed import REPO
+from helpers.testbed import REPO
 
 from gpukilld.guard import sandbox
 from gpukilld.guard.sandbox import DYNAMIC_UIDS, SANDBOX_USER, sandbox_ids, snapshot_to_json

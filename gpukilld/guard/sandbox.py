@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from gpukill.errors import GpukillError, TooBusy
 from gpukill.policy import PolicyError
+from gpukill.records import Process, from_plain, to_plain
 from gpukill.text import bounded
 
-from ..model import Attribution, Device, GpuProcess, Snapshot
+from ..model import Device, GpuProcess, Snapshot
 
 if TYPE_CHECKING:
     from .conditions import Protection
@@ -71,28 +72,20 @@ def sandbox_ids() -> tuple[int, int]:
     raise GpukillError("no uid is free for the policy sandbox; create the gpukill-sandbox user")
 
 
-_DEVICE_FIELDS = ("index", "id", "backend", "vendor", "name", "pci_bus_id", "utilization", "memory_used",
-                  "memory_total", "temperature", "power", "state", "state_reason")
-_PROCESS_FIELDS = ("pid", "start_time", "uid", "user", "comm", "cmdline", "exe", "device", "device_id",
-                   "gpu_memory", "gpu_utilization", "shared_usage")
-_ATTRIBUTION_FIELDS = ("unit", "container_id", "system_unit")
-
-
 def snapshot_to_json(snapshot: Snapshot) -> dict[str, Any]:
-    """What conditions look at, and no more (records grow fields the guard does not use)."""
+    """The devices and processes as the bus carries them (records.to_plain), each process with its system
+    unit beside it: the one thing conditions read that is not on the bus."""
     return {
-        "devices": [{k: getattr(d, k) for k in _DEVICE_FIELDS} for d in snapshot.devices],
-        "processes": [{**{k: getattr(p, k) for k in _PROCESS_FIELDS},
-                       **{k: getattr(p.attribution, k) for k in _ATTRIBUTION_FIELDS}} for p in snapshot.processes],
+        "devices": [to_plain(d) for d in snapshot.devices],
+        "processes": [{**to_plain(p.record()), "system_unit": p.attribution.system_unit}
+                      for p in snapshot.processes],
     }
 
 
 def snapshot_from_json(data: dict[str, Any]) -> Snapshot:
-    devices = tuple(Device(**{k: d[k] for k in _DEVICE_FIELDS}) for d in data["devices"])
-    processes = tuple(
-        GpuProcess(**{k: p[k] for k in _PROCESS_FIELDS},
-                   attribution=Attribution(**{k: p[k] for k in _ATTRIBUTION_FIELDS}))
-        for p in data["processes"])
+    devices = tuple(from_plain(Device, d) for d in data["devices"])
+    processes = tuple(GpuProcess.from_record(from_plain(Process, p), p["system_unit"])
+                      for p in data["processes"])
     return Snapshot(generation=0, taken_at=0.0, devices=devices, processes=processes, backends=())
 
 

@@ -2,10 +2,11 @@
 
 GetStatus and TestPolicies are read-only (TestPolicies never acts; a policy a caller sends is evaluated in a
 child process against what the caller may list, see sandbox.py and visibility.py; one test per caller at a
-time). Enable, Disable, SetDryRun and LoadPolicy need org.gpukill.manage-guard, as the bouncer's table says;
-each request, allowed or denied, is audited (denials folded per uid when there are many: refusals.py). The
-caller is identified from the message the door handler (manager.Door) remembered for this call, as for the
-Manager interface. Every reply is bounded: at most MAX_REPORT entries per list, MAX_PREVIEWS decisions.
+time). Enable, Disable, SetDryRun and LoadPolicy are allowed by the bouncer's check, with the action its
+table gives them (manage-guard); the bouncer audits a denial, the runner what it does. The caller is
+identified from the message the Door (bus.py) remembered for this call, as for the Manager interface. The
+runner's events reach the signals here through main, which wires them. Every reply is bounded: at most
+MAX_REPORT entries per list, MAX_PREVIEWS decisions.
 """
 
 from __future__ import annotations
@@ -15,65 +16,28 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from dbus_fast import DBusError, Variant
+from dbus_fast import DBusError
 from dbus_fast.service import ServiceInterface, method, signal
 
-from gpukill.errors import AccessDenied, InvalidArgs, TooBusy
+from gpukill.errors import InvalidArgs
 from gpukill.policy import check_text
+from gpukill.records import Decision, GuardStatus, PolicyLoaded, ViolationDetails, from_plain
 
 from .. import audit
-from ..bouncer import Bouncer, Caller, action_for
-
-# The door handler and the error wrapper are the Manager's: one way to identify callers and report errors.
-from ..manager import _current_call, _dbus_errors, _name_outputs
+from ..bouncer import Bouncer, Request
+from ..bus import current_caller, dbus_errors, name_outputs
 from ..model import Snapshot
-from ..refusals import RefusalLog
+from ..names import GUARD_INTERFACE
 from ..visibility import FULL, PROGRAM, Viewer, as_seen_by
+from ..wire import to_dbus
 from .engine import Violation
 from .notify import Notice
 from .runner import GuardRunner
 from .sandbox import Sandbox, bounded_previews
 
-GUARD_INTERFACE = "org.gpukill1.Guard"
 NO_UID = 0xFFFFFFFF  # a notice about a device concerns no one user
 MAX_NAME = 4096
 MAX_REPORT = 200  # entries of each list in GetStatus (windows, graces: one per subject, as many as processes)
-
-_TYPES = {"pid": "u", "uid": "u", "start_time": "t", "pids": "au", "conditions": "as", "files": "as", "more": "u",
-          "windows_more": "u", "graces_more": "u", "recent_more": "u"}
-
-
-def _variant(key: str, value: Any) -> Variant | None:
-    if value is None:
-        return None
-    if isinstance(value, tuple):  # dbus-fast marshals arrays from lists
-        value = list(value)
-    sig = _TYPES.get(key)
-    if sig is not None:
-        return Variant(sig, value)
-    if isinstance(value, bool):
-        return Variant("b", value)
-    if isinstance(value, int):
-        return Variant("t" if value >= 0 else "x", value)
-    if isinstance(value, float):
-        return Variant("d", value)
-    if isinstance(value, str):
-        return Variant("s", value)
-    if isinstance(value, dict):
-        return Variant("a{sv}", record(value))
-    if isinstance(value, list | tuple):
-        return Variant("aa{sv}", [record(v) for v in value])
-    raise TypeError(f"{key}: {type(value).__name__}")
-
-
-def record(d: dict[str, Any]) -> dict[str, Variant]:
-    """A plain dict as a{sv}; None values are left out, as everywhere in the API."""
-    out = {}
-    for k, v in d.items():
-        var = _variant(k, v)
-        if var is not None:
-            out[k] = var
-    return out
 
 
 def _clean_name(name: str) -> str:
@@ -106,102 +70,80 @@ def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer
     return out
 
 
-def status_as_seen(status: dict[str, Any], viewer: Viewer) -> dict[str, Any]:
+def status_as_seen(status: GuardStatus, viewer: Viewer) -> GuardStatus:
     """The guard's status as the viewer may see it, bounded: windows and graces are one entry per subject (as
     many as processes), so at most MAX_REPORT of each with a count of the rest. Where /proc hides other users'
     processes (hidepid), entries about another user's process or user are left out (devices stay)."""
     hides = viewer.others not in (FULL, PROGRAM)
+    bounded: dict[str, Any] = {}
     for key in ("windows", "graces", "recent"):
-        entries = status.get(key) or []
+        entries = getattr(status, key)
         if hides:
-            entries = [e for e in entries if e.get("uid") is None or e.get("uid") == viewer.uid]
+            entries = tuple(e for e in entries if e.uid is None or e.uid == viewer.uid)
         if len(entries) > MAX_REPORT:
-            status[f"{key}_more"] = len(entries) - MAX_REPORT
+            bounded[f"{key}_more"] = len(entries) - MAX_REPORT
             entries = entries[:MAX_REPORT]
-        status[key] = entries
-    return status
+        bounded[key] = entries
+    return dataclasses.replace(status, **bounded)
 
 
 class GuardInterface(ServiceInterface):
-    def __init__(self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot],
-                 refusals: RefusalLog) -> None:
+    def __init__(self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot]) -> None:
         super().__init__(GUARD_INTERFACE)
         self._runner = runner
         self._bouncer = bouncer
         self._snapshot = snapshot
-        self._refusals = refusals
         self._sandbox = Sandbox()
-        runner.signals = self
-
-    async def _caller(self) -> Caller:
-        msg = _current_call.get()
-        if msg is None:
-            raise AccessDenied("caller could not be identified")
-        try:
-            return await self._bouncer.caller(msg)
-        except Exception as e:
-            raise AccessDenied(f"caller could not be identified: {e}") from None
 
     async def _authorize(self, member: str, details: dict[str, str], what: str) -> str:
-        """Who asked, once polkit (or root) allows it; AccessDenied (or TooBusy) otherwise. Audited either way."""
-        caller = await self._caller()
-        action = action_for(GUARD_INTERFACE, member)
-        if action is None:  # cannot happen while the door denies unmapped methods; refuse rather than act
-            raise AccessDenied(f"{member} is not a method gpukilld allows")
-        who = f"uid {caller.uid}" + (f" (PID {caller.pid})" if caller.pid else "")
-        busy: TooBusy | None = None
-        try:
-            allowed, why = await self._bouncer.authorize(caller, action, {"operation": member, **details})
-        except TooBusy as e:
-            allowed, why, busy = False, str(e), e
-        if not allowed:
-            self._refusals.log(caller.uid, audit.GUARD_POLICY, f"Guard request {member} denied to {who}: {why}",
-                               action="guard", result="busy" if busy else "denied", polkit_action=action,
-                               reason=why, caller_uid=caller.uid, caller_pid=caller.pid, requested_by=who)
-            if busy is not None:
-                raise busy
-            raise AccessDenied(f"not authorized to {what}: {why}")
-        return who
+        """Who asked (as the runner's audit names them), once the bouncer allows it; the bouncer audits a
+        denial and raises it (AccessDenied or TooBusy)."""
+        caller = await current_caller(self._bouncer)
+        request = Request(audit.GUARD_POLICY, f"Guard request {member}", what,
+                          {"action": "guard", "requested_by": caller.who})
+        await self._bouncer.check(caller, (GUARD_INTERFACE, member), {"operation": member, **details},
+                                  request=request)
+        return caller.who
 
     # -- methods ---------------------------------------------------------------------------------------
 
     @method()
-    @_dbus_errors
+    @dbus_errors
     async def Enable(self):  # no return annotation: dbus-fast would read one as the reply signature
         self._runner.set_enabled(True, await self._authorize("Enable", {}, "enable the guard"))
 
     @method()
-    @_dbus_errors
+    @dbus_errors
     async def Disable(self):
         self._runner.set_enabled(False, await self._authorize("Disable", {}, "disable the guard"))
 
     @method()
-    @_dbus_errors
+    @dbus_errors
     async def SetDryRun(self, dry_run: "b"):
         who = await self._authorize("SetDryRun", {"dry_run": str(bool(dry_run)).lower()}, "change dry run")
         self._runner.set_dry_run(bool(dry_run), who)
 
     @method()
-    @_dbus_errors
+    @dbus_errors
     async def LoadPolicy(self, name: "s", text: "s") -> "a{sv}":
         name = _clean_name(name)
         who = await self._authorize("LoadPolicy", {"policy": name[:256]}, "load a guard policy")
         policy = self._runner.load_policy(name, text, who)
-        return {"source": Variant("s", policy.source), "rules": Variant("as", [r.name for r in policy.rules])}
+        return to_dbus(PolicyLoaded(policy.source, tuple(r.name for r in policy.rules)))
 
     @method()
-    @_dbus_errors
+    @dbus_errors
     async def GetStatus(self) -> "a{sv}":
-        viewer = await self._bouncer.viewer(await self._caller())
+        viewer = await self._bouncer.viewer(await current_caller(self._bouncer))
         try:
-            return record(status_as_seen(self._runner.status(), viewer))
+            return to_dbus(status_as_seen(self._runner.status(), viewer))
         except Exception as e:  # a report must never cost the daemon
             raise DBusError("org.gpukill1.Error.Failed", f"status unavailable: {type(e).__name__}: {e}") from None
 
     @method()
-    @_dbus_errors
+    @dbus_errors
     async def TestPolicies(self, name: "s", text: "s") -> "aa{sv}":
-        caller = await self._caller()
+        caller = await current_caller(self._bouncer)
         viewer = await self._bouncer.viewer(caller)
         snapshot = self._snapshot()
         if text:
@@ -212,12 +154,13 @@ class GuardInterface(ServiceInterface):
         else:
             previews = bounded_previews(visible_decisions(
                 [dataclasses.asdict(p) for p in self._runner.preview(snapshot)], snapshot, viewer))
-        return [record(p) for p in previews]
+        return [to_dbus(from_plain(Decision, p)) for p in previews]
 
     @signal()
     def PolicyViolated(self, event: Violation, dry_run: bool) -> "sssba{sv}":
-        details = record({"scope": event.rule.scope, "reason": event.reason, "grace": event.rule.grace_period,
-                          "uid": event.uid, "pids": [t.pid for t in event.targets], "time": event.at})
+        details = to_dbus(ViolationDetails(scope=event.rule.scope, reason=event.reason,
+                                           grace=event.rule.grace_period, uid=event.uid,
+                                           pids=tuple(t.pid for t in event.targets), time=event.at))
         return [event.rule.name, event.subject, event.rule.action, dry_run, details]
 
     @signal()
@@ -228,18 +171,6 @@ class GuardInterface(ServiceInterface):
     @signal()
     def Notification(self, notice: Notice, uid: int | None) -> "usss":
         return [NO_UID if uid is None else uid, notice.rule, notice.summary, notice.body]
-
-    # -- GuardSignals, for the runner ------------------------------------------------------------------
-
-    def violated(self, event: Violation, dry_run: bool) -> None:
-        self.PolicyViolated(event, dry_run)
-
-    def action_taken(self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str,
-                     dry_run: bool) -> None:
-        self.GuardActionTaken(rule, subject, action, pid, start_time, outcome, dry_run)
-
-    def notification(self, notice: Notice, uid: int | None) -> None:
-        self.Notification(notice, uid)
 
 
 # Names for return values and signal arguments, as in dbus/org.gpukill1.xml.
@@ -252,4 +183,4 @@ OUTPUT_NAMES = {
     "GuardActionTaken": ["rule", "subject", "action", "pid", "start_time", "outcome", "dry_run"],
     "Notification": ["uid", "rule", "summary", "body"],
 }
-_name_outputs(GuardInterface, OUTPUT_NAMES)
+name_outputs(GuardInterface, OUTPUT_NAMES)
