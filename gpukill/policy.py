@@ -3,10 +3,8 @@
 A policy is a mapping of top-level settings and a `rules:` list. This module only parses and validates; it
 imports nothing of the daemon or D-Bus, so `gpukillctl guard validate` works without the daemon. Validation
 reports every error it finds, one line each, and nothing of a file with an error is ever used: the daemon
-keeps the policy in force instead.
-
-Conditions of a rule combine with AND unless the rule says `match: any`. Descriptions are prose for humans
-and never change what a rule does.
+keeps the policy in force instead. What it builds, and what the words of a rule mean, is gpukill.rules;
+which condition types exist, and where each fits, is gpukill.condition_types.
 
 Anyone may send a policy (TestPolicies), so the parser treats its text as hostile. It raises nothing but
 PolicyError, whatever the text: numbers of any size, `.inf`/`.nan`, deep nesting and characters PyYAML cannot
@@ -24,16 +22,42 @@ import math
 import os
 import re
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from .errors import GpukillError
+from .condition_types import (
+    CELSIUS,
+    CONDITION_TYPES,
+    DURATION,
+    GROUP,
+    OPERATORS,
+    PERCENT,
+    SIZE,
+    STRING,
+    USER,
+    ConditionType,
+)
+from .errors import InvalidPolicy
+from .limits import MAX_GRACE
 from .regex import MAX_PATTERN, compile_regex
+from .rules import (
+    ACTIONS,
+    EMPTY_POLICY,
+    MATCHES,
+    PER_PROCESS,
+    SCOPES,
+    SELECTOR,
+    Condition,
+    Exemptions,
+    Policy,
+    Rule,
+    Settings,
+)
 from .text import shown
-from .units import parse_size, short
+from .units import format_duration, format_size, parse_size, short
 
 MAX_POLICY_BYTES = 1 << 20  # a policy is a few KiB; a bound keeps a client's text from costing much
 MAX_RULES = 1000
@@ -41,7 +65,6 @@ MAX_LIST = 10_000  # items in one value or exemption list
 MAX_REGEX = MAX_PATTERN  # characters of a `matches` pattern (gpukill.regex)
 MAX_NAME = 100
 MAX_DURATION = 30 * 86400.0
-MAX_KILL_GRACE = 300.0  # the kill path's own limit (killer.MAX_GRACE)
 # Bounds against hostile text. None of them is near what a real policy needs.
 MAX_ERRORS = 100  # error lines kept; then TOO_MANY_ERRORS and parsing stops
 TOO_MANY_ERRORS = "… and more errors; fix these first"
@@ -59,57 +82,6 @@ MAX_EMAIL = 254  # RFC 5321's limit on a forward path
 MAX_URL = 2048
 MAX_ID = 2**32 - 2  # uids and gids are 32 bits; (uid_t)-1 means "no uid"
 MIN_TEMPERATURE, MAX_TEMPERATURE = -273.15, 1000.0  # °C
-
-PER_PROCESS, PER_USER, PER_DEVICE = "per_process", "per_user", "per_device"
-SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE)
-ACTIONS = ("kill", "notify", "log")
-MATCHES = ("all", "any")
-
-# What a condition is about in a given scope. SUBJECT: tested on the rule's subject (the process, the user,
-# the device). SELECTOR: in per_user and per_device scopes a process condition picks which of the subject's
-# processes the rule counts and may kill. A type missing from a scope's table does not apply there.
-SUBJECT, SELECTOR = "subject", "selector"
-
-STRING_OPS = ("==", "!=", "in", "contains_any", "matches")
-USER_OPS = ("==", "!=", "in", "matches")
-GROUP_OPS = ("==", "!=", "in")
-NUMBER_OPS = (">", ">=", "<", "<=", "==", "!=")
-
-
-@dataclass(frozen=True, slots=True)
-class ConditionType:
-    name: str
-    kind: str  # string, user, group, percent, number, size, duration
-    operators: tuple[str, ...]
-    roles: dict[str, str]  # scope -> SUBJECT or SELECTOR
-    needs: str = ""  # why the type does not fit a scope it lacks
-
-
-_PROC_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SELECTOR}
-CONDITION_TYPES: dict[str, ConditionType] = {
-    t.name: t
-    for t in (
-        ConditionType("process_name", "string", STRING_OPS, _PROC_ROLES),
-        ConditionType("cmdline", "string", STRING_OPS, _PROC_ROLES),
-        ConditionType("exe", "string", STRING_OPS, _PROC_ROLES),
-        ConditionType("unit", "string", STRING_OPS, _PROC_ROLES),
-        ConditionType("container", "string", STRING_OPS, _PROC_ROLES),
-        ConditionType("user", "user", USER_OPS, {PER_PROCESS: SUBJECT, PER_USER: SUBJECT, PER_DEVICE: SELECTOR}),
-        ConditionType("group", "group", GROUP_OPS, {PER_PROCESS: SUBJECT, PER_USER: SUBJECT, PER_DEVICE: SELECTOR}),
-        ConditionType("gpu_utilization", "percent", NUMBER_OPS,
-                      {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SUBJECT}),
-        ConditionType("gpu_memory", "size", NUMBER_OPS, _PROC_ROLES),
-        ConditionType("runtime", "duration", NUMBER_OPS, _PROC_ROLES),
-        # Killing every process of a user over a user-wide sum would be a disaster: the sum needs per_user,
-        # where only the largest processes are killed until the user is back under.
-        ConditionType("user_memory", "size", NUMBER_OPS, {PER_USER: SUBJECT},
-                      "user_memory sums a user's processes across devices: it needs scope per_user"),
-        ConditionType("device_memory", "size", NUMBER_OPS, {PER_DEVICE: SUBJECT},
-                      "device_memory is a device's value: it needs scope per_device"),
-        ConditionType("temperature", "number", NUMBER_OPS, {PER_DEVICE: SUBJECT},
-                      "temperature is a device's value: it needs scope per_device"),
-    )
-}
 
 TOP_KEYS = ("rules", "sample_interval", "dry_run", "max_kills_per_cycle", "cooldown", "kill_grace", "notify",
             "exemptions")
@@ -129,15 +101,11 @@ _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
-_RE2_PATTERN = type(compile_regex(""))
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
-class PolicyError(GpukillError):
+class PolicyError(InvalidPolicy):
     """A policy that cannot be used; `errors` holds every problem as 'FILE:LINE:COL: message'."""
-
-    dbus_name = "org.gpukill1.Error.InvalidPolicy"
-    result = "invalid-policy"
 
     def __init__(self, errors: list[str]) -> None:
         self.errors = capped_errors(errors) or ["(no reason given)"]
@@ -229,94 +197,6 @@ def parse_duration(value: object) -> float:
     return seconds + 0.0  # -0.0 is 0
 
 
-def format_size(n: float) -> str:
-    """1.5 GiB. Sizes are at most 1 EiB (units.MAX_SIZE); a larger sum still prints in EiB, never overflows."""
-    if isinstance(n, int) and n.bit_length() > 1000:  # beyond any float: n / 1024 would be OverflowError
-        return f"{short(n)} B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if abs(n) < 1024 or unit == "EiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def format_duration(seconds: float) -> str:
-    if seconds >= 60 and seconds % 60 == 0:
-        return f"{seconds / 3600:g}h" if seconds % 3600 == 0 else f"{seconds / 60:g}m"
-    return f"{seconds:g}s"
-
-
-@dataclass(frozen=True, slots=True)
-class Condition:
-    type: str
-    operator: str
-    value: Any  # normalized: str, int, float, tuple of those, or a compiled RE2 pattern for `matches`
-    duration: float | None  # seconds the condition must hold continuously; None: at once
-    percent_of_total: bool  # device_memory given as "90%" of the device's memory
-    role: str  # SUBJECT or SELECTOR in the rule's scope
-    where: str  # FILE:LINE:COL
-    text: str  # e.g. "gpu_utilization > 95 for 5m"
-
-
-@dataclass(frozen=True, slots=True)
-class Exemptions:
-    users: tuple[str, ...] = ()  # names, or uids written as numbers
-    groups: tuple[str, ...] = ()
-    units: tuple[str, ...] = ()  # shell patterns on the systemd unit (e.g. "slurmstepd*")
-    processes: tuple[str, ...] = ()  # shell patterns on the process name
-
-    def __bool__(self) -> bool:
-        return bool(self.users or self.groups or self.units or self.processes)
-
-    def merged(self, other: Exemptions) -> Exemptions:
-        def union(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
-            return tuple(dict.fromkeys(a + b))
-
-        return Exemptions(union(self.users, other.users), union(self.groups, other.groups),
-                          union(self.units, other.units), union(self.processes, other.processes))
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    name: str
-    description: str
-    conditions: tuple[Condition, ...]
-    match: str
-    scope: str
-    action: str
-    force: bool
-    grace_period: float
-    kill_grace: float | None  # None: the policy's kill_grace
-    notify: tuple[str, ...] | None  # None: the policy's default targets
-    exemptions: Exemptions
-    where: str
-
-    @property
-    def fingerprint(self) -> tuple:
-        """What the rule does, without where it was written: an unchanged rule keeps its windows on reload."""
-        return (self.name, self.match, self.scope, self.action, self.force, self.grace_period, self.kill_grace,
-                self.notify, self.exemptions,
-                tuple((c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total)
-                      for c in self.conditions))
-
-
-def _fingerprint_value(value: Any) -> Any:
-    """Compiled patterns compare by their text (RE2 patterns compare by identity, and one compiled from the
-    same text after a reload is another object)."""
-    return ("re", value.pattern) if isinstance(value, _RE2_PATTERN | re.Pattern) else value
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    sample_interval: float | None = None  # None: every snapshot the daemon takes
-    dry_run: bool = False
-    max_kills_per_cycle: int = 10
-    cooldown: float = 10.0
-    kill_grace: float = 5.0
-    notify: tuple[str, ...] = ()
-    exemptions: Exemptions = field(default_factory=Exemptions)
-
-
 @dataclass(frozen=True, slots=True)
 class PolicyFile:
     """One parsed file: the settings it sets (with where) and its rules, before files are merged."""
@@ -324,20 +204,6 @@ class PolicyFile:
     name: str
     settings: dict[str, tuple[Any, str]]
     rules: tuple[Rule, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    settings: Settings
-    rules: tuple[Rule, ...]
-    sources: tuple[str, ...]  # file names, in the order they were read
-
-    @property
-    def source(self) -> str:
-        return ", ".join(self.sources) if self.sources else "(none)"
-
-
-EMPTY_POLICY = Policy(Settings(), (), ())
 
 
 def _describe(value: object) -> str:
@@ -669,7 +535,7 @@ class _Parser:
             elif key == "cooldown":
                 value = self.duration(node, "cooldown", 0.0, 86400.0)
             elif key == "kill_grace":
-                value = self.duration(node, "kill_grace", 0.0, MAX_KILL_GRACE)
+                value = self.duration(node, "kill_grace", 0.0, MAX_GRACE)
             elif key == "notify":
                 value = self.notify_targets(node)
             elif key == "exemptions":
@@ -729,7 +595,7 @@ class _Parser:
             grace = self.duration(fields["grace_period"][1], "grace_period", 0.0, 86400.0) or 0.0
         kill_grace = None
         if "kill_grace" in fields:
-            kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_KILL_GRACE)
+            kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_GRACE)
         if action in ("notify", "log"):
             for key in ("force", "grace_period", "kill_grace"):
                 if key in fields:
@@ -818,8 +684,7 @@ class _Parser:
         if op is None:
             return None
         if op not in ctype.operators:
-            all_ops = dict.fromkeys(STRING_OPS + NUMBER_OPS)
-            what = "unknown operator" if op not in all_ops else "operator"
+            what = "unknown operator" if op not in OPERATORS else "operator"
             self.error(fields["operator"][1], f"{what} {_q(op)} does not fit {type_name} "
                                               f"(use one of: {', '.join(ctype.operators)})")
             return None
@@ -880,15 +745,16 @@ class _Parser:
         return float(raw) + 0.0  # -0.0 is 0
 
     def condition_value(self, ctype: ConditionType, op: str, node: Node) -> tuple[Any, bool, str]:
-        """(normalized value, percent_of_total, how to show it); errors recorded on failure."""
+        """(normalized value, percent_of_total, how to show it), read as the type's kind says; errors
+        recorded on failure."""
         kind = ctype.kind
         what = f"the value of {ctype.name} {op}"
         if op in ("in", "contains_any"):
-            values = self.string_list(node, what, allow_int=kind == "user",
-                                      max_len=MAX_ID_TEXT if kind in ("user", "group") else MAX_STRING)
+            values = self.string_list(node, what, allow_int=kind == USER,
+                                      max_len=MAX_ID_TEXT if kind in (USER, GROUP) else MAX_STRING)
             if values is None:
                 return None, False, ""
-            if kind == "group":
+            if kind == GROUP:
                 values = tuple(str(v) for v in values)
             return values, False, _list_text(values)
         if op == "matches":
@@ -898,40 +764,40 @@ class _Parser:
         if not ok:
             self.error(node, f"{what} must be a single value, not {_node_kind(node)}")
             return None, False, ""
-        if kind in ("string", "group", "user"):
-            is_id = isinstance(raw, int) and not isinstance(raw, bool) and kind in ("group", "user")
+        if kind in (STRING, GROUP, USER):
+            is_id = isinstance(raw, int) and not isinstance(raw, bool) and kind in (GROUP, USER)
             if is_id and not 0 <= raw <= MAX_ID:
-                self.error(node, f"{what}: a {'uid' if kind == 'user' else 'gid'} is from 0 to {MAX_ID}, "
+                self.error(node, f"{what}: a {'uid' if kind == USER else 'gid'} is from 0 to {MAX_ID}, "
                                  f"not {short(raw)}")
                 return None, False, ""
             if is_id:
-                return (raw if kind == "user" else str(raw)), False, str(raw)
-            if not isinstance(raw, str) or (not raw and kind != "string"):
-                names = {"string": "a string", "group": "a group name or gid", "user": "a user name or uid"}
+                return (raw if kind == USER else str(raw)), False, str(raw)
+            if not isinstance(raw, str) or (not raw and kind != STRING):
+                names = {STRING: "a string", GROUP: "a group name or gid", USER: "a user name or uid"}
                 self.error(node, f"{what} must be {names[kind]}, not {_describe(raw)}")
                 return None, False, ""
-            limit = MAX_STRING if kind == "string" else MAX_ID_TEXT
+            limit = MAX_STRING if kind == STRING else MAX_ID_TEXT
             if len(raw) > limit:
                 self.error(node, f"{what} must be at most {limit} characters, not {len(raw)}")
                 return None, False, ""
-            return raw, False, _cut(repr(raw) if kind == "string" else raw, MAX_TEXT - 40)
-        if kind == "percent":
+            return raw, False, _cut(repr(raw) if kind == STRING else raw, MAX_TEXT - 40)
+        if ctype.share is not None and isinstance(raw, str) and raw.strip().endswith("%"):
+            pct = self.number(node, what, raw, 0, 100, "%")
+            return (None, False, "") if pct is None else (pct, True, f"{pct:g}% of {ctype.share.of}")
+        if kind == PERCENT:
             number = self.number(node, what, raw, 0, 100, "%")
             return (None, False, "") if number is None else (number, False, f"{number:g}%")
-        if kind == "number":  # a temperature
+        if kind == CELSIUS:
             number = self.number(node, what, raw, MIN_TEMPERATURE, MAX_TEMPERATURE, "°C")
             return (None, False, "") if number is None else (number, False, f"{number:g}")
-        if kind == "size":
-            if ctype.name == "device_memory" and isinstance(raw, str) and raw.strip().endswith("%"):
-                pct = self.number(node, what, raw, 0, 100, "%")
-                return (None, False, "") if pct is None else (pct, True, f"{pct:g}% of the device's memory")
+        if kind == SIZE:
             try:
                 size = parse_size(raw)
             except ValueError as e:
                 self.error(node, f"{what}: {e}")
                 return None, False, ""
             return size, False, format_size(size) if isinstance(raw, int) else raw.strip()
-        if kind == "duration":
+        if kind == DURATION:
             try:
                 seconds = parse_duration(raw)
             except ValueError as e:

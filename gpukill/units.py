@@ -54,3 +54,21 @@ def short(value: object, limit: int = 40) -> str:
         return f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def format_size(n: float) -> str:
+    """1.5 GiB. Sizes are at most 1 EiB (MAX_SIZE); a larger sum still prints in EiB, never overflows."""
+    if isinstance(n, int) and n.bit_length() > 1000:  # beyond any float: n / 1024 would be OverflowError
+        return f"{short(n)} B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(n) < 1024 or unit == "EiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as a policy writes it: whole hours or minutes in h or m, anything else in seconds."""
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 3600:g}h" if seconds % 3600 == 0 else f"{seconds / 60:g}m"
+    return f"{seconds:g}s"

@@ -6,51 +6,14 @@ the daemon tests (test_guard_daemon.py) show the same on real processes."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from testbed import REPO
+from helpers.guard_inputs import OWN_PID, FakeGroups, FakeTime, GiB, dev, proc, snap
+from helpers.testbed import REPO
 
 from gpukill.policy import load_paths, load_texts
-from gpukilld.guard.conditions import CLK_TCK, Groups, Protection
-from gpukilld.guard.engine import PROTECTED, Clock, Engine, GraceCancelled, KillOrder, Violation
-from gpukilld.model import Attribution, Device, GpuProcess, Snapshot
-
-GiB = 1024**3
-OWN_PID = 4_000_000
-
-
-@dataclass
-class FakeTime:
-    now: float = 1000.0
-
-    def clock(self) -> Clock:
-        return Clock(monotonic=lambda: self.now, boottime=lambda: self.now, wall=lambda: 1.7e9 + self.now)
-
-
-class FakeGroups(Groups):
-    def __init__(self, table: dict[int, set[str]]) -> None:
-        super().__init__()
-        self.table = table
-
-    def of(self, uid: int, user: str) -> frozenset[str]:
-        return frozenset(self.table.get(uid, set()))
-
-
-def dev(index: int, temperature: float | None = 40.0, util: float | None = 0.0, used: int | None = 0) -> Device:
-    return Device(index, f"GPU-{index}", "simulated", "nvidia", "H100", None, util, used, 80 * GiB, temperature, 100.0)
-
-
-def proc(pid: int, comm: str = "python", mem: int | None = None, util: float | None = None, uid: int = 1000,
-         user: str = "alice", device: int = 0, start: int = 100, unit: str | None = None,
-         cmdline: str | None = None, system_unit: str | None = None, container: str | None = None,
-         shared: bool = False) -> GpuProcess:
-    return GpuProcess(pid, start, uid, user, comm, cmdline or comm, f"/usr/bin/{comm}", device, f"GPU-{device}", mem,
-                      util, Attribution(unit=unit, system_unit=system_unit, container_id=container),
-                      shared_usage=shared)
-
-
-def snap(*processes: GpuProcess, devices: tuple[Device, ...] | None = None) -> Snapshot:
-    return Snapshot(1, 0.0, devices or tuple(dev(i) for i in range(4)), tuple(processes), ())
+from gpukilld.guard.conditions import CLK_TCK, Protection
+from gpukilld.guard.engine import PROTECTED, Engine, GraceCancelled, KillOrder, Violation
+from gpukilld.model import Snapshot
 
 
 def policy(text: str):

@@ -11,51 +11,25 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from testbed import PYTHON, REPO
+from helpers.testbed import PYTHON, REPO
 
-from gpukill.policy import (
-    PER_PROCESS,
-    PER_USER,
-    PolicyError,
-    load_paths,
-    load_texts,
-    parse_duration,
-)
+from gpukill.policy import PolicyError, load_paths, load_texts, parse_duration
+from gpukill.rules import PER_PROCESS, PER_USER
 
 ISSUE_POLICY = REPO / "tests" / "guard_policies" / "issue5.yaml"
 EXAMPLE = REPO / "examples" / "guard.yaml"
 
-# The policy exactly as issue 5 gives it ("The policy admins will paste first (must load as is)").
-ISSUE_TEXT = '''\
-rules:
-  - name: "block-crypto-miners"
-    description: "Terminate processes with miner-like names or high compute load"
-    conditions:
-      - type: "process_name"
-        operator: "contains_any"
-        value: ["xmrig", "ethminer", "cpuminer"]
-      - type: "gpu_utilization"
-        operator: ">"
-        value: 95
-        duration: "5m"
-    action: "kill"
-    force: true
-    notify: ["admin@company.com"]
-  - name: "limit-user-memory"
-    description: "Limit any single user's GPU memory usage to 8GB"
-    conditions:
-      - type: "user_memory"
-        operator: ">"
-        value: 8589934592
-        scope: "per_user"
-    action: "kill"
-    force: false
-    grace_period: "30s"
-'''
+
+def readme_guard_policy() -> str:
+    """The policy the README's Guard Mode section shows admins (its first yaml block)."""
+    section = (REPO / "README.md").read_text().split("\n## Guard Mode\n", 1)[1]
+    return section.split("```yaml\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_issue_policy_file_is_the_issue_text():
-    assert ISSUE_POLICY.read_text() == ISSUE_TEXT
+def test_the_readme_shows_the_issue_policy_the_tests_load():
+    """issue5.yaml is issue 5's policy byte for byte ("The policy admins will paste first (must load as is)"):
+    the README must show that very text, so what admins copy is what this suite loads and runs."""
+    assert readme_guard_policy() == ISSUE_POLICY.read_text()
 
 
 def test_the_issue_policy_loads_as_is_with_and_by_default():

@@ -408,7 +408,7 @@ def test_a_backtracking_bomb_runs_in_linear_time(pattern, matching):
 
 
 def test_a_backtracking_bomb_in_an_engine_evaluation():
-    from test_guard_engine import OWN_PID, FakeTime, proc, snap
+    from helpers.guard_inputs import OWN_PID, FakeTime, proc, snap
 
     from gpukilld.guard.engine import Engine
 

@@ -7,6 +7,10 @@ operator: "unknown" is not "over" and not "under". A process whose usage is part
 context it shares with another user, model.GpuProcess.shared_usage) has figures that are lower bounds: they can
 show it is over a limit, never that it is under one.
 
+What each condition type reads off these views (attributes by name), how its values are written in reasons
+and which victims it kills first are declared in gpukill.condition_types; this module compiles a condition
+from that declaration by its kind (text, user, group or number), never by its type's name.
+
 Some processes are invisible to every rule, as if they were not on a GPU: PID 1, gpukilld, and what Protection
 covers (system accounts, system units), so that no rule can be turned against the machine itself.
 """
@@ -25,16 +29,17 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from gpukill.policy import (
-    PER_DEVICE,
-    PER_PROCESS,
-    PER_USER,
-    SELECTOR,
-    Condition,
-    Exemptions,
-    Rule,
-    format_size,
+from gpukill.condition_types import (
+    BY_MEMORY,
+    BY_UTILIZATION,
+    CONDITION_TYPES,
+    GROUP,
+    STRING,
+    USER,
+    victim_order,
+    view_of,
 )
+from gpukill.rules import PER_PROCESS, PER_USER, SELECTOR, Condition, Exemptions, Rule
 
 from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX
 from ..model import Device, Snapshot
@@ -295,56 +300,6 @@ def string_test(op: str, value: Any) -> Callable[[str], bool]:
     raise AssertionError(op)
 
 
-_STRING_FIELDS = {"process_name": "comm", "cmdline": "cmdline", "exe": "exe", "unit": "unit",
-                  "container": "container"}
-# Figures summed from processes' usage: lower bounds where some of it is charged to no one (ProcView.partial).
-_LOWER_BOUNDS = {"gpu_memory", "gpu_utilization", "user_memory"}
-# Attributes with few distinct values on a machine: a rule's first test on them runs once per value.
-_INDEXED = {"comm", "exe", "unit", "container", "uid"}
-
-
-def value_getter(cond: Condition, scope: str) -> Callable[[Any], Any]:
-    """How to read the condition's value off the subject it tests (a process view when it selects)."""
-    t = cond.type
-    on_device = scope == PER_DEVICE and cond.role != SELECTOR
-    if t in _STRING_FIELDS:
-        return operator.attrgetter(_STRING_FIELDS[t])
-    if t == "gpu_utilization":
-        return operator.attrgetter("utilization" if on_device else "gpu_utilization")
-    if t == "gpu_memory":
-        return operator.attrgetter("gpu_memory")
-    if t == "runtime":
-        return operator.attrgetter("runtime")
-    if t == "user_memory":
-        return operator.attrgetter("memory")
-    if t == "device_memory":
-        if cond.percent_of_total:
-            def share(d: DeviceView) -> float | None:
-                total = d.device.memory_total
-                return None if d.memory_used is None or not total else d.memory_used * 100.0 / total
-            return share
-        return operator.attrgetter("memory_used")
-    if t == "temperature":
-        return lambda d: d.device.temperature
-    if t in ("user", "group"):
-        return operator.attrgetter("user")
-    raise AssertionError(t)
-
-
-def format_value(cond: Condition, v: Any) -> str:
-    if v is None:
-        return "unknown"
-    if cond.type in ("gpu_memory", "user_memory") or (cond.type == "device_memory" and not cond.percent_of_total):
-        return format_size(v)
-    if cond.type == "gpu_utilization" or cond.percent_of_total:
-        return f"{v:.0f}%"
-    if cond.type == "temperature":
-        return f"{v:g}°C"
-    if cond.type == "runtime":
-        return f"{v:.0f}s"
-    return repr(v)
-
-
 class CompiledCondition:
     """A condition ready to test subjects one by one (test) or a list at a time (filter, the fast path).
 
@@ -352,40 +307,41 @@ class CompiledCondition:
     and remembered: names and command lines repeat every cycle, so a regular expression runs once per value.
     """
 
-    __slots__ = ("cond", "index", "attr", "decide", "test", "filter", "cheap", "_memo")
+    __slots__ = ("cond", "index", "attr", "decide", "test", "filter", "cheap", "ctype", "read", "_memo")
 
     def __init__(self, cond: Condition, index: int, scope: str, groups: Groups) -> None:
         self.cond = cond
         self.index = index
-        self.attr: str | None = None  # the one attribute the answer depends on, if so
+        self.attr: str | None = None  # the attribute processes are grouped by to decide once per value
         self._memo: dict[Any, bool] = {}
+        self.ctype = ctype = CONDITION_TYPES[cond.type]
+        view = view_of(scope, cond.role)
+        self.read = get = ctype.reader(view, cond.percent_of_total)  # the value, for reasons
         op, value = cond.operator, cond.value
-        if cond.type == "user":
+        if ctype.kind == USER:
             names = {v for v in (value if op == "in" else (value,)) if isinstance(v, str) and not v.isdigit()}
             uids = {int(v) for v in (value if op == "in" else (value,)) if not isinstance(v, str) or v.isdigit()}
             if op == "matches":
                 name_test = string_test(op, value)
-                self._keyed("uid", lambda k: name_test(k[1]), lambda s: (s.uid, s.user))
+                self._keyed(ctype.indexed, "uid", lambda k: name_test(k[1]), _uid_and_name)
             else:
                 want = op != "!="
-                self._keyed("uid", lambda k: (k[1] in names or k[0] in uids) is want, lambda s: (s.uid, s.user))
-        elif cond.type == "group":
+                self._keyed(ctype.indexed, "uid", lambda k: (k[1] in names or k[0] in uids) is want,
+                            _uid_and_name)
+        elif ctype.kind == GROUP:
             def member(k: tuple[int, str]) -> bool:
                 groups_of = groups.of(k[0], k[1])
                 if op == "in":
                     return not groups_of.isdisjoint(value)
                 return (value in groups_of) is (op == "==")
-            self._keyed("uid", member, lambda s: (s.uid, s.user))
-        elif cond.type in _STRING_FIELDS:
-            attr = _STRING_FIELDS[cond.type]
+            self._keyed(ctype.indexed, "uid", member, _uid_and_name)
+        elif ctype.kind == STRING:
             test = string_test(op, value)
-            self._keyed(attr, lambda v: v is not None and test(v), operator.attrgetter(attr))
+            self._keyed(ctype.indexed, ctype.reads[view], lambda v: v is not None and test(v), get)
         else:
-            get = value_getter(cond, scope)
             compare, limit = _COMPARE[op], value
             self.decide = None
-            if cond.type in _LOWER_BOUNDS and not (scope == PER_DEVICE and cond.role != SELECTOR) \
-                    and op not in (">", ">="):
+            if view in ctype.lower_bound_on and op not in (">", ">="):
                 # A lower bound cannot show a subject is under a limit (or at it): only complete figures can.
                 # For these operators a partial figure reads as unknown, which never makes a condition true.
                 complete = get
@@ -395,8 +351,10 @@ class CompiledCondition:
             self.filter = lambda items: [s for s in items if (v := get(s)) is not None and compare(v, limit)]
         self.cheap = self.decide is not None
 
-    def _keyed(self, attr: str | None, decide: Callable[[Any], bool], key: Callable[[Any], Any]) -> None:
-        self.attr = attr
+    def _keyed(self, indexed: bool, attr: Any, decide: Callable[[Any], bool], key: Callable[[Any], Any]) -> None:
+        """Decide on key(subject), once per distinct key; with indexed, the first test of a rule on processes
+        runs over them grouped by attr (a name), once per value."""
+        self.attr = attr if indexed else None
         self.decide = decide
         memo = self._memo
 
@@ -426,16 +384,9 @@ class CompiledCondition:
                 out.extend(procs)
         return out
 
-    def describe(self, scope: str, subject: Any) -> str:
+    def describe(self, subject: Any) -> str:
         """The subject's value for the condition, as audit entries and notifications show it."""
-        cond = self.cond
-        if cond.type == "group" or cond.type in _STRING_FIELDS:
-            # The condition, not the text it matched: a command line (tokens and all) would otherwise go to
-            # every listener of PolicyViolated and into every notice.
-            return cond.text
-        # "gpu_utilization 99% > 95% for 5m": the value read, then the condition it met
-        shown = format_value(cond, value_getter(cond, scope)(subject))
-        return f"{cond.type} {shown} {cond.text.removeprefix(cond.type + ' ')}"
+        return self.ctype.describe(self.cond, self.read(subject))
 
 
 class Cycle:
@@ -518,13 +469,7 @@ class CompiledRule:
         self.timed = [c for c in subject if c.cond.duration is not None]
         self.conditions = subject
         # What "largest first" means when a per-user or per-device rule picks its victims.
-        mem_types = {"user_memory", "device_memory", "gpu_memory"}
-        if any(c.type in mem_types for c in rule.conditions):
-            self.size_of = _memory_size
-        elif any(c.type == "gpu_utilization" for c in rule.conditions):
-            self.size_of = _util_size
-        else:
-            self.size_of = _memory_size
+        self.size_of = _SIZE_OF[victim_order(c.type for c in rule.conditions)]
 
     def visible(self, cycle: Cycle) -> list[ProcView]:
         return cycle.visible(self.exemptions_key, self.exempt)
@@ -532,7 +477,7 @@ class CompiledRule:
     def _filter_first(self, conds: list[CompiledCondition], procs: list[ProcView], cycle: Cycle) -> list[ProcView]:
         """AND of conditions on processes; the first, if it looks at a name or a user, once per value."""
         first = conds[0]
-        if first.attr in _INDEXED:
+        if first.attr is not None:
             out = first.filter_indexed(cycle.index(procs, first.attr))
         else:
             out = first.filter(procs)
@@ -602,3 +547,11 @@ def _memory_size(p: ProcView, subject: Subject) -> tuple[float, float]:
 def _util_size(p: ProcView, subject: Subject) -> tuple[float, float]:
     mem, util = _memory_size(p, subject)
     return (util, mem)
+
+
+_SIZE_OF = {BY_MEMORY: _memory_size, BY_UTILIZATION: _util_size}
+
+
+def _uid_and_name(s: ProcView | UserView) -> tuple[int, str]:
+    """What user and group conditions decide on: the uid, and the name where a policy gives one."""
+    return (s.uid, s.user)

@@ -1,0 +1,158 @@
+"""The condition types a Guard rule may use, each declared once: the one place a type is added or changed.
+
+A ConditionType says what the parser checks (the kind of value, the operators, the scopes and the type's role
+in each, why it does not fit the others), what the engine reads (an attribute of the subject it tests, or a
+small function), how a value read is written in reasons, and how the engine may take shortcuts (lower
+bounds, grouping by value) and choose victims (largest first by memory or utilization). gpukill.policy
+validates from it, gpukilld.guard.conditions compiles from it, and README's condition table lists it
+(tests/test_condition_types.py checks all three against it).
+
+Readers name attributes of the views the daemon builds of a snapshot (gpukilld.guard.conditions: ProcView,
+UserView, DeviceView) without importing them: this package never imports the daemon.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .rules import PER_DEVICE, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, Condition
+from .units import format_size
+
+# Kinds: how a value is written in a policy, so how the parser reads it and the engine compares it. User and
+# group conditions are decided on a subject's (uid, user name); the others on the value their reader reads.
+STRING, USER, GROUP = "string", "user", "group"
+PERCENT, CELSIUS, SIZE, DURATION = "percent", "celsius", "size", "duration"  # compared as numbers
+KINDS = (STRING, USER, GROUP, PERCENT, CELSIUS, SIZE, DURATION)
+
+STRING_OPS = ("==", "!=", "in", "contains_any", "matches")
+USER_OPS = ("==", "!=", "in", "matches")
+GROUP_OPS = ("==", "!=", "in")
+NUMBER_OPS = (">", ">=", "<", "<=", "==", "!=")
+OPERATORS = tuple(dict.fromkeys(STRING_OPS + USER_OPS + GROUP_OPS + NUMBER_OPS))
+
+# The views a reader reads: a process (its devices summed), a user (the processes the rule counts, summed) or
+# a device. A condition reads the process where it selects processes, else the subject of the rule's scope.
+ON_PROCESS, ON_USER, ON_DEVICE = "process", "user", "device"
+_SUBJECT_VIEW = {PER_PROCESS: ON_PROCESS, PER_USER: ON_USER, PER_DEVICE: ON_DEVICE}
+
+# What "largest first" means when a per_user or per_device rule picks its victims; a rule whose conditions
+# imply several orders takes the first of them here, and memory when they imply none.
+BY_MEMORY, BY_UTILIZATION = "memory", "utilization"
+VICTIM_ORDERS = (BY_MEMORY, BY_UTILIZATION)
+
+Reader = str | Callable[[Any], Any]  # an attribute path (operator.attrgetter: "device.temperature") or a function
+
+
+def view_of(scope: str, role: str) -> str:
+    """The view a condition with this role in a rule of this scope reads."""
+    return ON_PROCESS if role == SELECTOR else _SUBJECT_VIEW[scope]
+
+
+def _percent(v: float) -> str:
+    return f"{v:.0f}%"
+
+
+def _celsius(v: float) -> str:
+    return f"{v:g}°C"
+
+
+def _seconds(v: float) -> str:
+    return f"{v:.0f}s"
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A value written as a percentage of a total ("90%"): how to read the subject's share, what it is of."""
+
+    read: Reader  # the subject's value in percent of its total; None where either is unknown
+    of: str  # as condition texts write it: "90% of the device's memory"
+
+
+def _memory_share(d: Any) -> float | None:
+    """A device view's memory in use, in percent of the device's total; unknown without both figures."""
+    total = d.device.memory_total
+    return None if d.memory_used is None or not total else d.memory_used * 100.0 / total
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionType:
+    name: str
+    kind: str  # one of KINDS
+    operators: tuple[str, ...]
+    roles: dict[str, str]  # scope -> SUBJECT or SELECTOR; a scope missing here does not take the type
+    reads: dict[str, Reader]  # view -> how the value is read there (every view the roles imply)
+    # How a value read is written in reasons; None: reasons show the condition, never the text it matched
+    # (a command line carries tokens, and PolicyViolated goes to every listener).
+    printer: Callable[[Any], str] | None
+    needs: str = ""  # why the type does not fit a scope it lacks
+    # Views where the figure sums processes' usage, some of which may be charged to no one (the view's
+    # `partial`): there it is a lower bound, enough to show a subject over a limit, never under one.
+    lower_bound_on: tuple[str, ...] = ()
+    indexed: bool = False  # few distinct values on a machine: the engine decides once per value
+    victim_order: str | None = None  # one of VICTIM_ORDERS: the largest by it go first
+    share: Share | None = None  # None: the type takes no percentage of a total
+
+    def reader(self, view: str, percent_of_total: bool = False) -> Callable[[Any], Any]:
+        """How to read the value off a view: a C attrgetter where the reader is a name (no Python frame per
+        subject when the engine filters thousands)."""
+        how = self.share.read if self.share and percent_of_total else self.reads[view]
+        return operator.attrgetter(how) if isinstance(how, str) else how
+
+    def describe(self, cond: Condition, value: Any) -> str:
+        """The condition as a reason states it for a subject whose value is `value`: the value, then the
+        condition it met ("gpu_utilization 99% > 95% for 5m"); "unknown" for a value the backend could not
+        read; the condition alone for a type without a printer."""
+        if self.printer is None:
+            return cond.text
+        if value is None:
+            shown = "unknown"
+        else:
+            shown = _percent(value) if cond.percent_of_total else self.printer(value)
+        return f"{self.name} {shown} {cond.text.removeprefix(self.name + ' ')}"
+
+
+_PROC_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SELECTOR}
+_ID_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SUBJECT, PER_DEVICE: SELECTOR}
+
+CONDITION_TYPES: dict[str, ConditionType] = {
+    t.name: t
+    for t in (
+        ConditionType("process_name", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "comm"}, None, indexed=True),
+        ConditionType("cmdline", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "cmdline"}, None),
+        ConditionType("exe", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "exe"}, None, indexed=True),
+        ConditionType("unit", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "unit"}, None, indexed=True),
+        ConditionType("container", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "container"}, None,
+                      indexed=True),
+        ConditionType("user", USER, USER_OPS, _ID_ROLES, {ON_PROCESS: "user", ON_USER: "user"}, repr,
+                      indexed=True),
+        ConditionType("group", GROUP, GROUP_OPS, _ID_ROLES, {ON_PROCESS: "user", ON_USER: "user"}, None,
+                      indexed=True),
+        ConditionType("gpu_utilization", PERCENT, NUMBER_OPS,
+                      {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SUBJECT},
+                      {ON_PROCESS: "gpu_utilization", ON_DEVICE: "utilization"}, _percent,
+                      lower_bound_on=(ON_PROCESS,), victim_order=BY_UTILIZATION),
+        ConditionType("gpu_memory", SIZE, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "gpu_memory"}, format_size,
+                      lower_bound_on=(ON_PROCESS,), victim_order=BY_MEMORY),
+        ConditionType("runtime", DURATION, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "runtime"}, _seconds),
+        # Killing every process of a user over a user-wide sum would be a disaster: the sum needs per_user,
+        # where only the largest processes are killed until the user is back under.
+        ConditionType("user_memory", SIZE, NUMBER_OPS, {PER_USER: SUBJECT}, {ON_USER: "memory"}, format_size,
+                      "user_memory sums a user's processes across devices: it needs scope per_user",
+                      lower_bound_on=(ON_USER,), victim_order=BY_MEMORY),
+        ConditionType("device_memory", SIZE, NUMBER_OPS, {PER_DEVICE: SUBJECT}, {ON_DEVICE: "memory_used"},
+                      format_size, "device_memory is a device's value: it needs scope per_device",
+                      victim_order=BY_MEMORY, share=Share(_memory_share, "the device's memory")),
+        ConditionType("temperature", CELSIUS, NUMBER_OPS, {PER_DEVICE: SUBJECT},
+                      {ON_DEVICE: "device.temperature"}, _celsius,
+                      "temperature is a device's value: it needs scope per_device"),
+    )
+}
+
+
+def victim_order(type_names: Iterable[str]) -> str:
+    """What "largest first" means for a rule with conditions of these types (see VICTIM_ORDERS)."""
+    implied = {CONDITION_TYPES[t].victim_order for t in type_names}
+    return next((order for order in VICTIM_ORDERS if order in implied), BY_MEMORY)

@@ -1,0 +1,113 @@
+"""What a Guard policy is, as records: settings, and rules made of conditions, a scope, an action, exemptions.
+
+A rule looks at subjects of its scope: each process (per_process), each user with their processes
+(per_user) or each device with the processes on it (per_device). Its conditions combine with AND unless it
+says `match: any`. A condition is about the subject (SUBJECT), or, in per_user and per_device scopes, about a
+process (SELECTOR): then it picks which of the subject's processes the rule counts and may kill. When the
+rule holds for a subject, its action is taken: kill, notify or log. Descriptions are prose for humans and
+never change what a rule does.
+
+Which condition types exist, and what each means in each scope, is gpukill.condition_types; reading these
+records from YAML is gpukill.policy; evaluating them is the daemon's (gpukilld.guard).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .regex import compile_regex
+
+PER_PROCESS, PER_USER, PER_DEVICE = "per_process", "per_user", "per_device"
+SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE)
+ACTIONS = ("kill", "notify", "log")
+MATCHES = ("all", "any")
+SUBJECT, SELECTOR = "subject", "selector"  # a condition's role in its rule's scope (see above)
+
+_RE2_PATTERN = type(compile_regex(""))
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    type: str  # a name in condition_types.CONDITION_TYPES
+    operator: str
+    value: Any  # normalized: str, int, float, tuple of those, or a compiled RE2 pattern for `matches`
+    duration: float | None  # seconds the condition must hold continuously; None: at once
+    percent_of_total: bool  # a share of the total ("90%" of the device's memory), for types that take one
+    role: str  # SUBJECT or SELECTOR in the rule's scope
+    where: str  # FILE:LINE:COL
+    text: str  # e.g. "gpu_utilization > 95 for 5m"
+
+
+@dataclass(frozen=True, slots=True)
+class Exemptions:
+    users: tuple[str, ...] = ()  # names, or uids written as numbers
+    groups: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()  # shell patterns on the systemd unit (e.g. "slurmstepd*")
+    processes: tuple[str, ...] = ()  # shell patterns on the process name
+
+    def __bool__(self) -> bool:
+        return bool(self.users or self.groups or self.units or self.processes)
+
+    def merged(self, other: Exemptions) -> Exemptions:
+        def union(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(a + b))
+
+        return Exemptions(union(self.users, other.users), union(self.groups, other.groups),
+                          union(self.units, other.units), union(self.processes, other.processes))
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    name: str
+    description: str
+    conditions: tuple[Condition, ...]
+    match: str  # one of MATCHES
+    scope: str  # one of SCOPES
+    action: str  # one of ACTIONS
+    force: bool  # SIGKILL after kill_grace if SIGTERM did not do it
+    grace_period: float  # seconds a violating subject has to come back under before a kill
+    kill_grace: float | None  # None: the policy's kill_grace
+    notify: tuple[str, ...] | None  # None: the policy's default targets
+    exemptions: Exemptions
+    where: str
+
+    @property
+    def fingerprint(self) -> tuple:
+        """What the rule does, without where it was written: an unchanged rule keeps its windows on reload."""
+        return (self.name, self.match, self.scope, self.action, self.force, self.grace_period, self.kill_grace,
+                self.notify, self.exemptions,
+                tuple((c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total)
+                      for c in self.conditions))
+
+
+def _fingerprint_value(value: Any) -> Any:
+    """Compiled patterns compare by their text (RE2 patterns compare by identity, and one compiled from the
+    same text after a reload is another object)."""
+    return ("re", value.pattern) if isinstance(value, _RE2_PATTERN | re.Pattern) else value
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    sample_interval: float | None = None  # None: every snapshot the daemon takes
+    dry_run: bool = False
+    max_kills_per_cycle: int = 10
+    cooldown: float = 10.0
+    kill_grace: float = 5.0
+    notify: tuple[str, ...] = ()
+    exemptions: Exemptions = field(default_factory=Exemptions)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    settings: Settings
+    rules: tuple[Rule, ...]
+    sources: tuple[str, ...]  # file names, in the order they were read
+
+    @property
+    def source(self) -> str:
+        return ", ".join(self.sources) if self.sources else "(none)"
+
+
+EMPTY_POLICY = Policy(Settings(), (), ())
