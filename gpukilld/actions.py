@@ -1,8 +1,9 @@
 """The privileged acts, bus-independent: kill a process, reset a device. Each one is authorized and audited.
 
-The bus layer (manager.py) turns D-Bus calls into these; Guard Mode calls the same kill path. Refusals of a
-caller's request go through RefusalLog (folded per uid when there are too many); what the daemon does is
-always audited one by one. Process names are escaped in the human text (MESSAGE, errors), exact in the fields.
+The bus layer (manager.py) turns D-Bus calls into these; Guard Mode calls the same kill path. Whether a
+caller may is the bouncer's check, which audits a denial itself. Other refusals of a caller's request go
+through the bouncer's RefusalLog (folded per uid when there are too many); what the daemon does is always
+audited one by one. Process names are escaped in the human text (MESSAGE, errors), exact in the fields.
 """
 
 from __future__ import annotations
@@ -13,23 +14,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gpukill.errors import (
-    AccessDenied,
     DeviceBusy,
     GpukillError,
     NoSuchDevice,
     NotSupported,
     Protected,
     ResetFailed,
-    TooBusy,
 )
+from gpukill.outcome import INITIATOR_RESET, Outcome
+from gpukill.records import ResetReply
 from gpukill.text import shown
 
 from . import audit
 from .backends import Backend
-from .bouncer import KILL_ANY, KILL_OWN, RESET_DEVICE, Bouncer, Caller
-from .killer import KILLED, STILL_ALIVE, TERMINATED, Killer, check_grace
+from .bouncer import KILL_METHOD, RESET_METHOD, Bouncer, Caller, Request
+from .killer import Killer, check_grace
 from .model import Snapshot
-from .refusals import RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +43,8 @@ class KillResult:
     uid: int
     comm: str
     device_ids: tuple[str, ...]
-    outcome: str
-    initiator: str  # "user" (a D-Bus caller), "reset" (clearing a device), "guard:RULE" (Guard Mode)
-
-
-@dataclass(frozen=True, slots=True)
-class ResetResult:
-    device_index: int
-    device_id: str
-    message: str
-    killed: tuple[int, ...]
+    outcome: Outcome
+    initiator: str  # gpukill.outcome's: INITIATOR_USER, INITIATOR_RESET or guard_initiator(RULE)
 
 
 class Actions:
@@ -64,7 +56,7 @@ class Actions:
         killer: Killer,
         auditor: audit.Audit,
         on_killed: Callable[[KillResult, Caller | None], None],
-        on_reset: Callable[[ResetResult, bool], None],
+        on_reset: Callable[[ResetReply, bool], None],
         resample: Callable[[], Awaitable[Snapshot]],
     ) -> None:
         self._snapshot = snapshot
@@ -75,7 +67,7 @@ class Actions:
         self._on_killed = on_killed
         self._on_reset = on_reset
         self._resample = resample
-        self.refusals = RefusalLog(auditor)  # refusals of callers' requests: folded per uid when too many
+        self.refusals = bouncer.refusals  # the bouncer's: all refusals of a caller are folded together
 
     @staticmethod
     def _caller_fields(caller: Caller | None) -> dict[str, object]:
@@ -89,7 +81,8 @@ class Actions:
     async def kill(
         self, caller: Caller | None, pid: int, start_time: int, grace: float, force: bool, initiator: str
     ) -> KillResult:
-        """Kill (pid, start_time). caller None means the daemon itself acts (a reset with force, Guard)."""
+        """Kill (pid, start_time). caller None means the daemon itself acts (a reset with force, Guard).
+        initiator (gpukill.outcome's) goes into the journal and ProcessKilled as it is."""
         base = {
             "action": "kill", "target_pid": pid, "target_start_time": start_time, "initiator": initiator,
             "force": int(force), **self._caller_fields(caller),
@@ -107,37 +100,23 @@ class Actions:
                       "device": ",".join(target.device_ids)}
             label = f"PID {pid} ({shown(target.comm)}, user {shown(target.user)})"
             if caller is not None:
-                action = KILL_OWN if caller.uid == target.uid else KILL_ANY
-                try:
-                    allowed, why = await self.bouncer.authorize(
-                        caller, action,
-                        {"pid": str(pid), "target_user": target.user, "device": ",".join(target.device_ids)},
-                    )
-                except TooBusy as e:
-                    allowed, why = False, str(e)
-                    busy: TooBusy | None = e
-                else:
-                    busy = None
-                if not allowed:
-                    self._refused(caller, audit.KILL_DENIED, f"Kill of {label} denied to {who}: {why}",
-                                  result="busy" if busy else "denied", polkit_action=action, reason=why, **fields)
-                    if busy is not None:
-                        raise busy
-                    raise AccessDenied(f"not authorized to kill PID {pid} ({shown(target.comm)}) of user "
-                                       f"{shown(target.user)}: {why}")
-                fields["polkit_action"] = action
+                fields["polkit_action"] = await self.bouncer.check(
+                    caller, KILL_METHOD,
+                    {"pid": str(pid), "target_user": target.user, "device": ",".join(target.device_ids)},
+                    target.uid,
+                    request=Request(audit.KILL_DENIED, f"Kill of {label}",
+                                    f"kill PID {pid} ({shown(target.comm)}) of user {shown(target.user)}", fields),
+                )
             outcome = await self.killer.terminate(target, grace, force)
         finally:
             target.close()
-        verb = {TERMINATED: "terminated", KILLED: "killed with SIGKILL", STILL_ALIVE: "still alive after SIGTERM"}
-        self.audit.log(audit.KILL, f"{label} {verb[outcome]}; requested by {who}",
+        self.audit.log(audit.KILL, f"{label} {outcome.text}; requested by {who}",
                        result=outcome, grace=grace, **fields)
-        result = KillResult(pid, start_time, target.uid, target.comm, target.device_ids, outcome,
-                            "user" if caller else initiator)
+        result = KillResult(pid, start_time, target.uid, target.comm, target.device_ids, outcome, initiator)
         self._on_killed(result, caller)
         return result
 
-    async def reset(self, caller: Caller, device_key: str, force: bool) -> ResetResult:
+    async def reset(self, caller: Caller, device_key: str, force: bool) -> ResetReply:
         who = f"uid {caller.uid}"
         base = {"action": "reset", "force": int(force), **self._caller_fields(caller)}
         snapshot = self._snapshot()
@@ -149,20 +128,11 @@ class Actions:
                           result=err.result, device=device_key[:256], **base)
             raise err
         fields = {**base, "device": device.id, "device_index": device.index}
-        try:
-            allowed, why = await self.bouncer.authorize(
-                caller, RESET_DEVICE, {"device": device.id, "device_index": str(device.index)}
-            )
-        except TooBusy as e:
-            self._refused(caller, audit.RESET_DENIED, f"Reset of GPU {device.index} ({device.id}) refused to "
-                                                      f"{who}: {e}",
-                          result="busy", polkit_action=RESET_DEVICE, reason=str(e), **fields)
-            raise
-        if not allowed:
-            self._refused(caller, audit.RESET_DENIED, f"Reset of GPU {device.index} ({device.id}) denied to {who}: "
-                                                      f"{why}",
-                          result="denied", polkit_action=RESET_DEVICE, reason=why, **fields)
-            raise AccessDenied(f"not authorized to reset GPU {device.index}: {why}")
+        await self.bouncer.check(
+            caller, RESET_METHOD, {"device": device.id, "device_index": str(device.index)},
+            request=Request(audit.RESET_DENIED, f"Reset of GPU {device.index} ({device.id})",
+                            f"reset GPU {device.index}", fields),
+        )
         try:
             backend = self.backends.get(device.backend)
             if backend is None:
@@ -173,9 +143,9 @@ class Actions:
         except GpukillError as e:
             self.audit.log(audit.RESET_FAILED, f"Reset of GPU {device.index} ({device.id}) failed: {e}",
                            result=e.result, error=str(e), **fields)
-            self._on_reset(ResetResult(device.index, device.id, str(e), ()), False)
+            self._on_reset(ResetReply(device.index, device.id, str(e), ()), False)
             raise
-        result = ResetResult(device.index, device.id, message, tuple(killed))
+        result = ResetReply(device.index, device.id, message, tuple(killed))
         self.audit.log(audit.RESET, f"GPU {device.index} ({device.id}) reset by {who}: {message}",
                        result="reset", killed=",".join(map(str, killed)) or None, **fields)
         self._on_reset(result, True)
@@ -193,12 +163,12 @@ class Actions:
         killed = []
         for (pid, start_time), _proc in holders.items():
             try:
-                result = await self.kill(None, pid, start_time, RESET_KILL_GRACE, True, "reset")
+                result = await self.kill(None, pid, start_time, RESET_KILL_GRACE, True, INITIATOR_RESET)
             except Protected as e:
                 raise DeviceBusy(f"cannot clear the device: {e}") from None
             except GpukillError:
                 continue  # gone meanwhile: nothing left to clear
-            if result.outcome == STILL_ALIVE:
+            if result.outcome == Outcome.STILL_ALIVE:
                 raise ResetFailed(f"PID {pid} survived SIGKILL; the device was not reset")
             killed.append(pid)
         return killed

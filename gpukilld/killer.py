@@ -14,20 +14,19 @@ import signal
 from dataclasses import dataclass
 
 from gpukill.errors import InvalidArgs, NoSuchProcess, NotAGpuProcess, ProcessChanged, Protected
+from gpukill.limits import MAX_GRACE
+from gpukill.outcome import Outcome
 
 from .model import Snapshot
 from .procfs import ProcFS, user_name
 
-TERMINATED = "terminated"  # exited within the grace after SIGTERM
-KILLED = "killed"  # needed SIGKILL
-STILL_ALIVE = "still-alive"  # outlived the grace and no force was asked (or survived SIGKILL: D state)
-
 KILL_WAIT = 5.0  # how long SIGKILL gets before we report the process still alive
-MAX_GRACE = 300.0
 
 
 @dataclass(slots=True)
-class Target:
+class PinnedProcess:
+    """A process to kill, held by its pidfd from the checks to the signal, so a reused PID is never signalled."""
+
     pid: int
     start_time: int
     uid: int
@@ -53,7 +52,7 @@ class Killer:
         self.procfs = procfs or ProcFS()  # always the real /proc: we signal real processes
         self.own_pid = os.getpid()
 
-    def open(self, pid: int, start_time: int, snapshot: Snapshot) -> Target:
+    def open(self, pid: int, start_time: int, snapshot: Snapshot) -> PinnedProcess:
         """Pin the target with a pidfd and check it may be killed; raise if not. Sends nothing."""
         if pid <= 0 or pid > 2**22:  # PID_MAX_LIMIT
             raise InvalidArgs(f"pid {pid} is out of range")
@@ -81,7 +80,7 @@ class Killer:
             if not on_gpu:
                 raise NotAGpuProcess(f"PID {pid} is not using a GPU")
             first = on_gpu[0]
-            return Target(
+            return PinnedProcess(
                 pid=pid, start_time=start_time, uid=first.uid, user=first.user or user_name(first.uid),
                 comm=stat.comm, device_ids=tuple(p.device_id for p in on_gpu), pidfd=pidfd,
             )
@@ -103,18 +102,18 @@ class Killer:
         finally:
             loop.remove_reader(pidfd)
 
-    async def terminate(self, target: Target, grace: float, force: bool) -> str:
+    async def terminate(self, target: PinnedProcess, grace: float, force: bool) -> Outcome:
         """SIGTERM, wait up to grace; with force, SIGKILL after the grace. Returns the outcome."""
         try:
             signal.pidfd_send_signal(target.pidfd, signal.SIGTERM)
         except ProcessLookupError:
-            return TERMINATED  # it exited between the check and the signal: the goal is met
+            return Outcome.TERMINATED  # it exited between the check and the signal: the goal is met
         if await self._wait_exit(target.pidfd, grace):
-            return TERMINATED
+            return Outcome.TERMINATED
         if not force:
-            return STILL_ALIVE
+            return Outcome.STILL_ALIVE
         try:
             signal.pidfd_send_signal(target.pidfd, signal.SIGKILL)
         except ProcessLookupError:
-            return TERMINATED
-        return KILLED if await self._wait_exit(target.pidfd, KILL_WAIT) else STILL_ALIVE
+            return Outcome.TERMINATED
+        return Outcome.KILLED if await self._wait_exit(target.pidfd, KILL_WAIT) else Outcome.STILL_ALIVE

@@ -6,8 +6,8 @@ import os
 import subprocess
 import time
 
-from conftest import needs_root
-from testbed import SYSTEM_PYTHON, start_time_of
+from helpers.marks import needs_root
+from helpers.testbed import SYSTEM_PYTHON, start_time_of
 
 from gpukilld import audit
 
@@ -38,6 +38,8 @@ def test_sigterm_ignoring_victim_is_killed_by_force(victims, users, alive):
     assert devices == [listed["device_id"]]
     entry = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
     assert entry and entry[0]["GPUKILL_RESULT"] == "killed" and entry[0]["GPUKILL_FORCE"] == "1"
+    # the journal names who asked as the bus does; the caller's uid stands beside it in both
+    assert (entry[0]["GPUKILL_INITIATOR"], entry[0]["GPUKILL_CALLER_UID"]) == (initiator, str(caller_uid))
 
 
 def test_without_force_it_is_reported_still_alive(victims, users, alive):

@@ -10,7 +10,7 @@ max_kills_per_cycle processes are ordered killed per evaluation, and a subject w
 second one.
 
 This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder) that
-service.py carries out, and the clock is injected, so all of it is tested without waiting. With match: all
+the runner (runner.py) carries out, and the clock is injected, so all of it is tested without waiting. With match: all
 the duration windows are kept only while the rule's conditions without a duration hold, so a window measures
 how long the rule as a whole has been about to fire (an xmrig above 95% for 5 minutes).
 
@@ -26,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpukill.policy import EMPTY_POLICY, Policy, Rule
+from gpukill.errors import Protected
+from gpukill.outcome import SIGNALLED
+from gpukill.rules import EMPTY_POLICY, Policy, Rule
 
 from ..model import Snapshot
 from .conditions import (
@@ -43,8 +45,6 @@ from .conditions import (
 )
 
 PROTECTED = "protected (a system account or system unit): never touched"
-# Outcomes of the kill path that mean a signal was sent (killer.py); anything else is a refusal.
-SIGNALLED = ("terminated", "killed", "still-alive")
 
 
 @dataclass(slots=True)
@@ -270,7 +270,7 @@ class Engine:
 
     def _reason(self, st: RuleState, s: Subject) -> str:
         c = st.compiled
-        parts = [cc.describe(c.scope, s) for cc in c.conditions if cc.test(s)]
+        parts = [cc.describe(s) for cc in c.conditions if cc.test(s)]
         if c.selectors:
             parts.append(f"counting {len(s.procs)} process(es) with "  # type: ignore[union-attr]
                          + " and ".join(cc.cond.text for cc in c.selectors))
@@ -334,7 +334,8 @@ class Engine:
         return kills_left
 
     def kill_finished(self, order: KillOrder, target: Target, outcome: str) -> None:
-        """The kill path's answer for one target of an order: frees the subject, starts its cooldown."""
+        """The kill path's answer for one target of an order (an Outcome, or the result of its refusal): frees
+        the subject, starts its cooldown."""
         pkey = (target.pid, target.start_time)
         self.busy.discard(pkey)
         stats = self.stats.setdefault(order.rule.name, RuleStats())
@@ -342,7 +343,7 @@ class Engine:
             stats.kills += 1
         else:
             stats.failed += 1
-            if outcome == "protected":
+            if outcome == Protected.result:
                 self.refused.add(pkey)
         st = next((s for s in self.states if s.rule.name == order.rule.name), None)
         if st is None:

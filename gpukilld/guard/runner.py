@@ -1,5 +1,6 @@
-"""Carries out what the engine decides: kills through the daemon's kill path, audit entries, D-Bus signals,
-notifications, and the state kept across restarts. Also where the policy in force is swapped.
+"""Carries out what the engine decides: kills through the daemon's kill path, and for each event the journal
+entry, D-Bus signal, recent entry and notice that report.py words for it; keeps the state across restarts.
+Also where the policy in force is swapped.
 
 The guard never signals by itself: every kill goes through Actions.kill with initiator "guard:RULE", which
 pins the process with a pidfd, refuses protected processes and audits. Kills run as asyncio tasks, so the
@@ -17,20 +18,24 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from gpukill.errors import GpukillError
-from gpukill.policy import (
-    EMPTY_POLICY,
-    Policy,
-    PolicyError,
-    Rule,
-    directory_texts,
-    format_duration,
-    format_size,
-    load_texts,
+from gpukill.outcome import guard_initiator
+from gpukill.policy import PolicyError, directory_texts, load_texts
+from gpukill.records import (
+    Grace,
+    GuardStatus,
+    NotificationCounters,
+    RecentEvent,
+    RuleStatus,
+    Window,
+    from_plain,
+    to_plain,
 )
+from gpukill.rules import EMPTY_POLICY, Policy, Rule
 
 from .. import audit
 from ..config import Config
 from ..model import Snapshot
+from . import report
 from .conditions import Protection
 from .engine import Clock, Engine, Event, GraceCancelled, KillOrder, Preview, RuleStats, Target, Violation
 from .notify import Notice, Notifier, NotifyConfig
@@ -72,15 +77,10 @@ class _NoSignals:
         pass
 
 
-def _pids(targets: tuple[Target, ...]) -> str:
-    return ", ".join(f"{t.pid} ({t.comm}" + (f", {format_size(t.gpu_memory)}" if t.gpu_memory else "") + ")"
-                     for t in targets)
-
-
 class GuardRunner:
     def __init__(self, kill: KillPath, auditor: audit.Audit, notify_config: NotifyConfig, policy_dir: str,
                  state_dir: str, clock: Clock | None = None, own_pid: int | None = None,
-                 protection: Protection | None = None) -> None:
+                 protection: Protection | None = None, signals: GuardSignals | None = None) -> None:
         self.kill = kill
         self.audit = auditor
         self.policy_dir = policy_dir
@@ -89,7 +89,7 @@ class GuardRunner:
         self.engine = Engine(clock=self.clock, own_pid=own_pid, protection=protection)
         self.state = GuardState()
         self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice)
-        self.signals: GuardSignals = _NoSignals()
+        self.signals: GuardSignals = signals if signals is not None else _NoSignals()
         self.started = False
         self.policy_error = ""  # why the last attempt to read the policy files failed ("" when it did not)
         self.evaluations = 0
@@ -271,122 +271,60 @@ class GuardRunner:
             self._save_soon()
 
     def _handle(self, event: Event, dry_run: bool) -> None:
+        host, now = self._host, self.clock.wall()
         if isinstance(event, Violation):
-            self._violation(event, dry_run)
+            self._publish(event.rule, report.violation(event, dry_run, host, now))
         elif isinstance(event, GraceCancelled):
-            self._cancelled(event, dry_run)
+            self._publish(event.rule, report.cancelled(event, dry_run, now))
         elif isinstance(event, KillOrder):
             if event.dry_run:
-                self._would_kill(event)
+                self._publish(event.rule, report.would_kill(event, host, now))
             else:
                 for target in event.targets:
                     task = asyncio.get_running_loop().create_task(self._kill(event, target))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
 
-    def _targets(self, rule: Rule) -> tuple[str, ...]:
-        if rule.notify is not None:
-            return rule.notify
-        return () if rule.action == "log" else self.policy.settings.notify  # log: the journal entry only
-
-    def _remember(self, **entry: Any) -> None:
-        self.state.recent.append({"time": self.clock.wall(), **entry})
-        del self.state.recent[:-MAX_RECENT]
-
-    def _violation(self, ev: Violation, dry_run: bool) -> None:
-        rule = ev.rule
-        dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == "kill" else ""
-        if rule.action == "kill":
-            what = (f"its process(es) {_pids(ev.targets)} get SIGTERM in {format_duration(rule.grace_period)} "
-                    "unless it comes back under" if rule.grace_period else f"stopping {_pids(ev.targets)} now")
-        else:
-            what = "notifying" if rule.action == "notify" else "logged"
-        self.audit.log(audit.GUARD_VIOLATION, f"Guard rule {rule.name}: {ev.subject} violates it ({ev.reason}); "
-                                              f"{what}{dry}",
-                       action="guard", result="violation", rule=rule.name, rule_action=rule.action,
-                       subject=ev.subject, reason=ev.reason, grace=rule.grace_period, dry_run=int(dry_run),
-                       target_pids=",".join(str(t.pid) for t in ev.targets) or None, target_uid=ev.uid)
-        self.signals.violated(ev, dry_run)
-        self._remember(rule=rule.name, subject=ev.subject, uid=ev.uid, event="violation", action=rule.action,
-                       outcome="", dry_run=dry_run)
-        self._notify(rule, ev.uid, "violation", f"{rule.name}: {ev.subject} violates the rule",
-                     [f"Host: {self._host}", f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
-                      f"Subject: {ev.subject}", f"Why: {ev.reason}", f"What happens: {what}{dry}"],
-                     {"subject": ev.subject, "reason": ev.reason, "action": rule.action, "dry_run": dry_run,
-                      "grace": rule.grace_period, "pids": [t.pid for t in ev.targets], "uid": ev.uid})
-
-    def _cancelled(self, ev: GraceCancelled, dry_run: bool) -> None:
-        self.audit.log(audit.GUARD_ACTION, f"Guard rule {ev.rule.name}: {ev.subject} came back under within the "
-                                           "grace period; nothing was signalled",
-                       action="guard", result="cancelled", rule=ev.rule.name, subject=ev.subject,
-                       target_uid=ev.uid, dry_run=int(dry_run))
-        self.signals.action_taken(ev.rule.name, ev.subject, "kill", 0, 0, "cancelled", dry_run)
-        self._remember(rule=ev.rule.name, subject=ev.subject, uid=ev.uid, event="cancelled", action="kill",
-                       outcome="cancelled", dry_run=dry_run)
-
-    def _would_kill(self, order: KillOrder) -> None:
-        rule = order.rule
-        for t in order.targets:
-            self.audit.log(audit.GUARD_DRY_RUN,
-                           f"Dry run: guard rule {rule.name} would stop PID {t.pid} ({t.comm}, user {t.user}) for "
-                           f"{order.subject}; nothing was signalled",
-                           action="guard", result="would-kill", rule=rule.name, subject=order.subject,
-                           target_pid=t.pid, target_start_time=t.start_time, target_uid=t.uid,
-                           target_comm=t.comm, force=int(order.force), reason=order.reason, dry_run=1)
-            self.signals.action_taken(rule.name, order.subject, "kill", t.pid, t.start_time, "would-kill", True)
-            self._remember(rule=rule.name, subject=order.subject, uid=t.uid, event="action", action="kill",
-                           outcome="would-kill", pid=t.pid, dry_run=True)
-        self._notify(rule, order.uid, "action", f"{rule.name}: would stop {_pids(order.targets)} (dry run)",
-                     [f"Host: {self._host}", f"Rule: {rule.name}", f"Subject: {order.subject}",
-                      f"Why: {order.reason}", f"Dry run: would have stopped {_pids(order.targets)}; nothing was "
-                      "signalled"],
-                     {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": True,
-                      "outcome": "would-kill", "pids": [t.pid for t in order.targets], "uid": order.uid})
-
     async def _kill(self, order: KillOrder, t: Target) -> None:
-        rule = order.rule
         error = ""
         try:
-            result = await self.kill(None, t.pid, t.start_time, order.kill_grace, order.force, f"guard:{rule.name}")
+            result = await self.kill(None, t.pid, t.start_time, order.kill_grace, order.force,
+                                     guard_initiator(order.rule.name))
             outcome = result.outcome
         except GpukillError as e:  # protected, gone, PID reused: the kill path audited it already
             outcome, error = e.result, str(e)
         except Exception as e:
             log.exception("guard kill of PID %d failed", t.pid)
-            outcome, error = "failed", f"{type(e).__name__}: {e}"
+            outcome, error = GpukillError.result, f"{type(e).__name__}: {e}"
         try:
             self.engine.kill_finished(order, t, outcome)
-            text = {"terminated": "terminated", "killed": "killed with SIGKILL",
-                    "still-alive": "still alive after SIGTERM"}.get(outcome, f"not stopped: {error or outcome}")
-            whose = "" if order.subject.startswith(f"PID {t.pid} ") else f" for {order.subject}"
-            self.audit.log(audit.GUARD_ACTION, f"Guard rule {rule.name}: PID {t.pid} ({t.comm}, user {t.user}) "
-                                               f"{text}{whose} ({order.reason})",
-                           action="guard", result=outcome, rule=rule.name, subject=order.subject, target_pid=t.pid,
-                           target_start_time=t.start_time, target_uid=t.uid, target_comm=t.comm,
-                           force=int(order.force), error=error or None, dry_run=0)
-            self.signals.action_taken(rule.name, order.subject, "kill", t.pid, t.start_time, outcome, False)
-            self._remember(rule=rule.name, subject=order.subject, uid=t.uid, event="action", action="kill", outcome=outcome,
-                           pid=t.pid, dry_run=False)
-            self._notify(rule, order.uid, "action", f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
-                         [f"Host: {self._host}", f"Rule: {rule.name}", f"Subject: {order.subject}",
-                          f"Why: {order.reason}", f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}"],
-                         {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": False,
-                          "outcome": outcome, "pids": [t.pid], "uid": t.uid})
+            self._publish(order.rule, report.kill_done(order, t, outcome, error, self._host, self.clock.wall()))
             self._save_soon()
         except Exception:
             log.exception("guard could not report the kill of PID %d", t.pid)
 
-    # -- notifications ---------------------------------------------------------------------------------
-
-    def _notify(self, rule: Rule, uid: int | None, event: str, summary: str, lines: list[str],
-                data: dict[str, Any]) -> None:
+    def _publish(self, rule: Rule, done: report.Report) -> None:
+        """Write, emit and remember each entry of a report, in its order, then send its notice."""
+        for entry in done.entries:
+            self.audit.log(entry.journal.kind, entry.journal.message, **entry.journal.fields)
+            signal = entry.signal
+            if isinstance(signal, report.Violated):
+                self.signals.violated(signal.event, signal.dry_run)
+            else:
+                self.signals.action_taken(signal.rule, signal.subject, signal.action, signal.pid, signal.start_time,
+                                          signal.outcome, signal.dry_run)
+            self.state.recent.append(to_plain(entry.recent))
+            del self.state.recent[:-MAX_RECENT]
         targets = self._targets(rule)
-        if not targets:
-            return
-        notice = Notice(event, rule.name, str(data.get("subject", "")), summary, "\n".join(lines) + "\n",
-                        {"event": event, "rule": rule.name, "host": self._host, "time": self.clock.wall(),
-                         "summary": summary, **data})
-        self.notifier.send(targets, notice)
+        if done.notice is not None and targets:
+            self.notifier.send(targets, done.notice)
+
+    def _targets(self, rule: Rule) -> tuple[str, ...]:
+        if rule.notify is not None:
+            return rule.notify
+        return () if rule.action == "log" else self.policy.settings.notify  # log: the journal entry only
+
+    # -- notifications ---------------------------------------------------------------------------------
 
     def _journal_notice(self, notice: Notice) -> None:
         self.audit.log(audit.GUARD_NOTICE, f"gpukill guard: {notice.summary}", action="guard", result=notice.event,
@@ -403,30 +341,31 @@ class GuardRunner:
 
     # -- reports ---------------------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        rules = []
-        for rule in self.policy.rules:
-            stats = self.engine.stats.get(rule.name, RuleStats())
-            rules.append({"name": rule.name, "description": rule.description, "action": rule.action,
-                          "scope": rule.scope, "match": rule.match,
-                          "conditions": [c.text for c in rule.conditions], **stats.to_dict()})
-        return {
-            "enabled": self.state.enabled,
-            "dry_run": self.state.dry_run,
-            "policy_dry_run": self.policy.settings.dry_run,
-            "source": self.state.policy_source,
-            "files": list(self.policy.sources),
-            "policy_error": self.policy_error,
-            "rules": rules,
-            "recent": list(self.state.recent[-20:]),
-            "windows": self.engine.windows_report(),
-            "graces": self.engine.grace_report(),
-            "evaluations": self.evaluations,
-            "last_eval_ms": self.engine.last_eval_seconds * 1000,
-            "max_eval_ms": self.max_eval_seconds * 1000,
-            "notifications": {k: {"queued": s.queued, "delivered": s.delivered, "failed": s.failed,
-                                  "dropped": s.dropped} for k, s in self.notifier.stats().items()},
-        }
+    def status(self) -> GuardStatus:
+        """The switches, the policy in force with each rule's counters, what is running now; recent events as
+        the state keeps them (plain dicts, possibly from an older daemon: read leniently)."""
+        rules = tuple(
+            RuleStatus(name=rule.name, description=rule.description, action=rule.action, scope=rule.scope,
+                       match=rule.match, conditions=tuple(c.text for c in rule.conditions),
+                       **self.engine.stats.get(rule.name, RuleStats()).to_dict())
+            for rule in self.policy.rules)
+        return GuardStatus(
+            enabled=self.state.enabled,
+            dry_run=self.state.dry_run,
+            policy_dry_run=self.policy.settings.dry_run,
+            source=self.state.policy_source,
+            files=tuple(self.policy.sources),
+            policy_error=self.policy_error,
+            rules=rules,
+            recent=tuple(from_plain(RecentEvent, e) for e in self.state.recent[-20:]),
+            windows=tuple(from_plain(Window, w) for w in self.engine.windows_report()),
+            graces=tuple(from_plain(Grace, g) for g in self.engine.grace_report()),
+            evaluations=self.evaluations,
+            last_eval_ms=self.engine.last_eval_seconds * 1000,
+            max_eval_ms=self.max_eval_seconds * 1000,
+            notifications=tuple(NotificationCounters(channel, s.queued, s.delivered, s.failed, s.dropped)
+                                for channel, s in self.notifier.stats().items()),
+        )
 
     def preview(self, snapshot: Snapshot) -> list[Preview]:
         return self.engine.preview(snapshot)

@@ -1,0 +1,57 @@
+"""How a kill ended and who asked for it, in the words of the bus and the journal, with the text people read.
+
+An Outcome's value is what KillProcess returns, what ProcessKilled and GuardActionTaken carry, what
+GPUKILL_RESULT holds and what the guard's recent events keep; its `text` is how messages, notices and the
+CLI say it. A kill the kill path refused is no Outcome: its result is the GpukillError's `result`
+("protected", "no-such-process", ...), and result_text() words both.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    TERMINATED = "terminated"  # exited within the grace after SIGTERM
+    KILLED = "killed"  # needed SIGKILL
+    STILL_ALIVE = "still-alive"  # outlived the grace and no force was asked (or survived SIGKILL: D state)
+    WOULD_KILL = "would-kill"  # a dry run's kill: nothing was signalled
+    CANCELLED = "cancelled"  # the guard's subject came back under within the grace: nothing was signalled
+
+    @property
+    def text(self) -> str:
+        """The phrase a message puts after the process (or, for CANCELLED, the subject) it is about."""
+        return _TEXT[self]
+
+    @property
+    def signalled(self) -> bool:
+        """A signal was sent: the kill path went through, whatever became of the process."""
+        return self in SIGNALLED
+
+
+_TEXT = {
+    Outcome.TERMINATED: "terminated",
+    Outcome.KILLED: "killed with SIGKILL",
+    Outcome.STILL_ALIVE: "still alive after SIGTERM",
+    Outcome.WOULD_KILL: "would stop",
+    Outcome.CANCELLED: "came back under within the grace period",
+}
+SIGNALLED = frozenset({Outcome.TERMINATED, Outcome.KILLED, Outcome.STILL_ALIVE})
+
+
+def result_text(result: str, error: str = "") -> str:
+    """A kill path's result as a message words it: an outcome's text, else why nothing was stopped (the
+    error's message where there is one, its result otherwise)."""
+    text = _TEXT.get(result)  # type: ignore[call-overload]  # a str finds the Outcome it equals
+    return text if text is not None else f"not stopped: {error or result}"
+
+
+# Who asked for a kill: ProcessKilled's `initiator` on the bus and GPUKILL_INITIATOR in the journal, the same
+# word in both. Who the user is stays beside it (caller_uid, GPUKILL_CALLER_UID).
+INITIATOR_USER = "user"  # a KillProcess call
+INITIATOR_RESET = "reset"  # ResetDevice with force, clearing the device first
+
+
+def guard_initiator(rule: str) -> str:
+    """A Guard rule's kill."""
+    return f"guard:{rule}"

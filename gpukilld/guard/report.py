@@ -1,0 +1,155 @@
+"""What each guard event is reported as: its journal entry, its D-Bus signal, its entry among the recent events
+and its notice (e-mail, webhook, desktop, journal), worded here and nowhere else.
+
+Pure: no audit trail, no bus, no clock. The runner hands in the event with the host name and the time, and
+writes, emits, remembers and sends what comes back as it is. One Report per engine event: a violation, a
+grace period that ended without a kill, a dry run's kill order, or one process of a kill order once the kill
+path has answered. Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the recent
+events and the notices say the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gpukill.outcome import Outcome, result_text
+from gpukill.records import RecentEvent
+from gpukill.rules import Rule
+from gpukill.units import format_duration, format_size
+
+from .. import audit
+from .engine import GraceCancelled, KillOrder, Target, Violation
+from .notify import Notice
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    kind: audit.EventKind
+    message: str
+    fields: dict[str, Any]  # GPUKILL_* fields without the prefix, as Audit.log takes them
+
+
+@dataclass(frozen=True, slots=True)
+class Violated:
+    """The arguments of GuardSignals.violated: PolicyViolated on the bus."""
+
+    event: Violation
+    dry_run: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ActionTaken:
+    """The arguments of GuardSignals.action_taken: GuardActionTaken on the bus."""
+
+    rule: str
+    subject: str
+    action: str
+    pid: int  # 0 where no process is concerned (a cancelled grace)
+    start_time: int
+    outcome: str  # an Outcome, or the kill path's refusal (GpukillError.result)
+    dry_run: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One thing that happened, as the journal, the bus and the recent events each show it."""
+
+    journal: AuditEntry
+    signal: Violated | ActionTaken
+    recent: RecentEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    entries: tuple[Entry, ...]  # in the order they are reported: one per process for a kill order
+    notice: Notice | None  # sent to the rule's notify targets; None: the event is not notified
+
+
+def _pids(targets: tuple[Target, ...]) -> str:
+    return ", ".join(f"{t.pid} ({t.comm}" + (f", {format_size(t.gpu_memory)}" if t.gpu_memory else "") + ")"
+                     for t in targets)
+
+
+def _notice(rule: Rule, event: str, summary: str, lines: list[str], data: dict[str, Any], host: str,
+            now: float) -> Notice:
+    return Notice(event, rule.name, str(data.get("subject", "")), summary, "\n".join(lines) + "\n",
+                  {"event": event, "rule": rule.name, "host": host, "time": now, "summary": summary, **data})
+
+
+def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
+    rule = ev.rule
+    dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == "kill" else ""
+    if rule.action == "kill":
+        what = (f"its process(es) {_pids(ev.targets)} get SIGTERM in {format_duration(rule.grace_period)} "
+                "unless it comes back under" if rule.grace_period else f"stopping {_pids(ev.targets)} now")
+    else:
+        what = "notifying" if rule.action == "notify" else "logged"
+    journal = AuditEntry(
+        audit.GUARD_VIOLATION, f"Guard rule {rule.name}: {ev.subject} violates it ({ev.reason}); {what}{dry}",
+        {"action": "guard", "result": "violation", "rule": rule.name, "rule_action": rule.action,
+         "subject": ev.subject, "reason": ev.reason, "grace": rule.grace_period, "dry_run": int(dry_run),
+         "target_pids": ",".join(str(t.pid) for t in ev.targets) or None, "target_uid": ev.uid})
+    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "violation", rule.action, "", None, dry_run)
+    notice = _notice(rule, "violation", f"{rule.name}: {ev.subject} violates the rule",
+                     [f"Host: {host}", f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
+                      f"Subject: {ev.subject}", f"Why: {ev.reason}", f"What happens: {what}{dry}"],
+                     {"subject": ev.subject, "reason": ev.reason, "action": rule.action, "dry_run": dry_run,
+                      "grace": rule.grace_period, "pids": [t.pid for t in ev.targets], "uid": ev.uid}, host, now)
+    return Report((Entry(journal, Violated(ev, dry_run), recent),), notice)
+
+
+def cancelled(ev: GraceCancelled, dry_run: bool, now: float) -> Report:
+    """Not notified: the violation was, and nothing happened since."""
+    outcome = Outcome.CANCELLED
+    journal = AuditEntry(
+        audit.GUARD_ACTION, f"Guard rule {ev.rule.name}: {ev.subject} {outcome.text}; nothing was signalled",
+        {"action": "guard", "result": outcome, "rule": ev.rule.name, "subject": ev.subject, "target_uid": ev.uid,
+         "dry_run": int(dry_run)})
+    signal = ActionTaken(ev.rule.name, ev.subject, "kill", 0, 0, outcome, dry_run)
+    recent = RecentEvent(now, ev.rule.name, ev.subject, ev.uid, "cancelled", "kill", outcome, None, dry_run)
+    return Report((Entry(journal, signal, recent),), None)
+
+
+def would_kill(order: KillOrder, host: str, now: float) -> Report:
+    """A dry run's kill order: one entry per process it names, one notice for them all."""
+    rule, outcome = order.rule, Outcome.WOULD_KILL
+    entries = []
+    for t in order.targets:
+        journal = AuditEntry(
+            audit.GUARD_DRY_RUN, f"Dry run: guard rule {rule.name} {outcome.text} PID {t.pid} ({t.comm}, user "
+                                 f"{t.user}) for {order.subject}; nothing was signalled",
+            {"action": "guard", "result": outcome, "rule": rule.name, "subject": order.subject, "target_pid": t.pid,
+             "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm,
+             "force": int(order.force), "reason": order.reason, "dry_run": 1})
+        signal = ActionTaken(rule.name, order.subject, "kill", t.pid, t.start_time, outcome, True)
+        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", "kill", outcome, t.pid, True)
+        entries.append(Entry(journal, signal, recent))
+    notice = _notice(rule, "action", f"{rule.name}: {outcome.text} {_pids(order.targets)} (dry run)",
+                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
+                      f"Dry run: would have stopped {_pids(order.targets)}; nothing was signalled"],
+                     {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": True,
+                      "outcome": outcome, "pids": [t.pid for t in order.targets], "uid": order.uid}, host, now)
+    return Report(tuple(entries), notice)
+
+
+def kill_done(order: KillOrder, t: Target, outcome: str, error: str, host: str, now: float) -> Report:
+    """One process of a kill order once the kill path answered: an Outcome, or its refusal's result with the
+    error's message (the kill path audited the refusal itself; this entry says what became of the rule's act)."""
+    rule = order.rule
+    text = result_text(outcome, error)
+    whose = "" if order.subject.startswith(f"PID {t.pid} ") else f" for {order.subject}"
+    journal = AuditEntry(
+        audit.GUARD_ACTION, f"Guard rule {rule.name}: PID {t.pid} ({t.comm}, user {t.user}) {text}{whose} "
+                            f"({order.reason})",
+        {"action": "guard", "result": outcome, "rule": rule.name, "subject": order.subject, "target_pid": t.pid,
+         "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm, "force": int(order.force),
+         "error": error or None, "dry_run": 0})
+    signal = ActionTaken(rule.name, order.subject, "kill", t.pid, t.start_time, outcome, False)
+    recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", "kill", outcome, t.pid, False)
+    notice = _notice(rule, "action", f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
+                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
+                      f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}"],
+                     {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": False,
+                      "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now)
+    return Report((Entry(journal, signal, recent),), notice)

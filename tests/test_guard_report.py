@@ -1,0 +1,212 @@
+"""What each guard event is reported as (gpukilld/guard/report.py): for a violation, a cancelled grace, a dry
+run's kill order and a finished kill, the journal entry, the signal, the recent entry and the notice must say
+the same thing (the same outcome in the same words, the same subject and processes); and the runner passes
+them on as they are. No daemon: tests/test_guard_daemon.py shows them on a real bus and journal."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+from gpukill.errors import GpukillError, NoSuchProcess, Protected
+from gpukill.outcome import SIGNALLED, Outcome, guard_initiator, result_text
+from gpukill.policy import load_texts
+from gpukill.records import RecentEvent, from_plain, to_plain
+from gpukilld import audit
+from gpukilld.guard import report
+from gpukilld.guard.engine import Clock, GraceCancelled, KillOrder, Target, Violation
+from gpukilld.guard.notify import NotifyConfig
+from gpukilld.guard.runner import GuardRunner
+
+HOST, NOW = "gpu-host-7", 1_700_000_123.5
+POLICY = """
+notify: [journal]
+rules:
+  - name: miners
+    description: no crypto miners
+    action: kill
+    grace_period: 30s
+    conditions: [{type: process_name, operator: ==, value: xmrig}]
+  - name: hogs
+    action: kill
+    conditions: [{type: process_name, operator: ==, value: hog}]
+  - name: tell
+    action: notify
+    conditions: [{type: process_name, operator: ==, value: tell}]
+  - name: quiet
+    action: log
+    conditions: [{type: process_name, operator: ==, value: quiet}]
+"""
+PARSED = load_texts([("test.yaml", POLICY)])
+RULES = {r.name: r for r in PARSED.rules}
+MINER = Target(42, 4242, 1000, "alice", "xmrig", 3 * 1024**3, 0.9)
+HELPER = Target(43, 4343, 1000, "alice", "helper", None, None)
+USER = "user alice"
+
+
+def lines_of(notice) -> dict[str, str]:
+    """The notice's body as 'Label: text' lines."""
+    return dict(line.split(": ", 1) for line in notice.body.splitlines())
+
+
+def only(r: report.Report) -> report.Entry:
+    assert len(r.entries) == 1
+    return r.entries[0]
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_violation_says_the_same_in_the_journal_on_the_bus_in_recent_events_and_in_the_notice(rule, dry_run):
+    ev = Violation(RULES[rule], USER, ("user", 1000), 1000, (MINER, HELPER), "gpu_memory > 2 GiB", NOW - 1)
+    r = report.violation(ev, dry_run, HOST, NOW)
+    entry = only(r)
+    journal, notice = entry.journal, r.notice
+    assert journal.kind is audit.GUARD_VIOLATION and entry.signal == report.Violated(ev, dry_run)
+    happens = lines_of(notice)["What happens"]
+    assert journal.message.endswith(f"; {happens}") and f"({ev.reason})" in journal.message
+    assert ("dry run" in happens) == (dry_run and rule in ("miners", "hogs"))  # only a kill has one to skip
+    if rule == "miners":
+        assert "30s" in happens and "42 (xmrig, 3.0 GiB), 43 (helper)" in happens
+    assert journal.fields["target_pids"] == ",".join(map(str, notice.data["pids"])) == "42,43"
+    for key in ("subject", "reason", "dry_run", "grace"):
+        assert journal.fields[key] == notice.data[key], key
+    assert (journal.fields["rule_action"], journal.fields["target_uid"]) == (notice.data["action"], notice.data["uid"])
+    assert entry.recent == RecentEvent(NOW, rule, USER, 1000, "violation", RULES[rule].action, "", None,
+                                              dry_run)
+    assert (notice.event, notice.rule, notice.subject) == ("violation", rule, USER)
+    assert (notice.data["host"], notice.data["time"], notice.data["summary"]) == (HOST, NOW, notice.summary)
+    assert lines_of(notice)["Host"] == HOST and lines_of(notice)["Subject"] == USER
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_cancelled_grace_is_one_outcome_everywhere_and_is_not_notified(dry_run):
+    r = report.cancelled(GraceCancelled(RULES["miners"], USER, ("user", 1000), 1000), dry_run, NOW)
+    entry = only(r)
+    assert r.notice is None
+    assert entry.journal.kind is audit.GUARD_ACTION and Outcome.CANCELLED.text in entry.journal.message
+    assert entry.journal.fields["result"] == entry.signal.outcome == entry.recent.outcome == Outcome.CANCELLED
+    assert entry.signal == report.ActionTaken("miners", USER, "kill", 0, 0, Outcome.CANCELLED, dry_run)
+    assert (entry.recent.event, entry.recent.pid, entry.recent.dry_run) == ("cancelled", None, dry_run)
+    assert entry.journal.fields["dry_run"] == int(dry_run)
+
+
+def test_a_dry_run_kill_order_is_one_entry_per_process_and_one_notice():
+    order = KillOrder(RULES["miners"], USER, ("user", 1000), 1000, (MINER, HELPER), True, 5.0, True, "why not")
+    r = report.would_kill(order, HOST, NOW)
+    assert len(r.entries) == 2
+    for entry, t in zip(r.entries, order.targets, strict=True):
+        j = entry.journal
+        assert j.kind is audit.GUARD_DRY_RUN
+        assert j.fields["result"] == entry.signal.outcome == entry.recent.outcome == r.notice.data["outcome"]
+        assert entry.signal.outcome == Outcome.WOULD_KILL
+        assert j.fields["target_pid"] == entry.signal.pid == entry.recent.pid == t.pid
+        assert (j.fields["target_start_time"], j.fields["target_uid"]) == (entry.signal.start_time, t.uid)
+        assert f"{Outcome.WOULD_KILL.text} PID {t.pid} ({t.comm}, user {t.user})" in j.message
+        assert entry.signal.dry_run and entry.recent.dry_run and j.fields["dry_run"] == 1
+    assert r.notice.summary.startswith(f"miners: {Outcome.WOULD_KILL.text} 42 (xmrig, 3.0 GiB), 43 (helper)")
+    assert r.notice.data["pids"] == [42, 43] and r.notice.data["dry_run"] is True
+    assert lines_of(r.notice)["Why"] == j.fields["reason"] == order.reason
+
+
+REFUSED = Protected("PID 42 is a kernel thread")
+
+
+@pytest.mark.parametrize("outcome, error", [*((o, "") for o in sorted(SIGNALLED)),
+                                            (REFUSED.result, str(REFUSED)), (GpukillError.result, "")])
+@pytest.mark.parametrize("subject", [USER, f"PID {MINER.pid} (xmrig, user alice)"])
+def test_a_finished_kill_words_its_outcome_the_same_in_the_journal_and_the_notice(outcome, error, subject):
+    order = KillOrder(RULES["hogs"], subject, ("k",), 1000, (MINER,), False, 5.0, False, "gpu_memory > 2 GiB")
+    r = report.kill_done(order, MINER, outcome, error, HOST, NOW)
+    entry, notice = only(r), r.notice
+    text = result_text(outcome, error)
+    said = f"PID 42 (xmrig, user alice) {text}"
+    assert entry.journal.kind is audit.GUARD_ACTION
+    assert entry.journal.message.startswith(f"Guard rule hogs: {said}")
+    assert lines_of(notice)["Result"] == said and notice.summary == f"hogs: PID 42 (xmrig) {text}"
+    assert (f" for {USER} " in entry.journal.message) == (subject == USER)  # a process is not named twice
+    results = (entry.journal.fields["result"], entry.signal.outcome, entry.recent.outcome, notice.data["outcome"])
+    assert results == (outcome,) * 4
+    assert entry.journal.fields["error"] == (error or None)
+    assert entry.signal == report.ActionTaken("hogs", subject, "kill", 42, 4242, outcome, False)
+    assert entry.recent == RecentEvent(NOW, "hogs", subject, 1000, "action", "kill", outcome, 42, False)
+    assert (notice.data["pids"], notice.data["uid"], notice.data["dry_run"]) == ([42], 1000, False)
+
+
+def test_outcome_texts_and_refusals():
+    assert [o.text for o in SIGNALLED] and all(result_text(o) == o.text for o in Outcome)
+    assert result_text("killed") == Outcome.KILLED.text == "killed with SIGKILL"  # the kill path's str
+    assert result_text(NoSuchProcess.result) == "not stopped: no-such-process"
+    assert result_text(REFUSED.result, str(REFUSED)) == f"not stopped: {REFUSED}"
+    assert "terminated" in SIGNALLED and Protected.result not in SIGNALLED and not Outcome.WOULD_KILL.signalled
+    assert guard_initiator("miners") == "guard:miners"
+
+
+class Sink:
+    """The runner's outputs: its audit trail, its GuardSignals and its notifier, all in one list."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple] = []
+        self.config = NotifyConfig()
+
+    def log(self, kind, message, **fields):
+        self.got.append(("journal", kind, message, fields))
+
+    def violated(self, event, dry_run):
+        self.got.append(("violated", event, dry_run))
+
+    def action_taken(self, *args):
+        self.got.append(("action_taken", *args))
+
+    def notification(self, notice, uid):
+        self.got.append(("notification", notice, uid))
+
+    def send(self, targets, notice):
+        self.got.append(("notice", targets, notice))
+
+    def close(self):
+        pass
+
+
+def test_the_runner_passes_each_report_on_as_it_is(tmp_path):
+    sink = Sink()
+    kills = []
+
+    async def kill(caller, pid, start_time, grace, force, initiator):
+        kills.append((caller, pid, initiator))
+        raise REFUSED
+
+    clock = Clock(monotonic=lambda: 1.0, boottime=lambda: 1.0, wall=lambda: NOW)
+    runner = GuardRunner(kill, sink, NotifyConfig(), str(tmp_path / "g"), str(tmp_path / "s"), clock=clock,
+                         signals=sink)
+    runner.notifier.close()
+    runner.notifier = sink
+    runner._host = HOST
+    runner.engine.set_policy(PARSED)  # its notify: journal is where both notices go
+    ev = Violation(RULES["tell"], USER, ("user", 1000), 1000, (MINER,), "why", NOW)
+    order = KillOrder(RULES["hogs"], USER, ("user", 1000), 1000, (MINER,), False, 5.0, False, "why")
+
+    async def run() -> None:
+        runner._handle(ev, False)
+        runner._handle(order, False)
+        await asyncio.gather(*runner._tasks)
+        runner.stop()
+
+    asyncio.run(run())
+    expected = []
+    for r in (report.violation(ev, False, HOST, NOW), report.kill_done(order, MINER, REFUSED.result, str(REFUSED),
+                                                                        HOST, NOW)):
+        e = only(r)
+        signal = (("violated", e.signal.event, e.signal.dry_run) if isinstance(e.signal, report.Violated)
+                  else ("action_taken", *dataclasses.astuple(e.signal)))
+        expected += [("journal", e.journal.kind, e.journal.message, e.journal.fields), signal,
+                     ("notice", ("journal",), r.notice)]
+    assert sink.got == expected
+    assert kills == [(None, MINER.pid, guard_initiator("hogs"))]
+    recent = [only(report.violation(ev, False, HOST, NOW)).recent,
+              only(report.kill_done(order, MINER, REFUSED.result, str(REFUSED), HOST, NOW)).recent]
+    assert runner.state.recent == [to_plain(e) for e in recent]
+    saved = json.loads(json.dumps(runner.state.recent))  # as the state file keeps them across a restart
+    assert [from_plain(RecentEvent, d) for d in saved] == recent
