@@ -15,8 +15,8 @@ import time
 import uuid
 
 import pytest
-from conftest import needs_root
-from testbed import PYTHON, REPO, Testbed
+from helpers.marks import needs_root
+from helpers.testbed import PYTHON, REPO, Testbed
 
 from gpukilld import audit
 

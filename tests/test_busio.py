@@ -9,9 +9,9 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
-from conftest import needs_root
 from dbus_fast import Message, MessageType, Variant
-from testbed import PYTHON
+from helpers.marks import needs_root
+from helpers.testbed import PYTHON
 
 from gpukilld import busio
 

@@ -3,13 +3,14 @@ every method, and the systemd, journal, polkit and bus files are accepted by the
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import needs_root
-from testbed import REPO, ROOT
+from helpers.marks import needs_root
+from helpers.testbed import REPO, ROOT
 
 from gpukilld import audit
 from gpukilld.bouncer import METHOD_ACTIONS, READ_ONLY
@@ -117,22 +118,39 @@ def test_bus_policy_is_enforced(bed, users):
     assert r.ok
 
 
+def man_section(man: str, title: str) -> str:
+    return man.split(f"\n.SH {title}\n", 1)[1].split("\n.SH ", 1)[0]
+
+
+def man_words(line: str) -> list[str]:
+    """The lower-case words of a man source line, without its macro, font escapes and quotes."""
+    return re.findall(r"[a-z][a-z-]*", re.sub(r"\\f[BIRP]", " ", line.split(" ", 1)[1] if " " in line else ""))
+
+
 def test_man_page_and_help_cover_every_command_and_exit_code():
-    from gpukillctl import cli
+    from gpukillctl import cli, exits
 
     parser = cli.build_parser()
     man = (REPO / "man" / "gpukillctl.1").read_text().replace("\\-", "-")
     sub = next(a for a in parser._actions if a.dest == "command")
+    # each command is in the synopsis as ".B gpukillctl NAME" and has its own entry (a .TP tag) under COMMANDS
+    synopsis = {line.split()[2] for line in man_section(man, "SYNOPSIS").splitlines()
+                if line.startswith(".B gpukillctl ")}
+    assert synopsis == set(sub.choices)
+    lines = man_section(man, "COMMANDS").splitlines()
+    tags = [man_words(lines[i + 1]) for i, line in enumerate(lines) if line == ".TP"]
+    assert {tag[0] for tag in tags} == set(sub.choices)
     for name, sp in sub.choices.items():
-        assert f".B {name}" in man or f"\\fB{name}" in man or f" {name}" in man, name
-        nested = [a for a in sp._actions if getattr(a, "choices", None) and a.dest != "help"]
+        nested = [a for a in sp._actions if isinstance(getattr(a, "choices", None), dict) and a.dest != "help"]
+        documented = {word for tag in tags if tag[0] == name for word in tag[1:]}
         for action in nested:
-            if isinstance(action.choices, dict):
-                for child in action.choices:
-                    assert child in man, f"{name} {child}"
-    codes = [int(line.split()[0]) for line in cli.EXIT_CODES_HELP.splitlines() if line.strip()[:2].strip().isdigit()]
-    for code in codes:
-        assert f"{code} " in man.split(".SH EXIT STATUS")[1], code
+            assert set(action.choices) <= documented, f"{name}: {set(action.choices) - documented}"
+    # the same exit codes in --help, the man page and the CLI's constants, each code read as a whole number
+    codes = {int(line.split()[0]) for line in exits.EXIT_CODES_HELP.splitlines() if line.strip()[:2].strip().isdigit()}
+    items = " ".join(man_section(man, "EXIT STATUS").split()).split(";")
+    assert all(item.split()[0].isdigit() for item in items), items
+    assert {int(item.split()[0]) for item in items} == codes
+    assert codes == {v for k, v in vars(exits).items() if k.startswith("EXIT_") and isinstance(v, int)}
     assert (REPO / "man" / "gpukilld.8").exists()
 
 

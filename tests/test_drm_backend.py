@@ -1,4 +1,4 @@
-"""The DRM backend on fixture hosts (tests/drm_fixtures.py): devices and telemetry per driver family, per-process
+"""The DRM backend on fixture hosts (tests/helpers/drm_fixtures.py): devices and telemetry per driver family, per-process
 utilization from two samples with a driven clock, memory per region, shared and vanishing clients, unreadable
 fdinfo, KFD compute processes, the incremental scan, and resets writing (or reading) the right files.
 
@@ -15,20 +15,20 @@ import threading
 from pathlib import Path
 
 import pytest
-from drm_fixtures import (
+from helpers.drm_fixtures import (
     DrmHost,
     amdgpu_fdinfo,
     i915_fdinfo,
     panfrost_fdinfo,
     xe_fdinfo,
 )
-from testbed import make_traversable
+from helpers.testbed import make_traversable
 
 from gpukill.errors import DeviceBusy, NotSupported, ResetFailed
 from gpukilld.backends.drm import DrmBackend
-from gpukilld.backends.drm_rsmi import RsmiSource, bdf_to_address, merge
-from gpukilld.backends.drm_scan import FdScanner
-from gpukilld.backends.drm_telemetry import Telemetry
+from gpukilld.backends.drm.rsmi import RsmiSource, bdf_to_address, merge
+from gpukilld.backends.drm.scan import FdScanner
+from gpukilld.backends.drm.telemetry import Telemetry
 from gpukilld.model import MemoryRegion
 
 REPO = Path(__file__).resolve().parents[1]

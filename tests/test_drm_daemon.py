@@ -1,5 +1,5 @@
 """The DRM backend inside the real daemon: gpukilld (with `backends = drm, nvidia`: [paths] on a fixture host, and
-NVIDIA GPUs from the fake libnvidia-ml of nvml_host.py) on a private bus, real processes holding fixture DRM
+NVIDIA GPUs from the fake libnvidia-ml of helpers/nvml_host.py) on a private bus, real processes holding fixture DRM
 fds, gpukillctl as the client. Two real backends, since the simulated one is never mixed with real ones.
 
 The processes are real: the fixture /proc mirrors their stat, status, cmdline, cgroup and environ from the real
@@ -10,30 +10,17 @@ daemon's kill path (a pidfd on the real PID) stops them for real.
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 
 import pytest
-from conftest import pid_alive
-from drm_fixtures import amdgpu_fdinfo, i915_fdinfo
-from nvml_host import FakeNvidiaHost
-from testbed import ROOT, SYSTEM_PYTHON
+from helpers.drm_fixtures import amdgpu_fdinfo, i915_fdinfo
+from helpers.nvml_host import FakeNvidiaHost
+from helpers.procs import pid_alive, spawn
+from helpers.testbed import ROOT
 
 from gpukilld import audit
 
 GiB, MiB = 1 << 30, 1 << 20
-
-
-def spawn(bed, user) -> subprocess.Popen:
-    """A real process of `user` doing nothing, as a GPU job would between kernels."""
-    kwargs = user.popen_kwargs()
-    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
-                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"},
-                            cwd="/", start_new_session=True, **kwargs)
-    bed.procs.append(proc)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-    return proc
-
 
 
 @pytest.fixture

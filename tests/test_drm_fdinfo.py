@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from drm_fixtures import (
+from helpers.drm_fixtures import (
     amdgpu_fdinfo,
     amdgpu_fdinfo_legacy,
     i915_fdinfo,
@@ -13,8 +13,8 @@ from drm_fixtures import (
     xe_fdinfo,
 )
 
-from gpukilld.backends.drm_fdinfo import parse_fdinfo
-from gpukilld.backends.drm_usage import UtilizationTracker, gpu_memory
+from gpukilld.backends.drm.fdinfo import parse_fdinfo
+from gpukilld.backends.drm.usage import UtilizationTracker, gpu_memory
 
 PREFIX = "pos:\t0\nflags:\t02100002\nmnt_id:\t24\nino:\t531\n"
 MiB = 1 << 20

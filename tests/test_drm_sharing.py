@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from drm_fixtures import amdgpu_fdinfo
+from helpers.drm_fixtures import amdgpu_fdinfo
 
 from gpukilld.backends.drm import DrmBackend
-from gpukilld.backends.drm_fdinfo import Region
-from gpukilld.backends.drm_usage import UNKNOWN_UID, Client, process_usages
+from gpukilld.backends.drm.fdinfo import Region
+from gpukilld.backends.drm.usage import UNKNOWN_UID, Client, process_usages
 
 GiB = 1 << 30
 SYS_MAX = 999

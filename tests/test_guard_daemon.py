@@ -16,14 +16,16 @@ import subprocess
 import time
 
 import pytest
-import testbed
-from conftest import needs_root, pid_alive
-from testbed import REPO, ROOT, SYSTEM_PYTHON, Testbed
 
-from gpukilld import audit
+pytest.importorskip("aiosmtpd.controller", reason="aiosmtpd is in the test extra (pip install -e .[test])")
 
-aiosmtpd = pytest.importorskip("aiosmtpd.controller", reason="aiosmtpd is in the test extra (pip install -e .[test])")
-from test_guard_notify import Blackhole, Hooks, Mailbox, free_port  # noqa: E402
+from helpers import testbed  # noqa: E402
+from helpers.marks import needs_root  # noqa: E402
+from helpers.procs import pid_alive  # noqa: E402
+from helpers.sinks import Blackhole, Hooks, free_port, smtp_relay  # noqa: E402
+from helpers.testbed import REPO, ROOT, SYSTEM_PYTHON, Testbed  # noqa: E402
+
+from gpukilld import audit  # noqa: E402
 
 pytestmark = needs_root
 
@@ -54,12 +56,8 @@ def write_conf(bed: Testbed, smtp_port: int, timeout: float = 10.0) -> None:
 
 @pytest.fixture(scope="module")
 def smtp():
-    box = Mailbox()
-    port = free_port()
-    controller = aiosmtpd.Controller(box, hostname="127.0.0.1", port=port)
-    controller.start()
-    yield box, port
-    controller.stop()
+    with smtp_relay() as relay:
+        yield relay
 
 
 @pytest.fixture(scope="module")

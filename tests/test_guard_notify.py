@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import email
 import email.policy
-import json
-import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-aiosmtpd = pytest.importorskip("aiosmtpd.controller", reason="aiosmtpd is in the test extra (pip install -e .[test])")
+pytest.importorskip("aiosmtpd.controller", reason="aiosmtpd is in the test extra (pip install -e .[test])")
+
+from helpers.sinks import Blackhole, Hooks, smtp_relay  # noqa: E402
 
 from gpukilld.guard.notify import Notice, Notifier, NotifyConfig  # noqa: E402
 
@@ -21,85 +20,10 @@ NOTICE = Notice("violation", "block-crypto-miners", "PID 42 (xmrig, user bob)", 
                 "Rule: block-crypto-miners\n", {"event": "violation", "rule": "block-crypto-miners", "pids": [42]})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Mailbox:
-    """aiosmtpd handler: keeps what a real relay would accept."""
-
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, list[str], bytes]] = []
-        self.cond = threading.Condition()
-
-    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
-        with self.cond:
-            self.messages.append((envelope.mail_from, list(envelope.rcpt_tos), envelope.content))
-            self.cond.notify_all()
-        return "250 Message accepted for delivery"
-
-    def wait(self, count: int, timeout: float = 15.0) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: len(self.messages) >= count, timeout)
-
-
 @pytest.fixture
 def smtp_server():
-    box = Mailbox()
-    port = free_port()
-    controller = aiosmtpd.Controller(box, hostname="127.0.0.1", port=port)
-    controller.start()
-    try:
-        yield box, port
-    finally:
-        controller.stop()
-
-
-class Hooks:
-    def __init__(self, status: int = 200) -> None:
-        self.posts: list[tuple[str, dict, str]] = []
-        self.status = status
-        self.cond = threading.Condition()
-        hooks = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's hook name
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                with hooks.cond:
-                    hooks.posts.append((self.path, json.loads(body), self.headers["Content-Type"]))
-                    hooks.cond.notify_all()
-                self.send_response(hooks.status)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def wait(self, count: int, timeout: float = 15.0) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: len(self.posts) >= count, timeout)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class Blackhole:
-    """Accepts TCP connections (the kernel completes them from the backlog) and never says a word."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-
-    def close(self) -> None:
-        self.sock.close()
+    with smtp_relay() as relay:
+        yield relay
 
 
 class Recorder:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import needs_root, pid_alive
-from testbed import PYTHON, REPO, ROOT, SYSTEM_PYTHON, Testbed
+from helpers.marks import needs_root
+from helpers.procs import pid_alive
+from helpers.testbed import PYTHON, REPO, ROOT, SYSTEM_PYTHON, Testbed
 
 from gpukilld import audit, callrate, refusals
 from gpukilld.procfs import CUT_MARKER, MAX_CMDLINE
@@ -311,7 +312,7 @@ def test_one_user_cannot_hold_every_policy_test(bed, users):
 
 def start_agent(bed: Testbed, user) -> tuple[subprocess.Popen, str, list[dict]]:
     """The hostile user's never-answering polkit agent; returns it, its bus name and its event log."""
-    proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "hostile_agent.py")], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "hostile_agent.py")], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=bed.env(), cwd="/", start_new_session=True,
                             **user.popen_kwargs())
     bed.procs.append(proc)

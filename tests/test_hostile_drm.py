@@ -25,11 +25,11 @@ import tempfile
 import time
 
 import pytest
-import testbed
-from conftest import needs_root, pid_alive
-from drm_fixtures import DrmHost, amdgpu_fdinfo
-from test_drm_daemon import spawn
-from testbed import ROOT, Testbed, User
+from helpers import testbed
+from helpers.drm_fixtures import DrmHost, amdgpu_fdinfo
+from helpers.marks import needs_root
+from helpers.procs import pid_alive, spawn
+from helpers.testbed import ROOT, Testbed, User
 
 from gpukilld import audit
 

@@ -13,8 +13,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import needs_root
-from testbed import PYTHON, User
+from helpers.marks import needs_root
+from helpers.testbed import PYTHON, User
 
 from gpukilld import audit
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import needs_root, pid_alive
-from testbed import PYTHON, REPO, ROOT, Testbed
+from helpers.marks import needs_root
+from helpers.procs import pid_alive
+from helpers.testbed import PYTHON, REPO, ROOT, Testbed
 
 from gpukilld import audit
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import needs_root
+from helpers.marks import needs_root
 
 pytestmark = needs_root
 

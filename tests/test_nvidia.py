@@ -1,5 +1,5 @@
 """The NVIDIA backend through the real pynvml bindings, loading a fake libnvidia-ml built from C
-(tests/fake_nvml/fake_nvml.c), with gpukilld running for real on a private bus."""
+(tests/helpers/fake_nvml/fake_nvml.c), with gpukilld running for real on a private bus."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import time
 
 import pytest
-from conftest import needs_root
-from nvml_host import FakeNvidiaHost
-from testbed import ROOT
+from helpers.marks import needs_root
+from helpers.nvml_host import FakeNvidiaHost
+from helpers.testbed import ROOT
 
 from gpukilld import audit
 

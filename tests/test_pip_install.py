@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import needs_root
-from testbed import REPO, ROOT, Daemon, NotifyListener, Testbed
+from helpers.marks import needs_root
+from helpers.testbed import REPO, ROOT, DaemonProcess, NotifyListener, Testbed
 
 from gpukilld import audit
 
@@ -54,7 +54,7 @@ def venv(tmp_path_factory) -> Path:
     return venv
 
 
-def _start_installed_daemon(bed: Testbed, venv: Path) -> Daemon:
+def _start_installed_daemon(bed: Testbed, venv: Path) -> DaemonProcess:
     """Testbed.start_daemon, but the venv's `gpukilld` script, from /, and no PYTHONPATH."""
     sim = yaml.safe_load((REPO / "examples" / "simulate.yaml").read_text())
     sim["scope"] = bed.scope
@@ -66,11 +66,24 @@ def _start_installed_daemon(bed: Testbed, venv: Path) -> Daemon:
     argv = bed.in_journal_ns([str(venv / "bin" / "gpukilld"), "--simulate", str(sim_path), "--config", str(conf)])
     env = _clean_env(bed.env(NOTIFY_SOCKET=listener.path))
     proc = bed._spawn(argv, "gpukilld-pip.log", env=env, cwd="/")
-    daemon = Daemon(proc, listener, bed.workdir / "gpukilld-pip.log", sim_path)
+    daemon = DaemonProcess(proc, listener, bed.workdir / "gpukilld-pip.log", sim_path)
     bed.daemon = daemon
     if listener.wait_for("READY=1", 20) is None:
         raise RuntimeError(f"the installed gpukilld did not become ready:\n{daemon.log()}")
     return daemon
+
+
+def _packages(top: Path) -> set[str]:
+    """The dotted names of our packages (folders with an __init__.py) under top."""
+    return {".".join(init.parent.relative_to(top).parts)
+            for name in ("gpukill", "gpukilld", "gpukillctl") for init in (top / name).rglob("__init__.py")}
+
+
+def test_a_pip_install_holds_every_package_of_the_checkout(venv):
+    """pyproject lists packages by name: a package missing from the list is missing from every install."""
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import gpukilld; print(gpukilld.__file__)"], cwd="/",
+                       env=_clean_env(dict(os.environ)), capture_output=True, text=True, check=True)
+    assert _packages(Path(r.stdout.strip()).parents[1]) == _packages(REPO)
 
 
 def test_a_pip_installed_daemon_audits_structured_entries_to_the_journal(venv, fresh_bed, users):

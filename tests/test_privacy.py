@@ -11,8 +11,8 @@ import json
 import subprocess
 
 import pytest
-from conftest import needs_root
-from testbed import REPO, ROOT
+from helpers.marks import needs_root
+from helpers.testbed import REPO, ROOT
 
 pytestmark = needs_root
 

@@ -17,9 +17,9 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import needs_root
-from nvml_host import FakeNvidiaHost
-from testbed import REPO, ROOT, NotifyListener
+from helpers.marks import needs_root
+from helpers.nvml_host import FakeNvidiaHost
+from helpers.testbed import REPO, ROOT, NotifyListener
 
 from gpukill.errors import ConfigError
 from gpukilld.backends.registry import build_backends
@@ -286,7 +286,7 @@ def test_nvidia_close_gives_back_nvml_and_never_waits_for_a_hung_call(nvhost, mo
 
 @needs_root  # the DRM fixture's device nodes are made with mknod
 def test_drm_close_shuts_pyrsmi_down_once(tmp_path, monkeypatch):
-    from drm_fixtures import DrmHost
+    from helpers.drm_fixtures import DrmHost
 
     from gpukilld.backends.drm import DrmBackend
 

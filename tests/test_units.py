@@ -163,7 +163,7 @@ def test_sim_file_minus_zero_and_the_largest_sizes_load(tmp_path):
 
 
 def test_example_sim_file_loads():
-    from testbed import REPO
+    from helpers.testbed import REPO
 
     config = load_sim_config(str(REPO / "examples" / "simulate.yaml"))
     assert len(config.devices) == 4 and config.devices[3].temperature is None
@@ -232,7 +232,7 @@ def test_simulated_backend_reads_the_environment_again_after_exec(tmp_path):
     import subprocess
     import time
 
-    from testbed import REPO
+    from helpers.testbed import REPO
 
     from gpukilld.backends.simulated import SimulatedBackend
 
