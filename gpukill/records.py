@@ -4,8 +4,9 @@ Everything else is derived from these declarations: the daemon's a{sv} marshalli
 client's typed records (gpukillctl/client.py builds these same classes from what it receives), `list --json`
 and the JSON the policy sandbox exchanges with its child (`to_plain` / `from_plain` here). A device field is
 one edit here plus its documentation (README's JSON section, dbus/org.gpukill1.xml): the daemon holds these
-Devices, and its backends' DeviceReading is derived from them. A process field is also a field of the
-daemon's GpuProcess and of what reads it (ProcInfo or ProcessUsage); tests/test_records.py checks they agree.
+Devices, and its backends' DeviceReading is derived from them. The daemon's GpuProcess is this Process with
+the system unit added; a process field is one edit here plus its documentation and where it is read (ProcInfo
+from /proc, or a backend's ProcessUsage); tests/test_records.py checks they agree.
 
 On the bus a record is an a{sv}. A value nobody could read is None and left out, never sent as 0; a field
 declared `omit_empty` is also left out when empty ("", (), False): shared_usage is there only when true.
@@ -51,8 +52,9 @@ def wire(sig: str, doc: str, default: Any = _REQUIRED, *, omit_empty: bool = Fal
 
 @functools.cache
 def specs(cls: type) -> tuple[tuple[str, Wire], ...]:
-    """The record's fields in order, each with how it travels."""
-    return tuple((f.name, f.metadata["wire"]) for f in dataclasses.fields(cls))
+    """The record's fields in order, each with how it travels. A field declared without wire() (the daemon's
+    GpuProcess.system_unit) is not on the bus, nor in the plain form."""
+    return tuple((f.name, f.metadata["wire"]) for f in dataclasses.fields(cls) if "wire" in f.metadata)
 
 
 def names(cls: type) -> tuple[str, ...]:
@@ -187,8 +189,7 @@ class MemoryRegion:
 class Process:
     """A process on a GPU as ListProcesses reports it: one record per (process, device), flat.
 
-    The daemon's own GpuProcess (gpukilld/model.py) nests the cgroup attribution and keeps the system unit,
-    which is not on the bus; it maps to this record by field name."""
+    The daemon's GpuProcess (gpukilld/model.py) is this record and the system unit, which is not on the bus."""
 
     pid: int = wire("u", "process id")
     start_time: int = wire("t", "field 22 of /proc/PID/stat, clock ticks since boot: pass it to KillProcess")

@@ -135,7 +135,7 @@ Record = tuple[GpuProcess, dict[str, Variant], int]  # the process as seen, its 
 
 
 def _record(p: GpuProcess) -> Record:
-    d = to_dbus(p.record())
+    d = to_dbus(p)
     return (p, d, record_size(d))
 
 

@@ -1,8 +1,8 @@
 """The daemon's snapshot: what the backends read, joined with /proc, as the sampler publishes it.
 
 Devices are the bus's Device records (gpukill/records.py); a backend reports a DeviceReading, the same fields
-but the index and backend the sampler adds. Processes are the daemon's own GpuProcess, which keeps the
-attribution nested and the system unit that is not on the bus; GpuProcess.record() is its bus record.
+but the index and backend the sampler adds. Processes are the bus's Process records too, with the
+system unit beside them that is not on the bus (GpuProcess).
 
 A value a backend cannot read is None, never 0: "0 %" and "unknown" are different answers to an admin.
 """
@@ -21,7 +21,6 @@ from gpukill.records import (  # noqa: F401
     Device,
     MemoryRegion,
     Process,
-    names,
 )
 
 _NUMBERED = ("index", "backend")  # what the sampler gives a device; the backend reads everything else
@@ -66,40 +65,18 @@ class Attribution:
     system_unit: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class GpuProcess:
-    pid: int
-    start_time: int
-    uid: int
-    user: str
-    comm: str
-    cmdline: str
-    exe: str | None
-    device: int  # global device index
-    device_id: str
-    gpu_memory: int | None
-    gpu_utilization: float | None
-    attribution: Attribution = field(default_factory=Attribution)
-    container_pid: int | None = None  # PID inside the innermost PID namespace, from NSpid
-    memory_regions: tuple[MemoryRegion, ...] = ()
-    shared_usage: bool = False  # as ProcessUsage.shared_usage: its figures leave out a part charged to no one
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuProcess(Process):
+    """A process on a GPU as the daemon holds it: the bus's Process record (flat, as the bus carries it) and
+    what the daemon knows but does not publish."""
 
-    def record(self) -> Process:
-        """The process as the bus carries it: each of the record's fields taken by name from the process or
-        from its attribution (system_unit is not on the bus)."""
-        a = self.attribution
-        return Process(**{n: getattr(a if attributed else self, n) for n, attributed in _RECORD_SOURCES})
-
-    @classmethod
-    def from_record(cls, record: Process, system_unit: str | None) -> GpuProcess:
-        """The inverse of record(), given the system unit the record leaves out."""
-        values = {n: getattr(record, n) for n in names(Process)}
-        attribution = Attribution(**{n: values.pop(n) for n in _ATTRIBUTED}, system_unit=system_unit)
-        return cls(**values, attribution=attribution)
+    # The system service or scope that holds the process (Attribution.system_unit): Guard's protection of
+    # system units reads it, and unlike `unit` no user can forge it. Not on the bus (declared without wire()).
+    system_unit: str | None = None
 
 
-_ATTRIBUTED = frozenset(f.name for f in fields(Attribution)) & frozenset(names(Process))
-_RECORD_SOURCES = tuple((n, n in _ATTRIBUTED) for n in names(Process))  # each field, and whether attribution's
+# The attribution's fields, as GpuProcess holds them flat.
+ATTRIBUTED = tuple(f.name for f in fields(Attribution))
 
 
 @dataclass(frozen=True, slots=True)

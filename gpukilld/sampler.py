@@ -17,14 +17,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .backends import Backend, BackendSample
-from .model import STATE_LOST, STATE_OK, BackendStatus, Device, GpuProcess, ProcessUsage, Snapshot, numbered
+from .model import (
+    ATTRIBUTED,
+    STATE_LOST,
+    STATE_OK,
+    BackendStatus,
+    Device,
+    GpuProcess,
+    ProcessUsage,
+    Snapshot,
+    numbered,
+)
 from .procfs import ProcFS, ProcInfo
 
 log = logging.getLogger(__name__)
 
-# A GpuProcess joins what /proc says (ProcInfo) with what its backend says (ProcessUsage), field by name,
-# and the device's global index.
-_FROM_HOST = tuple(f.name for f in dataclasses.fields(ProcInfo))
+# A GpuProcess joins what /proc says (ProcInfo, its cgroup attribution flat) with what its backend says
+# (ProcessUsage), field by name, and the device's global index.
+_FROM_HOST = tuple(f.name for f in dataclasses.fields(ProcInfo) if f.name != "attribution")
 _FROM_BACKEND = tuple(f.name for f in dataclasses.fields(ProcessUsage) if f.name not in _FROM_HOST)
 
 INFO_TTL = 10.0  # seconds before cmdline, exe and cgroup of a process are read again (cgroup moves are rare)
@@ -176,6 +186,7 @@ class Sampler:
             if info is None:
                 continue  # gone, or the PID was reused since the backend saw it
             processes.append(GpuProcess(**{n: getattr(info, n) for n in _FROM_HOST},
+                                        **{n: getattr(info.attribution, n) for n in ATTRIBUTED},
                                         **{n: getattr(u, n) for n in _FROM_BACKEND}, device=dev.index))
         for key in self._info_cache.keys() - live_keys:
             del self._info_cache[key]

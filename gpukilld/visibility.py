@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .model import Attribution, GpuProcess
+from .model import GpuProcess
 
 HIDEPID_OFF, HIDEPID_NOACCESS, HIDEPID_INVISIBLE = 0, 1, 2
 _HIDEPID = {"0": HIDEPID_OFF, "off": HIDEPID_OFF, "1": HIDEPID_NOACCESS, "noaccess": HIDEPID_NOACCESS,
@@ -112,6 +112,6 @@ def seen_as(p: GpuProcess, others: str) -> GpuProcess | None:
         return dataclasses.replace(p, cmdline=first_word(p.cmdline), exe=None)
     if others == ANONYMOUS:
         # the system unit stays: systemd tells anyone a PID's unit (GetUnitByPID), and Guard's protection uses it
-        return dataclasses.replace(p, comm="", cmdline="", exe=None, container_pid=None,
-                                   attribution=Attribution(system_unit=p.attribution.system_unit))
+        return dataclasses.replace(p, comm="", cmdline="", exe=None, container_pid=None, unit=None,
+                                   container_id=None, pod_uid=None, slurm_job=None)
     return None

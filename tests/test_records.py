@@ -31,7 +31,7 @@ from gpukillctl import exits
 from gpukillctl.client import DEVICE_KEYS, PROCESS_KEYS, ClientError, DaemonUnavailable, error_for, unwrap
 from gpukilld import sampler
 from gpukilld.guard.sandbox import snapshot_from_json, snapshot_to_json
-from gpukilld.model import Attribution, DeviceReading, GpuProcess, ProcessUsage, Snapshot, numbered
+from gpukilld.model import ATTRIBUTED, DeviceReading, GpuProcess, ProcessUsage, Snapshot, numbered
 from gpukilld.procfs import ProcInfo
 from gpukilld.wire import to_dbus
 
@@ -55,6 +55,11 @@ def full(cls: type, tag: str = "x") -> object:
         else:
             values[name] = SCALARS[spec.sig]
     return cls(**values)
+
+
+def daemons(record: Process, system_unit: str) -> GpuProcess:
+    """The daemon's process holding the record's values."""
+    return GpuProcess(**{n: getattr(record, n) for n in names(Process)}, system_unit=system_unit)
 
 
 def nested(cls: type) -> list[type]:
@@ -111,19 +116,21 @@ def test_unknown_keys_and_wrong_types_from_the_daemon_are_ignored():
     assert device.temperature is None and not hasattr(device, "fan_speed")
 
 
-def test_the_daemons_process_maps_to_the_record_by_name():
-    own = {f.name for f in dataclasses.fields(GpuProcess)} - {"attribution"}
-    attributed = {f.name for f in dataclasses.fields(Attribution)} - {"system_unit"}  # not on the bus
-    assert own | attributed == set(names(Process))
-    p = GpuProcess.from_record(full(Process), system_unit="cron.service")
-    assert p.attribution.system_unit == "cron.service" and p.record() == full(Process)
+def test_the_daemons_process_is_the_record_and_the_system_unit():
+    # The record's fields, and one more that is not on the bus: marshalled and listed exactly as a Process.
+    assert [f.name for f in dataclasses.fields(GpuProcess)] == [*names(Process), "system_unit"]
+    assert names(GpuProcess) == names(Process)
+    p = daemons(full(Process), system_unit="cron.service")
+    assert to_dbus(p) == to_dbus(full(Process)) and to_plain(p) == to_plain(full(Process))
+    # the cgroup's attribution lands in the process's fields of the same names
+    assert set(ATTRIBUTED) <= {f.name for f in dataclasses.fields(GpuProcess)}
 
 
 def test_the_sampler_joins_every_field_of_a_process():
     # What /proc and the backend say, and the device index: together exactly the daemon's process.
-    joined = set(sampler._FROM_HOST) | set(sampler._FROM_BACKEND) | {"device"}
+    joined = set(sampler._FROM_HOST) | set(ATTRIBUTED) | set(sampler._FROM_BACKEND) | {"device"}
     assert joined == {f.name for f in dataclasses.fields(GpuProcess)}
-    assert {f.name for f in dataclasses.fields(ProcInfo)} <= joined
+    assert {f.name for f in dataclasses.fields(ProcInfo)} - {"attribution"} <= joined
     assert {f.name for f in dataclasses.fields(ProcessUsage)} <= joined
 
 
@@ -134,7 +141,7 @@ def test_a_reading_becomes_a_device_with_every_value():
 
 
 def test_the_sandbox_carries_every_field():
-    process = GpuProcess.from_record(full(Process), system_unit="cron.service")
+    process = daemons(full(Process), system_unit="cron.service")
     snapshot = Snapshot(generation=0, taken_at=0.0, devices=(full(Device),), processes=(process,),
                         backends=())
     assert snapshot_from_json(json.loads(json.dumps(snapshot_to_json(snapshot)))) == snapshot

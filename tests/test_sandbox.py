@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the sandb
 SNAPSHOT = Snapshot(
     generation=1, taken_at=0.0,
     devices=(Device(0, "GPU-0", "simulated", "simulated", "GPU", None, 10.0, 1 << 30, 8 << 30, 40.0, 50.0),),
-    processes=(GpuProcess(4242, 1, 1000, "alice", "xmrig", "xmrig --pool x", None, 0, "GPU-0", 1 << 30, 99.0),),
+    processes=(GpuProcess(pid=4242, start_time=1, uid=1000, user="alice", comm="xmrig", cmdline="xmrig --pool x",
+                          exe=None, device=0, device_id="GPU-0", gpu_memory=1 << 30, gpu_utilization=99.0),),
     backends=())
 POLICY = "rules:\n  - {name: m, action: log, conditions: [{type: process_name, operator: ==, value: xmrig}]}\n"
 

@@ -11,7 +11,7 @@ from gpukill.text import bounded, shown
 from gpukilld import audit
 from gpukilld.callrate import BURST as CALL_BURST
 from gpukilld.callrate import RATE, CallRate
-from gpukilld.model import Attribution, GpuProcess
+from gpukilld.model import GpuProcess
 from gpukilld.procfs import CUT_MARKER, MAX_CMDLINE, read_cmdline
 from gpukilld.refusals import BURST, TOTAL_BURST, WINDOW, RefusalLog
 from gpukilld.visibility import (
@@ -78,9 +78,9 @@ def test_proc_rules_from_mountinfo(opts, rules):
 
 
 def test_what_each_viewer_sees():
-    p = GpuProcess(7, 1, 1001, "bob", "train", "python train.py --token=s3cret", "/usr/bin/python3.11", 0, "G",
-                   1 << 30, 50.0, Attribution(unit="job.service", container_id="c" * 64, system_unit="job.service"),
-                   container_pid=3)
+    p = GpuProcess(pid=7, start_time=1, uid=1001, user="bob", comm="train", cmdline="python train.py --token=s3cret",
+                   exe="/usr/bin/python3.11", device=0, device_id="G", gpu_memory=1 << 30, gpu_utilization=50.0,
+                   unit="job.service", container_id="c" * 64, system_unit="job.service", container_pid=3)
     off, noaccess, invisible = ProcRules(), ProcRules(HIDEPID_NOACCESS), ProcRules(HIDEPID_INVISIBLE, gid=50)
     assert viewer_for(0, (), False, invisible).others == FULL  # root
     assert viewer_for(1002, (), True, invisible).others == FULL  # view-all-processes
@@ -90,11 +90,13 @@ def test_what_each_viewer_sees():
     assert viewer_for(1002, (50,), False, invisible).others == PROGRAM  # the hidepid gid= group
     assert as_seen_by(p, viewer_for(1001, (), False, invisible)) is p  # one's own: always in full
     program = as_seen_by(p, viewer_for(1002, (), False, off))
-    assert (program.cmdline, program.exe, program.comm, program.attribution) == ("python", None, "train",
-                                                                                 p.attribution)
+    assert (program.cmdline, program.exe, program.comm) == ("python", None, "train")
+    assert (program.unit, program.container_id, program.system_unit) == (p.unit, p.container_id, p.system_unit)
     anon = as_seen_by(p, viewer_for(1002, (), False, noaccess))
     assert (anon.comm, anon.cmdline, anon.exe, anon.container_pid) == ("", "", None, None)
-    assert anon.attribution == Attribution(system_unit="job.service") and anon.gpu_memory == 1 << 30
+    # every trace of the cgroup but the system unit (systemd tells anyone a PID's unit) is gone
+    assert (anon.unit, anon.container_id, anon.pod_uid, anon.slurm_job) == (None, None, None, None)
+    assert anon.system_unit == "job.service" and anon.gpu_memory == 1 << 30
     assert as_seen_by(p, viewer_for(1002, (), False, invisible)) is None
 
 

@@ -158,16 +158,15 @@ def process_views(snapshot: Snapshot, boot_now: float,
             v.per_device[p.device] = (p.gpu_memory, p.gpu_utilization)
             v.partial = v.partial or p.shared_usage
             continue
-        a = p.attribution
         runtime = max(0.0, boot_now - p.start_time / tck)
         v = old.get(key)
         if v is None:
-            v = ProcView(key, p.pid, p.start_time, p.uid, p.user, p.comm, p.cmdline, p.exe, a.unit or "",
-                         a.container_id or "", p.gpu_memory, p.gpu_utilization, runtime,
-                         partial=p.shared_usage, system_unit=a.system_unit or "")
+            v = ProcView(key, p.pid, p.start_time, p.uid, p.user, p.comm, p.cmdline, p.exe, p.unit or "",
+                         p.container_id or "", p.gpu_memory, p.gpu_utilization, runtime,
+                         partial=p.shared_usage, system_unit=p.system_unit or "")
         else:  # names change with exec and prctl, units with cgroup moves: every field is refreshed
             v.uid, v.user, v.comm, v.cmdline, v.exe = p.uid, p.user, p.comm, p.cmdline, p.exe
-            v.unit, v.container, v.system_unit = a.unit or "", a.container_id or "", a.system_unit or ""
+            v.unit, v.container, v.system_unit = p.unit or "", p.container_id or "", p.system_unit or ""
             v.gpu_memory, v.gpu_utilization, v.runtime = p.gpu_memory, p.gpu_utilization, runtime
             v.partial = p.shared_usage
             v.per_device.clear()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpukill.errors import GpukillError, TooBusy
 from gpukill.policy import PolicyError
-from gpukill.records import Process, from_plain, to_plain
+from gpukill.records import from_plain, to_plain
 from gpukill.text import bounded
 
 from ..model import Device, GpuProcess, Snapshot
@@ -77,14 +77,13 @@ def snapshot_to_json(snapshot: Snapshot) -> dict[str, Any]:
     unit beside it: the one thing conditions read that is not on the bus."""
     return {
         "devices": [to_plain(d) for d in snapshot.devices],
-        "processes": [{**to_plain(p.record()), "system_unit": p.attribution.system_unit}
-                      for p in snapshot.processes],
+        "processes": [{**to_plain(p), "system_unit": p.system_unit} for p in snapshot.processes],
     }
 
 
 def snapshot_from_json(data: dict[str, Any]) -> Snapshot:
     devices = tuple(from_plain(Device, d) for d in data["devices"])
-    processes = tuple(GpuProcess.from_record(from_plain(Process, p), p["system_unit"])
+    processes = tuple(dataclasses.replace(from_plain(GpuProcess, p), system_unit=p["system_unit"])
                       for p in data["processes"])
     return Snapshot(generation=0, taken_at=0.0, devices=devices, processes=processes, backends=())
 

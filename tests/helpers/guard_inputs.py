@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from gpukilld.guard.conditions import Groups
 from gpukilld.guard.engine import Clock
-from gpukilld.model import Attribution, Device, GpuProcess, Snapshot
+from gpukilld.model import Device, GpuProcess, Snapshot
 
 GiB = 1024**3
 OWN_PID = 4_000_000
@@ -38,8 +38,9 @@ def proc(pid: int, comm: str = "python", mem: int | None = None, util: float | N
          user: str = "alice", device: int = 0, start: int = 100, unit: str | None = None,
          cmdline: str | None = None, system_unit: str | None = None, container: str | None = None,
          shared: bool = False) -> GpuProcess:
-    return GpuProcess(pid, start, uid, user, comm, cmdline or comm, f"/usr/bin/{comm}", device, f"GPU-{device}", mem,
-                      util, Attribution(unit=unit, system_unit=system_unit, container_id=container),
+    return GpuProcess(pid=pid, start_time=start, uid=uid, user=user, comm=comm, cmdline=cmdline or comm,
+                      exe=f"/usr/bin/{comm}", device=device, device_id=f"GPU-{device}", gpu_memory=mem,
+                      gpu_utilization=util, unit=unit, system_unit=system_unit, container_id=container,
                       shared_usage=shared)
 
 
