@@ -36,10 +36,7 @@ def bed(users) -> Testbed:
     gpukilld on the example simulated GPUs."""
     b = Testbed()
     try:
-        b.start_bus()
-        b.start_journal()
-        b.start_polkit([REPO / "polkit" / "49-gpukill-admins.rules"])
-        b.start_daemon()
+        b.start_system()
         yield b
     finally:
         b.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.marks import needs_root
-from helpers.testbed import REPO
+from helpers.testbed import ADMIN_RULES
 
 from gpukilld import audit
 
@@ -100,7 +100,7 @@ def test_polkitd_absent_means_denied(victims, users, alive):
         r = bed.manager(users["root"], "KillProcess", "uta{sv}", [victim.pid, listed["start_time"], {}])
         assert r.ok, r
     finally:
-        bed.start_polkit([REPO / "polkit" / "49-gpukill-admins.rules"])
+        bed.start_polkit([ADMIN_RULES])
 
 
 def test_unmapped_method_is_denied(bed, users):

@@ -662,10 +662,7 @@ def fuzz(users):
     victim on a simulated GPU (which the fuzz may kill) and one bystander that is on no GPU."""
     bed = Testbed()
     try:
-        bed.start_bus()
-        bed.start_journal()
-        bed.start_polkit([REPO / "polkit" / "49-gpukill-admins.rules"])
-        bed.start_daemon()
+        bed.start_system()
         f = Fuzz(bed, users)
         f.victim = bed.victim(users["owner"], gpu=0, mem="1GiB", comm="fuzzvictim")
         f.bystander = subprocess.Popen(["sleep", "3600"], start_new_session=True)

@@ -19,11 +19,11 @@ import pytest
 
 pytest.importorskip("aiosmtpd.controller", reason="aiosmtpd is in the test extra (pip install -e .[test])")
 
-from helpers import testbed  # noqa: E402
 from helpers.marks import needs_root  # noqa: E402
 from helpers.procs import pid_alive  # noqa: E402
 from helpers.sinks import Blackhole, Hooks, free_port, smtp_relay  # noqa: E402
-from helpers.testbed import REPO, ROOT, SYSTEM_PYTHON, Testbed  # noqa: E402
+from helpers.testbed import REPO, ROOT, Testbed  # noqa: E402
+from helpers.waiting import wait_until  # noqa: E402
 
 from gpukilld import audit  # noqa: E402
 
@@ -33,7 +33,6 @@ ISSUE_FILE = REPO / "tests" / "guard_policies" / "issue5.yaml"
 ISSUE_TEXT = ISSUE_FILE.read_text()
 SCALED = ISSUE_TEXT.replace('duration: "5m"', 'duration: "3s"').replace('grace_period: "30s"', 'grace_period: "2s"')
 DURATION, GRACE, INTERVAL = 3.0, 2.0, 0.2
-GUARD = "org.gpukill1.Guard"
 MINERS, MEMORY = "block-crypto-miners", "limit-user-memory"
 
 
@@ -48,10 +47,8 @@ def test_the_scaled_copy_differs_only_in_its_durations():
 
 def write_conf(bed: Testbed, smtp_port: int, timeout: float = 10.0) -> None:
     (bed.workdir / "guard.d").mkdir(exist_ok=True)
-    (bed.workdir / "gpukilld.conf").write_text(
-        f"[guard]\npolicy_dir = {bed.workdir / 'guard.d'}\nstate_dir = {bed.workdir / 'state'}\n"
-        f"[notify]\nsmtp_host = 127.0.0.1\nsmtp_port = {smtp_port}\nfrom = gpukilld@test.example\n"
-        f"timeout = {timeout}\n")
+    bed.write_conf(notify={"smtp_host": "127.0.0.1", "smtp_port": smtp_port, "from": "gpukilld@test.example",
+                           "timeout": timeout})
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +62,8 @@ def gbed(users, smtp):
     """A private system whose gpukilld has Guard Mode set up: policy and state in the bed, e-mail to aiosmtpd."""
     b = Testbed()
     try:
-        b.start_bus()
-        b.start_journal()
-        b.start_polkit([REPO / "polkit" / "49-gpukill-admins.rules"])
         write_conf(b, smtp[1])
-        b.start_daemon(args=["--sample-interval", str(INTERVAL)])
+        b.start_system(args=["--sample-interval", str(INTERVAL)])
         (b.workdir / "scaled.yaml").write_text(SCALED)
         yield b
     finally:
@@ -84,18 +78,11 @@ def guard(gbed, users):
         r = gbed.ctl(ROOT, "guard", *args)
         assert r.returncode == 0, r
     yield gbed
-    services = {gbed.polkit, gbed.daemon.proc if gbed.daemon else None}
-    for proc in [p for p in gbed.procs[before:] if p not in services]:
-        testbed._kill_group(proc)
-        gbed.procs.remove(proc)
-
-
-def guard_call(bed: Testbed, user, member: str, signature: str = "", body: list | None = None):
-    return bed.call_as(user, "org.gpukill1", "/org/gpukill1", GUARD, member, signature, body)
+    gbed.kill_since(before)
 
 
 def status(bed: Testbed) -> dict:
-    r = guard_call(bed, ROOT, "GetStatus")
+    r = bed.guard_call(ROOT, "GetStatus")
     assert r.ok, r
     return r.body[0]
 
@@ -104,45 +91,13 @@ def rule_stats(bed: Testbed, name: str) -> dict:
     return next(r for r in status(bed)["rules"] if r["name"] == name)
 
 
-def start(bed: Testbed, user, gpu: int = 0, util: float | None = None, mem: str | None = None,
-          comm: str = "python3", lifetime: float = 3600, padding: int = 0) -> subprocess.Popen:
-    """A real process on a simulated GPU (as testbed.victim), that exits by itself after `lifetime` seconds."""
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope}
-    if mem is not None:
-        env["GPUKILL_SIM_MEM"] = mem
-    if util is not None:
-        env["GPUKILL_SIM_UTIL"] = str(util)
-    code = (f"import ctypes, time\nctypes.CDLL(None).prctl(15, {comm.encode()!r}, 0, 0, 0)\n"
-            f"print('ready', flush=True)\ntime.sleep({lifetime})\n")
-    kwargs = user.popen_kwargs()
-    argv = [SYSTEM_PYTHON, "-c", code] + (["x" * padding] if padding else [])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True, **kwargs)
-    bed.procs.append(proc)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-    return proc
-
-
 def kills_of(bed: Testbed, pid: int) -> list[dict]:
     return bed.journal(GPUKILL_TARGET_PID=str(pid), MESSAGE_ID=audit.KILL.message_id)
 
 
-def wait_until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} (after {timeout}s)")
-
-
 def exit_time(proc: subprocess.Popen, timeout: float) -> float:
     """Monotonic time at which proc exited (to within 20 ms)."""
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"PID {proc.pid} still running after {timeout}s")
-        time.sleep(0.02)
+    wait_until(lambda: proc.poll() is not None, timeout, f"PID {proc.pid} still running", interval=0.02)
     return time.monotonic()
 
 
@@ -170,9 +125,9 @@ def test_a_miner_over_the_duration_is_killed_and_python_is_not(guard, users, smt
     mails_before = len(box.messages)
     rec = bed.record_signals(users["other"])  # any user hears the guard's signals
     t0 = time.monotonic()
-    miner = start(bed, users["owner"], gpu=0, util=99, comm="xmrig")
-    python = start(bed, users["owner"], gpu=1, util=99, comm="python")  # busy, but not a miner: AND
-    idle_miner = start(bed, users["owner"], gpu=2, util=50, comm="xmrig")  # a miner, but not busy
+    miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
+    python = bed.victim(users["owner"], gpu=1, util=99, comm="python")  # busy, but not a miner: AND
+    idle_miner = bed.victim(users["owner"], gpu=2, util=50, comm="xmrig")  # a miner, but not busy
     t_exit = exit_time(miner, DURATION + 10)
     assert miner.returncode == -signal.SIGTERM
     assert t_exit - t0 >= DURATION, "killed before the condition held for its duration"
@@ -209,7 +164,7 @@ def test_a_miner_over_the_duration_is_killed_and_python_is_not(guard, users, smt
 def test_a_miner_shorter_than_the_duration_is_not_killed(guard, users):
     bed = guard
     t0 = time.monotonic()
-    brief = start(bed, users["owner"], gpu=0, util=99, comm="xmrig", lifetime=1.5)
+    brief = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig", lifetime=1.5)
     seen = wait_until(lambda: [w for w in status(bed)["windows"] if f"PID {brief.pid} " in w["subject"]], 5,
                       "the miner never entered the duration window")
     assert seen[0]["rule"] == MINERS and seen[0]["duration"] == DURATION
@@ -229,9 +184,9 @@ def _wait_violation(bed: Testbed, rec, user: str) -> tuple[float, dict]:
 def test_a_user_over_8gib_loses_the_larger_process_after_the_grace(guard, users):
     bed = guard
     rec = bed.record_signals()
-    big = start(bed, users["owner"], gpu=0, mem="5GiB")
-    small = start(bed, users["owner"], gpu=1, mem="4GiB")  # 9 GiB in all, across two GPUs
-    bystander = start(bed, users["other"], gpu=2, mem="7GiB")  # under the limit
+    big = bed.victim(users["owner"], gpu=0, mem="5GiB")
+    small = bed.victim(users["owner"], gpu=1, mem="4GiB")  # 9 GiB in all, across two GPUs
+    bystander = bed.victim(users["other"], gpu=2, mem="7GiB")  # under the limit
     t_violation, sig = _wait_violation(bed, rec, "gpkowner")
     assert sig["body"][4]["pids"] == [big.pid] and "9.0 GiB" in sig["body"][4]["reason"]
     graces = status(bed)["graces"]
@@ -252,8 +207,8 @@ def test_a_user_over_8gib_loses_the_larger_process_after_the_grace(guard, users)
 def test_dropping_under_during_the_grace_cancels(guard, users):
     bed = guard
     rec = bed.record_signals()
-    big = start(bed, users["owner"], gpu=0, mem="5GiB")
-    small = start(bed, users["owner"], gpu=1, mem="4GiB")
+    big = bed.victim(users["owner"], gpu=0, mem="5GiB")
+    small = bed.victim(users["owner"], gpu=1, mem="4GiB")
     t_violation, _ = _wait_violation(bed, rec, "gpkowner")
     os.killpg(small.pid, signal.SIGTERM)  # the user stops one job on reading the notice: 5 GiB left
     small.wait(5)
@@ -271,7 +226,7 @@ def test_dry_run_never_signals(guard, users):
     bed = guard
     rec = bed.record_signals()
     assert bed.ctl(ROOT, "guard", "dry-run", "on").returncode == 0
-    miner = start(bed, users["owner"], gpu=0, util=99, comm="xmrig")
+    miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     would = rec.wait_for("GuardActionTaken", timeout=DURATION + 8, where=lambda b: b[3] == miner.pid)
     assert would is not None and would["body"][5] == "would-kill" and would["body"][6] is True
     time.sleep(1.0)
@@ -289,17 +244,17 @@ def test_dry_run_never_signals(guard, users):
 def test_test_policies_never_signals(guard, users):
     bed = guard
     assert bed.ctl(ROOT, "guard", "disable").returncode == 0
-    miner = start(bed, users["owner"], gpu=0, util=99, comm="xmrig")
+    miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     bed.wait_listed(miner.pid, comm="xmrig")  # a sample may have caught it before it named itself
     instant = bed.workdir / "instant.yaml"
     instant.write_text("rules:\n  - name: now\n    action: kill\n    force: true\n"
                        "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
     os.chmod(instant, 0o644)
-    r = guard_call(bed, users["other"], "TestPolicies", "ss", ["instant.yaml", instant.read_text()])
+    r = bed.guard_call(users["other"], "TestPolicies", "ss", ["instant.yaml", instant.read_text()])
     assert r.ok, r
     assert [(d["rule"], d["action"], d["status"], d["pids"]) for d in r.body[0]] == [("now", "kill", "now",
                                                                                       [miner.pid])]
-    r = guard_call(bed, users["other"], "TestPolicies", "ss", ["", ""])  # the policy in force, its windows
+    r = bed.guard_call(users["other"], "TestPolicies", "ss", ["", ""])  # the policy in force, its windows
     assert r.ok, r
     mine = [d for d in r.body[0] if d["pids"] == [miner.pid]]
     assert [d["rule"] for d in mine] == [MINERS] and 0 < mine[0]["wait"] <= DURATION
@@ -317,11 +272,11 @@ def test_a_policy_that_backtracks_forever_cannot_stall_the_daemon(guard, users):
     bed.wait_listed(victim.pid)
     evil = "rules:\n  - name: evil\n    action: log\n    conditions: [{type: cmdline, operator: matches, value: '(x+)+y'}]\n"
     t0 = time.monotonic()
-    r = guard_call(bed, users["other"], "TestPolicies", "ss", ["evil.yaml", evil])
+    r = bed.guard_call(users["other"], "TestPolicies", "ss", ["evil.yaml", evil])
     assert r.ok and [d for d in r.body[0] if victim.pid in d["pids"]] == [], r
     assert time.monotonic() - t0 < 5  # Python's re would backtrack for hours on 40 "x"
     backref = evil.replace("'(x+)+y'", "'(x)\\1'")
-    r = guard_call(bed, users["other"], "TestPolicies", "ss", ["evil.yaml", backref])
+    r = bed.guard_call(users["other"], "TestPolicies", "ss", ["evil.yaml", backref])
     assert not r.ok and r.error == "org.gpukill1.Error.InvalidPolicy" and "backreferences" in r.message, r
 
 
@@ -336,7 +291,7 @@ def test_a_broken_policy_keeps_the_old_one(guard, users):
     assert cli.stderr.splitlines() == [
         f"{broken}:9:19: unknown operator '=>' does not fit gpu_utilization (use one of: >, >=, <, <=, ==, !=)",
         f"{broken}:23:12: force must be true or false, not the string 'maybe'"]
-    r = guard_call(bed, ROOT, "LoadPolicy", "ss", [str(broken), broken.read_text()])  # the daemon checks too
+    r = bed.guard_call(ROOT, "LoadPolicy", "ss", [str(broken), broken.read_text()])  # the daemon checks too
     assert r.error == "org.gpukill1.Error.InvalidPolicy"
     assert r.message.startswith(f"{broken}:9:19: unknown operator") and r.message.endswith("(and 1 more; see "
                                                                                           "gpukillctl guard validate)")
@@ -345,7 +300,7 @@ def test_a_broken_policy_keeps_the_old_one(guard, users):
     rejected = bed.wait_journal(MESSAGE_ID=audit.GUARD_POLICY.message_id, GPUKILL_RESULT="rejected")
     assert rejected and f"{broken}:9:19" in rejected[-1]["GPUKILL_ERROR"]
     # still enforced: the old policy's miner rule acts
-    miner = start(bed, users["owner"], gpu=0, util=99, comm="xmrig")
+    miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     assert exit_time(miner, DURATION + 10) and miner.returncode == -signal.SIGTERM
 
 
@@ -383,7 +338,7 @@ def test_webhook_journal_and_desktop_targets(guard, users):
                           "    conditions: [{type: process_name, operator: ==, value: notifyme}]\n")
         assert bed.ctl(ROOT, "guard", "load", str(policy)).returncode == 0
         rec = bed.record_signals(users["owner"])
-        proc = start(bed, users["owner"], gpu=3, comm="notifyme")
+        proc = bed.victim(users["owner"], gpu=3, comm="notifyme")
         assert hooks.wait(1), "no webhook POST"
         _, body, ctype = hooks.posts[0]
         assert ctype == "application/json"
@@ -402,15 +357,15 @@ def test_authorization(guard, users):
     other, admin = users["other"], users["admin"]
     for member, sig, body in (("Enable", "", []), ("Disable", "", []), ("SetDryRun", "b", [True]),
                               ("LoadPolicy", "ss", ["x.yaml", "rules: []\n"])):
-        r = guard_call(bed, other, member, sig, body)
+        r = bed.guard_call(other, member, sig, body)
         assert r.error == "org.freedesktop.DBus.Error.AccessDenied", (member, r)
     cli = bed.ctl(other, "guard", "disable")
     assert cli.returncode == 4 and cli.stderr.count("\n") == 1, cli
     assert status(bed)["enabled"] is True
     denied = bed.wait_journal(MESSAGE_ID=audit.GUARD_POLICY.message_id, GPUKILL_RESULT="denied")
     assert denied and denied[-1]["GPUKILL_POLKIT_ACTION"] == "org.gpukill.manage-guard"
-    assert guard_call(bed, other, "GetStatus").ok  # reading needs nothing
-    assert guard_call(bed, other, "Frobnicate").error == "org.freedesktop.DBus.Error.AccessDenied"
+    assert bed.guard_call(other, "GetStatus").ok  # reading needs nothing
+    assert bed.guard_call(other, "Frobnicate").error == "org.freedesktop.DBus.Error.AccessDenied"
     # members of group gpukill may (polkit/49-gpukill-admins.rules)
     assert bed.ctl(admin, "guard", "dry-run", "on").returncode == 0
     assert status(bed)["dry_run"] is True
@@ -437,7 +392,7 @@ def test_a_blackholed_smtp_relay_does_not_delay_the_kill(fresh_bed, users):
     try:
         _own_bed(bed, hole.port, FAST_MINERS, timeout=10.0)
         t0 = time.monotonic()
-        miner = start(bed, users["owner"], gpu=0, util=99, comm="xmrig")
+        miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
         t_exit = exit_time(miner, 15)
         assert miner.returncode == -signal.SIGTERM
         # duration 1 s + one sample interval + slack for a loaded CI machine; the mail would take 10 s to fail
@@ -451,7 +406,7 @@ def test_a_blackholed_smtp_relay_does_not_delay_the_kill(fresh_bed, users):
 def test_a_restart_keeps_enabled_dry_run_and_counters(fresh_bed, users):
     bed = fresh_bed
     _own_bed(bed, free_port(), FAST_MINERS)
-    miner = start(bed, users["owner"], gpu=0, util=99, comm="xmrig")
+    miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     exit_time(miner, 15)
     wait_until(lambda: rule_stats(bed, "miners")["kills"] == 1, 5, "the kill was not counted")
     assert bed.ctl(ROOT, "guard", "dry-run", "on").returncode == 0
@@ -469,7 +424,7 @@ def test_a_restart_keeps_enabled_dry_run_and_counters(fresh_bed, users):
     assert stats == next(r for r in before["rules"] if r["name"] == "miners")
     assert [e["outcome"] for e in after["recent"]] == [e["outcome"] for e in before["recent"]]
     # and disabled means disabled: a miner now lives on
-    survivor = start(bed, users["owner"], gpu=0, util=99, comm="xmrig")
+    survivor = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     time.sleep(2.5)
     assert pid_alive(survivor.pid) and kills_of(bed, survivor.pid) == []
 
@@ -484,7 +439,7 @@ def test_the_policy_in_force_survives_a_broken_file_across_a_restart(fresh_bed, 
     bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
     st = status(bed)
     assert [r["name"] for r in st["rules"]] == ["miners"] and "10-miners.yaml:" in st["policy_error"]
-    miner = start(bed, users["owner"], gpu=0, util=99, comm="xmrig")
+    miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     assert exit_time(miner, 15) and miner.returncode == -signal.SIGTERM
     assert "Traceback" not in bed.daemon.log()
 

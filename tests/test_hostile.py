@@ -21,13 +21,13 @@ import yaml
 from helpers.marks import needs_root
 from helpers.procs import pid_alive
 from helpers.testbed import PYTHON, REPO, ROOT, SYSTEM_PYTHON, Testbed
+from helpers.waiting import wait_until
 
 from gpukilld import audit, callrate, refusals
 from gpukilld.procfs import CUT_MARKER, MAX_CMDLINE
 
 pytestmark = needs_root
 
-GUARD = "org.gpukill1.Guard"
 TOO_BUSY = "org.gpukill1.Error.TooBusy"
 ANSWER_WITHIN = 2.0
 # journald's own flood protection, as an admin might configure it, applied per unit (the daemon runs in a cgroup
@@ -42,11 +42,9 @@ BOMB = ".*" * 60 + "X"  # the issue's `printf '.*%.0s' $(seq 60)`X: exponential 
 def hbed(users):
     b = Testbed()
     try:
-        b.start_bus()
-        b.start_journal(rate_limit=(JOURNAL_BURST, JOURNAL_INTERVAL))
-        b.start_polkit([REPO / "polkit" / "49-gpukill-admins.rules"])
         (b.workdir / "guard.d").mkdir()
-        b.start_daemon(args=["--sample-interval", "0.5"], as_unit=True)  # so journald rate-limits it
+        # as_unit: so journald rate-limits it
+        b.start_system((JOURNAL_BURST, JOURNAL_INTERVAL), args=["--sample-interval", "0.5"], as_unit=True)
         yield b
     finally:
         b.stop()
@@ -103,10 +101,6 @@ def during(bed: Testbed, user, attack, *args):
         raise result["error"]
 
 
-def guard_call(bed: Testbed, user, member: str, signature: str = "", body: list | None = None, timeout=60):
-    return bed.call_as(user, "org.gpukill1", "/org/gpukill1", GUARD, member, signature, body, timeout)
-
-
 _STDIN: list[int] = []  # the read end of one pipe that is never written: `read x` waits on it for good
 
 
@@ -126,17 +120,10 @@ def start_many(bed: Testbed, user, count: int, gpus: str, args: list[str], code:
     return procs
 
 
-def listed_pids(bed: Testbed) -> set[int]:
-    r = bed.ctl(ROOT, "list", "--json", timeout=60)  # the client pages when the listing is large
-    assert r.returncode == 0, r.stderr
-    return {p["pid"] for p in json.loads(r.stdout)["processes"]}
-
-
 def wait_listed(bed: Testbed, pids: set[int], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pids <= (seen := listed_pids(bed)):
-        assert time.monotonic() < deadline, f"{len(pids - seen)} processes never listed"
-        time.sleep(0.3)
+    # the client pages when the listing is large
+    wait_until(lambda: pids <= bed.listed().keys(), timeout,
+               lambda: f"{len(pids - bed.listed().keys())} processes never listed", interval=0.3)
 
 
 # -- regular expressions ---------------------------------------------------------------------------------
@@ -175,7 +162,7 @@ def test_a_regex_bomb_in_test_policies_and_in_an_admin_rule(bed, users):
             f"  - {{name: bomb, action: log, conditions: [{{type: cmdline, operator: matches, value: '{BOMB}'}}]}}\n"
             "  - {name: nested, action: log, conditions: [{type: process_name, operator: matches,"
             " value: '(a|aa){1000}'}]}\n")
-    with during(bed, users["owner"], guard_call, bed, users["other"], "TestPolicies", "ss", ["evil.yaml", evil]) \
+    with during(bed, users["owner"], bed.guard_call, users["other"], "TestPolicies", "ss", ["evil.yaml", evil]) \
             as result:
         pass
     r = result["value"]
@@ -184,14 +171,10 @@ def test_a_regex_bomb_in_test_policies_and_in_an_admin_rule(bed, users):
     # The same patterns as an admin's guard.d rule, evaluated by the daemon itself every sample
     (bed.workdir / "guard.d" / "evil.yaml").write_text(evil)
     bed.daemon.proc.send_signal(1)  # SIGHUP: re-read guard.d
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        st = guard_call(bed, ROOT, "GetStatus").body[0]
-        if st["evaluations"] >= 5 and {r["name"] for r in st["rules"]} == {"bomb", "nested"}:
-            break
-        time.sleep(0.3)
-    else:
-        raise AssertionError(f"the admin's rules were not evaluated: {st}")
+    st = wait_until(lambda: (s := bed.guard_call(ROOT, "GetStatus").body[0])["evaluations"] >= 5
+                    and {r["name"] for r in s["rules"]} == {"bomb", "nested"} and s, 10,
+                    lambda: f"the admin's rules were not evaluated: {bed.guard_call(ROOT, 'GetStatus').body[0]}",
+                    interval=0.3)
     assert st["max_eval_ms"] < 500, st["max_eval_ms"]
     serving(bed, users["owner"])
     (bed.workdir / "guard.d" / "evil.yaml").unlink()
@@ -209,16 +192,13 @@ def test_twenty_2mib_command_lines_on_four_gpus(bed, users):
     pids = {p.pid for p in victims}
     wait_listed(bed, pids)
     took = serving(bed, users["owner"])
-    r = bed.ctl(ROOT, "list", "--json")
-    assert r.returncode == 0, r.stderr
-    records = [p for p in json.loads(r.stdout)["processes"] if p["pid"] in pids]
+    records = [p for p in bed.listing()["processes"] if p["pid"] in pids]
     assert len(records) == 80 and {p["device"] for p in records} == {0, 1, 2, 3}
     for p in records:
         assert p["cmdline"].endswith(CUT_MARKER)
         assert len(p["cmdline"].removesuffix(CUT_MARKER).encode()) <= MAX_CMDLINE
     # the attacker sees its own command lines (bounded) too
-    r = bed.ctl(users["other"], "list", "--json", "--user", "gpkother")
-    assert r.returncode == 0 and len(json.loads(r.stdout)["processes"]) == 80, r.stderr
+    assert len(bed.listing(users["other"], "--user", "gpkother")["processes"]) == 80
     assert took < ANSWER_WITHIN
 
 
@@ -232,9 +212,7 @@ def test_a_listing_too_large_for_one_reply_comes_in_pages(bed, users):
     assert not r.ok and r.error == "org.gpukill1.Error.ReplyTooLarge" and "'limit'" in r.message, r.error
     r = bed.manager(ROOT, "ListProcesses", "a{sv}", [{"limit": {"$variant": ["u", 1001]}}])
     assert not r.ok and r.error == "org.freedesktop.DBus.Error.InvalidArgs", r
-    r = bed.ctl(ROOT, "list", "--json", timeout=60)
-    assert r.returncode == 0, r.stderr
-    listed = json.loads(r.stdout)["processes"]
+    listed = bed.listing()["processes"]
     keys = [(p["device"], p["pid"]) for p in listed]
     assert keys == sorted(keys) and len(keys) == len(set(keys)), "pages overlap or are out of order"
     assert len([p for p in listed if p["pid"] in pids]) == 4800
@@ -264,7 +242,7 @@ def test_test_policies_alias_blowup_is_bounded(bed, users):
     for name, text in texts.items():
         assert len(text) < 200_000
         t0 = time.monotonic()
-        with during(bed, users["owner"], guard_call, bed, users["other"], "TestPolicies", "ss", [name, text]) \
+        with during(bed, users["owner"], bed.guard_call, users["other"], "TestPolicies", "ss", [name, text]) \
                 as result:
             pass
         r = result["value"]
@@ -291,7 +269,7 @@ def test_one_user_cannot_hold_every_policy_test(bed, users):
     def three():
         outs = []
         ts = [threading.Thread(target=lambda: outs.append(
-            guard_call(bed, users["other"], "TestPolicies", "ss", ["slow.yaml", slow]))) for _ in range(3)]
+            bed.guard_call(users["other"], "TestPolicies", "ss", ["slow.yaml", slow]))) for _ in range(3)]
         for t in ts:
             t.start()
         for t in ts:
@@ -300,7 +278,7 @@ def test_one_user_cannot_hold_every_policy_test(bed, users):
 
     with during(bed, users["owner"], three) as result:
         time.sleep(0.3)
-        r = guard_call(bed, users["owner"], "TestPolicies", "ss", ["mine.yaml", "rules: []\n"])
+        r = bed.guard_call(users["owner"], "TestPolicies", "ss", ["mine.yaml", "rules: []\n"])
         assert r.ok, r  # another user is not locked out
     outs = result["value"]
     busy = [r for r in outs if not r.ok and r.error == TOO_BUSY]
@@ -333,10 +311,8 @@ def flood(agent: subprocess.Popen, events: list[dict], **spec) -> dict:
     agent.stdin.write(json.dumps(spec) + "\n")
     agent.stdin.flush()
     waves = spec["flood"] // spec.get("batch", 100) + 1
-    deadline = time.monotonic() + (spec.get("wait", 5) + spec.get("pause", 0)) * waves + 30
-    while len(floods := [e for e in events if "flood" in e]) == before:
-        assert time.monotonic() < deadline, "the flood never finished"
-        time.sleep(0.1)
+    floods = wait_until(lambda: (f := [e for e in events if "flood" in e])[before:] and f,
+                        (spec.get("wait", 5) + spec.get("pause", 0)) * waves + 30, "the flood never finished")
     return floods[-1]["flood"]
 
 
@@ -391,10 +367,7 @@ def test_a_polkit_check_that_times_out_is_cancelled(bed, users):
         else:
             os.environ["DBUS_SYSTEM_BUS_ADDRESS"] = saved
     assert not allowed and "did not answer within 2s" in why
-    deadline = time.monotonic() + 5
-    while not any("cancel" in e for e in events):
-        assert time.monotonic() < deadline, f"polkit never withdrew the request: {events}"
-        time.sleep(0.1)
+    wait_until(lambda: any("cancel" in e for e in events), 5, lambda: f"polkit never withdrew the request: {events}")
     begun = [e["begin"] for e in events if "begin" in e]
     cancelled = [e["cancel"] for e in events if "cancel" in e]
     assert cancelled and set(cancelled) <= set(begun)
@@ -491,7 +464,7 @@ def test_escape_sequences_in_names_never_reach_a_terminal(bed, users):
         assert bad not in r.stdout, r.stdout
     assert "ev\\x1b[2Jil" in r.stdout and "a\\x0ab<0>c" in r.stdout and "\\u202eevil\\x07" in r.stdout
     # JSON keeps the exact text
-    listed = {p["pid"]: p["comm"] for p in json.loads(bed.ctl(ROOT, "list", "--json").stdout)["processes"]}
+    listed = {p["pid"]: p["comm"] for p in bed.listing()["processes"]}
     assert [listed[v.pid] for v in victims] == names
     # an error that names the process (a denied kill) is escaped too
     r = bed.ctl(users["owner"], "kill", str(victims[0].pid))
@@ -539,19 +512,14 @@ def test_what_a_user_sees_of_other_users_processes(bed, users):
     theirs = start_many(bed, users["other"], 1, "0", [arg])[0]
     wait_listed(bed, {mine.pid, theirs.pid})
 
-    def seen_by(user) -> dict[int, dict]:
-        r = bed.ctl(user, "list", "--json")
-        assert r.returncode == 0, r.stderr
-        return {p["pid"]: p for p in json.loads(r.stdout)["processes"]}
-
-    as_owner = seen_by(users["owner"])
+    as_owner = bed.listed(users["owner"])
     assert arg in as_owner[mine.pid]["cmdline"] and as_owner[mine.pid]["exe"]
     assert as_owner[theirs.pid]["cmdline"] == "/bin/sh" and as_owner[theirs.pid]["exe"] is None
     assert as_owner[theirs.pid]["comm"] == "sh" and as_owner[theirs.pid]["user"] == "gpkother"
     for full in (ROOT, users["admin"]):
-        seen = seen_by(full)
+        seen = bed.listed(full)
         assert arg in seen[theirs.pid]["cmdline"] and seen[theirs.pid]["exe"], full
     # a policy sent for testing sees what its sender may list: no oracle on others' arguments
     probe = "rules:\n  - {name: probe, action: log, conditions: [{type: cmdline, operator: matches, value: hunter2}]}\n"
-    r = guard_call(bed, users["owner"], "TestPolicies", "ss", ["probe.yaml", probe])
+    r = bed.guard_call(users["owner"], "TestPolicies", "ss", ["probe.yaml", probe])
     assert r.ok and [d["pids"] for d in r.body[0]] == [[mine.pid]], r

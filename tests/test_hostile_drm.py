@@ -104,12 +104,6 @@ def share_client(bed: Testbed, host: DrmHost, holders: list[tuple[subprocess.Pop
         host.set_fdinfo(proc.pid, fd, 128, amdgpu_fdinfo(client_id, PDEV, vram=vram, gfx_ns=10**9))
 
 
-def listed(bed: Testbed) -> dict[int, dict]:
-    r = bed.ctl(ROOT, "list", "--json")
-    assert r.returncode == 0, r.stderr
-    return {p["pid"]: p for p in json.loads(r.stdout)["processes"]}
-
-
 def guard_entries(bed: Testbed, pid: int) -> list[dict]:
     """Every journal entry in which the guard or the kill path took PID as its target."""
     found = []
@@ -139,7 +133,7 @@ def test_a_client_shared_with_another_user_is_charged_to_no_one(guarded, users):
     miner = spawn(bed, users["owner"])
     share_client(bed, host, [(other, 5), (miner, 7)], client_id=40, vram=6 * GiB)
     time.sleep(3 * INTERVAL)
-    procs = listed(bed)
+    procs = bed.listed()
     for p in (other, miner):
         assert procs[p.pid]["device_id"] == "GPU-00c0ffee0000a009" and procs[p.pid]["gpu_memory"] is None
     evaluations = guard_status(bed)["evaluations"]
@@ -184,5 +178,5 @@ def test_a_client_shared_with_a_system_daemon_is_the_users(guarded, users):
     # Guard still leaves it alone: a system account is protected whatever it holds.
     time.sleep(GRACE + 5 * INTERVAL)
     assert pid_alive(daemon.pid) and guard_entries(bed, daemon.pid) == []
-    assert listed(bed)[daemon.pid]["gpu_memory"] == 6 * GiB
+    assert bed.listed()[daemon.pid]["gpu_memory"] == 6 * GiB
     serving(bed, users["admin"])

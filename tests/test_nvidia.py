@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import json
-import time
-
 import pytest
 from helpers.marks import needs_root
-from helpers.nvml_host import FakeNvidiaHost
+from helpers.nvml_host import fake_nvidia_host
 from helpers.testbed import ROOT
+from helpers.waiting import wait_until
 
 from gpukilld import audit
 
@@ -20,10 +18,7 @@ GIB = 2**30
 
 @pytest.fixture(scope="module")
 def nvhost(tmp_path_factory):
-    try:
-        return FakeNvidiaHost(tmp_path_factory.mktemp("nvml"))
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    return fake_nvidia_host(tmp_path_factory.mktemp("nvml"))
 
 
 @pytest.fixture
@@ -38,21 +33,6 @@ def nvbed(fresh_bed, nvhost, users):
     nvhost.write()
 
 
-def listing(bed) -> dict:
-    r = bed.ctl(ROOT, "list", "--json")
-    assert r.returncode == 0, r
-    return json.loads(r.stdout)
-
-
-def wait_for(what, timeout: float = 10.0, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = what()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
-
-
 def test_eight_gpus_with_every_field_and_real_processes(nvbed, nvhost, users):
     bed = nvbed
     train = bed.victim(users["owner"], comm="train.py")
@@ -61,8 +41,8 @@ def test_eight_gpus_with_every_field_and_real_processes(nvbed, nvhost, users):
     nvhost.add_process(5, render.pid, 3 * GIB, kind="graphics")
     nvhost.add_process(5, train.pid, 1 * GIB, kind="mps")
     nvhost.write()
-    doc = wait_for(lambda: (d := listing(bed)) and len(d["processes"]) == 3 and d)
-    assert doc, listing(bed)
+    doc = wait_until(lambda: (d := bed.listing()) and len(d["processes"]) == 3 and d, 10,
+                     lambda: f"not 3 processes listed: {bed.listing()}")
     assert len(doc["devices"]) == 8
     for i, dev in enumerate(doc["devices"]):
         fake = nvhost.device(i)
@@ -94,8 +74,8 @@ def test_not_supported_is_null_and_mig_instances(nvbed, nvhost, users):
                            "memory_total": 10 * GIB, "memory_used": 2 * GIB,
                            "compute": [{"pid": job.pid, "used_memory": 2 * GIB}]}]
     nvhost.fault(3, not_supported=["temperature", "power", "process_utilization"])
-    doc = wait_for(lambda: (d := listing(bed)) and len(d["devices"]) == 9 and d["processes"] and d)
-    assert doc
+    doc = wait_until(lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d, 10,
+                     "the MIG instance and its process were never listed")
     by_id = {d["id"]: d for d in doc["devices"]}
     mig = by_id["MIG-11111111-2222-3333-4444-555555555555"]
     assert (mig["parent_id"], mig["memory_total"], mig["name"]) == (dev["uuid"], 10 * GIB, "NVIDIA H100 80GB HBM3 MIG 1/0")
@@ -115,8 +95,8 @@ def test_wrong_struct_version_gives_no_garbage(nvbed, nvhost, users):
     nvhost.add_process(4, a.pid, 3 * GIB)
     nvhost.add_process(4, b.pid, 5 * GIB)
     nvhost.fault(4, process_struct="v1")
-    doc = wait_for(lambda: (d := listing(bed)) and len(d["processes"]) == 2 and d)
-    assert doc, listing(bed)
+    doc = wait_until(lambda: (d := bed.listing()) and len(d["processes"]) == 2 and d, 10,
+                     lambda: f"not 2 processes listed: {bed.listing()}")
     got = sorted((p["pid"], p["gpu_memory"], p["device"]) for p in doc["processes"])
     assert got == sorted([(a.pid, 3 * GIB, 4), (b.pid, 5 * GIB, 4)])
     assert "struct-version mismatch" in bed.daemon.log()
@@ -130,8 +110,8 @@ def test_lost_gpu_is_signalled_while_others_keep_updating(nvbed, nvhost, users):
     assert sig and sig["body"][3] == "NVML: GPU is lost", sig
     nvhost.device(1)["util_gpu"] = 77
     nvhost.write()
-    assert wait_for(lambda: listing(bed)["devices"][1]["utilization"] == 77.0)
-    doc = listing(bed)
+    wait_until(lambda: bed.listing()["devices"][1]["utilization"] == 77.0, 10, "GPU 1 stopped updating")
+    doc = bed.listing()
     assert doc["devices"][6]["state"] == "lost" and doc["devices"][6]["id"] == nvhost.device(6)["uuid"]
     assert bed.wait_journal(MESSAGE_ID=audit.DEVICE_STATE.message_id, GPUKILL_STATE="lost", GPUKILL_DEVICE_INDEX="6")
     status = bed.ctl(users["other"], "status")
@@ -141,11 +121,12 @@ def test_lost_gpu_is_signalled_while_others_keep_updating(nvbed, nvhost, users):
 def test_hung_nvml_call_marks_only_that_gpu_lost(nvbed, nvhost, users):
     bed = nvbed
     nvhost.fault(7, slow_ms=60000)
-    doc = wait_for(lambda: (d := listing(bed)) and d["devices"][7]["state"] == "lost" and d, timeout=15)
-    assert doc and doc["devices"][7]["state_reason"] == "NVML did not answer within 2s"
+    doc = wait_until(lambda: (d := bed.listing()) and d["devices"][7]["state"] == "lost" and d, 15,
+                     "GPU 7 was never marked lost")
+    assert doc["devices"][7]["state_reason"] == "NVML did not answer within 2s"
     nvhost.device(0)["util_gpu"] = 55
     nvhost.write()
-    assert wait_for(lambda: listing(bed)["devices"][0]["utilization"] == 55.0, timeout=15)
+    wait_until(lambda: bed.listing()["devices"][0]["utilization"] == 55.0, 15, "GPU 0 stopped updating")
     assert bed.daemon.proc.poll() is None
 
 
@@ -164,7 +145,7 @@ def test_force_reset_kills_then_calls_nvidia_smi(nvbed, nvhost, users, alive):
     stuck = bed.victim(users["owner"], ignore_term=True, comm="stuck")
     nvhost.add_process(3, stuck.pid, 4 * GIB)
     nvhost.write()
-    assert wait_for(lambda: listing(bed)["processes"])
+    wait_until(lambda: bed.listing()["processes"], 10, "the stuck process was never listed")
     uuid = nvhost.device(3)["uuid"]
     busy = bed.ctl(ROOT, "reset", "3")
     assert busy.returncode == 8 and nvhost.resets() == [], busy
@@ -184,7 +165,7 @@ def test_failed_nvidia_smi_reset_returns_its_text(fresh_bed, nvhost, users):
     (bed.workdir / "gpukilld.conf").write_text("[daemon]\nbackends = nvidia\n")
     bed.start_daemon(args=["--sample-interval", "0.3"], env={
         **nvhost.env(), "GPUKILL_FAKE_SMI_FAIL": "Unable to reset this GPU because it's being used by some other process"})
-    wait_for(lambda: len(listing(bed)["devices"]) == 8)
+    wait_until(lambda: len(bed.listing()["devices"]) == 8, 10, "the 8 GPUs were never listed")
     r = bed.ctl(ROOT, "reset", "0")
     assert r.returncode == 11, r
     assert "nvidia-smi --gpu-reset failed (exit 255): Unable to reset this GPU" in r.stderr
@@ -199,7 +180,7 @@ def test_no_nvidia_library_daemon_runs_and_says_why(fresh_bed, nvhost, users):
     assert r.returncode == 0, r
     assert "nvidia: unavailable - no NVIDIA driver: libnvidia-ml.so.1 not found; retrying in" in r.stdout
     assert "0 GPUs" in r.stdout
-    assert listing(bed)["devices"] == []
+    assert bed.listing()["devices"] == []
 
 
 def test_driver_not_loaded_is_reported(fresh_bed, nvhost, users):

@@ -7,16 +7,14 @@ mount shows them: listings, TestPolicies and Guard's status alike.
 
 from __future__ import annotations
 
-import json
 import subprocess
 
 import pytest
 from helpers.marks import needs_root
-from helpers.testbed import REPO, ROOT
+from helpers.testbed import ADMIN_RULES, ROOT
 
 pytestmark = needs_root
 
-GUARD = "org.gpukill1.Guard"
 WATCH = ("rules:\n  - {name: watch, action: log, conditions: [{type: gpu_utilization, operator: '>', value: 50,"
          " duration: 1h}]}\n")
 
@@ -30,23 +28,15 @@ def hidden(request, fresh_bed, users):
     subprocess.run(bed.in_journal_ns(["mount", "-t", "proc", "-o", f"hidepid={request.param}", "proc", str(proc)]),
                    check=True)
     try:
-        bed.start_polkit([REPO / "polkit" / "49-gpukill-admins.rules"])
+        bed.start_polkit([ADMIN_RULES])
         (bed.workdir / "guard.d").mkdir()
         (bed.workdir / "guard.d" / "watch.yaml").write_text(WATCH)
-        (bed.workdir / "gpukilld.conf").write_text(
-            f"[paths]\nproc = {proc}\n[guard]\npolicy_dir = {bed.workdir / 'guard.d'}\n"
-            f"state_dir = {bed.workdir / 'state'}\n")
+        bed.write_conf(paths={"proc": proc})
         bed.start_daemon(args=["--sample-interval", "0.3"])
         yield bed, request.param
     finally:
         bed.stop_daemon()
         subprocess.run(bed.in_journal_ns(["umount", "-l", str(proc)]), check=False)
-
-
-def listing(bed, user) -> dict[int, dict]:
-    r = bed.ctl(user, "list", "--json")
-    assert r.returncode == 0, r.stderr
-    return {p["pid"]: p for p in json.loads(r.stdout)["processes"]}
 
 
 def test_hidepid_is_followed(hidden, users):
@@ -56,7 +46,7 @@ def test_hidepid_is_followed(hidden, users):
     bed.wait_listed(theirs.pid, comm="theirs")
     bed.wait_listed(mine.pid, comm="mine")
 
-    seen = listing(bed, users["owner"])
+    seen = bed.listed(users["owner"])
     assert seen[mine.pid]["comm"] == "mine" and "xxxxxxxx" in seen[mine.pid]["cmdline"]
     if mode == "invisible":
         assert theirs.pid not in seen
@@ -65,18 +55,18 @@ def test_hidepid_is_followed(hidden, users):
         assert (p["user"], p["comm"], p["cmdline"], p["exe"], p["unit"]) == ("gpkother", "", "", None, None)
         assert p["gpu_utilization"] == 90
     for full in (ROOT, users["admin"]):  # root, and org.gpukill.view-all-processes through the example rules
-        assert listing(bed, full)[theirs.pid]["comm"] == "theirs"
+        assert bed.listed(full)[theirs.pid]["comm"] == "theirs"
 
     # Guard's reports and tests: nothing about the other user's process either
-    status = bed.call_as(users["owner"], "org.gpukill1", "/org/gpukill1", GUARD, "GetStatus")
+    status = bed.guard_call(users["owner"], "GetStatus")
     assert status.ok, status
     subjects = {w["subject"] for w in status.body[0].get("windows", [])}
     assert any(f"PID {mine.pid} " in s for s in subjects) and not any(f"PID {theirs.pid} " in s for s in subjects)
-    root_status = bed.call_as(ROOT, "org.gpukill1", "/org/gpukill1", GUARD, "GetStatus").body[0]
+    root_status = bed.guard_call(ROOT, "GetStatus").body[0]
     assert any(f"PID {theirs.pid} " in w["subject"] for w in root_status["windows"])
-    r = bed.call_as(users["owner"], "org.gpukill1", "/org/gpukill1", GUARD, "TestPolicies", "ss", ["", ""])
+    r = bed.guard_call(users["owner"], "TestPolicies", "ss", ["", ""])
     assert r.ok and all(theirs.pid not in d["pids"] for d in r.body[0]), r
     probe = ("rules:\n  - {name: probe, action: log, conditions: [{type: process_name, operator: matches, "
              "value: '.'}]}\n")
-    r = bed.call_as(users["owner"], "org.gpukill1", "/org/gpukill1", GUARD, "TestPolicies", "ss", ["p", probe])
+    r = bed.guard_call(users["owner"], "TestPolicies", "ss", ["p", probe])
     assert r.ok and [d["pids"] for d in r.body[0]] == [[mine.pid]], r

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 from helpers.marks import needs_root
-from helpers.nvml_host import FakeNvidiaHost
+from helpers.nvml_host import fake_nvidia_host
 from helpers.testbed import REPO, ROOT, NotifyListener
+from helpers.waiting import wait_until
 
 from gpukill.errors import ConfigError
 from gpukilld.backends.registry import build_backends
@@ -35,6 +36,7 @@ WARM_UP, RELOADS = 5, 50
 # leave its 8 reader threads, which the thread count catches. 1.5 MiB: about 3 times the drift, below that leak.
 # Threads and fds have no such noise: equal.
 RSS_TOLERANCE_KIB = 1536
+POLL = 0.02  # seconds between two looks while waiting
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -69,13 +71,6 @@ def device_states(bed) -> list[str]:
     return [d["state"] for d in sorted(r.body[0], key=lambda d: d["index"])]
 
 
-def wait_until(cond, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return value
-
-
 def sighup(daemon) -> None:
     """One reload, waited for as systemd does: RELOADING=1, then READY=1."""
     t0 = time.monotonic()
@@ -86,10 +81,8 @@ def sighup(daemon) -> None:
 
 
 def write_conf(bed, backends: str, proc: Path, smtp_port: int = 25) -> None:
-    conf = bed.workdir / "gpukilld.conf"
-    conf.write_text(f"[daemon]\nbackends = {backends}\nsample_interval = {INTERVAL}\n[paths]\nproc = {proc}\n"
-                    f"[guard]\npolicy_dir = {bed.workdir / 'guard.d'}\nstate_dir = {bed.workdir / 'state'}\n"
-                    f"[notify]\nsmtp_port = {smtp_port}\n")
+    bed.write_conf(daemon={"backends": backends, "sample_interval": INTERVAL}, paths={"proc": proc},
+                   notify={"smtp_port": smtp_port})
 
 
 def proc_roots(bed) -> list[Path]:
@@ -103,7 +96,8 @@ def proc_roots(bed) -> list[Path]:
 
 def assert_flat(pid: int, warm: tuple[int, int, int], what: str) -> tuple[int, int, int]:
     # Equal, once the last reload's close has run: poll a little, since it runs ~2 samples after READY.
-    end = wait_until(lambda: (u := steady_usage(pid))[:2] == warm[:2] and u, timeout=10) or steady_usage(pid)
+    end = wait_until(lambda: (u := steady_usage(pid))[:2] == warm[:2] and u, 10, interval=POLL, fail=False) \
+        or steady_usage(pid)
     assert end[0] == warm[0], f"{what}: threads {warm[0]} after {WARM_UP} reloads, {end[0]} after {RELOADS}"
     assert end[1] == warm[1], f"{what}: fds {warm[1]} after {WARM_UP} reloads, {end[1]} after {RELOADS}"
     assert end[2] - warm[2] <= RSS_TOLERANCE_KIB, f"{what}: RSS {warm[2]} KiB -> {end[2]} KiB"
@@ -115,11 +109,7 @@ def assert_flat(pid: int, warm: tuple[int, int, int], what: str) -> tuple[int, i
 
 @pytest.fixture
 def nvhost(tmp_path):
-    try:
-        (tmp_path / "nvml").mkdir()
-        return FakeNvidiaHost(tmp_path / "nvml")  # 8 GPUs
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    return fake_nvidia_host(tmp_path / "nvml")  # 8 GPUs
 
 
 @needs_root
@@ -131,13 +121,15 @@ def test_fifty_reloads_on_nvidia_give_back_everything(fresh_bed, nvhost, users):
     daemon = bed.start_daemon(env=nvhost.env())
     pid = daemon.proc.pid
     assert daemon.notify.wait_for(f"MAINPID={pid}", 1) is not None  # the PID we measure is gpukilld's
-    assert wait_until(lambda: nvhost.counts()["init"] == 1)
+    wait_until(lambda: nvhost.counts()["init"] == 1, 10, lambda: f"NVML counts {nvhost.counts()}: not one init",
+               interval=POLL)
 
     # 1. A reload that changes nothing the backend is built from (here [notify], as for guard.d) keeps it: no
     #    second nvmlInit, and what only the running backend knows survives, e.g. an Xid reported once by NVML.
     nvhost.state["xid_events"] = [{"device": 1, "xid": 79, "seq": 1}]
     nvhost.write()
-    assert wait_until(lambda: device_states(bed) == ["ok", "error"] + ["ok"] * 6, timeout=10)
+    wait_until(lambda: device_states(bed) == ["ok", "error"] + ["ok"] * 6, 10,
+               lambda: f"GPU 1 not in error after its Xid: {device_states(bed)}", interval=POLL)
     for port in (26, 27, 25):
         write_conf(bed, "nvidia", proc_a, smtp_port=port)
         sighup(daemon)
@@ -152,7 +144,7 @@ def test_fifty_reloads_on_nvidia_give_back_everything(fresh_bed, nvhost, users):
         write_conf(bed, "nvidia", proc_b if i % 2 else proc_a)
         sighup(daemon)
         want = {"init": 1 + i, "shutdown": i, "event_set_create": 1 + i, "event_set_free": i}
-        got = wait_until(lambda want=want: (c := nvhost.counts()) == want and c, timeout=10)
+        got = wait_until(lambda want=want: (c := nvhost.counts()) == want and c, 10, interval=POLL, fail=False)
         assert got, f"reload {i}: NVML counts {nvhost.counts()}, want {want}\n{daemon.log()}"
         if i == WARM_UP:
             warm = steady_usage(pid)
@@ -263,7 +255,8 @@ def test_nvidia_close_gives_back_nvml_and_never_waits_for_a_hung_call(nvhost, mo
     sampled = {}
     t = threading.Thread(target=lambda: sampled.update(s=b.sample()))
     t.start()
-    assert wait_until(lambda: len([th for th in threading.enumerate() if th.name.startswith("nvml-")]) == 8)
+    wait_until(lambda: len([th for th in threading.enumerate() if th.name.startswith("nvml-")]) == 8, 10,
+               "the 8 nvml- reader threads never all ran", interval=POLL)
     workers = [th for th in threading.enumerate() if th.name.startswith("nvml-")]
     started = time.monotonic()
     b.close()  # waits for the sample in progress (0.3 s deadline), not for GPU 2's hung call

@@ -233,6 +233,7 @@ def test_simulated_backend_reads_the_environment_again_after_exec(tmp_path):
     import time
 
     from helpers.testbed import REPO
+    from helpers.waiting import wait_until
 
     from gpukilld.backends.simulated import SimulatedBackend
 
@@ -246,13 +247,9 @@ def test_simulated_backend_reads_the_environment_again_after_exec(tmp_path):
         assert all(p.pid != proc.pid for p in backend.sample().processes)
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            found = [p for p in backend.sample().processes if p.pid == proc.pid]
-            if found:
-                break
-            time.sleep(0.05)
-        assert found and found[0].device_id == "0000:c1:00.0"
+        found = wait_until(lambda: [p for p in backend.sample().processes if p.pid == proc.pid], 5,
+                           "the exec'd process was never sampled", interval=0.05)
+        assert found[0].device_id == "0000:c1:00.0"
     finally:
         proc.kill()
         proc.wait()

@@ -6,7 +6,6 @@ temperature, power, utilization) are compared with tolerances; identities must m
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers.testbed import ROOT, Testbed, is_root  # noqa: E402
+from helpers.testbed import Testbed, is_root  # noqa: E402
 
 SMI = shutil.which("nvidia-smi")
 pytestmark = pytest.mark.skipif(
@@ -52,15 +51,9 @@ def real_bed():
         bed.stop()
 
 
-def listing(bed) -> dict:
-    r = bed.ctl(ROOT, "list", "--json")
-    assert r.returncode == 0, r
-    return json.loads(r.stdout)
-
-
 def test_devices_match_nvidia_smi(real_bed):
     time.sleep(2)  # two samples, so process utilization has a baseline
-    doc = listing(real_bed)
+    doc = real_bed.listing()
     rows = smi("index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,temperature.gpu,power.draw,power.limit")
     physical = [d for d in doc["devices"] if d["parent_id"] is None]
     assert len(physical) == len(rows)
@@ -79,7 +72,7 @@ def test_devices_match_nvidia_smi(real_bed):
 
 def test_compute_apps_match_nvidia_smi(real_bed):
     apps = smi("pid,used_memory,gpu_uuid", "--query-compute-apps")
-    doc = listing(real_bed)
+    doc = real_bed.listing()
     ours = {(p["pid"], p["device_id"]): p for p in doc["processes"]}
     for pid, used, uuid in apps:
         assert (int(pid), uuid) in ours, (pid, uuid, ours)

@@ -107,3 +107,15 @@ class FakeNvidiaHost:
 
     def snapshot(self) -> dict:
         return copy.deepcopy(self.state)
+
+
+def fake_nvidia_host(workdir: Path, devices: int = 8) -> FakeNvidiaHost:
+    """For a fixture: a FakeNvidiaHost with `devices` H100s in workdir (made if missing); skips the test, with the
+    reason, where there is no C compiler to build the fake library."""
+    import pytest  # here, so that benches use this module without pytest
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        return FakeNvidiaHost(workdir, devices=devices)
+    except RuntimeError as e:
+        pytest.skip(str(e))

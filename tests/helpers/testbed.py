@@ -34,6 +34,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"  # world-executable, for victims run as other
 POLKITD = "/usr/lib/polkit-1/polkitd"
 JOURNALD = "/lib/systemd/systemd-journald"
 POLKIT_BUS_CONF = "/usr/share/dbus-1/system.d/org.freedesktop.PolicyKit1.conf"
+ADMIN_RULES = REPO / "polkit" / "49-gpukill-admins.rules"  # the example rules: group gpukill administers
 
 OWNER, OTHER, ADMIN = "gpkowner", "gpkother", "gpkadmin"
 ADMIN_GROUP = "gpukill"
@@ -255,6 +256,14 @@ class Testbed:
 
     # -- components ------------------------------------------------------------------------------------
 
+    def start_system(self, rate_limit: tuple[int, int] | None = None, **daemon) -> DaemonProcess:
+        """The whole private system: bus, journald (rate_limit: see start_journal), polkitd with the example
+        rules (ADMIN_RULES), gpukilld (start_daemon with these keyword arguments)."""
+        self.start_bus()
+        self.start_journal(rate_limit)
+        self.start_polkit([ADMIN_RULES])
+        return self.start_daemon(**daemon)
+
     def _spawn(self, argv: list[str], log_name: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
         with open(self.workdir / log_name, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -358,9 +367,8 @@ class Testbed:
             enter = "".join(f"echo $$ > {d}/cgroup.procs && " for d in cgroups)
             command = ["sh", "-c", enter + 'exec "$@"', "sh", *command]
         argv = self.in_journal_ns(command)
-        conf = self.workdir / "gpukilld.conf"
-        if not conf.exists():  # the machine's /etc/gpukill/guard.d and /var/lib/gpukill are never used
-            conf.write_text(f"[guard]\npolicy_dir = {self.workdir / 'guard.d'}\nstate_dir = {self.workdir / 'state'}\n")
+        if not (self.workdir / "gpukilld.conf").exists():
+            self.write_conf()
         log_name = f"gpukilld-{len(self.procs)}.log"
         proc = self._spawn(argv, log_name, env=self.env(NOTIFY_SOCKET=str(notify_path), **(env or {})),
                            cwd=str(REPO))
@@ -369,6 +377,17 @@ class Testbed:
         if wait_ready and listener.wait_for("READY=1", 20) is None:
             raise RuntimeError(f"gpukilld did not become ready:\n{daemon.log()}")
         return daemon
+
+    def write_conf(self, **sections: dict) -> Path:
+        """The gpukilld.conf that start_daemon passes to --config, from sections: write_conf(daemon={"backends":
+        "nvidia"}) writes [daemon] backends = nvidia. [guard] has the bed's policy_dir and state_dir unless they
+        are given, so that the machine's /etc/gpukill/guard.d and /var/lib/gpukill are never used."""
+        sections["guard"] = {"policy_dir": self.workdir / "guard.d", "state_dir": self.workdir / "state",
+                             **sections.get("guard", {})}
+        conf = self.workdir / "gpukilld.conf"
+        conf.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {value}\n" for key, value in items.items())
+                                for name, items in sections.items()))
+        return conf
 
     def stop_daemon(self) -> None:
         if self.daemon is not None:
@@ -444,6 +463,22 @@ class Testbed:
         return self.call_as(user, "org.gpukill1", "/org/gpukill1", "org.gpukill1.Manager", member, signature,
                             body, timeout)
 
+    def guard_call(self, user: User, member: str, signature: str = "", body: list | None = None,
+                   timeout: float = 60) -> CallResult:
+        """One raw call of org.gpukill1.Guard, as `user` (see call_as)."""
+        return self.call_as(user, "org.gpukill1", "/org/gpukill1", "org.gpukill1.Guard", member, signature,
+                            body, timeout)
+
+    def listing(self, user: User = ROOT, *args: str, timeout: float = 60) -> dict:
+        """`gpukillctl list --json ARGS...` as `user`: {"devices": [...], "processes": [...]}; asserts it succeeded."""
+        r = self.ctl(user, "list", "--json", *args, timeout=timeout)
+        assert r.returncode == 0, r
+        return json.loads(r.stdout)
+
+    def listed(self, user: User = ROOT, *args: str, timeout: float = 60) -> dict[int, dict]:
+        """The processes of listing(user, *args), by PID."""
+        return {p["pid"]: p for p in self.listing(user, *args, timeout=timeout)["processes"]}
+
     def processes(self) -> list[dict]:
         r = self.manager(ROOT, "ListProcesses", "a{sv}", [{}])
         assert r.ok, r
@@ -472,8 +507,10 @@ class Testbed:
     # -- victims ---------------------------------------------------------------------------------------
 
     def victim(self, user: User, gpu: int | str = 0, mem: str | None = None, util: float | None = None,
-               comm: str | None = None, ignore_term: bool = False, padding: int = 0) -> subprocess.Popen:
-        """A real process "on" a simulated GPU, owned by `user`; returns once it is set up."""
+               comm: str | None = None, ignore_term: bool = False, padding: int = 0,
+               lifetime: float = 3600) -> subprocess.Popen:
+        """A real process "on" a simulated GPU, owned by `user`, that exits by itself after `lifetime` seconds;
+        returns once it is set up."""
         env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": self.scope}
         if mem is not None:
             env["GPUKILL_SIM_MEM"] = mem
@@ -484,7 +521,7 @@ class Testbed:
             code += f"ctypes.CDLL(None).prctl(15, {comm.encode()!r}, 0, 0, 0)\n"  # PR_SET_NAME
         if ignore_term:
             code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        code += "print('ready', flush=True)\ntime.sleep(3600)\n"
+        code += f"print('ready', flush=True)\ntime.sleep({lifetime})\n"
         kwargs = user.popen_kwargs()
         argv = [SYSTEM_PYTHON, "-c", code] + (["x" * padding] if padding else [])  # a long cmdline, if asked
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd="/",
