@@ -12,7 +12,9 @@ by the act itself (Actions, the Guard interface).
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -27,7 +29,12 @@ from .bouncer import READ_ONLY, Bouncer, Caller, action_for
 from .callrate import RATE, CallRate
 from .names import INTERFACES, OBJECT_PATH
 
+log = logging.getLogger(__name__)
+
 NO_REPLY_EXPECTED = MessageFlag.NO_REPLY_EXPECTED.value
+# Calls a connection may have answered before its uid is known (the first call looks it up; a client that
+# waits for its replies has one or two): beyond, TooBusy, so that a flood cannot outrun the identification.
+MAX_UNIDENTIFIED = 8
 
 _current_call: ContextVar[Message | None] = ContextVar("gpukill_current_call", default=None)
 
@@ -46,6 +53,8 @@ class Door:
         self.bouncer = bouncer
         self.early = early
         self.rate = CallRate()
+        self._unidentified: dict[str, int] = {}  # sender -> calls let through before its uid was known
+        self._lookups: set[asyncio.Future] = set()  # credential lookups the Door started, kept until done
 
     def __call__(self, msg: Message) -> Message | bool | None:
         if msg.message_type is not MessageType.METHOD_CALL:
@@ -57,10 +66,17 @@ class Door:
             return True if no_reply else None
         iface = msg.interface
         caller = self.bouncer.known(msg)  # a connection's first call is looked up by the method, then known
-        if caller is not None and not self.rate.allow(caller.uid):
-            return True if no_reply else Message.new_error(
-                msg, TooBusy.dbus_name, f"uid {caller.uid} calls gpukilld more than {RATE:g} times a second; "
-                                        "slow down")
+        if caller is None:
+            if not self._let_unidentified(msg):
+                return True if no_reply else Message.new_error(
+                    msg, TooBusy.dbus_name, "gpukilld has not identified this connection yet; wait for a reply")
+        else:
+            if self._unidentified:
+                self.rate.charge(caller.uid, self._unidentified.pop(msg.sender, 0))
+            if not self.rate.allow(caller.uid):
+                return True if no_reply else Message.new_error(
+                    msg, TooBusy.dbus_name, f"uid {caller.uid} calls gpukilld more than {RATE:g} times a "
+                                            "second; slow down")
         if iface in INTERFACES or iface is None:
             action = action_for(iface, msg.member)
             if action is None:
@@ -82,6 +98,27 @@ class Door:
             return Message.new_error(msg, "org.freedesktop.DBus.Error.PropertyReadOnly",
                                      "gpukilld properties are read-only")
         return None
+
+    def _let_unidentified(self, msg: Message) -> bool:
+        """Whether a call from a connection whose uid is not known yet may go on; its count is charged to the
+        uid once known (CallRate.charge), so that a connection's first calls count like any other. The first
+        one starts the lookup: not every call reaches a method that would (properties, ListDevices)."""
+        count = self._unidentified.get(msg.sender, 0)
+        if count >= MAX_UNIDENTIFIED:
+            return False
+        if len(self._unidentified) > 4096:  # connections that never called again: bounded whatever happens
+            self._unidentified.clear()
+        self._unidentified[msg.sender] = count + 1
+        if count == 0:
+            task = asyncio.ensure_future(self.bouncer.caller(msg))
+            self._lookups.add(task)
+            task.add_done_callback(self._looked_up)
+        return True
+
+    def _looked_up(self, task: asyncio.Future) -> None:
+        self._lookups.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the connection is gone: nothing to do
+            log.debug("could not identify a caller: %s", task.exception())
 
 
 async def current_caller(bouncer: Bouncer) -> Caller:

@@ -34,3 +34,12 @@ class CallRate:
             self._buckets.clear()
         self._buckets[uid] = (tokens - 1.0, now)
         return True
+
+    def charge(self, uid: int, calls: int) -> None:
+        """Count calls that were answered before their uid was known against it: the bucket may go below
+        zero, and the uid is refused until it has refilled past the debt."""
+        if uid == 0 or calls <= 0:
+            return
+        now = self._clock()
+        tokens, when = self._buckets.get(uid, (BURST, now))
+        self._buckets[uid] = (min(BURST, tokens + (now - when) * RATE) - calls, now)
