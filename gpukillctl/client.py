@@ -14,6 +14,9 @@ daemon reported as org.gpukill1.Error.NoSuchProcess. DaemonUnavailable: no bus, 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +30,14 @@ from gpukill.records import (
     BackendStatus,
     Decision,
     Device,
+    Event,
     GuardStatus,
     PolicyLoaded,
     Process,
     ResetReply,
     from_plain,
     names,
+    signal_record,
 )
 
 BUS_NAME = "org.gpukill1"
@@ -41,6 +46,8 @@ INTERFACE = "org.gpukill1.Manager"
 GUARD_INTERFACE = "org.gpukill1.Guard"
 CALL_TIMEOUT = 25.0
 PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
+MAX_QUEUED_EVENTS = 10_000  # signals kept for a consumer slower than gpukilld; the oldest go first
+DBUS = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
 
 # The keys of `list --json`, in their order.
 DEVICE_KEYS = names(Device)
@@ -216,3 +223,101 @@ class GpukillClient:
         """What a policy (text "": the one in force) would do with the current snapshot; never acts."""
         (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
         return [_record(Decision, d) for d in decisions]
+
+    # -- signals -----------------------------------------------------------------------------------------
+
+    async def events(self, max_queued: int = MAX_QUEUED_EVENTS, *,
+                     on_absent: Callable[[], None] | None = None) -> AsyncIterator[Event]:
+        """Every signal gpukilld sends from now on, as its record of gpukill/records.py, in order; the iteration
+        ends when the bus connection closes. While gpukilld is not running the iteration waits for it, and a
+        restart is followed: the new daemon's signals keep coming.
+
+        Only gpukilld's own signals count. On the system bus any connection may emit a signal with our path,
+        interface and member, so each one is checked against the connection that owns org.gpukill1 now
+        (GetNameOwner, then NameOwnerChanged); a forged one is dropped, even when another match rule of this
+        connection lets it in. A consumer slower than the signals loses the oldest beyond max_queued, so
+        neither this process's memory nor the daemon's (the bus queues what we do not read) is at stake.
+
+        on_absent() is called when gpukilld is found not running, once subscribed (so whatever it brings next
+        is heard): at the start, and each time it goes away."""
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be at least 1, not {max_queued}")
+        queue: collections.deque[Event] = collections.deque(maxlen=max_queued)
+        arrived = asyncio.Event()
+        owner: list[str | None] = [None]
+        owner_heard = [False]  # a NameOwnerChanged came: newer than any GetNameOwner answer still on its way
+
+        def on_message(msg: Message) -> None:
+            if msg.message_type is not MessageType.SIGNAL:
+                return
+            if (msg.sender, msg.path, msg.interface, msg.member) == (*DBUS, "NameOwnerChanged"):
+                if msg.signature == "sss" and msg.body[0] == BUS_NAME:
+                    owner[0] = msg.body[2] or None
+                    owner_heard[0] = True
+                    if owner[0] is None and on_absent is not None:
+                        on_absent()
+                return
+            if owner[0] is None or msg.sender != owner[0] or msg.path != OBJECT_PATH:
+                return
+            record = signal_record(msg.interface or "", msg.member or "", unwrap(msg.body))
+            if record is not None:
+                queue.append(record)
+                arrived.set()
+
+        # The daemon's own signals, and the name's changes of owner; the rules are in place before the owner is
+        # asked for, so no change between the two is missed.
+        rules = [f"type='signal',sender='{BUS_NAME}',path='{OBJECT_PATH}'",
+                 f"type='signal',sender='{DBUS[0]}',path='{DBUS[1]}',interface='{DBUS[2]}',"
+                 f"member='NameOwnerChanged',arg0='{BUS_NAME}'"]
+        self.bus.add_message_handler(on_message)
+        gone = asyncio.ensure_future(self.bus.wait_for_disconnect())
+        try:
+            for rule in rules:
+                await self._bus_call("AddMatch", rule)
+            current = await self._name_owner()
+            if not owner_heard[0]:  # else the answer is older than what the handler already heard
+                owner[0] = current
+                if current is None and on_absent is not None:
+                    on_absent()
+            while True:
+                while queue:
+                    yield queue.popleft()
+                arrived.clear()
+                waiter = asyncio.ensure_future(arrived.wait())
+                await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if gone.done() and not queue:
+                    return
+        finally:
+            if gone.done() and not gone.cancelled():
+                gone.exception()  # how the connection ended does not matter here: it ended
+            gone.cancel()
+            self.bus.remove_message_handler(on_message)
+            if self.bus.connected:
+                for rule in rules:
+                    with contextlib.suppress(ClientError):
+                        await self._bus_call("RemoveMatch", rule)
+
+    async def _bus_call(self, member: str, arg: str) -> list:
+        """A call of the bus itself (org.freedesktop.DBus) with one string argument."""
+        msg = Message(destination=DBUS[0], path=DBUS[1], interface=DBUS[2], member=member, signature="s", body=[arg])
+        try:
+            reply = await asyncio.wait_for(self.bus.call(msg), CALL_TIMEOUT)
+        except TimeoutError:
+            raise ClientError("org.freedesktop.DBus.Error.Timeout", f"the system bus did not answer {member}") from None
+        except Exception as e:
+            raise DaemonUnavailable("", f"lost the system bus: {e}") from None
+        if reply is None or reply.message_type == MessageType.ERROR:
+            raise ClientError(reply.error_name if reply else "", f"{member} failed on the system bus")
+        return reply.body
+
+    async def _name_owner(self) -> str | None:
+        """The unique name of the connection that owns org.gpukill1, or None while gpukilld is not running."""
+        try:
+            return (await self._bus_call("GetNameOwner", BUS_NAME))[0]
+        except DaemonUnavailable:
+            raise
+        except ClientError as e:
+            if e.name == "org.freedesktop.DBus.Error.NameHasNoOwner":
+                return None
+            raise
