@@ -86,6 +86,17 @@ def test_a_pip_install_holds_every_package_of_the_checkout(venv):
     assert _packages(Path(r.stdout.strip()).parents[1]) == _packages(REPO)
 
 
+def test_a_pip_install_places_the_notification_user_unit_and_autostart_entry(venv):
+    """The data files land under the prefix, where systemd looks for user units ($XDG_DATA_DIRS/systemd/user),
+    byte for byte as in the checkout."""
+    for placed, source in ((venv / "share" / "systemd" / "user" / "gpukill-notify.service",
+                            REPO / "systemd" / "user" / "gpukill-notify.service"),
+                           (venv / "share" / "gpukill" / "autostart" / "gpukill-notify.desktop",
+                            REPO / "packaging" / "xdg" / "gpukill-notify.desktop")):
+        assert placed.is_file(), f"{placed} was not installed"
+        assert placed.read_bytes() == source.read_bytes()
+
+
 def test_a_pip_installed_daemon_audits_structured_entries_to_the_journal(venv, fresh_bed, users):
     bed = fresh_bed
     site = subprocess.run([str(venv / "bin" / "python"), "-c", "import gpukilld, sys; print(gpukilld.__file__)\n"

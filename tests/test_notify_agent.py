@@ -1,0 +1,176 @@
+"""`gpukillctl notify-agent` with real components (issue 11): our gpukilld on the private system bus, a real
+notification server (python-dbusmock's notification_daemon) on a private session bus of gpkowner's, and the
+agent running as gpkowner. What the server received is read back with its GetCalls.
+
+One agent runs for the whole module, as in a desktop session; each test looks only at the Notify calls that
+came after its start (`mark`). The tests run in file order: the last restarts gpukilld and the server.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+from helpers.desktop_session import DesktopSession, Notify, dbusmock_missing
+from helpers.marks import needs_root
+from helpers.testbed import ROOT, Testbed, User
+from helpers.waiting import wait_until
+
+pytestmark = [needs_root, pytest.mark.skipif(dbusmock_missing() is not None, reason=dbusmock_missing() or "")]
+
+INTERVAL = 0.2
+GRACE = 3
+HOG_POLICY = f"""\
+rules:
+  - name: "no-hogs"
+    description: "processes named gpuhog are stopped"
+    conditions:
+      - type: "process_name"
+        operator: "contains_any"
+        value: ["gpuhog"]
+    action: "kill"
+    grace_period: "{GRACE}s"
+"""
+CRITICAL, NORMAL = 2, 1
+BURST = 100
+
+
+@pytest.fixture(scope="module")
+def desk(users):
+    """The bed with Guard set up, gpkowner's session with a notification server, and the agent in it."""
+    bed = Testbed()
+    try:
+        (bed.workdir / "guard.d").mkdir()
+        bed.write_conf()
+        bed.start_system(args=["--sample-interval", str(INTERVAL)])
+        session = DesktopSession(bed, users["owner"])
+        session.start_bus()
+        session.start_server()
+        agent = session.start_agent()
+        _warm_up(bed, session, users["owner"])
+        yield bed, session, agent
+    finally:
+        bed.stop()
+
+
+def _kill(bed: Testbed, pid: int) -> None:
+    bed.wait_listed(pid)
+    r = bed.ctl(ROOT, "kill", str(pid))
+    assert r.returncode == 0, r
+
+
+def _warm_up(bed: Testbed, session: DesktopSession, owner: User) -> None:
+    """Until the agent has subscribed on the system bus (nothing tells when), a kill may go unseen: kill
+    throwaway processes until one is shown."""
+    for _ in range(10):
+        before = len(session.notifications())
+        victim = bed.victim(owner, gpu=0, comm="warmup")
+        _kill(bed, victim.pid)
+        if wait_until(lambda b=before: len(session.notifications()) > b, 3, fail=False):
+            return
+    raise AssertionError(f"the agent never showed a kill:\n{session.agent_log()}")
+
+
+def _since(session: DesktopSession, mark: int) -> list[Notify]:
+    return session.notifications()[mark:]
+
+
+def test_a_kill_of_the_users_process_is_one_notification_and_another_users_is_none(desk, users):
+    bed, session, agent = desk
+    mark = len(session.notifications())
+    theirs = bed.victim(users["other"], gpu=1, comm="theirs")
+    mine = bed.victim(users["owner"], gpu=0, comm="a<b>&c\x1b[1m")  # a name with markup and an escape
+    _kill(bed, theirs.pid)
+    _kill(bed, mine.pid)  # after the other's: once this one is shown, the other's was seen and passed over
+    shown = wait_until(lambda: _since(session, mark), 10, "no notification for the kill")
+    time.sleep(1.0)  # nothing more comes
+    shown = _since(session, mark)
+    assert len(shown) == 1, shown
+    n = shown[0]
+    assert n.replaces_id == 0 and n.urgency == NORMAL
+    assert n.summary == f"GPU process stopped: a<b>&c\\x1b[1m (PID {mine.pid})"  # plain text: only escapes
+    assert n.body == (f"a&lt;b&gt;&amp;c\\x1b[1m (PID {mine.pid}) on GPU-8f1c6a2e-0b7d-4c1e-9a55-3d2e7f10a001: "
+                      "terminated, asked by root.")  # the server reads body markup: <, >, & escaped
+    assert agent.poll() is None
+
+
+def test_a_guard_grace_is_a_critical_countdown_replaced_in_place_by_the_outcome(desk, users):
+    bed, session, agent = desk
+    policy = bed.workdir / "hogs.yaml"
+    policy.write_text(HOG_POLICY)
+    for args in (["enable"], ["dry-run", "off"], ["load", str(policy)]):
+        r = bed.ctl(ROOT, "guard", *args)
+        assert r.returncode == 0, r
+    mark = len(session.notifications())
+    try:
+        hog = bed.victim(users["owner"], gpu=2, comm="gpuhog")
+        wait_until(lambda: hog.poll() is not None, GRACE + 10, "the hog was not stopped")
+        final = wait_until(lambda: [n for n in _since(session, mark) if "terminated" in n.body], 10,
+                           lambda: f"no outcome notification: {_since(session, mark)}")
+    finally:
+        assert bed.ctl(ROOT, "guard", "disable").returncode == 0
+    time.sleep(2.5)  # a ProcessKilled left unclaimed would show by itself after 2 s
+    shown = _since(session, mark)
+    first, rest = shown[0], shown[1:]
+    assert first.replaces_id == 0 and first.urgency == CRITICAL, shown
+    subject = f"PID {hog.pid} (gpuhog, user gpkowner)"
+    assert first.summary == f"{subject} will be stopped in {GRACE} s", shown
+    assert first.body == ("Guard rule no-hogs: process_name contains_any [gpuhog].\n"
+                          f"It gets SIGTERM in {GRACE} s unless it comes back within the rule.")
+    popup = sum(n.replaces_id == 0 for n in session.notifications()[:mark + 1])  # the server's ids count from 1
+    assert all(n.replaces_id == popup for n in rest), ("one pop-up, updated in place", shown)
+    countdown = [n for n in rest if n.urgency == CRITICAL]
+    assert [n.summary for n in countdown][:2] == [f"{subject} will be stopped in {GRACE - 1} s",
+                                                  f"{subject} will be stopped in {GRACE - 2} s"]
+    assert rest[-1] == final[-1] and final[-1].urgency == NORMAL  # the ProcessKilled made no pop-up of its own
+    assert final[-1].summary == f"Guard rule no-hogs: gpuhog (PID {hog.pid}) terminated"
+    assert final[-1].body == f"Guard rule no-hogs: process_name contains_any [gpuhog].\ngpuhog (PID {hog.pid}) terminated."
+    assert agent.poll() is None
+
+
+def test_a_burst_of_100_kills_is_a_handful_of_notifications(desk, users):
+    bed, session, agent = desk
+    owner = users["owner"]
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "1", "GPUKILL_SIM_SCOPE": bed.scope}
+    sleepers = [subprocess.Popen(["sleep", "600"], env=env, start_new_session=True, **owner.popen_kwargs())
+                for _ in range(BURST)]
+    bed.procs.extend(sleepers)
+    wait_until(lambda: sum(p["device"] == 1 for p in bed.processes()) >= BURST, 15, "the sleepers are not listed")
+    mark = len(session.notifications())
+    t0 = time.monotonic()
+    r = bed.ctl(ROOT, "reset", "1", "--force")  # stops every process on the GPU, one ProcessKilled each
+    assert r.returncode == 0, r
+    assert all(p.wait(10) is not None for p in sleepers)
+    assert time.monotonic() - t0 < 3, "not a burst"
+    summary = wait_until(lambda: [n for n in _since(session, mark) if "GPU notifications at once" in n.summary],
+                         15, lambda: f"no summary among {len(_since(session, mark))} notifications")
+    time.sleep(1.0)
+    shown = _since(session, mark)
+    assert len(shown) <= 5, shown
+    assert all(n.replaces_id == 0 for n in shown)
+    held = int(summary[0].summary.split()[0])
+    assert held + (len(shown) - 1) == BURST, "every kill is shown or counted"
+    assert f"and {held - 6} more" in summary[0].body
+    assert agent.poll() is None
+
+
+def test_restarting_gpukilld_and_the_notification_server_loses_no_later_event(desk, users):
+    bed, session, agent = desk
+    owner = users["owner"]
+    bed.stop_daemon()
+    session.stop_server()
+    bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
+    first = bed.victim(owner, gpu=0, comm="during")
+    _kill(bed, first.pid)  # the agent hears it and waits for a server
+    time.sleep(0.5)
+    session.start_server()  # a new server: its own ids, its own calls
+    wait_until(lambda: session.notifications(), 10, lambda: f"nothing shown after the restart:\n{session.agent_log()}")
+    second = bed.victim(owner, gpu=0, comm="after")
+    _kill(bed, second.pid)
+    shown = wait_until(lambda: len(session.notifications()) >= 2 and session.notifications(), 10,
+                       lambda: f"the second kill was not shown: {session.notifications()}")
+    assert [n.summary for n in shown] == [f"GPU process stopped: during (PID {first.pid})",
+                                          f"GPU process stopped: after (PID {second.pid})"]
+    assert all(n.replaces_id == 0 for n in shown)
+    assert agent.poll() is None, session.agent_log()
