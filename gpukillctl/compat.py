@@ -1,0 +1,494 @@
+"""gpukill: gpu-kill's command line for admins who know it, translated to the calls gpukillctl makes.
+
+Each invocation becomes a gpukillctl command (or a sequence of them: `--reset --all`, `--kill --filter
+--batch`) run by gpukillctl's own command functions on the same client, so output, JSON and exit statuses are
+gpukillctl's and polkit decides as it does for gpukillctl. A flag gpukill does not take, or a combination whose
+meaning is not certain, is refused with one line naming what to run instead (exit 2): a tool that kills
+processes must not guess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+from dbus_fast import Variant
+
+from gpukill.regex import RegexError, compile_regex
+
+from .cli import cmd_kill, cmd_list, cmd_reset, positive_int, seconds
+from .client import ClientError, GpukillClient
+from .exits import (
+    EXIT_CODES_HELP,
+    EXIT_FAILURE,
+    EXIT_NOT_FOUND,
+    EXIT_NOT_SUPPORTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    exit_code,
+)
+from .format import shown
+from .guard_cli import cmd_guard
+
+PROG = "gpukill"
+WATCH_INTERVAL = 2.0  # seconds between --watch refreshes: gpu-kill's default
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+OPERATIONS = ("list", "kill", "reset", "guard", "audit")
+
+# What each operation is in gpukillctl, for messages that name the command to run instead.
+EQUIVALENT = {
+    "list": "gpukillctl list",
+    "kill": "gpukillctl kill PID",
+    "reset": "gpukillctl reset GPU",
+    "guard": "gpukillctl guard status",
+    "audit": "journalctl -t gpukilld",
+}
+
+AUDIT_INSTEAD = ("journalctl -t gpukilld (every kill, reset and Guard action, e.g. journalctl -t gpukilld "
+                 "GPUKILL_RESULT=denied); processes on the GPUs now: gpukillctl list")
+_POLICY_FILE = "write the rule in a policy file and load it: gpukillctl guard load FILE (see gpukill-policy(5))"
+_SSH = "run gpukill on that host: ssh HOST gpukill ..."
+_SERVER = "gpukilld is the service, on the system bus; ask it with gpukillctl (gpukillctl status)"
+
+# gpu-kill flags that gpukill does not take, with what to use instead. Refused before parsing, so the message
+# names the flag's replacement rather than calling it unknown.
+UNSUPPORTED: dict[str, str] = {
+    "--server": _SERVER,
+    "--server-port": _SERVER,
+    "--server-host": _SERVER,
+    "--remote": _SSH,
+    "--ssh-user": _SSH,
+    "--ssh-port": _SSH,
+    "--ssh-key": _SSH,
+    "--ssh-password": _SSH,
+    "--ssh-timeout": _SSH,
+    "--vendor": "gpukillctl list (the VENDOR column; \"vendor\" in gpukillctl list --json)",
+    "--containers": "gpukillctl list (the UNIT/CONTAINER column is always there)",
+    "--log-level": "gpukilld logs to the journal: journalctl -u gpukilld",
+    "--config": "gpukilld's settings are /etc/gpukill/gpukilld.conf (see gpukilld.conf(5))",
+    "--guard-add-user": _POLICY_FILE,
+    "--guard-remove-user": _POLICY_FILE,
+    "--guard-memory-limit": _POLICY_FILE,
+    "--guard-utilization-limit": _POLICY_FILE,
+    "--guard-process-limit": _POLICY_FILE,
+    "--guard-export-config": "gpukillctl guard status --json",
+    "--guard-import-config": "gpukillctl guard load FILE (a gpukill-policy(5) file, not gpu-kill's JSON)",
+    "--guard-toggle-dry-run": "gpukill --guard --guard-dry-run, or --guard-enforce (say which: a toggle "
+                              "depends on a state you may not know)",
+}
+AUDIT_PREFIXES = ("--audit-", "--rogue-")  # gpu-kill's audit options (--audit-hours, --rogue-config, ...)
+
+
+class Refused(Exception):
+    """Input gpukill will not act on: the problem, what to run instead, the exit status."""
+
+    def __init__(self, problem: str, instead: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(f"{problem}; instead: {instead}")
+        self.code = code
+
+
+def audit_refusal(flag: str) -> Refused:
+    return Refused(f"{flag} is not supported yet (gpukill keeps no usage history of its own)", AUDIT_INSTEAD,
+                   EXIT_NOT_SUPPORTED)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line with what to run instead, not usage + message
+        raise Refused(message, "gpukill --help, or gpukillctl --help for every command")
+
+
+EPILOG = f"""\
+Each operation runs the gpukillctl command named in its help, the same way: its output, JSON and exit
+statuses are gpukillctl's (see gpukillctl(1) and gpukill(1)). A gpu-kill flag that gpukill does not take, or a
+combination whose meaning is not certain, is refused with one line naming what to run instead (exit status 2);
+nothing is guessed. --kill --filter --batch that matches no process exits with 5; --audit exits with 9.
+
+{EXIT_CODES_HELP}"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog=PROG, allow_abbrev=False,  # `--kil` must not be taken for --kill
+               description="gpu-kill's command line, translated to gpukillctl: see, stop and reset GPU "
+                           "processes through gpukilld.",
+               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ops = p.add_argument_group("operations (exactly one)")
+    ops.add_argument("--list", action="store_true", help="the GPUs and the processes on them (gpukillctl list)")
+    ops.add_argument("--kill", action="store_true",
+                     help="stop GPU processes: one with --pid, or every --filter match with --batch "
+                          "(gpukillctl kill)")
+    ops.add_argument("--reset", action="store_true",
+                     help="reset one GPU (--gpu) or every GPU (--all) (gpukillctl reset)")
+    ops.add_argument("--guard", action="store_true",
+                     help="Guard Mode: alone, its status (gpukillctl guard status); with one --guard-* option or "
+                          "--policy-file, that change")
+    ops.add_argument("--audit", action="store_true",
+                     help="not supported yet (exit status 9): the audit trail is in the journal, "
+                          "journalctl -t gpukilld")
+
+    ls = p.add_argument_group("with --list")
+    ls.add_argument("--details", action="store_true",
+                    help="accepted for gpu-kill's sake: the list always has a row per process")
+    ls.add_argument("--watch", action="store_true",
+                    help=f"refresh the list every {WATCH_INTERVAL:g} seconds until interrupted (Ctrl-C ends it "
+                         "with exit status 0); with --output json, one JSON document per line")
+    p.add_argument("--output", choices=["table", "json"], default="table",
+                   help="json: the stable format of gpukillctl list --json (with --list), or gpukillctl guard "
+                        "status/test --json (with --guard alone or --guard-test-policies); table: the default")
+
+    kill = p.add_argument_group("with --kill")
+    kill.add_argument("--pid", type=positive_int, metavar="PID", help="the process to stop (gpukillctl kill PID)")
+    kill.add_argument("--filter", metavar="REGEX",
+                      help="processes whose name matches this RE2 regular expression: alone, lists them and kills "
+                           "nothing (gpukillctl list --name-regex REGEX); with --batch, kills them. With --batch "
+                           "a pattern that matches the empty string (so every name) is refused")
+    kill.add_argument("--batch", action="store_true",
+                      help="kill every process --filter matches, one after the other (the first failure's exit "
+                           "status; the others are still tried)")
+    kill.add_argument("--timeout-secs", type=seconds, metavar="SECONDS",
+                      help="wait this long after SIGTERM before --force sends SIGKILL (default 5; gpukillctl kill "
+                           "--grace)")
+    p.add_argument("--force", action="store_true",
+                   help="with --kill: SIGKILL a process that outlives the grace period; with --reset: kill the "
+                        "processes on the GPU first")
+
+    reset = p.add_argument_group("with --reset")
+    reset.add_argument("--gpu", metavar="GPU", help="the GPU: index as --list shows it, UUID or PCI bus id "
+                                                    "(gpukillctl reset GPU)")
+    reset.add_argument("--all", action="store_true",
+                       help="every GPU, in index order (the first failure's exit status; the others are still "
+                            "tried)")
+
+    guard = p.add_argument_group("with --guard (one at a time)")
+    guard.add_argument("--guard-config", action="store_true", help="the status, as --guard alone")
+    guard.add_argument("--guard-enable", action="store_true",
+                       help="evaluate the policy and act on it (gpukillctl guard enable)")
+    guard.add_argument("--guard-disable", action="store_true",
+                       help="stop evaluating (gpukillctl guard disable)")
+    guard.add_argument("--guard-dry-run", action="store_true",
+                       help="evaluate and report, never signal (gpukillctl guard dry-run on)")
+    guard.add_argument("--guard-enforce", action="store_true",
+                       help="end the dry run: act on the policy (gpukillctl guard dry-run off)")
+    guard.add_argument("--guard-test-policies", action="store_true",
+                       help="what the policy in force, or --policy-file FILE, would do now; acts on nothing "
+                            "(gpukillctl guard test)")
+    guard.add_argument("--policy-file", metavar="FILE",
+                       help="alone: validate FILE (gpukill-policy(5) format) and make it the policy in force "
+                            "(gpukillctl guard load FILE); with --guard-test-policies: test it instead")
+
+    audit = p.add_argument_group("with --audit")
+    audit.add_argument("--rogue", action="store_true", help="not supported yet, as --audit")
+    return p
+
+
+# Options that belong to some operations only: (dest, flag, the operations they go with).
+OPTION_OWNERS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("details", "--details", ("list",)),
+    ("watch", "--watch", ("list",)),
+    ("pid", "--pid", ("kill",)),
+    ("filter", "--filter", ("kill",)),
+    ("batch", "--batch", ("kill",)),
+    ("timeout_secs", "--timeout-secs", ("kill",)),
+    ("force", "--force", ("kill", "reset")),
+    ("gpu", "--gpu", ("reset",)),
+    ("all", "--all", ("reset",)),
+    ("guard_config", "--guard-config", ("guard",)),
+    ("guard_enable", "--guard-enable", ("guard",)),
+    ("guard_disable", "--guard-disable", ("guard",)),
+    ("guard_dry_run", "--guard-dry-run", ("guard",)),
+    ("guard_enforce", "--guard-enforce", ("guard",)),
+    ("guard_test_policies", "--guard-test-policies", ("guard",)),
+    ("policy_file", "--policy-file", ("guard",)),
+    ("rogue", "--rogue", ("audit",)),
+]
+
+
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    value = getattr(args, dest)
+    return value not in (None, False)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an invocation does with a connected client; `endless`: it runs until interrupted (--watch)."""
+
+    run: Callable[[GpukillClient], Awaitable[int]]
+    endless: bool = False
+
+
+def refuse_unsupported(argv: list[str]) -> None:
+    """Refuse gpu-kill's flags that gpukill does not take, naming the replacement."""
+    for token in argv:
+        if token == "--":
+            return
+        flag = token.split("=", 1)[0]
+        if flag in UNSUPPORTED:
+            raise Refused(f"gpu-kill's {flag} is not supported", UNSUPPORTED[flag])
+        if flag.startswith(AUDIT_PREFIXES):
+            raise audit_refusal(flag)
+
+
+def plan(argv: list[str]) -> Plan:
+    """The plan for a gpukill command line; Refused if it is not one gpukill acts on."""
+    refuse_unsupported(argv)
+    return translate(build_parser().parse_args(argv))
+
+
+def translate(args: argparse.Namespace) -> Plan:
+    ops = [op for op in OPERATIONS if getattr(args, op)]
+    if not ops:
+        owned = [(flag, owners) for dest, flag, owners in OPTION_OWNERS if _given(args, dest)]
+        if owned:  # gpu-kill requires the operation too (`--guard-enable` alone is an error there)
+            flag, owners = owned[0]
+            raise Refused(f"{flag} without an operation: it is an option of {' or '.join('--' + o for o in owners)}",
+                          _equivalent(owners[0], args))
+        raise Refused("say what to do: one of --list, --kill, --reset, --guard",
+                      "gpukill --help, or gpukillctl --help for every command")
+    if len(ops) > 1:
+        raise Refused(f"{' and '.join('--' + op for op in ops)} together: one operation at a time",
+                      "; ".join(EQUIVALENT[op] for op in ops))
+    op = ops[0]
+    if op == "audit":
+        raise audit_refusal("--rogue" if args.rogue else "--audit")
+    for dest, flag, owners in OPTION_OWNERS:
+        if _given(args, dest) and op not in owners:
+            raise Refused(f"{flag} is an option of {' or '.join('--' + o for o in owners)}, not of --{op}",
+                          _equivalent(op, args))
+    if args.output == "json" and op not in ("list", "guard"):
+        raise Refused(f"--output json does not go with --{op}: it prints no JSON", _equivalent(op, args))
+    return {"list": _list, "kill": _kill, "reset": _reset, "guard": _guard}[op](args)
+
+
+def _equivalent(op: str, args: argparse.Namespace) -> str:
+    if op == "list" and args.filter is not None:
+        return f"gpukillctl list --name-regex {shlex.quote(args.filter)}"
+    if op == "list" and args.output == "json":
+        return "gpukillctl list --json"
+    if op == "kill" and args.pid is not None:
+        return f"gpukillctl kill {args.pid}"
+    if op == "reset" and args.gpu is not None:
+        return f"gpukillctl reset {shlex.quote(args.gpu)}"
+    switches = [command for dest, _, command in GUARD_SWITCHES if getattr(args, dest)]
+    if op == "guard" and len(switches) == 1:
+        return guard_equivalent(switches[0], args.policy_file)
+    return EQUIVALENT[op]
+
+
+def fail(message: str, code: int) -> int:
+    print(f"{PROG}: {shown(message)}", file=sys.stderr)  # daemon messages name processes: escape them
+    return code
+
+
+# -- --list ------------------------------------------------------------------------------------------------
+
+
+def list_args(json: bool = False, name_regex: str | None = None) -> argparse.Namespace:
+    """The arguments of `gpukillctl list [--json] [--name-regex R]`, as cmd_list reads them."""
+    return argparse.Namespace(json=json, device=None, user=None, name=None, name_regex=name_regex,
+                              min_memory=None)
+
+
+def _list(args: argparse.Namespace) -> Plan:
+    # gpu-kill's --list is a table of GPUs and --details adds the processes; gpukillctl list always has both.
+    list_ns = list_args(json=args.output == "json")
+    if args.watch:
+        return Plan(lambda client: watch(client, list_ns), endless=True)
+    return Plan(lambda client: cmd_list(client, list_ns))
+
+
+async def watch(client: GpukillClient, list_ns: argparse.Namespace) -> int:
+    """gpukillctl list again and again until interrupted. A failed refresh (gpukilld restarting) is one line on
+    stderr, and the next refresh tries again, as gpu-kill's watch does."""
+    clear = not list_ns.json and sys.stdout.isatty()
+    while True:
+        if clear:
+            sys.stdout.write(CLEAR_SCREEN)
+        try:
+            await cmd_list(client, list_ns)
+        except ClientError as e:
+            fail(str(e), exit_code(e))
+        if not list_ns.json and not clear:
+            print()  # refreshes one after another in a file or a pipe: a blank line between them
+        sys.stdout.flush()
+        await asyncio.sleep(WATCH_INTERVAL)
+
+
+# -- --kill ------------------------------------------------------------------------------------------------
+
+
+def _kill(args: argparse.Namespace) -> Plan:
+    if args.pid is not None and args.filter is not None:
+        raise Refused("--pid and --filter together: stop one PID, or every process --filter matches",
+                      f"gpukillctl kill {args.pid}")
+    if args.pid is None and args.filter is None:
+        raise Refused("--kill needs --pid PID, or --filter REGEX with --batch", "gpukillctl kill PID")
+    if args.batch and args.filter is None:
+        raise Refused("--batch goes with --filter (it kills every match), not with --pid",
+                      f"gpukillctl kill {args.pid}")
+    if args.pid is not None:
+        kill_ns = argparse.Namespace(pid=args.pid, start_time=None, force=args.force, grace=args.timeout_secs)
+        return Plan(lambda client: cmd_kill(client, kill_ns))
+    regex = shlex.quote(args.filter)
+    if not args.batch:
+        # gpu-kill's --filter without --batch lists the matches and kills nothing: so does gpukill.
+        if args.force or args.timeout_secs is not None:
+            stray = "--force" if args.force else "--timeout-secs"
+            raise Refused(f"{stray} without --batch: --kill --filter alone only lists the matches",
+                          f"gpukillctl list --name-regex {regex}")
+        return Plan(lambda client: preview(client, args.filter))
+    _check_batch_pattern(args.filter)
+    return Plan(lambda client: kill_matching(client, args.filter, args.force, args.timeout_secs))
+
+
+def _check_batch_pattern(pattern: str) -> None:
+    """A pattern that matches the empty string matches every name (the daemon searches the name, as gpu-kill
+    does): "", ".*", "x*", "a|". Killing every GPU process is a different request from killing some by name,
+    and a pattern like that is usually a slip, so it is refused rather than taken literally."""
+    try:
+        matches_nothing_too = compile_regex(pattern).search("") is not None
+    except RegexError as e:
+        raise Refused(f"--filter: {e}", "gpukillctl list --name-regex REGEX to try a pattern") from None
+    if matches_nothing_too:
+        raise Refused(f"--filter {shlex.quote(pattern)} matches the empty string, so every process name: "
+                      "refused with --batch", "name the processes, e.g. --filter '^python3$'; or gpukillctl list, "
+                      "then gpukillctl kill PID for each")
+
+
+async def preview(client: GpukillClient, pattern: str) -> int:
+    code = await cmd_list(client, list_args(name_regex=pattern))
+    print(f"{PROG}: nothing was killed: add --batch to kill the processes listed", file=sys.stderr)
+    return code
+
+
+async def kill_matching(client: GpukillClient, pattern: str, force: bool, grace: float | None) -> int:
+    """gpukillctl kill for every process the daemon lists as matching, each by the (PID, start time) listed, so
+    a PID reused since the listing is refused, not killed. Every match is tried; the first failure's status."""
+    procs = await client.list_processes({"name_regex": Variant("s", pattern)})
+    targets = list({(p.pid, p.start_time): p for p in procs}.values())  # one process on two GPUs: once
+    if not targets:
+        return fail(f"no GPU process matches {pattern!r}; nothing was killed", EXIT_NOT_FOUND)
+    print(shown(f"{len(targets)} process(es) match {pattern!r}: "
+                + ", ".join(f"{p.pid} ({p.comm})" for p in targets)))
+    first_failure = EXIT_OK
+    for p in targets:
+        kill_ns = argparse.Namespace(pid=p.pid, start_time=p.start_time, force=force, grace=grace)
+        try:
+            code = await cmd_kill(client, kill_ns)
+        except ClientError as e:
+            code = fail(f"PID {p.pid} ({p.comm}): {e}", exit_code(e))
+        first_failure = first_failure or code
+    return first_failure
+
+
+# -- --reset -----------------------------------------------------------------------------------------------
+
+
+def _reset(args: argparse.Namespace) -> Plan:
+    if args.gpu is None and not args.all:
+        raise Refused("--reset needs --gpu GPU or --all", "gpukillctl reset GPU")
+    if args.gpu is not None and args.all:
+        raise Refused("--gpu and --all together: reset one GPU, or every GPU", _equivalent("reset", args))
+    if args.gpu is not None:
+        reset_ns = argparse.Namespace(device=args.gpu, force=args.force)
+        return Plan(lambda client: cmd_reset(client, reset_ns))
+    return Plan(lambda client: reset_all(client, args.force))
+
+
+async def reset_all(client: GpukillClient, force: bool) -> int:
+    """gpukillctl reset for every GPU in index order. Each is tried (GPUs are independent, and the daemon
+    refuses a busy one without --force before touching it); the first failure's status."""
+    devices = await client.list_devices()
+    if not devices:
+        return fail("no GPUs", EXIT_NOT_FOUND)
+    first_failure = EXIT_OK
+    for d in devices:
+        try:
+            code = await cmd_reset(client, argparse.Namespace(device=str(d.index), force=force))
+        except ClientError as e:
+            code = fail(f"GPU {d.index}: {e}", exit_code(e))
+        first_failure = first_failure or code
+    return first_failure
+
+
+# -- --guard -----------------------------------------------------------------------------------------------
+
+# The --guard-* switches, each as the gpukillctl guard command it is (arguments as cmd_guard reads them).
+GUARD_SWITCHES: list[tuple[str, str, dict]] = [
+    ("guard_config", "--guard-config", {"guard_command": "status"}),
+    ("guard_enable", "--guard-enable", {"guard_command": "enable"}),
+    ("guard_disable", "--guard-disable", {"guard_command": "disable"}),
+    ("guard_dry_run", "--guard-dry-run", {"guard_command": "dry-run", "state": "on"}),
+    ("guard_enforce", "--guard-enforce", {"guard_command": "dry-run", "state": "off"}),
+    ("guard_test_policies", "--guard-test-policies", {"guard_command": "test"}),
+]
+
+
+def guard_equivalent(command: dict, policy_file: str | None = None) -> str:
+    words = ["gpukillctl", "guard", command["guard_command"]]
+    if "state" in command:
+        words.append(command["state"])
+    if policy_file is not None and command["guard_command"] == "test":
+        words += ["--policy", policy_file]
+    if policy_file is not None and command["guard_command"] == "load":
+        words.append(policy_file)
+    return shlex.join(words)
+
+
+def _guard(args: argparse.Namespace) -> Plan:
+    chosen = [(flag, command) for dest, flag, command in GUARD_SWITCHES if getattr(args, dest)]
+    if len(chosen) > 1:
+        # gpu-kill did them all in its own order (enable before dry-run: enforcing for a moment): say the order.
+        raise Refused(f"{' and '.join(flag for flag, _ in chosen)} together: one Guard change at a time, in the "
+                      "order you mean", "; ".join(guard_equivalent(command) for _, command in chosen))
+    flag, command = chosen[0] if chosen else ("--guard", {"guard_command": "status"})
+    if args.policy_file is not None:
+        if not chosen:
+            flag, command = "--policy-file", {"guard_command": "load", "file": args.policy_file}
+        elif command["guard_command"] != "test":
+            raise Refused(f"--policy-file with {flag}: loading a policy and {flag} are two changes",
+                          f"{guard_equivalent({'guard_command': 'load'}, args.policy_file)}; "
+                          f"then {guard_equivalent(command)}")
+    json_out = args.output == "json"
+    if json_out and command["guard_command"] not in ("status", "test"):
+        raise Refused(f"--output json does not go with {flag}: it prints no JSON",
+                      guard_equivalent(command, args.policy_file))
+    guard_ns = argparse.Namespace(**command, json=json_out, policy=args.policy_file)
+    return Plan(lambda client: cmd_guard(client, guard_ns))
+
+
+# -- running -----------------------------------------------------------------------------------------------
+
+
+async def run(p: Plan) -> int:
+    client = await GpukillClient.connect()
+    try:
+        return await p.run(client)
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        p = plan(sys.argv[1:] if argv is None else argv)
+    except Refused as e:
+        return fail(str(e), e.code)
+    try:
+        return asyncio.run(run(p))
+    except ClientError as e:
+        return fail(str(e), exit_code(e))
+    except KeyboardInterrupt:
+        return EXIT_OK if p.endless else 130  # Ctrl-C is how --watch ends
+    except BrokenPipeError:  # `gpukill --list --watch | head`: the reader is done
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return EXIT_OK
+    except Exception as e:  # a bug must still end in one line, not a traceback
+        return fail(f"internal error: {type(e).__name__}: {e}", EXIT_FAILURE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""`gpukill`, gpu-kill's command line: every flag combination makes the calls gpukillctl makes, and input whose
+meaning is not certain is refused in one line that names what to run instead.
+
+The translation runs against a recording client (fast, no daemon); a few combinations run end to end on the
+test bed, as other users, against the real daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from unittest.mock import call
+
+import pytest
+from helpers.marks import needs_root
+from helpers.testbed import PYTHON, REPO, ROOT
+
+from gpukill import errors
+from gpukill.outcome import Outcome
+from gpukill.records import Device, GuardStatus, PolicyLoaded, Process, ResetReply
+from gpukillctl import cli, compat
+from gpukillctl.client import ERRORS, DaemonUnavailable, unwrap
+
+POLICY = REPO / "examples" / "guard.yaml"
+POLICY_PATH = os.path.abspath(POLICY)
+
+DEVICES = [Device(index=0, id="GPU-0", backend="simulated", vendor="nvidia", name="H100"),
+           Device(index=1, id="GPU-1", backend="simulated", vendor="amd", name="MI210")]
+
+
+def proc(pid: int, start_time: int, comm: str, device: int = 0) -> Process:
+    return Process(pid=pid, start_time=start_time, uid=1000, user="alice", comm=comm, cmdline=comm,
+                   device=device, device_id=f"GPU-{device}")
+
+
+# 4242 uses both GPUs: listed twice, killed once.
+PROCESSES = [proc(4242, 777, "python3"), proc(4242, 777, "python3", device=1), proc(4343, 888, "pytorch")]
+
+
+def daemon_error(shared: type[errors.GpukillError], text: str) -> Exception:
+    return ERRORS[shared.dbus_name](shared.dbus_name, text)
+
+
+class RecordingClient:
+    """GpukillClient's methods, recorded as mock calls (the polkit `interactive` flag left out: it depends on the
+    terminal). `failures` maps a method name to the exceptions its next calls raise, in turn."""
+
+    unique_name = ":1.42"
+
+    def __init__(self, processes: list[Process] = PROCESSES, failures: dict | None = None) -> None:
+        self.calls: list = []
+        self.processes = processes
+        self.failures = {name: list(excs) for name, excs in (failures or {}).items()}
+
+    def _record(self, name: str, *args, **kw) -> None:
+        self.calls.append(getattr(call, name)(*args, **kw))
+        if self.failures.get(name):
+            exc = self.failures[name].pop(0)
+            if exc is not None:
+                raise exc
+
+    async def list_devices(self):
+        self._record("list_devices")
+        return DEVICES
+
+    async def list_processes(self, filter=None):
+        self._record("list_processes", unwrap(filter or {}))
+        return self.processes
+
+    async def kill(self, pid, start_time, *, force=False, grace=None, interactive=False):
+        self._record("kill", pid, start_time, force=force, grace=grace)
+        return Outcome.TERMINATED
+
+    async def reset(self, device, *, force=False, interactive=False):
+        self._record("reset", device, force=force)
+        index = next(d.index for d in DEVICES if device in (str(d.index), d.id))
+        return ResetReply(device=index, device_id=f"GPU-{index}", message="reset")
+
+    async def guard_status(self):
+        self._record("guard_status")
+        return GuardStatus(enabled=True, dry_run=False, policy_dry_run=False, source="guard.d")
+
+    async def guard_enable(self, enabled=True, *, interactive=False):
+        self._record("guard_enable", enabled)
+
+    async def guard_set_dry_run(self, dry_run, *, interactive=False):
+        self._record("guard_set_dry_run", dry_run)
+
+    async def guard_load_policy(self, name, text, *, interactive=False):
+        self._record("guard_load_policy", name, text)
+        return PolicyLoaded(source="loaded", rules=("r",))
+
+    async def guard_test(self, name="", text=""):
+        self._record("guard_test", name, text)
+        return []
+
+
+def run(argv: list[str], client: RecordingClient | None = None) -> tuple[int, RecordingClient]:
+    client = client or RecordingClient()
+    return asyncio.run(compat.plan(argv).run(client)), client
+
+
+LISTING = [call.list_devices(), call.list_processes({})]
+BY_REGEX = call.list_processes({"name_regex": "^py"})
+
+
+# (gpukill arguments, the client calls gpukillctl makes for the same request)
+MAPPINGS = [
+    (["--list"], LISTING),
+    (["--list", "--details"], LISTING),
+    (["--list", "--output", "json"], LISTING),
+    (["--list", "--output=table", "--details"], LISTING),
+    (["--kill", "--pid", "4343"], [call.list_processes({}), call.kill(4343, 888, force=False, grace=None)]),
+    (["--kill", "--pid", "4343", "--force"], [call.list_processes({}), call.kill(4343, 888, force=True, grace=None)]),
+    (["--kill", "--pid", "4343", "--force", "--timeout-secs", "2.5"],
+     [call.list_processes({}), call.kill(4343, 888, force=True, grace=2.5)]),
+    (["--kill", "--filter", "^py", "--batch"],
+     [BY_REGEX, call.kill(4242, 777, force=False, grace=None), call.kill(4343, 888, force=False, grace=None)]),
+    (["--kill", "--filter", "^py", "--batch", "--force", "--timeout-secs", "1"],
+     [BY_REGEX, call.kill(4242, 777, force=True, grace=1.0), call.kill(4343, 888, force=True, grace=1.0)]),
+    (["--kill", "--filter", "^py"], [call.list_devices(), BY_REGEX]),  # gpu-kill's preview: lists, kills nothing
+    (["--reset", "--gpu", "1"], [call.reset("1", force=False)]),
+    (["--reset", "--gpu", "1", "--force"], [call.reset("1", force=True)]),
+    (["--reset", "--gpu", "GPU-1"], [call.reset("GPU-1", force=False)]),
+    (["--reset", "--all"], [call.list_devices(), call.reset("0", force=False), call.reset("1", force=False)]),
+    (["--reset", "--all", "--force"], [call.list_devices(), call.reset("0", force=True), call.reset("1", force=True)]),
+    (["--guard"], [call.guard_status()]),
+    (["--guard", "--guard-config"], [call.guard_status()]),
+    (["--guard", "--output", "json"], [call.guard_status()]),
+    (["--guard", "--guard-enable"], [call.guard_enable(True)]),
+    (["--guard", "--guard-disable"], [call.guard_enable(False)]),
+    (["--guard", "--guard-dry-run"], [call.guard_set_dry_run(True)]),
+    (["--guard", "--guard-enforce"], [call.guard_set_dry_run(False)]),
+    (["--guard", "--guard-test-policies"], [call.guard_test("", "")]),
+    (["--guard", "--guard-test-policies", "--output", "json"], [call.guard_test("", "")]),
+    (["--guard", "--guard-test-policies", "--policy-file", str(POLICY)],
+     [call.guard_test(POLICY_PATH, POLICY.read_text())]),
+    (["--guard", "--policy-file", str(POLICY)], [call.guard_load_policy(POLICY_PATH, POLICY.read_text())]),
+]
+
+
+@pytest.mark.parametrize("argv,calls", MAPPINGS, ids=[" ".join(a) for a, _ in MAPPINGS])
+def test_each_combination_makes_gpukillctls_calls(argv, calls, capsys):
+    code, client = run(argv)
+    assert code == 0, capsys.readouterr()
+    assert client.calls == calls
+
+
+def test_output_is_gpukillctls(capsys):
+    """Same client, same records: gpukill's output is gpukillctl's, JSON included."""
+    for gpukill_argv, gpukillctl_argv in [(["--list", "--output", "json"], ["list", "--json"]),
+                                          (["--list"], ["list"]),
+                                          (["--guard", "--output", "json"], ["guard", "status", "--json"]),
+                                          (["--kill", "--pid", "4343"], ["kill", "4343"]),
+                                          (["--reset", "--gpu", "1", "--force"], ["reset", "1", "--force"])]:
+        run(gpukill_argv)
+        ours = capsys.readouterr()
+        args = cli.build_parser().parse_args(gpukillctl_argv)
+        asyncio.run(cli.COMMANDS[args.command](RecordingClient(), args))
+        assert ours == capsys.readouterr(), gpukill_argv
+    run(["--list", "--output", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == cli.JSON_FORMAT and [p["pid"] for p in doc["processes"]] == [4242, 4242, 4343]
+
+
+def test_filter_without_batch_kills_nothing_and_says_so(capsys):
+    code, client = run(["--kill", "--filter", "^py"])
+    assert code == 0 and not [c for c in client.calls if c[0] == "kill"]
+    assert "nothing was killed: add --batch" in capsys.readouterr().err
+
+
+def test_batch_tries_every_match_and_exits_with_the_first_failure(capsys):
+    denied = daemon_error(errors.AccessDenied, "not authorized to kill PID 4242")
+    code, client = run(["--kill", "--filter", "^py", "--batch"], RecordingClient(failures={"kill": [denied]}))
+    assert code == 4
+    assert client.calls[-1] == call.kill(4343, 888, force=False, grace=None)  # still tried after the denial
+    err = capsys.readouterr().err
+    assert err == "gpukill: PID 4242 (python3): not authorized to kill PID 4242\n"
+
+
+def test_batch_with_no_match_kills_nothing(capsys):
+    code, client = run(["--kill", "--filter", "^py", "--batch"], RecordingClient(processes=[]))
+    assert code == 5 and client.calls == [BY_REGEX]
+    assert "no GPU process matches '^py'; nothing was killed" in capsys.readouterr().err
+
+
+def test_reset_all_goes_on_after_a_gpu_that_cannot_be_reset(capsys):
+    unsupported = daemon_error(errors.NotSupported, "GPU 0 cannot be reset: not supported")
+    code, client = run(["--reset", "--all"], RecordingClient(failures={"reset": [unsupported]}))
+    assert code == 9
+    assert client.calls[-1] == call.reset("1", force=False)
+    out = capsys.readouterr()
+    assert "gpukill: GPU 0: GPU 0 cannot be reset" in out.err and "GPU 1 (GPU-1): reset" in out.out
+
+
+def test_watch_refreshes_until_interrupted_and_survives_a_failed_refresh(monkeypatch, capsys):
+    monkeypatch.setattr(compat, "WATCH_INTERVAL", 0.01)
+    gone = DaemonUnavailable("", "gpukilld is not running (org.gpukill1 is not on the system bus)")
+    client = RecordingClient(failures={"list_devices": [None, gone]})
+    p = compat.plan(["--list", "--watch", "--output", "json"])
+    assert p.endless
+
+    async def until_interrupted() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(p.run(client), 0.5)
+
+    asyncio.run(until_interrupted())
+    assert client.calls.count(call.list_devices()) >= 4  # went on after the failed second refresh
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert len(lines) >= 3 and all(json.loads(line)["format"] == 1 for line in lines)  # JSON lines
+    assert out.err.count("gpukill: gpukilld is not running") == 1
+
+
+# (gpukill arguments, exit status, what the one line must say: the problem and what to run instead)
+REFUSALS = [
+    ([], 2, ["one of --list, --kill, --reset, --guard", "gpukillctl --help"]),
+    (["--kill", "--reset", "--pid", "5"], 2, ["--kill and --reset together", "gpukillctl kill PID; gpukillctl reset"]),
+    (["--list", "--guard"], 2, ["--list and --guard together", "gpukillctl list; gpukillctl guard status"]),
+    (["--list", "--force"], 2, ["--force is an option of --kill or --reset, not of --list", "instead: gpukillctl list"]),
+    (["--list", "--filter", "py"], 2, ["--filter is an option of --kill", "gpukillctl list --name-regex py"]),
+    (["--list", "--pid", "5"], 2, ["--pid is an option of --kill", "gpukillctl list"]),
+    (["--kill", "--watch", "--pid", "5"], 2, ["--watch is an option of --list", "gpukillctl kill 5"]),
+    (["--reset", "--gpu", "0", "--details"], 2, ["--details is an option of --list", "gpukillctl reset 0"]),
+    (["--guard", "--force"], 2, ["--force is an option of --kill or --reset", "gpukillctl guard status"]),
+    (["--kill"], 2, ["--kill needs --pid PID, or --filter REGEX with --batch", "gpukillctl kill PID"]),
+    (["--kill", "--pid", "5", "--filter", "py"], 2, ["--pid and --filter together", "gpukillctl kill 5"]),
+    (["--kill", "--pid", "5", "--batch"], 2, ["--batch goes with --filter", "gpukillctl kill 5"]),
+    (["--kill", "--batch"], 2, ["--kill needs --pid PID", "gpukillctl kill PID"]),
+    (["--kill", "--filter", "py", "--force"], 2, ["--force without --batch", "gpukillctl list --name-regex py"]),
+    (["--kill", "--filter", "py", "--timeout-secs", "3"], 2, ["--timeout-secs without --batch", "--name-regex py"]),
+    (["--kill", "--filter", "", "--batch"], 2, ["--filter '' matches the empty string", "gpukillctl kill PID"]),
+    (["--kill", "--filter", ".*", "--batch"], 2, ["--filter '.*' matches the empty string", "gpukillctl list"]),
+    (["--kill", "--filter", "py|", "--batch"], 2, ["matches the empty string", "gpukillctl list"]),
+    (["--kill", "--filter", "(a", "--batch"], 2, ["not a valid regular expression", "gpukillctl list --name-regex"]),
+    (["--kill", "--pid", "5", "--output", "json"], 2, ["--output json does not go with --kill", "gpukillctl kill 5"]),
+    (["--kill", "--pid", "abc"], 2, ["not a PID", "gpukillctl --help"]),
+    (["--kil", "--pid", "5"], 2, ["unrecognized arguments: --kil", "gpukillctl --help"]),  # no abbreviations
+    (["--list", "stray"], 2, ["unrecognized arguments: stray", "gpukillctl --help"]),
+    (["--reset"], 2, ["--reset needs --gpu GPU or --all", "gpukillctl reset GPU"]),
+    (["--reset", "--gpu", "1", "--all"], 2, ["--gpu and --all together", "gpukillctl reset 1"]),
+    (["--reset", "--gpu", "1", "--output", "json"], 2, ["--output json does not go with --reset", "reset 1"]),
+    (["--guard", "--guard-enable", "--guard-dry-run"], 2,
+     ["--guard-enable and --guard-dry-run together", "gpukillctl guard enable; gpukillctl guard dry-run on"]),
+    (["--guard", "--guard-disable", "--guard-test-policies"], 2, ["together", "gpukillctl guard disable"]),
+    (["--guard", "--guard-enable", "--policy-file", "p.yaml"], 2,
+     ["--policy-file with --guard-enable", "gpukillctl guard load p.yaml; then gpukillctl guard enable"]),
+    (["--guard", "--guard-enforce", "--output", "json"], 2, ["--output json does not go with --guard-enforce",
+                                                             "gpukillctl guard dry-run off"]),
+    (["--guard", "--policy-file", "p.yaml", "--output", "json"], 2, ["does not go with --policy-file",
+                                                                      "gpukillctl guard load p.yaml"]),
+    (["--guard-enable"], 2, ["--guard-enable without an operation: it is an option of --guard",
+                             "instead: gpukillctl guard enable"]),
+    (["--pid", "5", "--force"], 2, ["--pid without an operation", "instead: gpukillctl kill 5"]),
+    (["--audit"], 9, ["--audit is not supported yet", "journalctl -t gpukilld"]),
+    (["--audit", "--rogue"], 9, ["--rogue is not supported yet", "journalctl -t gpukilld"]),
+    (["--audit", "--rogue", "--output", "json"], 9, ["--rogue is not supported yet", "journalctl -t gpukilld"]),
+    (["--audit", "--audit-hours", "3"], 9, ["--audit-hours is not supported yet", "journalctl -t gpukilld"]),
+    (["--list", "--vendor", "nvidia"], 2, ["--vendor is not supported", "gpukillctl list"]),
+    (["--list", "--containers"], 2, ["--containers is not supported", "gpukillctl list"]),
+    (["--guard", "--guard-toggle-dry-run"], 2, ["--guard-toggle-dry-run is not supported", "--guard-enforce"]),
+    (["--server", "--server-port=9000"], 2, ["--server is not supported", "gpukillctl status"]),
+]
+
+
+@pytest.mark.parametrize("argv,code,texts", REFUSALS, ids=[" ".join(a) or "(nothing)" for a, _, _ in REFUSALS])
+def test_refused_in_one_line_naming_what_to_run(argv, code, texts, capsys):
+    """Refused before any connection: a refusal that slipped through would reach the bus (exit 3, not 2)."""
+    assert compat.main(argv) == code
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith("gpukill: ") and out.err.count("\n") == 1 and "; instead: " in out.err, out.err
+    for text in texts:
+        assert text in out.err, out.err
+
+
+def test_every_unsupported_gpu_kill_flag_names_its_replacement(capsys):
+    for flag, instead in compat.UNSUPPORTED.items():
+        assert compat.main(["--list", flag]) == 2
+        assert capsys.readouterr().err == f"gpukill: gpu-kill's {flag} is not supported; instead: {instead}\n"
+
+
+def test_every_option_has_a_help_text():
+    """gpukill(1) and the completions are written from this parser."""
+    for action in compat.build_parser()._actions:
+        assert action.help and len(action.help) > 10, action.option_strings
+
+
+# -- end to end: the real daemon on the test bed, gpukill run as the users -------------------------------------
+
+
+def gpukill(bed, user, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return bed.run_as(user, [PYTHON, "-m", "gpukillctl.compat", *args], timeout=timeout)
+
+
+@needs_root
+def test_kill_by_pid(victims, users, alive):
+    bed, owner = victims, users["owner"]
+    victim = bed.victim(owner, gpu=0, comm="compatpid")
+    bed.wait_listed(victim.pid, comm="compatpid")
+    r = gpukill(bed, owner, "--kill", "--pid", str(victim.pid))
+    assert r.returncode == 0, r
+    assert r.stdout == f"PID {victim.pid} (compatpid) terminated\n"
+    assert not alive(victim.pid)
+
+
+@needs_root
+def test_filter_batch_kills_every_match_and_nothing_else(victims, users, alive):
+    bed, owner = victims, users["owner"]
+    matches = [bed.victim(owner, gpu=0, comm="batchme"), bed.victim(owner, gpu=1, comm="batchme")]
+    bystander = bed.victim(owner, gpu=0, comm="batchmenot")
+    for v, comm in [(matches[0], "batchme"), (matches[1], "batchme"), (bystander, "batchmenot")]:
+        bed.wait_listed(v.pid, comm=comm)
+    preview = gpukill(bed, owner, "--kill", "--filter", "^batchme$")
+    assert preview.returncode == 0 and all(str(v.pid) in preview.stdout for v in matches), preview
+    assert all(alive(v.pid) for v in matches)
+    r = gpukill(bed, owner, "--kill", "--filter", "^batchme$", "--batch")
+    assert r.returncode == 0, r
+    assert f"2 process(es) match '^batchme$': {matches[0].pid} (batchme), {matches[1].pid} (batchme)" in r.stdout
+    assert not any(alive(v.pid) for v in matches)
+    assert alive(bystander.pid)
+
+
+@needs_root
+def test_reset_gpu_with_force_kills_the_holder_first(victims, users, alive):
+    bed = victims
+    holder = bed.victim(users["owner"], gpu=1, ignore_term=True, comm="holder")
+    bed.wait_listed(holder.pid, comm="holder")
+    busy = gpukill(bed, ROOT, "--reset", "--gpu", "1")
+    assert busy.returncode == 8 and busy.stderr.startswith("gpukill: ") and alive(holder.pid), busy
+    r = gpukill(bed, ROOT, "--reset", "--gpu", "1", "--force")
+    assert r.returncode == 0, r
+    assert f"killed first: {holder.pid}" in r.stdout
+    assert not alive(holder.pid)
+
+
+@needs_root
+def test_list_json_is_gpukillctls(victims, users):
+    bed, other = victims, users["other"]
+    victim = bed.victim(users["owner"], gpu=2, mem="700MiB", comm="compatjson")
+    bed.wait_listed(victim.pid, comm="compatjson")
+    ours = gpukill(bed, other, "--list", "--output", "json")
+    assert ours.returncode == 0, ours
+    assert json.loads(ours.stdout) == bed.listing(other)
+
+
+@needs_root
+def test_watch_refreshes_until_ctrl_c(bed, users):
+    other = users["other"]
+    watcher = subprocess.Popen([PYTHON, "-m", "gpukillctl.compat", "--list", "--watch", "--output", "json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bed.env(), cwd="/",
+                               **other.popen_kwargs())
+    try:
+        assert watcher.stdout is not None
+        docs = [json.loads(watcher.stdout.readline()) for _ in range(2)]  # two refreshes, one line each
+        assert all(d["format"] == 1 and len(d["devices"]) == 4 for d in docs)
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=10) == 0
+        assert "Traceback" not in watcher.stderr.read()
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+
+
+@needs_root
+def test_refusal_from_the_command_line(bed, users):
+    """As the admin types it: one line, exit 2, the gpukillctl command named; nothing reaches the daemon."""
+    r = gpukill(bed, users["other"], "--kill", "--reset", "--pid", "1")
+    assert (r.returncode, r.stdout) == (2, ""), r
+    assert r.stderr == ("gpukill: --kill and --reset together: one operation at a time; "
+                        "instead: gpukillctl kill PID; gpukillctl reset GPU\n")
+
+
+def test_console_script_is_declared():
+    """pyproject's `gpukill` runs this module's main (the .deb and .rpm ship packaging/bin/gpukill, the same)."""
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'gpukill = "gpukillctl.compat:main"' in text
+    wrapper = (REPO / "packaging" / "bin" / "gpukill").read_text()
+    assert "from gpukillctl.compat import main" in wrapper
+    script = Path(PYTHON).parent / "gpukill"
+    if script.exists():  # installed by `pip install -e .` (make test)
+        r = subprocess.run([str(script), "--audit"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 9 and r.stderr.startswith("gpukill: --audit is not supported yet"), r
