@@ -2,8 +2,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # What the real-component tests and the demo run: the bus, polkitd, journald, unshare/nsenter/setpriv, gcc for
-# the fake NVML library, and gdb to freeze a daemon's main loop in the watchdog test.
-APT_PACKAGES := dbus-daemon polkitd systemd util-linux gcc python3-venv gdb
+# the fake NVML library, gdb to freeze a daemon's main loop in the watchdog test, and groff-base (groff, tbl)
+# to render the man pages in tests/test_manpages.py.
+# python3-dbusmock: the notification server of tests/test_notify_agent.py, run with Debian's python3 (dbus-python
+# does not build in the venv without libdbus and glib headers; Debian's brings python3-dbus and python3-gi).
+# tmux: the real terminal that tests/test_top.py drives `gpukillctl top` in (send-keys, capture-pane).
+APT_PACKAGES := dbus-daemon polkitd systemd util-linux gcc python3-venv gdb groff-base python3-dbusmock tmux
 
 .PHONY: all deps venv test test-gpu lint demo bench clean deb rpm pkg-deps test-package
 
@@ -61,8 +65,7 @@ pkg-deps:
 $(BUILD)/src: pkg-deps venv
 	rm -rf $(BUILD)/src && mkdir -p $(BUILD)/src/generated/completions
 	git ls-files -co --exclude-standard -z | xargs -0 tar -cf - | tar -xf - -C $(BUILD)/src
-	$(PY) -m shtab --shell=bash --prog gpukillctl gpukillctl.cli.build_parser > $(BUILD)/src/generated/completions/gpukillctl.bash
-	$(PY) -m shtab --shell=zsh --prog gpukillctl gpukillctl.cli.build_parser > $(BUILD)/src/generated/completions/_gpukillctl
+	$(PY) packaging/completions.py $(BUILD)/src/generated/completions
 	/usr/bin/python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d $(BUILD)/src/wheels -r packaging/vendor-requirements.txt

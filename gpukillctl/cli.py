@@ -30,7 +30,12 @@ from .exits import (
 from .format import devices_table, processes_table, shown
 from .guard_cli import cmd_guard
 from .guard_cli import register as register_guard
+from .monitor import cmd_monitor
+from .monitor import register as register_monitor
+from .notify_agent import register as register_notify_agent
 from .polkit_agent import PolkitAgent
+from .top import cmd_top
+from .top import register as register_top
 
 JSON_FORMAT = 1
 
@@ -97,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("status", help="daemon version, backends and a summary")
     register_guard(sub)
+    register_top(sub)
+    register_notify_agent(sub)
+    register_monitor(sub)
     return p
 
 
@@ -193,7 +201,8 @@ async def cmd_status(client: GpukillClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"list": cmd_list, "kill": cmd_kill, "reset": cmd_reset, "status": cmd_status, "guard": cmd_guard}
+COMMANDS = {"list": cmd_list, "kill": cmd_kill, "reset": cmd_reset, "status": cmd_status, "guard": cmd_guard,
+            "monitor": cmd_monitor, "top": cmd_top}
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -61,5 +61,9 @@ exit status:
   13  too busy: a limit per user was reached (authorizations waiting for polkit, a policy test running);
       nothing was done, try again
 
-JSON (list --json) is stable: {"format": 1, "devices": [...], "processes": [...]}; every key documented in
-README.md is always present, null where the daemon cannot read a value."""
+JSON (list --json) is stable: {"format": 1, "devices": [...], "processes": [...]}; every key is always present,
+null where the daemon cannot read a value.
+
+manual pages:
+  man gpukillctl        commands, options, the JSON keys
+  man gpukill-policy    Guard Mode policies (guard load, test, validate)"""

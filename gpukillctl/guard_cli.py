@@ -26,7 +26,9 @@ from .polkit_agent import PolkitAgent
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    guard = sub.add_parser("guard", help="Guard Mode: policies the daemon enforces (see README.md)")
+    guard = sub.add_parser("guard", help="Guard Mode: policies the daemon enforces (see man gpukill-policy)",
+                           description="Guard Mode: policies gpukilld enforces on its own samples. The policy "
+                                       "format, with every key and condition type: man gpukill-policy.")
     gsub = guard.add_subparsers(dest="guard_command", metavar="GUARD_COMMAND", parser_class=type(guard))
     gsub.required = True
     gsub.add_parser("enable", help="evaluate the policy and act on it")

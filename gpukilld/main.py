@@ -281,18 +281,28 @@ class Daemon:
         return 0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; packaging/completions.py and the man page test read it too."""
     p = argparse.ArgumentParser(
         prog="gpukilld",
         description="The gpukill daemon: samples GPUs, serves org.gpukill1 on the system bus, kills and resets "
         "on request after asking polkit, and audits every act to the journal. Runs as root under systemd.",
+        epilog="manual pages:\n"
+        "  man gpukilld          options, signals, files\n"
+        "  man gpukilld.conf     the configuration file\n"
+        "  man gpukill-policy    Guard Mode policies",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", default=DEFAULT_PATH, help=f"configuration file (default {DEFAULT_PATH})")
-    p.add_argument("--simulate", metavar="FILE", help="simulated GPUs described in FILE (see examples/simulate.yaml)")
+    p.add_argument("--simulate", metavar="FILE", help="simulated GPUs described in FILE (see man gpukilld.conf)")
     p.add_argument("--sample-interval", type=float, metavar="SECONDS", help="seconds between samples (default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"gpukilld {__version__}")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

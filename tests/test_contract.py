@@ -3,7 +3,6 @@ every method, and the systemd, journal, polkit and bus files are accepted by the
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
@@ -116,47 +115,3 @@ def test_bus_policy_is_enforced(bed, users):
     r = bed.call_as(ROOT, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
                     "GetNameOwner", "s", ["org.gpukill1"])
     assert r.ok
-
-
-def man_section(man: str, title: str) -> str:
-    return man.split(f"\n.SH {title}\n", 1)[1].split("\n.SH ", 1)[0]
-
-
-def man_words(line: str) -> list[str]:
-    """The lower-case words of a man source line, without its macro, font escapes and quotes."""
-    return re.findall(r"[a-z][a-z-]*", re.sub(r"\\f[BIRP]", " ", line.split(" ", 1)[1] if " " in line else ""))
-
-
-def test_man_page_and_help_cover_every_command_and_exit_code():
-    from gpukillctl import cli, exits
-
-    parser = cli.build_parser()
-    man = (REPO / "man" / "gpukillctl.1").read_text().replace("\\-", "-")
-    sub = next(a for a in parser._actions if a.dest == "command")
-    # each command is in the synopsis as ".B gpukillctl NAME" and has its own entry (a .TP tag) under COMMANDS
-    synopsis = {line.split()[2] for line in man_section(man, "SYNOPSIS").splitlines()
-                if line.startswith(".B gpukillctl ")}
-    assert synopsis == set(sub.choices)
-    lines = man_section(man, "COMMANDS").splitlines()
-    tags = [man_words(lines[i + 1]) for i, line in enumerate(lines) if line == ".TP"]
-    assert {tag[0] for tag in tags} == set(sub.choices)
-    for name, sp in sub.choices.items():
-        nested = [a for a in sp._actions if isinstance(getattr(a, "choices", None), dict) and a.dest != "help"]
-        documented = {word for tag in tags if tag[0] == name for word in tag[1:]}
-        for action in nested:
-            assert set(action.choices) <= documented, f"{name}: {set(action.choices) - documented}"
-    # the same exit codes in --help, the man page and the CLI's constants, each code read as a whole number
-    codes = {int(line.split()[0]) for line in exits.EXIT_CODES_HELP.splitlines() if line.strip()[:2].strip().isdigit()}
-    items = " ".join(man_section(man, "EXIT STATUS").split()).split(";")
-    assert all(item.split()[0].isdigit() for item in items), items
-    assert {int(item.split()[0]) for item in items} == codes
-    assert codes == {v for k, v in vars(exits).items() if k.startswith("EXIT_") and isinstance(v, int)}
-    assert (REPO / "man" / "gpukilld.8").exists()
-
-
-def test_completions_generate():
-    shtab = pytest.importorskip("shtab")
-    from gpukillctl import cli
-
-    bash = shtab.complete(cli.build_parser(), shell="bash")
-    assert "gpukillctl" in bash and "guard" in bash and "--force" in bash
