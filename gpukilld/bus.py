@@ -26,15 +26,17 @@ from dbus_fast.constants import MessageFlag
 from gpukill.errors import AccessDenied, GpukillError, TooBusy
 
 from .bouncer import READ_ONLY, Bouncer, Caller, action_for
-from .callrate import RATE, CallRate
+from .callrate import BURST, RATE, CallRate
 from .names import INTERFACES, OBJECT_PATH
 
 log = logging.getLogger(__name__)
 
 NO_REPLY_EXPECTED = MessageFlag.NO_REPLY_EXPECTED.value
-# Calls a connection may have answered before its uid is known (the first call looks it up; a client that
-# waits for its replies has one or two): beyond, TooBusy, so that a flood cannot outrun the identification.
-MAX_UNIDENTIFIED = 8
+# Calls answered before the caller's uid is known (the Door asks at its first call; a flood can send hundreds
+# meanwhile): at most a burst per connection and a few bursts for all together, each charged to the uid once it
+# is known (CallRate.charge), so that they count like any other call.
+MAX_UNIDENTIFIED = int(BURST)
+MAX_UNIDENTIFIED_TOTAL = 4 * int(BURST)
 
 _current_call: ContextVar[Message | None] = ContextVar("gpukill_current_call", default=None)
 
@@ -54,6 +56,7 @@ class Door:
         self.early = early
         self.rate = CallRate()
         self._unidentified: dict[str, int] = {}  # sender -> calls let through before its uid was known
+        self._unidentified_total = 0
         self._lookups: set[asyncio.Future] = set()  # credential lookups the Door started, kept until done
 
     def __call__(self, msg: Message) -> Message | bool | None:
@@ -72,7 +75,7 @@ class Door:
                     msg, TooBusy.dbus_name, "gpukilld has not identified this connection yet; wait for a reply")
         else:
             if self._unidentified:
-                self.rate.charge(caller.uid, self._unidentified.pop(msg.sender, 0))
+                self.rate.charge(caller.uid, self._identified(msg.sender))
             if not self.rate.allow(caller.uid):
                 return True if no_reply else Message.new_error(
                     msg, TooBusy.dbus_name, f"uid {caller.uid} calls gpukilld more than {RATE:g} times a "
@@ -100,25 +103,33 @@ class Door:
         return None
 
     def _let_unidentified(self, msg: Message) -> bool:
-        """Whether a call from a connection whose uid is not known yet may go on; its count is charged to the
-        uid once known (CallRate.charge), so that a connection's first calls count like any other. The first
-        one starts the lookup: not every call reaches a method that would (properties, ListDevices)."""
+        """Whether a call from a connection whose uid is not known yet may go on. The first one starts the
+        lookup: not every call reaches a method that would (properties, ListDevices)."""
         count = self._unidentified.get(msg.sender, 0)
-        if count >= MAX_UNIDENTIFIED:
+        if count >= MAX_UNIDENTIFIED or self._unidentified_total >= MAX_UNIDENTIFIED_TOTAL:
             return False
-        if len(self._unidentified) > 4096:  # connections that never called again: bounded whatever happens
-            self._unidentified.clear()
         self._unidentified[msg.sender] = count + 1
+        self._unidentified_total += 1
         if count == 0:
             task = asyncio.ensure_future(self.bouncer.caller(msg))
             self._lookups.add(task)
-            task.add_done_callback(self._looked_up)
+            task.add_done_callback(functools.partial(self._looked_up, msg.sender))
         return True
 
-    def _looked_up(self, task: asyncio.Future) -> None:
+    def _identified(self, sender: str) -> int:
+        """The calls let through before the sender was known, forgotten now that it is."""
+        calls = self._unidentified.pop(sender, 0)
+        self._unidentified_total -= calls
+        return calls
+
+    def _looked_up(self, sender: str, task: asyncio.Future) -> None:
         self._lookups.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # the connection is gone: nothing to do
-            log.debug("could not identify a caller: %s", task.exception())
+        if task.cancelled() or task.exception() is not None:  # the connection is gone: nothing to charge
+            self._identified(sender)
+            if not task.cancelled():
+                log.debug("could not identify a caller: %s", task.exception())
+            return
+        self.rate.charge(task.result().uid, self._identified(sender))
 
 
 async def current_caller(bouncer: Bouncer) -> Caller:

@@ -2,7 +2,8 @@
 
 Found by CI under load: a flood from a new connection had its first calls answered uncounted while the
 credentials lookup was on its way (639 answered where the rate allowed 628). Now a connection gets at most
-MAX_UNIDENTIFIED calls before it is identified, the Door starts the lookup itself, and those calls are charged
+MAX_UNIDENTIFIED calls (all connections together MAX_UNIDENTIFIED_TOTAL) before it is identified, the Door starts
+the lookup itself, and those calls are charged
 to the uid once it is known.
 """
 
@@ -14,7 +15,7 @@ from dbus_fast import Message, MessageType
 
 from gpukilld import callrate
 from gpukilld.bouncer import Caller
-from gpukilld.bus import MAX_UNIDENTIFIED, Door
+from gpukilld.bus import MAX_UNIDENTIFIED, MAX_UNIDENTIFIED_TOTAL, Door
 from gpukilld.names import MANAGER_INTERFACE, OBJECT_PATH
 
 UID = 1002
@@ -76,3 +77,30 @@ def test_charging_takes_the_bucket_below_zero_and_it_refills():
     assert rate.allow(UID)
     rate.charge(0, 10**6)  # root is never limited
     assert rate.allow(0)
+
+
+def test_calls_before_identification_are_charged_even_if_the_connection_never_calls_again():
+    async def run() -> int:
+        bouncer = SlowBouncer()
+        door = Door(None, bouncer, early=lambda msg: None)
+        door.rate = callrate.CallRate(clock=lambda: 0.0)
+        for n in range(3):  # three connections of one user, five calls each, gone before they are known
+            for _ in range(5):
+                door(call(f":1.{10 + n}"))
+        await asyncio.sleep(0.01)
+        bouncer.identified.add(":1.99")  # the same user's next connection, already known
+        return sum(not busy(door(call(":1.99"))) for _ in range(int(callrate.BURST)))
+
+    assert run_answered(run) == int(callrate.BURST) - 15
+
+
+def test_all_unidentified_connections_together_are_bounded():
+    async def run() -> int:
+        door = Door(None, SlowBouncer(), early=lambda msg: None)
+        return sum(not busy(door(call(f":2.{n}"))) for n in range(MAX_UNIDENTIFIED_TOTAL + 50))
+
+    assert run_answered(run) == MAX_UNIDENTIFIED_TOTAL
+
+
+def run_answered(run) -> int:
+    return asyncio.run(run())

@@ -256,6 +256,25 @@ def test_sigkill_is_followed_by_a_restart(machine):
     assert machine.run("gpukillctl", "status").returncode == 0
 
 
+def test_the_desktop_agent_and_the_gpu_kill_command(machine):
+    """The notification agent's user unit, enabled for every user by the postinst (dh_installsystemduser), the
+    autostart entry for desktops without systemd user sessions, the gpukill command and the manual pages."""
+    assert machine.run("systemctl", "--global", "is-enabled", "gpukill-notify.service").stdout.strip() == "enabled"
+    r = machine.run("systemd-analyze", "verify", "/usr/lib/systemd/user/gpukill-notify.service", check=False)
+    # anything said about our unit is a problem in it, but that the container has no man command to read the
+    # pages Documentation= names (the pages themselves are checked below)
+    said = [line for line in r.stderr.splitlines() if "gpukill-notify" in line and "Command 'man " not in line]
+    assert not said, r.stderr
+    desktop = (machine.root / "etc/xdg/autostart/gpukill-notify.desktop").read_text()
+    assert "Exec=gpukillctl notify-agent" in desktop, desktop
+    assert "usage:" in machine.run("gpukillctl", "notify-agent", "--help", user="alice").stdout
+    listed = json.loads(machine.run("gpukill", "--list", "--output", "json", user="alice").stdout)
+    assert listed["format"] == 1 and listed["devices"], listed
+    for page in ("man1/gpukill.1.gz", "man5/gpukill-policy.5.gz", "man5/gpukilld.conf.5.gz",
+                 "man8/gpukill-notify.service.8.gz"):
+        assert (machine.root / "usr/share/man" / page).exists(), page
+
+
 def test_bus_activation_starts_a_stopped_daemon(machine):
     machine.run("systemctl", "stop", "gpukilld")
     assert machine.run("systemctl", "is-active", "gpukilld", check=False).stdout.strip() == "inactive"
@@ -272,7 +291,10 @@ def test_purge_leaves_nothing_of_ours(machine):
             "usr/share/dbus-1/interfaces/org.gpukill1.xml", "usr/share/polkit-1/actions/org.gpukill.policy",
             "usr/lib/systemd/catalog/gpukill.catalog", "usr/lib/sysusers.d/gpukill.conf", "etc/gpukill/gpukilld.conf",
             "etc/gpukill/guard.d", "var/lib/gpukill", "usr/share/man/man8/gpukilld.8.gz",
-            "usr/share/bash-completion/completions/gpukillctl", "usr/share/doc/gpukill"]
+            "usr/share/bash-completion/completions/gpukillctl", "usr/share/doc/gpukill", "usr/bin/gpukill",
+            "usr/lib/systemd/user/gpukill-notify.service", "etc/xdg/autostart/gpukill-notify.desktop",
+            "etc/systemd/user/graphical-session.target.wants/gpukill-notify.service",
+            "usr/share/man/man5/gpukill-policy.5.gz"]
     left = [p for p in ours if (machine.root / p).exists() or (machine.root / p).is_symlink()]
     assert left == [], left
     # what is left under /etc/gpukill is what the admin wrote there (simulate.yaml above): policy keeps it
