@@ -135,12 +135,7 @@ class GpukillClient:
         msg = Message(destination=BUS_NAME, path=OBJECT_PATH, interface=interface, member=member,
                       signature=signature, body=body or [],
                       flags=MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive else MessageFlag.NONE)
-        try:
-            reply = await asyncio.wait_for(self.bus.call(msg), timeout)
-        except TimeoutError:
-            raise ClientError("org.freedesktop.DBus.Error.Timeout", f"gpukilld did not answer within {timeout:g}s") from None
-        except Exception as e:
-            raise DaemonUnavailable("", f"lost the system bus: {e}") from None
+        reply = await self._send(msg, timeout, "gpukilld")
         if reply.message_type == MessageType.ERROR:
             text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else reply.error_name
             raise error_for(reply.error_name, text)
@@ -298,15 +293,20 @@ class GpukillClient:
                     with contextlib.suppress(ClientError):
                         await self._bus_call("RemoveMatch", rule)
 
+    async def _send(self, msg: Message, timeout: float, who: str) -> Message:
+        """The reply to msg (an error reply included); a ClientError when `who` does not answer within timeout,
+        DaemonUnavailable when the bus connection is lost."""
+        try:
+            return await asyncio.wait_for(self.bus.call(msg), timeout)
+        except TimeoutError:
+            raise ClientError("org.freedesktop.DBus.Error.Timeout", f"{who} did not answer within {timeout:g}s") from None
+        except Exception as e:
+            raise DaemonUnavailable("", f"lost the system bus: {e}") from None
+
     async def _bus_call(self, member: str, arg: str) -> list:
         """A call of the bus itself (org.freedesktop.DBus) with one string argument."""
         msg = Message(destination=DBUS[0], path=DBUS[1], interface=DBUS[2], member=member, signature="s", body=[arg])
-        try:
-            reply = await asyncio.wait_for(self.bus.call(msg), CALL_TIMEOUT)
-        except TimeoutError:
-            raise ClientError("org.freedesktop.DBus.Error.Timeout", f"the system bus did not answer {member}") from None
-        except Exception as e:
-            raise DaemonUnavailable("", f"lost the system bus: {e}") from None
+        reply = await self._send(msg, CALL_TIMEOUT, f"the system bus ({member})")
         if reply is None or reply.message_type == MessageType.ERROR:
             raise ClientError(reply.error_name if reply else "", f"{member} failed on the system bus")
         return reply.body
