@@ -22,6 +22,7 @@ from dbus_fast import Variant
 
 from gpukill.regex import RegexError, compile_regex
 
+from .audit_cli import cmd_audit
 from .cli import cmd_kill, cmd_list, cmd_reset, positive_int, seconds
 from .client import ClientError, GpukillClient
 from .exits import (
@@ -51,7 +52,8 @@ EQUIVALENT = {
 }
 
 AUDIT_INSTEAD = ("journalctl -t gpukilld (every kill, reset and Guard action, e.g. journalctl -t gpukilld "
-                 "GPUKILL_RESULT=denied); processes on the GPUs now: gpukillctl list")
+                 "GPUKILL_RESULT=denied); processes on the GPUs now: gpukillctl list; rogue activity now: "
+                 "gpukill --audit --rogue (gpukillctl audit)")
 _POLICY_FILE = "write the rule in a policy file and load it: gpukillctl guard load FILE (see gpukill-policy(5))"
 _SSH = "run gpukill on that host: ssh HOST gpukill ..."
 _SERVER = "gpukilld is the service, on the system bus; ask it with gpukillctl (gpukillctl status)"
@@ -107,7 +109,8 @@ EPILOG = f"""\
 Each operation runs the gpukillctl command named in its help, the same way: its output, JSON and exit
 statuses are gpukillctl's (see gpukillctl(1) and gpukill(1)). A gpu-kill flag that gpukill does not take, or a
 combination whose meaning is not certain, is refused with one line naming what to run instead (exit status 2);
-nothing is guessed. --kill --filter --batch that matches no process exits with 5; --audit exits with 9.
+nothing is guessed. --kill --filter --batch that matches no process exits with 5; --audit without --rogue
+exits with 9.
 
 {EXIT_CODES_HELP}"""
 
@@ -128,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Guard Mode: alone, its status (gpukillctl guard status); with one --guard-* option or "
                           "--policy-file, that change")
     ops.add_argument("--audit", action="store_true",
-                     help="not supported yet (exit status 9): the audit trail is in the journal, "
-                          "journalctl -t gpukilld")
+                     help="with --rogue: the rogue-activity audit (gpukillctl audit); alone, not supported yet "
+                          "(exit status 9): the audit trail is in the journal, journalctl -t gpukilld")
 
     ls = p.add_argument_group("with --list")
     ls.add_argument("--details", action="store_true",
@@ -182,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(gpukillctl guard load FILE); with --guard-test-policies: test it instead")
 
     audit = p.add_argument_group("with --audit")
-    audit.add_argument("--rogue", action="store_true", help="not supported yet, as --audit")
+    audit.add_argument("--rogue", action="store_true",
+                       help="crypto miners, GPU hogs and idle memory holders, each with its score and evidence "
+                            "(gpukillctl audit; --output json: gpukillctl audit --json)")
     return p
 
 
@@ -253,15 +258,15 @@ def translate(args: argparse.Namespace) -> Plan:
         raise Refused(f"{' and '.join('--' + op for op in ops)} together: one operation at a time",
                       "; ".join(EQUIVALENT[op] for op in ops))
     op = ops[0]
-    if op == "audit":
-        raise audit_refusal("--rogue" if args.rogue else "--audit")
+    if op == "audit" and not args.rogue:  # gpu-kill's usage history: gpukill keeps none of its own
+        raise audit_refusal("--audit")
     for dest, flag, owners in OPTION_OWNERS:
         if _given(args, dest) and op not in owners:
             raise Refused(f"{flag} is an option of {' or '.join('--' + o for o in owners)}, not of --{op}",
                           _equivalent(op, args))
-    if args.output == "json" and op not in ("list", "guard"):
+    if args.output == "json" and op not in ("list", "guard", "audit"):
         raise Refused(f"--output json does not go with --{op}: it prints no JSON", _equivalent(op, args))
-    return {"list": _list, "kill": _kill, "reset": _reset, "guard": _guard}[op](args)
+    return {"list": _list, "kill": _kill, "reset": _reset, "guard": _guard, "audit": _audit}[op](args)
 
 
 def _equivalent(op: str, args: argparse.Namespace) -> str:
@@ -271,6 +276,8 @@ def _equivalent(op: str, args: argparse.Namespace) -> str:
         return "gpukillctl list --json"
     if op == "kill" and args.pid is not None:
         return f"gpukillctl kill {args.pid}"
+    if op == "audit" and args.rogue:
+        return "gpukillctl audit"
     if op == "reset" and args.gpu is not None:
         return f"gpukillctl reset {shlex.quote(args.gpu)}"
     switches = [command for dest, _, command in GUARD_SWITCHES if getattr(args, dest)]
@@ -282,6 +289,14 @@ def _equivalent(op: str, args: argparse.Namespace) -> str:
 def fail(message: str, code: int) -> int:
     print(f"{PROG}: {shown(message)}", file=sys.stderr)  # daemon messages name processes: escape them
     return code
+
+
+# -- --audit --rogue ---------------------------------------------------------------------------------------
+
+
+def _audit(args: argparse.Namespace) -> Plan:
+    audit_ns = argparse.Namespace(json=args.output == "json")
+    return Plan(lambda client: cmd_audit(client, audit_ns))
 
 
 # -- --list ------------------------------------------------------------------------------------------------
@@ -492,3 +507,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -16,6 +16,13 @@
     protect_system_users = yes       # uids up to SYS_UID_MAX of /etc/login.defs (999): invisible to Guard
     protected_units = dbus.service systemd-*.service ...   # system units invisible to Guard; empty: none
 
+    [audit]                          # the rogue-activity audit (AuditRogue, README.md)
+    idle_after = 1800                # seconds of GPU memory held at 0% utilization: an idle holder
+    idle_min_memory = 256MiB         # less than this held idle is not reported
+    abuser_window = 3600             # seconds over which users' shares of GPU memory and time are compared
+    abuser_share = 80                # percent of the memory (or time) used in the window: an abuser
+    pool_ports = 3333 4444 5555 ...  # TCP ports of mining pools; empty: none
+
     [notify]                         # where guard e-mail goes: a relay that delivers onwards (postfix, ...)
     smtp_host = localhost
     smtp_port = 25
@@ -34,6 +41,9 @@ import re
 from dataclasses import dataclass
 
 from gpukill.errors import ConfigError
+from gpukill.units import parse_size
+
+from .rogue import AuditSettings
 
 DEFAULT_PATH = "/etc/gpukill/gpukilld.conf"
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 3600.0
@@ -66,6 +76,7 @@ class Config:
     sys_uid_max: int = SYS_UID_MAX  # the last system account's uid, from login.defs (read by load_config)
     guard_protect_system_users: bool = True
     guard_protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
+    audit: AuditSettings = AuditSettings()
 
     @property
     def guard_protected_uid_max(self) -> int | None:
@@ -75,7 +86,8 @@ class Config:
 
 _KNOWN = {"daemon": {"sample_interval", "simulate", "backends"}, "paths": {"proc", "sys", "debugfs"},
           "guard": {"policy_dir", "state_dir", "protect_system_users", "protected_units"},
-          "notify": {"smtp_host", "smtp_port", "from", "timeout"}}
+          "notify": {"smtp_host", "smtp_port", "from", "timeout"},
+          "audit": {"idle_after", "idle_min_memory", "abuser_window", "abuser_share", "pool_ports"}}
 
 
 def read_sys_uid_max(path: str = LOGIN_DEFS) -> int:
@@ -170,6 +182,8 @@ def load_config(path: str, required: bool = False) -> Config:
                 raise ConfigError(f"{path}:{_line_of(path, 'guard', key) or '?'}: {key} must not be empty")
             values[field] = value
     values.update(_protection(parser, path))
+    if parser.has_section("audit"):
+        values["audit"] = _audit(parser, path)
     if parser.has_option("notify", "smtp_host"):
         values["smtp_host"] = parser["notify"]["smtp_host"].strip() or "localhost"
     if parser.has_option("notify", "from"):
@@ -206,3 +220,34 @@ def _protection(parser: configparser.ConfigParser, path: str) -> dict[str, objec
                                   "(e.g. dbus.service, getty@*.service)")
         values["guard_protected_units"] = patterns
     return values
+
+
+def _audit(parser: configparser.ConfigParser, path: str) -> AuditSettings:
+    """[audit]: the rogue-activity audit's thresholds (gpukilld/rogue.py), each checked with its line."""
+    section = parser["audit"]
+    values: dict[str, object] = {}
+
+    def where(key: str) -> str:
+        return f"{path}:{_line_of(path, 'audit', key) or '?'}"
+
+    for key, low, high in (("idle_after", 0.0, 30 * 86400.0), ("abuser_window", 1.0, 7 * 86400.0),
+                           ("abuser_share", 1.0, 100.0)):
+        if key in section:
+            try:
+                number = float(section[key])
+            except ValueError:
+                raise ConfigError(f"{where(key)}: {key} must be a number") from None
+            if not low <= number <= high:  # also rejects NaN
+                raise ConfigError(f"{where(key)}: {key} must be between {low:g} and {high:g}")
+            values[key] = number
+    if "idle_min_memory" in section:
+        try:
+            values["idle_min_memory"] = parse_size(section["idle_min_memory"].strip())
+        except ValueError as e:
+            raise ConfigError(f"{where('idle_min_memory')}: idle_min_memory: {e}") from None
+    if "pool_ports" in section:
+        words = section["pool_ports"].replace(",", " ").split()
+        if not all(w.isdigit() and 1 <= int(w) <= 65535 for w in words):
+            raise ConfigError(f"{where('pool_ports')}: pool_ports must be TCP ports (1 to 65535)")
+        values["pool_ports"] = tuple(dict.fromkeys(int(w) for w in words))
+    return AuditSettings(**values)  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from .bouncer import Bouncer
 from .bus import current_caller, dbus_errors, name_outputs
 from .model import Device, GpuProcess, Snapshot
 from .names import MANAGER_INTERFACE
+from .rogue import findings_as_seen
 from .visibility import FULL, Viewer, seen_as
 from .wire import to_dbus
 
@@ -38,6 +39,9 @@ MAX_FILTER_STRING = 4096
 # ReplyTooLarge (clients then ask for pages) instead of failing to marshal for every caller.
 MAX_REPLY = 16 << 20
 PAGE_MAX = 1000
+# AuditRogue's findings, highest score first: one per process and kind at most, each bounded (evidence texts of
+# 256 bytes), so 1000 fit well inside one reply.
+MAX_FINDINGS = 1000
 # What may wait in the daemon's own write queue before large replies are refused (TooBusy): callers who
 # never read their replies must not grow the daemon's memory.
 MAX_BACKLOG = 64 << 20
@@ -250,6 +254,14 @@ class ManagerInterface(ServiceInterface):
 
     @method()
     @dbus_errors
+    async def AuditRogue(self) -> "aa{sv}":
+        viewer = await self._bouncer.viewer(await current_caller(self._bouncer))
+        findings = findings_as_seen(self._snapshot().findings, viewer)[:MAX_FINDINGS]
+        self._check_backlog()
+        return [to_dbus(f) for f in findings]
+
+    @method()
+    @dbus_errors
     async def KillProcess(self, pid: "u", start_time: "t", options: "a{sv}") -> "s":
         caller = await current_caller(self._bouncer)
         _check_keys(options, ("force", "grace"), "option")
@@ -303,6 +315,7 @@ class ManagerInterface(ServiceInterface):
 OUTPUT_NAMES = {
     "ListDevices": ["devices"],
     "ListProcesses": ["processes"],
+    "AuditRogue": ["findings"],
     "KillProcess": ["outcome"],
     "ResetDevice": ["result"],
     "ProcessKilled": ["pid", "start_time", "uid", "comm", "devices", "outcome", "caller_uid", "initiator"],

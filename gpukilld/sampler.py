@@ -23,6 +23,7 @@ from .model import (
     STATE_OK,
     BackendStatus,
     Device,
+    Finding,
     GpuProcess,
     ProcessUsage,
     Snapshot,
@@ -55,11 +56,14 @@ class Sampler:
         publish: Callable[[Snapshot, list[StateChange]], None],
         watchdog: Callable[[], None] = lambda: None,
         watchdog_interval: float | None = None,
+        audit: Callable[[Sequence[GpuProcess], float], tuple[Finding, ...]] | None = None,
     ) -> None:
         self.backends = list(backends)
         self.interval = interval
         self.procfs = procfs
         self._publish = publish
+        # The rogue-activity audit (rogue_watch.RogueWatch): it sees every sample's processes, here in this thread.
+        self.audit = audit
         self._watchdog = watchdog
         # Ping at least every watchdog_interval while idle; sampling itself must finish within WatchdogSec.
         self._ping_every = min(interval, watchdog_interval) if watchdog_interval else interval
@@ -192,7 +196,9 @@ class Sampler:
             del self._info_cache[key]
 
         processes.sort(key=lambda p: (p.device, p.pid))
-        content = (tuple(sorted(devices.values(), key=lambda d: d.index)), tuple(processes), tuple(statuses))
+        findings = self._audit(processes, now)
+        content = (tuple(sorted(devices.values(), key=lambda d: d.index)), tuple(processes), tuple(statuses),
+                   findings)
         # The generation is the content's version: readers rebuild their replies only when it changes.
         if self._last_content != content:
             self._generation += 1
@@ -203,5 +209,15 @@ class Sampler:
             devices=content[0],
             processes=content[1],
             backends=content[2],
+            findings=findings,
         )
         return snapshot, changes
+
+    def _audit(self, processes: list[GpuProcess], now: float) -> tuple[Finding, ...]:
+        if self.audit is None:
+            return ()
+        try:
+            return self.audit(processes, now)
+        except Exception:  # a bug in the audit must not cost the sample: the listing and Guard go on without it
+            log.exception("the rogue-activity audit failed")
+            return ()

@@ -98,6 +98,10 @@ class RecordingClient:
         self._record("guard_test", name, text)
         return []
 
+    async def audit_rogue(self):
+        self._record("audit_rogue")
+        return []
+
 
 def run(argv: list[str], client: RecordingClient | None = None) -> tuple[int, RecordingClient]:
     client = client or RecordingClient()
@@ -123,6 +127,8 @@ MAPPINGS = [
     (["--kill", "--filter", "^py", "--batch", "--force", "--timeout-secs", "1"],
      [BY_REGEX, call.kill(4242, 777, force=True, grace=1.0), call.kill(4343, 888, force=True, grace=1.0)]),
     (["--kill", "--filter", "^py"], [call.list_devices(), BY_REGEX]),  # gpu-kill's preview: lists, kills nothing
+    (["--audit", "--rogue"], [call.audit_rogue()]),
+    (["--audit", "--rogue", "--output", "json"], [call.audit_rogue()]),
     (["--reset", "--gpu", "1"], [call.reset("1", force=False)]),
     (["--reset", "--gpu", "1", "--force"], [call.reset("1", force=True)]),
     (["--reset", "--gpu", "GPU-1"], [call.reset("GPU-1", force=False)]),
@@ -257,8 +263,8 @@ REFUSALS = [
                              "instead: gpukillctl guard enable"]),
     (["--pid", "5", "--force"], 2, ["--pid without an operation", "instead: gpukillctl kill 5"]),
     (["--audit"], 9, ["--audit is not supported yet", "journalctl -t gpukilld"]),
-    (["--audit", "--rogue"], 9, ["--rogue is not supported yet", "journalctl -t gpukilld"]),
-    (["--audit", "--rogue", "--output", "json"], 9, ["--rogue is not supported yet", "journalctl -t gpukilld"]),
+    (["--rogue"], 2, ["--rogue without an operation: it is an option of --audit", "instead: gpukillctl audit"]),
+    (["--list", "--rogue"], 2, ["--rogue is an option of --audit, not of --list", "gpukillctl list"]),
     (["--audit", "--audit-hours", "3"], 9, ["--audit-hours is not supported yet", "journalctl -t gpukilld"]),
     (["--list", "--vendor", "nvidia"], 2, ["--vendor is not supported", "gpukillctl list"]),
     (["--list", "--containers"], 2, ["--containers is not supported", "gpukillctl list"]),

@@ -17,6 +17,7 @@ from gpukill import errors, records
 from gpukill.records import (
     Decision,
     Device,
+    Finding,
     GuardStatus,
     PolicyLoaded,
     Process,
@@ -39,7 +40,7 @@ SCALARS = {"u": 7, "t": 1 << 40, "d": 1.5, "b": True, "as": ("a", "b"), "au": (1
 # Every record a client meets, with the bus method whose comment in dbus/org.gpukill1.xml lists its keys.
 DOCUMENTED_IN = {Device: "ListDevices", Process: "ListProcesses", ResetReply: "ResetDevice",
                  GuardStatus: "GetStatus", Decision: "TestPolicies", ViolationDetails: "PolicyViolated",
-                 PolicyLoaded: "LoadPolicy"}
+                 PolicyLoaded: "LoadPolicy", Finding: "AuditRogue"}
 
 
 def full(cls: type, tag: str = "x") -> object:
@@ -143,7 +144,7 @@ def test_a_reading_becomes_a_device_with_every_value():
 def test_the_sandbox_carries_every_field():
     process = daemons(full(Process), system_unit="cron.service")
     snapshot = Snapshot(generation=0, taken_at=0.0, devices=(full(Device),), processes=(process,),
-                        backends=())
+                        backends=(), findings=(full(Finding),))
     assert snapshot_from_json(json.loads(json.dumps(snapshot_to_json(snapshot)))) == snapshot
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpukill.errors import GpukillError, TooBusy
 from gpukill.policy import PolicyError
-from gpukill.records import from_plain, to_plain
+from gpukill.records import Finding, from_plain, to_plain
 from gpukill.text import bounded
 
 from ..model import Device, GpuProcess, Snapshot
@@ -78,6 +78,7 @@ def snapshot_to_json(snapshot: Snapshot) -> dict[str, Any]:
     return {
         "devices": [to_plain(d) for d in snapshot.devices],
         "processes": [{**to_plain(p), "system_unit": p.system_unit} for p in snapshot.processes],
+        "findings": [to_plain(f) for f in snapshot.findings],  # what rogue_score and rogue_kind read
     }
 
 
@@ -85,7 +86,9 @@ def snapshot_from_json(data: dict[str, Any]) -> Snapshot:
     devices = tuple(from_plain(Device, d) for d in data["devices"])
     processes = tuple(dataclasses.replace(from_plain(GpuProcess, p), system_unit=p["system_unit"])
                       for p in data["processes"])
-    return Snapshot(generation=0, taken_at=0.0, devices=devices, processes=processes, backends=())
+    findings = tuple(from_plain(Finding, f) for f in data.get("findings", ()))
+    return Snapshot(generation=0, taken_at=0.0, devices=devices, processes=processes, backends=(),
+                    findings=findings)
 
 
 class Sandbox:

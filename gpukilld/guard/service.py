@@ -28,6 +28,7 @@ from ..bouncer import Bouncer, Request
 from ..bus import current_caller, dbus_errors, name_outputs
 from ..model import Snapshot
 from ..names import GUARD_INTERFACE
+from ..rogue import findings_as_seen
 from ..visibility import FULL, PROGRAM, Viewer, as_seen_by
 from ..wire import to_dbus
 from .engine import Violation
@@ -52,7 +53,8 @@ def view_snapshot(snapshot: Snapshot, viewer: Viewer) -> Snapshot:
     if viewer.others == FULL:
         return snapshot
     seen = tuple(q for p in snapshot.processes if (q := as_seen_by(p, viewer)) is not None)
-    return dataclasses.replace(snapshot, processes=seen)
+    # the audit's findings as AuditRogue shows them to the viewer: rogue_score reads only what they may see
+    return dataclasses.replace(snapshot, processes=seen, findings=tuple(findings_as_seen(snapshot.findings, viewer)))
 
 
 def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer: Viewer) -> list[dict[str, Any]]:
