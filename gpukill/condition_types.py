@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .device_faults import recovery_action
+from .records import FINDING_IDLE, FINDING_MINER
 from .rules import PER_DEVICE, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, Condition
 from .units import format_size
 
@@ -94,6 +96,10 @@ class ConditionType:
     indexed: bool = False  # few distinct values on a machine: the engine decides once per value
     victim_order: str | None = None  # one of VICTIM_ORDERS: the largest by it go first
     share: Share | None = None  # None: the type takes no percentage of a total
+    values: tuple[str, ...] = ()  # the only values a policy may compare it with (a closed set); (): any
+    # A device's health: a rule with such a condition looks at lost devices too (others only at present ones,
+    # whose readings mean something).
+    every_device: bool = False
 
     def reader(self, view: str, percent_of_total: bool = False) -> Callable[[Any], Any]:
         """How to read the value off a view: a C attrgetter where the reader is a name (no Python frame per
@@ -114,6 +120,18 @@ class ConditionType:
         return f"{self.name} {shown} {cond.text.removeprefix(self.name + ' ')}"
 
 
+def _score(v: float) -> str:
+    return f"{v:g}"
+
+
+def _recovery_action(d: Any) -> str | None:
+    """The recovery action the driver asked for with the device's last critical error (gpukill.device_faults)."""
+    return recovery_action(d.device.state_reason)
+
+
+# A device's state as gpukill.records declares it (STATE_OK, STATE_LOST, STATE_ERROR).
+DEVICE_STATES = ("ok", "lost", "error")
+_DEVICE_ONLY = {PER_DEVICE: SUBJECT}
 _PROC_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SELECTOR}
 _ID_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SUBJECT, PER_DEVICE: SELECTOR}
 
@@ -148,6 +166,19 @@ CONDITION_TYPES: dict[str, ConditionType] = {
         ConditionType("temperature", CELSIUS, NUMBER_OPS, {PER_DEVICE: SUBJECT},
                       {ON_DEVICE: "device.temperature"}, _celsius,
                       "temperature is a device's value: it needs scope per_device"),
+        # The rogue-activity audit's verdict on a process (gpukilld/rogue.py): its highest finding's score (0 to
+        # 100, 0 without a finding) and that finding's kind. A user's findings (abuser) are not a process's.
+        ConditionType("rogue_score", PERCENT, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "rogue_score"}, _score),
+        ConditionType("rogue_kind", STRING, ("==", "!=", "in"), _PROC_ROLES, {ON_PROCESS: "rogue_kind"}, repr,
+                      indexed=True, values=(FINDING_MINER, FINDING_IDLE)),
+        # What the backend says of the device's health (self-healing resets): a driver's text, not a process's.
+        ConditionType("device_state", STRING, ("==", "!=", "in"), _DEVICE_ONLY, {ON_DEVICE: "device.state"}, repr,
+                      "device_state is a device's value: it needs scope per_device", values=DEVICE_STATES,
+                      every_device=True),
+        ConditionType("state_reason", STRING, STRING_OPS, _DEVICE_ONLY, {ON_DEVICE: "device.state_reason"}, repr,
+                      "state_reason is a device's value: it needs scope per_device", every_device=True),
+        ConditionType("recovery_action", STRING, STRING_OPS, _DEVICE_ONLY, {ON_DEVICE: _recovery_action}, repr,
+                      "recovery_action is a device's value: it needs scope per_device", every_device=True),
     )
 }
 

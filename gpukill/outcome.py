@@ -17,6 +17,8 @@ class Outcome(StrEnum):
     STILL_ALIVE = "still-alive"  # outlived the grace and no force was asked (or survived SIGKILL: D state)
     WOULD_KILL = "would-kill"  # a dry run's kill: nothing was signalled
     CANCELLED = "cancelled"  # the guard's subject came back under within the grace: nothing was signalled
+    RESET = "reset"  # a Guard reset rule's device was reset (a refusal is the reset path's result instead)
+    WOULD_RESET = "would-reset"  # a dry run's reset: nothing was done
 
     @property
     def text(self) -> str:
@@ -35,6 +37,8 @@ _TEXT = {
     Outcome.STILL_ALIVE: "still alive after SIGTERM",
     Outcome.WOULD_KILL: "would stop",
     Outcome.CANCELLED: "came back under within the grace period",
+    Outcome.RESET: "reset",
+    Outcome.WOULD_RESET: "would be reset",
 }
 SIGNALLED = frozenset({Outcome.TERMINATED, Outcome.KILLED, Outcome.STILL_ALIVE})
 

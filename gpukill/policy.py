@@ -47,7 +47,11 @@ from .rules import (
     ACTIONS,
     EMPTY_POLICY,
     MATCHES,
+    MAX_RESETS_PER_HOUR,
+    PER_DEVICE,
     PER_PROCESS,
+    RESET,
+    RESET_COOLDOWN,
     SCOPES,
     SELECTOR,
     Condition,
@@ -86,7 +90,9 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = -273.15, 1000.0  # °C
 TOP_KEYS = ("rules", "sample_interval", "dry_run", "max_kills_per_cycle", "cooldown", "kill_grace", "notify",
             "exemptions")
 RULE_KEYS = ("name", "description", "conditions", "match", "scope", "action", "force", "grace_period",
-             "kill_grace", "notify", "exemptions")
+             "kill_grace", "notify", "exemptions", "cooldown", "max_resets_per_hour")
+RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
+MIN_RESET_COOLDOWN, MAX_RESETS_PER_HOUR_LIMIT = 10.0, 60  # a reset takes seconds; a device reset every minute is plenty
 CONDITION_KEYS = ("type", "operator", "value", "duration", "scope", "description")
 EXEMPTION_KEYS = ("users", "groups", "units", "processes")
 
@@ -580,7 +586,7 @@ class _Parser:
 
         action = None
         if "action" not in fields:
-            self.error(node, f"{label} needs an 'action': kill, notify or log")
+            self.error(node, f"{label} needs an 'action': kill, notify, log or reset")
         else:
             action = self.string(fields["action"][1], "action")
             if action is not None and action not in ACTIONS:
@@ -596,10 +602,27 @@ class _Parser:
         kill_grace = None
         if "kill_grace" in fields:
             kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_GRACE)
-        if action in ("notify", "log"):
-            for key in ("force", "grace_period", "kill_grace"):
+        if action in ("notify", "log", RESET):
+            for key in ("grace_period", "kill_grace") if action == RESET else ("force", "grace_period", "kill_grace"):
                 if key in fields:
                     self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
+        reset_cooldown, max_resets = RESET_COOLDOWN, MAX_RESETS_PER_HOUR
+        if action != RESET:
+            for key in RESET_KEYS:
+                if key in fields and action is not None:
+                    self.error(fields[key][0], f"{key} applies only to action reset, not {action}")
+        else:
+            if "cooldown" in fields:
+                reset_cooldown = self.duration(fields["cooldown"][1], "cooldown", MIN_RESET_COOLDOWN, 86400.0) \
+                    or RESET_COOLDOWN
+            if "max_resets_per_hour" in fields:
+                ok, raw = self.scalar(fields["max_resets_per_hour"][1])
+                if ok and isinstance(raw, int) and not isinstance(raw, bool) and 1 <= raw <= MAX_RESETS_PER_HOUR_LIMIT:
+                    max_resets = raw
+                else:
+                    self.error(fields["max_resets_per_hour"][1], "max_resets_per_hour must be a whole number from 1 "
+                                                                 f"to {MAX_RESETS_PER_HOUR_LIMIT}, not "
+                               f"{_describe(raw) if ok else _node_kind(fields['max_resets_per_hour'][1])}")
         notify = None
         if "notify" in fields:
             notify = self.notify_targets(fields["notify"][1])
@@ -644,11 +667,19 @@ class _Parser:
             self.error(node, f"{label} in scope {scope} has only process conditions: with action kill it would "
                              f"kill every selected process; add a {scope.removeprefix('per_')} condition or use "
                              "scope per_process")
+        if action == RESET and scope != PER_DEVICE:
+            self.error(fields["action"][1], f"action reset resets a device: {label} needs scope per_device, "
+                                            f"not {scope}")
+        elif action == RESET and any(c.role == SELECTOR for c in conditions):
+            # A reset stops everything on the device: which processes a rule counts cannot change that.
+            self.error(fields["action"][1], f"action reset acts on the whole device: {label} may have only device "
+                                            "conditions, no process conditions")
         if self.failures > before or name is None or action is None:
             return None
         return Rule(name=name, description=description, conditions=tuple(conditions), match=match, scope=scope,
                     action=action, force=force, grace_period=grace, kill_grace=kill_grace, notify=notify,
-                    exemptions=exemptions, where=self.where(node))
+                    exemptions=exemptions, where=self.where(node), cooldown=reset_cooldown,
+                    max_resets_per_hour=max_resets)
 
     def scope(self, node: Node) -> str | None:
         s = self.string(node, "scope")
@@ -756,6 +787,8 @@ class _Parser:
                 return None, False, ""
             if kind == GROUP:
                 values = tuple(str(v) for v in values)
+            if not self.closed_set(ctype, values, node):
+                return None, False, ""
             return values, False, _list_text(values)
         if op == "matches":
             pattern = self.regex(node, what)
@@ -779,6 +812,8 @@ class _Parser:
             limit = MAX_STRING if kind == STRING else MAX_ID_TEXT
             if len(raw) > limit:
                 self.error(node, f"{what} must be at most {limit} characters, not {len(raw)}")
+                return None, False, ""
+            if not self.closed_set(ctype, (raw,), node):
                 return None, False, ""
             return raw, False, _cut(repr(raw) if kind == STRING else raw, MAX_TEXT - 40)
         if ctype.share is not None and isinstance(raw, str) and raw.strip().endswith("%"):
@@ -805,6 +840,14 @@ class _Parser:
                 return None, False, ""
             return seconds, False, format_duration(seconds)
         raise AssertionError(kind)
+
+    def closed_set(self, ctype: ConditionType, values: tuple[Any, ...], node: Node) -> bool:
+        """Whether every value is one the type can ever read (a type with a closed set of values): a typo
+        would otherwise make a condition that never holds."""
+        wrong = [v for v in values if ctype.values and v not in ctype.values]
+        if wrong:
+            self.error(node, f"{ctype.name} is one of {', '.join(ctype.values)}, not {_q(str(wrong[0]))}")
+        return not wrong
 
     # -- notify and exemptions -------------------------------------------------------------------------
 

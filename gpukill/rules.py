@@ -4,8 +4,8 @@ A rule looks at subjects of its scope: each process (per_process), each user wit
 (per_user) or each device with the processes on it (per_device). Its conditions combine with AND unless it
 says `match: any`. A condition is about the subject (SUBJECT), or, in per_user and per_device scopes, about a
 process (SELECTOR): then it picks which of the subject's processes the rule counts and may kill. When the
-rule holds for a subject, its action is taken: kill, notify or log. Descriptions are prose for humans and
-never change what a rule does.
+rule holds for a subject, its action is taken: kill, notify, log or (per_device only) reset the device.
+Descriptions are prose for humans and never change what a rule does.
 
 Which condition types exist, and what each means in each scope, is gpukill.condition_types; reading these
 records from YAML is gpukill.policy; evaluating them is the daemon's (gpukilld.guard).
@@ -21,7 +21,12 @@ from .regex import compile_regex
 
 PER_PROCESS, PER_USER, PER_DEVICE = "per_process", "per_user", "per_device"
 SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE)
-ACTIONS = ("kill", "notify", "log")
+ACTIONS = ("kill", "notify", "log", "reset")
+RESET = "reset"  # reset the device (scope per_device): its holders are killed first only with force
+# A reset rule's defaults: at most one reset of a device per cooldown, and a few per hour, whatever the rule says
+# of its conditions: a device that a reset does not heal must not be reset over and over.
+RESET_COOLDOWN = 600.0
+MAX_RESETS_PER_HOUR = 3
 MATCHES = ("all", "any")
 SUBJECT, SELECTOR = "subject", "selector"  # a condition's role in its rule's scope (see above)
 
@@ -66,18 +71,21 @@ class Rule:
     match: str  # one of MATCHES
     scope: str  # one of SCOPES
     action: str  # one of ACTIONS
-    force: bool  # SIGKILL after kill_grace if SIGTERM did not do it
+    force: bool  # kill: SIGKILL after kill_grace if SIGTERM did not do it; reset: kill the device's holders first
     grace_period: float  # seconds a violating subject has to come back under before a kill
     kill_grace: float | None  # None: the policy's kill_grace
     notify: tuple[str, ...] | None  # None: the policy's default targets
     exemptions: Exemptions
     where: str
+    # Action reset only: no second reset of the device within the cooldown after one, at most so many an hour.
+    cooldown: float = RESET_COOLDOWN
+    max_resets_per_hour: int = MAX_RESETS_PER_HOUR
 
     @property
     def fingerprint(self) -> tuple:
         """What the rule does, without where it was written: an unchanged rule keeps its windows on reload."""
         return (self.name, self.match, self.scope, self.action, self.force, self.grace_period, self.kill_grace,
-                self.notify, self.exemptions,
+                self.notify, self.exemptions, self.cooldown, self.max_resets_per_hour,
                 tuple((c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total)
                       for c in self.conditions))
 

@@ -140,9 +140,10 @@ async def _status(client: GpukillClient, args: argparse.Namespace) -> int:
     print(f"evaluations: {st.evaluations}, last {st.last_eval_ms:.1f} ms, slowest {st.max_eval_ms:.1f} ms")
     if st.rules:
         print()
-        print(table(["RULE", "ACTION", "SCOPE", "TRIGGERS", "KILLS", "WOULD-KILL", "CANCELLED", "FAILED", "LAST"],
+        print(table(["RULE", "ACTION", "SCOPE", "TRIGGERS", "KILLS", "WOULD-KILL", "CANCELLED", "FAILED", "RESETS",
+                     "LAST"],
                     [[r.name, r.action, r.scope, str(r.triggers), str(r.kills), str(r.would_kill),
-                      str(r.cancelled), str(r.failed), _when(r.last_triggered)] for r in st.rules]))
+                      str(r.cancelled), str(r.failed), str(r.resets), _when(r.last_triggered)] for r in st.rules]))
     if st.windows:
         print("\nin a duration window:")
         for w in st.windows:
@@ -156,7 +157,7 @@ async def _status(client: GpukillClient, args: argparse.Namespace) -> int:
         print("\nrecent:")
         for r in st.recent[-10:]:
             outcome = r.outcome or r.event
-            dry_tag = " (dry run)" if r.dry_run and outcome != Outcome.WOULD_KILL else ""
+            dry_tag = " (dry run)" if r.dry_run and outcome not in (Outcome.WOULD_KILL, Outcome.WOULD_RESET) else ""
             print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}"))
     if any(c.queued for c in st.notifications):
         print("\nnotifications: " + "; ".join(
@@ -173,7 +174,12 @@ def _decision_row(d: Decision) -> list[str]:
     else:
         when = d.status
     pids = ", ".join(map(str, d.pids)) or "-"
-    what = f"{d.action} {pids}" if d.action == "kill" else d.action
+    if d.action == "kill":
+        what = f"{d.action} {pids}"
+    elif d.action == "reset" and d.pids:  # force: its holders are killed first
+        what = f"kill {pids}, reset"
+    else:
+        what = d.action
     return [d.rule, d.subject, what, when, d.reason]
 
 

@@ -21,7 +21,7 @@ from gpukill.errors import (
     Protected,
     ResetFailed,
 )
-from gpukill.outcome import INITIATOR_RESET, Outcome
+from gpukill.outcome import INITIATOR_RESET, Outcome, guard_initiator
 from gpukill.records import ResetReply
 from gpukill.text import shown
 
@@ -116,9 +116,13 @@ class Actions:
         self._on_killed(result, caller)
         return result
 
-    async def reset(self, caller: Caller, device_key: str, force: bool) -> ResetReply:
-        who = f"uid {caller.uid}"
-        base = {"action": "reset", "force": int(force), **self._caller_fields(caller)}
+    async def reset(self, caller: Caller | None, device_key: str, force: bool, rule: str = "") -> ResetReply:
+        """Reset a device. caller None means the daemon itself acts: a Guard reset rule (`rule`), whose reset
+        keeps every check but polkit's (the device resettable, nothing on it or, with force, its holders killed
+        first through the kill path) and is audited with the rule."""
+        who = f"uid {caller.uid}" if caller else guard_initiator(rule)
+        base = {"action": "reset", "force": int(force), **self._caller_fields(caller),
+                **({"initiator": guard_initiator(rule), "rule": rule} if caller is None else {})}
         snapshot = self._snapshot()
         device = snapshot.find_device(device_key) if len(device_key) <= 256 else None
         if device is None:
@@ -128,17 +132,19 @@ class Actions:
                           result=err.result, device=device_key[:256], **base)
             raise err
         fields = {**base, "device": device.id, "device_index": device.index}
-        await self.bouncer.check(
-            caller, RESET_METHOD, {"device": device.id, "device_index": str(device.index)},
-            request=Request(audit.RESET_DENIED, f"Reset of GPU {device.index} ({device.id})",
-                            f"reset GPU {device.index}", fields),
-        )
+        if caller is not None:
+            await self.bouncer.check(
+                caller, RESET_METHOD, {"device": device.id, "device_index": str(device.index)},
+                request=Request(audit.RESET_DENIED, f"Reset of GPU {device.index} ({device.id})",
+                                f"reset GPU {device.index}", fields),
+            )
         try:
             backend = self.backends.get(device.backend)
             if backend is None:
                 raise NotSupported(f"the {device.backend} backend is no longer configured")
             backend.check_reset(device.id)  # never kill to clear a device that cannot be reset anyway
-            killed = await self._clear_device(device.id, force)
+            killed = await self._clear_device(device.id, force,
+                                              INITIATOR_RESET if caller else guard_initiator(rule))
             message = await asyncio.to_thread(backend.reset, device.id)
         except GpukillError as e:
             self.audit.log(audit.RESET_FAILED, f"Reset of GPU {device.index} ({device.id}) failed: {e}",
@@ -151,7 +157,7 @@ class Actions:
         self._on_reset(result, True)
         return result
 
-    async def _clear_device(self, device_id: str, force: bool) -> list[int]:
+    async def _clear_device(self, device_id: str, force: bool, initiator: str) -> list[int]:
         """Make sure nothing runs on the device: DeviceBusy without force, else kill each holder first."""
         snapshot = await self._resample()  # a process may have started since the last sample
         holders = {(p.pid, p.start_time): p for p in snapshot.processes if p.device_id == device_id}
@@ -163,7 +169,7 @@ class Actions:
         killed = []
         for (pid, start_time), _proc in holders.items():
             try:
-                result = await self.kill(None, pid, start_time, RESET_KILL_GRACE, True, INITIATOR_RESET)
+                result = await self.kill(None, pid, start_time, RESET_KILL_GRACE, True, initiator)
             except Protected as e:
                 raise DeviceBusy(f"cannot clear the device: {e}") from None
             except GpukillError:

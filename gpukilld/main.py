@@ -41,6 +41,7 @@ from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
 from .names import BUS_NAME, OBJECT_PATH
 from .procfs import ProcFS
 from .refusals import RefusalLog
+from .rogue_watch import RogueWatch
 from .sampler import Sampler, StateChange
 from .visibility import read_proc_rules
 
@@ -164,6 +165,8 @@ class Daemon:
             self.config = config
             self.proc_rules = read_proc_rules(config.proc_root)  # /proc may have been remounted with hidepid
             self.sampler.interval = config.sample_interval
+            if isinstance(self.sampler.audit, RogueWatch):
+                self.sampler.audit.settings = config.audit
             self.backends = backends
             self.sampler.backends = backends
             self.actions.backends = {b.name: b for b in backends}
@@ -222,6 +225,7 @@ class Daemon:
         self.sampler = Sampler(
             backends, self.config.sample_interval, ProcFS(self.config.proc_root), self._publish,
             watchdog=lambda: self.notifier.notify("WATCHDOG=1"), watchdog_interval=self._watchdog_interval(),
+            audit=RogueWatch(self.config.proc_root, self.config.audit),
         )
         self.actions = Actions(
             snapshot=lambda: self.snapshot, backends={b.name: b for b in backends}, bouncer=bouncer,
@@ -233,7 +237,7 @@ class Daemon:
         self.manager.bus = bus
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
                                  self.config.guard_policy_dir, self.config.guard_state_dir,
-                                 protection=protection_of(self.config), signals=self)
+                                 protection=protection_of(self.config), signals=self, reset=self.actions.reset)
         self.guard_interface = GuardInterface(self.guard, bouncer, lambda: self.snapshot)
         busio.tolerate_full_socket(bus)
         bus.add_message_handler(Door(bus, bouncer, self.manager.early_answer))

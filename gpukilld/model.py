@@ -19,6 +19,7 @@ from gpukill.records import (  # noqa: F401
     STATE_OK,
     BackendStatus,
     Device,
+    Finding,
     MemoryRegion,
     Process,
 )
@@ -86,11 +87,13 @@ class Snapshot:
     devices: tuple[Device, ...]
     processes: tuple[GpuProcess, ...]
     backends: tuple[BackendStatus, ...]
+    # The rogue-activity audit of these processes (gpukilld/rogue.py), every finding in full, highest score first.
+    findings: tuple[Finding, ...] = ()
 
     def find_device(self, key: str) -> Device | None:
         """A device by global index, id (UUID) or PCI bus id; ids are matched case-insensitively."""
         key = key.strip()
-        if key.isdigit():
+        if key.isascii() and key.isdigit():  # "²" is a digit to isdigit(), not to int()
             index = int(key)
             return next((d for d in self.devices if d.index == index), None)
         low = key.lower()

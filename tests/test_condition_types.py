@@ -11,6 +11,7 @@ a type's name.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 
 import pytest
@@ -32,6 +33,7 @@ from gpukill.condition_types import (
     STRING_OPS,
     USER,
     VICTIM_ORDERS,
+    ConditionType,
     view_of,
 )
 from gpukill.policy import PolicyError, load_texts
@@ -48,7 +50,10 @@ NEVER = {STRING: ("==", "no-such-value"), USER: ("==", "no-such-user"), GROUP: (
 SECRET = "--token=s3cr3t"  # in the process's command line: no reason may carry it
 # What a reason shows of the snapshot below, for each type with a printer.
 SHOWN = {"user": "'alice'", "gpu_utilization": "60%", "gpu_memory": "2.0 GiB", "runtime": "999s",
-         "user_memory": "2.0 GiB", "device_memory": "2.0 GiB", "temperature": "70°C"}
+         "user_memory": "2.0 GiB", "device_memory": "2.0 GiB", "temperature": "70°C", "device_state": "'ok'",
+         "state_reason": "'Xid 79; recovery action: GPU reset'", "recovery_action": "'GPU reset'",
+         "rogue_score": "0", "rogue_kind": "''"}
+XID = "Xid 79; recovery action: GPU reset"  # the device's state_reason below (gpukill.device_faults)
 PAIRS = [(name, scope) for name in CONDITION_TYPES for scope in SCOPES]
 
 
@@ -63,15 +68,26 @@ def rule_text(type_name: str, scope: str, op: str, value: object, action: str = 
             f"        value: {value!r}\n")
 
 
-def value_for(kind: str, op: str) -> object:
-    return [SAMPLE[kind]] if op in ("in", "contains_any") else SAMPLE[kind]
+def value_for(ctype: ConditionType, op: str) -> object:
+    """A value the parser takes: the kind's sample, or the first of a closed set of values."""
+    sample = ctype.values[0] if ctype.values else SAMPLE[ctype.kind]
+    return [sample] if op in ("in", "contains_any") else sample
+
+
+def holds(ctype: ConditionType) -> tuple[str, object]:
+    """HOLDS for its kind; for a closed set of values, not its last (the device below is "ok")."""
+    return ("!=", ctype.values[-1]) if ctype.values else HOLDS[ctype.kind]
+
+
+def never(ctype: ConditionType) -> tuple[str, object]:
+    return ("==", ctype.values[-1]) if ctype.values else NEVER[ctype.kind]
 
 
 @pytest.mark.parametrize(("type_name", "scope"), PAIRS)
 def test_the_parser_takes_a_type_in_its_scopes_and_refuses_it_in_the_others(type_name: str, scope: str) -> None:
     ctype = CONDITION_TYPES[type_name]
     op = ctype.operators[0]
-    text = rule_text(type_name, scope, op, value_for(ctype.kind, op))
+    text = rule_text(type_name, scope, op, value_for(ctype, op))
     if scope in ctype.roles:
         (rule,) = load_texts([("p.yaml", text)]).rules
         assert (rule.scope, rule.conditions[0].type, rule.conditions[0].role) == (scope, type_name,
@@ -87,7 +103,7 @@ def test_the_parser_takes_exactly_the_operators_a_type_declares(type_name: str) 
     ctype = CONDITION_TYPES[type_name]
     scope = next(iter(ctype.roles))
     for op in OPERATORS:
-        text = rule_text(type_name, scope, op, value_for(ctype.kind, op))
+        text = rule_text(type_name, scope, op, value_for(ctype, op))
         if op in ctype.operators:
             assert load_texts([("p.yaml", text)]).rules[0].conditions[0].operator == op
         else:
@@ -103,7 +119,8 @@ def previews(type_name: str, scope: str, op: str, value: object) -> tuple[list[P
     engine = Engine(policy, clock=FakeTime().clock(), groups=FakeGroups({1000: {"video"}}), own_pid=OWN_PID)
     p = proc(500, "trainer", mem=2 * GiB, util=60.0, unit="job.service", container="c0ffee",
              cmdline=f"trainer {SECRET}")
-    found = engine.preview(snap(p, devices=(dev(0, temperature=70.0, util=60.0, used=2 * GiB),)))
+    device = dataclasses.replace(dev(0, temperature=70.0, util=60.0, used=2 * GiB), state_reason=XID)
+    found = engine.preview(snap(p, devices=(device,)))
     return found, policy.rules[0].conditions[0]
 
 
@@ -111,8 +128,8 @@ def previews(type_name: str, scope: str, op: str, value: object) -> tuple[list[P
 def test_the_engine_compiles_and_evaluates_each_type_in_each_of_its_scopes(type_name: str, scope: str) -> None:
     ctype = CONDITION_TYPES[type_name]
     # A per_device rule with only selectors holds for every device: then it counts no process.
-    assert [p.pids for p in previews(type_name, scope, *NEVER[ctype.kind])[0]] in ([], [()])
-    (preview,), cond = previews(type_name, scope, *HOLDS[ctype.kind])
+    assert [p.pids for p in previews(type_name, scope, *never(ctype))[0]] in ([], [()])
+    (preview,), cond = previews(type_name, scope, *holds(ctype))
     assert preview.pids == (500,) and SECRET not in preview.reason
     if cond.role == SELECTOR:  # it picks the processes the rule counts
         assert preview.reason == f"counting 1 process(es) with {cond.text}"
@@ -126,7 +143,7 @@ def test_a_value_the_backend_cannot_read_is_written_unknown() -> None:
     for ctype in CONDITION_TYPES.values():
         if ctype.printer is not None:
             op = ctype.operators[0]
-            text = rule_text(ctype.name, next(iter(ctype.roles)), op, SAMPLE[ctype.kind])
+            text = rule_text(ctype.name, next(iter(ctype.roles)), op, value_for(ctype, op))
             (rule,) = load_texts([("p.yaml", text)]).rules
             assert ctype.describe(rule.conditions[0], None).startswith(f"{ctype.name} unknown {op} ")
 

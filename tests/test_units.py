@@ -117,7 +117,7 @@ def test_sim_usage_from_environment():
     ("- a\n", "expected a mapping with a 'devices:' list"),
     ("devices: []\ncolour: red\n", "unknown key 'colour'"),
     ("devices:\n  - name: x\n    memory_total: lots\n", "devices[0]: not a size"),
-    ("devices:\n  - name: x\n    state: melted\n", "state must be 'ok' or 'lost'"),
+    ("devices:\n  - name: x\n    state: melted\n", "state must be 'ok', 'lost' or 'error'"),
     ("devices:\n  - name: x\n    temperature: hot\n", "expected a number"),
     ("devices:\n  - uuid: a\n  - uuid: a\n", "two devices share one uuid"),
     ("devices:\n  - reset: sometimes\n", "reset must be"),

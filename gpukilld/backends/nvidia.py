@@ -20,6 +20,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from gpukill.device_faults import xid_reason
 from gpukill.errors import NotSupported, ResetFailed
 
 from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
@@ -393,11 +394,7 @@ class NvidiaBackend(Backend):
             if index is None:
                 continue
             state = self._devices.setdefault(index, _DeviceState(index))
-            reason = f"Xid {event.eventData}"
-            action = self._recovery_action(event.device)
-            if action:
-                reason += f"; recovery action: {action}"
-            state.error = reason
+            state.error = xid_reason(event.eventData, self._recovery_action(event.device))  # Guard reads it back
 
     def _index_of_handle(self, handle) -> int | None:
         try:

@@ -20,7 +20,7 @@ import yaml
 from gpukill.errors import ConfigError, NotSupported, ResetFailed
 from gpukill.units import parse_size, short
 
-from ..model import STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
+from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
 from ..procfs import ProcFS
 from . import Backend, BackendSample
 
@@ -89,8 +89,8 @@ def _sim_device(i: int, raw: object, where: str) -> SimDevice:
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
     state = raw.get("state", STATE_OK)
-    if state not in (STATE_OK, STATE_LOST):
-        raise ConfigError(f"{where}: state must be 'ok' or 'lost', not {state!r}")
+    if state not in (STATE_OK, STATE_LOST, STATE_ERROR):
+        raise ConfigError(f"{where}: state must be 'ok', 'lost' or 'error', not {state!r}")
     reset = str(raw.get("reset", "ok"))
     if reset not in ("ok", "unsupported") and not reset.startswith("fail:"):
         raise ConfigError(f"{where}: reset must be 'ok', 'unsupported' or 'fail: MESSAGE'")
@@ -243,7 +243,7 @@ class SimulatedBackend(Backend):
         per_device: dict[int, list[ProcessUsage]] = {i: [] for i in range(len(config.devices))}
         for pid, (start_time, u) in usage.items():
             for gpu in u.gpus:
-                if gpu in per_device and config.devices[gpu].state == STATE_OK:
+                if gpu in per_device and config.devices[gpu].state != STATE_LOST:  # in error: still answering
                     per_device[gpu].append(
                         ProcessUsage(pid, start_time, config.devices[gpu].uuid, u.memory, u.utilization)
                     )
@@ -251,7 +251,7 @@ class SimulatedBackend(Backend):
         for i, dev in enumerate(config.devices):
             procs = per_device[i]
             sample.processes.extend(procs)
-            if dev.state != STATE_OK:
+            if dev.state == STATE_LOST:
                 sample.devices.append(
                     DeviceReading(
                         id=dev.uuid, vendor=dev.vendor, name=dev.name, pci_bus_id=dev.pci_bus_id,
@@ -267,6 +267,8 @@ class SimulatedBackend(Backend):
                     id=dev.uuid, vendor=dev.vendor, name=dev.name, pci_bus_id=dev.pci_bus_id,
                     utilization=util, memory_used=used, memory_total=dev.memory_total,
                     temperature=dev.temperature, power=dev.power,
+                    # in error (an Xid, say): readings and processes as before, and the driver's reason
+                    state=dev.state, state_reason=dev.state_reason if dev.state == STATE_ERROR else "",
                 )
             )
         return sample

@@ -42,7 +42,8 @@ from gpukill.condition_types import (
 from gpukill.rules import PER_PROCESS, PER_USER, SELECTOR, Condition, Exemptions, Rule
 
 from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX
-from ..model import Device, Snapshot
+from ..model import STATE_LOST, Device, Snapshot
+from ..rogue import process_scores
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MEMO_LIMIT = 20_000  # distinct strings remembered per condition (names, command lines) before starting over
@@ -68,6 +69,8 @@ class ProcView:
     per_device: dict[int, tuple[int | None, float | None]] = field(default_factory=dict)  # index -> (mem, util)
     partial: bool = False  # gpu_memory and gpu_utilization leave out usage charged to no one: lower bounds
     system_unit: str = ""  # the unit under /system.slice that holds it, "" if none
+    rogue_score: float = 0.0  # the highest score of the audit's findings about it (gpukilld/rogue.py); 0: none
+    rogue_kind: str = ""  # that finding's kind (miner, idle); "": none
 
     @property
     def label(self) -> str:
@@ -147,6 +150,7 @@ def process_views(snapshot: Snapshot, boot_now: float,
     views: dict[ProcKey, ProcView] = {}
     old = reuse or {}
     tck = CLK_TCK
+    scores = process_scores(snapshot.findings)
     for p in snapshot.processes:
         key = (p.pid, p.start_time)
         v = views.get(key)
@@ -171,6 +175,7 @@ def process_views(snapshot: Snapshot, boot_now: float,
             v.partial = p.shared_usage
             v.per_device.clear()
         v.per_device[p.device] = (p.gpu_memory, p.gpu_utilization)
+        v.rogue_score, v.rogue_kind = scores.get(key, (0.0, ""))
         views[key] = v
     return views
 
@@ -183,11 +188,11 @@ def user_views(procs: list[ProcView]) -> list[UserView]:
             for uid, ps in by_uid.items()]
 
 
-def device_views(procs: list[ProcView], devices: tuple[Device, ...]) -> list[DeviceView]:
-    """Devices that are present (not lost), with the selected processes on each."""
+def device_views(procs: list[ProcView], devices: tuple[Device, ...], every: bool = False) -> list[DeviceView]:
+    """Devices that are present (not lost; with every, all of them), with the selected processes on each."""
     out = []
     for d in devices:
-        if d.state != "ok":
+        if d.state == STATE_LOST and not every:
             continue
         out.append(DeviceView(d, [p for p in procs if d.index in p.per_device], d.memory_used, d.utilization))
     return out
@@ -403,7 +408,7 @@ class Cycle:
         # Keyed by id() of a list, which each entry keeps alive so the id cannot be reused this cycle.
         self._index: dict[tuple[int, str], tuple[list[ProcView], dict[Any, list[ProcView]]]] = {}
         self._users: dict[int, tuple[list[ProcView], list[UserView]]] = {}
-        self._devices: dict[int, tuple[list[ProcView], list[DeviceView]]] = {}
+        self._devices: dict[tuple[int, bool], tuple[list[ProcView], list[DeviceView]]] = {}
 
     def visible(self, exemptions: Exemptions, exempt: Exempt | None) -> list[ProcView]:
         """Not PID 1, not gpukilld, not protected, not exempt: the processes a rule may look at."""
@@ -440,12 +445,12 @@ class Cycle:
             cached = self._users[id(procs)] = (procs, user_views(procs))
         return cached[1]
 
-    def device_views(self, procs: list[ProcView], shared: bool) -> list[DeviceView]:
+    def device_views(self, procs: list[ProcView], shared: bool, every: bool = False) -> list[DeviceView]:
         if not shared:
-            return device_views(procs, self.devices)
-        cached = self._devices.get(id(procs))
+            return device_views(procs, self.devices, every)
+        cached = self._devices.get((id(procs), every))
         if cached is None:
-            cached = self._devices[id(procs)] = (procs, device_views(procs, self.devices))
+            cached = self._devices[(id(procs), every)] = (procs, device_views(procs, self.devices, every))
         return cached[1]
 
 
@@ -469,6 +474,8 @@ class CompiledRule:
         self.conditions = subject
         # What "largest first" means when a per-user or per-device rule picks its victims.
         self.size_of = _SIZE_OF[victim_order(c.type for c in rule.conditions)]
+        # A rule on a device's health (device_state == lost, ...) looks at lost devices too.
+        self.every_device = any(CONDITION_TYPES[c.type].every_device for c in rule.conditions)
 
     def visible(self, cycle: Cycle) -> list[ProcView]:
         return cycle.visible(self.exemptions_key, self.exempt)
@@ -496,7 +503,7 @@ class CompiledRule:
         shared = not self.selectors  # views of the visible processes are the same for every such rule
         if self.scope == PER_USER:
             return cycle.users(selected, shared)  # type: ignore[return-value]
-        return cycle.device_views(selected, shared)  # type: ignore[return-value]
+        return cycle.device_views(selected, shared, self.every_device)  # type: ignore[return-value]
 
     def narrow(self, subjects: list[Subject], cycle: Cycle) -> list[Subject]:
         """Subjects for which every condition without a duration holds (match all)."""

@@ -9,7 +9,14 @@ the cooldown, so the next decision is made on a snapshot that shows the kill's e
 max_kills_per_cycle processes are ordered killed per evaluation, and a subject with a kill in flight gets no
 second one.
 
-This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder) that
+A per_device rule with action reset (self-healing) orders a device reset instead: once its conditions hold
+(a device in error for a while, say), not while a process holds the device unless the rule says force (then
+the reset path kills the holders first), at most once per device within the rule's cooldown after the last
+reset and at most max_resets_per_hour per device in the last hour, counting the resets of every rule; one
+reset of a device at a time. A dry run counts its would-be resets the same way, apart from the real ones.
+
+This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder,
+ResetOrder) that
 the runner (runner.py) carries out, and the clock is injected, so all of it is tested without waiting. With match: all
 the duration windows are kept only while the rule's conditions without a duration hold, so a window measures
 how long the rule as a whole has been about to fire (an xmrig above 95% for 5 minutes).
@@ -27,13 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpukill.errors import Protected
-from gpukill.outcome import SIGNALLED
-from gpukill.rules import EMPTY_POLICY, Policy, Rule
+from gpukill.outcome import SIGNALLED, Outcome
+from gpukill.rules import EMPTY_POLICY, RESET, Policy, Rule
 
 from ..model import Snapshot
 from .conditions import (
     CompiledRule,
     Cycle,
+    DeviceView,
     Groups,
     ProcKey,
     ProcView,
@@ -45,6 +53,7 @@ from .conditions import (
 )
 
 PROTECTED = "protected (a system account or system unit): never touched"
+HOUR = 3600.0  # the window of a reset rule's max_resets_per_hour
 
 
 @dataclass(slots=True)
@@ -101,7 +110,22 @@ class KillOrder:
     reason: str
 
 
-Event = Violation | GraceCancelled | KillOrder
+@dataclass(frozen=True, slots=True)
+class ResetOrder:
+    """Reset a device (action reset). Its holders, every process on it when ordered (protected ones too:
+    the reset path refuses to kill those), are killed first by the reset path; ordered only with force."""
+
+    rule: Rule
+    subject: str
+    subject_key: str  # the device's id
+    device_index: int
+    holders: tuple[Target, ...]
+    force: bool
+    dry_run: bool
+    reason: str
+
+
+Event = Violation | GraceCancelled | KillOrder | ResetOrder
 
 
 @dataclass(slots=True)
@@ -110,17 +134,20 @@ class RuleStats:
     kills: int = 0  # processes signalled
     would_kill: int = 0  # processes a dry run would have signalled
     cancelled: int = 0  # violations that ended within the grace period
-    failed: int = 0  # kills the kill path refused (protected, gone, PID reused)
+    failed: int = 0  # kills the kill path refused (protected, gone, PID reused); resets refused or failed
     last_triggered: float = 0.0  # wall clock
+    resets: int = 0  # devices reset
+    would_reset: int = 0  # resets a dry run would have made
 
     def to_dict(self) -> dict[str, float]:
         return {"triggers": self.triggers, "kills": self.kills, "would_kill": self.would_kill,
-                "cancelled": self.cancelled, "failed": self.failed, "last_triggered": self.last_triggered}
+                "cancelled": self.cancelled, "failed": self.failed, "last_triggered": self.last_triggered,
+                "resets": self.resets, "would_reset": self.would_reset}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RuleStats:
         s = cls()
-        for k in ("triggers", "kills", "would_kill", "cancelled", "failed"):
+        for k in ("triggers", "kills", "would_kill", "cancelled", "failed", "resets", "would_reset"):
             v = d.get(k)
             if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                 setattr(s, k, v)
@@ -182,6 +209,11 @@ class Engine:
         self.stats: dict[str, RuleStats] = {}
         self.busy: set[ProcKey] = set()  # processes with a kill in flight, whichever rule ordered it
         self.refused: set[ProcKey] = set()  # the kill path refused them (protected): not tried again
+        # Device id -> monotonic times of the resets ordered in the last hour, by any rule (attempts count: a
+        # reset that fails is not retried at once); a dry run's apart. Devices with a reset in flight.
+        self.resets: dict[str, list[float]] = {}
+        self.dry_resets: dict[str, list[float]] = {}
+        self.resetting: set[str] = set()
         self.policy = EMPTY_POLICY
         self.states: list[RuleState] = []
         self.last_eval_seconds = 0.0
@@ -236,7 +268,7 @@ class Engine:
         kills_left = self.policy.settings.max_kills_per_cycle
         for st in self.states:
             holding = self._match(st, st.compiled.subjects(cycle), cycle, now)
-            kills_left = self._act(st, holding, now, wall, dry_run, kills_left, events)
+            kills_left = self._act(st, holding, now, wall, dry_run, kills_left, events, cycle)
         self.last_eval_seconds = time.perf_counter() - t0
         return events
 
@@ -283,7 +315,7 @@ class Engine:
         return p.key in self.refused
 
     def _act(self, st: RuleState, holding: list[Subject], now: float, wall: float, dry_run: bool,
-             kills_left: int, events: list[Event]) -> int:
+             kills_left: int, events: list[Event], cycle: Cycle) -> int:
         rule = st.rule
         settings = self.policy.settings
         stats = self.stats[rule.name]
@@ -303,6 +335,9 @@ class Engine:
                     concerned = [s] if isinstance(s, ProcView) else list(s.procs)
                 events.append(Violation(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in concerned),
                                         self._reason(st, s), wall))
+            if rule.action == RESET:
+                self._reset(st, s, now, dry_run, cycle, events)  # type: ignore[arg-type]  # per_device only
+                continue
             if rule.action != "kill" or now < ep.grace_until or st.in_flight.get(key):
                 continue
             cooldown = st.dry_cooldown if dry_run else st.cooldown  # dry run off: enforce at once
@@ -332,6 +367,53 @@ class Engine:
             for key in [k for k, until in cooldowns.items() if until <= now]:
                 del cooldowns[key]
         return kills_left
+
+    # -- resets ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def holders(device: DeviceView, cycle: Cycle) -> list[ProcView]:
+        """Every process on the device, whatever the rule's exemptions and Protection hide from it: a reset
+        stops them all."""
+        return [p for p in cycle.procs if device.device.index in p.per_device]
+
+    def reset_wait(self, rule: Rule, device_id: str, now: float, dry_run: bool) -> float:
+        """Seconds until the rule's cooldown and hourly cap allow another reset of the device (0: now)."""
+        history = (self.dry_resets if dry_run else self.resets).get(device_id, [])
+        recent = [t for t in history if t > now - HOUR]
+        if not recent:
+            return 0.0
+        wait = recent[-1] + rule.cooldown - now
+        if len(recent) >= rule.max_resets_per_hour:  # until the oldest that fills the cap is an hour old
+            wait = max(wait, recent[len(recent) - rule.max_resets_per_hour] + HOUR - now)
+        return max(0.0, wait)
+
+    def _reset(self, st: RuleState, device: DeviceView, now: float, dry_run: bool, cycle: Cycle,
+               events: list[Event]) -> None:
+        rule, key = st.rule, device.key
+        if key in self.resetting or self.reset_wait(rule, key, now, dry_run) > 0:
+            return
+        holders = self.holders(device, cycle)
+        if holders and not rule.force:
+            return  # never while processes hold it: the violation said so; decided again each cycle
+        history = self.dry_resets if dry_run else self.resets
+        history[key] = [t for t in history.get(key, []) if t > now - HOUR] + [now]
+        st.episodes[key].acted = True
+        if dry_run:
+            self.stats[rule.name].would_reset += 1
+        else:
+            self.resetting.add(key)
+        events.append(ResetOrder(rule, device.label, key, device.device.index,
+                                 tuple(Target.of(p) for p in holders), rule.force, dry_run,
+                                 self._reason(st, device)))
+
+    def reset_finished(self, order: ResetOrder, outcome: str) -> None:
+        """The reset path's answer for an order: "reset", or its refusal's or failure's result."""
+        self.resetting.discard(order.subject_key)
+        stats = self.stats.setdefault(order.rule.name, RuleStats())
+        if outcome == Outcome.RESET:
+            stats.resets += 1
+        else:
+            stats.failed += 1
 
     def kill_finished(self, order: KillOrder, target: Target, outcome: str) -> None:
         """The kill path's answer for one target of an order (an Outcome, or the result of its refusal): frees
@@ -391,7 +473,7 @@ class Engine:
             for s in c.subjects(cycle):
                 if not c.holds_now(s):
                     continue
-                out.append(self._preview_one(st, s, now))
+                out.append(self._preview_one(st, s, now, cycle))
             if c.scope == "per_process":  # what the rule would match but may not touch: say so, not nothing
                 shown = {p.key for p in visible}
                 for p in procs:
@@ -400,7 +482,7 @@ class Engine:
                         out.append(Preview(rule.name, p.label, rule.action, "exempt", 0.0, (p.pid,), why))
         return out
 
-    def _preview_one(self, st: RuleState, s: Subject, now: float) -> Preview:
+    def _preview_one(self, st: RuleState, s: Subject, now: float, cycle: Cycle) -> Preview:
         c, rule, key = st.compiled, st.rule, s.key
         waits = [max(0.0, cc.cond.duration - (now - st.windows.get(cc.index, {}).get(key, now)))
                  for cc in c.timed if cc.test(s)]
@@ -414,6 +496,9 @@ class Engine:
         else:
             wait = duration_left + (rule.grace_period if rule.action == "kill" else 0.0)
         wait = max(wait, st.cooldown.get(key, 0.0) - now)  # previews show what enforcing would do
+        if rule.action == RESET:
+            return self._preview_reset(st, s, max(wait, self.reset_wait(rule, key, now, False)),  # type: ignore[arg-type]
+                                       cycle)
         if rule.action == "kill":
             pids = tuple(p.pid for p in c.victims(s, self._going, self._refused))
             status = "in-flight" if st.in_flight.get(key) else ("now" if wait <= 0 else "waiting")
@@ -421,3 +506,17 @@ class Engine:
             pids = (s.pid,) if isinstance(s, ProcView) else tuple(p.pid for p in s.procs)
             status = "now" if wait <= 0 else "waiting"
         return Preview(rule.name, s.label, rule.action, status, max(0.0, wait), pids, self._reason(st, s))
+
+    def _preview_reset(self, st: RuleState, device: DeviceView, wait: float, cycle: Cycle) -> Preview:
+        """A reset rule's decision: the holders it would kill first (force), or why it waits for them."""
+        rule, reason = st.rule, self._reason(st, device)
+        holders = self.holders(device, cycle)
+        if device.key in self.resetting:
+            status = "in-flight"
+        elif holders and not rule.force:
+            status = "waiting"
+            reason += f"; held by {len(holders)} process(es): no reset while they run (force: false)"
+        else:
+            status = "now" if wait <= 0 else "waiting"
+        pids = tuple(p.pid for p in holders) if rule.force else ()
+        return Preview(rule.name, device.label, rule.action, status, max(0.0, wait), pids, reason)

@@ -3,8 +3,10 @@ and its notice (e-mail, webhook, desktop, journal), worded here and nowhere else
 
 Pure: no audit trail, no bus, no clock. The runner hands in the event with the host name and the time, and
 writes, emits, remembers and sends what comes back as it is. One Report per engine event: a violation, a
-grace period that ended without a kill, a dry run's kill order, or one process of a kill order once the kill
-path has answered. Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the recent
+grace period that ended without a kill, a dry run's kill order, one process of a kill order once the kill
+path has answered, a dry run's reset order, or a reset order once the reset path has answered (its
+GuardActionTaken has pid 0 and the device as subject; the reset path writes its own `reset` entry and
+DeviceReset signal, with the rule). Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the recent
 events and the notices say the same.
 """
 
@@ -15,11 +17,11 @@ from typing import Any
 
 from gpukill.outcome import Outcome, result_text
 from gpukill.records import RecentEvent
-from gpukill.rules import Rule
+from gpukill.rules import RESET, Rule
 from gpukill.units import format_duration, format_size
 
 from .. import audit
-from .engine import GraceCancelled, KillOrder, Target, Violation
+from .engine import GraceCancelled, KillOrder, ResetOrder, Target, Violation
 from .notify import Notice
 
 
@@ -83,6 +85,9 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
     if rule.action == "kill":
         what = (f"its process(es) {_pids(ev.targets)} get SIGTERM in {format_duration(rule.grace_period)} "
                 "unless it comes back under" if rule.grace_period else f"stopping {_pids(ev.targets)} now")
+    elif rule.action == RESET:
+        dry = " (dry run: nothing will be reset)" if dry_run else ""
+        what = _reset_plan(rule, ev.targets)
     else:
         what = "notifying" if rule.action == "notify" else "logged"
     journal = AuditEntry(
@@ -152,4 +157,56 @@ def kill_done(order: KillOrder, t: Target, outcome: str, error: str, host: str, 
                       f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}"],
                      {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": False,
                       "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now)
+    return Report((Entry(journal, signal, recent),), notice)
+
+
+def _reset_plan(rule: Rule, holders: tuple[Target, ...]) -> str:
+    cap = (f"at most once per {format_duration(rule.cooldown)} and {rule.max_resets_per_hour} time(s) an hour per "
+           "device")
+    if not holders:
+        return f"resetting the device ({cap})"
+    if rule.force:
+        return f"killing its process(es) {_pids(holders)}, then resetting the device ({cap})"
+    return f"no reset while its process(es) {_pids(holders)} run (force: false); then resetting it ({cap})"
+
+
+def would_reset(order: ResetOrder, host: str, now: float) -> Report:
+    """A dry run's reset order: nothing is killed, nothing is reset."""
+    rule, outcome = order.rule, Outcome.WOULD_RESET
+    killed = f"; its process(es) {_pids(order.holders)} would be killed first" if order.holders else ""
+    journal = AuditEntry(
+        audit.GUARD_DRY_RUN, f"Dry run: guard rule {rule.name}: {order.subject} {outcome.text}{killed}; nothing was "
+                             "done",
+        {"action": "guard", "result": outcome, "rule": rule.name, "rule_action": RESET, "subject": order.subject,
+         "device": order.subject_key, "force": int(order.force), "reason": order.reason, "dry_run": 1,
+         "target_pids": ",".join(str(t.pid) for t in order.holders) or None})
+    signal = ActionTaken(rule.name, order.subject, RESET, 0, 0, outcome, True)
+    recent = RecentEvent(now, rule.name, order.subject, None, "action", RESET, outcome, None, True)
+    notice = _notice(rule, "action", f"{rule.name}: {order.subject} {outcome.text} (dry run)",
+                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
+                      f"Dry run: {order.subject} {outcome.text}{killed}; nothing was done"],
+                     {"subject": order.subject, "reason": order.reason, "action": RESET, "dry_run": True,
+                      "outcome": outcome, "pids": [t.pid for t in order.holders], "uid": None}, host, now)
+    return Report((Entry(journal, signal, recent),), notice)
+
+
+def reset_done(order: ResetOrder, outcome: str, detail: str, killed: tuple[int, ...], host: str,
+               now: float) -> Report:
+    """A reset order once the reset path answered: Outcome.RESET with the backend's message, or the result of
+    its refusal or failure with the error's message (the reset path audited the reset itself)."""
+    rule = order.rule
+    text = (f"{Outcome.RESET.text}: {detail}" if outcome == Outcome.RESET else f"not reset: {detail or outcome}")
+    after = f" after killing {', '.join(map(str, killed))}" if killed else ""
+    journal = AuditEntry(
+        audit.GUARD_ACTION, f"Guard rule {rule.name}: {order.subject} {text}{after} ({order.reason})",
+        {"action": "guard", "result": outcome, "rule": rule.name, "rule_action": RESET, "subject": order.subject,
+         "device": order.subject_key, "force": int(order.force), "killed": ",".join(map(str, killed)) or None,
+         "error": None if outcome == Outcome.RESET else detail or None, "dry_run": 0})
+    signal = ActionTaken(rule.name, order.subject, RESET, 0, 0, outcome, False)
+    recent = RecentEvent(now, rule.name, order.subject, None, "action", RESET, outcome, None, False)
+    notice = _notice(rule, "action", f"{rule.name}: {order.subject} {text}",
+                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
+                      f"Result: {order.subject} {text}{after}"],
+                     {"subject": order.subject, "reason": order.reason, "action": RESET, "dry_run": False,
+                      "outcome": outcome, "pids": list(killed), "uid": None}, host, now)
     return Report((Entry(journal, signal, recent),), notice)

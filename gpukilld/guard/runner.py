@@ -3,7 +3,9 @@ entry, D-Bus signal, recent entry and notice that report.py words for it; keeps 
 Also where the policy in force is swapped.
 
 The guard never signals by itself: every kill goes through Actions.kill with initiator "guard:RULE", which
-pins the process with a pidfd, refuses protected processes and audits. Kills run as asyncio tasks, so the
+pins the process with a pidfd, refuses protected processes and audits; every reset (action reset) through
+Actions.reset with the rule, which checks the device can be reset, refuses while processes hold it unless
+the rule says force (then kills them through the kill path first) and audits. Kills run as asyncio tasks, so the
 evaluation of the next snapshot never waits for a grace period; a dry run never calls the kill path at all.
 Nothing here may raise into the daemon: a failure is logged and audited, and the daemon goes on.
 """
@@ -17,8 +19,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from gpukill.errors import GpukillError
-from gpukill.outcome import guard_initiator
+from gpukill.errors import GpukillError, NotSupported
+from gpukill.outcome import Outcome, guard_initiator
 from gpukill.policy import PolicyError, directory_texts, load_texts
 from gpukill.records import (
     Grace,
@@ -37,7 +39,18 @@ from ..config import Config
 from ..model import Snapshot
 from . import report
 from .conditions import Protection
-from .engine import Clock, Engine, Event, GraceCancelled, KillOrder, Preview, RuleStats, Target, Violation
+from .engine import (
+    Clock,
+    Engine,
+    Event,
+    GraceCancelled,
+    KillOrder,
+    Preview,
+    ResetOrder,
+    RuleStats,
+    Target,
+    Violation,
+)
 from .notify import Notice, Notifier, NotifyConfig
 from .state import MAX_RECENT, GuardState, load_state, save_state
 
@@ -45,6 +58,7 @@ log = logging.getLogger(__name__)
 
 SAVE_DELAY = 1.0  # counters are written at most once a second; switches and policies at once
 KillPath = Callable[..., Awaitable[Any]]  # Actions.kill(caller, pid, start_time, grace, force, initiator)
+ResetPath = Callable[..., Awaitable[Any]]  # Actions.reset(caller, device, force, rule) -> ResetReply
 
 
 def notify_config(config: Config) -> NotifyConfig:
@@ -80,8 +94,10 @@ class _NoSignals:
 class GuardRunner:
     def __init__(self, kill: KillPath, auditor: audit.Audit, notify_config: NotifyConfig, policy_dir: str,
                  state_dir: str, clock: Clock | None = None, own_pid: int | None = None,
-                 protection: Protection | None = None, signals: GuardSignals | None = None) -> None:
+                 protection: Protection | None = None, signals: GuardSignals | None = None,
+                 reset: ResetPath | None = None) -> None:
         self.kill = kill
+        self.reset = reset  # None: resets are refused as not supported (a runner without a reset path)
         self.audit = auditor
         self.policy_dir = policy_dir
         self.state_dir = state_dir
@@ -276,6 +292,13 @@ class GuardRunner:
             self._publish(event.rule, report.violation(event, dry_run, host, now))
         elif isinstance(event, GraceCancelled):
             self._publish(event.rule, report.cancelled(event, dry_run, now))
+        elif isinstance(event, ResetOrder):
+            if event.dry_run:
+                self._publish(event.rule, report.would_reset(event, host, now))
+            else:
+                task = asyncio.get_running_loop().create_task(self._reset(event))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         elif isinstance(event, KillOrder):
             if event.dry_run:
                 self._publish(event.rule, report.would_kill(event, host, now))
@@ -302,6 +325,26 @@ class GuardRunner:
             self._save_soon()
         except Exception:
             log.exception("guard could not report the kill of PID %d", t.pid)
+
+    async def _reset(self, order: ResetOrder) -> None:
+        killed: tuple[int, ...] = ()
+        try:
+            if self.reset is None:
+                raise NotSupported("this daemon has no reset path for Guard")
+            reply = await self.reset(None, order.subject_key, order.force, order.rule.name)
+            outcome, detail, killed = Outcome.RESET, reply.message, tuple(reply.killed)
+        except GpukillError as e:  # busy, not supported, failed: the reset path audited it already
+            outcome, detail = e.result, str(e)
+        except Exception as e:
+            log.exception("guard reset of %s failed", order.subject)
+            outcome, detail = GpukillError.result, f"{type(e).__name__}: {e}"
+        try:
+            self.engine.reset_finished(order, outcome)
+            self._publish(order.rule, report.reset_done(order, outcome, detail, killed, self._host,
+                                                        self.clock.wall()))
+            self._save_soon()
+        except Exception:
+            log.exception("guard could not report the reset of %s", order.subject)
 
     def _publish(self, rule: Rule, done: report.Report) -> None:
         """Write, emit and remember each entry of a report, in its order, then send its notice."""
