@@ -18,6 +18,8 @@ from gpukill.outcome import Outcome
 from gpukill.procstat import read_stat
 from gpukill.records import STATE_OK, Process, to_plain
 
+from .audit_cli import cmd_audit
+from .audit_cli import register as register_audit
 from .client import ClientError, GpukillClient
 from .exits import (
     EXIT_CODES_HELP,
@@ -30,10 +32,12 @@ from .exits import (
 from .format import devices_table, processes_table, shown
 from .guard_cli import cmd_guard
 from .guard_cli import register as register_guard
+from .mcp_cli import register as register_mcp
 from .monitor import cmd_monitor
 from .monitor import register as register_monitor
 from .notify_agent import register as register_notify_agent
 from .polkit_agent import PolkitAgent
+from .serve import register as register_serve
 from .top import cmd_top
 from .top import register as register_top
 
@@ -105,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_top(sub)
     register_notify_agent(sub)
     register_monitor(sub)
+    register_audit(sub)
+    register_mcp(sub)
+    register_serve(sub)
     return p
 
 
@@ -202,7 +209,7 @@ async def cmd_status(client: GpukillClient, args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"list": cmd_list, "kill": cmd_kill, "reset": cmd_reset, "status": cmd_status, "guard": cmd_guard,
-            "monitor": cmd_monitor, "top": cmd_top}
+            "monitor": cmd_monitor, "top": cmd_top, "audit": cmd_audit}
 
 
 async def run(args: argparse.Namespace) -> int:

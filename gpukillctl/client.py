@@ -2,7 +2,7 @@
 
 Every front end (the CLI; a desktop agent, MCP, REST, an exporter) uses this module alone; none of them
 touches a vendor library or /sys, so polkit decides for every one of them. Methods return the records of
-gpukill/records.py (Device, Process, ResetReply, GuardStatus, Decision, PolicyLoaded), built from the daemon's
+gpukill/records.py (Device, Process, ResetReply, Finding, GuardStatus, Decision, PolicyLoaded), built from the daemon's
 a{sv} by their one declaration: a value the daemon left out is the field's default (None where it could not
 be read), keys a newer daemon adds are ignored. Kills return a gpukill.outcome.Outcome.
 
@@ -31,6 +31,7 @@ from gpukill.records import (
     Decision,
     Device,
     Event,
+    Finding,
     GuardStatus,
     PolicyLoaded,
     Process,
@@ -183,6 +184,12 @@ class GpukillClient:
         (result,) = await self._call("ResetDevice", "sa{sv}", [device, {"force": Variant("b", force)}],
                                      interactive=interactive, timeout=600.0 if interactive else 300.0)
         return _record(ResetReply, result)
+
+    async def audit_rogue(self) -> list[Finding]:
+        """The rogue-activity audit of the current snapshot (miners, abusers, idle holders), highest score
+        first, filtered as ListProcesses filters: evidence the caller may not see is left out."""
+        (findings,) = await self._call("AuditRogue")
+        return [_record(Finding, f) for f in findings]
 
     async def status(self) -> DaemonStatus:
         (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")
