@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from helpers.marks import needs_root
+from helpers.mcp_scenario import article_session, check_article, error_text, start_article_victims, structured
 from helpers.testbed import PYTHON, REPO, Testbed, User
 
 from gpukilld import audit
@@ -21,7 +22,6 @@ from gpukilld import audit
 mcp_client = pytest.importorskip("mcp.client.client", reason="the mcp SDK is not installed: pip install '.[serve]'")
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
-TWELVE_GB = 12884901888  # the article's "more than 12 GB": 12 GiB in bytes
 READ_ONLY_TOOLS = {"list_devices", "list_processes", "audit_rogue", "guard_status", "guard_test_policy"}
 DESTRUCTIVE_TOOLS = {"kill_process", "reset_device"}
 
@@ -44,19 +44,6 @@ def run_mcp(bed: Testbed, user: User, session: Callable[[Any], Awaitable[Any]], 
                     print(f"server stderr:\n{log}")
 
     return asyncio.run(asyncio.wait_for(main(), 120))
-
-
-def structured(result: Any) -> dict:
-    assert not result.is_error, result.content
-    assert result.structured_content is not None
-    # the text content is the same JSON, for clients that do not read structured content
-    assert json.loads(result.content[0].text) == result.structured_content
-    return result.structured_content
-
-
-def error_text(result: Any) -> str:
-    assert result.is_error, result
-    return result.content[0].text
 
 
 @needs_root
@@ -91,45 +78,13 @@ def test_tools_declare_hints_and_output_schemas(bed, users):
 @needs_root
 def test_article_scenario_kills_the_big_python_processes(victims, users):
     """"Scan and kill every python process using more than 12 GB", as gpkowner's assistant would."""
-    bed = victims
     owner = users["owner"]
-    big = [bed.victim(owner, gpu=0, mem="16GiB"), bed.victim(owner, gpu=1, mem="13GiB")]
-    exactly = bed.victim(owner, gpu=1, mem="12GiB")  # not *more* than 12 GB
-    trainer = bed.victim(owner, gpu=2, mem="20GiB", comm="trainer")  # not python
-    miner = bed.victim(owner, gpu=3, mem="1GiB", util=99, comm="xmrig")  # for the audit
-    for v in [*big, exactly]:
-        bed.wait_listed(v.pid, comm="python3")
-    bed.wait_listed(trainer.pid, comm="trainer")
-    bed.wait_listed(miner.pid, comm="xmrig")
+    v = start_article_victims(victims, owner)
 
     async def session(client):
-        devices = structured(await client.call_tool("list_devices", {}))["devices"]
-        found = structured(await client.call_tool("list_processes", {"name": "python", "memory_gt": TWELVE_GB}))
-        stale = await client.call_tool("kill_process", {"pid": big[0].pid, "start_time": 1})
-        kills = [structured(await client.call_tool("kill_process", {"pid": p["pid"], "start_time": p["start_time"]}))
-                 for p in found["processes"]]
-        audit_result = await client.call_tool("audit_rogue", {})
-        left = json.loads((await client.read_resource("gpukill://processes")).contents[0].text)
-        return devices, found["processes"], stale, kills, audit_result, left
+        return await article_session(client, v)
 
-    devices, found, stale, kills, audit_result, left = run_mcp(bed, owner, session)
-    assert [d["index"] for d in devices] == [0, 1, 2, 3] and devices[0]["name"] == "Simulated H100 80GB HBM3"
-    assert sorted(p["pid"] for p in found) == sorted(v.pid for v in big)
-    assert all(p["gpu_memory"] > TWELVE_GB and "python" in p["comm"] for p in found)
-    assert error_text(stale).startswith("ProcessChanged: ")  # a wrong start time kills nothing
-    assert [k["outcome"] for k in kills] == ["terminated", "terminated"]
-    for v in big:
-        assert v.wait(10) is not None
-    assert {exactly.pid, trainer.pid} <= {p["pid"] for p in left["processes"]}
-    assert exactly.poll() is None and trainer.poll() is None
-    for v in big:
-        entry = bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(v.pid))
-        assert entry and entry[0]["GPUKILL_CALLER_UID"] == str(owner.uid), entry
-        assert entry[0]["GPUKILL_INITIATOR"] == "user" and entry[0]["GPUKILL_RESULT"] == "terminated"
-    findings = structured(audit_result)["findings"]  # the audit's rules are tested with gpukilld/rogue.py
-    mined = [f for f in findings if f["pid"] == miner.pid]
-    assert [(f["kind"], f["user"]) for f in mined] == [("miner", "gpkowner")], findings
-    assert mined[0]["score"] > 0 and "miner-name" in {e["rule"] for e in mined[0]["evidence"]}
+    check_article(victims, owner, v, run_mcp(victims, owner, session))
 
 
 @needs_root

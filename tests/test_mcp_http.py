@@ -1,0 +1,95 @@
+"""`gpukillctl serve`'s MCP endpoint driven by the MCP SDK's own Streamable HTTP client, the server running as
+an unprivileged user against the real daemon on simulated GPUs: the gpu-kill article's scenario end to end
+with the token as the Authorization header (the kills in the journal under the server's user), and the same
+client without the token refused before any session starts."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra (pip install 'gpukill[serve]') is not installed")
+mcp_client = pytest.importorskip("mcp.client.client", reason="the serve extra (pip install 'gpukill[serve]') is not installed")
+
+import httpx2  # noqa: E402  (the SDK's HTTP client)
+from helpers.http_server import Server  # noqa: E402
+from helpers.marks import needs_root  # noqa: E402
+from helpers.mcp_scenario import article_session, check_article, start_article_victims  # noqa: E402
+from mcp import MCPError  # noqa: E402
+from mcp.client.streamable_http import streamable_http_client  # noqa: E402
+
+pytestmark = needs_root
+
+
+@pytest.fixture(scope="module")
+def server(bed, users):
+    s = Server(bed, users["owner"]).wait_ready()
+    yield s
+    s.stop()
+
+
+def run_http(server: Server, session, headers: dict[str, str], statuses: list[int], mode: str = "auto") -> Any:
+    """session(client) with the SDK's Client over Streamable HTTP at the server's /mcp, sending `headers` on
+    every request (the SDK's way: an HTTP client of our making, passed to its transport); the status of every
+    answer is appended to `statuses`. mode: the SDK's ("auto": server/discover, the stateless protocol when
+    the server has it, else the handshake; "legacy": the initialize handshake and a session, as assistants
+    of the handshake era connect)."""
+    url = f"http://127.0.0.1:{server.port}/mcp"
+
+    async def record(response: httpx2.Response) -> None:
+        statuses.append(response.status_code)
+
+    async def main() -> Any:
+        http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=60),
+                                  event_hooks={"response": [record]})
+        transport = streamable_http_client(url, http_client=http)
+        async with http, mcp_client.Client(transport, read_timeout_seconds=60, mode=mode) as client:
+            return await session(client)
+
+    try:
+        return asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        print(f"server output:\n{server.output()}\nstatuses: {statuses}")
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+def test_article_scenario_over_streamable_http(server, victims, users, mode):
+    """"Scan and kill every python process using more than 12 GB", as gpkowner's assistant would, through
+    `gpukillctl serve` with its token."""
+    owner = users["owner"]
+    v = start_article_victims(victims, owner)
+
+    async def session(client):
+        return await article_session(client, v)
+
+    statuses: list[int] = []
+    results = run_http(server, session, {"Authorization": f"Bearer {server.token}"}, statuses, mode)
+    check_article(victims, owner, v, results)
+    assert statuses and all(200 <= s < 300 for s in statuses), statuses
+
+
+def test_without_the_token_the_client_cannot_connect(server, victims, users):
+    """The same client, no token: the first request is answered 401 and no session starts; nothing runs."""
+    victim = victims.victim(users["owner"], gpu=0, mem="16GiB")
+    victims.wait_listed(victim.pid, comm="python3")
+    called = []
+
+    async def session(client):
+        called.append(client)
+        return await client.call_tool("list_processes", {})
+
+    statuses: list[int] = []
+    with pytest.raises(BaseException) as caught:  # noqa: B017  (the SDK raises it inside exception groups)
+        run_http(server, session, {}, statuses)
+    assert any(isinstance(e, MCPError) for e in _leaves(caught.value)), repr(caught.value)
+    assert statuses and set(statuses) == {401}, statuses  # every request refused at the gate
+    assert called == [] and victim.poll() is None
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
