@@ -43,8 +43,6 @@ from dataclasses import dataclass
 from gpukill.errors import ConfigError
 from gpukill.units import parse_size
 
-from .rogue import AuditSettings
-
 DEFAULT_PATH = "/etc/gpukill/gpukilld.conf"
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 3600.0
 LOGIN_DEFS = "/etc/login.defs"
@@ -57,6 +55,21 @@ DEFAULT_PROTECTED_UNITS = (
     "ssh.service", "sshd.service", "getty@*.service", "serial-getty@*.service",
 )
 _UNIT_PATTERN = re.compile(r"[A-Za-z0-9:_.@\\*?\[\]-]*(?:\.service|\.scope|\*)")  # a unit name, or a pattern of one
+
+
+# Ports of mining pools' stratum endpoints (each pool publishes its own; these are the common ones).
+DEFAULT_POOL_PORTS = (3333, 3334, 3357, 4444, 5555, 6666, 7777, 8888, 9999, 14433, 14444, 45560, 45700)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditSettings:
+    """The thresholds, from gpukilld.conf's [audit] section."""
+
+    idle_after: float = 1800.0  # seconds of memory held at 0% utilization before a process is an idle holder
+    idle_min_memory: int = 256 << 20  # bytes: less than this held idle is not worth a finding
+    abuser_window: float = 3600.0  # seconds of history over which users' shares are compared
+    abuser_share: float = 80.0  # percent of all GPU memory (or time) in the window that makes an abuser
+    pool_ports: tuple[int, ...] = DEFAULT_POOL_PORTS
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from gpukill.regex import compile_regex
 from gpukill.text import bounded
 from gpukill.units import format_duration, format_size
 
+from .config import AuditSettings
 from .sockets import Peer
 from .visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer, first_word
 
@@ -39,21 +40,6 @@ COMM, ARGV0, CMDLINE, EXE, SOCKETS, GPU = "comm", "argv0", "cmdline", "exe", "so
 # What a viewer who is not the owner may see of another user's process, by how it sees others.
 _SEEN_BY = {FULL: {COMM, ARGV0, CMDLINE, EXE, SOCKETS, GPU}, PROGRAM: {COMM, ARGV0, GPU}, ANONYMOUS: {GPU},
             HIDDEN: set()}
-
-# Ports of mining pools' stratum endpoints (each pool publishes its own; these are the common ones).
-DEFAULT_POOL_PORTS = (3333, 3334, 3357, 4444, 5555, 6666, 7777, 8888, 9999, 14433, 14444, 45560, 45700)
-
-
-@dataclass(frozen=True, slots=True)
-class AuditSettings:
-    """The thresholds, from gpukilld.conf's [audit] section."""
-
-    idle_after: float = 1800.0  # seconds of memory held at 0% utilization before a process is an idle holder
-    idle_min_memory: int = 256 << 20  # bytes: less than this held idle is not worth a finding
-    abuser_window: float = 3600.0  # seconds of history over which users' shares are compared
-    abuser_share: float = 80.0  # percent of all GPU memory (or time) in the window that makes an abuser
-    pool_ports: tuple[int, ...] = DEFAULT_POOL_PORTS
-
 
 @dataclass(frozen=True, slots=True)
 class ProcessFacts:

@@ -20,8 +20,9 @@ from functools import lru_cache
 from gpukill.records import Finding
 
 from . import sockets
+from .config import AuditSettings
 from .model import GpuProcess
-from .rogue import AuditSettings, ProcessFacts, UserFacts, evaluate
+from .rogue import ProcessFacts, UserFacts, evaluate
 from .sockets import Peer
 
 SOCKETS_TTL = 10.0  # seconds before a process's connections are read again

@@ -14,8 +14,8 @@ from helpers.guard_inputs import GiB, proc
 from gpukill.errors import ConfigError
 from gpukill.records import Evidence, Finding
 from gpukilld import rogue, sockets
-from gpukilld.config import load_config
-from gpukilld.rogue import RULE_BY_NAME, RULES, AuditSettings, ProcessFacts, UserFacts
+from gpukilld.config import AuditSettings, load_config
+from gpukilld.rogue import RULE_BY_NAME, RULES, ProcessFacts, UserFacts
 from gpukilld.rogue_watch import RogueWatch
 from gpukilld.sockets import Peer
 from gpukilld.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
