@@ -41,6 +41,7 @@ COMM, ARGV0, CMDLINE, EXE, SOCKETS, GPU = "comm", "argv0", "cmdline", "exe", "so
 _SEEN_BY = {FULL: {COMM, ARGV0, CMDLINE, EXE, SOCKETS, GPU}, PROGRAM: {COMM, ARGV0, GPU}, ANONYMOUS: {GPU},
             HIDDEN: set()}
 
+
 @dataclass(frozen=True, slots=True)
 class ProcessFacts:
     """What the process rules read of one process (its devices summed)."""
