@@ -1,0 +1,109 @@
+"""`gpukillctl -H user@host`: D-Bus over a real OpenSSH server on loopback, through systemd-stdio-bridge, to the
+test bed's bus (the "host's" system bus): the bed's polkit judges the SSH user and the bed's journal records it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import sshd
+from helpers.testbed import PYTHON
+
+from gpukillctl import cli, exits
+from gpukillctl.remote import Host, bridge_command
+from gpukilld import audit
+
+NO_LOCAL_BUS = "unix:path=/nonexistent/system_bus_socket"  # so nothing can reach the bed but through ssh
+
+
+@pytest.fixture(scope="module")
+def server(users):
+    reason = sshd.missing()
+    if reason:
+        pytest.skip(reason)
+    server = sshd.Sshd([users["owner"].name])
+    try:
+        with sshd.login_allowed(users["owner"].name, "/bin/sh"):
+            server.start()
+            yield server
+    finally:
+        server.stop()
+
+
+def remote_ctl(bed, server, user, host: str, *args: str):
+    env = {**server.client_env(), "GPUKILL_REMOTE_BUS": bed.bus_address, "DBUS_SYSTEM_BUS_ADDRESS": NO_LOCAL_BUS}
+    return bed.run_as(user, [PYTHON, "-m", "gpukillctl", "-H", host, *args], env=env, timeout=60)
+
+
+def test_list_json_over_ssh(victims, users, server):
+    bed = victims
+    victim = bed.victim(users["owner"], gpu=1)
+    bed.wait_listed(victim.pid)
+    r = remote_ctl(bed, server, users["root"], f"{users['owner'].name}@localhost", "list", "--json")
+    assert r.returncode == 0, (r.stderr, server.log())
+    listed = json.loads(r.stdout)
+    assert victim.pid in [p["pid"] for p in listed["processes"]]
+    assert listed["devices"]
+
+
+def test_kill_of_own_process_is_done_and_journaled_as_the_ssh_user(victims, users, server, alive):
+    bed = victims
+    owner = users["owner"]
+    victim = bed.victim(owner, gpu=0)
+    bed.wait_listed(victim.pid)
+    # run as root here: the remote side is still gpkowner, as ssh logged in
+    r = remote_ctl(bed, server, users["root"], f"{owner.name}@localhost", "kill", str(victim.pid), "--grace", "2")
+    assert r.returncode == 0, (r.stderr, server.log())
+    assert victim.wait(10) is not None
+    entry = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
+    assert entry and entry[0]["GPUKILL_CALLER_UID"] == str(owner.uid)
+
+
+def test_kill_of_another_users_process_is_denied_by_that_hosts_polkit(victims, users, server, alive):
+    bed = victims
+    victim = bed.victim(users["other"], gpu=0)
+    bed.wait_listed(victim.pid)
+    r = remote_ctl(bed, server, users["root"], f"{users['owner'].name}@localhost", "kill", str(victim.pid))
+    assert r.returncode == exits.EXIT_DENIED, (r.stderr, server.log())
+    assert r.stderr.startswith(f"gpukillctl: host {users['owner'].name}@localhost: ") and r.stderr.count("\n") == 1
+    assert alive(victim.pid)
+    denied = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL_DENIED.message_id)
+    assert denied and denied[0]["GPUKILL_CALLER_UID"] == str(users["owner"].uid)
+
+
+def test_unreachable_host_is_one_line_naming_it(bed, users, server):
+    host = f"{users['owner'].name}@localhost:{sshd.free_port()}"  # nothing listens there
+    r = remote_ctl(bed, server, users["root"], host, "status")
+    assert r.returncode == exits.EXIT_UNAVAILABLE, r
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"gpukillctl: host {host}: ssh: ")
+    assert "refused" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("node7", Host(None, "node7", None)),
+    ("gk@node7", Host("gk", "node7", None)),
+    ("gk@node7:2222", Host("gk", "node7", 2222)),
+    ("gk@[fe80::1]:22", Host("gk", "fe80::1", 22)),
+    ("fe80::1", Host(None, "fe80::1", None)),
+])
+def test_host_syntax(text, expected):
+    assert Host.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "@node", "gk@", "-oProxyCommand=x", "a b", "node:0", "node:x", "[fe80::1"])
+def test_bad_host_is_refused_before_ssh_runs(text):
+    with pytest.raises(ValueError):
+        Host.parse(text)
+
+
+def test_ssh_command_line():
+    argv = Host("gk", "node7", 2222).ssh_argv(["ssh"], bridge_command(None))
+    assert argv == ["ssh", "-xT", "-p", "2222", "-l", "gk", "--", "node7", "systemd-stdio-bridge"]
+    assert bridge_command("unix:path=/x y") == "systemd-stdio-bridge '--bus-path=unix:path=/x y'"
+
+
+@pytest.mark.parametrize("command", [["mcp"], ["guard", "validate", "/dev/null"]])
+def test_commands_that_run_here_refuse_a_host(command, capsys):
+    assert cli.main(["-H", "gk@node7", *command]) == exits.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("gpukillctl: -H is not supported by ") and err.count("\n") == 1
