@@ -144,6 +144,9 @@ CONDITION_TYPES: dict[str, ConditionType] = {
         ConditionType("unit", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "unit"}, None, indexed=True),
         ConditionType("container", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "container"}, None,
                       indexed=True),
+        # The Slurm job the process belongs to (its cgroup, else its SLURM_JOB_ID); "" outside any job.
+        ConditionType("slurm_job", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "slurm_job"}, None,
+                      indexed=True),
         ConditionType("user", USER, USER_OPS, _ID_ROLES, {ON_PROCESS: "user", ON_USER: "user"}, repr,
                       indexed=True),
         ConditionType("group", GROUP, GROUP_OPS, _ID_ROLES, {ON_PROCESS: "user", ON_USER: "user"}, None,

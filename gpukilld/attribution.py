@@ -1,6 +1,8 @@
 """Who a process belongs to beyond its uid: systemd unit, container, Kubernetes pod, Slurm job.
 
-Read from the text of /proc/PID/cgroup, cgroup v2 ("0::/path") or v1 (one line per hierarchy).
+Read from the text of /proc/PID/cgroup, cgroup v2 ("0::/path") or v1 (one line per hierarchy); the Slurm job
+also from the process's environment where the cgroup names none (Slurm with proctrack/linuxproc or pgid makes no
+job cgroup, but every task inherits SLURM_JOB_ID).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ _CONTAINER_PATTERNS = (
 # kubepods-burstable-pod1b2c_..._.slice (systemd driver, "_" for "-") or /kubepods/burstable/pod<uid>/
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _SLURM_JOB = re.compile(r"/job_(\d+)(?:/|$)")
+# A job id as Slurm writes it: decimal, at most 32 bits. Anything else in SLURM_JOB_ID is not one.
+_SLURM_JOB_ID = re.compile(rb"[0-9]{1,10}")
+_SLURM_JOB_VAR = b"SLURM_JOB_ID="
 _UNIT = re.compile(r"[^/]+\.(?:service|scope)$")
 # A unit of the system manager: /system.slice, slices only, then the unit. Below a unit, cgroups are made by
 # whoever it delegates to (user@UID.service, a Delegate=yes service): a unit name there proves nothing.
@@ -79,3 +84,14 @@ def parse_cgroup(text: str) -> Attribution:
     slurm_job = next((m.group(1) for p in paths if (m := _SLURM_JOB.search(p))), None)
     return Attribution(unit=unit, container_id=container_id, pod_uid=pod_uid, slurm_job=slurm_job,
                        system_unit=_system_unit(text))
+
+
+def slurm_job_from_environ(raw: bytes) -> str | None:
+    """The job id in SLURM_JOB_ID of a process's environment (/proc/PID/environ: NUL-separated), None if absent
+    or not a job id. The cgroup wins where it names a job: the process may rewrite its own environment, but
+    only slurmd places it in a job's cgroup."""
+    for item in raw.split(b"\0"):
+        if item.startswith(_SLURM_JOB_VAR):
+            value = item[len(_SLURM_JOB_VAR):]
+            return value.decode() if _SLURM_JOB_ID.fullmatch(value) else None
+    return None

@@ -5,6 +5,7 @@ The proc root is configurable so tests can point it at fixture trees.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pwd
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import BinaryIO
 from gpukill.procstat import ProcStat, read_stat
 from gpukill.text import bounded
 
-from .attribution import parse_cgroup
+from .attribution import parse_cgroup, slurm_job_from_environ
 from .model import Attribution
 
 # Text a process controls is bounded where it is read, so no record, reply or condition grows with it.
@@ -22,6 +23,9 @@ MAX_CMDLINE = 4096  # bytes of UTF-8; longer command lines end in CUT_MARKER
 CUT_MARKER = " …[cut]"
 MAX_EXE = 4096  # PATH_MAX
 MAX_CGROUP = 65536  # /proc/PID/cgroup: a line per hierarchy, each at most PATH_MAX
+# /proc/PID/environ, read for SLURM_JOB_ID where the cgroup names no job. Environments are a few KiB; a variable
+# past this many bytes is not looked for, so one sample's reads stay small whatever a process puts there.
+MAX_ENVIRON = 131072
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,14 @@ class ProcFS:
                 env[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
         return env
 
+    def slurm_job(self, pid: int) -> str | None:
+        """SLURM_JOB_ID from the process's environment (root reads any), bounded; None if absent or unreadable."""
+        try:
+            with open(self._path(pid, "environ"), "rb") as f:
+                return slurm_job_from_environ(f.read(MAX_ENVIRON))
+        except OSError:
+            return None
+
     def _status_fields(self, pid: int) -> dict[str, str]:
         fields: dict[str, str] = {}
         try:
@@ -138,6 +150,8 @@ class ProcFS:
                 attribution = parse_cgroup(f.read(MAX_CGROUP))
         except OSError:
             attribution = Attribution()
+        if attribution.slurm_job is None:
+            attribution = dataclasses.replace(attribution, slurm_job=self.slurm_job(pid))
         return ProcInfo(
             pid=pid,
             start_time=stat.start_time,

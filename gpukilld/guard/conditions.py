@@ -71,6 +71,7 @@ class ProcView:
     system_unit: str = ""  # the unit under /system.slice that holds it, "" if none
     rogue_score: float = 0.0  # the highest score of the audit's findings about it (gpukilld/rogue.py); 0: none
     rogue_kind: str = ""  # that finding's kind (miner, idle); "": none
+    slurm_job: str = ""  # the Slurm job id (cgroup, else SLURM_JOB_ID), "" if none
 
     @property
     def label(self) -> str:
@@ -167,10 +168,11 @@ def process_views(snapshot: Snapshot, boot_now: float,
         if v is None:
             v = ProcView(key, p.pid, p.start_time, p.uid, p.user, p.comm, p.cmdline, p.exe, p.unit or "",
                          p.container_id or "", p.gpu_memory, p.gpu_utilization, runtime,
-                         partial=p.shared_usage, system_unit=p.system_unit or "")
+                         partial=p.shared_usage, system_unit=p.system_unit or "", slurm_job=p.slurm_job or "")
         else:  # names change with exec and prctl, units with cgroup moves: every field is refreshed
             v.uid, v.user, v.comm, v.cmdline, v.exe = p.uid, p.user, p.comm, p.cmdline, p.exe
             v.unit, v.container, v.system_unit = p.unit or "", p.container_id or "", p.system_unit or ""
+            v.slurm_job = p.slurm_job or ""
             v.gpu_memory, v.gpu_utilization, v.runtime = p.gpu_memory, p.gpu_utilization, runtime
             v.partial = p.shared_usage
             v.per_device.clear()

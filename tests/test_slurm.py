@@ -1,0 +1,223 @@
+"""Slurm: a process's job from its cgroup or, where Slurm makes none, its SLURM_JOB_ID; `gpukillctl kill --job`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers.guard_inputs import FakeGroups, FakeTime, GiB, proc, snap
+from helpers.marks import needs_root
+from helpers.testbed import PYTHON, REPO, ROOT, SYSTEM_PYTHON
+
+from gpukill.policy import load_texts
+from gpukill.records import Process
+from gpukillctl.job_kill import job_processes, slurm_job_id
+from gpukilld.attribution import parse_cgroup, slurm_job_from_environ
+from gpukilld.guard.engine import Engine
+from gpukilld.procfs import MAX_ENVIRON, ProcFS
+
+# /proc/PID/cgroup of job tasks as Slurm's cgroup plugins lay them out (recorded on Slurm 22.05 and 23.02 hosts).
+RECORDED_CGROUPS = [
+    # cgroup/v2 under slurmd's own scope; with several slurmd on one host the scope carries the node name
+    ("0::/system.slice/slurmstepd.scope/job_123/step_0/user/task_0\n", "123"),
+    ("0::/system.slice/node7_slurmstepd.scope/job_9001/step_batch/user/task_0\n", "9001"),
+    ("0::/system.slice/slurmstepd.scope/job_55/step_extern/user/task_special\n", "55"),
+    # cgroup/v1: the job under /slurm/uid_N in the controllers Slurm uses, name=systemd elsewhere
+    ("12:memory:/slurm/uid_1000/job_77/step_0/task_1\n11:devices:/slurm/uid_1000/job_77/step_0\n"
+     "1:name=systemd:/system.slice/slurmd.service\n", "77"),
+    # no job: slurmd itself, a login session
+    ("0::/system.slice/slurmd.service\n", None),
+    ("0::/user.slice/user-1000.slice/session-3.scope\n", None),
+]
+
+
+@pytest.mark.parametrize(("text", "job"), RECORDED_CGROUPS)
+def test_the_job_is_read_from_slurms_cgroups(text, job):
+    assert parse_cgroup(text).slurm_job == job
+
+
+@pytest.mark.parametrize(("raw", "job"), [
+    (b"PATH=/bin\0SLURM_JOB_ID=4242\0SLURM_STEP_ID=0\0", "4242"),
+    (b"SLURM_JOB_ID=7\0", "7"),
+    (b"PATH=/bin\0SLURM_JOBID=4242\0", None),  # the old name alone: Slurm sets both, so the new one is there
+    (b"XSLURM_JOB_ID=5\0", None),
+    (b"SLURM_JOB_ID=12x\0", None),  # not a job id: nothing, rather than a job nobody has
+    (b"SLURM_JOB_ID=\0", None),
+    (b"SLURM_JOB_ID=12345678901\0", None),
+    (b"SLURM_JOB_ID=\xff\0", None),
+    (b"", None),
+])
+def test_the_job_is_read_from_the_environment(raw, job):
+    assert slurm_job_from_environ(raw) == job
+
+
+def _fake_proc(root: Path, cgroup: str, environ: bytes) -> int:
+    """A /proc/PID under root: this process's real stat and status, the given cgroup and environ."""
+    pid = os.getpid()
+    d = root / str(pid)
+    d.mkdir()
+    for name in ("stat", "status", "cmdline"):
+        (d / name).write_bytes(Path(f"/proc/{pid}/{name}").read_bytes())
+    (d / "cgroup").write_text(cgroup)
+    (d / "environ").write_bytes(environ)
+    return pid
+
+
+def test_the_cgroup_job_wins_over_the_environment(tmp_path):
+    # a process may rewrite its environment; only slurmd puts it in a job's cgroup
+    pid = _fake_proc(tmp_path, "0::/system.slice/slurmstepd.scope/job_1/step_0\n", b"SLURM_JOB_ID=2\0")
+    info = ProcFS(str(tmp_path)).info(pid)
+    assert info is not None and info.attribution.slurm_job == "1"
+
+
+def test_without_a_job_cgroup_the_environment_names_the_job(tmp_path):
+    pid = _fake_proc(tmp_path, "0::/user.slice/user-1000.slice/session-3.scope\n", b"A=1\0SLURM_JOB_ID=31\0")
+    info = ProcFS(str(tmp_path)).info(pid)
+    assert info is not None and info.attribution.slurm_job == "31"
+    assert info.attribution.unit == "session-3.scope"  # the rest of the attribution is the cgroup's
+
+
+def test_the_environment_is_read_bounded(tmp_path):
+    pad = b"P=" + b"x" * MAX_ENVIRON + b"\0"
+    pid = _fake_proc(tmp_path, "0::/\n", pad + b"SLURM_JOB_ID=31\0")
+    assert ProcFS(str(tmp_path)).slurm_job(pid) is None
+    assert ProcFS(str(tmp_path)).slurm_job(pid + 1) is None  # no such process
+
+
+def _proc(pid: int, job: str | None, device: int = 0, start_time: int = 100) -> Process:
+    return Process(pid=pid, start_time=start_time, uid=1000, user="alice", comm="train", cmdline="train",
+                   device=device, device_id=f"GPU-{device}", slurm_job=job)
+
+
+def test_kill_job_selects_each_process_of_the_job_once():
+    procs = [_proc(30, "12", device=0), _proc(30, "12", device=1), _proc(20, "12", start_time=7),
+             _proc(40, "123"), _proc(50, None), _proc(60, "1")]
+    chosen = job_processes(procs, "12")
+    assert [(p.pid, p.start_time) for p in chosen] == [(20, 7), (30, 100)]
+    assert job_processes(procs, "99") == []
+
+
+@pytest.mark.parametrize(("text", "job"), [("42", "42"), ("007", "7")])
+def test_job_ids_are_read_as_the_daemon_lists_them(text, job):
+    assert slurm_job_id(text) == job
+
+
+@pytest.mark.parametrize("text", ["", "x", "12_3", "12+1", "-1", "12345678901", "١٢"])
+def test_what_is_not_a_job_id_is_refused(text):
+    with pytest.raises(Exception, match="not a Slurm job id"):
+        slurm_job_id(text)
+
+
+def _job_victim(bed, user, job: str | None, gpu: int = 0) -> subprocess.Popen:
+    """A process on a simulated GPU started as Slurm with proctrack/linuxproc starts a task: no job cgroup,
+    SLURM_JOB_ID in its environment."""
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope}
+    if job is not None:
+        env["SLURM_JOB_ID"] = job
+    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time\nprint('ready', flush=True)\ntime.sleep(3600)\n"],
+                            stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True,
+                            **user.popen_kwargs())
+    bed.procs.append(proc)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return proc
+
+
+@needs_root
+def test_kill_job_stops_the_jobs_processes_and_leaves_the_others(victims, users, alive):
+    bed = victims
+    owner = users["owner"]
+    job = [_job_victim(bed, owner, "4242", gpu=0), _job_victim(bed, owner, "4242", gpu=1)]
+    other_job = _job_victim(bed, owner, "42", gpu=0)
+    no_job = _job_victim(bed, owner, None, gpu=1)
+    for p in (*job, other_job):
+        bed.wait_listed(p.pid)
+    listed = bed.listed(owner)
+    assert [listed[p.pid]["slurm_job"] for p in job] == ["4242", "4242"]
+    assert listed[other_job.pid]["slurm_job"] == "42"
+    assert bed.wait_listed(no_job.pid).get("slurm_job") is None
+
+    cli = bed.ctl(owner, "kill", "--job", "4242", "--grace", "2")
+    assert cli.returncode == 0, cli
+    for p in job:
+        assert p.wait(5) is not None
+        assert f"PID {p.pid} (python3) terminated" in cli.stdout
+    assert alive(other_job.pid) and alive(no_job.pid)
+
+    # nothing of the job is left: said, and not a failure (the epilog runs this on every job)
+    for p in job:
+        bed.wait_listed(p.pid, present=False)
+    again = bed.ctl(owner, "kill", "--job", "4242")
+    assert again.returncode == 0 and "no GPU processes of Slurm job 4242" in again.stdout, again
+
+
+@needs_root
+def test_kill_job_asks_polkit_for_each_process(victims, users, alive):
+    bed = victims
+    theirs = _job_victim(bed, users["owner"], "77")
+    bed.wait_listed(theirs.pid)
+    cli = bed.ctl(users["other"], "kill", "--job", "77")  # another user's job: kill-any-process, denied
+    assert cli.returncode == 4, cli
+    assert alive(theirs.pid)
+    assert cli.stderr.count("\n") == 1 and "Traceback" not in cli.stderr
+
+
+def test_a_guard_rule_selects_processes_by_slurm_job():
+    policy = load_texts([("p.yaml", "rules:\n  - name: job-12\n    scope: per_process\n    action: log\n"
+                                    "    conditions:\n      - {type: slurm_job, operator: '==', value: '12'}\n")])
+    engine = Engine(policy, clock=FakeTime().clock(), groups=FakeGroups({}), own_pid=1)
+    procs = [dataclasses.replace(proc(500, mem=GiB), slurm_job="12"),
+             dataclasses.replace(proc(501, mem=GiB), slurm_job="123"), proc(502, mem=GiB)]
+    assert [p.pids for p in engine.preview(snap(*procs))] == [(500,)]
+
+
+SLURM_SCRIPTS = REPO / "packaging" / "slurm"
+
+
+def _script_env(tmp_path: Path, job: str, gpus: str, gpukillctl: str, **extra: str) -> dict[str, str]:
+    """What slurmd gives a prolog or epilog, and where the map goes and which gpukillctl runs (settings the
+    admin may change in /etc/default/gpukill-slurm)."""
+    wrapper = tmp_path / "gpukillctl"
+    wrapper.write_text(f"#!/bin/sh\n{gpukillctl}\n")
+    wrapper.chmod(0o755)
+    return {"SLURM_JOB_ID": job, "SLURM_JOB_GPUS": gpus, "GPUKILL_JOB_MAP_DIR": str(tmp_path / "map"),
+            "GPUKILLCTL": str(wrapper), **extra}
+
+
+def _run_script(bed, name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return bed.run_as(ROOT, ["/bin/sh", str(SLURM_SCRIPTS / name)], env=env)
+
+
+@needs_root
+def test_the_epilog_stops_the_ended_jobs_leftovers_and_updates_the_gpu_map(victims, users, alive, tmp_path):
+    bed = victims
+    ctl = f'exec {PYTHON} -m gpukillctl "$@"'
+    for job, gpus in (("4242", "0,2"), ("77", "2")):
+        r = _run_script(bed, "prolog", _script_env(tmp_path, job, gpus, ctl))
+        assert r.returncode == 0, r
+    mapped = {f.name: f.read_text() for f in (tmp_path / "map").iterdir() if not f.name.startswith(".")}
+    assert mapped == {"0": "4242\n", "2": "4242\n77\n"}  # dcgm-exporter's format: a file per GPU, a job a line
+
+    leftover = _job_victim(bed, users["owner"], "4242", gpu=2)
+    running = _job_victim(bed, users["owner"], "77", gpu=2)
+    bed.wait_listed(leftover.pid)
+    bed.wait_listed(running.pid)
+    r = _run_script(bed, "epilog", _script_env(tmp_path, "4242", "0,2", ctl, GPUKILL_EPILOG_GRACE="1"))
+    assert r.returncode == 0, r
+    assert leftover.wait(5) is not None and alive(running.pid)
+    assert f"PID {leftover.pid} (python3) terminated" in r.stderr
+    mapped = {f.name: f.read_text() for f in (tmp_path / "map").iterdir() if not f.name.startswith(".")}
+    assert mapped == {"2": "77\n"}
+
+
+@needs_root
+@pytest.mark.parametrize(("drain", "status"), [("", 0), ("yes", 1)])
+def test_the_epilog_fails_only_when_asked_to_drain(bed, tmp_path, drain, status):
+    # gpukilld not answering: gpukillctl's exit 3
+    env = _script_env(tmp_path, "5", "", "echo 'gpukillctl: gpukilld is not reachable' >&2; exit 3",
+                      **({"GPUKILL_EPILOG_DRAIN": drain} if drain else {}))
+    r = _run_script(bed, "epilog", env)
+    assert r.returncode == status, r
+    assert "gpukilld is not reachable" in r.stderr
