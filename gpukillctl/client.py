@@ -41,6 +41,8 @@ from gpukill.records import (
     signal_record,
 )
 
+from . import remote
+
 BUS_NAME = "org.gpukill1"
 OBJECT_PATH = "/org/gpukill1"
 INTERFACE = "org.gpukill1.Manager"
@@ -117,7 +119,13 @@ class GpukillClient:
         self.bus = bus
 
     @classmethod
-    async def connect(cls) -> GpukillClient:
+    async def connect(cls, host: str | None = None) -> GpukillClient:
+        """The system bus here, or that of `host` ([user@]host[:port]) over ssh (gpukillctl/remote.py)."""
+        if host:
+            try:
+                return cls(await remote.connect(host))
+            except remote.RemoteError as e:
+                raise DaemonUnavailable("", str(e)) from None  # the caller knows which host it asked for
         try:
             bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
         except Exception as e:
