@@ -23,6 +23,7 @@ from dbus_fast import Variant
 from gpukill.regex import RegexError, compile_regex
 
 from .audit_cli import cmd_audit
+from .cli import build_parser as gpukillctl_parser
 from .cli import cmd_kill, cmd_list, cmd_reset, positive_int, seconds
 from .client import ClientError, GpukillClient
 from .exits import (
@@ -286,6 +287,18 @@ def _equivalent(op: str, args: argparse.Namespace) -> str:
     return EQUIVALENT[op]
 
 
+def kill_args(pid: int, start_time: int | None, force: bool, grace: float | None) -> argparse.Namespace:
+    """`gpukillctl kill`'s arguments, parsed by gpukillctl's own parser, so they carry whatever it adds."""
+    argv = ["kill", str(pid)]
+    if start_time is not None:
+        argv += ["--start-time", str(start_time)]
+    if force:
+        argv.append("--force")
+    if grace is not None:
+        argv += ["--grace", repr(float(grace))]
+    return gpukillctl_parser().parse_args(argv)
+
+
 def fail(message: str, code: int) -> int:
     print(f"{PROG}: {shown(message)}", file=sys.stderr)  # daemon messages name processes: escape them
     return code
@@ -346,7 +359,7 @@ def _kill(args: argparse.Namespace) -> Plan:
         raise Refused("--batch goes with --filter (it kills every match), not with --pid",
                       f"gpukillctl kill {args.pid}")
     if args.pid is not None:
-        kill_ns = argparse.Namespace(pid=args.pid, start_time=None, force=args.force, grace=args.timeout_secs)
+        kill_ns = kill_args(args.pid, None, args.force, args.timeout_secs)
         return Plan(lambda client: cmd_kill(client, kill_ns))
     regex = shlex.quote(args.filter)
     if not args.batch:
@@ -391,7 +404,7 @@ async def kill_matching(client: GpukillClient, pattern: str, force: bool, grace:
                 + ", ".join(f"{p.pid} ({p.comm})" for p in targets)))
     first_failure = EXIT_OK
     for p in targets:
-        kill_ns = argparse.Namespace(pid=p.pid, start_time=p.start_time, force=force, grace=grace)
+        kill_ns = kill_args(p.pid, p.start_time, force, grace)
         try:
             code = await cmd_kill(client, kill_ns)
         except ClientError as e:
