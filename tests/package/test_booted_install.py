@@ -283,6 +283,94 @@ def test_bus_activation_starts_a_stopped_daemon(machine):
     assert machine.run("systemctl", "is-active", "gpukilld", check=False).stdout.strip() == "active"
 
 
+SLURM_PACKAGES = ("slurm-wlm", "munge", "procps")
+
+
+@pytest.fixture(scope="module")
+def slurm(machine):
+    """Real Slurm from Debian (slurmctld + slurmd, one node) in the booted container, with the shipped epilog.
+    proctrack/linuxproc and task/none: these hosts run cgroup v1, where Slurm's cgroup plugins cannot start inside
+    nspawn, so a job's processes carry their job only as SLURM_JOB_ID in their environment."""
+    t0 = time.monotonic()
+    install = ("apt-get", "install", "-y", "-q", "--no-install-recommends", *SLURM_PACKAGES)
+    r = machine.run(*install, check=False, timeout=300)
+    if r.returncode != 0:  # the cached package lists may be older than the archive
+        machine.run("apt-get", "update", "-qq", check=False, timeout=120)
+        r = machine.run(*install, check=False, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"cannot install Slurm in the container (no Debian archive?): {r.stderr.strip()[-300:]}")
+    host = machine.run("cat", "/proc/sys/kernel/hostname").stdout.strip()
+    with open(machine.root / "etc/hosts", "a") as hosts:
+        hosts.write(f"127.0.1.1 {host}\n")
+    (machine.root / "etc/slurm/slurm.conf").write_text(
+        f"ClusterName=gpukilltest\nSlurmctldHost={host}\nAuthType=auth/munge\n"
+        "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nSelectType=select/cons_tres\n"
+        "StateSaveLocation=/var/lib/slurm/slurmctld\nSlurmdSpoolDir=/var/lib/slurm/slurmd\nReturnToService=2\n"
+        "Epilog=/usr/share/gpukill/slurm/epilog\nPrologEpilogTimeout=120\n"
+        f"NodeName={host} CPUs=2 RealMemory=1000\nPartitionName=debug Nodes=ALL Default=YES State=UP\n")
+    (machine.root / "etc/slurm/cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
+    machine.run("systemctl", "restart", "munge", "slurmctld", "slurmd")
+    idle = wait_until(lambda: machine.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle")
+    assert idle, (machine.run("sinfo", check=False).stdout,
+                  machine.run("journalctl", "-u", "slurmctld", "-u", "slurmd", "--no-pager", "-n", "30").stdout)
+    timings["Slurm install and start"] = time.monotonic() - t0
+    return host
+
+
+def sbatch(m: Machine, script: str) -> str:
+    """Submit `script` as alice; the job id."""
+    return m.run("sbatch", "--parsable", "--chdir=/tmp", "-o", "/tmp/slurm-%j.out", "--wrap", script,
+                 user="alice").stdout.strip().split(";")[0]
+
+
+def job_gpu_pids(m: Machine, job: str) -> set[int]:
+    procs = json.loads(m.run("gpukillctl", "list", "--json").stdout)["processes"]
+    return {p["pid"] for p in procs if p["slurm_job"] == job}
+
+
+def job_state(m: Machine, job: str) -> str:
+    return m.run("scontrol", "show", "job", job, check=False).stdout
+
+
+def test_slurm_job_listed_and_killed_by_job(machine, slurm):
+    """A job's GPU process is listed with its job id (SLURM_JOB_ID: proctrack/linuxproc makes no job cgroup),
+    and `gpukillctl kill --job` run by the job's owner stops it."""
+    t0 = time.monotonic()
+    job = sbatch(machine, "env GPUKILL_SIM_GPU=0 GPUKILL_SIM_MEM=1GiB sleep 300")
+    assert wait_until(lambda: job_gpu_pids(machine, job)), (job_state(machine, job),
+                                                            machine.run("gpukillctl", "list", "--json").stdout)
+    (pid,) = job_gpu_pids(machine, job)
+    assert machine.run("cat", f"/proc/{pid}/comm").stdout.strip() == "sleep"
+    r = machine.run("gpukillctl", "kill", "--job", job, user="alice")
+    assert f"PID {pid} (sleep) terminated" in r.stdout, r.stdout
+    assert wait_until(lambda: "JobState=COMPLETED" in job_state(machine, job) or
+                      "JobState=FAILED" in job_state(machine, job)), job_state(machine, job)
+    assert not job_gpu_pids(machine, job)
+    timings["Slurm kill --job"] = time.monotonic() - t0
+
+
+def test_slurm_epilog_cleans_up_a_leftover(machine, slurm):
+    """A GPU process that escaped its job (setsid, the batch script exits) is stopped by the shipped epilog when the
+    job ends, through gpukilld (audited as a user kill by uid 0), and the epilog says so in syslog."""
+    t0 = time.monotonic()
+    job = sbatch(machine, "setsid env GPUKILL_SIM_GPU=1 GPUKILL_SIM_MEM=1GiB sleep 300 </dev/null >/dev/null 2>&1 & "
+                          "while [ ! -e /tmp/go-$SLURM_JOB_ID ]; do sleep 0.2; done")
+    assert wait_until(lambda: job_gpu_pids(machine, job)), (job_state(machine, job),
+                                                            machine.run("gpukillctl", "list", "--json").stdout)
+    (pid,) = job_gpu_pids(machine, job)
+    machine.run("touch", f"/tmp/go-{job}")  # the batch script ends: the job ends with the process left behind
+    assert wait_until(lambda: not job_gpu_pids(machine, job)), (job_state(machine, job),
+                                                                machine.run("gpukillctl", "list").stdout)
+    assert "JobState=COMPLETED" in job_state(machine, job), job_state(machine, job)
+    audit = machine.run("journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager", f"GPUKILL_TARGET_PID={pid}").stdout
+    assert f"PID {pid} (sleep, user alice) terminated; requested by uid 0" in audit, audit
+    assert "GPUKILL_INITIATOR=user" in audit, audit
+    assert wait_until(lambda: f"job {job}: PID {pid} (sleep) terminated" in
+                      machine.run("journalctl", "-t", "gpukill-slurm", "--no-pager").stdout, timeout=10), \
+        machine.run("journalctl", "-t", "gpukill-slurm", "--no-pager").stdout
+    timings["Slurm epilog"] = time.monotonic() - t0
+
+
 def test_purge_leaves_nothing_of_ours(machine):
     machine.run("apt-get", "purge", "-y", "-q", "gpukill", timeout=300)
     ours = ["usr/lib/gpukill", "usr/sbin/gpukilld", "usr/bin/gpukillctl", "lib/systemd/system/gpukilld.service",
