@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
@@ -336,3 +336,17 @@ class GpukillClient:
             if e.name == "org.freedesktop.DBus.Error.NameHasNoOwner":
                 return None
             raise
+
+
+# How a server (MCP, REST) reaches gpukilld: a fresh connection per request, as the user who runs it.
+Connect = Callable[[], Awaitable[GpukillClient]]
+T = TypeVar("T")
+
+
+async def using(connect: Connect, act: Callable[[GpukillClient], Awaitable[T]]) -> T:
+    """act(client) on a connection of its own, closed after: a daemon restart between requests costs nothing."""
+    client = await connect()
+    try:
+        return await act(client)
+    finally:
+        client.close()

@@ -38,9 +38,8 @@ from gpukill.limits import MAX_GRACE
 from gpukill.records import Decision, Device, Finding, GuardStatus, Process, ResetReply
 from gpukill.text import shown
 
-from .client import ClientError, DaemonUnavailable, GpukillClient
+from .client import ClientError, Connect, DaemonUnavailable, GpukillClient, using
 
-Connect = Callable[[], Awaitable[GpukillClient]]
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -112,15 +111,6 @@ def error_text(e: ClientError) -> str:
     return f"{error_name(e)}: {shown(str(e))}"  # the message may name a process: one line, no controls
 
 
-async def _using(connect: Connect, act: Callable[[GpukillClient], Awaitable[T]]) -> T:
-    """act(client) on a connection of its own, closed after."""
-    client = await connect()
-    try:
-        return await act(client)
-    finally:
-        client.close()
-
-
 def tool_error(e: ClientError) -> CallToolResult:
     """The daemon's refusal as the tool's result (isError). Returned, not raised: the SDK would put
     "Error executing tool NAME: " before a raised ToolError's text, and the text must start with the name."""
@@ -163,7 +153,7 @@ def build_mcp(connect: Connect) -> MCPServer:
         """result(act(client)), or the daemon's error as the tool's error result. (A tool may return a
         CallToolResult in place of its declared type; the SDK passes an error result through unchecked.)"""
         try:
-            value = await _using(connect, act)
+            value = await using(connect, act)
         except ClientError as e:
             return tool_error(e)  # type: ignore[return-value]
         return result(value)
@@ -234,7 +224,7 @@ def build_mcp(connect: Connect) -> MCPServer:
 
     async def resource(act: Callable[[GpukillClient], Awaitable[BaseModel]]) -> str:
         try:
-            return (await _using(connect, act)).model_dump_json()
+            return (await using(connect, act)).model_dump_json()
         except ClientError as e:
             raise ResourceError(error_text(e)) from None
 

@@ -38,9 +38,7 @@ from gpukill.policy import MAX_POLICY_BYTES
 from gpukill.procstat import read_stat
 from gpukill.records import Decision, Device, Finding, GuardStatus, Process, ResetReply, Wire, specs, to_plain
 
-from .client import ClientError, DaemonUnavailable, GpukillClient
-
-Connect = Callable[[], Awaitable[GpukillClient]]
+from .client import ClientError, Connect, DaemonUnavailable, GpukillClient, using
 
 API_PREFIX = "/v1"
 OPENAPI_URL = f"{API_PREFIX}/openapi.json"
@@ -322,12 +320,8 @@ def build_rest(connect: Connect) -> FastAPI:
             e.status_code, _HTTP_ERROR_NAMES.get(e.status_code, "HTTPError"), str(e.detail), headers=e.headers
         )
 
-    async def using(act: Callable[[GpukillClient], Awaitable[Any]]) -> Any:
-        client = await connect()
-        try:
-            return await act(client)
-        finally:
-            client.close()
+    def with_daemon(act: Callable[[GpukillClient], Awaitable[Any]]) -> Awaitable[Any]:
+        return using(connect, act)
 
     @app.get(
         f"{API_PREFIX}/devices",
@@ -337,7 +331,7 @@ def build_rest(connect: Connect) -> FastAPI:
         operation_id="list_devices",
     )
     async def devices() -> dict:
-        found = await using(lambda c: c.list_devices())
+        found = await with_daemon(lambda c: c.list_devices())
         return {"devices": [to_plain(d) for d in found]}
 
     @app.get(
@@ -386,7 +380,7 @@ def build_rest(connect: Connect) -> FastAPI:
                 wanted[key] = Variant("s", value)
         if memory_gt is not None:
             wanted["min_memory"] = Variant("t", memory_gt + 1)  # the daemon's floor is "at least"
-        found = await using(lambda c: c.list_processes(wanted))
+        found = await with_daemon(lambda c: c.list_processes(wanted))
         return {"processes": [to_plain(p) for p in found]}
 
     @app.post(
@@ -407,7 +401,7 @@ def build_rest(connect: Connect) -> FastAPI:
             )
             return {"pid": request.pid, "start_time": start_time, "outcome": outcome.value}
 
-        return await using(act)
+        return await with_daemon(act)
 
     @app.post(
         f"{API_PREFIX}/reset",
@@ -417,7 +411,7 @@ def build_rest(connect: Connect) -> FastAPI:
         operation_id="reset_device",
     )
     async def reset(request: Annotated[ResetRequest, Body()]) -> dict:
-        return to_plain(await using(lambda c: c.reset(request.device, force=request.force)))
+        return to_plain(await with_daemon(lambda c: c.reset(request.device, force=request.force)))
 
     @app.get(
         f"{API_PREFIX}/audit/rogue",
@@ -427,7 +421,7 @@ def build_rest(connect: Connect) -> FastAPI:
         operation_id="audit_rogue",
     )
     async def audit() -> dict:
-        return {"findings": [to_plain(f) for f in await using(lambda c: c.audit_rogue())]}
+        return {"findings": [to_plain(f) for f in await with_daemon(lambda c: c.audit_rogue())]}
 
     @app.get(
         f"{API_PREFIX}/guard/status",
@@ -437,7 +431,7 @@ def build_rest(connect: Connect) -> FastAPI:
         operation_id="guard_status",
     )
     async def guard_status() -> dict:
-        return to_plain(await using(lambda c: c.guard_status()))
+        return to_plain(await with_daemon(lambda c: c.guard_status()))
 
     @app.post(
         f"{API_PREFIX}/guard/test",
@@ -447,7 +441,7 @@ def build_rest(connect: Connect) -> FastAPI:
         operation_id="guard_test_policy",
     )
     async def guard_test(request: Annotated[PolicyTestRequest, Body()]) -> dict:
-        found = await using(lambda c: c.guard_test(request.name, request.text))
+        found = await with_daemon(lambda c: c.guard_test(request.name, request.text))
         return {"decisions": [to_plain(d) for d in found]}
 
     _declare_token(app)

@@ -21,9 +21,10 @@ from starlette.routing import Mount, Route
 
 from gpukill.policy import MAX_POLICY_BYTES
 
+from .client import Connect
 from .http_gate import MCP_PATH, Gate
 from .mcp_server import build_mcp
-from .rest import Connect, build_rest
+from .rest import build_rest
 
 # A policy of MAX_POLICY_BYTES sent to /v1/guard/test as a JSON string, its newlines and quotes escaped, fits.
 MAX_BODY = 2 * MAX_POLICY_BYTES + 4096
