@@ -32,7 +32,9 @@ class TmuxPane:
         self.dir.mkdir(mode=0o700)
         os.chown(self.dir, user.uid, user.gid)
         self.socket = self.dir / "socket"
-        self.env = bed.env(LC_ALL="C.UTF-8", HOME=str(self.dir), TERM="xterm-256color")
+        # SHELL: tmux runs the command with it, and without it falls back to the user's login shell, which for the
+        # bed's users is nologin (the pane dies at once and the server with it, as on CI where SHELL is unset).
+        self.env = bed.env(LC_ALL="C.UTF-8", HOME=str(self.dir), TERM="xterm-256color", SHELL="/bin/sh")
 
     def tmux(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         r = subprocess.run(["tmux", "-f", "/dev/null", "-S", str(self.socket), *args], env=self.env, cwd=self.dir,
