@@ -143,16 +143,33 @@ def test_a_burst_of_100_kills_is_a_handful_of_notifications(desk, users):
     assert r.returncode == 0, r
     assert all(p.wait(10) is not None for p in sleepers)
     assert time.monotonic() - t0 < 3, "not a burst"
-    summary = wait_until(lambda: [n for n in _since(session, mark) if "GPU notifications at once" in n.summary],
-                         15, lambda: f"no summary among {len(_since(session, mark))} notifications")
+    # On a loaded machine the burst's signals may reach the agent over more than one of its windows, and each
+    # window then makes a summary of its own: wait until every kill is shown or counted, then count pop-ups.
+    wait_until(lambda: _accounted(_since(session, mark)) >= BURST, 20,
+               lambda: f"{_accounted(_since(session, mark))} of {BURST} kills shown or counted")
     time.sleep(1.0)
     shown = _since(session, mark)
-    assert len(shown) <= 5, shown
+    summaries = [n for n in shown if _held(n)]
+    assert summaries, shown
+    assert len(shown) <= 5 * len(summaries), shown
+    assert len(summaries) <= 3, ("a burst over at most a few windows", [n.summary for n in shown])
     assert all(n.replaces_id == 0 for n in shown)
-    held = int(summary[0].summary.split()[0])
-    assert held + (len(shown) - 1) == BURST, "every kill is shown or counted"
-    assert f"and {held - 6} more" in summary[0].body
+    assert _accounted(shown) == BURST, "every kill is shown or counted, once"
+    for summary in summaries:  # the summary lists the first six it holds and counts the rest
+        assert summary.body.count("\n") == min(_held(summary), 7) - 1, summary.body
+        if _held(summary) > 6:
+            assert f"and {_held(summary) - 6} more" in summary.body
     assert agent.poll() is None
+
+
+def _held(n) -> int:
+    """How many kills a summary pop-up ("N GPU notifications at once") stands for; 0 for any other."""
+    return int(n.summary.split()[0]) if "GPU notifications at once" in n.summary else 0
+
+
+def _accounted(shown) -> int:
+    """Kills shown one by one or counted in a summary."""
+    return sum(_held(n) or 1 for n in shown)
 
 
 def test_restarting_gpukilld_and_the_notification_server_loses_no_later_event(desk, users):
