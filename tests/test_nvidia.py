@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 from helpers.marks import needs_root
-from helpers.nvml_host import fake_nvidia_host
+from helpers.nvml_host import fake_nvidia_host, mig_instance
 from helpers.testbed import ROOT
 from helpers.waiting import wait_until
 
@@ -14,6 +20,11 @@ from gpukilld import audit
 pytestmark = needs_root
 
 GIB = 2**30
+MIB = 2**20
+PEER_VIEW = os.path.join(os.path.dirname(__file__), "clients", "nvml_peer_view.py")
+# Entry points that drivers after 550 added (in nvml.h of 12.5 to 12.8): the fake, claiming 550, must lack them
+LATER_THAN_550 = ["nvmlDeviceGetTemperatureV", "nvmlDeviceGetMarginTemperature", "nvmlDeviceGetEnforcedPowerLimit_v2",
+                  "nvmlDeviceGetDriverModel_v2"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +60,7 @@ def test_eight_gpus_with_every_field_and_real_processes(nvbed, nvhost, users):
         assert dev == {
             "index": i, "id": fake["uuid"], "backend": "nvidia", "vendor": "nvidia", "name": fake["name"],
             "pci_bus_id": fake["pci_bus_id"], "utilization": float(fake["util_gpu"]),
-            "memory_used": fake["memory_used"], "memory_total": fake["memory_total"],
+            "memory_used": fake["memory_allocated"], "memory_total": fake["memory_total"],
             "temperature": float(fake["temperature"]), "power": fake["power_mw"] / 1000, "state": "ok",
             "state_reason": None, "power_limit": 700.0, "mig_mode": False, "parent_id": None,
             "clock_mhz": None,  # the nvidia backend does not read clocks
@@ -71,7 +82,7 @@ def test_not_supported_is_null_and_mig_instances(nvbed, nvhost, users):
     dev = nvhost.device(2)
     dev["mig_mode"] = 1
     dev["mig_devices"] = [{"uuid": "MIG-11111111-2222-3333-4444-555555555555", "gi": 1, "ci": 0,
-                           "memory_total": 10 * GIB, "memory_used": 2 * GIB,
+                           "memory_total": 10 * GIB, "memory_allocated": 2 * GIB,
                            "compute": [{"pid": job.pid, "used_memory": 2 * GIB}]}]
     nvhost.fault(3, not_supported=["temperature", "power", "process_utilization"])
     doc = wait_until(lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d, 10,
@@ -195,3 +206,96 @@ def test_driver_not_loaded_is_reported(fresh_bed, nvhost, users):
     finally:
         del nvhost.state["init_error"]
         nvhost.write()
+
+
+def peer_view(host, symbols=()) -> dict:
+    """What nvitop and plain pynvml read from the host (tests/clients/nvml_peer_view.py, in its own process)."""
+    if importlib.util.find_spec("nvitop") is None:
+        pytest.skip("nvitop is not installed (pip install -e '.[test]')")
+    r = subprocess.run([sys.executable, PEER_VIEW], input=json.dumps(list(symbols)), capture_output=True, text=True,
+                       env={**os.environ, **host.env()}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def with_mig_instance(nvhost, job_pid: int) -> tuple[dict, dict]:
+    """GPU 2 in MIG mode with one instance (128 MiB reserved, as on the driver the issue checked) running
+    job_pid with 2 GiB; the GPU itself keeps the 512 MiB reserved of every fake H100."""
+    gpu = nvhost.device(2)
+    gpu["mig_mode"] = 1
+    gpu["mig_devices"] = [mig_instance("MIG-11111111-2222-3333-4444-555555555555", 1, 0, 10 * GIB,
+                                       reserved=128 * MIB)]
+    nvhost.add_process(2, job_pid, 2 * GIB, mig=0)
+    nvhost.write()
+    return gpu, gpu["mig_devices"][0]
+
+
+def test_mig_instance_used_memory_is_allocated_only_as_the_parents_and_nvitops(nvbed, nvhost, users):
+    """nvml.h: v1's used = reserved + allocated, v2's used = allocated. An instance read through v1 while its
+    parent is read through v2 would list 2 GiB + 128 MiB here, and disagree with nvitop's MigDevice."""
+    bed = nvbed
+    job = bed.victim(users["owner"], comm="mig-job")
+    gpu, mig = with_mig_instance(nvhost, job.pid)
+    doc = wait_until(lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d, 10,
+                     "the MIG instance and its process were never listed")
+    by_id = {d["id"]: d for d in doc["devices"]}
+    listed_mig, listed_gpu = by_id[mig["uuid"]], by_id[gpu["uuid"]]
+    assert listed_mig["memory_used"] == mig["memory_allocated"] == 2 * GIB
+    assert listed_gpu["memory_used"] == gpu["memory_allocated"] == 2 * GIB  # the parent counts the same way
+    (p,) = doc["processes"]
+    assert (p["device_id"], p["gpu_memory"]) == (mig["uuid"], listed_mig["memory_used"])
+
+    view = peer_view(nvhost)
+    (nvitop_gpu,) = [g for g in view["nvitop"] if g["uuid"] == gpu["uuid"]]
+    (nvitop_mig,) = nvitop_gpu["mig"]
+    assert nvitop_mig["uuid"] == mig["uuid"]
+    assert nvitop_mig["memory"] == {"total": listed_mig["memory_total"], "used": listed_mig["memory_used"],
+                                    "free": 10 * GIB - 128 * MIB - 2 * GIB, "reserved": 128 * MIB}
+    assert nvitop_gpu["memory"]["used"] == listed_gpu["memory_used"]
+
+
+def test_without_memory_v2_instances_and_gpus_fall_back_to_v1_alike(nvbed, nvhost, users):
+    """A driver (or device) without the v2 call: the v1 struct for the GPU and its instances, whose used
+    memory then includes the reserved memory, for both alike."""
+    bed = nvbed
+    job = bed.victim(users["owner"], comm="mig-job")
+    gpu, mig = with_mig_instance(nvhost, job.pid)
+    nvhost.fault(2, not_supported=["memory_v2"])
+    doc = wait_until(lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d, 10,
+                     "the MIG instance and its process were never listed")
+    by_id = {d["id"]: d for d in doc["devices"]}
+    assert by_id[mig["uuid"]]["memory_used"] == 2 * GIB + 128 * MIB
+    assert by_id[gpu["uuid"]]["memory_used"] == 2 * GIB + 512 * MIB
+    assert by_id[nvhost.device(1)["uuid"]]["memory_used"] == 0  # the others keep v2
+
+
+@pytest.fixture(scope="module")
+def nvhost_o0(tmp_path_factory):
+    """The fake built without optimisation, where undefined behaviour in it shows rather than hides."""
+    return fake_nvidia_host(tmp_path_factory.mktemp("nvml-O0"), devices=3, optimize="-O0")
+
+
+def test_fake_follows_550s_nvml_h_and_nvitop_reads_temperatures(nvhost_o0):
+    host = nvhost_o0
+    host.device(1)["mig_mode"] = 1
+    host.device(1)["mig_devices"] = [mig_instance("MIG-aaaaaaaa-2222-3333-4444-555555555555", 1, 0, 10 * GIB,
+                                                  reserved=128 * MIB)]
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        host.add_process(0, sleeper.pid, None)  # NVML does not know its memory: NVML_VALUE_NOT_AVAILABLE
+        host.add_process(1, sleeper.pid, 3 * GIB, mig=0)
+        host.write()
+        view = peer_view(host, LATER_THAN_550)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # nvitop prefers nvmlDeviceGetTemperatureV where exported: with it gone it reads the 550 call
+    assert [g["temperature"] for g in view["nvitop"]] == [host.device(i)["temperature"] for i in range(3)]
+    assert view["exports"] == dict.fromkeys(LATER_THAN_550, False)
+    assert view["processes"][host.device(0)["uuid"]] == [[sleeper.pid, None]]  # pynvml's None for the sentinel
+    for uuid, memory in view["pynvml"].items():
+        v1, v2 = memory["v1"], memory["v2"]
+        assert v1["used"] == v2["used"] + v2["reserved"] and v1["free"] == v2["free"], uuid
+        assert v2["total"] == v2["reserved"] + v2["used"] + v2["free"], uuid
+    assert view["pynvml"]["MIG-aaaaaaaa-2222-3333-4444-555555555555"]["v2"] == {
+        "total": 10 * GIB, "reserved": 128 * MIB, "used": 3 * GIB, "free": 10 * GIB - 128 * MIB - 3 * GIB}

@@ -5,6 +5,11 @@ RESET_REQUIRED is marked lost while the others keep updating. Each device is rea
 with a deadline, so an NVML call that hangs marks that device lost instead of stopping the sampler. Process
 lists are sanity-checked against /proc, since a driver and bindings that disagree on the struct version of
 the _v2/_v3 calls produce garbage PIDs and sizes; then the unversioned (v1) call is used instead.
+
+Memory, of a GPU and of a MIG instance alike, is read through nvmlMemory_v2_t, whose `used` is allocated memory
+only (nvml.h); the v1 struct, whose `used` adds the memory the driver reserves (hundreds of MiB on a GPU, 128 MiB
+seen on an instance), only where the driver has no v2. Used memory then means the same for a GPU, its
+instances and the processes on them, as in nvidia-smi and nvitop.
 """
 
 from __future__ import annotations
@@ -249,9 +254,7 @@ class NvidiaBackend(Backend):
     def _read_live(self, state: _DeviceState, handle) -> _DeviceRead:
         nv = self._nvml
         util = self._get(nv.nvmlDeviceGetUtilizationRates, handle)
-        memory = self._get(nv.nvmlDeviceGetMemoryInfo, handle, nv.nvmlMemory_v2)
-        if memory is None:  # drivers before v2 of the struct
-            memory = self._get(nv.nvmlDeviceGetMemoryInfo, handle)
+        memory = self._memory(handle)
         temperature = self._get(nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
         power_mw = self._get(nv.nvmlDeviceGetPowerUsage, handle)
         limit_mw = self._get(nv.nvmlDeviceGetEnforcedPowerLimit, handle)
@@ -281,6 +284,19 @@ class NvidiaBackend(Backend):
         devices = [device] + [reading for _, reading in instances.values()]
         return _DeviceRead(devices, processes)
 
+    def _memory(self, handle):
+        """A GPU's or MIG instance's memory: the v2 struct, or v1 where the driver lacks v2 (one older than
+        NVML 11.6/11.7, or a device that does not support it); None when unknown. See the module's docstring."""
+        nv = self._nvml
+        try:
+            return nv.nvmlDeviceGetMemoryInfo(handle, nv.nvmlMemory_v2)
+        except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound, nv.NVMLError_ArgumentVersionMismatch):
+            return self._get(nv.nvmlDeviceGetMemoryInfo, handle)
+        except (nv.NVMLError_GpuIsLost, nv.NVMLError_ResetRequired):
+            raise
+        except nv.NVMLError:
+            return None
+
     def _mig_instances(self, state: _DeviceState, handle) -> dict[tuple[int, int], tuple[str, DeviceReading]]:
         """MIG instances as devices of their own, keyed by (GPU instance, compute instance)."""
         nv = self._nvml
@@ -298,7 +314,7 @@ class NvidiaBackend(Backend):
             ci = self._get(nv.nvmlDeviceGetComputeInstanceId, mig)
             if uuid is None or gi is None or ci is None:
                 continue
-            memory = self._get(nv.nvmlDeviceGetMemoryInfo, mig)
+            memory = self._memory(mig)
             state.mig_names[uuid] = f"{state.name} MIG {gi}/{ci}"
             found[(gi, ci)] = (uuid, DeviceReading(
                 id=uuid, vendor="nvidia", name=f"{state.name} MIG {gi}/{ci}", pci_bus_id=state.pci_bus_id,

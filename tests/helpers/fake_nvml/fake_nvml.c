@@ -3,8 +3,19 @@
  * (gpustat, nvitop) call, with the ABI of nvml.h, answering from a JSON state file named by
  * $GPUKILL_FAKE_NVML_STATE and re-read whenever it changes. Tests load it through the real pynvml bindings.
  *
+ * It claims to be driver 550 (NVML 12.550) and exports only entry points that 550's nvml.h declares: tools
+ * probe for newer ones (nvitop prefers nvmlDeviceGetTemperatureV, first in the 570 header, when it is
+ * present), so an extra export, even one answering NOT_SUPPORTED, makes them behave as on no real driver.
+ *
+ * Memory, per GPU and per MIG device, as nvml.h defines both structs: "memory_total", "memory_reserved"
+ * (set aside by the driver and firmware) and "memory_allocated" (what contexts hold). nvmlMemory_v2_t reports
+ * used = allocated and the reserved amount; the v1 nvmlMemory_t has no reserved field and reports
+ * used = reserved + allocated; free = total - reserved - allocated in both. A process listed without
+ * "used_memory" reports NVML_VALUE_NOT_AVAILABLE, written as the integer constant.
+ *
  * Fault injection, per device in the state: "lost" (NVML_ERROR_GPU_IS_LOST), "reset_required",
- * "not_supported": [field, ...] (NVML_ERROR_NOT_SUPPORTED for those getters), "slow_ms" (every call on the
+ * "not_supported": [field, ...] (NVML_ERROR_NOT_SUPPORTED for those getters, e.g. "memory_v2": a device
+ * without the v2 memory call, its MIG devices included), "slow_ms" (every call on the
  * device sleeps that long), "process_struct": "v1" (the _v2/_v3 process calls write v1-sized records, as a
  * driver with a different struct version would: the caller then reads garbage). Top level: "init_error"
  * (nvmlInit fails with that code), "driver_version", "xid_events" [{device, xid, seq}], delivered once each.
@@ -39,6 +50,8 @@ typedef enum { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } jtype;
 typedef struct jv {
     jtype t;
     double num;
+    unsigned long long u; /* an integer literal, exactly (a double holds only 53 bits) */
+    int is_uint;          /* u holds the number */
     char *str;
     struct jv **items;
     char **keys;
@@ -99,8 +112,14 @@ static jv *jparse(void) {
     if (!strncmp(jp, "null", 4)) { jp += 4; return jnew(J_NULL); }
     jv *v = jnew(J_NUM);
     char *end;
+    const char *start = jp;
     v->num = strtod(jp, &end);
     jp = end == jp ? jp + 1 : end;
+    if (*start >= '0' && *start <= '9' && !memchr(start, '.', end - start) && !memchr(start, 'e', end - start)
+        && !memchr(start, 'E', end - start)) {
+        v->u = strtoull(start, NULL, 10);
+        v->is_uint = 1;
+    }
     return v;
 }
 
@@ -118,6 +137,15 @@ static jv *jget(jv *o, const char *key) {
 static double jnum(jv *o, const char *key, double dflt) { jv *v = jget(o, key); return v && (v->t == J_NUM || v->t == J_BOOL) ? v->num : dflt; }
 static const char *jstr(jv *o, const char *key, const char *dflt) { jv *v = jget(o, key); return v && v->t == J_STR ? v->str : dflt; }
 static int jlen(jv *a) { return a && a->t == J_ARR ? a->n : 0; }
+
+/* NVML_VALUE_NOT_AVAILABLE ((-1) in nvml.h) in an unsigned long long field, as the integer constant: */
+#define VALUE_NOT_AVAILABLE_ULL 0xFFFFFFFFFFFFFFFFULL
+/* An unsigned 64-bit field: exact for integers; `dflt` when absent, null or not a non-negative integer (a
+ * double out of range would be undefined to convert, so it never is). */
+static unsigned long long jull(jv *o, const char *key, unsigned long long dflt) {
+    jv *v = jget(o, key);
+    return v && v->t == J_NUM && v->is_uint ? v->u : dflt;
+}
 
 /* ---- state ---------------------------------------------------------------------------------------------- */
 
@@ -382,21 +410,29 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(handle_t *h, nvmlUtilization_t *u) {
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
 typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
 
+#define NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24))) /* NVML_STRUCT_VERSION(Memory, 2) */
+
+/* One device's (GPU's or MIG instance's) memory in nvml.h's terms; see the top of this file. */
+static void memory_of(jv *dev, unsigned long long *total, unsigned long long *reserved,
+                      unsigned long long *allocated, unsigned long long *free) {
+    *total = jull(dev, "memory_total", 0);
+    *reserved = jull(dev, "memory_reserved", 0);
+    *allocated = jull(dev, "memory_allocated", 0);
+    *free = *total > *reserved + *allocated ? *total - *reserved - *allocated : 0;
+}
+
 nvmlReturn_t nvmlDeviceGetMemoryInfo(handle_t *h, nvmlMemory_t *m) {
     ENTER(h, "memory");
-    m->total = (unsigned long long)jnum(dev, "memory_total", 0);
-    m->used = (unsigned long long)jnum(dev, "memory_used", 0);
-    m->free = m->total > m->used ? m->total - m->used : 0;
+    unsigned long long reserved, allocated;
+    memory_of(dev, &m->total, &reserved, &allocated, &m->free);
+    m->used = reserved + allocated; /* v1: "Sum of Reserved and Allocated device memory" */
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(handle_t *h, nvmlMemory_v2_t *m) {
     ENTER(h, "memory_v2");
-    if ((m->version & 0xffff) != sizeof *m && m->version != 0x02000028) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    m->total = (unsigned long long)jnum(dev, "memory_total", 0);
-    m->reserved = (unsigned long long)jnum(dev, "memory_reserved", 0);
-    m->used = (unsigned long long)jnum(dev, "memory_used", 0);
-    m->free = m->total > m->used + m->reserved ? m->total - m->used - m->reserved : 0;
+    if (m->version != NVML_MEMORY_V2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    memory_of(dev, &m->total, &m->reserved, &m->used, &m->free); /* v2: used is "Allocated device memory" */
     return NVML_SUCCESS;
 }
 
@@ -479,7 +515,7 @@ static int gather(jv *p, const char *kind, nvmlProcessInfo_v2_t *out, int cap) {
         if (n < cap) {
             jv *e = list->items[i];
             out[n].pid = (unsigned int)jnum(e, "pid", 0);
-            out[n].usedGpuMemory = (unsigned long long)jnum(e, "used_memory", (double)0xffffffffffffffffULL);
+            out[n].usedGpuMemory = jull(e, "used_memory", VALUE_NOT_AVAILABLE_ULL);
             out[n].gpuInstanceId = out[n].computeInstanceId = 0xFFFFFFFF;
         }
     jv *migs = jget(p, "mig_devices");
@@ -489,7 +525,7 @@ static int gather(jv *p, const char *kind, nvmlProcessInfo_v2_t *out, int cap) {
             if (n < cap) {
                 jv *e = ml->items[i];
                 out[n].pid = (unsigned int)jnum(e, "pid", 0);
-                out[n].usedGpuMemory = (unsigned long long)jnum(e, "used_memory", 0);
+                out[n].usedGpuMemory = jull(e, "used_memory", VALUE_NOT_AVAILABLE_ULL);
                 out[n].gpuInstanceId = (unsigned int)jnum(mig, "gi", 0);
                 out[n].computeInstanceId = (unsigned int)jnum(mig, "ci", 0);
             }
@@ -507,7 +543,7 @@ static nvmlReturn_t running(handle_t *h, const char *kind, unsigned int *count, 
         n = 0;
         for (int i = 0; i < jlen(list) && i < 512; i++, n++) {
             buf[n].pid = (unsigned int)jnum(list->items[i], "pid", 0);
-            buf[n].usedGpuMemory = (unsigned long long)jnum(list->items[i], "used_memory", 0);
+            buf[n].usedGpuMemory = jull(list->items[i], "used_memory", VALUE_NOT_AVAILABLE_ULL);
             buf[n].gpuInstanceId = (unsigned int)jnum(p, "gi", 0);
             buf[n].computeInstanceId = (unsigned int)jnum(p, "ci", 0);
         }
@@ -552,13 +588,13 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(handle_t *h, nvmlProcessUtilization
     jv *list = jget(dev, "process_util");
     unsigned int n = 0;
     for (int i = 0; i < jlen(list); i++)
-        if ((unsigned long long)jnum(list->items[i], "timestamp", 0) > lastSeen) n++;
+        if (jull(list->items[i], "timestamp", 0) > lastSeen) n++;
     if (n == 0) { *count = 0; return NVML_ERROR_NOT_FOUND; }
     if (!samples || *count < n) { *count = n; return NVML_ERROR_INSUFFICIENT_SIZE; }
     n = 0;
     for (int i = 0; i < jlen(list); i++) {
         jv *e = list->items[i];
-        unsigned long long ts = (unsigned long long)jnum(e, "timestamp", 0);
+        unsigned long long ts = jull(e, "timestamp", 0);
         if (ts <= lastSeen) continue;
         samples[n].pid = (unsigned int)jnum(e, "pid", 0);
         samples[n].timeStamp = ts;
@@ -626,7 +662,7 @@ nvmlReturn_t nvmlEventSetWait_v2(void *set, nvmlEventData_t *data, unsigned int 
             memset(data, 0, sizeof *data);
             data->device = &handles[index];
             data->eventType = 0x8;
-            data->eventData = (unsigned long long)jnum(e, "xid", 0);
+            data->eventData = jull(e, "xid", 0);
             delivered_xid_seq = seq;
             r = NVML_SUCCESS;
             break;
@@ -652,7 +688,7 @@ nvmlReturn_t nvmlDeviceGetFieldValues(handle_t *h, int count, nvmlFieldValue_t *
         values[i].valueType = 1; /* unsigned int */
         if (values[i].fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && jget(dev, "recovery_action")) {
             values[i].nvmlReturn = NVML_SUCCESS;
-            values[i].value = (unsigned long long)jnum(dev, "recovery_action", 0);
+            values[i].value = jull(dev, "recovery_action", 0);
         } else {
             values[i].nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
         }
@@ -660,7 +696,9 @@ nvmlReturn_t nvmlDeviceGetFieldValues(handle_t *h, int count, nvmlFieldValue_t *
     return NVML_SUCCESS;
 }
 
-/* ---- what this fake does not model: "not supported", as NVML says on devices that lack a feature -------- */
+/* ---- what this fake does not model: "not supported", as NVML says on devices that lack a feature --------
+ * Only entry points of 550's nvml.h (not, e.g., nvmlDeviceGetTemperatureV, nvmlDeviceGetMarginTemperature,
+ * nvmlDeviceGetEnforcedPowerLimit_v2 or nvmlDeviceGetDriverModel_v2, which later drivers added). */
 
 #define UNSUPPORTED(name) nvmlReturn_t name(void) { return NVML_ERROR_NOT_SUPPORTED; }
 UNSUPPORTED(nvmlDeviceGetFanSpeed)
@@ -687,7 +725,6 @@ UNSUPPORTED(nvmlDeviceGetMaxPcieLinkWidth)
 UNSUPPORTED(nvmlDeviceGetPcieThroughput)
 UNSUPPORTED(nvmlDeviceGetTotalEnergyConsumption)
 UNSUPPORTED(nvmlDeviceGetTemperatureThreshold)
-UNSUPPORTED(nvmlDeviceGetTemperatureV)
 UNSUPPORTED(nvmlDeviceGetSerial)
 UNSUPPORTED(nvmlDeviceGetVbiosVersion)
 UNSUPPORTED(nvmlDeviceGetBoardPartNumber)
@@ -722,8 +759,6 @@ UNSUPPORTED(nvmlDeviceGetGpuFabricInfoV)
 UNSUPPORTED(nvmlDeviceGetInforomVersion)
 UNSUPPORTED(nvmlDeviceGetInforomImageVersion)
 UNSUPPORTED(nvmlDeviceGetMemoryErrorCounter)
-UNSUPPORTED(nvmlDeviceGetEnforcedPowerLimit_v2)
-UNSUPPORTED(nvmlDeviceGetMarginTemperature)
 UNSUPPORTED(nvmlDeviceGetPcieSpeed)
 UNSUPPORTED(nvmlDeviceGetPcieReplayCounter)
 UNSUPPORTED(nvmlDeviceGetJpgUtilization)
@@ -743,6 +778,5 @@ UNSUPPORTED(nvmlSystemGetConfComputeState)
 UNSUPPORTED(nvmlSystemGetHicVersion)
 UNSUPPORTED(nvmlUnitGetCount)
 UNSUPPORTED(nvmlDeviceGetDriverModel)
-UNSUPPORTED(nvmlDeviceGetDriverModel_v2)
 /* exported by 550+ drivers, whose _v3 process records are v2-sized (tools use its presence to pick the layout) */
 UNSUPPORTED(nvmlDeviceGetRunningProcessDetailList)
