@@ -21,6 +21,11 @@ the runner (runner.py) carries out, and the clock is injected, so all of it is t
 the duration windows are kept only while the rule's conditions without a duration hold, so a window measures
 how long the rule as a whole has been about to fire (an xmrig above 95% for 5 minutes).
 
+What survives what: a reload (set_policy) keeps the windows, grace periods, cooldowns and counters of a rule
+that is unchanged (counters by name, whatever changed); enabling a disabled guard starts every window and
+violation again (restart_windows); a daemon restart gives back the windows, episodes, cooldowns and reset
+history of unchanged rules whose processes still run (clocks.py), so an episode is counted once.
+
 Protection (conditions.py) hides system accounts and system units from every rule before any of this runs:
 they are never chosen as victims and never counted in a user's or a device's figures.
 """
@@ -217,6 +222,9 @@ class Engine:
         self.policy = EMPTY_POLICY
         self.states: list[RuleState] = []
         self.last_eval_seconds = 0.0
+        # Set when a window, episode (grace), cooldown or reset history starts or ends: the runner then saves
+        # the clocks at once (clocks.py), so that a crash loses no grace that has begun; cleared by the runner.
+        self.clocks_changed = False
         self._views: dict[ProcKey, ProcView] = {}  # the last cycle's, updated in place by the next
         self.set_policy(policy)
 
@@ -253,6 +261,7 @@ class Engine:
             st.windows = {i: {} for i in st.windows}
             st.seen.clear()
             st.episodes.clear()
+        self.clocks_changed = True
 
     # -- evaluation ------------------------------------------------------------------------------------
 
@@ -289,6 +298,8 @@ class Engine:
             true_now = cc.filter(cands)
             window = {s.key: old.get(s.key, now) for s in true_now}  # a window starts, goes on, or is gone
             windows[cc.index] = window
+            if window.keys() != old.keys():  # a window started or ended (the rest keep their start)
+                self.clocks_changed = True
             seen.update((s.key, s) for s in true_now)
             limit = now - cc.cond.duration  # type: ignore[operator]
             held.append({k for k, since in window.items() if since <= limit})
@@ -327,6 +338,7 @@ class Engine:
             if ep is None:
                 grace = rule.grace_period if rule.action == "kill" else 0.0
                 ep = st.episodes[key] = Episode(now, now + grace, s.label, _uid_of(s))
+                self.clocks_changed = True
                 stats.triggers += 1
                 stats.last_triggered = wall
                 if rule.action == "kill":
@@ -348,6 +360,7 @@ class Engine:
                 continue
             kills_left -= len(victims)
             ep.acted = True
+            self.clocks_changed = True
             if dry_run:
                 stats.would_kill += len(victims)
                 st.dry_cooldown[key] = now + settings.cooldown  # as if killed: decide again after the cooldown
@@ -360,12 +373,14 @@ class Engine:
                                     kill_grace, dry_run, self._reason(st, s)))
         for key in [k for k in st.episodes if k not in held]:
             ep = st.episodes.pop(key)
+            self.clocks_changed = True
             if rule.action == "kill" and not ep.acted:
                 stats.cancelled += 1
                 events.append(GraceCancelled(rule, ep.label, key, ep.uid))
         for cooldowns in (st.cooldown, st.dry_cooldown):
             for key in [k for k, until in cooldowns.items() if until <= now]:
                 del cooldowns[key]
+                self.clocks_changed = True
         return kills_left
 
     # -- resets ----------------------------------------------------------------------------------------
@@ -398,6 +413,7 @@ class Engine:
         history = self.dry_resets if dry_run else self.resets
         history[key] = [t for t in history.get(key, []) if t > now - HOUR] + [now]
         st.episodes[key].acted = True
+        self.clocks_changed = True
         if dry_run:
             self.stats[rule.name].would_reset += 1
         else:
@@ -436,6 +452,7 @@ class Engine:
             if not pending:
                 del st.in_flight[order.subject_key]
                 st.cooldown[order.subject_key] = self.clock.monotonic() + self.policy.settings.cooldown
+                self.clocks_changed = True
 
     # -- reports ---------------------------------------------------------------------------------------
 

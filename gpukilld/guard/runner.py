@@ -37,7 +37,7 @@ from gpukill.rules import EMPTY_POLICY, Policy, Rule
 from .. import audit
 from ..config import Config
 from ..model import Snapshot
-from . import report
+from . import clocks, report
 from .conditions import Protection
 from .engine import (
     Clock,
@@ -95,7 +95,7 @@ class GuardRunner:
     def __init__(self, kill: KillPath, auditor: audit.Audit, notify_config: NotifyConfig, policy_dir: str,
                  state_dir: str, clock: Clock | None = None, own_pid: int | None = None,
                  protection: Protection | None = None, signals: GuardSignals | None = None,
-                 reset: ResetPath | None = None) -> None:
+                 reset: ResetPath | None = None, proc_root: str = "/proc") -> None:
         self.kill = kill
         self.reset = reset  # None: resets are refused as not supported (a runner without a reset path)
         self.audit = auditor
@@ -115,6 +115,8 @@ class GuardRunner:
         self._save_handle: asyncio.TimerHandle | None = None
         self._dirty = False  # counters or recent events not yet written
         self._host = socket.gethostname()
+        self._boot = clocks.boot_id()  # the clocks saved are this boot's; others' are dropped at start
+        self._alive = clocks.process_alive(proc_root)
 
     @property
     def policy(self) -> Policy:
@@ -139,6 +141,8 @@ class GuardRunner:
             self.engine.stats[name] = RuleStats.from_dict(d)
         policy = self._initial_policy()
         self.engine.set_policy(policy)
+        if state.clocks is not None and state.enabled:  # disabled: enabling starts every window afresh anyway
+            self._restore_clocks(state.clocks)
         self.started = True
         self.audit.log(audit.GUARD_POLICY,
                        f"Guard {'enabled' if state.enabled else 'disabled'}{', dry run' if self.dry_run else ''}: "
@@ -174,11 +178,24 @@ class GuardRunner:
             self._save_now()
         return policy
 
+    def _restore_clocks(self, saved: dict[str, Any]) -> None:
+        """The windows and graces running when the daemon stopped (clocks.py); never fails the start."""
+        try:
+            restored, note = clocks.restore(self.engine, saved, self._boot, self._alive)
+        except Exception:  # a bug in reading them must not keep the guard (or the daemon) from starting
+            log.exception("the guard's saved clocks could not be restored; windows and graces start afresh")
+            self.engine.restart_windows()
+            return
+        if note:
+            log.warning("%s", note)
+        elif restored:
+            log.info("guard clocks restored: %d entries", restored)
+
     def stop(self) -> None:
         if self._save_handle is not None:
             self._save_handle.cancel()
             self._save_handle = None
-        if self.started and self._dirty:
+        if self.started:  # counters, and the clocks as they are at the stop
             self._save_now()
         self.notifier.close()
 
@@ -283,7 +300,9 @@ class GuardRunner:
                 self._handle(event, dry_run)
             except Exception:
                 log.exception("guard could not carry out %s", type(event).__name__)
-        if events:
+        if self.engine.clocks_changed:  # at once: a crash must not lose a grace that has begun
+            self._save_now()
+        elif events:
             self._save_soon()
 
     def _handle(self, event: Event, dry_run: bool) -> None:
@@ -417,7 +436,13 @@ class GuardRunner:
 
     def _save_now(self) -> None:
         self._dirty = False
+        if self._save_handle is not None:  # this write has what it would have written
+            self._save_handle.cancel()
+            self._save_handle = None
         self.state.stats = {name: s.to_dict() for name, s in self.engine.stats.items()}
+        if self.started:  # before start() has restored them, the clocks loaded stay as they were read
+            self.state.clocks = clocks.save(self.engine, self._boot)
+            self.engine.clocks_changed = False
         try:
             save_state(self.state_dir, self.state)
         except OSError as e:

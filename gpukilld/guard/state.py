@@ -1,7 +1,8 @@
 """What Guard Mode keeps across restarts, in one JSON file under the state directory (/var/lib/gpukill).
 
 Kept: enabled, dry run, per-rule counters, recent violations, and the policy in force with its source
-(the guard.d files, or a policy loaded with LoadPolicy). Keeping the policy text means a restart enforces
+(the guard.d files, or a policy loaded with LoadPolicy), and the engine's clocks (windows, grace periods,
+cooldowns: the "clocks" section, written and read by clocks.py, which checks it). Keeping the policy text means a restart enforces
 what was in force before even if a file in guard.d was broken meanwhile. Written atomically (a temporary
 file in the same directory, fsync, rename, fsync of the directory): a crash leaves the old file or the new
 one, never half of one. The file is 0600: webhook URLs can carry tokens.
@@ -19,6 +20,9 @@ from typing import Any
 STATE_FILE = "guard-state.json"
 FORMAT = 1
 MAX_RECENT = 100
+# The policy texts (guard.d holds a few KiB, a loaded policy at most gpukill.policy.MAX_POLICY_BYTES) and the
+# clocks (clocks.MAX_ENTRIES, under 100 bytes each): a file past this is not one we wrote, and is not read.
+MAX_STATE_BYTES = 32 << 20
 
 
 @dataclass(slots=True)
@@ -29,11 +33,13 @@ class GuardState:
     recent: list[dict[str, Any]] = field(default_factory=list)  # newest last, at most MAX_RECENT
     policy_source: str = "files"  # "files" (guard.d) or "loaded" (LoadPolicy)
     policy_files: list[tuple[str, str]] = field(default_factory=list)  # (name, text) of the policy in force
+    clocks: dict[str, Any] | None = None  # clocks.save()'s form, checked by clocks.restore(); None: none saved
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "enabled": self.enabled, "dry_run": self.dry_run, "stats": self.stats,
                 "recent": self.recent[-MAX_RECENT:], "policy_source": self.policy_source,
-                "policy_files": [list(f) for f in self.policy_files]}
+                "policy_files": [list(f) for f in self.policy_files],
+                **({"clocks": self.clocks} if self.clocks is not None else {})}
 
     @classmethod
     def from_json(cls, data: Any) -> GuardState:
@@ -55,6 +61,8 @@ class GuardState:
         if isinstance(files, list):
             s.policy_files = [(f[0], f[1]) for f in files
                               if isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)]
+        if isinstance(data.get("clocks"), dict):
+            s.clocks = data["clocks"]
         return s
 
 
@@ -66,8 +74,11 @@ def load_state(directory: str) -> tuple[GuardState, str | None]:
     """The saved state, or defaults; the second item says why the saved state could not be used."""
     path = state_path(directory)
     try:
-        with open(path, encoding="utf-8") as f:
-            return GuardState.from_json(json.load(f)), None
+        with open(path, "rb") as f:
+            data = f.read(MAX_STATE_BYTES + 1)
+        if len(data) > MAX_STATE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_BYTES >> 20} MiB")
+        return GuardState.from_json(json.loads(data)), None
     except FileNotFoundError:
         return GuardState(), None
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the stack

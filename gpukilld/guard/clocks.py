@@ -1,0 +1,242 @@
+"""The guard engine's clocks across a daemon restart: duration windows, grace periods, cooldowns, resets.
+
+A restart (an upgrade, or one a user managed to provoke) must not buy a violating process time, nor count
+its violation twice. So what the engine times is kept in the guard's state file (state.py, the "clocks"
+section) and given back to the engine at start:
+
+- duration windows (rule, condition, subject -> since), the episodes (a subject violating a rule: when it
+  began, when its grace ends, whether a kill was ordered; an episode also says its violation was counted in
+  `triggers`, so it is not counted again), the cooldowns after a kill, and each device's resets of the last
+  hour (max_resets_per_hour).
+- The engine measures on CLOCK_MONOTONIC, which does not count a suspend; on disk each instant is written on
+  CLOCK_BOOTTIME, which counts from the boot whatever the daemon does, with the boot id
+  (/proc/sys/kernel/random/boot_id). At load an instant is put back on the monotonic clock as it is then, so
+  the time the daemon was down counts: a grace that would have ended while it was down ends at its first
+  evaluation. Clocks saved in another boot are dropped (processes and their start times are another boot's).
+- A process subject is (pid, start time): an entry whose process is gone at load (no such PID, or another
+  start time: the PID was reused) is dropped. Users (uid) and devices (id) stay; the next evaluation ends
+  what no longer holds, as it would have without the restart.
+- A rule's clocks are given back only to a rule of the same name that means the same: the same fingerprint
+  and global exemptions, the test a reload applies (Engine.set_policy). A rule that changed starts afresh.
+
+The file is root's, but what is read is still bounded (state.py caps the file's size; here at most
+MAX_ENTRIES entries, each checked for its shape): anything else is dropped with one line of warning, never
+an error that keeps the daemon from starting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+from gpukill.procstat import read_stat
+from gpukill.rules import PER_DEVICE, PER_PROCESS, PER_USER
+
+from .engine import HOUR, Engine, Episode, RuleState
+
+FORMAT = 1
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+MAX_ENTRIES = 50_000  # windows, episodes, cooldowns and resets together: a few per GPU process
+MAX_LABEL = 512  # an episode's label ("PID 123 (xmrig, user ann)"): comm is 15 bytes, user names are short
+MAX_DEVICE_ID = 256
+SLACK = 1.0  # seconds an instant may lie ahead of the clock read at load (the two clocks are read apart)
+_KINDS = {PER_PROCESS: "p", PER_USER: "u", PER_DEVICE: "d"}  # how a subject's key is written, by scope
+
+
+def boot_id(path: str = BOOT_ID) -> str:
+    """This boot's id, or "" where the kernel does not say (then nothing saved is ever given back)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read(64).strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def process_alive(root: str = "/proc") -> Callable[[int, int], bool]:
+    """Whether (pid, start time) is still the process it was, read from root (gpukilld.conf's proc root)."""
+    def alive(pid: int, start_time: int) -> bool:
+        stat = read_stat(pid, root)
+        return stat is not None and stat.start_time == start_time
+    return alive
+
+
+def rule_mark(st: RuleState) -> str:
+    """What a rule means, as a short stable string: the fingerprint a reload compares, and the exemptions of
+    the whole policy. Every part is a tuple, string, number, bool or None (patterns by their text), so its
+    repr is the same in every process."""
+    text = repr((st.rule.fingerprint, st.compiled.exemptions_key))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _key_out(key: Any) -> list[Any]:
+    if isinstance(key, tuple):
+        return ["p", key[0], key[1]]
+    return ["u", key] if isinstance(key, int) else ["d", key]
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
+
+
+def _instant(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def save(engine: Engine, boot: str) -> dict[str, Any]:
+    """The engine's clocks as JSON, on CLOCK_BOOTTIME."""
+    offset = engine.clock.boottime() - engine.clock.monotonic()
+    rules = []
+    for st in engine.states:
+        rules.append({
+            "name": st.rule.name, "mark": rule_mark(st),
+            "windows": [[index, _key_out(key), since + offset]
+                        for index, window in st.windows.items() for key, since in window.items()],
+            "episodes": [[_key_out(key), ep.since + offset, ep.grace_until + offset, ep.label, ep.uid, ep.acted]
+                         for key, ep in st.episodes.items()],
+            "cooldown": [[_key_out(key), until + offset] for key, until in st.cooldown.items()],
+            "dry_cooldown": [[_key_out(key), until + offset] for key, until in st.dry_cooldown.items()],
+        })
+    return {"format": FORMAT, "boot_id": boot, "rules": rules,
+            "resets": {d: [t + offset for t in ts] for d, ts in engine.resets.items() if ts},
+            "dry_resets": {d: [t + offset for t in ts] for d, ts in engine.dry_resets.items() if ts}}
+
+
+class _Reader:
+    """Puts saved entries back into the engine, checking each; counts what it dropped and why."""
+
+    def __init__(self, engine: Engine, alive: Callable[[int, int], bool]) -> None:
+        self.engine = engine
+        self.alive = alive
+        self.boot_now = engine.clock.boottime()
+        self.mono_now = engine.clock.monotonic()
+        self.offset = self.boot_now - self.mono_now
+        self.budget = MAX_ENTRIES
+        self.restored = 0
+        self.gone = 0  # entries of processes gone (or PIDs reused) while the daemon was down
+        self.bad = 0  # entries of the wrong shape, past the cap, or of a rule that changed
+
+    def key(self, raw: Any, scope: str) -> Any:
+        """The subject's key, or None (counted) when it is malformed, of another scope, or a process gone."""
+        if not isinstance(raw, list) or not raw or raw[0] != _KINDS.get(scope):
+            self.bad += 1
+            return None
+        if raw[0] == "p" and len(raw) == 3 and _int(raw[1]) and _int(raw[2]):
+            if not self.alive(raw[1], raw[2]):
+                self.gone += 1
+                return None
+            return (raw[1], raw[2])
+        if raw[0] == "u" and len(raw) == 2 and _int(raw[1]) and raw[1] < 1 << 32:
+            return raw[1]
+        if raw[0] == "d" and len(raw) == 2 and isinstance(raw[1], str) and 0 < len(raw[1]) <= MAX_DEVICE_ID:
+            return raw[1]
+        self.bad += 1
+        return None
+
+    def entries(self, raw: Any, width: int) -> list[list[Any]]:
+        """The list's entries of `width` items, within the cap (the rest counted as dropped)."""
+        if not isinstance(raw, list):
+            return []
+        good = [e for e in raw if isinstance(e, list) and len(e) == width]
+        self.bad += len(raw) - len(good)
+        if len(good) > self.budget:
+            self.bad += len(good) - self.budget
+            good = good[:self.budget]
+        self.budget -= len(good)
+        return good
+
+    def past(self, t: Any) -> float | None:
+        """A saved instant that has happened (a window's or episode's start), on the monotonic clock now."""
+        if not _instant(t) or t > self.boot_now + SLACK:
+            self.bad += 1
+            return None
+        return t - self.offset
+
+    def any_time(self, t: Any) -> float | None:
+        """A saved instant, past or to come (the end of a grace or cooldown), on the monotonic clock now."""
+        if not _instant(t):
+            self.bad += 1
+            return None
+        return t - self.offset
+
+    def rule(self, st: RuleState, raw: dict[str, Any]) -> None:
+        scope = st.rule.scope
+        for index, rkey, since in self.entries(raw.get("windows"), 3):
+            window = st.windows.get(index) if _int(index) else None
+            if window is None:
+                self.bad += 1
+                continue
+            key, t = self.key(rkey, scope), self.past(since)
+            if key is not None and t is not None:
+                window[key] = t
+                self.restored += 1
+        for rkey, since, grace_until, label, uid, acted in self.entries(raw.get("episodes"), 6):
+            key, t, until = self.key(rkey, scope), self.past(since), self.any_time(grace_until)
+            if key is None or t is None or until is None:
+                continue
+            if (not isinstance(label, str) or len(label) > MAX_LABEL or not isinstance(acted, bool)
+                    or not (uid is None or (_int(uid) and uid < 1 << 32))):
+                self.bad += 1
+                continue
+            st.episodes[key] = Episode(t, until, label, uid, acted)
+            self.restored += 1
+        for name in ("cooldown", "dry_cooldown"):
+            cooldowns = getattr(st, name)
+            for rkey, until in self.entries(raw.get(name), 2):
+                key, t = self.key(rkey, scope), self.any_time(until)
+                if key is not None and t is not None and t > self.mono_now:  # not over yet
+                    cooldowns[key] = t
+                    self.restored += 1
+
+    def resets(self, history: dict[str, list[float]], raw: Any) -> None:
+        if not isinstance(raw, dict):
+            return
+        hour_ago = self.boot_now - HOUR
+        for device, times in list(raw.items())[:self.budget]:
+            if not isinstance(device, str) or not 0 < len(device) <= MAX_DEVICE_ID or not isinstance(times, list):
+                self.bad += 1
+                continue
+            kept = sorted(t - self.offset for t in times[:self.budget]
+                          if _instant(t) and hour_ago < t <= self.boot_now + SLACK)
+            self.budget -= len(kept)
+            if kept:
+                history[device] = kept
+                self.restored += len(kept)
+
+
+def restore(engine: Engine, data: Any, boot: str, alive: Callable[[int, int], bool]) -> tuple[int, str | None]:
+    """Give saved clocks back to the engine (its policy already set). Returns how many entries were given
+    back and, where some or all were dropped, one line saying why (for the log)."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("rules"), list):
+        return 0, "the guard's saved clocks are not in a format this daemon reads: windows and graces start afresh"
+    if not boot or data.get("boot_id") != boot:
+        saved = data.get("boot_id")
+        shown = saved[:40] if isinstance(saved, str) else "none"
+        return 0, (f"the guard's saved clocks are from another boot (boot id {shown}): "
+                   "windows and graces start afresh")
+    reader = _Reader(engine, alive)
+    by_name = {st.rule.name: st for st in engine.states}
+    changed = []
+    for raw in data["rules"][:len(by_name) + 1]:  # one entry per rule: more is not ours
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            reader.bad += 1
+            continue
+        st = by_name.pop(raw["name"], None)
+        if st is None:
+            continue  # the rule is gone from the policy: nothing to give back
+        if raw.get("mark") != rule_mark(st):
+            changed.append(st.rule.name)
+            continue
+        reader.rule(st, raw)
+    reader.resets(engine.resets, data.get("resets"))
+    reader.resets(engine.dry_resets, data.get("dry_resets"))
+    notes = []
+    if changed:
+        notes.append(f"rule(s) {', '.join(changed)[:200]} changed meaning: their clocks start afresh")
+    if reader.gone:
+        notes.append(f"{reader.gone} entr{'y' if reader.gone == 1 else 'ies'} of processes gone dropped")
+    if reader.bad:
+        notes.append(f"{reader.bad} malformed or excess entr{'y' if reader.bad == 1 else 'ies'} dropped")
+    line = f"guard clocks restored ({reader.restored} entries); " + "; ".join(notes) if notes else None
+    return reader.restored, line
