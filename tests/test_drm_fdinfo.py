@@ -108,6 +108,24 @@ def _two_samples(first: str, second: str, dt: float) -> dict[str, float]:
     return fractions
 
 
+def test_the_parsed_line_cache_stays_bounded_and_never_changes_a_result():
+    """parse_fdinfo remembers parsed lines (most of a client's lines repeat between samples); counters that move
+    every sample, or a strange kernel's keys, must not grow that memory without end, nor change what a parse
+    returns after it was emptied."""
+    from gpukilld.backends.drm import fdinfo
+
+    text = PREFIX + amdgpu_fdinfo(7, "0000:03:00.0", vram=64 * MiB, gtt=2 * MiB, gfx_ns=5)
+    expected = repr(parse_fdinfo(text))
+    for n in range(fdinfo._LINES_MAX + 100):  # a counter moving every sample: a new line each time
+        parse_fdinfo(f"drm-driver:\tamdgpu\ndrm-engine-gfx:\t{n} ns\n")
+        assert len(fdinfo._LINES) <= fdinfo._LINES_MAX
+    assert parse_fdinfo("drm-engine-gfx:\t77 ns\n").engines["gfx"].busy_ns == 77
+    long_name = "drm-client-name:\t" + "x" * fdinfo._LINE_MAX + "\n"
+    assert parse_fdinfo(long_name).client_name == "x" * fdinfo._LINE_MAX
+    assert long_name.rstrip("\n") not in fdinfo._LINES  # too long to keep
+    assert repr(parse_fdinfo(text)) == expected
+
+
 def test_ns_engines_divided_by_elapsed_time_and_capacity():
     f = _two_samples(i915_fdinfo(1, "0000:00:02.0", render_ns=1_000_000_000, video_ns=0),
                      i915_fdinfo(1, "0000:00:02.0", render_ns=1_500_000_000, video_ns=400_000_000), dt=2.0)

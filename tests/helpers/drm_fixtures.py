@@ -127,10 +127,27 @@ def stat_line(pid: int, comm: str, start_time: int, ppid: int = 1, flags: int = 
             "140700000001020 140700000002000 0\n")
 
 
-class DrmHost:
-    """One fixture host under `root`: sys/, proc/, debug/ and dev/ trees."""
+def clients_header(name_column: bool = True) -> str:
+    """drm_debugfs.c drm_clients_info's header; kernels before 6.14 have no "name" column."""
+    text = f"{'command':>20} {'tgid':>5} {'dev':>3} master a {'uid':>5} {'magic':>10}"
+    return text + (f" {'name':>{CLIENT_NAME_WIDTH}}\n" if name_column else "\n")
 
-    def __init__(self, root: Path | str) -> None:
+
+def clients_row(comm: str, tgid: int, minor: int, uid: int, master: bool = False, name: str | None = None,
+                name_column: bool = True) -> str:
+    """One drm_file as drm_clients_info prints it: "%20s %5d %3d   %c    %c %5d %10u %*s"."""
+    text = f"{comm:>20} {tgid:>5} {minor:>3}   {'y' if master else 'n'}    y {uid:>5} {0:>10}"
+    return text + (f" {name or '<unset>':>{CLIENT_NAME_WIDTH}}\n" if name_column else "\n")
+
+
+CLIENT_NAME_WIDTH = 64  # DRM_CLIENT_NAME_MAX_LEN
+
+
+class DrmHost:
+    """One fixture host under `root`: sys/, proc/, debug/ and dev/ trees. With debugfs_clients, every card also
+    gets debugfs dri/<card minor>/clients, kept in step with open_drm, close_fd and exit as the kernel keeps it."""
+
+    def __init__(self, root: Path | str, debugfs_clients: bool = False) -> None:
         self.root = Path(root)
         self.sys = self.root / "sys"
         self.proc = self.root / "proc"
@@ -140,6 +157,10 @@ class DrmHost:
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o755)
         self.nodes: dict[int, Path] = {}
+        self.debugfs_clients = debugfs_clients
+        self.card_of: dict[int, int] = {}  # card or render minor -> the card's minor, whose clients file lists it
+        self.listed: dict[int, list[tuple[int, int, int]]] = {}  # card minor -> (pid, fd, minor) rows
+        self.uids: dict[int, int] = {}
 
     # -- sysfs -----------------------------------------------------------------------------------------
 
@@ -169,7 +190,26 @@ class DrmHost:
             (node_dir / "subsystem").symlink_to(os.path.relpath(self.sys / "class" / "drm", node_dir))
             (self.sys / "class" / "drm" / name).symlink_to(os.path.relpath(node_dir, self.sys / "class" / "drm"))
             self._node(minor, name)
+            self.card_of[minor] = card
+        if self.debugfs_clients:
+            self.listed.setdefault(card, [])
+            self.write_clients(card)
         return device
+
+    # -- debugfs client lists --------------------------------------------------------------------------
+
+    def write_clients(self, card: int, text: str | None = None) -> Path:
+        """dri/<card>/clients: the rows of the fds open on the card, or `text` as given (a hostile file)."""
+        path = self.debugfs / "dri" / str(card) / "clients"
+        if text is None:
+            rows = []
+            for pid, _fd, minor in reversed(self.listed.get(card, [])):  # the kernel walks its list backwards
+                comm_path = self.proc / str(pid) / "comm"
+                comm = comm_path.read_text().strip() if comm_path.exists() else "<unknown>"
+                rows.append(clients_row(comm, pid, minor, self.uids.get(pid, 0)))
+            text = clients_header() + "".join(rows)
+        self._write(path, text)
+        return path
 
     def pci_device(self, address: str, vendor: int, device_id: int, driver: str, card: int,
                    render: int | None, files: dict[str, str] | None = None) -> Path:
@@ -313,6 +353,8 @@ class DrmHost:
                                   f"Pid:\t{pid}\nPPid:\t1\nTracerPid:\t0\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
                                   f"Gid:\t{uid}\t{uid}\t{uid}\t{uid}\nFDSize:\t64\nGroups:\t{uid}\nNSpid:\t{pid}\n")
         (p / "cmdline").write_bytes(comm.encode() + b"\0")
+        (p / "comm").write_text(f"{comm[:15]}\n")
+        self.uids[pid] = uid
         (p / "cgroup").write_text("0::/user.slice/user-1000.slice/session-2.scope\n")
         return p
 
@@ -322,7 +364,7 @@ class DrmHost:
         p = self.proc / str(pid)
         (p / "fd").mkdir(parents=True)
         (p / "fdinfo").mkdir()
-        for name in ("stat", "status", "cmdline", "cgroup", "environ"):
+        for name in ("stat", "status", "cmdline", "cgroup", "environ", "comm"):
             (p / name).symlink_to(f"/proc/{pid}/{name}")
         (p / "exe").symlink_to(os.readlink(f"/proc/{pid}/exe"))
         return p
@@ -331,10 +373,23 @@ class DrmHost:
         """fs/proc/fd.c seq_show: the lines every fdinfo starts with; ino is the device node's inode."""
         return f"pos:\t0\nflags:\t{flags}\nmnt_id:\t24\nino:\t{os.stat(self.nodes[minor]).st_ino}\n"
 
-    def open_drm(self, pid: int, fd: int, minor: int, drm_text: str = "") -> None:
+    def open_drm(self, pid: int, fd: int, minor: int, drm_text: str = "", listed: bool = True) -> None:
+        """listed=False: the fd is not in the card's clients list under this pid (inherited, or passed over a
+        unix socket: the kernel lists the tgid that opened the file)."""
         p = self.proc / str(pid)
         (p / "fd" / str(fd)).symlink_to(self.nodes[minor])
         (p / "fdinfo" / str(fd)).write_text(self.fdinfo_prefix(minor) + drm_text)
+        if self.debugfs_clients and listed:
+            card = self.card_of[minor]
+            self.listed.setdefault(card, []).append((pid, fd, minor))
+            self.write_clients(card)
+
+    def _unlist(self, match) -> None:
+        for card, rows in self.listed.items():
+            kept = [r for r in rows if not match(r)]
+            if len(kept) != len(rows):
+                self.listed[card] = kept
+                self.write_clients(card)
 
     def set_fdinfo(self, pid: int, fd: int, minor: int, drm_text: str) -> None:
         path = self.proc / str(pid) / "fdinfo" / str(fd)
@@ -352,9 +407,13 @@ class DrmHost:
         p = self.proc / str(pid)
         (p / "fd" / str(fd)).unlink()
         (p / "fdinfo" / str(fd)).unlink()
+        if self.debugfs_clients:
+            self._unlist(lambda r: r[:2] == (pid, fd))
 
     def exit(self, pid: int) -> None:
         shutil.rmtree(self.proc / str(pid))
+        if self.debugfs_clients:
+            self._unlist(lambda r: r[0] == pid)
 
     def config(self, path: Path, backends: str = "drm", interval: float = 0.2) -> Path:
         path.write_text(f"[daemon]\nbackends = {backends}\nsample_interval = {interval}\n"

@@ -5,6 +5,7 @@ AMD where ROCm is installed), processes from DRM fdinfo and ROCm compute process
     backend     DrmBackend, the one name the rest of gpukilld uses
     discovery   which GPUs the host has (/sys/class/drm)
     scan        which processes hold DRM files (/proc), incrementally
+    clients     which processes the kernel lists as DRM clients (debugfs dri/N/clients), so the scan can skip the rest
     fdinfo      what a DRM file's fdinfo says (drm-usage-stats keys)
     usage       fdinfo counters to per-client, per-process and per-device usage
     kfd         ROCm compute processes (/sys/class/kfd)

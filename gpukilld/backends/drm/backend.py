@@ -1,6 +1,7 @@
 """DrmBackend: the DRM package's modules put together behind the Backend interface.
 
-Each sample: discover the cards (discovery), scan /proc for DRM clients (incrementally, scan), turn counters
+Each sample: discover the cards (discovery), read the kernel's client lists where debugfs is readable
+(clients, kfd), scan /proc for DRM clients (incrementally, and only the listed ones where it can, scan), turn counters
 into utilization against the previous sample (usage), add KFD processes (kfd), read telemetry (telemetry,
 rsmi). Resets are planned and run by reset. Every root (/sys, /proc, debugfs) comes from the configuration,
 so the tests run all of it on fixture trees.
@@ -19,9 +20,10 @@ from ...config import read_sys_uid_max
 from ...model import BackendStatus, DeviceReading
 from ...procfs import ProcFS
 from .. import Backend, BackendSample
+from .clients import read_clients
 from .discovery import DrmCard, discover
 from .fdinfo import EngineCounters
-from .kfd import read_kfd
+from .kfd import KfdUsage, read_kfd
 from .reset import execute, plan_reset
 from .rsmi import RsmiSource, merge
 from .scan import ClientRead, FdScanner, holders, is_running, read_start_time
@@ -113,8 +115,21 @@ class DrmBackend(Backend):
             engines = self.tracker.update(key, info.engines, now) if has_usage_keys else None
             clients[key] = Client(key, card.id, {holder}, engines, info.regions, has_usage_keys=has_usage_keys)
 
-    def _kfd_clients(self, by_minor: dict[int, DrmCard], now: float, clients: dict[tuple, Client]) -> None:
-        for k in read_kfd(self.sys_root):
+    def _listed_clients(self, cards: list[DrmCard], kfd: list[KfdUsage]) -> dict[int, tuple] | None:
+        """Every process the kernel names as a client of these cards, with its entry (rows per card, KFD), or
+        None if a card's list cannot be read (then the scanner walks every fd table, as without debugfs)."""
+        listed: dict[int, tuple] = {k.pid: ("kfd",) for k in kfd}
+        for card in cards:
+            rows = read_clients(self.debugfs_root, card.card_minor, card.pci_address)
+            if rows is None:
+                return None
+            for tgid, count in rows.items():
+                listed[tgid] = listed.get(tgid, ()) + ((card.card_minor, count),)
+        return listed
+
+    def _kfd_clients(self, kfd: list[KfdUsage], by_minor: dict[int, DrmCard], now: float,
+                     clients: dict[tuple, Client]) -> None:
+        for k in kfd:
             card = by_minor.get(k.render_minor)
             start_time = read_start_time(self.proc_root, k.pid)
             if card is None or start_time is None:
@@ -165,8 +180,10 @@ class DrmBackend(Backend):
         by_minor = {m: c for c in cards for m in (c.card_minor, c.render_minor)}
         clients: dict[tuple, Client] = {}
         incomplete: set[str] = set()  # devices with a client whose fdinfo could not be read
-        self._fdinfo_clients(self.scanner.scan(), by_minor, now, clients, incomplete)
-        self._kfd_clients(by_minor, now, clients)
+        kfd = read_kfd(self.sys_root)
+        reads = self.scanner.scan(self._listed_clients(cards, kfd))
+        self._fdinfo_clients(reads, by_minor, now, clients, incomplete)
+        self._kfd_clients(kfd, by_minor, now, clients)
         self.tracker.end_round()
 
         sample = BackendSample(processes=process_usages(clients.values(), self._holder_uids(), self.system_uid_max))

@@ -8,8 +8,18 @@ or close shows. On older kernels (size always 0) the fingerprint holds the fd nu
 directory read per process. Only processes whose fingerprint changed are scanned again; the others cost one
 stat. What a fingerprint cannot see is an fd closed and its number reused for another file between two samples:
 for known DRM fds the fdinfo "ino:" line (the inode of the opened file) catches it, and every process is
-scanned in full at least once every `revalidate_every` samples. A reset does not rely on any of this: it looks
-for holders with a full scan (`holders`) right before it acts.
+scanned in full at least once every `revalidate_every` looks at it. A reset does not rely on any of this: it
+looks for holders with a full scan (`holders`) right before it acts.
+
+Where the kernel lists a device's clients itself (debugfs dri/N/clients, KFD's proc/ directory: clients.py,
+kfd.py), even the one stat per process is skipped: a sample looks only at the listed processes, the ones it
+already knows hold a DRM fd, and a slice of the others (the safety net, below), so its cost follows the number
+of GPU clients rather than of processes. The full walk stays for the first sample and for every sample where
+a list cannot be read or trusted. There, a listed process's entry (its rows per device) replaces the periodic
+re-read of its fd table: a DRM file it opens or closes adds or removes a row, which sends the scanner back to
+the table; an unlisted process is re-read every `revalidate_every` looks, a look being every SAFETY_NET_PERIOD
+samples. And an fdinfo whose bytes are those of the last sample is not parsed again (most clients' counters
+do not move between two samples).
 
 Reading another user's fdinfo needs ptrace-read rights, which the root daemon has; an fd table or fdinfo that
 cannot be read is skipped, never an error.
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpukill.procstat import ProcStat, parse_stat
@@ -27,6 +38,14 @@ from .discovery import DRM_MAJOR
 from .fdinfo import FdInfo, parse_fdinfo
 
 Fingerprint = tuple[int, int, int | tuple[str, ...]]  # fd dir inode, mtime, size or fd numbers
+
+# With the kernel's client lists, the processes they do not name are still walked, 1/SAFETY_NET_PERIOD of
+# them per sample (by pid), so each is looked at once every SAFETY_NET_PERIOD samples: the lists name the tgid
+# that opened a file or last used it, so a DRM fd inherited by a child or passed over a unix socket shows only
+# in the holder's fd table. 10 keeps such a holder unseen for at most 10 s at the default 1 Hz while the slice
+# costs a tenth of the full walk (500 stats on a host of 5,000 processes, ~1.5 ms).
+SAFETY_NET_PERIOD = 10
+_ABSENT = object()  # a pid without an entry in the last sample's lists
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +60,13 @@ class _Proc:
     start_time: int
     fingerprint: Fingerprint | None  # None: scan again next time
     fds: tuple[DrmFd, ...]
-    due: int  # the scan round by which this fd table is read in full again, changed or not
+    # Looks until this fd table is read in full again, changed or not: a look is every sample on a walk, every
+    # SAFETY_NET_PERIOD samples in the slice (so the slice does not re-read nearly every table it visits), and
+    # none for a listed process whose entry in the kernel's lists did not change (that entry is the check).
+    looks_left: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made 200 times a sample, and a frozen __init__ costs twice as much
 class ClientRead:
     """One DRM fd of one process, with its parsed fdinfo (None when it could not be read)."""
 
@@ -59,6 +81,7 @@ class ClientRead:
 class ScanStats:
     processes: int = 0  # processes looked at
     scanned: int = 0  # of which fd tables were read in full
+    walked: bool = False  # every process was looked at (no client list, or a list could not be trusted)
     drm_fds: int = 0
     unreadable: int = 0  # DRM fds whose fdinfo could not be read
 
@@ -130,6 +153,12 @@ class FdScanner:
         self.fd_counts = fd_counts
         self._procs: dict[str, _Proc] = {}  # by PID as /proc names it: no int() per process per sample
         self._round = 0
+        self._walked = False  # a full walk has been made: the cache knows every process once
+        self._listed: Mapping[str, object] = {}  # the kernel's client lists of the last sample: pid -> its entry
+        self._holding: set[str] = set()  # pids with a DRM fd at the last sample
+        # Last sample's fdinfo of each DRM fd, raw and parsed: most clients' counters do not move between two
+        # samples (an idle desktop's compositor, a paused job), and equal bytes need no parse.
+        self._fdinfo: dict[tuple[str, int], tuple[bytes, FdInfo]] = {}
         self.stats = ScanStats()
 
     def _scan_process(self, pid: str, fingerprint: Fingerprint, known: _Proc | None) -> _Proc | None:
@@ -145,8 +174,7 @@ class FdScanner:
         self.stats.scanned += 1
         every = self.revalidate_every
         # Spread the full re-reads over the period, so no one sample pays for all of them.
-        due = self._round + (every if known is not None else int(pid) % every + 1)
-        return _Proc(start_time, fingerprint, tuple(fds), due)
+        return _Proc(start_time, fingerprint, tuple(fds), every if known is not None else int(pid) % every + 1)
 
     def _fingerprint(self, pid: str, st: os.stat_result) -> Fingerprint | None:
         if self.fd_counts is None and st.st_size == 0:
@@ -164,45 +192,98 @@ class FdScanner:
                 return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def _read_clients(self, pid: str, proc: _Proc, out: list[ClientRead]) -> bool:
+    def _fdinfo_of(self, root_fd: int, pid: str, fd: int, seen: dict[tuple[str, int], tuple[bytes, FdInfo]]
+                   ) -> FdInfo | None:
+        """One DRM fd's fdinfo, parsed only when its bytes differ from the last sample's; None: unreadable."""
+        try:
+            handle = os.open(f"{pid}/fdinfo/{fd}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=root_fd)
+        except OSError:
+            return None
+        try:
+            raw = os.read(handle, 65536)  # one read: the kernel prints an fdinfo in one go, a few hundred bytes
+        except OSError:
+            return None
+        finally:
+            os.close(handle)
+        known = self._fdinfo.get((pid, fd))
+        if known is not None and known[0] == raw:
+            info = known[1]
+        else:
+            info = parse_fdinfo(raw.decode("utf-8", "replace"))
+        seen[pid, fd] = (raw, info)
+        return info
+
+    def _read_clients(self, root_fd: int, pid: str, proc: _Proc, out: list[ClientRead],
+                      seen: dict[tuple[str, int], tuple[bytes, FdInfo]]) -> bool:
         """Read the fdinfo of each known DRM fd; False when the fd table changed under us (scan again)."""
         reads = []
-        base = f"{self.root}/{pid}"
         number = int(pid)
         for drm_fd in proc.fds:
-            text = _read(f"{base}/fdinfo/{drm_fd.fd}")
-            if text is None:
-                if not os.path.lexists(f"{base}/fd/{drm_fd.fd}"):
+            info = self._fdinfo_of(root_fd, pid, drm_fd.fd, seen)
+            if info is None:
+                if not os.path.lexists(f"{self.root}/{pid}/fd/{drm_fd.fd}"):
                     return False  # closed since the scan
                 reads.append(ClientRead(number, proc.start_time, drm_fd.fd, drm_fd.minor, None))
                 continue
-            info = parse_fdinfo(text)
             if info.ino is not None and info.ino != drm_fd.ino:
                 return False  # the number now names another file
             reads.append(ClientRead(number, proc.start_time, drm_fd.fd, drm_fd.minor, info))
         out.extend(reads)
         return True
 
-    def scan(self) -> list[ClientRead]:
+    def _candidates(self, names: list[str], walk: bool, listed: Mapping[str, object]) -> list[str]:
+        """The pids to look at this sample: all of them on a walk; else the listed ones, the known holders,
+        and the safety net's slice (pid % SAFETY_NET_PERIOD, read off the last digit without an int())."""
+        if walk:
+            return [pid for pid in names if pid.isdigit()]
+        digit = str(self._round % SAFETY_NET_PERIOD)
+        chosen = [pid for pid in names if pid.endswith(digit) and pid.isdigit()]
+        extra = listed.keys() | self._holding  # one that is not in /proc (gone, another namespace's) fails its stat
+        extra.difference_update(chosen)
+        chosen.extend(extra)
+        return chosen
+
+    def scan(self, listed: Mapping[int, object] | None = None) -> list[ClientRead]:
+        """The DRM fds held now and their fdinfo.
+
+        listed: the tgids the kernel lists as DRM clients (KFD's included), from every device's list, each with
+        its entry there (e.g. how many rows name it): a listed process whose entry did not change since the
+        last sample keeps its cached fd table without the periodic re-read, since a DRM file it opened or
+        closed would have changed its entry. None where some list could not be read: walk every process."""
         self._round += 1
         self.stats = stats = ScanStats()
         try:
             root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
-            self._procs = {}
+            self._procs, self._holding, self._fdinfo = {}, set(), {}
             return []
+        walk = listed is None or not self._walked
+        stats.walked = walk
+        listed_now = {} if listed is None else {str(p): entry for p, entry in listed.items()}
+        last = self._listed
+        # Read in full once: the kernel says it is a client now, or its entry moved (a DRM file opened or closed)
+        changed = set() if walk else {p for p, entry in listed_now.items() if last.get(p, _ABSENT) != entry}
+        self._listed = listed_now
+        out: list[ClientRead] = []
         try:
             names = os.listdir(root_fd)
-            procs, kept, with_drm = self._procs, {}, []
-            round_ = self._round
+            procs = self._procs
+            if walk:
+                kept: dict[str, _Proc] = {}
+            else:
+                kept = procs  # in place: a sample visits a tenth of the processes
+                if self._round % SAFETY_NET_PERIOD == 0:  # forget those that left; a reused pid meanwhile
+                    for gone in procs.keys() - set(names):  # shows a new fd-directory inode when looked at
+                        del procs[gone]
+            with_drm = []
             fstat = os.stat
             fd_counts = self.fd_counts is True
-            for pid in names:
-                if not pid.isdigit():
-                    continue
+            looked = 0
+            for pid in self._candidates(names, walk, listed_now):
                 try:
                     st = fstat(pid + "/fd", dir_fd=root_fd)  # relative: no walk of the root path each time
                 except OSError:
+                    kept.pop(pid, None)
                     continue  # exited, or not ours to read
                 if fd_counts:
                     fingerprint: Fingerprint | None = (st.st_ino, st.st_mtime_ns, st.st_size)
@@ -210,31 +291,47 @@ class FdScanner:
                     fingerprint = self._fingerprint(pid, st)
                     fd_counts = self.fd_counts is True
                     if fingerprint is None:
+                        kept.pop(pid, None)
                         continue
                 proc = procs.get(pid)
-                if proc is None or proc.fingerprint != fingerprint or proc.due <= round_:
+                if proc is None or proc.fingerprint != fingerprint or pid in changed:
+                    fresh = True
+                elif walk or pid not in listed_now:  # a listed process's unchanged entry stands for the re-read
+                    proc.looks_left -= 1
+                    fresh = proc.looks_left <= 0
+                else:
+                    fresh = False
+                if fresh:
                     proc = self._scan_process(pid, fingerprint, proc)
                     if proc is None:
+                        kept.pop(pid, None)
                         continue
                 kept[pid] = proc
+                looked += 1
                 if proc.fds:
                     with_drm.append(pid)
+            self._walked = self._walked or walk
+            stats.processes = looked
+            self._procs = kept  # on a walk, processes that left /proc are forgotten here
+            seen: dict[tuple[str, int], tuple[bytes, FdInfo]] = {}
+            holding = set()
+            for pid in with_drm:
+                proc = kept[pid]
+                if not self._read_clients(root_fd, pid, proc, out, seen):
+                    fresh = self._scan_process(pid, proc.fingerprint or (0, 0, 0), None)  # the table moved: look again
+                    if fresh is None:
+                        del kept[pid]
+                        continue
+                    kept[pid] = fresh
+                    if not self._read_clients(root_fd, pid, fresh, out, seen):
+                        fresh.fingerprint = None  # still moving: look again next sample
+                if kept[pid].fds:
+                    holding.add(pid)
+            self._holding = holding
+            self._fdinfo = seen  # fds not read this sample are forgotten
         finally:
             os.close(root_fd)
-        stats.processes = len(kept)
-        self._procs = kept  # processes that left /proc are forgotten here
-        out: list[ClientRead] = []
-        for pid in with_drm:
-            proc = kept[pid]
-            if self._read_clients(pid, proc, out):
-                continue
-            fresh = self._scan_process(pid, proc.fingerprint or (0, 0, 0), None)  # the table moved: look again
-            if fresh is None:
-                del kept[pid]
-                continue
-            kept[pid] = fresh
-            if not self._read_clients(pid, fresh, out):
-                fresh.fingerprint = None  # still moving: look again next sample
         stats.drm_fds = len(out)
         stats.unreadable = sum(1 for r in out if r.info is None)
         return out
+
