@@ -29,6 +29,7 @@ from gpukill.records import (
     Notification,
     PolicyViolated,
     ProcessKilled,
+    SnapshotChanged,
     to_plain,
 )
 from gpukill.text import shown
@@ -130,6 +131,8 @@ async def cmd_monitor(client: GpukillClient, args: argparse.Namespace) -> int:
         written = 0
         async with contextlib.aclosing(client.events(on_absent=waiting)) as events:
             async for record in events:
+                if isinstance(record, SnapshotChanged):
+                    continue  # "list again", up to once a sample on a busy host: for observers, not for people
                 received = time.time()
                 line = json_line(record, received) if args.json else human_line(record, received)
                 sys.stdout.write(line + "\n")

@@ -5,7 +5,9 @@ gpukillctl/top_model.py, which knows nothing of terminals. This module runs the 
 
 - a refresh task fetches devices, processes (paged by the client library), the daemon's status and Guard's
   status, then sleeps what is left of the daemon's sample interval: the view is never refreshed faster than
-  gpukilld samples, and a key never waits for the bus;
+  gpukilld samples, and a key never waits for the bus. It fetches only when gpukilld signalled a change since
+  the last fetch (top_model.must_fetch says when); on the other ticks it only redraws, so that runtimes still
+  move;
 - keys are read when the terminal has input (add_reader on stdin) and the screen is redrawn at once from
   the sample already held;
 - a confirmed kill is asked with interactive authorization. While the daemon decides, the view is suspended
@@ -44,6 +46,7 @@ from .top_model import (
     Sample,
     TopState,
     cells,
+    must_fetch,
     render,
 )
 
@@ -139,6 +142,9 @@ class TopView:
         self.refresh_note = ""  # the refresh's own message, replaced when the next refresh succeeds
         self.tasks: set[asyncio.Task] = set()
         self.fetched = fetched  # time.monotonic() when the sample in state was asked for
+        self.full_at = fetched  # ... and when it was last fetched from gpukilld (not just redrawn)
+        self.changed = asyncio.Event()  # gpukilld signalled something since the last fetch
+        self.listening_since: float | None = None  # when the signal listener started; None: not listening
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -159,13 +165,40 @@ class TopView:
                 loop.remove_signal_handler(sig)
         return EXIT_OK
 
+    async def listen(self) -> None:
+        """Note each signal of gpukilld (a restart included: the new daemon signals once it owns its name), so
+        that refresh() fetches only then. When the signals cannot be had, refresh() goes on polling."""
+        self.listening_since = time.monotonic()
+        try:
+            async for _event in self.client.events(on_absent=self.changed.set):
+                self.changed.set()
+        except Exception:  # a client error, or a bug: either way, polling at every tick still works
+            pass
+        finally:
+            self.listening_since = None
+
     async def refresh(self) -> None:
-        """Sleep what is left of the sample interval since the last fetch, fetch, draw; failures go to the
-        message line and are tried again at the same pace."""
+        """Sleep what is left of the sample interval since the last fetch, then fetch if anything may have
+        changed (else only redraw: runtimes move), draw; failures go to the message line and are tried again
+        at the same pace."""
+        listener = asyncio.create_task(self.listen())
+        try:
+            await self._refresh()
+        finally:
+            listener.cancel()
+
+    async def _refresh(self) -> None:
         while True:
             interval = max(self.state.sample.interval, 0.1)
             await asyncio.sleep(max(interval - (time.monotonic() - self.fetched), 0.0))
-            self.fetched = time.monotonic()
+            self.fetched = now = time.monotonic()
+            if not must_fetch(self.state.sample, now, listening_since=self.listening_since,
+                              changed=self.changed.is_set(), fetched_at=self.full_at):
+                self.state.update(self.state.sample.at(time.clock_gettime(time.CLOCK_BOOTTIME)))
+                self.draw()
+                continue
+            self.changed.clear()
+            self.full_at = now
             try:
                 sample, note = await fetch(self.client)
                 self.state.update(sample)

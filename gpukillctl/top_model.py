@@ -12,6 +12,7 @@ frame itself is ASCII, so it draws on any terminal curses knows, whatever its lo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import unicodedata
 from collections.abc import Callable
@@ -38,10 +39,34 @@ class Sample:
     boottime: float
     clock_ticks: int = 100  # sysconf(SC_CLK_TCK): the unit of Process.start_time
 
+    def at(self, boottime: float) -> Sample:
+        """The same sample, seen later: runtimes move on, nothing else does (no change was signalled)."""
+        return dataclasses.replace(self, boottime=boottime)
+
+    @property
+    def guard_counts_time(self) -> bool:
+        """Guard has windows or graces running: their seconds change every sample with nothing signalled."""
+        return self.guard is not None and bool(self.guard.windows or self.guard.graces)
+
     def runtime(self, p: Process) -> float | None:
         """Seconds since the process started, None if its start time says nothing sensible."""
         started = p.start_time / self.clock_ticks
         return self.boottime - started if 0 < started <= self.boottime else None
+
+
+# Seconds: top fetches at least this often even when gpukilld signalled no change (a safety net).
+FULL_REFRESH = 30.0
+
+
+def must_fetch(sample: Sample, now: float, *, listening_since: float | None, changed: bool,
+               fetched_at: float) -> bool:
+    """Whether top's refresh tick at `now` (monotonic seconds) fetches from gpukilld, or only redraws the sample
+    it holds. It fetches when gpukilld signalled something since the last fetch (SnapshotChanged or any other
+    signal), while Guard has windows or graces running (their seconds move with every sample, unsignalled),
+    every FULL_REFRESH seconds, and at every tick while signals are not heard: no listener, or one started
+    less than an interval ago (it may not be subscribed yet: a change then would be missed)."""
+    trusted = listening_since is not None and now - listening_since > sample.interval + 1.0
+    return (not trusted or changed or sample.guard_counts_time or now - fetched_at >= FULL_REFRESH)
 
 
 EMPTY = Sample(devices=(), processes=(), guard=None, interval=1.0, boottime=0.0)

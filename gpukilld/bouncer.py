@@ -60,6 +60,7 @@ class OwnOrAny(str):
 METHOD_ACTIONS: dict[Method, str] = {
     (MANAGER_INTERFACE, "ListDevices"): READ_ONLY,
     (MANAGER_INTERFACE, "ListProcesses"): READ_ONLY,
+    (MANAGER_INTERFACE, "ListProcessesCompact"): READ_ONLY,  # ListProcesses in another form, filtered alike
     (MANAGER_INTERFACE, "AuditRogue"): READ_ONLY,  # filtered per caller as ListProcesses is
     KILL_METHOD: OwnOrAny(own=KILL_OWN, others=KILL_ANY),
     RESET_METHOD: RESET_DEVICE,

@@ -99,6 +99,7 @@ class Daemon:
 
     def _on_snapshot(self, snap: Snapshot, changes: list[StateChange]) -> None:
         self.snapshot = snap
+        self.manager.published(snap)  # SnapshotChanged, when its content differs from the last one's
         for change in changes:
             dev = change.device
             self.audit.log(
@@ -237,7 +238,8 @@ class Daemon:
         self.manager.bus = bus
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
                                  self.config.guard_policy_dir, self.config.guard_state_dir,
-                                 protection=protection_of(self.config), signals=self, reset=self.actions.reset)
+                                 protection=protection_of(self.config), signals=self, reset=self.actions.reset,
+                                 proc_root=self.config.proc_root)
         self.guard_interface = GuardInterface(self.guard, bouncer, lambda: self.snapshot)
         busio.tolerate_full_socket(bus)
         bus.add_message_handler(Door(bus, bouncer, self.manager.early_answer))
@@ -261,6 +263,9 @@ class Daemon:
 
         # Only now that the name is ours: a second gpukilld that loses the name must never enforce anything.
         self.guard.start()
+        # Observers that list on SnapshotChanged (clients check a signal's sender against the name's owner, so
+        # the first sample's signal, sent before the name was ours, reached no one): list now, a new daemon.
+        self.manager.SnapshotChanged(self.snapshot.generation)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stop.set)
         self.loop.add_signal_handler(signal.SIGHUP, self.reload)

@@ -1,8 +1,9 @@
 """org.gpukill1.Manager on the system bus: a thin layer from D-Bus calls to the snapshot and Actions.
 
 What both interfaces share (the Door, the caller, error mapping, output names) is in bus.py; this module has
-what is the Manager's own: the listings, built once per snapshot and kind of viewer, the filter query, reply
-bounds, and the early answer to an unfiltered ListProcesses that the Door lets it give.
+what is the Manager's own: the listings (a{sv} and compact, gpukill/listing.py), built once per snapshot and
+kind of viewer, the filter query, reply bounds, the early answer to an unfiltered listing that the Door lets it
+give, and SnapshotChanged.
 """
 
 import math
@@ -15,6 +16,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.constants import PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
+from gpukill import listing
 from gpukill.errors import GpukillError, InvalidArgs, ReplyTooLarge, TooBusy
 from gpukill.outcome import INITIATOR_USER
 from gpukill.records import ResetReply
@@ -135,12 +137,14 @@ def record_size(record: dict[str, Variant]) -> int:
     return 8 + sum(16 + len(k) + _value_size(v.signature, v.value) for k, v in record.items())
 
 
-Record = tuple[GpuProcess, dict[str, Variant], int]  # the process as seen, its a{sv}, its size bound
+# The process as seen, its a{sv}, the a{sv}'s size bound, its compact row. Both forms are bounded by the a{sv}'s
+# size (the larger), so that a listing is refused as ReplyTooLarge in either form exactly when in the other.
+Record = tuple[GpuProcess, dict[str, Variant], int, tuple]
 
 
 def _record(p: GpuProcess) -> Record:
     d = to_dbus(p)
-    return (p, d, record_size(d))
+    return (p, d, record_size(d), listing.encode_row(p))
 
 
 def _check_size(records: list[Record], what: str) -> None:
@@ -165,7 +169,9 @@ class ManagerInterface(ServiceInterface):
         self._reduced: dict[str, list[Record | None]] = {}  # others' processes in one reduced form, by index
         self._views: dict[tuple[int, str], list[Record]] = {}  # a viewer's listing
         self._bodies: dict[tuple[int, str], bytes] = {}  # a viewer's whole listing, marshalled
+        self._compact_bodies: dict[tuple[int, str], bytes] = {}  # the same in the compact form
         self.bus: MessageBus | None = None  # set by main: replies are refused while its queue is backed up
+        self._published = 0  # the generation the last SnapshotChanged announced (0: the empty snapshot)
 
     # -- listings, built once per snapshot and kind of viewer ------------------------------------------------
 
@@ -174,7 +180,7 @@ class ManagerInterface(ServiceInterface):
         if snap.generation != self._cache_generation:
             self._devices_reply = [to_dbus(d) for d in snap.devices]
             self._full = [_record(p) for p in snap.processes]
-            self._reduced, self._views, self._bodies = {}, {}, {}
+            self._reduced, self._views, self._bodies, self._compact_bodies = {}, {}, {}, {}
             self._cache_generation = snap.generation
 
     def _view(self, viewer: Viewer) -> list[Record]:
@@ -186,13 +192,14 @@ class ManagerInterface(ServiceInterface):
             reduced = self._reduced.get(viewer.others)
             if reduced is None:
                 reduced = self._reduced[viewer.others] = [
-                    None if (q := seen_as(p, viewer.others)) is None else _record(q) for p, _, _ in self._full]
+                    None if (q := seen_as(p, viewer.others)) is None else _record(q) for p, *_ in self._full]
             view = [full if full[0].uid == viewer.uid else other
                     for full, other in zip(self._full, reduced, strict=True)
                     if full[0].uid == viewer.uid or other is not None]
             if len(self._views) > 256:  # distinct callers in one sample interval: bound the cache
                 self._views.clear()
                 self._bodies.clear()
+                self._compact_bodies.clear()
             self._views[viewer.key] = view  # type: ignore[assignment]
         return view  # type: ignore[return-value]
 
@@ -203,7 +210,18 @@ class ManagerInterface(ServiceInterface):
         body = self._bodies.get(viewer.key)
         if body is None:
             _check_size(view, "the listing")
-            body = self._bodies[viewer.key] = busio.marshal_body("aa{sv}", [[d for _, d, _ in view]])
+            body = self._bodies[viewer.key] = busio.marshal_body("aa{sv}", [[r[1] for r in view]])
+        self._check_backlog()
+        return body
+
+    def all_processes_compact_body(self, viewer: Viewer) -> bytes:
+        """all_processes_body in the compact form (gpukill/listing.py)."""
+        view = self._view(viewer)
+        body = self._compact_bodies.get(viewer.key)
+        if body is None:
+            _check_size(view, "the listing")
+            body = self._compact_bodies[viewer.key] = busio.marshal_body(
+                listing.OUT_SIGNATURE, listing.reply_body([r[3] for r in view]))
         self._check_backlog()
         return body
 
@@ -212,22 +230,39 @@ class ManagerInterface(ServiceInterface):
             raise TooBusy(f"gpukilld has {queued >> 20} MiB of replies waiting for the bus; try again shortly")
 
     def early_answer(self, msg: Message) -> Message | bool | None:
-        """The Door's EarlyAnswer: an unfiltered ListProcesses answered from the body marshalled once per
-        snapshot and kind of viewer, when the caller's kind is known without a round trip; else None (the
-        method answers, and asks who the caller is)."""
-        if msg.member != "ListProcesses" or msg.signature != "a{sv}" or msg.body[0]:
+        """The Door's EarlyAnswer: an unfiltered ListProcesses (or its compact form) answered from the body
+        marshalled once per snapshot and kind of viewer, when the caller's kind is known without a round trip;
+        else None (the method answers, and asks who the caller is)."""
+        if msg.member == "ListProcesses":
+            signature, body_of = "aa{sv}", self.all_processes_body
+        elif msg.member == listing.METHOD:
+            signature, body_of = listing.OUT_SIGNATURE, self.all_processes_compact_body
+        else:
+            return None
+        if msg.signature != "a{sv}" or msg.body[0]:
             return None
         known = self._bouncer.known(msg)
         viewer = None if known is None else self._bouncer.known_viewer(known)
         if viewer is None:
             return None
         try:
-            body = self.all_processes_body(viewer)
+            body = body_of(viewer)
         except GpukillError as e:
             return Message.new_error(msg, e.dbus_name, str(e))
-        if busio.send_premarshalled_reply(self.bus, msg, "aa{sv}", body):
+        if busio.send_premarshalled_reply(self.bus, msg, signature, body):
             return True
         return None
+
+    def published(self, snap: Snapshot) -> None:
+        """A new snapshot is in force (main calls this once per sample): SnapshotChanged when its generation
+        differs from the last one's. The sampler moves the generation only when the content (devices,
+        processes, backends, findings) differs from the previous sample's, so observers list again only then,
+        at most once per sample. The signal carries the generation only: every listener hears it, so it says
+        nothing of a process a caller may not see beyond that something changed, which ListDevices'
+        memory_used tells as well."""
+        if snap.generation != self._published:
+            self._published = snap.generation
+            self.SnapshotChanged(snap.generation)
 
     # -- methods ---------------------------------------------------------------------------------------
 
@@ -236,9 +271,8 @@ class ManagerInterface(ServiceInterface):
         self._fresh()
         return self._devices_reply
 
-    @method()
-    @dbus_errors
-    async def ListProcesses(self, filter: "a{sv}") -> "aa{sv}":
+    async def _selected(self, filter: dict[str, Variant]) -> list[Record]:
+        """The caller's records that the filter selects: one page, or all of them when they fit one reply."""
         viewer = await self._bouncer.viewer(await current_caller(self._bouncer))
         view = self._view(viewer)
         query = build_query(filter, self._snapshot())
@@ -250,7 +284,17 @@ class ManagerInterface(ServiceInterface):
             selected = selected[:query.limit]
         _check_size(selected, "the page" if query.limit else "the listing")
         self._check_backlog()
-        return [d for _, d, _ in selected]
+        return selected
+
+    @method()
+    @dbus_errors
+    async def ListProcesses(self, filter: "a{sv}") -> "aa{sv}":
+        return [r[1] for r in await self._selected(filter)]
+
+    @method()
+    @dbus_errors
+    async def ListProcessesCompact(self, filter: "a{sv}") -> "ua(uutussssustdssssua(sytt)b)":
+        return listing.reply_body([r[3] for r in await self._selected(filter)])
 
     @method()
     @dbus_errors
@@ -310,17 +354,23 @@ class ManagerInterface(ServiceInterface):
     def DeviceStateChanged(self, device: Device) -> "usss":
         return [device.index, device.id, device.state, device.state_reason]
 
+    @signal()
+    def SnapshotChanged(self, generation: int) -> "t":
+        return generation
+
 
 # Names for return values and signal arguments, as in dbus/org.gpukill1.xml.
 OUTPUT_NAMES = {
     "ListDevices": ["devices"],
     "ListProcesses": ["processes"],
+    "ListProcessesCompact": ["format", "processes"],
     "AuditRogue": ["findings"],
     "KillProcess": ["outcome"],
     "ResetDevice": ["result"],
     "ProcessKilled": ["pid", "start_time", "uid", "comm", "devices", "outcome", "caller_uid", "initiator"],
     "DeviceReset": ["index", "id", "success", "message", "killed"],
     "DeviceStateChanged": ["index", "id", "state", "reason"],
+    "SnapshotChanged": ["generation"],
 }
 
 

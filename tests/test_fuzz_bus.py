@@ -83,7 +83,7 @@ def _contract() -> tuple[dict[tuple[str, str], tuple[str, str]], dict[tuple[str,
 METHODS, PROPERTIES = _contract()
 assert set(METHODS) == {
     (MANAGER, "ListDevices"), (MANAGER, "ListProcesses"), (MANAGER, "KillProcess"), (MANAGER, "ResetDevice"),
-    (MANAGER, "AuditRogue"), (GUARD, "Enable"), (GUARD, "Disable"), (GUARD, "SetDryRun"), (GUARD, "LoadPolicy"), (GUARD, "GetStatus"),
+    (MANAGER, "ListProcessesCompact"), (MANAGER, "AuditRogue"), (GUARD, "Enable"), (GUARD, "Disable"), (GUARD, "SetDryRun"), (GUARD, "LoadPolicy"), (GUARD, "GetStatus"),
     (GUARD, "TestPolicies"),
 }, f"the XML's methods changed: update this fuzz ({sorted(METHODS)})"
 MEMBER_IFACE = {member: iface for iface, member in METHODS}  # every member name is unique to one interface
@@ -294,6 +294,7 @@ policy_texts = st.one_of(st.sampled_from(POLICIES), texts)
 ARGS = {  # per method, the values of its arguments when it is called with its own signature
     "ListDevices": st.just([]), "AuditRogue": st.just([]),
     "ListProcesses": st.tuples(options(FILTER_TYPES)).map(list),
+    "ListProcessesCompact": st.tuples(options(FILTER_TYPES)).map(list),  # the same filter
     "KillProcess": st.tuples(kill_targets, options(KILL_TYPES)).map(lambda t: [*t[0], t[1]]),
     "ResetDevice": st.tuples(device_names, options(RESET_TYPES)).map(list),
     "Enable": st.just([]), "Disable": st.just([]), "GetStatus": st.just([]),
@@ -393,7 +394,7 @@ CALL_KINDS = {  # kind of call -> its share of the examples
 
 
 # Every method and property once for sure, whatever the generator draws (hypothesis runs these first).
-MINIMAL_ARGS = {"ListDevices": [], "AuditRogue": [], "ListProcesses": [[]], "KillProcess": [2**32 - 1, 2**64 - 1, []],
+MINIMAL_ARGS = {"ListDevices": [], "AuditRogue": [], "ListProcesses": [[]], "ListProcessesCompact": [[]], "KillProcess": [2**32 - 1, 2**64 - 1, []],
                 "ResetDevice": ["no-such-gpu", []], "Enable": [], "Disable": [], "GetStatus": [],
                 "SetDryRun": [False], "LoadPolicy": ["explicit", "{"], "TestPolicies": ["explicit", "rules: []\n"]}
 SET_VALUES = {"s": "9.9", "d": 0.001, "a(sbs)": [["fake", True, ""]]}  # one of each property's type

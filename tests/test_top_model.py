@@ -18,6 +18,7 @@ from gpukillctl.top_model import (
     TopState,
     cells,
     fit,
+    must_fetch,
     render,
     text_of,
 )
@@ -275,3 +276,19 @@ def test_a_key_redraws_2048_records_in_a_few_milliseconds():
     # every key would take 10x more
     assert statistics.median(moves) < 0.002 and statistics.median(sorts) < 0.01, (moves, sorts)
     assert max(moves + sorts) < 0.1
+
+
+def test_top_fetches_on_a_signalled_change_and_otherwise_only_redraws():
+    quiet = Sample(devices=(device(0),), processes=(proc(1),), guard=None, interval=1.0, boottime=BOOTTIME)
+    heard = {"listening_since": 0.0, "changed": False, "fetched_at": 100.0}
+    assert not must_fetch(quiet, 101.0, **heard), "nothing signalled: redraw only"
+    assert must_fetch(quiet, 101.0, **{**heard, "changed": True})
+    assert must_fetch(quiet, 130.0, **heard), "the safety net"
+    assert must_fetch(quiet, 101.0, **{**heard, "listening_since": None}), "no signals: poll"
+    assert must_fetch(quiet, 101.0, **{**heard, "listening_since": 100.5}), "not subscribed for sure yet"
+    grace = GuardStatus(enabled=True, dry_run=False, policy_dry_run=False, source="files",
+                        graces=(Grace(rule="r", subject="PID 1 (python, user alice)", uid=1000, remaining=3.0),))
+    timed = Sample(devices=(), processes=(), guard=grace, interval=1.0, boottime=BOOTTIME)
+    assert must_fetch(timed, 101.0, **heard), "a grace's seconds move with no signal"
+    later = quiet.at(BOOTTIME + 5)
+    assert later.runtime(quiet.processes[0]) == quiet.runtime(quiet.processes[0]) + 5
