@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from gpukill.records import Finding, to_plain
+from gpukill.records import to_plain
 
-from .client import GpukillClient
+from .client_api import ClientAPI
 from .exits import EXIT_OK
 from .format import shown, size, table
+
+if TYPE_CHECKING:  # annotations only: the audit's records load when `audit` runs, not at every start
+    from gpukill.records import Finding
 
 JSON_FORMAT = 1
 
@@ -47,7 +51,7 @@ def findings_text(findings: list[Finding]) -> str:
     return "\n".join(lines)
 
 
-async def cmd_audit(client: GpukillClient, args: argparse.Namespace) -> int:
+async def cmd_audit(client: ClientAPI, args: argparse.Namespace) -> int:
     findings = await client.audit_rogue()
     if args.json:
         json.dump({"format": JSON_FORMAT, "findings": [to_plain(f) for f in findings]}, sys.stdout)

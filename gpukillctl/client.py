@@ -1,14 +1,10 @@
-"""The gpukill client library: org.gpukill1 over the system bus, typed records out.
+"""The gpukill client library on asyncio: org.gpukill1 over the system bus with dbus-fast, typed records out.
 
-Every front end (the CLI; a desktop agent, MCP, REST, an exporter) uses this module alone; none of them
-touches a vendor library or /sys, so polkit decides for every one of them. Methods return the records of
-gpukill/records.py (Device, Process, ResetReply, Finding, GuardStatus, Decision, PolicyLoaded), built from the daemon's
-a{sv} by their one declaration: a value the daemon left out is the field's default (None where it could not
-be read), keys a newer daemon adds are ignored. Kills return a gpukill.outcome.Outcome.
-
-Failures raise a ClientError. One from the daemon is of the class made here for its D-Bus error name, which is
-also the shared error class of gpukill.errors that names it: `except errors.NoSuchProcess` catches what the
-daemon reported as org.gpukill1.Error.NoSuchProcess. DaemonUnavailable: no bus, or no gpukilld on it.
+Every front end (the CLI; a desktop agent, MCP, REST, an exporter) uses the typed API of
+gpukillctl/client_api.py (ClientAPI), written once; none of them touches a vendor library or /sys, so polkit
+decides for every one of them. This module is its asyncio transport, for the long-lived front ends, and
+gpukilld's signals as records (`events()`); one-shot commands use gpukillctl/blocking_client.py instead.
+The errors, records and constants of client_api are re-exported here, where callers have always found them.
 """
 
 from __future__ import annotations
@@ -17,91 +13,42 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
 
-from gpukill import errors
-from gpukill.outcome import Outcome
-from gpukill.records import (
-    BackendStatus,
-    Decision,
-    Device,
-    Event,
-    Finding,
-    GuardStatus,
-    PolicyLoaded,
-    Process,
-    ResetReply,
-    from_plain,
-    names,
-    signal_record,
-)
+from gpukill.records import Event, signal_record
 
 from . import remote
+from .client_api import (  # noqa: F401 (re-exported: the client library's names, where callers import them)
+    BUS_NAME,
+    CALL_TIMEOUT,
+    DBUS,
+    DEVICE_KEYS,
+    ERRORS,
+    GUARD_INTERFACE,
+    INTERFACE,
+    NOT_RUNNING,
+    OBJECT_PATH,
+    PAGE_SIZE,
+    PROCESS_KEYS,
+    TIMEOUT,
+    ClientAPI,
+    ClientError,
+    DaemonStatus,
+    DaemonUnavailable,
+    Var,
+    error_for,
+)
 
-BUS_NAME = "org.gpukill1"
-OBJECT_PATH = "/org/gpukill1"
-INTERFACE = "org.gpukill1.Manager"
-GUARD_INTERFACE = "org.gpukill1.Guard"
-CALL_TIMEOUT = 25.0
-PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
 MAX_QUEUED_EVENTS = 10_000  # signals kept for a consumer slower than gpukilld; the oldest go first
-DBUS = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
-
-# The keys of `list --json`, in their order.
-DEVICE_KEYS = names(Device)
-PROCESS_KEYS = names(Process)
-
-
-class ClientError(Exception):
-    """A failure with the D-Bus error name that caused it ("" when not from the daemon)."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.name = name
-
-
-class DaemonUnavailable(ClientError):
-    """No system bus, or gpukilld is not on it."""
-
-
-def _daemon_error(shared: type[errors.GpukillError]) -> type[ClientError]:
-    return type(shared.__name__, (ClientError, shared), {"__module__": __name__, "__doc__": shared.__doc__})
-
-
-# One class per error the daemon sends, each named by its shared class's dbus_name.
-ERRORS: dict[str, type[ClientError]] = {
-    cls.dbus_name: _daemon_error(cls) for cls in vars(errors).values()
-    if isinstance(cls, type) and issubclass(cls, errors.GpukillError)
-}
-# What the bus itself answers: polkit wanting a password where none may be asked is a denial.
-ERRORS["org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"] = ERRORS[errors.AccessDenied.dbus_name]
-NOT_RUNNING = ("org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner")
-
-
-def error_for(name: str, message: str) -> ClientError:
-    """The exception for a D-Bus error reply."""
-    if name in NOT_RUNNING:
-        return DaemonUnavailable(name, "gpukilld is not running (org.gpukill1 is not on the system bus)")
-    return ERRORS.get(name, ClientError)(name, message)
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonStatus:
-    """The Manager's properties: Version, SampleInterval, Backends."""
-
-    version: str
-    sample_interval: float  # seconds between samples: listings are at most this old
-    backends: tuple[BackendStatus, ...]
 
 
 def unwrap(value: Any) -> Any:
-    """Variants, a{sv} and arrays of them as plain dicts and lists."""
-    if isinstance(value, Variant):
+    """Variants (dbus-fast's, or client_api's Var), a{sv} and arrays of them as plain dicts and lists."""
+    if isinstance(value, Variant | Var):
         return unwrap(value.value)
     if isinstance(value, dict):
         return {k: unwrap(v) for k, v in value.items()}
@@ -110,11 +57,18 @@ def unwrap(value: Any) -> Any:
     return value
 
 
-def _record(cls: type, raw: dict[str, Variant]) -> Any:
-    return from_plain(cls, unwrap(raw))
+def wrap(value: Any) -> Any:
+    """A call's arguments for dbus-fast: each Var as a Variant (structs as lists, as dbus-fast writes them)."""
+    if isinstance(value, Var):
+        return Variant(value.signature, wrap(value.value))
+    if isinstance(value, dict):
+        return {k: wrap(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [wrap(v) for v in value]
+    return value
 
 
-class GpukillClient:
+class GpukillClient(ClientAPI):
     def __init__(self, bus: MessageBus) -> None:
         self.bus = bus
 
@@ -142,97 +96,13 @@ class GpukillClient:
     async def _call(self, member: str, signature: str = "", body: list | None = None, *,
                     interface: str = INTERFACE, interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
         msg = Message(destination=BUS_NAME, path=OBJECT_PATH, interface=interface, member=member,
-                      signature=signature, body=body or [],
+                      signature=signature, body=wrap(body or []),
                       flags=MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive else MessageFlag.NONE)
         reply = await self._send(msg, timeout, "gpukilld")
         if reply.message_type == MessageType.ERROR:
             text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else reply.error_name
             raise error_for(reply.error_name, text)
-        return reply.body
-
-    async def list_devices(self) -> list[Device]:
-        (devices,) = await self._call("ListDevices")
-        return [_record(Device, d) for d in devices]
-
-    async def list_processes(self, filter: dict[str, Variant] | None = None) -> list[Process]:
-        """Every process the daemon shows us; page by page when the whole listing is too large for one reply."""
-        try:
-            (procs,) = await self._call("ListProcesses", "a{sv}", [filter or {}])
-        except errors.ReplyTooLarge:
-            procs = await self._pages(filter or {})
-        return [_record(Process, p) for p in procs]
-
-    async def _pages(self, filter: dict[str, Variant]) -> list[dict[str, Variant]]:
-        """Keyset pages in (device, pid) order: a process that comes or goes between pages shifts nothing."""
-        procs: list[dict[str, Variant]] = []
-        page_filter = {**filter, "limit": Variant("u", PAGE_SIZE)}
-        while True:
-            (page,) = await self._call("ListProcesses", "a{sv}", [page_filter])
-            procs.extend(page)
-            if len(page) < PAGE_SIZE:
-                return procs
-            last = page[-1]
-            page_filter["after"] = Variant("(uu)", [last["device"].value, last["pid"].value])
-
-    async def kill(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
-                   interactive: bool = False) -> Outcome:
-        options: dict[str, Variant] = {"force": Variant("b", force)}
-        if grace is not None:
-            options["grace"] = Variant("d", float(grace))
-        # The daemon may wait the whole grace, then SIGKILL's wait, plus a password prompt.
-        timeout = (grace if grace is not None else 5.0) + 30.0 + (300.0 if interactive else 0.0)
-        (outcome,) = await self._call("KillProcess", "uta{sv}", [pid, start_time, options],
-                                      interactive=interactive, timeout=timeout)
-        try:
-            return Outcome(outcome)
-        except ValueError:
-            raise ClientError("", f"gpukilld answered an unknown outcome: {outcome!r}") from None
-
-    async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
-        (result,) = await self._call("ResetDevice", "sa{sv}", [device, {"force": Variant("b", force)}],
-                                     interactive=interactive, timeout=600.0 if interactive else 300.0)
-        return _record(ResetReply, result)
-
-    async def audit_rogue(self) -> list[Finding]:
-        """The rogue-activity audit of the current snapshot (miners, abusers, idle holders), highest score
-        first, filtered as ListProcesses filters: evidence the caller may not see is left out."""
-        (findings,) = await self._call("AuditRogue")
-        return [_record(Finding, f) for f in findings]
-
-    async def status(self) -> DaemonStatus:
-        (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")
-        return DaemonStatus(
-            version=props["Version"].value,
-            sample_interval=props["SampleInterval"].value,
-            backends=tuple(BackendStatus(n, bool(a), d) for n, a, d in props["Backends"].value),
-        )
-
-    # -- Guard Mode (org.gpukill1.Guard) ---------------------------------------------------------------
-
-    async def _guard(self, member: str, signature: str = "", body: list | None = None, *,
-                     interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
-        return await self._call(member, signature, body, interface=GUARD_INTERFACE, interactive=interactive,
-                                timeout=timeout + (300.0 if interactive else 0.0))
-
-    async def guard_status(self) -> GuardStatus:
-        (status,) = await self._guard("GetStatus")
-        return _record(GuardStatus, status)
-
-    async def guard_enable(self, enabled: bool = True, *, interactive: bool = False) -> None:
-        await self._guard("Enable" if enabled else "Disable", interactive=interactive)
-
-    async def guard_set_dry_run(self, dry_run: bool, *, interactive: bool = False) -> None:
-        await self._guard("SetDryRun", "b", [dry_run], interactive=interactive)
-
-    async def guard_load_policy(self, name: str, text: str, *, interactive: bool = False) -> PolicyLoaded:
-        """Make the policy the one in force; errors.InvalidPolicy when it is invalid."""
-        (result,) = await self._guard("LoadPolicy", "ss", [name, text], interactive=interactive)
-        return _record(PolicyLoaded, result)
-
-    async def guard_test(self, name: str = "", text: str = "") -> list[Decision]:
-        """What a policy (text "": the one in force) would do with the current snapshot; never acts."""
-        (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
-        return [_record(Decision, d) for d in decisions]
+        return unwrap(reply.body)
 
     # -- signals -----------------------------------------------------------------------------------------
 
@@ -314,7 +184,7 @@ class GpukillClient:
         try:
             return await asyncio.wait_for(self.bus.call(msg), timeout)
         except TimeoutError:
-            raise ClientError("org.freedesktop.DBus.Error.Timeout", f"{who} did not answer within {timeout:g}s") from None
+            raise ClientError(TIMEOUT, f"{who} did not answer within {timeout:g}s") from None
         except Exception as e:
             raise DaemonUnavailable("", f"lost the system bus: {e}") from None
 

@@ -10,7 +10,6 @@ processes must not guess.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shlex
 import sys
@@ -18,14 +17,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from dbus_fast import Variant
-
 from gpukill.regex import RegexError, compile_regex
 
 from .audit_cli import cmd_audit
 from .cli import build_parser as gpukillctl_parser
 from .cli import cmd_kill, cmd_list, cmd_reset, positive_int, seconds
-from .client import ClientError, GpukillClient
+from .client_api import ClientAPI, ClientError, Var
 from .exits import (
     EXIT_CODES_HELP,
     EXIT_FAILURE,
@@ -223,7 +220,7 @@ def _given(args: argparse.Namespace, dest: str) -> bool:
 class Plan:
     """What an invocation does with a connected client; `endless`: it runs until interrupted (--watch)."""
 
-    run: Callable[[GpukillClient], Awaitable[int]]
+    run: Callable[[ClientAPI], Awaitable[int]]
     endless: bool = False
 
 
@@ -296,7 +293,7 @@ def kill_args(pid: int, start_time: int | None, force: bool, grace: float | None
         argv.append("--force")
     if grace is not None:
         argv += ["--grace", repr(float(grace))]
-    return gpukillctl_parser().parse_args(argv)
+    return gpukillctl_parser(full=False).parse_args(argv)  # kill is one-shot: its parser alone
 
 
 def fail(message: str, code: int) -> int:
@@ -329,7 +326,13 @@ def _list(args: argparse.Namespace) -> Plan:
     return Plan(lambda client: cmd_list(client, list_ns))
 
 
-async def watch(client: GpukillClient, list_ns: argparse.Namespace) -> int:
+async def sleep(seconds: float) -> None:
+    import asyncio  # --watch alone runs on an event loop (run_plan): the one-shot plans do without asyncio
+
+    await asyncio.sleep(seconds)
+
+
+async def watch(client: ClientAPI, list_ns: argparse.Namespace) -> int:
     """gpukillctl list again and again until interrupted. A failed refresh (gpukilld restarting) is one line on
     stderr, and the next refresh tries again, as gpu-kill's watch does."""
     clear = not list_ns.json and sys.stdout.isatty()
@@ -343,7 +346,7 @@ async def watch(client: GpukillClient, list_ns: argparse.Namespace) -> int:
         if not list_ns.json and not clear:
             print()  # refreshes one after another in a file or a pipe: a blank line between them
         sys.stdout.flush()
-        await asyncio.sleep(WATCH_INTERVAL)
+        await sleep(WATCH_INTERVAL)
 
 
 # -- --kill ------------------------------------------------------------------------------------------------
@@ -387,16 +390,16 @@ def _check_batch_pattern(pattern: str) -> None:
                       "then gpukillctl kill PID for each")
 
 
-async def preview(client: GpukillClient, pattern: str) -> int:
+async def preview(client: ClientAPI, pattern: str) -> int:
     code = await cmd_list(client, list_args(name_regex=pattern))
     print(f"{PROG}: nothing was killed: add --batch to kill the processes listed", file=sys.stderr)
     return code
 
 
-async def kill_matching(client: GpukillClient, pattern: str, force: bool, grace: float | None) -> int:
+async def kill_matching(client: ClientAPI, pattern: str, force: bool, grace: float | None) -> int:
     """gpukillctl kill for every process the daemon lists as matching, each by the (PID, start time) listed, so
     a PID reused since the listing is refused, not killed. Every match is tried; the first failure's status."""
-    procs = await client.list_processes({"name_regex": Variant("s", pattern)})
+    procs = await client.list_processes({"name_regex": Var("s", pattern)})
     targets = list({(p.pid, p.start_time): p for p in procs}.values())  # one process on two GPUs: once
     if not targets:
         return fail(f"no GPU process matches {pattern!r}; nothing was killed", EXIT_NOT_FOUND)
@@ -427,7 +430,7 @@ def _reset(args: argparse.Namespace) -> Plan:
     return Plan(lambda client: reset_all(client, args.force))
 
 
-async def reset_all(client: GpukillClient, force: bool) -> int:
+async def reset_all(client: ClientAPI, force: bool) -> int:
     """gpukillctl reset for every GPU in index order. Each is tried (GPUs are independent, and the daemon
     refuses a busy one without --force before touching it); the first failure's status."""
     devices = await client.list_devices()
@@ -492,12 +495,28 @@ def _guard(args: argparse.Namespace) -> Plan:
 # -- running -----------------------------------------------------------------------------------------------
 
 
-async def run(p: Plan) -> int:
-    client = await GpukillClient.connect()
-    try:
-        return await p.run(client)
-    finally:
-        client.close()
+def run_plan(p: Plan) -> int:
+    """A one-shot plan on the blocking transport; --watch (endless, it sleeps between refreshes) on asyncio."""
+    if not p.endless:
+        from .blocking_client import BlockingClient, finish
+
+        blocking = BlockingClient.connect()
+        try:
+            return finish(p.run(blocking))
+        finally:
+            blocking.close()
+    import asyncio
+
+    from .client import GpukillClient
+
+    async def run() -> int:
+        client = await GpukillClient.connect()
+        try:
+            return await p.run(client)
+        finally:
+            client.close()
+
+    return asyncio.run(run())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -506,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as e:
         return fail(str(e), e.code)
     try:
-        return asyncio.run(run(p))
+        return run_plan(p)
     except ClientError as e:
         return fail(str(e), exit_code(e))
     except KeyboardInterrupt:

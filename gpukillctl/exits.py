@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpukill import errors
 
-from .client import ClientError, DaemonUnavailable
+from .client_api import ClientError, DaemonUnavailable
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

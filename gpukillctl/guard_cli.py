@@ -11,18 +11,20 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpukill.outcome import Outcome
-from gpukill.records import Decision, to_plain
-from gpukill.units import format_duration
+from gpukill.records import to_plain
 
-from .client import GpukillClient
+from .client_api import ClientAPI
 from .exits import EXIT_INVALID_POLICY
 from .format import shown, table
-from .polkit_agent import PolkitAgent
 
-# The policy module (and PyYAML) is imported by the guard commands only: `gpukillctl list` starts faster.
+if TYPE_CHECKING:  # annotations only: the Guard's records load when `guard` runs, not at every start
+    from gpukill.records import Decision
+
+# The policy module (and PyYAML), the units and the polkit agent (subprocess) are imported by the guard commands
+# that use them: `gpukillctl list` starts faster.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -77,7 +79,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def cmd_guard(client: GpukillClient, args: argparse.Namespace) -> int:
+async def cmd_guard(client: ClientAPI, args: argparse.Namespace) -> int:
     command = args.guard_command
     if command in ("enable", "disable", "dry-run", "load"):
         return await _change(client, args)
@@ -86,7 +88,7 @@ async def cmd_guard(client: GpukillClient, args: argparse.Namespace) -> int:
     return await _test(client, args)
 
 
-async def _change(client: GpukillClient, args: argparse.Namespace) -> int:
+async def _change(client: ClientAPI, args: argparse.Namespace) -> int:
     from gpukill.policy import PolicyError, load_texts, read_text
 
     command = args.guard_command
@@ -97,6 +99,8 @@ async def _change(client: GpukillClient, args: argparse.Namespace) -> int:
             policy = load_texts([(args.file, text)])
         except PolicyError as e:
             return _print_errors(e)
+    from .polkit_agent import PolkitAgent
+
     agent = PolkitAgent(client.unique_name)
     try:
         if command in ("enable", "disable"):
@@ -119,11 +123,12 @@ def _when(t: float) -> str:
 
 
 def _seconds(s: float) -> str:
+    from gpukill.units import format_duration
 
     return format_duration(round(s)) if s >= 1 else f"{s:.1f}s"
 
 
-async def _status(client: GpukillClient, args: argparse.Namespace) -> int:
+async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
     st = await client.guard_status()
     if args.json:
         json.dump(to_plain(st), sys.stdout, indent=1)
@@ -183,7 +188,7 @@ def _decision_row(d: Decision) -> list[str]:
     return [d.rule, d.subject, what, when, d.reason]
 
 
-async def _test(client: GpukillClient, args: argparse.Namespace) -> int:
+async def _test(client: ClientAPI, args: argparse.Namespace) -> int:
     from gpukill.policy import PolicyError, load_texts, read_text
 
     if args.policy:

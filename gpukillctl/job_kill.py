@@ -8,7 +8,6 @@ together, as Slurm signals a job's tasks: the grace runs once, not once per proc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from gpukill import errors
@@ -16,7 +15,7 @@ from gpukill.outcome import Outcome
 from gpukill.records import Process
 from gpukill.text import shown
 
-from .client import ClientError, GpukillClient
+from .client_api import ClientAPI, ClientError
 from .exits import EXIT_OK, EXIT_STILL_ALIVE, exit_code
 
 
@@ -37,7 +36,7 @@ def job_processes(procs: list[Process], job: str) -> list[Process]:
     return sorted(chosen.values(), key=lambda p: p.pid)
 
 
-async def _kill_one(client: GpukillClient, p: Process, args: argparse.Namespace, interactive: bool) -> int:
+async def _kill_one(client: ClientAPI, p: Process, args: argparse.Namespace, interactive: bool) -> int:
     """Kill one process; print what became of it; its exit status."""
     what = f"PID {p.pid} ({shown(p.comm)})"
     try:
@@ -57,12 +56,14 @@ async def _kill_one(client: GpukillClient, p: Process, args: argparse.Namespace,
     return EXIT_OK
 
 
-async def kill_job(client: GpukillClient, args: argparse.Namespace, interactive: bool) -> int:
+async def kill_job(client: ClientAPI, args: argparse.Namespace, interactive: bool) -> int:
     """Kill every listed GPU process of Slurm job args.job; the first failure's exit status, else 0 (also when
     the job has no GPU process here: nothing is left to stop)."""
     procs = job_processes(await client.list_processes(), args.job)
     if not procs:
         print(f"no GPU processes of Slurm job {shown(args.job)} on this host")
         return EXIT_OK
+    import asyncio  # here: gpukillctl's start (which imports slurm_job_id) does without asyncio
+
     codes = await asyncio.gather(*(_kill_one(client, p, args, interactive) for p in procs))
     return next((c for c in codes if c != EXIT_OK), EXIT_OK)

@@ -132,3 +132,15 @@ def test_the_client_loads_no_daemon_module():
              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gpukilld'))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_one_shot_path_loads_no_event_loop():
+    # gpukillctl list/kill/reset/status/guard/audit start in ~1/3 of the time without asyncio and dbus-fast
+    # (gpukillctl/blocking_client.py): an eager import of either anywhere on that path undoes it. The path
+    # here is what `gpukillctl list --json` and `gpukill --list` import before they connect.
+    probe = ("import sys; import gpukillctl.cli, gpukillctl.compat, gpukillctl.blocking_client; "
+             "gpukillctl.cli.build_parser(full=False).parse_args(['list', '--json']); "
+             "gpukillctl.compat.plan(['--kill', '--pid', '12']); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('asyncio', 'dbus_fast')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,70 @@
+"""The records gpukilld hands out, each declared once: its fields, their D-Bus signatures and what they mean.
+
+Everything else is derived from these declarations: the daemon's a{sv} marshalling (gpukilld/wire.py), the
+client's typed records (gpukillctl/client.py builds these same classes from what it receives), `list --json`
+and the JSON the policy sandbox exchanges with its child (`to_plain` / `from_plain` here). A device field is
+one edit here plus its documentation (README's JSON section, dbus/org.gpukill1.xml): the daemon holds these
+Devices, and its backends' DeviceReading is derived from them. The daemon's GpuProcess is this Process with
+the system unit added; a process field is one edit here plus its documentation and where it is read (ProcInfo
+from /proc, or a backend's ProcessUsage); tests/test_records.py checks they agree.
+
+On the bus a record is an a{sv}. A value nobody could read is None and left out, never sent as 0; a field
+declared `omit_empty` is also left out when empty ("", (), False): shared_usage is there only when true.
+A client fills what was left out with the field's default. The plain (JSON) form has every field, null
+where left out (false for a flag); a map keyed by name (memory_regions, notifications) keeps the bus's
+shape: its entries carry only the values that are known.
+
+Types: "u", "t" are int; "d" float; "b" bool; "s" str; "as"/"au" tuples; "aa{sv}" a tuple of records;
+"a{sv}" one record, or with `key` a tuple of records keyed by that field (the entries as a{sv} variants);
+"a{sa{sT}}" likewise, each entry an a{sT} of the record's values.
+
+Split by who needs them, and loaded on first use: a frozen, slotted dataclass generates and compiles its methods
+when its class statement runs (~0.35 ms each), and a one-shot `gpukillctl list` needs 3 of the 24 records. So
+`from gpukill.records import X` (or `records.X`) imports X's module the first time X is asked for; the
+declaring modules are base (wire() and the plain form), manager (devices, processes, a reset's reply, backends),
+audit, guard and signals. tests/test_records.py checks that _HOME names every public name of those modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Wire, from_plain, known_values, left_out, names, specs, to_plain, wire
+
+# The module that declares each public name, but base's (imported above).
+_HOME: dict[str, str] = {
+    **dict.fromkeys(("STATE_OK", "STATE_LOST", "STATE_ERROR", "Device", "MemoryRegion", "Process", "ResetReply",
+                     "BackendStatus"), "manager"),
+    **dict.fromkeys(("FINDING_MINER", "FINDING_ABUSER", "FINDING_IDLE", "FINDING_KINDS", "MAX_SCORE", "Evidence",
+                     "Finding"), "audit"),
+    **dict.fromkeys(("RuleStatus", "RecentEvent", "Window", "Grace", "NotificationCounters", "GuardStatus",
+                     "Decision", "ViolationDetails", "PolicyLoaded"), "guard"),
+    **dict.fromkeys(("ProcessKilled", "DeviceReset", "DeviceStateChanged", "PolicyViolated", "GuardActionTaken",
+                     "SnapshotChanged", "NO_UID", "Notification", "SIGNALS", "SIGNAL_OF", "Event",
+                     "signal_record"), "signals"),
+}
+
+__all__ = ["Wire", "from_plain", "known_values", "left_out", "names", "specs", "to_plain", "wire", *_HOME]
+
+
+def __getattr__(name: str) -> Any:
+    """A record (or constant) of a module not imported yet: import it, and keep the name here for next time."""
+    home = _HOME.get(name)
+    # plain import statements, not importlib: tests/test_imports.py's graph and `python -X importtime` see them
+    if home == "manager":
+        from . import manager as module
+    elif home == "audit":
+        from . import audit as module
+    elif home == "guard":
+        from . import guard as module
+    elif home == "signals":
+        from . import signals as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOME})

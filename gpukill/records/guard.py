@@ -1,0 +1,134 @@
+"""The Guard's records: its status, its policy's decisions and what LoadPolicy returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import wire
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuleStatus:
+    """A rule of the policy in force with its counters (GetStatus rules)."""
+
+    name: str = wire("s", "the rule's name")
+    description: str = wire("s", "the rule's description", "")
+    action: str = wire("s", "kill, notify, log or reset")
+    scope: str = wire("s", "per_process, per_user or per_device")
+    match: str = wire("s", "all or any of the conditions", "all")
+    conditions: tuple[str, ...] = wire("as", "each condition as text", ())
+    triggers: int = wire("t", "violations: a subject starting to violate the rule", 0)
+    kills: int = wire("t", "processes signalled", 0)
+    would_kill: int = wire("t", "processes a dry run would have signalled", 0)
+    cancelled: int = wire("t", "violations that ended within the grace period", 0)
+    failed: int = wire("t", "kills the kill path refused, resets the reset path refused or that failed", 0)
+    resets: int = wire("t", "devices reset (action reset)", 0)
+    would_reset: int = wire("t", "device resets a dry run would have made", 0)
+    last_triggered: float = wire("d", "seconds since the epoch, 0 never", 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class RecentEvent:
+    """A recent guard event (GetStatus recent, newest last)."""
+
+    time: float = wire("d", "seconds since the epoch", 0.0)
+    rule: str = wire("s", "the rule's name", "")
+    subject: str = wire("s", "the process, user or device concerned", "")
+    uid: int | None = wire("u", "the user concerned, where one is", None)
+    event: str = wire("s", '"violation", "action" or "cancelled"', "")
+    action: str = wire("s", "the rule's action", "")
+    outcome: str = wire("s", "the kill's outcome or refusal, \"\" for a violation", "")
+    pid: int | None = wire("u", "the process, where one is concerned", None)
+    dry_run: bool = wire("b", "nothing was signalled", False)
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A subject inside a condition's duration window (GetStatus windows)."""
+
+    rule: str = wire("s", "the rule's name")
+    subject: str = wire("s", "the process, user or device")
+    uid: int | None = wire("u", "the user concerned, where one is", None)
+    condition: str = wire("s", "the condition as text", "")
+    elapsed: float = wire("d", "seconds it has held", 0.0)
+    duration: float = wire("d", "seconds it must hold", 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Grace:
+    """A subject violating a kill rule, still inside its grace period (GetStatus graces)."""
+
+    rule: str = wire("s", "the rule's name")
+    subject: str = wire("s", "the process, user or device")
+    uid: int | None = wire("u", "the user concerned, where one is", None)
+    remaining: float = wire("d", "seconds left", 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class NotificationCounters:
+    """One notification channel's counters (GetStatus notifications, keyed by channel)."""
+
+    channel: str = wire("s", "email or webhook (the key of notifications)")
+    queued: int = wire("t", "notices queued", 0)
+    delivered: int = wire("t", "notices delivered", 0)
+    failed: int = wire("t", "notices that could not be delivered", 0)
+    dropped: int = wire("t", "notices dropped, the queue being full", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class GuardStatus:
+    """What GetStatus returns: the switches, the policy in force, its rules and what is running now."""
+
+    enabled: bool = wire("b", "the guard evaluates the policy")
+    dry_run: bool = wire("b", "set by SetDryRun: nothing is signalled")
+    policy_dry_run: bool = wire("b", "set in the policy: nothing is signalled")
+    source: str = wire("s", '"files" (guard.d) or "loaded" (LoadPolicy)')
+    files: tuple[str, ...] = wire("as", "the policy's files or name", ())
+    policy_error: str = wire("s", 'why the files were last rejected, or ""', "")
+    rules: tuple[RuleStatus, ...] = wire("aa{sv}", "the rules in force, with their counters", (),
+                                         of=RuleStatus)
+    recent: tuple[RecentEvent, ...] = wire("aa{sv}", "recent events, newest last", (), of=RecentEvent)
+    windows: tuple[Window, ...] = wire("aa{sv}", "subjects inside a duration window", (), of=Window)
+    graces: tuple[Grace, ...] = wire("aa{sv}", "subjects inside a grace period", (), of=Grace)
+    evaluations: int = wire("t", "evaluations since the daemon started", 0)
+    last_eval_ms: float = wire("d", "milliseconds the last evaluation took", 0.0)
+    max_eval_ms: float = wire("d", "milliseconds the slowest evaluation took", 0.0)
+    notifications: tuple[NotificationCounters, ...] = wire(
+        "a{sv}", "counters per notification channel", (), of=NotificationCounters, key="channel")
+    recent_more: int | None = wire("u", "recent events left out past the first 200", None)
+    windows_more: int | None = wire("u", "windows left out past the first 200", None)
+    graces_more: int | None = wire("u", "graces left out past the first 200", None)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What TestPolicies reports for one rule and subject; nothing is ever done for it."""
+
+    rule: str = wire("s", "the rule's name")
+    subject: str = wire("s", "the process, user or device")
+    action: str = wire("s", "the rule's action")
+    status: str = wire("s", '"now", "waiting", "in-flight", "exempt"; "truncated": the count of the rest')
+    wait: float = wire("d", "seconds of duration, grace or cooldown still to run", 0.0)
+    pids: tuple[int, ...] = wire("au", "what would be signalled", ())
+    reason: str = wire("s", "why, at most 512 characters", "")
+    more: int | None = wire("u", "with status truncated: how many decisions were left out", None)
+
+
+@dataclass(frozen=True, slots=True)
+class ViolationDetails:
+    """The details of a PolicyViolated signal."""
+
+    scope: str = wire("s", "the rule's scope")
+    reason: str = wire("s", "why the subject violates the rule")
+    grace: float = wire("d", "the rule's grace period, seconds")
+    uid: int | None = wire("u", "the user concerned, where one is", None)
+    pids: tuple[int, ...] = wire("au", "for kill: the processes that would be stopped now", ())
+    time: float = wire("d", "seconds since the epoch", 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLoaded:
+    """What LoadPolicy returns."""
+
+    source: str = wire("s", '"loaded"')
+    rules: tuple[str, ...] = wire("as", "the rule names now in force", ())

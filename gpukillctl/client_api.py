@@ -1,0 +1,229 @@
+"""The typed client API of org.gpukill1, written once over any transport: records out, one exception per daemon error.
+
+Methods return the records of gpukill/records/ (Device, Process, ResetReply, Finding, GuardStatus, Decision,
+PolicyLoaded), built from the daemon's a{sv} by their one declaration: a value the daemon left out is the field's
+default (None where it could not be read), keys a newer daemon adds are ignored. Kills return an Outcome.
+
+Two transports carry the calls, each a subclass that implements `_call` and nothing of the API:
+- gpukillctl/client.py, GpukillClient: dbus-fast on asyncio, for the long-lived front ends (top, monitor, the
+  notify agent, the exporter, MCP, REST) and for signals (`events()`);
+- gpukillctl/blocking_client.py, BlockingClient: jeepney's blocking connection, for one-shot commands, which then
+  import neither asyncio nor dbus-fast (together ~60 ms of a ~100 ms `gpukillctl list`).
+Both keep the same `await client.x()` API: the blocking transport's coroutines never suspend, so a one-shot
+command runs them to the end without an event loop (blocking_client.finish), and every command is written once.
+
+This module is imported at the CLI's start: nothing heavy (no asyncio, no D-Bus library) may be imported here.
+
+Failures raise a ClientError. One from the daemon is of the class made here for its D-Bus error name, which is
+also the shared error class of gpukill.errors that names it: `except errors.NoSuchProcess` catches what the
+daemon reported as org.gpukill1.Error.NoSuchProcess. DaemonUnavailable: no bus, or no gpukilld on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from gpukill import errors, listing, records
+from gpukill.outcome import Outcome
+from gpukill.records import Device, Process, from_plain, names
+
+# The listing's records alone are imported above: the others (a reset's reply, the audit's, the Guard's) are
+# records.X in the methods that return them, so that their modules load when those run, not at every start
+# (gpukill/records/__init__.py).
+if TYPE_CHECKING:
+    from gpukill.records import BackendStatus, Decision, Finding, GuardStatus, PolicyLoaded, ResetReply
+
+BUS_NAME = "org.gpukill1"
+OBJECT_PATH = "/org/gpukill1"
+INTERFACE = "org.gpukill1.Manager"
+GUARD_INTERFACE = "org.gpukill1.Guard"
+CALL_TIMEOUT = 25.0
+PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
+DBUS = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
+ALLOW_INTERACTIVE_AUTHORIZATION = 0x4  # the message flag, as the D-Bus specification numbers it
+
+# The keys of `list --json`, in their order.
+DEVICE_KEYS = names(Device)
+PROCESS_KEYS = names(Process)
+
+
+class ClientError(Exception):
+    """A failure with the D-Bus error name that caused it ("" when not from the daemon)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class DaemonUnavailable(ClientError):
+    """No system bus, or gpukilld is not on it."""
+
+
+def _daemon_error(shared: type[errors.GpukillError]) -> type[ClientError]:
+    # __module__ stays gpukillctl.client, where these classes have always been found
+    return type(shared.__name__, (ClientError, shared), {"__module__": "gpukillctl.client",
+                                                         "__doc__": shared.__doc__})
+
+
+# One class per error the daemon sends, each named by its shared class's dbus_name.
+ERRORS: dict[str, type[ClientError]] = {
+    cls.dbus_name: _daemon_error(cls) for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, errors.GpukillError)
+}
+# What the bus itself answers: polkit wanting a password where none may be asked is a denial.
+ERRORS["org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"] = ERRORS[errors.AccessDenied.dbus_name]
+NOT_RUNNING = ("org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner")
+TIMEOUT = "org.freedesktop.DBus.Error.Timeout"
+UNKNOWN_METHOD = "org.freedesktop.DBus.Error.UnknownMethod"  # what a gpukilld older than a method answers
+# Where a compact row (gpukill/listing.py: the mask, then its COLUMNS) holds the keyset of paging.
+ROW_DEVICE, ROW_PID = 1 + listing.COLUMNS.index("device"), 1 + listing.COLUMNS.index("pid")
+
+
+def error_for(name: str, message: str) -> ClientError:
+    """The exception for a D-Bus error reply."""
+    if name in NOT_RUNNING:
+        return DaemonUnavailable(name, "gpukilld is not running (org.gpukill1 is not on the system bus)")
+    return ERRORS.get(name, ClientError)(name, message)
+
+
+class Var(NamedTuple):
+    """A D-Bus variant in a call's arguments, in no library's type: each transport writes it its own way."""
+
+    signature: str
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonStatus:
+    """The Manager's properties: Version, SampleInterval, Backends."""
+
+    version: str
+    sample_interval: float  # seconds between samples: listings are at most this old
+    backends: tuple[BackendStatus, ...]
+
+
+class ClientAPI:
+    """The typed methods of gpukilld's Manager and Guard interfaces. A subclass supplies the transport: `_call`,
+    which returns the reply's body as plain values (variants unwrapped, structs as lists) or raises the
+    ClientError of error_for; `unique_name` and `close`."""
+
+    unique_name: str
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def _call(self, member: str, signature: str = "", body: list | None = None, *,
+                    interface: str = INTERFACE, interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
+        raise NotImplementedError
+
+    async def list_devices(self) -> list[Device]:
+        (devices,) = await self._call("ListDevices")
+        return [from_plain(Device, d) for d in devices]
+
+    async def list_processes(self, filter: dict[str, Any] | None = None) -> list[Process]:
+        """Every process the daemon shows us; page by page when the whole listing is too large for one reply.
+        filter: ListProcesses' keys, each value a Var (the async transport also takes dbus-fast Variants).
+        Asked in the compact form (gpukill/listing.py: no variants, a fraction of the bytes and of the decoding),
+        or as a{sv} records from a gpukilld that does not have it yet."""
+        try:
+            try:
+                body = await self._call(listing.METHOD, listing.IN_SIGNATURE, [filter or {}])
+            except errors.ReplyTooLarge:
+                body = await self._compact_pages(filter or {})
+            return listing.processes_from_reply(body)
+        except listing.UnknownListingFormat as e:
+            raise ClientError("", str(e)) from None
+        except ClientError as e:
+            if e.name != UNKNOWN_METHOD:
+                raise
+        try:
+            (procs,) = await self._call("ListProcesses", "a{sv}", [filter or {}])
+        except errors.ReplyTooLarge:
+            procs = await self._pages(filter or {})
+        return [from_plain(Process, p) for p in procs]
+
+    async def _compact_pages(self, filter: dict[str, Any]) -> list:
+        """The compact listing's body, gathered in keyset pages as _pages gathers ListProcesses'."""
+        rows: list = []
+        page_filter = {**filter, "limit": Var("u", PAGE_SIZE)}
+        while True:
+            form, page = await self._call(listing.METHOD, listing.IN_SIGNATURE, [page_filter])
+            if form != listing.FORMAT:
+                return [form, page]  # processes_from_reply says which format it cannot read
+            rows.extend(page)
+            if len(page) < PAGE_SIZE:
+                return [form, rows]
+            page_filter["after"] = Var("(uu)", (page[-1][ROW_DEVICE], page[-1][ROW_PID]))
+
+    async def _pages(self, filter: dict[str, Any]) -> list[dict[str, Any]]:
+        """Keyset pages in (device, pid) order: a process that comes or goes between pages shifts nothing."""
+        procs: list[dict[str, Any]] = []
+        page_filter = {**filter, "limit": Var("u", PAGE_SIZE)}
+        while True:
+            (page,) = await self._call("ListProcesses", "a{sv}", [page_filter])
+            procs.extend(page)
+            if len(page) < PAGE_SIZE:
+                return procs
+            last = page[-1]
+            page_filter["after"] = Var("(uu)", (last["device"], last["pid"]))
+
+    async def kill(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
+                   interactive: bool = False) -> Outcome:
+        options: dict[str, Var] = {"force": Var("b", force)}
+        if grace is not None:
+            options["grace"] = Var("d", float(grace))
+        # The daemon may wait the whole grace, then SIGKILL's wait, plus a password prompt.
+        timeout = (grace if grace is not None else 5.0) + 30.0 + (300.0 if interactive else 0.0)
+        (outcome,) = await self._call("KillProcess", "uta{sv}", [pid, start_time, options],
+                                      interactive=interactive, timeout=timeout)
+        try:
+            return Outcome(outcome)
+        except ValueError:
+            raise ClientError("", f"gpukilld answered an unknown outcome: {outcome!r}") from None
+
+    async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
+        (result,) = await self._call("ResetDevice", "sa{sv}", [device, {"force": Var("b", force)}],
+                                     interactive=interactive, timeout=600.0 if interactive else 300.0)
+        return from_plain(records.ResetReply, result)
+
+    async def audit_rogue(self) -> list[Finding]:
+        """The rogue-activity audit of the current snapshot (miners, abusers, idle holders), highest score
+        first, filtered as ListProcesses filters: evidence the caller may not see is left out."""
+        (findings,) = await self._call("AuditRogue")
+        return [from_plain(records.Finding, f) for f in findings]
+
+    async def status(self) -> DaemonStatus:
+        (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")
+        return DaemonStatus(
+            version=props["Version"],
+            sample_interval=props["SampleInterval"],
+            backends=tuple(records.BackendStatus(n, bool(a), d) for n, a, d in props["Backends"]),
+        )
+
+    # -- Guard Mode (org.gpukill1.Guard) ---------------------------------------------------------------
+
+    async def _guard(self, member: str, signature: str = "", body: list | None = None, *,
+                     interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
+        return await self._call(member, signature, body, interface=GUARD_INTERFACE, interactive=interactive,
+                                timeout=timeout + (300.0 if interactive else 0.0))
+
+    async def guard_status(self) -> GuardStatus:
+        (status,) = await self._guard("GetStatus")
+        return from_plain(records.GuardStatus, status)
+
+    async def guard_enable(self, enabled: bool = True, *, interactive: bool = False) -> None:
+        await self._guard("Enable" if enabled else "Disable", interactive=interactive)
+
+    async def guard_set_dry_run(self, dry_run: bool, *, interactive: bool = False) -> None:
+        await self._guard("SetDryRun", "b", [dry_run], interactive=interactive)
+
+    async def guard_load_policy(self, name: str, text: str, *, interactive: bool = False) -> PolicyLoaded:
+        """Make the policy the one in force; errors.InvalidPolicy when it is invalid."""
+        (result,) = await self._guard("LoadPolicy", "ss", [name, text], interactive=interactive)
+        return from_plain(records.PolicyLoaded, result)
+
+    async def guard_test(self, name: str = "", text: str = "") -> list[Decision]:
+        """What a policy (text "": the one in force) would do with the current snapshot; never acts."""
+        (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
+        return [from_plain(records.Decision, d) for d in decisions]
