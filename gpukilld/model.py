@@ -1,6 +1,6 @@
 """The daemon's snapshot: what the backends read, joined with /proc, as the sampler publishes it.
 
-Devices are the bus's Device records (gpukill/records.py); a backend reports a DeviceReading, the same fields
+Devices are the bus's Device records (gpukill/records/); a backend reports a DeviceReading, the same fields
 but the index and backend the sampler adds. Processes are the bus's Process records too, with the
 system unit beside them that is not on the bus (GpuProcess).
 

@@ -26,6 +26,7 @@ MAX_CGROUP = 65536  # /proc/PID/cgroup: a line per hierarchy, each at most PATH_
 # /proc/PID/environ, read for SLURM_JOB_ID where the cgroup names no job. Environments are a few KiB; a variable
 # past this many bytes is not looked for, so one sample's reads stay small whatever a process puts there.
 MAX_ENVIRON = 131072
+_PROC_ROOT_INO = 1  # fs/proc/internal.h PROC_ROOT_INO: the root of every procfs mount
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,26 @@ class ProcFS:
             return [int(n) for n in os.listdir(self.root) if n.isdigit()]
         except OSError:
             return []
+
+    def pid_inodes(self) -> dict[int, int]:
+        """Every process's PID with the inode of its /proc directory, from one directory read (getdents gives
+        the inodes with the names). On procfs the inode is made when the directory is first looked up and a
+        reused PID gets a new one, so an unchanged inode is the same process (a changed one may be too, after
+        the kernel dropped its cache: read it again then)."""
+        try:
+            with os.scandir(self.root) as entries:
+                return {int(e.name): e.inode() for e in entries if e.name.isdigit()}
+        except OSError:
+            return {}
+
+    def is_this_hosts(self) -> bool:
+        """Whether the root is this PID namespace's procfs (not a copy or a fixture tree): only then do its PIDs
+        name processes a pidfd can hold, and its inodes mean what pid_inodes() says."""
+        try:
+            return os.path.samestat(os.stat(f"{self.root}/self"), os.stat("/proc/self")) and \
+                os.stat(self.root).st_ino == _PROC_ROOT_INO
+        except OSError:
+            return False
 
     def stat(self, pid: int) -> ProcStat | None:
         return read_stat(pid, self.root)

@@ -268,15 +268,24 @@ def _findings(facts: Facts, rules: tuple[RogueRule, ...], settings: AuditSetting
             for kind, evidence in by_kind.items()]
 
 
-def evaluate(processes: Iterable[ProcessFacts], users: Iterable[UserFacts],
-             settings: AuditSettings) -> tuple[Finding, ...]:
-    """Every finding, highest score first (then by kind, user, process)."""
-    found: list[Finding] = []
-    for p in processes:
-        found.extend(_findings(p, _PROCESS_RULES, settings))
+def process_findings(facts: ProcessFacts, settings: AuditSettings) -> list[Finding]:
+    """One process's findings. They depend on nothing but its facts and the settings, and on idle_for only
+    through whether it reached settings.idle_after: rogue_watch.py keeps them while those stay the same."""
+    return _findings(facts, _PROCESS_RULES, settings)
+
+
+def ranked(processes: Iterable[Finding], users: Iterable[UserFacts], settings: AuditSettings) -> tuple[Finding, ...]:
+    """The processes' findings and the users', highest score first (then by kind, user, process)."""
+    found = list(processes)
     for u in users:
         found.extend(_findings(u, _USER_RULES, settings))
     return tuple(sorted(found, key=lambda f: (-f.score, f.kind, f.uid, f.pid or 0)))
+
+
+def evaluate(processes: Iterable[ProcessFacts], users: Iterable[UserFacts],
+             settings: AuditSettings) -> tuple[Finding, ...]:
+    """Every finding, highest score first (then by kind, user, process)."""
+    return ranked((f for p in processes for f in process_findings(p, settings)), users, settings)
 
 
 def as_seen_by(finding: Finding, viewer: Viewer) -> Finding | None:

@@ -6,12 +6,13 @@ History kept here, and only here:
 - each user's GPU memory-seconds and utilization-seconds over the last abuser_window (abusers), as running
   sums over one entry per sample.
 Host facts read here: each GPU process's TCP connections to pool ports (gpukilld/sockets.py), cached per
-process for SOCKETS_TTL seconds like its command line, each network namespace's tables read once per round.
+process for SOCKETS_TTL seconds or a little more, each network namespace's tables read once per round.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 import pwd
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,10 +23,13 @@ from gpukill.records import Finding
 from . import sockets
 from .config import AuditSettings
 from .model import GpuProcess
-from .rogue import ProcessFacts, UserFacts, evaluate
+from .rogue import ProcessFacts, UserFacts, process_findings, ranked
 from .sockets import Peer
 
-SOCKETS_TTL = 10.0  # seconds before a process's connections are read again
+# Seconds before a process's connections are read again (spread up to 1.5 times that, so that not every process
+# is read in one sample): reading the descriptors of thousands of GPU processes every 10 s cost the daemon more
+# than the rest of its sampling (bench/idle_cost). A miner connects at start, when it is read at once.
+SOCKETS_TTL = 60.0
 MAX_GAP = 60.0  # seconds: a longer pause between samples (a suspended host) counts as this long
 
 
@@ -49,33 +53,76 @@ class _Usage:
 
 
 class RogueWatch:
+    """Called once per sample. Work is kept in proportion to what changed: while the sample's processes are the
+    last sample's (the sampler hands back the same records), their sums, idle clocks and findings are kept, and
+    only the processes whose connections are due for a re-read, or that hold memory idle, are looked at again.
+    The findings are the same as evaluating every process every sample (rogue.evaluate)."""
+
     def __init__(self, proc_root: str, settings: AuditSettings | None = None) -> None:
         self.proc_root = proc_root
         self.settings = settings or AuditSettings()  # replaced on reload
         self._idle_since: dict[tuple[int, int], float] = {}
         self._peers: dict[tuple[int, int], tuple[tuple[Peer, ...], float]] = {}
+        self._peers_due: list[tuple[float, tuple[int, int]]] = []  # heap of (when, key): the next re-reads
         # One entry per sample: (time, seconds it stands for, {uid: (memory, utilization)}), and the sums.
         self._window: collections.deque[tuple[float, float, dict[int, tuple[int, float]]]] = collections.deque()
         self._memory_seconds: dict[int, float] = collections.defaultdict(float)
         self._util_seconds: dict[int, float] = collections.defaultdict(float)
         self._last: float | None = None
+        # The last sample's processes and what was derived from them alone.
+        self._processes: Sequence[GpuProcess] | None = None
+        self._settings: AuditSettings | None = None
+        self._usages: dict[tuple[int, int], _Usage] = {}
+        self._per_user: dict[int, tuple[int, float]] = {}
+        self._now_by_uid: dict[int, tuple[str, tuple[int, ...], int | None]] = {}
+        # Per process: what its findings were made from, and the findings.
+        self._found: dict[tuple[int, int], tuple[tuple, list[Finding]]] = {}
+        self._process_findings: list[Finding] = []
 
     def __call__(self, processes: Sequence[GpuProcess], now: float) -> tuple[Finding, ...]:
         """The findings for this snapshot's processes; `now` is monotonic seconds."""
-        usages = self._usages(processes)
-        self._track_idle(usages, now)
-        self._track_window(usages, now)
-        self._refresh_peers(usages, now)
         settings = self.settings
-        facts = [ProcessFacts(pid=u.p.pid, start_time=u.p.start_time, uid=u.p.uid, user=u.p.user, comm=u.p.comm,
-                              cmdline=u.p.cmdline, exe=u.p.exe, home=home_of(u.p.uid), devices=tuple(u.devices),
-                              gpu_memory=u.memory, pool_peers=self._peers.get(key, ((), 0.0))[0],
-                              idle_for=now - self._idle_since[key] if key in self._idle_since else None)
-                 for key, u in usages.items()]
-        return evaluate(facts, self._user_facts(usages, now), settings)
+        fresh = settings is not self._settings or not (processes is self._processes or processes == self._processes)
+        if fresh:
+            if settings is not self._settings:
+                self._found.clear()  # made with the old thresholds
+            self._settings = settings
+            self._processes = processes
+            self._usages = self._usages_of(processes)
+            self._per_user, self._now_by_uid = self._per_user_of(self._usages)
+            self._track_idle(self._usages, now)
+        usages = self._usages
+        self._track_window(now)
+        reread = self._refresh_peers(usages, now, fresh)
+        # Findings change with a process's facts (fresh), its connections (reread) or its idle clock.
+        recheck = usages.keys() if fresh else reread | self._idle_since.keys()
+        changed = fresh
+        for key in recheck:
+            changed |= self._evaluate(key, usages[key], now, settings)
+        if fresh:
+            for key in self._found.keys() - usages.keys():
+                del self._found[key]
+        if changed:
+            self._process_findings = [f for key in usages for f in self._found[key][1]]
+        return ranked(self._process_findings, self._user_facts(now), settings)
+
+    def _evaluate(self, key: tuple[int, int], u: _Usage, now: float, settings: AuditSettings) -> bool:
+        """Find the process's findings again if what they are made from changed; whether they changed."""
+        idle_for = now - self._idle_since[key] if key in self._idle_since else None
+        peers = self._peers.get(key, ((), 0.0))[0]
+        inputs = (u.p, u.devices, u.memory, peers, idle_for is not None and idle_for >= settings.idle_after)
+        last = self._found.get(key)
+        if last is not None and last[0] == inputs:
+            return False
+        facts = ProcessFacts(pid=u.p.pid, start_time=u.p.start_time, uid=u.p.uid, user=u.p.user, comm=u.p.comm,
+                             cmdline=u.p.cmdline, exe=u.p.exe, home=home_of(u.p.uid), devices=tuple(u.devices),
+                             gpu_memory=u.memory, pool_peers=peers, idle_for=idle_for)
+        found = process_findings(facts, settings)
+        self._found[key] = (inputs, found)
+        return last is None or last[1] != found
 
     @staticmethod
-    def _usages(processes: Sequence[GpuProcess]) -> dict[tuple[int, int], _Usage]:
+    def _usages_of(processes: Sequence[GpuProcess]) -> dict[tuple[int, int], _Usage]:
         usages: dict[tuple[int, int], _Usage] = {}
         for p in processes:
             u = usages.setdefault((p.pid, p.start_time), _Usage(p))
@@ -88,6 +135,21 @@ class RogueWatch:
                 u.utilization = max(u.utilization or 0.0, p.gpu_utilization)
         return usages
 
+    @staticmethod
+    def _per_user_of(usages: dict[tuple[int, int], _Usage]) -> tuple[dict, dict]:
+        """Per uid: (memory, utilization) summed for the window; (name, devices, memory now) for its facts."""
+        per_user: dict[int, tuple[int, float]] = {}
+        now_by_uid: dict[int, tuple[str, set[int], int | None]] = {}
+        for u in usages.values():
+            memory, util = per_user.get(u.p.uid, (0, 0.0))
+            per_user[u.p.uid] = (memory + (u.memory or 0), util + (u.utilization or 0.0))
+            name, devices, held = now_by_uid.get(u.p.uid, (u.p.user, set(), None))
+            devices.update(u.devices)
+            if u.memory is not None:
+                held = (held or 0) + u.memory
+            now_by_uid[u.p.uid] = (name, devices, held)
+        return per_user, {uid: (name, tuple(sorted(devices)), held) for uid, (name, devices, held) in now_by_uid.items()}
+
     def _track_idle(self, usages: dict[tuple[int, int], _Usage], now: float) -> None:
         floor = max(1, self.settings.idle_min_memory)
         idle_since = {}
@@ -97,13 +159,10 @@ class RogueWatch:
                 idle_since[key] = self._idle_since.get(key, now)
         self._idle_since = idle_since
 
-    def _track_window(self, usages: dict[tuple[int, int], _Usage], now: float) -> None:
+    def _track_window(self, now: float) -> None:
         seconds = 0.0 if self._last is None else min(max(0.0, now - self._last), MAX_GAP)
         self._last = now
-        per_user: dict[int, tuple[int, float]] = {}
-        for u in usages.values():
-            memory, util = per_user.get(u.p.uid, (0, 0.0))
-            per_user[u.p.uid] = (memory + (u.memory or 0), util + (u.utilization or 0.0))
+        per_user = self._per_user  # the same dict for every sample with the same processes: one entry is small
         self._window.append((now, seconds, per_user))
         for uid, (memory, util) in per_user.items():
             self._memory_seconds[uid] += memory * seconds
@@ -116,48 +175,54 @@ class RogueWatch:
                 if self._memory_seconds[uid] <= 0.5 and self._util_seconds[uid] <= 1e-6:
                     del self._memory_seconds[uid], self._util_seconds[uid]
 
-    def _user_facts(self, usages: dict[tuple[int, int], _Usage], now: float) -> list[UserFacts]:
+    def _user_facts(self, now: float) -> list[UserFacts]:
         covered = now - self._window[0][0] if self._window else 0.0
         enough = covered >= self.settings.abuser_window / 2  # too short a history compares nothing
         total_memory = sum(max(0.0, v) for v in self._memory_seconds.values())
         total_util = sum(max(0.0, v) for v in self._util_seconds.values())
         users = sum(1 for uid in self._memory_seconds
                     if self._memory_seconds[uid] > 0.5 or self._util_seconds[uid] > 1e-6)
-        now_by_uid: dict[int, tuple[str, set[int], int | None]] = {}
-        for u in usages.values():
-            name, devices, memory = now_by_uid.get(u.p.uid, (u.p.user, set(), None))
-            devices.update(u.devices)
-            if u.memory is not None:
-                memory = (memory or 0) + u.memory
-            now_by_uid[u.p.uid] = (name, devices, memory)
 
         def share(part: float, total: float) -> float | None:
             return part * 100.0 / total if enough and total > 0 else None
 
-        return [UserFacts(uid=uid, user=name, devices=tuple(sorted(devices)), gpu_memory=memory, users=users,
+        return [UserFacts(uid=uid, user=name, devices=devices, gpu_memory=memory, users=users,
                           memory_share=share(max(0.0, self._memory_seconds.get(uid, 0.0)), total_memory),
                           time_share=share(max(0.0, self._util_seconds.get(uid, 0.0)), total_util))
-                for uid, (name, devices, memory) in now_by_uid.items()]
+                for uid, (name, devices, memory) in self._now_by_uid.items()]
 
-    def _refresh_peers(self, usages: dict[tuple[int, int], _Usage], now: float) -> None:
-        """Connections to pool ports of the processes whose reading is older than SOCKETS_TTL; each network
-        namespace's tables read at most once per round."""
+    def _refresh_peers(self, usages: dict[tuple[int, int], _Usage], now: float, fresh: bool) -> set[tuple[int, int]]:
+        """Connections to pool ports of the processes read SOCKETS_TTL ago or more (or never), each network
+        namespace's tables read at most once per round; the processes read."""
+        if fresh:
+            for key in self._peers.keys() - usages.keys():
+                del self._peers[key]  # processes gone from the GPUs are forgotten
+            due = {key for key in usages if key not in self._peers}
+        else:
+            due = set()
+        while self._peers_due and self._peers_due[0][0] <= now:
+            _, key = heapq.heappop(self._peers_due)
+            cached = self._peers.get(key)
+            if cached is not None and now - cached[1] >= SOCKETS_TTL:
+                due.add(key)
+        if not due:
+            return due
         ports = frozenset(self.settings.pool_ports)
         tables: dict[int | None, dict[int, Peer]] = {}
-        kept: dict[tuple[int, int], tuple[tuple[Peer, ...], float]] = {}
-        for key, u in usages.items():
-            cached = self._peers.get(key)
-            if cached is not None and now - cached[1] < SOCKETS_TTL:
-                kept[key] = cached
-                continue
+        for key in due:
+            pid = key[0]
             peers: tuple[Peer, ...] = ()
-            inodes = sockets.socket_inodes(self.proc_root, u.p.pid) if ports else set()
+            inodes = sockets.socket_inodes(self.proc_root, pid) if ports else set()
             if inodes:
-                netns = sockets.netns_of(self.proc_root, u.p.pid)
+                netns = sockets.netns_of(self.proc_root, pid)
                 table = tables.get(netns)
                 if table is None:
-                    table = tables[netns] = sockets.read_tables(self.proc_root, u.p.pid)
+                    table = tables[netns] = sockets.read_tables(self.proc_root, pid)
                 peers = tuple(sorted({table[i] for i in inodes if i in table and table[i].port in ports},
                                      key=lambda peer: (peer.address, peer.port)))
-            kept[key] = (peers, now)
-        self._peers = kept  # processes gone from the GPUs are forgotten
+            self._peers[key] = (peers, now)
+            heapq.heappush(self._peers_due, (now + SOCKETS_TTL * (1 + (pid % 64) / 128), key))
+        if len(self._peers_due) > 2 * len(self._peers) + 64:  # entries of forgotten processes
+            self._peers_due = [(when, key) for when, key in self._peers_due if key in self._peers]
+            heapq.heapify(self._peers_due)
+        return due

@@ -10,7 +10,10 @@ lock). Either way systemd restarts the daemon.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
+import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +41,24 @@ log = logging.getLogger(__name__)
 _FROM_HOST = tuple(f.name for f in dataclasses.fields(ProcInfo) if f.name != "attribution")
 _FROM_BACKEND = tuple(f.name for f in dataclasses.fields(ProcessUsage) if f.name not in _FROM_HOST)
 
-INFO_TTL = 10.0  # seconds before cmdline, exe and cgroup of a process are read again (cgroup moves are rare)
+# A process's /proc facts are read when it first shows up, then: its stat (name, start time) every sample while
+# it is YOUNG (fork, exec and a rename by prctl come early), then every STAT_TTL (spread up to 1.5 STAT_TTL),
+# with its command line, exe and cgroup again when its name changed or every INFO_TTL (cgroup moves are rare).
+# Whether it still runs is its backend's to say, each sample. Reading every GPU process's files every second
+# cost more than everything else the daemon does on a busy host (bench/idle_cost).
+YOUNG = 10.0
+STAT_TTL = 30.0
+INFO_TTL = 120.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    """A process's host facts as last read, and when to look again (monotonic seconds; inf: every sample)."""
+
+    info: ProcInfo
+    stat_due: float
+    info_due: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +94,13 @@ class Sampler:
         self._index_of: dict[str, int] = {}  # device id -> global index, stable for the daemon's life
         self._last_devices: dict[str, Device] = {}
         self._last_samples: dict[str, BackendSample] = {}
-        self._info_cache: dict[tuple[int, int], tuple[ProcInfo, float]] = {}
+        self._known: dict[tuple[int, int], _Known] = {}
+        self._due: list[tuple[float, tuple[int, int]]] = []  # heap of (stat_due, key) for the non-young
+        self._young: set[tuple[int, int]] = set()
+        # The last sample's inputs and the records built from them, reused while they do not change.
+        self._last_inputs: tuple | None = None
+        self._last_processes: list[GpuProcess] = []
+        self._records: dict[tuple[int, int, str], tuple[ProcInfo, ProcessUsage, int, GpuProcess]] = {}
         self._published: Snapshot | None = None  # the latest snapshot handed to the main loop
         self._taken = True  # whether the main loop has taken it
 
@@ -136,19 +162,59 @@ class Sampler:
             self._index_of[device_id] = len(self._index_of)
         return self._index_of[device_id]
 
-    def _host_info(self, pid: int, start_time: int, now: float) -> ProcInfo | None:
-        """/proc facts, cached per (pid, start time). stat is read every time because exec and prctl change
-        the name without changing the start time; the rest (cmdline, exe, cgroup) is refreshed with it."""
+    def _read_info(self, pid: int, start_time: int, now: float, known: _Known | None) -> ProcInfo | None:
+        """Read the process's stat, and its other facts when new, renamed or due; remember when to look again."""
+        key = (pid, start_time)
         stat = self.procfs.stat(pid)
         if stat is None or stat.start_time != start_time:
+            self._forget(key)
             return None
-        cached = self._info_cache.get((pid, start_time))
-        if cached and cached[0].comm == stat.comm and now - cached[1] < INFO_TTL:
-            return cached[0]
-        info = self.procfs.info(pid, stat)
-        if info is not None:
-            self._info_cache[(pid, start_time)] = (info, now)
+        young = time.clock_gettime(time.CLOCK_BOOTTIME) - start_time / _CLK_TCK < YOUNG
+        if known is not None and known.info.comm == stat.comm and now < known.info_due \
+                and not (key in self._young and not young):  # no longer young: read it all once more
+            info = known.info
+            info_due = known.info_due
+        else:
+            info = self.procfs.info(pid, stat)
+            if info is None:
+                self._forget(key)
+                return None
+            info_due = now + INFO_TTL * (1 + (pid % 64) / 128)  # spread: not every process in one sample
+        if young:
+            self._young.add(key)
+            stat_due = math.inf
+        else:
+            self._young.discard(key)
+            stat_due = now + STAT_TTL * (1 + (pid % 64) / 128)
+            heapq.heappush(self._due, (stat_due, key))
+        self._known[key] = _Known(info, stat_due, info_due)
         return info
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        self._known.pop(key, None)
+        self._young.discard(key)
+
+    def _host_info(self, pid: int, start_time: int, now: float) -> ProcInfo | None:
+        """/proc facts of (pid, start time), from what was read before unless new or due (_recheck)."""
+        known = self._known.get((pid, start_time))
+        if known is not None:
+            return known.info
+        return self._read_info(pid, start_time, now, None)
+
+    def _recheck(self, now: float) -> bool:
+        """Read again the processes that are young or due; whether any of their facts changed."""
+        due = set(self._young)
+        while self._due and self._due[0][0] <= now:
+            when, key = heapq.heappop(self._due)
+            known = self._known.get(key)
+            if known is not None and known.stat_due == when:
+                due.add(key)
+        changed = False
+        for key in due:
+            known = self._known.get(key)
+            if known is not None and self._read_info(*key, now, known) is not known.info:
+                changed = True
+        return changed
 
     def sample_once(self) -> tuple[Snapshot, list[StateChange]]:
         devices: dict[str, Device] = {}
@@ -177,25 +243,8 @@ class Sampler:
         ]
         self._last_devices = devices
 
-        processes = []
-        live_keys = set()
         now = time.monotonic()
-        for u in usages:
-            dev = devices.get(u.device_id)
-            if dev is None:
-                continue
-            key = (u.pid, u.start_time)
-            live_keys.add(key)
-            info = self._host_info(u.pid, u.start_time, now)
-            if info is None:
-                continue  # gone, or the PID was reused since the backend saw it
-            processes.append(GpuProcess(**{n: getattr(info, n) for n in _FROM_HOST},
-                                        **{n: getattr(info.attribution, n) for n in ATTRIBUTED},
-                                        **{n: getattr(u, n) for n in _FROM_BACKEND}, device=dev.index))
-        for key in self._info_cache.keys() - live_keys:
-            del self._info_cache[key]
-
-        processes.sort(key=lambda p: (p.device, p.pid))
+        processes = self._processes(devices, usages, now)
         findings = self._audit(processes, now)
         content = (tuple(sorted(devices.values(), key=lambda d: d.index)), tuple(processes), tuple(statuses),
                    findings)
@@ -212,6 +261,44 @@ class Sampler:
             findings=findings,
         )
         return snapshot, changes
+
+    def _processes(self, devices: dict[str, Device], usages: list[ProcessUsage], now: float) -> list[GpuProcess]:
+        """The GpuProcess records: the last sample's when neither the backends' usages (the same records: backends
+        hand back unchanged ones), the devices' numbering nor any re-read host fact changed."""
+        inputs = (usages, [(d.id, d.index) for d in devices.values()])
+        changed = self._recheck(now)
+        if not changed and inputs == self._last_inputs:
+            return self._last_processes
+        processes = []
+        records = {}
+        for u in usages:
+            dev = devices.get(u.device_id)
+            if dev is None:
+                continue
+            info = self._host_info(u.pid, u.start_time, now)
+            if info is None:
+                continue  # gone, or the PID was reused since the backend saw it
+            rkey = (u.pid, u.start_time, u.device_id)
+            last = self._records.get(rkey)
+            if last is not None and last[0] is info and last[2] == dev.index and last[1] == u:
+                record = last[3]  # equal inputs: the same immutable record
+            else:
+                record = GpuProcess(**{n: getattr(info, n) for n in _FROM_HOST},
+                                    **{n: getattr(info.attribution, n) for n in ATTRIBUTED},
+                                    **{n: getattr(u, n) for n in _FROM_BACKEND}, device=dev.index)
+            records[rkey] = (info, u, dev.index, record)
+            processes.append(record)
+        self._records = records
+        live = {(u.pid, u.start_time) for u in usages}
+        for key in self._known.keys() - live:
+            self._forget(key)
+        if len(self._due) > 2 * len(self._known) + 64:  # drop the stale heap entries of forgotten processes
+            self._due = [(when, key) for when, key in self._due if key in self._known]
+            heapq.heapify(self._due)
+        processes.sort(key=lambda p: (p.device, p.pid))
+        self._last_inputs = inputs
+        self._last_processes = processes
+        return processes
 
     def _audit(self, processes: list[GpuProcess], now: float) -> tuple[Finding, ...]:
         if self.audit is None:

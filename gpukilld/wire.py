@@ -1,8 +1,8 @@
-"""The daemon's records as D-Bus a{sv}, derived from their one declaration in gpukill/records.py.
+"""The daemon's records as D-Bus a{sv}, derived from their one declaration in gpukill/records/.
 
 A value that is None is left out, never sent as 0; a field declared omit_empty is left out when empty or
 false too (records.left_out). Nested records, lists of them and maps keyed by a field follow the field's
-signature (see records.py).
+signature (see gpukill/records/base.py).
 """
 
 from __future__ import annotations

@@ -9,10 +9,12 @@ also carry GPUKILL_SIM_SCOPE=NAME, so several simulated hosts (test runs, a demo
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import yaml
@@ -20,6 +22,7 @@ import yaml
 from gpukill.errors import ConfigError, NotSupported, ResetFailed
 from gpukill.units import parse_size, short
 
+from ..exit_watch import ExitWatch
 from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
 from ..procfs import ProcFS
 from . import Backend, BackendSample
@@ -57,6 +60,23 @@ class SimConfig:
     devices: tuple[SimDevice, ...]
     hang_sampling: bool
     scope: str | None = None
+
+
+# A process's verdict stands until one of these says it may have changed: its /proc inode (a reused PID),
+# its pidfd (it ended), its youth (read every sample for YOUNG seconds: exec comes soon after fork), or its
+# turn in the rotation (every RECHECK to 1.5 RECHECK seconds: a late exec into or out of a simulated GPU).
+YOUNG = 10.0
+RECHECK = 60.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    ino: int
+    start_time: int
+    comm: str
+    usage: SimUsage | None
+    recheck_at: float  # monotonic; inf: read every sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +203,15 @@ class SimulatedBackend(Backend):
         # Per (pid, start time, comm): exec replaces the environment but keeps pid and start time, and a
         # process caught between fork and exec (systemd names it "(sleep)" there) must be read again after.
         self._usage: dict[tuple[int, int, str], SimUsage | None] = {}
+        # What each process of the last scan was found to be, to read only what may have changed (_scan_usage).
+        self._scan: dict[int, int] = {}  # pid -> inode of /proc/PID
+        self._seen: dict[int, _Seen] = {}
+        self._young: set[int] = set()  # read every sample
+        self._rotation: list[tuple[float, int]] = []  # (when, pid): heap of the next re-reads of the others
+        self._found: dict[int, tuple[int, SimUsage]] | None = None
+        # The ends of GPU processes, from the kernel; without it (a fixture /proc) every process is read each time.
+        self._watch = ExitWatch() if self.procfs.is_this_hosts() else None
+        self._last_sample: tuple[SimConfig, dict, BackendSample] | None = None
         self._lock = threading.Lock()
         self._resets: dict[str, int] = {}
 
@@ -203,21 +232,58 @@ class SimulatedBackend(Backend):
             log.error("%s; keeping the devices loaded before", e)
             return
         if config.scope != self._config.scope:
-            self._usage.clear()  # cached verdicts were made for the old scope
+            self._forget_all()  # cached verdicts were made for the old scope
         self._config = config
 
     def status(self) -> BackendStatus:
         return BackendStatus(self.name, True, f"{len(self._config.devices)} devices from {self.path}")
 
     def _scan_usage(self) -> dict[int, tuple[int, SimUsage]]:
-        found: dict[int, tuple[int, SimUsage]] = {}
-        seen: set[tuple[int, int, str]] = set()
-        for pid in self.procfs.pids():
-            stat = self.procfs.stat(pid)
-            if stat is None or stat.is_kernel_thread or stat.state == "Z":
-                continue
+        """Every process whose environment puts it on a simulated GPU: pid -> (start time, usage).
+
+        Only what may have changed is read (see _Seen): a PID new to /proc or with a new /proc inode (reused),
+        a GPU process that ended (its pidfd says), a young process, and old ones in rotation. The rest is the
+        verdict of an earlier sample."""
+        now = time.monotonic()
+        scan = self.procfs.pid_inodes()
+        due: set[int] = set()
+        if scan != self._scan:
+            for pid, _ino in scan.items() - self._scan.items():
+                due.add(pid)  # new, or its PID reused
+            for pid in self._scan.keys() - scan.keys():
+                self._forget(pid)
+            self._scan = scan
+        if self._watch is None:
+            due = set(scan)  # nothing says which processes are unchanged: read them all, as every sample did
+        else:
+            due.update(pid for pid, _start in self._watch.ended() if pid in scan)
+        due.update(pid for pid in self._young if pid in scan)
+        while self._rotation and self._rotation[0][0] <= now:
+            when, pid = heapq.heappop(self._rotation)
+            seen = self._seen.get(pid)
+            if seen is not None and seen.recheck_at == when:
+                due.add(pid)
+        for pid in due:
+            self._read(pid, scan[pid], now)
+        if self._found is None:
+            self._found = {pid: (seen.start_time, seen.usage) for pid, seen in self._seen.items()
+                           if seen.usage is not None}
+        return self._found
+
+    def _read(self, pid: int, ino: int, now: float) -> None:
+        stat = self.procfs.stat(pid)
+        old = self._seen.get(pid)
+        if stat is None:
+            self._forget(pid)
+            return
+        if old is not None and (old.start_time, old.comm) != (stat.start_time, stat.comm):
+            self._usage.pop((pid, old.start_time, old.comm), None)
+            if self._watch is not None and old.start_time != stat.start_time:
+                self._watch.forget((pid, old.start_time))
+        usage = None
+        again = False  # read it again next sample
+        if not (stat.is_kernel_thread or stat.state == "Z"):
             key = (pid, stat.start_time, stat.comm)
-            seen.add(key)
             if key in self._usage:
                 usage = self._usage[key]
             else:
@@ -227,11 +293,44 @@ class SimulatedBackend(Backend):
                 # environment does, and a verdict made then would stand for the process's whole life.
                 if env:
                     self._usage[key] = usage
-            if usage is not None:
-                found[pid] = (stat.start_time, usage)
-        for key in self._usage.keys() - seen:
-            del self._usage[key]
-        return found
+                else:
+                    again = True
+        if self._watch is not None:
+            if usage is None:
+                self._watch.forget((pid, stat.start_time))
+            elif not self._watch.follow(pid, stat.start_time):
+                again = True  # its end would go unseen: read it every sample instead
+        # A young process is read every sample: fork then exec (a new name and environment) happens early.
+        again = again or self._watch is None or \
+            time.clock_gettime(time.CLOCK_BOOTTIME) - stat.start_time / _CLK_TCK < YOUNG
+        if again:
+            self._young.add(pid)
+            recheck_at = math.inf
+        else:
+            self._young.discard(pid)
+            recheck_at = now + RECHECK * (1 + (pid % 64) / 128)  # spread over the interval, not all at once
+            heapq.heappush(self._rotation, (recheck_at, pid))
+        self._seen[pid] = _Seen(ino, stat.start_time, stat.comm, usage, recheck_at)
+        if (usage, stat.start_time) != ((old.usage, old.start_time) if old else (None, None)):
+            self._found = None
+
+    def _forget(self, pid: int) -> None:
+        seen = self._seen.pop(pid, None)
+        self._young.discard(pid)
+        if seen is not None:
+            self._usage.pop((pid, seen.start_time, seen.comm), None)
+            if self._watch is not None:
+                self._watch.forget((pid, seen.start_time))
+            if seen.usage is not None:
+                self._found = None
+
+    def _forget_all(self) -> None:
+        for pid in list(self._seen):
+            self._forget(pid)
+        self._scan = {}
+        self._rotation = []
+        self._usage.clear()
+        self._found = None
 
     def sample(self) -> BackendSample:
         self._reload_if_changed()
@@ -240,6 +339,10 @@ class SimulatedBackend(Backend):
             self._reload_if_changed()
         config = self._config
         usage = self._scan_usage()
+        last = self._last_sample
+        if last is not None and last[0] is config and last[1] is usage:
+            # Nothing changed: the same records, so the sampler can tell at once (and reuse what it built).
+            return BackendSample(devices=list(last[2].devices), processes=list(last[2].processes))
         per_device: dict[int, list[ProcessUsage]] = {i: [] for i in range(len(config.devices))}
         for pid, (start_time, u) in usage.items():
             for gpu in u.gpus:
@@ -271,6 +374,7 @@ class SimulatedBackend(Backend):
                     state=dev.state, state_reason=dev.state_reason if dev.state == STATE_ERROR else "",
                 )
             )
+        self._last_sample = (config, usage, sample)
         return sample
 
     def _device(self, device_id: str) -> SimDevice:

@@ -1,0 +1,260 @@
+"""Sampling that reads only what may have changed (bench/idle_cost) and still sees every change that matters:
+a process that ends is gone from the next sample (a zombie too), a reused PID is a new process, exec and
+renames are seen (at once while a process is young, in rotation after), records and findings are reused only
+while their inputs are equal, and the incremental audit finds what a full evaluation finds."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.guard_inputs import GiB, proc
+from helpers.waiting import wait_until
+
+from gpukill.procstat import ProcStat
+from gpukilld import sampler as sampler_module
+from gpukilld.backends import Backend, BackendSample
+from gpukilld.backends import simulated as simulated_module
+from gpukilld.backends.simulated import SimulatedBackend
+from gpukilld.config import AuditSettings
+from gpukilld.exit_watch import ExitWatch
+from gpukilld.model import BackendStatus, DeviceReading, ProcessUsage
+from gpukilld.procfs import ProcFS
+from gpukilld.rogue_watch import RogueWatch
+from gpukilld.sampler import Sampler
+
+SCOPE = f"sampling-cost-{os.getpid()}"
+SIM = "scope: {scope}\ndevices:\n  - name: g0\n    uuid: GPU-0\n  - name: g1\n    uuid: GPU-1\n"
+
+
+@pytest.fixture
+def children():
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def spawn(children: list, code: str, gpu: str | None = "0", **env: str) -> subprocess.Popen:
+    environ = {"PATH": "/usr/bin:/bin", **env}
+    if gpu is not None:
+        environ.update(GPUKILL_SIM_GPU=gpu, GPUKILL_SIM_SCOPE=SCOPE)
+    p = subprocess.Popen([sys.executable, "-c", code], env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    children.append(p)
+    assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+    return p
+
+
+SLEEPER = "import sys, time\nprint('ready', flush=True)\nsys.stdin.readline()\ntime.sleep(3600)\n"
+# Renames itself (prctl PR_SET_NAME) to the line it reads, once.
+RENAMER = ("import ctypes, sys, time\nprint('ready', flush=True)\nname = sys.stdin.readline().strip().encode()\n"
+           "ctypes.CDLL(None).prctl(15, name, 0, 0, 0)\nprint('renamed', flush=True)\ntime.sleep(3600)\n")
+
+
+def backend(tmp_path: Path, procfs: ProcFS | None = None) -> SimulatedBackend:
+    path = tmp_path / "sim.yaml"
+    path.write_text(SIM.format(scope=SCOPE))
+    return SimulatedBackend(str(path), procfs)
+
+
+def listed(b: SimulatedBackend) -> set[int]:
+    return {u.pid for u in b.sample().processes}
+
+
+# -- the kernel says who ended --------------------------------------------------------------------------------
+
+
+def test_exit_watch_reports_an_end_once_a_zombie_before_it_is_reaped(children):
+    p = spawn(children, SLEEPER, gpu=None)
+    start = ProcFS().stat(p.pid).start_time
+    watch = ExitWatch()
+    assert watch.follow(p.pid, start) and len(watch) == 1
+    assert not watch.follow(p.pid, start + 1)  # not that process: the start time differs
+    assert watch.ended() == set()
+    p.kill()
+    wait_until(lambda: ProcFS().stat(p.pid).state == "Z", 5, "the child did not die")
+    assert watch.ended() == {(p.pid, start)} and len(watch) == 0  # a zombie, not reaped yet
+    assert watch.ended() == set()
+    p.wait()
+    assert not watch.follow(p.pid, start)  # gone
+    watch.close()
+
+
+# -- the simulated backend ------------------------------------------------------------------------------------
+
+
+def test_a_gpu_process_that_ends_is_gone_from_the_next_sample_zombie_or_reaped(tmp_path, children, monkeypatch):
+    monkeypatch.setattr(simulated_module, "YOUNG", 0.0)  # not read every sample: only its pidfd tells
+    b = backend(tmp_path)
+    p, q = spawn(children, SLEEPER), spawn(children, SLEEPER)
+    assert {p.pid, q.pid} <= listed(b)
+    p.kill()
+    wait_until(lambda: ProcFS().stat(p.pid).state == "Z", 5, "the child did not die")
+    assert p.pid not in listed(b) and q.pid in listed(b)  # a zombie holds no GPU
+    p.wait()
+    assert p.pid not in listed(b)
+    q.kill()
+    q.wait()  # reaped at once: its PID leaves /proc
+    assert q.pid not in listed(b)
+
+
+def test_unchanged_samples_hand_back_the_same_records(tmp_path, children):
+    b = backend(tmp_path)
+    spawn(children, SLEEPER)
+    first = b.sample().processes
+    again = b.sample().processes
+    assert first and all(x is y for x, y in zip(first, again, strict=True))
+
+
+def test_an_exec_into_a_simulated_gpu_is_seen_while_young_and_in_rotation_when_old(tmp_path, children, monkeypatch):
+    b = backend(tmp_path)
+    env_line = f"GPUKILL_SIM_GPU=1 GPUKILL_SIM_SCOPE={SCOPE}"
+    code = ("import os, sys\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+            f"os.execvp('env', ['env', *{env_line.split()!r}, 'sleep', '3600'])\n")
+    young = spawn(children, code, gpu=None)
+    assert young.pid not in listed(b)
+    young.stdin.write(b"go\n")
+    young.stdin.flush()
+    wait_until(lambda: young.pid in listed(b), 5, "the exec of a young process was not seen")
+
+    monkeypatch.setattr(simulated_module, "YOUNG", 0.0)  # every process is old: read once, then in rotation
+    monkeypatch.setattr(simulated_module, "RECHECK", 0.5)
+    old = spawn(children, code, gpu=None)
+    assert old.pid not in listed(b)
+    old.stdin.write(b"go\n")
+    old.stdin.flush()
+    wait_until(lambda: ProcFS().stat(old.pid).comm == "sleep", 5, "no exec")
+    assert old.pid not in listed(b)  # not due yet: the verdict stands
+    wait_until(lambda: old.pid in listed(b), 5, "the rotation did not read the process again")
+
+
+class ReusedPid(ProcFS):
+    """/proc with one made-up process whose PID is reused: a new inode, start time and environment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 0
+
+    def pid_inodes(self) -> dict[int, int]:
+        return {4_000_000: 100 + self.generation}
+
+    def is_this_hosts(self) -> bool:
+        return True  # so the backend trusts inodes, as on a real /proc
+
+    def stat(self, pid: int) -> ProcStat | None:
+        return ProcStat(pid=pid, comm="worker", state="S", ppid=1, flags=0, start_time=1 + self.generation)
+
+    def environ(self, pid: int) -> dict[str, str]:
+        return {"GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": SCOPE} if self.generation else {"HOME": "/"}
+
+
+def test_a_reused_pid_is_read_as_a_new_process(tmp_path):
+    fake = ReusedPid()
+    b = backend(tmp_path, fake)
+    assert listed(b) == set() and listed(b) == set()  # an old process, not on a GPU: not read again soon
+    fake.generation = 1  # the PID now names another process
+    assert [(u.pid, u.start_time) for u in b.sample().processes] == [(4_000_000, 2)]
+
+
+# -- the sampler ----------------------------------------------------------------------------------------------
+
+
+class Fixed(Backend):
+    """A backend that reports the given processes on one device."""
+
+    name = "fixed"
+
+    def __init__(self) -> None:
+        self.usages: list[ProcessUsage] = []
+
+    def status(self) -> BackendStatus:
+        return BackendStatus(self.name, True, "")
+
+    def sample(self) -> BackendSample:
+        return BackendSample(devices=[DeviceReading(id="GPU-F", vendor="x", name="x")], processes=list(self.usages))
+
+    def reset(self, device_id: str) -> str:
+        raise NotImplementedError
+
+
+def test_the_sampler_reuses_records_and_sees_a_rename_at_once_when_young_in_rotation_when_old(children, monkeypatch):
+    fixed = Fixed()
+    s = Sampler([fixed], 1.0, ProcFS(), lambda snap, changes: None)
+    young = spawn(children, RENAMER, gpu=None)
+    fixed.usages = [ProcessUsage(young.pid, ProcFS().stat(young.pid).start_time, "GPU-F", GiB, 1.0)]
+    first, _ = s.sample_once()
+    again, _ = s.sample_once()
+    assert again.generation == first.generation and again.processes[0] is first.processes[0]
+    other = spawn(children, SLEEPER, gpu=None)  # another process comes: the first one's record stays
+    fixed.usages.append(ProcessUsage(other.pid, ProcFS().stat(other.pid).start_time, "GPU-F", GiB, 1.0))
+    changed, _ = s.sample_once()
+    assert changed.generation != first.generation and len(changed.processes) == 2
+    assert any(p is first.processes[0] for p in changed.processes)
+    fixed.usages.pop()
+    young.stdin.write(b"renamed-young\n")
+    young.stdin.flush()
+    assert young.stdout.readline().strip() == b"renamed"
+    assert s.sample_once()[0].processes[0].comm == "renamed-young"
+
+    monkeypatch.setattr(sampler_module, "YOUNG", 0.0)
+    monkeypatch.setattr(sampler_module, "STAT_TTL", 0.5)
+    old = spawn(children, RENAMER, gpu=None)
+    fixed.usages = [ProcessUsage(old.pid, ProcFS().stat(old.pid).start_time, "GPU-F", GiB, 1.0)]
+    assert s.sample_once()[0].processes[0].comm == ProcFS().stat(old.pid).comm
+    old.stdin.write(b"renamed-old\n")
+    old.stdin.flush()
+    assert old.stdout.readline().strip() == b"renamed"
+    assert s.sample_once()[0].processes[0].comm != "renamed-old"  # not due yet
+    wait_until(lambda: s.sample_once()[0].processes[0].comm == "renamed-old", 5, "the rename was never read")
+    # usage changed: a new record; the backend stops reporting it: gone from the next sample
+    fixed.usages = [dataclasses.replace(fixed.usages[0], gpu_memory=2 * GiB)]
+    assert s.sample_once()[0].processes[0].gpu_memory == 2 * GiB
+    fixed.usages = []
+    assert s.sample_once()[0].processes == ()
+    old.send_signal(signal.SIGKILL)
+
+
+# -- the incremental audit ------------------------------------------------------------------------------------
+
+
+class Forgetful(RogueWatch):
+    """A watch that keeps its history (idle clocks, the window, connections) but derives and evaluates
+    everything again each sample, as every sample did before the audit became incremental."""
+
+    def __call__(self, processes, now):
+        self._processes = None
+        self._found.clear()
+        return super().__call__(processes, now)
+
+
+def test_the_incremental_audit_finds_what_a_full_evaluation_finds():
+    """One watch is handed the same list while nothing changes (the sampler's way); the other evaluates
+    everything each sample. Idle clocks cross their threshold between changes, the abuser window slides,
+    processes come and go, the thresholds are reloaded."""
+    settings = AuditSettings(idle_after=30.0, idle_min_memory=1 << 20, abuser_window=60.0, abuser_share=70.0,
+                             pool_ports=())
+    incremental, full = RogueWatch("/nonexistent", settings), Forgetful("/nonexistent", settings)
+    idle = proc(11, mem=4 * GiB, util=0.0, uid=1000, user="u1000")
+    busy = proc(12, mem=9 * GiB, util=90.0, uid=1000, user="u1000")
+    other = proc(21, mem=1 * GiB, util=10.0, uid=2000, user="u2000", comm="xmrig")
+    timeline = [[idle, busy, other]] * 40 + [[idle, other]] * 15 + [[busy, other]] * 50 + [[other]] * 10
+    last = None
+    seen_kinds = set()
+    for i, processes in enumerate(timeline):
+        now = 2.0 * i
+        handed = last if processes == last else list(processes)
+        last = handed
+        if i == 30:  # a reload with another threshold while the idle process stays idle: new wording
+            settings = dataclasses.replace(settings, idle_after=20.0)
+            incremental.settings = full.settings = settings
+        expected = full(list(processes), now)
+        assert incremental(handed, now) == expected, f"sample {i} at {now} s"
+        seen_kinds |= {f.kind for f in expected}
+    assert seen_kinds == {"idle", "abuser", "miner"}  # the timeline exercises every kind of finding
