@@ -108,7 +108,7 @@ class GpukillClient(ClientAPI):
 
     async def events(self, max_queued: int = MAX_QUEUED_EVENTS, *,
                      on_absent: Callable[[], None] | None = None) -> AsyncIterator[Event]:
-        """Every signal gpukilld sends from now on, as its record of gpukill/records.py, in order; the iteration
+        """Every signal gpukilld sends from now on, as its record of gpukill/records/, in order; the iteration
         ends when the bus connection closes. While gpukilld is not running the iteration waits for it, and a
         restart is followed: the new daemon's signals keep coming.
 

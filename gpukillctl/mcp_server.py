@@ -18,7 +18,7 @@ Transports:
 Errors: a daemon error becomes an MCP tool error (isError) whose text starts with the D-Bus error's last name
 (`AccessDenied: ...`, `NoSuchProcess: ...`, `DaemonUnavailable: ...` when gpukilld or the bus is absent), the
 daemon's message escaped by gpukill.text.shown. Results are typed (structured content with an output schema):
-the records of gpukill/records.py, whose text from processes (comm, cmdline, evidence) stays data inside JSON,
+the records of gpukill/records/, whose text from processes (comm, cmdline, evidence) stays data inside JSON,
 never part of the server's instructions or descriptions.
 """
 

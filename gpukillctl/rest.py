@@ -7,7 +7,7 @@ MCP tools do: the server is an ordinary unprivileged D-Bus client, so polkit dec
 for gpukillctl, and the journal names the server's user. Nothing asks for a password (no one is there to type
 it): what polkit grants only after one is AccessDenied.
 
-Bodies are the plain (JSON) form of gpukill/records.py, as `gpukillctl list --json` writes it: every key
+Bodies are the plain (JSON) form of gpukill/records/, as `gpukillctl list --json` writes it: every key
 present, null where the daemon could not read a value. The response models are derived from the records'
 declarations (`model_of`), so the OpenAPI schema documents each field with the record's own text and cannot
 drift from what is sent. Text from processes (comm, cmdline, evidence) is exact data inside JSON strings.

@@ -1,4 +1,4 @@
-"""One declaration per record (gpukill/records.py), and everything derived from it agrees: the daemon's
+"""One declaration per record (gpukill/records/), and everything derived from it agrees: the daemon's
 marshalling carries every field with its declared signature, the client's typed records read back what was
 sent, the sandbox's JSON carries every field, the daemon's own types map to the records by name, and every
 field is documented. A field added to a record and missed by any of them fails here. No root needed."""
