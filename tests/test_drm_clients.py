@@ -126,6 +126,28 @@ def test_an_fd_passed_to_an_unlisted_process_is_found_within_the_safety_net_peri
     assert 7101 in pids(b.sample())  # and keeps it, now that it is a known holder
 
 
+@needs_mknod
+def test_a_process_started_between_two_listings_of_proc_is_looked_at_within_the_period(listing_host):
+    host = listing_host
+    crowd(host)
+    host.process(7100, "launcher", start_time=1)
+    host.open_drm(7100, 4, 128, amdgpu_fdinfo(3, "0000:03:00.0", vram=GiB))
+    b = backend(host)
+    b.sample()  # round 1: the walk
+    listings = []
+    for _ in range(SAFETY_NET_PERIOD - 1):  # rounds 2..10
+        b.sample()
+        listings.append(b.scanner.stats.listed_proc)
+    assert listings == [False] * (SAFETY_NET_PERIOD - 2) + [True]  # /proc itself only every period
+    # Started right after round 10's listing: its slot (7111 % 10 == 1) is round 11, before any listing shows
+    # it, and round 21 after; the next listing (round 20) looks at it as new, SAFETY_NET_PERIOD samples on.
+    host.process(7111, "worker", start_time=2)
+    host.open_drm(7111, 9, 128, amdgpu_fdinfo(3, "0000:03:00.0", vram=GiB), listed=False)  # SCM_RIGHTS
+    found = [7111 in pids(b.sample()) for _ in range(SAFETY_NET_PERIOD)]  # rounds 11..20
+    assert found == [False] * (SAFETY_NET_PERIOD - 1) + [True]
+    assert 7111 in pids(b.sample())  # and kept as a known holder
+
+
 def hostile_texts() -> dict[str, str]:
     return {
         "split row": clients_header() + "  evil\n" + clients_row("rest", 12, 128, 0),
@@ -251,6 +273,23 @@ def test_an_unchanged_fdinfo_is_not_parsed_again(listing_host, monkeypatch):
     assert len(parsed) == 1  # the same bytes: last sample's result
     host.set_fdinfo(7500, 4, 128, amdgpu_fdinfo(3, "0000:03:00.0", vram=2 * GiB, gfx_ns=20))
     assert by_pid(b.sample(), 7500).gpu_memory == 2 * GiB and len(parsed) == 2
+
+
+@needs_mknod
+def test_an_unchanged_list_is_not_parsed_again(listing_host, monkeypatch):
+    from gpukilld.backends.drm import clients
+
+    host = listing_host
+    crowd(host, count=3)
+    b = backend(host)
+    b.sample()
+    parsed = []
+    monkeypatch.setattr(clients, "parse_clients", lambda text: parsed.append(text) or parse_clients(text))
+    b.sample()
+    assert parsed == []  # the same bytes as the last sample's list: its rows
+    host.process(7600, "trainer", start_time=1)
+    host.open_drm(7600, 4, 128, amdgpu_fdinfo(3, "0000:03:00.0", vram=GiB))
+    assert 7600 in pids(b.sample()) and len(parsed) == 1  # a new row: parsed, and the client found at once
 
 
 def by_pid(sample, pid: int):

@@ -15,6 +15,7 @@ from helpers.drm_fixtures import amdgpu_fdinfo
 from gpukilld.backends.drm import DrmBackend
 from gpukilld.backends.drm.fdinfo import Region
 from gpukilld.backends.drm.usage import UNKNOWN_UID, Client, process_usages
+from gpukilld.model import MemoryRegion
 
 GiB = 1 << 30
 SYS_MAX = 999
@@ -132,3 +133,14 @@ def test_backend_leaves_out_a_holder_whose_pid_was_reused(host):
     assert uid_of((1000, 600)) == 1002
     assert uid_of((999, 600)) is None  # the scan saw another process under this PID
     assert uid_of((5, 4242)) is None  # exited
+
+
+def test_a_process_with_one_client_gets_that_client_s_own_figures():
+    # the common case, which process_usages takes without adding up (usage._one_client)
+    regions = {"vram": Region(GiB, GiB // 2), "gtt": Region(4 << 20, None)}
+    idle = Client((DEV, 1), DEV, {(100, 10)}, {}, regions, has_usage_keys=True)  # engines printed, none moved
+    first = Client((DEV, 2), DEV, {(200, 20)}, None, regions, has_usage_keys=True)  # first sample: unknown
+    got = {u.pid: u for u in process_usages([idle, first], lambda h: None, SYS_MAX)}
+    assert (got[10].gpu_utilization, got[20].gpu_utilization) == (0.0, None)
+    assert got[10].gpu_memory == got[20].gpu_memory == GiB // 2  # device memory, resident
+    assert got[10].memory_regions == (MemoryRegion("gtt", 4 << 20, None), MemoryRegion("vram", GiB, GiB // 2))

@@ -24,6 +24,10 @@ import os
 MAX_BYTES = 2 << 20
 MAX_LINE = 512  # a real row is about 90 characters (20 of comm, 32 of client name)
 FLAGS = frozenset("yn")
+# Each list's last text and what it parsed to, by path: a list changes only when a DRM file is opened or
+# closed, and the same bytes parse the same (a real list is at most a few KiB; MAX_BYTES bounds each entry).
+_LAST: dict[str, tuple[bytes, dict[int, int] | None]] = {}
+_LAST_MAX = 64
 
 
 def parse_clients(text: str) -> dict[int, int] | None:
@@ -80,5 +84,13 @@ def read_clients(debugfs_root: str, card_minor: int, pci_address: str | None) ->
             os.close(fd)
         if size > MAX_BYTES:
             return None
-        return parse_clients(b"".join(chunks).decode("utf-8", "replace"))
+        raw = b"".join(chunks)
+        last = _LAST.get(path)
+        if last is not None and last[0] == raw:
+            return last[1]  # the caller only reads it
+        rows = parse_clients(raw.decode("utf-8", "replace"))
+        if len(_LAST) >= _LAST_MAX:
+            _LAST.clear()
+        _LAST[path] = (raw, rows)
+        return rows
     return None

@@ -43,7 +43,9 @@ Fingerprint = tuple[int, int, int | tuple[str, ...]]  # fd dir inode, mtime, siz
 # them per sample (by pid), so each is looked at once every SAFETY_NET_PERIOD samples: the lists name the tgid
 # that opened a file or last used it, so a DRM fd inherited by a child or passed over a unix socket shows only
 # in the holder's fd table. 10 keeps such a holder unseen for at most 10 s at the default 1 Hz while the slice
-# costs a tenth of the full walk (500 stats on a host of 5,000 processes, ~1.5 ms).
+# costs a tenth of the full walk (500 stats on a host of 5,000 processes, ~1.5 ms). /proc itself is listed only
+# every SAFETY_NET_PERIOD samples, and a process that listing shows for the first time is looked at at once
+# (FdScanner._slices), so one started between two listings is looked at within the period as well.
 SAFETY_NET_PERIOD = 10
 _ABSENT = object()  # a pid without an entry in the last sample's lists
 
@@ -82,6 +84,7 @@ class ScanStats:
     processes: int = 0  # processes looked at
     scanned: int = 0  # of which fd tables were read in full
     walked: bool = False  # every process was looked at (no client list, or a list could not be trusted)
+    listed_proc: bool = False  # /proc itself was listed (a walk, or every SAFETY_NET_PERIOD samples)
     drm_fds: int = 0
     unreadable: int = 0  # DRM fds whose fdinfo could not be read
 
@@ -156,6 +159,14 @@ class FdScanner:
         self._walked = False  # a full walk has been made: the cache knows every process once
         self._listed: Mapping[str, object] = {}  # the kernel's client lists of the last sample: pid -> its entry
         self._holding: set[str] = set()  # pids with a DRM fd at the last sample
+        # The safety net's slices: the pids of the last listing of /proc, by last digit (a pid stays in its
+        # slice, so each is looked at every SAFETY_NET_PERIOD samples). /proc is listed once every
+        # SAFETY_NET_PERIOD samples (listing 5,000 entries costs as much as the rest of a listed sample), and a
+        # pid that a listing shows for the first time is looked at at once: so a process started between two
+        # listings is looked at within SAFETY_NET_PERIOD samples too. Kept up to date by set differences with
+        # the last listing (_listing, non-pid names included), so a listing costs C-level set work plus the churn.
+        self._listing: set[str] = set()
+        self._slices: dict[str, set[str]] = {digit: set() for digit in "0123456789"}
         # Last sample's fdinfo of each DRM fd, raw and parsed: most clients' counters do not move between two
         # samples (an idle desktop's compositor, a paused job), and equal bytes need no parse.
         self._fdinfo: dict[tuple[str, int], tuple[bytes, FdInfo]] = {}
@@ -231,13 +242,27 @@ class FdScanner:
         out.extend(reads)
         return True
 
-    def _candidates(self, names: list[str], walk: bool, listed: Mapping[str, object]) -> list[str]:
+    def _relist(self, current: set[str]) -> list[str]:
+        """Bring the slices to a fresh listing of /proc; the pids it shows that the last listing did not."""
+        last, slices = self._listing, self._slices
+        for pid in last - current:
+            slices.get(pid[-1], set()).discard(pid)  # non-pid names ("self", "sys") are in no slice
+        new = [pid for pid in current - last if pid.isdigit()]
+        for pid in new:
+            slices[pid[-1]].add(pid)  # by the last digit, i.e. pid % SAFETY_NET_PERIOD, without an int()
+        self._listing = current
+        return new
+
+    def _candidates(self, names: list[str] | None, walk: bool, listed: Mapping[str, object]) -> list[str]:
         """The pids to look at this sample: all of them on a walk; else the listed ones, the known holders,
-        and the safety net's slice (pid % SAFETY_NET_PERIOD, read off the last digit without an int())."""
+        the safety net's slice (pid % SAFETY_NET_PERIOD) and, when /proc was listed (names), its new pids."""
+        new = self._relist(set(names)) if names is not None else []
         if walk:
+            assert names is not None  # a walk lists /proc
             return [pid for pid in names if pid.isdigit()]
         digit = str(self._round % SAFETY_NET_PERIOD)
-        chosen = [pid for pid in names if pid.endswith(digit) and pid.isdigit()]
+        chosen = list(self._slices[digit])
+        chosen.extend(pid for pid in new if not pid.endswith(digit))
         extra = listed.keys() | self._holding  # one that is not in /proc (gone, another namespace's) fails its stat
         extra.difference_update(chosen)
         chosen.extend(extra)
@@ -256,6 +281,9 @@ class FdScanner:
             root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             self._procs, self._holding, self._fdinfo = {}, set(), {}
+            self._listing = set()
+            for members in self._slices.values():
+                members.clear()
             return []
         walk = listed is None or not self._walked
         stats.walked = walk
@@ -266,20 +294,24 @@ class FdScanner:
         self._listed = listed_now
         out: list[ClientRead] = []
         try:
-            names = os.listdir(root_fd)
             procs = self._procs
+            names: list[str] | None = None
+            if walk or not self._listing or self._round % SAFETY_NET_PERIOD == 0:
+                names = os.listdir(root_fd)
+                stats.listed_proc = True
+            candidates = self._candidates(names, walk, listed_now)  # brings _listing to names, if listed now
             if walk:
                 kept: dict[str, _Proc] = {}
             else:
                 kept = procs  # in place: a sample visits a tenth of the processes
-                if self._round % SAFETY_NET_PERIOD == 0:  # forget those that left; a reused pid meanwhile
-                    for gone in procs.keys() - set(names):  # shows a new fd-directory inode when looked at
+                if names is not None:  # forget those that left; a reused pid meanwhile
+                    for gone in procs.keys() - self._listing:  # shows a new fd-directory inode when looked at
                         del procs[gone]
             with_drm = []
             fstat = os.stat
             fd_counts = self.fd_counts is True
             looked = 0
-            for pid in self._candidates(names, walk, listed_now):
+            for pid in candidates:
                 try:
                     st = fstat(pid + "/fd", dir_fd=root_fd)  # relative: no walk of the root path each time
                 except OSError:

@@ -168,6 +168,20 @@ def owner(client: Client, uid_of: UidOf, system_uid_max: int) -> Holder | None:
     return min(candidates) if len(set(candidates.values())) == 1 else None
 
 
+def _one_client(pid: int, start_time: int, device_id: str, c: Client, shared: bool) -> ProcessUsage:
+    """process_usages' figures for a process with exactly one owned render client (no KFD) on a device."""
+    utilization = None
+    if c.engines is not None:  # the driver reported engines; none moved: 0
+        utilization = _busiest(c.engines) if c.engines else 0.0
+    regions = c.regions
+    return ProcessUsage(
+        pid=pid, start_time=start_time, device_id=device_id, gpu_memory=gpu_memory(regions),
+        gpu_utilization=utilization,
+        memory_regions=tuple(MemoryRegion(n, r.total, r.resident) for n, r in sorted(regions.items())),
+        shared_usage=shared,
+    )
+
+
 def process_usages(clients: Iterable[Client], uid_of: UidOf, system_uid_max: int) -> list[ProcessUsage]:
     """One ProcessUsage per (process, device): owned clients summed, shared ones counted under their owner
     (uid_of and system_uid_max decide who that is), unowned ones nowhere but in the shared_usage flag."""
@@ -184,6 +198,10 @@ def process_usages(clients: Iterable[Client], uid_of: UidOf, system_uid_max: int
                 slot.append(client)
     usages = []
     for (pid, start_time, device_id), mine in sorted(owned.items()):
+        if len(mine) == 1 and mine[0].occupancy is None and mine[0].kfd_vram is None:
+            # Nearly every process holds one client of a device: its own figures, with nothing to add up.
+            usages.append(_one_client(pid, start_time, device_id, mine[0], (pid, start_time, device_id) in unowned))
+            continue
         engines: dict[str, float] = {}
         known_engines = False
         regions: dict[str, Region] = {}
