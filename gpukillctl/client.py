@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
 
-from gpukill.records import Event, signal_record
+from gpukill.records import Event, SnapshotChanged, signal_record
 
 from . import remote
 from .client_api import (  # noqa: F401 (re-exported: the client library's names, where callers import them)
@@ -44,6 +46,22 @@ from .client_api import (  # noqa: F401 (re-exported: the client library's names
 )
 
 MAX_QUEUED_EVENTS = 10_000  # signals kept for a consumer slower than gpukilld; the oldest go first
+# An observer that lists on SnapshotChanged waits a random part of at most this fraction of SampleInterval
+# first (as systemd's RandomizedDelaySec spreads timers). Every listener hears the signal in the same
+# millisecond: without it, 32 observers queue 32 listings behind one another (p99 ~27 ms on 2 CPUs). A quarter
+# keeps what the delay adds to a listing's age well under the interval it may be old anyway, and ends the
+# spread long before the next sample can change the listing again (bench/README.md, list_latency, round 2).
+SPREAD_FRACTION = 0.25
+
+
+def spread_delay(interval: float, rand: Callable[[], float] = random.random) -> float:
+    """A delay drawn anew, evenly from [0, SPREAD_FRACTION * interval): a client's wait after SnapshotChanged."""
+    return max(interval, 0.0) * SPREAD_FRACTION * rand()
+
+
+class SnapshotChange(NamedTuple):
+    generation: int  # the last SnapshotChanged's (changes heard during the delay are folded into one)
+    heard_at: float  # time.monotonic() when the first of them arrived: the listing is this much older
 
 
 def unwrap(value: Any) -> Any:
@@ -71,6 +89,7 @@ def wrap(value: Any) -> Any:
 class GpukillClient(ClientAPI):
     def __init__(self, bus: MessageBus) -> None:
         self.bus = bus
+        self._disconnected: asyncio.Future | None = None  # one watch on the connection's end, shared by events()
 
     @classmethod
     async def connect(cls, host: str | None = None) -> GpukillClient:
@@ -150,7 +169,12 @@ class GpukillClient(ClientAPI):
                  f"type='signal',sender='{DBUS[0]}',path='{DBUS[1]}',interface='{DBUS[2]}',"
                  f"member='NameOwnerChanged',arg0='{BUS_NAME}'"]
         self.bus.add_message_handler(on_message)
-        gone = asyncio.ensure_future(self.bus.wait_for_disconnect())
+        if self._disconnected is None:
+            self._disconnected = asyncio.ensure_future(self.bus.wait_for_disconnect())
+            self._disconnected.add_done_callback(lambda t: t.cancelled() or t.exception())  # it ended: enough
+        # Shielded: cancelling a task that waits on dbus-fast's one disconnect future cancels that future, and
+        # every later events() on this connection (snapshot_changes() after another) would end at once.
+        gone = asyncio.shield(self._disconnected)
         try:
             for rule in rules:
                 await self._bus_call("AddMatch", rule)
@@ -177,6 +201,41 @@ class GpukillClient(ClientAPI):
                 for rule in rules:
                     with contextlib.suppress(ClientError):
                         await self._bus_call("RemoveMatch", rule)
+
+    async def snapshot_changes(self, interval: float | None = None) -> AsyncIterator[SnapshotChange]:
+        """Each time gpukilld's listings change: SnapshotChanged, then a delay of spread_delay(interval) (the
+        daemon's SampleInterval unless given), so that observers do not all list in the same millisecond.
+        Changes heard during the delay are folded into one. The iteration ends as events() does."""
+        if interval is None:
+            interval = (await self.status()).sample_interval
+        heard = asyncio.Event()
+        latest: list[SnapshotChange | None] = [None]
+
+        async def listen() -> None:
+            async for event in self.events():
+                if isinstance(event, SnapshotChanged):
+                    first = latest[0].heard_at if latest[0] is not None else time.monotonic()
+                    latest[0] = SnapshotChange(event.generation, first)
+                    heard.set()
+
+        listener = asyncio.ensure_future(listen())
+        try:
+            while True:
+                waiter = asyncio.ensure_future(heard.wait())
+                await asyncio.wait({waiter, listener}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if not heard.is_set():
+                    listener.result()  # the connection closed (or the listener failed: raised here)
+                    return
+                await asyncio.sleep(spread_delay(interval))
+                change, latest[0] = latest[0], None
+                heard.clear()
+                assert change is not None
+                yield change
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await listener
 
     async def _send(self, msg: Message, timeout: float, who: str) -> Message:
         """The reply to msg (an error reply included); a ClientError when `who` does not answer within timeout,

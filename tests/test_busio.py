@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -41,12 +42,71 @@ asyncio.run(main(int(sys.argv[1])))
 def test_premarshalled_reply_is_byte_identical_to_dbus_fast():
     call = Message(destination="org.gpukill1", path="/org/gpukill1", interface="org.gpukill1.Manager",
                    member="ListProcesses", signature="a{sv}", body=[{}], serial=4242)
-    call.sender = ":1.77"
-    for records in ([], [{"pid": Variant("u", 7), "comm": Variant("s", "x" * 999), "gpu_memory": Variant("t", 2**40)}]):
-        expected = Message.new_method_return(call, "aa{sv}", [records])
+    records = [{"pid": Variant("u", 7), "comm": Variant("s", "x" * 999), "gpu_memory": Variant("t", 2**40)}]
+    # the header is packed by hand: senders of every length modulo 8 move its inner and final padding
+    for sender, body, signature in [(":1." + "7" * n, b, sig) for n in range(1, 10)
+                                    for b, sig in (([[]], "aa{sv}"), ([records], "aa{sv}"), ([1, []], "ua(ub)"))]:
+        call.sender = sender
+        expected = Message.new_method_return(call, signature, body)
         expected.serial = 99
-        got = busio.build_reply(call, "aa{sv}", busio.marshal_body("aa{sv}", [records]), 99)
-        assert got == bytes(expected._marshall(False))
+        got = busio.build_reply(call, signature, busio.marshal_body(signature, body), 99)
+        assert got == bytes(expected._marshall(False)), sender
+
+
+def _idle_writer():
+    """dbus-fast's asyncio writer on one end of a socket pair, with nothing queued."""
+    from dbus_fast.aio.message_bus import _MessageWriter
+
+    ours, peer = socket.socketpair()
+    ours.setblocking(False)
+    loop = asyncio.new_event_loop()
+    serials = iter(range(100, 1000))
+    bus = SimpleNamespace(_negotiate_unix_fd=False, _sock=ours, _loop=loop, _fd=ours.fileno(), unique_name=":1.1",
+                          _user_disconnect=False, _finalize=lambda e: None, next_serial=lambda: next(serials))
+    bus._writer = _MessageWriter(bus)
+    assert busio.tolerate_full_socket(bus)
+    return bus, ours, peer, loop
+
+
+def _read_all(peer: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        got += peer.recv(n - len(got))
+    return got
+
+
+def test_premarshalled_reply_is_written_at_once_when_nothing_is_queued():
+    """An idle writer: the reply is on the socket before the event loop runs again (no add_writer round, which
+    cost half of gpukilld's CPU per call for paced observers). A reply larger than the socket takes is sent in
+    part and the rest queued, and what follows goes after it, in order."""
+    bus, ours, peer, loop = _idle_writer()
+    call = Message(destination="org.gpukill1", path="/org/gpukill1", member="ListProcesses", serial=7)
+    call.sender = ":1.2"
+    try:
+        small = busio.marshal_body("ay", [b"s" * 5000])
+        assert busio.send_premarshalled_reply(bus, call, "ay", small)
+        assert not bus._writer.messages and bus._writer.buf is None
+        peer.setblocking(False)
+        expected = busio.build_reply(call, "ay", small, 100)
+        assert _read_all(peer, len(expected)) == expected  # there already: the loop never ran
+
+        big = busio.marshal_body("ay", [b"b" * (8 << 20)])  # more than any socket buffer takes at once
+        assert busio.send_premarshalled_reply(bus, call, "ay", big)
+        assert busio.send_premarshalled_reply(bus, call, "ay", small)
+        assert len(bus._writer.messages) == 2  # the rest of the big one, then the small one behind it
+        peer.setblocking(True)
+        expected = busio.build_reply(call, "ay", big, 101) + busio.build_reply(call, "ay", small, 102)
+        received = bytearray()
+        while len(received) < len(expected):
+            loop.run_until_complete(asyncio.sleep(0.001))  # the writer sends what the socket takes
+            with contextlib.suppress(BlockingIOError):
+                received += peer.recv(1 << 20, socket.MSG_DONTWAIT)
+        assert bytes(received) == expected
+    finally:
+        loop.remove_writer(ours.fileno())
+        loop.close()
+        ours.close()
+        peer.close()
 
 
 def _writer_over_a_full_socket(fix: bool):
