@@ -86,6 +86,16 @@ class ProcFS:
         except OSError:
             return {}
 
+    def last_pid(self) -> int | None:
+        """The PID most recently handed out in the reader's PID namespace (/proc/loadavg's last field; the
+        kernel counts threads too). While it stays the same no process was created, so no PID was reused and a
+        scan of /proc would find nothing new. None where it cannot be read."""
+        try:
+            with open(f"{self.root}/loadavg", "rb") as f:
+                return int(f.read(128).rsplit(None, 1)[-1])
+        except (OSError, ValueError, IndexError):
+            return None
+
     def is_this_hosts(self) -> bool:
         """Whether the root is this PID namespace's procfs (not a copy or a fixture tree): only then do its PIDs
         name processes a pidfd can hold, and its inodes mean what pid_inodes() says."""

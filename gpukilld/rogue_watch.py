@@ -110,7 +110,11 @@ class RogueWatch:
         """Find the process's findings again if what they are made from changed; whether they changed."""
         idle_for = now - self._idle_since[key] if key in self._idle_since else None
         peers = self._peers.get(key, ((), 0.0))[0]
-        inputs = (u.p, u.devices, u.memory, peers, idle_for is not None and idle_for >= settings.idle_after)
+        # What ProcessFacts is made of, not the whole record: utilization moves every sample on a busy GPU and
+        # counts here only through the idle clock, so re-scoring on it cost every process's rules each sample.
+        p = u.p
+        inputs = (p.uid, p.user, p.comm, p.cmdline, p.exe, u.devices, u.memory, peers,
+                  idle_for is not None and idle_for >= settings.idle_after)
         last = self._found.get(key)
         if last is not None and last[0] == inputs:
             return False

@@ -148,6 +148,9 @@ class ReusedPid(ProcFS):
     def is_this_hosts(self) -> bool:
         return True  # so the backend trusts inodes, as on a real /proc
 
+    def last_pid(self) -> int:
+        return 4_000_000 + self.generation  # the kernel made a process: the PID counter moved
+
     def stat(self, pid: int) -> ProcStat | None:
         return ProcStat(pid=pid, comm="worker", state="S", ppid=1, flags=0, start_time=1 + self.generation)
 
@@ -161,6 +164,44 @@ def test_a_reused_pid_is_read_as_a_new_process(tmp_path):
     assert listed(b) == set() and listed(b) == set()  # an old process, not on a GPU: not read again soon
     fake.generation = 1  # the PID now names another process
     assert [(u.pid, u.start_time) for u in b.sample().processes] == [(4_000_000, 2)]
+
+
+class Counted(ProcFS):
+    """This host's /proc, counting its scans, with a PID counter the test moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scans = 0
+        self.counter = 1
+
+    def pid_inodes(self) -> dict[int, int]:
+        self.scans += 1
+        return super().pid_inodes()
+
+    def last_pid(self) -> int:
+        return self.counter
+
+
+def test_proc_is_scanned_when_a_process_was_created_and_every_full_scan_interval(tmp_path, children, monkeypatch):
+    procfs = Counted()
+    b = backend(tmp_path, procfs)
+    p = spawn(children, SLEEPER)
+    assert p.pid in listed(b) and procfs.scans == 1
+    assert p.pid in listed(b) and procfs.scans == 1  # no process created: the last scan stands
+    q = spawn(children, SLEEPER)
+    procfs.counter += 1
+    assert q.pid in listed(b) and procfs.scans == 2
+    monkeypatch.setattr(simulated_module, "FULL_SCAN", 0.0)  # the counter may have wrapped round: scan anyway
+    listed(b)
+    assert procfs.scans == 3
+
+
+def test_the_last_pid_moves_when_a_process_is_created(children):
+    before = ProcFS().last_pid()
+    p = spawn(children, SLEEPER)
+    after = ProcFS().last_pid()
+    assert before is not None and after is not None and after != before and (after >= p.pid or after < before)
+    assert ProcFS("/nonexistent").last_pid() is None
 
 
 # -- the sampler ----------------------------------------------------------------------------------------------
@@ -258,3 +299,23 @@ def test_the_incremental_audit_finds_what_a_full_evaluation_finds():
         assert incremental(handed, now) == expected, f"sample {i} at {now} s"
         seen_kinds |= {f.kind for f in expected}
     assert seen_kinds == {"idle", "abuser", "miner"}  # the timeline exercises every kind of finding
+
+
+def test_the_audit_scores_a_process_again_when_its_facts_change_not_its_utilization(monkeypatch):
+    """A busy GPU's utilization moves every sample (new records each time): that alone re-scores nothing, as the
+    process rules do not read it; a new command line does."""
+    from gpukilld import rogue_watch as rogue_watch_module
+
+    scored: list[int] = []
+    real = rogue_watch_module.process_findings
+    monkeypatch.setattr(rogue_watch_module, "process_findings",
+                        lambda facts, settings: scored.append(facts.pid) or real(facts, settings))
+    watch = RogueWatch("/nonexistent", AuditSettings(pool_ports=()))
+    miner = [proc(pid, mem=GiB, util=50.0, comm="xmrig") for pid in (31, 32)]
+    first = watch(miner, 0.0)
+    assert sorted(scored) == [31, 32] and {f.kind for f in first} == {"miner"}
+    for i in range(1, 4):
+        assert watch([dataclasses.replace(p, gpu_utilization=50.0 + i) for p in miner], float(i)) == first
+    assert sorted(scored) == [31, 32]
+    watch([dataclasses.replace(miner[0], cmdline="xmrig --donate-level 0"), miner[1]], 4.0)
+    assert sorted(scored) == [31, 31, 32]

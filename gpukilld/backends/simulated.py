@@ -67,6 +67,10 @@ class SimConfig:
 # turn in the rotation (every RECHECK to 1.5 RECHECK seconds: a late exec into or out of a simulated GPU).
 YOUNG = 10.0
 RECHECK = 60.0
+# The scan of /proc is skipped while the namespace's last PID has not moved (no process was created, so none is
+# new and no PID was reused; ended GPU processes are told by their pidfds), but made at least this often, for a
+# PID counter that wrapped all the way round between two samples. The scan was a third of an idle sample.
+FULL_SCAN = 10.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -209,6 +213,7 @@ class SimulatedBackend(Backend):
         self._young: set[int] = set()  # read every sample
         self._rotation: list[tuple[float, int]] = []  # (when, pid): heap of the next re-reads of the others
         self._found: dict[int, tuple[int, SimUsage]] | None = None
+        self._scanned: tuple[int | None, float] = (None, -math.inf)  # (last PID, monotonic time) at the last scan
         # The ends of GPU processes, from the kernel; without it (a fixture /proc) every process is read each time.
         self._watch = ExitWatch() if self.procfs.is_this_hosts() else None
         self._last_sample: tuple[SimConfig, dict, BackendSample] | None = None
@@ -245,9 +250,14 @@ class SimulatedBackend(Backend):
         a GPU process that ended (its pidfd says), a young process, and old ones in rotation. The rest is the
         verdict of an earlier sample."""
         now = time.monotonic()
-        scan = self.procfs.pid_inodes()
+        last_pid = self.procfs.last_pid() if self._watch is not None else None
+        if last_pid is not None and last_pid == self._scanned[0] and now - self._scanned[1] < FULL_SCAN:
+            scan = self._scan  # no process created since the last scan
+        else:
+            scan = self.procfs.pid_inodes()  # read after last_pid: a process made between them shows next time
+            self._scanned = (last_pid, now)
         due: set[int] = set()
-        if scan != self._scan:
+        if scan is not self._scan and scan != self._scan:
             for pid, _ino in scan.items() - self._scan.items():
                 due.add(pid)  # new, or its PID reused
             for pid in self._scan.keys() - scan.keys():
@@ -328,6 +338,7 @@ class SimulatedBackend(Backend):
         for pid in list(self._seen):
             self._forget(pid)
         self._scan = {}
+        self._scanned = (None, -math.inf)
         self._rotation = []
         self._usage.clear()
         self._found = None
