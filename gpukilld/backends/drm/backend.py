@@ -68,11 +68,13 @@ class DrmBackend(Backend):
         self._rsmi: RsmiSource | None = None
         self._notes: dict[str, str] = {}  # card id -> what it cannot report, and why
         self._lock = threading.Lock()  # reset runs in a worker thread while the sampler samples
+        self._discovered: list[DrmCard] | None = None  # what status() just found, for the sample() that follows
 
     # -- status ----------------------------------------------------------------------------------------
 
     def status(self) -> BackendStatus:
         cards = discover(self.sys_root)
+        self._discovered = cards  # the sampler asks status() right before sample(): one sysfs walk serves both
         if not cards:
             return BackendStatus(self.name, False, f"no DRM GPU under {self.sys_root}/class/drm "
                                  "(display-only devices and cards on NVIDIA's driver are not counted)")
@@ -176,7 +178,7 @@ class DrmBackend(Backend):
 
     def sample(self) -> BackendSample:
         now = self.clock()
-        cards = discover(self.sys_root)
+        cards, self._discovered = self._discovered or discover(self.sys_root), None
         by_minor = {m: c for c in cards for m in (c.card_minor, c.render_minor)}
         clients: dict[tuple, Client] = {}
         incomplete: set[str] = set()  # devices with a client whose fdinfo could not be read
