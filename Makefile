@@ -45,9 +45,7 @@ demo: venv
 
 bench: venv
 	$(PY) -m pip install -q -e '.[test,bench]'
-	$(PY) bench/list_latency
-	$(PY) bench/nvml_peers
-	$(PY) bench/fdinfo_scan
+	$(PY) bench/cost
 	$(PY) bench/guard_cycle
 
 # --- packages --------------------------------------------------------------------------------------------

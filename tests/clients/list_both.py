@@ -9,30 +9,12 @@ import asyncio
 import json
 import sys
 
-from dbus_fast import BusType, Message, MessageType, Variant
+from dbus_call import from_dbus, to_dbus  # this folder's generic caller: JSON <-> D-Bus values
+from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
 
 from gpukill import listing
 from gpukill.records import Process, from_plain, to_plain
-
-
-def to_dbus(value):
-    if isinstance(value, dict):
-        if set(value) == {"$variant"}:
-            sig, inner = value["$variant"]
-            return Variant(sig, to_dbus(inner))
-        return {k: to_dbus(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_dbus(v) for v in value]
-    return value
-
-
-def unwrap(value):
-    if isinstance(value, Variant):
-        return unwrap(value.value)
-    if isinstance(value, dict):
-        return {k: unwrap(v) for k, v in value.items()}
-    return value
 
 
 async def call(bus, member, signature, filter_):
@@ -44,7 +26,7 @@ async def call(bus, member, signature, filter_):
     assert reply.signature == signature, reply.signature
     if member == listing.METHOD:
         return [to_plain(p) for p in listing.processes_from_reply(reply.body)]
-    return [to_plain(from_plain(Process, unwrap(r))) for r in reply.body[0]]
+    return [to_plain(from_plain(Process, from_dbus(r))) for r in reply.body[0]]
 
 
 async def main(filters):
