@@ -11,15 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import select
 
 from gpukill.procstat import read_stat
 
 Key = tuple[int, int]  # (pid, start time)
+# Descriptors never taken by pidfds: users choose how many processes there are, and the daemon must still open
+# /proc files, state files and polkit's connection whatever they do. Past the budget, follow() says no and
+# the caller re-reads (slower, never wrong).
+FD_HEADROOM = 512
+
+
+def fd_budget() -> int:
+    """How many pidfds may be held: the soft descriptor limit less FD_HEADROOM (gpukilld raises it at start)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1 << 20 if soft == resource.RLIM_INFINITY else max(0, soft - FD_HEADROOM)
 
 
 class ExitWatch:
-    def __init__(self) -> None:
+    def __init__(self, budget: int | None = None) -> None:
+        self._budget = fd_budget() if budget is None else budget
         self._epoll: select.epoll | None = None
         self._fds: dict[Key, int] = {}
         self._keys: dict[int, Key] = {}  # fd -> key
@@ -33,7 +45,7 @@ class ExitWatch:
         key = (pid, start_time)
         if key in self._fds:
             return True
-        if not self._usable:
+        if not self._usable or len(self._fds) >= self._budget:
             return False
         try:
             fd = os.pidfd_open(pid)

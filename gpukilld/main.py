@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -314,8 +316,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def raise_fd_limit() -> None:
+    """The soft descriptor limit up to the hard one (at most 65,536): the 1,024 default guards select(), which
+    nothing here uses (asyncio and the exit watch use epoll), and every followed GPU process holds a pidfd."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    raise_fd_limit()
     logging.basicConfig(level=args.log_level.upper(), format="gpukilld: %(message)s", stream=sys.stderr)
     try:
         daemon = Daemon(args)

@@ -17,6 +17,7 @@ from helpers.guard_inputs import GiB, proc
 from helpers.waiting import wait_until
 
 from gpukill.procstat import ProcStat
+from gpukilld import exit_watch as exit_watch_module
 from gpukilld import sampler as sampler_module
 from gpukilld.backends import Backend, BackendSample
 from gpukilld.backends import simulated as simulated_module
@@ -85,6 +86,20 @@ def test_exit_watch_reports_an_end_once_a_zombie_before_it_is_reaped(children):
     p.wait()
     assert not watch.follow(p.pid, start)  # gone
     watch.close()
+
+
+def test_exit_watch_holds_no_more_pidfds_than_its_budget(children):
+    """Users choose how many processes there are: past its budget the watch says no, and the caller re-reads."""
+    a, b = spawn(children, SLEEPER, gpu=None), spawn(children, SLEEPER, gpu=None)
+    watch = ExitWatch(budget=1)
+    assert watch.follow(a.pid, ProcFS().stat(a.pid).start_time)
+    assert not watch.follow(b.pid, ProcFS().stat(b.pid).start_time) and len(watch) == 1
+    watch.close()
+
+
+def test_the_default_budget_leaves_the_headroom_of_the_descriptor_limit():
+    soft, _ = exit_watch_module.resource.getrlimit(exit_watch_module.resource.RLIMIT_NOFILE)
+    assert exit_watch_module.fd_budget() == max(0, soft - exit_watch_module.FD_HEADROOM)
 
 
 # -- the simulated backend ------------------------------------------------------------------------------------
