@@ -203,20 +203,21 @@ def _idle(facts: Facts, settings: AuditSettings) -> str | None:
             f"{format_duration(settings.idle_after)}")
 
 
-def _memory_hog(facts: Facts, settings: AuditSettings) -> str | None:
+def _hog(facts: Facts, settings: AuditSettings, share: float | None, had: str, what: str) -> str | None:
+    """A user's share of the GPU `what` all users used, when it is abuser_share or more with others present."""
     assert isinstance(facts, UserFacts)
-    if facts.users < 2 or facts.memory_share is None or facts.memory_share < settings.abuser_share:
+    if facts.users < 2 or share is None or share < settings.abuser_share:
         return None
-    return (f"held {facts.memory_share:.0f}% of the GPU memory used by {facts.users} users over the last "
+    return (f"{had} {share:.0f}% of the GPU {what} used by {facts.users} users over the last "
             f"{format_duration(settings.abuser_window)}")
+
+
+def _memory_hog(facts: Facts, settings: AuditSettings) -> str | None:
+    return _hog(facts, settings, getattr(facts, "memory_share", None), "held", "memory")
 
 
 def _time_hog(facts: Facts, settings: AuditSettings) -> str | None:
-    assert isinstance(facts, UserFacts)
-    if facts.users < 2 or facts.time_share is None or facts.time_share < settings.abuser_share:
-        return None
-    return (f"used {facts.time_share:.0f}% of the GPU time used by {facts.users} users over the last "
-            f"{format_duration(settings.abuser_window)}")
+    return _hog(facts, settings, getattr(facts, "time_share", None), "used", "time")
 
 
 RULES: tuple[RogueRule, ...] = (
