@@ -1,14 +1,21 @@
 """What every HTTP request to `gpukillctl serve` passes before the REST or MCP app sees it.
 
-Loopback TCP is reachable by every local user, and a browser can be made to send requests there (DNS
-rebinding, a page posting to localhost), so a server running as alice must not let bob or a web page act as
-alice. In order, each refusal a one-line JSON error ({"error", "message"}, as gpukillctl/rest.py answers):
+On TCP (`--tcp`) every local user can reach the server, and a browser can be made to send requests there
+(DNS rebinding, a page posting to localhost); the Unix socket of the default is the user's alone, and the same
+gate stands in front of it (one rule for every client). A server running as alice must not let bob or a web
+page act as alice. In order, each refusal a one-line JSON error ({"error", "message"}, as gpukillctl/rest.py
+answers):
 
 1. the token: `Authorization: Bearer TOKEN`, compared in constant time (hmac.compare_digest), else 401;
 2. the Host header must name this server (allowed_hosts), else 421; an Origin, when a browser sends one,
    must be one of allowed_origins, else 403 (the same rule as the MCP SDK's DNS-rebinding protection, which
    stays on behind this gate for /mcp too);
-3. the body: at most max_body bytes, declared or streamed, else 413;
+3. the body: at most max_body bytes, declared (Content-Length) or counted as it arrives (chunked), else 413.
+   The gate reads the whole body before the app sees any of it and hands it over in one message: the limit
+   holds whatever the app does with the bytes (FastAPI turned an exception raised in its body parser into
+   422, the MCP SDK into 500), and what reaches the app is a complete body or nothing. Only after the token
+   passed, so only its holder can make the server hold max_body bytes (a chunked body is counted while the
+   request holds its place under 4);
 4. at most max_in_flight requests at once outside /mcp, else 429 at once (never queued). /mcp is bounded by
    the SDK's own limit of sessions, since an MCP session's event stream stays open for its whole life.
 
@@ -30,10 +37,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MCP_PATH = "/mcp"
-
-
-class TooLarge(Exception):
-    """The body went past the limit while the app was reading it."""
 
 
 class Gate:
@@ -109,29 +112,29 @@ class Gate:
         return hmac.compare_digest(given.strip().encode(), self.token) and scheme.lower() == "bearer"
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app, reading a body cut off at max_body; 413 if it goes past (before the app answered)."""
-        received = 0
-        started = False
-
-        async def bounded_receive() -> Message:
-            nonlocal received
+        """The app, given the whole body at once (413 past max_body; nothing if the client went away)."""
+        body = bytearray()
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise TooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, bounded_receive, tracking_send)
-        except TooLarge:
-            if not started:
+            if message["type"] != "http.request":  # http.disconnect: nobody to answer
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
                 await _respond(send, 413, "PayloadTooLarge", f"the body is larger than {self.max_body} bytes")
+                return
+            if not message.get("more_body", False):
+                break
+        delivered = False
+
+        async def replay() -> Message:
+            """The body, then what the client does next (a disconnect, which streaming responses wait for)."""
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 def _is_mcp(path: str) -> bool:

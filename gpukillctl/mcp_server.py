@@ -13,7 +13,7 @@ Transports:
 - Streamable HTTP (`gpukillctl serve`, gpukillctl/serve.py): `build_mcp(...).streamable_http_app(
   streamable_http_path="/mcp", transport_security=...)` is the SDK's Starlette app; mounted inside another
   app, its `session_manager.run()` must be entered in the outer app's lifespan (Starlette does not run a
-  mounted app's lifespan). The token check in front of it is serve.py's.
+  mounted app's lifespan). The token check in front of it is http_gate.py's.
 
 Errors: a daemon error becomes an MCP tool error (isError) whose text starts with the D-Bus error's last name
 (`AccessDenied: ...`, `NoSuchProcess: ...`, `DaemonUnavailable: ...` when gpukilld or the bus is absent), the

@@ -259,7 +259,7 @@ _ERROR_STATUSES = {
     421: "the Host is not one this server answers to",
     422: "invalid arguments",
     429: "too many requests at once, or a per-user limit of gpukilld: try again",
-    503: "gpukilld or the system bus is not reachable",
+    503: "gpukilld or the system bus is not reachable, or every connection of the server is being answered",
 }
 _ACTION_STATUSES = {
     404: "no such process or GPU",
@@ -467,7 +467,7 @@ def _declare_token(app: FastAPI) -> None:
                     "type": "http",
                     "scheme": "bearer",
                     "description": "the server's token: printed at start, kept in "
-                    "$XDG_RUNTIME_DIR/gpukill/serve-PORT.token",
+                    "$XDG_RUNTIME_DIR/gpukill/serve.token (serve-PORT.token on TCP)",
                 }
             }
             schema["security"] = [{"token": []}]

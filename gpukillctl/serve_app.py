@@ -1,5 +1,7 @@
 """The one ASGI app `gpukillctl serve` runs: the REST API under /v1 and the MCP Streamable HTTP app at /mcp,
-both behind the gate (gpukillctl/http_gate.py: token, Host and Origin, body size, requests in flight).
+both behind the gate (gpukillctl/http_gate.py: token, Host and Origin, body size, requests in flight); and
+`run`, which serves it with uvicorn on the socket serve.py bound, each connection under
+gpukillctl/http_protocol.py's request deadline and bound on connections.
 
 Both apps reach gpukilld the same way, through `connect` and the typed client, as the server's user. The MCP
 app keeps the SDK's own DNS-rebinding protection on, with the same hosts and origins as the gate, and its
@@ -23,6 +25,7 @@ from gpukill.policy import MAX_POLICY_BYTES
 
 from .client import Connect
 from .http_gate import MCP_PATH, Gate
+from .http_protocol import MAX_CONNECTIONS, DeadlineProtocol
 from .mcp_server import build_mcp
 from .rest import build_rest
 
@@ -30,7 +33,9 @@ from .rest import build_rest
 MAX_BODY = 2 * MAX_POLICY_BYTES + 4096
 MAX_IN_FLIGHT = 16  # REST requests at once: each holds a bus connection, a kill up to its grace and more
 MAX_MCP_SESSIONS = 16  # MCP sessions at once (an assistant keeps one open while it runs)
-MAX_CONNECTIONS = 64  # uvicorn's bound on connections and tasks together; past it, 503 at once
+# uvicorn's own bound on connections and tasks together (503 past it), only a backstop: DeadlineProtocol keeps
+# connections to MAX_CONNECTIONS by closing idle ones, and each connection runs one request at a time.
+MAX_TASKS = 2 * MAX_CONNECTIONS
 
 
 def build_app(
@@ -82,14 +87,15 @@ class Server(uvicorn.Server):
 def run(app: Gate, sock: socket.socket) -> bool:
     """Serve on the bound socket until SIGTERM or SIGINT; whether the server had started. No access log (the
     daemon's journal has every act, and a log of requests would hold what clients asked for), no server
-    header,     no proxy headers trusted, no websockets."""
+    header, no proxy headers trusted, no websockets."""
     config = uvicorn.Config(
         app,
         log_level="warning",
         access_log=False,
+        http=DeadlineProtocol,
         ws="none",
         lifespan="on",
-        limit_concurrency=MAX_CONNECTIONS,
+        limit_concurrency=MAX_TASKS,
         proxy_headers=False,
         server_header=False,
         timeout_graceful_shutdown=5,

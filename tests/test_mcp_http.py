@@ -1,5 +1,6 @@
 """`gpukillctl serve`'s MCP endpoint driven by the MCP SDK's own Streamable HTTP client, the server running as
-an unprivileged user against the real daemon on simulated GPUs: the gpu-kill article's scenario end to end
+an unprivileged user against the real daemon on simulated GPUs, reached on its Unix socket (the default) and
+on TCP (--tcp): the gpu-kill article's scenario end to end
 with the token as the Authorization header (the kills in the journal under the server's user), and the same
 client without the token refused before any session starts."""
 
@@ -23,9 +24,9 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 pytestmark = needs_root
 
 
-@pytest.fixture(scope="module")
-def server(bed, users):
-    s = Server(bed, users["owner"]).wait_ready()
+@pytest.fixture(scope="module", params=["unix", "tcp"])
+def server(bed, users, request):
+    s = Server(bed, users["owner"], tcp=request.param == "tcp").wait_ready()
     yield s
     s.stop()
 
@@ -35,15 +36,17 @@ def run_http(server: Server, session, headers: dict[str, str], statuses: list[in
     every request (the SDK's way: an HTTP client of our making, passed to its transport); the status of every
     answer is appended to `statuses`. mode: the SDK's ("auto": server/discover, the stateless protocol when
     the server has it, else the handshake; "legacy": the initialize handshake and a session, as assistants
-    of the handshake era connect)."""
-    url = f"http://127.0.0.1:{server.port}/mcp"
+    of the handshake era connect). On the socket: the SDK's HTTP client with a transport to the socket's path
+    (httpx's uds), and http://localhost/mcp as the URL."""
+    url = f"http://{server.host}/mcp"
+    uds = {} if server.port is not None else {"transport": httpx2.AsyncHTTPTransport(uds=str(server.socket_path))}
 
     async def record(response: httpx2.Response) -> None:
         statuses.append(response.status_code)
 
     async def main() -> Any:
         http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=60),
-                                  event_hooks={"response": [record]})
+                                  event_hooks={"response": [record]}, **uds)
         transport = streamable_http_client(url, http_client=http)
         async with http, mcp_client.Client(transport, read_timeout_seconds=60, mode=mode) as client:
             return await session(client)

@@ -1,11 +1,15 @@
 """The REST API of `gpukillctl serve` against the real daemon on simulated GPUs, the server run as an
-unprivileged user: what it lists, that polkit decides as for gpukillctl (403 with the D-Bus error name, the
+unprivileged user on its Unix socket (the default): what it lists, that polkit decides as for gpukillctl (403 with the D-Bus error name, the
 denial and the kills in the journal under the server's user), each error's status, and schemathesis against
-its own /v1/openapi.json."""
+its own /v1/openapi.json (over TCP, which schemathesis speaks)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,9 +19,10 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra (pip install 'gpukill[serve]') is not installed")
 pytest.importorskip("mcp", reason="the serve extra (pip install 'gpukill[serve]') is not installed")
 
-from helpers.http_server import Server  # noqa: E402
+from helpers.http_server import Server, request  # noqa: E402
 from helpers.marks import needs_root  # noqa: E402
-from helpers.testbed import PYTHON, Testbed  # noqa: E402
+from helpers.testbed import PYTHON, REPO, SYSTEM_PYTHON, Testbed  # noqa: E402
+from helpers.waiting import wait_until  # noqa: E402
 
 from gpukill.records import Device, Process, names  # noqa: E402
 from gpukilld import audit  # noqa: E402
@@ -175,7 +180,7 @@ def test_daemon_unreachable_is_503(fresh_bed, users):
 
 
 @pytest.mark.timeout(120)
-def test_schemathesis_against_the_openapi_schema(server, victims, users):
+def test_schemathesis_against_the_openapi_schema(bed, victims, users):
     """Generated requests for every operation, with the token, as the unprivileged server user: no 5xx, every
     status documented, every response body as its schema says; and requests without the token are refused
     (ignored_auth). Bounded: a few examples per operation, no stateful phase."""
@@ -185,6 +190,14 @@ def test_schemathesis_against_the_openapi_schema(server, victims, users):
     victims.wait_listed(
         victims.victim(users["owner"], gpu=0, comm="target").pid
     )  # something to list and kill
+    server = Server(bed, users["owner"], tcp=True).wait_ready()
+    try:
+        _schemathesis(st, server, victims)
+    finally:
+        server.stop()
+
+
+def _schemathesis(st: str, server: Server, victims) -> None:
     # Every check but positive_data_acceptance: a request can match the schema and still be refused for what
     # no schema says (a regular expression RE2 cannot compile, a policy that is not valid YAML): 422, rightly.
     r = subprocess.run(
@@ -230,4 +243,87 @@ def test_an_admins_server_resets_a_gpu(bed, users):
         entries = bed.wait_journal(MESSAGE_ID=audit.RESET.message_id, GPUKILL_CALLER_UID=str(admin.uid))
         assert entries and entries[-1]["GPUKILL_DEVICE"] == r.body["device_id"], entries
     finally:
+        s.stop()
+
+
+def _readme_relay() -> str:
+    """The relay's code, as the README gives it (its section "An external monitor driving POST /v1/reset")."""
+    readme = (REPO / "README.md").read_text()
+    found = re.search(r"```python\n(# gpu-reset-relay.*?)```", readme, re.S)
+    assert found, "the relay is not in the README"
+    return found.group(1)
+
+
+def _accepts(port: int) -> bool:
+    """Whether a request to the port is answered (the listener takes connections before the relay runs)."""
+    try:
+        return request(port, "GET", "/").status > 0
+    except OSError:
+        return False
+
+
+# the listener at fd 3, then the script: what systemd does for a socket unit's service
+_AS_FD_3 = "import os, sys; os.dup2(int(sys.argv[1]), 3); os.execv(sys.executable, [sys.executable, sys.argv[2]])"
+
+
+def test_the_readme_relay_resets_a_gpu(bed, users):
+    """The README's Alertmanager relay, run as the server's user on a listening socket passed as fd 3 (as its
+    socket unit does): no secret, 401 and nothing reset; Alertmanager's JSON with it, the GPU reset through
+    the server's Unix socket, in the journal under that user."""
+    admin = users["admin"]
+    s = Server(bed, admin).wait_ready()
+    home = bed.workdir / "relay-home"
+    home.mkdir(exist_ok=True)
+    os.chown(home, admin.uid, admin.gid)
+    script = home / "gpu-reset-relay.py"
+    script.write_text(_readme_relay())
+    secret_file = home / "gpu-reset.secret"
+    secret = "r" * 40
+    secret_file.write_text(secret + "\n")
+    os.chown(secret_file, admin.uid, admin.gid)
+    os.chmod(secret_file, 0o600)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    with open(bed.workdir / "relay.log", "wb") as log:  # the fd 3 the socket unit would pass: the listener
+        relay = subprocess.Popen(
+            [SYSTEM_PYTHON, "-c", _AS_FD_3, str(listener.fileno()), str(script)],
+            pass_fds=[listener.fileno()],
+            env={"XDG_RUNTIME_DIR": str(s.runtime), "RELAY_SECRET_FILE": str(secret_file), "PATH": "/usr/bin:/bin"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd="/",
+            start_new_session=True,
+            **admin.popen_kwargs(),
+        )
+    bed.procs.append(relay)
+    listener.close()
+    try:
+        device = next(d for d in s.call("GET", "/v1/devices").body["devices"] if d["index"] == 2)
+        labels = {"alertname": "GpuXidErrors", "UUID": device["id"]}  # NVIDIA's UUID; the simulated GPU's id
+        alert = {"alerts": [{"status": "firing", "labels": labels}]}
+        resets = {"MESSAGE_ID": audit.RESET.message_id, "GPUKILL_DEVICE": device["id"],
+                  "GPUKILL_CALLER_UID": str(admin.uid)}
+        before = len(bed.journal(**resets))  # another test may have reset it as this user already
+        wait_until(lambda: relay.poll() is not None or _accepts(port), 10, "the relay does not start")
+        assert relay.poll() is None, (bed.workdir / "relay.log").read_text()
+        r = request(port, "POST", "/alert", body=alert)  # any local user can reach the port: not the secret
+        assert r.status == 401, r
+        r = request(port, "POST", "/alert", body=alert, headers={"Authorization": "Bearer " + "x" * 40})
+        assert r.status == 401, r
+        time.sleep(0.5)
+        assert len(bed.journal(**resets)) == before
+        r = request(port, "POST", "/alert", body=alert, headers={"Authorization": f"Bearer {secret}"})
+        assert r.status == 200, (r, (bed.workdir / "relay.log").read_text())
+        wait_until(lambda: len(bed.journal(**resets)) > before, 10,
+                   lambda: f"no reset in the journal: {(bed.workdir / 'relay.log').read_text()}")
+        out = (bed.workdir / "relay.log").read_text()
+        line = next(x for x in out.splitlines() if x.startswith(device["id"] + " "))
+        _, status, reply = line.split(" ", 2)  # what the relay prints: the UUID, the status, the reply
+        assert status == "200" and json.loads(reply)["device"] == 2, out
+    finally:
+        relay.terminate()
+        relay.wait(10)
         s.stop()
