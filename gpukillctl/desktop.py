@@ -8,7 +8,10 @@ What it takes care of, so that the agent never crashes or loses a notification f
   next update of one opens it again instead of replacing an id the new server never gave;
 - escaping, as the Desktop Notifications spec asks: the summary is plain text, the body may carry markup
   where the server says so (capability "body-markup"), so there <, > and & are escaped as &lt; &gt; &amp;;
-  everywhere control characters are escaped with gpukill.text.shown (a process chooses its own name).
+  so they are too where the server's capabilities are unknown (GetCapabilities failed or did not answer):
+  only a server that answered without "body-markup" gets the body as it is (a process named `<a href=...>`
+  must not become a link because a server was slow); everywhere control characters are escaped with
+  gpukill.text.shown (a process chooses its own name).
 
 One agent per session: the connection owns AGENT_NAME, so an XDG autostart entry and the user unit started
 together do not show everything twice.
@@ -76,7 +79,7 @@ class Desktop:
         self.address = address
         self.bus: MessageBus | None = None
         self.owner: str | None = None
-        self.markup = False
+        self.markup = True  # until a server says it reads no markup, the body is escaped as if it did
         self.caps_of: str | None = None  # the server whose capabilities `markup` reflects
         self.ids: dict[str, int] = {}  # key -> the id the current server gave its notification
         self.queue: collections.OrderedDict[object, Toast] = collections.OrderedDict()
@@ -185,13 +188,19 @@ class Desktop:
         return True
 
     async def _capabilities(self) -> None:
+        """Whether the current server reads body markup: no only when it answers GetCapabilities without
+        "body-markup"; an error, a timeout or an odd reply leaves it yes (escaped text is always safe). Asked
+        once per server, whatever the answer, so that a server that never answers costs one timeout, not one
+        per notification."""
         assert self.bus is not None
+        owner = self.owner
+        self.markup = True
         msg = Message(destination=SERVER, path=SERVER_PATH, interface=SERVER, member="GetCapabilities")
         with contextlib.suppress(Exception):
             reply = await asyncio.wait_for(self.bus.call(msg), CALL_TIMEOUT)
-            if reply is not None and reply.message_type == MessageType.METHOD_RETURN:
+            if reply is not None and reply.message_type == MessageType.METHOD_RETURN and reply.signature == "as":
                 self.markup = "body-markup" in reply.body[0]
-                self.caps_of = self.owner
+        self.caps_of = owner
 
 
 async def _first(*awaitables) -> None:

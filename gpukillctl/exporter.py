@@ -1,13 +1,18 @@
 """`gpukillctl exporter`: gpukilld's devices, attribution and Guard counters for Prometheus.
 
-An unprivileged client of the system bus (gpukilld itself opens no port). Each scrape reads the daemon then and
-there: one ListDevices, one ListProcesses, the Manager's properties and Guard's GetStatus, run concurrently on
-one connection (a custom Collector, no polling loop, so a scrape is never staler than the daemon's sample).
+An unprivileged client of the system bus (gpukilld itself opens no port). A reading of the daemon is one
+ListDevices, one ListProcesses, the Manager's properties and Guard's GetStatus, run concurrently on one
+connection. Over HTTP one reading serves every scrape of a sample interval (the daemon's SampleInterval,
+within MIN_REFRESH..MAX_REFRESH): the daemon's listings change no faster, and scrapes that come faster (many
+Prometheus servers, a dashboard, a loop of curl) cost the daemon nothing more; concurrent scrapes of a stale
+reading share the one read in flight. Without that, ~50 scrapes a second were 200 calls a second, gpukilld's
+per-uid call rate, and the daemon's TooBusy answers turned into gpukill_up 0.
 Kills and resets, which no daemon property counts, are counted as gpukilld signals them (ProcessKilled,
-DeviceReset), on a second connection, since the exporter started.
-Served over HTTP at /metrics (127.0.0.1:9835 unless --listen/--port say otherwise), or, with --textfile DIR,
-written to DIR/gpukill.prom for node_exporter's textfile collector (written whole to a temporary file and
-renamed over, so node_exporter never reads half a file).
+DeviceReset), on a second connection, since the exporter started; every scrape gets the counts of then.
+Served over HTTP at /metrics (127.0.0.1:9835 unless --listen/--port say otherwise) by exporter_http (bounded
+connections, deadlines, a fixed pool of rendering threads), or, with --textfile DIR, written to
+DIR/gpukill.prom for node_exporter's textfile collector every --interval, from a reading made for it (written
+whole to a temporary file and renamed over, so node_exporter never reads half a file).
 
 Registered by cli.py without importing prometheus_client: it is the optional extra `exporter`, and only this
 command needs it (it says what to install, in one line, when it is missing).
@@ -19,7 +24,9 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -32,7 +39,11 @@ PROG = "gpukillctl exporter"
 INSTALL_HINT = "pip install 'gpukill[exporter]' (Debian: apt install python3-prometheus-client)"
 DEFAULT_PORT = 9835
 TEXTFILE_NAME = "gpukill.prom"
-SCRAPE_TIMEOUT = 10.0  # seconds: a scrape that takes longer says the daemon is down rather than hang
+SCRAPE_TIMEOUT = 10.0  # seconds: a reading that takes longer says the daemon is down rather than hang
+# Over HTTP, a reading serves the scrapes of one SampleInterval, kept within these bounds: a daemon sampling
+# 20 times a second is not read 20 times a second, nor gpukill_up left an hour old by one sampling hourly.
+MIN_REFRESH, MAX_REFRESH = 0.25, 15.0
+DEFAULT_REFRESH = 1.0  # until the daemon has said its interval (gpukilld's default)
 
 
 def positive_seconds(text: str) -> float:
@@ -50,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "exporter",
         help="Prometheus metrics: devices, per-user/unit/job/pod memory, Guard counters",
         description="Expose gpukilld's devices, GPU memory per user, unit, Slurm job, pod and container, and "
-        "Guard's counters as Prometheus metrics, read from the daemon at each scrape. Serves /metrics "
+        "Guard's counters as Prometheus metrics, read from the daemon at most once per sample interval "
+        "(one reading serves every scrape of the interval). Serves /metrics "
         f"over HTTP (default 127.0.0.1:{DEFAULT_PORT}), or writes DIR/{TEXTFILE_NAME} for "
         f"node_exporter with --textfile. Needs prometheus_client ({INSTALL_HINT}). The system unit "
         "gpukill-exporter.service runs it. See gpukillctl(1).",
@@ -76,14 +88,43 @@ def say(message: str) -> None:
 
 
 class DaemonReader:
-    """One bus connection, kept across scrapes and made again when lost; reads run on the loop it owns."""
+    """One bus connection, kept across readings and made again when lost; reads run on the running loop.
+    current() is the cached reading HTTP scrapes get; read() is a new one (the textfile's)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
         from .exporter_metrics import SignalCounts
 
-        self.loop = loop
+        self.clock = clock
         self.client: GpukillClient | None = None
         self.signals = SignalCounts()
+        self.refresh = DEFAULT_REFRESH  # seconds a reading serves: the daemon's SampleInterval, bounded
+        self.reads = 0  # readings made of the daemon
+        self._cached = None  # the latest Reading
+        self._cached_at = 0.0  # when that reading started, on self.clock
+        self._in_flight: asyncio.Future | None = None
+
+    async def current(self):
+        """The latest reading if it started less than one sample interval ago, else a new one, shared with
+        every scrape that asks while it is made; the signal counts as of now either way."""
+        if self._cached is None or self.clock() - self._cached_at >= self.refresh:
+            if self._in_flight is None:
+                self._in_flight = asyncio.ensure_future(self._renew())
+            await asyncio.shield(self._in_flight)  # a scrape that gives up does not cancel the others' read
+        return dataclasses.replace(self._cached, signals=self._signal_counts(),
+                                   age=max(0.0, self.clock() - self._cached_at))
+
+    async def _renew(self) -> None:
+        from .exporter_metrics import Reading
+
+        started = self.clock()
+        try:
+            reading = await self.read()
+        except Exception as e:  # not the daemon's answer but a fault of ours: served as "down", and said
+            say(f"reading gpukilld failed: {type(e).__name__}: {e}")
+            reading = Reading()
+        finally:
+            self._in_flight = None
+        self._cached, self._cached_at = reading, started
 
     async def count_signals(self) -> None:
         """Count kills and resets as gpukilld signals them, on a connection of its own (events() follows daemon
@@ -113,13 +154,16 @@ class DaemonReader:
         from .exporter_metrics import Reading
 
         started = time.monotonic()
+        self.reads += 1
         try:
             reading = await asyncio.wait_for(self._read(), SCRAPE_TIMEOUT)
         except TimeoutError:
             reading = Reading()
-        # a copy: the HTTP thread renders it while the loop may count the next signal
-        signals = dataclasses.replace(self.signals, kills=dict(self.signals.kills), resets=dict(self.signals.resets))
-        return dataclasses.replace(reading, seconds=time.monotonic() - started, signals=signals)
+        return dataclasses.replace(reading, seconds=time.monotonic() - started, signals=self._signal_counts())
+
+    def _signal_counts(self):
+        """A copy: a pool thread renders it while the loop may count the next signal."""
+        return dataclasses.replace(self.signals, kills=dict(self.signals.kills), resets=dict(self.signals.resets))
 
     async def _read(self):
         from .exporter_metrics import Reading
@@ -130,15 +174,12 @@ class DaemonReader:
                 client.list_devices(), client.list_processes(), client.status())
         except ClientError:
             return Reading()
+        self.refresh = min(MAX_REFRESH, max(MIN_REFRESH, float(status.sample_interval)))
         try:
             guard = await client.guard_status()
         except ClientError:  # Guard's counters are left out; devices and attribution still count
             guard = None
         return Reading(tuple(devices), tuple(processes), status.backends, guard, True, status.version)
-
-    def read_from_thread(self):
-        """For the HTTP server's threads: run a read on the loop and wait for it (read() bounds its time)."""
-        return asyncio.run_coroutine_threadsafe(self.read(), self.loop).result()
 
 
 def make_collector(read, per_process: bool):
@@ -150,6 +191,15 @@ def make_collector(read, per_process: bool):
             return families(read(), per_process)
 
     return GpukillCollector()
+
+
+def render(reading, accept: str, per_process: bool) -> tuple[bytes, str]:
+    """The exposition of a reading in the format the Accept header asks for (as prometheus_client's own server
+    chooses it: the text format, or OpenMetrics), and its content type."""
+    from prometheus_client.exposition import choose_encoder
+
+    encoder, content_type = choose_encoder(accept)
+    return encoder(make_collector(lambda: reading, per_process)), content_type
 
 
 # -- serving ---------------------------------------------------------------------------------------------
@@ -188,22 +238,23 @@ async def _until_stopped() -> None:
 
 
 async def _http(args: argparse.Namespace) -> int:
-    from prometheus_client import start_http_server
+    from .exporter_http import MetricsServer
 
-    reader = DaemonReader(asyncio.get_running_loop())
-    registry = _registry(make_collector(reader.read_from_thread, args.per_process))
+    reader = DaemonReader()
+    server = MetricsServer(reader.current, lambda reading, accept: render(reading, accept, args.per_process))
     try:
-        server, thread = start_http_server(args.port, addr=args.listen, registry=registry)
-    except OSError as e:
-        raise ServeError(f"cannot listen on {args.listen} port {args.port}: {e.strerror or e}") from None
+        await server.start(args.listen, args.port)
+    except OSError as e:  # asyncio's message repeats the address: the error's own words suffice
+        plain = e.errno and e.errno > 0 and not isinstance(e, socket.gaierror)
+        reason = os.strerror(e.errno) if plain else (e.strerror or str(e))
+        raise ServeError(f"cannot listen on {args.listen} port {args.port}: {reason}") from None
     say(f"serving /metrics on {args.listen} port {args.port}")
     counting = asyncio.ensure_future(reader.count_signals())
     try:
         await _until_stopped()
     finally:
         counting.cancel()
-        server.shutdown()
-        thread.join(5)
+        await server.close()
         if reader.client is not None:
             reader.client.close()
     return EXIT_OK
@@ -215,7 +266,7 @@ async def _textfile(args: argparse.Namespace) -> int:
     directory = Path(args.textfile)
     if not directory.is_dir():
         raise ServeError(f"--textfile {directory}: not a directory", EXIT_USAGE)
-    reader = DaemonReader(asyncio.get_running_loop())
+    reader = DaemonReader()
     # write_to_textfile collects synchronously: read first on this loop, then hand the reading over.
     holder: dict = {}
     registry = _registry(make_collector(lambda: holder["reading"], args.per_process))

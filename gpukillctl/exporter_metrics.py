@@ -69,6 +69,7 @@ class Reading:
     daemon_up: bool = False
     version: str = ""
     seconds: float = 0.0  # how long reading the daemon took
+    age: float = 0.0  # how long ago that reading started, when served (the HTTP server serves one per interval)
     signals: SignalCounts | None = None
 
 
@@ -162,12 +163,17 @@ def guard_families(guard: GuardStatus) -> list[Metric]:
 
 
 def families(reading: Reading, per_process: bool) -> Iterator[Metric]:
-    up = _gauge("gpukill_up", "1 when gpukilld answered this scrape on the system bus", [])
+    up = _gauge("gpukill_up", "1 when gpukilld answered the exporter's latest reading on the system bus (one "
+                "reading serves the scrapes of a sample interval)", [])
     up.add_metric([], 1.0 if reading.daemon_up else 0.0)
     yield up
     duration = _gauge("gpukill_exporter_scrape_duration_seconds", "how long reading gpukilld took", [])
     duration.add_metric([], reading.seconds)
     yield duration
+    age = _gauge("gpukill_exporter_reading_age_seconds", "how long ago the reading served was started (one "
+                 "reading serves every scrape of a sample interval)", [])
+    age.add_metric([], reading.age)
+    yield age
     if reading.signals is not None:
         yield from reading.signals.families()
     if not reading.daemon_up:

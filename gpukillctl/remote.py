@@ -30,6 +30,7 @@ SSH_ENV = "GPUKILL_SSH"
 REMOTE_BUS_ENV = "GPUKILL_REMOTE_BUS"
 BRIDGE = "systemd-stdio-bridge"
 CONNECT_TIMEOUT = 90.0  # ssh's own handshake, and a password prompt on the terminal if there is one, happen inside it
+HOST_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:%")
 SSH_EXIT_WAIT = 2.0  # after the bus closes, ssh sees end of input and leaves; past this it is stopped
 
 
@@ -60,7 +61,9 @@ class Host:
             name, _, port_text = rest.partition(":")
         else:
             name = rest
-        if not name:
+        # a host name, an IPv4 address or an IPv6 one (with a %scope): nothing a shell would act on, should
+        # the user's ssh configuration hand %h to one (ProxyCommand, LocalCommand, Match exec)
+        if not name or not set(name) <= HOST_CHARACTERS:
             raise ValueError(f"not a host: {text!r}")
         port = None
         if port_text or rest.endswith(":"):
@@ -70,8 +73,11 @@ class Host:
         return cls(user or None, name, port)
 
     def ssh_argv(self, ssh: list[str], remote_command: str) -> list[str]:
-        # -x: no X11, -T: no terminal (the pipe carries binary D-Bus); `--` so nothing after is an option
-        argv = [*ssh, "-xT"]
+        # -x: no X11, -T: no terminal (the pipe carries binary D-Bus), -a and ClearAllForwardings: no agent and
+        # no port forwarding, whatever ~/.ssh/config says (the bus is all this connection is for: a forwarded
+        # agent or port would give the host, and whoever is root there, a way back into this machine);
+        # options on the command line win over the configuration's. `--` so nothing after is an option.
+        argv = [*ssh, "-xTa", "-o", "ClearAllForwardings=yes"]
         if self.port is not None:
             argv += ["-p", str(self.port)]
         if self.user:

@@ -3,14 +3,21 @@ rules checked and unit-tested by promtool."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gzip
 import json
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
+import threading
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -67,8 +74,8 @@ def host(users):
 
 
 @pytest.fixture(scope="module")
-def exporter(host, users):
-    """The exporter as an unprivileged user (as the unit's DynamicUser is), on a free port."""
+def exporter_process(host, users):
+    """The exporter as an unprivileged user (as the unit's DynamicUser is), on a free port: (url, process)."""
     port = free_port()
     proc = subprocess.Popen([PYTHON, "-m", "gpukillctl", "exporter", "--port", str(port)], env=host.env(),
                             cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
@@ -76,7 +83,12 @@ def exporter(host, users):
     host.procs.append(proc)
     url = f"http://127.0.0.1:{port}/metrics"
     wait_until(lambda: _get(url), 20, "the exporter never answered")
-    return url
+    return url, proc
+
+
+@pytest.fixture(scope="module")
+def exporter(exporter_process):
+    return exporter_process[0]
 
 
 def _get(url: str) -> str | None:
@@ -214,6 +226,159 @@ def test_grafana_dashboard_queries_only_exported_metrics():
     assert used and {u.removesuffix("_total") for u in used} <= exported | {
         f"gpukill_{g}_gpu_{k}" for g in ("user", "unit", "slurm_job", "pod_uid", "container")
         for k in ("memory_bytes", "processes")} | {"gpukill_guard_actions", "gpukill_guard_violations"}, used
+
+
+class BusCalls:
+    """gpukilld's method calls of one member, as dbus-monitor (root, BecomeMonitor) sees them on the bed's bus."""
+
+    def __init__(self, host: Testbed, member: str) -> None:
+        self.member = member
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(["dbus-monitor", "--address", host.bus_address, "--profile",
+                                      f"type='method_call',member='{member}'"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        host.procs.append(self.proc)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("mc") and line.rstrip("\n").endswith(f"\t{self.member}"):
+                self.lines.append(line)
+
+    def count(self) -> int:
+        return len(self.lines)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@needs_root
+def test_fifty_scrapes_a_second_are_served_from_one_reading_per_sample_interval(host, exporter, users):
+    """50 scrapes a second for 4 s keep gpukill_up 1 (each one reading the daemon was 200 calls a second, the
+    daemon's per-uid rate: its TooBusy answers were gpukill_up 0), and the daemon is read about once per
+    SampleInterval (1 s here), counted on the bus."""
+    calls = BusCalls(host, "ListDevices")
+    try:
+        # the monitor is in place once it sees a call of ours
+        wait_until(lambda: (host.manager(users["root"], "ListDevices"), calls.count())[1], 10,
+                   "dbus-monitor saw no call")
+        before = calls.count()
+        rate, seconds = 50, 4.0
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(32) as pool:
+            futures = []
+            for i in range(int(rate * seconds)):
+                time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+                futures.append(pool.submit(_get, exporter))
+            bodies = [f.result() for f in futures]
+        elapsed = time.monotonic() - t0
+        time.sleep(0.5)  # a read started at the end is counted too
+        reads = calls.count() - before
+    finally:
+        calls.close()
+    assert all(bodies), f"{bodies.count(None)} of {len(bodies)} scrapes failed"
+    ups = [samples(b)[("gpukill_up", frozenset())] for b in bodies]
+    assert ups.count(1.0) == len(ups), f"gpukill_up was 0 in {ups.count(0.0)} of {len(ups)} scrapes"
+    assert elapsed < 2 * seconds + 2, f"{len(bodies)} scrapes took {elapsed:.1f} s"  # a loaded machine is slower
+    assert 1 <= reads <= elapsed / 1.0 + 2, f"{reads} readings of the daemon for {len(bodies)} scrapes in {elapsed:.1f} s"
+    ages = [samples(b)[("gpukill_exporter_reading_age_seconds", frozenset())] for b in bodies]
+    assert max(ages) < 1.0 + 2.0, max(ages)  # an interval, and the time a reading takes on a loaded machine
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def _idle_connection(url: str, head: bytes = b"GET /metrics HTTP/1.1\r\nHost: x\r\n") -> socket.socket:
+    """A client that sends part of a request head and then nothing: a slow or stalled scraper."""
+    netloc = urllib.parse.urlsplit(url)
+    s = socket.create_connection((netloc.hostname, netloc.port), timeout=10)
+    s.sendall(head)
+    return s
+
+
+@needs_root
+def test_slow_connections_get_no_thread_each_and_are_closed_at_the_deadline(exporter_process):
+    from gpukillctl.exporter_http import HEAD_DEADLINE, MAX_CONNECTIONS, RENDER_THREADS
+
+    url, proc = exporter_process
+    assert _get(url)
+    baseline = _threads(proc.pid) + RENDER_THREADS  # the rendering pool starts its threads as it needs them
+    idle = [_idle_connection(url) for _ in range(100)]
+    try:
+        time.sleep(0.5)
+        assert _threads(proc.pid) <= baseline, f"{_threads(proc.pid)} threads with 100 idle connections"
+        got = _get(url)  # served meanwhile
+        assert got and samples(got)[("gpukill_up", frozenset())] == 1.0
+        # each idle one is closed once its head is late (recv: end of file, or reset)
+        t0 = time.monotonic()
+        for s in idle:
+            s.settimeout(max(0.1, t0 + HEAD_DEADLINE + 5 - time.monotonic()))
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(100) == b"", "an idle connection got an answer"
+        assert time.monotonic() - t0 < HEAD_DEADLINE + 5
+    finally:
+        for s in idle:
+            s.close()
+    # past the limit of open connections, one more is refused at once (503), not queued
+    idle = [_idle_connection(url) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=10)
+        assert refused.value.code == 503 and time.monotonic() - t0 < 2
+        assert _threads(proc.pid) <= baseline
+    finally:
+        for s in idle:
+            s.close()
+    wait_until(lambda: _get(url), 10, "the exporter did not serve again once the idle connections closed")
+
+
+@needs_root
+def test_http_formats_and_methods(exporter):
+    request = urllib.request.Request(exporter, headers={"Accept": "application/openmetrics-text; version=1.0.0",
+                                                        "Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert r.headers["Content-Encoding"] == "gzip"
+        text = gzip.decompress(r.read()).decode()
+    assert text.endswith("# EOF\n") and "gpukill_up 1.0" in text
+    with urllib.request.urlopen(urllib.request.Request(exporter, method="HEAD"), timeout=10) as r:
+        assert r.status == 200 and r.read() == b"" and int(r.headers["Content-Length"]) > 0
+    for path, method, code in (("/nothing", "GET", 404), ("/metrics", "POST", 405)):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(exporter.replace("/metrics", path), method=method,
+                                                          data=b"" if method == "POST" else None), timeout=10)
+        assert e.value.code == code
+
+
+def test_concurrent_scrapes_share_one_read_and_a_reading_serves_one_interval():
+    """DaemonReader's cache alone, with a clock of the test's and a daemon that answers slowly."""
+    from gpukillctl.exporter import DaemonReader
+
+    now = [0.0]
+
+    class Slow(DaemonReader):
+        async def _read(self):
+            await asyncio.sleep(0.05)
+            self.refresh = 2.0  # the daemon's SampleInterval
+            return Reading(daemon_up=True, version=str(self.reads))
+
+    async def scenario():
+        reader = Slow(clock=lambda: now[0])
+        first = await asyncio.gather(*(reader.current() for _ in range(20)))
+        assert reader.reads == 1 and {r.version for r in first} == {"1"}
+        now[0] = 1.9
+        assert (await reader.current()).version == "1" and reader.reads == 1
+        assert (await reader.current()).age == pytest.approx(1.9)
+        now[0] = 2.0
+        again = await asyncio.gather(*(reader.current() for _ in range(20)))
+        assert reader.reads == 2 and {r.version for r in again} == {"2"}
+
+    asyncio.run(scenario())
 
 
 @needs_root

@@ -84,7 +84,7 @@ def test_manifests_validate_against_the_kubernetes_api_schemas():
         except kv.ValidationError as e:
             pytest.fail(f"{path.name}: {doc['kind']} {doc['metadata']['name']}: {e.message} at {list(e.path)}")
         kinds.append(doc["kind"])
-    assert {"Namespace", "ConfigMap", "DaemonSet"} <= set(kinds)
+    assert {"Namespace", "ConfigMap", "DaemonSet", "Service", "NetworkPolicy"} <= set(kinds)
 
 
 def test_the_daemonset_runs_in_the_nodes_pid_namespace_with_the_mounts_of_each_backend():
@@ -127,6 +127,63 @@ def test_service_monitor_selects_the_service():
     ports = {p["name"] for p in service["spec"]["ports"]}
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
     assert monitor["spec"]["namespaceSelector"]["matchNames"] == [service["metadata"]["namespace"]]
+
+
+def _exporter_port() -> int:
+    (port,) = _container("exporter")["ports"]
+    assert port["protocol"] == "TCP"
+    return port["containerPort"]
+
+
+def test_only_the_scrapers_may_reach_the_exporter():
+    """The exporter listens on 0.0.0.0 in the pod without authentication: a NetworkPolicy on the gpukilld pods
+    admits, on the exporter's port alone, pods that are both in the monitoring namespace and Prometheus."""
+    policy = _one("NetworkPolicy")
+    spec = policy["spec"]
+    assert policy["metadata"]["namespace"] == _one("Namespace")["metadata"]["name"]
+    pod_labels = _one("DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    selector = spec["podSelector"]
+    assert selector.get("matchLabels") and not selector.get("matchExpressions")
+    assert all(pod_labels.get(k) == v for k, v in selector["matchLabels"].items()), "it must select the pods"
+    assert "Ingress" in spec["policyTypes"]
+    assert spec["ingress"], "no rule at all would admit no one, the exporter's scrapers included"
+    for rule in spec["ingress"]:
+        # no `from` (or an empty one) admits every source; an ipBlock admits whatever sits at those addresses
+        assert rule.get("from"), rule
+        for peer in rule["from"]:
+            assert set(peer) == {"namespaceSelector", "podSelector"}, ("both selectors in one peer", peer)
+            for part in peer.values():
+                assert part.get("matchLabels") and not part.get("matchExpressions"), peer
+            assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+            assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+        assert rule.get("ports") == [{"protocol": "TCP", "port": _exporter_port()}], "the exporter's port only"
+    (service_port,) = _one("Service")["spec"]["ports"]
+    assert service_port["targetPort"] == _container("exporter")["ports"][0]["name"]
+
+
+def test_the_exporter_runs_as_a_user_of_its_own():
+    """Not root (the node's root, with hostPID), not nobody (65534: the node's, and many workloads' too, who
+    could then signal or trace it): a uid and gid of its own, the one the image names, with nothing to gain."""
+    context = _container("exporter")["securityContext"]
+    uid, gid = context["runAsUser"], context["runAsGroup"]
+    assert uid not in (0, 65534) and gid not in (0, 65534), context
+    assert context["runAsNonRoot"] is True and context["allowPrivilegeEscalation"] is False
+    assert context["readOnlyRootFilesystem"] is True and context["capabilities"] == {"drop": ["ALL"]}
+    assert context.get("privileged") is not True and context["seccompProfile"] == {"type": "RuntimeDefault"}
+    others = [c for c in _one("DaemonSet")["spec"]["template"]["spec"]["containers"] if c["name"] != "exporter"]
+    assert all(c.get("securityContext", {}).get("runAsUser") != uid for c in others)
+    assert _image_account() == (uid, gid), "the image has the exporter's account (dbus-daemon needs it)"
+
+
+def _image_account() -> tuple[int, int]:
+    """The uid and gid of the exporter's account, as the Containerfile's final stage makes it."""
+    final = re.split(r"^FROM ", CONTAINER.joinpath("Containerfile").read_text(), flags=re.M)[-1]
+    final = final.replace("\\\n", " ")
+    group = re.search(r"groupadd --system --gid (\d+) gpukill-exporter", final)
+    user = re.search(r"useradd --system --uid (\d+) --gid (\d+) .*?gpukill-exporter", final)
+    assert group and user, "the image makes no gpukill-exporter account"
+    assert user[2] == group[1]
+    return int(user[1]), int(user[2])
 
 
 # -- the image ------------------------------------------------------------------------------------------
@@ -195,6 +252,12 @@ def test_entrypoint_runs_gpukilld_on_the_pods_bus_with_the_configmaps_policy(use
     os.chmod(tmp_path, 0o755)
     config_dir = str(Path(_entrypoint_setting("CONFIG")).parent)
     policy = _entrypoint_setting("GPUKILL_POLICY")
+    # The image's accounts: the host's, plus the exporter's as the Containerfile's useradd makes it (dbus-daemon
+    # refuses a uid it cannot look up, so the image must have it).
+    uid, gid = _image_account()
+    (tmp_path / "passwd").write_text(Path("/etc/passwd").read_text()
+                                     + f"gpukill-exporter:x:{uid}:{gid}::/nonexistent:/usr/sbin/nologin\n")
+    (tmp_path / "group").write_text(Path("/etc/group").read_text() + f"gpukill-exporter:x:{gid}:\n")
     # The image's files in a private mount namespace: the ConfigMap read-only at /etc/gpukill, an empty
     # /run/dbus, the state hostPath, and our bus policy alone where the Containerfile copies it. hostPID:
     # no PID namespace, so the daemon sees the victims as the pod sees the node's processes.
@@ -207,6 +270,8 @@ def test_entrypoint_runs_gpukilld_on_the_pods_bus_with_the_configmaps_policy(use
             f"mount --bind {state} /var/lib/gpukill",
             f"mount -t tmpfs tmpfs {Path(policy).parent}",
             f"cp {REPO / 'dbus' / 'org.gpukill1.conf'} {policy}",
+            f"mount --bind {tmp_path / 'passwd'} /etc/passwd",
+            f"mount --bind {tmp_path / 'group'} /etc/group",
             f'exec {ENTRYPOINT} "$@"'])
         log = tmp_path / "pod.log"
         with open(log, "wb") as out:
@@ -256,7 +321,7 @@ def test_entrypoint_runs_gpukilld_on_the_pods_bus_with_the_configmaps_policy(use
                 _kill_group(sidecar)
             assert metrics.count("\ngpukill_device_up{") == len(sim["devices"])
             owner_memory = re.search(rf'^gpukill_user_gpu_memory_bytes{{user="{users["owner"].name}"}}', metrics, re.M)
-            assert owner_memory, "the exporter as nobody does not see the owner's GPU process"
+            assert owner_memory, "the exporter as its own user does not see the owner's GPU process"
 
             # Deleting the pod: SIGTERM to the entrypoint stops gpukilld and the bus with it.
             os.kill(pod.pid, signal.SIGTERM)

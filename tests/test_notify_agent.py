@@ -3,7 +3,8 @@ notification server (python-dbusmock's notification_daemon) on a private session
 agent running as gpkowner. What the server received is read back with its GetCalls.
 
 One agent runs for the whole module, as in a desktop session; each test looks only at the Notify calls that
-came after its start (`mark`). The tests run in file order: the last restarts gpukilld and the server.
+came after its start (`mark`). The tests run in file order: the last ones restart gpukilld, the server and the
+agent.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import subprocess
 import time
 
 import pytest
-from helpers.desktop_session import DesktopSession, Notify, dbusmock_missing
+from helpers.desktop_session import MOCK_IFACE, SERVER, SERVER_PATH, DesktopSession, Notify, dbusmock_missing
 from helpers.marks import needs_root
-from helpers.testbed import ROOT, Testbed, User
+from helpers.testbed import ROOT, Testbed, User, _kill_group
 from helpers.waiting import wait_until
 
 pytestmark = [needs_root, pytest.mark.skipif(dbusmock_missing() is not None, reason=dbusmock_missing() or "")]
@@ -191,3 +192,44 @@ def test_restarting_gpukilld_and_the_notification_server_loses_no_later_event(de
                                           f"GPU process stopped: after (PID {second.pid})"]
     assert all(n.replaces_id == 0 for n in shown)
     assert agent.poll() is None, session.agent_log()
+
+
+def _new_server(session: DesktopSession, capabilities: str) -> None:
+    """A new notification server (a new owner of the name, so the agent asks it again) whose GetCapabilities
+    runs this dbusmock code instead of the template's."""
+    session.stop_server()
+    session.start_server()
+    session._call(SERVER, SERVER_PATH, MOCK_IFACE, "AddMethod", "sssss",
+                  [SERVER, "GetCapabilities", "", "as", capabilities])
+
+
+def _shown_kill(bed: Testbed, session: DesktopSession, owner: User, comm: str) -> tuple[int, Notify]:
+    mark = len(session.notifications())
+    victim = bed.victim(owner, gpu=0, comm=comm)
+    _kill(bed, victim.pid)
+    shown = wait_until(lambda: [n for n in _since(session, mark) if f"(PID {victim.pid})" in n.summary], 10,
+                       lambda: f"the kill was not shown: {_since(session, mark)}\n{session.agent_log()}")
+    return victim.pid, shown[0]
+
+
+def test_the_body_is_escaped_when_the_servers_capabilities_are_unknown(desk, users):
+    """A fresh agent whose first server fails GetCapabilities: the server may read markup, so <, > and & are
+    escaped; not knowing is no reason to send a process's name as markup."""
+    bed, session, agent = desk
+    _kill_group(agent)
+    _new_server(session, "raise dbus.exceptions.DBusException('broken', name='org.freedesktop.DBus.Error.Failed')")
+    agent = session.start_agent()
+    _warm_up(bed, session, users["owner"])
+    pid, n = _shown_kill(bed, session, users["owner"], "a<b>&c")
+    assert n.body.startswith(f"a&lt;b&gt;&amp;c (PID {pid}) on "), n
+    assert n.summary == f"GPU process stopped: a<b>&c (PID {pid})"  # the summary is plain text: as it is
+    assert agent.poll() is None, session.agent_log()
+
+
+def test_the_body_is_sent_as_it_is_to_a_server_that_reads_no_markup(desk, users):
+    """A server that answers GetCapabilities without "body-markup" shows the body as plain text: escaping it
+    would show `&lt;` to the user."""
+    bed, session, _ = desk
+    _new_server(session, "ret = ['body', 'actions']")
+    pid, n = _shown_kill(bed, session, users["owner"], "x<y>&z")
+    assert n.body.startswith(f"x<y>&z (PID {pid}) on "), n

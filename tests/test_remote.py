@@ -4,10 +4,14 @@ test bed's bus (the "host's" system bus): the bed's polkit judges the SSH user a
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
+import socket
+import subprocess
 
 import pytest
 from helpers import sshd
-from helpers.testbed import PYTHON
+from helpers.testbed import PYTHON, REPO
 
 from gpukillctl import cli, exits
 from gpukillctl.remote import Host, bridge_command
@@ -71,6 +75,40 @@ def test_kill_of_another_users_process_is_denied_by_that_hosts_polkit(victims, u
     assert denied and denied[0]["GPUKILL_CALLER_UID"] == str(users["owner"].uid)
 
 
+def test_forwardings_of_the_users_ssh_config_are_not_used(victims, users, server, tmp_path):
+    """A ~/.ssh/config that forwards the agent, X11 and a port to every host: -H uses none of them (the command
+    line's -a, -x and ClearAllForwardings win over the configuration). The local forward is to a port already
+    taken, with ExitOnForwardFailure: had ssh tried it, it would have exited; the agent request is read from
+    ssh's own debug log."""
+    bed = victims
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    agent = socket.socket(socket.AF_UNIX)
+    agent.bind(str(tmp_path / "agent"))  # an agent socket ssh would forward (none is used to log in)
+    agent.listen(1)
+    config = tmp_path / "ssh_config"
+    config.write_text(server.ssh_config.read_text().replace("Host localhost\n", "Host localhost\n" + "".join(
+        f"  {line}\n" for line in (f"ForwardAgent {tmp_path / 'agent'}", "ForwardX11 yes", "ExitOnForwardFailure yes",
+                                   f"LocalForward 127.0.0.1:{busy.getsockname()[1]} 127.0.0.1:9"))))
+    debug = tmp_path / "ssh-debug.log"
+    try:
+        env = {"GPUKILL_SSH": f"ssh -F {config} -v -E {debug}", "DISPLAY": ":0", "GPUKILL_REMOTE_BUS": bed.bus_address, "DBUS_SYSTEM_BUS_ADDRESS": NO_LOCAL_BUS}
+        r = bed.run_as(users["root"], [PYTHON, "-m", "gpukillctl", "-H", f"{users['owner'].name}@localhost",
+                                       "status"], env=env, timeout=60)
+        log = debug.read_text(errors="replace")
+        assert r.returncode == 0, (r.stderr, log[-3000:], server.log())
+        assert "Authenticated to" in log, log[-3000:]  # the debug log is that of the connection made
+        # what ssh logs as it asks for each (OpenSSH's clientloop.c, ssh.c, at -v)
+        asked = ("Requesting authentication agent forwarding", "Requesting X11 forwarding", "Local connections to",
+                 "Remote connections from", "Local forwarding listening")
+        requested = [ln for ln in log.splitlines() if ln.startswith("debug1: ") and ln.startswith(asked, 8)]
+        assert not requested, requested
+    finally:
+        busy.close()
+        agent.close()
+
+
 def test_unreachable_host_is_one_line_naming_it(bed, users, server):
     host = f"{users['owner'].name}@localhost:{sshd.free_port()}"  # nothing listens there
     r = remote_ctl(bed, server, users["root"], host, "status")
@@ -85,12 +123,15 @@ def test_unreachable_host_is_one_line_naming_it(bed, users, server):
     ("gk@node7:2222", Host("gk", "node7", 2222)),
     ("gk@[fe80::1]:22", Host("gk", "fe80::1", 22)),
     ("fe80::1", Host(None, "fe80::1", None)),
+    ("gk@[fe80::1%eth0]:22", Host("gk", "fe80::1%eth0", 22)),
+    ("gpu_node-7.example.org", Host(None, "gpu_node-7.example.org", None)),
 ])
 def test_host_syntax(text, expected):
     assert Host.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "@node", "gk@", "-oProxyCommand=x", "a b", "node:0", "node:x", "[fe80::1"])
+@pytest.mark.parametrize("text", ["", "@node", "gk@", "-oProxyCommand=x", "a b", "node:0", "node:x", "[fe80::1",
+                                  "$(reboot)", "gk@node`id`", "node;id", "[fe80::1|id]:22", "n'o"])
 def test_bad_host_is_refused_before_ssh_runs(text):
     with pytest.raises(ValueError):
         Host.parse(text)
@@ -98,7 +139,8 @@ def test_bad_host_is_refused_before_ssh_runs(text):
 
 def test_ssh_command_line():
     argv = Host("gk", "node7", 2222).ssh_argv(["ssh"], bridge_command(None))
-    assert argv == ["ssh", "-xT", "-p", "2222", "-l", "gk", "--", "node7", "systemd-stdio-bridge"]
+    assert argv == ["ssh", "-xTa", "-o", "ClearAllForwardings=yes", "-p", "2222", "-l", "gk", "--", "node7",
+                    "systemd-stdio-bridge"]
     assert bridge_command("unix:path=/x y") == "systemd-stdio-bridge '--bus-path=unix:path=/x y'"
 
 
@@ -107,3 +149,26 @@ def test_commands_that_run_here_refuse_a_host(command, capsys):
     assert cli.main(["-H", "gk@node7", *command]) == exits.EXIT_USAGE
     err = capsys.readouterr().err
     assert err.startswith("gpukillctl: -H is not supported by ") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="jq is not installed (apt install jq)")
+def test_the_readmes_many_hosts_example_runs_no_host_name_as_code(tmp_path):
+    """The README's `xargs ... sh -c` fan-out, run as written, with a gpukillctl that prints an empty listing and
+    host names that a shell would run if they were part of its script."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("```sh\nprintf '%s\\n' node01 node02 node03 | xargs")
+    block = readme[start + len("```sh\n"):readme.index("```", start + 3)]
+    fan_out = block[:block.index("> fleet.jsonl") + len("> fleet.jsonl")]
+    names = ["node01", f"$(touch {tmp_path}/ran)", f"`touch {tmp_path}/ran`", "a;touch ran"]
+    script = fan_out.replace("node01 node02 node03", " ".join(shlex.quote(n) for n in names), 1)
+    assert script != fan_out
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gpukillctl").write_text('#!/bin/sh\nprintf \'{"format": 1, "devices": [], "processes": []}\\n\'\n')
+    (bin_dir / "gpukillctl").chmod(0o755)
+    r = subprocess.run(["sh", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert r.returncode == 0, r
+    assert not (tmp_path / "ran").exists(), "a host name ran as a command"
+    hosts = sorted(json.loads(line)["host"] for line in (tmp_path / "fleet.jsonl").read_text().splitlines())
+    assert hosts == sorted(names)

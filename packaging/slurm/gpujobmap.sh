@@ -14,15 +14,17 @@ GPUKILL_EPILOG_GRACE=${GPUKILL_EPILOG_GRACE-10}  # seconds between SIGTERM and S
 GPUKILLCTL=${GPUKILLCTL-gpukillctl}
 
 # slurmd discards the scripts' output: say things to the journal (syslog), and to stderr for a person.
+# printf, never echo: what is said carries process names (gpukillctl's output), and dash's echo acts on
+# backslashes in them (a process named 'x\c' would cut the line there).
 say() {
-    echo "gpukill-slurm: $*" >&2
+    printf 'gpukill-slurm: %s\n' "$*" >&2
     command -v logger >/dev/null 2>&1 && logger -t gpukill-slurm -- "$*"
     return 0
 }
 
 # The job's GPU indices, one a line; nothing for a job without GPUs.
 job_gpus() {
-    echo "${SLURM_JOB_GPUS-}" | tr ',' '\n' | grep -E '^[0-9]+$' || true
+    printf '%s\n' "${SLURM_JOB_GPUS-}" | tr ',' '\n' | grep -E '^[0-9]+$' || true
 }
 
 # Add (+) or remove (-) the job on each of its GPUs' files. Jobs start and end concurrently: one lock for all,
@@ -37,7 +39,7 @@ map_job() {
         for gpu in $(job_gpus); do
             file="$GPUKILL_JOB_MAP_DIR/$gpu"
             tmp="$GPUKILL_JOB_MAP_DIR/.$gpu.tmp"
-            { [ -f "$file" ] && grep -vx -- "$SLURM_JOB_ID" "$file"; [ "$op" = + ] && echo "$SLURM_JOB_ID"; } >"$tmp"
+            { [ -f "$file" ] && grep -vx -- "$SLURM_JOB_ID" "$file"; [ "$op" = + ] && printf '%s\n' "$SLURM_JOB_ID"; } >"$tmp"
             if [ -s "$tmp" ]; then
                 chmod 0644 "$tmp" && mv -f "$tmp" "$file"
             else
