@@ -2,7 +2,7 @@
 
 The bus layer (manager.py) turns D-Bus calls into these; Guard Mode calls the same kill path. Whether a
 caller may is the bouncer's check, which audits a denial itself. Other refusals of a caller's request go
-through the bouncer's RefusalLog (folded per uid when there are too many); what the daemon does is always
+through the bouncer's RefusalLog (folded per person when there are too many); what the daemon does is always
 audited one by one. Process names are escaped in the human text (MESSAGE, errors), exact in the fields.
 """
 
@@ -76,7 +76,8 @@ class Actions:
         return {"caller_uid": caller.uid, "caller_pid": caller.pid}
 
     def _refused(self, caller: Caller | None, kind: audit.EventKind, message: str, **fields: object) -> None:
-        self.refusals.log(caller.uid if caller else None, kind, message, **fields)
+        # folded per person: a uid's subordinate uids are not 65,536 more windows (people.py)
+        self.refusals.log(self.bouncer.people.person(caller.uid) if caller else None, kind, message, **fields)
 
     async def kill(
         self, caller: Caller | None, pid: int, start_time: int, grace: float, force: bool, initiator: str

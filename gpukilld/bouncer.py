@@ -3,11 +3,13 @@
 Read-only methods map to READ_ONLY and need no authorization; anything unmapped is denied. An entry may be an
 own/any pair (KillProcess): the action for the caller's own target, or the stricter one for anyone else's.
 Every privileged act (Actions.kill and .reset, the Guard interface's switches) calls check(), which picks the
-action from the table, asks polkit, writes a denial's audit entry (through the RefusalLog, folded per uid)
+action from the table, asks polkit, writes a denial's audit entry (through the RefusalLog, folded per person)
 and raises it. Root callers skip polkit. Everyone else is judged by polkitd, asked with the caller's bus name
-as subject, so polkit sees the real process and user. If polkitd is absent or fails, the answer is no. Each
-uid may have MAX_PENDING_PER_UID checks in flight (TooBusy past it), and a check that outlives its timeout is
-cancelled at polkitd. VIEW_ALL is no method's action: it is asked, never interactively, to decide whether a
+as subject, so polkit sees the real process and user. If polkitd is absent or fails, the answer is no. Checks
+take turns at polkit (polkit_queue.py): a few of each person's at once (a person: a uid and its subordinate uids,
+people.py), the rest waiting in that person's queue, first come first served; only a full queue is TooBusy. A
+check that outlives its timeout (counted from its arrival, the wait for its turn included) is cancelled at
+polkitd. VIEW_ALL is no method's action: it is asked, never interactively, to decide whether a
 caller sees other users' processes in full (sees_all, viewer; visibility.py).
 """
 
@@ -28,6 +30,8 @@ from gpukill.errors import AccessDenied, TooBusy
 
 from . import audit
 from .names import GUARD_INTERFACE, MANAGER_INTERFACE
+from .people import People, shared
+from .polkit_queue import PolkitQueue
 from .refusals import RefusalLog
 from .visibility import ProcRules, Viewer, viewer_for
 
@@ -88,13 +92,6 @@ POLKIT_INTERACTIVE_TIMEOUT = 300.0
 VIEW_ALL = "org.gpukill.view-all-processes"
 VIEW_ALL_TTL = 60.0  # seconds a polkit answer about VIEW_ALL is kept for a connection
 
-# Every CheckAuthorization is a pending reply on gpukilld's bus connection, and dbus-daemon allows a connection
-# 128 of them (max_replies_per_connection): past that, every further authorization would fail. An interactive
-# check can wait minutes for a password (or forever, for an agent that never answers), so one user may hold
-# only a couple at a time and all users together well under 128.
-MAX_PENDING_PER_UID = 2
-MAX_PENDING = 64
-
 
 @dataclass(frozen=True, slots=True)
 class Caller:
@@ -133,17 +130,19 @@ class Bouncer:
     def __init__(self, bus: MessageBus, refusals: RefusalLog | None = None,
                  clock: Callable[[], float] = time.monotonic, timeout: float = POLKIT_TIMEOUT,
                  interactive_timeout: float = POLKIT_INTERACTIVE_TIMEOUT,
-                 proc_rules: Callable[[], ProcRules] = ProcRules) -> None:
+                 proc_rules: Callable[[], ProcRules] = ProcRules, people: People | None = None,
+                 queue: PolkitQueue | None = None) -> None:
         self.bus = bus
-        # Refused requests, folded per uid: the bouncer writes its denials there, Actions its other refusals.
+        # Refused requests, folded per person (people.py): the bouncer writes its denials there, Actions its other
+        # refusals.
         self.refusals = refusals if refusals is not None else RefusalLog(audit.Audit())
         self._proc_rules = proc_rules  # the host's hidepid, for viewer()
         self._clock = clock
         self.timeout = timeout
         self.interactive_timeout = interactive_timeout
         self._creds: dict[str, tuple[int, int | None, tuple[int, ...]]] = {}
-        self._pending: dict[int, int] = {}  # uid -> polkit checks in flight
-        self._pending_total = 0
+        self.people = people if people is not None else shared()  # whom each uid's limits are charged to
+        self.queue = queue if queue is not None else PolkitQueue()  # turns at polkit, per person
         self._serial = 0
         self._view_all: dict[str, tuple[bool, float]] = {}  # sender -> (answer, when)
 
@@ -232,7 +231,7 @@ class Bouncer:
                 allowed, why, busy = False, str(e), e
         if allowed:
             return action
-        self.refusals.log(caller.uid, request.kind,
+        self.refusals.log(self.people.person(caller.uid), request.kind,  # folded per person, as callrate.py counts
                           f"{request.text} {'refused' if busy else 'denied'} to {caller.who}: {why}",
                           **{**request.fields, "caller_uid": caller.uid, "caller_pid": caller.pid,
                              "result": "busy" if busy else "denied", "polkit_action": action or None,
@@ -243,30 +242,31 @@ class Bouncer:
 
     async def authorize(self, caller: Caller, action: str, details: dict[str, str]) -> tuple[bool, str]:
         """(allowed, why): the polkit question itself, asked by check() and sees_all() (nothing else names an
-        action). Root needs no polkit; read-only actions need nothing. TooBusy when the caller (or everyone
-        together) already has as many checks in flight as allowed: nothing is asked then."""
+        action). Root needs no polkit; read-only actions need nothing. The check waits its turn at polkit in the
+        queue of the caller's person and kind (polkit_queue.py); TooBusy when that queue is full: nothing is
+        asked then."""
         if action == READ_ONLY:
             return True, "read-only"
         if caller.uid == 0:
             return True, "root"
-        if self._pending.get(caller.uid, 0) >= MAX_PENDING_PER_UID:
-            raise TooBusy(f"uid {caller.uid} already has {MAX_PENDING_PER_UID} authorizations waiting for polkit "
-                          "(a password prompt?); answer or cancel those first")
-        if self._pending_total >= MAX_PENDING:
-            raise TooBusy("too many authorizations are waiting for polkit; try again in a moment")
-        self._pending[caller.uid] = self._pending.get(caller.uid, 0) + 1
-        self._pending_total += 1
+        person = self.people.person(caller.uid)
+        timeout = self.interactive_timeout if caller.interactive else self.timeout
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
         try:
-            return await self._check(caller, action, details)
+            await self.queue.take(person, caller.interactive, timeout, self.people.charged(caller.uid))
+        except TimeoutError:
+            # not a warning: a user's flood of never-answered prompts must not become as many journal lines
+            log.debug("polkit check for %s by uid %d had no turn within %gs", action, caller.uid, timeout)
+            return False, f"polkit did not answer within {timeout:g}s (the check waited for its turn)"
+        try:
+            return await self._check(caller, action, details, timeout - (loop.time() - arrived))
         finally:
-            self._pending_total -= 1
-            left = self._pending[caller.uid] - 1
-            if left:
-                self._pending[caller.uid] = left
-            else:
-                del self._pending[caller.uid]
+            self.queue.give_back(person, caller.interactive)
 
-    async def _check(self, caller: Caller, action: str, details: dict[str, str]) -> tuple[bool, str]:
+    async def _check(self, caller: Caller, action: str, details: dict[str, str],
+                     left: float | None = None) -> tuple[bool, str]:
+        """Ask polkit; left: what the check's timeout has left after its wait for a turn (all of it when None)."""
         flags = POLKIT_ALLOW_USER_INTERACTION if caller.interactive else 0
         timeout = self.interactive_timeout if caller.interactive else self.timeout
         self._serial += 1
@@ -284,7 +284,7 @@ class Bouncer:
         )
         try:
             # polkit may wait for the user to type a password: allow that, but never forever
-            reply = await asyncio.wait_for(call, timeout)
+            reply = await asyncio.wait_for(call, timeout if left is None else max(left, 0.0))
         except TimeoutError:
             self._cancel(cancellation_id)
             log.warning("polkit check for %s by uid %d timed out after %gs; cancelled", action, caller.uid, timeout)

@@ -3,11 +3,11 @@ made it, how failures become D-Bus errors, and the names of output arguments (gp
 bus are in names.py).
 
 dbus-fast hands method bodies their arguments but not the message, and we need the sender (for polkit and
-the audit) and its flags (interactive authorization). The Door sees every message first: it holds each uid to
-its call rate, denies any member of our interfaces the bouncer's table does not map, and otherwise remembers
-the message in a context variable that current_caller() reads. dbus-fast starts each async method as a Task,
-which copies the context at that moment. Whether a mapped call is then allowed is the bouncer's check, made
-by the act itself (Actions, the Guard interface).
+the audit) and its flags (interactive authorization). The Door sees every message first: it holds each person
+(a uid and its subordinate uids, people.py) to its call rate, denies any member of our interfaces the bouncer's
+table does not map, and otherwise remembers the message in a context variable that current_caller() reads.
+dbus-fast starts each async method as a Task, which copies the context at that moment. Whether a mapped call is
+then allowed is the bouncer's check, made by the act itself (Actions, the Guard interface).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 NO_REPLY_EXPECTED = MessageFlag.NO_REPLY_EXPECTED.value
 # Calls answered before the caller's uid is known (the Door asks at its first call; a flood can send hundreds
-# meanwhile): at most a burst per connection and a few bursts for all together, each charged to the uid once it
-# is known (CallRate.charge), so that they count like any other call.
+# meanwhile): at most a burst per connection and a few bursts for all together, each charged to the uid's person
+# once it is known (CallRate.charge), so that they count like any other call.
 MAX_UNIDENTIFIED = int(BURST)
 MAX_UNIDENTIFIED_TOTAL = 4 * int(BURST)
 
@@ -45,7 +45,7 @@ EarlyAnswer = Callable[[Message], Message | bool | None]
 
 
 class Door:
-    """First look at every message to our object: hold each uid to its call rate, deny members of our
+    """First look at every message to our object: hold each person to its call rate, deny members of our
     interfaces that the bouncer's table does not map, drop read-only calls nobody waits to hear answered,
     let `early` answer what it can without the method (the Manager's unfiltered ListProcesses, from a body
     marshalled once per snapshot), and remember the call for current_caller()."""
@@ -74,12 +74,13 @@ class Door:
                 return True if no_reply else Message.new_error(
                     msg, TooBusy.dbus_name, "gpukilld has not identified this connection yet; wait for a reply")
         else:
+            person = self._person(caller.uid)
             if self._unidentified:
-                self.rate.charge(caller.uid, self._identified(msg.sender))
-            if not self.rate.allow(caller.uid):
+                self.rate.charge(person, self._identified(msg.sender))
+            if not self.rate.allow(person):
                 return True if no_reply else Message.new_error(
-                    msg, TooBusy.dbus_name, f"uid {caller.uid} calls gpukilld more than {RATE:g} times a "
-                                            "second; slow down")
+                    msg, TooBusy.dbus_name, f"{self.bouncer.people.charged(caller.uid)} calls gpukilld more than "
+                                            f"{RATE:g} times a second; slow down")
         if iface in INTERFACES or iface is None:
             action = action_for(iface, msg.member)
             if action is None:
@@ -101,6 +102,10 @@ class Door:
             return Message.new_error(msg, "org.freedesktop.DBus.Error.PropertyReadOnly",
                                      "gpukilld properties are read-only")
         return None
+
+    def _person(self, uid: int) -> int:
+        """Whom the call rate charges uid's calls to: its owner for a subordinate uid (people.py)."""
+        return self.bouncer.people.person(uid) if uid else 0
 
     def _let_unidentified(self, msg: Message) -> bool:
         """Whether a call from a connection whose uid is not known yet may go on. The first one starts the
@@ -129,7 +134,7 @@ class Door:
             if not task.cancelled():
                 log.debug("could not identify a caller: %s", task.exception())
             return
-        self.rate.charge(task.result().uid, self._identified(sender))
+        self.rate.charge(self._person(task.result().uid), self._identified(sender))
 
 
 async def current_caller(bouncer: Bouncer) -> Caller:
@@ -147,7 +152,7 @@ def dbus_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Our failures become the D-Bus errors named in gpukill/errors.py; the caller gets one line, never a
     traceback. A call sent with NO_REPLY_EXPECTED gets no error at all: dbus-fast would log it with a
     traceback, and that would let any user write to the journal at will (the refusal itself is audited,
-    folded per uid)."""
+    folded per person)."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, *args: Any) -> Any:

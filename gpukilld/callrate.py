@@ -1,10 +1,11 @@
-"""How often each uid may call gpukilld.
+"""How often each person may call gpukilld.
 
 Every call is answered on one main loop, in the order dbus-daemon delivers them: a user who sends calls as
-fast as the bus takes them would queue everyone else's behind their own. Each uid has a token bucket of BURST
-calls refilled at RATE a second; a call beyond it is answered at once with a small TooBusy error, which costs
-neither the daemon nor dbus-daemon what a listing does. Root is not limited (the benchmarks and the admin's own
-tools run as root).
+fast as the bus takes them would queue everyone else's behind their own. Each person (a uid and its subordinate
+uids: the Door charges a call to people.People.person of its uid, so that 65,536 subordinate uids are not 65,536
+buckets) has a token bucket of BURST calls refilled at RATE a second; a call beyond it is answered at once with a
+small TooBusy error, which costs neither the daemon nor dbus-daemon what a listing does. Root is not limited (the
+benchmarks and the admin's own tools run as root).
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-RATE = 200.0  # calls a second, per uid: a `top` or an exporter needs a few
+RATE = 200.0  # calls a second, per person: a `top` or an exporter needs a few
 BURST = 400.0
 
 
 class CallRate:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._buckets: dict[int, tuple[float, float]] = {}  # uid -> (tokens, when)
+        self._buckets: dict[int, tuple[float, float]] = {}  # person -> (tokens, when)
 
     def allow(self, uid: int) -> bool:
+        """Whether a call charged to uid (a person, as people.py names it) may be answered now."""
         if uid == 0:
             return True
         now = self._clock()
@@ -36,8 +38,8 @@ class CallRate:
         return True
 
     def charge(self, uid: int, calls: int) -> None:
-        """Count calls that were answered before their uid was known against it: the bucket may go below
-        zero, and the uid is refused until it has refilled past the debt."""
+        """Count calls that were answered before their uid was known against its person: the bucket may go
+        below zero, and the person is refused until it has refilled past the debt."""
         if uid == 0 or calls <= 0:
             return
         now = self._clock()

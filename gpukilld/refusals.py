@@ -3,8 +3,9 @@
 journald rate-limits per service (RateLimitBurst per RateLimitIntervalSec): when gpukilld writes too much, it
 drops gpukilld's entries, real kills and Guard actions among them. Every refusal (a kill of a PID that is not a
 GPU process, a denial by polkit, a request while too many are pending) costs the caller nothing, so a user
-could write thousands a second. Each uid may have BURST refusals audited per WINDOW seconds, and all uids
-together TOTAL_BURST; beyond that they are counted, and when the window ends one entry per uid and kind says
+could write thousands a second. Each person (a uid and its subordinate uids, gpukilld/people.py) may have BURST
+refusals audited per WINDOW seconds, and everyone together TOTAL_BURST; beyond that they are counted, and when
+the window ends one entry per person and kind says
 how many were folded (GPUKILL_RESULT=folded, GPUKILL_FOLDED=N). Root's refusals and everything the daemon does
 by itself (kills, resets, Guard) are never folded.
 """
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 from . import audit
 
 WINDOW = 10.0
-BURST = 20  # per uid per window
-TOTAL_BURST = 200  # all uids together per window
+BURST = 20  # per person per window
+TOTAL_BURST = 200  # everyone together per window
 
 
 @dataclass(slots=True)

@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import pytest
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 from helpers.marks import needs_root
+from helpers.open_bus import open_bus
 from helpers.testbed import PYTHON
 
 from gpukill.errors import AccessDenied
@@ -68,21 +67,6 @@ CALLS = {
     (GUARD_INTERFACE, "LoadPolicy"): ("ss", ["edited.yaml", "rules: []\n"]),
 }
 
-BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>session</type>
-  <listen>unix:path={socket}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
-    <allow send_destination="*" eavesdrop="true"/>
-    <allow eavesdrop="true"/>
-    <allow own="*"/>
-  </policy>
-</busconfig>
-"""
-
-
 class Journal:
     """Audit entries as (kind, message, fields), in the order written."""
 
@@ -110,7 +94,8 @@ class TablePolkit(Bouncer):
         self.checked.append(method)
         return await super().check(caller, method, details, target_uid, request=request)
 
-    async def _check(self, caller: Caller, action: str, details: dict[str, str]) -> tuple[bool, str]:
+    async def _check(self, caller: Caller, action: str, details: dict[str, str],
+                     left: float | None = None) -> tuple[bool, str]:
         self.asked.append(action)
         return action in self.allowed, "polkit (faked)"
 
@@ -152,23 +137,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def bus_address(tmp_path_factory) -> str:
-    if shutil.which("dbus-daemon") is None:
-        pytest.skip("dbus-daemon is not installed")
-    where = tmp_path_factory.mktemp("bus")
-    socket = where / "bus.sock"
-    (where / "bus.conf").write_text(BUS_CONFIG.format(socket=socket))
-    daemon = subprocess.Popen(["dbus-daemon", f"--config-file={where / 'bus.conf'}", "--nofork", "--nopidfile"],
-                              stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 10
-        while not socket.exists():
-            assert daemon.poll() is None and time.monotonic() < deadline, "dbus-daemon did not start"
-            time.sleep(0.05)
-        yield f"unix:path={socket}"
-    finally:
-        daemon.terminate()
-        daemon.wait(5)
+def bus_address(tmp_path_factory) -> Iterator[str]:
+    yield from open_bus(tmp_path_factory.mktemp("bus"))
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from gpukilld import callrate
 from gpukilld.bouncer import Caller
 from gpukilld.bus import MAX_UNIDENTIFIED, MAX_UNIDENTIFIED_TOTAL, Door
 from gpukilld.names import MANAGER_INTERFACE, OBJECT_PATH
+from gpukilld.people import People
 
 UID = 1002
 
@@ -25,6 +26,7 @@ class SlowBouncer:
     """Knows a sender once its lookup has finished, as the real bouncer's credentials cache does."""
 
     def __init__(self) -> None:
+        self.people = People("/nonexistent/subuid")  # no subordinate uids: every uid is its own person
         self.identified: set[str] = set()
         self.lookups: list[str] = []
 

@@ -23,7 +23,7 @@ from helpers.procs import pid_alive
 from helpers.testbed import PYTHON, REPO, ROOT, SYSTEM_PYTHON, Testbed
 from helpers.waiting import wait_until
 
-from gpukilld import audit, callrate, refusals
+from gpukilld import audit, callrate, polkit_queue, refusals
 from gpukilld.procfs import CUT_MARKER, MAX_CMDLINE
 
 pytestmark = needs_root
@@ -318,14 +318,17 @@ def flood(agent: subprocess.Popen, events: list[dict], **spec) -> dict:
 
 def test_never_answered_authorizations_do_not_lock_out_others(bed, users):
     """128 interactive requests whose agent never answers. Before: they filled the 128 pending replies
-    dbus-daemon allows gpukilld's connection, after which every non-root authorization failed."""
+    dbus-daemon allows gpukilld's connection, after which every non-root authorization failed. Now the user's
+    interactive lane holds 64 (2 of them at polkit, the rest waiting their turn) and the rest are TooBusy."""
     target = bed.victim(users["owner"], gpu=0, comm="target")
     listed = bed.wait_listed(target.pid)
     agent, _name, events = start_agent(bed, users["other"])
     outcome = flood(agent, events, flood=128, batch=128, member="KillProcess", signature="uta{sv}",
                     body=[target.pid, listed["start_time"], {}], interactive=True, wait=5)
-    assert outcome["pending"] <= 2 and outcome.get(TOO_BUSY, 0) >= 126, outcome
+    lane = polkit_queue.QUEUE_PER_LANE
+    assert outcome["pending"] <= lane and outcome.get(TOO_BUSY, 0) >= 128 - lane, outcome
     assert any("begin" in e for e in events), "polkit never asked the hostile agent: the attack did not happen"
+    assert sum("begin" in e for e in events) <= polkit_queue.IN_FLIGHT_PER_LANE[True], events
     serving(bed, users["owner"])
     own = bed.victim(users["owner"], gpu=0, comm="own")
     own_listed = bed.wait_listed(own.pid)
