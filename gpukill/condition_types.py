@@ -100,12 +100,21 @@ class ConditionType:
     # A device's health: a rule with such a condition looks at lost devices too (others only at present ones,
     # whose readings mean something).
     every_device: bool = False
+    # The value reads what a caller who may not see all is not shown of another user's process (gpukilld/
+    # visibility.py: the command line past its first word, the executable, a job id from the environment; the
+    # audit's score and kind, added up from evidence such as those). Reasons shown to such a caller about
+    # another user's subject name the condition, not its value or its text: "rogue_score withheld".
+    withheld: bool = False
 
     def reader(self, view: str, percent_of_total: bool = False) -> Callable[[Any], Any]:
         """How to read the value off a view: a C attrgetter where the reader is a name (no Python frame per
         subject when the engine filters thousands)."""
         how = self.share.read if self.share and percent_of_total else self.reads[view]
         return operator.attrgetter(how) if isinstance(how, str) else how
+
+    def describe_for_others(self, cond: Condition, value: Any) -> str:
+        """describe() as a caller who may not see all reads it of another user's subject (see `withheld`)."""
+        return f"{self.name} withheld" if self.withheld else self.describe(cond, value)
 
     def describe(self, cond: Condition, value: Any) -> str:
         """The condition as a reason states it for a subject whose value is `value`: the value, then the
@@ -139,14 +148,16 @@ CONDITION_TYPES: dict[str, ConditionType] = {
     t.name: t
     for t in (
         ConditionType("process_name", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "comm"}, None, indexed=True),
-        ConditionType("cmdline", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "cmdline"}, None),
-        ConditionType("exe", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "exe"}, None, indexed=True),
+        ConditionType("cmdline", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "cmdline"}, None, withheld=True),
+        ConditionType("exe", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "exe"}, None, indexed=True,
+                      withheld=True),
         ConditionType("unit", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "unit"}, None, indexed=True),
         ConditionType("container", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "container"}, None,
                       indexed=True),
-        # The Slurm job the process belongs to (its cgroup, else its SLURM_JOB_ID); "" outside any job.
+        # The Slurm job the process belongs to (its cgroup, else its SLURM_JOB_ID in slurmd's unit); "" outside
+        # any job. Withheld: which of the two a reason's job came from is not in the reason.
         ConditionType("slurm_job", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "slurm_job"}, None,
-                      indexed=True),
+                      indexed=True, withheld=True),
         ConditionType("user", USER, USER_OPS, _ID_ROLES, {ON_PROCESS: "user", ON_USER: "user"}, repr,
                       indexed=True),
         ConditionType("group", GROUP, GROUP_OPS, _ID_ROLES, {ON_PROCESS: "user", ON_USER: "user"}, None,
@@ -171,9 +182,10 @@ CONDITION_TYPES: dict[str, ConditionType] = {
                       "temperature is a device's value: it needs scope per_device"),
         # The rogue-activity audit's verdict on a process (gpukilld/rogue.py): its highest finding's score (0 to
         # 100, 0 without a finding) and that finding's kind. A user's findings (abuser) are not a process's.
-        ConditionType("rogue_score", PERCENT, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "rogue_score"}, _score),
+        ConditionType("rogue_score", PERCENT, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "rogue_score"}, _score,
+                      withheld=True),
         ConditionType("rogue_kind", STRING, ("==", "!=", "in"), _PROC_ROLES, {ON_PROCESS: "rogue_kind"}, repr,
-                      indexed=True, values=(FINDING_MINER, FINDING_IDLE)),
+                      indexed=True, values=(FINDING_MINER, FINDING_IDLE), withheld=True),
         # What the backend says of the device's health (self-healing resets): a driver's text, not a process's.
         ConditionType("device_state", STRING, ("==", "!=", "in"), _DEVICE_ONLY, {ON_DEVICE: "device.state"}, repr,
                       "device_state is a device's value: it needs scope per_device", values=DEVICE_STATES,

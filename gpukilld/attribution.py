@@ -1,8 +1,28 @@
 """Who a process belongs to beyond its uid: systemd unit, container, Kubernetes pod, Slurm job.
 
-Read from the text of /proc/PID/cgroup, cgroup v2 ("0::/path") or v1 (one line per hierarchy); the Slurm job
-also from the process's environment where the cgroup names none (Slurm with proctrack/linuxproc or pgid makes no
-job cgroup, but every task inherits SLURM_JOB_ID).
+Read from the text of /proc/PID/cgroup, cgroup v2 ("0::/path") or v1 (one line per hierarchy). A label is
+taken only from the tree whose owner makes it, never from a name: below a unit that delegates (user@UID.service,
+a Delegate=yes service) a user creates cgroups of any name, so a `job_4242`, `pod<uuid>` or
+`docker-<id>.scope` there is just a directory name. So:
+
+- a Slurm job only from slurmstepd's hierarchy: cgroup v1 `/slurm/uid_N/job_N/…` at a hierarchy's root (with
+  several slurmd on a host `/slurm_<node>/…`), cgroup v2 `/system.slice/[<node>_]slurmstepd.scope/job_N/…`;
+- a pod only under kubepods (`/kubepods.slice/…` with the systemd cgroup driver, `/kubepods/…` with cgroupfs);
+- a container only as a runtime scope in system.slice or machine.slice (`docker-<id>.scope`, `libpod-…`,
+  `cri-containerd-…`, `crio-…`, through slices only), in a pod's slice under kubepods, or in the cgroupfs
+  drivers' roots (`/docker/<id>`, `/libpod_parent/libpod-<id>`, `/kubepods/…/pod<uid>/<id>`);
+- only root creates a directory at a hierarchy's root or in a system slice, so none of these can be made by a
+  user; the first match from the root wins, so what a job's user may create below its own step names nothing.
+
+The Slurm job also comes from the process's environment where the cgroup names none (Slurm with proctrack/
+linuxproc or pgid makes no job cgroup, but every task inherits SLURM_JOB_ID), but only for a process in
+slurmd's own unit (slurmd.service, slurmstepd.scope): a user can start a process with any environment in a
+login session, a user unit, cron or at, and none of those is slurmd's. Such a job id is marked as from the
+environment (Attribution.job_from_environ): /proc/PID/environ is readable only by its owner and root, so
+visibility.py shows it to no one else.
+
+Every label is bounded: ids by their grammar, unit names by systemd's (at most 255 characters of
+[A-Za-z0-9:_.\\@-]); a component outside it names no unit.
 """
 
 from __future__ import annotations
@@ -11,22 +31,42 @@ import re
 
 from .model import Attribution
 
-_CONTAINER_PATTERNS = (
-    # systemd cgroup driver: docker-<id>.scope, libpod-<id>.scope, cri-containerd-<id>.scope, crio-<id>.scope
-    re.compile(r"(?:docker|libpod|cri-containerd|crio|containerd)-([0-9a-f]{64})\.scope"),
-    # cgroupfs driver: /docker/<id>, /libpod_parent/libpod-<id>, /kubepods/.../<id>
-    re.compile(r"/(?:docker|libpod-|containerd/)?([0-9a-f]{64})(?:/|$)"),
-)
+_HEX64 = r"([0-9a-f]{64})"
+_RUNTIME_SCOPE = rf"(?:docker|libpod|cri-containerd|crio|containerd)-{_HEX64}\.scope"
 # kubepods-burstable-pod1b2c_..._.slice (systemd driver, "_" for "-") or /kubepods/burstable/pod<uid>/
-_POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
-_SLURM_JOB = re.compile(r"/job_(\d+)(?:/|$)")
-# A job id as Slurm writes it: decimal, at most 32 bits. Anything else in SLURM_JOB_ID is not one.
+_POD_UID = r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
+_QOS = r"(?:burstable|besteffort)"
+_POD_PATTERNS = (
+    re.compile(rf"/kubepods\.slice/(?:kubepods-{_QOS}\.slice/)?kubepods-(?:{_QOS}-)?{_POD_UID}\.slice(?:/|$)"),
+    re.compile(rf"/kubepods/(?:{_QOS}/)?{_POD_UID}(?:/|$)"),
+)
+# Each anchored at the hierarchy's root (match, not search).
+_CONTAINER_PATTERNS = (
+    # systemd cgroup driver: the runtime's scope in a system slice, or in a pod's slice
+    re.compile(rf"/(?:system|machine)\.slice/(?:[^/]+\.slice/)*{_RUNTIME_SCOPE}(?:/|$)"),
+    re.compile(rf"/kubepods\.slice/(?:[^/]+\.slice/)*{_RUNTIME_SCOPE}(?:/|$)"),
+    # cgroupfs driver: /docker/<id>, /libpod_parent/libpod-<id>, /kubepods/[qos/]pod<uid>/<id>
+    re.compile(rf"/docker/{_HEX64}(?:/|$)"),
+    re.compile(rf"/libpod_parent/libpod-{_HEX64}(?:/|$)"),
+    re.compile(rf"/kubepods/(?:{_QOS}/)?pod[0-9a-f-]{{36}}/{_HEX64}(?:/|$)"),
+)
+_JOB = r"job_([0-9]{1,10})"  # a job id as Slurm writes it: decimal, at most 32 bits
+_SLURM_PATTERNS = (
+    re.compile(rf"/slurm(?:_[^/]+)?/uid_[0-9]+/{_JOB}(?:/|$)"),  # cgroup/v1, in the controllers it uses
+    re.compile(rf"/system\.slice/(?:[^/]+_)?slurmstepd\.scope/{_JOB}(?:/|$)"),  # cgroup/v2
+)
+# A job id as Slurm writes it in SLURM_JOB_ID. Anything else is not one.
 _SLURM_JOB_ID = re.compile(rb"[0-9]{1,10}")
 _SLURM_JOB_VAR = b"SLURM_JOB_ID="
-_UNIT = re.compile(r"[^/]+\.(?:service|scope)$")
+# The units slurmd runs tasks in where it makes no job cgroup (proctrack/linuxproc, pgid): only there is the
+# environment's job id Slurm's (a user cannot put a process in them).
+_SLURM_UNITS = re.compile(r"slurmd(?:@[^/]+)?\.service|(?:[^/]+_)?slurmstepd\.scope")
+# A systemd unit name (systemd's unit-name.h: at most 255 bytes, these characters), of a service or scope.
+_UNIT_NAME = r"[A-Za-z0-9:_.\\@-]{1,247}\.(?:service|scope)"
+_UNIT = re.compile(_UNIT_NAME)
 # A unit of the system manager: /system.slice, slices only, then the unit. Below a unit, cgroups are made by
 # whoever it delegates to (user@UID.service, a Delegate=yes service): a unit name there proves nothing.
-_SYSTEM_UNIT = re.compile(r"/system\.slice/(?:[^/]+\.slice/)*([^/]+\.(?:service|scope))(?:/|$)")
+_SYSTEM_UNIT = re.compile(rf"/system\.slice/(?:[^/]+\.slice/)*({_UNIT_NAME})(?:/|$)")
 
 
 def _cgroup_path(text: str) -> str:
@@ -61,29 +101,31 @@ def _system_unit(text: str) -> str | None:
     return None
 
 
+def _first(patterns: tuple[re.Pattern[str], ...], paths: list[str]) -> str | None:
+    """The first group of the first pattern matching a path from its hierarchy's root."""
+    for path in paths:
+        for pattern in patterns:
+            if m := pattern.match(path):
+                return m.group(1)
+    return None
+
+
 def parse_cgroup(text: str) -> Attribution:
     path = _cgroup_path(text)
     paths = [path, *_all_paths(text)]  # v1 hosts spread containers and jobs over several hierarchies
+    # the innermost unit: a user's own (user@UID.service/app.slice/x.service) is theirs to name, and says so
+    unit = next((c for c in reversed(path.split("/")) if _UNIT.fullmatch(c)), None)
+    pod_uid = _first(_POD_PATTERNS, paths)
+    return Attribution(unit=unit, container_id=_first(_CONTAINER_PATTERNS, paths),
+                       pod_uid=pod_uid.replace("_", "-") if pod_uid else None,
+                       slurm_job=_first(_SLURM_PATTERNS, paths), system_unit=_system_unit(text))
 
-    unit = None
-    for component in reversed(path.split("/")):
-        if _UNIT.fullmatch(component):
-            unit = component
-            break
 
-    container_id = None
-    for candidate in paths:
-        for pattern in _CONTAINER_PATTERNS:
-            if m := pattern.search(candidate):
-                container_id = m.group(1)
-                break
-        if container_id:
-            break
-
-    pod_uid = next((m.group(1).replace("_", "-") for p in paths if (m := _POD.search(p))), None)
-    slurm_job = next((m.group(1) for p in paths if (m := _SLURM_JOB.search(p))), None)
-    return Attribution(unit=unit, container_id=container_id, pod_uid=pod_uid, slurm_job=slurm_job,
-                       system_unit=_system_unit(text))
+def trusts_environment(attribution: Attribution) -> bool:
+    """Whether the process's SLURM_JOB_ID may name its job: it runs in slurmd's own unit, which no user can
+    put a process in, and no job cgroup names one already."""
+    return (attribution.slurm_job is None and attribution.system_unit is not None
+            and _SLURM_UNITS.fullmatch(attribution.system_unit) is not None)
 
 
 def slurm_job_from_environ(raw: bytes) -> str | None:

@@ -64,6 +64,8 @@ class Attribution:
     # The system service or scope that holds the process: the first unit under /system.slice (through slices
     # only). Unlike `unit`, a user cannot forge it: below a unit, cgroups are whatever its owner creates.
     system_unit: str | None = None
+    # The Slurm job came from SLURM_JOB_ID (readable by the owner and root only), not from a job cgroup.
+    job_from_environ: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,6 +76,9 @@ class GpuProcess(Process):
     # The system service or scope that holds the process (Attribution.system_unit): Guard's protection of
     # system units reads it, and unlike `unit` no user can forge it. Not on the bus (declared without wire()).
     system_unit: str | None = None
+    # Attribution.job_from_environ: visibility.py shows such a job to the owner and full viewers only. Not on
+    # the bus either.
+    job_from_environ: bool = False
 
 
 # The attribution's fields, as GpuProcess holds them flat.

@@ -6,7 +6,9 @@ gpukilld reads /proc as root, so it could hand any user what /proc hides from th
 - everyone sees their own processes in full;
 - of other users' processes, a caller sees what /proc would show them, and less where /proc is generous with
   secrets: the executable (/proc/PID/exe is ptrace-gated) never, the command line only up to its first word
-  (arguments carry tokens and passwords; /proc shows them to everyone by default, we do not repeat that);
+  (arguments carry tokens and passwords; /proc shows them to everyone by default, we do not repeat that),
+  and a Slurm job id only where a job cgroup names it (one read from SLURM_JOB_ID comes from
+  /proc/PID/environ, which only the owner and root may read);
 - where /proc is mounted with hidepid=noaccess (1), other users' processes are listed without anything /proc
   keeps for their owner (name, command line, unit, container), and with hidepid=invisible (2) or ptraceable (4)
   they are not listed at all; members of the mount's gid= group are exempt, as /proc makes them.
@@ -109,7 +111,9 @@ def seen_as(p: GpuProcess, others: str) -> GpuProcess | None:
     if others == FULL:
         return p
     if others == PROGRAM:
-        return dataclasses.replace(p, cmdline=first_word(p.cmdline), exe=None)
+        # a job id read from SLURM_JOB_ID goes where /proc/PID/environ goes: to the owner and root only
+        return dataclasses.replace(p, cmdline=first_word(p.cmdline), exe=None,
+                                   slurm_job=None if p.job_from_environ else p.slurm_job)
     if others == ANONYMOUS:
         # the system unit stays: systemd tells anyone a PID's unit (GetUnitByPID), and Guard's protection uses it
         return dataclasses.replace(p, comm="", cmdline="", exe=None, container_pid=None, unit=None,

@@ -118,8 +118,8 @@ def test_unknown_keys_and_wrong_types_from_the_daemon_are_ignored():
 
 
 def test_the_daemons_process_is_the_record_and_the_system_unit():
-    # The record's fields, and one more that is not on the bus: marshalled and listed exactly as a Process.
-    assert [f.name for f in dataclasses.fields(GpuProcess)] == [*names(Process), "system_unit"]
+    # The record's fields, and two more that are not on the bus: marshalled and listed exactly as a Process.
+    assert [f.name for f in dataclasses.fields(GpuProcess)] == [*names(Process), "system_unit", "job_from_environ"]
     assert names(GpuProcess) == names(Process)
     p = daemons(full(Process), system_unit="cron.service")
     assert to_dbus(p) == to_dbus(full(Process)) and to_plain(p) == to_plain(full(Process))
@@ -142,7 +142,7 @@ def test_a_reading_becomes_a_device_with_every_value():
 
 
 def test_the_sandbox_carries_every_field():
-    process = daemons(full(Process), system_unit="cron.service")
+    process = dataclasses.replace(daemons(full(Process), system_unit="cron.service"), job_from_environ=True)
     snapshot = Snapshot(generation=0, taken_at=0.0, devices=(full(Device),), processes=(process,),
                         backends=(), findings=(full(Finding),))
     assert snapshot_from_json(json.loads(json.dumps(snapshot_to_json(snapshot)))) == snapshot

@@ -8,9 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.cgroups import SLEEPER, Cgroups, controller_root, start_in, systemd_roots, why_no_cgroups
 from helpers.guard_inputs import FakeGroups, FakeTime, GiB, proc, snap
 from helpers.marks import needs_root
-from helpers.testbed import PYTHON, REPO, ROOT, SYSTEM_PYTHON
+from helpers.testbed import PYTHON, REPO, ROOT
 
 from gpukill.policy import load_texts
 from gpukill.records import Process
@@ -74,10 +75,18 @@ def test_the_cgroup_job_wins_over_the_environment(tmp_path):
 
 
 def test_without_a_job_cgroup_the_environment_names_the_job(tmp_path):
+    # proctrack/linuxproc: the task in slurmd's unit, SLURM_JOB_ID in its environment
+    pid = _fake_proc(tmp_path, "0::/system.slice/slurmd.service\n", b"A=1\0SLURM_JOB_ID=31\0")
+    info = ProcFS(str(tmp_path)).info(pid)
+    assert info is not None and info.attribution.slurm_job == "31" and info.attribution.job_from_environ
+    assert info.attribution.unit == "slurmd.service"  # the rest of the attribution is the cgroup's
+
+
+def test_outside_slurmds_unit_the_environment_names_no_job(tmp_path):
+    # a login session (or cron, a user unit): the user chose that environment
     pid = _fake_proc(tmp_path, "0::/user.slice/user-1000.slice/session-3.scope\n", b"A=1\0SLURM_JOB_ID=31\0")
     info = ProcFS(str(tmp_path)).info(pid)
-    assert info is not None and info.attribution.slurm_job == "31"
-    assert info.attribution.unit == "session-3.scope"  # the rest of the attribution is the cgroup's
+    assert info is not None and info.attribution.slurm_job is None
 
 
 def test_the_environment_is_read_bounded(tmp_path):
@@ -111,17 +120,32 @@ def test_what_is_not_a_job_id_is_refused(text):
         slurm_job_id(text)
 
 
-def _job_victim(bed, user, job: str | None, gpu: int = 0) -> subprocess.Popen:
-    """A process on a simulated GPU started as Slurm with proctrack/linuxproc starts a task: no job cgroup,
-    SLURM_JOB_ID in its environment."""
+def _slurm_cgroups(bed, user, job: str | None) -> list[Path]:
+    """Where slurmd puts a task: with proctrack/linuxproc in slurmd's unit (a name of the bed's own, so runs
+    side by side do not share it); with job set, in the job's cgroup as cgroup/v1 makes it (the freezer's
+    /slurm/uid_N/job_N/step_0). Made as root, removed when the bed stops (bed.cgroups, deepest first)."""
+    if why := why_no_cgroups():
+        pytest.skip(why)
+    made = Cgroups()
+    if job is not None:
+        dirs = [made.make(controller_root("freezer"), f"slurm/uid_{user.uid}/job_{job}/step_0")]
+    else:
+        dirs = [made.make(r, f"system.slice/slurmd@{bed.scope}.service") for r in systemd_roots()]
+    bed.cgroups.extend(sorted(made.made, key=lambda d: len(d.parts), reverse=True))
+    return dirs
+
+
+def _job_victim(bed, user, job: str | None, gpu: int = 0, comm: str | None = None,
+                job_cgroup: bool = False) -> subprocess.Popen:
+    """A process on a simulated GPU started as Slurm with proctrack/linuxproc starts a task: no job cgroup, in
+    slurmd's unit, SLURM_JOB_ID in its environment (job_cgroup: in the job's cgroup instead, as cgroup/v1 puts
+    it); named `comm` (prctl PR_SET_NAME, as any process may name itself) if given."""
     env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope}
     if job is not None:
         env["SLURM_JOB_ID"] = job
-    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time\nprint('ready', flush=True)\ntime.sleep(3600)\n"],
-                            stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True,
-                            **user.popen_kwargs())
+    rename = f"import ctypes\nctypes.CDLL(None).prctl(15, {comm.encode()!r}, 0, 0, 0)\n" if comm else ""
+    proc = start_in(user, _slurm_cgroups(bed, user, job if job_cgroup else None), env, rename + SLEEPER)
     bed.procs.append(proc)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     return proc
 
 
@@ -156,7 +180,8 @@ def test_kill_job_stops_the_jobs_processes_and_leaves_the_others(victims, users,
 @needs_root
 def test_kill_job_asks_polkit_for_each_process(victims, users, alive):
     bed = victims
-    theirs = _job_victim(bed, users["owner"], "77")
+    # in a job cgroup: the job is everyone's to see (one from SLURM_JOB_ID only its owner's, test_label_trust.py)
+    theirs = _job_victim(bed, users["owner"], "77", job_cgroup=True)
     bed.wait_listed(theirs.pid)
     cli = bed.ctl(users["other"], "kill", "--job", "77")  # another user's job: kill-any-process, denied
     assert cli.returncode == 4, cli
@@ -221,3 +246,19 @@ def test_the_epilog_fails_only_when_asked_to_drain(bed, tmp_path, drain, status)
     r = _run_script(bed, "epilog", env)
     assert r.returncode == status, r
     assert "gpukilld is not reachable" in r.stderr
+
+
+@needs_root
+def test_the_epilogs_line_keeps_a_process_name_with_backslashes(victims, users, tmp_path):
+    """A process names itself `x\\c`: dash's echo would stop printing at `\\c` (and act on any other backslash
+    escape), cutting the rest of what the epilog says; printf '%s' prints it as it is."""
+    bed = victims
+    ctl = f'exec {PYTHON} -m gpukillctl "$@"'
+    named = _job_victim(bed, users["owner"], "4343", gpu=1, comm="x\\c")
+    assert Path(f"/proc/{named.pid}/comm").read_text() == "x\\c\n"
+    bed.wait_listed(named.pid, comm="x\\c")  # it may have been sampled before it named itself
+    r = _run_script(bed, "epilog", _script_env(tmp_path, "4343", "1", ctl, GPUKILL_EPILOG_GRACE="1"))
+    assert r.returncode == 0, r
+    assert named.wait(5) is not None
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("gpukill-slurm: job 4343:")]
+    assert f"PID {named.pid} (x\\c) terminated" in line, r.stderr

@@ -92,6 +92,7 @@ class Violation:
     targets: tuple[Target, ...]  # the processes concerned: for action kill, those that would be stopped now
     reason: str
     at: float  # wall clock
+    reason_for_others: str = ""  # the reason as other users may read it (PolicyViolated goes to every listener)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,7 @@ class KillOrder:
     kill_grace: float
     dry_run: bool
     reason: str
+    reason_for_others: str = ""  # as Violation's
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +198,10 @@ class Preview:
     wait: float  # seconds until the action would be taken (durations, grace, cooldown still to run)
     pids: tuple[int, ...]
     reason: str
+    # The user whose process or processes the decision is about (None: a device), and the reason as a caller
+    # who may not see all reads it about another user's (condition_types' `withheld`): service.py picks.
+    uid: int | None = None
+    reason_for_others: str = ""
 
 
 def _uid_of(s: Subject) -> int | None:
@@ -311,9 +317,12 @@ class Engine:
         held_any = set().union(*held)
         return [s for s in cands if s.key in held_any or any(cc.test(s) for cc in c.instant)]
 
-    def _reason(self, st: RuleState, s: Subject) -> str:
+    def _reason(self, st: RuleState, s: Subject, for_others: bool = False) -> str:
+        """Each condition that holds with the subject's value; for_others: as a caller who may not see all reads
+        it about another user's subject (a withheld type named, not described)."""
         c = st.compiled
-        parts = [cc.describe(s) for cc in c.conditions if cc.test(s)]
+        parts = [cc.ctype.describe_for_others(cc.cond, cc.read(s)) if for_others else cc.describe(s)
+                 for cc in c.conditions if cc.test(s)]
         if c.selectors:
             parts.append(f"counting {len(s.procs)} process(es) with "  # type: ignore[union-attr]
                          + " and ".join(cc.cond.text for cc in c.selectors))
@@ -346,7 +355,7 @@ class Engine:
                 else:
                     concerned = [s] if isinstance(s, ProcView) else list(s.procs)
                 events.append(Violation(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in concerned),
-                                        self._reason(st, s), wall))
+                                        self._reason(st, s), wall, self._reason(st, s, for_others=True)))
             if rule.action == RESET:
                 self._reset(st, s, now, dry_run, cycle, events)  # type: ignore[arg-type]  # per_device only
                 continue
@@ -370,7 +379,7 @@ class Engine:
                 self.busy |= keys
             kill_grace = rule.kill_grace if rule.kill_grace is not None else settings.kill_grace
             events.append(KillOrder(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in victims), rule.force,
-                                    kill_grace, dry_run, self._reason(st, s)))
+                                    kill_grace, dry_run, self._reason(st, s), self._reason(st, s, for_others=True)))
         for key in [k for k in st.episodes if k not in held]:
             ep = st.episodes.pop(key)
             self.clocks_changed = True
@@ -496,7 +505,8 @@ class Engine:
                 for p in procs:
                     if p.key not in shown and all(sel.test(p) for sel in c.selectors) and c.holds_now(p):
                         why = PROTECTED if cycle.protection.covers(p) else "exempt or protected: never touched"
-                        out.append(Preview(rule.name, p.label, rule.action, "exempt", 0.0, (p.pid,), why))
+                        out.append(Preview(rule.name, p.label, rule.action, "exempt", 0.0, (p.pid,), why, p.uid,
+                                           why))
         return out
 
     def _preview_one(self, st: RuleState, s: Subject, now: float, cycle: Cycle) -> Preview:
@@ -522,7 +532,8 @@ class Engine:
         else:
             pids = (s.pid,) if isinstance(s, ProcView) else tuple(p.pid for p in s.procs)
             status = "now" if wait <= 0 else "waiting"
-        return Preview(rule.name, s.label, rule.action, status, max(0.0, wait), pids, self._reason(st, s))
+        return Preview(rule.name, s.label, rule.action, status, max(0.0, wait), pids, self._reason(st, s),
+                       _uid_of(s), self._reason(st, s, for_others=True))
 
     def _preview_reset(self, st: RuleState, device: DeviceView, wait: float, cycle: Cycle) -> Preview:
         """A reset rule's decision: the holders it would kill first (force), or why it waits for them."""
@@ -536,4 +547,4 @@ class Engine:
         else:
             status = "now" if wait <= 0 else "waiting"
         pids = tuple(p.pid for p in holders) if rule.force else ()
-        return Preview(rule.name, device.label, rule.action, status, max(0.0, wait), pids, reason)
+        return Preview(rule.name, device.label, rule.action, status, max(0.0, wait), pids, reason, None, reason)

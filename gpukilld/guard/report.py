@@ -73,10 +73,23 @@ def _pids(targets: tuple[Target, ...]) -> str:
                      for t in targets)
 
 
+@dataclass(frozen=True, slots=True)
+class GuardNotice(Notice):
+    """A notice and its body as other users may read it: the desktop channel sends it as the Notification
+    signal, which every listener on the bus gets; e-mail and webhook go to the admin's addresses, whole."""
+
+    body_for_others: str = ""
+
+
 def _notice(rule: Rule, event: str, summary: str, lines: list[str], data: dict[str, Any], host: str,
-            now: float) -> Notice:
-    return Notice(event, rule.name, str(data.get("subject", "")), summary, "\n".join(lines) + "\n",
-                  {"event": event, "rule": rule.name, "host": host, "time": now, "summary": summary, **data})
+            now: float, reason_for_others: str | None = None) -> GuardNotice:
+    """reason_for_others: the Why line as others may read it (engine: reason_for_others); None: as it is."""
+    reason = str(data.get("reason", ""))
+    shared = [f"Why: {reason_for_others}" if reason_for_others is not None and line == f"Why: {reason}" else line
+              for line in lines]
+    return GuardNotice(event, rule.name, str(data.get("subject", "")), summary, "\n".join(lines) + "\n",
+                       {"event": event, "rule": rule.name, "host": host, "time": now, "summary": summary, **data},
+                       "\n".join(shared) + "\n")
 
 
 def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
@@ -100,7 +113,8 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
                      [f"Host: {host}", f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
                       f"Subject: {ev.subject}", f"Why: {ev.reason}", f"What happens: {what}{dry}"],
                      {"subject": ev.subject, "reason": ev.reason, "action": rule.action, "dry_run": dry_run,
-                      "grace": rule.grace_period, "pids": [t.pid for t in ev.targets], "uid": ev.uid}, host, now)
+                      "grace": rule.grace_period, "pids": [t.pid for t in ev.targets], "uid": ev.uid}, host, now,
+                     ev.reason_for_others)
     return Report((Entry(journal, Violated(ev, dry_run), recent),), notice)
 
 
@@ -134,7 +148,8 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
                      [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
                       f"Dry run: would have stopped {_pids(order.targets)}; nothing was signalled"],
                      {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": True,
-                      "outcome": outcome, "pids": [t.pid for t in order.targets], "uid": order.uid}, host, now)
+                      "outcome": outcome, "pids": [t.pid for t in order.targets], "uid": order.uid}, host, now,
+                     order.reason_for_others)
     return Report(tuple(entries), notice)
 
 
@@ -156,7 +171,7 @@ def kill_done(order: KillOrder, t: Target, outcome: str, error: str, host: str, 
                      [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
                       f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}"],
                      {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": False,
-                      "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now)
+                      "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now, order.reason_for_others)
     return Report((Entry(journal, signal, recent),), notice)
 
 

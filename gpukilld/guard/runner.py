@@ -13,6 +13,7 @@ Nothing here may raise into the daemon: a failure is logged and audited, and the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import socket
@@ -393,6 +394,10 @@ class GuardRunner:
                        rule=notice.rule, subject=notice.subject)
 
     def _desktop_notice(self, notice: Notice) -> None:
+        """Notification goes to every listener on the bus, not only the user it is for: its body says why only
+        as other users may read it (report.GuardNotice); the e-mail and the webhook say it whole."""
+        if isinstance(notice, report.GuardNotice):
+            notice = dataclasses.replace(notice, body=notice.body_for_others)
         self.signals.notification(notice, notice.data.get("uid"))
 
     def _delivery_failed(self, target: str, notice: Notice, error: str) -> None:

@@ -6,8 +6,9 @@ and the caller's view of the snapshot (what the caller may list, see visibility.
 oracle for other users' command lines) as JSON on stdin, parses and previews it, and prints a bounded result
 as JSON. It runs confined, and fails closed: it exits before reading anything unless it dropped every
 privilege (setgroups, setgid, setuid to a dedicated account, checked afterwards), under CPU, memory, core, file
-and process limits, at the lowest CPU priority. The daemon runs at most one test per uid and MAX_CONCURRENT in
-all, reads at most MAX_OUTPUT bytes back, and kills a child that runs over CHILD_TIMEOUT.
+and process limits, at the lowest CPU priority. The daemon runs at most one test per person (a uid and its
+subordinate uids, people.py) and MAX_CONCURRENT in all, reads at most MAX_OUTPUT bytes back, and kills a child
+that runs over CHILD_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import pwd
 import resource
+import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,7 @@ from gpukill.records import Finding, from_plain, to_plain
 from gpukill.text import bounded
 
 from ..model import Device, GpuProcess, Snapshot
+from ..people import People, shared
 
 if TYPE_CHECKING:
     from .conditions import Protection
@@ -73,18 +76,20 @@ def sandbox_ids() -> tuple[int, int]:
 
 
 def snapshot_to_json(snapshot: Snapshot) -> dict[str, Any]:
-    """The devices and processes as the bus carries them (records.to_plain), each process with its system
-    unit beside it: the one thing conditions read that is not on the bus."""
+    """The devices and processes as the bus carries them (records.to_plain), each process with what the daemon
+    holds beside it: its system unit (conditions read it) and where its Slurm job came from."""
     return {
         "devices": [to_plain(d) for d in snapshot.devices],
-        "processes": [{**to_plain(p), "system_unit": p.system_unit} for p in snapshot.processes],
+        "processes": [{**to_plain(p), "system_unit": p.system_unit, "job_from_environ": p.job_from_environ}
+                      for p in snapshot.processes],
         "findings": [to_plain(f) for f in snapshot.findings],  # what rogue_score and rogue_kind read
     }
 
 
 def snapshot_from_json(data: dict[str, Any]) -> Snapshot:
     devices = tuple(from_plain(Device, d) for d in data["devices"])
-    processes = tuple(dataclasses.replace(from_plain(GpuProcess, p), system_unit=p["system_unit"])
+    processes = tuple(dataclasses.replace(from_plain(GpuProcess, p), system_unit=p["system_unit"],
+                                          job_from_environ=bool(p.get("job_from_environ")))
                       for p in data["processes"])
     findings = tuple(from_plain(Finding, f) for f in data.get("findings", ()))
     return Snapshot(generation=0, taken_at=0.0, devices=devices, processes=processes, backends=(),
@@ -92,23 +97,25 @@ def snapshot_from_json(data: dict[str, Any]) -> Snapshot:
 
 
 class Sandbox:
-    def __init__(self) -> None:
-        self._running: set[int] = set()  # uids with a test in a child now
+    def __init__(self, people: People | None = None) -> None:
+        self._people = people if people is not None else shared()  # whom a uid's test is charged to
+        self._running: set[int] = set()  # persons with a test in a child now
         self._ids: tuple[int, int] | None = None
 
     async def preview(self, name: str, text: str, snapshot: Snapshot, own_pid: int, uid: int,
                       protection: Protection) -> list[dict[str, Any]]:
         """The previews as dicts (see engine.Preview); PolicyError when the policy is invalid, TooBusy when
-        the caller already has a test running or all children are busy."""
-        if uid in self._running:
-            raise TooBusy(f"uid {uid} already has a policy test running; wait for it")
+        the caller's person already has a test running or all children are busy."""
+        person = self._people.person(uid)
+        if person in self._running:
+            raise TooBusy(f"{self._people.charged(uid)} already has a policy test running; wait for it")
         if len(self._running) >= MAX_CONCURRENT:
             raise TooBusy("too many policy tests at once; try again in a moment")
-        self._running.add(uid)
+        self._running.add(person)
         try:
             return await self._run(name, text, snapshot, own_pid, protection)
         finally:
-            self._running.discard(uid)
+            self._running.discard(person)
 
     async def _run(self, name: str, text: str, snapshot: Snapshot, own_pid: int,
                    protection: Protection) -> list[dict[str, Any]]:
@@ -125,6 +132,7 @@ class Sandbox:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gpukilld.guard.sandbox", str(uid), str(gid), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd="/")
+        pidfd = _pidfd(proc.pid)  # before anything can end it: the child takes tens of ms to start Python
         try:
             out, err = await asyncio.wait_for(_exchange(proc, request), CHILD_TIMEOUT)
         except TimeoutError:
@@ -134,8 +142,7 @@ class Sandbox:
             raise GpukillError(f"evaluating the policy gave more than {MAX_OUTPUT >> 20} MiB of results; "
                                "nothing was done") from None
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            _stop(proc, pidfd)
             await proc.wait()
         try:
             reply = json.loads(out)
@@ -145,6 +152,29 @@ class Sandbox:
         if not reply.get("ok"):
             raise PolicyError(reply.get("errors") or [f"{name}:1:1: invalid policy"])
         return reply["previews"]
+
+
+def _pidfd(pid: int) -> int | None:
+    with contextlib.suppress(OSError, AttributeError):  # gone already, descriptors exhausted, a kernel before 5.3
+        return os.pidfd_open(pid)
+    return None
+
+
+def _stop(proc: asyncio.subprocess.Process, pidfd: int | None) -> None:
+    """SIGKILL the child (done or not) without reaping it: asyncio's child watcher reaps it and reports its
+    status. Not Process.kill(): Popen.send_signal() polls first, and when the child has just exited that poll
+    reaps it under the watcher's waitpid(), which then logs "Unknown child process pid N" (a line in the
+    daemon's journal for any caller's test). The pidfd names this child even once it is reaped."""
+    if pidfd is None:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)  # still ours: the watcher has not reported it reaped
+        return
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
 
 
 async def _exchange(proc: asyncio.subprocess.Process, request: bytes) -> tuple[bytes, bytes]:
@@ -225,8 +255,10 @@ def main() -> int:
 
 def bounded_previews(previews: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """At most MAX_PREVIEWS decisions with reasons of at most MAX_REASON characters; when some were left out,
-    a last record with status "truncated" says how many."""
-    out = [{**p, "reason": p["reason"][:MAX_REASON]} for p in previews[:MAX_PREVIEWS]]
+    a last record with status "truncated" says how many. The engine's reason_for_others is not sent: where it
+    applies, service.py has put it in place of the reason already."""
+    out = [{**{k: v for k, v in p.items() if k != "reason_for_others"}, "reason": p["reason"][:MAX_REASON]}
+           for p in previews[:MAX_PREVIEWS]]
     if len(previews) > MAX_PREVIEWS:
         out.append({"rule": "", "subject": "", "action": "", "status": "truncated", "wait": 0.0, "pids": [],
                     "reason": f"{len(previews) - MAX_PREVIEWS} more decisions not shown", "more":

@@ -7,6 +7,11 @@ table gives them (manage-guard); the bouncer audits a denial, the runner what it
 identified from the message the Door (bus.py) remembered for this call, as for the Manager interface. The
 runner's events reach the signals here through main, which wires them. Every reply is bounded: at most
 MAX_REPORT entries per list, MAX_PREVIEWS decisions.
+
+Reasons follow the viewer as listings do: about another user's process or user, a caller who may not see all
+gets the reason as the engine words it for others (reason_for_others: a condition type that reads what
+visibility.py and AuditRogue withhold is named, "rogue_score withheld", not described), in TestPolicies of the
+policy in force, in GetStatus's windows and in PolicyViolated, which every listener on the bus receives.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 from dbus_fast import DBusError
 from dbus_fast.service import ServiceInterface, method, signal
 
+from gpukill.condition_types import CONDITION_TYPES
 from gpukill.errors import InvalidArgs
 from gpukill.policy import check_text
 from gpukill.records import Decision, GuardStatus, PolicyLoaded, ViolationDetails, from_plain
@@ -57,9 +63,18 @@ def view_snapshot(snapshot: Snapshot, viewer: Viewer) -> Snapshot:
     return dataclasses.replace(snapshot, processes=seen, findings=tuple(findings_as_seen(snapshot.findings, viewer)))
 
 
+def _theirs(uid: int | None, viewer: Viewer) -> bool:
+    """Whether an entry about this user's subject is another user's to this viewer, who may not see all."""
+    return viewer.others != FULL and uid is not None and uid != viewer.uid
+
+
 def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer: Viewer) -> list[dict[str, Any]]:
-    """Decisions of the policy in force as the viewer may see them: where /proc hides other users' processes
-    (hidepid), a decision about only hidden processes is left out and hidden PIDs are taken out of the rest."""
+    """Decisions of the policy in force as the viewer may see them: about another user's subject with the
+    reason as others may read it (engine.Preview.reason_for_others: no value or text of what ListProcesses and
+    AuditRogue withhold from them); where /proc hides other users' processes (hidepid), a decision about only
+    hidden processes is left out and hidden PIDs are taken out of the rest."""
+    previews = [{**d, "reason": d["reason_for_others"]} if _theirs(d.get("uid"), viewer) else d
+                for d in previews]
     if viewer.others in (FULL, PROGRAM):
         return previews
     mine = {p.pid for p in snapshot.processes if p.uid == viewer.uid}
@@ -72,16 +87,27 @@ def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer
     return out
 
 
+def _condition_for_others(text: str) -> str:
+    """A window's condition as others may read it about another user's subject (condition_types' `withheld`):
+    its type where its text would say what the subject's withheld facts matched."""
+    ctype = CONDITION_TYPES.get(text.split(" ", 1)[0])
+    return f"{ctype.name} withheld" if ctype is not None and ctype.withheld else text
+
+
 def status_as_seen(status: GuardStatus, viewer: Viewer) -> GuardStatus:
     """The guard's status as the viewer may see it, bounded: windows and graces are one entry per subject (as
     many as processes), so at most MAX_REPORT of each with a count of the rest. Where /proc hides other users'
-    processes (hidepid), entries about another user's process or user are left out (devices stay)."""
+    processes (hidepid), entries about another user's process or user are left out (devices stay); a window
+    about another user's subject names a withheld condition by its type only, as reasons do."""
     hides = viewer.others not in (FULL, PROGRAM)
     bounded: dict[str, Any] = {}
     for key in ("windows", "graces", "recent"):
         entries = getattr(status, key)
         if hides:
             entries = tuple(e for e in entries if e.uid is None or e.uid == viewer.uid)
+        if key == "windows":
+            entries = tuple(dataclasses.replace(e, condition=_condition_for_others(e.condition))
+                            if _theirs(e.uid, viewer) else e for e in entries)
         if len(entries) > MAX_REPORT:
             bounded[f"{key}_more"] = len(entries) - MAX_REPORT
             entries = entries[:MAX_REPORT]
@@ -160,7 +186,8 @@ class GuardInterface(ServiceInterface):
 
     @signal()
     def PolicyViolated(self, event: Violation, dry_run: bool) -> "sssba{sv}":
-        details = to_dbus(ViolationDetails(scope=event.rule.scope, reason=event.reason,
+        # every listener on the bus gets it: the reason as other users may read it (the journal has it whole)
+        details = to_dbus(ViolationDetails(scope=event.rule.scope, reason=event.reason_for_others,
                                            grace=event.rule.grace_period, uid=event.uid,
                                            pids=tuple(t.pid for t in event.targets), time=event.at))
         return [event.rule.name, event.subject, event.rule.action, dry_run, details]
