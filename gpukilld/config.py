@@ -21,7 +21,8 @@
     idle_min_memory = 256MiB         # less than this held idle is not reported
     abuser_window = 3600             # seconds over which users' shares of GPU memory and time are compared
     abuser_share = 80                # percent of the memory (or time) used in the window: an abuser
-    pool_ports = 3333 4444 5555 ...  # TCP ports of mining pools; empty: none
+    pool_ports = 3333 4444 5555 ...  # TCP ports of mining pools; empty: none. Ports inside the host's
+                                     # ephemeral range (net.ipv4.ip_local_port_range) are ignored, logged
 
     [notify]                         # where guard e-mail goes: a relay that delivers onwards (postfix, ...)
     smtp_host = localhost
@@ -36,6 +37,7 @@ names the file and line.
 from __future__ import annotations
 
 import configparser
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -43,6 +45,9 @@ from dataclasses import dataclass
 from gpukill.errors import ConfigError
 from gpukill.units import parse_size
 
+from .sockets import ephemeral_range, outside_range
+
+log = logging.getLogger("gpukilld")
 DEFAULT_PATH = "/etc/gpukill/gpukilld.conf"
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 3600.0
 LOGIN_DEFS = "/etc/login.defs"
@@ -57,8 +62,11 @@ DEFAULT_PROTECTED_UNITS = (
 _UNIT_PATTERN = re.compile(r"[A-Za-z0-9:_.@\\*?\[\]-]*(?:\.service|\.scope|\*)")  # a unit name, or a pattern of one
 
 
-# Ports of mining pools' stratum endpoints (each pool publishes its own; these are the common ones).
-DEFAULT_POOL_PORTS = (3333, 3334, 3357, 4444, 5555, 6666, 7777, 8888, 9999, 14433, 14444, 45560, 45700)
+# Ports of mining pools' stratum endpoints (each pool publishes its own; these are the common ones). Not here:
+# 8888 (Jupyter's default: a notebook's clients connect to it) and 45560, 45700 (ethermine's and 2miners' SSL
+# ports, but inside Linux's default ephemeral range 32768-60999, where every busy server's clients have their
+# source ports): a pool port must be one that only a connection to a pool goes to.
+DEFAULT_POOL_PORTS = (3333, 3334, 3357, 4444, 5555, 6666, 7777, 9999, 14433, 14444)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,5 +270,13 @@ def _audit(parser: configparser.ConfigParser, path: str) -> AuditSettings:
         words = section["pool_ports"].replace(",", " ").split()
         if not all(w.isdigit() and 1 <= int(w) <= 65535 for w in words):
             raise ConfigError(f"{where('pool_ports')}: pool_ports must be TCP ports (1 to 65535)")
-        values["pool_ports"] = tuple(dict.fromkeys(int(w) for w in words))
+        ports = tuple(dict.fromkeys(int(w) for w in words))
+        span = ephemeral_range()
+        usable = outside_range(ports, span)
+        if span is not None and len(usable) < len(ports):
+            inside = ", ".join(str(p) for p in ports if p not in usable)
+            log.warning("%s: pool_ports %s ignored: inside the ephemeral port range %d-%d "
+                        "(net.ipv4.ip_local_port_range), where any client's source port may lie",
+                        where("pool_ports"), inside, *span)
+        values["pool_ports"] = usable
     return AuditSettings(**values)  # type: ignore[arg-type]

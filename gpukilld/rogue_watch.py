@@ -5,8 +5,9 @@ History kept here, and only here:
 - since when each process has held memory at 0% utilization (idle holders);
 - each user's GPU memory-seconds and utilization-seconds over the last abuser_window (abusers), as running
   sums over one entry per sample.
-Host facts read here: each GPU process's TCP connections to pool ports (gpukilld/sockets.py), cached per
-process for SOCKETS_TTL seconds or a little more, each network namespace's tables read once per round.
+Host facts read here: each GPU process's outbound TCP connections to pool ports (gpukilld/sockets.py: sock_diag
+per network namespace, within a budget per round), cached per process for SOCKETS_TTL seconds or a little more.
+A process due for a read that the round's budget does not reach waits, first in line, for the next round.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from gpukill.records import Finding
 
 from . import sockets
 from .config import AuditSettings
+from .exe_replaced import ExeLookups
 from .model import GpuProcess
 from .rogue import ProcessFacts, UserFacts, process_findings, ranked
-from .sockets import Peer
+from .sockets import Peer, PoolConnections, RoundBudget
 
 # Seconds before a process's connections are read again (spread up to 1.5 times that, so that not every process
 # is read in one sample): reading the descriptors of thousands of GPU processes every 10 s cost the daemon more
 # than the rest of its sampling (bench/idle_cost). A miner connects at start, when it is read at once.
 SOCKETS_TTL = 60.0
+EPHEMERAL_TTL = 60.0  # seconds between reads of net.ipv4.ip_local_port_range (an admin may change it)
 MAX_GAP = 60.0  # seconds: a longer pause between samples (a suspended host) counts as this long
 
 
@@ -52,18 +55,33 @@ class _Usage:
     unknown_util: bool = False  # a device could not read its utilization: it is not known to be 0
 
 
+def _program(u: _Usage) -> tuple[str | None, str]:
+    """What a process runs: an exec changes it (and its connections are read again)."""
+    return u.p.exe, u.p.cmdline
+
+
 class RogueWatch:
     """Called once per sample. Work is kept in proportion to what changed: while the sample's processes are the
     last sample's (the sampler hands back the same records), their sums, idle clocks and findings are kept, and
     only the processes whose connections are due for a re-read, or that hold memory idle, are looked at again.
     The findings are the same as evaluating every process every sample (rogue.evaluate)."""
 
-    def __init__(self, proc_root: str, settings: AuditSettings | None = None) -> None:
+    def __init__(self, proc_root: str, settings: AuditSettings | None = None,
+                 budget: RoundBudget | None = None) -> None:
         self.proc_root = proc_root
         self.settings = settings or AuditSettings()  # replaced on reload
         self._idle_since: dict[tuple[int, int], float] = {}
         self._peers: dict[tuple[int, int], tuple[tuple[Peer, ...], float]] = {}
+        # What each process was (exe, command line) when its connections were read: a process that execs into
+        # another program is read again in that sample, not a TTL later (the proc connector shows the exec at once).
+        self._read_as: dict[tuple[int, int], tuple[str | None, str]] = {}
         self._peers_due: list[tuple[float, tuple[int, int]]] = []  # heap of (when, key): the next re-reads
+        self._connections = PoolConnections(proc_root, budget)
+        self._exe_lookups = ExeLookups(proc_root)  # deleted executables: replaced by an upgrade, or not
+        # Processes due for a read that a round's budget did not reach, in the order they became due (a dict
+        # for its order): the next round starts with them.
+        self._waiting: dict[tuple[int, int], None] = {}
+        self._ephemeral: tuple[float, tuple[int, int] | None] | None = None  # (read at, range)
         # One entry per sample: (time, seconds it stands for, {uid: (memory, utilization)}), and the sums.
         self._window: collections.deque[tuple[float, float, dict[int, tuple[int, float]]]] = collections.deque()
         self._memory_seconds: dict[int, float] = collections.defaultdict(float)
@@ -113,14 +131,17 @@ class RogueWatch:
         # What ProcessFacts is made of, not the whole record: utilization moves every sample on a busy GPU and
         # counts here only through the idle clock, so re-scoring on it cost every process's rules each sample.
         p = u.p
-        inputs = (p.uid, p.user, p.comm, p.cmdline, p.exe, u.devices, u.memory, peers,
+        # A deleted executable is looked up (lstat, in the process's mount namespace; again after RECHECK): an
+        # upgrade that put a new file at its path is no evidence, and the answer is part of the inputs.
+        replaced = self._exe_lookups(key, p.exe, now)
+        inputs = (p.uid, p.user, p.comm, p.cmdline, p.exe, replaced, u.devices, u.memory, peers,
                   idle_for is not None and idle_for >= settings.idle_after)
         last = self._found.get(key)
         if last is not None and last[0] == inputs:
             return False
         facts = ProcessFacts(pid=u.p.pid, start_time=u.p.start_time, uid=u.p.uid, user=u.p.user, comm=u.p.comm,
                              cmdline=u.p.cmdline, exe=u.p.exe, home=home_of(u.p.uid), devices=tuple(u.devices),
-                             gpu_memory=u.memory, pool_peers=peers, idle_for=idle_for)
+                             gpu_memory=u.memory, pool_peers=peers, exe_replaced=replaced, idle_for=idle_for)
         found = process_findings(facts, settings)
         self._found[key] = (inputs, found)
         return last is None or last[1] != found
@@ -196,37 +217,48 @@ class RogueWatch:
                 for uid, (name, devices, memory) in self._now_by_uid.items()]
 
     def _refresh_peers(self, usages: dict[tuple[int, int], _Usage], now: float, fresh: bool) -> set[tuple[int, int]]:
-        """Connections to pool ports of the processes read SOCKETS_TTL ago or more (or never), each network
-        namespace's tables read at most once per round; the processes read."""
+        """Outbound connections to pool ports of the processes read SOCKETS_TTL ago or more (or never), as far as
+        the round's budget goes (the rest wait for the next round, first in line); the processes read."""
         if fresh:
             for key in self._peers.keys() - usages.keys():
                 del self._peers[key]  # processes gone from the GPUs are forgotten
-            due = {key for key in usages if key not in self._peers}
-        else:
-            due = set()
+                self._read_as.pop(key, None)
+            for key in self._waiting.keys() - usages.keys():
+                del self._waiting[key]
+            self._connections.forget(usages.keys())
+            for key, u in usages.items():
+                if key not in self._peers or self._read_as.get(key) != _program(u):
+                    self._waiting.setdefault(key)
         while self._peers_due and self._peers_due[0][0] <= now:
             _, key = heapq.heappop(self._peers_due)
             cached = self._peers.get(key)
-            if cached is not None and now - cached[1] >= SOCKETS_TTL:
-                due.add(key)
-        if not due:
-            return due
-        ports = frozenset(self.settings.pool_ports)
-        tables: dict[int | None, dict[int, Peer]] = {}
-        for key in due:
-            pid = key[0]
-            peers: tuple[Peer, ...] = ()
-            inodes = sockets.socket_inodes(self.proc_root, pid) if ports else set()
-            if inodes:
-                netns = sockets.netns_of(self.proc_root, pid)
-                table = tables.get(netns)
-                if table is None:
-                    table = tables[netns] = sockets.read_tables(self.proc_root, pid)
-                peers = tuple(sorted({table[i] for i in inodes if i in table and table[i].port in ports},
-                                     key=lambda peer: (peer.address, peer.port)))
+            if cached is not None and now - cached[1] >= SOCKETS_TTL and key in usages:
+                self._waiting.setdefault(key)
+        if not self._waiting:
+            return set()
+        ports = sockets.outside_range(self.settings.pool_ports, self._ephemeral_range(now))
+        # "new" for the socket layer: never read, or read as another program (a fresh dump of the host's namespace)
+        read = self._connections.read([(key, key[0], usages[key].p.uid) for key in self._waiting], ports,
+                                      new=(key for key in self._waiting
+                                           if key not in self._peers or self._read_as.get(key) != _program(usages[key])))
+        for key, peers in read.items():
+            del self._waiting[key]
             self._peers[key] = (peers, now)
-            heapq.heappush(self._peers_due, (now + SOCKETS_TTL * (1 + (pid % 64) / 128), key))
+            self._read_as[key] = _program(usages[key])
+            heapq.heappush(self._peers_due, (now + SOCKETS_TTL * (1 + (key[0] % 64) / 128), key))
         if len(self._peers_due) > 2 * len(self._peers) + 64:  # entries of forgotten processes
             self._peers_due = [(when, key) for when, key in self._peers_due if key in self._peers]
             heapq.heapify(self._peers_due)
-        return due
+        return set(read)
+
+    def _ephemeral_range(self, now: float) -> tuple[int, int] | None:
+        """The host's ephemeral port range, read again every EPHEMERAL_TTL seconds: pool ports inside it are
+        not used (gpukilld/config.py leaves them out of the configuration already, with a log line)."""
+        if self._ephemeral is None or now - self._ephemeral[0] >= EPHEMERAL_TTL:
+            self._ephemeral = (now, sockets.ephemeral_range())
+        return self._ephemeral[1]
+
+    @property
+    def sockets_round(self) -> dict[str, float]:
+        """What the last round of socket reads spent and deferred (seconds, namespaces, bytes, fds, ...)."""
+        return dict(self._connections.last_round, waiting=len(self._waiting))

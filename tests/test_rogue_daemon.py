@@ -12,11 +12,11 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
+from helpers import pools
 from helpers.marks import needs_root
 from helpers.testbed import ADMIN_RULES, PYTHON, ROOT, SYSTEM_PYTHON, Testbed, User
 from helpers.waiting import wait_until
@@ -62,9 +62,9 @@ def finding_of(bed: Testbed, user: User, pid: int, kind: str) -> dict | None:
 def rbed(users):
     """A private system with the audit's thresholds made short, and a pool of our own on loopback."""
     b = Testbed()
-    pool = socket.socket()
-    pool.bind(("127.0.0.1", 0))
-    pool.listen(16)  # connections complete in the backlog; nobody needs to accept them
+    # connections complete in the backlog; nobody needs to accept them. Its port lies outside the ephemeral range
+    # (the audit ignores pool ports inside it), on 127.0.0.1 or another loopback address.
+    pool = pools.listen(pools.free_pool_port(), 16)
     exe = f"/tmp/x-{b.scope}"  # the miner's executable, under /tmp
     shutil.copy(SYSTEM_PYTHON, exe)
     try:
@@ -171,9 +171,7 @@ def noaccess(fresh_bed, users):
                    check=True)
     exe = f"/tmp/x-{bed.scope}"
     shutil.copy(SYSTEM_PYTHON, exe)
-    pool = socket.socket()
-    pool.bind(("127.0.0.1", 0))
-    pool.listen(16)
+    pool = pools.listen(pools.free_pool_port(), 16)
     try:
         bed.start_polkit([ADMIN_RULES])
         bed.write_conf(paths={"proc": proc}, audit={"idle_after": 0, "idle_min_memory": "1MiB",

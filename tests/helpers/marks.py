@@ -17,3 +17,6 @@ def _why_not() -> str | None:
 
 SKIP_REASON = _why_not()
 needs_root = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+# Tests that take over ~60 s: they still run in CI (make test); `pytest -m "not slow"` leaves them out of a quick
+# local run.
+slow = pytest.mark.slow
