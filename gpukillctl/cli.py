@@ -297,6 +297,8 @@ async def cmd_status(client: ClientAPI, args: argparse.Namespace) -> int:
     procs = await client.list_processes()
     lost = [d for d in devices if d.state != STATE_OK]
     print(f"gpukilld {status.version}, sampling every {status.sample_interval:g}s")
+    if status.sampling is not None:  # events: a process's exec or rename is seen in the next sample
+        print(shown(f"process changes: {status.sampling.mode} - {status.sampling.detail}"))
     print(f"{len(devices)} GPUs ({len(lost)} lost), {len(procs)} GPU processes")
     print("backends:")
     if not status.backends:

@@ -32,7 +32,15 @@ from gpukill.records import Device, Process, from_plain, names
 # records.X in the methods that return them, so that their modules load when those run, not at every start
 # (gpukill/records/__init__.py).
 if TYPE_CHECKING:
-    from gpukill.records import BackendStatus, Decision, Finding, GuardStatus, PolicyLoaded, ResetReply
+    from gpukill.records import (
+        BackendStatus,
+        Decision,
+        Finding,
+        GuardStatus,
+        PolicyLoaded,
+        ResetReply,
+        SamplingStatus,
+    )
 
 BUS_NAME = "org.gpukill1"
 OBJECT_PATH = "/org/gpukill1"
@@ -96,11 +104,12 @@ class Var(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class DaemonStatus:
-    """The Manager's properties: Version, SampleInterval, Backends."""
+    """The Manager's properties: Version, SampleInterval, Backends, Sampling."""
 
     version: str
     sample_interval: float  # seconds between samples: listings are at most this old
     backends: tuple[BackendStatus, ...]
+    sampling: SamplingStatus | None = None  # None: a daemon from before the Sampling property
 
 
 class ClientAPI:
@@ -195,10 +204,12 @@ class ClientAPI:
 
     async def status(self) -> DaemonStatus:
         (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")
+        sampling = props.get("Sampling")
         return DaemonStatus(
             version=props["Version"],
             sample_interval=props["SampleInterval"],
             backends=tuple(records.BackendStatus(n, bool(a), d) for n, a, d in props["Backends"]),
+            sampling=from_plain(records.SamplingStatus, sampling) if isinstance(sampling, dict) else None,
         )
 
     # -- Guard Mode (org.gpukill1.Guard) ---------------------------------------------------------------

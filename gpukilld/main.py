@@ -41,6 +41,7 @@ from .killer import Killer
 from .manager import ManagerInterface
 from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
 from .names import BUS_NAME, OBJECT_PATH
+from .proc_events import open_for as open_proc_events
 from .procfs import ProcFS
 from .refusals import RefusalLog
 from .rogue_watch import RogueWatch
@@ -225,10 +226,15 @@ class Daemon:
         self.bus = bus
         self.proc_rules = read_proc_rules(self.config.proc_root)  # hidepid: what /proc shows users of each other
         self.bouncer = bouncer = Bouncer(bus, RefusalLog(self.audit), proc_rules=lambda: self.proc_rules)
+        procfs = ProcFS(self.config.proc_root)
+        # What processes become, from the kernel (gpukilld/proc_events.py); where it cannot, the sampler polls.
+        events = open_proc_events(procfs.is_this_hosts())
+        if not events.listening:
+            log.info("the kernel's proc connector is unavailable (%s): polling", events.reason)
         self.sampler = Sampler(
-            backends, self.config.sample_interval, ProcFS(self.config.proc_root), self._publish,
+            backends, self.config.sample_interval, procfs, self._publish,
             watchdog=lambda: self.notifier.notify("WATCHDOG=1"), watchdog_interval=self._watchdog_interval(),
-            audit=RogueWatch(self.config.proc_root, self.config.audit),
+            audit=RogueWatch(self.config.proc_root, self.config.audit), events=events,
         )
         self.actions = Actions(
             snapshot=lambda: self.snapshot, backends={b.name: b for b in backends}, bouncer=bouncer,
@@ -236,7 +242,7 @@ class Daemon:
             resample=self.next_snapshot,
         )
         self.manager = ManagerInterface(lambda: self.snapshot, self.actions, bouncer,
-                                        lambda: self.sampler.interval)
+                                        lambda: self.sampler.interval, self.sampler.sampling_status)
         self.manager.bus = bus
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
                                  self.config.guard_policy_dir, self.config.guard_state_dir,

@@ -15,7 +15,7 @@ from typing import BinaryIO
 from gpukill.procstat import ProcStat, read_stat
 from gpukill.text import bounded
 
-from .attribution import parse_cgroup, slurm_job_from_environ
+from .attribution import parse_cgroup, slurm_job_from_environ, trusts_environment
 from .model import Attribution
 
 # Text a process controls is bounded where it is read, so no record, reply or condition grows with it.
@@ -23,8 +23,9 @@ MAX_CMDLINE = 4096  # bytes of UTF-8; longer command lines end in CUT_MARKER
 CUT_MARKER = " …[cut]"
 MAX_EXE = 4096  # PATH_MAX
 MAX_CGROUP = 65536  # /proc/PID/cgroup: a line per hierarchy, each at most PATH_MAX
-# /proc/PID/environ, read for SLURM_JOB_ID where the cgroup names no job. Environments are a few KiB; a variable
-# past this many bytes is not looked for, so one sample's reads stay small whatever a process puts there.
+# /proc/PID/environ, read for SLURM_JOB_ID where the cgroup names no job and slurmd's unit holds the process
+# (attribution.trusts_environment). Environments are a few KiB; a variable past this many bytes is not looked
+# for, so one sample's reads stay small whatever a process puts there.
 MAX_ENVIRON = 131072
 _PROC_ROOT_INO = 1  # fs/proc/internal.h PROC_ROOT_INO: the root of every procfs mount
 
@@ -181,8 +182,8 @@ class ProcFS:
                 attribution = parse_cgroup(f.read(MAX_CGROUP))
         except OSError:
             attribution = Attribution()
-        if attribution.slurm_job is None:
-            attribution = dataclasses.replace(attribution, slurm_job=self.slurm_job(pid))
+        if trusts_environment(attribution) and (job := self.slurm_job(pid)) is not None:
+            attribution = dataclasses.replace(attribution, slurm_job=job, job_from_environ=True)
         return ProcInfo(
             pid=pid,
             start_time=stat.start_time,

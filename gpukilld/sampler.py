@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gpukill.records import SAMPLING_EVENTS, SAMPLING_POLLING, SamplingStatus
+
 from .backends import Backend, BackendSample
 from .model import (
     ATTRIBUTED,
@@ -32,6 +34,7 @@ from .model import (
     Snapshot,
     numbered,
 )
+from .proc_events import ProcEvents
 from .procfs import ProcFS, ProcInfo
 
 log = logging.getLogger(__name__)
@@ -41,9 +44,14 @@ log = logging.getLogger(__name__)
 _FROM_HOST = tuple(f.name for f in dataclasses.fields(ProcInfo) if f.name != "attribution")
 _FROM_BACKEND = tuple(f.name for f in dataclasses.fields(ProcessUsage) if f.name not in _FROM_HOST)
 
-# A process's /proc facts are read when it first shows up, then: its stat (name, start time) every sample while
-# it is YOUNG (fork, exec and a rename by prctl come early), then every STAT_TTL (spread up to 1.5 STAT_TTL),
-# with its command line, exe and cgroup again when its name changed or every INFO_TTL (cgroup moves are rare).
+# A process's /proc facts are read when it first shows up, then again all of them when the kernel's proc
+# connector says it exec'd, renamed itself (prctl PR_SET_NAME, /proc/PID/comm) or changed its uid: in the next
+# sample (gpukilld/proc_events.py). No event tells a cgroup move or a command line rewritten in place
+# (setproctitle), so every INFO_TTL (spread up to 1.5 INFO_TTL) it is read again all the same.
+# Without the connector (polling: not root, not the host's namespaces, a unit without AF_NETLINK) the sampler
+# looks for those changes itself: its stat (name, start time) every sample while it is YOUNG (fork, exec and a
+# rename come early), then every STAT_TTL (spread up to 1.5 STAT_TTL), with its command line, exe and cgroup
+# again when its name changed or every INFO_TTL; what an older process becomes is then seen up to 45 s late.
 # Whether it still runs is its backend's to say, each sample. Reading every GPU process's files every second
 # cost more than everything else the daemon does on a busy host (bench/idle_cost).
 YOUNG = 10.0
@@ -77,6 +85,7 @@ class Sampler:
         watchdog: Callable[[], None] = lambda: None,
         watchdog_interval: float | None = None,
         audit: Callable[[Sequence[GpuProcess], float], tuple[Finding, ...]] | None = None,
+        events: ProcEvents | None = None,
     ) -> None:
         self.backends = list(backends)
         self.interval = interval
@@ -85,6 +94,11 @@ class Sampler:
         # The rogue-activity audit (rogue_watch.RogueWatch): it sees every sample's processes, here in this thread.
         self.audit = audit
         self._watchdog = watchdog
+        # The kernel's proc connector, listening (else None: polling, and _polling_reason says why).
+        self._events = events if events is not None and events.listening else None
+        self._polling_reason = (events.reason if events is not None else "") or "not asked for"
+        self._events_read = 0
+        self._overruns = 0
         # Ping at least every watchdog_interval while idle; sampling itself must finish within WatchdogSec.
         self._ping_every = min(interval, watchdog_interval) if watchdog_interval else interval
         self._stop = threading.Event()
@@ -95,6 +109,7 @@ class Sampler:
         self._last_devices: dict[str, Device] = {}
         self._last_samples: dict[str, BackendSample] = {}
         self._known: dict[tuple[int, int], _Known] = {}
+        self._key_of: dict[int, tuple[int, int]] = {}  # pid -> its key in _known: what an event's PID names
         self._due: list[tuple[float, tuple[int, int]]] = []  # heap of (stat_due, key) for the non-young
         self._young: set[tuple[int, int]] = set()
         # The last sample's inputs and the records built from them, reused while they do not change.
@@ -124,6 +139,13 @@ class Sampler:
             self._watchdog()
 
     def _run(self) -> None:
+        try:
+            self._sample_until_stopped()
+        finally:
+            if self._events is not None:
+                self._events.close()  # the kernel counts its listeners: tell it this one left
+
+    def _sample_until_stopped(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
             try:
@@ -162,15 +184,51 @@ class Sampler:
             self._index_of[device_id] = len(self._index_of)
         return self._index_of[device_id]
 
-    def _read_info(self, pid: int, start_time: int, now: float, known: _Known | None) -> ProcInfo | None:
-        """Read the process's stat, and its other facts when new, renamed or due; remember when to look again."""
+    def sampling_status(self) -> SamplingStatus:
+        """How what processes become is learnt (the Sampling property); read by the main loop."""
+        events = self._events
+        if events is None:
+            return SamplingStatus(SAMPLING_POLLING, f"the kernel's proc connector is unavailable: "
+                                  f"{self._polling_reason}; processes are re-read every {STAT_TTL:g} to "
+                                  f"{STAT_TTL * 1.5:g} s", self._events_read, self._overruns)
+        told = "exec, comm and uid events only (filtered by the kernel)" if events.filtered else \
+            "every event (this kernel does not filter by kind); exec, comm and uid ones are acted on"
+        return SamplingStatus(SAMPLING_EVENTS, f"the kernel's proc connector: {told}", self._events_read,
+                              self._overruns)
+
+    def _drain_events(self) -> set[tuple[int, int]] | None:
+        """The followed processes the proc connector named since the last sample (to read again in full); None
+        for all of them (events were lost, or more came than one sample reads: a fork bomb's flood)."""
+        events = self._events
+        if events is None:
+            return set()
+        try:
+            drained = events.drain()
+        except OSError as e:  # the socket broke: poll from now on, after reading everything once
+            log.error("the kernel's proc connector failed (%s); polling from now on", e)
+            self._events = None
+            self._polling_reason = f"it failed: {e}"
+            events.close()
+            return None
+        self._events_read += drained.events
+        if drained.overrun:
+            self._overruns += 1
+            return None
+        key_of = self._key_of
+        return {key for pid in drained.pids if (key := key_of.get(pid)) is not None}
+
+    def _read_info(self, pid: int, start_time: int, now: float, known: _Known | None,
+                   changed: bool = False) -> ProcInfo | None:
+        """Read the process's stat, and its other facts when new, told `changed`, renamed or due; remember when to
+        look again."""
         key = (pid, start_time)
         stat = self.procfs.stat(pid)
         if stat is None or stat.start_time != start_time:
             self._forget(key)
             return None
-        young = time.clock_gettime(time.CLOCK_BOOTTIME) - start_time / _CLK_TCK < YOUNG
-        if known is not None and known.info.comm == stat.comm and now < known.info_due \
+        events = self._events is not None
+        young = not events and time.clock_gettime(time.CLOCK_BOOTTIME) - start_time / _CLK_TCK < YOUNG
+        if known is not None and not changed and known.info.comm == stat.comm and now < known.info_due \
                 and not (key in self._young and not young):  # no longer young: read it all once more
             info = known.info
             info_due = known.info_due
@@ -180,7 +238,11 @@ class Sampler:
                 self._forget(key)
                 return None
             info_due = now + INFO_TTL * (1 + (pid % 64) / 128)  # spread: not every process in one sample
-        if young:
+        if events:  # the kernel tells what it becomes: look again only for what it cannot tell
+            self._young.discard(key)
+            stat_due = info_due
+            heapq.heappush(self._due, (stat_due, key))
+        elif young:
             self._young.add(key)
             stat_due = math.inf
         else:
@@ -188,11 +250,14 @@ class Sampler:
             stat_due = now + STAT_TTL * (1 + (pid % 64) / 128)
             heapq.heappush(self._due, (stat_due, key))
         self._known[key] = _Known(info, stat_due, info_due)
+        self._key_of[pid] = key
         return info
 
     def _forget(self, key: tuple[int, int]) -> None:
         self._known.pop(key, None)
         self._young.discard(key)
+        if self._key_of.get(key[0]) == key:
+            del self._key_of[key[0]]
 
     def _host_info(self, pid: int, start_time: int, now: float) -> ProcInfo | None:
         """/proc facts of (pid, start time), from what was read before unless new or due (_recheck)."""
@@ -202,8 +267,12 @@ class Sampler:
         return self._read_info(pid, start_time, now, None)
 
     def _recheck(self, now: float) -> bool:
-        """Read again the processes that are young or due; whether any of their facts changed."""
-        due = set(self._young)
+        """Read again the processes the kernel named, and those young or due; whether any of their facts
+        changed."""
+        told = self._drain_events()
+        if told is None:
+            told = set(self._known)
+        due = set(self._young) | told
         while self._due and self._due[0][0] <= now:
             when, key = heapq.heappop(self._due)
             known = self._known.get(key)
@@ -212,7 +281,7 @@ class Sampler:
         changed = False
         for key in due:
             known = self._known.get(key)
-            if known is not None and self._read_info(*key, now, known) is not known.info:
+            if known is not None and self._read_info(*key, now, known, key in told) is not known.info:
                 changed = True
         return changed
 

@@ -397,7 +397,7 @@ CALL_KINDS = {  # kind of call -> its share of the examples
 MINIMAL_ARGS = {"ListDevices": [], "AuditRogue": [], "ListProcesses": [[]], "ListProcessesCompact": [[]], "KillProcess": [2**32 - 1, 2**64 - 1, []],
                 "ResetDevice": ["no-such-gpu", []], "Enable": [], "Disable": [], "GetStatus": [],
                 "SetDryRun": [False], "LoadPolicy": ["explicit", "{"], "TestPolicies": ["explicit", "rules: []\n"]}
-SET_VALUES = {"s": "9.9", "d": 0.001, "a(sbs)": [["fake", True, ""]]}  # one of each property's type
+SET_VALUES = {"s": "9.9", "d": 0.001, "a(sbs)": [["fake", True, ""]], "a{sv}": {}}  # one of each property's type
 EXPLICIT = [
     *(_spec(iface, member, METHODS[(iface, member)][0], MINIMAL_ARGS[member]) for iface, member in sorted(METHODS)),
     *(_spec(PROPS, "Get", "ss", [iface, name]) for iface, name in sorted(PROPERTIES)),

@@ -21,7 +21,7 @@ Types: "u", "t" are int; "d" float; "b" bool; "s" str; "as"/"au" tuples; "aa{sv}
 Split by who needs them, and loaded on first use: a frozen, slotted dataclass generates and compiles its methods
 when its class statement runs (~0.35 ms each), and a one-shot `gpukillctl list` needs 3 of the 24 records. So
 `from gpukill.records import X` (or `records.X`) imports X's module the first time X is asked for; the
-declaring modules are base (wire() and the plain form), manager (devices, processes, a reset's reply, backends),
+declaring modules are base (wire() and the plain form), manager (devices, processes, a reset's reply, backends, sampling),
 audit, guard and signals. tests/test_records.py checks that _HOME names every public name of those modules.
 """
 
@@ -34,7 +34,7 @@ from .base import Wire, from_plain, known_values, left_out, names, specs, to_pla
 # The module that declares each public name, but base's (imported above).
 _HOME: dict[str, str] = {
     **dict.fromkeys(("STATE_OK", "STATE_LOST", "STATE_ERROR", "Device", "MemoryRegion", "Process", "ResetReply",
-                     "BackendStatus"), "manager"),
+                     "BackendStatus", "SAMPLING_EVENTS", "SAMPLING_POLLING", "SamplingStatus"), "manager"),
     **dict.fromkeys(("FINDING_MINER", "FINDING_ABUSER", "FINDING_IDLE", "FINDING_KINDS", "MAX_SCORE", "Evidence",
                      "Finding"), "audit"),
     **dict.fromkeys(("RuleStatus", "RecentEvent", "Window", "Grace", "NotificationCounters", "GuardStatus",

@@ -1,4 +1,5 @@
-"""Manager's records: the devices and processes the listings report, a reset's reply, a backend's status.
+"""Manager's records: the devices and processes the listings report, a reset's reply, a backend's status, how
+the daemon samples.
 Imported by the listing path (`gpukillctl list`), the daemon and every client."""
 
 from __future__ import annotations
@@ -92,3 +93,18 @@ class BackendStatus:
     name: str = wire("s", "the backend's name")
     available: bool = wire("b", "whether it reads devices")
     detail: str = wire("s", "why it is unavailable, or a one-line summary (driver version, device count)")
+
+
+SAMPLING_EVENTS = "events"  # the kernel's proc connector tells exec, renames and uid changes as they happen
+SAMPLING_POLLING = "polling"  # processes are re-read in rotation: what they become is seen up to ~45 s late
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingStatus:
+    """The Sampling property: how the daemon learns what its processes become (gpukilld/proc_events.py)."""
+
+    mode: str = wire("s", '"events" (the kernel\'s proc connector) or "polling" (its fallback)', "")
+    detail: str = wire("s", "with polling, why the connector is unavailable; with events, what the kernel sends",
+                       "")
+    events: int = wire("t", "proc connector events read since the daemon started", 0)
+    overruns: int = wire("t", "samples that re-read every process: events were lost or over the per-sample cap", 0)
