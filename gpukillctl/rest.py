@@ -14,13 +14,19 @@ drift from what is sent. Text from processes (comm, cmdline, evidence) is exact 
 
 Errors are {"error": NAME, "message": TEXT}: NAME is the D-Bus error name where the daemon (or the bus) said
 it, and the HTTP status follows STATUS_FOR_ERROR; request bodies and parameters that do not validate are 422
-with org.freedesktop.DBus.Error.InvalidArgs, as the daemon names its own argument errors.
+with org.freedesktop.DBus.Error.InvalidArgs, as the daemon names its own argument errors. A parameter is
+honoured or refused, never dropped: a query parameter the operation does not declare, or a scalar one given
+twice, is 422 naming it (StrictRoute, for every route), and so is a body key the request model does not
+declare (extra="forbid"), so that a client guessing a name (gpu-kill's `filter` before it existed here) is
+told instead of being answered as if it had not asked.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import types
+import typing
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
@@ -28,8 +34,10 @@ from dbus_fast import Variant
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 
 from gpukill import errors
 from gpukill.limits import MAX_GRACE
@@ -37,6 +45,7 @@ from gpukill.outcome import Outcome
 from gpukill.policy import MAX_POLICY_BYTES
 from gpukill.procstat import read_stat
 from gpukill.records import Decision, Device, Finding, GuardStatus, Process, ResetReply, Wire, specs, to_plain
+from gpukill.regex import RegexError, compile_regex
 
 from .client import ClientError, Connect, DaemonUnavailable, GpukillClient, using
 
@@ -65,6 +74,81 @@ def bus_text(value: str) -> str:
 
 
 BusText = Annotated[str, AfterValidator(bus_text)]
+
+
+def re2_pattern(value: str) -> str:
+    """A pattern RE2 compiles, checked here so that the refusal names the parameter the client gave (the
+    daemon compiles it again, and would name its own key)."""
+    try:
+        compile_regex(value)
+    except RegexError as e:
+        raise ValueError(str(e)) from None
+    return value
+
+
+Re2Text = Annotated[str, AfterValidator(bus_text), AfterValidator(re2_pattern)]
+
+
+def _takes_many(annotation: Any) -> bool:
+    """Whether a parameter's annotation is a list (or tuple, set), bare or in a union with None: a parameter
+    that may repeat in the query."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes_many(a) for a in typing.get_args(annotation) if a is not type(None))
+    return origin in (list, tuple, set, frozenset) or annotation in (list, tuple, set, frozenset)
+
+
+def _declared_query(dependant: Any) -> tuple[set[str], set[str]]:
+    """The query parameters an operation declares (with its dependencies'), and those of them that take a
+    list (which may repeat)."""
+    names: set[str] = set()
+    lists: set[str] = set()
+    for field in dependant.query_params:
+        names.add(field.alias)
+        if _takes_many(field.field_info.annotation):  # list[str], list[str] | None, ...
+            lists.add(field.alias)
+    for sub in dependant.dependencies:
+        more, more_lists = _declared_query(sub)
+        names |= more
+        lists |= more_lists
+    return names, lists
+
+
+class StrictRoute(APIRoute):
+    """A route that refuses (422, as any invalid argument) the query parameters its operation does not
+    declare, and a scalar one given more than once: FastAPI would drop the first silently and answer the
+    second's last value, as if the client had not asked for what it asked. The declared names are the
+    route's own (its dependant), so the OpenAPI schema, which lists them, says exactly what is accepted."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handle = super().get_route_handler()
+        declared, lists = _declared_query(self.dependant)
+
+        async def strict(request: Request) -> Response:
+            problems = []
+            seen: set[str] = set()
+            for key, _ in request.query_params.multi_items():
+                if key not in declared:
+                    takes = ", ".join(sorted(declared)) or "none"
+                    problems.append({"loc": ("query", key), "type": "extra_forbidden",
+                                     "msg": f"unknown parameter (this operation takes: {takes})"})
+                elif key in seen and key not in lists:
+                    problems.append({"loc": ("query", key), "type": "extra_forbidden",
+                                     "msg": "given more than once (it takes one value)"})
+                seen.add(key)
+            if problems:
+                raise RequestValidationError(_unique(problems))
+            return await handle(request)
+
+        return strict
+
+
+def _unique(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for p in problems:
+        if p not in out:
+            out.append(p)
+    return out
 
 # The HTTP status of each daemon error, by the shared error class the client's exception is (client.ERRORS).
 STATUS_FOR_ERROR: dict[type[Exception], int] = {
@@ -298,8 +382,10 @@ def build_rest(connect: Connect) -> FastAPI:
         redoc_url=None,
         description="gpukilld's methods over HTTP, run as the user who started `gpukillctl serve`: "
         "polkit decides each kill and reset as for gpukillctl. Every request needs the "
-        "server's token: Authorization: Bearer TOKEN.",
+        "server's token: Authorization: Bearer TOKEN. A query parameter an operation does not list, a "
+        "scalar one given twice, or a body key its schema does not list is refused (422) with its name.",
     )
+    app.router.route_class = StrictRoute  # every route below: unknown query parameters are refused
 
     @app.exception_handler(ClientError)
     async def daemon_error(request: Request, e: ClientError) -> JSONResponse:
@@ -351,11 +437,21 @@ def build_rest(connect: Connect) -> FastAPI:
             ),
         ] = None,
         name_regex: Annotated[
-            BusText,
+            Re2Text,
             Query(
                 pattern=NO_NUL,
                 max_length=MAX_FILTER_TEXT,
                 description=("only processes whose name matches this regular expression (RE2 syntax)"),
+            ),
+        ] = None,
+        filter: Annotated[
+            Re2Text,
+            Query(
+                pattern=NO_NUL,
+                max_length=MAX_FILTER_TEXT,
+                description="gpu-kill's name filter: name_regex by gpu-kill's name (`gpukill --filter`). "
+                "With name, both must match, as every filter here combines; with name_regex: 422 (one "
+                "pattern, given twice)",
             ),
         ] = None,
         user: Annotated[
@@ -374,8 +470,14 @@ def build_rest(connect: Connect) -> FastAPI:
             int, Query(ge=0, lt=MAX_UINT64, description="only processes using more than this many bytes")
         ] = None,
     ) -> dict:
+        if filter is not None and name_regex is not None:
+            raise RequestValidationError([{
+                "loc": ("query", "filter"), "type": "value_error",
+                "msg": "filter is name_regex by gpu-kill's name: give one of filter and name_regex, not both",
+            }])
+        pattern = name_regex if filter is None else filter
         wanted: dict[str, Variant] = {}
-        for key, value in (("name", name), ("name_regex", name_regex), ("user", user), ("device", device)):
+        for key, value in (("name", name), ("name_regex", pattern), ("user", user), ("device", device)):
             if value is not None:
                 wanted[key] = Variant("s", value)
         if memory_gt is not None:
