@@ -10,6 +10,7 @@ processes must not guess.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import shlex
 import sys
@@ -55,6 +56,32 @@ AUDIT_INSTEAD = ("journalctl -t gpukilld (every kill, reset and Guard action, e.
 _POLICY_FILE = "write the rule in a policy file and load it: gpukillctl guard load FILE (see gpukill-policy(5))"
 _SSH = "run gpukill on that host: ssh HOST gpukill ..."
 _SERVER = "gpukilld is the service, on the system bus; ask it with gpukillctl (gpukillctl status)"
+# gpu-kill's group and GPU policies, as gpukill-policy(5) rules. A condition type is named "type: NAME" and a
+# scope "scope: NAME" (tests check that each is one gpukill/condition_types.py declares). No condition names one
+# GPU: a per_device rule applies to every GPU, and the messages say so rather than promise a GPU of one's own.
+_LOAD = "in a policy file and load it: gpukillctl guard load FILE (gpukill-policy(5))"
+_GROUP = ("write a rule with a condition type: group (operator ==, value GROUP) " + _LOAD
+          + "; to remove it, delete the rule and load the file again")
+_GROUP_MEMBERS = ("group membership is the system's (getent group GROUP; gpasswd -a USER GROUP): a condition "
+                  "type: group reads it, primary or supplementary")
+_GROUP_MEMORY = ("write a rule with conditions type: group (== GROUP) and type: user_memory, scope: per_user (a "
+                 "limit for each member, not the group's total) " + _LOAD)
+_GROUP_UTILIZATION = ("write a rule with conditions type: group (== GROUP) and type: gpu_utilization with a "
+                      "duration (a limit for each of the members' processes) " + _LOAD)
+_GROUP_PROCESSES = ("no condition counts processes; limit each member's memory instead: a rule with conditions "
+                    "type: group (== GROUP) and type: user_memory, scope: per_user " + _LOAD)
+_GPU = ("write a rule with scope: per_device and conditions type: device_memory, type: gpu_utilization or "
+        "type: temperature; it applies to every GPU (no condition picks one) " + _LOAD)
+_GPU_MEMORY = ("write a rule with a condition type: device_memory (a size or \"90%\"), scope: per_device; it "
+               "applies to every GPU " + _LOAD)
+_GPU_UTILIZATION = ("write a rule with a condition type: gpu_utilization with a duration, scope: per_device; it "
+                    "applies to every GPU " + _LOAD)
+_GPU_RESERVED = ("no memory is held back for anyone; keep headroom with a rule with a condition type: "
+                 "device_memory (e.g. > \"90%\"), scope: per_device, on every GPU " + _LOAD)
+_GPU_USERS = ("no condition picks one GPU, so a GPU's allowed users cannot be a rule; rules apply on every GPU, "
+              "and exemptions: users: [USER, ...] keeps a rule off those users " + _LOAD)
+_REGISTER_NODE = ("there is no coordinator: each host runs its own gpukilld; scrape each host with Prometheus "
+                  "(gpukillctl exporter) or ask one with gpukillctl -H HOST (e.g. gpukillctl -H HOST list)")
 
 # gpu-kill flags that gpukill does not take, with what to use instead. Refused before parsing, so the message
 # names the flag's replacement rather than calling it unknown.
@@ -81,6 +108,19 @@ UNSUPPORTED: dict[str, str] = {
     "--guard-import-config": "gpukillctl guard load FILE (a gpukill-policy(5) file, not gpu-kill's JSON)",
     "--guard-toggle-dry-run": "gpukill --guard --guard-dry-run, or --guard-enforce (say which: a toggle "
                               "depends on a state you may not know)",
+    "--register-node": _REGISTER_NODE,
+    "--guard-add-group": _GROUP,
+    "--guard-remove-group": _GROUP,
+    "--guard-group-members": _GROUP_MEMBERS,
+    "--guard-group-memory-limit": _GROUP_MEMORY,
+    "--guard-group-utilization-limit": _GROUP_UTILIZATION,
+    "--guard-group-process-limit": _GROUP_PROCESSES,
+    "--guard-add-gpu": _GPU,
+    "--guard-remove-gpu": _GPU,
+    "--guard-gpu-memory-limit": _GPU_MEMORY,
+    "--guard-gpu-utilization-limit": _GPU_UTILIZATION,
+    "--guard-gpu-reserved-memory": _GPU_RESERVED,
+    "--guard-gpu-allowed-users": _GPU_USERS,
 }
 AUDIT_PREFIXES = ("--audit-", "--rogue-")  # gpu-kill's audit options (--audit-hours, --rogue-config, ...)
 
@@ -107,10 +147,29 @@ EPILOG = f"""\
 Each operation runs the gpukillctl command named in its help, the same way: its output, JSON and exit
 statuses are gpukillctl's (see gpukillctl(1) and gpukill(1)). A gpu-kill flag that gpukill does not take, or a
 combination whose meaning is not certain, is refused with one line naming what to run instead (exit status 2);
-nothing is guessed. --kill --filter --batch that matches no process exits with 5; --audit without --rogue
-exits with 9.
+nothing is guessed. --kill --filter or --gpu with --batch that finds no process exits with 5 (--dry-run too);
+--audit without --rogue exits with 9.
 
 {EXIT_CODES_HELP}"""
+
+
+def version() -> str:
+    """The installed package's version (what pip and the .deb installed), as `gpukill --version` prints it."""
+    try:
+        return importlib.metadata.version("gpukill")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+class PrintVersion(argparse.Action):
+    """--version: the version is read when asked for, not each time the parser is built."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        print(f"{PROG} {version()}")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops = p.add_argument_group("operations (exactly one)")
     ops.add_argument("--list", action="store_true", help="the GPUs and the processes on them (gpukillctl list)")
     ops.add_argument("--kill", action="store_true",
-                     help="stop GPU processes: one with --pid, or every --filter match with --batch "
-                          "(gpukillctl kill)")
+                     help="stop GPU processes: one with --pid, or with --batch every --filter match or every "
+                          "process on --gpu (gpukillctl kill)")
     ops.add_argument("--reset", action="store_true",
                      help="reset one GPU (--gpu) or every GPU (--all) (gpukillctl reset)")
     ops.add_argument("--guard", action="store_true",
@@ -149,8 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "nothing (gpukillctl list --name-regex REGEX); with --batch, kills them. With --batch "
                            "a pattern that matches the empty string (so every name) is refused")
     kill.add_argument("--batch", action="store_true",
-                      help="kill every process --filter matches, one after the other (the first failure's exit "
-                           "status; the others are still tried)")
+                      help="kill every process --filter matches or --gpu has, one after the other, each by the PID "
+                           "and start time listed (the first failure's exit status; the others are still tried)")
+    kill.add_argument("--dry-run", "--safe", action="store_true", dest="dry_run",
+                      help="preview: list the processes the kill would stop, by PID, and signal none (exit status "
+                           "0; 5 when there is none)")
     kill.add_argument("--timeout-secs", type=seconds, metavar="SECONDS",
                       help="wait this long after SIGTERM before --force sends SIGKILL (default 5; gpukillctl kill "
                            "--grace)")
@@ -158,9 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --kill: SIGKILL a process that outlives the grace period; with --reset: kill the "
                         "processes on the GPU first")
 
-    reset = p.add_argument_group("with --reset")
-    reset.add_argument("--gpu", metavar="GPU", help="the GPU: index as --list shows it, UUID or PCI bus id "
-                                                    "(gpukillctl reset GPU)")
+    reset = p.add_argument_group("with --reset (--gpu: with --kill too)")
+    reset.add_argument("--gpu", metavar="GPU",
+                       help="the GPU: index as --list shows it, UUID or PCI bus id (gpukillctl reset GPU); with "
+                            "--kill, its processes: alone, lists them and kills nothing (gpukillctl list --device "
+                            "GPU); with --batch, kills each")
     reset.add_argument("--all", action="store_true",
                        help="every GPU, in index order (the first failure's exit status; the others are still "
                             "tried)")
@@ -186,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--rogue", action="store_true",
                        help="crypto miners, GPU hogs and idle memory holders, each with its score and evidence "
                             "(gpukillctl audit; --output json: gpukillctl audit --json)")
+    p.add_argument("--version", action=PrintVersion,
+                   help="print gpukill's version and exit")
     return p
 
 
@@ -197,8 +263,9 @@ OPTION_OWNERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("filter", "--filter", ("kill",)),
     ("batch", "--batch", ("kill",)),
     ("timeout_secs", "--timeout-secs", ("kill",)),
+    ("dry_run", "--dry-run (--safe)", ("kill",)),
     ("force", "--force", ("kill", "reset")),
-    ("gpu", "--gpu", ("reset",)),
+    ("gpu", "--gpu", ("kill", "reset")),
     ("all", "--all", ("reset",)),
     ("guard_config", "--guard-config", ("guard",)),
     ("guard_enable", "--guard-enable", ("guard",)),
@@ -274,6 +341,8 @@ def _equivalent(op: str, args: argparse.Namespace) -> str:
         return "gpukillctl list --json"
     if op == "kill" and args.pid is not None:
         return f"gpukillctl kill {args.pid}"
+    if op == "kill" and args.gpu is not None:
+        return f"gpukillctl list --device {shlex.quote(args.gpu)}"
     if op == "audit" and args.rogue:
         return "gpukillctl audit"
     if op == "reset" and args.gpu is not None:
@@ -312,9 +381,9 @@ def _audit(args: argparse.Namespace) -> Plan:
 # -- --list ------------------------------------------------------------------------------------------------
 
 
-def list_args(json: bool = False, name_regex: str | None = None) -> argparse.Namespace:
-    """The arguments of `gpukillctl list [--json] [--name-regex R]`, as cmd_list reads them."""
-    return argparse.Namespace(json=json, device=None, user=None, name=None, name_regex=name_regex,
+def list_args(json: bool = False, name_regex: str | None = None, device: str | None = None) -> argparse.Namespace:
+    """The arguments of `gpukillctl list [--json] [--name-regex R] [--device GPU]`, as cmd_list reads them."""
+    return argparse.Namespace(json=json, device=device, user=None, name=None, name_regex=name_regex,
                               min_memory=None)
 
 
@@ -352,28 +421,68 @@ async def watch(client: ClientAPI, list_ns: argparse.Namespace) -> int:
 # -- --kill ------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Selection:
+    """The processes a --kill without --pid is about: --filter's name pattern, --gpu's GPU, or both (AND), as
+    the daemon's ListProcesses filter and as words for messages."""
+
+    pattern: str | None
+    gpu: str | None
+
+    def filter(self) -> dict[str, Var]:
+        f: dict[str, Var] = {}
+        if self.pattern is not None:
+            f["name_regex"] = Var("s", self.pattern)
+        if self.gpu is not None:
+            f["device"] = Var("s", self.gpu)
+        return f
+
+    def words(self, one: bool) -> str:
+        """" on GPU 0 match '^py'" (one: "... matches ...") for "N process(es)..." and "no GPU process..."."""
+        on_gpu = f" on GPU {self.gpu}" if self.gpu is not None else ""
+        if self.pattern is None:
+            return on_gpu
+        return f"{on_gpu} {'matches' if one else 'match'} {self.pattern!r}"
+
+    def gpukillctl_list(self) -> str:
+        words = ["gpukillctl", "list"]
+        if self.pattern is not None:
+            words += ["--name-regex", self.pattern]
+        if self.gpu is not None:
+            words += ["--device", self.gpu]
+        return shlex.join(words)
+
+
 def _kill(args: argparse.Namespace) -> Plan:
     if args.pid is not None and args.filter is not None:
         raise Refused("--pid and --filter together: stop one PID, or every process --filter matches",
                       f"gpukillctl kill {args.pid}")
-    if args.pid is None and args.filter is None:
-        raise Refused("--kill needs --pid PID, or --filter REGEX with --batch", "gpukillctl kill PID")
-    if args.batch and args.filter is None:
-        raise Refused("--batch goes with --filter (it kills every match), not with --pid",
+    if args.pid is not None and args.gpu is not None:
+        raise Refused("--pid and --gpu together: stop one PID, or every process on the GPU",
+                      f"gpukillctl kill {args.pid}")
+    if args.pid is None and args.filter is None and args.gpu is None:
+        raise Refused("--kill needs --pid PID, or --filter REGEX or --gpu GPU with --batch", "gpukillctl kill PID")
+    if args.batch and args.pid is not None:
+        raise Refused("--batch goes with --filter or --gpu (it kills every match), not with --pid",
                       f"gpukillctl kill {args.pid}")
     if args.pid is not None:
+        if args.dry_run:
+            return Plan(lambda client: preview_pid(client, args.pid, args.force, args.timeout_secs))
         kill_ns = kill_args(args.pid, None, args.force, args.timeout_secs)
         return Plan(lambda client: cmd_kill(client, kill_ns))
-    regex = shlex.quote(args.filter)
+    selection = Selection(args.filter, args.gpu)
     if not args.batch:
-        # gpu-kill's --filter without --batch lists the matches and kills nothing: so does gpukill.
+        # gpu-kill's --filter without --batch lists the matches and kills nothing: so does gpukill, and --gpu too.
         if args.force or args.timeout_secs is not None:
             stray = "--force" if args.force else "--timeout-secs"
-            raise Refused(f"{stray} without --batch: --kill --filter alone only lists the matches",
-                          f"gpukillctl list --name-regex {regex}")
-        return Plan(lambda client: preview(client, args.filter))
-    _check_batch_pattern(args.filter)
-    return Plan(lambda client: kill_matching(client, args.filter, args.force, args.timeout_secs))
+            raise Refused(f"{stray} without --batch: --kill {'--filter' if args.filter is not None else '--gpu'} "
+                          "alone only lists the matches", selection.gpukillctl_list())
+        return Plan(lambda client: preview(client, selection))
+    if args.filter is not None:
+        _check_batch_pattern(args.filter)
+    if args.dry_run:
+        return Plan(lambda client: preview_batch(client, selection, args.force, args.timeout_secs))
+    return Plan(lambda client: kill_matching(client, selection, args.force, args.timeout_secs))
 
 
 def _check_batch_pattern(pattern: str) -> None:
@@ -390,21 +499,35 @@ def _check_batch_pattern(pattern: str) -> None:
                       "then gpukillctl kill PID for each")
 
 
-async def preview(client: ClientAPI, pattern: str) -> int:
-    code = await cmd_list(client, list_args(name_regex=pattern))
+async def preview(client: ClientAPI, selection: Selection) -> int:
+    code = await cmd_list(client, list_args(name_regex=selection.pattern, device=selection.gpu))
     print(f"{PROG}: nothing was killed: add --batch to kill the processes listed", file=sys.stderr)
     return code
 
 
-async def kill_matching(client: ClientAPI, pattern: str, force: bool, grace: float | None) -> int:
-    """gpukillctl kill for every process the daemon lists as matching, each by the (PID, start time) listed, so
-    a PID reused since the listing is refused, not killed. Every match is tried; the first failure's status."""
-    procs = await client.list_processes({"name_regex": Var("s", pattern)})
-    targets = list({(p.pid, p.start_time): p for p in procs}.values())  # one process on two GPUs: once
+def _how(force: bool, grace: float | None) -> str:
+    if not force:
+        return "SIGTERM"
+    return f"SIGTERM, then SIGKILL if alive after {'the grace period' if grace is None else f'{grace:g}s'}"
+
+
+async def targets_of(client: ClientAPI, selection: Selection) -> list:
+    procs = await client.list_processes(selection.filter())
+    return list({(p.pid, p.start_time): p for p in procs}.values())  # one process on two GPUs: once
+
+
+def _matched(selection: Selection, targets: list) -> str:
+    return shown(f"{len(targets)} process(es){selection.words(one=False)}: "
+                 + ", ".join(f"{p.pid} ({p.comm})" for p in targets))
+
+
+async def kill_matching(client: ClientAPI, selection: Selection, force: bool, grace: float | None) -> int:
+    """gpukillctl kill for every process the daemon lists as selected, each by the (PID, start time) listed, so
+    a PID reused since the listing is refused, not killed. Every one is tried; the first failure's status."""
+    targets = await targets_of(client, selection)
     if not targets:
-        return fail(f"no GPU process matches {pattern!r}; nothing was killed", EXIT_NOT_FOUND)
-    print(shown(f"{len(targets)} process(es) match {pattern!r}: "
-                + ", ".join(f"{p.pid} ({p.comm})" for p in targets)))
+        return fail(f"no GPU process{selection.words(one=True)}; nothing was killed", EXIT_NOT_FOUND)
+    print(_matched(selection, targets))
     first_failure = EXIT_OK
     for p in targets:
         kill_ns = kill_args(p.pid, p.start_time, force, grace)
@@ -414,6 +537,31 @@ async def kill_matching(client: ClientAPI, pattern: str, force: bool, grace: flo
             code = fail(f"PID {p.pid} ({p.comm}): {e}", exit_code(e))
         first_failure = first_failure or code
     return first_failure
+
+
+# --dry-run / --safe: the same listing and decisions as the kill, and no Kill call. What polkit would decide is
+# not previewed: asking it is the kill itself.
+
+
+async def preview_batch(client: ClientAPI, selection: Selection, force: bool, grace: float | None) -> int:
+    targets = await targets_of(client, selection)
+    if not targets:
+        return fail(f"no GPU process{selection.words(one=True)}; nothing would be killed", EXIT_NOT_FOUND)
+    print(_matched(selection, targets))
+    for p in targets:
+        print(shown(f"would kill PID {p.pid} ({p.comm}), start time {p.start_time}: {_how(force, grace)}"))
+    print(f"{PROG}: dry run: nothing was killed (polkit decides at the kill)", file=sys.stderr)
+    return EXIT_OK
+
+
+async def preview_pid(client: ClientAPI, pid: int, force: bool, grace: float | None) -> int:
+    listed = next((p for p in await client.list_processes() if p.pid == pid), None)
+    if listed is None:
+        return fail(f"PID {pid} is not a GPU process gpukilld lists: the kill would be refused; nothing was killed",
+                    EXIT_NOT_FOUND)
+    print(shown(f"would kill PID {pid} ({listed.comm}), start time {listed.start_time}: {_how(force, grace)}"))
+    print(f"{PROG}: dry run: nothing was killed (polkit decides at the kill)", file=sys.stderr)
+    return EXIT_OK
 
 
 # -- --reset -----------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ test bed, as other users, against the real daemon.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -19,7 +21,8 @@ import pytest
 from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO, ROOT
 
-from gpukill import errors
+from gpukill import errors, rules
+from gpukill.condition_types import CONDITION_TYPES
 from gpukill.outcome import Outcome
 from gpukill.records import Device, GuardStatus, PolicyLoaded, Process, ResetReply
 from gpukillctl import cli, compat
@@ -110,6 +113,7 @@ def run(argv: list[str], client: RecordingClient | None = None) -> tuple[int, Re
 
 LISTING = [call.list_devices(), call.list_processes({})]
 BY_REGEX = call.list_processes({"name_regex": "^py"})
+ON_GPU_1 = call.list_processes({"device": "1"})
 
 
 # (gpukill arguments, the client calls gpukillctl makes for the same request)
@@ -127,6 +131,21 @@ MAPPINGS = [
     (["--kill", "--filter", "^py", "--batch", "--force", "--timeout-secs", "1"],
      [BY_REGEX, call.kill(4242, 777, force=True, grace=1.0), call.kill(4343, 888, force=True, grace=1.0)]),
     (["--kill", "--filter", "^py"], [call.list_devices(), BY_REGEX]),  # gpu-kill's preview: lists, kills nothing
+    (["--kill", "--filter", "^py", "--dry-run"], [call.list_devices(), BY_REGEX]),
+    # --dry-run/--safe: the kill's own listing, and no Kill call
+    (["--kill", "--pid", "4343", "--dry-run"], [call.list_processes({})]),
+    (["--kill", "--pid", "4343", "--safe", "--force"], [call.list_processes({})]),
+    (["--kill", "--filter", "^py", "--batch", "--dry-run"], [BY_REGEX]),
+    (["--kill", "--gpu", "1", "--batch", "--safe"], [ON_GPU_1]),
+    # --kill --gpu: alone a preview, with --batch each process on it by the PID and start time listed
+    (["--kill", "--gpu", "1"], [call.list_devices(), ON_GPU_1]),
+    (["--kill", "--gpu", "1", "--batch"], [ON_GPU_1, call.kill(4242, 777, force=False, grace=None),
+                                           call.kill(4343, 888, force=False, grace=None)]),
+    (["--kill", "--gpu", "1", "--batch", "--force", "--timeout-secs", "2"],
+     [ON_GPU_1, call.kill(4242, 777, force=True, grace=2.0), call.kill(4343, 888, force=True, grace=2.0)]),
+    (["--kill", "--gpu", "GPU-1", "--filter", "^py", "--batch"],
+     [call.list_processes({"name_regex": "^py", "device": "GPU-1"}), call.kill(4242, 777, force=False, grace=None),
+      call.kill(4343, 888, force=False, grace=None)]),
     (["--audit", "--rogue"], [call.audit_rogue()]),
     (["--audit", "--rogue", "--output", "json"], [call.audit_rogue()]),
     (["--reset", "--gpu", "1"], [call.reset("1", force=False)]),
@@ -233,7 +252,16 @@ REFUSALS = [
     (["--kill", "--watch", "--pid", "5"], 2, ["--watch is an option of --list", "gpukillctl kill 5"]),
     (["--reset", "--gpu", "0", "--details"], 2, ["--details is an option of --list", "gpukillctl reset 0"]),
     (["--guard", "--force"], 2, ["--force is an option of --kill or --reset", "gpukillctl guard status"]),
-    (["--kill"], 2, ["--kill needs --pid PID, or --filter REGEX with --batch", "gpukillctl kill PID"]),
+    (["--kill"], 2, ["--kill needs --pid PID, or --filter REGEX or --gpu GPU with --batch", "gpukillctl kill PID"]),
+    (["--kill", "--pid", "5", "--gpu", "0"], 2, ["--pid and --gpu together", "gpukillctl kill 5"]),
+    (["--kill", "--gpu", "0", "--force"], 2, ["--force without --batch", "gpukillctl list --device 0"]),
+    (["--kill", "--gpu", "0", "--all"], 2, ["--all is an option of --reset, not of --kill", "list --device 0"]),
+    (["--list", "--dry-run"], 2, ["--dry-run (--safe) is an option of --kill, not of --list", "gpukillctl list"]),
+    (["--reset", "--gpu", "0", "--safe"], 2, ["--dry-run (--safe) is an option of --kill, not of --reset",
+                                              "gpukillctl reset 0"]),
+    (["--guard", "--guard-enable", "--dry-run"], 2, ["is an option of --kill, not of --guard",
+                                                     "gpukillctl guard enable"]),
+    (["--safe", "--pid", "5"], 2, ["without an operation", "gpukillctl kill 5"]),
     (["--kill", "--pid", "5", "--filter", "py"], 2, ["--pid and --filter together", "gpukillctl kill 5"]),
     (["--kill", "--pid", "5", "--batch"], 2, ["--batch goes with --filter", "gpukillctl kill 5"]),
     (["--kill", "--batch"], 2, ["--kill needs --pid PID", "gpukillctl kill PID"]),
@@ -290,6 +318,94 @@ def test_every_unsupported_gpu_kill_flag_names_its_replacement(capsys):
         assert capsys.readouterr().err == f"gpukill: gpu-kill's {flag} is not supported; instead: {instead}\n"
 
 
+# gpu-kill's group and GPU policy flags and --register-node: each refused with its own replacement, not called
+# an unknown argument.
+POLICY_FLAGS = ["--register-node", "--guard-add-group", "--guard-remove-group", "--guard-add-gpu",
+                "--guard-remove-gpu", "--guard-group-memory-limit", "--guard-group-utilization-limit",
+                "--guard-group-process-limit", "--guard-gpu-memory-limit", "--guard-gpu-utilization-limit",
+                "--guard-gpu-reserved-memory", "--guard-group-members", "--guard-gpu-allowed-users"]
+
+
+@pytest.mark.parametrize("flag", POLICY_FLAGS)
+def test_gpu_kills_policy_flags_are_refused_with_their_replacement(flag, capsys):
+    """As gpu-kill takes them (`--guard --guard-add-group ml --guard-group-memory-limit 16`): refused before
+    parsing, so the value after the flag does not matter and nothing reaches the daemon."""
+    assert compat.main(["--guard", flag, "ml", "--guard-group-memory-limit", "16"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"gpukill: gpu-kill's {flag} is not supported; instead: " \
+                                        f"{compat.UNSUPPORTED[flag]}\n"
+    assert "unrecognized" not in out.err
+
+
+def test_every_replacement_names_what_exists():
+    """The gpukillctl commands, condition types and scopes the refusals name are real ones."""
+    gpukillctl_commands = {name for a in cli.build_parser()._actions if hasattr(a, "choices") and a.choices
+                           for name in a.choices}
+    guard_commands = {name for a in cli.build_parser(only="guard")._actions if hasattr(a, "choices") and a.choices
+                      for sub_parser in a.choices.values() for b in sub_parser._actions
+                      if hasattr(b, "choices") and b.choices for name in b.choices}
+    for flag, instead in compat.UNSUPPORTED.items():
+        for command in re.findall(r"gpukillctl (?:-H HOST )?([a-z][a-z-]*)", instead):
+            assert command in gpukillctl_commands, (flag, command)
+        for command in re.findall(r"gpukillctl guard ([a-z][a-z-]*)", instead):
+            assert command in guard_commands, (flag, command)
+        for condition in re.findall(r"type: (\w+)", instead):
+            assert condition in CONDITION_TYPES, (flag, condition)
+        for scope in re.findall(r"scope: (\w+)", instead):
+            assert scope in rules.SCOPES, (flag, scope)
+    assert "gpukillctl -H HOST" in compat.UNSUPPORTED["--register-node"]
+    assert "gpukillctl exporter" in compat.UNSUPPORTED["--register-node"]
+    assert all("gpukillctl guard load FILE" in compat.UNSUPPORTED[f] for f in POLICY_FLAGS[1:]
+               if f != "--guard-group-members")
+
+
+def test_version_is_the_packages(capsys):
+    with pytest.raises(SystemExit) as exited:
+        compat.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"gpukill {importlib.metadata.version('gpukill')}\n"
+    r = subprocess.run([PYTHON, "-m", "gpukillctl.compat", "--version"], capture_output=True, text=True,
+                       timeout=30, cwd=REPO)
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"gpukill {importlib.metadata.version('gpukill')}\n", "")
+
+
+def test_dry_run_prints_the_decisions_and_kills_nothing(capsys):
+    code, client = run(["--kill", "--filter", "^py", "--batch", "--dry-run", "--force", "--timeout-secs", "2"])
+    assert code == 0 and not [c for c in client.calls if c[0] == "kill"]
+    out = capsys.readouterr()
+    assert out.out == ("2 process(es) match '^py': 4242 (python3), 4343 (pytorch)\n"
+                       "would kill PID 4242 (python3), start time 777: SIGTERM, then SIGKILL if alive after 2s\n"
+                       "would kill PID 4343 (pytorch), start time 888: SIGTERM, then SIGKILL if alive after 2s\n")
+    assert out.err == "gpukill: dry run: nothing was killed (polkit decides at the kill)\n"
+    code, client = run(["--kill", "--pid", "4343", "--safe"])
+    assert code == 0 and client.calls == [call.list_processes({})]
+    assert capsys.readouterr().out == "would kill PID 4343 (pytorch), start time 888: SIGTERM\n"
+
+
+def test_dry_run_of_what_the_kill_would_refuse_or_not_find(capsys):
+    code, client = run(["--kill", "--pid", "999", "--dry-run"])
+    assert code == 5 and client.calls == [call.list_processes({})]
+    assert "PID 999 is not a GPU process gpukilld lists" in capsys.readouterr().err
+    code, client = run(["--kill", "--gpu", "1", "--batch", "--dry-run"], RecordingClient(processes=[]))
+    assert code == 5 and client.calls == [ON_GPU_1]
+    assert capsys.readouterr().err == "gpukill: no GPU process on GPU 1; nothing would be killed\n"
+
+
+def test_kill_by_gpu_without_batch_kills_nothing_and_says_so(capsys):
+    code, client = run(["--kill", "--gpu", "1"])
+    assert code == 0 and not [c for c in client.calls if c[0] == "kill"]
+    assert "nothing was killed: add --batch" in capsys.readouterr().err
+
+
+def test_kill_by_gpu_batch_names_what_it_kills_and_exits_5_on_none(capsys):
+    code, _ = run(["--kill", "--gpu", "1", "--batch"])
+    assert code == 0
+    assert capsys.readouterr().out.startswith("2 process(es) on GPU 1: 4242 (python3), 4343 (pytorch)\n")
+    code, client = run(["--kill", "--gpu", "1", "--batch"], RecordingClient(processes=[]))
+    assert code == 5 and client.calls == [ON_GPU_1]
+    assert capsys.readouterr().err == "gpukill: no GPU process on GPU 1; nothing was killed\n"
+
+
 def test_every_option_has_a_help_text():
     """gpukill(1) and the completions are written from this parser."""
     for action in compat.build_parser()._actions:
@@ -329,6 +445,40 @@ def test_filter_batch_kills_every_match_and_nothing_else(victims, users, alive):
     assert f"2 process(es) match '^batchme$': {matches[0].pid} (batchme), {matches[1].pid} (batchme)" in r.stdout
     assert not any(alive(v.pid) for v in matches)
     assert alive(bystander.pid)
+
+
+@needs_root
+def test_dry_run_signals_nothing_and_names_the_process(victims, users, alive):
+    bed, owner = victims, users["owner"]
+    one = bed.victim(owner, gpu=0, comm="dryrunpid")
+    batch = [bed.victim(owner, gpu=0, comm="dryrunme"), bed.victim(owner, gpu=1, comm="dryrunme")]
+    for v, comm in [(one, "dryrunpid"), (batch[0], "dryrunme"), (batch[1], "dryrunme")]:
+        bed.wait_listed(v.pid, comm=comm)
+    r = gpukill(bed, owner, "--kill", "--pid", str(one.pid), "--dry-run")
+    assert r.returncode == 0, r
+    assert r.stdout.startswith(f"would kill PID {one.pid} (dryrunpid), start time ") and alive(one.pid)
+    r = gpukill(bed, owner, "--kill", "--filter", "^dryrunme$", "--batch", "--safe", "--force")
+    assert r.returncode == 0, r
+    assert all(f"would kill PID {v.pid} (dryrunme)" in r.stdout for v in batch), r
+    assert r.stderr == "gpukill: dry run: nothing was killed (polkit decides at the kill)\n"
+    assert alive(one.pid) and all(alive(v.pid) for v in batch)
+
+
+@needs_root
+def test_kill_by_gpu_kills_what_is_on_it_and_nothing_else(victims, users, alive):
+    bed, owner = victims, users["owner"]
+    on_it = bed.victim(owner, gpu=3, comm="ongpu3")
+    elsewhere = bed.victim(owner, gpu=2, comm="ongpu2")
+    for v, comm in [(on_it, "ongpu3"), (elsewhere, "ongpu2")]:
+        bed.wait_listed(v.pid, comm=comm)
+    preview = gpukill(bed, owner, "--kill", "--gpu", "3")
+    assert preview.returncode == 0 and str(on_it.pid) in preview.stdout, preview
+    assert "nothing was killed: add --batch" in preview.stderr and alive(on_it.pid)
+    r = gpukill(bed, owner, "--kill", "--gpu", "3", "--batch")
+    assert r.returncode == 0, r
+    assert f"1 process(es) on GPU 3: {on_it.pid} (ongpu3)" in r.stdout
+    assert not alive(on_it.pid)
+    assert alive(elsewhere.pid)
 
 
 @needs_root
