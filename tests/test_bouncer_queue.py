@@ -21,8 +21,9 @@ import threading
 import time
 
 import pytest
+from helpers.hostile_agent import start_hostile_agent
 from helpers.marks import needs_root
-from helpers.testbed import PYTHON, REPO, Testbed
+from helpers.testbed import PYTHON, Testbed
 from helpers.waiting import wait_until
 
 from gpukill.errors import TooBusy
@@ -269,24 +270,6 @@ def test_120_parallel_kills_of_two_users_all_succeed(bed, users):
             p.wait(10)  # each one is gone
 
 
-def start_agent(bed: Testbed, user) -> tuple[subprocess.Popen, list[dict]]:
-    """The hostile user's polkit agent that never answers (tests/clients/hostile_agent.py), and its events."""
-    proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "hostile_agent.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=bed.env(), cwd="/", start_new_session=True,
-                            **user.popen_kwargs())
-    bed.procs.append(proc)
-    first = json.loads(proc.stdout.readline())
-    assert "ready" in first, first
-    events: list[dict] = []
-
-    def read() -> None:
-        for line in proc.stdout:
-            events.append(json.loads(line))
-
-    threading.Thread(target=read, daemon=True).start()
-    return proc, events
-
-
 @needs_root
 def test_a_flood_of_prompts_that_are_never_answered_leaves_every_other_kill_served(bed, users):
     """gpkother sends 128 interactive kills of gpkowner's process; its agent never answers polkit. Its lane fills
@@ -295,7 +278,7 @@ def test_a_flood_of_prompts_that_are_never_answered_leaves_every_other_kill_serv
     owner, other = users["owner"], users["other"]
     target = bed.victim(owner, gpu=0, comm="target")
     listed = bed.wait_listed(target.pid)
-    agent, events = start_agent(bed, other)
+    agent, _name, events = start_hostile_agent(bed, other)
     agent.stdin.write(json.dumps({"flood": 128, "batch": 128, "member": "KillProcess", "signature": "uta{sv}",
                                   "body": [target.pid, listed["start_time"], {}], "interactive": True,
                                   "wait": 5}) + "\n")

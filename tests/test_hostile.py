@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.hostile_agent import start_hostile_agent
 from helpers.marks import needs_root
 from helpers.procs import pid_alive
-from helpers.testbed import PYTHON, REPO, ROOT, SYSTEM_PYTHON, Testbed
+from helpers.testbed import ROOT, SYSTEM_PYTHON, Testbed
 from helpers.waiting import wait_until
 
 from gpukilld import audit, callrate, polkit_queue, refusals
@@ -288,24 +289,6 @@ def test_one_user_cannot_hold_every_policy_test(bed, users):
 # -- polkit -----------------------------------------------------------------------------------------------------
 
 
-def start_agent(bed: Testbed, user) -> tuple[subprocess.Popen, str, list[dict]]:
-    """The hostile user's never-answering polkit agent; returns it, its bus name and its event log."""
-    proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "hostile_agent.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=bed.env(), cwd="/", start_new_session=True,
-                            **user.popen_kwargs())
-    bed.procs.append(proc)
-    first = json.loads(proc.stdout.readline())
-    assert "ready" in first, first
-    events: list[dict] = []
-
-    def read() -> None:
-        for line in proc.stdout:
-            events.append(json.loads(line))
-
-    threading.Thread(target=read, daemon=True).start()
-    return proc, first["ready"], events
-
-
 def flood(agent: subprocess.Popen, events: list[dict], **spec) -> dict:
     before = len([e for e in events if "flood" in e])
     agent.stdin.write(json.dumps(spec) + "\n")
@@ -322,7 +305,7 @@ def test_never_answered_authorizations_do_not_lock_out_others(bed, users):
     interactive lane holds 64 (2 of them at polkit, the rest waiting their turn) and the rest are TooBusy."""
     target = bed.victim(users["owner"], gpu=0, comm="target")
     listed = bed.wait_listed(target.pid)
-    agent, _name, events = start_agent(bed, users["other"])
+    agent, _name, events = start_hostile_agent(bed, users["other"])
     outcome = flood(agent, events, flood=128, batch=128, member="KillProcess", signature="uta{sv}",
                     body=[target.pid, listed["start_time"], {}], interactive=True, wait=5)
     lane = polkit_queue.QUEUE_PER_LANE
@@ -349,7 +332,7 @@ def test_a_polkit_check_that_times_out_is_cancelled(bed, users):
 
     from gpukilld.bouncer import KILL_ANY, Bouncer, Caller
 
-    agent, name, events = start_agent(bed, users["other"])
+    agent, name, events = start_hostile_agent(bed, users["other"])
 
     async def check() -> tuple[bool, str]:
         os.environ["DBUS_SYSTEM_BUS_ADDRESS"] = bed.bus_address
@@ -380,7 +363,7 @@ def test_a_flood_of_calls_is_held_to_its_rate(bed, users):
     """20,000 calls as fast as one user's connection takes them. Before, gpukilld answered every one (all 20,000
     here), for as long as the user liked; now a uid gets its rate (callrate.py), a small TooBusy past it, and
     others are served."""
-    agent, _name, events = start_agent(bed, users["other"])
+    agent, _name, events = start_hostile_agent(bed, users["other"])
     started = time.monotonic()
     agent.stdin.write(json.dumps({"flood": 20000, "batch": 120, "member": "ListProcesses", "signature": "a{sv}",
                                   "body": [{"name": {"$variant": ["s", "no such process"]}}], "wait": 60}) + "\n")
@@ -408,7 +391,7 @@ def test_a_thousand_refusals_do_not_push_a_kill_out_of_the_journal(bed, users):
     other = users["other"]
     victim = bed.victim(users["owner"], gpu=1, comm="notyours")
     listed = bed.wait_listed(victim.pid)
-    agent, _name, events = start_agent(bed, other)
+    agent, _name, events = start_hostile_agent(bed, other)
     time.sleep(refusals.WINDOW + 1)  # refusals of earlier tests by the same user are reported first
     before = len(bed.journal(GPUKILL_CALLER_UID=str(other.uid)))
     # paced under the per-uid call rate (200/s), so that every one reaches the kill path and its audit
