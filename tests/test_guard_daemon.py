@@ -74,9 +74,7 @@ def gbed(users, smtp):
 def guard(gbed, users):
     """Each test starts enabled, enforcing, with the scaled issue policy; its processes are killed after it."""
     before = len(gbed.procs)
-    for args in (["enable"], ["dry-run", "off"], ["load", str(gbed.workdir / "scaled.yaml")]):
-        r = gbed.ctl(ROOT, "guard", *args)
-        assert r.returncode == 0, r
+    gbed.enforce(gbed.workdir / "scaled.yaml")
     yield gbed
     gbed.kill_since(before)
 

@@ -56,9 +56,7 @@ def mbed(users):
         (b.workdir / "guard.d").mkdir()
         b.start_system(args=["--sample-interval", SAMPLE_INTERVAL])
         (b.workdir / "monitor.yaml").write_text(POLICY)
-        for args in (["enable"], ["dry-run", "off"], ["load", str(b.workdir / "monitor.yaml")]):
-            r = b.ctl(ROOT, "guard", *args)
-            assert r.returncode == 0, r
+        b.enforce(b.workdir / "monitor.yaml")
         yield b
     finally:
         b.stop()

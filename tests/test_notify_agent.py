@@ -100,9 +100,7 @@ def test_a_guard_grace_is_a_critical_countdown_replaced_in_place_by_the_outcome(
     bed, session, agent = desk
     policy = bed.workdir / "hogs.yaml"
     policy.write_text(HOG_POLICY)
-    for args in (["enable"], ["dry-run", "off"], ["load", str(policy)]):
-        r = bed.ctl(ROOT, "guard", *args)
-        assert r.returncode == 0, r
+    bed.enforce(policy)
     mark = len(session.notifications())
     try:
         hog = bed.victim(users["owner"], gpu=2, comm="gpuhog")

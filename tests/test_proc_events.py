@@ -277,9 +277,7 @@ def pbed(users):
         b.write_conf()
         b.start_system(args=["--sample-interval", str(INTERVAL)])
         (b.workdir / "miners.yaml").write_text(POLICY)
-        for args in (["enable"], ["dry-run", "off"], ["load", str(b.workdir / "miners.yaml")]):
-            r = b.ctl(ROOT, "guard", *args)
-            assert r.returncode == 0, r
+        b.enforce(b.workdir / "miners.yaml")
         yield b
     finally:
         b.stop()

@@ -448,6 +448,12 @@ class Testbed:
     def ctl(self, user: User, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return self.run_as(user, [PYTHON, "-m", "gpukillctl", *args], timeout=timeout)
 
+    def enforce(self, policy: Path) -> None:
+        """Guard enabled, out of dry run, with the policy file loaded: as root with gpukillctl, as an admin would."""
+        for args in (["enable"], ["dry-run", "off"], ["load", str(policy)]):
+            r = self.ctl(ROOT, "guard", *args)
+            assert r.returncode == 0, r
+
     def call_as(self, user: User, dest: str, path: str, iface: str, member: str, signature: str = "",
                 body: list | None = None, timeout: float = 60) -> CallResult:
         """One raw D-Bus method call made by a real process running as `user`."""
