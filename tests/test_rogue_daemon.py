@@ -37,14 +37,17 @@ time.sleep(600)
 """
 
 
-def start_miner(bed: Testbed, user: User, exe: str, port: int) -> subprocess.Popen:
+def start_miner(bed: Testbed, user: User, exe: str, port: int, ready: bool = True) -> subprocess.Popen:
+    """The miner, once it said it is connected; with ready=False, as soon as it runs (a Guard in force may kill
+    it on its command line and executable alone, 75 points, before it connects or says anything)."""
     env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope,
            "GPUKILL_SIM_MEM": "6GiB", "GPUKILL_SIM_UTIL": "99"}
     proc = subprocess.Popen([exe, "-c", MINER_CODE, str(port), "-o", STRATUM, "--threads", "8"],
                             stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True,
                             **user.popen_kwargs())
     bed.procs.append(proc)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    if ready:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     return proc
 
 
@@ -150,7 +153,8 @@ def test_a_guard_rule_on_rogue_score_kills_the_miner_and_not_the_trainer(victims
         for args in (["load", str(policy)], ["dry-run", "off"], ["enable"]):
             r = bed.ctl(ROOT, "guard", *args)
             assert r.returncode == 0, r
-        miner = start_miner(bed, owner, bed.miner_exe, bed.pool_port)
+        # the proc connector shows the miner to the daemon at its exec, so the kill may come before "ready"
+        miner = start_miner(bed, owner, bed.miner_exe, bed.pool_port, ready=False)
         wait_until(lambda: miner.poll() is not None, 15, "the guard did not kill the miner")
         kill = wait_until(lambda: bed.journal(GPUKILL_TARGET_PID=str(miner.pid), MESSAGE_ID=audit.KILL.message_id),
                           10, "the kill is not in the journal")
