@@ -8,7 +8,7 @@ validates from it, gpukilld.guard.conditions compiles from it, and README's cond
 (tests/test_condition_types.py checks all three against it).
 
 Readers name attributes of the views the daemon builds of a snapshot (gpukilld.guard.conditions: ProcView,
-UserView, DeviceView) without importing them: this package never imports the daemon.
+UserView, DeviceView, GroupView) without importing them: this package never imports the daemon.
 """
 
 from __future__ import annotations
@@ -20,25 +20,31 @@ from typing import Any
 
 from .device_faults import recovery_action
 from .records import FINDING_IDLE, FINDING_MINER
-from .rules import PER_DEVICE, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, Condition
+from .rules import PER_DEVICE, PER_GROUP, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, Condition
 from .units import format_size
 
 # Kinds: how a value is written in a policy, so how the parser reads it and the engine compares it. User and
-# group conditions are decided on a subject's (uid, user name); the others on the value their reader reads.
-STRING, USER, GROUP = "string", "user", "group"
-PERCENT, CELSIUS, SIZE, DURATION = "percent", "celsius", "size", "duration"  # compared as numbers
-KINDS = (STRING, USER, GROUP, PERCENT, CELSIUS, SIZE, DURATION)
+# group conditions are decided on a subject's (uid, user name) (a group subject: on its name); an index on
+# whether the subject is on that GPU (a process: any of its GPUs); the others on the value their reader reads.
+STRING, USER, GROUP, INDEX = "string", "user", "group", "index"
+PERCENT, CELSIUS, SIZE, DURATION, COUNT = "percent", "celsius", "size", "duration", "count"  # compared as numbers
+KINDS = (STRING, USER, GROUP, INDEX, PERCENT, CELSIUS, SIZE, DURATION, COUNT)
+MAX_COUNT = 1_000_000  # a count of processes compared with more than this is a typo, not a limit
+MAX_INDEX = 1023  # GPU indexes a policy may name (no machine has more devices)
 
-STRING_OPS = ("==", "!=", "in", "contains_any", "matches")
-USER_OPS = ("==", "!=", "in", "matches")
-GROUP_OPS = ("==", "!=", "in")
+STRING_OPS = ("==", "!=", "in", "not_in", "contains_any", "matches")
+USER_OPS = ("==", "!=", "in", "not_in", "matches")
+GROUP_OPS = ("==", "!=", "in", "not_in")
+INDEX_OPS = ("==", "!=")
 NUMBER_OPS = (">", ">=", "<", "<=", "==", "!=")
 OPERATORS = tuple(dict.fromkeys(STRING_OPS + USER_OPS + GROUP_OPS + NUMBER_OPS))
+LIST_OPS = ("in", "not_in", "contains_any")  # operators whose value is a list
 
-# The views a reader reads: a process (its devices summed), a user (the processes the rule counts, summed) or
-# a device. A condition reads the process where it selects processes, else the subject of the rule's scope.
-ON_PROCESS, ON_USER, ON_DEVICE = "process", "user", "device"
-_SUBJECT_VIEW = {PER_PROCESS: ON_PROCESS, PER_USER: ON_USER, PER_DEVICE: ON_DEVICE}
+# The views a reader reads: a process (its devices summed), a user (the processes the rule counts, summed), a
+# device, or a group (its members' processes the rule counts, summed). A condition reads the process where it
+# selects processes, else the subject of the rule's scope.
+ON_PROCESS, ON_USER, ON_DEVICE, ON_GROUP = "process", "user", "device", "group"
+_SUBJECT_VIEW = {PER_PROCESS: ON_PROCESS, PER_USER: ON_USER, PER_DEVICE: ON_DEVICE, PER_GROUP: ON_GROUP}
 
 # What "largest first" means when a per_user or per_device rule picks its victims; a rule whose conditions
 # imply several orders takes the first of them here, and memory when they imply none.
@@ -105,6 +111,9 @@ class ConditionType:
     # audit's score and kind, added up from evidence such as those). Reasons shown to such a caller about
     # another user's subject name the condition, not its value or its text: "rogue_score withheld".
     withheld: bool = False
+    # Scopes whose subjects this type names: there a rule needs a condition of it with == or in, and its subjects
+    # are the values it names (per_group: the groups a group condition names, never every group of a machine).
+    names: tuple[str, ...] = ()
 
     def reader(self, view: str, percent_of_total: bool = False) -> Callable[[Any], Any]:
         """How to read the value off a view: a C attrgetter where the reader is a name (no Python frame per
@@ -133,6 +142,25 @@ def _score(v: float) -> str:
     return f"{v:g}"
 
 
+def _count(v: int) -> str:
+    return str(v)
+
+
+def _indexes(v: Any) -> str:
+    """The GPUs a subject is on, as reasons write them ("0", "0,2")."""
+    return ",".join(str(i) for i in sorted(v)) or "none"
+
+
+def _device_index(d: Any) -> tuple[int, ...]:
+    return (d.device.index,)
+
+
+def _memory_free(d: Any) -> int | None:
+    """A device view's memory not in use; unknown without both figures."""
+    total = d.device.memory_total
+    return None if d.memory_used is None or total is None else max(0, total - d.memory_used)
+
+
 def _recovery_action(d: Any) -> str | None:
     """The recovery action the driver asked for with the device's last critical error (gpukill.device_faults)."""
     return recovery_action(d.device.state_reason)
@@ -141,8 +169,14 @@ def _recovery_action(d: Any) -> str | None:
 # A device's state as gpukill.records declares it (STATE_OK, STATE_LOST, STATE_ERROR).
 DEVICE_STATES = ("ok", "lost", "error")
 _DEVICE_ONLY = {PER_DEVICE: SUBJECT}
-_PROC_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SELECTOR}
-_ID_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SUBJECT, PER_DEVICE: SELECTOR}
+_PROC_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SELECTOR, PER_GROUP: SELECTOR}
+_USER_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SUBJECT, PER_DEVICE: SELECTOR, PER_GROUP: SELECTOR}
+_GROUP_ROLES = {PER_PROCESS: SUBJECT, PER_USER: SUBJECT, PER_DEVICE: SELECTOR, PER_GROUP: SUBJECT}
+_USER_ONLY = {PER_USER: SUBJECT}
+_GROUP_ONLY = {PER_GROUP: SUBJECT}
+# per_group: the group's total. Killing every member's process over a group-wide figure would be a disaster: the
+# figure needs per_group, where only the largest processes go until the group is back under.
+_GROUP_NEEDS = "{} sums the processes of a group's members: it needs scope per_group (with a group condition)"
 
 CONDITION_TYPES: dict[str, ConditionType] = {
     t.name: t
@@ -158,12 +192,18 @@ CONDITION_TYPES: dict[str, ConditionType] = {
         # any job. Withheld: which of the two a reason's job came from is not in the reason.
         ConditionType("slurm_job", STRING, STRING_OPS, _PROC_ROLES, {ON_PROCESS: "slurm_job"}, None,
                       indexed=True, withheld=True),
-        ConditionType("user", USER, USER_OPS, _ID_ROLES, {ON_PROCESS: "user", ON_USER: "user"}, repr,
+        ConditionType("user", USER, USER_OPS, _USER_ROLES, {ON_PROCESS: "user", ON_USER: "user"}, repr,
                       indexed=True),
-        ConditionType("group", GROUP, GROUP_OPS, _ID_ROLES, {ON_PROCESS: "user", ON_USER: "user"}, None,
-                      indexed=True),
+        # In per_group the group is the subject, named by this condition (see `names`).
+        ConditionType("group", GROUP, GROUP_OPS, _GROUP_ROLES,
+                      {ON_PROCESS: "user", ON_USER: "user", ON_GROUP: "name"}, None, indexed=True,
+                      names=(PER_GROUP,)),
+        # A GPU by its index: a process is on it when any of its records is; a device is it or not.
+        ConditionType("gpu", INDEX, INDEX_OPS,
+                      {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SUBJECT, PER_GROUP: SELECTOR},
+                      {ON_PROCESS: "per_device", ON_DEVICE: _device_index}, _indexes),
         ConditionType("gpu_utilization", PERCENT, NUMBER_OPS,
-                      {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SUBJECT},
+                      {PER_PROCESS: SUBJECT, PER_USER: SELECTOR, PER_DEVICE: SUBJECT, PER_GROUP: SELECTOR},
                       {ON_PROCESS: "gpu_utilization", ON_DEVICE: "utilization"}, _percent,
                       lower_bound_on=(ON_PROCESS,), victim_order=BY_UTILIZATION),
         ConditionType("gpu_memory", SIZE, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "gpu_memory"}, format_size,
@@ -171,12 +211,31 @@ CONDITION_TYPES: dict[str, ConditionType] = {
         ConditionType("runtime", DURATION, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "runtime"}, _seconds),
         # Killing every process of a user over a user-wide sum would be a disaster: the sum needs per_user,
         # where only the largest processes are killed until the user is back under.
-        ConditionType("user_memory", SIZE, NUMBER_OPS, {PER_USER: SUBJECT}, {ON_USER: "memory"}, format_size,
+        ConditionType("user_memory", SIZE, NUMBER_OPS, _USER_ONLY, {ON_USER: "memory"}, format_size,
                       "user_memory sums a user's processes across devices: it needs scope per_user",
                       lower_bound_on=(ON_USER,), victim_order=BY_MEMORY),
+        # On each GPU, the user's processes' utilization there added up; the highest over the GPUs (so 0 to
+        # 100: "no user takes more than 80% of any GPU").
+        ConditionType("user_utilization", PERCENT, NUMBER_OPS, _USER_ONLY, {ON_USER: "utilization"}, _percent,
+                      "user_utilization adds up a user's processes on each GPU: it needs scope per_user",
+                      lower_bound_on=(ON_USER,), victim_order=BY_UTILIZATION),
+        # How many GPU processes the rule counts for the user: a kill stops the largest (by memory) of them
+        # only, until the count is back to the limit.
+        ConditionType("user_processes", COUNT, NUMBER_OPS, _USER_ONLY, {ON_USER: "count"}, _count,
+                      "user_processes counts a user's GPU processes: it needs scope per_user"),
+        ConditionType("group_memory", SIZE, NUMBER_OPS, _GROUP_ONLY, {ON_GROUP: "memory"}, format_size,
+                      _GROUP_NEEDS.format("group_memory"), lower_bound_on=(ON_GROUP,), victim_order=BY_MEMORY),
+        ConditionType("group_utilization", PERCENT, NUMBER_OPS, _GROUP_ONLY, {ON_GROUP: "utilization"}, _percent,
+                      _GROUP_NEEDS.format("group_utilization"), lower_bound_on=(ON_GROUP,),
+                      victim_order=BY_UTILIZATION),
+        ConditionType("group_processes", COUNT, NUMBER_OPS, _GROUP_ONLY, {ON_GROUP: "count"}, _count,
+                      _GROUP_NEEDS.format("group_processes")),
         ConditionType("device_memory", SIZE, NUMBER_OPS, {PER_DEVICE: SUBJECT}, {ON_DEVICE: "memory_used"},
                       format_size, "device_memory is a device's value: it needs scope per_device",
                       victim_order=BY_MEMORY, share=Share(_memory_share, "the device's memory")),
+        # Memory kept free (a reservation): below it, the device's largest processes go until it is back.
+        ConditionType("device_memory_free", SIZE, NUMBER_OPS, _DEVICE_ONLY, {ON_DEVICE: _memory_free}, format_size,
+                      "device_memory_free is a device's value: it needs scope per_device", victim_order=BY_MEMORY),
         ConditionType("temperature", CELSIUS, NUMBER_OPS, {PER_DEVICE: SUBJECT},
                       {ON_DEVICE: "device.temperature"}, _celsius,
                       "temperature is a device's value: it needs scope per_device"),

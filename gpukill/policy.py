@@ -31,8 +31,13 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from .condition_types import (
     CELSIUS,
     CONDITION_TYPES,
+    COUNT,
     DURATION,
     GROUP,
+    INDEX,
+    LIST_OPS,
+    MAX_COUNT,
+    MAX_INDEX,
     OPERATORS,
     PERCENT,
     SIZE,
@@ -54,6 +59,7 @@ from .rules import (
     RESET_COOLDOWN,
     SCOPES,
     SELECTOR,
+    SUBJECT,
     Condition,
     Exemptions,
     Policy,
@@ -667,6 +673,19 @@ class _Parser:
             self.error(node, f"{label} in scope {scope} has only process conditions: with action kill it would "
                              f"kill every selected process; add a {scope.removeprefix('per_')} condition or use "
                              "scope per_process")
+        naming = [t for t in CONDITION_TYPES.values() if scope in t.names]
+        if naming and conditions and self.failures == before and not any(
+                c.type in {t.name for t in naming} and c.role == SUBJECT and c.operator in ("==", "in")
+                for c in conditions):
+            # Its subjects are what that condition names: a rule without one would look at every group of
+            # every user (their primary groups, "users", ...), not at the group its author means.
+            names = " or ".join(t.name for t in naming)
+            self.error(node, f"{label} in scope {scope} needs a {names} condition with == or in naming its "
+                             f"{scope.removeprefix('per_')}(s)")
+        elif naming and match == "any":
+            # The naming condition holds for every subject it names: with any, the rule would hold for all.
+            self.error(fields["match"][1], f"match any is not supported in scope {scope}: its "
+                                           f"{naming[0].name} condition holds for every subject it names")
         if action == RESET and scope != PER_DEVICE:
             self.error(fields["action"][1], f"action reset resets a device: {label} needs scope per_device, "
                                             f"not {scope}")
@@ -780,7 +799,7 @@ class _Parser:
         recorded on failure."""
         kind = ctype.kind
         what = f"the value of {ctype.name} {op}"
-        if op in ("in", "contains_any"):
+        if op in LIST_OPS:
             values = self.string_list(node, what, allow_int=kind == USER,
                                       max_len=MAX_ID_TEXT if kind in (USER, GROUP) else MAX_STRING)
             if values is None:
@@ -797,6 +816,13 @@ class _Parser:
         if not ok:
             self.error(node, f"{what} must be a single value, not {_node_kind(node)}")
             return None, False, ""
+        if kind in (COUNT, INDEX):
+            lo, hi = (0, MAX_COUNT) if kind == COUNT else (0, MAX_INDEX)
+            if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
+                what_kind = "a whole number" if kind == COUNT else "a GPU index (a whole number)"
+                self.error(node, f"{what} must be {what_kind} from {lo} to {hi}, not {_describe(raw)}")
+                return None, False, ""
+            return raw, False, str(raw)
         if kind in (STRING, GROUP, USER):
             is_id = isinstance(raw, int) and not isinstance(raw, bool) and kind in (GROUP, USER)
             if is_id and not 0 <= raw <= MAX_ID:

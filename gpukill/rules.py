@@ -1,9 +1,10 @@
 """What a Guard policy is, as records: settings, and rules made of conditions, a scope, an action, exemptions.
 
 A rule looks at subjects of its scope: each process (per_process), each user with their processes
-(per_user) or each device with the processes on it (per_device). Its conditions combine with AND unless it
-says `match: any`. A condition is about the subject (SUBJECT), or, in per_user and per_device scopes, about a
-process (SELECTOR): then it picks which of the subject's processes the rule counts and may kill. When the
+(per_user), each device with the processes on it (per_device) or each group its group condition names, with
+its members' processes (per_group). Its conditions combine with AND unless it says `match: any`. A condition
+is about the subject (SUBJECT), or, in per_user, per_device and per_group scopes, about a process (SELECTOR):
+then it picks which of the subject's processes the rule counts and may kill. When the
 rule holds for a subject, its action is taken: kill, notify, log or (per_device only) reset the device.
 Descriptions are prose for humans and never change what a rule does.
 
@@ -19,8 +20,8 @@ from typing import Any
 
 from .regex import compile_regex
 
-PER_PROCESS, PER_USER, PER_DEVICE = "per_process", "per_user", "per_device"
-SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE)
+PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP = "per_process", "per_user", "per_device", "per_group"
+SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP)
 ACTIONS = ("kill", "notify", "log", "reset")
 RESET = "reset"  # reset the device (scope per_device): its holders are killed first only with force
 # A reset rule's defaults: at most one reset of a device per cooldown, and a few per hour, whatever the rule says

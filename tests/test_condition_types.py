@@ -21,9 +21,12 @@ from helpers.testbed import REPO
 from gpukill.condition_types import (
     CELSIUS,
     CONDITION_TYPES,
+    COUNT,
     DURATION,
     GROUP,
+    INDEX,
     KINDS,
+    LIST_OPS,
     NUMBER_OPS,
     ON_PROCESS,
     OPERATORS,
@@ -41,18 +44,23 @@ from gpukill.rules import SCOPES, SELECTOR, Condition
 from gpukilld.guard.engine import Engine, KillOrder, Preview
 
 # A value of each kind as a policy writes it: a kind added without one here fails every test below.
-SAMPLE = {STRING: "x", USER: "alice", GROUP: "video", PERCENT: 50, CELSIUS: 80, SIZE: "1GiB", DURATION: "5m"}
+SAMPLE = {STRING: "x", USER: "alice", GROUP: "video", PERCENT: 50, CELSIUS: 80, SIZE: "1GiB", DURATION: "5m",
+          COUNT: 3, INDEX: 0}
 # For the engine: a condition that holds for the snapshot below and one that cannot, per kind.
 HOLDS = {STRING: ("!=", "no-such-value"), USER: ("!=", "no-such-user"), GROUP: ("!=", "no-such-group"),
-         PERCENT: (">=", 0), CELSIUS: (">=", -273), SIZE: (">=", 0), DURATION: (">=", 0)}
+         PERCENT: (">=", 0), CELSIUS: (">=", -273), SIZE: (">=", 0), DURATION: (">=", 0), COUNT: (">=", 0),
+         INDEX: ("==", 0)}
 NEVER = {STRING: ("==", "no-such-value"), USER: ("==", "no-such-user"), GROUP: ("==", "no-such-group"),
-         PERCENT: ("<", 0), CELSIUS: ("<", -273), SIZE: ("<", 0), DURATION: ("<", 0)}
+         PERCENT: ("<", 0), CELSIUS: ("<", -273), SIZE: ("<", 0), DURATION: ("<", 0), COUNT: ("<", 0),
+         INDEX: ("!=", 0)}
 SECRET = "--token=s3cr3t"  # in the process's command line: no reason may carry it
 # What a reason shows of the snapshot below, for each type with a printer.
 SHOWN = {"user": "'alice'", "gpu_utilization": "60%", "gpu_memory": "2.0 GiB", "runtime": "999s",
          "user_memory": "2.0 GiB", "device_memory": "2.0 GiB", "temperature": "70°C", "device_state": "'ok'",
          "state_reason": "'Xid 79; recovery action: GPU reset'", "recovery_action": "'GPU reset'",
-         "rogue_score": "0", "rogue_kind": "''"}
+         "rogue_score": "0", "rogue_kind": "''", "gpu": "0", "user_utilization": "60%", "user_processes": "1",
+         "group_memory": "2.0 GiB", "group_utilization": "60%", "group_processes": "1",
+         "device_memory_free": "78.0 GiB"}
 XID = "Xid 79; recovery action: GPU reset"  # the device's state_reason below (gpukill.device_faults)
 PAIRS = [(name, scope) for name in CONDITION_TYPES for scope in SCOPES]
 
@@ -65,13 +73,15 @@ def rule_text(type_name: str, scope: str, op: str, value: object, action: str = 
             "    conditions:\n"
             f"      - type: {type_name}\n"  # line 6, the type's value at column 15
             f"        operator: '{op}'\n"
-            f"        value: {value!r}\n")
+            f"        value: {value!r}\n"
+            # per_group looks at the groups its group condition names (gpukill.condition_types: names)
+            + ("      - {type: group, operator: ==, value: video}\n" if scope == "per_group" else ""))
 
 
 def value_for(ctype: ConditionType, op: str) -> object:
     """A value the parser takes: the kind's sample, or the first of a closed set of values."""
     sample = ctype.values[0] if ctype.values else SAMPLE[ctype.kind]
-    return [sample] if op in ("in", "contains_any") else sample
+    return [sample] if op in LIST_OPS else sample
 
 
 def holds(ctype: ConditionType) -> tuple[str, object]:
@@ -131,6 +141,10 @@ def test_the_engine_compiles_and_evaluates_each_type_in_each_of_its_scopes(type_
     assert [p.pids for p in previews(type_name, scope, *never(ctype))[0]] in ([], [()])
     (preview,), cond = previews(type_name, scope, *holds(ctype))
     assert preview.pids == (500,) and SECRET not in preview.reason
+    if scope == "per_group":  # the group condition rule_text adds holds, and says so
+        parts = preview.reason.split("; ")
+        parts.remove("group == video")
+        preview = dataclasses.replace(preview, reason="; ".join(parts))
     if cond.role == SELECTOR:  # it picks the processes the rule counts
         assert preview.reason == f"counting 1 process(es) with {cond.text}"
     elif ctype.printer is None:  # the condition, never the text it matched
@@ -191,3 +205,20 @@ def test_the_parser_and_the_engine_never_name_a_type(module: str) -> None:
     tree = ast.parse((REPO / module).read_text())
     named = sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in CONDITION_TYPES})
     assert named == []
+
+
+@pytest.mark.parametrize(("type_name", "scope", "value", "error"), [
+    ("user_processes", "per_user", 2.5, "the value of user_processes > must be a whole number from 0 to 1000000, "
+                                        "not the number 2.5"),
+    ("user_processes", "per_user", True, "the value of user_processes > must be a whole number from 0 to 1000000, "
+                                         "not true"),
+    ("gpu", "per_process", 1024, "the value of gpu > must be a GPU index (a whole number) from 0 to 1023, not the "
+                                 "number 1024"),
+    ("gpu", "per_device", "0", "the value of gpu > must be a GPU index (a whole number) from 0 to 1023, not the "
+                               "string '0'"),
+])
+def test_counts_and_gpu_indexes_are_whole_numbers_in_range(type_name, scope, value, error) -> None:
+    op = "==" if type_name == "gpu" else ">"
+    with pytest.raises(PolicyError) as info:
+        load_texts([("p.yaml", rule_text(type_name, scope, op, value))])
+    assert info.value.errors == [f"p.yaml:8:16: {error.replace('gpu >', 'gpu ==')}"]

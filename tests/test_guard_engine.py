@@ -10,7 +10,7 @@ import time
 from helpers.guard_inputs import OWN_PID, FakeGroups, FakeTime, GiB, dev, proc, snap
 from helpers.testbed import REPO
 
-from gpukill.policy import load_paths, load_texts
+from gpukill.policy import PolicyError, load_paths, load_texts
 from gpukilld.guard.conditions import CLK_TCK, Protection
 from gpukilld.guard.engine import PROTECTED, Engine, GraceCancelled, KillOrder, Violation
 from gpukilld.model import Snapshot
@@ -398,3 +398,97 @@ def test_a_process_on_two_gpus_is_partial_if_either_record_is():
                       "    conditions: [{type: gpu_memory, operator: '<', value: 4GiB}]\n"), t.clock(), own_pid=OWN_PID)
     assert e.evaluate(snap(proc(10, mem=GiB, device=0), proc(10, mem=None, device=1, shared=True)), False) == []
     assert len(step(e, t, snap(proc(10, mem=GiB, device=0), proc(10, mem=GiB, device=1)), 1)) == 1
+
+
+# -- per_group, not_in, gpu, device_memory_free (issue 20: gpu-kill's group and GPU policies) ---------------------
+
+GROUP_CAP = ("rules:\n  - name: research\n    scope: per_group\n    action: kill\n    conditions:\n"
+             "      - {type: group, operator: in, value: [research, '2000']}\n"
+             "      - {type: group_memory, operator: '>', value: 8GiB}\n")
+
+
+def test_per_group_looks_at_the_groups_it_names_and_kills_largest_first_until_under():
+    t = FakeTime()
+    groups = FakeGroups({1000: {"research", "users"}, 1001: {"research", "users"}, 1002: {"users", "2000"}})
+    e = Engine(policy(GROUP_CAP), t.clock(), groups=groups, own_pid=OWN_PID)
+    s = snap(proc(10, mem=5 * GiB), proc(11, mem=2 * GiB, device=1), proc(20, mem=4 * GiB, uid=1001, user="bob"),
+             proc(30, mem=7 * GiB, uid=1002, user="carol"))
+    events = e.evaluate(s, False)
+    # research: 11 GiB; the gid 2000: 7 GiB; "users" (18 GiB) is not named, so not looked at
+    assert [ev.subject for ev in events if isinstance(ev, Violation)] == ["group research"]
+    assert killed(events) == [10]  # 11 - 5 = 6 GiB: under
+    assert events[0].uid is None and "counting" not in events[0].reason
+
+
+def test_per_group_needs_a_group_condition_naming_its_groups():
+    for conds, error in [
+        ("      - {type: group_memory, operator: '>', value: 8GiB}\n",
+         "test.yaml:2:5: rule 'g' in scope per_group needs a group condition with == or in naming its group(s)"),
+        ("      - {type: group, operator: '!=', value: research}\n"
+         "      - {type: group_memory, operator: '>', value: 8GiB}\n",
+         "test.yaml:2:5: rule 'g' in scope per_group needs a group condition with == or in naming its group(s)"),
+    ]:
+        text = "rules:\n  - name: g\n    scope: per_group\n    action: kill\n    conditions:\n" + conds
+        try:
+            policy(text)
+        except PolicyError as err:
+            assert err.errors == [error]
+        else:
+            raise AssertionError("accepted")
+    text = ("rules:\n  - name: g\n    scope: per_group\n    match: any\n    action: log\n    conditions:\n"
+            "      - {type: group, operator: ==, value: research}\n"
+            "      - {type: group_memory, operator: '>', value: 8GiB}\n")
+    try:
+        policy(text)
+    except PolicyError as err:
+        assert err.errors == ["test.yaml:4:12: match any is not supported in scope per_group: its group condition "
+                              "holds for every subject it names"]
+    else:
+        raise AssertionError("accepted")
+
+
+def test_not_in_and_the_gpu_condition():
+    t = FakeTime()
+    groups = FakeGroups({1001: {"staff"}})
+    e = Engine(policy("rules:\n  - name: others-on-0\n    action: log\n    conditions:\n"
+                      "      - {type: gpu, operator: ==, value: 0}\n"
+                      "      - {type: user, operator: not_in, value: [alice, 1003]}\n"
+                      "      - {type: group, operator: not_in, value: [staff]}\n"
+                      "      - {type: process_name, operator: not_in, value: [sshd]}\n"),
+               t.clock(), groups=groups, own_pid=OWN_PID)
+    s = snap(proc(10), proc(20, uid=1001, user="bob"), proc(30, uid=1002, user="carol", device=1),
+             proc(31, uid=1002, user="carol", device=1), proc(31, uid=1002, user="carol", device=0),
+             proc(32, "sshd", uid=1002, user="carol"), proc(40, uid=1003, user="dave"))
+    assert [ev.subject for ev in e.evaluate(s, False)] == ["PID 31 (python, user carol)"]
+
+
+def test_device_memory_free_and_user_processes():
+    t = FakeTime()
+    e = Engine(policy("rules:\n  - name: keep-free\n    scope: per_device\n    action: kill\n    conditions:\n"
+                      "      - {type: device_memory_free, operator: '<', value: 20GiB}\n"
+                      "  - name: two-each\n    scope: per_user\n    action: kill\n    conditions:\n"
+                      "      - {type: user_processes, operator: '>', value: 2}\n"),
+               t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, mem=10 * GiB), proc(11, mem=30 * GiB), proc(20, mem=5 * GiB, uid=1001, user="bob"),
+             devices=(dev(0, used=70 * GiB),))  # 10 GiB free of 80
+    events = e.evaluate(s, False)
+    assert killed(events) == [11]  # 40 GiB free after the largest; alice has 2 processes: not over
+    assert events[0].reason == "device_memory_free 10.0 GiB < 20GiB"
+
+
+def test_a_groups_grace_survives_a_daemon_restart():
+    """clocks.py saves a per_group episode under the group's name and gives it back: the grace goes on."""
+    from gpukilld.guard import clocks
+
+    t = FakeTime()
+    groups = FakeGroups({1000: {"research"}})
+    text = GROUP_CAP.replace("    action: kill\n", "    action: kill\n    grace_period: 30s\n")
+    s = snap(proc(10, mem=9 * GiB))
+    e = Engine(policy(text), t.clock(), groups=groups, own_pid=OWN_PID)
+    assert [ev.subject for ev in e.evaluate(s, False)] == ["group research"]
+    t.now += 20
+    saved = clocks.save(e, "boot")
+    again = Engine(policy(text), t.clock(), groups=groups, own_pid=OWN_PID)
+    clocks.restore(again, saved, "boot", lambda pid, start: True)
+    assert again.grace_report()[0]["remaining"] == 10
+    assert killed(step(again, t, s, 10)) == [10]  # no second violation, no new grace

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpukill.procstat import read_stat
-from gpukill.rules import PER_DEVICE, PER_PROCESS, PER_USER
+from gpukill.rules import PER_DEVICE, PER_GROUP, PER_PROCESS, PER_USER
 
 from .engine import HOUR, Engine, Episode, RuleState
 
@@ -42,7 +42,7 @@ MAX_ENTRIES = 50_000  # windows, episodes, cooldowns and resets together: a few 
 MAX_LABEL = 512  # an episode's label ("PID 123 (xmrig, user ann)"): comm is 15 bytes, user names are short
 MAX_DEVICE_ID = 256
 SLACK = 1.0  # seconds an instant may lie ahead of the clock read at load (the two clocks are read apart)
-_KINDS = {PER_PROCESS: "p", PER_USER: "u", PER_DEVICE: "d"}  # how a subject's key is written, by scope
+_KINDS = {PER_PROCESS: "p", PER_USER: "u", PER_DEVICE: "d", PER_GROUP: "g"}  # how a subject's key is written
 
 
 def boot_id(path: str = BOOT_ID) -> str:
@@ -70,7 +70,9 @@ def rule_mark(st: RuleState) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _key_out(key: Any) -> list[Any]:
+def _key_out(key: Any, scope: str) -> list[Any]:
+    if scope == PER_GROUP:  # a group's name, a str as a device's id is
+        return ["g", key]
     if isinstance(key, tuple):
         return ["p", key[0], key[1]]
     return ["u", key] if isinstance(key, int) else ["d", key]
@@ -91,12 +93,13 @@ def save(engine: Engine, boot: str) -> dict[str, Any]:
     for st in engine.states:
         rules.append({
             "name": st.rule.name, "mark": rule_mark(st),
-            "windows": [[index, _key_out(key), since + offset]
+            "windows": [[index, _key_out(key, st.rule.scope), since + offset]
                         for index, window in st.windows.items() for key, since in window.items()],
-            "episodes": [[_key_out(key), ep.since + offset, ep.grace_until + offset, ep.label, ep.uid, ep.acted]
+            "episodes": [[_key_out(key, st.rule.scope), ep.since + offset, ep.grace_until + offset, ep.label, ep.uid,
+                          ep.acted]
                          for key, ep in st.episodes.items()],
-            "cooldown": [[_key_out(key), until + offset] for key, until in st.cooldown.items()],
-            "dry_cooldown": [[_key_out(key), until + offset] for key, until in st.dry_cooldown.items()],
+            "cooldown": [[_key_out(key, st.rule.scope), until + offset] for key, until in st.cooldown.items()],
+            "dry_cooldown": [[_key_out(key, st.rule.scope), until + offset] for key, until in st.dry_cooldown.items()],
         })
     return {"format": FORMAT, "boot_id": boot, "rules": rules,
             "resets": {d: [t + offset for t in ts] for d, ts in engine.resets.items() if ts},
@@ -129,7 +132,7 @@ class _Reader:
             return (raw[1], raw[2])
         if raw[0] == "u" and len(raw) == 2 and _int(raw[1]) and raw[1] < 1 << 32:
             return raw[1]
-        if raw[0] == "d" and len(raw) == 2 and isinstance(raw[1], str) and 0 < len(raw[1]) <= MAX_DEVICE_ID:
+        if raw[0] in ("d", "g") and len(raw) == 2 and isinstance(raw[1], str) and 0 < len(raw[1]) <= MAX_DEVICE_ID:
             return raw[1]
         self.bad += 1
         return None

@@ -2,10 +2,12 @@
 
 A snapshot has one record per (process, device). Rules look at subjects: a process (its devices summed:
 memory added up, utilization the highest), a user (the processes counted for the rule, summed across
-devices) or a device. A value the backend cannot read (None) never makes a condition true, whatever the
-operator: "unknown" is not "over" and not "under". A process whose usage is partly charged to no one (a DRM
-context it shares with another user, model.GpuProcess.shared_usage) has figures that are lower bounds: they can
-show it is over a limit, never that it is under one.
+devices), a device, or a group its rule names (its members' processes counted for the rule, summed as a
+user's are; membership primary or supplementary, as the group condition reads it). A value the backend cannot
+read (None) never makes a condition true, whatever the operator: "unknown" is not "over" and not "under". A
+process whose usage is partly charged to no one (a DRM context it shares with another user,
+model.GpuProcess.shared_usage) has figures that are lower bounds: they can show it is over a limit, never that
+it is under one.
 
 What each condition type reads off these views (attributes by name), how its values are written in reasons
 and which victims it kills first are declared in gpukill.condition_types; this module compiles a condition
@@ -34,12 +36,14 @@ from gpukill.condition_types import (
     BY_UTILIZATION,
     CONDITION_TYPES,
     GROUP,
+    INDEX,
+    ON_GROUP,
     STRING,
     USER,
     victim_order,
     view_of,
 )
-from gpukill.rules import PER_PROCESS, PER_USER, SELECTOR, Condition, Exemptions, Rule
+from gpukill.rules import PER_GROUP, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, Condition, Exemptions, Rule
 
 from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX
 from ..model import STATE_LOST, Device, Snapshot
@@ -78,6 +82,26 @@ class ProcView:
         return f"PID {self.pid} ({self.comm}, user {self.user})"
 
 
+def _utilization_by_device(procs: Iterable[ProcView]) -> dict[int, float] | None:
+    """Per GPU, the processes' utilization there added up; None when no process's is known."""
+    out: dict[int, float] = {}
+    for p in procs:
+        for index, (_mem, util) in p.per_device.items():
+            if util is not None:
+                out[index] = out.get(index, 0.0) + util
+    return out or None
+
+
+def _less(by_device: dict[int, float] | None, proc: ProcView) -> dict[int, float] | None:
+    if by_device is None:
+        return None
+    out = dict(by_device)
+    for index, (_mem, util) in proc.per_device.items():
+        if index in out and util is not None:
+            out[index] = max(0.0, out[index] - util)
+    return out
+
+
 @dataclass(slots=True)
 class UserView:
     uid: int
@@ -85,6 +109,8 @@ class UserView:
     procs: list[ProcView]
     memory: int | None
     partial: bool = False  # some of its processes' usage is charged to no one: memory is a lower bound
+    count: int = 0  # the processes counted (less those taken off by without())
+    by_device: dict[int, float] | None = None  # GPU index -> its processes' utilization there, added up
 
     @property
     def key(self) -> int:
@@ -94,11 +120,46 @@ class UserView:
     def label(self) -> str:
         return f"user {self.user}"
 
+    @property
+    def utilization(self) -> float | None:
+        """The busiest GPU's share taken by the user's processes (see condition_types: user_utilization)."""
+        return None if self.by_device is None else max(self.by_device.values(), default=0.0)
+
     def without(self, proc: ProcView) -> UserView:
         """The user's figures as if proc were gone. Only the sums change (what conditions on a user read);
         the process list stays, so choosing victims among thousands costs no copies."""
         memory = None if self.memory is None else max(0, self.memory - (proc.gpu_memory or 0))
-        return UserView(self.uid, self.user, self.procs, memory, self.partial)
+        return UserView(self.uid, self.user, self.procs, memory, self.partial, max(0, self.count - 1),
+                        _less(self.by_device, proc))
+
+
+@dataclass(slots=True)
+class GroupView:
+    """A group a per_group rule names, with its members' processes that the rule counts."""
+
+    name: str  # as the rule names it: a group name, or a gid as text
+    procs: list[ProcView]
+    memory: int | None
+    partial: bool = False
+    count: int = 0
+    by_device: dict[int, float] | None = None
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+    @property
+    def label(self) -> str:
+        return f"group {self.name}"
+
+    @property
+    def utilization(self) -> float | None:
+        return None if self.by_device is None else max(self.by_device.values(), default=0.0)
+
+    def without(self, proc: ProcView) -> GroupView:
+        memory = None if self.memory is None else max(0, self.memory - (proc.gpu_memory or 0))
+        return GroupView(self.name, self.procs, memory, self.partial, max(0, self.count - 1),
+                         _less(self.by_device, proc))
 
 
 @dataclass(slots=True)
@@ -127,7 +188,7 @@ class DeviceView:
         )
 
 
-Subject = ProcView | UserView | DeviceView
+Subject = ProcView | UserView | DeviceView | GroupView
 
 
 def _sum(values: Iterable[int | None]) -> int | None:
@@ -186,8 +247,24 @@ def user_views(procs: list[ProcView]) -> list[UserView]:
     by_uid: dict[int, list[ProcView]] = {}
     for p in procs:
         by_uid.setdefault(p.uid, []).append(p)
-    return [UserView(uid, ps[0].user, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps))
+    return [UserView(uid, ps[0].user, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps), len(ps),
+                     _utilization_by_device(ps))
             for uid, ps in by_uid.items()]
+
+
+def group_views(procs: list[ProcView], names: Iterable[str], groups: Groups) -> list[GroupView]:
+    """One view per group named (by name or gid as text) that has a member among the processes' users."""
+    members: dict[int, frozenset[str]] = {}
+    for p in procs:
+        if p.uid not in members:
+            members[p.uid] = groups.of(p.uid, p.user)
+    out = []
+    for name in dict.fromkeys(names):
+        ps = [p for p in procs if name in members[p.uid]]
+        if ps:
+            out.append(GroupView(name, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps), len(ps),
+                                 _utilization_by_device(ps)))
+    return out
 
 
 def device_views(procs: list[ProcView], devices: tuple[Device, ...], every: bool = False) -> list[DeviceView]:
@@ -299,6 +376,9 @@ def string_test(op: str, value: Any) -> Callable[[str], bool]:
     if op == "in":
         values = frozenset(value)
         return lambda s: s in values
+    if op == "not_in":
+        values = frozenset(value)
+        return lambda s: s not in values
     if op == "contains_any":
         return lambda s: any(v in s for v in value)
     if op == "matches":
@@ -324,23 +404,32 @@ class CompiledCondition:
         view = view_of(scope, cond.role)
         self.read = get = ctype.reader(view, cond.percent_of_total)  # the value, for reasons
         op, value = cond.operator, cond.value
+        listed = op in ("in", "not_in")
         if ctype.kind == USER:
-            names = {v for v in (value if op == "in" else (value,)) if isinstance(v, str) and not v.isdigit()}
-            uids = {int(v) for v in (value if op == "in" else (value,)) if not isinstance(v, str) or v.isdigit()}
+            names = {v for v in (value if listed else (value,)) if isinstance(v, str) and not v.isdigit()}
+            uids = {int(v) for v in (value if listed else (value,)) if not isinstance(v, str) or v.isdigit()}
             if op == "matches":
                 name_test = string_test(op, value)
                 self._keyed(ctype.indexed, "uid", lambda k: name_test(k[1]), _uid_and_name)
             else:
-                want = op != "!="
+                want = op not in ("!=", "not_in")
                 self._keyed(ctype.indexed, "uid", lambda k: (k[1] in names or k[0] in uids) is want,
                             _uid_and_name)
+        elif ctype.kind == GROUP and view == ON_GROUP:  # the subject is the group: decided on its name
+            name_test = string_test(op, value)
+            self._keyed(False, None, name_test, operator.attrgetter("name"))
         elif ctype.kind == GROUP:
             def member(k: tuple[int, str]) -> bool:
                 groups_of = groups.of(k[0], k[1])
-                if op == "in":
-                    return not groups_of.isdisjoint(value)
+                if listed:
+                    return groups_of.isdisjoint(value) is (op == "not_in")
                 return (value in groups_of) is (op == "==")
             self._keyed(ctype.indexed, "uid", member, _uid_and_name)
+        elif ctype.kind == INDEX:  # the subject's GPUs (a process's: those of its records) hold the index or not
+            want = op == "=="
+            self.decide = None
+            self.test = lambda s: (value in get(s)) is want
+            self.filter = lambda items: [s for s in items if (value in get(s)) is want]
         elif ctype.kind == STRING:
             test = string_test(op, value)
             self._keyed(ctype.indexed, ctype.reads[view], lambda v: v is not None and test(v), get)
@@ -462,6 +551,12 @@ class CompiledRule:
     def __init__(self, rule: Rule, global_exemptions: Exemptions, groups: Groups, own_pid: int) -> None:
         self.rule = rule
         self.scope = rule.scope
+        self.groups = groups
+        # per_group: the groups the rule's naming condition names (== or in): its subjects.
+        self.named: tuple[str, ...] = tuple(
+            v for c in rule.conditions
+            if c.role == SUBJECT and rule.scope in CONDITION_TYPES[c.type].names and c.operator in ("==", "in")
+            for v in (c.value if c.operator == "in" else (c.value,)))
         exemptions = global_exemptions.merged(rule.exemptions)
         self.exempt = Exempt(exemptions, groups) if exemptions else None
         self.exemptions_key = exemptions
@@ -505,6 +600,8 @@ class CompiledRule:
         shared = not self.selectors  # views of the visible processes are the same for every such rule
         if self.scope == PER_USER:
             return cycle.users(selected, shared)  # type: ignore[return-value]
+        if self.scope == PER_GROUP:
+            return group_views(selected, self.named, self.groups)  # type: ignore[return-value]
         return cycle.device_views(selected, shared, self.every_device)  # type: ignore[return-value]
 
     def narrow(self, subjects: list[Subject], cycle: Cycle) -> list[Subject]:
@@ -552,7 +649,14 @@ def _memory_size(p: ProcView, subject: Subject) -> tuple[float, float]:
     return (p.gpu_memory or 0, p.gpu_utilization or 0.0)
 
 
-def _util_size(p: ProcView, subject: Subject) -> tuple[float, float]:
+def _util_size(p: ProcView, subject: Subject) -> tuple[float, ...]:
+    """By utilization. A user's or a group's figure is its busiest GPU's: there, what a process takes of that
+    GPU comes first (one busy elsewhere would bring nothing down), then its own highest, then its memory."""
+    by_device = subject.by_device if isinstance(subject, UserView | GroupView) else None
+    if by_device:
+        busiest = max(by_device, key=by_device.__getitem__)
+        on_it = p.per_device.get(busiest, (None, None))[1]
+        return (on_it or 0.0, p.gpu_utilization or 0.0, p.gpu_memory or 0)
     mem, util = _memory_size(p, subject)
     return (util, mem)
 

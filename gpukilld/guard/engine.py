@@ -27,7 +27,7 @@ violation again (restart_windows); a daemon restart gives back the windows, epis
 history of unchanged rules whose processes still run (clocks.py), so an episode is counted once.
 
 Protection (conditions.py) hides system accounts and system units from every rule before any of this runs:
-they are never chosen as victims and never counted in a user's or a device's figures.
+they are never chosen as victims and never counted in a user's, a group's or a device's figures.
 """
 
 from __future__ import annotations
