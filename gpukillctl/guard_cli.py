@@ -1,4 +1,4 @@
-"""gpukillctl guard: enable, disable, dry-run, status, test, load, validate (Guard Mode).
+"""gpukillctl guard: enable, disable, dry-run, status, test, load, validate, policy (Guard Mode).
 
 `validate` needs no daemon: it parses with the daemon's own policy module, so what it accepts the daemon
 accepts. `load` validates locally first, so every error is shown, not just the first the daemon reports.
@@ -17,11 +17,11 @@ from gpukill.outcome import Outcome
 from gpukill.records import to_plain
 
 from .client_api import ClientAPI
-from .exits import EXIT_INVALID_POLICY
+from .exits import EXIT_FAILURE, EXIT_INVALID_POLICY, EXIT_USAGE
 from .format import shown, table
 
 if TYPE_CHECKING:  # annotations only: the Guard's records load when `guard` runs, not at every start
-    from gpukill.records import Decision
+    from gpukill.records import Decision, ManagedPolicyEntry
 
 # The policy module (and PyYAML), the units and the polkit agent (subprocess) are imported by the guard commands
 # that use them: `gpukillctl list` starts faster.
@@ -47,6 +47,95 @@ def register(sub: argparse._SubParsersAction) -> None:
     validate = gsub.add_parser("validate", help="check policy files without the daemon (FILE:LINE:COL errors)")
     validate.add_argument("files", metavar="FILE", nargs="+", help="policy files, or a directory of *.yaml")
     validate.set_defaults(offline=cmd_validate)
+    _register_policy(gsub)
+
+
+def _register_policy(gsub: argparse._SubParsersAction) -> None:
+    policy = gsub.add_parser("policy", help="user, group and GPU policies gpukilld keeps in guard.d (gpu-kill's)",
+                             description="Managed policies: per-user, per-group and per-GPU limits that gpukilld "
+                                         "writes as ordinary policy files into the Guard policy directory "
+                                         "(/etc/gpukill/guard.d) and applies at once. Changing them needs "
+                                         "polkit's org.gpukill.manage-policies.")
+    psub = policy.add_subparsers(dest="policy_command", metavar="POLICY_COMMAND", parser_class=type(policy))
+    psub.required = True
+    add = psub.add_parser("add", help="create or replace the policy of a user, group or GPU")
+    add.add_argument("kind", metavar="KIND", help="user, group or gpu")
+    add.add_argument("target", metavar="TARGET", help="the user name, group name or GPU index")
+    add.add_argument("--memory-limit", metavar="SIZE", type=_size,
+                     help="GPU memory (user, group: summed over their processes), e.g. 8GiB")
+    add.add_argument("--utilization-limit", metavar="PCT", type=_percent, help="GPU utilization, percent")
+    add.add_argument("--process-limit", metavar="N", type=_count, help="GPU processes at once (user, group)")
+    add.add_argument("--allowed-users", metavar="U[,U...]", type=_names,
+                     help="gpu: only these users may hold the GPU")
+    add.add_argument("--reserved-memory", metavar="SIZE", type=_size, help="gpu: memory kept free on the device")
+    add.add_argument("--grace", metavar="DUR", type=_duration,
+                     help="time over a limit before the kill, e.g. 30s (default 30s)")
+    remove = psub.add_parser("remove", help="remove the policy of a user, group or GPU")
+    remove.add_argument("kind", metavar="KIND", help="user, group or gpu")
+    remove.add_argument("target", metavar="TARGET")
+    listing = psub.add_parser("list", help="the managed policies, with their files (edited: changed by hand)")
+    listing.add_argument("--json", action="store_true", help="as JSON")
+    export = psub.add_parser("export", help="every managed policy as one YAML document (to stdout or FILE)")
+    export.add_argument("file", metavar="FILE", nargs="?")
+    imp = psub.add_parser("import", help="create or replace the policies of an exported FILE (all or nothing)")
+    imp.add_argument("file", metavar="FILE")
+    imp.add_argument("--replace", action="store_true", help="also remove the managed policies FILE does not name")
+
+
+def _argument(convert: Any) -> Any:
+    """An argparse type from a converter raising ValueError: argparse's one line names the option."""
+    def parse(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def _size_value(text: str) -> int:
+    from gpukill.units import parse_size
+
+    return parse_size(text)
+
+
+def _percent_value(text: str) -> float:
+    value = text.strip().removesuffix("%")
+    try:
+        pct = float(value)
+    except ValueError:
+        raise ValueError(f"not a percentage: {text!r} (write e.g. 90 or 90%)") from None
+    if not 0 <= pct <= 100:
+        raise ValueError(f"a percentage is 0 to 100, not {text!r}")
+    return pct
+
+
+def _count_value(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"not a whole number: {text!r}") from None
+    if not 0 <= n < 1 << 32:
+        raise ValueError(f"not a count: {text!r}")
+    return n
+
+
+def _names_value(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise ValueError(f"not a list of user names: {text!r} (write alice,bob)")
+    return names
+
+
+def _duration_value(text: str) -> float:
+    from gpukill.policy import parse_duration
+
+    return parse_duration(text)
+
+
+_size, _percent, _count = _argument(_size_value), _argument(_percent_value), _argument(_count_value)
+_names, _duration = _argument(_names_value), _argument(_duration_value)
 
 
 def _print_errors(e: Any) -> int:
@@ -85,6 +174,8 @@ async def cmd_guard(client: ClientAPI, args: argparse.Namespace) -> int:
         return await _change(client, args)
     if command == "status":
         return await _status(client, args)
+    if command == "policy":
+        return await _policy(client, args)
     return await _test(client, args)
 
 
@@ -209,4 +300,89 @@ async def _test(client: ClientAPI, args: argparse.Namespace) -> int:
         return 0
     print(table(["RULE", "SUBJECT", "WOULD", "WHEN", "WHY"], [_decision_row(d) for d in decisions]))
     print("(a test: nothing was signalled)")
+    return 0
+
+
+# -- guard policy: the managed user, group and GPU policies --------------------------------------------------
+
+SETTING_OPTIONS = ("memory_limit", "utilization_limit", "process_limit", "allowed_users", "reserved_memory", "grace")
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"gpukillctl: {shown(message)}", file=sys.stderr)
+    return code
+
+
+def _limits(entry: ManagedPolicyEntry) -> str:
+    from gpukill.units import format_size
+
+    parts = []
+    if entry.memory_limit is not None:
+        parts.append(f"memory {format_size(entry.memory_limit)}")
+    if entry.utilization_limit is not None:
+        parts.append(f"utilization {entry.utilization_limit:g}%")
+    if entry.process_limit is not None:
+        parts.append(f"processes {entry.process_limit}")
+    if entry.allowed_users:
+        parts.append(f"allowed {','.join(entry.allowed_users)}")
+    if entry.reserved_memory is not None:
+        parts.append(f"reserved {format_size(entry.reserved_memory)}")
+    parts.append(f"grace {_seconds(entry.grace)}")
+    return ", ".join(parts)
+
+
+async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
+    from gpukill.policy import PolicyError, read_text
+
+    command = args.policy_command
+    if command == "list":
+        entries = await client.guard_list_policies()
+        if args.json:
+            json.dump({"policies": [to_plain(e) for e in entries]}, sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        elif not entries:
+            print("no managed policies (gpukillctl guard policy add KIND TARGET ... makes one)")
+        else:
+            print(table(["KIND", "TARGET", "LIMITS", "FILE", "EDITED"],
+                        [[e.kind, e.target, _limits(e), e.file, "edited" if e.edited else "-"] for e in entries]))
+        return 0
+    if command == "export":
+        text = await client.guard_export_policies()
+        if args.file is None:
+            sys.stdout.write(text)
+            return 0
+        try:
+            with open(args.file, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            return _fail(f"cannot write {args.file}: {e.strerror or e}", EXIT_FAILURE)
+        return 0
+    text = ""
+    if command == "import":
+        try:
+            text = read_text(args.file)
+        except PolicyError as e:
+            return _fail(str(e), EXIT_INVALID_POLICY)
+    elif command == "add":
+        settings = {key: getattr(args, key) for key in SETTING_OPTIONS if getattr(args, key) is not None}
+        if not settings or set(settings) == {"grace"}:
+            return _fail("guard policy add: give at least one limit (--memory-limit, --utilization-limit, "
+                         "--process-limit, --allowed-users, --reserved-memory)", EXIT_USAGE)
+    from .polkit_agent import PolkitAgent
+
+    agent = PolkitAgent(client.unique_name)
+    try:
+        if command == "add":
+            entry = await client.guard_set_policy(args.kind, args.target, settings, interactive=agent.active)
+            print(shown(f"{entry.kind} policy for {entry.target} in force ({_limits(entry)}): {entry.file}"))
+        elif command == "remove":
+            await client.guard_remove_policy(args.kind, args.target, interactive=agent.active)
+            print(shown(f"{args.kind} policy for {args.target} removed"))
+        else:
+            entries = await client.guard_import_policies(args.file, text, replace=args.replace,
+                                                         interactive=agent.active)
+            names = ", ".join(f"{e.kind} {e.target}" for e in entries) or "none"
+            print(shown(f"{len(entries)} policies from {args.file} in force: {names}"))
+    finally:
+        agent.close()
     return 0

@@ -1,4 +1,4 @@
-"""The Guard's records: its status, its policy's decisions and what LoadPolicy returns."""
+"""The Guard's records: its status, its policy's decisions, what LoadPolicy returns and the managed policies."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class RuleStatus:
     name: str = wire("s", "the rule's name")
     description: str = wire("s", "the rule's description", "")
     action: str = wire("s", "kill, notify, log or reset")
-    scope: str = wire("s", "per_process, per_user or per_device")
+    scope: str = wire("s", "per_process, per_user, per_device or per_group")
     match: str = wire("s", "all or any of the conditions", "all")
     conditions: tuple[str, ...] = wire("as", "each condition as text", ())
     triggers: int = wire("t", "violations: a subject starting to violate the rule", 0)
@@ -132,3 +132,22 @@ class PolicyLoaded:
 
     source: str = wire("s", '"loaded"')
     rules: tuple[str, ...] = wire("as", "the rule names now in force", ())
+
+
+@dataclass(frozen=True, slots=True)
+class ManagedPolicyEntry:
+    """A user, group or GPU policy that gpukilld keeps as a file in the Guard policy directory (ListPolicies,
+    SetPolicy, ImportPolicies); the limits are gpukill/managed_policy.py's ManagedPolicy, as the daemon read
+    them back from the file."""
+
+    kind: str = wire("s", '"user", "group" or "gpu"')
+    target: str = wire("s", "the user name, group name or GPU index the policy is for")
+    file: str = wire("s", "its file in the Guard policy directory (guard.d)", "")
+    edited: bool = wire("b", "the file was changed by hand since gpukilld wrote it", False)
+    memory_limit: int | None = wire("t", "bytes of GPU memory (user, group: summed over their processes)", None)
+    utilization_limit: float | None = wire("d", "percent of GPU utilization", None)
+    process_limit: int | None = wire("u", "GPU processes at once (user, group)", None)
+    allowed_users: tuple[str, ...] = wire("as", "gpu: only these users may hold it (none: everyone)", (),
+                                          omit_empty=True)
+    reserved_memory: int | None = wire("t", "gpu: bytes kept free on the device", None)
+    grace: float = wire("d", "seconds over a limit before the kill", 30.0)

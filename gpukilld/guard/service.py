@@ -3,7 +3,9 @@
 GetStatus and TestPolicies are read-only (TestPolicies never acts; a policy a caller sends is evaluated in a
 child process against what the caller may list, see sandbox.py and visibility.py; one test per caller at a
 time). Enable, Disable, SetDryRun and LoadPolicy are allowed by the bouncer's check, with the action its
-table gives them (manage-guard); the bouncer audits a denial, the runner what it does. The caller is
+table gives them (manage-guard); the bouncer audits a denial, the runner what it does. The managed user, group
+and GPU policies (ListPolicies, ExportPolicies: read-only; SetPolicy, RemovePolicy, ImportPolicies:
+manage-policies) are files in guard.d that managed.py writes and audits. The caller is
 identified from the message the Door (bus.py) remembered for this call, as for the Manager interface. The
 runner's events reach the signals here through main, which wires them. Every reply is bounded: at most
 MAX_REPORT entries per list, MAX_PREVIEWS decisions.
@@ -16,12 +18,13 @@ policy in force, in GetStatus's windows and in PolicyViolated, which every liste
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
 
-from dbus_fast import DBusError
+from dbus_fast import DBusError, Variant
 from dbus_fast.service import ServiceInterface, method, signal
 
 from gpukill.condition_types import CONDITION_TYPES
@@ -30,7 +33,7 @@ from gpukill.policy import check_text
 from gpukill.records import Decision, GuardStatus, PolicyLoaded, ViolationDetails, from_plain
 
 from .. import audit
-from ..bouncer import Bouncer, Request
+from ..bouncer import Bouncer, Caller, Request
 from ..bus import current_caller, dbus_errors, name_outputs
 from ..model import Snapshot
 from ..names import GUARD_INTERFACE
@@ -38,6 +41,7 @@ from ..rogue import findings_as_seen
 from ..visibility import FULL, PROGRAM, Viewer, as_seen_by
 from ..wire import to_dbus
 from .engine import Violation
+from .managed import ManagedPolicies, check_settings, check_target, parse_import
 from .notify import Notice
 from .runner import GuardRunner
 from .sandbox import Sandbox, bounded_previews
@@ -52,6 +56,12 @@ def _clean_name(name: str) -> str:
         raise InvalidArgs(f"the policy name is longer than {MAX_NAME} characters")
     name = "".join(ch if ch.isprintable() else "?" for ch in name)
     return name or "<policy>"
+
+
+def _plain_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """SetPolicy's a{sv} as the plain values managed_policy.parse_settings reads (it checks keys and types)."""
+    check_settings(settings)  # bounded before anything is unwrapped
+    return {key: value.value if isinstance(value, Variant) else value for key, value in settings.items()}
 
 
 def view_snapshot(snapshot: Snapshot, viewer: Viewer) -> Snapshot:
@@ -122,6 +132,7 @@ class GuardInterface(ServiceInterface):
         self._bouncer = bouncer
         self._snapshot = snapshot
         self._sandbox = Sandbox()
+        self._managed = ManagedPolicies(runner, runner.audit)
 
     async def _authorize(self, member: str, details: dict[str, str], what: str) -> str:
         """Who asked (as the runner's audit names them), once the bouncer allows it; the bouncer audits a
@@ -132,6 +143,16 @@ class GuardInterface(ServiceInterface):
         await self._bouncer.check(caller, (GUARD_INTERFACE, member), {"operation": member, **details},
                                   request=request)
         return caller.who
+
+    async def _authorize_policies(self, member: str, operation: str, about: dict[str, str]) -> Caller:
+        """As _authorize, for the managed policies (manage-policies): a denial is audited as their change would
+        be. about: kind and target, or the import's name as policy (bounded already), shown by polkit too."""
+        caller = await current_caller(self._bouncer)
+        fields = {"action": "guard", "operation": operation, "requested_by": caller.who,
+                  **{("policy_" + k if k in ("kind", "target") else k): v for k, v in about.items()}}
+        request = Request(audit.GUARD_MANAGED_POLICY, f"Guard request {member}", "change guard policies", fields)
+        await self._bouncer.check(caller, (GUARD_INTERFACE, member), {"operation": member, **about}, request=request)
+        return caller
 
     # -- methods ---------------------------------------------------------------------------------------
 
@@ -184,6 +205,41 @@ class GuardInterface(ServiceInterface):
                 [dataclasses.asdict(p) for p in self._runner.preview(snapshot)], snapshot, viewer))
         return [to_dbus(from_plain(Decision, p)) for p in previews]
 
+    @method()
+    @dbus_errors
+    async def ListPolicies(self) -> "aa{sv}":
+        return [to_dbus(e) for e in self._managed.entries()]
+
+    @method()
+    @dbus_errors
+    async def SetPolicy(self, kind: "s", target: "s", settings: "a{sv}") -> "a{sv}":
+        check_target(kind, target)  # bounded before polkit shows them
+        caller = await self._authorize_policies("SetPolicy", "set", {"kind": kind, "target": target})
+        entry = self._managed.set(kind, target, _plain_settings(settings), caller.uid, caller.who)
+        return to_dbus(entry)
+
+    @method()
+    @dbus_errors
+    async def RemovePolicy(self, kind: "s", target: "s"):
+        check_target(kind, target)
+        caller = await self._authorize_policies("RemovePolicy", "remove", {"kind": kind, "target": target})
+        self._managed.remove(kind, target, caller.uid, caller.who)
+
+    @method()
+    @dbus_errors
+    async def ExportPolicies(self) -> "s":
+        return self._managed.export()
+
+    @method()
+    @dbus_errors
+    async def ImportPolicies(self, name: "s", text: "s", replace: "b") -> "aa{sv}":
+        name = _clean_name(name)
+        check_text(text, name)  # a caller's 30 MiB text is refused before polkit is asked
+        caller = await self._authorize_policies("ImportPolicies", "import", {"policy": name[:256]})
+        policies = await asyncio.to_thread(parse_import, name, text)  # seconds for a megabyte: not on the loop
+        entries = self._managed.import_parsed(name, policies, bool(replace), caller.uid, caller.who)
+        return [to_dbus(e) for e in entries]
+
     @signal()
     def PolicyViolated(self, event: Violation, dry_run: bool) -> "sssba{sv}":
         # every listener on the bus gets it: the reason as other users may read it (the journal has it whole)
@@ -208,6 +264,8 @@ OUTPUT_NAMES = {
     "LoadPolicy": ["result"],
     "GetStatus": ["status"],
     "TestPolicies": ["decisions"],
+    "ListPolicies": ["policies"], "SetPolicy": ["policy"], "RemovePolicy": [], "ExportPolicies": ["text"],
+    "ImportPolicies": ["policies"],
     "PolicyViolated": ["rule", "subject", "action", "dry_run", "details"],
     "GuardActionTaken": ["rule", "subject", "action", "pid", "start_time", "outcome", "dry_run"],
     "Notification": ["uid", "rule", "summary", "body"],

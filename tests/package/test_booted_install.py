@@ -232,6 +232,21 @@ def test_guard_state_lives_in_the_state_directory(machine):
     machine.run("gpukillctl", "guard", "dry-run", "off")
 
 
+def test_managed_policy_is_written_into_guard_d_under_the_unit(machine):
+    """`gpukillctl guard policy add` as root: under ProtectSystem=strict the daemon must be able to write
+    /etc/gpukill/guard.d (ConfigurationDirectory= keeps /etc/gpukill writable); the rule is in force at once."""
+    r = machine.run("gpukillctl", "guard", "policy", "add", "user", "nobody", "--memory-limit", "1GiB")
+    path = machine.root / "etc/gpukill/guard.d/60-managed-user-nobody.yaml"
+    assert path.exists(), r
+    st = path.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o644)
+    assert "user-nobody-memory" in machine.run("gpukillctl", "guard", "status").stdout
+    refused = machine.run("gpukillctl", "guard", "policy", "remove", "user", "nobody", user="alice", check=False)
+    assert refused.returncode == 4 and path.exists(), refused  # polkit: no for a user without a session
+    machine.run("gpukillctl", "guard", "policy", "remove", "user", "nobody")
+    assert not path.exists()
+
+
 def test_policy_test_in_the_sandbox_under_the_hardened_unit(machine):
     """An unprivileged caller's `guard test --policy`: the daemon evaluates it in a child that must drop to
     gpukill-sandbox (setgroups/setgid/setuid, nice, SCHED_IDLE) or refuse, so the unit's capabilities and system
