@@ -23,6 +23,12 @@
     abuser_share = 80                # percent of the memory (or time) used in the window: an abuser
     pool_ports = 3333 4444 5555 ...  # TCP ports of mining pools; empty: none. Ports inside the host's
                                      # ephemeral range (net.ipv4.ip_local_port_range) are ignored, logged
+    min_score = 0                    # AuditRogue reports findings of at least this score (not Guard's rogue_score)
+    allowed_users =                  # user names never reported (Guard's rogue_score reads 0 for them)
+    allowed_processes =              # executables (absolute paths, root's) whose processes are never reported
+
+    gpukilld.conf.d/50-audit.conf, beside this file, is read after it: the [audit] keys that gpukillctl audit
+    settings (SetAuditSettings, ImportAuditSettings) wrote, which win over these (gpukilld/audit_settings.py).
 
     [notify]                         # where guard e-mail goes: a relay that delivers onwards (postfix, ...)
     smtp_host = localhost
@@ -37,14 +43,16 @@ names the file and line.
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import logging
 import math
 import re
 from dataclasses import dataclass
 
 from gpukill.errors import ConfigError
-from gpukill.units import parse_size
+from gpukill.records import DEFAULT_POOL_PORTS, AuditSettings  # noqa: F401  (the daemon's names for them)
 
+from . import audit_settings
 from .sockets import ephemeral_range, outside_range
 
 log = logging.getLogger("gpukilld")
@@ -60,24 +68,6 @@ DEFAULT_PROTECTED_UNITS = (
     "ssh.service", "sshd.service", "getty@*.service", "serial-getty@*.service",
 )
 _UNIT_PATTERN = re.compile(r"[A-Za-z0-9:_.@\\*?\[\]-]*(?:\.service|\.scope|\*)")  # a unit name, or a pattern of one
-
-
-# Ports of mining pools' stratum endpoints (each pool publishes its own; these are the common ones). Not here:
-# 8888 (Jupyter's default: a notebook's clients connect to it) and 45560, 45700 (ethermine's and 2miners' SSL
-# ports, but inside Linux's default ephemeral range 32768-60999, where every busy server's clients have their
-# source ports): a pool port must be one that only a connection to a pool goes to.
-DEFAULT_POOL_PORTS = (3333, 3334, 3357, 4444, 5555, 6666, 7777, 9999, 14433, 14444)
-
-
-@dataclass(frozen=True, slots=True)
-class AuditSettings:
-    """The thresholds, from gpukilld.conf's [audit] section."""
-
-    idle_after: float = 1800.0  # seconds of memory held at 0% utilization before a process is an idle holder
-    idle_min_memory: int = 256 << 20  # bytes: less than this held idle is not worth a finding
-    abuser_window: float = 3600.0  # seconds of history over which users' shares are compared
-    abuser_share: float = 80.0  # percent of all GPU memory (or time) in the window that makes an abuser
-    pool_ports: tuple[int, ...] = DEFAULT_POOL_PORTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +98,7 @@ class Config:
 _KNOWN = {"daemon": {"sample_interval", "simulate", "backends"}, "paths": {"proc", "sys", "debugfs"},
           "guard": {"policy_dir", "state_dir", "protect_system_users", "protected_units"},
           "notify": {"smtp_host", "smtp_port", "from", "timeout"},
-          "audit": {"idle_after", "idle_min_memory", "abuser_window", "abuser_share", "pool_ports"}}
+          "audit": set(audit_settings.KEYS)}
 
 
 def read_sys_uid_max(path: str = LOGIN_DEFS) -> int:
@@ -164,7 +154,7 @@ def load_config(path: str, required: bool = False) -> Config:
     except FileNotFoundError:
         if required:
             raise ConfigError(f"{path}: no such file") from None
-        return Config(sys_uid_max=read_sys_uid_max())
+        return Config(sys_uid_max=read_sys_uid_max(), audit=_audit_dropin(path, AuditSettings()))
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except configparser.Error as e:
@@ -203,8 +193,11 @@ def load_config(path: str, required: bool = False) -> Config:
                 raise ConfigError(f"{path}:{_line_of(path, 'guard', key) or '?'}: {key} must not be empty")
             values[field] = value
     values.update(_protection(parser, path))
+    audit = AuditSettings()
     if parser.has_section("audit"):
-        values["audit"] = _audit(parser, path)
+        with open(path, encoding="utf-8") as f:
+            audit = _audit(parser, path, f.read(), audit)
+    values["audit"] = _audit_dropin(path, audit)
     if parser.has_option("notify", "smtp_host"):
         values["smtp_host"] = parser["notify"]["smtp_host"].strip() or "localhost"
     if parser.has_option("notify", "from"):
@@ -243,40 +236,48 @@ def _protection(parser: configparser.ConfigParser, path: str) -> dict[str, objec
     return values
 
 
-def _audit(parser: configparser.ConfigParser, path: str) -> AuditSettings:
-    """[audit]: the rogue-activity audit's thresholds (gpukilld/rogue.py), each checked with its line."""
+def _audit(parser: configparser.ConfigParser, path: str, text: str, base: AuditSettings) -> AuditSettings:
+    """[audit]: the rogue-activity audit's settings (gpukilld/rogue.py), each checked with its line, over base."""
     section = parser["audit"]
     values: dict[str, object] = {}
-
-    def where(key: str) -> str:
-        return f"{path}:{_line_of(path, 'audit', key) or '?'}"
-
-    for key, low, high in (("idle_after", 0.0, 30 * 86400.0), ("abuser_window", 1.0, 7 * 86400.0),
-                           ("abuser_share", 1.0, 100.0)):
-        if key in section:
-            try:
-                number = float(section[key])
-            except ValueError:
-                raise ConfigError(f"{where(key)}: {key} must be a number") from None
-            if not low <= number <= high:  # also rejects NaN
-                raise ConfigError(f"{where(key)}: {key} must be between {low:g} and {high:g}")
-            values[key] = number
-    if "idle_min_memory" in section:
+    for key in section:
         try:
-            values["idle_min_memory"] = parse_size(section["idle_min_memory"].strip())
+            values[key] = audit_settings.parse_value(key, section[key])
         except ValueError as e:
-            raise ConfigError(f"{where('idle_min_memory')}: idle_min_memory: {e}") from None
-    if "pool_ports" in section:
-        words = section["pool_ports"].replace(",", " ").split()
-        if not all(w.isdigit() and 1 <= int(w) <= 65535 for w in words):
-            raise ConfigError(f"{where('pool_ports')}: pool_ports must be TCP ports (1 to 65535)")
-        ports = tuple(dict.fromkeys(int(w) for w in words))
+            raise ConfigError(f"{path}:{audit_settings.line_of(text, 'audit', key) or '?'}: {e}") from None
+    if "pool_ports" in values:
+        ports = tuple(dict.fromkeys(values["pool_ports"]))  # type: ignore[call-overload]
+        if not all(1 <= p <= 65535 for p in ports):
+            raise ConfigError(f"{path}:{audit_settings.line_of(text, 'audit', 'pool_ports') or '?'}: "
+                              "pool_ports must be TCP ports (1 to 65535)")
         span = ephemeral_range()
         usable = outside_range(ports, span)
         if span is not None and len(usable) < len(ports):
             inside = ", ".join(str(p) for p in ports if p not in usable)
-            log.warning("%s: pool_ports %s ignored: inside the ephemeral port range %d-%d "
+            log.warning("%s:%s: pool_ports %s ignored: inside the ephemeral port range %d-%d "
                         "(net.ipv4.ip_local_port_range), where any client's source port may lie",
-                        where("pool_ports"), inside, *span)
+                        path, audit_settings.line_of(text, "audit", "pool_ports") or "?", inside, *span)
         values["pool_ports"] = usable
-    return AuditSettings(**values)  # type: ignore[arg-type]
+    return dataclasses.replace(base, **values)  # type: ignore[arg-type]
+
+
+def _audit_dropin(path: str, base: AuditSettings) -> AuditSettings:
+    """gpukilld.conf.d/50-audit.conf over gpukilld.conf's [audit]: what admins set with gpukillctl audit settings.
+    Only an [audit] section belongs there; a broken file is an error naming its line, as gpukilld.conf's are."""
+    dropin = audit_settings.dropin_path(path)
+    try:
+        with open(dropin, encoding="utf-8") as f:
+            text = f.read(audit_settings.MAX_TEXT + 1)
+    except FileNotFoundError:
+        return base
+    except OSError as e:
+        raise ConfigError(f"{dropin}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{dropin}: not UTF-8 text") from None
+    try:
+        audit_settings.parse_text(dropin, text, imported=False)  # checked whole: only [audit], known keys
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    parser = configparser.ConfigParser(inline_comment_prefixes=("#", ";"), interpolation=None)
+    parser.read_string(text, source=dropin)
+    return _audit(parser, dropin, text, base)

@@ -29,6 +29,7 @@ from gpukill.records import ResetReply
 
 from . import __version__, audit, busio
 from .actions import Actions, KillResult
+from .audit_settings import AuditSettingsKeeper, dropin_path
 from .backends.registry import build_backends
 from .bouncer import Bouncer, Caller
 from .bus import Door
@@ -244,6 +245,9 @@ class Daemon:
         self.manager = ManagerInterface(lambda: self.snapshot, self.actions, bouncer,
                                         lambda: self.sampler.interval, self.sampler.sampling_status)
         self.manager.bus = bus
+        # The audit's settings as admins change them (SetAuditSettings): kept beside the configuration file.
+        self.manager.audit_settings = AuditSettingsKeeper(dropin_path(self.args.config), self.sampler.audit,
+                                                          self.audit, self.next_snapshot)
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
                                  self.config.guard_policy_dir, self.config.guard_state_dir,
                                  protection=protection_of(self.config), signals=self, reset=self.actions.reset,

@@ -6,6 +6,8 @@ once per snapshot and kind of viewer, the filter query, reply bounds, the early 
 or an AuditRogue that the Door lets it give, and SnapshotChanged.
 """
 
+import asyncio
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,18 +19,20 @@ from dbus_fast.constants import PropertyAccess
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from gpukill import listing
-from gpukill.errors import GpukillError, InvalidArgs, ReplyTooLarge, TooBusy
+from gpukill.errors import GpukillError, InvalidArgs, NotSupported, ReplyTooLarge, TooBusy
 from gpukill.outcome import INITIATOR_USER
-from gpukill.records import ResetReply, SamplingStatus
+from gpukill.records import AuditSettings, ResetReply, SamplingStatus
 from gpukill.regex import RegexError, compile_regex
 
-from . import __version__, busio
+from . import __version__, audit, audit_settings, busio
 from .actions import Actions, KillResult
-from .bouncer import Bouncer
+from .audit_settings import AuditSettingsKeeper
+from .bouncer import Bouncer, Request
 from .bus import current_caller, dbus_errors, name_outputs
 from .model import Device, GpuProcess, Snapshot
 from .names import MANAGER_INTERFACE
 from .rogue import findings_as_seen
+from .trusted_exe import untrusted_because
 from .visibility import FULL, Viewer, seen_as
 from .wire import to_dbus
 
@@ -47,6 +51,12 @@ MAX_FINDINGS = 1000
 # What may wait in the daemon's own write queue before large replies are refused (TooBusy): callers who
 # never read their replies must not grow the daemon's memory.
 MAX_BACKLOG = 64 << 20
+# AuditRogueWith scores every process again in a worker thread: one scan at a time, a few waiting, and the
+# replies of the last scans kept per thresholds and kind of viewer until the next round.
+MAX_SCANS_WAITING = 16
+MAX_SCAN_REPLIES = 64
+MAX_SETTINGS_NAME = 256
+_DEFAULT_SETTINGS = AuditSettings()  # without a keeper (tests of the bus side alone): one object, for the cache
 
 
 def _option(options: dict[str, Variant], key: str, kinds: str | tuple[str, ...], where: str) -> Any:
@@ -61,6 +71,29 @@ def _check_keys(options: dict[str, Variant], known: tuple[str, ...], where: str)
     for key in options:
         if key not in known:
             raise InvalidArgs(f"unknown {where} {key[:64]!r} (known: {', '.join(known)})")
+
+
+def _plain(values: dict[str, Variant]) -> dict[str, Any]:
+    """An a{sv} of settings as plain values, bounded before anything looks at them."""
+    if len(values) > len(audit_settings.KEYS):
+        raise InvalidArgs(f"{len(values)} settings given; there are {len(audit_settings.KEYS)}")
+    return {k: v.value for k, v in values.items()}
+
+
+async def _check_new_executables(values: dict[str, Any], current: AuditSettings, where: str = "") -> None:
+    """An executable added to allowed_processes must be one a process could be allowed for (trusted_exe.py);
+    looked at in a worker thread (a path may lie on a network filesystem)."""
+    added = [p for p in values.get("allowed_processes", ()) if p not in current.allowed_processes]
+    for path in added:
+        why = await asyncio.to_thread(untrusted_because, path)
+        if why is not None:
+            raise InvalidArgs(f"{where}allowed_processes: {why}")
+
+
+def _reported(findings: Any, viewer: Viewer, min_score: float) -> list[dict[str, Variant]]:
+    """An audit's reply: the findings the viewer may see, of min_score or more, at most MAX_FINDINGS."""
+    seen = [f for f in findings_as_seen(findings, viewer) if f.score >= min_score][:MAX_FINDINGS]
+    return [to_dbus(f) for f in seen]
 
 
 ProcessFilter = Callable[[GpuProcess], bool]
@@ -175,6 +208,13 @@ class ManagerInterface(ServiceInterface):
         self._audits: dict[tuple[int, str], list[dict[str, Variant]]] = {}  # a viewer's AuditRogue reply
         self._audit_bodies: dict[tuple[int, str], bytes] = {}  # the same, marshalled
         self.bus: MessageBus | None = None  # set by main: replies are refused while its queue is backed up
+        # The audit's settings (set by main): what GetAuditSettings shows and SetAuditSettings changes.
+        self.audit_settings: AuditSettingsKeeper | None = None
+        self._audit_settings: AuditSettings | None = None  # the settings the cached AuditRogue replies were made with
+        self._scans: dict[tuple[AuditSettings, tuple[int, str]], list[dict[str, Variant]]] = {}
+        self._scans_basis: object = None  # the round the cached scans were made from
+        self._scan_turn = asyncio.Semaphore(1)
+        self._scans_waiting = 0
         self._published = 0  # the generation the last SnapshotChanged announced (0: the empty snapshot)
 
     # -- listings, built once per snapshot and kind of viewer ------------------------------------------------
@@ -230,17 +270,24 @@ class ManagerInterface(ServiceInterface):
         self._check_backlog()
         return body
 
+    def _settings(self) -> AuditSettings:
+        return self.audit_settings.current if self.audit_settings is not None else _DEFAULT_SETTINGS
+
     def _audit(self, viewer: Viewer) -> list[dict[str, Variant]]:
-        """AuditRogue's reply for this viewer, built once per snapshot and kind of viewer (sorting and filtering
-        1,000 findings costs ~18 ms: not at every call of a caller's 200 a second)."""
+        """AuditRogue's reply for this viewer, built once per snapshot, settings and kind of viewer (sorting and
+        filtering 1,000 findings costs ~18 ms: not at every call of a caller's 200 a second)."""
         self._fresh()
+        settings = self._settings()
+        if settings is not self._audit_settings:  # min_score changed what is reported: nothing cached holds
+            self._audits.clear()
+            self._audit_bodies.clear()
+            self._audit_settings = settings
         reply = self._audits.get(viewer.key)
         if reply is None:
             if len(self._audits) > 256:  # distinct callers in one sample interval: bound the cache
                 self._audits.clear()
                 self._audit_bodies.clear()
-            findings = findings_as_seen(self._snapshot().findings, viewer)[:MAX_FINDINGS]
-            reply = self._audits[viewer.key] = [to_dbus(f) for f in findings]
+            reply = self._audits[viewer.key] = _reported(self._snapshot().findings, viewer, settings.min_score)
         return reply
 
     def audit_body(self, viewer: Viewer) -> bytes:
@@ -339,6 +386,89 @@ class ManagerInterface(ServiceInterface):
 
     @method()
     @dbus_errors
+    async def AuditRogueWith(self, thresholds: "a{sv}") -> "aa{sv}":
+        viewer = await self._bouncer.viewer(await current_caller(self._bouncer))
+        keeper = self._keeper()
+        values = audit_settings.checked(_plain(thresholds), audit_settings.PER_CALL_KEYS, where="threshold")
+        base = keeper.current
+        if values.get("idle_min_memory", base.idle_min_memory) < base.idle_min_memory:
+            raise InvalidArgs(f"idle_min_memory below the configured {base.idle_min_memory} bytes cannot be used "
+                              "for one scan: idle clocks run only for holders of at least that (lower it with "
+                              "SetAuditSettings)")
+        basis = keeper.watch.basis
+        if basis is None:
+            raise NotSupported("the audit has not run yet: try again after the first sample")
+        settings = dataclasses.replace(base, **values)
+        if basis is not self._scans_basis:
+            self._scans, self._scans_basis = {}, basis
+        key = (settings, viewer.key)
+        reply = self._scans.get(key)
+        if reply is None:
+            if self._scans_waiting >= MAX_SCANS_WAITING:
+                raise TooBusy("too many one-off audit scans at once; try again shortly")
+            self._scans_waiting += 1
+            try:
+                async with self._scan_turn:  # scored in a worker thread, never on the loop
+                    findings = await asyncio.to_thread(basis.rescored, settings)
+            finally:
+                self._scans_waiting -= 1
+            reply = _reported(findings, viewer, settings.min_score)
+            if basis is self._scans_basis:
+                if len(self._scans) >= MAX_SCAN_REPLIES:
+                    self._scans.clear()
+                self._scans[key] = reply
+        self._check_backlog()
+        return reply
+
+    @method()
+    @dbus_errors
+    async def GetAuditSettings(self) -> "a{sv}":
+        return to_dbus(self._keeper().current)
+
+    @method()
+    @dbus_errors
+    async def ExportAuditSettings(self) -> "s":
+        return audit_settings.export_text(self._keeper().current)
+
+    @method()
+    @dbus_errors
+    async def SetAuditSettings(self, changes: "a{sv}") -> "a{sv}":
+        keeper = self._keeper()
+        values = audit_settings.checked(_plain(changes))
+        await _check_new_executables(values, keeper.current)
+        caller = await self._authorize_settings("SetAuditSettings", "set", " ".join(values) or "nothing")
+        new = await keeper.change(values, operation="set", caller_uid=caller.uid, caller_pid=caller.pid)
+        return to_dbus(new)
+
+    @method()
+    @dbus_errors
+    async def ImportAuditSettings(self, name: "s", text: "s") -> "a{sv}":
+        keeper = self._keeper()
+        name = name[:MAX_SETTINGS_NAME] if name and name[:MAX_SETTINGS_NAME].isprintable() else "import"
+        try:
+            values = audit_settings.parse_text(name, text)
+        except ValueError as e:
+            raise InvalidArgs(str(e)) from None
+        await _check_new_executables(values, keeper.current, f"{name}: ")
+        caller = await self._authorize_settings("ImportAuditSettings", "import", name)
+        new = await keeper.change(values, operation="import", caller_uid=caller.uid, caller_pid=caller.pid,
+                                  source=name)
+        return to_dbus(new)
+
+    def _keeper(self) -> AuditSettingsKeeper:
+        if self.audit_settings is None:
+            raise NotSupported("this gpukilld keeps no audit settings")
+        return self.audit_settings
+
+    async def _authorize_settings(self, member: str, operation: str, what: str) -> Any:
+        caller = await current_caller(self._bouncer)
+        request = Request(audit.AUDIT_SETTINGS, "Change of the audit settings",
+                          "change the rogue-activity audit's settings", {"operation": operation})
+        await self._bouncer.check(caller, (MANAGER_INTERFACE, member), {"settings": what[:256]}, request=request)
+        return caller
+
+    @method()
+    @dbus_errors
     async def KillProcess(self, pid: "u", start_time: "t", options: "a{sv}") -> "s":
         caller = await current_caller(self._bouncer)
         _check_keys(options, ("force", "grace"), "option")
@@ -403,6 +533,11 @@ OUTPUT_NAMES = {
     "ListProcesses": ["processes"],
     "ListProcessesCompact": ["format", "processes"],
     "AuditRogue": ["findings"],
+    "AuditRogueWith": ["findings"],
+    "GetAuditSettings": ["settings"],
+    "SetAuditSettings": ["settings"],
+    "ExportAuditSettings": ["text"],
+    "ImportAuditSettings": ["settings"],
     "KillProcess": ["outcome"],
     "ResetDevice": ["result"],
     "ProcessKilled": ["pid", "start_time", "uid", "comm", "devices", "outcome", "caller_uid", "initiator"],

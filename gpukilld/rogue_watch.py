@@ -8,6 +8,12 @@ History kept here, and only here:
 Host facts read here: each GPU process's outbound TCP connections to pool ports (gpukilld/sockets.py: sock_diag
 per network namespace, within a budget per round), cached per process for SOCKETS_TTL seconds or a little more.
 A process due for a read that the round's budget does not reach waits, first in line, for the next round.
+
+The settings' allow-lists apply to what comes out: an allowed user's findings, and those of a process running an
+allowed executable (gpukilld/trusted_exe.py: by the file it runs, never by a name), are never in the snapshot, so
+neither AuditRogue nor Guard's rogue_score sees them. Each round also leaves its basis (the facts its findings
+were made from) for AuditRogueWith to score again with one scan's thresholds, and says which settings made which
+findings (made_with), so that a change of settings can wait for findings made with it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import collections
 import heapq
 import pwd
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from gpukill.records import Finding
@@ -25,8 +31,10 @@ from . import sockets
 from .config import AuditSettings
 from .exe_replaced import ExeLookups
 from .model import GpuProcess
+from .procfs import ProcFS
 from .rogue import ProcessFacts, UserFacts, process_findings, ranked
 from .sockets import Peer, PoolConnections, RoundBudget
+from .trusted_exe import runs_trusted
 
 # Seconds before a process's connections are read again (spread up to 1.5 times that, so that not every process
 # is read in one sample): reading the descriptors of thousands of GPU processes every 10 s cost the daemon more
@@ -42,6 +50,41 @@ def home_of(uid: int) -> str | None:
         return pwd.getpwuid(uid).pw_dir
     except KeyError:
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class Basis:
+    """What one round's findings were made from, for scoring them again with other thresholds (AuditRogueWith).
+    Immutable once made: the sampler thread makes a new one each round, readers take it as it is."""
+
+    now: float  # monotonic seconds of the round
+    settings: AuditSettings  # the settings in force then
+    processes: tuple[ProcessFacts, ...]  # each GPU process's facts (idle_for as when they were made)
+    idle_since: dict[tuple[int, int], float]  # since when each idle holder (of the configured floor) has been idle
+    users: tuple[UserFacts, ...]
+    allowed: frozenset[tuple[int, int]]  # processes running an allowed executable (trusted_exe.py)
+
+    def rescored(self, settings: AuditSettings) -> tuple[Finding, ...]:
+        """The findings with these thresholds instead (the allow-lists are the round's): idle clocks run for the
+        configured idle_min_memory, so a higher floor leaves holders out, never a lower one in (the caller
+        refuses that)."""
+        found = []
+        for facts in self.processes:
+            since = self.idle_since.get((facts.pid, facts.start_time))
+            idle_for = (self.now - since if since is not None and (facts.gpu_memory or 0) >= settings.idle_min_memory
+                        else None)
+            found.extend(process_findings(replace(facts, idle_for=idle_for), settings))
+        return allowed_out(ranked(found, self.users, settings), self.settings, self.allowed)
+
+
+def allowed_out(findings: tuple[Finding, ...], settings: AuditSettings,
+                allowed: frozenset[tuple[int, int]]) -> tuple[Finding, ...]:
+    """The findings but those of allowed users and of processes that run an allowed executable."""
+    users = settings.allowed_users
+    if not users and not allowed:
+        return findings
+    return tuple(f for f in findings if f.user not in users
+                 and (f.pid is None or f.start_time is None or (f.pid, f.start_time) not in allowed))
 
 
 @dataclass(slots=True)
@@ -94,8 +137,17 @@ class RogueWatch:
         self._per_user: dict[int, tuple[int, float]] = {}
         self._now_by_uid: dict[int, tuple[str, tuple[int, ...], int | None]] = {}
         # Per process: what its findings were made from, and the findings.
-        self._found: dict[tuple[int, int], tuple[tuple, list[Finding]]] = {}
+        self._found: dict[tuple[int, int], tuple[tuple, list[Finding], ProcessFacts]] = {}
         self._process_findings: list[Finding] = []
+        self._facts: tuple[ProcessFacts, ...] = ()  # the basis's: rebuilt when a process's facts were made again
+        self._facts_stale = False
+        # Per process running a path of allowed_processes: (that path, whether it runs that trusted file).
+        self._trusted: dict[tuple[int, int], tuple[str, bool]] = {}
+        self._procfs = ProcFS(proc_root)
+        self._allowed: frozenset[tuple[int, int]] = frozenset()
+        self.basis: Basis | None = None  # the last round's
+        # (findings, settings) of the last rounds, appended in the sampler thread (a deque's append is atomic).
+        self.made_with: collections.deque[tuple[tuple[Finding, ...], AuditSettings]] = collections.deque(maxlen=8)
 
     def __call__(self, processes: Sequence[GpuProcess], now: float) -> tuple[Finding, ...]:
         """The findings for this snapshot's processes; `now` is monotonic seconds."""
@@ -122,7 +174,36 @@ class RogueWatch:
                 del self._found[key]
         if changed:
             self._process_findings = [f for key in usages for f in self._found[key][1]]
-        return ranked(self._process_findings, self._user_facts(now), settings)
+        if changed or self._facts_stale:
+            self._facts = tuple(self._found[key][2] for key in usages)
+            self._facts_stale = False
+        if fresh:
+            self._allowed = self._allowed_processes(usages, settings)
+        users = self._user_facts(now)
+        found = allowed_out(ranked(self._process_findings, users, settings), settings, self._allowed)
+        self.basis = Basis(now, settings, self._facts, self._idle_since, tuple(users), self._allowed)
+        self.made_with.append((found, settings))
+        return found
+
+    def _allowed_processes(self, usages: dict[tuple[int, int], _Usage],
+                           settings: AuditSettings) -> frozenset[tuple[int, int]]:
+        """The processes that run an executable of allowed_processes, checked once per process and path."""
+        paths = settings.allowed_processes
+        if not paths:
+            self._trusted.clear()
+            return frozenset()
+        trusted = {}
+        for key, u in usages.items():
+            exe = u.p.exe
+            if exe is None or exe not in paths:
+                continue
+            last = self._trusted.get(key)
+            if last is None or last[0] != exe:
+                # the start time read after the stat: the PID was this process's when its exe was looked at
+                last = (exe, runs_trusted(self.proc_root, key[0], exe) and self._procfs.start_time(key[0]) == key[1])
+            trusted[key] = last
+        self._trusted = trusted
+        return frozenset(key for key, (_, ok) in trusted.items() if ok)
 
     def _evaluate(self, key: tuple[int, int], u: _Usage, now: float, settings: AuditSettings) -> bool:
         """Find the process's findings again if what they are made from changed; whether they changed."""
@@ -143,7 +224,8 @@ class RogueWatch:
                              cmdline=u.p.cmdline, exe=u.p.exe, home=home_of(u.p.uid), devices=tuple(u.devices),
                              gpu_memory=u.memory, pool_peers=peers, exe_replaced=replaced, idle_for=idle_for)
         found = process_findings(facts, settings)
-        self._found[key] = (inputs, found)
+        self._found[key] = (inputs, found, facts)
+        self._facts_stale = True
         return last is None or last[1] != found
 
     @staticmethod

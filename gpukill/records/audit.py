@@ -37,3 +37,31 @@ class Finding:
     gpu_memory: int | None = wire("t", "bytes of GPU memory the process (or user) holds now", None)
     evidence: tuple[Evidence, ...] = wire("aa{sv}", "why: the rules that matched, each with its points", (),
                                           of=Evidence)
+
+
+# Ports of mining pools' stratum endpoints (each pool publishes its own; these are the common ones). Not here:
+# 8888 (Jupyter's default: a notebook's clients connect to it) and 45560, 45700 (ethermine's and 2miners' SSL
+# ports, but inside Linux's default ephemeral range 32768-60999, where every busy server's clients have their
+# source ports): a pool port must be one that only a connection to a pool goes to.
+DEFAULT_POOL_PORTS = (3333, 3334, 3357, 4444, 5555, 6666, 7777, 9999, 14433, 14444)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditSettings:
+    """The rogue-activity audit's settings: gpukilld.conf's [audit] section, then gpukilld.conf.d/50-audit.conf
+    (what SetAuditSettings and ImportAuditSettings write). The daemon's rules read this same record."""
+
+    idle_after: float = wire("d", "seconds of GPU memory held at 0% utilization before a process is an idle "
+                                  "holder", 1800.0)
+    idle_min_memory: int = wire("t", "bytes: less GPU memory than this held idle is not reported", 256 << 20)
+    abuser_window: float = wire("d", "seconds of history over which users' shares are compared", 3600.0)
+    abuser_share: float = wire("d", "percent of all GPU memory (or time) in the window that makes an abuser", 80.0)
+    pool_ports: tuple[int, ...] = wire("aq", "TCP ports of mining pools (outside the ephemeral range)",
+                                       DEFAULT_POOL_PORTS)
+    min_score: float = wire("d", "AuditRogue reports findings of at least this score (0-100; Guard's "
+                                 "rogue_score is not affected)", 0.0)
+    allowed_users: tuple[str, ...] = wire("as", "user names never reported (Guard's rogue_score reads 0 for "
+                                                "their processes)", ())
+    allowed_processes: tuple[str, ...] = wire("as", "absolute paths of executables whose processes are never "
+                                                    "reported, when the process runs that very file, owned by "
+                                                    "root and writable by no one else", ())

@@ -110,12 +110,12 @@ def _from_plain_value(spec: Wire, value: Any) -> Any:
     return from_plain(spec.of, value) if isinstance(value, dict) else None
 
 
-_INT_RANGE = {"u": 1 << 32, "t": 1 << 64}
+_INT_RANGE = {"q": 1 << 16, "u": 1 << 32, "t": 1 << 64}
 
 
 def _scalar(sig: str, value: Any) -> Any:
     """The value as its signature's Python type, or None when it is not one."""
-    if sig in ("as", "au"):
+    if sig in ("as", "au", "aq"):
         if not isinstance(value, list | tuple):
             return None
         items = [_scalar(sig[1], v) for v in value]
