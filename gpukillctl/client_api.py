@@ -33,10 +33,12 @@ from gpukill.records import Device, Process, from_plain, names
 # (gpukill/records/__init__.py).
 if TYPE_CHECKING:
     from gpukill.records import (
+        AuditSettings,
         BackendStatus,
         Decision,
         Finding,
         GuardStatus,
+        ManagedPolicyEntry,
         PolicyLoaded,
         ResetReply,
         SamplingStatus,
@@ -102,6 +104,30 @@ class Var(NamedTuple):
     value: Any
 
 
+def audit_variants(values: dict[str, Any]) -> dict[str, Any]:
+    """Audit settings or thresholds as an a{sv}: each value as a Var of its key's signature (the record's), a Var
+    as it is; a key the record does not know goes as a string, for the daemon to refuse by name."""
+    from gpukill.records import AuditSettings, specs
+
+    sigs = dict(specs(AuditSettings))
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, Var) or type(value).__name__ == "Variant":
+            out[key] = value
+            continue
+        sig = sigs[key].sig if key in sigs else "s"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if sig == "d" and number:
+            value = float(value)
+        elif sig in ("as", "aq") and isinstance(value, list | tuple) and all(
+                isinstance(v, str) if sig == "as" else isinstance(v, int) and 0 <= v < 1 << 16 for v in value):
+            value = list(value)
+        elif not (sig == "t" and isinstance(value, int) and number and 0 <= value < 1 << 64):
+            sig, value = "s", str(value)[:1024]  # not of the key's type: the daemon refuses it by name, in one line
+        out[key] = Var(sig, value)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonStatus:
     """The Manager's properties: Version, SampleInterval, Backends, Sampling."""
@@ -110,6 +136,33 @@ class DaemonStatus:
     sample_interval: float  # seconds between samples: listings are at most this old
     backends: tuple[BackendStatus, ...]
     sampling: SamplingStatus | None = None  # None: a daemon from before the Sampling property
+
+
+def policy_settings(settings: dict[str, Any]) -> dict[str, Var]:
+    """SetPolicy's a{sv}: each setting with the signature ManagedPolicyEntry declares for it; errors.InvalidArgs
+    for a key it does not declare or a value that is not of its type."""
+    from gpukill.records import specs
+
+    sigs = {name: spec.sig for name, spec in specs(records.ManagedPolicyEntry)
+            if name not in ("kind", "target", "file", "edited")}
+    invalid = ERRORS[errors.InvalidArgs.dbus_name]
+    out: dict[str, Var] = {}
+    for key, value in settings.items():
+        sig = sigs.get(key)
+        if sig is None:
+            raise invalid("", f"unknown policy setting {key!r} (known: {', '.join(sigs)})")
+        if sig == "as":
+            ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+            value = list(value) if ok else value
+        elif sig == "d":
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < (1 << (32 if sig == "u" else 64))
+        if not ok:
+            raise invalid("", f"policy setting {key}: {value!r} is not of its type ({sig})")
+        out[key] = Var(sig, value)
+    return out
 
 
 class ClientAPI:
@@ -196,11 +249,39 @@ class ClientAPI:
                                      interactive=interactive, timeout=600.0 if interactive else 300.0)
         return from_plain(records.ResetReply, result)
 
-    async def audit_rogue(self) -> list[Finding]:
+    async def audit_rogue(self, thresholds: dict[str, Any] | None = None) -> list[Finding]:
         """The rogue-activity audit of the current snapshot (miners, abusers, idle holders), highest score
-        first, filtered as ListProcesses filters: evidence the caller may not see is left out."""
-        (findings,) = await self._call("AuditRogue")
+        first, filtered as ListProcesses filters: evidence the caller may not see is left out. thresholds: for
+        this scan only (AuditRogueWith: min_score, idle_after, idle_min_memory, abuser_share, as plain values
+        or Vars); None: the settings in force (AuditRogue)."""
+        if thresholds is None:
+            (findings,) = await self._call("AuditRogue")
+        else:
+            (findings,) = await self._call("AuditRogueWith", "a{sv}", [audit_variants(thresholds)])
         return [from_plain(records.Finding, f) for f in findings]
+
+    async def audit_settings(self) -> AuditSettings:
+        """The audit's settings in force (thresholds, allow-lists)."""
+        (settings,) = await self._call("GetAuditSettings")
+        return from_plain(records.AuditSettings, settings)
+
+    async def set_audit_settings(self, changes: dict[str, Any], *, interactive: bool = False) -> AuditSettings:
+        """Change the given settings (plain values or Vars; the others stay); errors.InvalidArgs when one is
+        invalid (nothing changes then), errors.AccessDenied when polkit says no."""
+        (settings,) = await self._call("SetAuditSettings", "a{sv}", [audit_variants(changes)],
+                                       interactive=interactive, timeout=CALL_TIMEOUT + (300.0 if interactive else 0.0))
+        return from_plain(records.AuditSettings, settings)
+
+    async def export_audit_settings(self) -> str:
+        """The settings in force as an [audit] section (canonical: it imports back to the same text)."""
+        (text,) = await self._call("ExportAuditSettings")
+        return text
+
+    async def import_audit_settings(self, name: str, text: str, *, interactive: bool = False) -> AuditSettings:
+        """Change the settings an [audit] text names; errors.InvalidArgs "NAME:LINE: ..." when it is invalid."""
+        (settings,) = await self._call("ImportAuditSettings", "ss", [name, text], interactive=interactive,
+                                       timeout=CALL_TIMEOUT + (300.0 if interactive else 0.0))
+        return from_plain(records.AuditSettings, settings)
 
     async def status(self) -> DaemonStatus:
         (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")
@@ -238,3 +319,31 @@ class ClientAPI:
         """What a policy (text "": the one in force) would do with the current snapshot; never acts."""
         (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
         return [from_plain(records.Decision, d) for d in decisions]
+
+    # -- the managed user, group and GPU policies (files gpukilld keeps in guard.d) -----------------------
+
+    async def guard_list_policies(self) -> list[ManagedPolicyEntry]:
+        (policies,) = await self._guard("ListPolicies")
+        return [from_plain(records.ManagedPolicyEntry, p) for p in policies]
+
+    async def guard_set_policy(self, kind: str, target: str, settings: dict[str, Any], *,
+                               interactive: bool = False) -> ManagedPolicyEntry:
+        """Create or replace the kind's policy for target (settings: memory_limit, utilization_limit,
+        process_limit, allowed_users, reserved_memory, grace as plain values); errors.InvalidArgs for a setting
+        the daemon cannot take, errors.InvalidPolicy when guard.d with it does not validate."""
+        (policy,) = await self._guard("SetPolicy", "ssa{sv}", [kind, target, policy_settings(settings)],
+                                      interactive=interactive)
+        return from_plain(records.ManagedPolicyEntry, policy)
+
+    async def guard_remove_policy(self, kind: str, target: str, *, interactive: bool = False) -> None:
+        await self._guard("RemovePolicy", "ss", [kind, target], interactive=interactive)
+
+    async def guard_export_policies(self) -> str:
+        (text,) = await self._guard("ExportPolicies")
+        return text
+
+    async def guard_import_policies(self, name: str, text: str, *, replace: bool = False,
+                                    interactive: bool = False) -> list[ManagedPolicyEntry]:
+        """All or nothing; replace: the managed policies the text does not name are removed."""
+        (policies,) = await self._guard("ImportPolicies", "ssb", [name, text, replace], interactive=interactive)
+        return [from_plain(records.ManagedPolicyEntry, p) for p in policies]

@@ -42,6 +42,8 @@ KILL_OWN = "org.gpukill.kill-own-process"
 KILL_ANY = "org.gpukill.kill-any-process"
 RESET_DEVICE = "org.gpukill.reset-device"
 MANAGE_GUARD = "org.gpukill.manage-guard"
+MANAGE_POLICIES = "org.gpukill.manage-policies"  # the managed user, group and GPU policies in guard.d
+CONFIGURE_AUDIT = "org.gpukill.configure-audit"  # the rogue-activity audit's thresholds and allow-lists
 
 Method = tuple[str, str]  # (interface, member), as called on the bus
 KILL_METHOD: Method = (MANAGER_INTERFACE, "KillProcess")
@@ -66,6 +68,13 @@ METHOD_ACTIONS: dict[Method, str] = {
     (MANAGER_INTERFACE, "ListProcesses"): READ_ONLY,
     (MANAGER_INTERFACE, "ListProcessesCompact"): READ_ONLY,  # ListProcesses in another form, filtered alike
     (MANAGER_INTERFACE, "AuditRogue"): READ_ONLY,  # filtered per caller as ListProcesses is
+    # The audit's settings: reading them and a one-off scan with other thresholds (filtered as AuditRogue) are
+    # open to everyone; changing what the audit reports, and what Guard's rogue_score reads, is configure-audit.
+    (MANAGER_INTERFACE, "AuditRogueWith"): READ_ONLY,
+    (MANAGER_INTERFACE, "GetAuditSettings"): READ_ONLY,
+    (MANAGER_INTERFACE, "ExportAuditSettings"): READ_ONLY,
+    (MANAGER_INTERFACE, "SetAuditSettings"): CONFIGURE_AUDIT,
+    (MANAGER_INTERFACE, "ImportAuditSettings"): CONFIGURE_AUDIT,
     KILL_METHOD: OwnOrAny(own=KILL_OWN, others=KILL_ANY),
     RESET_METHOD: RESET_DEVICE,
     # Guard Mode: reading the state and asking what a policy would do (TestPolicies never acts) are open to
@@ -76,6 +85,13 @@ METHOD_ACTIONS: dict[Method, str] = {
     (GUARD_INTERFACE, "Disable"): MANAGE_GUARD,
     (GUARD_INTERFACE, "SetDryRun"): MANAGE_GUARD,
     (GUARD_INTERFACE, "LoadPolicy"): MANAGE_GUARD,
+    # Managed policies (files gpukilld writes into guard.d): reading them is open to everyone, as GetStatus's
+    # rules are; whatever writes a file needs manage-policies.
+    (GUARD_INTERFACE, "ListPolicies"): READ_ONLY,
+    (GUARD_INTERFACE, "ExportPolicies"): READ_ONLY,
+    (GUARD_INTERFACE, "SetPolicy"): MANAGE_POLICIES,
+    (GUARD_INTERFACE, "RemovePolicy"): MANAGE_POLICIES,
+    (GUARD_INTERFACE, "ImportPolicies"): MANAGE_POLICIES,
 }
 
 POLKIT_NAME = "org.freedesktop.PolicyKit1"

@@ -19,15 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from dbus_fast import Message, MessageType
+from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from helpers.marks import needs_root
 from helpers.open_bus import open_bus
 from helpers.testbed import PYTHON
 
+from gpukill import managed_policy
 from gpukill.errors import AccessDenied
 from gpukilld import audit, bouncer
 from gpukilld.actions import Actions
+from gpukilld.audit_settings import AuditSettingsKeeper
 from gpukilld.bouncer import (
     KILL_ANY,
     KILL_METHOD,
@@ -49,6 +51,7 @@ from gpukilld.model import Device, GpuProcess, Snapshot
 from gpukilld.names import GUARD_INTERFACE, MANAGER_INTERFACE, OBJECT_PATH
 from gpukilld.procfs import ProcFS
 from gpukilld.refusals import RefusalLog
+from gpukilld.rogue_watch import RogueWatch
 
 CALLER_UID = 4242  # the caller of every call here: no real account, and never root (root skips polkit)
 SOMEONE_ELSE = 4343
@@ -65,7 +68,15 @@ CALLS = {
     (GUARD_INTERFACE, "Disable"): ("", []),
     (GUARD_INTERFACE, "SetDryRun"): ("b", [True]),
     (GUARD_INTERFACE, "LoadPolicy"): ("ss", ["edited.yaml", "rules: []\n"]),
+    (MANAGER_INTERFACE, "SetAuditSettings"): ("a{sv}", [{"min_score": Variant("d", 50.0)}]),
+    (MANAGER_INTERFACE, "ImportAuditSettings"): ("ss", ["edited.conf", "[audit]\nmin_score = 50\n"]),
+    # the managed policies: "$MANAGED" is the user policy that serve() has written into guard.d already
+    (GUARD_INTERFACE, "SetPolicy"): ("ssa{sv}", ["user", "nobody", {"memory_limit": Variant("t", 1 << 30)}]),
+    (GUARD_INTERFACE, "RemovePolicy"): ("ss", ["user", "$MANAGED"]),
+    (GUARD_INTERFACE, "ImportPolicies"): ("ssb", ["import.yaml", managed_policy.export_text(
+        [managed_policy.ManagedPolicy("group", "nogroup", process_limit=2)]), False]),
 }
+MANAGED = managed_policy.ManagedPolicy("user", "daemon", memory_limit=1 << 30)
 
 class Journal:
     """Audit entries as (kind, message, fields), in the order written."""
@@ -129,7 +140,8 @@ class Served:
 
     async def call(self, method: tuple[str, str]) -> Message:
         signature, body = CALLS[method]
-        body = [self.victim.pid if v == "$PID" else self.start_time if v == "$START" else v for v in body]
+        body = [self.victim.pid if v == "$PID" else self.start_time if v == "$START" else
+                MANAGED.target if v == "$MANAGED" else v for v in body]
         reply = await self.client.call(Message(destination=self.service, path=OBJECT_PATH, interface=method[0],
                                                member=method[1], signature=signature, body=body))
         assert reply is not None
@@ -173,10 +185,14 @@ async def serve(address: str, tmp_path: Path, victim: subprocess.Popen, allowed:
     actions = Actions(snapshot=lambda: snapshot, backends={Backend.name: backend}, bouncer=table_polkit,
                       killer=Killer(), auditor=journal, on_killed=lambda *_: None,  # type: ignore[arg-type]
                       on_reset=lambda *_: None, resample=resample)
+    (tmp_path / "guard.d").mkdir(exist_ok=True)
+    (tmp_path / "guard.d" / managed_policy.file_name(MANAGED)).write_text(managed_policy.render(MANAGED))
     runner = GuardRunner(actions.kill, journal, NotifyConfig(), str(tmp_path / "guard.d"),  # type: ignore[arg-type]
                          str(tmp_path / "state"))
     manager = ManagerInterface(lambda: snapshot, actions, table_polkit, lambda: 1.0)
     manager.bus = service
+    manager.audit_settings = AuditSettingsKeeper(str(tmp_path / "gpukilld.conf.d" / "50-audit.conf"),
+                                                 RogueWatch("/nonexistent"), journal)
     service.add_message_handler(Door(service, table_polkit, manager.early_answer))
     service.export(OBJECT_PATH, manager)
     service.export(OBJECT_PATH, GuardInterface(runner, table_polkit, lambda: snapshot))
@@ -193,6 +209,12 @@ def acted(served: Served, method: tuple[str, str]) -> bool:
         return served.victim.poll() is not None  # the kill path waits for the exit before it answers
     if method == RESET_METHOD:
         return served.backend.resets == ["dev1"]
+    if method[1] in ("SetAuditSettings", "ImportAuditSettings"):
+        return any(kind is audit.AUDIT_SETTINGS and fields.get("result") == "changed"
+                   for kind, _, fields in served.journal.entries)
+    if method[1] in ("SetPolicy", "RemovePolicy", "ImportPolicies"):  # a file of guard.d written or removed
+        return any(kind is audit.GUARD_MANAGED_POLICY and fields.get("result") == "changed"
+                   for kind, _, fields in served.journal.entries)
     results = {"Enable": "enabled", "Disable": "disabled", "SetDryRun": "dry-run-on", "LoadPolicy": "loaded"}
     return any(kind is audit.GUARD_POLICY and fields.get("result") == results[method[1]]
                for kind, _, fields in served.journal.entries)

@@ -62,6 +62,8 @@ def test_polkit_defaults_are_as_specified():
         "org.gpukill.kill-any-process": "auth_admin_keep",
         "org.gpukill.reset-device": "auth_admin",
         "org.gpukill.manage-guard": "auth_admin_keep",
+        "org.gpukill.manage-policies": "no",  # auth_admin_keep for an active session only
+        "org.gpukill.configure-audit": "no",  # auth_admin_keep for an active session only
         "org.gpukill.view-all-processes": "no",
     }
 

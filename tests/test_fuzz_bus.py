@@ -84,7 +84,10 @@ METHODS, PROPERTIES = _contract()
 assert set(METHODS) == {
     (MANAGER, "ListDevices"), (MANAGER, "ListProcesses"), (MANAGER, "KillProcess"), (MANAGER, "ResetDevice"),
     (MANAGER, "ListProcessesCompact"), (MANAGER, "AuditRogue"), (GUARD, "Enable"), (GUARD, "Disable"), (GUARD, "SetDryRun"), (GUARD, "LoadPolicy"), (GUARD, "GetStatus"),
-    (GUARD, "TestPolicies"),
+    (GUARD, "TestPolicies"), (GUARD, "ListPolicies"), (GUARD, "SetPolicy"), (GUARD, "RemovePolicy"),
+    (GUARD, "ExportPolicies"), (GUARD, "ImportPolicies"),
+    (MANAGER, "AuditRogueWith"), (MANAGER, "GetAuditSettings"), (MANAGER, "SetAuditSettings"),
+    (MANAGER, "ExportAuditSettings"), (MANAGER, "ImportAuditSettings"),
 }, f"the XML's methods changed: update this fuzz ({sorted(METHODS)})"
 MEMBER_IFACE = {member: iface for iface, member in METHODS}  # every member name is unique to one interface
 assert len(MEMBER_IFACE) == len(METHODS)
@@ -277,6 +280,12 @@ FILTER_TYPES = {"device": ("s", "u", "y"), "user": ("s", "u"), "name": ("s",), "
                 "min_memory": ("t", "u", "x"), "limit": ("u", "q", "y"), "after": ("(uu)",)}
 KILL_TYPES = {"force": ("b",), "grace": ("d", "u", "y", "t", "x")}
 RESET_TYPES = {"force": ("b",)}
+AUDIT_SETTING_TYPES = {"min_score": ("d", "u"), "idle_after": ("d",), "idle_min_memory": ("t",),
+                       "abuser_share": ("d",), "abuser_window": ("d",), "pool_ports": ("aq",),
+                       "allowed_users": ("as",), "allowed_processes": ("as",)}
+AUDIT_TEXTS = ["[audit]\nmin_score = 10\n", "[audit]\nidle_after = nan\n", "[guard]\nx = 1\n", "{"]
+POLICY_SETTING_TYPES = {"memory_limit": ("t", "u"), "utilization_limit": ("d",), "process_limit": ("u",),
+                        "allowed_users": ("as",), "reserved_memory": ("t",), "grace": ("d",)}
 # (pid, start_time) of the victim, the bystander and gpukilld itself: filled in by the fixture, and read when
 # an example is drawn (a strategy built over the list would keep the placeholders)
 HINTS: dict[str, list[tuple[int, int]]] = {"targets": [(0, 0)] * 3}
@@ -301,6 +310,15 @@ ARGS = {  # per method, the values of its arguments when it is called with its o
     "SetDryRun": st.tuples(st.booleans()).map(list),
     "LoadPolicy": st.tuples(texts, policy_texts).map(list),
     "TestPolicies": st.tuples(texts, policy_texts).map(list),
+    "ListPolicies": st.just([]), "ExportPolicies": st.just([]),
+    "SetPolicy": st.tuples(st.sampled_from(["user", "group", "gpu"]) | texts, texts,
+                           options(POLICY_SETTING_TYPES)).map(list),
+    "RemovePolicy": st.tuples(st.sampled_from(["user", "group", "gpu"]) | texts, texts).map(list),
+    "ImportPolicies": st.tuples(texts, policy_texts, st.booleans()).map(list),
+    "AuditRogueWith": st.tuples(options(AUDIT_SETTING_TYPES)).map(list),
+    "GetAuditSettings": st.just([]), "ExportAuditSettings": st.just([]),
+    "SetAuditSettings": st.tuples(options(AUDIT_SETTING_TYPES)).map(list),
+    "ImportAuditSettings": st.tuples(texts, st.one_of(st.sampled_from(AUDIT_TEXTS), texts)).map(list),
 }
 assert set(ARGS) == {m for _, m in METHODS}
 
@@ -396,7 +414,11 @@ CALL_KINDS = {  # kind of call -> its share of the examples
 # Every method and property once for sure, whatever the generator draws (hypothesis runs these first).
 MINIMAL_ARGS = {"ListDevices": [], "AuditRogue": [], "ListProcesses": [[]], "ListProcessesCompact": [[]], "KillProcess": [2**32 - 1, 2**64 - 1, []],
                 "ResetDevice": ["no-such-gpu", []], "Enable": [], "Disable": [], "GetStatus": [],
-                "SetDryRun": [False], "LoadPolicy": ["explicit", "{"], "TestPolicies": ["explicit", "rules: []\n"]}
+                "SetDryRun": [False], "LoadPolicy": ["explicit", "{"], "TestPolicies": ["explicit", "rules: []\n"],
+                "ListPolicies": [], "ExportPolicies": [], "SetPolicy": ["user", "gpkfuzz", {}],
+                "RemovePolicy": ["user", "gpkfuzz"], "ImportPolicies": ["explicit", "{", False],
+                "AuditRogueWith": [[]], "GetAuditSettings": [], "ExportAuditSettings": [],
+                "SetAuditSettings": [[]], "ImportAuditSettings": ["explicit", "{"]}
 SET_VALUES = {"s": "9.9", "d": 0.001, "a(sbs)": [["fake", True, ""]], "a{sv}": {}}  # one of each property's type
 EXPLICIT = [
     *(_spec(iface, member, METHODS[(iface, member)][0], MINIMAL_ARGS[member]) for iface, member in sorted(METHODS)),

@@ -40,7 +40,7 @@ SCALARS = {"u": 7, "t": 1 << 40, "d": 1.5, "b": True, "as": ("a", "b"), "au": (1
 # Every record a client meets, with the bus method whose comment in dbus/org.gpukill1.xml lists its keys.
 DOCUMENTED_IN = {Device: "ListDevices", Process: "ListProcesses", ResetReply: "ResetDevice",
                  GuardStatus: "GetStatus", Decision: "TestPolicies", ViolationDetails: "PolicyViolated",
-                 PolicyLoaded: "LoadPolicy", Finding: "AuditRogue"}
+                 PolicyLoaded: "LoadPolicy", Finding: "AuditRogue", records.ManagedPolicyEntry: "ListPolicies"}
 
 
 def full(cls: type, tag: str = "x") -> object:

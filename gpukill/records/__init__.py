@@ -14,7 +14,7 @@ A client fills what was left out with the field's default. The plain (JSON) form
 where left out (false for a flag); a map keyed by name (memory_regions, notifications) keeps the bus's
 shape: its entries carry only the values that are known.
 
-Types: "u", "t" are int; "d" float; "b" bool; "s" str; "as"/"au" tuples; "aa{sv}" a tuple of records;
+Types: "q", "u", "t" are int; "d" float; "b" bool; "s" str; "as"/"au"/"aq" tuples; "aa{sv}" a tuple of records;
 "a{sv}" one record, or with `key` a tuple of records keyed by that field (the entries as a{sv} variants);
 "a{sa{sT}}" likewise, each entry an a{sT} of the record's values.
 
@@ -36,9 +36,9 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(("STATE_OK", "STATE_LOST", "STATE_ERROR", "Device", "MemoryRegion", "Process", "ResetReply",
                      "BackendStatus", "SAMPLING_EVENTS", "SAMPLING_POLLING", "SamplingStatus"), "manager"),
     **dict.fromkeys(("FINDING_MINER", "FINDING_ABUSER", "FINDING_IDLE", "FINDING_KINDS", "MAX_SCORE", "Evidence",
-                     "Finding"), "audit"),
+                     "Finding", "DEFAULT_POOL_PORTS", "AuditSettings"), "audit"),
     **dict.fromkeys(("RuleStatus", "RecentEvent", "Window", "Grace", "NotificationCounters", "GuardStatus",
-                     "Decision", "ViolationDetails", "PolicyLoaded"), "guard"),
+                     "Decision", "ViolationDetails", "PolicyLoaded", "ManagedPolicyEntry"), "guard"),
     **dict.fromkeys(("ProcessKilled", "DeviceReset", "DeviceStateChanged", "PolicyViolated", "GuardActionTaken",
                      "SnapshotChanged", "NO_UID", "Notification", "SIGNALS", "SIGNAL_OF", "Event",
                      "signal_record"), "signals"),
