@@ -21,10 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "mcp", help="serve gpukill's tools to an AI assistant over MCP (stdio)",
         description="The Model Context Protocol server on stdin/stdout, for an assistant that starts it as a "
-                    "subprocess. Tools: list_devices, list_processes, kill_process, reset_device, audit_rogue, "
-                    "guard_status, guard_test_policy; resources gpukill://devices, gpukill://processes, "
-                    "gpukill://guard/status. It acts as the user who runs it: polkit decides as for "
-                    f"gpukillctl. Needs the mcp package ({INSTALL_HINT}). See gpukillctl(1).")
+                    "subprocess. Tools: list_devices, list_processes, kill_process, kill_processes_by_name "
+                    "(a preview, then the kill of the confirmed processes), reset_device, audit_rogue, "
+                    "guard_status, guard_test_policy, list_policies, create_user_policy, remove_user_policy; "
+                    "resources gpukill://devices, gpukill://processes, gpukill://guard/status, "
+                    "gpukill://guard/policies, gpukill://audit. It acts as the user who runs it: polkit decides "
+                    f"as for gpukillctl. Needs the mcp package ({INSTALL_HINT}). See gpukillctl(1).")
     p.set_defaults(offline=cmd_mcp)
 
 

@@ -1,12 +1,14 @@
 """`gpukillctl mcp` driven by the MCP SDK's own client over stdio, the server running as an unprivileged user
-against the real daemon on simulated GPUs: the gpu-kill article's scenario, polkit's answers as tool errors,
-the journal naming the server's user."""
+against the real daemon on simulated GPUs: the gpu-kill article's scenario (with kill_process, and with
+kill_processes_by_name's preview and confirm), polkit's answers as tool errors, the journal naming the server's
+user, arguments a tool does not declare refused. The policy tools: tests/test_mcp_policies.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -14,16 +16,30 @@ from typing import Any
 
 import pytest
 from helpers.marks import needs_root
-from helpers.mcp_scenario import article_session, check_article, error_text, start_article_victims, structured
-from helpers.testbed import PYTHON, REPO, Testbed, User
+from helpers.mcp_scenario import (
+    article_session,
+    batch_session,
+    check_article,
+    check_batch,
+    error_text,
+    refs,
+    start_article_victims,
+    structured,
+)
+from helpers.testbed import PYTHON, REPO, Testbed, User, start_time_of
 
 from gpukilld import audit
 
 mcp_client = pytest.importorskip("mcp.client.client", reason="the mcp SDK is not installed: pip install '.[serve]'")
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
-READ_ONLY_TOOLS = {"list_devices", "list_processes", "audit_rogue", "guard_status", "guard_test_policy"}
-DESTRUCTIVE_TOOLS = {"kill_process", "reset_device"}
+READ_ONLY_TOOLS = {"list_devices", "list_processes", "audit_rogue", "guard_status", "guard_test_policy",
+                   "list_policies"}
+DESTRUCTIVE_TOOLS = {"kill_process", "reset_device", "kill_processes_by_name", "create_user_policy",
+                     "remove_user_policy"}
+RESOURCES = {"gpukill://devices", "gpukill://processes", "gpukill://guard/status", "gpukill://guard/policies",
+             "gpukill://audit"}
+POLKIT_POLICY = REPO / "polkit" / "org.gpukill.policy"
 
 
 def run_mcp(bed: Testbed, user: User, session: Callable[[Any], Awaitable[Any]], **env: str) -> Any:
@@ -71,8 +87,39 @@ def test_tools_declare_hints_and_output_schemas(bed, users):
     assert set(kill_args["required"]) == {"pid", "start_time"}  # the safe way: the start time as listed
     assert set(by_name["list_processes"].input_schema["properties"]) == {
         "name", "name_regex", "user", "device", "memory_gt"}
-    assert {str(r.uri) for r in resources} == {"gpukill://devices", "gpukill://processes",
-                                                "gpukill://guard/status"}
+    assert {str(r.uri) for r in resources} == RESOURCES
+    batch = by_name["kill_processes_by_name"]
+    assert batch.input_schema["required"] == ["pattern"]  # no confirm: the preview
+    confirm = batch.input_schema["properties"]["confirm"]["anyOf"][0]
+    assert confirm["maxItems"] == 32 and "32" in batch.description
+    assert {"matches", "killed", "not_killed", "confirmed"} <= set(outputs["kill_processes_by_name"]["properties"])
+    assert set(by_name["create_user_policy"].input_schema["properties"]) == {
+        "username", "memory_limit_gb", "utilization_limit_pct", "process_limit", "grace_seconds"}
+    assert all(t.input_schema.get("additionalProperties") is False for t in tools)
+
+
+def test_descriptions_say_what_polkit_decides():
+    """Every tool's description names the polkit action the daemon asks for (or says it needs none), and every
+    action named is one of polkit/org.gpukill.policy."""
+    from gpukillctl.mcp_server import build_mcp
+
+    tools = asyncio.run(build_mcp(None).list_tools())  # type: ignore[arg-type]  (nothing is called)
+    actions = set(re.findall(r'<action id="([^"]+)"', POLKIT_POLICY.read_text()))
+    needs = {
+        "kill_process": {"org.gpukill.kill-own-process", "org.gpukill.kill-any-process"},
+        "kill_processes_by_name": {"org.gpukill.kill-own-process", "org.gpukill.kill-any-process"},
+        "reset_device": {"org.gpukill.reset-device"},
+        "create_user_policy": {"org.gpukill.manage-policies"},
+        "remove_user_policy": {"org.gpukill.manage-policies"},
+    }
+    for t in tools:
+        text = " ".join(t.description.split())
+        named = set(re.findall(r"org\.gpukill\.[a-z-]+[a-z]", text))
+        assert named <= actions, (t.name, named - actions)
+        if t.name in needs:
+            assert needs[t.name] <= named and "only to administrators" in text, (t.name, text)
+        else:
+            assert "needs no authorization" in text.lower(), (t.name, text)
 
 
 @needs_root
@@ -145,3 +192,82 @@ def test_without_the_sdk_it_says_what_to_install():
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("gpukillctl mcp: ") and "pip install 'gpukill[serve]'" in r.stderr
+
+
+@needs_root
+def test_article_scenario_with_kill_processes_by_name(victims, users):
+    """The same request through gpu-kill's own tool: the preview kills nothing; the confirm kills exactly the
+    confirmed processes that still match, refuses a pair with another start time and those that do not match."""
+    owner = users["owner"]
+    v = start_article_victims(victims, owner)
+
+    async def session(client):
+        return await batch_session(client, v)
+
+    check_batch(victims, owner, v, run_mcp(victims, owner, session))
+
+
+@needs_root
+def test_kill_by_name_refusals(victims, users):
+    """Another user's matching process: polkit refuses its kill (not_killed AccessDenied, in the journal) while
+    the caller's own is killed; a confirmed PID that is no GPU process: NoSuchProcess; patterns that match every
+    name or do not compile, an empty or oversized confirm, and an argument no tool declares: tool errors, and
+    nothing killed."""
+    bed = victims
+    owner, other = users["owner"], users["other"]
+    mine = bed.victim(owner, gpu=0, mem="1GiB", comm="batchmine")
+    theirs = bed.victim(other, gpu=1, mem="1GiB", comm="batchtheirs")
+    for p, comm in ((mine, "batchmine"), (theirs, "batchtheirs")):
+        bed.wait_listed(p.pid, comm=comm)
+    gone = 4194000
+
+    async def session(client):
+        preview = structured(await client.call_tool("kill_processes_by_name", {"pattern": "^batch"}))
+        bad = [await client.call_tool("kill_processes_by_name", args) for args in (
+            {"pattern": ".*"}, {"pattern": "a|"}, {"pattern": "("}, {"pattern": "^batch", "confirm": []},
+            {"pattern": "^batch", "confirm": refs(*((n, 1) for n in range(1, 34)))},
+            {"pattern": "^batch", "confirm": [{"pid": mine.pid, "start_time": 1, "force": True}]},
+            {"pattern": "^batch", "filter": "x"})]
+        unknown = await client.call_tool("list_processes", {"filter": "batchmine"})
+        alive = [mine.poll() is None, theirs.poll() is None]
+        listed = [(m["pid"], m["start_time"]) for m in preview["matches"]]
+        confirmed = structured(await client.call_tool("kill_processes_by_name", {
+            "pattern": "^batch", "confirm": refs(*listed, (gone, 1))}))
+        return preview, bad, unknown, alive, confirmed
+
+    preview, bad, unknown, alive, confirmed = run_mcp(bed, owner, session)
+    assert sorted(m["pid"] for m in preview["matches"]) == sorted([mine.pid, theirs.pid]), preview
+    texts = [error_text(r) for r in bad]
+    assert [t.split(":")[0] for t in texts[:3]] == ["InvalidArgs"] * 3, texts
+    assert "matches the empty string" in texts[0] and "matches the empty string" in texts[1], texts
+    assert "RE2" in texts[2], texts
+    assert "confirm" in texts[3] and "confirm" in texts[4] and "force" in texts[5], texts
+    assert "filter" in texts[6] and "Extra inputs are not permitted" in texts[6], texts
+    assert "filter" in error_text(unknown) and "Extra inputs are not permitted" in error_text(unknown)
+    assert alive == [True, True]  # nothing above killed anything
+
+    assert [(k["pid"], k["outcome"]) for k in confirmed["killed"]] == [(mine.pid, "terminated")], confirmed
+    assert sorted((n["pid"], n["reason"]) for n in confirmed["not_killed"]) == sorted(
+        [(theirs.pid, "AccessDenied"), (gone, "NoSuchProcess")]), confirmed
+    assert mine.wait(10) is not None and theirs.poll() is None
+    denied = bed.wait_journal(MESSAGE_ID=audit.KILL_DENIED.message_id, GPUKILL_TARGET_PID=str(theirs.pid),
+                              GPUKILL_TARGET_START_TIME=str(start_time_of(theirs.pid)))
+    assert denied and denied[0]["GPUKILL_CALLER_UID"] == str(owner.uid)
+
+
+@needs_root
+def test_kill_by_name_is_bounded(victims, users):
+    """More matches than one call takes: the preview lists 32 (by pid), counts the rest and says so."""
+    owner = users["owner"]
+    procs = [victims.victim(owner, gpu=n % 4, mem="1MiB", comm="boundvictim") for n in range(33)]
+    for p in procs:
+        victims.wait_listed(p.pid, comm="boundvictim", timeout=30)
+
+    async def session(client):
+        return structured(await client.call_tool("kill_processes_by_name", {"pattern": "^boundvictim$"}))
+
+    preview = run_mcp(victims, owner, session)
+    assert [m["pid"] for m in preview["matches"]] == sorted(p.pid for p in procs)[:32], preview
+    assert all(m["start_time"] == start_time_of(m["pid"]) for m in preview["matches"])
+    assert preview["more"] == 1 and "at most 32 a call" in preview["next_step"], preview
+    assert all(p.poll() is None for p in procs)

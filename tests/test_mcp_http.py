@@ -1,8 +1,10 @@
 """`gpukillctl serve`'s MCP endpoint driven by the MCP SDK's own Streamable HTTP client, the server running as
 an unprivileged user against the real daemon on simulated GPUs, reached on its Unix socket (the default) and
 on TCP (--tcp): the gpu-kill article's scenario end to end
-with the token as the Authorization header (the kills in the journal under the server's user), and the same
-client without the token refused before any session starts."""
+with the token as the Authorization header (the kills in the journal under the server's user), with
+kill_process and with kill_processes_by_name's preview and confirm; a user policy made and removed by an
+administrator's server, refused (AccessDenied) to an ordinary user's; and the same client without the token
+refused before any session starts."""
 
 from __future__ import annotations
 
@@ -17,7 +19,18 @@ mcp_client = pytest.importorskip("mcp.client.client", reason="the serve extra (p
 import httpx2  # noqa: E402  (the SDK's HTTP client)
 from helpers.http_server import Server  # noqa: E402
 from helpers.marks import needs_root  # noqa: E402
-from helpers.mcp_scenario import article_session, check_article, start_article_victims  # noqa: E402
+from helpers.mcp_scenario import (  # noqa: E402
+    article_session,
+    batch_session,
+    check_article,
+    check_batch,
+    check_policy_made,
+    check_policy_refused,
+    no_user_policy,
+    policy_session,
+    start_article_victims,
+)
+from helpers.testbed import OTHER  # noqa: E402
 from mcp import MCPError  # noqa: E402
 from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 
@@ -71,6 +84,41 @@ def test_article_scenario_over_streamable_http(server, victims, users, mode):
     results = run_http(server, session, {"Authorization": f"Bearer {server.token}"}, statuses, mode)
     check_article(victims, owner, v, results)
     assert statuses and all(200 <= s < 300 for s in statuses), statuses
+
+
+def test_kill_by_name_over_streamable_http(server, victims, users):
+    """The same request through gpu-kill's kill_processes_by_name: preview, then the confirmed kill."""
+    owner = users["owner"]
+    v = start_article_victims(victims, owner)
+
+    async def session(client):
+        return await batch_session(client, v)
+
+    statuses: list[int] = []
+    results = run_http(server, session, {"Authorization": f"Bearer {server.token}"}, statuses)
+    check_batch(victims, owner, v, results)
+
+
+@pytest.fixture(scope="module")
+def admin_server(bed, users):
+    """An administrator's `gpukillctl serve` (gpkadmin: polkit/49-gpukill-admins.rules lets it manage policies),
+    on its socket."""
+    s = Server(bed, users["admin"]).wait_ready()
+    yield s
+    s.stop()
+
+
+def test_user_policy_over_streamable_http(server, admin_server, bed):
+    """create_user_policy and remove_user_policy: made and removed through the administrator's server; the
+    ordinary user's server (the module's, as gpkowner) gets polkit's AccessDenied and makes nothing."""
+    async def session(client):
+        return await policy_session(client, OTHER)
+
+    with no_user_policy(bed, OTHER):
+        refused = run_http(server, session, {"Authorization": f"Bearer {server.token}"}, [])
+        made = run_http(admin_server, session, {"Authorization": f"Bearer {admin_server.token}"}, [])
+    check_policy_refused(refused, OTHER)
+    check_policy_made(made, OTHER)
 
 
 def test_without_the_token_the_client_cannot_connect(server, victims, users):

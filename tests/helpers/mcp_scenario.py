@@ -1,18 +1,22 @@
 """The gpu-kill article's scenario ("scan and kill every python process using more than 12 GB") for an MCP
 client of gpukill, whatever its transport: tests/test_mcp.py runs it over stdio (`gpukillctl mcp`),
-tests/test_mcp_http.py over Streamable HTTP (`gpukillctl serve`). Only the client's methods are used here, so
-this module does not import the SDK."""
+tests/test_mcp_http.py over Streamable HTTP (`gpukillctl serve`). The same request through gpu-kill's own tool
+(kill_processes_by_name: a preview, then the confirmed kill), and a user policy made and removed with gpu-kill's
+create_user_policy / remove_user_policy (tests/test_mcp_policies.py and test_mcp_http.py), are here too. Only
+the client's methods are used here, so this module does not import the SDK."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from gpukilld import audit
 
-from .testbed import Testbed, User
+from .testbed import ROOT, Testbed, User, start_time_of
 
 TWELVE_GB = 12884901888  # the article's "more than 12 GB": 12 GiB in bytes
 
@@ -95,3 +99,144 @@ def check_article(bed: Testbed, owner: User, v: ArticleVictims, r: ArticleResult
     mined = [f for f in findings if f["pid"] == v.miner.pid]
     assert [(f["kind"], f["user"]) for f in mined] == [("miner", owner.name)], findings
     assert mined[0]["score"] > 0 and "miner-name" in {e["rule"] for e in mined[0]["evidence"]}
+
+
+# -- the same request in gpu-kill's one tool: kill_processes_by_name, a preview, then the confirmed kill ------
+
+
+@dataclass
+class BatchResults:
+    preview: dict
+    alive_after_preview: list[bool]  # each big process, right after the preview returned
+    stale: dict  # a listed pid passed back with another start time
+    big0_alive_after_stale: bool
+    confirmed: dict
+    audit_resource: dict  # gpukill://audit
+
+
+def refs(*pairs: tuple[int, int]) -> list[dict]:
+    return [{"pid": pid, "start_time": start_time} for pid, start_time in pairs]
+
+
+async def batch_session(client: Any, v: ArticleVictims) -> BatchResults:
+    """What the user's assistant does with gpu-kill's kill_processes_by_name: the preview, a confirm of a listed
+    PID with another start time (as if it were a newcomer on a reused PID), then the confirm of what the preview
+    listed plus two processes the selection does not match (the 12 GiB python, the trainer); the audit resource."""
+    selection = {"pattern": "python", "memory_gt": TWELVE_GB}
+    preview = structured(await client.call_tool("kill_processes_by_name", selection))
+    alive = [p.poll() is None for p in v.big]
+    listed = {m["pid"]: m["start_time"] for m in preview["matches"]}
+    big0 = v.big[0].pid
+    stale = structured(await client.call_tool("kill_processes_by_name", {
+        **selection, "confirm": refs((big0, listed.get(big0, 0) + 1))}))
+    big0_alive = v.big[0].poll() is None
+    extra = {p.pid: start_time_of(p.pid) for p in (v.exactly, v.trainer)}
+    confirmed = structured(await client.call_tool("kill_processes_by_name", {
+        **selection, "confirm": refs(*listed.items(), *extra.items())}))
+    audit_resource = json.loads((await client.read_resource("gpukill://audit")).contents[0].text)
+    return BatchResults(preview, alive, stale, big0_alive, confirmed, audit_resource)
+
+
+def check_batch(bed: Testbed, owner: User, v: ArticleVictims, r: BatchResults) -> None:
+    """The preview listed the big python processes and killed nothing; the stale pair killed nothing; the
+    confirm killed exactly the big python processes (in the journal under `owner`) and refused the two that do
+    not match; the miner is in the audit resource."""
+    p = r.preview
+    assert p["confirmed"] is False and p["killed"] == [] and p["not_killed"] == [] and p["more"] == 0, p
+    assert [m["pid"] for m in p["matches"]] == sorted(x.pid for x in v.big), p
+    expected = {v.big[0].pid: ([0], 16 << 30), v.big[1].pid: ([1], 13 << 30)}  # start_article_victims'
+    for m in p["matches"]:
+        assert m["start_time"] == start_time_of(m["pid"]) and m["name"] == "python3", m
+        assert m["user"] == owner.name and m["uid"] == owner.uid, m
+        assert (m["gpus"], m["gpu_memory"]) == expected[m["pid"]], m
+    assert "confirm" in p["next_step"], p
+    assert r.alive_after_preview == [True, True]  # the preview never kills
+
+    s = r.stale
+    assert s["confirmed"] is True and s["killed"] == [], s
+    assert [(n["pid"], n["reason"]) for n in s["not_killed"]] == [(v.big[0].pid, "ProcessChanged")], s
+    assert r.big0_alive_after_stale
+
+    c = r.confirmed
+    assert sorted(k["pid"] for k in c["killed"]) == sorted(x.pid for x in v.big), c
+    assert {k["outcome"] for k in c["killed"]} == {"terminated"}, c
+    assert sorted((n["pid"], n["reason"]) for n in c["not_killed"]) == sorted(
+        [(v.exactly.pid, "NotMatching"), (v.trainer.pid, "NotMatching")]), c
+    for x in v.big:
+        assert x.wait(10) is not None
+    assert v.exactly.poll() is None and v.trainer.poll() is None and v.miner.poll() is None
+    for m in p["matches"]:  # by pid and start time: PIDs are reused within a session (pid_max may be 32768)
+        entry = bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(m["pid"]),
+                                 GPUKILL_TARGET_START_TIME=str(m["start_time"]))
+        assert entry and entry[0]["GPUKILL_CALLER_UID"] == str(owner.uid), entry
+    for x in (v.exactly, v.trainer):  # refused before any kill was asked: nothing in the journal
+        assert bed.journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(x.pid),
+                           GPUKILL_TARGET_START_TIME=str(start_time_of(x.pid))) == []
+    mined = [f for f in r.audit_resource["findings"] if f["pid"] == v.miner.pid]
+    assert [(f["kind"], f["user"]) for f in mined] == [("miner", owner.name)], r.audit_resource
+
+
+# -- gpu-kill's create_user_policy / remove_user_policy -------------------------------------------------------
+
+
+@dataclass
+class PolicyResults:
+    created: Any
+    listed: Any
+    resource: dict  # gpukill://guard/policies
+    removed: Any
+    listed_after: Any
+    removed_again: Any
+
+
+@contextlib.contextmanager
+def no_user_policy(bed: Testbed, target: str) -> Iterator[None]:
+    """No user policy for target before or after, whatever the test leaves (removed as root, on the bus; an
+    error when there is none is fine), so that no other test of the session meets it."""
+    bed.guard_call(ROOT, "RemovePolicy", "ss", ["user", target])
+    try:
+        yield
+    finally:
+        bed.guard_call(ROOT, "RemovePolicy", "ss", ["user", target])
+
+
+async def policy_session(client: Any, target: str) -> PolicyResults:
+    """Create a user policy as gpu-kill's tool takes it (memory in GB, a process limit), list it (tool and
+    resource), remove it, list again, remove again."""
+    created = await client.call_tool("create_user_policy", {"username": target, "memory_limit_gb": 8,
+                                                            "process_limit": 3})
+    listed = await client.call_tool("list_policies", {})
+    resource = json.loads((await client.read_resource("gpukill://guard/policies")).contents[0].text)
+    removed = await client.call_tool("remove_user_policy", {"username": target})
+    listed_after = await client.call_tool("list_policies", {})
+    removed_again = await client.call_tool("remove_user_policy", {"username": target})
+    return PolicyResults(created, listed, resource, removed, listed_after, removed_again)
+
+
+def user_policies(result: Any) -> list[str]:
+    return [p["target"] for p in structured(result)["policies"] if p["kind"] == "user"]
+
+
+def check_policy_made(r: PolicyResults, target: str) -> None:
+    """As an administrator: created with exactly the limits given (8 GiB, 3 processes, no utilization limit),
+    listed by the tool and the resource, removed; a second removal is InvalidArgs."""
+    policy = structured(r.created)["policy"]
+    assert (policy["kind"], policy["target"]) == ("user", target), policy
+    assert policy["memory_limit"] == 8 << 30 and policy["process_limit"] == 3, policy
+    assert policy["utilization_limit"] is None and policy["edited"] is False, policy
+    assert policy["file"].endswith(".yaml") and target in policy["file"], policy
+    assert target in user_policies(r.listed)
+    assert [p for p in r.resource["policies"] if p["target"] == target] == [policy], r.resource
+    assert structured(r.removed) == {"kind": "user", "target": target, "removed": True}
+    assert target not in user_policies(r.listed_after)
+    assert error_text(r.removed_again).startswith("InvalidArgs: ") and target in error_text(r.removed_again)
+
+
+def check_policy_refused(r: PolicyResults, target: str) -> None:
+    """As an ordinary user: polkit refuses both changes (AccessDenied, as a tool error); listing works; no
+    policy was made."""
+    assert error_text(r.created).startswith("AccessDenied: "), error_text(r.created)
+    assert error_text(r.removed).startswith("AccessDenied: ")
+    assert error_text(r.removed_again).startswith("AccessDenied: ")
+    assert target not in user_policies(r.listed) and target not in user_policies(r.listed_after)
+    assert [p for p in r.resource["policies"] if p["target"] == target] == []
