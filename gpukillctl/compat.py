@@ -1,10 +1,12 @@
 """gpukill: gpu-kill's command line for admins who know it, translated to the calls gpukillctl makes.
 
 Each invocation becomes a gpukillctl command (or a sequence of them: `--reset --all`, `--kill --filter
---batch`) run by gpukillctl's own command functions on the same client, so output, JSON and exit statuses are
-gpukillctl's and polkit decides as it does for gpukillctl. A flag gpukill does not take, or a combination whose
-meaning is not certain, is refused with one line naming what to run instead (exit 2): a tool that kills
-processes must not guess.
+--batch`, several `--rogue-*` settings) run by gpukillctl's own command functions on the same client (with
+--remote, that host's, as `gpukillctl -H`), so output, JSON and exit statuses are gpukillctl's and polkit
+decides as it does for gpukillctl; `--server` is `gpukillctl serve`, run by gpukillctl. A flag gpukill does not
+take, or a combination whose meaning is not certain, is refused with one line naming what to run instead (exit
+2): a tool that kills processes must not guess. tests/test_gpukill_flags.py runs every gpu-kill flag and example
+(tests/data/gpu-kill/) through it.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import os
 import shlex
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from gpukill.regex import RegexError, compile_regex
 
-from .audit_cli import cmd_audit
+from .audit_cli import GPU_KILL_THRESHOLDS, cmd_audit, gpu_kill_threshold
+from .cli import COMMANDS, cmd_kill, cmd_list, cmd_reset, positive_int, seconds
 from .cli import build_parser as gpukillctl_parser
-from .cli import cmd_kill, cmd_list, cmd_reset, positive_int, seconds
 from .client_api import ClientAPI, ClientError, Var
 from .exits import (
     EXIT_CODES_HELP,
@@ -39,7 +41,7 @@ from .guard_cli import cmd_guard
 PROG = "gpukill"
 WATCH_INTERVAL = 2.0  # seconds between --watch refreshes: gpu-kill's default
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
-OPERATIONS = ("list", "kill", "reset", "guard", "audit")
+OPERATIONS = ("list", "kill", "reset", "guard", "audit", "server")
 
 # What each operation is in gpukillctl, for messages that name the command to run instead.
 EQUIVALENT = {
@@ -47,82 +49,50 @@ EQUIVALENT = {
     "kill": "gpukillctl kill PID",
     "reset": "gpukillctl reset GPU",
     "guard": "gpukillctl guard status",
-    "audit": "journalctl -t gpukilld",
+    "audit": "gpukillctl audit",
+    "server": "gpukillctl serve",
 }
 
-AUDIT_INSTEAD = ("journalctl -t gpukilld (every kill, reset and Guard action, e.g. journalctl -t gpukilld "
-                 "GPUKILL_RESULT=denied); processes on the GPUs now: gpukillctl list; rogue activity now: "
-                 "gpukill --audit --rogue (gpukillctl audit)")
-_POLICY_FILE = "write the rule in a policy file and load it: gpukillctl guard load FILE (see gpukill-policy(5))"
-_SSH = "run gpukill on that host: ssh HOST gpukill ..."
-_SERVER = "gpukilld is the service, on the system bus; ask it with gpukillctl (gpukillctl status)"
-# gpu-kill's group and GPU policies, as gpukill-policy(5) rules. A condition type is named "type: NAME" and a
-# scope "scope: NAME" (tests check that each is one gpukill/condition_types.py declares). No condition names one
-# GPU: a per_device rule applies to every GPU, and the messages say so rather than promise a GPU of one's own.
-_LOAD = "in a policy file and load it: gpukillctl guard load FILE (gpukill-policy(5))"
-_GROUP = ("write a rule with a condition type: group (operator ==, value GROUP) " + _LOAD
-          + "; to remove it, delete the rule and load the file again")
-_GROUP_MEMBERS = ("group membership is the system's (getent group GROUP; gpasswd -a USER GROUP): a condition "
-                  "type: group reads it, primary or supplementary")
-_GROUP_MEMORY = ("write a rule with conditions type: group (== GROUP) and type: user_memory, scope: per_user (a "
-                 "limit for each member, not the group's total) " + _LOAD)
-_GROUP_UTILIZATION = ("write a rule with conditions type: group (== GROUP) and type: gpu_utilization with a "
-                      "duration (a limit for each of the members' processes) " + _LOAD)
-_GROUP_PROCESSES = ("no condition counts processes; limit each member's memory instead: a rule with conditions "
-                    "type: group (== GROUP) and type: user_memory, scope: per_user " + _LOAD)
-_GPU = ("write a rule with scope: per_device and conditions type: device_memory, type: gpu_utilization or "
-        "type: temperature; it applies to every GPU (no condition picks one) " + _LOAD)
-_GPU_MEMORY = ("write a rule with a condition type: device_memory (a size or \"90%\"), scope: per_device; it "
-               "applies to every GPU " + _LOAD)
-_GPU_UTILIZATION = ("write a rule with a condition type: gpu_utilization with a duration, scope: per_device; it "
-                    "applies to every GPU " + _LOAD)
-_GPU_RESERVED = ("no memory is held back for anyone; keep headroom with a rule with a condition type: "
-                 "device_memory (e.g. > \"90%\"), scope: per_device, on every GPU " + _LOAD)
-_GPU_USERS = ("no condition picks one GPU, so a GPU's allowed users cannot be a rule; rules apply on every GPU, "
-              "and exemptions: users: [USER, ...] keeps a rule off those users " + _LOAD)
 _REGISTER_NODE = ("there is no coordinator: each host runs its own gpukilld; scrape each host with Prometheus "
-                  "(gpukillctl exporter) or ask one with gpukillctl -H HOST (e.g. gpukillctl -H HOST list)")
+                  "(gpukillctl exporter), or ask one: gpukillctl -H HOST list")
+# ssh settings gpukillctl -H cannot pass: ssh reads them from the user's ssh configuration, where they belong
+# (-H passes no ssh options of its own; a password on a command line is readable by every user in ps).
+_SSH_CONFIG = "under Host HOST in ~/.ssh/config, then gpukillctl -H HOST list (ssh reads it there)"
 
 # gpu-kill flags that gpukill does not take, with what to use instead. Refused before parsing, so the message
 # names the flag's replacement rather than calling it unknown.
 UNSUPPORTED: dict[str, str] = {
-    "--server": _SERVER,
-    "--server-port": _SERVER,
-    "--server-host": _SERVER,
-    "--remote": _SSH,
-    "--ssh-user": _SSH,
-    "--ssh-port": _SSH,
-    "--ssh-key": _SSH,
-    "--ssh-password": _SSH,
-    "--ssh-timeout": _SSH,
-    "--vendor": "gpukillctl list (the VENDOR column; \"vendor\" in gpukillctl list --json)",
-    "--containers": "gpukillctl list (the UNIT/CONTAINER column is always there)",
-    "--log-level": "gpukilld logs to the journal: journalctl -u gpukilld",
-    "--config": "gpukilld's settings are /etc/gpukill/gpukilld.conf (see gpukilld.conf(5))",
-    "--guard-add-user": _POLICY_FILE,
-    "--guard-remove-user": _POLICY_FILE,
-    "--guard-memory-limit": _POLICY_FILE,
-    "--guard-utilization-limit": _POLICY_FILE,
-    "--guard-process-limit": _POLICY_FILE,
-    "--guard-export-config": "gpukillctl guard status --json",
-    "--guard-import-config": "gpukillctl guard load FILE (a gpukill-policy(5) file, not gpu-kill's JSON)",
-    "--guard-toggle-dry-run": "gpukill --guard --guard-dry-run, or --guard-enforce (say which: a toggle "
-                              "depends on a state you may not know)",
+    "--log-level": "gpukilld logs to the journal: journalctl -u gpukilld; its state: gpukillctl status",
+    "--config": "gpukilld's settings are /etc/gpukill/gpukilld.conf (see gpukilld.conf(5)); its state: "
+                "gpukillctl status",
+    "--open": "there is no dashboard to open a browser on: gpukill --server (gpukillctl serve) serves the REST API "
+              "(/v1) and MCP (/mcp) and prints the address and token",
     "--register-node": _REGISTER_NODE,
-    "--guard-add-group": _GROUP,
-    "--guard-remove-group": _GROUP,
-    "--guard-group-members": _GROUP_MEMBERS,
-    "--guard-group-memory-limit": _GROUP_MEMORY,
-    "--guard-group-utilization-limit": _GROUP_UTILIZATION,
-    "--guard-group-process-limit": _GROUP_PROCESSES,
-    "--guard-add-gpu": _GPU,
-    "--guard-remove-gpu": _GPU,
-    "--guard-gpu-memory-limit": _GPU_MEMORY,
-    "--guard-gpu-utilization-limit": _GPU_UTILIZATION,
-    "--guard-gpu-reserved-memory": _GPU_RESERVED,
-    "--guard-gpu-allowed-users": _GPU_USERS,
+    "--ssh-key": "put IdentityFile KEY " + _SSH_CONFIG,
+    "--ssh-timeout": "put ConnectTimeout SECONDS " + _SSH_CONFIG,
+    "--ssh-password": "ssh asks for the password itself: gpukillctl -H HOST list, and type it at ssh's prompt "
+                      "(or use a key); a password on the command line is visible to every user in ps",
 }
-AUDIT_PREFIXES = ("--audit-", "--rogue-")  # gpu-kill's audit options (--audit-hours, --rogue-config, ...)
+
+# gpu-kill's usage audit reads a history of samples it keeps; gpukill keeps none yet (the usage accounting is
+# another issue's), so these are refused with the nearest thing that exists now.
+USAGE_AUDIT: dict[str, str] = {
+    "--audit": "who is on the GPUs now: gpukillctl list; what was done: journalctl -t gpukilld; rogue activity "
+               "now: gpukill --audit --rogue (gpukillctl audit)",
+    "--audit-user": "that user's processes now: gpukillctl list --user {}",
+    "--audit-process": "those processes now: gpukillctl list --name-regex {}",
+    "--audit-hours": "the audit of now, with abusers over the last abuser_window: gpukillctl audit",
+    "--audit-summary": "who uses the GPUs now, live: gpukillctl top",
+}
+
+
+def usage_audit_refusal(flag: str, value: str | None = None) -> Refused:
+    """The value (--audit-user's user, --audit-process's pattern) goes into the command named, where it has one."""
+    placeholder = {"--audit-user": "USER", "--audit-process": "PATTERN"}.get(flag, "")
+    usable = value is not None and not value.startswith("-")
+    instead = USAGE_AUDIT[flag].replace("{}", shlex.quote(value) if usable and placeholder else placeholder)
+    return Refused(f"{flag} is not supported yet: it reads a usage history, and gpukill keeps none (the usage "
+                   "accounting is not built yet)", instead, EXIT_NOT_SUPPORTED)
 
 
 class Refused(Exception):
@@ -131,11 +101,6 @@ class Refused(Exception):
     def __init__(self, problem: str, instead: str, code: int = EXIT_USAGE) -> None:
         super().__init__(f"{problem}; instead: {instead}")
         self.code = code
-
-
-def audit_refusal(flag: str) -> Refused:
-    return Refused(f"{flag} is not supported yet (gpukill keeps no usage history of its own)", AUDIT_INSTEAD,
-                   EXIT_NOT_SUPPORTED)
 
 
 class Parser(argparse.ArgumentParser):
@@ -148,9 +113,130 @@ Each operation runs the gpukillctl command named in its help, the same way: its 
 statuses are gpukillctl's (see gpukillctl(1) and gpukill(1)). A gpu-kill flag that gpukill does not take, or a
 combination whose meaning is not certain, is refused with one line naming what to run instead (exit status 2);
 nothing is guessed. --kill --filter or --gpu with --batch that finds no process exits with 5 (--dry-run too);
---audit without --rogue exits with 9.
+gpu-kill's usage audit (--audit alone, --audit-user, --audit-process, --audit-hours, --audit-summary) exits
+with 9: the usage accounting is not built yet.
 
 {EXIT_CODES_HELP}"""
+
+
+# gpu-kill's defaults for a limit its --guard-add-* is not given (src/main.rs), in its units: GB (GiB: it divides
+# NVML's bytes by 1024 three times, src/nvml_api.rs and src/guard_mode.rs), percent, processes. gpukill does not
+# fill them in: a limit here is a kill after the grace, and none is made that the admin did not name. A
+# --guard-add-* with no limit at all is refused, naming the command with gpu-kill's defaults.
+GIB = 1 << 30
+POLICY_DEFAULTS: dict[str, dict[str, str]] = {
+    "user": {"memory_limit": "16", "utilization_limit": "80", "process_limit": "5"},
+    "group": {"memory_limit": "32", "utilization_limit": "80", "process_limit": "10"},
+    "gpu": {"memory_limit": "24", "utilization_limit": "90", "reserved_memory": "2"},
+}
+# Which --guard-* limit sets which setting, for each kind.
+POLICY_LIMITS: dict[str, dict[str, str]] = {
+    "user": {"guard_memory_limit": "memory_limit", "guard_utilization_limit": "utilization_limit",
+             "guard_process_limit": "process_limit"},
+    "group": {"guard_group_memory_limit": "memory_limit", "guard_group_utilization_limit": "utilization_limit",
+              "guard_group_process_limit": "process_limit"},
+    "gpu": {"guard_gpu_memory_limit": "memory_limit", "guard_gpu_utilization_limit": "utilization_limit",
+            "guard_gpu_reserved_memory": "reserved_memory", "guard_gpu_allowed_users": "allowed_users"},
+}
+SIZE_SETTINGS = ("memory_limit", "reserved_memory")
+# gpukillctl guard policy add's option for each setting
+SETTING_OPTIONS = {"memory_limit": "--memory-limit", "utilization_limit": "--utilization-limit",
+                   "process_limit": "--process-limit", "reserved_memory": "--reserved-memory",
+                   "allowed_users": "--allowed-users"}
+
+
+def _help_defaults(kind: str) -> str:
+    return _defaults(kind).replace("%", "%%")  # argparse formats help with %
+
+
+def _defaults(kind: str) -> str:
+    words = {"memory_limit": "{}GB memory", "utilization_limit": "{}% utilization",
+             "process_limit": "{} processes", "reserved_memory": "{}GB reserved"}
+    return ", ".join(words[k].format(v) for k, v in POLICY_DEFAULTS[kind].items())
+
+
+# gpu-kill's rogue thresholds that mean what an audit setting means (gpukillctl audit's table, one for both):
+# flag -> the setting. The others are refused (UNSUPPORTED) with the reason and nearest setting that table gives.
+ROGUE_THRESHOLDS: dict[str, str] = {flag: key for flag, (key, _) in GPU_KILL_THRESHOLDS.items() if key is not None}
+UNSUPPORTED.update({flag: str(why) for flag, (key, why) in GPU_KILL_THRESHOLDS.items() if key is None})
+
+
+def _number(text: str, what: str, low: float, high: float) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+    if not low <= value <= high:  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(f"{what} must be between {low:g} and {high:g}, not {text}")
+    return value
+
+
+def gigabytes(text: str) -> int:
+    """gpu-kill's GB (a decimal number of GiB) as bytes, exactly: "1.5" is 1610612736."""
+    from fractions import Fraction
+
+    _number(text, "a number of GB", 0, 1 << 30)
+    return int(Fraction(text.strip()) * GIB)
+
+
+def percent(text: str) -> float:
+    return _number(text, "a percentage", 0, 100)
+
+
+def count(text: str) -> int:
+    if not text.isdigit() or int(text) >= 1 << 32:
+        raise argparse.ArgumentTypeError(f"not a number of processes: {text!r}")
+    return int(text)
+
+
+def gpu_index(text: str) -> str:
+    if not text.isdigit() or int(text) >= 1 << 16:
+        raise argparse.ArgumentTypeError(f"not a GPU index: {text!r} (the GPU column of --list)")
+    return str(int(text))
+
+
+def user_list(text: str) -> tuple[str, ...]:
+    """gpu-kill's comma-separated names, blanks dropped as it drops them."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def port_number(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}")
+    return int(text)
+
+
+def vendor_name(text: str) -> str:
+    if not text or not all(c.isascii() and (c.isalnum() or c == "-") for c in text):
+        raise argparse.ArgumentTypeError(f"not a vendor: {text!r} (nvidia, amd, intel, apple, all)")
+    return text.lower()
+
+
+def _threshold_type(flag: str) -> Callable[[str], str]:
+    """gpu-kill's threshold as typed (a confidence: 0 to 1), converted by gpukillctl audit's table when used."""
+    def threshold(text: str) -> str:
+        if flag == "--rogue-confidence-threshold":
+            _number(text, "a confidence", 0, 1)
+        else:
+            _number(text, "a threshold", 0, float("inf"))
+        return text
+
+    return threshold
+
+
+def number_text(value: float) -> str:
+    """A number as short as it reads ("80", "12.5") where that is the same number, else all its digits."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
+
+
+def gib_text(size: int) -> str:
+    """Bytes as gpukillctl's sizes read them, in GiB where exact ("8GiB", "1.5GiB"), else bytes."""
+    from fractions import Fraction
+
+    gib = Fraction(size, GIB)
+    text = f"{float(gib):.10g}"
+    return f"{text}GiB" if "e" not in text and Fraction(text) == gib else str(size)  # exact, or in bytes
 
 
 def version() -> str:
@@ -188,8 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Guard Mode: alone, its status (gpukillctl guard status); with one --guard-* option or "
                           "--policy-file, that change")
     ops.add_argument("--audit", action="store_true",
-                     help="with --rogue: the rogue-activity audit (gpukillctl audit); alone, not supported yet "
-                          "(exit status 9): the audit trail is in the journal, journalctl -t gpukilld")
+                     help="with --rogue: the rogue-activity audit (gpukillctl audit); with a --rogue-* setting, "
+                          "that change (gpukillctl audit settings); alone, gpu-kill's usage history: not "
+                          "supported yet (exit status 9), the usage accounting is not built")
+    ops.add_argument("--server", action="store_true",
+                     help="the REST API and MCP over HTTP, as you (gpukillctl serve): on its Unix socket, or with "
+                          "--server-port on TCP on loopback")
 
     ls = p.add_argument_group("with --list")
     ls.add_argument("--details", action="store_true",
@@ -197,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--watch", action="store_true",
                     help=f"refresh the list every {WATCH_INTERVAL:g} seconds until interrupted (Ctrl-C ends it "
                          "with exit status 0); with --output json, one JSON document per line")
+    ls.add_argument("--vendor", type=vendor_name, metavar="VENDOR",
+                    help="only that vendor's GPUs and the processes on them: nvidia, amd, intel, apple (or any "
+                         "vendor gpukillctl list shows), all for every GPU")
+    ls.add_argument("--containers", action="store_true",
+                    help="accepted for gpu-kill's sake: the list always shows each process's container, pod, "
+                         "Slurm job or unit (UNIT/CONTAINER; container_id, pod_uid in --output json)")
     p.add_argument("--output", choices=["table", "json"], default="table",
                    help="json: the stable format of gpukillctl list --json (with --list), or gpukillctl guard "
                         "status/test --json (with --guard alone or --guard-test-policies); table: the default")
@@ -246,10 +342,102 @@ def build_parser() -> argparse.ArgumentParser:
                        help="alone: validate FILE (gpukill-policy(5) format) and make it the policy in force "
                             "(gpukillctl guard load FILE); with --guard-test-policies: test it instead")
 
+    managed = p.add_argument_group(
+        "with --guard: user, group and GPU policies (gpukillctl guard policy; sizes in GB as gpu-kill's are GiB, "
+        "2^30 bytes; only the limits given are set: gpu-kill filled in defaults, gpukill makes no limit you did not "
+        "name)")
+    managed.add_argument("--guard-add-user", metavar="USER",
+                         help="create or replace USER's policy with the limits given (gpukillctl guard policy add "
+                              f"user USER); gpu-kill's defaults were {_help_defaults('user')}")
+    managed.add_argument("--guard-remove-user", metavar="USER",
+                         help="remove USER's policy (gpukillctl guard policy remove user USER)")
+    managed.add_argument("--guard-memory-limit", type=gigabytes, metavar="GB",
+                         help="with --guard-add-user: the user's GPU memory, summed over their processes")
+    managed.add_argument("--guard-utilization-limit", type=percent, metavar="PERCENT",
+                         help="with --guard-add-user: the user's GPU utilization")
+    managed.add_argument("--guard-process-limit", type=count, metavar="COUNT",
+                         help="with --guard-add-user: the user's GPU processes at once")
+    managed.add_argument("--guard-add-group", metavar="GROUP",
+                         help="create or replace the policy of GROUP, a system group (gpukillctl guard policy add "
+                              f"group GROUP), with the limits given; gpu-kill's defaults were {_help_defaults('group')}")
+    managed.add_argument("--guard-remove-group", metavar="GROUP",
+                         help="remove GROUP's policy (gpukillctl guard policy remove group GROUP)")
+    managed.add_argument("--guard-group-memory-limit", type=gigabytes, metavar="GB",
+                         help="with --guard-add-group: the members' GPU memory, summed")
+    managed.add_argument("--guard-group-utilization-limit", type=percent, metavar="PERCENT",
+                         help="with --guard-add-group: the members' GPU utilization")
+    managed.add_argument("--guard-group-process-limit", type=count, metavar="COUNT",
+                         help="with --guard-add-group: the members' GPU processes at once")
+    managed.add_argument("--guard-group-members", type=user_list, metavar="MEMBERS",
+                         help="refused, naming the commands to run: a group's members are the system's "
+                              "(gpasswd -a USER GROUP), as gpukilld reads them")
+    managed.add_argument("--guard-add-gpu", type=gpu_index, metavar="GPU_INDEX",
+                         help="create or replace the policy of that GPU with the limits given (gpukillctl guard "
+                              f"policy add gpu INDEX); gpu-kill's defaults were {_help_defaults('gpu')}")
+    managed.add_argument("--guard-remove-gpu", type=gpu_index, metavar="GPU_INDEX",
+                         help="remove that GPU's policy (gpukillctl guard policy remove gpu INDEX)")
+    managed.add_argument("--guard-gpu-memory-limit", type=gigabytes, metavar="GB",
+                         help="with --guard-add-gpu: the device's memory in use")
+    managed.add_argument("--guard-gpu-utilization-limit", type=percent, metavar="PERCENT",
+                         help="with --guard-add-gpu: the device's utilization")
+    managed.add_argument("--guard-gpu-reserved-memory", type=gigabytes, metavar="GB",
+                         help="with --guard-add-gpu: memory kept free on the device")
+    managed.add_argument("--guard-gpu-allowed-users", type=user_list, metavar="USERS",
+                         help="with --guard-add-gpu: only these users (comma-separated) may hold the GPU")
+    managed.add_argument("--guard-export-config", action="store_true",
+                         help="print every user, group and GPU policy (gpukillctl guard policy export): gpukill's "
+                              "YAML, not gpu-kill's JSON")
+    managed.add_argument("--guard-import-config", metavar="FILE",
+                         help="make FILE's policies the user, group and GPU policies, replacing the others, as "
+                              "gpu-kill's import does (gpukillctl guard policy import FILE --replace)")
+    managed.add_argument("--guard-toggle-dry-run", action="store_true",
+                         help="turn the dry run off if it is on, on if off (gpukillctl guard status, then "
+                              "gpukillctl guard dry-run on|off), and say which")
+
     audit = p.add_argument_group("with --audit")
     audit.add_argument("--rogue", action="store_true",
                        help="crypto miners, GPU hogs and idle memory holders, each with its score and evidence "
-                            "(gpukillctl audit; --output json: gpukillctl audit --json)")
+                            "(gpukillctl audit; --output json: gpukillctl audit --json); with a --rogue-*-threshold, "
+                            "that threshold for this scan only")
+    audit.add_argument("--rogue-config", action="store_true",
+                       help="the audit's settings (gpukillctl audit settings show; --output json: --json)")
+    for flag, key in ROGUE_THRESHOLDS.items():
+        audit.add_argument(flag, type=_threshold_type(flag), metavar="VALUE",
+                           help=f"keep gpu-kill's threshold as the audit setting {key} (gpukillctl audit settings "
+                                f"set {key}=...; a confidence 0 to 1 is a score 0 to 100); with --rogue, for this "
+                                "scan only (gpukillctl audit --min-score ...)")
+    audit.add_argument("--rogue-whitelist-process", metavar="PATH",
+                       help="never report the processes running the executable at PATH (gpukillctl audit settings "
+                            "allow-process PATH); a name, as gpu-kill took, is refused: a process chooses its name")
+    audit.add_argument("--rogue-unwhitelist-process", metavar="PATH",
+                       help="report them again (gpukillctl audit settings disallow-process PATH)")
+    audit.add_argument("--rogue-whitelist-user", metavar="USER",
+                       help="never report USER's processes (gpukillctl audit settings allow-user USER)")
+    audit.add_argument("--rogue-unwhitelist-user", metavar="USER",
+                       help="report USER's processes again (gpukillctl audit settings disallow-user USER)")
+    audit.add_argument("--rogue-export-config", action="store_true",
+                       help="print the audit's settings (gpukillctl audit settings export): an [audit] section, "
+                            "not gpu-kill's JSON")
+    audit.add_argument("--rogue-import-config", metavar="FILE",
+                       help="make FILE's [audit] section the audit's settings (gpukillctl audit settings import "
+                            "FILE)")
+
+    server = p.add_argument_group("with --server")
+    server.add_argument("--server-port", type=port_number, metavar="PORT",
+                        help="listen on TCP PORT instead of the Unix socket (gpukillctl serve --tcp HOST:PORT; "
+                             "HOST 127.0.0.1 unless --server-host)")
+    server.add_argument("--server-host", metavar="HOST",
+                        help="with a loopback address (127.0.0.1, ::1, localhost): listen there, on --server-port "
+                             "or 8080; another address is refused (gpukillctl serve needs --token-file off "
+                             "loopback, which gpu-kill has no flag for)")
+
+    remote = p.add_argument_group("on another host")
+    remote.add_argument("--remote", metavar="HOST",
+                        help="act on HOST's gpukilld over ssh (gpukillctl -H HOST): the host's polkit judges the "
+                             "ssh user and its journal records what is done")
+    remote.add_argument("--ssh-user", metavar="USER", help="log in as USER (gpukillctl -H USER@HOST)")
+    remote.add_argument("--ssh-port", type=port_number, metavar="PORT",
+                        help="ssh to PORT (gpukillctl -H HOST:PORT)")
     p.add_argument("--version", action=PrintVersion,
                    help="print gpukill's version and exit")
     return p
@@ -275,6 +463,20 @@ OPTION_OWNERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("guard_test_policies", "--guard-test-policies", ("guard",)),
     ("policy_file", "--policy-file", ("guard",)),
     ("rogue", "--rogue", ("audit",)),
+    ("vendor", "--vendor", ("list",)),
+    ("containers", "--containers", ("list",)),
+    *[(flag[2:].replace("-", "_"), flag, ("guard",)) for flag in (
+        "--guard-add-user", "--guard-remove-user", "--guard-memory-limit", "--guard-utilization-limit",
+        "--guard-process-limit", "--guard-add-group", "--guard-remove-group", "--guard-group-memory-limit",
+        "--guard-group-utilization-limit", "--guard-group-process-limit", "--guard-group-members",
+        "--guard-add-gpu", "--guard-remove-gpu",
+        "--guard-gpu-memory-limit", "--guard-gpu-utilization-limit", "--guard-gpu-reserved-memory",
+        "--guard-gpu-allowed-users", "--guard-export-config", "--guard-import-config", "--guard-toggle-dry-run")],
+    *[(flag[2:].replace("-", "_"), flag, ("audit",)) for flag in (
+        "--rogue-config", *ROGUE_THRESHOLDS, "--rogue-whitelist-process", "--rogue-unwhitelist-process",
+        "--rogue-whitelist-user", "--rogue-unwhitelist-user", "--rogue-export-config", "--rogue-import-config")],
+    ("server_port", "--server-port", ("server",)),
+    ("server_host", "--server-host", ("server",)),
 ]
 
 
@@ -285,53 +487,125 @@ def _given(args: argparse.Namespace, dest: str) -> bool:
 
 @dataclass(frozen=True)
 class Plan:
-    """What an invocation does with a connected client; `endless`: it runs until interrupted (--watch)."""
+    """What an invocation does with a connected client; `endless`: it runs until interrupted (--watch); `host`:
+    the client is that host's gpukilld over ssh (--remote). A plan with `gpukillctl` instead of `run` is a
+    gpukillctl command that runs on its own (serve): run as it is, by gpukillctl."""
 
-    run: Callable[[ClientAPI], Awaitable[int]]
+    run: Callable[[ClientAPI], Awaitable[int]] | None
     endless: bool = False
+    host: str | None = None
+    gpukillctl: tuple[str, ...] = ()
+    note: str | None = None  # said on stderr first: where gpukill's answer differs from gpu-kill's
+    commands: tuple[str, ...] = ()  # the gpukillctl command lines a plan of gpukillctl commands runs
 
 
 def refuse_unsupported(argv: list[str]) -> None:
     """Refuse gpu-kill's flags that gpukill does not take, naming the replacement."""
-    for token in argv:
+    words = iter(argv)
+    for token in words:
         if token == "--":
             return
         flag = token.split("=", 1)[0]
         if flag in UNSUPPORTED:
             raise Refused(f"gpu-kill's {flag} is not supported", UNSUPPORTED[flag])
-        if flag.startswith(AUDIT_PREFIXES):
-            raise audit_refusal(flag)
+        if flag in USAGE_AUDIT and flag != "--audit":
+            value = token.split("=", 1)[1] if "=" in token else next(words, None)
+            raise usage_audit_refusal(flag, value)
+
+
+def shorthand(argv: list[str]) -> list[str]:
+    """gpu-kill's cheat-sheet shorthands (src/args.rs, before parsing), where no operation is given:
+    `gpukill PID [...]` is --kill --pid PID, `gpukill watch` is --list --watch, `gpukill up` is --server; and
+    `--reset ID` is --reset --gpu ID."""
+    words = list(argv)
+    if not any(w in ("--list", "--kill", "--reset", "--audit", "--server", "--guard") for w in words):
+        pid = next((i for i, w in enumerate(words) if w.isdigit() and (i == 0 or not _takes_value(words[i - 1]))),
+                   None)
+        if pid is not None:
+            words = ["--kill", "--pid", words[pid], *words[:pid], *words[pid + 1:]]
+        elif "watch" in words:
+            i = words.index("watch")
+            words = ["--list", "--watch", *words[:i], *words[i + 1:]]
+        elif "up" in words:
+            i = words.index("up")
+            words = ["--server", *words[:i], *words[i + 1:]]
+    if "--reset" in words and "--gpu" not in words:
+        i = words.index("--reset")
+        if i + 1 < len(words) and words[i + 1].isdigit():
+            words.insert(i + 1, "--gpu")
+    return words
+
+
+def _takes_value(word: str) -> bool:
+    """Whether `word` is an option whose value is the next word (so a number after it is not a PID)."""
+    action = build_parser()._option_string_actions.get(word)
+    return action is not None and action.nargs is None and not isinstance(action, argparse._StoreTrueAction)
 
 
 def plan(argv: list[str]) -> Plan:
     """The plan for a gpukill command line; Refused if it is not one gpukill acts on."""
     refuse_unsupported(argv)
-    return translate(build_parser().parse_args(argv))
+    return translate(build_parser().parse_args(shorthand(argv)))
 
 
 def translate(args: argparse.Namespace) -> Plan:
     ops = [op for op in OPERATIONS if getattr(args, op)]
+    host = remote_host(args)
     if not ops:
         owned = [(flag, owners) for dest, flag, owners in OPTION_OWNERS if _given(args, dest)]
         if owned:  # gpu-kill requires the operation too (`--guard-enable` alone is an error there)
             flag, owners = owned[0]
             raise Refused(f"{flag} without an operation: it is an option of {' or '.join('--' + o for o in owners)}",
-                          _equivalent(owners[0], args))
-        raise Refused("say what to do: one of --list, --kill, --reset, --guard",
+                          _on_host(host, _equivalent(owners[0], args)))
+        raise Refused("say what to do: one of --list, --kill, --reset, --guard, --audit --rogue, --server",
                       "gpukill --help, or gpukillctl --help for every command")
     if len(ops) > 1:
         raise Refused(f"{' and '.join('--' + op for op in ops)} together: one operation at a time",
-                      "; ".join(EQUIVALENT[op] for op in ops))
+                      "; ".join(_on_host(host, EQUIVALENT[op]) for op in ops))
     op = ops[0]
-    if op == "audit" and not args.rogue:  # gpu-kill's usage history: gpukill keeps none of its own
-        raise audit_refusal("--audit")
     for dest, flag, owners in OPTION_OWNERS:
         if _given(args, dest) and op not in owners:
             raise Refused(f"{flag} is an option of {' or '.join('--' + o for o in owners)}, not of --{op}",
-                          _equivalent(op, args))
+                          _on_host(host, _equivalent(op, args)))
+    if op == "audit" and not args.rogue and not _audit_settings_given(args):
+        raise usage_audit_refusal("--audit")  # gpu-kill's usage history: gpukill keeps none yet
     if args.output == "json" and op not in ("list", "guard", "audit"):
-        raise Refused(f"--output json does not go with --{op}: it prints no JSON", _equivalent(op, args))
-    return {"list": _list, "kill": _kill, "reset": _reset, "guard": _guard, "audit": _audit}[op](args)
+        raise Refused(f"--output json does not go with --{op}: it prints no JSON", _on_host(host, _equivalent(op, args)))
+    if op == "server":
+        if host is not None:
+            raise Refused("--remote with --server: gpukillctl serve runs here, as you, and reaches this host's "
+                          "gpukilld", "ssh HOST gpukillctl serve, or gpukillctl serve here")
+        return _server(args)
+    args.host = host
+    p = {"list": _list, "kill": _kill, "reset": _reset, "guard": _guard, "audit": _audit}[op](args)
+    return replace(p, host=host) if host is not None else p
+
+
+def remote_host(args: argparse.Namespace) -> str | None:
+    """--remote HOST with --ssh-user and --ssh-port, as gpukillctl -H takes it: [USER@]HOST[:PORT]."""
+    if args.remote is None:
+        for flag, value in (("--ssh-user", args.ssh_user), ("--ssh-port", args.ssh_port)):
+            if value is not None:
+                raise Refused(f"{flag} goes with --remote HOST", "gpukillctl -H [USER@]HOST[:PORT] list")
+        return None
+    name = f"[{args.remote}]" if ":" in args.remote else args.remote  # an IPv6 address, as -H writes it
+    if "@" in args.remote and args.ssh_user is not None:
+        raise Refused(f"--remote {args.remote} names a user and --ssh-user another", "gpukillctl -H USER@HOST list")
+    text = f"{args.ssh_user + '@' if args.ssh_user else ''}{name}{f':{args.ssh_port}' if args.ssh_port else ''}"
+    from .remote import Host
+
+    try:
+        Host.parse(text)
+    except ValueError as e:
+        raise Refused(f"--remote: {e}", "gpukillctl -H [USER@]HOST[:PORT] list") from None
+    return text
+
+
+def _on_host(host: str | None, command: str) -> str:
+    """A gpukillctl command line, with -H HOST where the request was for another host."""
+    if host is None or not command.startswith("gpukillctl "):
+        return command
+    return f"gpukillctl -H {shlex.quote(host)} {command.removeprefix('gpukillctl ')}"
 
 
 def _equivalent(op: str, args: argparse.Namespace) -> str:
@@ -353,9 +627,11 @@ def _equivalent(op: str, args: argparse.Namespace) -> str:
     return EQUIVALENT[op]
 
 
-def kill_args(pid: int, start_time: int | None, force: bool, grace: float | None) -> argparse.Namespace:
-    """`gpukillctl kill`'s arguments, parsed by gpukillctl's own parser, so they carry whatever it adds."""
-    argv = ["kill", str(pid)]
+def kill_args(pid: int, start_time: int | None, force: bool, grace: float | None,
+              host: str | None = None) -> argparse.Namespace:
+    """`gpukillctl [-H HOST] kill`'s arguments, parsed by gpukillctl's own parser, so they carry whatever it
+    adds (with -H, a PID the host's daemon does not list is asked about with start time 0, not this host's)."""
+    argv = (["-H", host] if host else []) + ["kill", str(pid)]
     if start_time is not None:
         argv += ["--start-time", str(start_time)]
     if force:
@@ -388,11 +664,41 @@ def list_args(json: bool = False, name_regex: str | None = None, device: str | N
 
 
 def _list(args: argparse.Namespace) -> Plan:
-    # gpu-kill's --list is a table of GPUs and --details adds the processes; gpukillctl list always has both.
+    # gpu-kill's --list is a table of GPUs and --details adds the processes; gpukillctl list always has both,
+    # and the UNIT/CONTAINER column (--containers) too.
     list_ns = list_args(json=args.output == "json")
+    vendor = None if args.vendor in (None, "all") else args.vendor
+
+    def seen(client: ClientAPI) -> ClientAPI:
+        return client if vendor is None else VendorView(client, vendor)  # type: ignore[return-value]
+
     if args.watch:
-        return Plan(lambda client: watch(client, list_ns), endless=True)
-    return Plan(lambda client: cmd_list(client, list_ns))
+        return Plan(lambda client: watch(seen(client), list_ns), endless=True)
+    return Plan(lambda client: cmd_list(seen(client), list_ns))
+
+
+class VendorView:
+    """A client as gpu-kill's --vendor shows it: only that vendor's GPUs (Device.vendor) and the processes on
+    them. gpukillctl list prints what this returns, table or JSON, as it prints every listing."""
+
+    def __init__(self, client: ClientAPI, vendor: str) -> None:
+        self.client = client
+        self.vendor = vendor
+        self.indexes: set[int] | None = None  # the vendor's GPUs, from the listing of devices just made
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    async def list_devices(self) -> list:
+        devices = [d for d in await self.client.list_devices() if d.vendor.lower() == self.vendor]
+        self.indexes = {d.index for d in devices}
+        return devices
+
+    async def list_processes(self, filter: dict[str, Var] | None = None) -> list:
+        if self.indexes is None:
+            await self.list_devices()
+        assert self.indexes is not None
+        return [p for p in await self.client.list_processes(filter) if p.device in self.indexes]
 
 
 async def sleep(seconds: float) -> None:
@@ -468,7 +774,7 @@ def _kill(args: argparse.Namespace) -> Plan:
     if args.pid is not None:
         if args.dry_run:
             return Plan(lambda client: preview_pid(client, args.pid, args.force, args.timeout_secs))
-        kill_ns = kill_args(args.pid, None, args.force, args.timeout_secs)
+        kill_ns = kill_args(args.pid, None, args.force, args.timeout_secs, args.host)
         return Plan(lambda client: cmd_kill(client, kill_ns))
     selection = Selection(args.filter, args.gpu)
     if not args.batch:
@@ -482,7 +788,7 @@ def _kill(args: argparse.Namespace) -> Plan:
         _check_batch_pattern(args.filter)
     if args.dry_run:
         return Plan(lambda client: preview_batch(client, selection, args.force, args.timeout_secs))
-    return Plan(lambda client: kill_matching(client, selection, args.force, args.timeout_secs))
+    return Plan(lambda client: kill_matching(client, selection, args.force, args.timeout_secs, args.host))
 
 
 def _check_batch_pattern(pattern: str) -> None:
@@ -521,7 +827,8 @@ def _matched(selection: Selection, targets: list) -> str:
                  + ", ".join(f"{p.pid} ({p.comm})" for p in targets))
 
 
-async def kill_matching(client: ClientAPI, selection: Selection, force: bool, grace: float | None) -> int:
+async def kill_matching(client: ClientAPI, selection: Selection, force: bool, grace: float | None,
+                        host: str | None = None) -> int:
     """gpukillctl kill for every process the daemon lists as selected, each by the (PID, start time) listed, so
     a PID reused since the listing is refused, not killed. Every one is tried; the first failure's status."""
     targets = await targets_of(client, selection)
@@ -530,7 +837,7 @@ async def kill_matching(client: ClientAPI, selection: Selection, force: bool, gr
     print(_matched(selection, targets))
     first_failure = EXIT_OK
     for p in targets:
-        kill_ns = kill_args(p.pid, p.start_time, force, grace)
+        kill_ns = kill_args(p.pid, p.start_time, force, grace, host)
         try:
             code = await cmd_kill(client, kill_ns)
         except ClientError as e:
@@ -618,12 +925,76 @@ def guard_equivalent(command: dict, policy_file: str | None = None) -> str:
     return shlex.join(words)
 
 
+# gpu-kill's user, group and GPU policy changes, each as gpukillctl guard policy's: (dest, flag, kind, verb).
+MANAGED_CHANGES: list[tuple[str, str, str, str]] = [
+    ("guard_add_user", "--guard-add-user", "user", "add"),
+    ("guard_remove_user", "--guard-remove-user", "user", "remove"),
+    ("guard_add_group", "--guard-add-group", "group", "add"),
+    ("guard_remove_group", "--guard-remove-group", "group", "remove"),
+    ("guard_add_gpu", "--guard-add-gpu", "gpu", "add"),
+    ("guard_remove_gpu", "--guard-remove-gpu", "gpu", "remove"),
+    ("guard_export_config", "--guard-export-config", "", "export"),
+    ("guard_import_config", "--guard-import-config", "", "import"),
+    ("guard_toggle_dry_run", "--guard-toggle-dry-run", "", "toggle"),
+]
+_LIMIT_FLAGS = {dest: "--" + dest.replace("_", "-") for limits in POLICY_LIMITS.values() for dest in limits}
+
+
+def policy_settings(kind: str, args: argparse.Namespace, defaults: bool = False) -> dict:
+    """The settings of the --guard-add-KIND policy: the limits given (with defaults, gpu-kill's for the others:
+    for a message only)."""
+    settings: dict = {}
+    for key, text in POLICY_DEFAULTS[kind].items() if defaults else ():
+        settings[key] = gigabytes(text) if key in SIZE_SETTINGS else float(text) if key == "utilization_limit" \
+            else int(text)
+    for dest, key in POLICY_LIMITS[kind].items():
+        value = getattr(args, dest)
+        if value is not None:
+            settings[key] = list(value) if key == "allowed_users" else value
+    return settings
+
+
+def policy_equivalent(verb: str, kind: str = "", target: str = "", settings: dict | None = None,
+                      file: str | None = None) -> str:
+    if verb == "toggle":
+        return "gpukillctl guard status, then gpukillctl guard dry-run on (or off)"
+    words = ["gpukillctl", "guard", "policy", verb]
+    if kind:
+        words += [kind, target]
+    for key, value in (settings or {}).items():
+        shown_value = gib_text(value) if key in SIZE_SETTINGS else ",".join(value) if key == "allowed_users" \
+            else number_text(value) if isinstance(value, float) else str(value)
+        words += [SETTING_OPTIONS[key], shown_value]
+    if file is not None:
+        words += [file, "--replace"]
+    return shlex.join(words)
+
+
 def _guard(args: argparse.Namespace) -> Plan:
     chosen = [(flag, command) for dest, flag, command in GUARD_SWITCHES if getattr(args, dest)]
-    if len(chosen) > 1:
+    managed = [(dest, flag, kind, verb) for dest, flag, kind, verb in MANAGED_CHANGES if _given(args, dest)]
+    limits = [dest for dest in _LIMIT_FLAGS if _given(args, dest)]
+    if len(chosen) + len(managed) > 1:
         # gpu-kill did them all in its own order (enable before dry-run: enforcing for a moment): say the order.
-        raise Refused(f"{' and '.join(flag for flag, _ in chosen)} together: one Guard change at a time, in the "
-                      "order you mean", "; ".join(guard_equivalent(command) for _, command in chosen))
+        flags = [flag for flag, _ in chosen] + [flag for _, flag, _, _ in managed]
+        steps = [guard_equivalent(command) for _, command in chosen] + [
+            policy_equivalent(verb, kind, str(getattr(args, dest)) if kind else "",
+                              policy_settings(kind, args) if verb == "add" else None)
+            for dest, _, kind, verb in managed]
+        raise Refused(f"{' and '.join(flags)} together: one Guard change at a time, in the order you mean",
+                      "; ".join(steps))
+    if args.guard_group_members is not None and not any(v == "add" and k == "group" for _, _, k, v in managed):
+        return _managed(args, "guard_add_group", "--guard-group-members", "group", "add", limits)
+    if managed:
+        if args.policy_file is not None:
+            raise Refused(f"--policy-file with {managed[0][1]}: two changes", "one at a time: "
+                          f"{guard_equivalent({'guard_command': 'load'}, args.policy_file)}")
+        return _managed(args, *managed[0], limits)
+    if limits:
+        kind = next(k for k, dests in POLICY_LIMITS.items() if limits[0] in dests)
+        raise Refused(f"{_LIMIT_FLAGS[limits[0]]} goes with --guard-add-{kind}: alone it changes nothing (in gpu-kill "
+                      "too)", policy_equivalent("add", kind, kind.upper() if kind != "gpu" else "INDEX",
+                                                policy_settings(kind, args)))
     flag, command = chosen[0] if chosen else ("--guard", {"guard_command": "status"})
     if args.policy_file is not None:
         if not chosen:
@@ -640,12 +1011,180 @@ def _guard(args: argparse.Namespace) -> Plan:
     return Plan(lambda client: cmd_guard(client, guard_ns))
 
 
+def _managed(args: argparse.Namespace, dest: str, flag: str, kind: str, verb: str, limits: list[str]) -> Plan:
+    target = str(getattr(args, dest) or "GROUP") if kind else ""
+    stray = [d for d in limits if verb != "add" or d not in POLICY_LIMITS[kind]]
+    if stray:
+        owner = next(k for k, dests in POLICY_LIMITS.items() if stray[0] in dests)
+        raise Refused(f"{_LIMIT_FLAGS[stray[0]]} does not go with {flag}: it is a limit of --guard-add-{owner}",
+                      policy_equivalent(verb, kind, target,
+                                        policy_settings(kind, args) if verb == "add" else None))
+    if args.output == "json":
+        raise Refused(f"--output json does not go with {flag}: it prints no JSON",
+                      policy_equivalent(verb, kind, target, None, args.guard_import_config))
+    if verb == "toggle":
+        return Plan(toggle_dry_run)
+    settings = policy_settings(kind, args) if verb == "add" else None
+    if args.guard_group_members is not None:
+        group = target if kind == "group" else "GROUP"
+        joins = "; ".join(f"gpasswd -a {shlex.quote(u)} {shlex.quote(group)}" for u in args.guard_group_members)
+        raise Refused("--guard-group-members: a group's members are the system's, as gpukilld reads them (primary "
+                      "or supplementary), not a list in a policy",
+                      f"{joins + '; then ' if joins else ''}"
+                      f"{policy_equivalent('add', 'group', group, settings if kind == 'group' else None)}"
+                      f"{'' if kind == 'group' and settings else ' --memory-limit SIZE'}")
+    if verb == "add" and not settings:
+        raise Refused(f"{flag} {target} names no limit: gpu-kill filled in its defaults ({_defaults(kind)}); here a "
+                      "policy has the limits you name, so name them", policy_equivalent(
+                          "add", kind, target, policy_settings(kind, args, defaults=True)))
+    return steps([shlex.split(policy_equivalent(verb, kind, target, settings, args.guard_import_config))[1:]])
+
+
+async def toggle_dry_run(client: ClientAPI) -> int:
+    """gpu-kill's toggle: the dry run as the daemon has it now, then the other state (gpukillctl guard dry-run)."""
+    status = await client.guard_status()
+    state = "off" if status.dry_run else "on"
+    code = await cmd_guard(client, argparse.Namespace(guard_command="dry-run", state=state, json=False, policy=None))
+    if state == "off" and status.policy_dry_run:
+        print(f"{PROG}: the policy in force says dry_run itself: it still only reports", file=sys.stderr)
+    return code
+
+
+# -- gpukillctl commands, run as they are ---------------------------------------------------------------------
+
+
+def gpukillctl_args(argv: list[str]) -> argparse.Namespace:
+    """A gpukillctl command line as gpukillctl's own parser reads it (so it carries whatever gpukillctl adds);
+    its one-line error, should it refuse, as a refusal naming the command."""
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            return gpukillctl_parser(full=False, only=argv[0]).parse_args(argv)
+    except SystemExit:
+        reason = said.getvalue().strip().splitlines()[-1:] or ["refused"]
+        raise Refused(reason[0], "gpukillctl " + argv[0] + " --help") from None
+
+
+def steps(argvs: list[list[str]]) -> Plan:
+    """gpukillctl commands (guard, audit), one after the other on the same client, stopping at the first
+    that fails: what gpu-kill did in one invocation."""
+    parsed = [gpukillctl_args(argv) for argv in argvs]  # every one checked before the first runs
+
+    async def run(client: ClientAPI) -> int:
+        for args in parsed:
+            code = await COMMANDS[args.command](client, args)
+            if code != EXIT_OK:
+                return code
+        return EXIT_OK
+
+    return Plan(run, commands=tuple(shlex.join(["gpukillctl", *argv]) for argv in argvs))
+
+
+# -- --audit: the scan with gpu-kill's thresholds, and the audit's settings ------------------------------------
+
+AUDIT_SETTING_DESTS = ("rogue_config", *(flag[2:].replace("-", "_") for flag in ROGUE_THRESHOLDS),
+                       "rogue_whitelist_process", "rogue_unwhitelist_process", "rogue_whitelist_user",
+                       "rogue_unwhitelist_user", "rogue_export_config", "rogue_import_config")
+_ALONE = ("rogue_config", "rogue_export_config", "rogue_import_config")  # requests, not changes: one at a time
+_SETTINGS_WORDS = {"rogue_config": "show", "rogue_export_config": "export", "rogue_import_config": "import",
+                   "rogue_whitelist_process": "allow-process", "rogue_unwhitelist_process": "disallow-process",
+                   "rogue_whitelist_user": "allow-user", "rogue_unwhitelist_user": "disallow-user"}
+
+
+def _audit_settings_given(args: argparse.Namespace) -> bool:
+    return any(_given(args, dest) for dest in AUDIT_SETTING_DESTS)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _threshold(dest: str, args: argparse.Namespace) -> str:
+    """gpu-kill's threshold as KEY=VALUE in our setting's unit (gpukillctl audit's table converts it)."""
+    key, value = gpu_kill_threshold(_flag(dest), getattr(args, dest))
+    return f"{key}={number_text(round(value, 9))}"
+
+
+def _audit_argv(dest: str, args: argparse.Namespace) -> list[str]:
+    """The gpukillctl command (after the word gpukillctl) for one of gpu-kill's audit settings flags."""
+    if _flag(dest) in ROGUE_THRESHOLDS:
+        return ["audit", "settings", "set", _threshold(dest, args)]
+    value = getattr(args, dest)
+    json_out = ["--json"] if dest == "rogue_config" and args.output == "json" else []
+    return ["audit", "settings", _SETTINGS_WORDS[dest], *([] if isinstance(value, bool) else [value]), *json_out]
+
+
+def _audit(args: argparse.Namespace) -> Plan:
+    json_out = ["--json"] if args.output == "json" else []
+    given = [dest for dest in AUDIT_SETTING_DESTS if _given(args, dest)]
+    thresholds = [d for d in given if _flag(d) in ROGUE_THRESHOLDS]
+    if args.rogue:
+        others = [d for d in given if d not in thresholds]
+        if others:
+            raise Refused(f"--rogue with {_flag(others[0])}: a scan and a change of settings are two requests",
+                          f"gpukillctl audit; then {shlex.join(['gpukillctl', *_audit_argv(others[0], args)])}")
+        # gpu-kill's thresholds for this scan only: gpukillctl audit --min-score ... (AuditRogueWith)
+        per_call = [word for d in thresholds for word in
+                    (f"--{_threshold(d, args).split('=')[0].replace('_', '-')}", _threshold(d, args).split("=")[1])]
+        return steps([["audit", *json_out, *per_call]])
+    alone = [d for d in given if d in _ALONE]
+    if alone and len(given) > 1:
+        raise Refused(f"{' and '.join(_flag(d) for d in given)} together: one request at a time",
+                      "; ".join(shlex.join(["gpukillctl", *_audit_argv(d, args)]) for d in given))
+    if json_out and given[0] != "rogue_config":
+        raise Refused(f"--output json does not go with {_flag(given[0])}: it prints no JSON",
+                      shlex.join(["gpukillctl", *_audit_argv(given[0], args)]))
+    for dest in given:
+        value = getattr(args, dest)
+        if dest.endswith("whitelist_process") and not os.path.isabs(value):
+            raise Refused(f"{_flag(dest)} {value}: the audit allows an executable by its absolute path, not a "
+                          "process name (a process chooses its own name)",
+                          f"gpukillctl audit settings {_SETTINGS_WORDS[dest]} /PATH/OF/{shlex.quote(value)} "
+                          f"(command -v {shlex.quote(value)} finds it)")
+    argvs = []
+    if thresholds:  # every threshold in one change
+        argvs.append(["audit", "settings", "set", *(_threshold(d, args) for d in thresholds)])
+    argvs += [_audit_argv(d, args) for d in given if d not in thresholds]
+    return steps(argvs)
+
+
+# -- --server ----------------------------------------------------------------------------------------------
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+GPU_KILL_PORT = 8080  # gpu-kill's --server-port default
+
+
+def _server(args: argparse.Namespace) -> Plan:
+    if args.server_host is None and args.server_port is None:
+        return Plan(None, gpukillctl=("serve",),
+                    note="on gpukillctl serve's Unix socket (yours alone), not on gpu-kill's 0.0.0.0:8080; "
+                         "--server-port PORT for TCP on loopback")
+    host = args.server_host or "127.0.0.1"
+    port = args.server_port or GPU_KILL_PORT
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if host.lower() not in LOOPBACK:
+        raise Refused(f"--server-host {host}: off loopback gpukillctl serve needs a token file of yours, and "
+                      "gpu-kill has no flag for one", f"gpukillctl serve --tcp {address} --token-file FILE")
+    note = None if args.server_host else f"on {address}, loopback only, not on gpu-kill's 0.0.0.0"
+    return Plan(None, gpukillctl=("serve", "--tcp", address), note=note)
+
+
 # -- running -----------------------------------------------------------------------------------------------
 
 
 def run_plan(p: Plan) -> int:
-    """A one-shot plan on the blocking transport; --watch (endless, it sleeps between refreshes) on asyncio."""
-    if not p.endless:
+    """A one-shot plan on the blocking transport; --watch (endless, it sleeps between refreshes) and --remote
+    (ssh) on asyncio; a gpukillctl command that runs on its own (serve) by gpukillctl."""
+    if p.note:
+        print(f"{PROG}: {p.note}", file=sys.stderr)
+    if p.run is None:
+        from .cli import main as gpukillctl_main
+
+        return gpukillctl_main(list(p.gpukillctl))
+    if not p.endless and p.host is None:
         from .blocking_client import BlockingClient, finish
 
         blocking = BlockingClient.connect()
@@ -657,14 +1196,16 @@ def run_plan(p: Plan) -> int:
 
     from .client import GpukillClient
 
-    async def run() -> int:
-        client = await GpukillClient.connect()
+    run = p.run
+
+    async def run_async() -> int:
+        client = await GpukillClient.connect(host=p.host)
         try:
-            return await p.run(client)
+            return await run(client)
         finally:
             client.close()
 
-    return asyncio.run(run())
+    return asyncio.run(run_async())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -674,8 +1215,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e), e.code)
     try:
         return run_plan(p)
-    except ClientError as e:
-        return fail(str(e), exit_code(e))
+    except ClientError as e:  # which host said no, when it is not this one
+        return fail(f"host {p.host}: {e}" if p.host else str(e), exit_code(e))
     except KeyboardInterrupt:
         return EXIT_OK if p.endless else 130  # Ctrl-C is how --watch ends
     except BrokenPipeError:  # `gpukill --list --watch | head`: the reader is done

@@ -7,6 +7,7 @@ test bed, as other users, against the real daemon.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.metadata
 import json
@@ -24,7 +25,15 @@ from helpers.testbed import PYTHON, REPO, ROOT
 from gpukill import errors, rules
 from gpukill.condition_types import CONDITION_TYPES
 from gpukill.outcome import Outcome
-from gpukill.records import Device, GuardStatus, PolicyLoaded, Process, ResetReply
+from gpukill.records import (
+    AuditSettings,
+    Device,
+    GuardStatus,
+    ManagedPolicyEntry,
+    PolicyLoaded,
+    Process,
+    ResetReply,
+)
 from gpukillctl import cli, compat
 from gpukillctl.client import ERRORS, DaemonUnavailable, unwrap
 
@@ -44,6 +53,11 @@ def proc(pid: int, start_time: int, comm: str, device: int = 0) -> Process:
 PROCESSES = [proc(4242, 777, "python3"), proc(4242, 777, "python3", device=1), proc(4343, 888, "pytorch")]
 
 
+EXPORTED_POLICIES = "policies:\n- kind: user\n  target: alice\n  memory_limit: 8589934592\n"
+EXPORTED_SETTINGS = "[audit]\nmin_score = 50\n"
+GIB = 1 << 30
+
+
 def daemon_error(shared: type[errors.GpukillError], text: str) -> Exception:
     return ERRORS[shared.dbus_name](shared.dbus_name, text)
 
@@ -58,6 +72,8 @@ class RecordingClient:
         self.calls: list = []
         self.processes = processes
         self.failures = {name: list(excs) for name, excs in (failures or {}).items()}
+        self.settings = AuditSettings(allowed_users=("carol",), allowed_processes=("/opt/sim/bin/sim",))
+        self.dry_run = False
 
     def _record(self, name: str, *args, **kw) -> None:
         self.calls.append(getattr(call, name)(*args, **kw))
@@ -85,7 +101,7 @@ class RecordingClient:
 
     async def guard_status(self):
         self._record("guard_status")
-        return GuardStatus(enabled=True, dry_run=False, policy_dry_run=False, source="guard.d")
+        return GuardStatus(enabled=True, dry_run=self.dry_run, policy_dry_run=False, source="guard.d")
 
     async def guard_enable(self, enabled=True, *, interactive=False):
         self._record("guard_enable", enabled)
@@ -101,9 +117,50 @@ class RecordingClient:
         self._record("guard_test", name, text)
         return []
 
-    async def audit_rogue(self):
-        self._record("audit_rogue")
+    async def audit_rogue(self, thresholds=None):
+        if thresholds is None:
+            self._record("audit_rogue")
+        else:
+            self._record("audit_rogue", thresholds)
         return []
+
+    # the managed policies (contract §1) and the audit's settings (§2), as the client API names them
+
+    async def guard_set_policy(self, kind, target, settings, *, interactive=False):
+        self._record("guard_set_policy", kind, target, settings)
+        return ManagedPolicyEntry(kind=kind, target=target, file=f"/etc/gpukill/guard.d/60-managed-{kind}-{target}.yaml",
+                                  **{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+
+    async def guard_remove_policy(self, kind, target, *, interactive=False):
+        self._record("guard_remove_policy", kind, target)
+
+    async def guard_list_policies(self):
+        self._record("guard_list_policies")
+        return []
+
+    async def guard_export_policies(self):
+        self._record("guard_export_policies")
+        return EXPORTED_POLICIES
+
+    async def guard_import_policies(self, name, text, *, replace=False, interactive=False):
+        self._record("guard_import_policies", name, text, replace=replace)
+        return [ManagedPolicyEntry(kind="user", target="alice", file="f", memory_limit=8 << 30)]
+
+    async def audit_settings(self):
+        self._record("audit_settings")
+        return self.settings
+
+    async def set_audit_settings(self, changes, *, interactive=False):
+        self._record("set_audit_settings", changes)
+        return self.settings
+
+    async def export_audit_settings(self):
+        self._record("export_audit_settings")
+        return EXPORTED_SETTINGS
+
+    async def import_audit_settings(self, name, text, *, interactive=False):
+        self._record("import_audit_settings", name, text)
+        return self.settings
 
 
 def run(argv: list[str], client: RecordingClient | None = None) -> tuple[int, RecordingClient]:
@@ -165,6 +222,54 @@ MAPPINGS = [
     (["--guard", "--guard-test-policies", "--policy-file", str(POLICY)],
      [call.guard_test(POLICY_PATH, POLICY.read_text())]),
     (["--guard", "--policy-file", str(POLICY)], [call.guard_load_policy(POLICY_PATH, POLICY.read_text())]),
+    # --vendor: only that vendor's GPUs and their processes; --containers: the column gpukillctl list always has
+    (["--list", "--vendor", "amd"], LISTING),
+    (["--list", "--vendor", "all", "--output", "json"], LISTING),
+    (["--list", "--containers", "--details"], LISTING),
+    # gpu-kill's cheat-sheet shorthands
+    (["4343"], [call.list_processes({}), call.kill(4343, 888, force=False, grace=None)]),
+    (["4343", "--safe"], [call.list_processes({})]),
+    (["--reset", "1"], [call.reset("1", force=False)]),
+    # user, group and GPU policies: the limits given in GB (GiB), gpu-kill's defaults for the others
+    (["--guard", "--guard-add-user", "developer", "--guard-memory-limit", "8.0", "--guard-utilization-limit", "70.0",
+      "--guard-process-limit", "3"],
+     [call.guard_set_policy("user", "developer", {"memory_limit": 8 * GIB, "utilization_limit": 70.0,
+                                                  "process_limit": 3})]),
+    (["--guard", "--guard-add-user", "bob", "--guard-memory-limit", "1.5"],
+     [call.guard_set_policy("user", "bob", {"memory_limit": 1610612736})]),
+    (["--guard", "--guard-remove-user", "developer"], [call.guard_remove_policy("user", "developer")]),
+    (["--guard", "--guard-add-group", "testers", "--guard-group-memory-limit", "16.0"],
+     [call.guard_set_policy("group", "testers", {"memory_limit": 16 * GIB})]),
+    (["--guard", "--guard-add-group", "ml", "--guard-group-utilization-limit", "50", "--guard-group-process-limit",
+      "15"], [call.guard_set_policy("group", "ml", {"utilization_limit": 50.0, "process_limit": 15})]),
+    (["--guard", "--guard-remove-group", "developers"], [call.guard_remove_policy("group", "developers")]),
+    (["--guard", "--guard-add-gpu", "0", "--guard-gpu-allowed-users", "alice, bob,", "--guard-gpu-memory-limit",
+      "24.0", "--guard-gpu-utilization-limit", "90.0", "--guard-gpu-reserved-memory", "2.0"],
+     [call.guard_set_policy("gpu", "0", {"memory_limit": 24 * GIB, "utilization_limit": 90.0,
+                                         "reserved_memory": 2 * GIB, "allowed_users": ("alice", "bob")})]),
+    (["--guard", "--guard-add-gpu", "1", "--guard-gpu-memory-limit", "16.0"],
+     [call.guard_set_policy("gpu", "1", {"memory_limit": 16 * GIB})]),
+    (["--guard", "--guard-remove-gpu", "0"], [call.guard_remove_policy("gpu", "0")]),
+    (["--guard", "--guard-export-config"], [call.guard_export_policies()]),
+    (["--guard", "--guard-import-config", str(POLICY)],
+     [call.guard_import_policies(POLICY_PATH, POLICY.read_text(), replace=True)]),
+    (["--guard", "--guard-toggle-dry-run"], [call.guard_status(), call.guard_set_dry_run(True)]),
+    # the audit's settings
+    (["--audit", "--rogue-config"], [call.audit_settings()]),
+    (["--audit", "--rogue-config", "--output", "json"], [call.audit_settings()]),
+    (["--audit", "--rogue-confidence-threshold", "0.5"], [call.set_audit_settings({"min_score": 50.0})]),
+    (["--audit", "--rogue", "--rogue-confidence-threshold", "0.9"], [call.audit_rogue({"min_score": 90.0})]),
+    (["--audit", "--rogue-whitelist-user", "developer"],
+     [call.audit_settings(), call.set_audit_settings({"allowed_users": ["carol", "developer"]})]),
+    (["--audit", "--rogue-unwhitelist-user", "carol"],
+     [call.audit_settings(), call.set_audit_settings({"allowed_users": []})]),
+    (["--audit", "--rogue-whitelist-process", "/usr/bin/my-app", "--rogue-confidence-threshold", "0.7"],
+     [call.set_audit_settings({"min_score": 70.0}), call.audit_settings(),
+      call.set_audit_settings({"allowed_processes": ["/opt/sim/bin/sim", "/usr/bin/my-app"]})]),
+    (["--audit", "--rogue-unwhitelist-process", "/opt/sim/bin/sim"],
+     [call.audit_settings(), call.set_audit_settings({"allowed_processes": []})]),
+    (["--audit", "--rogue-export-config"], [call.export_audit_settings()]),
+    (["--audit", "--rogue-import-config", str(POLICY)], [call.import_audit_settings(POLICY_PATH, POLICY.read_text())]),
 ]
 
 
@@ -293,11 +398,59 @@ REFUSALS = [
     (["--audit"], 9, ["--audit is not supported yet", "journalctl -t gpukilld"]),
     (["--rogue"], 2, ["--rogue without an operation: it is an option of --audit", "instead: gpukillctl audit"]),
     (["--list", "--rogue"], 2, ["--rogue is an option of --audit, not of --list", "gpukillctl list"]),
-    (["--audit", "--audit-hours", "3"], 9, ["--audit-hours is not supported yet", "journalctl -t gpukilld"]),
-    (["--list", "--vendor", "nvidia"], 2, ["--vendor is not supported", "gpukillctl list"]),
-    (["--list", "--containers"], 2, ["--containers is not supported", "gpukillctl list"]),
-    (["--guard", "--guard-toggle-dry-run"], 2, ["--guard-toggle-dry-run is not supported", "--guard-enforce"]),
-    (["--server", "--server-port=9000"], 2, ["--server is not supported", "gpukillctl status"]),
+    (["--audit", "--audit-hours", "3"], 9, ["--audit-hours is not supported yet", "usage accounting is not built",
+                                            "instead: the audit of now", "gpukillctl audit"]),
+    (["--audit", "--audit-user", "bob"], 9, ["not built yet", "gpukillctl list --user bob\n"]),
+    (["--audit", "--audit-process=^py", "--audit-hours", "3"], 9, ["not built yet", "gpukillctl list --name-regex '^py'\n"]),
+    (["--kill", "--pid", "5", "--vendor", "amd"], 2, ["--vendor is an option of --list, not of --kill",
+                                                      "gpukillctl kill 5"]),
+    (["--reset", "--gpu", "0", "--containers"], 2, ["--containers is an option of --list", "gpukillctl reset 0"]),
+    (["--list", "--vendor", "nv;idia"], 2, ["not a vendor", "gpukillctl --help"]),
+    (["--list", "--ssh-user", "bob"], 2, ["--ssh-user goes with --remote HOST", "gpukillctl -H"]),
+    (["--remote=-bad", "--list"], 2, ["--remote: not a host", "gpukillctl -H"]),
+    (["--remote", "h", "--server"], 2, ["--remote with --server", "gpukillctl serve"]),
+    (["--server", "--server-host", "0.0.0.0"], 2, ["--server-host 0.0.0.0: off loopback",
+                                                   "gpukillctl serve --tcp 0.0.0.0:8080 --token-file FILE"]),
+    (["--server", "--server-port", "0"], 2, ["not a port", "gpukillctl --help"]),
+    (["--server", "--open"], 2, ["--open is not supported", "no dashboard", "gpukill --server (gpukillctl serve)"]),
+    (["--guard", "--guard-memory-limit", "16"], 2,
+     ["--guard-memory-limit goes with --guard-add-user: alone it changes nothing",
+      "instead: gpukillctl guard policy add user USER --memory-limit 16GiB\n"]),
+    (["--guard", "--guard-add-user", "bob"], 2,
+     ["--guard-add-user bob names no limit: gpu-kill filled in its defaults (16GB memory, 80% utilization, 5 "
+      "processes)", "instead: gpukillctl guard policy add user bob --memory-limit 16GiB --utilization-limit 80 "
+      "--process-limit 5\n"]),
+    (["--guard", "--guard-add-gpu", "2"], 2,
+     ["names no limit", "gpukillctl guard policy add gpu 2 --memory-limit 24GiB --utilization-limit 90 "
+      "--reserved-memory 2GiB\n"]),
+    (["--guard", "--guard-add-user", "a", "--guard-group-memory-limit", "4"], 2,
+     ["--guard-group-memory-limit does not go with --guard-add-user", "gpukillctl guard policy add user a"]),
+    (["--guard", "--guard-add-user", "a", "--guard-remove-user", "b"], 2,
+     ["--guard-add-user and --guard-remove-user together", "gpukillctl guard policy remove user b"]),
+    (["--guard", "--guard-add-user", "a", "--guard-memory-limit", "-1"], 2, ["GB must be between", "--help"]),
+    (["--guard", "--guard-add-user", "a", "--guard-utilization-limit", "101"], 2, ["percentage must be"]),
+    (["--guard", "--guard-add-gpu", "x"], 2, ["not a GPU index"]),
+    (["--guard", "--guard-export-config", "--output", "json"], 2, ["--output json does not go with",
+                                                                   "gpukillctl guard policy export"]),
+    (["--guard", "--guard-add-group", "ml", "--guard-group-members", "a,b"], 2,
+     ["--guard-group-members: a group's members are the system's", "instead: gpasswd -a a ml; gpasswd -a b ml; then "
+      "gpukillctl guard policy add group ml --memory-limit SIZE\n"]),
+    (["--guard", "--guard-add-group", "ml", "--guard-group-members", "a", "--guard-group-memory-limit", "4"], 2,
+     ["instead: gpasswd -a a ml; then gpukillctl guard policy add group ml --memory-limit 4GiB\n"]),
+    (["--guard", "--guard-group-members", "a"], 2, ["instead: gpasswd -a a GROUP; then gpukillctl guard policy add "
+                                                    "group GROUP --memory-limit SIZE\n"]),
+    (["--audit", "--rogue-whitelist-process", "my-app"], 2,
+     ["absolute path, not a process name", "gpukillctl audit settings allow-process /PATH/OF/my-app"]),
+    (["--audit", "--rogue-confidence-threshold", "2"], 2, ["confidence must be between 0 and 1"]),
+    (["--audit", "--rogue-memory-threshold", "15"], 2, ["--rogue-memory-threshold is not supported",
+                                                       "gpukillctl audit settings set abuser_share=PCT"]),
+    (["--audit", "--rogue-config", "--rogue-export-config"], 2, ["together: one request at a time",
+                                                                 "gpukillctl audit settings show"]),
+    (["--audit", "--rogue", "--rogue-whitelist-user", "bob"], 2,
+     ["a scan and a change of settings are two requests", "gpukillctl audit settings allow-user bob"]),
+    (["--audit", "--rogue-export-config", "--output", "json"], 2, ["--output json does not go",
+                                                                   "gpukillctl audit settings export"]),
+    (["--list", "--ssh-key", "k"], 2, ["--ssh-key is not supported", "IdentityFile KEY", "gpukillctl -H HOST list"]),
 ]
 
 
@@ -318,45 +471,120 @@ def test_every_unsupported_gpu_kill_flag_names_its_replacement(capsys):
         assert capsys.readouterr().err == f"gpukill: gpu-kill's {flag} is not supported; instead: {instead}\n"
 
 
-# gpu-kill's group and GPU policy flags and --register-node: each refused with its own replacement, not called
-# an unknown argument.
-POLICY_FLAGS = ["--register-node", "--guard-add-group", "--guard-remove-group", "--guard-add-gpu",
-                "--guard-remove-gpu", "--guard-group-memory-limit", "--guard-group-utilization-limit",
-                "--guard-group-process-limit", "--guard-gpu-memory-limit", "--guard-gpu-utilization-limit",
-                "--guard-gpu-reserved-memory", "--guard-group-members", "--guard-gpu-allowed-users"]
+def gpukillctl_commands(text: str) -> list[list[str]]:
+    """The gpukillctl command lines a message names, as words: from "gpukillctl" to the end of the clause."""
+    return [m.split() for m in re.findall(r"gpukillctl ([^;(),]*)", text)]
 
 
-@pytest.mark.parametrize("flag", POLICY_FLAGS)
-def test_gpu_kills_policy_flags_are_refused_with_their_replacement(flag, capsys):
-    """As gpu-kill takes them (`--guard --guard-add-group ml --guard-group-memory-limit 16`): refused before
-    parsing, so the value after the flag does not matter and nothing reaches the daemon."""
-    assert compat.main(["--guard", flag, "ml", "--guard-group-memory-limit", "16"]) == 2
-    out = capsys.readouterr()
-    assert out.out == "" and out.err == f"gpukill: gpu-kill's {flag} is not supported; instead: " \
-                                        f"{compat.UNSUPPORTED[flag]}\n"
-    assert "unrecognized" not in out.err
+def missing_in_gpukillctl(words: list[str]) -> str | None:
+    """What of this gpukillctl command line gpukillctl's parser does not have (a subcommand, an option, a word
+    where it takes none), or None. Placeholders (PID, FILE) stand where values go, so values are not parsed."""
+    parser = cli.build_parser()
+    words = list(words)
+    if words[:1] == ["-H"]:
+        words = words[2:]
+    path = []
+    while words:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None:
+            break
+        if words[0] not in sub.choices:
+            return f"no command {' '.join([*path, words[0]])!r}"
+        path.append(words[0])
+        parser = sub.choices[words.pop(0)]
+    if not path:
+        return "no command"
+    positionals = [a for a in parser._actions if not a.option_strings]
+    if words and not words[0].startswith("-") and not positionals:
+        return f"{' '.join(path)} takes no {words[0]!r}"
+    for word in words:
+        if word.startswith("--") and word.split("=")[0] not in parser._option_string_actions:
+            return f"{' '.join(path)} has no {word}"
+    return None
 
 
 def test_every_replacement_names_what_exists():
     """The gpukillctl commands, condition types and scopes the refusals name are real ones."""
-    gpukillctl_commands = {name for a in cli.build_parser()._actions if hasattr(a, "choices") and a.choices
-                           for name in a.choices}
-    guard_commands = {name for a in cli.build_parser(only="guard")._actions if hasattr(a, "choices") and a.choices
-                      for sub_parser in a.choices.values() for b in sub_parser._actions
-                      if hasattr(b, "choices") and b.choices for name in b.choices}
-    for flag, instead in compat.UNSUPPORTED.items():
-        for command in re.findall(r"gpukillctl (?:-H HOST )?([a-z][a-z-]*)", instead):
-            assert command in gpukillctl_commands, (flag, command)
-        for command in re.findall(r"gpukillctl guard ([a-z][a-z-]*)", instead):
-            assert command in guard_commands, (flag, command)
+    for flag, instead in {**compat.UNSUPPORTED, **compat.USAGE_AUDIT}.items():
+        commands = gpukillctl_commands(instead)
+        assert commands, (flag, instead)
+        for words in commands:
+            assert missing_in_gpukillctl(words) is None, (flag, words, missing_in_gpukillctl(words))
         for condition in re.findall(r"type: (\w+)", instead):
             assert condition in CONDITION_TYPES, (flag, condition)
         for scope in re.findall(r"scope: (\w+)", instead):
             assert scope in rules.SCOPES, (flag, scope)
     assert "gpukillctl -H HOST" in compat.UNSUPPORTED["--register-node"]
     assert "gpukillctl exporter" in compat.UNSUPPORTED["--register-node"]
-    assert all("gpukillctl guard load FILE" in compat.UNSUPPORTED[f] for f in POLICY_FLAGS[1:]
-               if f != "--guard-group-members")
+
+
+@pytest.mark.parametrize("argv,serve", [
+    (["--server"], ("serve",)),
+    (["up"], ("serve",)),  # gpu-kill's shorthand
+    (["--server", "--server-port", "9000"], ("serve", "--tcp", "127.0.0.1:9000")),
+    (["--server", "--server-host", "::1"], ("serve", "--tcp", "[::1]:8080")),
+    (["--server", "--server-host", "localhost", "--server-port", "3001"], ("serve", "--tcp", "localhost:3001")),
+])
+def test_server_is_gpukillctl_serve(argv, serve):
+    p = compat.plan(argv)
+    assert p.run is None and p.gpukillctl == serve
+    args = cli.build_parser().parse_args(list(serve))  # what gpukillctl serve takes
+    assert args.command == "serve" and (args.tcp is None) == (len(serve) == 1)
+    if "--server-host" not in argv:  # where gpukill differs from gpu-kill's 0.0.0.0:8080, said first
+        assert "not on gpu-kill's 0.0.0.0" in p.note
+
+
+@pytest.mark.parametrize("argv,host", [
+    (["--remote", "gpu01", "--list"], "gpu01"),
+    (["--remote", "gpu01", "--ssh-user", "admin", "--ssh-port", "2222", "--list"], "admin@gpu01:2222"),
+    (["--remote", "fe80::1%eth0", "--ssh-port", "22", "--list"], "[fe80::1%eth0]:22"),
+    (["--remote", "ops@gpu01", "--guard", "--guard-enable"], "ops@gpu01"),
+])
+def test_remote_is_gpukillctl_H(argv, host):
+    assert compat.plan(argv).host == host
+    assert cli.build_parser().parse_args(["-H", host, "list"]).host == host  # as -H takes it
+
+
+def test_remote_kill_of_a_pid_it_does_not_list_asks_that_host(capsys):
+    """Over -H, this host's /proc says nothing of the PID: start time 0 lets that daemon say why (as gpukillctl
+    -H kill does), not this host's process of the same PID."""
+    p = compat.plan(["--remote", "gpu01", "--kill", "--pid", "1"])
+    client = RecordingClient(processes=[])
+    asyncio.run(p.run(client))
+    assert client.calls == [call.list_processes({}), call.kill(1, 0, force=False, grace=None)]
+
+
+@pytest.mark.parametrize("argv,commands", [
+    (["--guard", "--guard-add-user", "dev", "--guard-memory-limit", "8.0", "--guard-utilization-limit", "70.5",
+      "--guard-process-limit", "3"],
+     ["gpukillctl guard policy add user dev --memory-limit 8GiB --utilization-limit 70.5 --process-limit 3"]),
+    (["--guard", "--guard-add-user", "dev", "--guard-memory-limit", "0.3"],  # not a whole number of MiB: bytes
+     ["gpukillctl guard policy add user dev --memory-limit 322122547"]),
+    (["--guard", "--guard-add-gpu", "3", "--guard-gpu-allowed-users", "a,b", "--guard-gpu-reserved-memory", "2"],
+     ["gpukillctl guard policy add gpu 3 --reserved-memory 2GiB --allowed-users a,b"]),
+    (["--guard", "--guard-remove-gpu", "03"], ["gpukillctl guard policy remove gpu 3"]),
+    (["--guard", "--guard-import-config", "g.json"], ["gpukillctl guard policy import g.json --replace"]),
+    (["--audit", "--rogue-config", "--output", "json"], ["gpukillctl audit settings show --json"]),
+    (["--audit", "--rogue-confidence-threshold", "0.123", "--rogue-whitelist-user", "u",
+      "--rogue-unwhitelist-process", "/bin/x"],
+     ["gpukillctl audit settings set min_score=12.3", "gpukillctl audit settings disallow-process /bin/x",
+      "gpukillctl audit settings allow-user u"]),
+    (["--audit", "--rogue", "--rogue-confidence-threshold", "0.5", "--output", "json"],
+     ["gpukillctl audit --json --min-score 50"]),
+])
+def test_settings_flags_run_gpukillctls_commands(argv, commands):
+    """gpu-kill's policy and audit settings flags are gpukillctl guard policy and audit settings commands, parsed
+    by gpukillctl's own parser: sizes exact (GB as GiB), numbers as given."""
+    assert list(compat.plan(argv).commands) == commands
+
+
+def test_toggle_dry_run_turns_the_daemons_state_over(capsys):
+    for now, then in ((False, True), (True, False)):
+        client = RecordingClient()
+        client.dry_run = now
+        code, client = run(["--guard", "--guard-toggle-dry-run"], client)
+        assert code == 0 and client.calls == [call.guard_status(), call.guard_set_dry_run(then)]
+        assert capsys.readouterr().out == f"guard dry run {'on' if then else 'off'}\n"
 
 
 def test_version_is_the_packages(capsys):
