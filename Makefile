@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # python3-dbusmock: the notification server of tests/test_notify_agent.py, run with Debian's python3 (dbus-python
 # does not build in the venv without libdbus and glib headers; Debian's brings python3-dbus and python3-gi).
 # tmux: the real terminal that tests/test_top.py drives `gpukillctl top` in (send-keys, capture-pane).
-# jq: the README's many-hosts example, run by tests/test_remote.py with hostile host names.
+# jq: docs/using.md's many-hosts example, run by tests/test_remote.py with hostile host names.
 # uidmap: newuidmap/newgidmap, so that tests/test_people.py calls from a user namespace mapped to a user's
 # subordinate uids (unshare --map-auto), as a user with an /etc/subuid range can.
 APT_PACKAGES := dbus-daemon polkitd systemd util-linux gcc python3-venv gdb groff-base python3-dbusmock tmux prometheus openssh-server openssh-client jq uidmap

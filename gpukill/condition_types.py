@@ -4,7 +4,7 @@ A ConditionType says what the parser checks (the kind of value, the operators, t
 in each, why it does not fit the others), what the engine reads (an attribute of the subject it tests, or a
 small function), how a value read is written in reasons, and how the engine may take shortcuts (lower
 bounds, grouping by value) and choose victims (largest first by memory or utilization). gpukill.policy
-validates from it, gpukilld.guard.conditions compiles from it, and README's condition table lists it
+validates from it, gpukilld.guard.conditions compiles from it, and docs/guard.md's condition table lists it
 (tests/test_condition_types.py checks all three against it).
 
 Readers name attributes of the views the daemon builds of a snapshot (gpukilld.guard.conditions: ProcView,
@@ -239,7 +239,7 @@ CONDITION_TYPES: dict[str, ConditionType] = {
         ConditionType("temperature", CELSIUS, NUMBER_OPS, {PER_DEVICE: SUBJECT},
                       {ON_DEVICE: "device.temperature"}, _celsius,
                       "temperature is a device's value: it needs scope per_device"),
-        # The rogue-activity audit's verdict on a process (gpukilld/rogue.py): its highest finding's score (0 to
+        # The rogue-activity audit's verdict on a process (gpukilld/rogue/score.py): its highest finding's score (0 to
         # 100, 0 without a finding) and that finding's kind. A user's findings (abuser) are not a process's.
         ConditionType("rogue_score", PERCENT, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "rogue_score"}, _score,
                       withheld=True),

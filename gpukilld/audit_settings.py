@@ -11,7 +11,7 @@ Every value a caller sends is checked here (check_value): types, ranges, list si
 most MAX_ENTRY characters), names as printable text without blanks. A change that fails any check changes
 nothing. An allowed process is named by its executable's absolute path, never by a name: a process chooses
 its own name (comm, argv[0], the file name of a copy), so a miner could take any name an allow-list holds
-(gpukilld/trusted_exe.py says how a process is recognised as running that executable).
+(gpukilld/rogue/trusted_exe.py says how a process is recognised as running that executable).
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ import math
 import os
 import posixpath
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from gpukill.errors import GpukillError, InvalidArgs
 from gpukill.records import AuditSettings, names
-
-from .sockets import ephemeral_range
 
 KEYS = names(AuditSettings)
 # The keys AuditRogueWith takes for one scan, and why the others cannot be (refused in one line, never dropped).
@@ -54,6 +52,25 @@ DROPIN_NAME = "50-audit.conf"
 APPLY_WAIT = 15.0
 HEADER = ("# The rogue-activity audit's settings, written by gpukilld (gpukillctl audit settings); read after\n"
           "# gpukilld.conf, whose [audit] keys these replace. Delete this file and reload to use gpukilld.conf's.\n")
+
+
+# Which pool ports can say anything about a connection. Here, beside the check of pool_ports, and not with the
+# sockets they are read from (gpukilld/rogue/sockets.py): the configuration (config.py) applies the same rule
+# and sits below the audit.
+def ephemeral_range(proc_root: str = "/proc") -> tuple[int, int] | None:
+    """net.ipv4.ip_local_port_range (the ports connect() picks local ports from; IPv6 uses it too)."""
+    try:
+        with open(f"{proc_root}/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(w) for w in f.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return (low, high) if 0 < low <= high <= 65535 else None
+
+
+def outside_range(ports: Iterable[int], span: tuple[int, int] | None) -> tuple[int, ...]:
+    """The ports that are not local ports connect() may pick: a pool port inside that range is also the source
+    port of some client of every busy server, so it says nothing."""
+    return tuple(p for p in ports if span is None or not span[0] <= p <= span[1])
 
 
 def dropin_path(conf_path: str) -> str:
@@ -284,7 +301,7 @@ class AuditSettingsKeeper:
     def __init__(self, path: str, watch: Any, auditor: Any,
                  resample: Callable[[], Awaitable[Any]] | None = None, samples: int = 4) -> None:
         self.path = path
-        self.watch = watch  # rogue_watch.RogueWatch: .settings, .made_with
+        self.watch = watch  # rogue/watch.py RogueWatch: .settings, .made_with
         self._auditor = auditor
         self._resample = resample
         self._samples = samples
@@ -334,6 +351,6 @@ class AuditSettingsKeeper:
 
 
 def _kind() -> Any:
-    from . import audit
+    from . import journal
 
-    return audit.AUDIT_SETTINGS
+    return journal.AUDIT_SETTINGS

@@ -10,13 +10,13 @@
     sys = /sys
     debugfs = /sys/kernel/debug
 
-    [guard]                          # Guard Mode (README.md)
+    [guard]                          # Guard Mode (docs/guard.md)
     policy_dir = /etc/gpukill/guard.d   # *.yaml read in name order, again on reload
     state_dir = /var/lib/gpukill     # enabled, dry run, counters and the policy in force, across restarts
     protect_system_users = yes       # uids up to SYS_UID_MAX of /etc/login.defs (999): invisible to Guard
     protected_units = dbus.service systemd-*.service ...   # system units invisible to Guard; empty: none
 
-    [audit]                          # the rogue-activity audit (AuditRogue, README.md)
+    [audit]                          # the rogue-activity audit (AuditRogue, docs/audit.md)
     idle_after = 1800                # seconds of GPU memory held at 0% utilization: an idle holder
     idle_min_memory = 256MiB         # less than this held idle is not reported
     abuser_window = 3600             # seconds over which users' shares of GPU memory and time are compared
@@ -53,7 +53,7 @@ from gpukill.errors import ConfigError
 from gpukill.records import DEFAULT_POOL_PORTS, AuditSettings  # noqa: F401  (the daemon's names for them)
 
 from . import audit_settings
-from .sockets import ephemeral_range, outside_range
+from .audit_settings import ephemeral_range, outside_range
 
 log = logging.getLogger("gpukilld")
 DEFAULT_PATH = "/etc/gpukill/gpukilld.conf"
@@ -237,7 +237,7 @@ def _protection(parser: configparser.ConfigParser, path: str) -> dict[str, objec
 
 
 def _audit(parser: configparser.ConfigParser, path: str, text: str, base: AuditSettings) -> AuditSettings:
-    """[audit]: the rogue-activity audit's settings (gpukilld/rogue.py), each checked with its line, over base."""
+    """[audit]: the rogue-activity audit's settings (gpukilld/rogue/score.py), each checked with its line, over base."""
     section = parser["audit"]
     values: dict[str, object] = {}
     for key in section:

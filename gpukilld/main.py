@@ -27,27 +27,28 @@ from dbus_fast.constants import NameFlag
 from gpukill.errors import ConfigError, ResetFailed
 from gpukill.records import ResetReply
 
-from . import __version__, audit, busio
-from .actions import Actions, KillResult
+from . import __version__, journal
+from .access.bouncer import Bouncer, Caller
+from .access.refusals import RefusalLog
+from .access.visibility import read_proc_rules
+from .acts.actions import Actions, KillResult
+from .acts.killer import Killer
 from .audit_settings import AuditSettingsKeeper, dropin_path
 from .backends.registry import build_backends
-from .bouncer import Bouncer, Caller
-from .bus import Door
+from .bus import writer as busio
+from .bus.door import Door
+from .bus.guard import GuardInterface
+from .bus.manager import ManagerInterface
 from .config import DEFAULT_PATH, Config, check_interval, load_config
 from .guard.engine import Violation
 from .guard.notify import Notice
 from .guard.runner import GuardRunner, notify_config, protection_of
-from .guard.service import GuardInterface
-from .killer import Killer
-from .manager import ManagerInterface
 from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
 from .names import BUS_NAME, OBJECT_PATH
-from .proc_events import open_for as open_proc_events
-from .procfs import ProcFS
-from .refusals import RefusalLog
-from .rogue_watch import RogueWatch
-from .sampler import Sampler, StateChange
-from .visibility import read_proc_rules
+from .proc.procfs import ProcFS
+from .rogue.watch import RogueWatch
+from .sampling.proc_events import open_for as open_proc_events
+from .sampling.sampler import Sampler, StateChange
 
 log = logging.getLogger("gpukilld")
 
@@ -68,7 +69,7 @@ class Daemon:
         self.backends = build_backends(self.config)  # a broken device file fails here, before the bus
         self.snapshot: Snapshot = EMPTY_SNAPSHOT
         self.notifier = sdnotify.SystemdNotifier()
-        self.audit = audit.Audit()
+        self.audit = journal.Audit()
         self._status = ""
         self._snapshot_waiters: list[asyncio.Future[Snapshot]] = []
         self._stop = asyncio.Event()
@@ -107,7 +108,7 @@ class Daemon:
         for change in changes:
             dev = change.device
             self.audit.log(
-                audit.DEVICE_STATE,
+                journal.DEVICE_STATE,
                 f"GPU {dev.index} ({dev.id}) is {dev.state}" + (f": {dev.state_reason}" if dev.state_reason else ""),
                 device=dev.id, device_index=dev.index, state=dev.state, previous_state=change.previous,
                 reason=dev.state_reason or None,
@@ -163,7 +164,7 @@ class Daemon:
             backends = build_backends(config, previous=(self.config, self.backends))
         except ConfigError as e:
             log.error("reload failed, keeping the configuration in force: %s", e)
-            self.audit.log(audit.DAEMON, f"Reload failed, configuration unchanged: {e}", result="reload-failed",
+            self.audit.log(journal.DAEMON, f"Reload failed, configuration unchanged: {e}", result="reload-failed",
                            error=str(e))
         else:
             replaced = [b for b in self.backends if not any(b is kept for kept in backends)]
@@ -178,7 +179,7 @@ class Daemon:
             self._close_when_unused(replaced)
             self.guard.configure(notify_config(config), config.guard_policy_dir, config.guard_state_dir,
                                  protection_of(config))
-            self.audit.log(audit.DAEMON, "Configuration reloaded", result="reloaded")
+            self.audit.log(journal.DAEMON, "Configuration reloaded", result="reloaded")
         self.guard.reload_files()  # a broken policy file leaves the policy in force (and says so)
         self.notifier.notify(f"READY=1\nSTATUS={self._status}")
 
@@ -228,7 +229,7 @@ class Daemon:
         self.proc_rules = read_proc_rules(self.config.proc_root)  # hidepid: what /proc shows users of each other
         self.bouncer = bouncer = Bouncer(bus, RefusalLog(self.audit), proc_rules=lambda: self.proc_rules)
         procfs = ProcFS(self.config.proc_root)
-        # What processes become, from the kernel (gpukilld/proc_events.py); where it cannot, the sampler polls.
+        # What processes become, from the kernel (gpukilld/sampling/proc_events.py); where it cannot, the sampler polls.
         events = open_proc_events(procfs.is_this_hosts())
         if not events.listening:
             log.info("the kernel's proc connector is unavailable (%s): polling", events.reason)
@@ -284,7 +285,7 @@ class Daemon:
 
         # READY only now: the name is ours, so a client started after READY finds us.
         self.notifier.notify(f"READY=1\nSTATUS={self._status or 'starting'}\nMAINPID={os.getpid()}")
-        self.audit.log(audit.DAEMON, f"gpukilld {__version__} started: {self._status}", result="started")
+        self.audit.log(journal.DAEMON, f"gpukilld {__version__} started: {self._status}", result="started")
         log.info("gpukilld %s ready on %s", __version__, BUS_NAME)
 
         disconnected = asyncio.ensure_future(bus.wait_for_disconnect())
@@ -295,9 +296,9 @@ class Daemon:
         self.guard.stop()  # saves counters; notices still queued are dropped (the journal has every event)
         if disconnected in done:
             log.error("lost the system bus connection")
-            self.audit.log(audit.DAEMON, "gpukilld lost the system bus; exiting", result="bus-lost")
+            self.audit.log(journal.DAEMON, "gpukilld lost the system bus; exiting", result="bus-lost")
             return 1
-        self.audit.log(audit.DAEMON, "gpukilld stopped", result="stopped")
+        self.audit.log(journal.DAEMON, "gpukilld stopped", result="stopped")
         bus.disconnect()
         return 0
 

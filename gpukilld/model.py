@@ -76,7 +76,7 @@ class GpuProcess(Process):
     # The system service or scope that holds the process (Attribution.system_unit): Guard's protection of
     # system units reads it, and unlike `unit` no user can forge it. Not on the bus (declared without wire()).
     system_unit: str | None = None
-    # Attribution.job_from_environ: visibility.py shows such a job to the owner and full viewers only. Not on
+    # Attribution.job_from_environ: gpukilld/access/visibility.py shows such a job to the owner and full viewers only. Not on
     # the bus either.
     job_from_environ: bool = False
 
@@ -92,7 +92,7 @@ class Snapshot:
     devices: tuple[Device, ...]
     processes: tuple[GpuProcess, ...]
     backends: tuple[BackendStatus, ...]
-    # The rogue-activity audit of these processes (gpukilld/rogue.py), every finding in full, highest score first.
+    # The rogue-activity audit of these processes (gpukilld/rogue/score.py), every finding in full, highest score first.
     findings: tuple[Finding, ...] = ()
 
     def find_device(self, key: str) -> Device | None:

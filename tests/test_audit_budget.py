@@ -1,4 +1,4 @@
-"""An audit round has a budget (gpukilld/sockets.py RoundBudget): 300 GPU processes, each in an unprivileged user
+"""An audit round has a budget (gpukilld/rogue/sockets.py RoundBudget): 300 GPU processes, each in an unprivileged user
 +network namespace of its own (`unshare -Urn` as gpkowner or gpkother) with a padded TCP table, keep the real
 daemon's watchdog fed (the gap between its WATCHDOG=1 pings, one per sample, is the longest sampler round plus
 the interval) and its memory bounded, and every namespace's miner is found all the same: what a round cannot

@@ -1,4 +1,4 @@
-"""The audit trail's own journal client (gpukilld/audit.py): the native protocol's encoding, entries read back
+"""The audit trail's own journal client (gpukilld/journal.py): the native protocol's encoding, entries read back
 from a real journald byte for byte, the sealed memfd that carries an entry too large for a datagram, a stalled
 journald, and the one escaped stderr line when there is no journal."""
 
@@ -18,7 +18,7 @@ import pytest
 from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO, Testbed
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 # -- the encoder, no root needed ------------------------------------------------------------------------------
 
@@ -49,7 +49,7 @@ EVIL_MESSAGE = f"PID 42 ({EVIL}) terminated"
 
 
 def _run(code: str, socket_path: str) -> subprocess.CompletedProcess:
-    prelude = f"from gpukilld import audit\naudit.JOURNAL_SOCKET = {socket_path!r}\n"
+    prelude = f"from gpukilld import journal as audit\naudit.JOURNAL_SOCKET = {socket_path!r}\n"
     return subprocess.run([PYTHON, "-c", prelude + textwrap.dedent(code)], capture_output=True, timeout=30,
                           cwd="/", env={**os.environ, "PYTHONPATH": str(REPO)})
 
@@ -92,7 +92,7 @@ def test_a_failed_send_is_one_line_with_the_reason(tmp_path):
 
 CHILD_PRELUDE = """
 import os, sys
-from gpukilld import audit
+from gpukilld import journal as audit
 memfds = []  # each entry that went by memfd
 _memfd_create = os.memfd_create
 os.memfd_create = lambda *a: memfds.append(a) or _memfd_create(*a)
@@ -155,7 +155,7 @@ def test_fields_arrive_exactly(journal):
     assert {k: v for k, v in e.items() if k.startswith("GPUKILL_")} == {
         "GPUKILL_TARGET_PID": b"42", "GPUKILL_CALLER_UID": b"0", "GPUKILL_RULE": b"r1",
         "GPUKILL_EVENT": b"test-plain"}  # None left out, the event's name by default
-    assert e["CODE_FUNC"] == b"kill_something" and e["CODE_FILE"] == b"<string>"  # the caller, not audit.py
+    assert e["CODE_FUNC"] == b"kill_something" and e["CODE_FILE"] == b"<string>"  # the caller, not journal.py
     assert e["CODE_LINE"].isdigit()
 
 

@@ -17,13 +17,13 @@ from dbus_fast.aio import MessageBus
 from helpers.open_bus import open_bus
 
 from gpukill.records import Evidence, Finding
-from gpukilld import manager as manager_module
-from gpukilld.bouncer import Bouncer, Caller
-from gpukilld.bus import Door
-from gpukilld.manager import ManagerInterface
+from gpukilld.access.bouncer import Bouncer, Caller
+from gpukilld.access.people import People
+from gpukilld.bus import manager as manager_module
+from gpukilld.bus.door import Door
+from gpukilld.bus.manager import ManagerInterface
 from gpukilld.model import Snapshot
 from gpukilld.names import MANAGER_INTERFACE, OBJECT_PATH
-from gpukilld.people import People
 
 ALICE, BOB = 4242, 4343
 

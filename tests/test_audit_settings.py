@@ -29,8 +29,9 @@ from helpers.waiting import wait_until
 from test_rogue_daemon import INTERVAL, MINER_CODE, STRATUM, finding_of, findings, start_miner
 
 from gpukill.records import AuditSettings
-from gpukillctl.exits import EXIT_DENIED, EXIT_USAGE
-from gpukilld import audit, audit_settings
+from gpukillctl.client.exits import EXIT_DENIED, EXIT_USAGE
+from gpukilld import audit_settings
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 
@@ -237,7 +238,7 @@ def test_allowed_users_and_processes_are_not_reported_and_read_rogue_score_0(abe
 
 SET_THEN_AUDIT = """\
 import json, sys
-from gpukillctl.blocking_client import BlockingClient, finish
+from gpukillctl.client.blocking import BlockingClient, finish
 client = BlockingClient.connect()
 finish(client.set_audit_settings({"idle_after": 1}))
 print(json.dumps([f.pid for f in finish(client.audit_rogue()) if f.kind == "idle"]))

@@ -1,4 +1,4 @@
-"""The audit's socket evidence (gpukilld/sockets.py, gpukilld/sock_diag.py): only connections a GPU process made
+"""The audit's socket evidence (gpukilld/rogue/sockets.py, gpukilld/rogue/sock_diag.py): only connections a GPU process made
 count, read through sock_diag, on real sockets of real processes of two unprivileged users on loopback.
 
 - planted: bob binds his client socket's source port to a pool port and connects to alice's server: her
@@ -24,10 +24,11 @@ from helpers import pools
 from helpers.guard_inputs import proc
 from helpers.testbed import SYSTEM_PYTHON, User
 
-from gpukilld import sock_diag, sockets
+from gpukilld import audit_settings
 from gpukilld.config import AuditSettings, load_config
-from gpukilld.rogue_watch import RogueWatch
-from gpukilld.sockets import Peer, PoolConnections
+from gpukilld.rogue import sock_diag, sockets
+from gpukilld.rogue.sockets import Peer, PoolConnections
+from gpukilld.rogue.watch import RogueWatch
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: runs processes as two other users and "
                                                           "reads their descriptors")
@@ -194,7 +195,7 @@ def test_connections_in_a_user_and_network_namespace_of_its_own_are_found(people
 
 def test_a_pool_port_inside_the_ephemeral_range_is_not_used(people, users, tmp_path, caplog):
     alice = users["owner"]
-    span = sockets.ephemeral_range()
+    span = audit_settings.ephemeral_range()
     assert span is not None
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))  # a port the kernel picks: inside the ephemeral range

@@ -7,7 +7,7 @@ import pytest
 from helpers.marks import needs_root
 from helpers.testbed import ADMIN_RULES
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 

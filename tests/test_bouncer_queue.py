@@ -27,10 +27,10 @@ from helpers.testbed import PYTHON, Testbed
 from helpers.waiting import wait_until
 
 from gpukill.errors import TooBusy
-from gpukilld import polkit_queue
-from gpukilld.bouncer import KILL_ANY, Bouncer, Caller
-from gpukilld.people import People
-from gpukilld.polkit_queue import IN_FLIGHT_PER_LANE, QUEUE_PER_LANE, PolkitQueue
+from gpukilld.access import polkit_queue
+from gpukilld.access.bouncer import KILL_ANY, Bouncer, Caller
+from gpukilld.access.people import People
+from gpukilld.access.polkit_queue import IN_FLIGHT_PER_LANE, QUEUE_PER_LANE, PolkitQueue
 
 ALICE, BOB = 4242, 4343
 TOO_BUSY = "org.gpukill1.Error.TooBusy"

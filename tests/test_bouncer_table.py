@@ -27,10 +27,9 @@ from helpers.testbed import PYTHON
 
 from gpukill import managed_policy
 from gpukill.errors import AccessDenied
-from gpukilld import audit, bouncer
-from gpukilld.actions import Actions
-from gpukilld.audit_settings import AuditSettingsKeeper
-from gpukilld.bouncer import (
+from gpukilld import journal as audit
+from gpukilld.access import bouncer
+from gpukilld.access.bouncer import (
     KILL_ANY,
     KILL_METHOD,
     KILL_OWN,
@@ -41,17 +40,19 @@ from gpukilld.bouncer import (
     OwnOrAny,
     Request,
 )
-from gpukilld.bus import Door
+from gpukilld.access.refusals import RefusalLog
+from gpukilld.acts.actions import Actions
+from gpukilld.acts.killer import Killer
+from gpukilld.audit_settings import AuditSettingsKeeper
+from gpukilld.bus.door import Door
+from gpukilld.bus.guard import GuardInterface
+from gpukilld.bus.manager import ManagerInterface
 from gpukilld.guard.notify import NotifyConfig
 from gpukilld.guard.runner import GuardRunner
-from gpukilld.guard.service import GuardInterface
-from gpukilld.killer import Killer
-from gpukilld.manager import ManagerInterface
 from gpukilld.model import Device, GpuProcess, Snapshot
 from gpukilld.names import GUARD_INTERFACE, MANAGER_INTERFACE, OBJECT_PATH
-from gpukilld.procfs import ProcFS
-from gpukilld.refusals import RefusalLog
-from gpukilld.rogue_watch import RogueWatch
+from gpukilld.proc.procfs import ProcFS
+from gpukilld.rogue.watch import RogueWatch
 
 CALLER_UID = 4242  # the caller of every call here: no real account, and never root (root skips polkit)
 SOMEONE_ELSE = 4343

@@ -1,4 +1,4 @@
-"""gpukilld's bus I/O changes (gpukilld/busio.py): byte-identical replies, and no disconnect under load."""
+"""gpukilld's bus I/O changes (gpukilld/bus/writer.py): byte-identical replies, and no disconnect under load."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dbus_fast import Message, MessageType, Variant
 from helpers.marks import needs_root
 from helpers.testbed import PYTHON
 
-from gpukilld import busio
+from gpukilld.bus import writer as busio
 
 FLOOD = """
 import asyncio, json, sys

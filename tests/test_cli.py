@@ -9,8 +9,8 @@ import yaml
 from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO, ROOT
 
-from gpukillctl.client import DEVICE_KEYS, PROCESS_KEYS
-from gpukilld import audit
+from gpukillctl.client.dbus import DEVICE_KEYS, PROCESS_KEYS
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 

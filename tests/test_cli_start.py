@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukillctl import cli
+from gpukillctl.cli import main as cli
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,7 @@ def test_help_width_is_argparses(monkeypatch, columns):
 
 def test_the_list_path_imports_no_shutil():
     # shutil comes with bz2, lzma and zlib: ~1.5 ms of a ~45 ms `gpukillctl list --json`
-    probe = ("import sys; import gpukillctl.cli as c; "
+    probe = ("import sys; import gpukillctl.cli.main as c; "
              "c.build_parser(full=False, only='list').parse_args(['list', '--json']); print('shutil' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout
@@ -59,7 +59,7 @@ def test_help_is_the_same_as_argparses_own(argv):
     env = {"COLUMNS": "70", "PATH": "/usr/bin:/bin"}
     ours = subprocess.run([sys.executable, "-m", "gpukillctl", *argv], cwd=REPO, capture_output=True, text=True,
                           env=env)
-    plain = ("import argparse, sys; from gpukillctl import cli; "
+    plain = ("import argparse, sys; from gpukillctl.cli import main as cli; "
              "argparse.ArgumentParser._get_formatter = lambda self: self.formatter_class(prog=self.prog); "
              f"cli.Parser._get_formatter = argparse.ArgumentParser._get_formatter; cli.main({argv!r})")
     theirs = subprocess.run([sys.executable, "-c", plain], cwd=REPO, capture_output=True, text=True, env=env)

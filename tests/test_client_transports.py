@@ -16,10 +16,10 @@ from jeepney.io.blocking import open_dbus_connection
 
 from gpukill import errors, listing
 from gpukill.records import Process, from_plain
-from gpukillctl import client_api
-from gpukillctl.blocking_client import BlockingClient, finish
-from gpukillctl.client import GpukillClient
-from gpukillctl.client_api import Var
+from gpukillctl.client import api as client_api
+from gpukillctl.client.api import Var
+from gpukillctl.client.blocking import BlockingClient, finish
+from gpukillctl.client.dbus import GpukillClient
 
 pytestmark = needs_root
 

@@ -4,8 +4,8 @@ For every registered type, from its declaration alone: the parser takes it in ea
 role declared) and refuses it in the others with its "needs" message at FILE:LINE:COL; it takes exactly the
 operators declared; the engine compiles and evaluates it in each scope, writes its value in reasons with the
 type's printer (or, without one, never the text it matched), and picks victims in the order the types imply;
-the README's condition table lists exactly the registered types; and neither the parser nor the engine spells
-a type's name.
+docs/guard.md's condition table lists exactly the registered types; and neither the parser nor the engine
+spells a type's name.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def test_a_declaration_is_complete(type_name: str) -> None:
 
 
 def test_the_readme_condition_table_lists_exactly_the_registered_types() -> None:
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "guard.md").read_text()
     table = readme[readme.index("| condition `type` |"):]
     rows = table[:table.index("\n\n")].splitlines()[2:]
     documented = [name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])]

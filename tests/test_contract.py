@@ -11,8 +11,8 @@ import pytest
 from helpers.marks import needs_root
 from helpers.testbed import REPO, ROOT
 
-from gpukilld import audit
-from gpukilld.bouncer import METHOD_ACTIONS, READ_ONLY
+from gpukilld import journal as audit
+from gpukilld.access.bouncer import METHOD_ACTIONS, READ_ONLY
 
 XML = REPO / "dbus" / "org.gpukill1.xml"
 

@@ -13,11 +13,11 @@ import asyncio
 
 from dbus_fast import Message, MessageType
 
-from gpukilld import callrate
-from gpukilld.bouncer import Caller
-from gpukilld.bus import MAX_UNIDENTIFIED, MAX_UNIDENTIFIED_TOTAL, Door
+from gpukilld.access import callrate
+from gpukilld.access.bouncer import Caller
+from gpukilld.access.people import People
+from gpukilld.bus.door import MAX_UNIDENTIFIED, MAX_UNIDENTIFIED_TOTAL, Door
 from gpukilld.names import MANAGER_INTERFACE, OBJECT_PATH
-from gpukilld.people import People
 
 UID = 1002
 

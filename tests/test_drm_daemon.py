@@ -17,7 +17,7 @@ from helpers.nvml_host import fake_nvidia_host
 from helpers.procs import pid_alive, spawn
 from helpers.testbed import ROOT
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 GiB, MiB = 1 << 30, 1 << 20
 

@@ -25,8 +25,8 @@ from gpukill.records import (
     signal_record,
     specs,
 )
-from gpukillctl.client import GpukillClient
-from gpukillctl.monitor import ENVELOPE_KEYS
+from gpukillctl.client.dbus import GpukillClient
+from gpukillctl.top.monitor import ENVELOPE_KEYS
 
 SAMPLE_INTERVAL = "0.2"
 PROBE_DEVICE = 2  # the simulated MI210: resets succeed, and no test here puts a process on it
@@ -67,12 +67,13 @@ def test_signal_record_takes_only_what_fits_the_declaration():
 
 
 def test_monitor_json_keys_are_documented_and_do_not_collide():
-    """README's list of `monitor --json` keys is the XML's, in order; no argument shadows an envelope key."""
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Watching signals"):]
+    """The `monitor --json` keys docs/using.md lists are the XML's, in order; no argument shadows an envelope
+    key."""
+    readme = (REPO / "docs" / "using.md").read_text()
+    section = readme[readme.index("## Watching signals"):]
     for (_, member), args in xml_signals().items():
         documented = re.search(rf"^\s*- `{member}`: (.*)$", section, re.M)
-        assert documented, f"{member} is not in README's monitor section"
+        assert documented, f"{member} is not in docs/using.md's monitor section"
         assert re.findall(r"`(\w+)`", documented.group(1).split(" — ")[0]) == [name for name, _ in args]
         assert not {name for name, _ in args} & set(ENVELOPE_KEYS)
     details = re.search(r"nested: (.*?)\n\s+- `GuardActionTaken`", section, re.S).group(1)

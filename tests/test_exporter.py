@@ -30,7 +30,7 @@ prometheus_client = pytest.importorskip("prometheus_client", reason="the `export
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from gpukill.records import BackendStatus, Device, Process  # noqa: E402
-from gpukillctl.exporter_metrics import Reading, families  # noqa: E402
+from gpukillctl.exporter.metrics import Reading, families  # noqa: E402
 
 GIB = 1 << 30
 DEPLOY = REPO / "deploy" / "prometheus"
@@ -301,7 +301,7 @@ def _idle_connection(url: str, head: bytes = b"GET /metrics HTTP/1.1\r\nHost: x\
 
 @needs_root
 def test_slow_connections_get_no_thread_each_and_are_closed_at_the_deadline(exporter_process):
-    from gpukillctl.exporter_http import HEAD_DEADLINE, MAX_CONNECTIONS, RENDER_THREADS
+    from gpukillctl.exporter.http import HEAD_DEADLINE, MAX_CONNECTIONS, RENDER_THREADS
 
     url, proc = exporter_process
     assert _get(url)
@@ -357,7 +357,7 @@ def test_http_formats_and_methods(exporter):
 
 def test_concurrent_scrapes_share_one_read_and_a_reading_serves_one_interval():
     """DaemonReader's cache alone, with a clock of the test's and a daemon that answers slowly."""
-    from gpukillctl.exporter import DaemonReader
+    from gpukillctl.exporter.main import DaemonReader
 
     now = [0.0]
 

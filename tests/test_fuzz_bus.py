@@ -95,7 +95,7 @@ assert len(MEMBER_IFACE) == len(METHODS)
 
 def _privileged() -> set[str]:
     """Members that need a polkit action (the bouncer's table): an unprivileged user must never succeed."""
-    from gpukilld.bouncer import METHOD_ACTIONS
+    from gpukilld.access.bouncer import METHOD_ACTIONS
 
     return {member for (_, member), action in METHOD_ACTIONS.items() if action}
 
@@ -124,7 +124,7 @@ def _documented_errors() -> dict[str, str]:
 
 
 # Standard errors, with where each comes from (dbus-fast 5.2: message_bus.py, _find_message_handler and
-# _default_properties_handler; gpukilld/bus.py: Door; dbus-daemon: the bus policy of dbus/org.gpukill1.conf).
+# _default_properties_handler; gpukilld/bus/door.py: Door; dbus-daemon: the bus policy of dbus/org.gpukill1.conf).
 STANDARD_ERRORS = {
     FDO + "AccessDenied":
         "Door: a member of our interfaces (or, without an interface, a member) the bouncer's table does not "

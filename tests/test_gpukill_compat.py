@@ -34,8 +34,9 @@ from gpukill.records import (
     Process,
     ResetReply,
 )
-from gpukillctl import cli, compat
-from gpukillctl.client import ERRORS, DaemonUnavailable, unwrap
+from gpukillctl.cli import compat
+from gpukillctl.cli import main as cli
+from gpukillctl.client.dbus import ERRORS, DaemonUnavailable, unwrap
 
 POLICY = REPO / "examples" / "guard.yaml"
 POLICY_PATH = os.path.abspath(POLICY)
@@ -592,7 +593,7 @@ def test_version_is_the_packages(capsys):
         compat.main(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out == f"gpukill {importlib.metadata.version('gpukill')}\n"
-    r = subprocess.run([PYTHON, "-m", "gpukillctl.compat", "--version"], capture_output=True, text=True,
+    r = subprocess.run([PYTHON, "-m", "gpukillctl.cli.compat", "--version"], capture_output=True, text=True,
                        timeout=30, cwd=REPO)
     assert (r.returncode, r.stdout, r.stderr) == (0, f"gpukill {importlib.metadata.version('gpukill')}\n", "")
 
@@ -643,16 +644,13 @@ def test_every_option_has_a_help_text():
 # -- end to end: the real daemon on the test bed, gpukill run as the users -------------------------------------
 
 
-def gpukill(bed, user, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return bed.run_as(user, [PYTHON, "-m", "gpukillctl.compat", *args], timeout=timeout)
-
 
 @needs_root
 def test_kill_by_pid(victims, users, alive):
     bed, owner = victims, users["owner"]
     victim = bed.victim(owner, gpu=0, comm="compatpid")
     bed.wait_listed(victim.pid, comm="compatpid")
-    r = gpukill(bed, owner, "--kill", "--pid", str(victim.pid))
+    r = bed.gpukill(owner, "--kill", "--pid", str(victim.pid))
     assert r.returncode == 0, r
     assert r.stdout == f"PID {victim.pid} (compatpid) terminated\n"
     assert not alive(victim.pid)
@@ -665,10 +663,10 @@ def test_filter_batch_kills_every_match_and_nothing_else(victims, users, alive):
     bystander = bed.victim(owner, gpu=0, comm="batchmenot")
     for v, comm in [(matches[0], "batchme"), (matches[1], "batchme"), (bystander, "batchmenot")]:
         bed.wait_listed(v.pid, comm=comm)
-    preview = gpukill(bed, owner, "--kill", "--filter", "^batchme$")
+    preview = bed.gpukill(owner, "--kill", "--filter", "^batchme$")
     assert preview.returncode == 0 and all(str(v.pid) in preview.stdout for v in matches), preview
     assert all(alive(v.pid) for v in matches)
-    r = gpukill(bed, owner, "--kill", "--filter", "^batchme$", "--batch")
+    r = bed.gpukill(owner, "--kill", "--filter", "^batchme$", "--batch")
     assert r.returncode == 0, r
     assert f"2 process(es) match '^batchme$': {matches[0].pid} (batchme), {matches[1].pid} (batchme)" in r.stdout
     assert not any(alive(v.pid) for v in matches)
@@ -682,10 +680,10 @@ def test_dry_run_signals_nothing_and_names_the_process(victims, users, alive):
     batch = [bed.victim(owner, gpu=0, comm="dryrunme"), bed.victim(owner, gpu=1, comm="dryrunme")]
     for v, comm in [(one, "dryrunpid"), (batch[0], "dryrunme"), (batch[1], "dryrunme")]:
         bed.wait_listed(v.pid, comm=comm)
-    r = gpukill(bed, owner, "--kill", "--pid", str(one.pid), "--dry-run")
+    r = bed.gpukill(owner, "--kill", "--pid", str(one.pid), "--dry-run")
     assert r.returncode == 0, r
     assert r.stdout.startswith(f"would kill PID {one.pid} (dryrunpid), start time ") and alive(one.pid)
-    r = gpukill(bed, owner, "--kill", "--filter", "^dryrunme$", "--batch", "--safe", "--force")
+    r = bed.gpukill(owner, "--kill", "--filter", "^dryrunme$", "--batch", "--safe", "--force")
     assert r.returncode == 0, r
     assert all(f"would kill PID {v.pid} (dryrunme)" in r.stdout for v in batch), r
     assert r.stderr == "gpukill: dry run: nothing was killed (polkit decides at the kill)\n"
@@ -699,10 +697,10 @@ def test_kill_by_gpu_kills_what_is_on_it_and_nothing_else(victims, users, alive)
     elsewhere = bed.victim(owner, gpu=2, comm="ongpu2")
     for v, comm in [(on_it, "ongpu3"), (elsewhere, "ongpu2")]:
         bed.wait_listed(v.pid, comm=comm)
-    preview = gpukill(bed, owner, "--kill", "--gpu", "3")
+    preview = bed.gpukill(owner, "--kill", "--gpu", "3")
     assert preview.returncode == 0 and str(on_it.pid) in preview.stdout, preview
     assert "nothing was killed: add --batch" in preview.stderr and alive(on_it.pid)
-    r = gpukill(bed, owner, "--kill", "--gpu", "3", "--batch")
+    r = bed.gpukill(owner, "--kill", "--gpu", "3", "--batch")
     assert r.returncode == 0, r
     assert f"1 process(es) on GPU 3: {on_it.pid} (ongpu3)" in r.stdout
     assert not alive(on_it.pid)
@@ -714,9 +712,9 @@ def test_reset_gpu_with_force_kills_the_holder_first(victims, users, alive):
     bed = victims
     holder = bed.victim(users["owner"], gpu=1, ignore_term=True, comm="holder")
     bed.wait_listed(holder.pid, comm="holder")
-    busy = gpukill(bed, ROOT, "--reset", "--gpu", "1")
+    busy = bed.gpukill(ROOT, "--reset", "--gpu", "1")
     assert busy.returncode == 8 and busy.stderr.startswith("gpukill: ") and alive(holder.pid), busy
-    r = gpukill(bed, ROOT, "--reset", "--gpu", "1", "--force")
+    r = bed.gpukill(ROOT, "--reset", "--gpu", "1", "--force")
     assert r.returncode == 0, r
     assert f"killed first: {holder.pid}" in r.stdout
     assert not alive(holder.pid)
@@ -727,7 +725,7 @@ def test_list_json_is_gpukillctls(victims, users):
     bed, other = victims, users["other"]
     victim = bed.victim(users["owner"], gpu=2, mem="700MiB", comm="compatjson")
     bed.wait_listed(victim.pid, comm="compatjson")
-    ours = gpukill(bed, other, "--list", "--output", "json")
+    ours = bed.gpukill(other, "--list", "--output", "json")
     assert ours.returncode == 0, ours
     assert json.loads(ours.stdout) == bed.listing(other)
 
@@ -735,7 +733,7 @@ def test_list_json_is_gpukillctls(victims, users):
 @needs_root
 def test_watch_refreshes_until_ctrl_c(bed, users):
     other = users["other"]
-    watcher = subprocess.Popen([PYTHON, "-m", "gpukillctl.compat", "--list", "--watch", "--output", "json"],
+    watcher = subprocess.Popen([PYTHON, "-m", "gpukillctl.cli.compat", "--list", "--watch", "--output", "json"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bed.env(), cwd="/",
                                **other.popen_kwargs())
     try:
@@ -754,7 +752,7 @@ def test_watch_refreshes_until_ctrl_c(bed, users):
 @needs_root
 def test_refusal_from_the_command_line(bed, users):
     """As the admin types it: one line, exit 2, the gpukillctl command named; nothing reaches the daemon."""
-    r = gpukill(bed, users["other"], "--kill", "--reset", "--pid", "1")
+    r = bed.gpukill(users["other"], "--kill", "--reset", "--pid", "1")
     assert (r.returncode, r.stdout) == (2, ""), r
     assert r.stderr == ("gpukill: --kill and --reset together: one operation at a time; "
                         "instead: gpukillctl kill PID; gpukillctl reset GPU\n")
@@ -763,9 +761,9 @@ def test_refusal_from_the_command_line(bed, users):
 def test_console_script_is_declared():
     """pyproject's `gpukill` runs this module's main (the .deb and .rpm ship packaging/bin/gpukill, the same)."""
     text = (REPO / "pyproject.toml").read_text()
-    assert 'gpukill = "gpukillctl.compat:main"' in text
+    assert 'gpukill = "gpukillctl.cli.compat:main"' in text
     wrapper = (REPO / "packaging" / "bin" / "gpukill").read_text()
-    assert "from gpukillctl.compat import main" in wrapper
+    assert "from gpukillctl.cli.compat import main" in wrapper
     script = Path(PYTHON).parent / "gpukill"
     if script.exists():  # installed by `pip install -e .` (make test)
         r = subprocess.run([str(script), "--audit"], capture_output=True, text=True, timeout=30)

@@ -35,9 +35,10 @@ from test_gpukill_compat import (
 )
 
 from gpukill.records import Device
-from gpukillctl import cli, compat
-from gpukillctl.exits import EXIT_NOT_SUPPORTED, EXIT_OK, EXIT_USAGE
-from gpukilld import audit
+from gpukillctl.cli import compat
+from gpukillctl.cli import main as cli
+from gpukillctl.client.exits import EXIT_NOT_SUPPORTED, EXIT_OK, EXIT_USAGE
+from gpukilld import journal as audit
 
 DATA = REPO / "tests" / "data" / "gpu-kill"
 SHELL = (">", ">>", "|")
@@ -339,9 +340,9 @@ def test_the_readme_says_the_counts(in_tmp, capsys):
         print(f"\ngpu-kill's {len(FLAGS)} flags: {flags['works']} work, {flags['refused']} refused with a pointer; "
               f"its {len(EXAMPLES)} examples: {examples['works']} work, {examples['refused']} refused with the "
               "equivalent")
-    readme = " ".join((REPO / "README.md").read_text().split())  # the sentence may wrap
+    readme = " ".join((REPO / "docs" / "using.md").read_text().split())  # the sentence may wrap
     m = README_COUNTS.search(readme)
-    assert m, "README's gpukill section does not say the counts"
+    assert m, "docs/using.md's gpukill section does not say the counts"
     assert tuple(map(int, m.groups())) == (len(FLAGS), flags["works"], flags["refused"], len(EXAMPLES),
                                            examples["works"], examples["refused"])
     man = " ".join((REPO / "man" / "gpukill.1").read_text().split())
@@ -362,16 +363,13 @@ def test_vendor_shows_that_vendors_gpus_and_their_processes_only(capsys):
 # -- end to end: the real daemon on the test bed ----------------------------------------------------------------
 
 
-def gpukill(bed, user, *args: str, timeout: float = 60):
-    return bed.run_as(user, [PYTHON, "-m", "gpukillctl.compat", *args], timeout=timeout)
-
 
 @needs_root
 def test_shorthand_pid_kills_it(victims, users, alive):
     bed, owner = victims, users["owner"]
     victim = bed.victim(owner, gpu=0, comm="shorthand")
     bed.wait_listed(victim.pid, comm="shorthand")
-    r = gpukill(bed, owner, str(victim.pid))  # gpu-kill's cheat sheet: gpukill 12345
+    r = bed.gpukill(owner, str(victim.pid))  # gpu-kill's cheat sheet: gpukill 12345
     assert r.returncode == 0, r
     assert not alive(victim.pid)
 
@@ -383,7 +381,7 @@ def test_vendor_json_end_to_end(victims, users):
     elsewhere = bed.victim(users["owner"], gpu=0, comm="onnvidia")
     bed.wait_listed(on_amd.pid, comm="onamd")
     bed.wait_listed(elsewhere.pid, comm="onnvidia")
-    r = gpukill(bed, users["other"], "--list", "--vendor", "amd", "--output", "json")
+    r = bed.gpukill(users["other"], "--list", "--vendor", "amd", "--output", "json")
     assert r.returncode == 0, r
     doc = json.loads(r.stdout)
     assert doc["devices"] and all(d["vendor"] == "amd" for d in doc["devices"])
@@ -404,29 +402,29 @@ def test_user_policy_flags_end_to_end(bed, users, tmp_path):
     is in the journal, a user is refused by polkit, export then import round-trips."""
     add = ["--guard", "--guard-add-user", "gpkother", "--guard-memory-limit", "8.0", "--guard-utilization-limit",
            "70.0", "--guard-process-limit", "3"]
-    denied = gpukill(bed, users["other"], *add)
+    denied = bed.gpukill(users["other"], *add)
     assert denied.returncode == 4 and ("gpkother", "user") not in policies(bed), denied
     try:
-        r = gpukill(bed, ROOT, *add)
+        r = bed.gpukill(ROOT, *add)
         assert r.returncode == 0, r
         p = policies(bed)[("user", "gpkother")]
         assert (p["memory_limit"], p["utilization_limit"], p["process_limit"]) == (8 << 30, 70.0, 3)
         assert bed.wait_journal(MESSAGE_ID=audit.GUARD_MANAGED_POLICY.message_id, GPUKILL_POLICY_TARGET="gpkother")
-        exported = gpukill(bed, ROOT, "--guard", "--guard-export-config")
+        exported = bed.gpukill(ROOT, "--guard", "--guard-export-config")
         assert exported.returncode == 0 and "gpkother" in exported.stdout, exported
         saved = tmp_path / "guard_config.json"
         saved.write_text(exported.stdout)
         saved.chmod(0o644)
         tmp_path.chmod(0o755)
-        r = gpukill(bed, ROOT, "--guard", "--guard-remove-user", "gpkother")
+        r = bed.gpukill(ROOT, "--guard", "--guard-remove-user", "gpkother")
         assert r.returncode == 0 and ("user", "gpkother") not in policies(bed), r
-        r = gpukill(bed, ROOT, "--guard", "--guard-import-config", str(saved))
+        r = bed.gpukill(ROOT, "--guard", "--guard-import-config", str(saved))
         assert r.returncode == 0, r
         assert policies(bed)[("user", "gpkother")]["memory_limit"] == 8 << 30
-        again = gpukill(bed, ROOT, "--guard", "--guard-export-config")
+        again = bed.gpukill(ROOT, "--guard", "--guard-export-config")
         assert again.stdout == exported.stdout  # byte-equal
     finally:
-        gpukill(bed, ROOT, "--guard", "--guard-remove-user", "gpkother")
+        bed.gpukill(ROOT, "--guard", "--guard-remove-user", "gpkother")
 
 
 @needs_root
@@ -437,7 +435,7 @@ def test_toggle_dry_run_end_to_end(bed):
 
     before = dry_run()
     try:
-        r = gpukill(bed, ROOT, "--guard", "--guard-toggle-dry-run")
+        r = bed.gpukill(ROOT, "--guard", "--guard-toggle-dry-run")
         assert r.returncode == 0, r
         assert dry_run() is not before
         assert f"guard dry run {'off' if before else 'on'}" in r.stdout
@@ -456,16 +454,16 @@ def test_rogue_settings_flags_end_to_end(bed, users):
 
     before = settings()
     try:
-        r = gpukill(bed, ROOT, "--audit", "--rogue-whitelist-user", "gpkother", "--rogue-confidence-threshold", "0.5")
+        r = bed.gpukill(ROOT, "--audit", "--rogue-whitelist-user", "gpkother", "--rogue-confidence-threshold", "0.5")
         assert r.returncode == 0, r
         now = settings()
         assert "gpkother" in now["allowed_users"] and now["min_score"] == 50
         assert bed.wait_journal(MESSAGE_ID=audit.AUDIT_SETTINGS.message_id)
-        denied = gpukill(bed, users["other"], "--audit", "--rogue-unwhitelist-user", "gpkother")
+        denied = bed.gpukill(users["other"], "--audit", "--rogue-unwhitelist-user", "gpkother")
         assert denied.returncode == 4 and "gpkother" in settings()["allowed_users"], denied
-        r = gpukill(bed, ROOT, "--audit", "--rogue-unwhitelist-user", "gpkother")
+        r = bed.gpukill(ROOT, "--audit", "--rogue-unwhitelist-user", "gpkother")
         assert r.returncode == 0 and "gpkother" not in settings()["allowed_users"], r
-        r = gpukill(bed, users["other"], "--audit", "--rogue", "--rogue-confidence-threshold", "0.99", "--output",
+        r = bed.gpukill(users["other"], "--audit", "--rogue", "--rogue-confidence-threshold", "0.99", "--output",
                     "json")
         assert r.returncode == 0 and all(f["score"] >= 99 for f in json.loads(r.stdout)["findings"]), r
     finally:
@@ -476,16 +474,7 @@ def test_rogue_settings_flags_end_to_end(bed, users):
 @pytest.fixture(scope="module")
 def sshd_server(users):
     """A private sshd on loopback (helpers/sshd.py) for --remote, as tests/test_remote.py has for -H."""
-    reason = sshd.missing()
-    if reason:
-        pytest.skip(reason)
-    server = sshd.Sshd([users["owner"].name])
-    try:
-        with sshd.login_allowed(users["owner"].name, "/bin/sh"):
-            server.start()
-            yield server
-    finally:
-        server.stop()
+    yield from sshd.serving(users["owner"].name)
 
 
 @needs_root
@@ -498,10 +487,10 @@ def test_remote_with_ssh_user_and_port_end_to_end(victims, users, sshd_server, a
     env = {**sshd_server.client_env(), "GPUKILL_REMOTE_BUS": bed.bus_address,
            "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent/system_bus_socket"}
     remote = ["--remote", "localhost", "--ssh-user", owner.name, "--ssh-port", str(sshd_server.port)]
-    r = bed.run_as(ROOT, [PYTHON, "-m", "gpukillctl.compat", *remote, "--list", "--output", "json"], env=env)
+    r = bed.run_as(ROOT, [PYTHON, "-m", "gpukillctl.cli.compat", *remote, "--list", "--output", "json"], env=env)
     assert r.returncode == 0, (r.stderr, sshd_server.log())
     assert victim.pid in [p["pid"] for p in json.loads(r.stdout)["processes"]]
-    r = bed.run_as(ROOT, [PYTHON, "-m", "gpukillctl.compat", *remote, "--kill", "--pid", str(victim.pid)], env=env)
+    r = bed.run_as(ROOT, [PYTHON, "-m", "gpukillctl.cli.compat", *remote, "--kill", "--pid", str(victim.pid)], env=env)
     assert r.returncode == 0, (r.stderr, sshd_server.log())
     assert victim.wait(10) is not None and not alive(victim.pid)
     entry = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
@@ -517,7 +506,7 @@ def test_server_port_serves_the_rest_api_end_to_end(bed, users):
     runtime = http_server.runtime_dir(bed, owner)
     log = bed.workdir / f"gpukill-server-{port}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([PYTHON, "-m", "gpukillctl.compat", "--server", "--server-port", str(port)],
+        proc = subprocess.Popen([PYTHON, "-m", "gpukillctl.cli.compat", "--server", "--server-port", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd="/",
                                 env=bed.env(XDG_RUNTIME_DIR=str(runtime)), start_new_session=True,
                                 **owner.popen_kwargs())

@@ -25,7 +25,7 @@ from helpers.sinks import Blackhole, Hooks, free_port, smtp_relay  # noqa: E402
 from helpers.testbed import REPO, ROOT, Testbed  # noqa: E402
 from helpers.waiting import wait_until  # noqa: E402
 
-from gpukilld import audit  # noqa: E402
+from gpukilld import journal as audit  # noqa: E402
 
 pytestmark = needs_root
 

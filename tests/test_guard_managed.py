@@ -31,7 +31,7 @@ from helpers.waiting import wait_until
 from gpukill import errors, managed_policy
 from gpukill.managed_policy import ManagedPolicy
 from gpukill.policy import MAX_POLICY_BYTES
-from gpukilld import audit
+from gpukilld import journal as audit
 from gpukilld.guard.managed import MAX_SETTINGS, ManagedPolicies
 from gpukilld.guard.notify import NotifyConfig
 from gpukilld.guard.runner import GuardRunner
@@ -444,7 +444,7 @@ def test_a_directory_that_fails_only_as_it_is_re_read_is_put_back_as_it_was(tmp_
 ASYNC_CLIENT = """
 import asyncio, json
 from gpukill import errors
-from gpukillctl.client import GpukillClient
+from gpukillctl.client.dbus import GpukillClient
 
 async def main():
     c = await GpukillClient.connect()

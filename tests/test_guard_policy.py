@@ -21,14 +21,16 @@ EXAMPLE = REPO / "examples" / "guard.yaml"
 
 
 def readme_guard_policy() -> str:
-    """The policy the README's Guard Mode section shows admins (its first yaml block)."""
-    section = (REPO / "README.md").read_text().split("\n## Guard Mode\n", 1)[1]
+    """The policy docs/guard.md (the Guard Mode page) shows admins (its first yaml block)."""
+    page = (REPO / "docs" / "guard.md").read_text()
+    assert page.startswith("# Guard Mode\n")
+    section = page.split("\n", 1)[1]
     return section.split("```yaml\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_readme_shows_the_issue_policy_the_tests_load():
     """issue5.yaml is issue 5's policy byte for byte ("The policy admins will paste first (must load as is)"):
-    the README must show that very text, so what admins copy is what this suite loads and runs."""
+    docs/guard.md must show that very text, so what admins copy is what this suite loads and runs."""
     assert readme_guard_policy() == ISSUE_POLICY.read_text()
 
 

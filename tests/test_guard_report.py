@@ -15,7 +15,7 @@ from gpukill.errors import GpukillError, NoSuchProcess, Protected
 from gpukill.outcome import SIGNALLED, Outcome, guard_initiator, result_text
 from gpukill.policy import load_texts
 from gpukill.records import RecentEvent, from_plain, to_plain
-from gpukilld import audit
+from gpukilld import journal as audit
 from gpukilld.guard import report
 from gpukilld.guard.engine import Clock, GraceCancelled, KillOrder, Target, Violation
 from gpukilld.guard.notify import NotifyConfig

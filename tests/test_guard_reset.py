@@ -16,7 +16,7 @@ from helpers.testbed import ROOT, Testbed
 from helpers.waiting import wait_until
 
 from gpukill.device_faults import xid_reason
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 

@@ -24,8 +24,9 @@ from helpers.procs import pid_alive
 from helpers.testbed import ROOT, SYSTEM_PYTHON, Testbed
 from helpers.waiting import wait_until
 
-from gpukilld import audit, callrate, polkit_queue, refusals
-from gpukilld.procfs import CUT_MARKER, MAX_CMDLINE
+from gpukilld import journal as audit
+from gpukilld.access import callrate, polkit_queue, refusals
+from gpukilld.proc.procfs import CUT_MARKER, MAX_CMDLINE
 
 pytestmark = needs_root
 
@@ -330,7 +331,7 @@ def test_a_polkit_check_that_times_out_is_cancelled(bed, users):
     from dbus_fast import BusType
     from dbus_fast.aio import MessageBus
 
-    from gpukilld.bouncer import KILL_ANY, Bouncer, Caller
+    from gpukilld.access.bouncer import KILL_ANY, Bouncer, Caller
 
     agent, name, events = start_hostile_agent(bed, users["other"])
 

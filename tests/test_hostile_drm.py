@@ -31,7 +31,7 @@ from helpers.marks import needs_root
 from helpers.procs import pid_alive, spawn
 from helpers.testbed import ROOT, Testbed, User
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 

@@ -16,7 +16,7 @@ import pytest
 from helpers.marks import needs_root
 from helpers.testbed import PYTHON, User
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 

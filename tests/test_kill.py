@@ -9,7 +9,7 @@ import time
 from helpers.marks import needs_root
 from helpers.testbed import SYSTEM_PYTHON, start_time_of
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 

@@ -18,9 +18,9 @@ from helpers.cgroups import SLEEPER, Cgroups, controller_root, enter, start_in, 
 from helpers.marks import needs_root
 from helpers.testbed import ROOT
 
-from gpukilld.attribution import parse_cgroup, trusts_environment
+from gpukilld.access.visibility import FULL, PROGRAM, Viewer, as_seen_by
 from gpukilld.model import Attribution, GpuProcess
-from gpukilld.visibility import FULL, PROGRAM, Viewer, as_seen_by
+from gpukilld.proc.attribution import parse_cgroup, trusts_environment
 
 ID = "4f1b6a0f3c2d" + "b" * 52
 POD = "1b2c3d4e-5f60-4718-8a9b-0c1d2e3f4a5b"

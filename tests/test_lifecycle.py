@@ -16,7 +16,7 @@ from helpers.marks import needs_root
 from helpers.procs import pid_alive
 from helpers.testbed import PYTHON, REPO, ROOT, Testbed
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 

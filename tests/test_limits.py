@@ -10,8 +10,8 @@ import pytest
 from gpukill.errors import InvalidArgs
 from gpukill.limits import MAX_GRACE
 from gpukill.policy import PolicyError, load_texts
-from gpukillctl.cli import seconds
-from gpukilld.killer import check_grace
+from gpukillctl.cli.main import seconds
+from gpukilld.acts.killer import check_grace
 
 JUST_PAST = MAX_GRACE + 0.5
 

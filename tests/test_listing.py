@@ -66,8 +66,8 @@ def test_an_unknown_format_is_one_line():
 
 
 def test_the_compact_reply_is_smaller_than_the_records():
-    from gpukilld.busio import marshal_body
-    from gpukilld.wire import to_dbus
+    from gpukilld.bus.wire import to_dbus
+    from gpukilld.bus.writer import marshal_body
     processes = [Process(pid=p, start_time=p, uid=1000, user="alice", comm="python3", cmdline="python3 t.py",
                          exe="/usr/bin/python3", device=p % 8, device_id=f"GPU-{p % 8}", gpu_memory=1 << 30,
                          gpu_utilization=2.0, unit="session-1.scope") for p in range(256)]
@@ -150,7 +150,7 @@ def test_snapshot_changed_when_a_process_comes_and_goes_and_only_then(victims, u
 @needs_root
 def test_snapshot_changed_is_a_typed_event(bed, users):
     """GpukillClient.events() yields it as gpukill.records.SnapshotChanged."""
-    code = ("import asyncio\nfrom gpukillctl.client import GpukillClient\n"
+    code = ("import asyncio\nfrom gpukillctl.client.dbus import GpukillClient\n"
             "async def main():\n"
             "    c = await GpukillClient.connect()\n"
             "    async for e in c.events():\n"

@@ -165,7 +165,7 @@ def test_each_option_is_in_the_man_page(item):
 
 
 def test_exit_codes_are_the_same_in_help_the_man_page_and_the_cli():
-    from gpukillctl import exits
+    from gpukillctl.client import exits
 
     man = sections((MAN / "gpukillctl.1").read_text())
     codes = {int(line.split()[0]) for line in exits.EXIT_CODES_HELP.splitlines()
@@ -177,7 +177,7 @@ def test_exit_codes_are_the_same_in_help_the_man_page_and_the_cli():
 
 
 def test_every_json_key_of_list_is_in_the_man_page():
-    from gpukillctl.client import DEVICE_KEYS, PROCESS_KEYS
+    from gpukillctl.client.dbus import DEVICE_KEYS, PROCESS_KEYS
 
     json_section = sections(source(MAN / "gpukillctl.1"))["JSON OUTPUT"]
     documented = {tag[0]: set(text) for tag, text in entries(json_section)}
@@ -203,7 +203,7 @@ def test_help_points_to_man_pages_never_to_the_readme(prog):
 
 
 def test_gpukillctl_help_points_to_the_policy_page():
-    from gpukillctl import cli
+    from gpukillctl.cli import main as cli
 
     guard = dict(commands(cli.build_parser()))[("guard",)]
     assert "man gpukill-policy" in guard.format_help()

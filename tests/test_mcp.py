@@ -28,7 +28,7 @@ from helpers.mcp_scenario import (
 )
 from helpers.testbed import PYTHON, REPO, Testbed, User, start_time_of
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 mcp_client = pytest.importorskip("mcp.client.client", reason="the mcp SDK is not installed: pip install '.[serve]'")
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
@@ -101,7 +101,7 @@ def test_tools_declare_hints_and_output_schemas(bed, users):
 def test_descriptions_say_what_polkit_decides():
     """Every tool's description names the polkit action the daemon asks for (or says it needs none), and every
     action named is one of polkit/org.gpukill.policy."""
-    from gpukillctl.mcp_server import build_mcp
+    from gpukillctl.serve.mcp import build_mcp
 
     tools = asyncio.run(build_mcp(None).list_tools())  # type: ignore[arg-type]  (nothing is called)
     actions = set(re.findall(r'<action id="([^"]+)"', POLKIT_POLICY.read_text()))
@@ -186,7 +186,7 @@ def test_daemon_unreachable_is_a_tool_error(bed, users):
 
 
 def test_without_the_sdk_it_says_what_to_install():
-    code = "import sys; sys.modules['mcp'] = None\nfrom gpukillctl.cli import main\nsys.exit(main(['mcp']))"
+    code = "import sys; sys.modules['mcp'] = None\nfrom gpukillctl.cli.main import main\nsys.exit(main(['mcp']))"
     r = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL)
     assert r.returncode == 1 and r.stdout == ""

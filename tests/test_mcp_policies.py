@@ -17,7 +17,7 @@ from helpers.mcp_scenario import (
 )
 from helpers.testbed import OTHER
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytest.importorskip("mcp.client.client", reason="the mcp SDK is not installed: pip install '.[serve]'")
 

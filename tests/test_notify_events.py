@@ -1,12 +1,12 @@
-"""The notification agent's decisions without a bus (gpukillctl/notify_events.py, notify_gate.py): whom an
+"""The notification agent's decisions without a bus (gpukillctl/notify/events.py, gate.py): whom an
 event concerns, a grace that ends in a cancellation, folding, and the gate's burst and summary."""
 
 from __future__ import annotations
 
 from gpukill.records import GuardActionTaken, Notification, PolicyViolated, ProcessKilled, ViolationDetails
-from gpukillctl.desktop import body_text
-from gpukillctl.notify_events import CLAIM_WAIT, CRITICAL, NORMAL, Audience, Narrator, Step
-from gpukillctl.notify_gate import Gate, Toast
+from gpukillctl.notify.desktop import body_text
+from gpukillctl.notify.events import CLAIM_WAIT, CRITICAL, NORMAL, Audience, Narrator, Step
+from gpukillctl.notify.gate import Gate, Toast
 
 ME, THEM = 1001, 1002
 WALL = 1.7e9

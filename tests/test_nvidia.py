@@ -15,7 +15,7 @@ from helpers.nvml_host import fake_nvidia_host, mig_instance
 from helpers.testbed import ROOT
 from helpers.waiting import wait_until
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 

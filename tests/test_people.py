@@ -22,14 +22,14 @@ from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO
 
 from gpukill.errors import TooBusy
-from gpukilld import callrate, people
-from gpukilld.bouncer import Caller
-from gpukilld.bus import Door
+from gpukilld.access import callrate, people
+from gpukilld.access.bouncer import Caller
+from gpukilld.access.people import People, parse_subuid
+from gpukilld.bus.door import Door
 from gpukilld.guard import sandbox
 from gpukilld.guard.conditions import Protection
 from gpukilld.model import Snapshot
 from gpukilld.names import MANAGER_INTERFACE, OBJECT_PATH
-from gpukilld.people import People, parse_subuid
 
 OWNERS = {"alice": 1001, "bob": 1002}
 SUBUID = "alice:100000:65536\nbob:165536:65536\n"
@@ -194,9 +194,9 @@ class Journal:
 def test_refusals_of_subordinate_uids_are_folded_as_their_owners(tmp_path):
     """Before: each uid had a window of its own, so 1,000 subordinate uids refused once each made 1,000 journal
     entries in a window (200 one by one, then one folded entry per uid)."""
-    from gpukilld import audit
-    from gpukilld.bouncer import KILL_METHOD, Bouncer, Request
-    from gpukilld.refusals import WINDOW, RefusalLog
+    from gpukilld import journal as audit
+    from gpukilld.access.bouncer import KILL_METHOD, Bouncer, Request
+    from gpukilld.access.refusals import WINDOW, RefusalLog
 
     class NoPolkit(Bouncer):
         async def _check(self, caller, action, details, left=None):

@@ -14,7 +14,7 @@ import yaml
 from helpers.marks import needs_root
 from helpers.testbed import REPO, ROOT, DaemonProcess, NotifyListener, Testbed
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 

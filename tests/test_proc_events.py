@@ -1,4 +1,4 @@
-"""What a process becomes is seen at once (issue 19): the kernel's proc connector (gpukilld/proc_events.py) tells
+"""What a process becomes is seen at once (issue 19): the kernel's proc connector (gpukilld/sampling/proc_events.py) tells
 the sampler of an exec, a rename (prctl PR_SET_NAME) or a new uid, and the process is read again in the next
 sample, however old it is. Where the connector is unavailable (GPUKILLD_PROC_EVENTS=off, a network namespace
 of its own, a PID namespace of its own) the daemon polls as before and `gpukillctl status` says so.
@@ -27,13 +27,13 @@ from helpers.testbed import REPO, ROOT, SYSTEM_PYTHON, Testbed
 from helpers.waiting import wait_until
 
 from gpukill.records import SamplingStatus, specs
-from gpukilld import proc_events
-from gpukilld import sampler as sampler_module
 from gpukilld.backends import Backend, BackendSample
 from gpukilld.model import BackendStatus, DeviceReading, ProcessUsage
-from gpukilld.proc_events import ProcEvents
-from gpukilld.procfs import ProcFS
-from gpukilld.sampler import Sampler
+from gpukilld.proc.procfs import ProcFS
+from gpukilld.sampling import proc_events
+from gpukilld.sampling import sampler as sampler_module
+from gpukilld.sampling.proc_events import ProcEvents
+from gpukilld.sampling.sampler import Sampler
 
 pytestmark = needs_root
 
@@ -113,7 +113,7 @@ def test_the_reader_is_told_of_a_rename_and_an_exec_as_they_happen():
 
 
 def _open_in(*unshare: str) -> tuple[bool, str]:
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from gpukilld.proc_events import ProcEvents; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from gpukilld.sampling.proc_events import ProcEvents; "
             "e = ProcEvents(); print(e.open(), e.reason, sep='|')")
     r = subprocess.run(["unshare", *unshare, "--", sys.executable, "-c", code, str(REPO)], capture_output=True,
                        text=True, timeout=60)

@@ -28,13 +28,20 @@ from gpukill.records import (
     specs,
     to_plain,
 )
-from gpukillctl import exits
-from gpukillctl.client import DEVICE_KEYS, PROCESS_KEYS, ClientError, DaemonUnavailable, error_for, unwrap
-from gpukilld import sampler
+from gpukillctl.client import exits
+from gpukillctl.client.dbus import (
+    DEVICE_KEYS,
+    PROCESS_KEYS,
+    ClientError,
+    DaemonUnavailable,
+    error_for,
+    unwrap,
+)
+from gpukilld.bus.wire import to_dbus
 from gpukilld.guard.sandbox import snapshot_from_json, snapshot_to_json
 from gpukilld.model import ATTRIBUTED, DeviceReading, GpuProcess, ProcessUsage, Snapshot, numbered
-from gpukilld.procfs import ProcInfo
-from gpukilld.wire import to_dbus
+from gpukilld.proc.procfs import ProcInfo
+from gpukilld.sampling import sampler
 
 SCALARS = {"u": 7, "t": 1 << 40, "d": 1.5, "b": True, "as": ("a", "b"), "au": (1, 2)}
 # Every record a client meets, with the bus method whose comment in dbus/org.gpukill1.xml lists its keys.
@@ -171,8 +178,8 @@ def test_every_field_is_documented_in_the_interface(cls):
 
 
 def test_every_listed_key_is_documented_in_the_readme_json_section():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### JSON (`gpukillctl list --json`)"):]
+    readme = (REPO / "docs" / "using.md").read_text()
+    section = readme[readme.index("## JSON (`gpukillctl list --json`)"):]
     section = section[:section.index("\n## ")]
     missing = [key for key in DEVICE_KEYS + PROCESS_KEYS if f"`{key}`" not in section]
     assert not missing, missing

@@ -13,25 +13,17 @@ import pytest
 from helpers import sshd
 from helpers.testbed import PYTHON, REPO
 
-from gpukillctl import cli, exits
-from gpukillctl.remote import Host, bridge_command
-from gpukilld import audit
+from gpukillctl.cli import main as cli
+from gpukillctl.client import exits
+from gpukillctl.client.remote import Host, bridge_command
+from gpukilld import journal as audit
 
 NO_LOCAL_BUS = "unix:path=/nonexistent/system_bus_socket"  # so nothing can reach the bed but through ssh
 
 
 @pytest.fixture(scope="module")
 def server(users):
-    reason = sshd.missing()
-    if reason:
-        pytest.skip(reason)
-    server = sshd.Sshd([users["owner"].name])
-    try:
-        with sshd.login_allowed(users["owner"].name, "/bin/sh"):
-            server.start()
-            yield server
-    finally:
-        server.stop()
+    yield from sshd.serving(users["owner"].name)
 
 
 def remote_ctl(bed, server, user, host: str, *args: str):
@@ -153,9 +145,9 @@ def test_commands_that_run_here_refuse_a_host(command, capsys):
 
 @pytest.mark.skipif(shutil.which("jq") is None, reason="jq is not installed (apt install jq)")
 def test_the_readmes_many_hosts_example_runs_no_host_name_as_code(tmp_path):
-    """The README's `xargs ... sh -c` fan-out, run as written, with a gpukillctl that prints an empty listing and
-    host names that a shell would run if they were part of its script."""
-    readme = (REPO / "README.md").read_text()
+    """The `xargs ... sh -c` fan-out of docs/using.md, run as written, with a gpukillctl that prints an empty
+    listing and host names that a shell would run if they were part of its script."""
+    readme = (REPO / "docs" / "using.md").read_text()
     start = readme.index("```sh\nprintf '%s\\n' node01 node02 node03 | xargs")
     block = readme[start + len("```sh\n"):readme.index("```", start + 3)]
     fan_out = block[:block.index("> fleet.jsonl") + len("> fleet.jsonl")]

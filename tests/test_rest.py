@@ -25,7 +25,7 @@ from helpers.testbed import PYTHON, REPO, SYSTEM_PYTHON, Testbed  # noqa: E402
 from helpers.waiting import wait_until  # noqa: E402
 
 from gpukill.records import Device, Process, names  # noqa: E402
-from gpukilld import audit  # noqa: E402
+from gpukilld import journal as audit  # noqa: E402
 
 pytestmark = needs_root
 
@@ -247,10 +247,11 @@ def test_an_admins_server_resets_a_gpu(bed, users):
 
 
 def _readme_relay() -> str:
-    """The relay's code, as the README gives it (its section "An external monitor driving POST /v1/reset")."""
-    readme = (REPO / "README.md").read_text()
+    """The relay's code, as docs/interfaces.md gives it (its section "An external monitor driving POST
+    /v1/reset")."""
+    readme = (REPO / "docs" / "interfaces.md").read_text()
     found = re.search(r"```python\n(# gpu-reset-relay.*?)```", readme, re.S)
-    assert found, "the relay is not in the README"
+    assert found, "the relay is not in docs/interfaces.md"
     return found.group(1)
 
 
@@ -267,8 +268,8 @@ _AS_FD_3 = "import os, sys; os.dup2(int(sys.argv[1]), 3); os.execv(sys.executabl
 
 
 def test_the_readme_relay_resets_a_gpu(bed, users):
-    """The README's Alertmanager relay, run as the server's user on a listening socket passed as fd 3 (as its
-    socket unit does): no secret, 401 and nothing reset; Alertmanager's JSON with it, the GPU reset through
+    """The Alertmanager relay of docs/interfaces.md, run as the server's user on a listening socket passed as
+    fd 3 (as its socket unit does): no secret, 401 and nothing reset; Alertmanager's JSON with it, the GPU reset through
     the server's Unix socket, in the journal under that user."""
     admin = users["admin"]
     s = Server(bed, admin).wait_ready()

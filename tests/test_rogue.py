@@ -1,7 +1,7 @@
-"""The rogue-activity audit without a daemon: each rule of the table (gpukilld/rogue.py) one by one, how scores
+"""The rogue-activity audit without a daemon: each rule of the table (gpukilld/rogue/score.py) one by one, how scores
 add up (families and their caps: no family alone reaches a kill), where installers put interpreters (not
-hidden), a deleted executable replaced by an upgrade (gpukilld/exe_replaced.py), what another user sees of a
-finding, the history behind windows (gpukilld/rogue_watch.py), TCP tables (gpukilld/sockets.py) and the [audit]
+hidden), a deleted executable replaced by an upgrade (gpukilld/rogue/exe_replaced.py), what another user sees of a
+finding, the history behind windows (gpukilld/rogue/watch.py), TCP tables (gpukilld/rogue/sockets.py) and the [audit]
 configuration. The real daemon: tests/test_rogue_daemon.py; the labelled corpus: tests/test_rogue_corpus.py."""
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from helpers.guard_inputs import GiB, proc
 
 from gpukill.errors import ConfigError
 from gpukill.records import Evidence, Finding
-from gpukilld import rogue, sock_diag, sockets
+from gpukilld.access.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
 from gpukilld.config import AuditSettings, load_config
-from gpukilld.exe_replaced import RECHECK, ExeLookups, exe_replaced, lookup_is_local
-from gpukilld.rogue import RULE_BY_NAME, RULES, ProcessFacts, UserFacts
-from gpukilld.rogue_watch import RogueWatch
-from gpukilld.sockets import Peer
-from gpukilld.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
+from gpukilld.rogue import score as rogue
+from gpukilld.rogue import sock_diag, sockets
+from gpukilld.rogue.exe_replaced import RECHECK, ExeLookups, exe_replaced, lookup_is_local
+from gpukilld.rogue.score import RULE_BY_NAME, RULES, ProcessFacts, UserFacts
+from gpukilld.rogue.sockets import Peer
+from gpukilld.rogue.watch import RogueWatch
 
 SETTINGS = AuditSettings(idle_after=60.0, idle_min_memory=1 << 20, abuser_window=100.0, abuser_share=80.0)
 WALLET_XMR = "4" + "A" + "x" * 93
@@ -108,7 +109,7 @@ def test_scores_add_up_per_kind_and_stop_at_100():
 
 # -- families: what one kind of evidence can add ---------------------------------------------------------------
 
-KILL_THRESHOLD = 70  # the README's example policy no-miners: rogue_score >= 70 and rogue_kind == miner
+KILL_THRESHOLD = 70  # docs/audit.md's example policy no-miners: rogue_score >= 70 and rogue_kind == miner
 
 
 def score(f: ProcessFacts) -> int:
@@ -116,7 +117,8 @@ def score(f: ProcessFacts) -> int:
 
 
 def test_no_family_alone_reaches_the_kill_threshold():
-    """Every rule of a family matching at once: the family adds its cap, below the README's kill threshold."""
+    """Every rule of a family matching at once: the family adds its cap, below the kill threshold of
+    docs/audit.md."""
     deleted_tmp = "/tmp/.x/python3 (deleted)"
     everything = {
         "name": facts(comm="xmrig", cmdline="./xmrig --config=config.json", exe="/opt/xmrig-6.21.0/xmrig"),
@@ -134,7 +136,7 @@ def test_no_family_alone_reaches_the_kill_threshold():
     assert score(weak) == 25 + 30 < KILL_THRESHOLD
     hidden = dataclasses.replace(weak, exe="/home/alice/.cache/x/python3 (deleted)")
     assert score(hidden) == 55
-    # a strong family and one more: the README's worked examples
+    # a strong family and one more: docs/audit.md's worked examples
     assert score(dataclasses.replace(everything["name"], pool_peers=weak.pool_peers)) == 90
     renamed = facts(cmdline="python3 -o stratum+tcp://p:3333", exe="/tmp/x")
     assert score(renamed) == 75 and score(dataclasses.replace(renamed, pool_peers=weak.pool_peers)) == 100
@@ -159,8 +161,8 @@ def test_the_issue_s_planted_score_stays_far_below_the_threshold():
 
 
 def test_the_readme_tables_say_what_the_code_does():
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("### Rogue-activity audit"):text.index("### Coming from gpu-kill")]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "audit.md").read_text()
+    section = text[text.index("# Rogue-activity audit"):]  # the whole page, its settings too
     rows = [[c.strip().strip("`") for c in line.strip("|").split("|")] for line in section.splitlines()
             if line.startswith("| `") or re.match(r"\| [a-z-]+ \| \d+ \| (yes|no) \|", line)]
     rules = {r[0]: (r[1], r[2], int(r[3])) for r in rows if r[0] in RULE_BY_NAME}
@@ -309,7 +311,7 @@ def test_the_sock_diag_filter_is_a_program_the_kernel_accepts():
                                sock_diag.bytecode(ranges, remote), 1 << 20)
 
 
-# -- a deleted executable, replaced or not (gpukilld/exe_replaced.py) -----------------------------------------
+# -- a deleted executable, replaced or not (gpukilld/rogue/exe_replaced.py) -----------------------------------------
 
 
 @pytest.fixture
@@ -361,7 +363,7 @@ def test_an_upgraded_interpreter_is_replaced_and_a_removed_one_is_deleted(interp
 
 
 def test_a_deleted_executable_is_looked_up_once_per_recheck(monkeypatch):
-    from gpukilld import exe_replaced as module
+    from gpukilld.rogue import exe_replaced as module
 
     asked: list[int] = []
     monkeypatch.setattr(module, "exe_replaced", lambda root, pid, exe: asked.append(pid) or True)

@@ -1,5 +1,5 @@
 """The rogue audit's labelled corpus: ordinary GPU workloads and miners, as real processes of real unprivileged
-users, seen by the real daemon (simulated backend) with the README's example policies in force (not dry run).
+users, seen by the real daemon (simulated backend) with the documented example policies in force (not dry run).
 
 Benign (gpkowner, "alice"): a trainer; a Jupyter-like server and an inference server each receiving hundreds of
 inbound connections, some of them from source ports equal to pool ports, made by the other user (the planted
@@ -11,7 +11,7 @@ connecting out to a fake pool of the test's own on loopback and sending a stratu
 
 Every process is started before the daemon, so its first look at each (what it reads at once) sees every
 connection, replacement and deletion. The test fails if any benign process is killed or scored at or above the
-kill threshold, or if a hostile kind's recall is below what README.md's corpus table states; it prints the
+kill threshold, or if a hostile kind's recall is below what docs/audit.md's corpus table states; it prints the
 table it measured (pytest -s, or -rA).
 """
 
@@ -37,7 +37,7 @@ from helpers.marks import needs_root
 from helpers.testbed import REPO, ROOT, SYSTEM_PYTHON, Testbed, User
 from helpers.waiting import wait_until
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 
@@ -48,7 +48,8 @@ PLANTED_PORTS = (3333, 4444, 5555, 14444, 45560, 45700)  # bob's source ports: p
 PADDING = 4096
 LATE = 15.0  # seconds a hostile process runs as a trainer before it becomes a miner
 WALLET = "4A" + ("a1B2c3D4e5" * 10)[:93]  # Monero-shaped: 95 base58 characters from 4
-README = REPO / "README.md"
+AUDIT_DOC = REPO / "docs" / "audit.md"  # the audit page: no-miners, the corpus table
+GUARD_DOC = REPO / "docs" / "guard.md"  # Guard Mode's first example policy
 
 # Every corpus process runs this, as `INTERPRETER role.py WORD...`. Words of the form verb=ARG are what it does,
 # in order; other words are only there for its command line (what a real program's arguments would be).
@@ -133,7 +134,7 @@ while True:
 class Case:
     """One corpus process: who runs it, on what interpreter, doing what; and what it is."""
 
-    kind: str  # the README table's row
+    kind: str  # the row of docs/audit.md's table
     hostile: bool
     user: str  # "owner" (alice) or "other" (bob)
     exe: str  # the interpreter's path; "{home}" is the user's home
@@ -192,13 +193,13 @@ def cases(addr: str, workdir: Path) -> list[Case]:
     ]
 
 
-# -- the README's example policies and stated recall -----------------------------------------------------------
+# -- the documented example policies and stated recall ---------------------------------------------------------
 
 
 def readme_policies() -> str:
-    """The README's example policies: the Rogue-activity audit's no-miners and Guard Mode's first example."""
+    """The documented example policies: the Rogue-activity audit's no-miners and Guard Mode's first example."""
     rules = []
-    for block in re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S):
+    for block in re.findall(r"```yaml\n(.*?)```", AUDIT_DOC.read_text() + GUARD_DOC.read_text(), re.S):
         doc = yaml.safe_load(block)
         if isinstance(doc, dict) and any(r.get("name") in ("no-miners", "block-crypto-miners")
                                          for r in doc.get("rules") or []):
@@ -215,8 +216,8 @@ def kill_threshold(policies: str) -> int:
 
 
 def readme_recall() -> dict[str, tuple[int, int]]:
-    """README's corpus table: kind -> (killed, of) as it states them."""
-    text = README.read_text()
+    """docs/audit.md's corpus table: kind -> (killed, of) as it states them."""
+    text = AUDIT_DOC.read_text()
     table = text[text.index("| corpus process |"):]
     rows = {}
     for line in table.splitlines()[2:]:
@@ -442,7 +443,7 @@ def observe(bed: Testbed, corpus: list[Case]) -> None:
 
 def report(corpus: list[Case], threshold: int) -> str:
     benign_hits = sum(1 for c in corpus if not c.hostile and (c.killed_by or c.max_score >= threshold))
-    lines = [f"rogue audit corpus, README example policies enforced (no-miners: rogue_score >= {threshold})",
+    lines = [f"rogue audit corpus, documented example policies enforced (no-miners: rogue_score >= {threshold})",
              f"{'process':28} {'label':8} {'score':>5} {'flagged':>7} {'killed':>6} {'recall':>6} {'precision':>9}"
              "  evidence"]
     for c in corpus:
@@ -477,10 +478,11 @@ def test_the_corpus_no_benign_process_is_touched_and_recall_is_as_stated(corpus)
                if c.killed_by or c.max_score >= threshold]
     assert not wrongly, f"benign processes killed or flagged:\n{table}"
     stated = readme_recall()
-    assert set(stated) == {c.kind for c in cases_}, "README's corpus table lists other processes than the test"
+    assert set(stated) == {c.kind for c in cases_}, \
+        "docs/audit.md's corpus table lists other processes than the test"
     below = [(c.kind, int(bool(c.killed_by)), stated[c.kind]) for c in cases_ if c.hostile
              if int(bool(c.killed_by)) < stated[c.kind][0]]
-    assert not below, f"recall below what README.md states:\n{table}"
+    assert not below, f"recall below what docs/audit.md states:\n{table}"
     # the benign rows state 0 killed, and each hostile one killed is by the policy meant to kill it
     assert all(stated[c.kind] == (0, 1) for c in benign)
     assert all(c.killed_by == "guard:no-miners" for c in cases_ if c.hostile and c.killed_by), table

@@ -21,7 +21,7 @@ from helpers.marks import needs_root
 from helpers.testbed import ADMIN_RULES, PYTHON, ROOT, SYSTEM_PYTHON, Testbed, User
 from helpers.waiting import wait_until
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 pytestmark = needs_root
 
@@ -116,7 +116,7 @@ def test_a_renamed_miner_is_found_with_its_evidence(victims, users):
     assert not [f for f in findings(bed, other) if f["pid"] == miner.pid]
     assert "stratum" not in bed.ctl(other, "audit", "--json").stdout
     # the gpu-kill spelling runs the same audit
-    r = bed.run_as(owner, [PYTHON, "-m", "gpukillctl.compat", "--audit", "--rogue", "--output", "json"])
+    r = bed.run_as(owner, [PYTHON, "-m", "gpukillctl.cli.compat", "--audit", "--rogue", "--output", "json"])
     assert r.returncode == 0 and any(f["pid"] == miner.pid for f in json.loads(r.stdout)["findings"]), r
 
 

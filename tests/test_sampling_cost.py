@@ -17,17 +17,17 @@ from helpers.guard_inputs import GiB, proc
 from helpers.waiting import wait_until
 
 from gpukill.procstat import ProcStat
-from gpukilld import exit_watch as exit_watch_module
-from gpukilld import sampler as sampler_module
 from gpukilld.backends import Backend, BackendSample
 from gpukilld.backends import simulated as simulated_module
 from gpukilld.backends.simulated import SimulatedBackend
 from gpukilld.config import AuditSettings
-from gpukilld.exit_watch import ExitWatch
 from gpukilld.model import BackendStatus, DeviceReading, ProcessUsage
-from gpukilld.procfs import ProcFS
-from gpukilld.rogue_watch import RogueWatch
-from gpukilld.sampler import Sampler
+from gpukilld.proc import exit_watch as exit_watch_module
+from gpukilld.proc.exit_watch import ExitWatch
+from gpukilld.proc.procfs import ProcFS
+from gpukilld.rogue.watch import RogueWatch
+from gpukilld.sampling import sampler as sampler_module
+from gpukilld.sampling.sampler import Sampler
 
 SCOPE = f"sampling-cost-{os.getpid()}"
 SIM = "scope: {scope}\ndevices:\n  - name: g0\n    uuid: GPU-0\n  - name: g1\n    uuid: GPU-1\n"
@@ -319,7 +319,7 @@ def test_the_incremental_audit_finds_what_a_full_evaluation_finds():
 def test_the_audit_scores_a_process_again_when_its_facts_change_not_its_utilization(monkeypatch):
     """A busy GPU's utilization moves every sample (new records each time): that alone re-scores nothing, as the
     process rules do not read it; a new command line does."""
-    from gpukilld import rogue_watch as rogue_watch_module
+    from gpukilld.rogue import watch as rogue_watch_module
 
     scored: list[int] = []
     real = rogue_watch_module.process_findings

@@ -22,7 +22,7 @@ pytest.importorskip("mcp", reason="the serve extra (pip install 'gpukill[serve]'
 from helpers.http_server import Server, request, request_as  # noqa: E402
 from helpers.marks import needs_root  # noqa: E402
 
-from gpukillctl.http_gate import Gate  # noqa: E402
+from gpukillctl.http.gate import Gate  # noqa: E402
 
 # An MCP client's first request, to see the MCP app answer behind the gate
 MCP_INITIALIZE = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
@@ -140,7 +140,7 @@ def test_host_and_origin_are_checked(server):
 
 @needs_root
 def test_request_bodies_are_bounded(server):
-    from gpukillctl.serve_app import MAX_BODY
+    from gpukillctl.serve.app import MAX_BODY
 
     r = server.call("POST", "/v1/guard/test", raw=b"x" * (MAX_BODY + 1))
     assert (r.status, r.error) == (413, "PayloadTooLarge"), r
@@ -337,7 +337,7 @@ def test_without_the_serve_extra_it_says_what_to_install(tmp_path):
     import sys
 
     code = ("import sys; sys.modules['fastapi'] = None\n"
-            "from gpukillctl.cli import main; sys.exit(main(['serve']))")
+            "from gpukillctl.cli.main import main; sys.exit(main(['serve']))")
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -441,7 +441,7 @@ def test_idle_connections_leave_a_real_request_served(server):
     """Anyone who can reach the port may connect, no token needed: 200 connections that never send a byte
     must not lock the token's holder out (uvicorn alone answered 503 past 64 connections, and kept idle ones
     forever)."""
-    from gpukillctl.http_protocol import MAX_CONNECTIONS
+    from gpukillctl.http.protocol import MAX_CONNECTIONS
 
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(200)]
     try:
@@ -464,7 +464,7 @@ def test_idle_connections_leave_a_real_request_served(server):
 def test_a_request_not_received_whole_in_time_is_closed(server):
     """Under the bound on connections too: a connection that sends nothing, or its headers a byte at a time,
     is closed once REQUEST_TIMEOUT has passed since it was accepted, unanswered."""
-    from gpukillctl.http_protocol import REQUEST_TIMEOUT
+    from gpukillctl.http.protocol import REQUEST_TIMEOUT
 
     quiet = socket.create_connection(("127.0.0.1", server.port))
     slow = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
@@ -498,7 +498,7 @@ def test_a_request_not_received_whole_in_time_is_closed(server):
 @needs_root
 def test_a_slow_body_meets_the_deadline(server):
     """Headers in time, the body never finished: closed at the deadline, unanswered; the server goes on."""
-    from gpukillctl.http_protocol import REQUEST_TIMEOUT
+    from gpukillctl.http.protocol import REQUEST_TIMEOUT
 
     s = socket.create_connection(("127.0.0.1", server.port))
     s.sendall(
@@ -521,7 +521,7 @@ def test_a_slow_body_meets_the_deadline(server):
 def test_bodies_over_the_limit_are_413_on_v1_and_mcp_chunked_or_not(server):
     """10 MB with Transfer-Encoding: chunked (no Content-Length) was 422 on /v1 and 500 on /mcp: the gate's
     error raised inside FastAPI's and the SDK's body readers. Now 413 on both, as for a declared length."""
-    from gpukillctl.serve_app import MAX_BODY
+    from gpukillctl.serve.app import MAX_BODY
 
     mcp = {"Accept": "application/json, text/event-stream"}
     ten_mb = b"x" * (10 * 1000 * 1000)

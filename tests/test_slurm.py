@@ -15,10 +15,10 @@ from helpers.testbed import PYTHON, REPO, ROOT
 
 from gpukill.policy import load_texts
 from gpukill.records import Process
-from gpukillctl.job_kill import job_processes, slurm_job_id
-from gpukilld.attribution import parse_cgroup, slurm_job_from_environ
+from gpukillctl.cli.job_kill import job_processes, slurm_job_id
 from gpukilld.guard.engine import Engine
-from gpukilld.procfs import MAX_ENVIRON, ProcFS
+from gpukilld.proc.attribution import parse_cgroup, slurm_job_from_environ
+from gpukilld.proc.procfs import MAX_ENVIRON, ProcFS
 
 # /proc/PID/cgroup of job tasks as Slurm's cgroup plugins lay them out (recorded on Slurm 22.05 and 23.02 hosts).
 RECORDED_CGROUPS = [

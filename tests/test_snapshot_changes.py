@@ -11,7 +11,7 @@ from dbus_fast.aio import MessageBus
 from helpers.marks import needs_root
 from helpers.testbed import Testbed
 
-from gpukillctl.client import SPREAD_FRACTION, GpukillClient, spread_delay
+from gpukillctl.client.dbus import SPREAD_FRACTION, GpukillClient, spread_delay
 
 SAMPLE_INTERVAL = 0.2
 

@@ -1,4 +1,4 @@
-"""gpukillctl/top_model.py: what `top` shows for a sample and does with a key, without a terminal or a daemon."""
+"""gpukillctl/top/model.py: what `top` shows for a sample and does with a key, without a terminal or a daemon."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import unicodedata
 
 from gpukill.outcome import Outcome
 from gpukill.records import Device, Grace, GuardStatus, Process, Window
-from gpukillctl.top_model import (
+from gpukillctl.top.model import (
     QUIT,
     SORTS,
     GuardMarks,

@@ -10,12 +10,12 @@ import pytest
 from gpukill.errors import ConfigError
 from gpukill.procstat import parse_stat
 from gpukill.units import parse_size
-from gpukilld.attribution import parse_cgroup
+from gpukilld.access.bouncer import KILL_ANY, READ_ONLY, RESET_DEVICE, action_for
 from gpukilld.backends.simulated import load_sim_config, parse_usage
-from gpukilld.bouncer import KILL_ANY, READ_ONLY, RESET_DEVICE, action_for
 from gpukilld.config import load_config
 from gpukilld.model import Attribution
-from gpukilld.procfs import ProcFS
+from gpukilld.proc.attribution import parse_cgroup
+from gpukilld.proc.procfs import ProcFS
 
 DOCKER_ID = "4f1b6a0f3c2d" + "a" * 52
 POD = "1b2c3d4e-5f60-4718-8a9b-0c1d2e3f4a5b"
@@ -197,7 +197,7 @@ def test_bouncer_table():
 
 
 def test_audit_without_a_journal_goes_to_stderr(monkeypatch, capsys):
-    from gpukilld import audit
+    from gpukilld import journal as audit
 
     monkeypatch.setattr(audit, "JOURNAL_SOCKET", "/nonexistent/socket")
     a = audit.Audit()

@@ -8,13 +8,11 @@ import io
 import pytest
 
 from gpukill.text import bounded, shown
-from gpukilld import audit
-from gpukilld.callrate import BURST as CALL_BURST
-from gpukilld.callrate import RATE, CallRate
-from gpukilld.model import GpuProcess
-from gpukilld.procfs import CUT_MARKER, MAX_CMDLINE, read_cmdline
-from gpukilld.refusals import BURST, TOTAL_BURST, WINDOW, RefusalLog
-from gpukilld.visibility import (
+from gpukilld import journal as audit
+from gpukilld.access.callrate import BURST as CALL_BURST
+from gpukilld.access.callrate import RATE, CallRate
+from gpukilld.access.refusals import BURST, TOTAL_BURST, WINDOW, RefusalLog
+from gpukilld.access.visibility import (
     ANONYMOUS,
     FULL,
     HIDDEN,
@@ -26,6 +24,8 @@ from gpukilld.visibility import (
     parse_mountinfo,
     viewer_for,
 )
+from gpukilld.model import GpuProcess
+from gpukilld.proc.procfs import CUT_MARKER, MAX_CMDLINE, read_cmdline
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -1,10 +1,10 @@
 """The records gpukilld hands out, each declared once: its fields, their D-Bus signatures and what they mean.
 
-Everything else is derived from these declarations: the daemon's a{sv} marshalling (gpukilld/wire.py), the
-client's typed records (gpukillctl/client.py builds these same classes from what it receives), `list --json`
+Everything else is derived from these declarations: the daemon's a{sv} marshalling (gpukilld/bus/wire.py), the
+client's typed records (gpukillctl/client/dbus.py builds these same classes from what it receives), `list --json`
 and the JSON the policy sandbox exchanges with its child (`to_plain` / `from_plain` here). A device field is
-one edit here plus its documentation (README's JSON section, dbus/org.gpukill1.xml): the daemon holds these
-Devices, and its backends' DeviceReading is derived from them. The daemon's GpuProcess is this Process with
+one edit here plus its documentation (the JSON section of docs/using.md, dbus/org.gpukill1.xml): the daemon
+holds these Devices, and its backends' DeviceReading is derived from them. The daemon's GpuProcess is this Process with
 the system unit added; a process field is one edit here plus its documentation and where it is read (ProcInfo
 from /proc, or a backend's ProcessUsage); tests/test_records.py checks they agree.
 

@@ -15,7 +15,7 @@ MAX_SCORE = 100
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
-    """One rule of the audit's table that matched a finding's subject (the table: gpukilld/rogue.py)."""
+    """One rule of the audit's table that matched a finding's subject (the table: gpukilld/rogue/score.py)."""
 
     rule: str = wire("s", "the rule's name in the table (miner-name, stratum-url, exe-tmp, ...)")
     points: int = wire("u", "what it adds to the finding's score")

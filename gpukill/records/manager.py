@@ -101,7 +101,7 @@ SAMPLING_POLLING = "polling"  # processes are re-read in rotation: what they bec
 
 @dataclass(frozen=True, slots=True)
 class SamplingStatus:
-    """The Sampling property: how the daemon learns what its processes become (gpukilld/proc_events.py)."""
+    """The Sampling property: how the daemon learns what its processes become (gpukilld/sampling/proc_events.py)."""
 
     mode: str = wire("s", '"events" (the kernel\'s proc connector) or "polling" (its fallback)', "")
     detail: str = wire("s", "with polling, why the connector is unavailable; with events, what the kernel sends",

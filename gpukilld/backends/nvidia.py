@@ -29,7 +29,7 @@ from gpukill.device_faults import xid_reason
 from gpukill.errors import NotSupported, ResetFailed
 
 from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
-from ..procfs import ProcFS
+from ..proc.procfs import ProcFS
 from . import Backend, BackendSample
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ def _drm(config: Config) -> Backend:
 
 
 def _procfs(config: Config):
-    from ..procfs import ProcFS
+    from ..proc.procfs import ProcFS
 
     return ProcFS(config.proc_root)
 

@@ -22,9 +22,9 @@ import yaml
 from gpukill.errors import ConfigError, NotSupported, ResetFailed
 from gpukill.units import parse_size, short
 
-from ..exit_watch import ExitWatch
 from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
-from ..procfs import ProcFS
+from ..proc.exit_watch import ExitWatch
+from ..proc.procfs import ProcFS
 from . import Backend, BackendSample
 
 log = logging.getLogger(__name__)

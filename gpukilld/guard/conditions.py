@@ -47,7 +47,7 @@ from gpukill.rules import PER_GROUP, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, C
 
 from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX
 from ..model import STATE_LOST, Device, Snapshot
-from ..rogue import process_scores
+from ..rogue.score import process_scores
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MEMO_LIMIT = 20_000  # distinct strings remembered per condition (names, command lines) before starting over
@@ -73,7 +73,7 @@ class ProcView:
     per_device: dict[int, tuple[int | None, float | None]] = field(default_factory=dict)  # index -> (mem, util)
     partial: bool = False  # gpu_memory and gpu_utilization leave out usage charged to no one: lower bounds
     system_unit: str = ""  # the unit under /system.slice that holds it, "" if none
-    rogue_score: float = 0.0  # the highest score of the audit's findings about it (gpukilld/rogue.py); 0: none
+    rogue_score: float = 0.0  # the highest score of the audit's findings about it (gpukilld/rogue/score.py); 0: none
     rogue_kind: str = ""  # that finding's kind (miner, idle); "": none
     slurm_job: str = ""  # the Slurm job id (cgroup, else SLURM_JOB_ID), "" if none
 

@@ -199,7 +199,7 @@ class Preview:
     pids: tuple[int, ...]
     reason: str
     # The user whose process or processes the decision is about (None: a device), and the reason as a caller
-    # who may not see all reads it about another user's (condition_types' `withheld`): service.py picks.
+    # who may not see all reads it about another user's (condition_types' `withheld`): gpukilld/bus/guard.py picks.
     uid: int | None = None
     reason_for_others: str = ""
 

@@ -11,7 +11,7 @@ record, and edited() tells a file changed by hand since. A change (SetPolicy, Re
 3. applied as a reload does (GuardRunner.reload_files). Should the directory still not validate (a hand edit
    in between), every file is put back as it was and the directory re-read: the policy in force is never lost.
 
-Each changed policy gets a journal entry (audit.GUARD_MANAGED_POLICY: operation, kind, target, file, caller
+Each changed policy gets a journal entry (journal.GUARD_MANAGED_POLICY: operation, kind, target, file, caller
 uid). Everything a caller controls is bounded before use: the target's length, the settings' count, the import
 text (gpukill.policy.MAX_POLICY_BYTES), the number of managed policies (MAX_MANAGED); a file name comes from
 managed_policy.file_name() and is checked again here to be a plain name inside guard.d. All of it is small
@@ -43,7 +43,7 @@ from gpukill.policy import (
 from gpukill.records import ManagedPolicyEntry, from_plain
 from gpukill.text import shown
 
-from .. import audit
+from .. import journal
 from .runner import GuardRunner
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def _unlink(path: str) -> None:
 
 
 class ManagedPolicies:
-    def __init__(self, runner: GuardRunner, auditor: audit.Audit) -> None:
+    def __init__(self, runner: GuardRunner, auditor: journal.Audit) -> None:
         self.runner = runner
         self.audit = auditor
 
@@ -351,6 +351,6 @@ class ManagedPolicies:
             what = f"the {p.kind} policy for {p.target}"
             message = (f"Guard managed policy: {what} {done[op.operation]} by {who}" if result == "changed" else
                        f"Guard managed policy: {op.operation} of {what} by {who} rejected; nothing changed: {error}")
-            self.audit.log(audit.GUARD_MANAGED_POLICY, message, action="guard", operation=op.operation,
+            self.audit.log(journal.GUARD_MANAGED_POLICY, message, action="guard", operation=op.operation,
                            policy_kind=p.kind, policy_target=p.target, file=os.path.join(self.directory, op.name),
                            caller_uid=uid, requested_by=who, result=result, error=error)

@@ -20,7 +20,7 @@ from gpukill.records import RecentEvent
 from gpukill.rules import RESET, Rule
 from gpukill.units import format_duration, format_size
 
-from .. import audit
+from .. import journal as audit  # the event kinds (a local `journal` is an entry)
 from .engine import GraceCancelled, KillOrder, ResetOrder, Target, Violation
 from .notify import Notice
 

@@ -35,7 +35,7 @@ from gpukill.records import (
 )
 from gpukill.rules import EMPTY_POLICY, Policy, Rule
 
-from .. import audit
+from .. import journal
 from ..config import Config
 from ..model import Snapshot
 from . import clocks, report
@@ -93,7 +93,7 @@ class _NoSignals:
 
 
 class GuardRunner:
-    def __init__(self, kill: KillPath, auditor: audit.Audit, notify_config: NotifyConfig, policy_dir: str,
+    def __init__(self, kill: KillPath, auditor: journal.Audit, notify_config: NotifyConfig, policy_dir: str,
                  state_dir: str, clock: Clock | None = None, own_pid: int | None = None,
                  protection: Protection | None = None, signals: GuardSignals | None = None,
                  reset: ResetPath | None = None, proc_root: str = "/proc") -> None:
@@ -135,7 +135,7 @@ class GuardRunner:
         state, warning = load_state(self.state_dir)
         if warning:
             log.error("%s", warning)
-            self.audit.log(audit.GUARD_POLICY, f"Guard state unreadable: {warning}", action="guard",
+            self.audit.log(journal.GUARD_POLICY, f"Guard state unreadable: {warning}", action="guard",
                            result="state-unreadable", error=warning)
         self.state = state
         for name, d in state.stats.items():
@@ -145,7 +145,7 @@ class GuardRunner:
         if state.clocks is not None and state.enabled:  # disabled: enabling starts every window afresh anyway
             self._restore_clocks(state.clocks)
         self.started = True
-        self.audit.log(audit.GUARD_POLICY,
+        self.audit.log(journal.GUARD_POLICY,
                        f"Guard {'enabled' if state.enabled else 'disabled'}{', dry run' if self.dry_run else ''}: "
                        f"{len(policy.rules)} rule(s) from {policy.source}",
                        action="guard", result="started", enabled=int(state.enabled), dry_run=int(self.dry_run),
@@ -227,7 +227,7 @@ class GuardRunner:
         self.policy_error = str(e)  # one line: the first error and how many more (PolicyError caps them)
         for line in e.errors:
             log.error("%s", line)
-        self.audit.log(audit.GUARD_POLICY, f"Guard policy rejected ({who}); the policy in force stays: {e}",
+        self.audit.log(journal.GUARD_POLICY, f"Guard policy rejected ({who}); the policy in force stays: {e}",
                        action="guard", result="rejected", error=str(e), requested_by=who)
         return e
 
@@ -237,7 +237,7 @@ class GuardRunner:
         self.policy_error = ""
         self._save_now()
         names = ", ".join(r.name for r in policy.rules) or "none"
-        self.audit.log(audit.GUARD_POLICY, f"Guard policy from {policy.source} in force ({who}): rules {names}",
+        self.audit.log(journal.GUARD_POLICY, f"Guard policy from {policy.source} in force ({who}): rules {names}",
                        action="guard", result="loaded", source=policy.source, rules=names, requested_by=who)
 
     def reload_files(self, who: str = "reload") -> bool:
@@ -268,13 +268,13 @@ class GuardRunner:
             self.engine.restart_windows()  # time spent disabled must not count towards a duration
         self.state.enabled = enabled
         self._save_now()
-        self.audit.log(audit.GUARD_POLICY, f"Guard {'enabled' if enabled else 'disabled'} by {who}",
+        self.audit.log(journal.GUARD_POLICY, f"Guard {'enabled' if enabled else 'disabled'} by {who}",
                        action="guard", result="enabled" if enabled else "disabled", requested_by=who)
 
     def set_dry_run(self, dry_run: bool, who: str) -> None:
         self.state.dry_run = dry_run
         self._save_now()
-        self.audit.log(audit.GUARD_POLICY, f"Guard dry run {'on' if dry_run else 'off'}, set by {who}",
+        self.audit.log(journal.GUARD_POLICY, f"Guard dry run {'on' if dry_run else 'off'}, set by {who}",
                        action="guard", result="dry-run-on" if dry_run else "dry-run-off", requested_by=who)
 
     # -- evaluation ------------------------------------------------------------------------------------
@@ -390,7 +390,7 @@ class GuardRunner:
     # -- notifications ---------------------------------------------------------------------------------
 
     def _journal_notice(self, notice: Notice) -> None:
-        self.audit.log(audit.GUARD_NOTICE, f"gpukill guard: {notice.summary}", action="guard", result=notice.event,
+        self.audit.log(journal.GUARD_NOTICE, f"gpukill guard: {notice.summary}", action="guard", result=notice.event,
                        rule=notice.rule, subject=notice.subject)
 
     def _desktop_notice(self, notice: Notice) -> None:
@@ -402,7 +402,7 @@ class GuardRunner:
 
     def _delivery_failed(self, target: str, notice: Notice, error: str) -> None:
         """From a channel thread: the audit trail is thread-safe."""
-        self.audit.log(audit.GUARD_NOTIFY_FAILED, f"Guard notification to {target} for rule {notice.rule} failed: "
+        self.audit.log(journal.GUARD_NOTIFY_FAILED, f"Guard notification to {target} for rule {notice.rule} failed: "
                                                   f"{error}",
                        action="guard", result="notify-failed", rule=notice.rule, target=target, error=error)
 

@@ -2,12 +2,12 @@
 
 Anyone may ask what a policy would do (it never acts), so the text is untrusted: a huge document or a costly
 condition must not stall the daemon's event loop, which also carries every kill. The child gets the policy text
-and the caller's view of the snapshot (what the caller may list, see visibility.py: a policy must not become an
+and the caller's view of the snapshot (what the caller may list, see gpukilld/access/visibility.py: a policy must not become an
 oracle for other users' command lines) as JSON on stdin, parses and previews it, and prints a bounded result
 as JSON. It runs confined, and fails closed: it exits before reading anything unless it dropped every
 privilege (setgroups, setgid, setuid to a dedicated account, checked afterwards), under CPU, memory, core, file
 and process limits, at the lowest CPU priority. The daemon runs at most one test per person (a uid and its
-subordinate uids, people.py) and MAX_CONCURRENT in all, reads at most MAX_OUTPUT bytes back, and kills a child
+subordinate uids, gpukilld/access/people.py) and MAX_CONCURRENT in all, reads at most MAX_OUTPUT bytes back, and kills a child
 that runs over CHILD_TIMEOUT.
 """
 
@@ -30,8 +30,8 @@ from gpukill.policy import PolicyError
 from gpukill.records import Finding, from_plain, to_plain
 from gpukill.text import bounded
 
+from ..access.people import People, shared
 from ..model import Device, GpuProcess, Snapshot
-from ..people import People, shared
 
 if TYPE_CHECKING:
     from .conditions import Protection
@@ -256,7 +256,7 @@ def main() -> int:
 def bounded_previews(previews: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """At most MAX_PREVIEWS decisions with reasons of at most MAX_REASON characters; when some were left out,
     a last record with status "truncated" says how many. The engine's reason_for_others is not sent: where it
-    applies, service.py has put it in place of the reason already."""
+    applies, gpukilld/bus/guard.py has put it in place of the reason already."""
     out = [{**{k: v for k, v in p.items() if k != "reason_for_others"}, "reason": p["reason"][:MAX_REASON]}
            for p in previews[:MAX_PREVIEWS]]
     if len(previews) > MAX_PREVIEWS:

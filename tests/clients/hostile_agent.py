@@ -27,7 +27,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
 from dbus_fast.service import ServiceInterface, method
 
-from gpukilld import busio
+from gpukilld.bus import writer as busio
 
 AGENT_PATH = "/org/gpukill/test/HostileAgent"
 

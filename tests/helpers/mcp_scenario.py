@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gpukilld import audit
+from gpukilld import journal as audit
 
 from .testbed import ROOT, Testbed, User, start_time_of
 
@@ -95,7 +95,7 @@ def check_article(bed: Testbed, owner: User, v: ArticleVictims, r: ArticleResult
         entry = bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(p.pid))
         assert entry and entry[0]["GPUKILL_CALLER_UID"] == str(owner.uid), entry
         assert entry[0]["GPUKILL_INITIATOR"] == "user" and entry[0]["GPUKILL_RESULT"] == "terminated"
-    findings = structured(r.audit_result)["findings"]  # the audit's rules are tested with gpukilld/rogue.py
+    findings = structured(r.audit_result)["findings"]  # the audit's rules are tested with gpukilld/rogue/score.py
     mined = [f for f in findings if f["pid"] == v.miner.pid]
     assert [(f["kind"], f["user"]) for f in mined] == [("miner", owner.name)], findings
     assert mined[0]["score"] > 0 and "miner-name" in {e["rule"] for e in mined[0]["evidence"]}

@@ -2,7 +2,7 @@
 complete in the backlog (nobody needs to accept them).
 
 A pool port must lie outside the host's ephemeral range (net.ipv4.ip_local_port_range): the audit ignores pool
-ports inside it (gpukilld/sockets.py). 127.0.0.0/8 is all loopback, so when 127.0.0.1:PORT is taken (another
+ports inside it (gpukilld/rogue/sockets.py). 127.0.0.0/8 is all loopback, so when 127.0.0.1:PORT is taken (another
 test run on the machine) the listener takes the same port on another loopback address.
 """
 
@@ -12,7 +12,7 @@ import contextlib
 import random
 import socket
 
-from gpukilld.sockets import ephemeral_range
+from gpukilld.audit_settings import ephemeral_range
 
 
 def listen(port: int, backlog: int = 64) -> socket.socket:

@@ -111,3 +111,20 @@ class Sshd:
             self.proc.terminate()
             self.proc.wait(10)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def serving(user: str) -> Iterator[Sshd]:
+    """A module fixture's body: a private sshd on loopback that lets `user` log in with /bin/sh, stopped at the
+    end; the test is skipped, with the reason, where sshd cannot run here."""
+    import pytest
+
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    server = Sshd([user])
+    try:
+        with login_allowed(user, "/bin/sh"):
+            server.start()
+            yield server
+    finally:
+        server.stop()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from gpukilld.procfs import ProcFS
+from gpukilld.proc.procfs import ProcFS
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -447,6 +447,10 @@ class Testbed:
 
     def ctl(self, user: User, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return self.run_as(user, [PYTHON, "-m", "gpukillctl", *args], timeout=timeout)
+
+    def gpukill(self, user: User, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """gpu-kill's command line (gpukillctl/cli/compat.py), as `gpukill` runs it."""
+        return self.run_as(user, [PYTHON, "-m", "gpukillctl.cli.compat", *args], timeout=timeout)
 
     def enforce(self, policy: Path) -> None:
         """Guard enabled, out of dry run, with the policy file loaded: as root with gpukillctl, as an admin would."""

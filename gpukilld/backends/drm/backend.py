@@ -18,7 +18,7 @@ from gpukill.errors import DeviceBusy, ResetFailed
 
 from ...config import read_sys_uid_max
 from ...model import BackendStatus, DeviceReading
-from ...procfs import ProcFS
+from ...proc.procfs import ProcFS
 from .. import Backend, BackendSample
 from .clients import read_clients
 from .discovery import DrmCard, discover

@@ -1,0 +1,69 @@
+"""`gpukillctl kill --job ID`: every GPU process of a Slurm job on this host, each through the normal kill.
+
+Each process is killed as `kill PID` kills it: by (pid, start time) as listed, polkit asked per process (own or
+any), so a PID reused since the listing is refused and nothing else is signalled. The processes are stopped
+together, as Slurm signals a job's tasks: the grace runs once, not once per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gpukill import errors
+from gpukill.outcome import Outcome
+from gpukill.records import Process
+from gpukill.text import shown
+
+from ..client.api import ClientAPI, ClientError
+from ..client.exits import EXIT_OK, EXIT_STILL_ALIVE, exit_code
+
+
+def slurm_job_id(text: str) -> str:
+    """A Slurm job id as the daemon lists it (decimal); an array task's or a het job's component's own id, not
+    "123_4" or "123+1" (SLURM_JOB_ID in the epilog is already the plain one)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 10):
+        raise argparse.ArgumentTypeError(f"not a Slurm job id: {text!r}")
+    return str(int(text))
+
+
+def job_processes(procs: list[Process], job: str) -> list[Process]:
+    """The processes of `job`, each once (a process on several GPUs is listed once per GPU), by PID."""
+    chosen: dict[tuple[int, int], Process] = {}
+    for p in procs:
+        if p.slurm_job == job:
+            chosen.setdefault((p.pid, p.start_time), p)
+    return sorted(chosen.values(), key=lambda p: p.pid)
+
+
+async def _kill_one(client: ClientAPI, p: Process, args: argparse.Namespace, interactive: bool) -> int:
+    """Kill one process; print what became of it; its exit status."""
+    what = f"PID {p.pid} ({shown(p.comm)})"
+    try:
+        outcome = await client.kill(p.pid, p.start_time, force=args.force, grace=args.grace,
+                                    interactive=interactive)
+    except (errors.NoSuchProcess, errors.ProcessChanged):
+        print(f"{what} already gone")  # ended between the listing and the kill: what was asked is done
+        return EXIT_OK
+    except ClientError as e:
+        print(f"gpukillctl: {what}: {shown(str(e))}", file=sys.stderr)
+        return exit_code(e)
+    if outcome == Outcome.STILL_ALIVE:
+        print(f"gpukillctl: {what} is {Outcome.STILL_ALIVE.text}; use --force to send SIGKILL", file=sys.stderr)
+        return EXIT_STILL_ALIVE
+    suffix = " after the grace period" if outcome == Outcome.KILLED else ""
+    print(f"{what} {outcome.text}{suffix}")
+    return EXIT_OK
+
+
+async def kill_job(client: ClientAPI, args: argparse.Namespace, interactive: bool) -> int:
+    """Kill every listed GPU process of Slurm job args.job; the first failure's exit status, else 0 (also when
+    the job has no GPU process here: nothing is left to stop)."""
+    procs = job_processes(await client.list_processes(), args.job)
+    if not procs:
+        print(f"no GPU processes of Slurm job {shown(args.job)} on this host")
+        return EXIT_OK
+    import asyncio  # here: gpukillctl's start (which imports slurm_job_id) does without asyncio
+
+    codes = await asyncio.gather(*(_kill_one(client, p, args, interactive) for p in procs))
+    return next((c for c in codes if c != EXIT_OK), EXIT_OK)

@@ -1,0 +1,349 @@
+"""The typed client API of org.gpukill1, written once over any transport: records out, one exception per daemon error.
+
+Methods return the records of gpukill/records/ (Device, Process, ResetReply, Finding, GuardStatus, Decision,
+PolicyLoaded), built from the daemon's a{sv} by their one declaration: a value the daemon left out is the field's
+default (None where it could not be read), keys a newer daemon adds are ignored. Kills return an Outcome.
+
+Two transports carry the calls, each a subclass that implements `_call` and nothing of the API:
+- gpukillctl/client/dbus.py, GpukillClient: dbus-fast on asyncio, for the long-lived front ends (top, monitor, the
+  notify agent, the exporter, MCP, REST) and for signals (`events()`);
+- gpukillctl/client/blocking.py, BlockingClient: jeepney's blocking connection, for one-shot commands, which then
+  import neither asyncio nor dbus-fast (together ~60 ms of a ~100 ms `gpukillctl list`).
+Both keep the same `await client.x()` API: the blocking transport's coroutines never suspend, so a one-shot
+command runs them to the end without an event loop (blocking.finish), and every command is written once.
+
+This module is imported at the CLI's start: nothing heavy (no asyncio, no D-Bus library) may be imported here.
+
+Failures raise a ClientError. One from the daemon is of the class made here for its D-Bus error name, which is
+also the shared error class of gpukill.errors that names it: `except errors.NoSuchProcess` catches what the
+daemon reported as org.gpukill1.Error.NoSuchProcess. DaemonUnavailable: no bus, or no gpukilld on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from gpukill import errors, listing, records
+from gpukill.outcome import Outcome
+from gpukill.records import Device, Process, from_plain, names
+
+# The listing's records alone are imported above: the others (a reset's reply, the audit's, the Guard's) are
+# records.X in the methods that return them, so that their modules load when those run, not at every start
+# (gpukill/records/__init__.py).
+if TYPE_CHECKING:
+    from gpukill.records import (
+        AuditSettings,
+        BackendStatus,
+        Decision,
+        Finding,
+        GuardStatus,
+        ManagedPolicyEntry,
+        PolicyLoaded,
+        ResetReply,
+        SamplingStatus,
+    )
+
+BUS_NAME = "org.gpukill1"
+OBJECT_PATH = "/org/gpukill1"
+INTERFACE = "org.gpukill1.Manager"
+GUARD_INTERFACE = "org.gpukill1.Guard"
+CALL_TIMEOUT = 25.0
+PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
+DBUS = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
+ALLOW_INTERACTIVE_AUTHORIZATION = 0x4  # the message flag, as the D-Bus specification numbers it
+
+# The keys of `list --json`, in their order.
+DEVICE_KEYS = names(Device)
+PROCESS_KEYS = names(Process)
+
+
+class ClientError(Exception):
+    """A failure with the D-Bus error name that caused it ("" when not from the daemon)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class DaemonUnavailable(ClientError):
+    """No system bus, or gpukilld is not on it."""
+
+
+def _daemon_error(shared: type[errors.GpukillError]) -> type[ClientError]:
+    # __module__ stays gpukillctl.client.dbus, where these classes have always been found
+    return type(shared.__name__, (ClientError, shared), {"__module__": "gpukillctl.client.dbus",
+                                                         "__doc__": shared.__doc__})
+
+
+# One class per error the daemon sends, each named by its shared class's dbus_name.
+ERRORS: dict[str, type[ClientError]] = {
+    cls.dbus_name: _daemon_error(cls) for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, errors.GpukillError)
+}
+# What the bus itself answers: polkit wanting a password where none may be asked is a denial.
+ERRORS["org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"] = ERRORS[errors.AccessDenied.dbus_name]
+NOT_RUNNING = ("org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner")
+TIMEOUT = "org.freedesktop.DBus.Error.Timeout"
+UNKNOWN_METHOD = "org.freedesktop.DBus.Error.UnknownMethod"  # what a gpukilld older than a method answers
+# Where a compact row (gpukill/listing.py: the mask, then its COLUMNS) holds the keyset of paging.
+ROW_DEVICE, ROW_PID = 1 + listing.COLUMNS.index("device"), 1 + listing.COLUMNS.index("pid")
+
+
+def error_for(name: str, message: str) -> ClientError:
+    """The exception for a D-Bus error reply."""
+    if name in NOT_RUNNING:
+        return DaemonUnavailable(name, "gpukilld is not running (org.gpukill1 is not on the system bus)")
+    return ERRORS.get(name, ClientError)(name, message)
+
+
+class Var(NamedTuple):
+    """A D-Bus variant in a call's arguments, in no library's type: each transport writes it its own way."""
+
+    signature: str
+    value: Any
+
+
+def audit_variants(values: dict[str, Any]) -> dict[str, Any]:
+    """Audit settings or thresholds as an a{sv}: each value as a Var of its key's signature (the record's), a Var
+    as it is; a key the record does not know goes as a string, for the daemon to refuse by name."""
+    from gpukill.records import AuditSettings, specs
+
+    sigs = dict(specs(AuditSettings))
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, Var) or type(value).__name__ == "Variant":
+            out[key] = value
+            continue
+        sig = sigs[key].sig if key in sigs else "s"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if sig == "d" and number:
+            value = float(value)
+        elif sig in ("as", "aq") and isinstance(value, list | tuple) and all(
+                isinstance(v, str) if sig == "as" else isinstance(v, int) and 0 <= v < 1 << 16 for v in value):
+            value = list(value)
+        elif not (sig == "t" and isinstance(value, int) and number and 0 <= value < 1 << 64):
+            sig, value = "s", str(value)[:1024]  # not of the key's type: the daemon refuses it by name, in one line
+        out[key] = Var(sig, value)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonStatus:
+    """The Manager's properties: Version, SampleInterval, Backends, Sampling."""
+
+    version: str
+    sample_interval: float  # seconds between samples: listings are at most this old
+    backends: tuple[BackendStatus, ...]
+    sampling: SamplingStatus | None = None  # None: a daemon from before the Sampling property
+
+
+def policy_settings(settings: dict[str, Any]) -> dict[str, Var]:
+    """SetPolicy's a{sv}: each setting with the signature ManagedPolicyEntry declares for it; errors.InvalidArgs
+    for a key it does not declare or a value that is not of its type."""
+    from gpukill.records import specs
+
+    sigs = {name: spec.sig for name, spec in specs(records.ManagedPolicyEntry)
+            if name not in ("kind", "target", "file", "edited")}
+    invalid = ERRORS[errors.InvalidArgs.dbus_name]
+    out: dict[str, Var] = {}
+    for key, value in settings.items():
+        sig = sigs.get(key)
+        if sig is None:
+            raise invalid("", f"unknown policy setting {key!r} (known: {', '.join(sigs)})")
+        if sig == "as":
+            ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+            value = list(value) if ok else value
+        elif sig == "d":
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < (1 << (32 if sig == "u" else 64))
+        if not ok:
+            raise invalid("", f"policy setting {key}: {value!r} is not of its type ({sig})")
+        out[key] = Var(sig, value)
+    return out
+
+
+class ClientAPI:
+    """The typed methods of gpukilld's Manager and Guard interfaces. A subclass supplies the transport: `_call`,
+    which returns the reply's body as plain values (variants unwrapped, structs as lists) or raises the
+    ClientError of error_for; `unique_name` and `close`."""
+
+    unique_name: str
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def _call(self, member: str, signature: str = "", body: list | None = None, *,
+                    interface: str = INTERFACE, interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
+        raise NotImplementedError
+
+    async def list_devices(self) -> list[Device]:
+        (devices,) = await self._call("ListDevices")
+        return [from_plain(Device, d) for d in devices]
+
+    async def list_processes(self, filter: dict[str, Any] | None = None) -> list[Process]:
+        """Every process the daemon shows us; page by page when the whole listing is too large for one reply.
+        filter: ListProcesses' keys, each value a Var (the async transport also takes dbus-fast Variants).
+        Asked in the compact form (gpukill/listing.py: no variants, a fraction of the bytes and of the decoding),
+        or as a{sv} records from a gpukilld that does not have it yet."""
+        try:
+            try:
+                body = await self._call(listing.METHOD, listing.IN_SIGNATURE, [filter or {}])
+            except errors.ReplyTooLarge:
+                body = await self._compact_pages(filter or {})
+            return listing.processes_from_reply(body)
+        except listing.UnknownListingFormat as e:
+            raise ClientError("", str(e)) from None
+        except ClientError as e:
+            if e.name != UNKNOWN_METHOD:
+                raise
+        try:
+            (procs,) = await self._call("ListProcesses", "a{sv}", [filter or {}])
+        except errors.ReplyTooLarge:
+            procs = await self._pages(filter or {})
+        return [from_plain(Process, p) for p in procs]
+
+    async def _compact_pages(self, filter: dict[str, Any]) -> list:
+        """The compact listing's body, gathered in keyset pages as _pages gathers ListProcesses'."""
+        rows: list = []
+        page_filter = {**filter, "limit": Var("u", PAGE_SIZE)}
+        while True:
+            form, page = await self._call(listing.METHOD, listing.IN_SIGNATURE, [page_filter])
+            if form != listing.FORMAT:
+                return [form, page]  # processes_from_reply says which format it cannot read
+            rows.extend(page)
+            if len(page) < PAGE_SIZE:
+                return [form, rows]
+            page_filter["after"] = Var("(uu)", (page[-1][ROW_DEVICE], page[-1][ROW_PID]))
+
+    async def _pages(self, filter: dict[str, Any]) -> list[dict[str, Any]]:
+        """Keyset pages in (device, pid) order: a process that comes or goes between pages shifts nothing."""
+        procs: list[dict[str, Any]] = []
+        page_filter = {**filter, "limit": Var("u", PAGE_SIZE)}
+        while True:
+            (page,) = await self._call("ListProcesses", "a{sv}", [page_filter])
+            procs.extend(page)
+            if len(page) < PAGE_SIZE:
+                return procs
+            last = page[-1]
+            page_filter["after"] = Var("(uu)", (last["device"], last["pid"]))
+
+    async def kill(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
+                   interactive: bool = False) -> Outcome:
+        options: dict[str, Var] = {"force": Var("b", force)}
+        if grace is not None:
+            options["grace"] = Var("d", float(grace))
+        # The daemon may wait the whole grace, then SIGKILL's wait, plus a password prompt.
+        timeout = (grace if grace is not None else 5.0) + 30.0 + (300.0 if interactive else 0.0)
+        (outcome,) = await self._call("KillProcess", "uta{sv}", [pid, start_time, options],
+                                      interactive=interactive, timeout=timeout)
+        try:
+            return Outcome(outcome)
+        except ValueError:
+            raise ClientError("", f"gpukilld answered an unknown outcome: {outcome!r}") from None
+
+    async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
+        (result,) = await self._call("ResetDevice", "sa{sv}", [device, {"force": Var("b", force)}],
+                                     interactive=interactive, timeout=600.0 if interactive else 300.0)
+        return from_plain(records.ResetReply, result)
+
+    async def audit_rogue(self, thresholds: dict[str, Any] | None = None) -> list[Finding]:
+        """The rogue-activity audit of the current snapshot (miners, abusers, idle holders), highest score
+        first, filtered as ListProcesses filters: evidence the caller may not see is left out. thresholds: for
+        this scan only (AuditRogueWith: min_score, idle_after, idle_min_memory, abuser_share, as plain values
+        or Vars); None: the settings in force (AuditRogue)."""
+        if thresholds is None:
+            (findings,) = await self._call("AuditRogue")
+        else:
+            (findings,) = await self._call("AuditRogueWith", "a{sv}", [audit_variants(thresholds)])
+        return [from_plain(records.Finding, f) for f in findings]
+
+    async def audit_settings(self) -> AuditSettings:
+        """The audit's settings in force (thresholds, allow-lists)."""
+        (settings,) = await self._call("GetAuditSettings")
+        return from_plain(records.AuditSettings, settings)
+
+    async def set_audit_settings(self, changes: dict[str, Any], *, interactive: bool = False) -> AuditSettings:
+        """Change the given settings (plain values or Vars; the others stay); errors.InvalidArgs when one is
+        invalid (nothing changes then), errors.AccessDenied when polkit says no."""
+        (settings,) = await self._call("SetAuditSettings", "a{sv}", [audit_variants(changes)],
+                                       interactive=interactive, timeout=CALL_TIMEOUT + (300.0 if interactive else 0.0))
+        return from_plain(records.AuditSettings, settings)
+
+    async def export_audit_settings(self) -> str:
+        """The settings in force as an [audit] section (canonical: it imports back to the same text)."""
+        (text,) = await self._call("ExportAuditSettings")
+        return text
+
+    async def import_audit_settings(self, name: str, text: str, *, interactive: bool = False) -> AuditSettings:
+        """Change the settings an [audit] text names; errors.InvalidArgs "NAME:LINE: ..." when it is invalid."""
+        (settings,) = await self._call("ImportAuditSettings", "ss", [name, text], interactive=interactive,
+                                       timeout=CALL_TIMEOUT + (300.0 if interactive else 0.0))
+        return from_plain(records.AuditSettings, settings)
+
+    async def status(self) -> DaemonStatus:
+        (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")
+        sampling = props.get("Sampling")
+        return DaemonStatus(
+            version=props["Version"],
+            sample_interval=props["SampleInterval"],
+            backends=tuple(records.BackendStatus(n, bool(a), d) for n, a, d in props["Backends"]),
+            sampling=from_plain(records.SamplingStatus, sampling) if isinstance(sampling, dict) else None,
+        )
+
+    # -- Guard Mode (org.gpukill1.Guard) ---------------------------------------------------------------
+
+    async def _guard(self, member: str, signature: str = "", body: list | None = None, *,
+                     interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
+        return await self._call(member, signature, body, interface=GUARD_INTERFACE, interactive=interactive,
+                                timeout=timeout + (300.0 if interactive else 0.0))
+
+    async def guard_status(self) -> GuardStatus:
+        (status,) = await self._guard("GetStatus")
+        return from_plain(records.GuardStatus, status)
+
+    async def guard_enable(self, enabled: bool = True, *, interactive: bool = False) -> None:
+        await self._guard("Enable" if enabled else "Disable", interactive=interactive)
+
+    async def guard_set_dry_run(self, dry_run: bool, *, interactive: bool = False) -> None:
+        await self._guard("SetDryRun", "b", [dry_run], interactive=interactive)
+
+    async def guard_load_policy(self, name: str, text: str, *, interactive: bool = False) -> PolicyLoaded:
+        """Make the policy the one in force; errors.InvalidPolicy when it is invalid."""
+        (result,) = await self._guard("LoadPolicy", "ss", [name, text], interactive=interactive)
+        return from_plain(records.PolicyLoaded, result)
+
+    async def guard_test(self, name: str = "", text: str = "") -> list[Decision]:
+        """What a policy (text "": the one in force) would do with the current snapshot; never acts."""
+        (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
+        return [from_plain(records.Decision, d) for d in decisions]
+
+    # -- the managed user, group and GPU policies (files gpukilld keeps in guard.d) -----------------------
+
+    async def guard_list_policies(self) -> list[ManagedPolicyEntry]:
+        (policies,) = await self._guard("ListPolicies")
+        return [from_plain(records.ManagedPolicyEntry, p) for p in policies]
+
+    async def guard_set_policy(self, kind: str, target: str, settings: dict[str, Any], *,
+                               interactive: bool = False) -> ManagedPolicyEntry:
+        """Create or replace the kind's policy for target (settings: memory_limit, utilization_limit,
+        process_limit, allowed_users, reserved_memory, grace as plain values); errors.InvalidArgs for a setting
+        the daemon cannot take, errors.InvalidPolicy when guard.d with it does not validate."""
+        (policy,) = await self._guard("SetPolicy", "ssa{sv}", [kind, target, policy_settings(settings)],
+                                      interactive=interactive)
+        return from_plain(records.ManagedPolicyEntry, policy)
+
+    async def guard_remove_policy(self, kind: str, target: str, *, interactive: bool = False) -> None:
+        await self._guard("RemovePolicy", "ss", [kind, target], interactive=interactive)
+
+    async def guard_export_policies(self) -> str:
+        (text,) = await self._guard("ExportPolicies")
+        return text
+
+    async def guard_import_policies(self, name: str, text: str, *, replace: bool = False,
+                                    interactive: bool = False) -> list[ManagedPolicyEntry]:
+        """All or nothing; replace: the managed policies the text does not name are removed."""
+        (policies,) = await self._guard("ImportPolicies", "ssb", [name, text, replace], interactive=interactive)
+        return [from_plain(records.ManagedPolicyEntry, p) for p in policies]

@@ -1,0 +1,69 @@
+"""gpukillctl's exit statuses: one per kind of failure, and which daemon error ends in which."""
+
+from __future__ import annotations
+
+from gpukill import errors
+
+from .api import ClientError, DaemonUnavailable
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+EXIT_DENIED = 4
+EXIT_NOT_FOUND = 5
+EXIT_CHANGED = 6
+EXIT_REFUSED = 7
+EXIT_BUSY = 8
+EXIT_NOT_SUPPORTED = 9
+EXIT_STILL_ALIVE = 10
+EXIT_RESET_FAILED = 11
+EXIT_INVALID_POLICY = 12
+EXIT_BUSY_TRY_AGAIN = 13
+
+# By the shared error class the client's exception is (client.ERRORS): the D-Bus names are spelled there.
+EXIT_FOR_ERROR: dict[type[Exception], int] = {
+    DaemonUnavailable: EXIT_UNAVAILABLE,
+    errors.AccessDenied: EXIT_DENIED,
+    errors.NoSuchProcess: EXIT_NOT_FOUND,
+    errors.NoSuchDevice: EXIT_NOT_FOUND,
+    errors.ProcessChanged: EXIT_CHANGED,
+    errors.Protected: EXIT_REFUSED,
+    errors.NotAGpuProcess: EXIT_REFUSED,
+    errors.DeviceBusy: EXIT_BUSY,
+    errors.NotSupported: EXIT_NOT_SUPPORTED,
+    errors.ResetFailed: EXIT_RESET_FAILED,
+    errors.InvalidPolicy: EXIT_INVALID_POLICY,
+    errors.InvalidArgs: EXIT_USAGE,
+    errors.TooBusy: EXIT_BUSY_TRY_AGAIN,
+}
+
+
+def exit_code(e: ClientError) -> int:
+    return next((code for cls, code in EXIT_FOR_ERROR.items() if isinstance(e, cls)), EXIT_FAILURE)
+
+
+EXIT_CODES_HELP = """\
+exit status:
+  0   success
+  1   other failure
+  2   usage error or invalid arguments
+  3   gpukilld or the system bus is not reachable
+  4   access denied (polkit said no)
+  5   no such process or GPU
+  6   the PID now belongs to another process (list again)
+  7   refused: protected process (PID 1, kernel thread, gpukilld) or not a GPU process
+  8   GPU busy: processes still use it (reset --force kills them first)
+  9   not supported on this GPU
+  10  the process is still alive after the grace period (kill --force sends SIGKILL)
+  11  GPU reset failed; the device was left as it was
+  12  the guard policy is invalid (each error as FILE:LINE:COL: message; the policy in force stays)
+  13  too busy: a limit per user was reached (authorizations waiting for polkit, a policy test running);
+      nothing was done, try again
+
+JSON (list --json) is stable: {"format": 1, "devices": [...], "processes": [...]}; every key is always present,
+null where the daemon cannot read a value.
+
+manual pages:
+  man gpukillctl        commands, options, the JSON keys
+  man gpukill-policy    Guard Mode policies (guard load, test, validate)"""
