@@ -94,6 +94,8 @@ class Snapshot:
     backends: tuple[BackendStatus, ...]
     # The rogue-activity audit of these processes (gpukilld/rogue/score.py), every finding in full, highest score first.
     findings: tuple[Finding, ...] = ()
+    # CLOCK_MONOTONIC when taken: what usage accounting measures intervals on (the wall clock may jump).
+    monotonic: float = 0.0
 
     def find_device(self, key: str) -> Device | None:
         """A device by global index, id (UUID) or PCI bus id; ids are matched case-insensitively."""

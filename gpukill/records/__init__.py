@@ -22,7 +22,7 @@ Split by who needs them, and loaded on first use: a frozen, slotted dataclass ge
 when its class statement runs (~0.35 ms each), and a one-shot `gpukillctl list` needs 3 of the 24 records. So
 `from gpukill.records import X` (or `records.X`) imports X's module the first time X is asked for; the
 declaring modules are base (wire() and the plain form), manager (devices, processes, a reset's reply, backends, sampling),
-audit, guard and signals. tests/test_records.py checks that _HOME names every public name of those modules.
+audit, guard, signals and usage. tests/test_records.py checks that _HOME names every public name of those modules.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(("ProcessKilled", "DeviceReset", "DeviceStateChanged", "PolicyViolated", "GuardActionTaken",
                      "SnapshotChanged", "NO_UID", "Notification", "SIGNALS", "SIGNAL_OF", "Event",
                      "signal_record"), "signals"),
+    **dict.fromkeys(("USAGE_BY", "ENDED_LIVE", "ENDED_EXITED", "ENDED_LEFT", "ENDED_DAEMON_DOWN", "UsageRecord",
+                     "UsageRow", "UsageReport"), "usage"),
 }
 
 __all__ = ["Wire", "from_plain", "known_values", "left_out", "names", "specs", "to_plain", "wire", *_HOME]
@@ -59,6 +61,8 @@ def __getattr__(name: str) -> Any:
         from . import guard as module
     elif home == "signals":
         from . import signals as module
+    elif home == "usage":
+        from . import usage as module
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(module, name)

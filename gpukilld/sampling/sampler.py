@@ -328,6 +328,7 @@ class Sampler:
             processes=content[1],
             backends=content[2],
             findings=findings,
+            monotonic=now,
         )
         return snapshot, changes
 
