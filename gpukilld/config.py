@@ -36,6 +36,10 @@
     from = gpukilld@HOSTNAME
     timeout = 10                     # seconds per delivery attempt (SMTP or webhook); 3 attempts
 
+    [usage]                          # GPU usage accounting (gpukillctl usage)
+    enabled = yes                    # no: nothing is accounted, GetUsage answers NotSupported
+    keep_days = 400                  # the store's records older than this are deleted, once a day
+
 Command-line options win over the file. A missing file is fine (defaults); a broken one is an error that
 names the file and line.
 """
@@ -88,6 +92,8 @@ class Config:
     guard_protect_system_users: bool = True
     guard_protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
     audit: AuditSettings = AuditSettings()
+    usage_enabled: bool = True
+    usage_keep_days: int = 400
 
     @property
     def guard_protected_uid_max(self) -> int | None:
@@ -98,7 +104,8 @@ class Config:
 _KNOWN = {"daemon": {"sample_interval", "simulate", "backends"}, "paths": {"proc", "sys", "debugfs"},
           "guard": {"policy_dir", "state_dir", "protect_system_users", "protected_units"},
           "notify": {"smtp_host", "smtp_port", "from", "timeout"},
-          "audit": set(audit_settings.KEYS)}
+          "audit": set(audit_settings.KEYS), "usage": {"enabled", "keep_days"}}
+MAX_KEEP_DAYS = 36500  # a century: past it, a typo
 
 
 def read_sys_uid_max(path: str = LOGIN_DEFS) -> int:
@@ -193,6 +200,7 @@ def load_config(path: str, required: bool = False) -> Config:
                 raise ConfigError(f"{path}:{_line_of(path, 'guard', key) or '?'}: {key} must not be empty")
             values[field] = value
     values.update(_protection(parser, path))
+    values.update(_usage(parser, path))
     audit = AuditSettings()
     if parser.has_section("audit"):
         with open(path, encoding="utf-8") as f:
@@ -233,6 +241,24 @@ def _protection(parser: configparser.ConfigParser, path: str) -> dict[str, objec
                 raise ConfigError(f"{where}: protected_units: {pattern!r} is not a unit name or pattern "
                                   "(e.g. dbus.service, getty@*.service)")
         values["guard_protected_units"] = patterns
+    return values
+
+
+def _usage(parser: configparser.ConfigParser, path: str) -> dict[str, object]:
+    """[usage] enabled (yes/no) and keep_days (whole days, 1 to MAX_KEEP_DAYS)."""
+    values: dict[str, object] = {}
+    if parser.has_option("usage", "enabled"):
+        try:
+            values["usage_enabled"] = parser.getboolean("usage", "enabled")
+        except ValueError:
+            where = f"{path}:{_line_of(path, 'usage', 'enabled') or '?'}"
+            raise ConfigError(f"{where}: enabled must be yes or no") from None
+    if parser.has_option("usage", "keep_days"):
+        where = f"{path}:{_line_of(path, 'usage', 'keep_days') or '?'}"
+        text = parser["usage"]["keep_days"].strip()
+        if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_KEEP_DAYS):
+            raise ConfigError(f"{where}: keep_days must be a whole number of days between 1 and {MAX_KEEP_DAYS}")
+        values["usage_keep_days"] = int(text)
     return values
 
 

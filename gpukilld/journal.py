@@ -71,9 +71,13 @@ GUARD_MANAGED_POLICY = EventKind("guard-managed-policy", "783a2a0d13b04cf29e6839
 # GPUKILL_OPERATION, GPUKILL_KEYS, GPUKILL_FILE, GPUKILL_SETTINGS (the new [audit] text), GPUKILL_CALLER_UID.
 AUDIT_SETTINGS = EventKind("audit-settings", "33e4adac4eb74fbf8dbfac9f87af110b", syslog.LOG_NOTICE)
 
+# GPU usage accounting: one entry per process per GPU when it ends or leaves that GPU (gpukilld/usage/), its
+# totals in the fields of gpukilld/usage/journal_form.py; the store (usage.sqlite) is rebuilt from these.
+USAGE = EventKind("usage", "98e32adeb63e433194c9884c760b9489", syslog.LOG_INFO)
+
 ALL_KINDS = (KILL, KILL_DENIED, KILL_FAILED, RESET, RESET_DENIED, RESET_FAILED, DEVICE_STATE, DAEMON,
              GUARD_VIOLATION, GUARD_ACTION, GUARD_DRY_RUN, GUARD_POLICY, GUARD_NOTIFY_FAILED, GUARD_NOTICE,
-             GUARD_MANAGED_POLICY, AUDIT_SETTINGS)
+             GUARD_MANAGED_POLICY, AUDIT_SETTINGS, USAGE)
 
 
 def field_name(key: str) -> str:

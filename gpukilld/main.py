@@ -40,6 +40,7 @@ from .bus.door import Door
 from .bus.guard import GuardInterface
 from .bus.manager import ManagerInterface
 from .config import DEFAULT_PATH, Config, check_interval, load_config
+from .guard.clocks import process_alive
 from .guard.engine import Violation
 from .guard.notify import Notice
 from .guard.runner import GuardRunner, notify_config, protection_of
@@ -49,6 +50,8 @@ from .proc.procfs import ProcFS
 from .rogue.watch import RogueWatch
 from .sampling.proc_events import open_for as open_proc_events
 from .sampling.sampler import Sampler, StateChange
+from .usage.keeper import UsageKeeper
+from .usage.store import UsageStore
 
 log = logging.getLogger("gpukilld")
 
@@ -74,6 +77,7 @@ class Daemon:
         self._snapshot_waiters: list[asyncio.Future[Snapshot]] = []
         self._stop = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.usage: UsageKeeper | None = None  # GPU usage accounting, while [usage] enabled
 
     # -- configuration ---------------------------------------------------------------------------------
 
@@ -124,6 +128,8 @@ class Daemon:
             if not fut.done():
                 fut.set_result(snap)
         self.guard.on_snapshot(snap)  # evaluates and starts kills as tasks; never raises, never waits
+        if self.usage is not None:
+            self.usage.on_snapshot(snap)  # O(1) while the generation does not move; never raises
         self.sampler.taken(snap)  # the loop is alive: the sampler may ping the watchdog again
 
     async def next_snapshot(self) -> Snapshot:
@@ -179,9 +185,30 @@ class Daemon:
             self._close_when_unused(replaced)
             self.guard.configure(notify_config(config), config.guard_policy_dir, config.guard_state_dir,
                                  protection_of(config))
+            self._configure_usage()
             self.audit.log(journal.DAEMON, "Configuration reloaded", result="reloaded")
         self.guard.reload_files()  # a broken policy file leaves the policy in force (and says so)
         self.notifier.notify(f"READY=1\nSTATUS={self._status}")
+
+    def _configure_usage(self) -> None:
+        """[usage] enabled: the keeper started (the saved totals restored, the store opened) or stopped (the
+        totals saved, what closed written); keep_days as configured."""
+        if self.config.usage_enabled and self.usage is None:
+            state_dir = self.config.guard_state_dir
+            try:
+                store = UsageStore(os.path.join(state_dir, "usage.sqlite"))
+                self.usage = UsageKeeper(self.audit, store, state_dir, keep_days=self.config.usage_keep_days,
+                                         alive=process_alive(self.config.proc_root))
+            except Exception:  # the daemon serves and enforces without the accounting rather than not at all
+                log.exception("GPU usage accounting could not be set up; it is off")
+            else:
+                self.usage.start()  # never raises
+        elif not self.config.usage_enabled and self.usage is not None:
+            self.usage.stop()
+            self.usage = None
+        if self.usage is not None:
+            self.usage.keep_days = self.config.usage_keep_days
+        self.manager.usage = self.usage
 
     def _close_when_unused(self, replaced: list) -> None:
         """Close the backends a reload replaced (NVML handles, threads, ROCm SMI) once no sample uses them.
@@ -254,6 +281,7 @@ class Daemon:
                                  protection=protection_of(self.config), signals=self, reset=self.actions.reset,
                                  proc_root=self.config.proc_root)
         self.guard_interface = GuardInterface(self.guard, bouncer, lambda: self.snapshot)
+        self.manager.usage = None  # GetUsage answers NotSupported until the keeper starts (below), or if off
         busio.tolerate_full_socket(bus)
         bus.add_message_handler(Door(bus, bouncer, self.manager.early_answer))
         bus.export(OBJECT_PATH, self.manager)
@@ -276,6 +304,8 @@ class Daemon:
 
         # Only now that the name is ours: a second gpukilld that loses the name must never enforce anything.
         self.guard.start()
+        # Usage accounting too: a second daemon must not write the first one's records, nor its state file.
+        self._configure_usage()
         # Observers that list on SnapshotChanged (clients check a signal's sender against the name's owner, so
         # the first sample's signal, sent before the name was ours, reached no one): list now, a new daemon.
         self.manager.SnapshotChanged(self.snapshot.generation)
@@ -294,6 +324,8 @@ class Daemon:
         self.notifier.notify("STOPPING=1")
         self.sampler.stop()
         self.guard.stop()  # saves counters; notices still queued are dropped (the journal has every event)
+        if self.usage is not None:
+            self.usage.stop()  # saves the open records' totals, writes what closed
         if disconnected in done:
             log.error("lost the system bus connection")
             self.audit.log(journal.DAEMON, "gpukilld lost the system bus; exiting", result="bus-lost")

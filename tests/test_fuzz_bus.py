@@ -87,7 +87,7 @@ assert set(METHODS) == {
     (GUARD, "TestPolicies"), (GUARD, "ListPolicies"), (GUARD, "SetPolicy"), (GUARD, "RemovePolicy"),
     (GUARD, "ExportPolicies"), (GUARD, "ImportPolicies"),
     (MANAGER, "AuditRogueWith"), (MANAGER, "GetAuditSettings"), (MANAGER, "SetAuditSettings"),
-    (MANAGER, "ExportAuditSettings"), (MANAGER, "ImportAuditSettings"),
+    (MANAGER, "ExportAuditSettings"), (MANAGER, "ImportAuditSettings"), (MANAGER, "GetUsage"),
 }, f"the XML's methods changed: update this fuzz ({sorted(METHODS)})"
 MEMBER_IFACE = {member: iface for iface, member in METHODS}  # every member name is unique to one interface
 assert len(MEMBER_IFACE) == len(METHODS)
@@ -284,6 +284,9 @@ AUDIT_SETTING_TYPES = {"min_score": ("d", "u"), "idle_after": ("d",), "idle_min_
                        "abuser_share": ("d",), "abuser_window": ("d",), "pool_ports": ("aq",),
                        "allowed_users": ("as",), "allowed_processes": ("as",)}
 AUDIT_TEXTS = ["[audit]\nmin_score = 10\n", "[audit]\nidle_after = nan\n", "[guard]\nx = 1\n", "{"]
+USAGE_QUERY_TYPES = {"since": ("d", "t", "i"), "until": ("d", "x", "u"), "by": ("s",), "user": ("s", "u"),
+                     "name": ("s",), "unit": ("s",), "job": ("s",), "pod": ("s",), "device": ("s", "u"),
+                     "limit": ("u", "y")}
 POLICY_SETTING_TYPES = {"memory_limit": ("t", "u"), "utilization_limit": ("d",), "process_limit": ("u",),
                         "allowed_users": ("as",), "reserved_memory": ("t",), "grace": ("d",)}
 # (pid, start_time) of the victim, the bystander and gpukilld itself: filled in by the fixture, and read when
@@ -319,6 +322,7 @@ ARGS = {  # per method, the values of its arguments when it is called with its o
     "GetAuditSettings": st.just([]), "ExportAuditSettings": st.just([]),
     "SetAuditSettings": st.tuples(options(AUDIT_SETTING_TYPES)).map(list),
     "ImportAuditSettings": st.tuples(texts, st.one_of(st.sampled_from(AUDIT_TEXTS), texts)).map(list),
+    "GetUsage": st.tuples(options(USAGE_QUERY_TYPES)).map(list),
 }
 assert set(ARGS) == {m for _, m in METHODS}
 
@@ -418,7 +422,7 @@ MINIMAL_ARGS = {"ListDevices": [], "AuditRogue": [], "ListProcesses": [[]], "Lis
                 "ListPolicies": [], "ExportPolicies": [], "SetPolicy": ["user", "gpkfuzz", {}],
                 "RemovePolicy": ["user", "gpkfuzz"], "ImportPolicies": ["explicit", "{", False],
                 "AuditRogueWith": [[]], "GetAuditSettings": [], "ExportAuditSettings": [],
-                "SetAuditSettings": [[]], "ImportAuditSettings": ["explicit", "{"]}
+                "SetAuditSettings": [[]], "ImportAuditSettings": ["explicit", "{"], "GetUsage": [[]]}
 SET_VALUES = {"s": "9.9", "d": 0.001, "a(sbs)": [["fake", True, ""]], "a{sv}": {}}  # one of each property's type
 EXPLICIT = [
     *(_spec(iface, member, METHODS[(iface, member)][0], MINIMAL_ARGS[member]) for iface, member in sorted(METHODS)),

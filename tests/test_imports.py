@@ -40,9 +40,9 @@ DISPATCHED = {"gpukillctl.top.app", "gpukillctl.top.monitor", "gpukillctl.notify
               "gpukillctl.serve.mcp_cli", "gpukillctl.exporter.main"}
 # gpukilld: data flows up this list, from the base (the snapshot's records, the configuration and the audit's
 # settings it reads, the journal writer, the bus names) through /proc, the backends, sampling, access, the
-# rogue audit, the acts on processes and devices and Guard, to the bus; main.py wires them all. A folder
-# imports its own and those before it, never one after it.
-DAEMON_FLOW = ("base", "proc", "backends", "sampling", "access", "rogue", "acts", "guard", "bus", "main")
+# rogue audit, the acts on processes and devices, Guard and usage accounting, to the bus; main.py wires them
+# all. A folder imports its own and those before it, never one after it.
+DAEMON_FLOW = ("base", "proc", "backends", "sampling", "access", "rogue", "acts", "guard", "usage", "bus", "main")
 DAEMON_ROOT = {"gpukilld": "base", "gpukilld.model": "base", "gpukilld.config": "base",
                "gpukilld.audit_settings": "base", "gpukilld.journal": "base", "gpukilld.names": "base",
                "gpukilld.main": "main", "gpukilld.__main__": "main"}

@@ -75,6 +75,8 @@ METHOD_ACTIONS: dict[Method, str] = {
     (MANAGER_INTERFACE, "ExportAuditSettings"): READ_ONLY,
     (MANAGER_INTERFACE, "SetAuditSettings"): CONFIGURE_AUDIT,
     (MANAGER_INTERFACE, "ImportAuditSettings"): CONFIGURE_AUDIT,
+    # GPU usage accounting: everyone sees their own records, others' as the listings show others' processes
+    (MANAGER_INTERFACE, "GetUsage"): READ_ONLY,
     KILL_METHOD: OwnOrAny(own=KILL_OWN, others=KILL_ANY),
     RESET_METHOD: RESET_DEVICE,
     # Guard Mode: reading the state and asking what a policy would do (TestPolicies never acts) are open to
