@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 from unittest.mock import call
 
@@ -33,6 +34,8 @@ from gpukill.records import (
     PolicyLoaded,
     Process,
     ResetReply,
+    UsageReport,
+    UsageRow,
 )
 from gpukillctl.cli import compat
 from gpukillctl.cli import main as cli
@@ -163,6 +166,18 @@ class RecordingClient:
         self._record("import_audit_settings", name, text)
         return self.settings
 
+    async def usage(self, query=None):
+        """GetUsage: recorded with since as hours before now (the instant moves; the range asked does not)."""
+        query = dict(query or {})
+        if "since" in query:
+            query["since"] = f"{(time.time() - query['since']) / 3600:.1f}h ago"
+        self._record("usage", query)
+        now = time.time()
+        by = query.get("by", "user")
+        row = UsageRow(key="alice" if by == "user" else "4343:888", uid=1000, user="alice", processes=1,
+                       gpu_seconds=3600.0, memory_byte_seconds=float(1 << 30) * 3600)
+        return UsageReport(since=now - 86400, until=now, by=by, rows=(row,), rows_total=1)
+
 
 def run(argv: list[str], client: RecordingClient | None = None) -> tuple[int, RecordingClient]:
     client = client or RecordingClient()
@@ -271,6 +286,17 @@ MAPPINGS = [
      [call.audit_settings(), call.set_audit_settings({"allowed_processes": []})]),
     (["--audit", "--rogue-export-config"], [call.export_audit_settings()]),
     (["--audit", "--rogue-import-config", str(POLICY)], [call.import_audit_settings(POLICY_PATH, POLICY.read_text())]),
+    # gpu-kill's usage audit: gpukillctl usage (its records per process; the summary's top users and processes)
+    (["--audit"], [call.usage({"by": "process"})]),
+    (["--audit", "--output", "json"], [call.usage({"by": "process"})]),
+    (["--audit", "--audit-hours", "6"], [call.usage({"by": "process", "since": "6.0h ago"})]),
+    (["--audit", "--audit-user", "john"], [call.usage({"by": "process", "user": "john"})]),
+    (["--audit", "--audit-process", "tensorflow", "--audit-hours", "1.5"],
+     [call.usage({"by": "process", "name": "tensorflow", "since": "1.5h ago"})]),
+    (["--audit", "--audit-summary"], [call.usage({"by": "user"}), call.usage({"by": "process"})]),
+    (["--audit", "--audit-summary", "--audit-user", "alice", "--audit-hours", "168"],
+     [call.usage({"by": "user", "user": "alice", "since": "168.0h ago"}),
+      call.usage({"by": "process", "user": "alice", "since": "168.0h ago"})]),
 ]
 
 
@@ -396,13 +422,17 @@ REFUSALS = [
     (["--guard-enable"], 2, ["--guard-enable without an operation: it is an option of --guard",
                              "instead: gpukillctl guard enable"]),
     (["--pid", "5", "--force"], 2, ["--pid without an operation", "instead: gpukillctl kill 5"]),
-    (["--audit"], 9, ["--audit is not supported yet", "journalctl -t gpukilld"]),
     (["--rogue"], 2, ["--rogue without an operation: it is an option of --audit", "instead: gpukillctl audit"]),
     (["--list", "--rogue"], 2, ["--rogue is an option of --audit, not of --list", "gpukillctl list"]),
-    (["--audit", "--audit-hours", "3"], 9, ["--audit-hours is not supported yet", "usage accounting is not built",
-                                            "instead: the audit of now", "gpukillctl audit"]),
-    (["--audit", "--audit-user", "bob"], 9, ["not built yet", "gpukillctl list --user bob\n"]),
-    (["--audit", "--audit-process=^py", "--audit-hours", "3"], 9, ["not built yet", "gpukillctl list --name-regex '^py'\n"]),
+    # gpu-kill's usage audit is gpukillctl usage; with the rogue scan or a settings request it is a second request
+    (["--audit", "--rogue", "--audit-hours", "48"], 2,
+     ["--audit-hours with --rogue: the usage over time and the rogue-activity audit of the GPUs now are two "
+      "requests", "instead: gpukillctl usage --by process --since 48h; then gpukillctl audit\n"]),
+    (["--audit", "--audit-user", "bob", "--rogue-whitelist-user", "x"], 2,
+     ["two requests", "gpukillctl usage --by process --user bob; then gpukillctl audit settings allow-user x"]),
+    (["--audit", "--audit-hours", "0"], 2, ["a number of hours must be more than 0"]),
+    (["--audit", "--audit-hours", "a day"], 2, ["not a number of hours"]),
+    (["--list", "--audit-summary"], 2, ["--audit-summary is an option of --audit, not of --list"]),
     (["--kill", "--pid", "5", "--vendor", "amd"], 2, ["--vendor is an option of --list, not of --kill",
                                                       "gpukillctl kill 5"]),
     (["--reset", "--gpu", "0", "--containers"], 2, ["--containers is an option of --list", "gpukillctl reset 0"]),
@@ -506,7 +536,7 @@ def missing_in_gpukillctl(words: list[str]) -> str | None:
 
 def test_every_replacement_names_what_exists():
     """The gpukillctl commands, condition types and scopes the refusals name are real ones."""
-    for flag, instead in {**compat.UNSUPPORTED, **compat.USAGE_AUDIT}.items():
+    for flag, instead in compat.UNSUPPORTED.items():
         commands = gpukillctl_commands(instead)
         assert commands, (flag, instead)
         for words in commands:
@@ -517,6 +547,20 @@ def test_every_replacement_names_what_exists():
             assert scope in rules.SCOPES, (flag, scope)
     assert "gpukillctl -H HOST" in compat.UNSUPPORTED["--register-node"]
     assert "gpukillctl exporter" in compat.UNSUPPORTED["--register-node"]
+
+
+@pytest.mark.parametrize("argv,commands", [
+    (["--audit"], ["gpukillctl usage --by process"]),
+    (["--audit", "--audit-summary", "--audit-hours", "168", "--output", "json"],
+     ["gpukillctl usage --by user --since 168h --json", "gpukillctl usage --by process --since 168h --json"]),
+    (["--audit", "--audit-user", "alice", "--audit-process", "pytorch", "--audit-hours", "12"],
+     ["gpukillctl usage --by process --user alice --name pytorch --since 12h"]),
+])
+def test_usage_audit_is_gpukillctl_usage(argv, commands):
+    """gpu-kill's usage audit flags are gpukillctl usage's options, parsed by gpukillctl's own parser."""
+    assert list(compat.plan(argv).commands) == commands
+    for command in commands:
+        assert missing_in_gpukillctl(command.split()[1:]) is None, command
 
 
 @pytest.mark.parametrize("argv,serve", [
@@ -766,5 +810,6 @@ def test_console_script_is_declared():
     assert "from gpukillctl.cli.compat import main" in wrapper
     script = Path(PYTHON).parent / "gpukill"
     if script.exists():  # installed by `pip install -e .` (make test)
-        r = subprocess.run([str(script), "--audit"], capture_output=True, text=True, timeout=30)
-        assert r.returncode == 9 and r.stderr.startswith("gpukill: --audit is not supported yet"), r
+        r = subprocess.run([str(script), "--audit", "--rogue", "--audit-hours", "2"], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 2 and r.stderr.startswith("gpukill: --audit-hours with --rogue"), r

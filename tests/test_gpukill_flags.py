@@ -37,7 +37,7 @@ from test_gpukill_compat import (
 from gpukill.records import Device
 from gpukillctl.cli import compat
 from gpukillctl.cli import main as cli
-from gpukillctl.client.exits import EXIT_NOT_SUPPORTED, EXIT_OK, EXIT_USAGE
+from gpukillctl.client.exits import EXIT_OK, EXIT_USAGE
 from gpukilld import journal as audit
 
 DATA = REPO / "tests" / "data" / "gpu-kill"
@@ -66,7 +66,7 @@ SMALLEST: dict[str, tuple[str, tuple[str, ...] | str]] = {
     "--list": ("--list", LISTING),
     "--kill": ("--kill --pid 4343", ("list_processes", "kill")),
     "--reset": ("--reset --gpu 0", ("reset",)),
-    "--audit": ("--audit", "refused"),
+    "--audit": ("--audit", ("usage",)),
     "--server": ("--server", "serve"),
     "--open": ("--server --open", "refused"),
     "--details": ("--list --details", LISTING),
@@ -81,10 +81,10 @@ SMALLEST: dict[str, tuple[str, tuple[str, ...] | str]] = {
     "--filter": ("--kill --filter python", LISTING),
     "--batch": ("--kill --filter python --batch", ("list_processes", "kill", "kill")),  # python3 and python
     "--containers": ("--list --containers", LISTING),
-    "--audit-user": ("--audit --audit-user alice", "refused"),
-    "--audit-process": ("--audit --audit-process python", "refused"),
-    "--audit-hours": ("--audit --audit-hours 48", "refused"),
-    "--audit-summary": ("--audit --audit-summary", "refused"),
+    "--audit-user": ("--audit --audit-user alice", ("usage",)),
+    "--audit-process": ("--audit --audit-process python", ("usage",)),
+    "--audit-hours": ("--audit --audit-hours 48", ("usage",)),
+    "--audit-summary": ("--audit --audit-summary", ("usage", "usage")),
     "--rogue": ("--audit --rogue", ("audit_rogue",)),
     "--rogue-config": ("--audit --rogue-config", ("audit_settings",)),
     "--rogue-memory-threshold": ("--audit --rogue-memory-threshold 15", "refused"),
@@ -200,9 +200,7 @@ def check_refusal(r: Ran) -> None:
     assert r.out == "", r.out
     assert r.err.startswith("gpukill: ") and r.err.count("\n") == 1 and "; instead: " in r.err, r.err
     assert "unrecognized arguments" not in r.err, r.err
-    assert r.code in (EXIT_USAGE, EXIT_NOT_SUPPORTED), r.code
-    if r.code == EXIT_NOT_SUPPORTED:
-        assert "not built yet" in r.err, r.err  # the usage audit: the accounting does not exist yet
+    assert r.code == EXIT_USAGE, r.code
     instead = r.err.split("; instead: ", 1)[1]
     commands = gpukillctl_commands(instead)
     assert commands, f"names no gpukillctl command: {r.err}"

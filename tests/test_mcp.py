@@ -34,11 +34,11 @@ mcp_client = pytest.importorskip("mcp.client.client", reason="the mcp SDK is not
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
 READ_ONLY_TOOLS = {"list_devices", "list_processes", "audit_rogue", "guard_status", "guard_test_policy",
-                   "list_policies"}
+                   "list_policies", "usage"}
 DESTRUCTIVE_TOOLS = {"kill_process", "reset_device", "kill_processes_by_name", "create_user_policy",
                      "remove_user_policy"}
 RESOURCES = {"gpukill://devices", "gpukill://processes", "gpukill://guard/status", "gpukill://guard/policies",
-             "gpukill://audit"}
+             "gpukill://audit", "gpukill://usage"}
 POLKIT_POLICY = REPO / "polkit" / "org.gpukill.policy"
 
 
@@ -96,6 +96,9 @@ def test_tools_declare_hints_and_output_schemas(bed, users):
     assert set(by_name["create_user_policy"].input_schema["properties"]) == {
         "username", "memory_limit_gb", "utilization_limit_pct", "process_limit", "grace_seconds"}
     assert all(t.input_schema.get("additionalProperties") is False for t in tools)
+    assert set(by_name["usage"].input_schema["properties"]) == {
+        "hours", "by", "user", "name", "unit", "job", "pod", "device", "limit"}
+    assert "UsageRow" in outputs["usage"]["$defs"]
 
 
 def test_descriptions_say_what_polkit_decides():

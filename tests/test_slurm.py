@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -262,3 +264,26 @@ def test_the_epilogs_line_keeps_a_process_name_with_backslashes(victims, users, 
     assert named.wait(5) is not None
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("gpukill-slurm: job 4343:")]
     assert f"PID {named.pid} (x\\c) terminated" in line, r.stderr
+
+
+@needs_root
+def test_the_epilog_says_the_ended_jobs_gpu_use_in_one_line(victims, users, tmp_path):
+    """After the cleanup, the job's totals on this node from gpukilld's accounting (gpukillctl usage --job ID
+    --by job), as systemd's "Consumed ..." line; a gpukillctl that fails there never fails the epilog."""
+    bed = victims
+    ctl = f'exec {PYTHON} -m gpukillctl "$@"'
+    job = _job_victim(bed, users["owner"], "6161", gpu=0)
+    bed.wait_listed(job.pid)
+    time.sleep(3)
+    started = int(time.time()) - 60
+    r = _run_script(bed, "epilog", _script_env(tmp_path, "6161", "0", ctl, GPUKILL_EPILOG_GRACE="1",
+                                               SLURM_JOB_START_TIME=str(started)))
+    assert r.returncode == 0, r
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("gpukill-slurm: job 6161 used: ")]
+    assert re.fullmatch(r"gpukill-slurm: job 6161 used: GPU time \d+s, SM time \S+( \S+)?, memory \d+\.\d+ GiB·h, "
+                        r"peak [\d.]+ \S+, energy \d+ J; processes: 1( \(1 live\))?", line), line
+    r = _run_script(bed, "epilog", _script_env(tmp_path, "6262", "", ctl))  # a job that never used a GPU here
+    assert r.returncode == 0 and "gpukill-slurm: job 6262 used: no GPU on this node" in r.stderr, r
+    fails = 'case "$1" in usage) echo "gpukillctl: GetUsage failed" >&2; exit 1 ;; esac; exec ' + ctl[5:]
+    r = _run_script(bed, "epilog", _script_env(tmp_path, "6363", "", fails))
+    assert r.returncode == 0 and "job 6363 used: unknown (gpukillctl: GetUsage failed)" in r.stderr, r

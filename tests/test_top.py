@@ -235,3 +235,15 @@ def test_top_stays_responsive_with_8_gpus_and_2048_processes_and_shows_guard(cro
         assert f"rule evict-doomed kills PID {doomed.pid} (doomed, user gpkowner) in" in screen
     finally:
         pane.close()
+
+
+def test_top_shows_the_sessions_gpu_totals(terminal, victims, users):
+    """The line between the GPUs and the processes: GPU time, memory and energy since top started (GetUsage)."""
+    owner = users["owner"]
+    victims.wait_listed(victims.victim(owner, gpu=0, mem="4GiB", util=60, comm="sessiontot").pid)
+    pane = terminal(owner)
+    screen = pane.wait_for(lambda s: re.search(r"^session \(\d+s\): GPU time [1-9]\d*s, memory \d+\.\d\d GiB·h, "
+                                               r"energy \d+ J", s, re.M), timeout=30)
+    assert screen.startswith("gpukill top - ")
+    pane.keys("q")
+    pane.wait_for(f"{EXITED}0]")

@@ -27,7 +27,6 @@ from ..client.exits import (
     EXIT_CODES_HELP,
     EXIT_FAILURE,
     EXIT_NOT_FOUND,
-    EXIT_NOT_SUPPORTED,
     EXIT_OK,
     EXIT_USAGE,
     exit_code,
@@ -74,25 +73,10 @@ UNSUPPORTED: dict[str, str] = {
                       "(or use a key); a password on the command line is visible to every user in ps",
 }
 
-# gpu-kill's usage audit reads a history of samples it keeps; gpukill keeps none yet (the usage accounting is
-# another issue's), so these are refused with the nearest thing that exists now.
-USAGE_AUDIT: dict[str, str] = {
-    "--audit": "who is on the GPUs now: gpukillctl list; what was done: journalctl -t gpukilld; rogue activity "
-               "now: gpukill --audit --rogue (gpukillctl audit)",
-    "--audit-user": "that user's processes now: gpukillctl list --user {}",
-    "--audit-process": "those processes now: gpukillctl list --name-regex {}",
-    "--audit-hours": "the audit of now, with abusers over the last abuser_window: gpukillctl audit",
-    "--audit-summary": "who uses the GPUs now, live: gpukillctl top",
-}
-
-
-def usage_audit_refusal(flag: str, value: str | None = None) -> Refused:
-    """The value (--audit-user's user, --audit-process's pattern) goes into the command named, where it has one."""
-    placeholder = {"--audit-user": "USER", "--audit-process": "PATTERN"}.get(flag, "")
-    usable = value is not None and not value.startswith("-")
-    instead = USAGE_AUDIT[flag].replace("{}", shlex.quote(value) if usable and placeholder else placeholder)
-    return Refused(f"{flag} is not supported yet: it reads a usage history, and gpukill keeps none (the usage "
-                   "accounting is not built yet)", instead, EXIT_NOT_SUPPORTED)
+# gpu-kill's usage audit (--audit alone or with --audit-*) is gpukillctl usage, gpukilld's accounting: each flag
+# the option of gpukillctl usage that means the same (usage_argvs).
+USAGE_DESTS = ("audit_user", "audit_process", "audit_hours", "audit_summary")
+GPU_KILL_AUDIT_HOURS = 24  # gpu-kill's --audit-hours default: gpukillctl usage's own default range too
 
 
 class Refused(Exception):
@@ -112,9 +96,9 @@ EPILOG = f"""\
 Each operation runs the gpukillctl command named in its help, the same way: its output, JSON and exit
 statuses are gpukillctl's (see gpukillctl(1) and gpukill(1)). A gpu-kill flag that gpukill does not take, or a
 combination whose meaning is not certain, is refused with one line naming what to run instead (exit status 2);
-nothing is guessed. --kill --filter or --gpu with --batch that finds no process exits with 5 (--dry-run too);
-gpu-kill's usage audit (--audit alone, --audit-user, --audit-process, --audit-hours, --audit-summary) exits
-with 9: the usage accounting is not built yet.
+nothing is guessed. --kill --filter or --gpu with --batch that finds no process exits with 5 (--dry-run too).
+gpu-kill's usage audit (--audit alone, --audit-user, --audit-process, --audit-hours, --audit-summary) is
+gpukillctl usage: gpukilld's accounting of every GPU process.
 
 {EXIT_CODES_HELP}"""
 
@@ -168,6 +152,14 @@ def _number(text: str, what: str, low: float, high: float) -> float:
         raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
     if not low <= value <= high:  # nan fails both comparisons
         raise argparse.ArgumentTypeError(f"{what} must be between {low:g} and {high:g}, not {text}")
+    return value
+
+
+def hours(text: str) -> float:
+    """gpu-kill's --audit-hours: a number of hours, more than 0 and at most a century."""
+    value = _number(text, "a number of hours", 0, 100 * 365 * 24)  # gpukillctl usage goes back a century
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a number of hours must be more than 0, not {text}")
     return value
 
 
@@ -275,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "--policy-file, that change")
     ops.add_argument("--audit", action="store_true",
                      help="with --rogue: the rogue-activity audit (gpukillctl audit); with a --rogue-* setting, "
-                          "that change (gpukillctl audit settings); alone, gpu-kill's usage history: not "
-                          "supported yet (exit status 9), the usage accounting is not built")
+                          "that change (gpukillctl audit settings); alone or with --audit-*, gpu-kill's usage "
+                          "audit: GPU use per process over the last 24 hours (gpukillctl usage --by process)")
     ops.add_argument("--server", action="store_true",
                      help="the REST API and MCP over HTTP, as you (gpukillctl serve): on its Unix socket, or with "
                           "--server-port on TCP on loopback")
@@ -395,6 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
                               "gpukillctl guard dry-run on|off), and say which")
 
     audit = p.add_argument_group("with --audit")
+    audit.add_argument("--audit-user", metavar="USER",
+                       help="only USER's GPU use (gpukillctl usage --user USER)")
+    audit.add_argument("--audit-process", metavar="NAME",
+                       help="only processes whose name contains NAME (gpukillctl usage --name NAME)")
+    audit.add_argument("--audit-hours", type=hours, metavar="HOURS",
+                       help=f"over the last HOURS hours (gpukillctl usage --since HOURSh; default "
+                            f"{GPU_KILL_AUDIT_HOURS})")
+    audit.add_argument("--audit-summary", action="store_true",
+                       help="the top users and the top processes (gpukillctl usage --by user, then --by process)")
     audit.add_argument("--rogue", action="store_true",
                        help="crypto miners, GPU hogs and idle memory holders, each with its score and evidence "
                             "(gpukillctl audit; --output json: gpukillctl audit --json); with a --rogue-*-threshold, "
@@ -443,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _flag_of(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 # Options that belong to some operations only: (dest, flag, the operations they go with).
 OPTION_OWNERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("details", "--details", ("list",)),
@@ -463,6 +468,7 @@ OPTION_OWNERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("guard_test_policies", "--guard-test-policies", ("guard",)),
     ("policy_file", "--policy-file", ("guard",)),
     ("rogue", "--rogue", ("audit",)),
+    *[(dest, _flag_of(dest), ("audit",)) for dest in USAGE_DESTS],
     ("vendor", "--vendor", ("list",)),
     ("containers", "--containers", ("list",)),
     *[(flag[2:].replace("-", "_"), flag, ("guard",)) for flag in (
@@ -508,9 +514,6 @@ def refuse_unsupported(argv: list[str]) -> None:
         flag = token.split("=", 1)[0]
         if flag in UNSUPPORTED:
             raise Refused(f"gpu-kill's {flag} is not supported", UNSUPPORTED[flag])
-        if flag in USAGE_AUDIT and flag != "--audit":
-            value = token.split("=", 1)[1] if "=" in token else next(words, None)
-            raise usage_audit_refusal(flag, value)
 
 
 def shorthand(argv: list[str]) -> list[str]:
@@ -567,8 +570,6 @@ def translate(args: argparse.Namespace) -> Plan:
         if _given(args, dest) and op not in owners:
             raise Refused(f"{flag} is an option of {' or '.join('--' + o for o in owners)}, not of --{op}",
                           _on_host(host, _equivalent(op, args)))
-    if op == "audit" and not args.rogue and not _audit_settings_given(args):
-        raise usage_audit_refusal("--audit")  # gpu-kill's usage history: gpukill keeps none yet
     if args.output == "json" and op not in ("list", "guard", "audit"):
         raise Refused(f"--output json does not go with --{op}: it prints no JSON", _on_host(host, _equivalent(op, args)))
     if op == "server":
@@ -1117,9 +1118,34 @@ def _audit_argv(dest: str, args: argparse.Namespace) -> list[str]:
     return ["audit", "settings", _SETTINGS_WORDS[dest], *([] if isinstance(value, bool) else [value]), *json_out]
 
 
+def usage_argvs(args: argparse.Namespace) -> list[list[str]]:
+    """gpu-kill's usage audit as gpukillctl usage command lines: its records (per process sample) are the totals
+    per process here; --audit-summary's top users and top processes are two reports, by user and by process."""
+    filters: list[str] = []
+    if args.audit_user is not None:
+        filters += ["--user", args.audit_user]
+    if args.audit_process is not None:
+        filters += ["--name", args.audit_process]
+    if args.audit_hours is not None:
+        filters += ["--since", f"{number_text(args.audit_hours)}h"]
+    if args.output == "json":
+        filters.append("--json")
+    groupings = ("user", "process") if args.audit_summary else ("process",)
+    return [["usage", "--by", by, *filters] for by in groupings]
+
+
 def _audit(args: argparse.Namespace) -> Plan:
     json_out = ["--json"] if args.output == "json" else []
     given = [dest for dest in AUDIT_SETTING_DESTS if _given(args, dest)]
+    usage = [dest for dest in USAGE_DESTS if _given(args, dest)]
+    if usage and (args.rogue or given):
+        other = "--rogue" if args.rogue else _flag(given[0])
+        now = "gpukillctl audit" if args.rogue else shlex.join(["gpukillctl", *_audit_argv(given[0], args)])
+        raise Refused(f"{_flag(usage[0])} with {other}: the usage over time and "
+                      + ("the rogue-activity audit of the GPUs now" if args.rogue else "the audit's settings")
+                      + " are two requests", f"{shlex.join(['gpukillctl', *usage_argvs(args)[0]])}; then {now}")
+    if not args.rogue and not given:
+        return steps(usage_argvs(args))
     thresholds = [d for d in given if _flag(d) in ROGUE_THRESHOLDS]
     if args.rogue:
         others = [d for d in given if d not in thresholds]

@@ -3,7 +3,7 @@
 Errors are one line on stderr with a distinct exit code (listed in --help); never a traceback.
 
 Start-up time is most of a one-shot command's time, so this module and what it imports for the one-shot
-commands (list, kill PID, reset, status, guard, audit) load neither asyncio nor dbus-fast: those commands run
+commands (list, kill PID, reset, status, guard, audit, usage) load neither asyncio nor dbus-fast: those commands run
 on the blocking transport (gpukillctl/client/blocking.py). The long-lived commands (top, monitor, notify-agent, mcp,
 serve, exporter), `kill --job` (its kills run together) and -H (ssh's start dwarfs any import) run on asyncio;
 their modules are imported only when one of them is asked for (tests/test_imports.py checks it).
@@ -37,11 +37,13 @@ from .audit import register as register_audit
 from .guard import cmd_guard
 from .guard import register as register_guard
 from .job_kill import slurm_job_id
+from .usage import cmd_usage
+from .usage import register as register_usage
 
 JSON_FORMAT = 1
 # The commands that run on the blocking transport and whose parsers need no asyncio module: for these
 # alone the parser is built without the others (each of the others imports asyncio and dbus-fast to register).
-ONE_SHOT = ("list", "kill", "reset", "status", "guard", "audit")
+ONE_SHOT = ("list", "kill", "reset", "status", "guard", "audit", "usage")
 
 
 class Parser(argparse.ArgumentParser):
@@ -131,6 +133,8 @@ def build_parser(full: bool = True, only: str | None = None) -> argparse.Argumen
         _register_long_lived(sub)
     if wanted("audit"):
         register_audit(sub)
+    if wanted("usage"):
+        register_usage(sub)
     if full and only is None:
         _register_servers(sub)
     return p
@@ -312,7 +316,7 @@ async def cmd_status(client: ClientAPI, args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"list": cmd_list, "kill": cmd_kill, "reset": cmd_reset, "status": cmd_status, "guard": cmd_guard,
-            "audit": cmd_audit}
+            "audit": cmd_audit, "usage": cmd_usage}
 
 
 def command(name: str) -> Any:
@@ -362,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     word = command_word(words)
     one_shot = word if word in ONE_SHOT else None
     args = build_parser(full=one_shot is None, only=one_shot).parse_args(words)
+    problem = args.check(args) if getattr(args, "check", None) else None  # options that go wrong together
+    if problem:
+        return fail(f"{args.command}: {problem}", EXIT_USAGE)
     try:
         if getattr(args, "offline", None) is not None:  # guard validate: needs neither the bus nor gpukilld
             if args.host:  # these run here, or serve, or connect on their own: -H is not theirs (yet)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         PolicyLoaded,
         ResetReply,
         SamplingStatus,
+        UsageReport,
     )
 
 BUS_NAME = "org.gpukill1"
@@ -125,6 +126,34 @@ def audit_variants(values: dict[str, Any]) -> dict[str, Any]:
         elif not (sig == "t" and isinstance(value, int) and number and 0 <= value < 1 << 64):
             sig, value = "s", str(value)[:1024]  # not of the key's type: the daemon refuses it by name, in one line
         out[key] = Var(sig, value)
+    return out
+
+
+# GetUsage's query keys and the signature each goes as (the daemon takes more for some: these are the ones the
+# clients send). A key not here goes as a string, for the daemon to refuse by name.
+USAGE_QUERY = {"since": "d", "until": "d", "by": "s", "user": "s", "name": "s", "unit": "s", "job": "s", "pod": "s",
+               "device": "s", "limit": "u"}
+
+
+def usage_variants(query: dict[str, Any]) -> dict[str, Any]:
+    """GetUsage's a{sv} from plain values (floats for since/until, an int limit, text for the rest); a Var (or a
+    dbus-fast Variant) as it is; a value not of its key's type goes as text, for the daemon to refuse in one
+    line rather than the client failing to send it."""
+    out: dict[str, Any] = {}
+    for key, value in query.items():
+        if value is None:
+            continue
+        if isinstance(value, Var) or type(value).__name__ == "Variant":
+            out[key] = value
+            continue
+        sig = USAGE_QUERY.get(key, "s")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if sig == "d" and number:
+            out[key] = Var("d", float(value))
+        elif sig == "u" and number and isinstance(value, int) and 0 <= value < 1 << 32:
+            out[key] = Var("u", value)
+        else:
+            out[key] = Var("s", str(value)[:1024])
     return out
 
 
@@ -282,6 +311,21 @@ class ClientAPI:
         (settings,) = await self._call("ImportAuditSettings", "ss", [name, text], interactive=interactive,
                                        timeout=CALL_TIMEOUT + (300.0 if interactive else 0.0))
         return from_plain(records.AuditSettings, settings)
+
+    async def usage(self, query: dict[str, Any] | None = None) -> UsageReport:
+        """GetUsage: the GPU use recorded in a range, grouped (query: since, until, by, user, name, unit, job, pod,
+        device, limit as plain values, see usage_variants), filtered as the listings are: other users' records
+        as the caller may see them. errors.NotSupported from a gpukilld without the accounting (too old, or
+        [usage] enabled = no)."""
+        try:
+            (report,) = await self._call("GetUsage", "a{sv}", [usage_variants(query or {})],
+                                         timeout=CALL_TIMEOUT + 35.0)  # a month of records is read in a thread
+        except ClientError as e:
+            if e.name != UNKNOWN_METHOD:
+                raise
+            raise ERRORS[errors.NotSupported.dbus_name](
+                e.name, "this gpukilld keeps no usage accounting (it has no GetUsage: upgrade it)") from None
+        return from_plain(records.UsageReport, report)
 
     async def status(self) -> DaemonStatus:
         (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")

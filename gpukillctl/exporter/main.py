@@ -7,6 +7,9 @@ within MIN_REFRESH..MAX_REFRESH): the daemon's listings change no faster, and sc
 Prometheus servers, a dashboard, a loop of curl) cost the daemon nothing more; concurrent scrapes of a stale
 reading share the one read in flight. Without that, ~50 scrapes a second were 200 calls a second, gpukilld's
 per-uid call rate, and the daemon's TooBusy answers turned into gpukill_up 0.
+The accounting's counters (gpukill_gpu_seconds_total, ...) are GetUsage's totals since the exporter started,
+one GetUsage per grouping (user, unit, job) at most every USAGE_REFRESH seconds (each asks the daemon's store,
+not its snapshot, so it is asked less often than the listings), the last answer serving the readings between.
 Kills and resets, which no daemon property counts, are counted as gpukilld signals them (ProcessKilled,
 DeviceReset), on a second connection, since the exporter started; every scrape gets the counts of then.
 Served over HTTP at /metrics (127.0.0.1:9835 unless --listen/--port say otherwise) by exporter/http.py (bounded
@@ -44,6 +47,7 @@ SCRAPE_TIMEOUT = 10.0  # seconds: a reading that takes longer says the daemon is
 # 20 times a second is not read 20 times a second, nor gpukill_up left an hour old by one sampling hourly.
 MIN_REFRESH, MAX_REFRESH = 0.25, 15.0
 DEFAULT_REFRESH = 1.0  # until the daemon has said its interval (gpukilld's default)
+USAGE_REFRESH = 10.0  # seconds between GetUsage readings (a counter 10 s old is fresher than any scrape needs)
 
 
 def positive_seconds(text: str) -> float:
@@ -59,9 +63,11 @@ def positive_seconds(text: str) -> float:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "exporter",
-        help="Prometheus metrics: devices, per-user/unit/job/pod memory, Guard counters",
+        help="Prometheus metrics: devices, per-user/unit/job/pod memory, GPU-time counters, Guard counters",
         description="Expose gpukilld's devices, GPU memory per user, unit, Slurm job, pod and container, and "
-        "Guard's counters as Prometheus metrics, read from the daemon at most once per sample interval "
+        "Guard's counters as Prometheus metrics, and the usage accounting's GPU seconds, memory byte-seconds, SM "
+        "seconds and energy per user, unit and Slurm job as counters since the exporter started, read from the "
+        "daemon at most once per sample interval (the accounting at most every 10 s) "
         "(one reading serves every scrape of the interval). Serves /metrics "
         f"over HTTP (default 127.0.0.1:{DEFAULT_PORT}), or writes DIR/{TEXTFILE_NAME} for "
         f"node_exporter with --textfile. Needs prometheus_client ({INSTALL_HINT}). The system unit "
@@ -91,10 +97,15 @@ class DaemonReader:
     """One bus connection, kept across readings and made again when lost; reads run on the running loop.
     current() is the cached reading HTTP scrapes get; read() is a new one (the textfile's)."""
 
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock=time.monotonic, wall=time.time) -> None:
         from .metrics import SignalCounts
 
         self.clock = clock
+        self.wall = wall
+        self.started = wall()  # GetUsage's since: the counters count from the exporter's start
+        self.usage = None  # UsageCounters once GetUsage answered; None while the daemon keeps no accounting
+        self.usage_reads = 0  # GetUsage calls made
+        self._usage_at: float | None = None  # when the usage was last read, on self.clock
         self.client: GpukillClient | None = None
         self.signals = SignalCounts()
         self.refresh = DEFAULT_REFRESH  # seconds a reading serves: the daemon's SampleInterval, bounded
@@ -179,7 +190,34 @@ class DaemonReader:
             guard = await client.guard_status()
         except ClientError:  # Guard's counters are left out; devices and attribution still count
             guard = None
-        return Reading(tuple(devices), tuple(processes), status.backends, guard, True, status.version)
+        await self._read_usage(client)
+        return Reading(tuple(devices), tuple(processes), status.backends, guard, True, status.version,
+                       usage=None if self.usage is None else self.usage.copy())
+
+    async def _read_usage(self, client: GpukillClient) -> None:
+        """GetUsage per grouping, since the exporter started, when the last reading is USAGE_REFRESH old. A
+        daemon without the accounting leaves the counters out; another failure keeps the last values."""
+        from gpukill import errors
+
+        from .metrics import USAGE_GROUPINGS, UsageCounters
+
+        if self._usage_at is not None and self.clock() - self._usage_at < USAGE_REFRESH:
+            return
+        self._usage_at = self.clock()
+        now = self.wall()
+        try:
+            self.usage_reads += len(USAGE_GROUPINGS)
+            reports = await asyncio.gather(*(client.usage({"since": self.started, "until": max(now, self.started + 1),
+                                                           "by": by}) for by, _ in USAGE_GROUPINGS))
+        except errors.NotSupported:
+            self.usage = None
+            return
+        except ClientError:
+            return
+        counters = self.usage or UsageCounters()
+        for (_, label), report in zip(USAGE_GROUPINGS, reports, strict=True):
+            counters.update(label, report, now)
+        self.usage = counters
 
 
 def make_collector(read, per_process: bool):

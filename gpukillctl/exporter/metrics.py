@@ -5,6 +5,10 @@ Pure: no bus, no HTTP. Names follow Prometheus conventions (base units, `_bytes`
 so that the number of series stays bounded by what runs on the host, not by how many processes came and went;
 per-process series only when asked for (`per_process`), since each PID is a new series.
 The mapping to dcgm-exporter's DCGM_FI_DEV_* names is in docs/fleets.md ("Prometheus exporter").
+
+The accounting's counters (UsageCounters) are GetUsage's totals since the exporter started, per user, unit and
+Slurm job: `sum by (user) (increase(gpukill_gpu_seconds_total{user!=""}[24h]))` is `gpukillctl usage --since 24h`
+for a fleet (docs/accounting.md).
 """
 
 from __future__ import annotations
@@ -15,7 +19,16 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpukill.records import STATE_OK, BackendStatus, Device, DeviceReset, GuardStatus, Process, ProcessKilled
+from gpukill.records import (
+    STATE_OK,
+    BackendStatus,
+    Device,
+    DeviceReset,
+    GuardStatus,
+    Process,
+    ProcessKilled,
+    UsageReport,
+)
 
 DEVICE_LABELS = ["gpu", "uuid", "pci_bus_id", "vendor", "model"]
 MHZ = 1_000_000.0
@@ -58,6 +71,64 @@ class SignalCounts:
         return [kills, resets]
 
 
+# The accounting's counters: GetUsage's grouping, the label its key goes in. Each series has one of the three
+# labels set (the others empty, which Prometheus reads as absent): select one with {user!=""}.
+USAGE_GROUPINGS = (("user", "user"), ("unit", "unit"), ("job", "slurm_job"))
+USAGE_LABELS = [label for _, label in USAGE_GROUPINGS]
+# The row's total, the counter (prometheus_client adds _total), its help. SM seconds and energy only for the
+# groups where some record measured them: an unknown total is left out, never 0.
+USAGE_COUNTERS = (
+    ("gpu_seconds", "gpukill_gpu_seconds", "seconds GPU processes were on a GPU (a process on two GPUs counts on "
+                                           "each), since the exporter started"),
+    ("memory_byte_seconds", "gpukill_memory_byte_seconds", "GPU memory held over time, bytes times seconds, "
+                                                           "since the exporter started"),
+    ("sm_seconds", "gpukill_sm_seconds", "utilization-weighted GPU seconds where the backend measures a "
+                                         "process's utilization, since the exporter started"),
+    ("energy_joules", "gpukill_energy_joules", "the processes' share of the GPUs' energy where the device reports "
+                                               "power, since the exporter started"),
+)
+RECENT_USAGE = 15 * 60.0  # seconds: a group seen this recently keeps its series; older ones are dropped
+
+
+@dataclass
+class UsageCounters:
+    """The accounting's totals since the exporter started, one counter per (total, label, key). Fed GetUsage's
+    reports (since = the exporter's start); a key keeps its series while it runs and RECENT_USAGE after its last
+    sample, so the series stay bounded by what ran lately, as the gauges by what runs now. A counter never
+    goes down: each value is the largest seen for its key (a record's prorated share only grows as it runs,
+    but a daemon that answers from a store still being rebuilt must not make a counter reset)."""
+
+    values: dict[tuple[str, str, str], float] = dataclasses.field(default_factory=dict)  # (total, label, key)
+
+    def update(self, label: str, report: UsageReport, now: float) -> None:
+        """Take a report grouped for `label`: its recent rows' totals; the label's other keys are dropped."""
+        kept: dict[tuple[str, str, str], float] = {k: v for k, v in self.values.items() if k[1] != label}
+        for row in report.rows:
+            if row.hidden or not row.key or not (row.live or row.last_seen >= now - RECENT_USAGE):
+                continue  # another user's unit we may not see, no unit at all, or long gone: no series
+            for field, _, _ in USAGE_COUNTERS:
+                value = getattr(row, field)
+                if value is None:
+                    continue
+                key = (field, label, row.key)
+                kept[key] = max(float(value), self.values.get(key, 0.0))
+        self.values = kept
+
+    def copy(self) -> UsageCounters:
+        return UsageCounters(dict(self.values))
+
+    def families(self) -> list[Metric]:
+        out = []
+        for field, name, doc in USAGE_COUNTERS:
+            family = CounterMetricFamily(name, doc + "; labelled by one of user, unit, slurm_job",
+                                         labels=USAGE_LABELS)
+            for (total, label, key), value in sorted(self.values.items()):
+                if total == field:
+                    family.add_metric([key if label == other else "" for other in USAGE_LABELS], value)
+            out.append(family)
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class Reading:
     """One scrape's worth of the daemon: None where the daemon did not answer that part."""
@@ -71,6 +142,7 @@ class Reading:
     seconds: float = 0.0  # how long reading the daemon took
     age: float = 0.0  # how long ago that reading started, when served (the HTTP server serves one per interval)
     signals: SignalCounts | None = None
+    usage: UsageCounters | None = None  # None: the daemon keeps no accounting (or has not answered GetUsage yet)
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -191,3 +263,5 @@ def families(reading: Reading, per_process: bool) -> Iterator[Metric]:
         yield from process_families(reading.processes)
     if reading.guard is not None:
         yield from guard_families(reading.guard)
+    if reading.usage is not None:
+        yield from reading.usage.families()

@@ -39,6 +39,7 @@ never part of the server's instructions or descriptions.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated, Literal, TypeVar
 
@@ -51,7 +52,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpukill import errors
 from gpukill.limits import MAX_GRACE
-from gpukill.records import Decision, Device, Finding, GuardStatus, ManagedPolicyEntry, Process, ResetReply
+from gpukill.records import (
+    USAGE_BY,
+    Decision,
+    Device,
+    Finding,
+    GuardStatus,
+    ManagedPolicyEntry,
+    Process,
+    ResetReply,
+    UsageReport,
+)
 from gpukill.regex import MAX_PATTERN, RegexError, compile_regex
 from gpukill.text import shown
 
@@ -68,6 +79,8 @@ MAX_PID = 2**22  # the kernel's PID_MAX_LIMIT
 # process), and each asks polkit: 32 stay well inside a person's queue of 64 checks at gpukilld
 # (gpukilld/access/polkit_queue.py), and a listing of 32 inside what an assistant reads back carefully.
 MAX_BATCH = 32
+MAX_USAGE_HOURS = 400 * 24  # the store keeps 400 days by default (gpukilld.conf [usage] keep_days)
+MAX_USAGE_LIMIT = 1000  # GetUsage's own bound
 GIB = 1 << 30  # gpu-kill's "GB" (memory_limit_gb) is binary: the article's 8 GB rule is 8589934592 bytes
 
 INSTRUCTIONS = """\
@@ -109,6 +122,10 @@ class ResetResult(BaseModel):
 
 class AuditResult(BaseModel):
     findings: list[Finding] = Field(description="miners, resource abusers and idle holders, highest score first")
+
+
+class UsageResult(BaseModel):
+    usage: UsageReport = Field(description="GPU use over the range, one row per group, largest GPU time first")
 
 
 class GuardStatusResult(BaseModel):
@@ -394,6 +411,32 @@ def build_mcp(connect: Connect) -> MCPServer:
         see (polkit's org.gpukill.view-all-processes) is left out."""
         return await tool(lambda c: c.audit_rogue(), lambda findings: AuditResult(findings=findings))
 
+    @register(title="GPU usage", annotations=READ_ONLY)
+    async def usage(
+        hours: Annotated[float, Field(gt=0, le=MAX_USAGE_HOURS, description=(
+            "the last this many hours, up to now (gpu-kill's scan_rogue_activity hours)"))] = 24,
+        by: Annotated[Literal[tuple(USAGE_BY)], Field(  # type: ignore[valid-type]
+            description="group by user, unit (systemd), job (Slurm), pod, gpu or process")] = "user",
+        user: Annotated[str | int | None, Field(description="only this user's records (name or uid)")] = None,
+        name: Annotated[str | None, Field(max_length=256, description=(
+            "only processes whose name contains this"))] = None,
+        unit: Annotated[str | None, Field(max_length=256, description="only this systemd unit's")] = None,
+        job: Annotated[str | None, Field(max_length=256, description="only this Slurm job's")] = None,
+        pod: Annotated[str | None, Field(max_length=256, description="only this Kubernetes pod's (UID)")] = None,
+        device: Annotated[str | int | None, Field(description="only on this GPU (index, UUID or PCI bus id)")] = None,
+        limit: Annotated[int | None, Field(ge=1, le=MAX_USAGE_LIMIT, description=(
+            "at most this many groups, largest GPU time first"))] = None,
+    ) -> UsageResult:
+        """Who used the GPUs, how much and for how long: per group, the processes counted (and how many still
+        run), gpu_seconds (time on a GPU), sm_seconds (weighted by utilization; null where unknown),
+        memory_byte_seconds, peak_memory and energy_joules (null where the GPU reports no power), from
+        gpukilld's accounting of every GPU process. Needs no authorization; other users' records count as
+        far as polkit's org.gpukill.view-all-processes lets you see them."""
+        query = {"since": time.time() - hours * 3600.0, "by": by, "user": user, "name": name, "unit": unit,
+                 "job": job, "pod": pod, "device": device, "limit": limit}
+        query = {k: str(v) if k in ("user", "device") else v for k, v in query.items() if v is not None}
+        return await tool(lambda c: c.usage(query), lambda report: UsageResult(usage=report))
+
     @register(title="Guard status", annotations=READ_ONLY)
     async def guard_status() -> GuardStatusResult:
         """Guard Mode: whether it is enabled or in dry run, the policy's rules with their counters, recent
@@ -534,6 +577,11 @@ def build_mcp(connect: Connect) -> MCPServer:
     async def guard_policies_resource() -> str:
         """The user, group and GPU policies Guard Mode enforces (as list_policies)."""
         return await resource(lambda c: _model(PolicyList, "policies", c.guard_list_policies()))
+
+    @mcp.resource("gpukill://usage", name="usage", title="GPU usage, last 24 hours", mime_type=JSON)
+    async def usage_resource() -> str:
+        """GPU use over the last 24 hours by user (as usage with its defaults)."""
+        return await resource(lambda c: _model(UsageResult, "usage", c.usage({"by": "user"})))
 
     @mcp.resource("gpukill://audit", name="audit", title="Rogue-activity audit", mime_type=JSON)
     async def audit_resource() -> str:

@@ -44,10 +44,23 @@ from gpukill.limits import MAX_GRACE
 from gpukill.outcome import Outcome
 from gpukill.policy import MAX_POLICY_BYTES
 from gpukill.procstat import read_stat
-from gpukill.records import Decision, Device, Finding, GuardStatus, Process, ResetReply, Wire, specs, to_plain
+from gpukill.records import (
+    USAGE_BY,
+    Decision,
+    Device,
+    Finding,
+    GuardStatus,
+    Process,
+    ResetReply,
+    UsageReport,
+    Wire,
+    specs,
+    to_plain,
+)
 from gpukill.regex import RegexError, compile_regex
 
 from ..client.dbus import ClientError, Connect, DaemonUnavailable, GpukillClient, using
+from ..client.usage import MAX_WHEN_TEXT, parse_when
 
 API_PREFIX = "/v1"
 OPENAPI_URL = f"{API_PREFIX}/openapi.json"
@@ -242,6 +255,9 @@ ResetReplyModel = model_of(ResetReply)
 FindingModel = model_of(Finding)
 GuardStatusModel = model_of(GuardStatus)
 DecisionModel = model_of(Decision)
+UsageReportModel = model_of(UsageReport)
+MAX_USAGE_LIMIT = 1000  # GetUsage's own bound
+UsageBy = Literal[tuple(USAGE_BY)]  # type: ignore[valid-type]
 
 
 class ErrorBody(BaseModel):
@@ -546,8 +562,57 @@ def build_rest(connect: Connect) -> FastAPI:
         found = await with_daemon(lambda c: c.guard_test(request.name, request.text))
         return {"decisions": [to_plain(d) for d in found]}
 
+    @app.get(
+        f"{API_PREFIX}/usage",
+        response_model=UsageReportModel,
+        responses=_responses(),
+        summary="GPU usage accounting: GPU time, memory, energy per user, unit, job, pod, GPU or process",
+        operation_id="get_usage",
+    )
+    async def usage(
+        since: Annotated[str, Query(min_length=1, max_length=MAX_WHEN_TEXT, pattern=NO_NUL, description=(
+            "the range's start: " + WHEN_DOC + " (default: 24 hours before until)"))] = None,
+        until: Annotated[str, Query(min_length=1, max_length=MAX_WHEN_TEXT, pattern=NO_NUL, description=(
+            "the range's end, as since (default: now)"))] = None,
+        by: Annotated[UsageBy, Query(description="what the rows are grouped by (default: user)")] = "user",
+        user: Annotated[BusText, usage_filter("only this user's records (name or uid)")] = None,
+        name: Annotated[BusText, usage_filter("only processes whose name contains this")] = None,
+        unit: Annotated[BusText, usage_filter("only this systemd unit's")] = None,
+        job: Annotated[BusText, usage_filter("only this Slurm job's")] = None,
+        pod: Annotated[BusText, usage_filter("only this Kubernetes pod's (its UID)")] = None,
+        device: Annotated[BusText, usage_filter("only on this GPU (index, UUID or PCI bus id)")] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_USAGE_LIMIT, description=(
+            "at most this many rows, largest GPU time first (default and most: 1000)"))] = None,
+    ) -> dict:
+        """The records' totals over the range, grouped; processes still running count with their totals so
+        far. Other users' records count as the server's user may see them."""
+        query: dict[str, Any] = {"since": usage_instant("since", since), "until": usage_instant("until", until), "by": by,
+                                 "user": user, "name": name, "unit": unit, "job": job, "pod": pod,
+                                 "device": device, "limit": limit}
+        report = await with_daemon(lambda c: c.usage({k: v for k, v in query.items() if v is not None}))
+        return to_plain(report)
+
     _declare_token(app)
     return app
+
+
+WHEN_DOC = ("seconds since the epoch, or gpukillctl usage's TIME: a duration ago (30d, 24h, 90min, 1h30m), a date "
+            "(YYYY-MM-DD, 'YYYY-MM-DD HH:MM[:SS]', ISO 8601; the server's local time without an offset), today, "
+            "yesterday, now")
+
+
+def usage_instant(name: str, text: str | None) -> float | None:
+    """since/until as seconds since the epoch; a text that is no time is 422 naming the parameter."""
+    if text is None:
+        return None
+    try:
+        return parse_when(text, epoch=True)
+    except ValueError as e:
+        raise RequestValidationError([{"loc": ("query", name), "type": "value_error", "msg": str(e)}]) from None
+
+
+def usage_filter(what: str) -> Any:
+    return Query(pattern=NO_NUL, max_length=MAX_FILTER_TEXT, description=what)
 
 
 def _start_time_now(pid: int) -> int:

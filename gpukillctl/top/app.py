@@ -10,6 +10,8 @@ gpukillctl/top/model.py, which knows nothing of terminals. This module runs the 
   move;
 - keys are read when the terminal has input (add_reader on stdin) and the screen is redrawn at once from
   the sample already held;
+- the session's totals line (GPU time, memory, energy since top started) is GetUsage at most every
+  USAGE_EVERY seconds, not per frame: the accounting moves slowly and is read from the daemon's store;
 - a confirmed kill is asked with interactive authorization. While the daemon decides, the view is suspended
   (curses.endwin) and pkttyagent (polkit_agent.PolkitAgent) has the plain terminal, so a polkit password
   prompt works as it does for `gpukillctl kill`; the daemon's answer, a denial included, comes back as the
@@ -51,6 +53,7 @@ from .model import (
 )
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2  # as gpukillctl/client/exits.py; gpukillctl/cli/main.py imports us, so not from there
+USAGE_EVERY = 10.0  # seconds between GetUsage calls for the session's totals line
 ESCAPE_DELAY_MS = 25  # Esc alone is told from an escape sequence after this long (ncurses' default: 1 s)
 STDIN = 0
 
@@ -145,6 +148,10 @@ class TopView:
         self.full_at = fetched  # ... and when it was last fetched from gpukilld (not just redrawn)
         self.changed = asyncio.Event()  # gpukilld signalled something since the last fetch
         self.listening_since: float | None = None  # when the signal listener started; None: not listening
+        self.started = time.time()  # the session's start: GetUsage's since for the totals line
+        self.usage_at: float | None = None  # time.monotonic() of the last GetUsage; None: not yet asked
+        self.usage_off = False  # the daemon keeps no accounting: never asked again
+        self.usage_calls = 0
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -153,11 +160,13 @@ class TopView:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self.on_interrupt)
         refresher = asyncio.create_task(self.refresh())
+        totals = asyncio.create_task(self.usage_loop())
         try:
             self.draw()
             await self.done.wait()
         finally:
             refresher.cancel()
+            totals.cancel()
             for task in self.tasks:
                 task.cancel()
             loop.remove_reader(STDIN)
@@ -186,6 +195,34 @@ class TopView:
             await self._refresh()
         finally:
             listener.cancel()
+
+    async def usage_loop(self) -> None:
+        """The totals line's own pace, apart from the refresh: a slow GetUsage never holds up the listing."""
+        while not self.usage_off:
+            await self.session_usage()
+            self.draw()
+            await asyncio.sleep(USAGE_EVERY)
+
+    async def session_usage(self) -> None:
+        """The session's totals, when USAGE_EVERY has passed since they were last asked; a failure is said on
+        the totals line itself (the view goes on)."""
+        from gpukill import errors
+
+        now = time.monotonic()
+        if self.usage_off or (self.usage_at is not None and now - self.usage_at < USAGE_EVERY):
+            return
+        self.usage_at = now
+        self.usage_calls += 1
+        wall = time.time()
+        try:
+            self.state.usage = await self.client.usage({"since": self.started, "until": max(wall, self.started + 1),
+                                                        "by": "user"})
+            self.state.usage_note = ""
+        except errors.NotSupported as e:
+            self.usage_off = True
+            self.state.usage, self.state.usage_note = None, f"no totals: {e}"
+        except ClientError as e:
+            self.state.usage_note = f"no totals: {e}"
 
     async def _refresh(self) -> None:
         while True:

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from gpukill.outcome import Outcome
-from gpukill.records import STATE_OK, Device, GuardStatus, Process
+from gpukill.records import STATE_OK, Device, GuardStatus, Process, UsageReport
 from gpukill.text import shown
 
 from ..client.format import percent, size
+from ..client.usage import duration as usage_duration
+from ..client.usage import totals_line
 
 # -- one sample -------------------------------------------------------------------------------------------
 
@@ -209,6 +211,9 @@ class TopState:
     message_is_error: bool = False
     target: Process | None = None  # the process `k` asked about: a refresh while asking never changes it
     pending: KillRequest | None = None  # a kill the daemon has not answered yet
+    # The session's totals (GetUsage since top started, asked every USAGE_EVERY seconds by the app), or why not.
+    usage: UsageReport | None = None
+    usage_note: str = ""
     _rows: list[Process] | None = None
     _haystacks: dict[int, str] = field(default_factory=dict)
     _marks: GuardMarks = field(default_factory=GuardMarks)
@@ -499,6 +504,17 @@ def _bottom(state: TopState, width: int) -> list[Line]:
     return [prompt, ((fit(KEYS_HELP, width), DIM),)]
 
 
+def _usage_line(state: TopState, width: int) -> Line:
+    """The session's totals: GPU time, memory and energy of the processes you may see, since top started."""
+    if state.usage is None:
+        text = f"session: {state.usage_note}" if state.usage_note else ""
+    else:
+        u = state.usage
+        text = (f"session ({usage_duration(max(u.until - u.since, 0.0))}): {totals_line(u)}"
+                + (" (usage store rebuilding)" if u.rebuilding else ""))
+    return ((fit(shown(text), width), DIM),)
+
+
 def render(state: TopState, width: int, height: int) -> list[Line]:
     """The whole screen, `height` lines of exactly `width` cells; scrolls so the selection is in view."""
     if height < _MIN_HEIGHT or width < 40:
@@ -508,7 +524,7 @@ def render(state: TopState, width: int, height: int) -> list[Line]:
     lines += [_device_line(d, width) for d in devices]
     if len(devices) < len(state.sample.devices):
         lines.append(((fit(f"... {len(state.sample.devices) - len(devices)} more GPUs", width), DIM),))
-    lines.append(((" " * width, NORMAL),))
+    lines.append(_usage_line(state, width))  # the line between the GPUs and the processes
     lines.append(_process_header(state, width))
     room = height - len(lines) - 1 - _DETAIL_LINES - 2
     state.page = max(room - 1, 1)
