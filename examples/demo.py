@@ -272,6 +272,16 @@ class Demo:
                   "structured GPUKILL_* fields saying who asked for what. (journalctl runs in journald's namespace.)")
         self.show_journal()
 
+        tour.step("Who used the GPUs?",
+                  "gpukilld adds up what each sample saw of every process on every GPU. When a process ends, its",
+                  "totals go to the journal (the \"consumed\" lines above) and to a store; `usage` asks for them,",
+                  "the running processes' totals so far included. Each user sees their own in full.")
+        r = self.ctl(ROOT, "usage", "--by", "process")
+        tour.expect(r.returncode == 0, f"gpukillctl usage failed with exit status {r.returncode}: {r.stderr.strip()!r}")
+        tour.expect(str(self.train.pid) in r.stdout, f"train.py (PID {self.train.pid}) is not in the usage by process")
+        r = self.ctl(self.owner, "usage")
+        tour.expect(r.returncode == 0, f"gpukillctl usage failed with exit status {r.returncode}: {r.stderr.strip()!r}")
+
     def show_journal(self) -> None:
         tour, tb = self.tour, self.tb
         want = {"kill-denied": 1, "kill": 3, "reset": 1}
