@@ -204,26 +204,31 @@ class Keeper:
         return []
 
 
-def test_queries_run_four_at_once_sixteen_wait_and_the_rest_are_too_busy(tmp_path):
+def _blocked_queries(tmp_path, per_client: list[int]):
+    """GetUsage against a store that answers only when released: `per_client[i]` calls from client i, each
+    client another uid. Returns the NotSupported reply before the keeper is set, the replies that came before
+    the release (TooBusy), a ListDevices answered meanwhile, every reply, and the most queries run at once."""
     import asyncio
 
-    from dbus_fast import Message, MessageType, Variant
+    from dbus_fast import Message, Variant
     from dbus_fast.aio import MessageBus
     from helpers.open_bus import open_bus
 
     from gpukilld.access.bouncer import Bouncer, Caller
     from gpukilld.access.people import People
     from gpukilld.bus.door import Door
-    from gpukilld.bus.manager import USAGE_OFF, ManagerInterface
+    from gpukilld.bus.manager import ManagerInterface
     from gpukilld.model import Snapshot
     from gpukilld.names import MANAGER_INTERFACE, OBJECT_PATH
 
-    class Uid4242(Bouncer):  # the real Bouncer, the caller an ordinary user, polkit saying no to view-all
-        async def caller(self, msg):
-            return Caller(msg.sender, 4242, None, False)
+    uids: dict[str, int] = {}
 
+    class OrdinaryUsers(Bouncer):  # the real Bouncer, each client an ordinary user, polkit saying no to view-all
         def known(self, msg):
-            return Caller(msg.sender, 4242, None, False)
+            return Caller(msg.sender, uids.get(msg.sender, 4242), None, False)
+
+        async def caller(self, msg):
+            return self.known(msg)
 
         async def _check(self, caller, action, details, left=None):
             return False, "not authorized (faked)"
@@ -234,47 +239,74 @@ def test_queries_run_four_at_once_sixteen_wait_and_the_rest_are_too_busy(tmp_pat
     async def run():
         snap = Snapshot(generation=1, taken_at=0.0, devices=(), processes=(), backends=(), findings=())
         service = await MessageBus(bus_address=address).connect()
-        client = await MessageBus(bus_address=address).connect()
-        bouncer = Uid4242(service, people=People("/nonexistent/subuid"))
+        clients = [await MessageBus(bus_address=address).connect() for _ in per_client]
+        for i, c in enumerate(clients):
+            uids[c.unique_name] = 5000 + i
+        bouncer = OrdinaryUsers(service, people=People("/nonexistent/subuid"))
         manager = ManagerInterface(lambda: snap, None, bouncer, lambda: 1.0)  # type: ignore[arg-type]
         manager.bus = service
         service.add_message_handler(Door(service, bouncer, manager.early_answer))
         service.export(OBJECT_PATH, manager)
 
-        def call():
+        def call(client, member="GetUsage"):
+            signature, body = ("a{sv}", [{"by": Variant("s", "gpu")}]) if member == "GetUsage" else ("", [])
             return client.call(Message(destination=service.unique_name, path=OBJECT_PATH,
-                                       interface=MANAGER_INTERFACE, member="GetUsage", signature="a{sv}",
-                                       body=[{"by": Variant("s", "gpu")}]))
+                                       interface=MANAGER_INTERFACE, member=member, signature=signature, body=body))
 
         try:
-            off = await call()
+            off = await call(clients[0])
             keeper = Keeper()
             manager.usage = keeper
-            calls = [asyncio.ensure_future(call()) for _ in range(25)]
-            await asyncio.sleep(2)  # all 25 arrived: 4 running, 16 waiting, 5 refused
+            calls = []
+            for client, n in zip(clients, per_client, strict=True):
+                calls += [asyncio.ensure_future(call(client)) for _ in range(n)]
+                await asyncio.sleep(0.3)  # in this order
+            await asyncio.sleep(2)  # all arrived
             busy = [c.result() for c in calls if c.done()]
-            ping = await client.call(Message(destination=service.unique_name, path=OBJECT_PATH,
-                                             interface=MANAGER_INTERFACE, member="ListDevices"))
+            ping = await call(clients[0], "ListDevices")
             keeper.store.release.set()
             answered = await asyncio.gather(*calls)
             return off, busy, ping, answered, keeper.store.most
         finally:
-            client.disconnect()
+            for c in clients:
+                c.disconnect()
             service.disconnect()
 
     try:
-        off, busy, ping, answered, most = asyncio.run(run())
+        return asyncio.run(run())
     finally:
         bus.close()
+
+
+def test_queries_run_four_at_once_sixteen_wait_and_the_rest_are_too_busy(tmp_path):
+    from dbus_fast import MessageType
+
+    from gpukilld.bus.manager import USAGE_OFF
+
+    off, busy, ping, answered, most = _blocked_queries(tmp_path, [4, 4, 4, 4, 4, 4, 1])  # 25 from 7 users
     assert off.error_name == "org.gpukill1.Error.NotSupported" and off.body == [USAGE_OFF]
-    assert len(busy) == 5 and all(r.error_name == "org.gpukill1.Error.TooBusy" for r in busy)
+    assert len(busy) == 5 and all(r.error_name == "org.gpukill1.Error.TooBusy" for r in busy), busy
+    assert all("too many usage queries" in r.body[0] for r in busy)
     assert ping.message_type is MessageType.METHOD_RETURN  # the loop answers while 4 queries run
     assert most == 4
     ok = [r for r in answered if r.message_type is MessageType.METHOD_RETURN]
     assert len(ok) == 20 and all(r.body[0]["by"].value == "gpu" for r in ok)
 
 
-@needs_root
+def test_one_user_cannot_take_every_turn(tmp_path):
+    from dbus_fast import MessageType
+
+    from gpukilld.bus.manager import USAGE_QUERIES_PER_PERSON
+
+    # one user floods: only 4 of theirs are taken; the next user's query still is
+    _, busy, _, answered, _ = _blocked_queries(tmp_path, [10, 1])
+    assert len(busy) == 10 - USAGE_QUERIES_PER_PERSON, busy
+    assert all(r.error_name == "org.gpukill1.Error.TooBusy" and "of yours" in r.body[0] for r in busy)
+    ok = [r for r in answered if r.message_type is MessageType.METHOD_RETURN]
+    assert len(ok) == USAGE_QUERIES_PER_PERSON + 1
+    assert answered[-1].message_type is MessageType.METHOD_RETURN  # the other user's
+
+
 def test_where_proc_hides_names_others_usage_is_uid_and_gpu_facts_only(fresh_bed, users):
     bed = fresh_bed
     proc = bed.workdir / "proc"

@@ -63,6 +63,9 @@ MAX_SETTINGS_NAME = 256
 # ~3 s by process): at most this many at once, and this many more waiting for a turn; past that, TooBusy.
 USAGE_QUERIES_AT_ONCE = 4
 USAGE_QUERIES_WAITING = 16
+# One person (a uid and its subordinate uids, gpukilld/access/people.py) may have this many in flight, running or
+# waiting: a user who floods GetUsage with slow queries (by process over a year) gets TooBusy, not every turn.
+USAGE_QUERIES_PER_PERSON = 4
 USAGE_OFF = "usage accounting is off in gpukilld.conf ([usage] enabled = no)"
 _DEFAULT_SETTINGS = AuditSettings()  # without a keeper (tests of the bus side alone): one object, for the cache
 
@@ -229,6 +232,7 @@ class ManagerInterface(ServiceInterface):
         self.usage: Any = None
         self._usage_turn = asyncio.Semaphore(USAGE_QUERIES_AT_ONCE)
         self._usage_calls = 0  # running and waiting
+        self._usage_calls_of: dict[int, int] = {}  # the same per person
 
     # -- listings, built once per snapshot and kind of viewer ------------------------------------------------
 
@@ -479,16 +483,25 @@ class ManagerInterface(ServiceInterface):
             device = self._snapshot().find_device(q.device)
             if device is not None:
                 q = dataclasses.replace(q, device=device.id)
-        viewer = await self._bouncer.viewer(await current_caller(self._bouncer))
+        caller = await current_caller(self._bouncer)
+        viewer = await self._bouncer.viewer(caller)
+        person = self._bouncer.people.person(caller.uid)
+        if self._usage_calls_of.get(person, 0) >= USAGE_QUERIES_PER_PERSON:
+            raise TooBusy(f"{USAGE_QUERIES_PER_PERSON} usage queries of yours are still running or waiting; "
+                          "try again when they are answered")
         if self._usage_calls >= USAGE_QUERIES_AT_ONCE + USAGE_QUERIES_WAITING:
             raise TooBusy("too many usage queries at once; try again shortly")
         self._usage_calls += 1
+        self._usage_calls_of[person] = self._usage_calls_of.get(person, 0) + 1
         try:
             async with self._usage_turn:
                 live = usage.live()  # on the loop: the accountant's records as of the latest snapshot
                 report = await asyncio.to_thread(usage.store.query, q, viewer, live)
         finally:
             self._usage_calls -= 1
+            left = self._usage_calls_of.pop(person) - 1
+            if left:
+                self._usage_calls_of[person] = left
         self._check_backlog()
         return to_dbus(report)
 
