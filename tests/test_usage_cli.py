@@ -185,7 +185,7 @@ def test_daemon_errors_are_gpukillctls_exit_statuses():
 
 
 def test_the_formats():
-    assert duration(None) == "unknown" and duration(0) == "0s" and duration(0.4) == "0.4s"
+    assert duration(None) == "unknown" and duration(0) == "0s" and duration(0.4) == "0.4s" and duration(0.99) == "1s"
     assert duration(3720) == "1h 2min" and duration(2280) == "38min" and duration(3605) == "1h"
     assert duration(90061) == "1d 1h" and duration(59) == "59s" and duration(90) == "1min 30s"
     assert gib_hours(GIB * 3600) == "1.00 GiB·h" and gib_hours(0) == "0.00 GiB·h"

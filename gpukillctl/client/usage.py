@@ -96,7 +96,7 @@ def duration(seconds: float | None) -> str:
         return UNKNOWN
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
-    if seconds < 1:
+    if seconds < 0.95:  # tenths below a second; from 0.95 on, whole seconds ("1s", never "1.0s")
         return "0s" if seconds == 0 else f"{seconds:.1f}s"
     left = round(seconds)
     parts = []
