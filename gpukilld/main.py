@@ -40,7 +40,6 @@ from .bus.door import Door
 from .bus.guard import GuardInterface
 from .bus.manager import ManagerInterface
 from .config import DEFAULT_PATH, Config, check_interval, load_config
-from .guard.clocks import process_alive
 from .guard.engine import Violation
 from .guard.notify import Notice
 from .guard.runner import GuardRunner, notify_config, protection_of
@@ -50,7 +49,7 @@ from .proc.procfs import ProcFS
 from .rogue.watch import RogueWatch
 from .sampling.proc_events import open_for as open_proc_events
 from .sampling.sampler import Sampler, StateChange
-from .usage.keeper import UsageKeeper
+from .usage.keeper import UsageKeeper, still_running
 from .usage.store import UsageStore
 
 log = logging.getLogger("gpukilld")
@@ -198,7 +197,7 @@ class Daemon:
             try:
                 store = UsageStore(os.path.join(state_dir, "usage.sqlite"))
                 self.usage = UsageKeeper(self.audit, store, state_dir, keep_days=self.config.usage_keep_days,
-                                         alive=process_alive(self.config.proc_root))
+                                         alive=still_running(self.config.proc_root))
             except Exception:  # the daemon serves and enforces without the accounting rather than not at all
                 log.exception("GPU usage accounting could not be set up; it is off")
             else:

@@ -612,3 +612,26 @@ def test_a_record_reads_back_from_its_journal_entry_with_the_same_store_key():
     (rec,) = closed
     back = record_from_journal(as_journal(rec))
     assert (back.first_seen, back.last_seen) == (rec.first_seen, rec.last_seen) == (WALL + 0.123, WALL + 1.988)
+
+
+def test_a_zombie_has_exited_not_left():
+    """A backend following processes by pidfd drops one as it dies, before its parent reaps it: the record then
+    closes as "exited", though /proc still shows the zombie with the same start time."""
+    import subprocess
+
+    from gpukill.procstat import read_stat
+    from gpukilld.usage.keeper import still_running
+
+    running = still_running()
+    me = read_stat(os.getpid())
+    assert me is not None and running(os.getpid(), me.start_time)
+    child = subprocess.Popen(["sleep", "0"])
+    start = read_stat(child.pid).start_time
+    deadline = time.monotonic() + 10
+    while read_stat(child.pid).state != "Z":  # exited, not reaped yet: Popen reaps only when asked
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not running(child.pid, start)
+    assert not running(os.getpid(), me.start_time + 1)  # another start time: the PID was reused
+    child.wait()
+    assert not running(child.pid, start)

@@ -29,10 +29,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+from gpukill.procstat import read_stat
 from gpukill.records.usage import ENDED_EXITED, UsageRecord
 
 from .. import journal
-from ..guard.clocks import boot_id, process_alive
+from ..guard.clocks import boot_id
 from .account import Accountant
 from .journal_form import fields_of, message_of
 from .state import read_state, state_path, write_state
@@ -46,6 +47,16 @@ BURST = 3000  # ... with this many at once
 FOLD_WINDOW = 60.0  # seconds: folded records are written when their minute ends
 PRUNE_EVERY = 86400.0
 FIRST_PRUNE = 60.0  # seconds after start: not in the start-up's rush
+
+
+def still_running(root: str = "/proc") -> Callable[[int, int], bool]:
+    """Whether (pid, start time) still runs, read from root: what tells "left" (it runs on, off that GPU) from
+    "exited". A zombie has exited: a backend that follows processes by pidfd drops one the moment it dies,
+    before its parent reaps it, and its /proc stat still shows the same start time until then."""
+    def running(pid: int, start_time: int) -> bool:
+        stat = read_stat(pid, root)
+        return stat is not None and stat.start_time == start_time and stat.state not in ("Z", "X", "x")
+    return running
 
 
 def _journal_entries() -> Iterable[UsageRecord]:
@@ -62,7 +73,7 @@ class UsageKeeper:
         self.store = store
         self.state_dir = state_dir
         self.keep_days = keep_days
-        self._alive = alive or process_alive()
+        self._alive = alive or still_running()
         self._boot = boot_id() if boot is None else boot
         self._entries = entries
         self._clock = clock
