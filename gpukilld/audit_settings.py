@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import configparser
-import contextlib
 import dataclasses
 import math
 import os
 import posixpath
-import tempfile
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from gpukill.errors import GpukillError, InvalidArgs
 from gpukill.records import AuditSettings, names
+
+from .files import replace_file
 
 KEYS = names(AuditSettings)
 # The keys AuditRogueWith takes for one scan, and why the others cannot be (refused in one line, never dropped).
@@ -267,23 +267,13 @@ def _section_line(text: str, section: str) -> int | str:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """The whole file or none of it: a temporary file in the same directory, fsynced, renamed over it."""
+    """The whole file or none of it (gpukilld/files.py), readable by all as gpukilld.conf is: anyone may see what
+    the audit uses."""
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
         os.makedirs(folder, exist_ok=True)
         os.chmod(folder, 0o755)  # the unit's UMask=0077 would hide it: the settings are for everyone to read
-    fd, tmp = tempfile.mkstemp(prefix=".50-audit.", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # as gpukilld.conf: readable, so that anyone can see what the audit uses
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    replace_file(path, text.encode("utf-8"), 0o644)
 
 
 class SettingsFailed(GpukillError):

@@ -44,6 +44,7 @@ from gpukill.records import ManagedPolicyEntry, from_plain
 from gpukill.text import shown
 
 from .. import journal
+from ..files import fsync_dir
 from .runner import GuardRunner
 
 log = logging.getLogger(__name__)
@@ -101,14 +102,6 @@ class Operation:
     operation: str  # "set", "remove", "import", "import-remove"
     policy: ManagedPolicy
     name: str
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: str) -> None:
@@ -301,7 +294,7 @@ class ManagedPolicies:
                     os.unlink(path)
                 else:
                     self._write_file(path, text)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except OSError as e:
             self._revert(undo)
             raise GpukillError(f"cannot write {path}: {e.strerror or e}") from None
@@ -335,7 +328,7 @@ class ManagedPolicies:
             except OSError as e:
                 log.error("cannot put %s back as it was: %s", path, e.strerror or e)
         with contextlib.suppress(OSError):
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
 
     @staticmethod
     def _commit(undo: list[tuple[str, str | None]]) -> None:

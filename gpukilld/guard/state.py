@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..files import replace_file
 
 STATE_FILE = "guard-state.json"
 FORMAT = 1
@@ -91,21 +92,4 @@ def load_state(directory: str) -> tuple[GuardState, str | None]:
 def save_state(directory: str, state: GuardState) -> None:
     """Write atomically; raises OSError (the caller logs it: the daemon keeps running)."""
     os.makedirs(directory, mode=0o755, exist_ok=True)
-    data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode()
-    fd, tmp = tempfile.mkstemp(  # created 0600
-        prefix=".guard-state.", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, state_path(directory))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    replace_file(state_path(directory), json.dumps(state.to_json(), indent=1, sort_keys=True).encode())

@@ -29,12 +29,13 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from gpukill.records.usage import UsageRecord
+
+from ..files import replace_file
 
 STATE_FILE = "usage-state.json"
 FORMAT = 1
@@ -194,19 +195,4 @@ def write_state(directory: str, data: dict[str, Any] | bytes) -> None:
     logs it: the daemon keeps running)."""
     os.makedirs(directory, mode=0o755, exist_ok=True)
     payload = data if isinstance(data, bytes) else json.dumps(data, separators=(",", ":")).encode()
-    fd, tmp = tempfile.mkstemp(prefix=".usage-state.", dir=directory)  # created 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, state_path(directory))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    replace_file(state_path(directory), payload)
