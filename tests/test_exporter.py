@@ -127,9 +127,10 @@ def test_exposition_passes_promtool_check_metrics(exporter):
     assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r
 
 
-@needs_root
-@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt install prometheus)")
-def test_a_real_prometheus_scrapes_it_and_answers_per_user_memory(exporter, users):
+@contextlib.contextmanager
+def prometheus(exporter: str):
+    """A real Prometheus scraping the exporter every second; yields query(PromQL) -> {label user: value}, None
+    while it has no answer (for wait_until), and what it logged."""
     target = urllib.parse.urlsplit(exporter).netloc
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="gpukill-prom-") as tmp:
@@ -141,19 +142,25 @@ def test_a_real_prometheus_scrapes_it_and_answers_per_user_memory(exporter, user
             prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
                                      f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log,
                                     start_new_session=True)
+
+        def per_user(promql: str) -> dict[str, float] | None:
+            body = _get(f"http://127.0.0.1:{port}/api/v1/query?{urllib.parse.urlencode({'query': promql})}")
+            result = json.loads(body)["data"]["result"] if body else []
+            return {r["metric"]["user"]: float(r["value"][1]) for r in result} or None
+
         try:
-            query = urllib.parse.urlencode({"query": 'gpukill_user_gpu_memory_bytes{job="gpukill"}'})
-
-            def per_user() -> dict[str, float] | None:
-                body = _get(f"http://127.0.0.1:{port}/api/v1/query?{query}")
-                result = json.loads(body)["data"]["result"] if body else []
-                return {r["metric"]["user"]: float(r["value"][1]) for r in result} or None
-
-            found = wait_until(per_user, 40, lambda: (Path(tmp) / "prometheus.log").read_text()[-2000:])
-            assert found == {users["owner"].name: 4.0 * GIB, users["other"].name: 2.0 * GIB}
+            yield per_user, lambda: (Path(tmp) / "prometheus.log").read_text()[-2000:]
         finally:
             prom.terminate()
             prom.wait(20)
+
+
+@needs_root
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt install prometheus)")
+def test_a_real_prometheus_scrapes_it_and_answers_per_user_memory(exporter, users):
+    with prometheus(exporter) as (per_user, logged):
+        found = wait_until(lambda: per_user('gpukill_user_gpu_memory_bytes{job="gpukill"}'), 40, logged)
+        assert found == {users["owner"].name: 4.0 * GIB, users["other"].name: 2.0 * GIB}
 
 
 @needs_root
@@ -163,39 +170,18 @@ def test_a_real_prometheus_gives_gpukillctl_usages_answer_per_user(host, exporte
     the GPU time `gpukillctl usage --since @START` gives the exporter's user (its own processes; the exporter
     started at START), within what the exporter's USAGE_REFRESH and the scrape leave between the two."""
     started = time.time()
-    target = urllib.parse.urlsplit(exporter).netloc
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="gpukill-prom-") as tmp:
-        config = Path(tmp) / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s"},
-            "scrape_configs": [{"job_name": "gpukill", "static_configs": [{"targets": [target]}]}]}))
-        with open(Path(tmp) / "prometheus.log", "wb") as log:
-            prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
-                                     f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log,
-                                    start_new_session=True)
-        try:
-            query = urllib.parse.urlencode({"query": 'sum by (user) (gpukill_gpu_seconds_total{user!=""})'})
-
-            def per_user() -> dict[str, float] | None:
-                body = _get(f"http://127.0.0.1:{port}/api/v1/query?{query}")
-                result = json.loads(body)["data"]["result"] if body else []
-                return {r["metric"]["user"]: float(r["value"][1]) for r in result} or None
-
-            found = wait_until(per_user, 40, lambda: (Path(tmp) / "prometheus.log").read_text()[-2000:])
-            other = users["other"].name
-            assert other in found and found[other] > 0, found
-            text = _get(exporter)
-            exported = {dict(k[1])["user"]: v for k, v in samples(text).items()
-                        if k[0] == "gpukill_gpu_seconds_total" and dict(k[1]).get("user")}
-            r = host.ctl(users["other"], "usage", "--since", f"@{started - 3600:.0f}", "--user", other, "--json")
-            assert r.returncode == 0, r
-            (mine,) = json.loads(r.stdout)["rows"]
-            # the counter counts from the exporter's start, which came before `started`: at most all of it
-            assert 0 < exported[other] <= mine["gpu_seconds"] + 1, (exported, mine)
-        finally:
-            prom.terminate()
-            prom.wait(20)
+    with prometheus(exporter) as (per_user, logged):
+        found = wait_until(lambda: per_user('sum by (user) (gpukill_gpu_seconds_total{user!=""})'), 40, logged)
+        other = users["other"].name
+        assert other in found and found[other] > 0, found
+        text = _get(exporter)
+        exported = {dict(k[1])["user"]: v for k, v in samples(text).items()
+                    if k[0] == "gpukill_gpu_seconds_total" and dict(k[1]).get("user")}
+        r = host.ctl(users["other"], "usage", "--since", f"@{started - 3600:.0f}", "--user", other, "--json")
+        assert r.returncode == 0, r
+        (mine,) = json.loads(r.stdout)["rows"]
+        # the counter counts from the exporter's start, which came before `started`: at most all of it
+        assert 0 < exported[other] <= mine["gpu_seconds"] + 1, (exported, mine)
 
 
 @needs_root
