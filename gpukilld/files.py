@@ -7,8 +7,10 @@ or a full disk leaves the old file or the new one, never half of one, and the re
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
+from typing import Any
 
 
 def fsync_dir(directory: str) -> None:
@@ -38,3 +40,24 @@ def replace_file(path: str, data: bytes, mode: int = 0o600) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(directory)
+
+
+def read_kept(path: str, max_bytes: int) -> tuple[dict[str, Any] | None, str | None]:
+    """A kept file's JSON object: (None, None) when there is none; (None, why) when it cannot be read
+    (unreadable, over max_bytes, not a JSON object), the file then moved aside as NAME.broken, for a post-mortem
+    and out of the way of the next save: never started over silently."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise ValueError(f"larger than {max_bytes >> 20} MiB")
+        value = json.loads(data)
+        if not isinstance(value, dict):
+            raise ValueError("not a JSON object")
+        return value, None
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the stack
+        with contextlib.suppress(OSError):
+            os.replace(path, path + ".broken")
+        return None, f"{path}: cannot be read ({e}); kept as {os.path.basename(path)}.broken"

@@ -10,13 +10,12 @@ one, never half of one. The file is 0600: webhook URLs can carry tokens.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..files import replace_file
+from ..files import read_kept, replace_file
 
 STATE_FILE = "guard-state.json"
 FORMAT = 1
@@ -73,20 +72,10 @@ def state_path(directory: str) -> str:
 
 def load_state(directory: str) -> tuple[GuardState, str | None]:
     """The saved state, or defaults; the second item says why the saved state could not be used."""
-    path = state_path(directory)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_STATE_BYTES + 1)
-        if len(data) > MAX_STATE_BYTES:
-            raise ValueError(f"larger than {MAX_STATE_BYTES >> 20} MiB")
-        return GuardState.from_json(json.loads(data)), None
-    except FileNotFoundError:
-        return GuardState(), None
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the stack
-        # Keep the unreadable file for a post-mortem; never start over silently.
-        with contextlib.suppress(OSError):
-            os.replace(path, path + ".broken")
-        return GuardState(), f"{path}: cannot be read ({e}); kept as {STATE_FILE}.broken, starting from defaults"
+    data, why = read_kept(state_path(directory), MAX_STATE_BYTES)
+    if why is not None:
+        return GuardState(), f"{why}, starting from defaults"
+    return (GuardState() if data is None else GuardState.from_json(data)), None
 
 
 def save_state(directory: str, state: GuardState) -> None:

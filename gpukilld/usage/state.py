@@ -25,7 +25,6 @@ from starting.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from typing import Any
 
 from gpukill.records.usage import UsageRecord
 
-from ..files import replace_file
+from ..files import read_kept, replace_file
 
 STATE_FILE = "usage-state.json"
 FORMAT = 1
@@ -173,21 +172,10 @@ def state_path(directory: str) -> str:
 
 def read_state(directory: str) -> tuple[Any, str | None]:
     """The saved JSON (None when there is none or it cannot be read), and a line saying why it could not be."""
-    path = state_path(directory)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_STATE_BYTES + 1)
-        if len(data) > MAX_STATE_BYTES:
-            raise ValueError(f"larger than {MAX_STATE_BYTES >> 20} MiB")
-        return json.loads(data), None
-    except FileNotFoundError:
-        return None, None
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past the stack
-        # Kept for a post-mortem, and out of the way of the next save.
-        with contextlib.suppress(OSError):
-            os.replace(path, path + ".broken")
-        return None, (f"{path}: cannot be read ({e}); kept as {STATE_FILE}.broken: the running totals of the "
-                      "processes open at the last stop are lost")
+    data, why = read_kept(state_path(directory), MAX_STATE_BYTES)
+    if why is not None:
+        return None, f"{why}: the running totals of the processes open at the last stop are lost"
+    return data, None
 
 
 def write_state(directory: str, data: dict[str, Any] | bytes) -> None:
