@@ -381,7 +381,8 @@ def test_slurm_epilog_cleans_up_a_leftover(machine, slurm):
     machine.run("touch", f"/tmp/go-{job}")  # the batch script ends: the job ends with the process left behind
     assert wait_until(lambda: not job_gpu_pids(machine, job)), (job_state(machine, job),
                                                                 machine.run("gpukillctl", "list").stdout)
-    assert "JobState=COMPLETED" in job_state(machine, job), job_state(machine, job)
+    # the epilog's kill makes the process vanish before the epilog itself returns: COMPLETING until then
+    assert wait_until(lambda: "JobState=COMPLETED" in job_state(machine, job)), job_state(machine, job)
     audit = machine.run("journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager", f"GPUKILL_TARGET_PID={pid}").stdout
     assert f"PID {pid} (sleep, user alice) terminated; requested by uid 0" in audit, audit
     assert "GPUKILL_INITIATOR=user" in audit, audit
