@@ -21,6 +21,7 @@ from gpukilld.usage import journal_read
 from gpukilld.usage.journal_form import fields_of
 from gpukilld.usage.query import MAX_LIMIT, UsageQuery, parse_query
 from gpukilld.usage.store import UsageStore
+from gpukilld.usage.store import _row as store_row
 
 ALICE, BOB = 2001, 2002
 ROOT_VIEW = Viewer(0, FULL)
@@ -230,6 +231,32 @@ def test_live_records_are_merged_and_a_process_counted_once(store):
     # live records are filtered per viewer too
     assert set(by_key(ask(store, Viewer(ALICE, HIDDEN), live=live))) == {("alice", False)}
     assert ask(store, live=live, since=3500, until=4000).rows == ()
+
+
+@pytest.mark.parametrize("by", ["user", "process"])  # by user: the daily totals' statement; by process: the other
+def test_a_record_closed_counts_before_it_is_committed_and_once_after(store, by):
+    """A query between a record's close and its commit (queued while the writer waits for the file) counts it;
+    so does one that races the commit, once. Before, the journal had the record and the query did not."""
+    blocker = sqlite3.connect(store.path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # the writer waits for the file; readers do not (WAL)
+    try:
+        store.add([rec(pid=7, uid=BOB, first=1000, last=1600)])
+        closing = rec(pid=8, first=1000, last=1300)  # closed on the loop, not yet handed to the store
+        rows = by_key(ask(store, by=by, live=[closing, rec(pid=9, first=1000, last=1100, ended="")]))
+        total = sum(r.gpu_seconds for r in rows.values())
+        assert total == pytest.approx(600 + 300 + 100), rows
+        assert sum(r.processes for r in rows.values()) == 3 and sum(r.live for r in rows.values()) == 1
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert store.flush()
+    # committed now, and still given as unsaved (the copy raced the commit): counted once
+    store._writing = [store_row(rec(pid=7, uid=BOB, first=1000, last=1600))]
+    try:
+        rows = by_key(ask(store, by=by))
+    finally:
+        store._writing = []
+    assert sum(r.gpu_seconds for r in rows.values()) == pytest.approx(600), rows
 
 
 def test_folded_records_count_their_processes(store):

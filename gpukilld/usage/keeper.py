@@ -135,8 +135,9 @@ class UsageKeeper:
             log.error("closing the usage store failed: %s", e)
 
     def live(self) -> list[UsageRecord]:
-        """The open records' partial totals as of the latest snapshot."""
-        return self.accountant.live()
+        """The open records' partial totals as of the latest snapshot, and the records closed since the last
+        save (up to CLOSE_DELAY old, not yet handed to the store): a query counts both."""
+        return [*self.accountant.live(), *self._out]
 
     # -- each snapshot (main loop) ---------------------------------------------------------------------
 
