@@ -316,7 +316,10 @@ def test_entrypoint_runs_gpukilld_on_the_pods_bus_with_the_configmaps_policy(use
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             try:
                 url = f"http://127.0.0.1:{command[command.index('--port') + 1]}/metrics"
-                metrics = wait_until(lambda: _scrape(url), 30, "the exporter never served /metrics")
+                # a reading the daemon did not answer in time (a loaded machine) is served as gpukill_up 0: the
+                # next scrape reads again
+                metrics = wait_until(lambda: (m := _scrape(url)) and "\ngpukill_up 1" in m and m, 60,
+                                     "the exporter never served /metrics with gpukilld up")
             finally:
                 _kill_group(sidecar)
             assert metrics.count("\ngpukill_device_up{") == len(sim["devices"])
