@@ -10,7 +10,8 @@ PY := $(VENV)/bin/python
 # jq: docs/using.md's many-hosts example, run by tests/test_remote.py with hostile host names.
 # uidmap: newuidmap/newgidmap, so that tests/test_people.py calls from a user namespace mapped to a user's
 # subordinate uids (unshare --map-auto), as a user with an /etc/subuid range can.
-APT_PACKAGES := dbus-daemon polkitd systemd util-linux gcc python3-venv gdb groff-base python3-dbusmock tmux prometheus openssh-server openssh-client jq uidmap
+# chromium, chromium-driver: the real browser the dashboard tests drive through Selenium (tests/helpers/browser.py)
+APT_PACKAGES := dbus-daemon polkitd systemd util-linux gcc python3-venv gdb groff-base python3-dbusmock tmux prometheus openssh-server openssh-client jq uidmap chromium chromium-driver
 
 .PHONY: all deps venv test test-gpu lint demo bench clean deb rpm pkg-deps test-package
 

@@ -443,7 +443,7 @@ REFUSALS = [
     (["--server", "--server-host", "0.0.0.0"], 2, ["--server-host 0.0.0.0: off loopback",
                                                    "gpukillctl serve --tcp 0.0.0.0:8080 --token-file FILE"]),
     (["--server", "--server-port", "0"], 2, ["not a port", "gpukillctl --help"]),
-    (["--server", "--open"], 2, ["--open is not supported", "no dashboard", "gpukill --server (gpukillctl serve)"]),
+    (["--list", "--open"], 2, ["--open is an option of --server, not of --list", "instead: gpukillctl list"]),
     (["--guard", "--guard-memory-limit", "16"], 2,
      ["--guard-memory-limit goes with --guard-add-user: alone it changes nothing",
       "instead: gpukillctl guard policy add user USER --memory-limit 16GiB\n"]),
@@ -569,6 +569,9 @@ def test_usage_audit_is_gpukillctl_usage(argv, commands):
     (["--server", "--server-port", "9000"], ("serve", "--tcp", "127.0.0.1:9000")),
     (["--server", "--server-host", "::1"], ("serve", "--tcp", "[::1]:8080")),
     (["--server", "--server-host", "localhost", "--server-port", "3001"], ("serve", "--tcp", "localhost:3001")),
+    # the dashboard in a browser: TCP (a browser cannot reach the socket), on gpu-kill's port unless given
+    (["--server", "--open"], ("serve", "--tcp", "127.0.0.1:8080", "--open")),
+    (["--server", "--open", "--server-port", "9000"], ("serve", "--tcp", "127.0.0.1:9000", "--open")),
 ])
 def test_server_is_gpukillctl_serve(argv, serve):
     p = compat.plan(argv)

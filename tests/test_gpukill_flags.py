@@ -68,7 +68,7 @@ SMALLEST: dict[str, tuple[str, tuple[str, ...] | str]] = {
     "--reset": ("--reset --gpu 0", ("reset",)),
     "--audit": ("--audit", ("usage",)),
     "--server": ("--server", "serve"),
-    "--open": ("--server --open", "refused"),
+    "--open": ("--server --open", "serve"),
     "--details": ("--list --details", LISTING),
     "--watch": ("--list --watch", LISTING * 2),
     "--output": ("--list --output json", LISTING),

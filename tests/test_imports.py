@@ -30,6 +30,8 @@ CLIENT_FOLDERS: dict[str, set[str]] = {
     "client": {"client"},
     "http": {"http", "client"},  # client/ for the exit codes (http/listen.py: ServeError's default status)
     **{front_end: {front_end, "client", "http"} for front_end in FRONT_ENDS},
+    "web": {"web", "client", "http"},  # the dashboard's parts, which serve/ composes into its app
+    "serve": {"serve", "client", "http", "web"},
     "cli": {"cli", "client", *FRONT_ENDS},  # the front ends through DISPATCHED only
     "root": {"root", "cli"},  # `python -m gpukillctl` is the CLI
 }

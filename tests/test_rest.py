@@ -328,3 +328,54 @@ def test_the_readme_relay_resets_a_gpu(bed, users):
         relay.terminate()
         relay.wait(10)
         s.stop()
+
+
+def test_managed_policies_polkit_decides_for_the_servers_user(server, bed, users):
+    """The Guard page's routes: an administrator's server (gpkadmin: polkit/49-gpukill-admins.rules lets it
+    manage policies) creates, lists and removes a user policy; the ordinary user's server (the module's, as
+    gpkowner) lists them and gets polkit's refusal, 403 AccessDenied with the daemon's message, for each change,
+    and nothing is made. Bad kinds, targets and settings are 422 naming them."""
+    from helpers.mcp_scenario import no_user_policy
+    from helpers.testbed import OTHER
+
+    path = f"/v1/guard/policies/user/{OTHER}"
+    settings = {"memory_limit": 8 * GIB, "process_limit": 3, "grace": 10}
+    admin = Server(bed, users["admin"]).wait_ready()
+    try:
+        with no_user_policy(bed, OTHER):
+            r = server.call("PUT", path, settings)
+            assert (r.status, r.error) == (403, "org.freedesktop.DBus.Error.AccessDenied"), r
+            assert "not authorized" in r.body["message"], r
+            listed = server.call("GET", "/v1/guard/policies")
+            assert listed.status == 200 and OTHER not in [p["target"] for p in listed.body["policies"]], listed
+            r = admin.call("PUT", path, settings)
+            assert r.status == 200, r
+            assert (r.body["kind"], r.body["target"], r.body["memory_limit"], r.body["process_limit"],
+                    r.body["grace"], r.body["utilization_limit"]) == ("user", OTHER, 8 * GIB, 3, 10.0, None), r
+            assert r.body["file"].endswith(".yaml") and r.body["edited"] is False, r
+            listed = server.call("GET", "/v1/guard/policies")  # listing needs nothing: the owner sees it too
+            assert [p for p in listed.body["policies"] if p["target"] == OTHER] == [r.body], listed
+            r = server.call("DELETE", path)
+            assert (r.status, r.error) == (403, "org.freedesktop.DBus.Error.AccessDenied"), r
+            r = admin.call("DELETE", path)
+            assert (r.status, r.body) == (200, {"removed": True}), r
+            r = admin.call("DELETE", path)  # none left
+            assert (r.status, r.error) == (422, "org.freedesktop.DBus.Error.InvalidArgs"), r
+            assert OTHER not in [p["target"] for p in admin.call("GET", "/v1/guard/policies").body["policies"]]
+            for where, body, named in (
+                ("/v1/guard/policies/team/x", settings, "kind"),
+                (path, {"memory_limit": 0}, "memory_limit"),
+                (path, {"memory": 1}, "memory"),
+                (path, {}, "at least one limit"),
+                ("/v1/guard/policies/user/a%00b", settings, "NUL"),
+                (f"/v1/guard/policies/user/{OTHER}?force=1", settings, "force"),
+                ("/v1/guard/policies/gpu/0", {"process_limit": 2}, "process_limit does not apply"),
+            ):
+                r = admin.call("PUT", where, body)
+                assert (r.status, r.error) == (422, "org.freedesktop.DBus.Error.InvalidArgs"), (where, body, r)
+                assert named in r.body["message"], (where, body, r)
+        changes = bed.wait_journal(MESSAGE_ID=audit.GUARD_MANAGED_POLICY.message_id, GPUKILL_POLICY_TARGET=OTHER,
+                                   GPUKILL_CALLER_UID=str(users["admin"].uid))
+        assert {"set", "remove"} <= {e["GPUKILL_OPERATION"] for e in changes if e["GPUKILL_RESULT"] == "changed"}
+    finally:
+        admin.stop()

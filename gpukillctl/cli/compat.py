@@ -64,8 +64,6 @@ UNSUPPORTED: dict[str, str] = {
     "--log-level": "gpukilld logs to the journal: journalctl -u gpukilld; its state: gpukillctl status",
     "--config": "gpukilld's settings are /etc/gpukill/gpukilld.conf (see gpukilld.conf(5)); its state: "
                 "gpukillctl status",
-    "--open": "there is no dashboard to open a browser on: gpukill --server (gpukillctl serve) serves the REST API "
-              "(/v1) and MCP (/mcp) and prints the address and token",
     "--register-node": _REGISTER_NODE,
     "--ssh-key": "put IdentityFile KEY " + _SSH_CONFIG,
     "--ssh-timeout": "put ConnectTimeout SECONDS " + _SSH_CONFIG,
@@ -270,8 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "that change (gpukillctl audit settings); alone or with --audit-*, gpu-kill's usage "
                           "audit: GPU use per process over the last 24 hours (gpukillctl usage --by process)")
     ops.add_argument("--server", action="store_true",
-                     help="the REST API and MCP over HTTP, as you (gpukillctl serve): on its Unix socket, or with "
-                          "--server-port on TCP on loopback")
+                     help="the web dashboard, the REST API and MCP over HTTP, as you (gpukillctl serve): on its "
+                          "Unix socket, or with --server-port or --open on TCP on loopback")
 
     ls = p.add_argument_group("with --list")
     ls.add_argument("--details", action="store_true",
@@ -427,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--server-port", type=port_number, metavar="PORT",
                         help="listen on TCP PORT instead of the Unix socket (gpukillctl serve --tcp HOST:PORT; "
                              "HOST 127.0.0.1 unless --server-host)")
+    server.add_argument("--open", action="store_true",
+                        help="open the dashboard in your browser, logged in by a one-time link (gpukillctl serve "
+                             "--tcp 127.0.0.1:8080 --open; the port: --server-port)")
     server.add_argument("--server-host", metavar="HOST",
                         help="with a loopback address (127.0.0.1, ::1, localhost): listen there, on --server-port "
                              "or 8080; another address is refused (gpukillctl serve needs --token-file off "
@@ -483,6 +484,7 @@ OPTION_OWNERS: list[tuple[str, str, tuple[str, ...]]] = [
         "--rogue-whitelist-user", "--rogue-unwhitelist-user", "--rogue-export-config", "--rogue-import-config")],
     ("server_port", "--server-port", ("server",)),
     ("server_host", "--server-host", ("server",)),
+    ("open", "--open", ("server",)),
 ]
 
 
@@ -1184,7 +1186,8 @@ GPU_KILL_PORT = 8080  # gpu-kill's --server-port default
 
 
 def _server(args: argparse.Namespace) -> Plan:
-    if args.server_host is None and args.server_port is None:
+    opening = ("--open",) if args.open else ()
+    if args.server_host is None and args.server_port is None and not args.open:
         return Plan(None, gpukillctl=("serve",),
                     note="on gpukillctl serve's Unix socket (yours alone), not on gpu-kill's 0.0.0.0:8080; "
                          "--server-port PORT for TCP on loopback")
@@ -1195,7 +1198,7 @@ def _server(args: argparse.Namespace) -> Plan:
         raise Refused(f"--server-host {host}: off loopback gpukillctl serve needs a token file of yours, and "
                       "gpu-kill has no flag for one", f"gpukillctl serve --tcp {address} --token-file FILE")
     note = None if args.server_host else f"on {address}, loopback only, not on gpu-kill's 0.0.0.0"
-    return Plan(None, gpukillctl=("serve", "--tcp", address), note=note)
+    return Plan(None, gpukillctl=("serve", "--tcp", address, *opening), note=note)
 
 
 # -- running -----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -107,7 +108,11 @@ class RemoteBus(MessageBus):
     def disconnect(self) -> None:
         super().disconnect()
         if self.ssh is not None:
-            end_process(self.ssh)
+            # ssh leaves when it reads the end of its input; waiting for that (up to SSH_EXIT_WAIT) in a thread
+            # keeps this event loop going: `gpukillctl serve` follows several hosts on one loop, and a host
+            # whose ssh hangs must not hold the others up. Not a daemon thread: a command still reaps its ssh
+            # before the interpreter exits.
+            threading.Thread(target=end_process, args=(self.ssh,), name="gpukill ssh exit").start()
 
 
 def end_process(proc: subprocess.Popen) -> None:
@@ -172,9 +177,9 @@ async def _join(argv: list[str], stderr: BinaryIO) -> RemoteBus:
         await asyncio.wait_for(joining, CONNECT_TIMEOUT)
     except Exception as e:
         cause = "timed out joining the bus" if isinstance(e, asyncio.TimeoutError) else str(e) or type(e).__name__
-        message = ssh_failure(stderr, proc, cause)
+        message = await asyncio.to_thread(ssh_failure, stderr, proc, cause)  # it waits for ssh: not on the loop
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            await asyncio.to_thread(proc.wait)
         raise RemoteError(message) from None
     return bus

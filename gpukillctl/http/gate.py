@@ -1,23 +1,39 @@
-"""What every HTTP request to `gpukillctl serve` passes before the REST or MCP app sees it.
+"""What every HTTP request to `gpukillctl serve` passes before the REST, MCP or dashboard app sees it.
 
 On TCP (`--tcp`) every local user can reach the server, and a browser can be made to send requests there
 (DNS rebinding, a page posting to localhost); the Unix socket of the default is the user's alone, and the same
 gate stands in front of it (one rule for every client). A server running as alice must not let bob or a web
 page act as alice. In order, each refusal a one-line JSON error ({"error", "message"}, as gpukillctl/serve/rest.py
-answers):
+answers) unless said otherwise:
 
-1. the token: `Authorization: Bearer TOKEN`, compared in constant time (hmac.compare_digest), else 401;
+1. who: `Authorization: Bearer TOKEN`, or the dashboard's session cookie (gpukillctl/web/session.py), each
+   compared in constant time (hmac.compare_digest), else 401; for a person opening the page (GET or HEAD of
+   `/` or `/static/*`) the 401 is a small HTML page saying how to get in. The one exception is the one-time
+   link, `GET /login?code=CODE`, which is its own credential: after the Host check of 2 the gate answers it
+   itself, 303 to `/` with a fresh session cookie (HttpOnly; SameSite=Strict; Path=/), or a 403 HTML page;
 2. the Host header must name this server (allowed_hosts), else 421; an Origin, when a browser sends one,
    must be one of allowed_origins, else 403 (the same rule as the MCP SDK's DNS-rebinding protection, which
    stays on behind this gate for /mcp too);
-3. the body: at most max_body bytes, declared (Content-Length) or counted as it arrives (chunked), else 413.
+3. cross-site: a request the cookie authenticated, whose method is not GET or HEAD, must carry an allowed
+   Origin and `Content-Type: application/json`, else 403 CrossSite. SameSite=Strict already keeps the cookie
+   off another site's requests; this is the second lock, and an HTML form can send neither. A bearer request
+   is the token holder's own and is not asked;
+4. the body: at most max_body bytes, declared (Content-Length) or counted as it arrives (chunked), else 413.
    The gate reads the whole body before the app sees any of it and hands it over in one message: the limit
    holds whatever the app does with the bytes (FastAPI turned an exception raised in its body parser into
-   422, the MCP SDK into 500), and what reaches the app is a complete body or nothing. Only after the token
-   passed, so only its holder can make the server hold max_body bytes (a chunked body is counted while the
-   request holds its place under 4);
-4. at most max_in_flight requests at once outside /mcp, else 429 at once (never queued). /mcp is bounded by
-   the SDK's own limit of sessions, since an MCP session's event stream stays open for its whole life.
+   422, the MCP SDK into 500), and what reaches the app is a complete body or nothing. Only after 1, so only
+   an authenticated client can make the server hold max_body bytes (a chunked body is counted while the
+   request holds its place under 5);
+5. at most max_in_flight requests at once outside the long_lived paths, else 429 at once (never queued). A
+   long-lived path (/mcp, the dashboard's /ui/stream) holds its response open for as long as its client
+   stays, so it is bounded by its own app (the SDK's limit of sessions, the hub's of subscribers).
+
+`POST /login/link`, with the bearer token only (a cookie does not count there: a page must not mint logins),
+is answered by the gate too: {"url": BASE/login?code=CODE}, a fresh one-time link to a running server.
+
+Every response, the gate's own refusals too, carries the dashboard's security headers (SECURITY_HEADERS: a
+Content-Security-Policy that allows no inline script and nothing from elsewhere, no framing, no sniffing, no
+referrer) and `Cache-Control: no-store` except under /static/, whose files the pages app marks itself.
 
 Pure ASGI and standard library only: nothing here depends on the web framework behind it. Anything but http
 and lifespan (a websocket) is closed unanswered: nothing here serves one.
@@ -28,7 +44,8 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import parse_qs
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -36,7 +53,45 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+
+class Sessions(Protocol):
+    """The dashboard's logins, as the gate asks them (gpukillctl/web/session.py's Sessions)."""
+
+    def new_code(self) -> str: ...
+    def redeem(self, code: str) -> str | None: ...
+    def valid(self, secret: str | None) -> bool: ...
+
 MCP_PATH = "/mcp"
+LOGIN_PATH = "/login"
+LINK_PATH = "/login/link"
+STATIC_PREFIX = "/static/"
+SAFE_METHODS = ("GET", "HEAD")
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "worker-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = {
+    "content-security-policy": CSP,
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",  # the one-time code in the URL goes nowhere else
+    "x-frame-options": "DENY",
+}
+
+_HOW_TO_GET_IN = (
+    "run <code>gpukillctl serve --open</code>, or open the one-time link <code>gpukillctl serve</code> printed "
+    "when it started (a server already running: <code>POST /login/link</code> with its token answers a new one)"
+)
+# No script, no style, nothing loaded: these pages are answered before anyone is known.
+LOGIN_NEEDED_PAGE = (
+    "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>gpukill: log in</title></head>\n"
+    f"<body><h1>gpukill</h1><p>This dashboard needs you to log in: {_HOW_TO_GET_IN}.</p></body></html>\n"
+).encode()
+LINK_USED_PAGE = (
+    "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>gpukill: link not valid</title>"
+    "</head>\n<body><h1>gpukill</h1><p>This link was used or has expired: a one-time link logs in once, "
+    f"within 10 minutes. For a new one, {_HOW_TO_GET_IN}.</p></body></html>\n"
+).encode()
 
 
 class Gate:
@@ -49,6 +104,10 @@ class Gate:
         allowed_origins: Iterable[str],
         max_body: int,
         max_in_flight: int,
+        sessions: Sessions | None = None,
+        cookie: str = "",
+        base_url: str = "http://localhost",
+        long_lived: tuple[str, ...] = (MCP_PATH,),
     ) -> None:
         self.app = app
         self.token = token.encode()
@@ -56,6 +115,10 @@ class Gate:
         self.allowed_origins = frozenset(o.lower() for o in allowed_origins)
         self.max_body = max_body
         self.max_in_flight = max_in_flight
+        self.sessions = sessions if cookie else None  # None: no dashboard logins, the token only
+        self.cookie = cookie  # the session cookie's name (gpukillctl/web/session.py: cookie_name)
+        self.base_url = base_url.rstrip("/")
+        self.long_lived = long_lived
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -65,16 +128,31 @@ class Gate:
         if scope["type"] != "http":
             await send({"type": "websocket.close", "code": 1008})
             return
+        path, method = scope.get("path", ""), scope.get("method", "GET")
+        send = _with_headers(send, cache=not path.startswith(STATIC_PREFIX))
         headers = _headers(scope)
-        refusal = self.refusal(headers)
+        if method == "GET" and path == LOGIN_PATH:
+            await self.login(scope, headers, send)
+            return
+        bearer = self.token_ok(headers.get("authorization"))
+        by_cookie = not bearer and self.cookie_ok(headers.get("cookie"))
+        refusal = self.refusal(headers, bearer or by_cookie)
+        if refusal is None and by_cookie:
+            refusal = self.cross_site(method, path, headers)
         if refusal is not None:
-            await _respond(send, *refusal)
+            if refusal[0] == 401 and method in SAFE_METHODS and (path == "/" or path.startswith(STATIC_PREFIX)):
+                await _respond_html(send, 401, LOGIN_NEEDED_PAGE)  # a person opening the page
+            else:
+                await _respond(send, *refusal)
             return
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             await _respond(send, 413, "PayloadTooLarge", f"the body is larger than {self.max_body} bytes")
             return
-        bounded = not _is_mcp(scope.get("path", ""))
+        if method == "POST" and path == LINK_PATH and self.sessions is not None:
+            await self.new_link(send)
+            return
+        bounded = not self.is_long_lived(path)
         if bounded and self.in_flight >= self.max_in_flight:
             await _respond(
                 send,
@@ -90,15 +168,19 @@ class Gate:
         finally:
             self.in_flight -= int(bounded)
 
-    def refusal(self, headers: dict[str, str]) -> tuple[int, str, str, dict[str, str]] | None:
-        """Why the request is refused before anything else looks at it, or None."""
-        if not self.token_ok(headers.get("authorization")):
+    def refusal(self, headers: dict[str, str], known: bool) -> tuple[int, str, str, dict[str, str]] | None:
+        """Why the request is refused before anything else looks at it, or None; known: the token or a
+        session cookie authenticated it."""
+        if not known:
             return (
                 401,
                 "Unauthorized",
                 "this server needs its token: Authorization: Bearer TOKEN",
                 {"www-authenticate": "Bearer"},
             )
+        return self.host_refusal(headers)
+
+    def host_refusal(self, headers: dict[str, str]) -> tuple[int, str, str, dict[str, str]] | None:
         if headers.get("host", "").lower() not in self.allowed_hosts:
             return 421, "BadHost", "the Host header does not name this server", {}
         origin = headers.get("origin")
@@ -106,10 +188,61 @@ class Gate:
             return 403, "BadOrigin", "requests from this Origin are not allowed", {}
         return None
 
+    def cross_site(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, str, str, dict] | None:
+        """A cookie-authenticated change must come from this server's own page (rule 3)."""
+        if method in SAFE_METHODS:
+            return None
+        if path == LINK_PATH:  # the cookie does not mint logins: the token's holder does
+            return 401, "Unauthorized", "a new login link needs the token: Authorization: Bearer TOKEN", {
+                "www-authenticate": "Bearer"}
+        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if headers.get("origin") is None or content_type != "application/json":
+            return (
+                403,
+                "CrossSite",
+                "a change made with the session cookie needs this server's Origin and Content-Type: "
+                "application/json",
+                {},
+            )
+        return None
+
     def token_ok(self, authorization: str | None) -> bool:
         scheme, _, given = (authorization or "").partition(" ")
         # compare_digest takes as long whatever the first differing byte: no guessing the token byte by byte
         return hmac.compare_digest(given.strip().encode(), self.token) and scheme.lower() == "bearer"
+
+    def cookie_ok(self, header: str | None) -> bool:
+        if self.sessions is None or not header:
+            return False
+        values = [v.strip() for name, _, v in (p.partition("=") for p in header.split(";"))
+                  if name.strip() == self.cookie]
+        return any([self.sessions.valid(v) for v in values])
+
+    def is_long_lived(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in self.long_lived)
+
+    async def login(self, scope: Scope, headers: dict[str, str], send: Send) -> None:
+        """The one-time link: a session for a valid code (used up), else the 403 page."""
+        refusal = self.host_refusal(headers)
+        if refusal is not None:
+            await _respond(send, *refusal)
+            return
+        codes = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("code", [])
+        secret = self.sessions.redeem(codes[0]) if self.sessions is not None and len(codes) == 1 else None
+        if secret is None:
+            await _respond_html(send, 403, LINK_USED_PAGE)
+            return
+        cookie = f"{self.cookie}={secret}; HttpOnly; SameSite=Strict; Path=/"  # no Max-Age: the browser's session
+        raw = [(b"location", b"/"), (b"set-cookie", cookie.encode()), (b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 303, "headers": raw})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def new_link(self, send: Send) -> None:
+        assert self.sessions is not None
+        body = json.dumps({"url": f"{self.base_url}{LOGIN_PATH}?code={self.sessions.new_code()}"}).encode()
+        raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        await send({"type": "http.response.body", "body": body})
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The app, given the whole body at once (413 past max_body; nothing if the client went away)."""
@@ -137,8 +270,19 @@ class Gate:
         await self.app(scope, replay, send)
 
 
-def _is_mcp(path: str) -> bool:
-    return path == MCP_PATH or path.startswith(MCP_PATH + "/")
+def _with_headers(send: Send, *, cache: bool) -> Send:
+    """send, with the security headers (and no-store unless cache is the app's to say) on the response's start,
+    replacing any the app set under the same names."""
+    ours = dict(SECURITY_HEADERS, **({"cache-control": "no-store"} if cache else {}))
+    raw_ours = [(k.encode(), v.encode()) for k, v in ours.items()]
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", ()) if k.decode("latin-1").lower() not in ours]
+            message = {**message, "headers": kept + raw_ours}
+        await send(message)
+
+    return sending
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -159,3 +303,9 @@ async def _respond(
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _respond_html(send: Send, status: int, page: bytes) -> None:
+    raw = [(b"content-type", b"text/html; charset=utf-8"), (b"content-length", str(len(page)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": page})

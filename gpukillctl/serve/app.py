@@ -1,12 +1,18 @@
-"""The one ASGI app `gpukillctl serve` runs: the REST API under /v1 and the MCP Streamable HTTP app at /mcp,
-both behind the gate (gpukillctl/http/gate.py: token, Host and Origin, body size, requests in flight); and
-`run`, which serves it with uvicorn on the socket server.py bound, each connection under
-gpukillctl/http/protocol.py's request deadline and bound on connections.
+"""The one ASGI app `gpukillctl serve` runs, behind the gate (gpukillctl/http/gate.py: token or session
+cookie, Host and Origin, cross-site changes, body size, requests in flight, the security headers); and `run`,
+which serves it with uvicorn on the socket server.py bound, each connection under gpukillctl/http/protocol.py's
+request deadline and bound on connections.
 
-Both apps reach gpukilld the same way, through `connect` and the typed client, as the server's user. The MCP
+Mounted in this order (the first that matches answers): the MCP Streamable HTTP app at /mcp; the dashboard's
+live hub (/ui/hosts, /ui/stream: gpukillctl/web/hub.py); the REST API of each other host of the dashboard at
+/hosts/ID/v1 (one build_rest per host, reaching that host's gpukilld over ssh); the dashboard's page and
+assets (/, /static/NAME: gpukillctl/web/pages.py); then the REST API of this machine under /v1.
+
+Every app reaches gpukilld the same way, through a Connect and the typed client, as the server's user, so the
+daemon's polkit decides and its journal records whatever a page, a REST client or an assistant asks. The MCP
 app keeps the SDK's own DNS-rebinding protection on, with the same hosts and origins as the gate, and its
 bound on the request body and on sessions. Mounted here, its session manager is run by this app's lifespan
-(Starlette does not run a mounted app's lifespan).
+(Starlette does not run a mounted app's lifespan), which also stops the hub's feeds at exit.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 import uvicorn
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 
 from gpukill.policy import MAX_POLICY_BYTES
@@ -26,6 +35,10 @@ from gpukill.policy import MAX_POLICY_BYTES
 from ..client.dbus import Connect
 from ..http.gate import MCP_PATH, Gate
 from ..http.protocol import MAX_CONNECTIONS, DeadlineProtocol
+from ..web.hosts import HostSpec, local_host
+from ..web.hub import Hub
+from ..web.pages import page_routes
+from ..web.session import COOKIE, Sessions
 from .mcp import build_mcp
 from .rest import build_rest
 
@@ -36,38 +49,78 @@ MAX_MCP_SESSIONS = 16  # MCP sessions at once (an assistant keeps one open while
 # uvicorn's own bound on connections and tasks together (503 past it), only a backstop: DeadlineProtocol keeps
 # connections to MAX_CONNECTIONS by closing idle ones, and each connection runs one request at a time.
 MAX_TASKS = 2 * MAX_CONNECTIONS
+# Responses that stay open for their client's whole visit, outside the gate's MAX_IN_FLIGHT: an MCP session's
+# event stream (bounded by MAX_MCP_SESSIONS) and the dashboard's event stream (bounded by the hub's subscribers).
+STREAM_PATH = "/ui/stream"
+LONG_LIVED = (MCP_PATH, STREAM_PATH)
 
 
 def build_app(
-    connect: Connect, *, token: str, allowed_hosts: Iterable[str], allowed_origins: Iterable[str]
+    connect: Connect,
+    *,
+    token: str,
+    allowed_hosts: Iterable[str],
+    allowed_origins: Iterable[str],
+    hosts: list[HostSpec] | None = None,
+    sessions: Sessions | None = None,
+    cookie: str = COOKIE,
+    base_url: str = "http://localhost",
 ) -> Gate:
-    hosts, origins = list(allowed_hosts), list(allowed_origins)
+    """The app for this machine's gpukilld (connect) and the dashboard's hosts (host 0 first: this machine);
+    sessions: the dashboard's logins, whose codes server.py prints or opens; base_url: where clients reach the
+    server, for the one-time links POST /login/link makes."""
+    allowed, origins = list(allowed_hosts), list(allowed_origins)
+    shown = hosts if hosts is not None else [local_host()]
     mcp = build_mcp(connect)
     mcp_app = mcp.streamable_http_app(
         streamable_http_path=MCP_PATH,
         max_request_body_size=MAX_BODY,
         max_sessions=MAX_MCP_SESSIONS,
         transport_security=TransportSecuritySettings(
-            enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins
+            enable_dns_rebinding_protection=True, allowed_hosts=allowed, allowed_origins=origins
         ),
     )
+    hub = Hub(shown)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with mcp.session_manager.run():
-            yield
+        try:
+            async with mcp.session_manager.run():
+                yield
+        finally:
+            await hub.aclose()
 
+    remote_rest = [Mount(f"/hosts/{host.id}", app=build_rest(host.connect)) for host in shown if host.id != 0]
     inner = Starlette(
-        routes=[Route(MCP_PATH, endpoint=mcp_app), Mount("/", app=build_rest(connect))], lifespan=lifespan
+        routes=[
+            Route(MCP_PATH, endpoint=mcp_app),
+            *hub.routes,
+            *remote_rest,
+            *page_routes(),
+            Mount("/", app=build_rest(connect)),
+        ],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error},
     )
     return Gate(
         inner,
         token=token,
-        allowed_hosts=hosts,
+        allowed_hosts=allowed,
         allowed_origins=origins,
         max_body=MAX_BODY,
         max_in_flight=MAX_IN_FLIGHT,
+        sessions=sessions if sessions is not None else Sessions(),
+        cookie=cookie,
+        base_url=base_url,
+        long_lived=LONG_LIVED,
     )
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """A path no app takes (Mount("/") does not match a path holding a newline) in the JSON of every error."""
+    names = {404: "NotFound", 405: "MethodNotAllowed"}
+    return JSONResponse({"error": names.get(e.status_code, "HTTPError"), "message": str(e.detail)},
+                        status_code=e.status_code, headers=e.headers)
 
 
 class Server(uvicorn.Server):

@@ -31,16 +31,18 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from dbus_fast import Variant
-from fastapi import Body, FastAPI, Query, Request
+from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from gpukill import errors
 from gpukill.limits import MAX_GRACE
+from gpukill.managed_policy import KINDS, MAX_ALLOWED_USERS, MAX_GRACE_PERIOD
 from gpukill.outcome import Outcome
 from gpukill.policy import MAX_POLICY_BYTES
 from gpukill.procstat import read_stat
@@ -50,6 +52,7 @@ from gpukill.records import (
     Device,
     Finding,
     GuardStatus,
+    ManagedPolicyEntry,
     Process,
     ResetReply,
     UsageReport,
@@ -58,6 +61,7 @@ from gpukill.records import (
     to_plain,
 )
 from gpukill.regex import RegexError, compile_regex
+from gpukill.units import MAX_SIZE
 
 from ..client.dbus import ClientError, Connect, DaemonUnavailable, GpukillClient, using
 from ..client.usage import MAX_WHEN_TEXT, parse_when
@@ -256,6 +260,8 @@ FindingModel = model_of(Finding)
 GuardStatusModel = model_of(GuardStatus)
 DecisionModel = model_of(Decision)
 UsageReportModel = model_of(UsageReport)
+PolicyEntryModel = model_of(ManagedPolicyEntry)
+PolicyKind = Literal[KINDS]  # type: ignore[valid-type]
 MAX_USAGE_LIMIT = 1000  # GetUsage's own bound
 UsageBy = Literal[tuple(USAGE_BY)]  # type: ignore[valid-type]
 
@@ -350,6 +356,37 @@ class PolicyTestRequest(BaseModel):
     )
 
 
+class PolicyEntryList(BaseModel):
+    policies: list[PolicyEntryModel] = Field(  # type: ignore[valid-type]
+        description="the user, group and GPU policies gpukilld keeps as files in the Guard policy directory"
+    )
+
+
+class PolicySettings(BaseModel):
+    """A managed policy's settings, as `gpukillctl guard policy add` takes them: only those given are set (a
+    limit left out is no limit), at least one limit; which apply depends on the kind (gpukilld refuses the
+    others, 422 InvalidArgs naming them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    memory_limit: int | None = Field(
+        None, ge=1, le=MAX_SIZE, description="bytes of GPU memory (user, group: summed over their processes)"
+    )
+    utilization_limit: float | None = Field(None, ge=0, le=100, description="percent of GPU utilization")
+    process_limit: int | None = Field(None, ge=0, le=MAX_UINT32, description="GPU processes at once (user, group)")
+    allowed_users: list[BusText] | None = Field(
+        None, max_length=MAX_ALLOWED_USERS, description="gpu: only these users may hold it"
+    )
+    reserved_memory: int | None = Field(None, ge=1, le=MAX_SIZE, description="gpu: bytes kept free on the device")
+    grace: float | None = Field(
+        None, ge=0, le=MAX_GRACE_PERIOD, description="seconds over a limit before the kill (default 30)"
+    )
+
+
+class PolicyRemoved(BaseModel):
+    removed: Literal[True] = Field(description="the policy and its file are gone")
+
+
 # Every operation may meet the HTTP layer's refusals (server.py) and the daemon's errors: each status it can
 # answer with is documented with its body, so a client (and schemathesis) knows every response's shape.
 _ERROR_STATUSES = {
@@ -418,8 +455,12 @@ def build_rest(connect: Connect) -> FastAPI:
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         if e.status_code == 400:  # a body FastAPI could not even decode (not UTF-8): invalid arguments too
             return error_response(422, INVALID_ARGS, str(e.detail))
+        headers = dict(e.headers or {})
+        if e.status_code == 405:  # Starlette names the methods of the first route of the path only
+            headers = {k: v for k, v in headers.items() if k.lower() != "allow"}
+            headers["Allow"] = ", ".join(_allowed_methods(app, request))
         return error_response(
-            e.status_code, _HTTP_ERROR_NAMES.get(e.status_code, "HTTPError"), str(e.detail), headers=e.headers
+            e.status_code, _HTTP_ERROR_NAMES.get(e.status_code, "HTTPError"), str(e.detail), headers=headers
         )
 
     def with_daemon(act: Callable[[GpukillClient], Awaitable[Any]]) -> Awaitable[Any]:
@@ -592,8 +633,70 @@ def build_rest(connect: Connect) -> FastAPI:
         report = await with_daemon(lambda c: c.usage({k: v for k, v in query.items() if v is not None}))
         return to_plain(report)
 
+    _policy_routes(app, with_daemon)
     _declare_token(app)
     return app
+
+
+_POLICY_PATH = f"{API_PREFIX}/guard/policies/{{kind}}/{{target}}"
+_POLICY_CHANGE_STATUSES = {
+    403: "polkit denied it (org.gpukill.manage-policies: administrators only by default), or the Origin is "
+    "not allowed",
+    404: "the kind or the target holds a / (no such route)",
+    504: _ACTION_STATUSES[504],
+}
+TargetParam = Annotated[
+    BusText,
+    Path(min_length=1, max_length=256, pattern=NO_NUL, description="the user name, group name or GPU index"),
+]
+KindParam = Annotated[PolicyKind, Path(description="user, group or gpu")]
+
+
+def _policy_routes(app: FastAPI, with_daemon: Callable[[Callable[[GpukillClient], Awaitable[Any]]], Any]) -> None:
+    """The managed user, group and GPU policies (as `gpukillctl guard policy`), for the dashboard's Guard page:
+    listing needs nothing; a change is polkit's org.gpukill.manage-policies, decided for the server's user."""
+
+    @app.get(
+        f"{API_PREFIX}/guard/policies",
+        response_model=PolicyEntryList,
+        responses=_responses(),
+        summary="the managed user, group and GPU policies",
+        operation_id="guard_list_policies",
+    )
+    async def list_policies() -> dict:
+        return {"policies": [to_plain(p) for p in await with_daemon(lambda c: c.guard_list_policies())]}
+
+    @app.put(
+        _POLICY_PATH,
+        response_model=PolicyEntryModel,
+        responses=_responses(_POLICY_CHANGE_STATUSES),
+        summary="create or replace the kind's policy for target",
+        operation_id="guard_set_policy",
+    )
+    async def set_policy(kind: KindParam, target: TargetParam, settings: Annotated[PolicySettings, Body()]) -> dict:
+        given = settings.model_dump(exclude_none=True)
+        return to_plain(await with_daemon(lambda c: c.guard_set_policy(kind, target, given)))
+
+    @app.delete(
+        _POLICY_PATH,
+        response_model=PolicyRemoved,
+        responses=_responses(_POLICY_CHANGE_STATUSES),
+        summary="remove the kind's policy for target (422 InvalidArgs when there is none)",
+        operation_id="guard_remove_policy",
+    )
+    async def remove_policy(kind: KindParam, target: TargetParam) -> dict:
+        await with_daemon(lambda c: c.guard_remove_policy(kind, target))
+        return {"removed": True}
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route of the request's path takes (PUT and DELETE of a policy are two routes)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 WHEN_DOC = ("seconds since the epoch, or gpukillctl usage's TIME: a duration ago (30d, 24h, 90min, 1h30m), a date "

@@ -1,6 +1,6 @@
-"""`gpukillctl serve`: the REST API (/v1) and the MCP server (/mcp) over HTTP, in one uvicorn process, as the
-user who runs it (gpukillctl/serve/app.py composes the app and runs it; gpukillctl/http/gate.py checks every
-request).
+"""`gpukillctl serve`: the web dashboard (/), the REST API (/v1) and the MCP server (/mcp) over HTTP, in one
+uvicorn process, as the user who runs it (gpukillctl/serve/app.py composes the app and runs it;
+gpukillctl/http/gate.py checks every request).
 
 The HTTP surface, and why:
 - A Unix socket by default, $XDG_RUNTIME_DIR/gpukill/serve.sock (the directory 0700, the socket 0600, both
@@ -22,6 +22,14 @@ The HTTP surface, and why:
 - Host and Origin are checked (DNS rebinding); the hosts are the loopback names (with the port on TCP, bare
   on the socket, where clients write http://localhost/), the --tcp address, the machine's names, and
   --allow-host.
+- A person logs in to the dashboard as in Jupyter, with a one-time link (URL/login?code=CODE: single use, 10
+  minutes) that sets a session cookie: `--open` opens the browser on it (webbrowser, which honours $BROWSER),
+  in a thread, since a browser command may not return until the browser ends, and the server must answer it
+  meanwhile; without --open, on TCP, the link is printed once, to a terminal only, like the token. `--open`
+  without --tcp listens on 127.0.0.1 on a port the kernel picks: a browser cannot reach the socket, and a fixed
+  port is one another user could take first. POST /login/link with the token makes a new link.
+- `--host [USER@]HOST[:PORT]` (repeatable) and `--hosts-file FILE` add machines to the dashboard, each read
+  over ssh as `gpukillctl -H` does (gpukillctl/web/hosts.py parses them before anything starts).
 
 Registered by gpukillctl/cli/main.py without importing FastAPI, uvicorn or the MCP SDK: they are the optional extra `serve`,
 and only this command needs them (it says what to install, in one line, when they are missing).
@@ -39,12 +47,18 @@ import secrets
 import socket
 import stat
 import sys
+import threading
+import webbrowser
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..client.dbus import GpukillClient
 from ..client.exits import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from ..http.listen import ServeError, port_number
+
+if TYPE_CHECKING:
+    from ..web.session import Sessions
 
 PROG = "gpukillctl serve"
 INSTALL_HINT = "pip install 'gpukill[serve]'"
@@ -75,13 +89,15 @@ def tcp_address(text: str) -> TcpAddress:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve the REST API (/v1) and MCP (/mcp) over HTTP, token-protected, as you",
-        description="One HTTP server, as the user who runs it: the REST API under /v1 (OpenAPI at "
+        help="serve the web dashboard (/), the REST API (/v1) and MCP (/mcp) over HTTP, token-protected, as you",
+        description="One HTTP server, as the user who runs it: the web dashboard at / (log in with the "
+        "one-time link --open opens, or that it prints on a terminal), the REST API under /v1 (OpenAPI at "
         "/v1/openapi.json) and the MCP Streamable HTTP endpoint at /mcp, on the Unix socket "
-        f"$XDG_RUNTIME_DIR/gpukill/{SOCKET_NAME} (yours alone) unless --tcp is given. Every request needs "
-        "the server's token (Authorization: Bearer TOKEN): made at start, kept beside the socket, printed "
-        f"once. polkit decides each kill and reset as for gpukillctl. Needs the optional packages "
-        f"({INSTALL_HINT}). The user unit gpukill-serve.service runs it. See gpukillctl(1).",
+        f"$XDG_RUNTIME_DIR/gpukill/{SOCKET_NAME} (yours alone) unless --tcp or --open is given. Every "
+        "request needs the server's token (Authorization: Bearer TOKEN) or the dashboard's session cookie: "
+        "the token is made at start, kept beside the socket, printed once. polkit decides each kill and "
+        f"reset as for gpukillctl. Needs the optional packages ({INSTALL_HINT}). The user unit "
+        "gpukill-serve.service runs it. See gpukillctl(1).",
     )
     p.add_argument(
         "--tcp",
@@ -101,6 +117,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         help="also answer requests whose Host is NAME (a name clients use for this machine); repeatable",
+    )
+    p.add_argument(
+        "--open",
+        action="store_true",
+        help="open the dashboard in your browser ($BROWSER) with a one-time login link; without --tcp, on "
+        "127.0.0.1 on a port the kernel picks (for a server already running, as the user unit: POST "
+        "/login/link with its token answers a new link)",
+    )
+    p.add_argument(
+        "--host",
+        dest="hosts",
+        metavar="[USER@]HOST[:PORT]",
+        action="append",
+        default=[],
+        help="also show this host on the dashboard, read over ssh as gpukillctl -H does; repeatable",
+    )
+    p.add_argument(
+        "--hosts-file",
+        metavar="FILE",
+        help="also show the hosts of FILE (one [USER@]HOST[:PORT] a line, # comments) on the dashboard",
     )
     p.set_defaults(offline=cmd_serve)
 
@@ -318,7 +354,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from ..web.hosts import host_specs  # the client library only: no optional package
+
+    try:
+        shown_hosts = host_specs(args.hosts, args.hosts_file)  # every name checked before anything else
+    except ValueError as e:
+        raise ServeError(str(e), EXIT_USAGE) from None
     tcp: TcpAddress | None = args.tcp
+    if tcp is None and args.open:  # a browser reaches TCP only; port 0: the kernel's pick, no one's to take first
+        tcp = TcpAddress("127.0.0.1", 0)
     if tcp is not None and not is_loopback(tcp.host) and args.token_file is None:
         raise ServeError(
             f"--tcp {tcp.host}:{tcp.port} is not on loopback: give --token-file FILE too (a token "
@@ -339,17 +383,26 @@ def serve(args: argparse.Namespace) -> int:
         raise ServeError(
             f"the HTTP server needs the optional packages ({e.name} is missing): {INSTALL_HINT}"
         ) from None
+    from ..web.session import Sessions, cookie_name
+
     listener = bind_unix(directory) if tcp is None else bind_tcp(tcp)
+    if tcp is not None and tcp.port == 0:
+        tcp = TcpAddress(tcp.host, listener.sock.getsockname()[1])  # the port the kernel gave
     made = TokenFile.create(directory, token_name(tcp)) if token is None else None
     try:
         hosts = allowed_hosts(tcp, args.allow_host)
+        sessions = Sessions()
         app = serve_app.build_app(
             GpukillClient.connect,
             token=token or made.token,
             allowed_hosts=hosts,
             allowed_origins=allowed_origins(hosts),
+            hosts=shown_hosts,
+            sessions=sessions,
+            cookie=cookie_name(None if tcp is None else tcp.port),
+            base_url=url_of(tcp),
         )
-        announce(args, listener, made)
+        announce(args, tcp, listener, made, sessions)
         return EXIT_OK if serve_app.run(app, listener.sock) else EXIT_FAILURE
     finally:
         listener.close()
@@ -357,18 +410,41 @@ def serve(args: argparse.Namespace) -> int:
             made.remove()
 
 
-def announce(args: argparse.Namespace, listener: Listener, made: TokenFile | None) -> None:
-    """Once, at start: where, as whom, and the header to send."""
+def announce(
+    args: argparse.Namespace, tcp: TcpAddress | None, listener: Listener, made: TokenFile | None, sessions: Sessions
+) -> None:
+    """Once, at start: where, as whom, the header to send, and how a person logs in to the dashboard."""
     user = pwd.getpwuid(os.getuid()).pw_name
-    url = url_of(args.tcp)
+    url = url_of(tcp)
     where = f"the socket {listener.path}" if listener.path is not None else url
-    say(f"serving as {user} on {where}: REST under {url}/v1, MCP at {url}/mcp")
+    say(f"serving as {user} on {where}: the dashboard at {url}/, REST under {url}/v1, MCP at {url}/mcp")
     if listener.path is not None:
         say(f"e.g. curl --unix-socket {listener.path} {url}/v1/devices -H 'Authorization: Bearer ...'")
     if made is None:
         say(f"send the token of {args.token_file}:")
         print(f"    Authorization: Bearer $(cat {args.token_file})", file=sys.stderr, flush=True)
-        return
-    say(f"token in {made.path}; send it as the header:")
-    shown = made.token if sys.stderr.isatty() else f"$(cat {made.path})"  # not into the journal (see above)
-    print(f"    Authorization: Bearer {shown}", file=sys.stderr, flush=True)
+    else:
+        say(f"token in {made.path}; send it as the header:")
+        shown = made.token if sys.stderr.isatty() else f"$(cat {made.path})"  # not into the journal (see above)
+        print(f"    Authorization: Bearer {shown}", file=sys.stderr, flush=True)
+    if tcp is None:
+        return  # no browser reaches the socket
+    if args.open:
+        open_browser(f"{url}/login?code={sessions.new_code()}")
+    elif sys.stderr.isatty():  # the link is a login: on a terminal only, as the token
+        say(f"log in to the dashboard once with: {url}/login?code={sessions.new_code()}")
+    else:
+        say(f"a one-time login link for the dashboard: POST {url}/login/link with the token, or serve with --open")
+
+
+def open_browser(link: str) -> None:
+    """The browser on the one-time link, in a thread: a browser command ($BROWSER=w3m) may not return until the
+    browser ends, and meanwhile the server must answer it (the socket already listens: its request waits)."""
+
+    def opening() -> None:
+        if not webbrowser.open(link):
+            base = link.split("/login?", 1)[0]
+            say(f"no browser could be started (set $BROWSER): POST {base}/login/link with the token answers "
+                "a one-time login link")
+
+    threading.Thread(target=opening, name="open-browser", daemon=True).start()
