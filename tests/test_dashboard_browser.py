@@ -1,0 +1,354 @@
+"""The dashboard in a real browser: Debian's headless chromium (tests/helpers/browser.py, through Selenium)
+on `gpukillctl serve --tcp 127.0.0.1:PORT`, run as the test user gpkowner, on the bed's real gpukilld, polkitd
+and journald. One browser for the module (chromium takes seconds to start on two cores).
+
+GPUKILL_SCREENSHOTS=docs/screenshots writes the README's screenshots (test_every_page_draws_its_data).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+from helpers import lab as lab_helper
+from helpers.browser import Browser, why_not
+from helpers.http_server import Server
+from helpers.marks import needs_root, slow
+from helpers.procs import pid_alive
+from helpers.testbed import REPO, SYSTEM_PYTHON, Testbed, User
+
+from gpukilld import journal as audit
+
+STATIC = REPO / "gpukillctl" / "web" / "static"
+PAGES = ("overview", "processes", "guard", "audit", "usage", "events")
+# The bed's hostile names: each is a process's argv[0] (its command line) and, cut to the kernel's 15
+# characters, its comm.
+HOSTILE = ("<img src=x onerror=alert(1)>", "</script><script>alert(1)</script>")
+TEST_POLICY = """rules:
+  - name: "no-miners"
+    conditions:
+      - type: "process_name"
+        operator: "contains_any"
+        value: ["xmrig"]
+    action: "kill"
+"""
+
+BROWSER_MISSING = why_not()
+
+
+def in_browser(test):
+    """A test with the bed and chromium: root, the browser installed; slow (it still runs in CI)."""
+    for mark in (needs_root, slow, pytest.mark.skipif(BROWSER_MISSING is not None, reason=BROWSER_MISSING or "")):
+        test = mark(test)
+    return test
+
+
+@pytest.fixture(scope="module")
+def browser():
+    b = Browser()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def server(bed, users):
+    s = Server(bed, users["owner"], tcp=True).wait_ready()
+    yield s
+    s.stop()
+
+
+def named_victim(bed: Testbed, user: User, name: str, gpu: int = 0, mem: str = "1GiB", util: float = 0) -> subprocess.Popen:
+    """A real process on a simulated GPU whose command line starts with `name` (its argv[0]) and whose comm
+    is `name` cut to 15 characters (prctl PR_SET_NAME), as a user can name any process of theirs."""
+    code = (f"import ctypes, time\nctypes.CDLL(None).prctl(15, {name.encode()[:15]!r}, 0, 0, 0)\n"
+            "print('ready', flush=True)\ntime.sleep(600)\n")
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope,
+           "GPUKILL_SIM_MEM": mem, "GPUKILL_SIM_UTIL": str(util)}
+    proc = subprocess.Popen([name, "-c", code], executable=SYSTEM_PYTHON, stdout=subprocess.PIPE, env=env, cwd="/",
+                            start_new_session=True, **user.popen_kwargs())
+    bed.procs.append(proc)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return proc
+
+
+def row_selector(pid: int, host: int = 0) -> str:
+    return f'#processes tr.proc[data-host="{host}"][data-pid="{pid}"]'
+
+
+def wait_row(browser: Browser, pid: int, host: int = 0, timeout: float = 15.0):
+    return browser.wait(lambda: browser.css(row_selector(pid, host)), timeout,
+                        f"PID {pid} of host {host} never appeared on the processes page")[0]
+
+
+def kill_from_page(browser: Browser, pid: int) -> tuple[str, str]:
+    """Click the row's kill button, check the confirmation names the process, say yes; (#flash's kind, text)."""
+    flash_before = browser.text("#flash")
+    wait_row(browser, pid).find_element("css selector", "button.kill").click()
+    dialog = browser.wait(lambda: [d for d in browser.css("dialog#confirm") if d.is_displayed()], 5,
+                          "dialog#confirm did not open")[0]
+    question = dialog.find_element("css selector", "#confirm-text").text
+    browser.css("#confirm-yes")[0].click()
+    browser.wait(lambda: browser.css("#flash")[0].is_displayed() and browser.text("#flash") != flash_before, 30,
+                 "#flash showed no answer")
+    flash = browser.css("#flash")[0]
+    return question, f"{flash.get_attribute('data-kind')}\n{flash.text}"
+
+
+# -- getting in -----------------------------------------------------------------------------------------------
+
+
+@in_browser
+def test_without_the_link_the_page_says_how_to_get_in(browser, server):
+    browser.driver.delete_all_cookies()
+    browser.driver.get(f"http://{server.host}/#/processes")
+    body = browser.css("body")[0].text
+    assert "gpukillctl serve --open" in body, body
+    assert not browser.css("section.host") and not browser.css("script"), "the refusal page is no dashboard"
+    assert not browser.ready()
+    link = Browser.login_link(server)
+    browser.driver.get(link)  # used once: the second use is refused
+    browser.driver.delete_all_cookies()
+    browser.driver.get(link)
+    assert "used or has expired" in browser.css("body")[0].text
+    assert not browser.ready()
+
+
+@in_browser
+def test_the_one_time_link_logs_in(browser, server):
+    browser.driver.delete_all_cookies()
+    browser.login(server)
+    assert browser.driver.current_url == f"http://{server.host}/#/overview"
+    host = browser.css('section.host[data-host="0"]')[0]
+    assert host.get_attribute("data-state") == "up"
+    assert len(browser.css('.gpu[data-host="0"]')) == 4  # examples/simulate.yaml's four GPUs
+    cookies = {c["name"]: c for c in browser.driver.get_cookies()}
+    cookie = cookies[f"gpukill-session-{server.port}"]
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict", cookie
+    assert browser.driver.execute_script("return document.cookie") == ""  # HttpOnly: no script reads it
+
+
+# -- live -----------------------------------------------------------------------------------------------------
+
+
+@in_browser
+def test_a_kill_made_elsewhere_leaves_the_open_page_within_2s(browser, server, victims, users):
+    owner = users["owner"]
+    by_cli = victims.victim(owner, gpu=0, mem="2GiB", util=50, comm="cli-victim")
+    exits = victims.victim(owner, gpu=1, mem="1GiB", util=10, comm="exits")
+    browser.login(server, "processes")
+    for pid in (by_cli.pid, exits.pid):
+        wait_row(browser, pid)
+    r = victims.ctl(owner, "kill", str(by_cli.pid), "--grace", "2")
+    assert r.returncode == 0, r
+    assert by_cli.wait(5) is not None
+    gone_at = time.monotonic()
+    browser.wait(lambda: not browser.css(row_selector(by_cli.pid)), 2.0,
+                 "a process killed with gpukillctl kill was still on the page 2 s later")
+    exits.kill()
+    exits.wait(5)
+    gone_at = time.monotonic()
+    browser.wait(lambda: not browser.css(row_selector(exits.pid)), 2.0,
+                 "a process that exited was still on the page 2 s later")
+    assert time.monotonic() - gone_at <= 2.5
+    # Live from the stream alone: the page never asked /v1/processes.
+    asked = browser.driver.execute_script(
+        "return performance.getEntriesByType('resource').map(e => new URL(e.name).pathname)")
+    assert not [p for p in asked if p.endswith("/processes")], asked
+
+
+@in_browser
+def test_the_kill_button_kills_ones_own_process_and_shows_polkits_refusal(browser, server, victims, users):
+    owner, other = users["owner"], users["other"]
+    mine = victims.victim(owner, gpu=0, mem="3GiB", util=40, comm="mine")
+    theirs = victims.victim(other, gpu=1, mem="3GiB", util=40, comm="theirs")
+    browser.login(server, "processes")
+    hostname = wait_row(browser, mine.pid).find_element("css selector", "td.col-host").get_attribute("textContent")
+
+    question, answer = kill_from_page(browser, mine.pid)
+    for part in (str(mine.pid), "mine", owner.name, hostname):
+        assert part in question, (part, question)
+    assert answer.startswith("ok\n") and "terminated" in answer, answer
+    assert mine.wait(10) is not None
+    entries = victims.wait_journal(GPUKILL_TARGET_PID=str(mine.pid), MESSAGE_ID=audit.KILL.message_id)
+    assert entries and entries[0]["GPUKILL_CALLER_UID"] == str(owner.uid), entries
+
+    question, answer = kill_from_page(browser, theirs.pid)
+    assert str(theirs.pid) in question and other.name in question, question
+    listed = victims.wait_listed(theirs.pid)
+    same = server.call("POST", "/v1/kill", {"pid": theirs.pid, "start_time": listed["start_time"]})
+    assert same.status == 403 and "not authorized" in same.body["message"], same
+    assert answer == f"error\n{same.body['message']}", "the page must show polkit's answer as it is"
+    denied = victims.wait_journal(GPUKILL_TARGET_PID=str(theirs.pid), MESSAGE_ID=audit.KILL_DENIED.message_id)
+    assert denied and denied[0]["GPUKILL_CALLER_UID"] == str(owner.uid), denied
+    time.sleep(0.3)
+    assert pid_alive(theirs.pid)
+
+
+@in_browser
+def test_hostile_process_names_render_as_text(browser, server, victims, users):
+    procs = [named_victim(victims, users["owner"], name, gpu=i) for i, name in enumerate(HOSTILE)]
+    browser.login(server, "processes")
+    for proc, name in zip(procs, HOSTILE, strict=True):
+        row = wait_row(browser, proc.pid)
+        cell = row.find_element("css selector", "td.col-name")
+        assert cell.find_element("css selector", ".comm").get_attribute("textContent") == name[:15]
+        assert cell.find_element("css selector", ".cmdline").get_attribute("textContent").startswith(name + " -c ")
+    assert browser.alert_text() is None and not browser.css("img"), "a process's name became markup"
+    # In the confirmation too (then cancelled), on the overview as idle holders, and among the events.
+    wait_row(browser, procs[1].pid).find_element("css selector", "button.kill").click()
+    assert HOSTILE[1][:15] in browser.text("#confirm-text")
+    assert browser.text("#confirm-cmdline").startswith(HOSTILE[1])
+    browser.css("#confirm-no")[0].click()
+    assert pid_alive(procs[1].pid)
+    browser.open(server, "overview")
+    browser.driver.find_element("css selector", '#idle-after option[value="0"]').click()
+    browser.wait(lambda: len(browser.css(".reclaim")) >= 2, 10, "the idle holders were not listed to reclaim")
+    reclaim = " ".join(r.get_attribute("textContent") for r in browser.css(".reclaim"))
+    assert HOSTILE[0][:15] in reclaim and HOSTILE[1][:15] in reclaim, reclaim
+    r = victims.ctl(users["owner"], "kill", str(procs[1].pid), "--grace", "2")
+    assert r.returncode == 0, r
+    browser.open(server, "events")
+    browser.wait(lambda: [e for e in browser.css("#events tr.event") if HOSTILE[1][:15] in e.text], 10,
+                 "the kill's ProcessKilled signal did not reach the events page")
+    assert browser.alert_text() is None, "a process's name ran as script"
+    assert not browser.css("img"), "a process's name became markup"
+    assert len(browser.css("script")) == 1  # index.html's own
+
+
+# -- a lab --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lab(bed, users):
+    yield from lab_helper.serving(bed, users["owner"])
+
+
+@in_browser
+def test_two_hosts_over_ssh_on_one_page_one_of_them_stopped(browser, lab, victims, users):
+    owner = users["owner"]
+    mine = victims.victim(owner, gpu=2, mem="5GiB", util=70, comm="lab-job")
+    served = lab.serve(owner, *lab.hosts)
+    try:
+        browser.login(served, "overview", timeout=60)
+        browser.wait(lambda: browser.css('section.host[data-host="1"][data-state="up"]'), 60,
+                     lambda: "the second host is not up: " + browser.text('section.host[data-host="1"]'))
+        stopped = browser.wait(lambda: browser.css('section.host[data-host="2"][data-state="down"]'), 60,
+                               "the stopped host is not shown down")[0]
+        assert stopped.find_element("css selector", ".host-error").text, "the stopped host's error is not said"
+        assert len(browser.css('.gpu[data-host="1"]')) == 4 and not browser.css('.gpu[data-host="2"]')
+        assert len(browser.css('section.host[data-host="0"] .gpu')) == 4
+        names = [o.text for o in browser.css("#host-select option")]
+        assert names[1:] == [lab.remote, lab.stopped], names
+        assert browser.css("#host-picker")[0].is_displayed()
+        browser.screenshot("lab")
+        browser.open(served, "processes")
+        for host in (0, 1):
+            wait_row(browser, mine.pid, host, timeout=30)
+    finally:
+        served.stop()
+
+
+# -- every page --------------------------------------------------------------------------------------------
+
+
+@in_browser
+def test_every_page_draws_its_data(browser, server, victims, users):
+    """And, with GPUKILL_SCREENSHOTS=DIR, a screenshot of each page into DIR (the README's)."""
+    owner, other, admin = users["owner"], users["other"], users["admin"]
+    for i, (user, comm, mem, util) in enumerate([(owner, "train.py", "30GiB", 97), (owner, "eval.py", "12GiB", 64),
+                                                 (other, "notebook", "9GiB", 0), (admin, "xmrig", "6GiB", 99),
+                                                 (other, "infer", "20GiB", 35)]):
+        victims.victim(user, gpu=i % 3, mem=mem, util=util, comm=comm)
+    browser.login(server, "overview")
+    browser.wait(lambda: len(browser.css("#hosts-overview .gpu")) == 4, 10, "no GPU cards")
+    browser.driver.find_element("css selector", '#idle-after option[value="0"]').click()
+    browser.wait(lambda: browser.css(".reclaim"), 10, "the idle notebook is not listed to reclaim")
+    browser.screenshot("overview")
+
+    browser.open(server, "processes")
+    browser.wait(lambda: len(browser.css("#processes tr.proc")) >= 5, 10, "processes missing")
+    browser.screenshot("processes")
+    runtime = browser.css("#processes tr.proc td.col-runtime")[0]
+    before = runtime.text
+    browser.wait(lambda: runtime.text != before, 5, "the runtimes do not go on between changes")
+    browser.css('th[data-sort="memory"]')[0].click()  # memory was descending: now ascending
+    memories = [r.find_element("css selector", "td.col-memory").text for r in browser.css("#processes tr.proc")]
+    assert memories == ["6.0 GiB", "9.0 GiB", "12.0 GiB", "20.0 GiB", "30.0 GiB"], memories
+    browser.css('th[data-sort="memory"]')[0].click()
+    browser.css("#filter")[0].send_keys("train")
+    browser.wait(lambda: len(browser.css("#processes tr.proc")) == 1, 5, "the filter did not apply")
+    browser.css("#filter")[0].clear()
+    browser.css("#filter")[0].send_keys(" ")  # clear() fires no input event
+    browser.wait(lambda: len(browser.css("#processes tr.proc")) >= 5, 5, "the filter was not lifted")
+
+    browser.open(server, "guard")
+    browser.wait(lambda: browser.css("#guard-rules"), 10, "no Guard status")
+    browser.css("#policy-text")[0].send_keys(TEST_POLICY)
+    browser.css("#policy-test")[0].click()
+    rows = browser.wait(lambda: browser.css("#decisions tbody tr"), 15, "no decisions for the pasted policy")
+    assert "no-miners" in rows[0].text, rows[0].text
+    browser.screenshot("guard")
+    # Setting a managed policy is polkit's manage-policies: refused to the serving user, said as it is.
+    browser.css("#mp-target")[0].send_keys(other.name)
+    browser.css("#mp-memory")[0].send_keys("8GiB")
+    browser.css("#mp-set")[0].click()
+    refused = server.call("PUT", f"/v1/guard/policies/user/{other.name}", {"memory_limit": 8 << 30})
+    assert refused.status == 403, refused
+    browser.wait(lambda: browser.text("#flash") == refused.body["message"], 15,
+                 lambda: f"#flash says {browser.text('#flash')!r}, not {refused.body['message']!r}")
+
+    browser.open(server, "audit")
+    finding = browser.wait(lambda: [r for r in browser.css("#findings tr.finding") if "xmrig" in r.text], 15,
+                           "the miner was not found")[0]
+    assert "miner-name" in finding.text, finding.text
+    browser.screenshot("audit")
+
+    browser.open(server, "usage")
+    browser.wait(lambda: browser.css("#usage-report svg rect.chart-bar"), 20, "no usage chart")
+    browser.driver.find_element("css selector", '#usage-by option[value="gpu"]').click()
+    browser.wait(lambda: "GPU 0" in browser.text("#usage-report"), 15, "no usage by GPU")
+    browser.screenshot("usage")
+
+    victim = victims.victim(owner, gpu=1, mem="1GiB", util=5, comm="short-run")
+    victims.wait_listed(victim.pid)
+    assert victims.ctl(owner, "kill", str(victim.pid), "--grace", "2").returncode == 0
+    browser.open(server, "events")
+    browser.wait(lambda: [e for e in browser.css("#events tr.event") if "short-run" in e.text], 10,
+                 "the kill did not reach the events page")
+    browser.screenshot("events")
+    # No script error and nothing the Content-Security-Policy refused, on any page of this module's visits
+    # (the refused requests' 401s and 403s are the network's entries, and expected).
+    problems = [e for e in browser.driver.get_log("browser")
+                if e.get("source") != "network" or "Content Security Policy" in e.get("message", "")]
+    assert not problems, problems
+
+
+# -- without a browser ----------------------------------------------------------------------------------------
+
+
+def test_the_page_never_makes_markup_from_text():
+    """Text is set as text: no innerHTML, outerHTML, insertAdjacentHTML or document.write in the page's
+    scripts, no inline script or style (the CSP refuses them), no eval, no library fetched from elsewhere."""
+    scripts = sorted(STATIC.glob("*.js"))
+    assert {p.name for p in scripts} >= {"app.js", "stream-worker.js"}
+    banned = re.compile(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|\beval\s*\(|new Function|"
+                        r"setAttribute\(\s*[\"']style|https?://(?!www\.w3\.org/2000/svg)")
+    for path in scripts:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not banned.search(line), f"{path.name}:{n}: {line.strip()}"
+    html = (STATIC / "index.html").read_text()
+    assert not re.search(r"\sstyle\s*=|<style|\son[a-z]+\s*=|javascript:", html, re.I)
+    assert re.findall(r"<script\b[^>]*>", html) == ['<script type="module" src="/static/app.js">']
+
+
+def test_the_readme_shows_every_page():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## The dashboard", 1)[1].split("\n## ", 1)[0]
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", section)
+    for page in PAGES:
+        assert f"docs/screenshots/{page}.png" in images, page
+    for image in images:
+        path = REPO / image
+        assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", image
