@@ -65,3 +65,76 @@ def test_help_is_the_same_as_argparses_own(argv):
     theirs = subprocess.run([sys.executable, "-c", plain], cwd=REPO, capture_output=True, text=True, env=env)
     assert ours.returncode == theirs.returncode == 0
     assert ours.stdout == theirs.stdout and "usage:" in ours.stdout
+
+
+# The packages' tree: the wrappers (packaging/bin) write no bytecode under /usr, so the package must make it where
+# it is installed, with the interpreter that runs it; without it every start compiles gpukill's modules again
+# (bench/cli_start's "no bytecode" row). The .deb: dh_python3's postinst runs py3compile on /usr/lib/gpukill.
+# The .rpm: its %post (rpm's brp-python-bytecompile compiles only /usr/lib*/pythonX.Y; Debian's rpm not even that).
+DEB_LIB = "/usr/lib/gpukill"
+SPEC = REPO / "packaging" / "rpm" / "gpukill.spec"
+
+
+def scriptlet(spec: str, name: str) -> str:
+    return spec.split(f"\n{name}\n", 1)[1].split("\n%", 1)[0]
+
+
+def rpm_compile_line() -> str:
+    lines = [line for line in scriptlet(SPEC.read_text(), "%post").splitlines()
+             if DEB_LIB in line and not line.lstrip().startswith("#")]
+    assert lines, "the .rpm's %post makes no bytecode for /usr/lib/gpukill"
+    return lines[0]
+
+
+def test_the_packages_make_the_trees_bytecode_where_installed():
+    rules = (REPO / "packaging" / "debian" / "rules").read_text()
+    assert f"dh_python3 {DEB_LIB}" in rules  # py3compile in postinst, py3clean in prerm
+    assert "compileall" in rpm_compile_line()
+    # and the .rpm takes it away on erase (it does not own those files)
+    erase = scriptlet(SPEC.read_text(), "%preun")
+    assert "$1 -eq 0" in erase and "__pycache__" in erase and DEB_LIB in erase
+
+
+def packaged_tree(root: Path) -> tuple[Path, Path]:
+    """/usr/lib/gpukill as the packages lay it out (the code; of the vendored libraries, jeepney, which the list
+    path imports and which the packages take from the system), and packaging/bin/gpukillctl pointed at it."""
+    import jeepney
+
+    lib = root / "usr" / "lib" / "gpukill"
+    skip = shutil.ignore_patterns("__pycache__")
+    for package in ("gpukill", "gpukilld", "gpukillctl"):
+        shutil.copytree(REPO / package, lib / package, ignore=skip)
+    shutil.copytree(Path(jeepney.__file__).parent, lib / "vendor" / "jeepney", ignore=skip)
+    wrapper = root / "usr" / "bin" / "gpukillctl"
+    wrapper.parent.mkdir(parents=True)
+    text = (REPO / "packaging" / "bin" / "gpukillctl").read_text()
+    assert DEB_LIB in text
+    wrapper.write_text(text.replace(DEB_LIB, str(lib)))
+    wrapper.chmod(0o755)
+    return lib, wrapper
+
+
+def compiled_from_source(wrapper: Path, lib: Path) -> list[str]:
+    """The modules of the tree that `gpukillctl list --json` compiled from source (no bus: it stops at connect)."""
+    env = {"PATH": "/usr/bin:/bin", "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent/bus"}
+    r = subprocess.run(["/usr/bin/python3", "-v", str(wrapper), "list", "--json"], capture_output=True, text=True,
+                       env=env, cwd="/")
+    assert r.returncode == 3 and "cannot connect to the system bus" in r.stderr, r.stderr[-500:]
+    return [line for line in r.stderr.splitlines() if line.startswith(f"# code object from {lib}/")]
+
+
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="the packages' interpreter, /usr/bin/python3, is absent")
+@pytest.mark.parametrize("package", ["deb", "rpm"])
+def test_the_packaged_command_imports_its_tree_from_bytecode(tmp_path, package):
+    lib, wrapper = packaged_tree(tmp_path)
+    uncompiled = compiled_from_source(wrapper, lib)
+    assert any("gpukillctl/cli/main.py" in line for line in uncompiled)  # what this test sees without bytecode
+    if package == "deb":
+        if not shutil.which("py3compile"):
+            pytest.skip("py3compile (python3-minimal) is not installed")
+        subprocess.run(["py3compile", str(lib)], check=True)
+    else:
+        # as the %post runs it: `python3` is the system's, the one the wrapper's shebang names
+        subprocess.run(rpm_compile_line().replace(DEB_LIB, str(lib)), shell=True, check=True,
+                       env={"PATH": "/usr/bin:/bin"})
+    assert compiled_from_source(wrapper, lib) == []
