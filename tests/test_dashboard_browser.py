@@ -70,6 +70,8 @@ def named_victim(bed: Testbed, user: User, name: str, gpu: int = 0, mem: str = "
                             start_new_session=True, **user.popen_kwargs())
     bed.procs.append(proc)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    # gpukilld may have listed it before its prctl (a loaded machine): the comm event is seen in a later sample
+    bed.wait_listed(proc.pid, comm=name.encode()[:15].decode(errors="replace"))
     return proc
 
 
