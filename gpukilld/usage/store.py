@@ -467,6 +467,23 @@ _NUMBERS = ("pid, start_time, uid, user, device, device_id, first_seen, last_see
             "sm_known_seconds, memory_byte_seconds, peak_memory, energy_joules, energy_known_seconds, processes")
 
 
+# Each row's grouping: (GROUP BY, its key, the row's uid, user, device, device_id, pid, start_time, comm); by
+# unit, job or pod (_BY_KEY) the key column k of the records' select.
+_GROUPS = {
+    "user": ("uid", "MAX(user)", "uid, MAX(user), NULL, NULL, NULL, NULL, NULL"),
+    "gpu": ("device_id", "CAST(MAX(device) AS TEXT)", "NULL, NULL, MAX(device), device_id, NULL, NULL, NULL"),
+    "process": ("uid, pid, start_time", "pid || ':' || start_time", "uid, MAX(user), NULL, NULL, pid, start_time, MAX(k)"),
+}
+_BY_KEY = ("h, k", "k", "NULL, NULL, NULL, NULL, NULL, NULL, NULL")
+# The columns after the processes count, the same in both statements: the live processes, the prorated sums,
+# the peak, the range seen, and rows_total.
+_TOTALS = f"""COUNT(DISTINCT CASE WHEN is_live AND pid != 0 THEN {_PROCESS} END)
+         + SUM(CASE WHEN is_live AND pid = 0 THEN processes ELSE 0 END),
+       SUM(gpu_seconds * f) AS g, SUM(sm_seconds * f), SUM(sm_known_seconds * f), SUM(memory_byte_seconds * f),
+       MAX(peak_memory), SUM(energy_joules * f), SUM(energy_known_seconds * f),
+       MIN(first_seen), MAX(last_seen),
+       COUNT(*) OVER ()"""
+
 # A record in the range [since, until]: overlapping it, or sampled once (last_seen == first_seen) inside it.
 _OVERLAP = ("last_seen >= :since AND first_seen <= :until AND "
             "(last_seen <= first_seen OR (last_seen > :since AND first_seen < :until))")
@@ -527,25 +544,11 @@ def _statement(q: UsageQuery, viewer: Viewer, scan: bool) -> tuple[str, dict]:
     records = (f"SELECT {_NUMBERS}, {grouped}, {fraction}, 0 AS is_live FROM main.usage{' NOT INDEXED' if scan else ''}"
                f" WHERE {conditions} UNION ALL "
                f"SELECT {_NUMBERS}, {grouped}, {fraction}, ended = '' AS is_live FROM temp.live WHERE {conditions}")
-    nulls = "NULL, NULL, NULL, NULL, NULL, NULL, NULL"
-    if q.by == "user":
-        group, key, extra = "uid", "MAX(user)", "uid, MAX(user), NULL, NULL, NULL, NULL, NULL"
-    elif q.by == "gpu":
-        group, key, extra = "device_id", "CAST(MAX(device) AS TEXT)", "NULL, NULL, MAX(device), device_id, NULL, NULL, NULL"
-    elif q.by == "process":
-        group, key = "uid, pid, start_time", "pid || ':' || start_time"
-        extra = "uid, MAX(user), NULL, NULL, pid, start_time, MAX(k)"
-    else:
-        group, key, extra = "h, k", "k", nulls
+    group, key, extra = _GROUPS.get(q.by, _BY_KEY)
     sql = f"""
 SELECT {key} AS key, MAX(h), {extra},
        COUNT(DISTINCT CASE WHEN pid != 0 THEN {_PROCESS} END) + SUM(CASE WHEN pid = 0 THEN processes ELSE 0 END),
-       COUNT(DISTINCT CASE WHEN is_live AND pid != 0 THEN {_PROCESS} END)
-         + SUM(CASE WHEN is_live AND pid = 0 THEN processes ELSE 0 END),
-       SUM(gpu_seconds * f) AS g, SUM(sm_seconds * f), SUM(sm_known_seconds * f), SUM(memory_byte_seconds * f),
-       MAX(peak_memory), SUM(energy_joules * f), SUM(energy_known_seconds * f),
-       MIN(first_seen), MAX(last_seen),
-       COUNT(*) OVER ()
+       {_TOTALS}
 FROM ({records})
 GROUP BY {group}
 ORDER BY g DESC, key
@@ -600,21 +603,12 @@ def _day_statement(q: UsageQuery, viewer: Viewer, conn: sqlite3.Connection) -> t
         "CASE WHEN energy_n > 0 THEN energy_joules END, energy_known_seconds, first_seen, last_seen, 1.0 "
         f"FROM main.usage_day WHERE first_day >= :ds AND last_day < :du AND n > 0 AND {plain}",
     ]
-    if q.by == "user":
-        group, key, extra = "uid", "MAX(user)", "uid, MAX(user), NULL, NULL, NULL, NULL, NULL"
-    else:
-        group, key = "device_id", "CAST(MAX(device) AS TEXT)"
-        extra = "NULL, NULL, MAX(device), device_id, NULL, NULL, NULL"
+    group, key, extra = _GROUPS[q.by]  # user or gpu (_by_day)
     sql = f"""
 SELECT {key} AS key, 0, {extra},
        COUNT(DISTINCT CASE WHEN raw AND pid != 0 THEN {_PROCESS} END)
          + SUM(CASE WHEN raw AND pid != 0 THEN 0 ELSE processes END),
-       COUNT(DISTINCT CASE WHEN is_live AND pid != 0 THEN {_PROCESS} END)
-         + SUM(CASE WHEN is_live AND pid = 0 THEN processes ELSE 0 END),
-       SUM(gpu_seconds * f) AS g, SUM(sm_seconds * f), SUM(sm_known_seconds * f), SUM(memory_byte_seconds * f),
-       MAX(peak_memory), SUM(energy_joules * f), SUM(energy_known_seconds * f),
-       MIN(first_seen), MAX(last_seen),
-       COUNT(*) OVER ()
+       {_TOTALS}
 FROM ({" UNION ALL ".join(parts)})
 GROUP BY {group}
 ORDER BY g DESC, key
