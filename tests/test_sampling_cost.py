@@ -334,3 +334,25 @@ def test_the_audit_scores_a_process_again_when_its_facts_change_not_its_utilizat
     assert sorted(scored) == [31, 32]
     watch([dataclasses.replace(miner[0], cmdline="xmrig --donate-level 0"), miner[1]], 4.0)
     assert sorted(scored) == [31, 31, 32]
+
+
+def test_idle_processes_are_looked_at_again_only_when_they_reach_idle_after(monkeypatch):
+    """An unchanged host of processes holding memory at 0% (every process of the fake NVIDIA host, which reports
+    no utilization samples): their findings change only when one reaches idle_after, so only then is one
+    evaluated again, not every idle process every sample (issue 24); a deleted executable still is."""
+    evaluated: list[int] = []
+    real = RogueWatch._evaluate
+    monkeypatch.setattr(RogueWatch, "_evaluate",
+                        lambda self, key, *rest: evaluated.append(key[0]) or real(self, key, *rest))
+    watch = RogueWatch("/nonexistent", AuditSettings(idle_after=30.0, idle_min_memory=1 << 20, pool_ports=()))
+    idle = [proc(100 + i, mem=GiB, util=0.0) for i in range(50)]
+    deleted = dataclasses.replace(proc(200, mem=GiB, util=0.0), exe="/usr/bin/python3.11 (deleted)")
+    host = [*idle, deleted]
+    assert watch(host, 0.0) == () and len(evaluated) == 51
+    for t in range(1, 30):
+        evaluated.clear()
+        assert watch(host, float(t)) == ()
+        assert evaluated == [200], (t, len(evaluated))  # the deleted executable's lookup is due every RECHECK
+    evaluated.clear()
+    found = watch(host, 30.0)
+    assert len(evaluated) == 51 and {f.kind for f in found} == {"idle"} and len(found) == 51

@@ -10,15 +10,23 @@ Memory, of a GPU and of a MIG instance alike, is read through nvmlMemory_v2_t, w
 only (nvml.h); the v1 struct, whose `used` adds the memory the driver reserves (hundreds of MiB on a GPU, 128 MiB
 seen on an instance), only where the driver has no v2. Used memory then means the same for a GPU, its
 instances and the processes on them, as in nvidia-smi and nvitop.
+
+An idle host costs little (issue 24): a sample makes only the NVML calls whose answers can change (a device's
+handle and identity are read once; each process list is one call into a buffer kept between samples, where
+pynvml makes two and builds an object per process), and a GPU process's start time is read from /proc once,
+then held by the exit watch the simulated backend uses (gpukilld/proc/exit_watch.py): it is read again only
+when its pidfd says it ended, when its PID is new to the lists, or in a rotation spread over RECHECK.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import heapq
 import logging
 import queue
 import shutil
+import struct
 import subprocess
 import threading
 import time
@@ -29,8 +37,10 @@ from gpukill.device_faults import xid_reason
 from gpukill.errors import NotSupported, ResetFailed
 
 from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
+from ..proc.exit_watch import ExitWatch
 from ..proc.procfs import ProcFS
 from . import Backend, BackendSample
+from .simulated import RECHECK
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +48,11 @@ DEVICE_DEADLINE = 2.0  # seconds one device may take to answer in one sample bef
 RESET_TIMEOUT = 120.0
 RETRY_MIN, RETRY_MAX = 5.0, 300.0  # back-off between attempts to initialise NVML
 NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId/computeInstanceId of a process outside MIG
+VALUE_NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE as an unsigned long long: memory NVML does not know
+# nvmlProcessInfo_v2_t (the _v3 calls' record, pynvml's c_nvmlProcessInfo_v3_t) in the C layout: pid, memory,
+# GPU instance, compute instance (24 bytes on x86-64 and arm64). Unpacked in one C call, not field by field
+# through ctypes; tests/test_nvidia.py checks the values against the fake library's.
+PROCESS_INFO = struct.Struct("@IQII")
 XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
 FI_GPU_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
 RECOVERY_ACTIONS = {1: "GPU reset", 2: "node reboot", 3: "drain peer-to-peer", 4: "drain and reset",
@@ -88,6 +103,8 @@ class _DeviceState:
     name: str = "NVIDIA GPU"
     pci_bus_id: str | None = None
     last_util_ts: int = 0
+    handle: object = None  # NVML's handle for this GPU: fixed for the life of the NVML session, read once
+    lists: dict = field(default_factory=dict)  # process-list symbol -> the record buffer kept between samples
     pending: Future | None = None  # a read still running from an earlier sample (a hung call)
     worker: _Worker | None = None  # started at the first read of this GPU
     error: str = ""  # an Xid / recovery action reported since the last successful reset
@@ -99,10 +116,13 @@ class _DeviceState:
         return self.uuid or self.pci_bus_id or f"nvidia:{self.index}"
 
 
+Listed = tuple[int, str, "int | None", "float | None"]  # (pid, device id, memory, utilization) from NVML
+
+
 @dataclass
 class _DeviceRead:
     devices: list[DeviceReading]
-    processes: list[ProcessUsage]
+    processes: list[Listed]  # start times are added on the sampling thread (_with_start_times)
 
 
 class NvidiaBackend(Backend):
@@ -119,6 +139,14 @@ class NvidiaBackend(Backend):
         self._retry = RETRY_MIN
         self._devices: dict[int, _DeviceState] = {}
         self._events = None
+        # The start time of each listed GPU process, valid while the exit watch holds it; the rotation re-reads
+        # each one every RECHECK or so anyway. Without a watch (a fixture /proc) every sample reads them all.
+        self._watch = ExitWatch() if self.procfs.is_this_hosts() else None
+        self._start_times: dict[int, tuple[int, float]] = {}  # pid -> (start time, when to read it again)
+        self._rotation: list[tuple[float, int]] = []  # heap of (when, pid)
+        # The last sample's lists and the records made from them: the same records while nothing changed, so
+        # that the sampler tells at once that they are (equal lists of the same objects) and reuses what it built.
+        self._last: tuple[list[Listed], list[ProcessUsage]] = ([], [])
         # Held by status() and sample(), so that close() (from another thread, after a reload replaced this
         # backend) never pulls NVML from under a sample in progress, nor initialises NVML again after it.
         self._lock = threading.Lock()
@@ -203,6 +231,7 @@ class NvidiaBackend(Backend):
             reads[i] = state.pending
         deadline = time.monotonic() + self.device_deadline
         sample = BackendSample()
+        listed: list[Listed] = []
         for i in range(count):
             state = self._devices[i]
             fut = reads.get(i)
@@ -218,8 +247,71 @@ class NvidiaBackend(Backend):
                 sample.devices.append(self._lost(state, f"read failed: {e}"))
                 continue
             sample.devices.extend(read.devices)
-            sample.processes.extend(read.processes)
+            listed.extend(read.processes)
+        sample.processes = self._with_start_times(listed)
         return sample
+
+    def _with_start_times(self, listed: list[Listed]) -> list[ProcessUsage]:
+        """The listed processes with their start times; one /proc no longer has (exited, or in a PID namespace
+        we cannot see) is left out. Run on the sampling thread only: the exit watch is not shared with workers."""
+        known = self._start_times
+        watch = self._watch
+        due: set[int] = set()
+        if watch is not None:
+            for pid, start in watch.ended():
+                if known.get(pid, (None,))[0] == start:
+                    due.add(pid)  # ended, or its PID reused: read it again if it is still listed
+            now = time.monotonic()
+            while self._rotation and self._rotation[0][0] <= now:
+                when, pid = heapq.heappop(self._rotation)
+                if known.get(pid, (None, None))[1] == when:
+                    due.add(pid)
+            if not due and listed == self._last[0]:
+                return list(self._last[1])
+        else:
+            now = 0.0
+        out = []
+        # The last sample's records by what NVML said, for those whose start time was read again unchanged (the
+        # rotation): the same objects, so the sampler still compares by identity.
+        records = {(p.pid, p.device_id, p.gpu_memory, p.gpu_utilization): p for p in self._last[1]}
+        for item in listed:
+            pid, device_id, memory, util = item
+            if watch is None:
+                start = self.procfs.start_time(pid)
+            elif pid in known and pid not in due:
+                start = known[pid][0]
+            else:
+                start = self._read_start(pid, now)
+                due.discard(pid)
+            if start is None:
+                continue
+            last = records.get(item)
+            out.append(last if last is not None and last.start_time == start else
+                       ProcessUsage(pid, start, device_id, memory, util))
+        if watch is not None:
+            for pid in due | (known.keys() - {p.pid for p in out}):  # ended and not listed, or no longer listed
+                self._forget(pid)
+            # Reused next time only if the watch holds every listed process: the end of any other would go unseen.
+            self._last = (listed, out) if all(pid in known for pid, *_ in listed) else ([], [])
+        return list(out)
+
+    def _read_start(self, pid: int, now: float) -> int | None:
+        old = self._start_times.get(pid)
+        start = self.procfs.start_time(pid)
+        if old is not None and old[0] != start:
+            self._forget(pid)
+        if start is None or not self._watch.follow(pid, start):
+            self._start_times.pop(pid, None)  # gone, or cannot be followed: read it each sample instead
+            return start
+        recheck_at = now + RECHECK * (1 + (pid % 64) / 128)  # spread over the interval, not all at once
+        heapq.heappush(self._rotation, (recheck_at, pid))
+        self._start_times[pid] = (start, recheck_at)
+        return start
+
+    def _forget(self, pid: int) -> None:
+        old = self._start_times.pop(pid, None)
+        if old is not None:
+            self._watch.forget((pid, old[0]))
 
     def _lost(self, state: _DeviceState, reason: str) -> DeviceReading:
         return DeviceReading(id=state.device_id, vendor="nvidia",
@@ -238,7 +330,9 @@ class NvidiaBackend(Backend):
     def _read_device(self, state: _DeviceState) -> _DeviceRead:
         nv = self._nvml
         try:
-            handle = nv.nvmlDeviceGetHandleByIndex(state.index)
+            if state.handle is None:
+                state.handle = nv.nvmlDeviceGetHandleByIndex(state.index)
+            handle = state.handle
             if state.uuid is None:  # identity does not change: read it once
                 state.uuid = nv.nvmlDeviceGetUUID(handle)
                 state.name = nv.nvmlDeviceGetName(handle)
@@ -274,13 +368,10 @@ class NvidiaBackend(Backend):
         instances = self._mig_instances(state, handle) if mig_on else {}
         usage = self._process_util(state, handle)
         processes = []
-        for pid, (memory_used, gi, ci) in self._running_processes(handle, total).items():
-            start_time = self.procfs.start_time(pid)
-            if start_time is None:
-                continue  # exited, or in a PID namespace we cannot see
+        for pid, (memory_used, gi, ci) in self._running_processes(state, handle, total).items():
             device_id = instances.get((gi, ci), (device.id,))[0]
             util_pct = None if usage is None else float(usage.get(pid, 0))
-            processes.append(ProcessUsage(pid, start_time, device_id, memory_used, util_pct))
+            processes.append((pid, device_id, memory_used, util_pct))
         devices = [device] + [reading for _, reading in instances.values()]
         return _DeviceRead(devices, processes)
 
@@ -342,15 +433,13 @@ class NvidiaBackend(Backend):
             state.last_util_ts = max(state.last_util_ts, s.timeStamp)
         return {pid: min(100, sm) for pid, (_, sm) in latest.items()}
 
-    def _running_processes(self, handle, total: int | None) -> dict[int, tuple[int | None, int, int]]:
+    def _running_processes(self, state: _DeviceState, handle,
+                           total: int | None) -> dict[int, tuple[int | None, int, int]]:
         """Compute, graphics and MPS lists merged by PID: {pid: (memory, gpu instance, compute instance)}."""
-        nv = self._nvml
         merged: dict[int, tuple[int | None, int, int]] = {}
-        for kind, call in (("Compute", nv.nvmlDeviceGetComputeRunningProcesses),
-                           ("Graphics", nv.nvmlDeviceGetGraphicsRunningProcesses),
-                           ("MPSCompute", nv.nvmlDeviceGetMPSComputeRunningProcesses)):
-            entries = self._get(call, handle, default=[])
-            records = [(p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId) for p in entries]
+        for kind in ("Compute", "Graphics", "MPSCompute"):
+            records = self._get(self._process_list, state, handle, f"nvmlDeviceGet{kind}RunningProcesses_v3",
+                                default=[])
             if not self._plausible(records, total):
                 log.warning("NVML %s process list looks like a struct-version mismatch; using the v1 call", kind)
                 records = self._v1_processes(handle, f"nvmlDeviceGet{kind}RunningProcesses")
@@ -360,12 +449,39 @@ class NvidiaBackend(Backend):
                     merged[pid] = (memory, gi, ci)
         return merged
 
+    def _process_list(self, state: _DeviceState, handle, symbol: str) -> list[tuple[int, int | None, int, int]]:
+        """One process list, as pynvml's _v3 wrapper reads it (the same struct), in one call while the buffer
+        kept from the last sample is large enough: pynvml asks for the size each time, then decodes each
+        record into an object of its own."""
+        nv = self._nvml
+        if ctypes.sizeof(nv.c_nvmlProcessInfo_v3_t) != PROCESS_INFO.size:  # a pynvml whose record differs from ours
+            return [(p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId)
+                    for p in getattr(nv, symbol)(handle)]
+        try:
+            fn = nv._nvmlGetFunctionPointer(symbol)
+        except nv.NVMLError_FunctionNotFound:  # a driver older than the _v3 calls (before 510)
+            return self._v1_processes(handle, symbol.removesuffix("_v3"))
+        buf = state.lists.get(symbol)
+        count = ctypes.c_uint(0 if buf is None else len(buf))
+        ret = fn(handle, ctypes.byref(count), buf)
+        if ret == nv.NVML_ERROR_INSUFFICIENT_SIZE:  # more processes than the buffer holds: grow it, as pynvml does
+            buf = state.lists[symbol] = (nv.c_nvmlProcessInfo_v3_t * (count.value * 2 + 5))()
+            count.value = len(buf)
+            ret = fn(handle, ctypes.byref(count), buf)
+        if ret != nv.NVML_SUCCESS:
+            raise nv.NVMLError(ret)
+        if count.value == 0:
+            return []
+        raw = ctypes.string_at(buf, min(count.value, len(buf)) * PROCESS_INFO.size)
+        return [(pid, None if memory == VALUE_NOT_AVAILABLE else memory, gi, ci)
+                for pid, memory, gi, ci in PROCESS_INFO.iter_unpack(raw)]
+
     def _plausible(self, records: list[tuple], total: int | None) -> bool:
+        known = self._start_times  # followed GPU processes: alive, and no kernel thread, when last read
         for pid, memory, gi, ci in records:
             if pid <= 0 or pid > 2**22:
                 return False
-            stat = self.procfs.stat(pid)
-            if stat is None or stat.is_kernel_thread:
+            if pid not in known and ((stat := self.procfs.stat(pid)) is None or stat.is_kernel_thread):
                 return False
             if memory is not None and total is not None and memory > total:
                 return False

@@ -65,6 +65,7 @@ class FakeNvidiaHost:
         self.state_path = self.dir / "state.json"
         self.smi_log = self.dir / "nvidia-smi.log"
         self.counts_path = self.dir / "nvml-counts"  # the library's own totals of init/shutdown and event sets
+        self.calls_path = self.dir / "nvml-calls"  # every NVML call, counted by the library (see calls())
         self.state: dict = {"driver_version": "550.54.15", "devices": [h100(i) for i in range(devices)],
                             "xid_events": []}
         self.write()
@@ -105,7 +106,8 @@ class FakeNvidiaHost:
 
     def env(self, with_library: bool = True) -> dict[str, str]:
         env = {"GPUKILL_FAKE_NVML_STATE": str(self.state_path), "GPUKILL_FAKE_SMI_LOG": str(self.smi_log),
-               "GPUKILL_FAKE_NVML_COUNTS": str(self.counts_path), "PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin"}
+               "GPUKILL_FAKE_NVML_COUNTS": str(self.counts_path), "GPUKILL_FAKE_NVML_CALLS": str(self.calls_path),
+               "PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin"}
         if with_library:
             env["LD_LIBRARY_PATH"] = str(self.lib.parent)
         return env
@@ -121,6 +123,15 @@ class FakeNvidiaHost:
         if not self.counts_path.exists():
             return {"init": 0, "shutdown": 0, "event_set_create": 0, "event_set_free": 0}
         return {name: int(n) for name, n in (line.split() for line in self.counts_path.read_text().splitlines())}
+
+    def calls(self) -> int:
+        """NVML calls made so far by every process that loaded the library with this host's env: a 64-bit counter
+        the library keeps in a shared mapping of calls_path (0 before the first call)."""
+        try:
+            data = self.calls_path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        return int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
 
     def snapshot(self) -> dict:
         return copy.deepcopy(self.state)

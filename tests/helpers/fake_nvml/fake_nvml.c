@@ -24,6 +24,10 @@
  * nvmlInit, nvmlShutdown, nvmlEventSetCreate and nvmlEventSetFree with the running totals, one "name count"
  * a line, so a test can tell that a daemon gives back what it takes.
  *
+ * Call counting: with $GPUKILL_FAKE_NVML_CALLS set, every nvml* entry point adds one to a 64-bit counter kept in
+ * that file (mapped shared, so no syscall per call: the count must not cost what it measures), which a test or
+ * bench reads from outside the process to tell how many NVML calls a sample makes.
+ *
  * Build: cc -shared -fPIC -O2 -o libnvidia-ml.so.1 fake_nvml.c
  */
 #define _GNU_SOURCE
@@ -31,6 +35,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -167,6 +173,33 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static double delivered_xid_seq = 0;
 static long n_init, n_shutdown, n_event_create, n_event_free;
 
+/* The counter file, mapped at the first call; the path is read again each call so that a process that points
+ * $GPUKILL_FAKE_NVML_CALLS at another host (a test, in-process) counts there. */
+static volatile uint64_t *call_counter;
+static char call_counter_path[4096];
+static pthread_mutex_t counter_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void count_call(void) {
+    const char *path = getenv("GPUKILL_FAKE_NVML_CALLS");
+    if (!path) return;
+    if (!call_counter || strcmp(path, call_counter_path)) {
+        pthread_mutex_lock(&counter_lock);
+        if (!call_counter || strcmp(path, call_counter_path)) {
+            int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+            if (fd < 0) { pthread_mutex_unlock(&counter_lock); return; }
+            struct stat st;
+            if (fstat(fd, &st) == 0 && st.st_size < 8 && ftruncate(fd, 8) != 0) { close(fd); pthread_mutex_unlock(&counter_lock); return; }
+            void *m = mmap(NULL, 8, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            close(fd);
+            if (m == MAP_FAILED) { pthread_mutex_unlock(&counter_lock); return; }
+            call_counter = m; /* an old mapping is left mapped: a worker may still be adding to it */
+            snprintf(call_counter_path, sizeof call_counter_path, "%s", path);
+        }
+        pthread_mutex_unlock(&counter_lock);
+    }
+    __atomic_add_fetch(call_counter, 1, __ATOMIC_RELAXED);
+}
+
 /* Called with the lock held. Written to a temporary file and renamed: a reader never sees half of it. */
 static void write_counts(void) {
     const char *path = getenv("GPUKILL_FAKE_NVML_COUNTS");
@@ -179,6 +212,20 @@ static void write_counts(void) {
             n_init, n_shutdown, n_event_create, n_event_free);
     fclose(f);
     rename(tmp, path);
+}
+
+/* Called with the lock held: one more of *counter, in the totals of the host $GPUKILL_FAKE_NVML_COUNTS names now.
+ * The totals start again from zero when that path changes, because a test process that loads the library once
+ * and points it at one host after another must not see an earlier host's calls in a later host's file. */
+static char counts_path[4096];
+static void count_event(long *counter) {
+    const char *path = getenv("GPUKILL_FAKE_NVML_COUNTS");
+    if (path && strcmp(path, counts_path)) {
+        n_init = n_shutdown = n_event_create = n_event_free = 0;
+        snprintf(counts_path, sizeof counts_path, "%s", path);
+    }
+    ++*counter;
+    write_counts();
 }
 
 static void reload(void) {
@@ -226,6 +273,7 @@ static int not_supported(jv *p, const char *field) {
 
 /* Common entry for every device call: reload, check the handle, apply slow/lost/reset faults. */
 static nvmlReturn_t enter(handle_t *h, jv **dev, const char *field) {
+    count_call();
     pthread_mutex_lock(&lock);
     if (!initialized) { pthread_mutex_unlock(&lock); return NVML_ERROR_UNINITIALIZED; }
     reload();
@@ -255,14 +303,14 @@ static void copy_str(char *dst, unsigned int len, const char *src) {
 
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
+    count_call();
     pthread_mutex_lock(&lock);
     reload();
     int err = (int)jnum(state, "init_error", 0);
     if (!state) err = NVML_ERROR_DRIVER_NOT_LOADED;
     if (!err) {
         initialized++;
-        n_init++;
-        write_counts();
+        count_event(&n_init);
         for (int i = 0; i < MAX_DEVICES; i++) {
             handles[i].index = i; handles[i].mig = -1;
             for (int m = 0; m < MAX_MIG; m++) { mig_handles[i][m].index = i; mig_handles[i][m].mig = m; }
@@ -275,18 +323,19 @@ nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
 
 nvmlReturn_t nvmlShutdown(void) {
+    count_call();
     pthread_mutex_lock(&lock);
     nvmlReturn_t r = initialized ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
     if (initialized) {
         initialized--;
-        n_shutdown++;
-        write_counts();
+        count_event(&n_shutdown);
     }
     pthread_mutex_unlock(&lock);
     return r;
 }
 
 const char *nvmlErrorString(nvmlReturn_t r) {
+    count_call();
     switch (r) {
     case NVML_SUCCESS: return "Success";
     case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
@@ -303,6 +352,7 @@ const char *nvmlErrorString(nvmlReturn_t r) {
 }
 
 static nvmlReturn_t system_string(const char *key, const char *dflt, char *out, unsigned int len) {
+    count_call();
     pthread_mutex_lock(&lock);
     reload();
     copy_str(out, len, jstr(state, key, dflt));
@@ -328,7 +378,7 @@ nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name, unsigned int
 
 /* ---- handles -------------------------------------------------------------------------------------------- */
 
-nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+static nvmlReturn_t device_count(unsigned int *count) {
     pthread_mutex_lock(&lock);
     if (!initialized) { pthread_mutex_unlock(&lock); return NVML_ERROR_UNINITIALIZED; }
     reload();
@@ -336,11 +386,13 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
     pthread_mutex_unlock(&lock);
     return NVML_SUCCESS;
 }
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) { count_call(); return device_count(count); }
 nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
 
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, handle_t **h) {
     unsigned int n = 0;
-    nvmlReturn_t r = nvmlDeviceGetCount_v2(&n);
+    count_call();
+    nvmlReturn_t r = device_count(&n);
     if (r) return r;
     if (index >= n || index >= MAX_DEVICES) return NVML_ERROR_INVALID_ARGUMENT;
     *h = &handles[index];
@@ -349,6 +401,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, handle_t **h) {
 nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, handle_t **h) { return nvmlDeviceGetHandleByIndex_v2(index, h); }
 
 static nvmlReturn_t find_by(const char *key, const char *value, handle_t **h) {
+    count_call();
     pthread_mutex_lock(&lock);
     if (!initialized) { pthread_mutex_unlock(&lock); return NVML_ERROR_UNINITIALIZED; }
     reload();
@@ -617,20 +670,20 @@ typedef struct {
 
 /* Each set is a real allocation, so that one never freed is a leak that valgrind or the counts show. */
 nvmlReturn_t nvmlEventSetCreate(void **set) {
+    count_call();
     pthread_mutex_lock(&lock);
     if (!initialized) { pthread_mutex_unlock(&lock); return NVML_ERROR_UNINITIALIZED; }
     *set = malloc(16);
-    n_event_create++;
-    write_counts();
+    count_event(&n_event_create);
     pthread_mutex_unlock(&lock);
     return NVML_SUCCESS;
 }
 nvmlReturn_t nvmlEventSetFree(void *set) {
+    count_call();
     if (!set) return NVML_ERROR_INVALID_ARGUMENT;
     pthread_mutex_lock(&lock);
     free(set);
-    n_event_free++;
-    write_counts();
+    count_event(&n_event_free);
     pthread_mutex_unlock(&lock);
     return NVML_SUCCESS;
 }
@@ -650,6 +703,7 @@ nvmlReturn_t nvmlDeviceGetSupportedEventTypes(handle_t *h, unsigned long long *t
 /* Deliver the next Xid event not yet delivered (by its "seq"), or time out at once. */
 nvmlReturn_t nvmlEventSetWait_v2(void *set, nvmlEventData_t *data, unsigned int timeout_ms) {
     (void)set; (void)timeout_ms;
+    count_call();
     pthread_mutex_lock(&lock);
     reload();
     jv *events = jget(state, "xid_events");
@@ -700,7 +754,7 @@ nvmlReturn_t nvmlDeviceGetFieldValues(handle_t *h, int count, nvmlFieldValue_t *
  * Only entry points of 550's nvml.h (not, e.g., nvmlDeviceGetTemperatureV, nvmlDeviceGetMarginTemperature,
  * nvmlDeviceGetEnforcedPowerLimit_v2 or nvmlDeviceGetDriverModel_v2, which later drivers added). */
 
-#define UNSUPPORTED(name) nvmlReturn_t name(void) { return NVML_ERROR_NOT_SUPPORTED; }
+#define UNSUPPORTED(name) nvmlReturn_t name(void) { count_call(); return NVML_ERROR_NOT_SUPPORTED; }
 UNSUPPORTED(nvmlDeviceGetFanSpeed)
 UNSUPPORTED(nvmlDeviceGetFanSpeed_v2)
 UNSUPPORTED(nvmlDeviceGetNumFans)
