@@ -150,3 +150,45 @@ def test_a_process_the_watch_cannot_hold_is_read_every_sample(gpu_host):
         assert gone.pid not in {p.pid for p in b.sample().processes}
     finally:
         b.close()
+
+
+class CountingChecks(NvidiaBackend):
+    """Counts the process lists decoded and checked (_plausible runs once for each list made from NVML's bytes)."""
+
+    checked = 0
+
+    def _plausible(self, records, total):
+        self.checked += 1
+        return super()._plausible(records, total)
+
+
+def test_an_unchanged_gpus_lists_are_not_decoded_again_and_a_changed_one_is_seen_at_once(gpu_host):
+    """NVML writes the same bytes for an unchanged GPU's three lists: its entries are the last sample's, not
+    decoded and checked again; a GPU whose list changed (memory, a process's utilization) is read anew, in the
+    next sample, and only it."""
+    nvhost, procs = gpu_host
+    b = CountingChecks(CountingProcFS())
+    try:
+        b.sample()
+        b.sample()
+        b.checked = 0
+        before = {(p.pid, p.device_id): p for p in b.sample().processes}
+        assert b.checked == 0
+        # GPU 2's first process now holds 5 GiB: its three lists are decoded again, the other GPUs' are not.
+        entry = nvhost.device(2)["compute"][0]
+        entry["used_memory"] = 5 * GIB
+        nvhost.write()
+        after = {(p.pid, p.device_id): p for p in b.sample().processes}
+        assert b.checked == 3
+        key = (entry["pid"], nvhost.device(2)["uuid"])
+        assert (before[key].gpu_memory, after[key].gpu_memory) == (GIB, 5 * GIB)
+        assert all(after[k] is before[k] for k in before if k != key)
+        # A utilization sample for a process on GPU 5: seen in the next sample, though the lists are unchanged.
+        busy = procs[5]
+        nvhost.device(5)["process_util"].append({"pid": busy.pid, "sm": 42, "mem": 1, "timestamp": 7})
+        nvhost.write()
+        b.checked = 0
+        now = {p.pid: p for p in b.sample().processes}
+        assert (b.checked, now[busy.pid].gpu_utilization) == (0, 42.0)
+    finally:
+        b.close()

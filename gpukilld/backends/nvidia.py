@@ -53,6 +53,7 @@ VALUE_NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE as an unsigned long 
 # GPU instance, compute instance (24 bytes on x86-64 and arm64). Unpacked in one C call, not field by field
 # through ctypes; tests/test_nvidia.py checks the values against the fake library's.
 PROCESS_INFO = struct.Struct("@IQII")
+PROCESS_KINDS = ("Compute", "Graphics", "MPSCompute")  # the three process lists, merged by PID
 XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
 FI_GPU_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
 RECOVERY_ACTIONS = {1: "GPU reset", 2: "node reboot", 3: "drain peer-to-peer", 4: "drain and reset",
@@ -105,6 +106,11 @@ class _DeviceState:
     last_util_ts: int = 0
     handle: object = None  # NVML's handle for this GPU: fixed for the life of the NVML session, read once
     lists: dict = field(default_factory=dict)  # process-list symbol -> the record buffer kept between samples
+    # The last sample's three lists as NVML wrote them and what was made of them (merged by PID, then the
+    # listed entries): the same bytes, total memory, instances and utilization make the same entries, so an
+    # unchanged GPU's are handed back without decoding or checking them again (the sampler compares by identity).
+    merged: tuple | None = None  # ((raw lists, total), {pid: (memory, gi, ci)})
+    listed: tuple | None = None  # ((merged, instances, utilization), [Listed])
     pending: Future | None = None  # a read still running from an earlier sample (a hung call)
     worker: _Worker | None = None  # started at the first read of this GPU
     error: str = ""  # an Xid / recovery action reported since the last successful reset
@@ -367,11 +373,17 @@ class NvidiaBackend(Backend):
         )
         instances = self._mig_instances(state, handle) if mig_on else {}
         usage = self._process_util(state, handle)
-        processes = []
-        for pid, (memory_used, gi, ci) in self._running_processes(state, handle, total).items():
-            device_id = instances.get((gi, ci), (device.id,))[0]
-            util_pct = None if usage is None else float(usage.get(pid, 0))
-            processes.append((pid, device_id, memory_used, util_pct))
+        merged = self._running_processes(state, handle, total)
+        ids = {key: uuid for key, (uuid, _) in instances.items()}
+        if state.listed is not None and state.listed[0][0] is merged and state.listed[0][1:] == (ids, usage):
+            processes = state.listed[1]
+        else:
+            processes = []
+            for pid, (memory_used, gi, ci) in merged.items():
+                device_id = ids.get((gi, ci), device.id)
+                util_pct = None if usage is None else float(usage.get(pid, 0))
+                processes.append((pid, device_id, memory_used, util_pct))
+            state.listed = ((merged, ids, usage), processes)
         devices = [device] + [reading for _, reading in instances.values()]
         return _DeviceRead(devices, processes)
 
@@ -435,24 +447,37 @@ class NvidiaBackend(Backend):
 
     def _running_processes(self, state: _DeviceState, handle,
                            total: int | None) -> dict[int, tuple[int | None, int, int]]:
-        """Compute, graphics and MPS lists merged by PID: {pid: (memory, gpu instance, compute instance)}."""
+        """Compute, graphics and MPS lists merged by PID: {pid: (memory, gpu instance, compute instance)}; the
+        last sample's dict itself when NVML wrote the same bytes."""
+        raws = tuple(self._get(self._process_list, state, handle, f"nvmlDeviceGet{kind}RunningProcesses_v3",
+                               default=b"") for kind in PROCESS_KINDS)
+        key = (raws, total)
+        if state.merged is not None and state.merged[0] == key:
+            return state.merged[1]
         merged: dict[int, tuple[int | None, int, int]] = {}
-        for kind in ("Compute", "Graphics", "MPSCompute"):
-            records = self._get(self._process_list, state, handle, f"nvmlDeviceGet{kind}RunningProcesses_v3",
-                                default=[])
+        reusable = True
+        for kind, raw in zip(PROCESS_KINDS, raws, strict=True):
+            if isinstance(raw, bytes):
+                records = [(pid, None if memory == VALUE_NOT_AVAILABLE else memory, gi, ci)
+                           for pid, memory, gi, ci in PROCESS_INFO.iter_unpack(raw)]
+            else:  # read through pynvml or the v1 call: no bytes to compare next time
+                records, reusable = raw, False
             if not self._plausible(records, total):
                 log.warning("NVML %s process list looks like a struct-version mismatch; using the v1 call", kind)
                 records = self._v1_processes(handle, f"nvmlDeviceGet{kind}RunningProcesses")
+                reusable = False
             for pid, memory, gi, ci in records:
                 old = merged.get(pid)
                 if old is None or (memory or 0) > (old[0] or 0):
                     merged[pid] = (memory, gi, ci)
+        state.merged = (key, merged) if reusable else None
         return merged
 
-    def _process_list(self, state: _DeviceState, handle, symbol: str) -> list[tuple[int, int | None, int, int]]:
+    def _process_list(self, state: _DeviceState, handle, symbol: str) -> bytes | list[tuple[int, int | None, int, int]]:
         """One process list, as pynvml's _v3 wrapper reads it (the same struct), in one call while the buffer
-        kept from the last sample is large enough: pynvml asks for the size each time, then decodes each
-        record into an object of its own."""
+        kept from the last sample is large enough (pynvml asks for the size each time, then decodes each
+        record into an object of its own): its records' bytes, PROCESS_INFO each; or the records, decoded, where
+        it is read through pynvml or the v1 call."""
         nv = self._nvml
         if ctypes.sizeof(nv.c_nvmlProcessInfo_v3_t) != PROCESS_INFO.size:  # a pynvml whose record differs from ours
             return [(p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId)
@@ -471,10 +496,8 @@ class NvidiaBackend(Backend):
         if ret != nv.NVML_SUCCESS:
             raise nv.NVMLError(ret)
         if count.value == 0:
-            return []
-        raw = ctypes.string_at(buf, min(count.value, len(buf)) * PROCESS_INFO.size)
-        return [(pid, None if memory == VALUE_NOT_AVAILABLE else memory, gi, ci)
-                for pid, memory, gi, ci in PROCESS_INFO.iter_unpack(raw)]
+            return b""
+        return ctypes.string_at(buf, min(count.value, len(buf)) * PROCESS_INFO.size)
 
     def _plausible(self, records: list[tuple], total: int | None) -> bool:
         known = self._start_times  # followed GPU processes: alive, and no kernel thread, when last read
