@@ -128,6 +128,18 @@ def test_unchanged_samples_hand_back_the_same_records(tmp_path, children):
     assert first and all(x is y for x, y in zip(first, again, strict=True))
 
 
+def test_a_new_process_on_no_gpu_leaves_the_records_standing(tmp_path, children):
+    """A busy host starts processes all the time, most on no GPU: each is read once (it is new to /proc), and the
+    GPU processes' records stay the same objects. (They were built anew whenever any process appeared.)"""
+    b = backend(tmp_path)
+    spawn(children, SLEEPER)
+    first = b.sample().processes
+    b.sample()
+    spawn(children, SLEEPER, gpu=None)
+    again = b.sample().processes
+    assert first and all(x is y for x, y in zip(first, again, strict=True))
+
+
 def test_an_exec_into_a_simulated_gpu_is_seen_while_young_and_in_rotation_when_old(tmp_path, children, monkeypatch):
     b = backend(tmp_path)
     env_line = f"GPUKILL_SIM_GPU=1 GPUKILL_SIM_SCOPE={SCOPE}"
@@ -275,6 +287,22 @@ def test_the_sampler_reuses_records_and_sees_a_rename_at_once_when_young_in_rota
     fixed.usages = []
     assert s.sample_once()[0].processes == ()
     old.send_signal(signal.SIGKILL)
+
+
+def test_a_process_read_again_in_rotation_and_found_the_same_leaves_the_records_standing(children, monkeypatch):
+    """In rotation (polling) a few processes are read again each sample; found as they were, the sample's
+    records are the last one's, not built again for every process (they were, each sample, on a busy host)."""
+    monkeypatch.setattr(sampler_module, "YOUNG", 0.0)
+    monkeypatch.setattr(sampler_module, "STAT_TTL", 0.0)  # every process due every sample, stat and all
+    monkeypatch.setattr(sampler_module, "INFO_TTL", 0.0)
+    fixed = Fixed()
+    s = Sampler([fixed], 1.0, ProcFS(), lambda snap, changes: None)
+    procs = [spawn(children, SLEEPER, gpu=None) for _ in range(3)]
+    fixed.usages = [ProcessUsage(p.pid, ProcFS().stat(p.pid).start_time, "GPU-F", GiB, 1.0) for p in procs]
+    first, _ = s.sample_once()
+    again, _ = s.sample_once()
+    assert len(first.processes) == 3
+    assert all(a is b for a, b in zip(first.processes, again.processes, strict=True))
 
 
 # -- the incremental audit ------------------------------------------------------------------------------------

@@ -272,8 +272,12 @@ class NvidiaBackend(Backend):
                 when, pid = heapq.heappop(self._rotation)
                 if known.get(pid, (None, None))[1] == when:
                     due.add(pid)
-            if not due and listed == self._last[0]:
-                return list(self._last[1])
+            if listed == self._last[0]:
+                # Nothing listed changed: read the due start times again (ended, or their turn); while each is
+                # as it was, the last records still hold. A changed one leaves every due one read: none is due.
+                if self._still_as_they_were(due, now):
+                    return list(self._last[1])
+                due = set()
         else:
             now = 0.0
         out = []
@@ -300,6 +304,15 @@ class NvidiaBackend(Backend):
             # Reused next time only if the watch holds every listed process: the end of any other would go unseen.
             self._last = (listed, out) if all(pid in known for pid, *_ in listed) else ([], [])
         return list(out)
+
+    def _still_as_they_were(self, due: set[int], now: float) -> bool:
+        """Read each due PID's start time again; whether every one is followed with the start time it had."""
+        same = True
+        for pid in due:
+            old = self._start_times.get(pid, (None,))[0]
+            if self._read_start(pid, now) != old or pid not in self._start_times:
+                same = False
+        return same
 
     def _read_start(self, pid: int, now: float) -> int | None:
         old = self._start_times.get(pid)

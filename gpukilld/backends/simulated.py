@@ -321,7 +321,10 @@ class SimulatedBackend(Backend):
             recheck_at = now + RECHECK * (1 + (pid % 64) / 128)  # spread over the interval, not all at once
             heapq.heappush(self._rotation, (recheck_at, pid))
         self._seen[pid] = _Seen(ino, stat.start_time, stat.comm, usage, recheck_at)
-        if (usage, stat.start_time) != ((old.usage, old.start_time) if old else (None, None)):
+        # Only a GPU process found, changed or gone changes what is found: a new process on no GPU (most of what
+        # a busy host starts) leaves the last records standing.
+        before = (old.usage, old.start_time) if old is not None and old.usage is not None else None
+        if before != ((usage, stat.start_time) if usage is not None else None):
             self._found = None
 
     def _forget(self, pid: int) -> None:

@@ -237,6 +237,8 @@ class Sampler:
             if info is None:
                 self._forget(key)
                 return None
+            if known is not None and info == known.info:
+                info = known.info  # read again and found the same: the same object, so nothing counts as changed
             info_due = now + INFO_TTL * (1 + (pid % 64) / 128)  # spread: not every process in one sample
         if events:  # the kernel tells what it becomes: look again only for what it cannot tell
             self._young.discard(key)
