@@ -3,6 +3,8 @@ for alone, argparse's help width without shutil, and the same parse and help as 
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -51,6 +53,103 @@ def test_the_list_path_imports_no_shutil():
              "c.build_parser(full=False, only='list').parse_args(['list', '--json']); print('shutil' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout
+
+
+# What a one-shot `list` leaves unimported (gpukillctl/cli/deferred.py; the other commands' modules, imported when
+# their parser is built or they run): inspect (~5.5 ms with ast, dis, tokenize) and copy are imported by
+# dataclasses for calls `list` never makes, and stand in sys.modules until something uses them.
+UNUSED_BY_LIST = ("ast", "dis", "tokenize", "linecache", "weakref", "gpukill.outcome", "gpukill.limits",
+                  "gpukill.records.status", "gpukillctl.cli.guard", "gpukillctl.cli.audit", "gpukillctl.cli.usage",
+                  "gpukillctl.cli.job_kill")
+# After `list`: inspect and copy used through the names dataclasses took of them at its import (the stand-ins),
+# and through a fresh import; each answer is compared with the real modules' (below, in this process).
+LATER_USE = """
+import dataclasses, json, sys
+
+def signature_of(a, b=2, *c, d): pass
+
+@dataclasses.dataclass
+class NoDoc:  # dataclasses writes a docstring with inspect.signature for a class without one
+    x: int
+    y: tuple = ()
+
+value = NoDoc(1, ([1], {"k": 2}))
+plain = dataclasses.asdict(value)  # copy.deepcopy, through the name dataclasses holds
+import inspect
+uses = {"signature": str(inspect.signature(signature_of)), "doc": NoDoc.__doc__, "asdict": plain,
+        "deep_copied": plain["y"][0] is not value.y[0], "getsource": inspect.getsource(signature_of).strip()}
+"""
+
+
+def list_and_use_later(env: dict[str, str], tmp_path: Path) -> tuple[int, str, dict]:
+    """Run `gpukillctl list --json` in a fresh interpreter: its exit status, its stdout, what it left unloaded and
+    what later uses of the deferred modules answered there."""
+    probe = tmp_path / "probe.py"  # a file, for inspect.getsource
+    probe.write_text("import json, sys, types\n"
+                     "from gpukillctl.cli.main import main\n"
+                     "code = main(['list', '--json'])\n"
+                     "stand_ins = {name: sys.modules.get(name) for name in ('inspect', 'copy')}\n"
+                     "state = {'code': code, 'kinds': {n: type(m).__name__ for n, m in stand_ins.items()},\n"
+                     f"         'loaded': sorted(m for m in {UNUSED_BY_LIST!r} if m in sys.modules),\n"
+                     # the records it made: each dataclass compiled its generated methods at this start
+                     "         'dataclasses': sorted(n for m in list(sys.modules) if m.startswith('gpukill.records.')\n"
+                     "                               for n, v in vars(sys.modules[m]).items() if isinstance(v, type)\n"
+                     "                               and '__dataclass_fields__' in vars(v) and v.__module__ == m)}\n"
+                     + LATER_USE +
+                     "state['uses'] = uses\n"
+                     "state['replaced'] = {n: type(sys.modules[n]) is types.ModuleType and sys.modules[n] is not m\n"
+                     "                     for n, m in stand_ins.items()}\n"
+                     "state['same_names'] = stand_ins['inspect'].signature is sys.modules['inspect'].signature\n"
+                     "state['dir'] = 'signature' in dir(stand_ins['inspect'])\n"
+                     "state['missing'] = hasattr(stand_ins['inspect'], 'nonesuch')\n"
+                     "sys.stderr.write('PROBE ' + json.dumps(state) + '\\n')\n")
+    r = subprocess.run([sys.executable, str(probe)], cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    line = next((line for line in r.stderr.splitlines() if line.startswith("PROBE ")), None)
+    assert line, r.stderr[-2000:]
+    state = json.loads(line[len("PROBE "):])
+    return state.pop("code"), r.stdout, state
+
+
+def expected_later_use(tmp_path: Path) -> dict:
+    """LATER_USE's answers from the real modules (this process imported them long ago)."""
+    source = tmp_path / "expected.py"
+    source.write_text(LATER_USE)
+    scope: dict = {}
+    exec(compile(source.read_text(), str(source), "exec", dont_inherit=True), scope)  # not this file's __future__
+    return json.loads(json.dumps(scope["uses"]))
+
+
+def assert_deferred_until_used(state: dict, tmp_path: Path) -> None:
+    assert state["kinds"] == {"inspect": "DeferredModule", "copy": "DeferredModule"}, state
+    assert state["loaded"] == [], f"`list` imported what it does not use: {state['loaded']}"
+    assert state["dataclasses"] == ["Device", "MemoryRegion", "Process"]  # the listing's records, no other
+    assert state["uses"] == expected_later_use(tmp_path)
+    assert state["uses"]["deep_copied"] and "signature_of(a, b=2" in state["uses"]["getsource"]
+    assert state["replaced"] == {"inspect": True, "copy": True}  # the real modules took the stand-ins' places
+    assert state["same_names"] and state["dir"] and not state["missing"]
+
+
+def test_list_defers_what_it_never_uses_without_a_bus(tmp_path):
+    # the whole start of `list` up to its connect (no bus here: it stops there, exit 3)
+    env = {**os.environ, "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent/bus", "PYTHONPATH": str(REPO)}
+    code, _, state = list_and_use_later(env, tmp_path)
+    assert code == 3
+    assert_deferred_until_used(state, tmp_path)
+
+
+def test_list_defers_what_it_never_uses_to_the_end(bed, tmp_path):
+    # the whole of `list --json` on the testbed's gpukilld: the records, their JSON, jeepney's parse
+    code, out, state = list_and_use_later(bed.env(), tmp_path)
+    assert code == 0 and json.loads(out)["devices"], out[-500:]
+    assert_deferred_until_used(state, tmp_path)
+
+
+def test_the_daemon_gets_no_stand_in():
+    # the stand-ins are the commands' alone: gpukilld's modules import the real inspect, as they always did
+    probe = ("import sys, types; import gpukilld.main; "
+             "print(type(sys.modules['inspect']) is types.ModuleType, 'gpukillctl.cli' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"], out.stdout
 
 
 @pytest.mark.parametrize("argv", [["list", "--help"], ["kill", "--help"], ["guard", "--help"], ["--help"]])

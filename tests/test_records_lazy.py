@@ -14,7 +14,7 @@ import gpukill.records as records
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "gpukill" / "records"
-LAZY_MODULES = ("manager", "audit", "guard", "signals")
+LAZY_MODULES = ("manager", "status", "audit", "guard", "signals")
 
 
 def declared(module: str) -> set[str]:

@@ -21,8 +21,9 @@ Types: "q", "u", "t" are int; "d" float; "b" bool; "s" str; "as"/"au"/"aq" tuple
 Split by who needs them, and loaded on first use: a frozen, slotted dataclass generates and compiles its methods
 when its class statement runs (~0.35 ms each), and a one-shot `gpukillctl list` needs 3 of the 24 records. So
 `from gpukill.records import X` (or `records.X`) imports X's module the first time X is asked for; the
-declaring modules are base (wire() and the plain form), manager (devices, processes, a reset's reply, backends, sampling),
-audit, guard, signals and usage. tests/test_records.py checks that _HOME names every public name of those modules.
+declaring modules are base (wire() and the plain form), manager (the listings': devices, processes, memory regions),
+status (the Manager's others: a reset's reply, backends, sampling), audit, guard, signals and usage.
+tests/test_records_lazy.py checks that _HOME names every public name of those modules.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from .base import Wire, from_plain, known_values, left_out, names, specs, to_pla
 
 # The module that declares each public name, but base's (imported above).
 _HOME: dict[str, str] = {
-    **dict.fromkeys(("STATE_OK", "STATE_LOST", "STATE_ERROR", "Device", "MemoryRegion", "Process", "ResetReply",
-                     "BackendStatus", "SAMPLING_EVENTS", "SAMPLING_POLLING", "SamplingStatus"), "manager"),
+    **dict.fromkeys(("STATE_OK", "STATE_LOST", "STATE_ERROR", "Device", "MemoryRegion", "Process"), "manager"),
+    **dict.fromkeys(("ResetReply", "BackendStatus", "SAMPLING_EVENTS", "SAMPLING_POLLING", "SamplingStatus"),
+                    "status"),
     **dict.fromkeys(("FINDING_MINER", "FINDING_ABUSER", "FINDING_IDLE", "FINDING_KINDS", "MAX_SCORE", "Evidence",
                      "Finding", "DEFAULT_POOL_PORTS", "AuditSettings"), "audit"),
     **dict.fromkeys(("RuleStatus", "RecentEvent", "Window", "Grace", "NotificationCounters", "GuardStatus",
@@ -55,6 +57,8 @@ def __getattr__(name: str) -> Any:
     # plain import statements, not importlib: tests/test_imports.py's graph and `python -X importtime` see them
     if home == "manager":
         from . import manager as module
+    elif home == "status":
+        from . import status as module
     elif home == "audit":
         from . import audit as module
     elif home == "guard":

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpukill import errors, listing, records
-from gpukill.outcome import Outcome
 from gpukill.records import Device, Process, from_plain, names
 
 # The listing's records alone are imported above: the others (a reset's reply, the audit's, the Guard's) are
 # records.X in the methods that return them, so that their modules load when those run, not at every start
-# (gpukill/records/__init__.py).
+# (gpukill/records/__init__.py); Outcome (an enum) likewise, in kill().
 if TYPE_CHECKING:
+    from gpukill.outcome import Outcome
     from gpukill.records import (
         AuditSettings,
         BackendStatus,
@@ -268,6 +268,8 @@ class ClientAPI:
         timeout = (grace if grace is not None else 5.0) + 30.0 + (300.0 if interactive else 0.0)
         (outcome,) = await self._call("KillProcess", "uta{sv}", [pid, start_time, options],
                                       interactive=interactive, timeout=timeout)
+        from gpukill.outcome import Outcome
+
         try:
             return Outcome(outcome)
         except ValueError:
