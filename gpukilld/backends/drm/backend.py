@@ -33,9 +33,9 @@ from .usage import (
     Client,
     Holder,
     UidOf,
+    UsageRecords,
     UtilizationTracker,
     device_utilization,
-    process_usages,
 )
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class DrmBackend(Backend):
         # Holders up to this uid are system accounts: a client they share with one user is that user's.
         self.system_uid_max = read_sys_uid_max() if system_uid_max is None else system_uid_max
         self.tracker = UtilizationTracker()
+        self.records = UsageRecords()  # last sample's ProcessUsage records, handed back while unchanged
         self.telemetry = TelemetryReader()
         self._use_rsmi = use_rsmi
         self._rsmi: RsmiSource | None = None
@@ -115,7 +116,8 @@ class DrmBackend(Backend):
                 continue
             has_usage_keys = bool(info.engines or info.regions)  # asahi prints neither: usage unknown
             engines = self.tracker.update(key, info.engines, now) if has_usage_keys else None
-            clients[key] = Client(key, card.id, {holder}, engines, info.regions, has_usage_keys=has_usage_keys)
+            clients[key] = Client(key, card.id, {holder}, engines, info.regions, has_usage_keys=has_usage_keys,
+                                  region_key=info.region_lines)
 
     def _listed_clients(self, cards: list[DrmCard], kfd: list[KfdUsage]) -> dict[int, tuple] | None:
         """Every process the kernel names as a client of these cards, with its entry (rows per card, KFD), or
@@ -188,7 +190,7 @@ class DrmBackend(Backend):
         self._kfd_clients(kfd, by_minor, now, clients)
         self.tracker.end_round()
 
-        sample = BackendSample(processes=process_usages(clients.values(), self._holder_uids(), self.system_uid_max))
+        sample = BackendSample(processes=self.records.build(clients.values(), self._holder_uids(), self.system_uid_max))
         rsmi = self._rsmi_source(cards)
         notes = {}
         for card in cards:
@@ -241,7 +243,9 @@ class DrmBackend(Backend):
         return execute(plan)
 
     def close(self) -> None:
-        """Shut down ROCm SMI (pyrsmi), after a reload replaced this backend. Idempotent."""
+        """Shut down ROCm SMI (pyrsmi) and let go of /proc descriptors, after a reload replaced this backend.
+        Idempotent."""
         self._use_rsmi = False  # a sample after this must not open a ROCm SMI session that nothing would close
+        self.scanner.close()  # the holders' /proc descriptors (the sampler no longer samples this backend)
         if self._rsmi is not None:
             self._rsmi.close()

@@ -102,12 +102,40 @@ def _card(sys_root: str, card: str) -> DrmCard | None:
                    card_path=card_path)
 
 
+# What _card made of each card directory, with what it was made from: the inodes of the card and of its device
+# (sysfs makes new ones when a device is removed and added again, or its driver unbound and bound, which also
+# re-creates the card) and the driver's name. While those stay the same, so do the attributes _card reads (ids,
+# names, minors), and the walk (os.path.realpath alone costs ~0.1 ms a card) is not made again.
+_KNOWN: dict[str, tuple[tuple[int, int, int, int, str], DrmCard | None]] = {}
+_KNOWN_MAX = 256
+
+
+def _identity(card_path: str) -> tuple[int, int, int, int, str] | None:
+    try:
+        card, device = os.stat(card_path), os.stat(f"{card_path}/device")
+        # with change times: a file system that reuses inode numbers at once (a fixture tree) still shows it
+        return (card.st_ino, card.st_ctime_ns, device.st_ino, device.st_ctime_ns,
+                os.readlink(f"{card_path}/device/driver"))
+    except OSError:
+        return None  # no device, or no driver bound: _card says what that means, every time
+
+
 def discover(sys_root: str = "/sys") -> list[DrmCard]:
     """Every GPU under sys_root, in card order. Cheap enough to run every sample, so hot-plug and unbinding show."""
     cards = [c for c in listdir(f"{sys_root}/class/drm") if re.fullmatch(r"card\d+", c)]
     found: list[DrmCard] = []
     for card in sorted(cards, key=lambda c: int(c[4:])):
-        drm_card = _card(sys_root, card)
+        card_path = f"{sys_root}/class/drm/{card}"
+        identity = _identity(card_path)
+        known = _KNOWN.get(card_path)
+        if identity is not None and known is not None and known[0] == identity:
+            drm_card = known[1]
+        else:
+            drm_card = _card(sys_root, card)
+            if identity is not None:
+                if len(_KNOWN) >= _KNOWN_MAX:
+                    _KNOWN.clear()
+                _KNOWN[card_path] = (identity, drm_card)
         if drm_card is None:
             continue
         if any(c.id == drm_card.id for c in found):  # a serial two cards share cannot name either alone

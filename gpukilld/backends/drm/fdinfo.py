@@ -45,6 +45,9 @@ class FdInfo:
     ino: int | None = None  # the generic fdinfo line: the inode of the opened file
     engines: dict[str, EngineCounters] = field(default_factory=dict)
     regions: dict[str, Region] = field(default_factory=dict)
+    # The region lines as parsed, in order: regions is a function of them alone, so a client whose next fdinfo
+    # has equal region lines (only its engine counters moved) has equal regions (usage.UsageRecords).
+    region_lines: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def is_drm(self) -> bool:
@@ -94,10 +97,13 @@ def _number(value: str, units: dict[str, int]) -> int | None:
 
 # Lines already parsed, by their text: between two samples most of a client's lines are the same (driver, pdev,
 # client id, most memory and engine counters), so a parse looks those up instead of splitting and converting them
-# again. Cleared when full, since moving counters add a few new lines per client per sample; long lines (none
-# of the specification's keys makes one) are not kept.
+# again. Moving counters add a few new lines per client per sample, so the table is bounded in two generations:
+# when the current one is full it becomes the old one (the previous old one is dropped) and a line found only in
+# the old one is carried over, so the lines that repeat stay and a rotation costs no sample a full re-parse of
+# every client (as emptying the table did). Long lines (none of the specification's keys makes one) are not kept.
 _LINES: dict[str, tuple[int, str, str | int | None]] = {}
-_LINES_MAX = 16384
+_OLD_LINES: dict[str, tuple[int, str, str | int | None]] = {}
+_LINES_MAX = 8192  # per generation
 _LINE_MAX = 256
 _SKIP: tuple[int, str, None] = (_IGNORED, "", None)
 
@@ -130,24 +136,105 @@ def _parse_line(line: str) -> tuple[int, str, str | int | None]:
     return _SKIP if number is None else (what, name, number)
 
 
-def parse_fdinfo(text: str) -> FdInfo:
-    info = FdInfo()
-    engines = info.engines
-    regions = info.regions
-    deprecated_memory: dict[str, int] = {}
+def _missed(line: str) -> tuple[int, str, str | int | None]:
+    """A line not in the current generation of _LINES: from the old one, or parsed; kept in the current one."""
+    global _LINES, _OLD_LINES
+    parsed = _OLD_LINES.get(line)
+    if parsed is None:
+        parsed = _parse_line(line)
+    if len(line) <= _LINE_MAX:
+        if len(_LINES) >= _LINES_MAX:
+            _OLD_LINES, _LINES = _LINES, {}
+        _LINES[line] = parsed
+    return parsed
+
+
+# What the text before a client's first engine line parsed to (identity, memory), by that text: a busy client's
+# counters move every sample, its memory much less often, and the kernel prints the engine lines last (amdgpu,
+# i915, xe, msm, panfrost...). So parse_fdinfo looks the head up and parses only the engine lines after it; the
+# result is what parsing it all gives, since the head holds no engine line and the tail nothing but engine
+# lines (else: the whole text is parsed). Two generations, like _LINES; heads are shared, never changed.
+_HEADS: dict[str, FdInfo] = {}
+_OLD_HEADS: dict[str, FdInfo] = {}
+_HEADS_MAX = 2048  # per generation; a head is a few hundred bytes
+_HEAD_CHARS = 4096  # a longer one is not kept (at most ~16 MiB in all)
+_ENGINE_KINDS = range(_CAPACITY, _MAXFREQ + 1)
+
+
+def _head(text: str) -> FdInfo:
+    global _HEADS, _OLD_HEADS
+    info = _OLD_HEADS.get(text)
+    if info is None:
+        info = _parse_all(text)
+    if len(_HEADS) >= _HEADS_MAX:
+        _OLD_HEADS, _HEADS = _HEADS, {}
+    _HEADS[text] = info
+    return info
+
+
+def _tail_engines(text: str) -> dict[str, EngineCounters] | None:
+    """The engines of lines that are all engine counters (or ignored); None if any is something else."""
+    engines: dict[str, EngineCounters] = {}
     known = _LINES
     for line in text.splitlines():
         parsed = known.get(line)
         if parsed is None:
-            parsed = _parse_line(line)
-            if len(line) <= _LINE_MAX:
-                if len(known) >= _LINES_MAX:
-                    known.clear()
-                known[line] = parsed
+            parsed = _missed(line)
+        what, name, value = parsed
+        if what == _IGNORED:
+            continue
+        if what not in _ENGINE_KINDS:
+            return None
+        engine = engines.get(name)
+        if engine is None:
+            engine = engines[name] = EngineCounters()
+        if what == _BUSY:
+            engine.busy_ns = value  # type: ignore[assignment]
+        elif what == _CAPACITY:
+            engine.capacity = value  # type: ignore[assignment]
+        elif what == _CYCLES:
+            engine.cycles = value  # type: ignore[assignment]
+        elif what == _TOTAL_CYCLES:
+            engine.total_cycles = value  # type: ignore[assignment]
+        else:
+            engine.maxfreq_hz = value  # type: ignore[assignment]
+    return engines
+
+
+def parse_fdinfo(text: str) -> FdInfo:
+    at = text.find("\ndrm-engine-")
+    cycles = text.find("\ndrm-cycles-")
+    if cycles >= 0 and (at < 0 or cycles < at):
+        at = cycles
+    if 0 <= at < _HEAD_CHARS:
+        head_text = text[:at + 1]
+        head = _HEADS.get(head_text)
+        if head is None:
+            head = _head(head_text)
+        if not head.engines:
+            engines = _tail_engines(text[at + 1:])
+            if engines is not None:
+                return FdInfo(head.driver, head.pdev, head.client_id, head.client_name, head.ino, engines,
+                              head.regions, head.region_lines)
+    return _parse_all(text)
+
+
+def _parse_all(text: str) -> FdInfo:
+    info = FdInfo()
+    engines = info.engines
+    regions = info.regions
+    deprecated_memory: dict[str, int] = {}
+    region_lines = []
+    known = _LINES
+    for line in text.splitlines():
+        parsed = known.get(line)
+        if parsed is None:
+            parsed = _missed(line)
         what, name, value = parsed
         if what == _IGNORED:
             continue
         if what >= _TOTAL:  # a region's size
+            region_lines.append(parsed)
             if what == _MEMORY:
                 deprecated_memory[name] = value  # type: ignore[assignment]
                 continue
@@ -186,4 +273,5 @@ def parse_fdinfo(text: str) -> FdInfo:
         region = regions.setdefault(name, Region())
         if region.resident is None:
             region.resident = size
+    info.region_lines = tuple(region_lines)
     return info

@@ -21,12 +21,22 @@ the table; an unlisted process is re-read every `revalidate_every` looks, a look
 samples. And an fdinfo whose bytes are those of the last sample is not parsed again (most clients' counters
 do not move between two samples).
 
+Each process found holding a DRM fd is also held by a descriptor of its /proc/PID directory (O_PATH), and its
+fdinfo is opened relative to that: such a descriptor names one process, not a number, and every look-up under it
+fails once that process has exited and been reaped, even if the number names a new process by then (procfs
+resolves it through the task it was opened on; on a fixture tree, a deleted directory does the same). So a
+reused PID cannot pass for a holder, and with trusted lists a holder whose entry did not change needs no stat of
+its fd table each sample: it is looked at with its slice like every other process (an fd it received over a
+socket, which no list shows, is found there, as for any unlisted process), and its fdinfo read says the rest (a
+DRM fd closed: the open fails; its number reused: the "ino:" line differs).
+
 Reading another user's fdinfo needs ptrace-read rights, which the root daemon has; an fd table or fdinfo that
 cannot be read is skipped, never an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Mapping
@@ -34,6 +44,7 @@ from dataclasses import dataclass
 
 from gpukill.procstat import ProcStat, parse_stat
 
+from ...proc.exit_watch import fd_budget
 from .discovery import DRM_MAJOR
 from .fdinfo import FdInfo, parse_fdinfo
 
@@ -45,8 +56,18 @@ Fingerprint = tuple[int, int, int | tuple[str, ...]]  # fd dir inode, mtime, siz
 # in the holder's fd table. 10 keeps such a holder unseen for at most 10 s at the default 1 Hz while the slice
 # costs a tenth of the full walk (500 stats on a host of 5,000 processes, ~1.5 ms). /proc itself is listed only
 # every SAFETY_NET_PERIOD samples, and a process that listing shows for the first time is looked at at once
-# (FdScanner._slices), so one started between two listings is looked at within the period as well.
+# (FdScanner._slices), so one started between two listings is looked at within the period as well. The sample
+# that lists /proc looks at no slice (listing 5,000 entries costs as much as a slice's stats): the processes are
+# cut in SLICES = SAFETY_NET_PERIOD - 1 slices (pid % SLICES), one for each of the other samples of the period,
+# so each is still looked at once every SAFETY_NET_PERIOD samples and no sample pays for both.
 SAFETY_NET_PERIOD = 10
+SLICES = SAFETY_NET_PERIOD - 1
+# At most this many holders are held by a /proc/PID descriptor, and at most a quarter of the descriptors the
+# process may hold besides its headroom (exit_watch.fd_budget: pidfds, files and the bus come first); one past it
+# is stat'ed every sample instead, as without one.
+PINNED_MAX = 1024
+_PIN_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 _ABSENT = object()  # a pid without an entry in the last sample's lists
 
 
@@ -82,6 +103,7 @@ class ClientRead:
 @dataclass(slots=True)
 class ScanStats:
     processes: int = 0  # processes looked at
+    unstatted: int = 0  # of which holders read through their pinned /proc directory, without a stat
     scanned: int = 0  # of which fd tables were read in full
     walked: bool = False  # every process was looked at (no client list, or a list could not be trusted)
     listed_proc: bool = False  # /proc itself was listed (a walk, or every SAFETY_NET_PERIOD samples)
@@ -159,18 +181,70 @@ class FdScanner:
         self._walked = False  # a full walk has been made: the cache knows every process once
         self._listed: Mapping[str, object] = {}  # the kernel's client lists of the last sample: pid -> its entry
         self._holding: set[str] = set()  # pids with a DRM fd at the last sample
-        # The safety net's slices: the pids of the last listing of /proc, by last digit (a pid stays in its
+        # The safety net's slices: the pids of the last listing of /proc, by pid % SLICES (a pid stays in its
         # slice, so each is looked at every SAFETY_NET_PERIOD samples). /proc is listed once every
         # SAFETY_NET_PERIOD samples (listing 5,000 entries costs as much as the rest of a listed sample), and a
         # pid that a listing shows for the first time is looked at at once: so a process started between two
         # listings is looked at within SAFETY_NET_PERIOD samples too. Kept up to date by set differences with
         # the last listing (_listing, non-pid names included), so a listing costs C-level set work plus the churn.
         self._listing: set[str] = set()
-        self._slices: dict[str, set[str]] = {digit: set() for digit in "0123456789"}
+        # The last listing as it came: a listing equal to it (nothing started or ended since) needs no set work.
+        self._names: list[str] = []
+        self._slices: list[set[str]] = [set() for _ in range(SLICES)]
         # Last sample's fdinfo of each DRM fd, raw and parsed: most clients' counters do not move between two
         # samples (an idle desktop's compositor, a paused job), and equal bytes need no parse.
         self._fdinfo: dict[tuple[str, int], tuple[bytes, FdInfo]] = {}
+        # Holders by pid: (start time, an O_PATH descriptor of their /proc/PID), see the module's docstring.
+        self._pins: dict[str, tuple[int, int]] = {}
+        self._pin_budget = fd_budget() // 4
+        self._rescanned: set[str] = set()  # pids whose fd table this sample read (their start time was read too)
         self.stats = ScanStats()
+
+    def close(self) -> None:
+        """Let go of the holders' /proc/PID descriptors (a later scan takes them again). Idempotent."""
+        pins, self._pins = self._pins, {}
+        for _, handle in pins.values():
+            os.close(handle)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit, or an __init__ that did not finish
+            self.close()
+
+    def _pin(self, root_fd: int, pid: str, start_time: int) -> None:
+        """Hold pid's /proc directory, if it is still the process with this start time."""
+        try:
+            handle = os.open(pid, _PIN_FLAGS, dir_fd=root_fd)
+        except OSError:
+            return
+        try:
+            stat_fd = os.open("stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=handle)
+            try:
+                text = os.read(stat_fd, 4096).decode("utf-8", "replace")
+            finally:
+                os.close(stat_fd)
+        except OSError:
+            text = ""
+        st = _stat(int(pid), text)
+        if st is None or st.start_time != start_time:  # not the process the scan saw: look again, unpinned
+            os.close(handle)
+            return
+        self._pins[pid] = (start_time, handle)
+
+    def _repin(self, root_fd: int, holding: set[str], procs: dict[str, _Proc]) -> None:
+        """Hold exactly this sample's holders, each as the process (start time) the scan saw: a holder whose fd
+        table was not read again this sample is the process it was, and keeps its pin."""
+        pins = self._pins
+        for pid in pins.keys() - holding:
+            os.close(pins.pop(pid)[1])
+        for pid in (holding - pins.keys()) | (self._rescanned & holding):
+            start_time = procs[pid].start_time
+            pin = pins.get(pid)
+            if pin is not None:
+                if pin[0] == start_time:
+                    continue
+                os.close(pins.pop(pid)[1])  # the pid is another process's now
+            if len(pins) < min(PINNED_MAX, self._pin_budget):
+                self._pin(root_fd, pid, start_time)
 
     def _scan_process(self, pid: str, fingerprint: Fingerprint, known: _Proc | None) -> _Proc | None:
         if known is not None and known.fingerprint == fingerprint:
@@ -183,6 +257,7 @@ class FdScanner:
         if fds is None:
             return None
         self.stats.scanned += 1
+        self._rescanned.add(pid)
         every = self.revalidate_every
         # Spread the full re-reads over the period, so no one sample pays for all of them.
         return _Proc(start_time, fingerprint, tuple(fds), every if known is not None else int(pid) % every + 1)
@@ -203,11 +278,12 @@ class FdScanner:
                 return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def _fdinfo_of(self, root_fd: int, pid: str, fd: int, seen: dict[tuple[str, int], tuple[bytes, FdInfo]]
-                   ) -> FdInfo | None:
-        """One DRM fd's fdinfo, parsed only when its bytes differ from the last sample's; None: unreadable."""
+    def _fdinfo_of(self, base: int, path: str, pid: str, fd: int,
+                   seen: dict[tuple[str, int], tuple[bytes, FdInfo]]) -> FdInfo | None:
+        """One DRM fd's fdinfo (path under base: /proc or the process's pinned directory), parsed only when its
+        bytes differ from the last sample's; None: unreadable."""
         try:
-            handle = os.open(f"{pid}/fdinfo/{fd}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=root_fd)
+            handle = os.open(path, _READ_FLAGS, dir_fd=base)
         except OSError:
             return None
         try:
@@ -216,24 +292,27 @@ class FdScanner:
             return None
         finally:
             os.close(handle)
-        known = self._fdinfo.get((pid, fd))
-        if known is not None and known[0] == raw:
-            info = known[1]
-        else:
-            info = parse_fdinfo(raw.decode("utf-8", "replace"))
-        seen[pid, fd] = (raw, info)
+        key = (pid, fd)
+        known = self._fdinfo.get(key)
+        info = known[1] if known is not None and known[0] == raw else parse_fdinfo(raw.decode("utf-8", "replace"))
+        seen[key] = (raw, info)
         return info
 
     def _read_clients(self, root_fd: int, pid: str, proc: _Proc, out: list[ClientRead],
                       seen: dict[tuple[str, int], tuple[bytes, FdInfo]]) -> bool:
-        """Read the fdinfo of each known DRM fd; False when the fd table changed under us (scan again)."""
+        """Read the fdinfo of each known DRM fd; False when the fd table changed under us, or the process it was
+        read for is gone (scan again)."""
         reads = []
         number = int(pid)
+        pin = self._pins.get(pid)
+        base, prefix = (pin[1], "") if pin is not None and pin[0] == proc.start_time else (root_fd, pid + "/")
         for drm_fd in proc.fds:
-            info = self._fdinfo_of(root_fd, pid, drm_fd.fd, seen)
+            info = self._fdinfo_of(base, f"{prefix}fdinfo/{drm_fd.fd}", pid, drm_fd.fd, seen)
             if info is None:
-                if not os.path.lexists(f"{self.root}/{pid}/fd/{drm_fd.fd}"):
-                    return False  # closed since the scan
+                try:
+                    os.lstat(f"{prefix}fd/{drm_fd.fd}", dir_fd=base)
+                except OSError:
+                    return False  # closed since the scan, or (pinned) the process exited
                 reads.append(ClientRead(number, proc.start_time, drm_fd.fd, drm_fd.minor, None))
                 continue
             if info.ino is not None and info.ino != drm_fd.ino:
@@ -246,27 +325,34 @@ class FdScanner:
         """Bring the slices to a fresh listing of /proc; the pids it shows that the last listing did not."""
         last, slices = self._listing, self._slices
         for pid in last - current:
-            slices.get(pid[-1], set()).discard(pid)  # non-pid names ("self", "sys") are in no slice
+            if pid.isdigit():  # non-pid names ("self", "sys") are in no slice
+                slices[int(pid) % SLICES].discard(pid)
         new = [pid for pid in current - last if pid.isdigit()]
         for pid in new:
-            slices[pid[-1]].add(pid)  # by the last digit, i.e. pid % SAFETY_NET_PERIOD, without an int()
+            slices[int(pid) % SLICES].add(pid)
         self._listing = current
         return new
 
-    def _candidates(self, names: list[str] | None, walk: bool, listed: Mapping[str, object]) -> list[str]:
-        """The pids to look at this sample: all of them on a walk; else the listed ones, the known holders,
-        the safety net's slice (pid % SAFETY_NET_PERIOD) and, when /proc was listed (names), its new pids."""
-        new = self._relist(set(names)) if names is not None else []
+    def _candidates(self, names: list[str] | None, walk: bool, listed: Mapping[str, object],
+                    pinned: set[str]) -> tuple[list[str], set[str]]:
+        """The pids to stat this sample: all of them on a walk; else the listed ones, the known holders, the
+        safety net's slice of this sample (none in the one that lists /proc) and, when /proc was listed
+        (names), its new pids; but not
+        the pinned holders (whose entry did not change) outside the slice: those are returned apart, to be read
+        without a stat."""
+        new = self._relist(set(names)) if names is not None and names != self._names else []
         if walk:
             assert names is not None  # a walk lists /proc
-            return [pid for pid in names if pid.isdigit()]
-        digit = str(self._round % SAFETY_NET_PERIOD)
-        chosen = list(self._slices[digit])
-        chosen.extend(pid for pid in new if not pid.endswith(digit))
+            return [pid for pid in names if pid.isdigit()], set()
+        turn = self._round % SAFETY_NET_PERIOD  # 0: the sample that lists /proc
+        chosen = list(self._slices[turn - 1]) if turn else []
+        chosen.extend(pid for pid in new if not turn or int(pid) % SLICES != turn - 1)
         extra = listed.keys() | self._holding  # one that is not in /proc (gone, another namespace's) fails its stat
         extra.difference_update(chosen)
+        unstatted = extra & pinned
+        extra -= unstatted
         chosen.extend(extra)
-        return chosen
+        return chosen, unstatted
 
     def scan(self, listed: Mapping[int, object] | None = None) -> list[ClientRead]:
         """The DRM fds held now and their fdinfo.
@@ -277,12 +363,14 @@ class FdScanner:
         closed would have changed its entry. None where some list could not be read: walk every process."""
         self._round += 1
         self.stats = stats = ScanStats()
+        self._rescanned = set()
         try:
             root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             self._procs, self._holding, self._fdinfo = {}, set(), {}
-            self._listing = set()
-            for members in self._slices.values():
+            self._listing, self._names = set(), []
+            self.close()
+            for members in self._slices:
                 members.clear()
             return []
         walk = listed is None or not self._walked
@@ -297,16 +385,22 @@ class FdScanner:
             procs = self._procs
             names: list[str] | None = None
             if walk or not self._listing or self._round % SAFETY_NET_PERIOD == 0:
-                names = os.listdir(root_fd)
+                names = os.listdir(self.root)  # by path: ~20% cheaper than through root_fd (no fdopendir of a dup)
                 stats.listed_proc = True
-            candidates = self._candidates(names, walk, listed_now)  # brings _listing to names, if listed now
+            pins = self._pins
+            # _repin left every pin on a holder of the last sample, with that holder's start time
+            pinned = set() if walk else pins.keys() - changed
+            # brings _listing to names, if listed now
+            candidates, unstatted = self._candidates(names, walk, listed_now, pinned)
             if walk:
                 kept: dict[str, _Proc] = {}
             else:
                 kept = procs  # in place: a sample visits a tenth of the processes
-                if names is not None:  # forget those that left; a reused pid meanwhile
-                    for gone in procs.keys() - self._listing:  # shows a new fd-directory inode when looked at
+                if names is not None and names != self._names:  # forget those that left; a reused pid
+                    for gone in procs.keys() - self._listing:  # meanwhile shows a new fd-directory inode when looked at
                         del procs[gone]
+            if names is not None:
+                self._names = names
             with_drm = []
             fstat = os.stat
             fd_counts = self.fd_counts is True
@@ -342,6 +436,13 @@ class FdScanner:
                 looked += 1
                 if proc.fds:
                     with_drm.append(pid)
+            for pid in unstatted:  # pinned holders: their fdinfo reads below tell whether they are still there
+                proc = procs.get(pid)
+                if proc is not None:
+                    looked += 1
+                    stats.unstatted += 1
+                    if proc.fds:
+                        with_drm.append(pid)
             self._walked = self._walked or walk
             stats.processes = looked
             self._procs = kept  # on a walk, processes that left /proc are forgotten here
@@ -360,6 +461,7 @@ class FdScanner:
                 if kept[pid].fds:
                     holding.add(pid)
             self._holding = holding
+            self._repin(root_fd, holding, kept)
             self._fdinfo = seen  # fds not read this sample are forgotten
         finally:
             os.close(root_fd)

@@ -13,6 +13,7 @@ backend, not here.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -37,7 +38,8 @@ def _hwmon(device_path: str) -> str | None:
     return f"{device_path}/hwmon/{names[0]}" if names else None
 
 
-def _temperature(hwmon: str) -> float | None:
+def _temperature_input(hwmon: str) -> str | None:
+    """The file of "the" temperature: the first label of TEMP_LABELS present, else the lowest-numbered input."""
     inputs = {}
     for name in listdir(hwmon):
         m = re.fullmatch(r"temp(\d+)_input", name)
@@ -47,17 +49,21 @@ def _temperature(hwmon: str) -> float | None:
         return None
     by_label = {label.lower(): n for n, label in inputs.items()}
     chosen = next((by_label[label] for label in TEMP_LABELS if label in by_label), min(inputs))
-    milli = read_int(f"{hwmon}/temp{chosen}_input")
-    return None if milli is None else milli / 1000.0
+    return f"temp{chosen}_input"
 
 
-def _hwmon_clock(hwmon: str) -> float | None:
+def _sclk_input(hwmon: str) -> str | None:
     for name in listdir(hwmon):
         m = re.fullmatch(r"freq(\d+)_input", name)
         if m and (read_text(f"{hwmon}/freq{m.group(1)}_label") or "").lower() == "sclk":
-            hz = read_int(f"{hwmon}/{name}")
-            return None if hz is None else hz / 1e6
+            return name
     return None
+
+
+# Which files of a hwmon directory hold the temperature and the clock, by the directory's inode: its attributes
+# and their labels are made when the driver registers it and stay until it is removed (a new one is a new inode),
+# so the labels are read once, not every sample.
+_LAYOUTS_MAX = 64
 
 
 def _devfreq_clock(device_path: str) -> float | None:
@@ -82,6 +88,23 @@ class TelemetryReader:
 
     def __init__(self) -> None:
         self._energy: dict[str, tuple[int, float]] = {}
+        self._layouts: dict[str, tuple[tuple[int, int], tuple[str | None, str | None]]] = {}  # hwmon -> (inode, files)
+
+    def _layout(self, hwmon: str) -> tuple[str | None, str | None]:
+        """(temperature input, sclk input) file names of one hwmon directory."""
+        try:
+            st = os.stat(hwmon)
+        except OSError:
+            return None, None
+        inode = (st.st_ino, st.st_ctime_ns)  # with its change time: a file system that reuses inode numbers
+        known = self._layouts.get(hwmon)
+        if known is not None and known[0] == inode:
+            return known[1]
+        layout = (_temperature_input(hwmon), _sclk_input(hwmon))
+        if len(self._layouts) >= _LAYOUTS_MAX:
+            self._layouts.clear()
+        self._layouts[hwmon] = (inode, layout)
+        return layout
 
     def _power(self, card: DrmCard, hwmon: str, now: float) -> float | None:
         for name in ("power1_average", "power1_input"):
@@ -108,9 +131,12 @@ class TelemetryReader:
         t.memory_total = read_int(f"{dev}/mem_info_vram_total")
         hwmon = _hwmon(dev)
         if hwmon is not None:
-            t.temperature = _temperature(hwmon)
+            temperature, sclk = self._layout(hwmon)
+            milli = read_int(f"{hwmon}/{temperature}") if temperature else None
+            t.temperature = None if milli is None else milli / 1000.0
             t.power = self._power(card, hwmon, now)
-            t.clock_mhz = _hwmon_clock(hwmon)
+            hz = read_int(f"{hwmon}/{sclk}") if sclk else None
+            t.clock_mhz = None if hz is None else hz / 1e6
         if t.clock_mhz is None:
             t.clock_mhz = _intel_clock(card) if card.driver in ("i915", "xe") else _devfreq_clock(dev)
         return t

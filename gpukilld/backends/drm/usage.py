@@ -41,34 +41,31 @@ UidOf = Callable[[Holder], int | None]
 UNKNOWN_UID = -1
 
 
-@dataclass(slots=True)
-class _Marks:
-    """Largest counter values seen for one engine of one client."""
-
-    busy_ns: int | None
-    cycles: int | None
-    total_cycles: int | None
-
-
-@dataclass(slots=True)
-class _ClientState:
-    at: float
-    marks: dict[str, _Marks]
+# The largest counter values seen for one engine of one client: (busy ns, cycles, total cycles). A tuple, not a
+# record: 200 clients x a few engines of them are made every sample.
+Marks = tuple[int | None, int | None, int | None]
 
 
 def _advance(previous: int | None, current: int | None) -> tuple[int | None, int | None]:
     """(delta, new mark) for a counter that may dip: stay with the larger previous value until it is passed."""
     if current is None or previous is None:
         return None, current
-    mark = max(previous, current)
+    mark = previous if previous > current else current
     return mark - previous, mark
 
 
-def engine_fraction(engine: EngineCounters, prev: _Marks, dt: float, new: _Marks) -> float | None:
-    """Fraction (0..1) of the engine this client kept busy; fills `new` with the marks to keep."""
-    d_busy, new.busy_ns = _advance(prev.busy_ns, engine.busy_ns)
-    d_cycles, new.cycles = _advance(prev.cycles, engine.cycles)
-    d_total, new.total_cycles = _advance(prev.total_cycles, engine.total_cycles)
+def engine_fraction(engine: EngineCounters, prev: Marks, dt: float) -> tuple[float | None, Marks]:
+    """Fraction (0..1) of the engine this client kept busy, and the marks to keep."""
+    busy, cycles, total = engine.busy_ns, engine.cycles, engine.total_cycles
+    if cycles is None and total is None and prev[1] is None and prev[2] is None:  # ns engines (i915, amdgpu)
+        d_busy, mark = _advance(prev[0], busy)
+        marks: Marks = (mark, None, None)
+        d_cycles = d_total = None
+    else:
+        d_busy, m_busy = _advance(prev[0], busy)
+        d_cycles, m_cycles = _advance(prev[1], cycles)
+        d_total, m_total = _advance(prev[2], total)
+        marks = (m_busy, m_cycles, m_total)
     capacity = engine.capacity
     if d_cycles is not None and d_total is not None:
         value = d_cycles / (d_total * capacity) if d_total > 0 else None
@@ -78,39 +75,46 @@ def engine_fraction(engine: EngineCounters, prev: _Marks, dt: float, new: _Marks
         value = d_busy / (dt * 1e9 * capacity) if dt > 0 else None
     else:
         value = None
-    return None if value is None else min(1.0, max(0.0, value))
+    return (None if value is None else min(1.0, max(0.0, value))), marks
 
 
 class UtilizationTracker:
     """Counters of every client from its previous sample; forgets clients that were not seen in a sample."""
 
     def __init__(self) -> None:
-        self._clients: dict[ClientKey, _ClientState] = {}
+        self._clients: dict[ClientKey, tuple[float, dict[str, Marks]]] = {}  # key -> (when, marks per engine)
         self._seen: set[ClientKey] = set()
 
     def update(self, key: ClientKey, engines: dict[str, EngineCounters], now: float) -> dict[str, float] | None:
         """Per-engine busy fraction since this client's last update; None on its first."""
         self._seen.add(key)
         prev = self._clients.get(key)
-        marks = {name: _Marks(e.busy_ns, e.cycles, e.total_cycles) for name, e in engines.items()}
         if prev is None:
-            self._clients[key] = _ClientState(now, marks)
+            self._clients[key] = (now, {name: (e.busy_ns, e.cycles, e.total_cycles) for name, e in engines.items()})
             return None
-        dt = now - prev.at
+        at, old_marks = prev
+        dt = now - at
         fractions = {}
+        marks: dict[str, Marks] = {}
         for name, engine in engines.items():
-            old = prev.marks.get(name)
+            old = old_marks.get(name)
+            if old is not None and old[0] == engine.busy_ns and engine.cycles is None and old[1] is None \
+                    and engine.total_cycles is None and old[2] is None:  # an ns counter that did not move
+                marks[name] = old
+                if old[0] is not None and dt > 0:
+                    fractions[name] = 0.0
+                continue
             if old is None:
                 # A counter that appeared since counted from zero: amdgpu prints an engine only once the
                 # client used it. A GPU timestamp (drm-total-cycles) has no such zero: wait for the next.
                 if engine.total_cycles is not None:
+                    marks[name] = (engine.busy_ns, engine.cycles, engine.total_cycles)
                     continue
-                old = _Marks(0 if engine.busy_ns is not None else None, 0 if engine.cycles is not None else None,
-                             None)
-            value = engine_fraction(engine, old, dt, marks[name])
+                old = (0 if engine.busy_ns is not None else None, 0 if engine.cycles is not None else None, None)
+            value, marks[name] = engine_fraction(engine, old, dt)
             if value is not None:
                 fractions[name] = value
-        self._clients[key] = _ClientState(now, marks)
+        self._clients[key] = (now, marks)
         return fractions
 
     def end_round(self) -> None:
@@ -132,6 +136,8 @@ class Client:
     has_usage_keys: bool = False  # the driver printed engine or memory keys at all
     occupancy: float | None = None  # KFD: fraction of compute units busy with this process's waves
     kfd_vram: int | None = None  # KFD: VRAM allocated through /dev/kfd
+    # What the regions were parsed from (FdInfo.region_lines): equal keys, equal regions. None: not known.
+    region_key: tuple | None = None
 
 
 def region_bytes(region: Region) -> int | None:
@@ -168,72 +174,107 @@ def owner(client: Client, uid_of: UidOf, system_uid_max: int) -> Holder | None:
     return min(candidates) if len(set(candidates.values())) == 1 else None
 
 
-def _one_client(pid: int, start_time: int, device_id: str, c: Client, shared: bool) -> ProcessUsage:
-    """process_usages' figures for a process with exactly one owned render client (no KFD) on a device."""
-    utilization = None
-    if c.engines is not None:  # the driver reported engines; none moved: 0
-        utilization = _busiest(c.engines) if c.engines else 0.0
-    regions = c.regions
-    return ProcessUsage(
-        pid=pid, start_time=start_time, device_id=device_id, gpu_memory=gpu_memory(regions),
-        gpu_utilization=utilization,
-        memory_regions=tuple(MemoryRegion(n, r.total, r.resident) for n, r in sorted(regions.items())),
-        shared_usage=shared,
-    )
+class UsageRecords:
+    """process_usages, sample after sample, handing back last sample's ProcessUsage where its figures did not
+    change: the sampler and the audit then see the same record and skip it (they compare by identity first). A
+    client's memory figures are worked out again only when its fdinfo's region lines changed (region_key)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, int, str], ProcessUsage] = {}  # (pid, start time, device) -> last record
+        self._memory: dict[ClientKey, tuple[tuple, int | None, tuple[MemoryRegion, ...]]] = {}
+
+    def _regions_of(self, c: Client, memory: dict) -> tuple[int | None, tuple[MemoryRegion, ...]]:
+        key = c.region_key
+        if key is not None:
+            known = self._memory.get(c.key)
+            if known is not None and known[0] == key:
+                memory[c.key] = known
+                return known[1], known[2]
+        regions = c.regions
+        figures = (gpu_memory(regions), tuple(MemoryRegion(n, r.total, r.resident) for n, r in sorted(regions.items())))
+        if key is not None:
+            memory[c.key] = (key, *figures)
+        return figures
+
+    def _record(self, last: dict, key: tuple[int, int, str], memory: int | None, utilization: float | None,
+                regions: tuple[MemoryRegion, ...], shared: bool) -> ProcessUsage:
+        known = self._last.get(key)
+        if known is not None and known.gpu_utilization == utilization and known.gpu_memory == memory \
+                and known.shared_usage == shared and known.memory_regions == regions:
+            record = known
+        else:
+            record = ProcessUsage(pid=key[0], start_time=key[1], device_id=key[2], gpu_memory=memory,
+                                  gpu_utilization=utilization, memory_regions=regions, shared_usage=shared)
+        last[key] = record
+        return record
+
+    def build(self, clients: Iterable[Client], uid_of: UidOf, system_uid_max: int) -> list[ProcessUsage]:
+        """One ProcessUsage per (process, device): owned clients summed, shared ones counted under their owner
+        (uid_of and system_uid_max decide who that is), unowned ones nowhere but in the shared_usage flag."""
+        owned: dict[tuple[int, int, str], list[Client]] = {}
+        unowned: set[tuple[int, int, str]] = set()
+        for client in clients:
+            charged = owner(client, uid_of, system_uid_max)
+            for holder in client.holders:
+                key = (holder[1], holder[0], client.device_id)
+                slot = owned.setdefault(key, [])
+                if charged is None:
+                    unowned.add(key)
+                elif holder == charged:
+                    slot.append(client)
+        usages = []
+        last: dict[tuple[int, int, str], ProcessUsage] = {}
+        memory_of: dict[ClientKey, tuple[tuple, int | None, tuple[MemoryRegion, ...]]] = {}
+        for key, mine in sorted(owned.items()):
+            shared = key in unowned
+            if len(mine) == 1 and mine[0].occupancy is None and mine[0].kfd_vram is None:
+                # Nearly every process holds one client of a device: its own figures, with nothing to add up.
+                c = mine[0]
+                utilization = None
+                if c.engines is not None:  # the driver reported engines; none moved: 0
+                    utilization = _busiest(c.engines) if c.engines else 0.0
+                memory, regions = self._regions_of(c, memory_of)
+                usages.append(self._record(last, key, memory, utilization, regions, shared))
+                continue
+            usages.append(self._record(last, key, *_summed(mine), shared))
+        self._last, self._memory = last, memory_of
+        return usages
+
+
+def _summed(mine: list[Client]) -> tuple[int | None, float | None, tuple[MemoryRegion, ...]]:
+    """(memory, utilization, regions) of a process from all its owned clients on one device (KFD included)."""
+    engines: dict[str, float] = {}
+    known_engines = False
+    regions: dict[str, Region] = {}
+    occupancy: float | None = None
+    kfd_vram: int | None = None
+    for c in mine:
+        if c.engines is not None:
+            known_engines = True
+            for name, value in c.engines.items():
+                engines[name] = engines.get(name, 0.0) + value
+        for name, r in c.regions.items():
+            acc = regions.setdefault(name, Region())
+            acc.total, acc.resident = _sum(acc.total, r.total), _sum(acc.resident, r.resident)
+        if c.occupancy is not None:
+            occupancy = (occupancy or 0.0) + c.occupancy
+        kfd_vram = _sum(kfd_vram, c.kfd_vram)
+    utilization = _busiest(engines) if known_engines else None
+    if known_engines and utilization is None:
+        utilization = 0.0  # the driver reported engines and none moved
+    if occupancy is not None:
+        utilization = max(utilization or 0.0, min(100.0, 100.0 * occupancy))
+    memory = gpu_memory(regions)
+    if kfd_vram is not None:  # KFD buffers live in the same VM the render fd reports: never add the two
+        memory = max(memory or 0, kfd_vram)
+        if not regions:
+            regions["vram"] = Region(total=kfd_vram)
+    return memory, utilization, tuple(MemoryRegion(n, r.total, r.resident) for n, r in sorted(regions.items()))
 
 
 def process_usages(clients: Iterable[Client], uid_of: UidOf, system_uid_max: int) -> list[ProcessUsage]:
-    """One ProcessUsage per (process, device): owned clients summed, shared ones counted under their owner
-    (uid_of and system_uid_max decide who that is), unowned ones nowhere but in the shared_usage flag."""
-    owned: dict[tuple[int, int, str], list[Client]] = {}
-    unowned: set[tuple[int, int, str]] = set()
-    for client in clients:
-        charged = owner(client, uid_of, system_uid_max)
-        for holder in client.holders:
-            key = (holder[1], holder[0], client.device_id)
-            slot = owned.setdefault(key, [])
-            if charged is None:
-                unowned.add(key)
-            elif holder == charged:
-                slot.append(client)
-    usages = []
-    for (pid, start_time, device_id), mine in sorted(owned.items()):
-        if len(mine) == 1 and mine[0].occupancy is None and mine[0].kfd_vram is None:
-            # Nearly every process holds one client of a device: its own figures, with nothing to add up.
-            usages.append(_one_client(pid, start_time, device_id, mine[0], (pid, start_time, device_id) in unowned))
-            continue
-        engines: dict[str, float] = {}
-        known_engines = False
-        regions: dict[str, Region] = {}
-        occupancy: float | None = None
-        kfd_vram: int | None = None
-        for c in mine:
-            if c.engines is not None:
-                known_engines = True
-                for name, value in c.engines.items():
-                    engines[name] = engines.get(name, 0.0) + value
-            for name, r in c.regions.items():
-                acc = regions.setdefault(name, Region())
-                acc.total, acc.resident = _sum(acc.total, r.total), _sum(acc.resident, r.resident)
-            if c.occupancy is not None:
-                occupancy = (occupancy or 0.0) + c.occupancy
-            kfd_vram = _sum(kfd_vram, c.kfd_vram)
-        utilization = _busiest(engines) if known_engines else None
-        if known_engines and utilization is None:
-            utilization = 0.0  # the driver reported engines and none moved
-        if occupancy is not None:
-            utilization = max(utilization or 0.0, min(100.0, 100.0 * occupancy))
-        memory = gpu_memory(regions)
-        if kfd_vram is not None:  # KFD buffers live in the same VM the render fd reports: never add the two
-            memory = max(memory or 0, kfd_vram)
-            if not regions:
-                regions["vram"] = Region(total=kfd_vram)
-        usages.append(ProcessUsage(
-            pid=pid, start_time=start_time, device_id=device_id, gpu_memory=memory, gpu_utilization=utilization,
-            memory_regions=tuple(MemoryRegion(n, r.total, r.resident) for n, r in sorted(regions.items())),
-            shared_usage=(pid, start_time, device_id) in unowned,
-        ))
-    return usages
+    """UsageRecords.build for one sample, with nothing to reuse."""
+    return UsageRecords().build(clients, uid_of, system_uid_max)
 
 
 def device_utilization(clients: list[Client], complete: bool) -> float | None:
