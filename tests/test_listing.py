@@ -92,8 +92,9 @@ def test_compact_listing_is_the_records_for_every_caller_and_filter(victims, use
     owner, other = users["owner"], users["other"]
     mine = [bed.victim(owner, gpu=g, mem="1GiB", util=3, comm="compact-own") for g in (0, 0, 1)]
     theirs = bed.victim(other, gpu=1, comm="compact-other")  # no memory or utilization given: unknown
-    for v in (*mine, theirs):
-        bed.wait_listed(v.pid)
+    for v in mine:
+        bed.wait_listed(v.pid, comm="compact-own")  # under its own name: it renames itself once started
+    bed.wait_listed(theirs.pid, comm="compact-other")
     first = sorted((0, v.pid) for v in mine[:2])[0]
     filters = [{}, {"user": _v("u", owner.uid)}, {"device": _v("s", "1")}, {"name": _v("s", "compact-o")},
                {"name_regex": _v("s", "^compact-(own|other)$")}, {"min_memory": _v("t", 1 << 30)},

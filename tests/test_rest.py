@@ -45,8 +45,8 @@ def test_devices_and_processes_as_list_json(server, victims, users):
     big = victims.victim(owner, gpu=0, mem="14G", comm="python")
     small = victims.victim(owner, gpu=1, mem="2G", comm="python")
     other = victims.victim(users["other"], gpu=0, mem="13G", comm="trainer")
-    for v in (big, small, other):
-        victims.wait_listed(v.pid)
+    for v, comm in ((big, "python"), (small, "python"), (other, "trainer")):
+        victims.wait_listed(v.pid, comm=comm)  # under its own name: it renames itself once started
     r = server.call("GET", "/v1/devices")
     assert r.status == 200, r
     listed = victims.listing(owner)
