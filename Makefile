@@ -53,7 +53,10 @@ bench: venv
 	$(PY) bench/guard_cycle
 
 # --- packages --------------------------------------------------------------------------------------------
-PKG_APT_PACKAGES := debhelper dh-python dpkg-dev fakeroot lintian rpm python3-pip debootstrap systemd-container
+# buildah, podman, runc: tests/package/test_image.py builds the Kubernetes image and runs it (runc: crun, podman's
+# default, refuses the hybrid cgroup mounts of these machines)
+PKG_APT_PACKAGES := debhelper dh-python dpkg-dev fakeroot lintian rpm python3-pip debootstrap systemd-container \
+  buildah podman runc
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 BUILD := build
 
