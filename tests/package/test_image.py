@@ -48,10 +48,14 @@ NOFILE = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 NPROC = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 32768)
 ULIMITS = [f"--ulimit=nofile={NOFILE}:{NOFILE}", f"--ulimit=nproc={NPROC}:{NPROC}"]
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in ("buildah", "podman", "runc", "debootstrap")),
-    reason="needs root, buildah, podman, runc and debootstrap (make pkg-deps installs them)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not all(shutil.which(t) for t in ("buildah", "podman", "runc", "debootstrap")),
+        reason="needs root, buildah, podman, runc and debootstrap (make pkg-deps installs them)",
+    ),
+    # the first build debootstraps the base and fetches from Debian's archive and PyPI: minutes, not seconds
+    pytest.mark.timeout(1800),
+]
 
 
 def sh(*argv: str, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -62,7 +66,8 @@ def sh(*argv: str, timeout: float = 600, check: bool = True, **kw) -> subprocess
 
 
 def pip_ca() -> list[str]:
-    """The build's pip trusts the CA bundle this machine's pip is told to (/etc/pip.conf's cert: a proxy's)."""
+    """The build's pip trusts the CA bundle this machine's pip is told to (/etc/pip.conf's cert: a proxy's).
+    The bundle is not in the image; only the empty file buildah mounted it on stays, in this test's build."""
     config = configparser.ConfigParser()
     config.read("/etc/pip.conf")
     cert = config.get("global", "cert", fallback=None)
