@@ -336,6 +336,10 @@ def test_the_optional_parts_say_which_package_then_install(machine):
     owner = machine.run("dpkg", "-S", "/usr/lib/gpukill/vendor-serve/mcp/__init__.py").stdout
     assert owner.startswith("gpukill-serve:"), owner
     assert not (machine.root / "usr/lib/gpukill/vendor/mcp").exists()
+    # and it needs nothing of Debian's Python stack for it (bookworm's pydantic 1, starlette 0.26 ... are too old)
+    depends = machine.run("dpkg-query", "-W", "-f", "${Depends}", "gpukill-serve").stdout
+    bundled = ("pydantic", "starlette", "fastapi", "uvicorn", "anyio", "mcp", "jsonschema", "httpx", "jwt")
+    assert not [d for d in depends.split(", ") if any(name in d for name in bundled)], depends
     # py3compile (the postinst) made the bytecode of the bundled tree: no compile at each start
     assert list((machine.root / "usr/lib/gpukill/vendor-serve/pydantic").glob("__pycache__/*.pyc"))
 
