@@ -94,8 +94,9 @@ rpm: $(BUILD)/src
 	cp $(BUILD)/rpm/RPMS/x86_64/gpukill-*$(VERSION)-*.rpm $(BUILD)/rpm/RPMS/noarch/gpukill-*$(VERSION)-*.rpm dist/
 	rpm -qlp dist/gpukill-$(VERSION)-*.rpm dist/gpukill-serve-$(VERSION)-*.rpm dist/gpukill-exporter-$(VERSION)-*.rpm
 
-# Install the .deb into a debootstrapped bookworm booted under systemd-nspawn and check it there.
-test-package: venv deb
+# Install the .debs into a debootstrapped bookworm booted under systemd-nspawn and check them there; the .rpms
+# hold the same files, split the same way; the Kubernetes image built with buildah and run with podman.
+test-package: venv deb rpm
 	$(PY) -m pytest -q -rs -s tests/package
 
 clean:
