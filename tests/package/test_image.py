@@ -22,6 +22,7 @@ import resource
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -160,6 +161,8 @@ def test_the_image_runs_gpukilld_as_the_daemonset_does(image, tmp_path):
     configmap, state, bus = tmp_path / "configmap", tmp_path / "state", tmp_path / "bus"
     for d in (configmap, state, bus):
         d.mkdir()
+    programs = Path(tempfile.mkdtemp(prefix="gpukill-image-test-"))  # one that nobody may execute from
+    programs.chmod(0o755)
     configmap_tree(configmap)
     sim = yaml.safe_load((REPO / "examples/simulate.yaml").read_text())
     sim["scope"] = SCOPE
@@ -198,6 +201,22 @@ def test_the_image_runs_gpukilld_as_the_daemonset_does(image, tmp_path):
         assert [d["name"] for d in devices] == [d["name"] for d in sim["devices"]]
         status = json.loads(kubectl_exec("guard", "status", "--json").stdout)
         assert [r["name"] for r in status["rules"]] == ["block-crypto-miners"], status  # the ConfigMap's policy
+        # ... in force on the node's processes: one named like a miner is stopped, the other process stays
+        shutil.copy("/bin/sleep", programs / "xmrig")
+        miner = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                                  str(programs / "xmrig"), "300"],
+                                 env={"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_MEM": "1GiB",
+                                      "GPUKILL_SIM_SCOPE": SCOPE})
+        try:
+            miner.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            miner.kill()
+            miner.wait()
+        logs = sh("podman", "logs", name, check=False)
+        # killed by a signal (SIGTERM, or SIGKILL after the grace), not exited on its own
+        assert miner.returncode in (-15, -9), (miner.returncode, logs.stdout[-2000:], logs.stderr[-2000:])
+        assert "block-crypto-miners" in logs.stdout + logs.stderr  # the audit, in `kubectl logs`
+        assert victim.poll() is None
 
         # the exporter container: its command and user, the same bus read-only (here on the host's network, on a
         # free port: a pod's containers share one network namespace)
@@ -209,11 +228,13 @@ def test_the_image_runs_gpukilld_as_the_daemonset_does(image, tmp_path):
         sh("podman", *RUNTIME, "run", *ULIMITS, "-d", "--name", exported, "--pid=host", "--network=host", "--read-only",
            "--cap-drop=all", f"--user={ctx['runAsUser']}:{ctx['runAsGroup']}", "-v", f"{bus}:{mounts['bus']}:ro",
            "--entrypoint", command[0], image, *command[1:])
-        metrics = wait_until(lambda: (m := scrape(f"http://127.0.0.1:{port}/metrics")) and "\ngpukill_up 1" in m and m,
-                             90)
+        url = f"http://127.0.0.1:{port}/metrics"
+        metrics = wait_until(lambda: (m := scrape(url)) and "\ngpukill_up 1" in m and m, 90)
         assert metrics, sh("podman", "logs", exported, check=False).stderr
         assert metrics.count("\ngpukill_device_up{") == len(sim["devices"])
-        assert re.search(r'^gpukill_user_gpu_memory_bytes\{user="nobody"\} 2\.147483648e\+09', metrics, re.M), metrics
+        # nobody's memory: the victim's 2 GiB alone, once the sample after the miner's end is the one read
+        nobody = re.compile(r'^gpukill_user_gpu_memory_bytes\{user="nobody"\} 2\.147483648e\+09$', re.M)
+        assert wait_until(lambda: (m := scrape(url)) and nobody.search(m), 60), scrape(url)
     finally:
         if victim is not None:
             victim.kill()
@@ -223,6 +244,7 @@ def test_the_image_runs_gpukilld_as_the_daemonset_does(image, tmp_path):
                 sh("podman", "rm", "-f", "-t", "5", c, check=False, timeout=120)
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp_path / "bus")
+        shutil.rmtree(programs, ignore_errors=True)
 
 
 def test_the_image_holds_what_the_daemonset_needs(image):
