@@ -144,11 +144,14 @@ def scrape(url: str) -> str | None:
 def image():
     t0 = time.monotonic()
     base = base_image()
+    before = sh("podman", "image", "inspect", "-f", "{{.Id}}", IMAGE, check=False).stdout.strip()
     r = sh("buildah", "bud", *RUNTIME, *ULIMITS, "--layers", "--network=host", *pip_ca(),
            "--build-arg", f"BASE={base}",
            "-f", str(REPO / "deploy/container/Containerfile"), "-t", IMAGE, str(REPO), timeout=1500, check=False)
     assert r.returncode == 0, f"buildah bud failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     print(f"\nimage built in {time.monotonic() - t0:.0f}s")
+    if before and before != sh("podman", "image", "inspect", "-f", "{{.Id}}", IMAGE).stdout.strip():
+        sh("podman", "rmi", before, check=False)  # the previous run's image, untagged by this build: not kept
     return IMAGE
 
 
