@@ -53,7 +53,10 @@ bench: venv
 	$(PY) bench/guard_cycle
 
 # --- packages --------------------------------------------------------------------------------------------
-PKG_APT_PACKAGES := debhelper dh-python dpkg-dev fakeroot lintian rpm python3-pip debootstrap systemd-container
+# buildah, podman, runc: tests/package/test_image.py builds the Kubernetes image and runs it (runc: crun, podman's
+# default, refuses the hybrid cgroup mounts of these machines)
+PKG_APT_PACKAGES := debhelper dh-python dpkg-dev fakeroot lintian rpm python3-pip debootstrap systemd-container \
+  buildah podman runc
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 BUILD := build
 
@@ -71,24 +74,29 @@ $(BUILD)/src: pkg-deps venv
 	/usr/bin/python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d $(BUILD)/src/wheels -r packaging/vendor-requirements.txt
+	/usr/bin/python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d $(BUILD)/src/wheels-serve -r packaging/vendor-serve-requirements.txt
 
 deb: $(BUILD)/src
 	rm -rf $(BUILD)/src/debian && cp -r packaging/debian $(BUILD)/src/debian
 	cd $(BUILD)/src && dpkg-buildpackage -us -uc -b
-	mkdir -p dist && mv $(BUILD)/gpukill_$(VERSION)_*.deb dist/
+	mkdir -p dist && rm -f dist/gpukill*_$(VERSION)_*.deb && mv $(BUILD)/gpukill*_$(VERSION)_*.deb dist/
 	rm -f $(BUILD)/gpukill_$(VERSION)_*
-	lintian --fail-on error dist/gpukill_$(VERSION)_amd64.deb
+	lintian --fail-on error,warning dist/gpukill_$(VERSION)_amd64.deb dist/gpukill-serve_$(VERSION)_amd64.deb \
+	  dist/gpukill-exporter_$(VERSION)_all.deb
 
 rpm: $(BUILD)/src
 	mkdir -p $(BUILD)/rpm/SOURCES dist
-	cp systemd/gpukill.sysusers $(BUILD)/rpm/SOURCES/gpukill.sysusers
+	cp systemd/gpukill.sysusers systemd/gpukill-exporter.sysusers $(BUILD)/rpm/SOURCES/
 	tar -czf $(BUILD)/rpm/SOURCES/gpukill-$(VERSION).tar.gz -C $(BUILD) --transform 's,^src,gpukill-$(VERSION),' src
 	rpmbuild -bb --nodeps --define "_topdir $(CURDIR)/$(BUILD)/rpm" --define "version $(VERSION)" packaging/rpm/gpukill.spec
-	cp $(BUILD)/rpm/RPMS/x86_64/gpukill-$(VERSION)-*.rpm dist/
-	rpm -qlp dist/gpukill-$(VERSION)-*.rpm
+	cp $(BUILD)/rpm/RPMS/x86_64/gpukill-*$(VERSION)-*.rpm $(BUILD)/rpm/RPMS/noarch/gpukill-*$(VERSION)-*.rpm dist/
+	rpm -qlp dist/gpukill-$(VERSION)-*.rpm dist/gpukill-serve-$(VERSION)-*.rpm dist/gpukill-exporter-$(VERSION)-*.rpm
 
-# Install the .deb into a debootstrapped bookworm booted under systemd-nspawn and check it there.
-test-package: venv deb
+# Install the .debs into a debootstrapped bookworm booted under systemd-nspawn and check them there; the .rpms
+# hold the same files, split the same way; the Kubernetes image built with buildah and run with podman.
+test-package: venv deb rpm
 	$(PY) -m pytest -q -rs -s tests/package
 
 clean:

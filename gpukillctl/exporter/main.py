@@ -39,7 +39,7 @@ from ..client.exits import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from ..http.listen import ServeError, port_number
 
 PROG = "gpukillctl exporter"
-INSTALL_HINT = "pip install 'gpukill[exporter]' (Debian: apt install python3-prometheus-client)"
+INSTALL_HINT = "pip install 'gpukill[exporter]', or the package gpukill-exporter"
 DEFAULT_PORT = 9835
 TEXTFILE_NAME = "gpukill.prom"
 SCRAPE_TIMEOUT = 10.0  # seconds: a reading that takes longer says the daemon is down rather than hang

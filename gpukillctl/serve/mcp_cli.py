@@ -14,7 +14,7 @@ from ..client.dbus import GpukillClient
 from ..client.exits import EXIT_FAILURE, EXIT_OK
 
 PROG = "gpukillctl mcp"
-INSTALL_HINT = "pip install 'gpukill[serve]'"
+INSTALL_HINT = "pip install 'gpukill[serve]', or the package gpukill-serve"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from ..web.session import Sessions
 
 PROG = "gpukillctl serve"
-INSTALL_HINT = "pip install 'gpukill[serve]'"
+INSTALL_HINT = "pip install 'gpukill[serve]', or the package gpukill-serve"
 SOCKET_NAME = "serve.sock"  # in $XDG_RUNTIME_DIR/gpukill/
 MIN_TOKEN_CHARS = 32  # a token file's secret: at least this long, so that it cannot be guessed either
 MAX_TOKEN_CHARS = 4096

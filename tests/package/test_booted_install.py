@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUKILL_NSPAWN_CACHE", "/var/cache/gpukill-test"))
 MIRROR = os.environ.get("GPUKILL_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 DEB = sorted((REPO / "dist").glob("gpukill_*_amd64.deb"))
+# The optional parts, built from the same source by `make deb`: the serve stack (bundled) and the exporter's unit
+SERVE_DEB = sorted((REPO / "dist").glob("gpukill-serve_*_amd64.deb"))
+EXPORTER_DEB = sorted((REPO / "dist").glob("gpukill-exporter_*_all.deb"))
 INCLUDE = "systemd,systemd-sysv,libpam-systemd,dbus,polkitd,python3"
 CLEAN_ENV = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND=noninteractive", "LANG=C.UTF-8"]
 
@@ -303,6 +306,205 @@ def test_bus_activation_starts_a_stopped_daemon(machine):
     assert machine.run("systemctl", "is-active", "gpukilld", check=False).stdout.strip() == "active"
 
 
+def apt_install(m: Machine, *what: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """apt-get install, with the package lists refreshed once if the cached ones are older than the archive."""
+    install = ("apt-get", "install", "-y", "-q", "--no-install-recommends", *what)
+    r = m.run(*install, check=False, timeout=timeout)
+    if r.returncode != 0:
+        m.run("apt-get", "update", "-qq", check=False, timeout=120)
+        r = m.run(*install, check=False, timeout=timeout)
+    return r
+
+
+def test_the_optional_parts_say_which_package_then_install(machine):
+    """Without gpukill-serve and gpukill-exporter, serve, mcp and exporter say in one line which package brings
+    them (from the main package alone they cannot run); then both packages install beside it."""
+    for argv, package in ((("serve",), "gpukill-serve"), (("mcp",), "gpukill-serve"),
+                          (("exporter",), "gpukill-exporter")):
+        r = machine.run("gpukillctl", *argv, user="alice", check=False, env=("XDG_RUNTIME_DIR=/tmp",))
+        assert r.returncode == 1 and f"the package {package}" in r.stderr and len(r.stderr.splitlines()) == 1, r
+    assert SERVE_DEB and EXPORTER_DEB, "make deb builds gpukill-serve and gpukill-exporter too"
+    t0 = time.monotonic()
+    for deb in (SERVE_DEB[-1], EXPORTER_DEB[-1]):
+        shutil.copy(deb, machine.root / "root" / deb.name)
+    r = apt_install(machine, f"/root/{SERVE_DEB[-1].name}", f"/root/{EXPORTER_DEB[-1].name}")
+    if r.returncode != 0 and "python3-prometheus-client" in r.stdout + r.stderr and "Unable to" in r.stderr:
+        pytest.fail(f"python3-prometheus-client cannot be installed (no Debian archive?): {r.stderr[-300:]}")
+    assert r.returncode == 0, r
+    timings["apt install serve, exporter"] = time.monotonic() - t0
+    # the bundled stack is gpukill-serve's alone: nothing of it in the main package's tree, which the daemon reads
+    owner = machine.run("dpkg", "-S", "/usr/lib/gpukill/vendor-serve/mcp/__init__.py").stdout
+    assert owner.startswith("gpukill-serve:"), owner
+    assert not (machine.root / "usr/lib/gpukill/vendor/mcp").exists()
+    # and it needs nothing of Debian's Python stack for it (bookworm's pydantic 1, starlette 0.26 ... are too old)
+    depends = machine.run("dpkg-query", "-W", "-f", "${Depends}", "gpukill-serve").stdout
+    bundled = ("pydantic", "starlette", "fastapi", "uvicorn", "anyio", "mcp", "jsonschema", "httpx", "jwt")
+    assert not [d for d in depends.split(", ") if any(name in d for name in bundled)], depends
+    # py3compile (the postinst) made the bytecode of the bundled tree: no compile at each start
+    assert list((machine.root / "usr/lib/gpukill/vendor-serve/pydantic").glob("__pycache__/*.pyc"))
+
+
+PROMETHEUS_CONFIG = """\
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: gpukill
+    static_configs:
+      - targets: ["127.0.0.1:9835"]
+"""
+
+# A query of the container's Prometheus on loopback, run there (its python3; the container has no curl).
+PROMQL = """\
+import json, sys, urllib.parse, urllib.request
+url = "http://127.0.0.1:9090/api/v1/query?query=" + urllib.parse.quote(sys.argv[1])
+print(json.dumps(json.load(urllib.request.urlopen(url, timeout=10))["data"]["result"]))
+"""
+
+
+def promql(m: Machine, query: str) -> list[dict]:
+    r = m.run("python3", "-c", PROMQL, query, check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else []
+
+
+def test_the_exporter_unit_is_scraped_by_prometheus(machine):
+    """gpukill-exporter's unit, enabled and started by its postinst, as its own account; a real Prometheus
+    (Debian's, in the container) scrapes it and has every simulated GPU, and a GPU process by its user."""
+    assert machine.run("systemctl", "is-enabled", "gpukill-exporter").stdout.strip() == "enabled"
+    assert wait_until(lambda: machine.run("systemctl", "is-active", "gpukill-exporter",
+                                          check=False).stdout.strip() == "active")
+    pid = pid_of(machine, "gpukill-exporter")
+    uid = machine.run("stat", "-c", "%u", f"/proc/{pid}").stdout.strip()
+    # its own system account, made by the postinst from sysusers.d (a DynamicUser= uid dbus-daemon refuses)
+    _, _, account, _, gecos, home, shell = machine.run("getent", "passwd", "gpukill-exporter").stdout.strip().split(":")
+    assert account == uid and 0 < int(uid) < 1000 and (home, shell) == ("/", "/usr/sbin/nologin"), (uid, gecos)
+    t0 = time.monotonic()
+    r = apt_install(machine, "prometheus")
+    if r.returncode != 0:
+        pytest.fail(f"cannot install Debian's prometheus in the container: {r.stderr.strip()[-300:]}")
+    (machine.root / "etc/prometheus/prometheus.yml").write_text(PROMETHEUS_CONFIG)
+    machine.run("systemctl", "restart", "prometheus")
+    timings["Prometheus install and start"] = time.monotonic() - t0
+    machine.run("systemd-run", "--uid=alice", "--unit=exported", "--setenv=GPUKILL_SIM_GPU=2",
+                "--setenv=GPUKILL_SIM_MEM=3GiB", "/bin/sleep", "600")
+    try:
+        up = 'up{job="gpukill"} == 1'
+        assert wait_until(lambda: promql(machine, up), timeout=90), (
+            promql(machine, 'up{job="gpukill"}'),
+            machine.run("journalctl", "-u", "prometheus", "-u", "gpukill-exporter", "--no-pager", "-n", "30").stdout)
+        # gpukill_up: the exporter reached gpukilld on the system bus
+        assert wait_until(lambda: promql(machine, 'gpukill_up{job="gpukill"} == 1'), timeout=30), (
+            promql(machine, 'gpukill_up'),
+            machine.run("journalctl", "-u", "gpukill-exporter", "-u", "dbus", "--no-pager", "-n", "30").stdout)
+        devices = promql(machine, 'count(gpukill_device_up{job="gpukill"} == 1)')
+        assert devices and devices[0]["value"][1] == "4", devices  # examples/simulate.yaml's four GPUs
+        by_user = 'gpukill_user_gpu_memory_bytes{job="gpukill", user="alice"}'
+        assert wait_until(lambda: any(float(s["value"][1]) >= 3 << 30 for s in promql(machine, by_user)),
+                          timeout=60), promql(machine, '{job="gpukill", user="alice"}')
+    finally:
+        machine.run("systemctl", "stop", "exported", check=False)
+
+
+# Run as the serve unit's user in the container: REST and the dashboard over the socket of `gpukillctl serve`
+# (stdlib only: http.client on an AF_UNIX socket), with and without the token the server made.
+SERVE_CLIENT = """\
+import http.client, json, os, socket, sys
+run = os.environ["XDG_RUNTIME_DIR"] + "/gpukill"
+token = open(run + "/serve.token").read().strip()
+
+class Unix(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(60)
+        self.sock.connect(run + "/serve.sock")
+
+def call(method, path, body=None, auth=True):
+    c = Unix("localhost")
+    headers = {"Authorization": "Bearer " + token} if auth else {}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    c.request(method, path, body=None if body is None else json.dumps(body), headers=headers)
+    r = c.getresponse()
+    return {"status": r.status, "type": r.getheader("content-type", ""), "body": r.read().decode()}
+
+out = {"anonymous": call("GET", "/v1/devices", auth=False), "devices": call("GET", "/v1/devices"),
+       "page": call("GET", "/"), "script": call("GET", "/static/app.js")}
+if len(sys.argv) > 1:
+    out["kill"] = call("POST", "/v1/kill", {"pid": int(sys.argv[1])})
+print(json.dumps(out))
+"""
+
+# The MCP SDK's own client (the one gpukill-serve bundles) driving `gpukillctl mcp` over stdio, as that user.
+MCP_CLIENT = """\
+import sys
+sys.path[:0] = ["/usr/lib/gpukill/vendor-serve"]
+import asyncio, json
+from mcp.client.client import Client
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+async def main():
+    params = StdioServerParameters(command="gpukillctl", args=["mcp"], cwd="/")
+    async with Client(stdio_client(params), read_timeout_seconds=60) as client:
+        tools = sorted(t.name for t in (await client.list_tools()).tools)
+        devices = await client.call_tool("list_devices", {})
+        processes = await client.call_tool("list_processes", {})
+        return {"tools": tools, "devices": devices.structured_content, "processes": processes.structured_content,
+                "error": devices.is_error or processes.is_error}
+
+print(json.dumps(asyncio.run(asyncio.wait_for(main(), 120))))
+"""
+
+
+@pytest.fixture(scope="module")
+def serving(machine):
+    """gpukill-serve.service enabled by alice in her user manager, which lingering keeps running without a login;
+    the environment her commands need to reach it."""
+    uid = int(machine.run("id", "-u", "alice").stdout)
+    runtime = f"/run/user/{uid}"
+    machine.run("loginctl", "enable-linger", "alice")
+    assert wait_until(lambda: machine.run("systemctl", "is-active", f"user@{uid}.service",
+                                          check=False).stdout.strip() == "active", timeout=60)
+    env = (f"XDG_RUNTIME_DIR={runtime}", f"DBUS_SESSION_BUS_ADDRESS=unix:path={runtime}/bus", "HOME=/home/alice")
+    machine.run("systemctl", "--user", "enable", "--now", "gpukill-serve.service", user="alice", env=env)
+    sock = f"{runtime}/gpukill/serve.sock"  # /run/user/UID is a tmpfs of the container's: looked at from inside
+    assert wait_until(lambda: machine.run("test", "-S", sock, check=False).returncode == 0, timeout=60), machine.run(
+        "journalctl", f"_UID={uid}", "--no-pager", "-n", "30").stdout
+    return uid, env
+
+
+def test_the_serve_user_unit_answers_rest_and_the_dashboard_and_kills(machine, serving):
+    """The REST API and the dashboard through the user unit's socket with its token (refused without), and a
+    kill through REST that the daemon's audit records as requested by that user."""
+    uid, env = serving
+    machine.run("systemd-run", "--uid=alice", "--unit=served-victim", "--setenv=GPUKILL_SIM_GPU=3",
+                "--setenv=GPUKILL_SIM_MEM=1GiB", "/bin/sleep", "600")
+    victim = pid_of(machine, "served-victim")
+    assert wait_until(lambda: str(victim) in machine.run("gpukillctl", "list", user="alice").stdout)
+    out = json.loads(machine.run("python3", "-c", SERVE_CLIENT, str(victim), user="alice", env=env).stdout)
+    assert out["anonymous"]["status"] == 401, out["anonymous"]
+    assert out["devices"]["status"] == 200 and len(json.loads(out["devices"]["body"])["devices"]) == 4, out["devices"]
+    assert out["page"]["status"] == 200 and out["page"]["type"].startswith("text/html"), out["page"]
+    assert "<title>gpukill</title>" in out["page"]["body"]
+    assert out["script"]["status"] == 200 and "javascript" in out["script"]["type"], out["script"]
+    assert out["kill"]["status"] == 200 and json.loads(out["kill"]["body"])["outcome"] == "terminated", out["kill"]
+    audit = machine.run("journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager",
+                        f"GPUKILL_TARGET_PID={victim}").stdout
+    assert f"PID {victim} (sleep, user alice) terminated; requested by uid {uid}" in audit, audit
+    # the server ran as alice, under her user manager (not root's, not a system unit)
+    main = int(machine.run("systemctl", "--user", "show", "-P", "MainPID", "gpukill-serve", user="alice",
+                           env=env).stdout)
+    assert machine.run("stat", "-c", "%u", f"/proc/{main}").stdout.strip() == str(uid)
+    said = machine.run("journalctl", f"_UID={uid}", "_SYSTEMD_USER_UNIT=gpukill-serve.service", "--no-pager").stdout
+    assert "gpukillctl serve: serving as alice" in said, said
+
+
+def test_mcp_over_stdio_driven_by_the_sdk_client(machine):
+    out = json.loads(machine.run("python3", "-c", MCP_CLIENT, user="alice", timeout=180).stdout)
+    assert not out["error"], out
+    assert {"list_devices", "kill_process", "list_processes"} <= set(out["tools"]), out["tools"]
+    assert len(out["devices"]["devices"]) == 4, out["devices"]
+
+
 SLURM_PACKAGES = ("slurm-wlm", "munge", "procps")
 
 
@@ -393,7 +595,7 @@ def test_slurm_epilog_cleans_up_a_leftover(machine, slurm):
 
 
 def test_purge_leaves_nothing_of_ours(machine):
-    machine.run("apt-get", "purge", "-y", "-q", "gpukill", timeout=300)
+    machine.run("apt-get", "purge", "-y", "-q", "gpukill", "gpukill-serve", "gpukill-exporter", timeout=300)
     ours = ["usr/lib/gpukill", "usr/sbin/gpukilld", "usr/bin/gpukillctl", "lib/systemd/system/gpukilld.service",
             "etc/systemd/system/dbus-org.gpukill1.service", "etc/systemd/system/multi-user.target.wants/gpukilld.service",
             "usr/share/dbus-1/system.d/org.gpukill1.conf", "usr/share/dbus-1/system-services/org.gpukill1.service",
@@ -403,10 +605,16 @@ def test_purge_leaves_nothing_of_ours(machine):
             "usr/share/bash-completion/completions/gpukillctl", "usr/share/doc/gpukill", "usr/bin/gpukill",
             "usr/lib/systemd/user/gpukill-notify.service", "etc/xdg/autostart/gpukill-notify.desktop",
             "etc/systemd/user/graphical-session.target.wants/gpukill-notify.service",
-            "usr/share/man/man5/gpukill-policy.5.gz"]
+            "usr/share/man/man5/gpukill-policy.5.gz",
+            # gpukill-serve and gpukill-exporter (the bytecode py3compile made is py3clean's to remove)
+            "usr/lib/gpukill/vendor-serve", "usr/lib/systemd/user/gpukill-serve.service",
+            "lib/systemd/system/gpukill-exporter.service", "usr/lib/sysusers.d/gpukill-exporter.conf",
+            "etc/systemd/system/multi-user.target.wants/gpukill-exporter.service",
+            "usr/share/doc/gpukill-serve", "usr/share/doc/gpukill-exporter"]
     left = [p for p in ours if (machine.root / p).exists() or (machine.root / p).is_symlink()]
     assert left == [], left
     # what is left under /etc/gpukill is what the admin wrote there (simulate.yaml above): policy keeps it
     assert sorted(p.name for p in (machine.root / "etc/gpukill").iterdir()) == ["simulate.yaml"]
-    assert machine.run("dpkg", "-l", "gpukill", check=False).returncode != 0 or \
-        "pn  gpukill" in machine.run("dpkg", "-l", "gpukill", check=False).stdout
+    for package in ("gpukill", "gpukill-serve", "gpukill-exporter"):
+        listed = machine.run("dpkg", "-l", package, check=False)
+        assert listed.returncode != 0 or f"pn  {package} " in listed.stdout, listed.stdout
