@@ -187,7 +187,8 @@ def rpm_compile_line() -> str:
 
 def test_the_packages_make_the_trees_bytecode_where_installed():
     rules = (REPO / "packaging" / "debian" / "rules").read_text()
-    assert f"dh_python3 {DEB_LIB}" in rules  # py3compile in postinst, py3clean in prerm
+    # py3compile in postinst, py3clean in prerm: the main package's tree, and gpukill-serve's bundled stack
+    assert f"dh_python3 -pgpukill {DEB_LIB}\n" in rules and f"dh_python3 -pgpukill-serve --no-guessing-deps {DEB_LIB}/vendor-serve" in rules
     assert "compileall" in rpm_compile_line()
     # and the .rpm takes it away on erase (it does not own those files)
     erase = scriptlet(SPEC.read_text(), "%preun")
