@@ -172,6 +172,23 @@ def _head(text: str) -> FdInfo:
     return info
 
 
+def _count(engines: dict[str, EngineCounters], what: int, name: str, value: int) -> None:
+    """One engine counter line into its engine's counters."""
+    engine = engines.get(name)
+    if engine is None:
+        engine = engines[name] = EngineCounters()
+    if what == _BUSY:
+        engine.busy_ns = value
+    elif what == _CAPACITY:
+        engine.capacity = value
+    elif what == _CYCLES:
+        engine.cycles = value
+    elif what == _TOTAL_CYCLES:
+        engine.total_cycles = value
+    else:
+        engine.maxfreq_hz = value
+
+
 def _tail_engines(text: str) -> dict[str, EngineCounters] | None:
     """The engines of lines that are all engine counters (or ignored); None if any is something else."""
     engines: dict[str, EngineCounters] = {}
@@ -185,19 +202,7 @@ def _tail_engines(text: str) -> dict[str, EngineCounters] | None:
             continue
         if what not in _ENGINE_KINDS:
             return None
-        engine = engines.get(name)
-        if engine is None:
-            engine = engines[name] = EngineCounters()
-        if what == _BUSY:
-            engine.busy_ns = value  # type: ignore[assignment]
-        elif what == _CAPACITY:
-            engine.capacity = value  # type: ignore[assignment]
-        elif what == _CYCLES:
-            engine.cycles = value  # type: ignore[assignment]
-        elif what == _TOTAL_CYCLES:
-            engine.total_cycles = value  # type: ignore[assignment]
-        else:
-            engine.maxfreq_hz = value  # type: ignore[assignment]
+        _count(engines, what, name, value)
     return engines
 
 
@@ -246,19 +251,7 @@ def _parse_all(text: str) -> FdInfo:
             else:
                 region.resident = value  # type: ignore[assignment]
         elif what >= _CAPACITY:  # an engine's counter
-            engine = engines.get(name)
-            if engine is None:
-                engine = engines[name] = EngineCounters()
-            if what == _BUSY:
-                engine.busy_ns = value  # type: ignore[assignment]
-            elif what == _CAPACITY:
-                engine.capacity = value  # type: ignore[assignment]
-            elif what == _CYCLES:
-                engine.cycles = value  # type: ignore[assignment]
-            elif what == _TOTAL_CYCLES:
-                engine.total_cycles = value  # type: ignore[assignment]
-            else:
-                engine.maxfreq_hz = value  # type: ignore[assignment]
+            _count(engines, what, name, value)
         elif what == _INO:
             info.ino = value  # type: ignore[assignment]
         elif what == _DRIVER:
