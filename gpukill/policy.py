@@ -95,8 +95,10 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = -273.15, 1000.0  # °C
 
 TOP_KEYS = ("rules", "sample_interval", "dry_run", "max_kills_per_cycle", "cooldown", "kill_grace", "notify",
             "exemptions")
+AT_START = "at_start"  # a warning when the grace period begins (with the violation)
+MAX_WARNINGS = 8  # warnings per rule: enough for any schedule, a bound on what one episode sends
 RULE_KEYS = ("name", "description", "conditions", "match", "scope", "action", "force", "grace_period",
-             "kill_grace", "notify", "exemptions", "cooldown", "max_resets_per_hour")
+             "kill_grace", "notify", "exemptions", "cooldown", "max_resets_per_hour", "warn")
 RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
 MIN_RESET_COOLDOWN, MAX_RESETS_PER_HOUR_LIMIT = 10.0, 60  # a reset takes seconds; a device reset every minute is plenty
 CONDITION_KEYS = ("type", "operator", "value", "duration", "scope", "description")
@@ -609,9 +611,13 @@ class _Parser:
         if "kill_grace" in fields:
             kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_GRACE)
         if action in ("notify", "log", RESET):
-            for key in ("grace_period", "kill_grace") if action == RESET else ("force", "grace_period", "kill_grace"):
+            for key in (("grace_period", "kill_grace", "warn") if action == RESET
+                        else ("force", "grace_period", "kill_grace", "warn")):
                 if key in fields:
                     self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
+        warn: tuple[float, ...] = ()
+        if "warn" in fields and action == "kill":
+            warn = self.warn_schedule(fields["warn"][1], grace, fields["warn"][0] if not grace else None)
         reset_cooldown, max_resets = RESET_COOLDOWN, MAX_RESETS_PER_HOUR
         if action != RESET:
             for key in RESET_KEYS:
@@ -698,7 +704,42 @@ class _Parser:
         return Rule(name=name, description=description, conditions=tuple(conditions), match=match, scope=scope,
                     action=action, force=force, grace_period=grace, kill_grace=kill_grace, notify=notify,
                     exemptions=exemptions, where=self.where(node), cooldown=reset_cooldown,
-                    max_resets_per_hour=max_resets)
+                    max_resets_per_hour=max_resets, warn=warn)
+
+    def warn_schedule(self, node: Node, grace: float, no_grace: Node | None) -> tuple[float, ...]:
+        """`warn: [at_start, 15m, 1m]`: when to warn during the grace period, each item `at_start` or a duration
+        before the grace ends; as seconds before the end, largest first (at_start: the grace period itself)."""
+        if no_grace is not None:
+            self.error(no_grace, "warn needs a grace_period: the warnings are sent during it")
+            return ()
+        items = node.value if isinstance(node, SequenceNode) else None
+        if not items:
+            self.error(node, "warn must be a list such as [at_start, 15m, 1m] (at_start, or a duration before the "
+                             f"grace period ends), not {'an empty list' if items == [] else _node_kind(node)}")
+            return ()
+        if len(items) > MAX_WARNINGS:
+            self.error(node, f"warn has more than {MAX_WARNINGS} warnings")
+            return ()
+        before = self.failures
+        offsets: list[float] = []
+        for item in items:
+            ok, raw = self.scalar(item)
+            if ok and raw == AT_START:
+                offset: float | None = grace
+            else:
+                offset = self.duration(item, "a warning", 0.0, MAX_DURATION)
+                if offset is not None and not 0 < offset < grace:
+                    self.error(item, f"a warning {format_duration(offset)} before the end must fall within the "
+                                     f"grace period ({format_duration(grace)}): more than 0s and less than it "
+                                     "(at_start warns when it begins)")
+                    offset = None
+            if offset is None:
+                continue
+            if offset in offsets:
+                self.error(item, "this warning is in the list twice")
+                continue
+            offsets.append(offset)
+        return tuple(sorted(offsets, reverse=True)) if self.failures == before else ()
 
     def scope(self, node: Node) -> str | None:
         s = self.string(node, "scope")

@@ -81,12 +81,15 @@ class Rule:
     # Action reset only: no second reset of the device within the cooldown after one, at most so many an hour.
     cooldown: float = RESET_COOLDOWN
     max_resets_per_hour: int = MAX_RESETS_PER_HOUR
+    # Action kill with a grace period only: when to warn, as seconds before the grace ends, largest first
+    # (`at_start` is the grace period itself). Empty: the violation's notice is the one warning, as before.
+    warn: tuple[float, ...] = ()
 
     @property
     def fingerprint(self) -> tuple:
         """What the rule does, without where it was written: an unchanged rule keeps its windows on reload."""
         return (self.name, self.match, self.scope, self.action, self.force, self.grace_period, self.kill_grace,
-                self.notify, self.exemptions, self.cooldown, self.max_resets_per_hour,
+                self.notify, self.exemptions, self.cooldown, self.max_resets_per_hour, self.warn,
                 tuple((c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total)
                       for c in self.conditions))
 

@@ -64,6 +64,8 @@ GUARD_DRY_RUN = EventKind("guard-dry-run", "10c71d16a90847f189d5d79d5ab7f684", s
 GUARD_POLICY = EventKind("guard-policy", "2a392ee210d443fcb4e17a08e3eb12ce", syslog.LOG_NOTICE)
 GUARD_NOTIFY_FAILED = EventKind("guard-notify-failed", "8cbf9129bbea4b40a09c797f2c2f3595", syslog.LOG_WARNING)
 GUARD_NOTICE = EventKind("guard-notice", "96738fcc40704013a2c74c51bcff18f8", syslog.LOG_WARNING)
+# A warning of a kill rule's `warn:` schedule sent to its notify targets (GPUKILL_REMAINING: seconds left).
+GUARD_WARNING = EventKind("guard-warning", "d5df35b8c04443b084bf229937149750", syslog.LOG_WARNING)
 # A managed user, group or GPU policy (a file in guard.d) set, removed or imported, or a change refused:
 # GPUKILL_OPERATION, GPUKILL_POLICY_KIND, GPUKILL_POLICY_TARGET, GPUKILL_FILE, GPUKILL_CALLER_UID.
 GUARD_MANAGED_POLICY = EventKind("guard-managed-policy", "783a2a0d13b04cf29e6839828e63aeca", syslog.LOG_NOTICE)

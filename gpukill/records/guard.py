@@ -35,7 +35,7 @@ class RecentEvent:
     rule: str = wire("s", "the rule's name", "")
     subject: str = wire("s", "the process, user or device concerned", "")
     uid: int | None = wire("u", "the user concerned, where one is", None)
-    event: str = wire("s", '"violation", "action" or "cancelled"', "")
+    event: str = wire("s", '"violation", "warning", "action" or "cancelled"', "")
     action: str = wire("s", "the rule's action", "")
     outcome: str = wire("s", "the kill's outcome or refusal, \"\" for a violation", "")
     pid: int | None = wire("u", "the process, where one is concerned", None)
@@ -62,6 +62,8 @@ class Grace:
     subject: str = wire("s", "the process, user or device")
     uid: int | None = wire("u", "the user concerned, where one is", None)
     remaining: float = wire("d", "seconds left", 0.0)
+    warnings_sent: int = wire("u", "warnings of the rule's warn schedule sent so far (at_start counts)", 0)
+    next_warning: float | None = wire("d", "seconds until the next scheduled warning; absent: none is left", None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -248,7 +248,11 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
     if st.graces:
         print("\nin a grace period:")
         for g in st.graces:
-            print(shown(f"  {g.rule}: {g.subject}: {_seconds(g.remaining)} left"))
+            warned = ""
+            if g.warnings_sent or g.next_warning is not None:
+                warned = f"; {g.warnings_sent} warning(s) sent" + (
+                    f", next in {_seconds(g.next_warning)}" if g.next_warning is not None else "")
+            print(shown(f"  {g.rule}: {g.subject}: {_seconds(g.remaining)} left{warned}"))
     if st.recent:
         print("\nrecent:")
         for r in st.recent[-10:]:

@@ -96,7 +96,7 @@ def save(engine: Engine, boot: str) -> dict[str, Any]:
             "windows": [[index, _key_out(key, st.rule.scope), since + offset]
                         for index, window in st.windows.items() for key, since in window.items()],
             "episodes": [[_key_out(key, st.rule.scope), ep.since + offset, ep.grace_until + offset, ep.label, ep.uid,
-                          ep.acted]
+                          ep.acted, ep.warned]
                          for key, ep in st.episodes.items()],
             "cooldown": [[_key_out(key, st.rule.scope), until + offset] for key, until in st.cooldown.items()],
             "dry_cooldown": [[_key_out(key, st.rule.scope), until + offset] for key, until in st.dry_cooldown.items()],
@@ -174,15 +174,19 @@ class _Reader:
             if key is not None and t is not None:
                 window[key] = t
                 self.restored += 1
-        for rkey, since, grace_until, label, uid, acted in self.entries(raw.get("episodes"), 6):
+        episodes = raw.get("episodes")
+        if isinstance(episodes, list):  # an older daemon's entries have no count of warnings sent: none were
+            episodes = [e + [0] if isinstance(e, list) and len(e) == 6 else e for e in episodes]
+        for rkey, since, grace_until, label, uid, acted, warned in self.entries(episodes, 7):
             key, t, until = self.key(rkey, scope), self.past(since), self.any_time(grace_until)
             if key is None or t is None or until is None:
                 continue
             if (not isinstance(label, str) or len(label) > MAX_LABEL or not isinstance(acted, bool)
-                    or not (uid is None or (_int(uid) and uid < 1 << 32))):
+                    or not (uid is None or (_int(uid) and uid < 1 << 32))
+                    or not (_int(warned) and warned <= len(st.rule.warn))):
                 self.bad += 1
                 continue
-            st.episodes[key] = Episode(t, until, label, uid, acted)
+            st.episodes[key] = Episode(t, until, label, uid, acted, warned)
             self.restored += 1
         for name in ("cooldown", "dry_cooldown"):
             cooldowns = getattr(st, name)

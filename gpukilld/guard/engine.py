@@ -96,6 +96,22 @@ class Violation:
 
 
 @dataclass(frozen=True, slots=True)
+class GraceWarning:
+    """A warning of the rule's `warn:` schedule is due: the subject is still violating, its kill `remaining`
+    seconds away (a kill rule with a grace period). The violation's own notice is the at_start warning."""
+
+    rule: Rule
+    subject: str
+    subject_key: Any
+    uid: int | None
+    targets: tuple[Target, ...]  # the processes that would be stopped now
+    remaining: float  # seconds until the grace ends
+    number: int  # the warnings of this episode so far, this one included (the at_start one counts)
+    reason: str
+    reason_for_others: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class GraceCancelled:
     rule: Rule
     subject: str
@@ -132,7 +148,7 @@ class ResetOrder:
     reason: str
 
 
-Event = Violation | GraceCancelled | KillOrder | ResetOrder
+Event = Violation | GraceWarning | GraceCancelled | KillOrder | ResetOrder
 
 
 @dataclass(slots=True)
@@ -173,6 +189,7 @@ class Episode:
     label: str
     uid: int | None
     acted: bool = False  # a kill (or a dry run's would-kill) was ordered in this episode
+    warned: int = 0  # the rule's warn schedule sent so far: its first `warned` items (at_start with the violation)
 
 
 @dataclass(slots=True)
@@ -347,6 +364,7 @@ class Engine:
             if ep is None:
                 grace = rule.grace_period if rule.action == "kill" else 0.0
                 ep = st.episodes[key] = Episode(now, now + grace, s.label, _uid_of(s))
+                ep.warned = 1 if rule.warn and rule.warn[0] >= grace else 0  # at_start: the violation's notice
                 self.clocks_changed = True
                 stats.triggers += 1
                 stats.last_triggered = wall
@@ -359,6 +377,8 @@ class Engine:
             if rule.action == RESET:
                 self._reset(st, s, now, dry_run, cycle, events)  # type: ignore[arg-type]  # per_device only
                 continue
+            if rule.action == "kill" and rule.warn and not ep.acted and now < ep.grace_until:
+                self._warn(st, s, ep, now, events)
             if rule.action != "kill" or now < ep.grace_until or st.in_flight.get(key):
                 continue
             cooldown = st.dry_cooldown if dry_run else st.cooldown  # dry run off: enforce at once
@@ -391,6 +411,21 @@ class Engine:
                 del cooldowns[key]
                 self.clocks_changed = True
         return kills_left
+
+    def _warn(self, st: RuleState, s: Subject, ep: Episode, now: float, events: list[Event]) -> None:
+        """The schedule's next warning, if due. Several due at once (a long evaluation interval, a restart)
+        make one warning: the owner needs to know how long is left, not to be told twice."""
+        schedule, due = st.rule.warn, ep.warned
+        while due < len(schedule) and now >= ep.grace_until - schedule[due]:
+            due += 1
+        if due == ep.warned:
+            return
+        ep.warned = due
+        self.clocks_changed = True
+        victims = st.compiled.victims(s, self._going, self._refused)
+        events.append(GraceWarning(st.rule, s.label, s.key, ep.uid, tuple(Target.of(p) for p in victims),
+                                   ep.grace_until - now, due, self._reason(st, s),
+                                   self._reason(st, s, for_others=True)))
 
     # -- resets ----------------------------------------------------------------------------------------
 
@@ -482,7 +517,10 @@ class Engine:
     def grace_report(self) -> list[dict[str, Any]]:
         """Subjects violating a kill rule and still inside its grace period."""
         now = self.clock.monotonic()
-        return [{"rule": st.rule.name, "subject": ep.label, "uid": ep.uid, "remaining": ep.grace_until - now}
+        return [{"rule": st.rule.name, "subject": ep.label, "uid": ep.uid, "remaining": ep.grace_until - now,
+                 "warnings_sent": ep.warned,
+                 "next_warning": (ep.grace_until - st.rule.warn[ep.warned] - now
+                                  if ep.warned < len(st.rule.warn) else None)}
                 for st in self.states if st.rule.action == "kill"
                 for ep in st.episodes.values() if not ep.acted and now < ep.grace_until]
 

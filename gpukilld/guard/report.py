@@ -21,7 +21,7 @@ from gpukill.rules import RESET, Rule
 from gpukill.units import format_duration, format_size
 
 from .. import journal as audit  # the event kinds (a local `journal` is an entry)
-from .engine import GraceCancelled, KillOrder, ResetOrder, Target, Violation
+from .engine import GraceCancelled, GraceWarning, KillOrder, ResetOrder, Target, Violation
 from .notify import Notice
 
 
@@ -58,7 +58,7 @@ class Entry:
     """One thing that happened, as the journal, the bus and the recent events each show it."""
 
     journal: AuditEntry
-    signal: Violated | ActionTaken
+    signal: Violated | ActionTaken | None  # None: no signal of its own (a warning: its notice is the message)
     recent: RecentEvent
 
 
@@ -115,7 +115,33 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
                      {"subject": ev.subject, "reason": ev.reason, "action": rule.action, "dry_run": dry_run,
                       "grace": rule.grace_period, "pids": [t.pid for t in ev.targets], "uid": ev.uid}, host, now,
                      ev.reason_for_others)
-    return Report((Entry(journal, Violated(ev, dry_run), recent),), notice)
+    # With a warn schedule the violation's notice is its at_start warning: sent only if the schedule says so.
+    warned_at_start = not rule.warn or rule.action != "kill" or rule.warn[0] >= rule.grace_period
+    return Report((Entry(journal, Violated(ev, dry_run), recent),), notice if warned_at_start else None)
+
+
+def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
+    """A warning of the rule's schedule: what will be stopped, when, why, and what the owner can do."""
+    rule = ev.rule
+    left = format_duration(max(1.0, round(ev.remaining)))
+    dry = " (dry run: nothing will be signalled)" if dry_run else ""
+    what = f"{_pids(ev.targets)} get SIGTERM in {left} unless it comes back under{dry}"
+    journal = AuditEntry(
+        audit.GUARD_WARNING, f"Guard rule {rule.name}: warning {ev.number} of {len(rule.warn)} to {ev.subject}: "
+                             f"{what} ({ev.reason})",
+        {"action": "guard", "result": "warning", "rule": rule.name, "subject": ev.subject, "reason": ev.reason,
+         "remaining": round(ev.remaining, 1), "warning": ev.number, "dry_run": int(dry_run),
+         "target_pids": ",".join(str(t.pid) for t in ev.targets) or None, "target_uid": ev.uid})
+    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "warning", "kill", "", None, dry_run)
+    notice = _notice(rule, "warning", f"{rule.name}: {ev.subject} will be stopped in {left}",
+                     [f"Host: {host}", f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
+                      f"Subject: {ev.subject}", f"Why: {ev.reason}", f"What happens: {what}",
+                      "What to do: end the process or bring it back under the rule before then; ask the "
+                      "administrators for an exemption if it must run"],
+                     {"subject": ev.subject, "reason": ev.reason, "action": "kill", "dry_run": dry_run,
+                      "remaining": ev.remaining, "warning": ev.number, "pids": [t.pid for t in ev.targets],
+                      "uid": ev.uid}, host, now, ev.reason_for_others)
+    return Report((Entry(journal, None, recent),), notice)
 
 
 def cancelled(ev: GraceCancelled, dry_run: bool, now: float) -> Report:

@@ -45,6 +45,7 @@ from .engine import (
     Engine,
     Event,
     GraceCancelled,
+    GraceWarning,
     KillOrder,
     Preview,
     ResetOrder,
@@ -310,6 +311,8 @@ class GuardRunner:
         host, now = self._host, self.clock.wall()
         if isinstance(event, Violation):
             self._publish(event.rule, report.violation(event, dry_run, host, now))
+        elif isinstance(event, GraceWarning):
+            self._publish(event.rule, report.warning(event, dry_run, host, now))
         elif isinstance(event, GraceCancelled):
             self._publish(event.rule, report.cancelled(event, dry_run, now))
         elif isinstance(event, ResetOrder):
@@ -373,7 +376,7 @@ class GuardRunner:
             signal = entry.signal
             if isinstance(signal, report.Violated):
                 self.signals.violated(signal.event, signal.dry_run)
-            else:
+            elif signal is not None:
                 self.signals.action_taken(signal.rule, signal.subject, signal.action, signal.pid, signal.start_time,
                                           signal.outcome, signal.dry_run)
             self.state.recent.append(to_plain(entry.recent))
