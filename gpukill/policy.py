@@ -51,8 +51,11 @@ from .regex import MAX_PATTERN, compile_regex
 from .rules import (
     ACTIONS,
     EMPTY_POLICY,
+    EVERY,
     MATCHES,
     MAX_RESETS_PER_HOUR,
+    MEAN,
+    OVERS,
     PER_DEVICE,
     PER_PROCESS,
     RESET,
@@ -96,12 +99,13 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = -273.15, 1000.0  # °C
 TOP_KEYS = ("rules", "sample_interval", "dry_run", "max_kills_per_cycle", "cooldown", "kill_grace", "notify",
             "exemptions")
 AT_START = "at_start"  # a warning when the grace period begins (with the violation)
+NUMERIC_KINDS = (PERCENT, CELSIUS, SIZE, DURATION, COUNT)  # what a mean can be taken of
 MAX_WARNINGS = 8  # warnings per rule: enough for any schedule, a bound on what one episode sends
 RULE_KEYS = ("name", "description", "conditions", "match", "scope", "action", "force", "grace_period",
              "kill_grace", "notify", "exemptions", "cooldown", "max_resets_per_hour", "warn")
 RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
 MIN_RESET_COOLDOWN, MAX_RESETS_PER_HOUR_LIMIT = 10.0, 60  # a reset takes seconds; a device reset every minute is plenty
-CONDITION_KEYS = ("type", "operator", "value", "duration", "scope", "description")
+CONDITION_KEYS = ("type", "operator", "value", "duration", "over", "scope", "description")
 EXEMPTION_KEYS = ("users", "groups", "units", "processes")
 
 # Python's `re`, on text whose length is bounded before matching (MAX_NAME, MAX_EMAIL, MAX_URL,
@@ -790,12 +794,24 @@ class _Parser:
                 self.error(fields["duration"][0], f"a duration on {type_name} is not supported in scope {scope}: "
                                                   "process conditions select processes there; put the duration "
                                                   "on a condition about the subject")
+        over = EVERY
+        if "over" in fields:
+            over = self.string(fields["over"][1], "over") or EVERY
+            if over not in OVERS:
+                self.error(fields["over"][1], f"over must be one of {', '.join(OVERS)}, not {_q(over)}")
+            elif over == MEAN and duration is None:
+                self.error(fields["over"][0], "over: mean needs a duration: the mean is taken over it")
+            elif over == MEAN and ctype.kind not in NUMERIC_KINDS:
+                self.error(fields["over"][0], f"over: mean needs a condition on a number, not {type_name}")
         if "description" in fields:
             self.string(fields["description"][1], "description", allow_empty=True, max_len=MAX_DESCRIPTION)
         if self.failures > before or role is None:
             return None
-        text = _cut(f"{type_name} {op} {shown}" + (f" for {format_duration(duration)}" if duration else ""))
-        return Condition(type_name, op, value, duration, percent, role, self.where(node), text)
+        text = f"{type_name} {op} {shown}"
+        if duration:
+            text += (f" on average over {format_duration(duration)}" if over == MEAN
+                     else f" for {format_duration(duration)}")
+        return Condition(type_name, op, value, duration, percent, role, self.where(node), _cut(text), over)
 
     def regex(self, node: Node, what: str) -> Any:
         """A compiled RE2 pattern (linear-time matching), or None with the error recorded."""

@@ -29,6 +29,8 @@ RESET = "reset"  # reset the device (scope per_device): its holders are killed f
 RESET_COOLDOWN = 600.0
 MAX_RESETS_PER_HOUR = 3
 MATCHES = ("all", "any")
+EVERY, MEAN = "every", "mean"  # how a condition's duration is judged (Condition.over)
+OVERS = (EVERY, MEAN)
 SUBJECT, SELECTOR = "subject", "selector"  # a condition's role in its rule's scope (see above)
 
 _RE2_PATTERN = type(compile_regex(""))
@@ -44,6 +46,9 @@ class Condition:
     role: str  # SUBJECT or SELECTOR in the rule's scope
     where: str  # FILE:LINE:COL
     text: str  # e.g. "gpu_utilization > 95 for 5m"
+    # How a duration is judged: "every" sample of it (the window restarts when one fails), or the "mean" of
+    # the samples over it (a keep-alive burst moves the mean a little and restarts nothing).
+    over: str = "every"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +95,7 @@ class Rule:
         """What the rule does, without where it was written: an unchanged rule keeps its windows on reload."""
         return (self.name, self.match, self.scope, self.action, self.force, self.grace_period, self.kill_grace,
                 self.notify, self.exemptions, self.cooldown, self.max_resets_per_hour, self.warn,
-                tuple((c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total)
+                tuple((c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total, c.over)
                       for c in self.conditions))
 
 

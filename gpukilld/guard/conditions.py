@@ -43,7 +43,17 @@ from gpukill.condition_types import (
     victim_order,
     view_of,
 )
-from gpukill.rules import PER_GROUP, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, Condition, Exemptions, Rule
+from gpukill.rules import (
+    MEAN,
+    PER_GROUP,
+    PER_PROCESS,
+    PER_USER,
+    SELECTOR,
+    SUBJECT,
+    Condition,
+    Exemptions,
+    Rule,
+)
 
 from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX
 from ..model import STATE_LOST, Device, Snapshot
@@ -393,7 +403,8 @@ class CompiledCondition:
     and remembered: names and command lines repeat every cycle, so a regular expression runs once per value.
     """
 
-    __slots__ = ("cond", "index", "attr", "decide", "test", "filter", "cheap", "ctype", "read", "_memo")
+    __slots__ = ("cond", "index", "attr", "decide", "test", "filter", "cheap", "ctype", "read", "_memo", "number",
+                 "holds_for")
 
     def __init__(self, cond: Condition, index: int, scope: str, groups: Groups) -> None:
         self.cond = cond
@@ -403,6 +414,10 @@ class CompiledCondition:
         self.ctype = ctype = CONDITION_TYPES[cond.type]
         view = view_of(scope, cond.role)
         self.read = get = ctype.reader(view, cond.percent_of_total)  # the value, for reasons
+        # For a condition on a number: the subject's value as compared (None: unknown), and whether a value
+        # (a window's mean, over: mean) satisfies the condition. None for the other kinds.
+        self.number: Callable[[Any], Any] | None = None
+        self.holds_for: Callable[[float], bool] | None = None
         op, value = cond.operator, cond.value
         listed = op in ("in", "not_in")
         if ctype.kind == USER:
@@ -442,6 +457,7 @@ class CompiledCondition:
                 complete = get
                 get = lambda s: None if s.partial else complete(s)  # noqa: E731 - replaces the getter above
             self.test = lambda s: (v := get(s)) is not None and compare(v, limit)
+            self.number, self.holds_for = get, lambda v: compare(v, limit)
             # attrgetter and operator.gt are C: no Python frame per subject in the comprehension
             self.filter = lambda items: [s for s in items if (v := get(s)) is not None and compare(v, limit)]
         self.cheap = self.decide is not None
@@ -616,9 +632,14 @@ class CompiledRule:
 
     def holds_now(self, subject: Subject) -> bool:
         """Whether the subject conditions hold at this instant, durations set aside (victim choice, preview)."""
+        # A mean over a window (over: mean) has no value at an instant: it counts as holding here, so victims
+        # are chosen by the other conditions (a user's processes largest first while those hold).
+        conditions = [c for c in self.conditions if c.cond.over != MEAN]
+        if not conditions:
+            return True
         if self.rule.match == "any":
-            return any(c.test(subject) for c in self.conditions)
-        return all(c.test(subject) for c in self.conditions)
+            return any(c.test(subject) for c in conditions)
+        return all(c.test(subject) for c in conditions)
 
     def victims(self, subject: Subject, going: Callable[[ProcView], bool],
                 refused: Callable[[ProcView], bool]) -> list[ProcView]:

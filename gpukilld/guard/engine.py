@@ -40,10 +40,11 @@ from typing import Any
 
 from gpukill.errors import Protected
 from gpukill.outcome import SIGNALLED, Outcome
-from gpukill.rules import EMPTY_POLICY, RESET, Policy, Rule
+from gpukill.rules import EMPTY_POLICY, MEAN, RESET, Policy, Rule
 
 from ..model import Snapshot
 from .conditions import (
+    CompiledCondition,
     CompiledRule,
     Cycle,
     DeviceView,
@@ -56,6 +57,7 @@ from .conditions import (
     boot_seconds,
     process_views,
 )
+from .window_mean import WindowMean
 
 PROTECTED = "protected (a system account or system unit): never touched"
 HOUR = 3600.0  # the window of a reset rule's max_resets_per_hour
@@ -202,6 +204,9 @@ class RuleState:
     cooldown: dict[Any, float] = field(default_factory=dict)  # key -> monotonic time it ends
     dry_cooldown: dict[Any, float] = field(default_factory=dict)  # the same after a dry run's would-kill
     in_flight: dict[Any, set[ProcKey]] = field(default_factory=dict)
+    # over: mean conditions: condition index -> key -> the mean of its window. Not saved across a restart: a
+    # restored window of such a condition starts again (a mean of samples the new daemon did not see is none).
+    means: dict[int, dict[Any, WindowMean]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,8 +323,12 @@ class Engine:
         held: list[set[Any]] = []
         for cc in c.timed:
             old = st.windows[cc.index]
-            true_now = cc.filter(cands)
-            window = {s.key: old.get(s.key, now) for s in true_now}  # a window starts, goes on, or is gone
+            if cc.cond.over == MEAN:
+                true_now = self._means(st, cc, cands, now)
+                window = {s.key: st.means[cc.index][s.key].since for s in true_now}
+            else:
+                true_now = cc.filter(cands)
+                window = {s.key: old.get(s.key, now) for s in true_now}  # a window starts, goes on, or is gone
             windows[cc.index] = window
             if window.keys() != old.keys():  # a window started or ended (the rest keep their start)
                 self.clocks_changed = True
@@ -334,16 +343,47 @@ class Engine:
         held_any = set().union(*held)
         return [s for s in cands if s.key in held_any or any(cc.test(s) for cc in c.instant)]
 
+    @staticmethod
+    def _means(st: RuleState, cc: CompiledCondition, cands: list[Subject], now: float) -> list[Subject]:
+        """over: mean. Each candidate's value goes into its window's mean; one that is not a candidate now, or
+        whose value is unknown, loses its window (unknown is never idle). The subjects whose mean satisfies
+        the condition; the engine then holds those whose window is as long as the duration."""
+        means = st.means.setdefault(cc.index, {})
+        span = cc.cond.duration or 0.0
+        kept: dict[Any, WindowMean] = {}
+        holding = []
+        for s in cands:
+            value = cc.number(s)  # type: ignore[misc]
+            if value is None:
+                continue
+            mean = means.get(s.key) or WindowMean(now, span)
+            mean.add(now, float(value))
+            kept[s.key] = mean
+            if cc.holds_for(mean.value()):  # type: ignore[misc]
+                holding.append(s)
+        st.means[cc.index] = kept
+        return holding
+
     def _reason(self, st: RuleState, s: Subject, for_others: bool = False) -> str:
         """Each condition that holds with the subject's value; for_others: as a caller who may not see all reads
         it about another user's subject (a withheld type named, not described)."""
         c = st.compiled
-        parts = [cc.ctype.describe_for_others(cc.cond, cc.read(s)) if for_others else cc.describe(s)
-                 for cc in c.conditions if cc.test(s)]
+        parts = [self._mean_reason(st, cc, s) if cc.cond.over == MEAN else
+                 cc.ctype.describe_for_others(cc.cond, cc.read(s)) if for_others else cc.describe(s)
+                 for cc in c.conditions if cc.cond.over == MEAN or cc.test(s)]
         if c.selectors:
             parts.append(f"counting {len(s.procs)} process(es) with "  # type: ignore[union-attr]
                          + " and ".join(cc.cond.text for cc in c.selectors))
         return "; ".join(parts)
+
+    @staticmethod
+    def _mean_reason(st: RuleState, cc: CompiledCondition, s: Subject) -> str:
+        """An over: mean condition with the mean of its window (the same for others: a mean of a value that
+        condition types withhold is not offered by any, as only numbers are averaged)."""
+        mean = st.means.get(cc.index, {}).get(s.key)
+        printer = cc.ctype.printer or (lambda v: f"{v:g}")
+        got = "no samples" if mean is None else f"mean {printer(mean.value())}"
+        return f"{cc.cond.text} ({got})"
 
     def _going(self, p: ProcView) -> bool:
         return p.key in self.busy
