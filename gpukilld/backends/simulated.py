@@ -1,7 +1,9 @@
 """Simulated GPUs for hosts without any: devices from a YAML file, processes that are real.
 
 A process is "on" simulated GPU N when its environment holds GPUKILL_SIM_GPU=N (or "0,2" for two);
-GPUKILL_SIM_MEM (bytes or 4GiB) and GPUKILL_SIM_UTIL (percent) give its usage. Because the processes
+GPUKILL_SIM_MEM (bytes or 4GiB) and GPUKILL_SIM_UTIL (percent) give its usage; GPUKILL_SIM_UTIL_CYCLE="100:1,0:9"
+makes its utilization a repeating pattern instead (100% for 1 s, then 0% for 9 s: a keep-alive kernel, as KeepGPU
+runs, for Guard's idle rules to be tried against). Because the processes
 are real, kill, users and cgroups are all real. The file is re-read when it changes, so tests and demos
 can lose a device or inject a fault while the daemon runs. A file with `scope: NAME` counts only processes that
 also carry GPUKILL_SIM_SCOPE=NAME, so several simulated hosts (test runs, a demo) can share one machine.
@@ -88,6 +90,17 @@ class SimUsage:
     gpus: tuple[int, ...]
     memory: int | None
     utilization: float | None
+    cycle: tuple[tuple[float, float], ...] = ()  # (percent, seconds) repeated: utilization by the clock
+
+    def utilization_now(self, now: float) -> float | None:
+        if not self.cycle:
+            return self.utilization
+        at = now % sum(seconds for _, seconds in self.cycle)
+        for percent, seconds in self.cycle:
+            if at < seconds:
+                return percent
+            at -= seconds
+        return self.cycle[-1][0]
 
 
 def _number(value: object, where: str, lo: float, hi: float) -> float:
@@ -193,7 +206,20 @@ def parse_usage(env: dict[str, str], scope: str | None = None) -> SimUsage | Non
             utilization = max(0.0, min(100.0, float(env["GPUKILL_SIM_UTIL"])))
         except ValueError:
             utilization = None
-    return SimUsage(gpus=gpus, memory=memory, utilization=utilization)
+    return SimUsage(gpus=gpus, memory=memory, utilization=utilization, cycle=_cycle(env.get("GPUKILL_SIM_UTIL_CYCLE")))
+
+
+def _cycle(spec: str | None) -> tuple[tuple[float, float], ...]:
+    """GPUKILL_SIM_UTIL_CYCLE: PERCENT:SECONDS pairs, comma-separated (at most 16); () when absent or malformed."""
+    if not spec:
+        return ()
+    try:
+        steps = tuple((float(p), float(s)) for p, s in (step.split(":") for step in spec.split(",")[:16]))
+    except ValueError:
+        return ()
+    if not all(0 <= p <= 100 and 0 < s <= 86400 for p, s in steps):
+        return ()
+    return steps
 
 
 class SimulatedBackend(Backend):
@@ -354,7 +380,9 @@ class SimulatedBackend(Backend):
         config = self._config
         usage = self._scan_usage()
         last = self._last_sample
-        if last is not None and last[0] is config and last[1] is usage:
+        now = time.monotonic()
+        cycling = any(u.cycle for _, u in usage.values())
+        if last is not None and last[0] is config and last[1] is usage and not cycling:
             # Nothing changed: the same records, so the sampler can tell at once (and reuse what it built).
             return BackendSample(devices=list(last[2].devices), processes=list(last[2].processes))
         per_device: dict[int, list[ProcessUsage]] = {i: [] for i in range(len(config.devices))}
@@ -362,7 +390,7 @@ class SimulatedBackend(Backend):
             for gpu in u.gpus:
                 if gpu in per_device and config.devices[gpu].state != STATE_LOST:  # in error: still answering
                     per_device[gpu].append(
-                        ProcessUsage(pid, start_time, config.devices[gpu].uuid, u.memory, u.utilization)
+                        ProcessUsage(pid, start_time, config.devices[gpu].uuid, u.memory, u.utilization_now(now))
                     )
         sample = BackendSample()
         for i, dev in enumerate(config.devices):

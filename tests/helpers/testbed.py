@@ -518,10 +518,10 @@ class Testbed:
 
     def victim(self, user: User, gpu: int | str = 0, mem: str | None = None, util: float | None = None,
                comm: str | None = None, ignore_term: bool = False, padding: int = 0,
-               lifetime: float = 3600) -> subprocess.Popen:
+               lifetime: float = 3600, env: dict[str, str] | None = None) -> subprocess.Popen:
         """A real process "on" a simulated GPU, owned by `user`, that exits by itself after `lifetime` seconds;
-        returns once it is set up."""
-        env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": self.scope}
+        returns once it is set up. env: more of its environment (GPUKILL_SIM_UTIL_CYCLE, ...)."""
+        env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": self.scope, **(env or {})}
         if mem is not None:
             env["GPUKILL_SIM_MEM"] = mem
         if util is not None:
