@@ -963,8 +963,8 @@ class _Parser:
 
 
 def notify_target_problem(target: str) -> str | None:
-    """None when target is an e-mail address, webhook:URL, desktop or journal; else why not."""
-    if target in ("desktop", "journal"):
+    """None when target is an e-mail address, webhook:URL, owner, desktop or journal; else why not."""
+    if target in ("desktop", "journal", "owner"):
         return None
     if target.startswith("webhook:"):
         url = target[len("webhook:"):]
@@ -977,7 +977,8 @@ def notify_target_problem(target: str) -> str | None:
         return f"e-mail address {_q(target, 80)} is longer than {MAX_EMAIL} characters"
     if len(target) <= MAX_EMAIL and _EMAIL.match(target):
         return None
-    return f"not a notify target: {_q(target, 80)} (an e-mail address, webhook:URL, desktop or journal)"
+    return (f"not a notify target: {_q(target, 80)} (an e-mail address, webhook:URL, owner, desktop or "
+            "journal)")
 
 
 def _regex_hint(pattern: str, reason: str) -> str:

@@ -35,6 +35,9 @@
     smtp_port = 25
     from = gpukilld@HOSTNAME
     timeout = 10                     # seconds per delivery attempt (SMTP or webhook); 3 attempts
+    owner_mail =                     # notify target `owner`: its mail address, {user} (or {uid}) filled in:
+                                     # {user}@example.org, or {user} for the relay's local delivery; empty: no mail
+    owner_mesg = respect             # ignore: warn on the owner's terminals even where they said `mesg n`
 
     [usage]                          # GPU usage accounting (gpukillctl usage)
     enabled = yes                    # no: nothing is accounted, GetUsage answers NotSupported
@@ -88,6 +91,8 @@ class Config:
     smtp_port: int = 25
     mail_from: str = ""  # "": gpukilld@HOSTNAME
     notify_timeout: float = 10.0
+    owner_mail: str = ""  # [notify] owner_mail: "{user}@example.org"; "": the owner target sends no mail
+    owner_mesg: bool = True  # [notify] owner_mesg = respect | ignore: a terminal's mesg n
     sys_uid_max: int = SYS_UID_MAX  # the last system account's uid, from login.defs (read by load_config)
     guard_protect_system_users: bool = True
     guard_protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
@@ -103,7 +108,7 @@ class Config:
 
 _KNOWN = {"daemon": {"sample_interval", "simulate", "backends"}, "paths": {"proc", "sys", "debugfs"},
           "guard": {"policy_dir", "state_dir", "protect_system_users", "protected_units"},
-          "notify": {"smtp_host", "smtp_port", "from", "timeout"},
+          "notify": {"smtp_host", "smtp_port", "from", "timeout", "owner_mail", "owner_mesg"},
           "audit": set(audit_settings.KEYS), "usage": {"enabled", "keep_days"}}
 MAX_KEEP_DAYS = 36500  # a century: past it, a typo
 
@@ -210,6 +215,15 @@ def load_config(path: str, required: bool = False) -> Config:
         values["smtp_host"] = parser["notify"]["smtp_host"].strip() or "localhost"
     if parser.has_option("notify", "from"):
         values["mail_from"] = parser["notify"]["from"].strip()
+    if parser.has_option("notify", "owner_mail"):
+        values["owner_mail"] = _owner_mail(parser["notify"]["owner_mail"].strip(),
+                                           f"{path}:{_line_of(path, 'notify', 'owner_mail') or '?'}")
+    if parser.has_option("notify", "owner_mesg"):
+        word = parser["notify"]["owner_mesg"].strip()
+        if word not in ("respect", "ignore"):
+            where = f"{path}:{_line_of(path, 'notify', 'owner_mesg') or '?'}"
+            raise ConfigError(f"{where}: owner_mesg is respect or ignore, not {word[:40]!r}")
+        values["owner_mesg"] = word == "respect"
     for key, field, kind, low, high in (("smtp_port", "smtp_port", int, 1, 65535),
                                         ("timeout", "notify_timeout", float, 0.1, 300.0)):
         if parser.has_option("notify", key):
@@ -222,6 +236,20 @@ def load_config(path: str, required: bool = False) -> Config:
                 raise ConfigError(f"{where}: {key} must be between {low} and {high:g}")
             values[field] = number
     return Config(**values)  # type: ignore[arg-type]
+
+
+def _owner_mail(template: str, where: str) -> str:
+    """A template of one address with {user} (and {uid}) in it, e.g. {user}@example.org, or {user} for local
+    delivery by the relay."""
+    if not template:
+        return ""
+    rest = template.replace("{user}", "").replace("{uid}", "")
+    if "{user}" not in template and "{uid}" not in template:
+        raise ConfigError(f"{where}: owner_mail must name the user: {{user}}@DOMAIN (or {{uid}})")
+    if not re.fullmatch(r"[A-Za-z0-9._%+-]*(@[A-Za-z0-9.-]+)?", rest) or len(template) > 254:
+        raise ConfigError(f"{where}: owner_mail is one address made of {{user}} or {{uid}}, letters, digits, "
+                          f"'._%+-' and @DOMAIN, not {template[:80]!r}")
+    return template
 
 
 def _protection(parser: configparser.ConfigParser, path: str) -> dict[str, object]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import pwd
 import queue
+import re
 import smtplib
 import socket
 import threading
@@ -26,6 +28,7 @@ from email.utils import formatdate, make_msgid
 from typing import Any
 
 from gpukill.text import shown
+from gpukilld.guard import owner_tty
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,24 @@ class NotifyConfig:
     retries: int = RETRIES
     backoff: float = BACKOFF
     queue_size: int = QUEUE_SIZE
+    owner_mail: str = ""  # gpukilld.conf [notify] owner_mail: "{user}@example.org"; "": no mail to owners
+    owner_mesg: bool = True  # respect a terminal's mesg n
+    utmp: str = owner_tty.UTMP
+
+
+_ADDRESS = re.compile(r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9.-]{1,190}|[A-Za-z0-9._-]{1,64}")
+OWNER = "owner"
+
+
+def owner_address(template: str, uid: int) -> str | None:
+    """The owner's address from the template ({user}, {uid}); None when it is not a plain address. A user name is
+    bounded by the system, yet checked here too: it must not add a second recipient or a header."""
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+    address = template.replace("{user}", user).replace("{uid}", str(uid))
+    return address if _ADDRESS.fullmatch(address) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,13 +148,22 @@ def _one_line(e: BaseException) -> str:
 
 class Notifier:
     def __init__(self, config: NotifyConfig, on_failure: Callable[[str, Notice, str], None],
-                 journal: Callable[[Notice], None], desktop: Callable[[Notice], None]) -> None:
+                 journal: Callable[[Notice], None], desktop: Callable[[Notice], None],
+                 warned: Callable[[str, str, Notice, str, str], None] | None = None) -> None:
+        """warned(channel, target, notice, outcome, detail): each delivery to an owner, for the audit trail;
+        called from the channel threads."""
         self.config = config
+        self._warned = warned or (lambda *_: None)
         self._journal = journal
         self._desktop = desktop
         self._stop = threading.Event()
         self.mail = _Channel("e-mail", self._send_mail, config, on_failure, self._stop)
         self.webhook = _Channel("webhook", self._post, config, on_failure, self._stop)
+        owner_failed = lambda target, notice, error: self._warned("mail", target, notice, "failed", error)  # noqa: E731
+        self.owner_mail = _Channel("owner-mail", self._send_owner_mail, config, owner_failed, self._stop)
+        tty_config = NotifyConfig(retries=1, queue_size=config.queue_size)  # a terminal is written once or not
+        self.tty = _Channel("tty", self._write_ttys, tty_config, lambda t, n, e: self._warned("tty", t, n, "failed", e),
+                            self._stop)
 
     def send(self, targets: tuple[str, ...], notice: Notice) -> None:
         """Hand a notice to each target; returns at once."""
@@ -143,6 +173,8 @@ class Notifier:
                 self._journal(notice)
             elif target == "desktop":
                 self._desktop(notice)
+            elif target == OWNER:
+                self._to_owner(notice)
             elif target.startswith("webhook:"):
                 self.webhook.put(target[len("webhook:"):], notice)
             else:
@@ -150,12 +182,30 @@ class Notifier:
         if addresses:  # one message to all the rule's addresses, as a relay would fan it out
             self.mail.put(tuple(addresses), notice)
 
+    def _to_owner(self, notice: Notice) -> None:
+        """The subject's owner on each channel they have: terminals, mail by the template, the desktop."""
+        uid = notice.data.get("uid")
+        if not isinstance(uid, int) or isinstance(uid, bool) or uid < 0:
+            self._warned("owner", "", notice, "skipped", "the subject has no single owner")
+            return
+        self.tty.put(uid, notice)
+        if self.config.owner_mail:
+            address = owner_address(self.config.owner_mail, uid)
+            if address is None:
+                self._warned("mail", f"uid {uid}", notice, "skipped",
+                             "owner_mail does not give a plain address for this user")
+            else:
+                self.owner_mail.put(address, notice)
+        self._desktop(notice)
+        self._warned("desktop", f"uid {uid}", notice, "signalled", "")
+
     def stats(self) -> dict[str, ChannelStats]:
-        return {"email": self.mail.stats, "webhook": self.webhook.stats}
+        return {"email": self.mail.stats, "webhook": self.webhook.stats, "owner-mail": self.owner_mail.stats,
+                "tty": self.tty.stats}
 
     def wait_idle(self, timeout: float) -> bool:
-        """For tests and shutdown: True once both queues are drained."""
-        return self.mail.idle.wait(timeout) and self.webhook.idle.wait(timeout)
+        """For tests and shutdown: True once every queue is drained."""
+        return all(c.idle.wait(timeout) for c in (self.mail, self.webhook, self.owner_mail, self.tty))
 
     def close(self) -> None:
         self._stop.set()
@@ -177,6 +227,21 @@ class Notifier:
         msg.set_content("\n".join(shown(line) for line in notice.body.split("\n")))
         with smtplib.SMTP(c.smtp_host, c.smtp_port, timeout=c.timeout) as smtp:
             smtp.send_message(msg)
+
+    def _send_owner_mail(self, address: str, notice: Notice) -> None:
+        self._send_mail((address,), notice)
+        self._warned("mail", address, notice, "delivered", "")
+
+    def _write_ttys(self, uid: int, notice: Notice) -> None:
+        # The bell and the leading newline are ours, as write(1) rings; every line of the notice is escaped.
+        text = "\a\n" + "\n".join(shown(line) for line in
+                                    [f"Message from gpukilld@{socket.gethostname()}: {notice.summary}",
+                                     *notice.body.split("\n")])
+        deliveries = owner_tty.warn_user(uid, text, self.config.owner_mesg, self.config.utmp)
+        if not deliveries:
+            self._warned("tty", f"uid {uid}", notice, "skipped", "no login session with a terminal")
+        for d in deliveries:
+            self._warned("tty", d.tty, notice, d.outcome, d.detail)
 
     def _post(self, url: str, notice: Notice) -> None:
         # JSON keeps every value exact; the human summary is escaped as everywhere text is shown to people.

@@ -65,7 +65,8 @@ ResetPath = Callable[..., Awaitable[Any]]  # Actions.reset(caller, device, force
 
 def notify_config(config: Config) -> NotifyConfig:
     return NotifyConfig(smtp_host=config.smtp_host, smtp_port=config.smtp_port, mail_from=config.mail_from,
-                        timeout=config.notify_timeout)
+                        timeout=config.notify_timeout, owner_mail=config.owner_mail,
+                        owner_mesg=config.owner_mesg)
 
 
 def protection_of(config: Config) -> Protection:
@@ -106,7 +107,8 @@ class GuardRunner:
         self.clock = clock or Clock()
         self.engine = Engine(clock=self.clock, own_pid=own_pid, protection=protection)
         self.state = GuardState()
-        self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice)
+        self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice,
+                                 self._owner_warned)
         self.signals: GuardSignals = signals if signals is not None else _NoSignals()
         self.started = False
         self.policy_error = ""  # why the last attempt to read the policy files failed ("" when it did not)
@@ -402,6 +404,13 @@ class GuardRunner:
         if isinstance(notice, report.GuardNotice):
             notice = dataclasses.replace(notice, body=notice.body_for_others)
         self.signals.notification(notice, notice.data.get("uid"))
+
+    def _owner_warned(self, channel: str, target: str, notice: Notice, outcome: str, detail: str) -> None:
+        """From a channel thread: each delivery to the subject's owner, whatever became of it."""
+        self.audit.log(journal.GUARD_WARNING, f"Guard warning for rule {notice.rule} to the owner by {channel} "
+                                              f"({target or 'nobody'}): {outcome}" + (f", {detail}" if detail else ""),
+                       action="guard", result="owner-warned", rule=notice.rule, subject=notice.subject,
+                       channel=channel, target=target or None, outcome=outcome, error=detail or None)
 
     def _delivery_failed(self, target: str, notice: Notice, error: str) -> None:
         """From a channel thread: the audit trail is thread-safe."""

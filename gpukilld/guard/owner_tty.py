@@ -1,0 +1,92 @@
+"""A warning to the owner's terminals, as write(1) would put it, without ever waiting on a terminal.
+
+The sessions come from utmp (USER_PROCESS records; logind's ListSessions is not read yet: utmp is what every
+SSH and console login writes). Each tty is checked before a byte goes to it: a character device under /dev/pts
+or /dev/tty*, owned by the owner's uid (never another user's terminal, whatever utmp claims: utmp is a file a
+confused or hostile login program could fill), its group-write bit set (`mesg y`) unless the policy ignores mesg.
+It is opened O_WRONLY|O_NOCTTY|O_NONBLOCK and gets one bounded write: what does not fit in the tty's buffer now
+is dropped (EAGAIN), so a full or hung terminal costs nothing. This runs in the notifier's tty channel thread,
+never on the daemon's main loop.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import struct
+from dataclasses import dataclass
+
+UTMP = "/run/utmp"
+# glibc's struct utmp on x86_64 and aarch64 (384 bytes): type, pid, line, id, user, host, exit, session, tv, addr.
+_UTMP = struct.Struct("=h2xi32s4s32s256shhi2i4i20s")
+USER_PROCESS = 7
+MAX_RECORDS = 4096  # a bigger utmp is not a login table: read no further
+MAX_MESSAGE = 2048  # bytes per terminal: a few lines, well under a pty's buffer
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    tty: str  # /dev/pts/N
+    outcome: str  # written, partial, skipped, failed
+    detail: str = ""
+
+
+def user_ttys(uid: int, utmp: str = UTMP) -> tuple[str, ...]:
+    """The /dev paths of uid's login sessions in utmp, each at most once; the owner check is done on writing."""
+    try:
+        with open(utmp, "rb") as f:
+            data = f.read(_UTMP.size * MAX_RECORDS)
+    except OSError:
+        return ()
+    seen: dict[str, None] = {}
+    for offset in range(0, len(data) - _UTMP.size + 1, _UTMP.size):
+        fields = _UTMP.unpack_from(data, offset)
+        if fields[0] != USER_PROCESS:
+            continue
+        line = fields[2].split(b"\0", 1)[0].decode("ascii", "replace")
+        if not line or "/" in line.removeprefix("pts/") or ".." in line:
+            continue  # a line naming anything but /dev/ttyX or /dev/pts/N
+        seen[f"/dev/{line}"] = None
+    return tuple(seen)
+
+
+def _refusal(st: os.stat_result, path: str, uid: int, respect_mesg: bool) -> str:
+    if not stat.S_ISCHR(st.st_mode):
+        return f"{path} is not a character device"
+    if not (path.startswith("/dev/pts/") or path.startswith("/dev/tty")):
+        return f"{path} is not a terminal"
+    if st.st_uid != uid:
+        return f"{path} belongs to uid {st.st_uid}, not {uid}"
+    if respect_mesg and not st.st_mode & stat.S_IWGRP:
+        return f"{path} has mesg n"
+    return ""
+
+
+def write_tty(path: str, uid: int, text: str, respect_mesg: bool = True) -> Delivery:
+    """One non-blocking write of text (already escaped by the caller) to path, if it is uid's terminal."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return Delivery(path, "failed", os.strerror(e.errno or 0))
+    try:
+        why = _refusal(os.fstat(fd), path, uid, respect_mesg)  # fstat: the file opened, not a renamed one
+        if why:
+            return Delivery(path, "skipped", why)
+        data = text.replace("\n", "\r\n").encode("utf-8", "replace")[:MAX_MESSAGE]
+        try:
+            n = os.write(fd, data)
+        except BlockingIOError:
+            return Delivery(path, "failed", "the terminal's buffer is full; message dropped")
+        except OSError as e:
+            if e.errno in (errno.EIO, errno.ENXIO):
+                return Delivery(path, "failed", "the terminal is hung up")
+            return Delivery(path, "failed", os.strerror(e.errno or 0))
+        return Delivery(path, "written" if n == len(data) else "partial",
+                        "" if n == len(data) else f"{n} of {len(data)} bytes fitted; the rest dropped")
+    finally:
+        os.close(fd)
+
+
+def warn_user(uid: int, text: str, respect_mesg: bool = True, utmp: str = UTMP) -> tuple[Delivery, ...]:
+    return tuple(write_tty(tty, uid, text, respect_mesg) for tty in user_ttys(uid, utmp))

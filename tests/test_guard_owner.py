@@ -1,0 +1,226 @@
+"""The notify target `owner` (issue 27): the subject's owner warned on their terminals (real ptys owned by the test
+users, named in a utmp file of glibc's format), by mail at the address gpukilld.conf's owner_mail template gives
+(aiosmtpd), and on the desktop; each delivery reported for the audit. A terminal nobody reads never holds send()
+or the channel; another user's terminal gets nothing; mesg n is respected."""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("aiosmtpd.controller", reason="aiosmtpd is in the test extra (pip install -e .[test])")
+
+from helpers.sinks import smtp_relay  # noqa: E402
+
+from gpukill.policy import load_texts  # noqa: E402
+from gpukilld.config import ConfigError, load_config  # noqa: E402
+from gpukilld.guard.notify import Notice, Notifier, NotifyConfig, owner_address  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chowns ptys to the test users: needs root")
+
+UTMP = struct.Struct("=h2xi32s4s32s256shhi2i4i20s")
+
+
+def notice(uid: int, name: str = "note\x1b]0;pwned\x07book") -> Notice:
+    return Notice("warning", "reclaim-idle", f"PID 4242 ({name})", f"reclaim-idle: PID 4242 ({name}) will be stopped "
+                  "in 5m", f"Rule: reclaim-idle\nProcess: 4242 ({name}) on GPU 0, 4.0 GiB\nWhat to do: release the "
+                  "GPU or ask the admin\n", {"uid": uid, "pids": [4242]})
+
+
+class Pty:
+    """A login session: a real pty, its slave owned by the user as login(1) leaves it (group tty)."""
+
+    def __init__(self, user, mesg: bool = True) -> None:
+        self.master, self.slave = os.openpty()
+        self.path = os.ttyname(self.slave)
+        os.chown(self.path, user.uid, 5)
+        os.chmod(self.path, 0o620 if mesg else 0o600)
+        os.set_blocking(self.master, False)
+        self.user = user
+
+    def record(self) -> bytes:
+        line = self.path.removeprefix("/dev/").encode()
+        return UTMP.pack(7, os.getpid(), line, line[-4:], self.user.name.encode(), b"ssh.example", 0, 0, 0,
+                         int(time.time()), 0, 0, 0, 0, 0, b"")
+
+    def read(self) -> bytes:
+        out = b""
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except BlockingIOError:
+                return out
+            if not chunk:
+                return out
+            out += chunk
+
+    def close(self) -> None:
+        os.close(self.master)
+        os.close(self.slave)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.warned: list[tuple[str, str, str, str]] = []
+        self.desktop: list[Notice] = []
+        self.cond = threading.Condition()
+
+    def on_warned(self, channel: str, target: str, n: Notice, outcome: str, detail: str) -> None:
+        with self.cond:
+            self.warned.append((channel, target, outcome, detail))
+            self.cond.notify_all()
+
+    def wait(self, count: int, timeout: float = 5.0) -> list[tuple[str, str, str, str]]:
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.warned) >= count, timeout)
+            return list(self.warned)
+
+
+@pytest.fixture
+def ptys(users, tmp_path):
+    made: list[Pty] = []
+
+    def make(user, mesg: bool = True) -> Pty:
+        made.append(Pty(user, mesg))
+        (tmp_path / "utmp").write_bytes(b"".join(p.record() for p in made))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def notifier(rec: Recorder, tmp_path, **kw) -> Notifier:
+    config = NotifyConfig(utmp=str(tmp_path / "utmp"), smtp_host="127.0.0.1", **kw)
+    return Notifier(config, lambda *a: None, lambda n: None, rec.desktop.append, rec.on_warned)
+
+
+def test_the_owner_reads_the_warning_escaped_and_another_users_terminal_gets_nothing(users, ptys, tmp_path):
+    mine, theirs = ptys(users["owner"]), ptys(users["other"])
+    rec = Recorder()
+    n = notifier(rec, tmp_path)
+    try:
+        n.send(("owner",), notice(users["owner"].uid))
+        assert n.wait_idle(5)
+        got = rec.wait(2)
+        text = mine.read()
+        assert b"Message from gpukilld@" in text and b"will be stopped in 5m" in text and b"What to do" in text
+        assert b"\x1b" not in text and b"note\\x1b]0;pwned\\x07book" in text  # the name's escape sequence, shown
+        assert theirs.read() == b""
+        assert ("tty", mine.path, "written", "") in got and ("desktop", f"uid {users['owner'].uid}", "signalled",
+                                                              "") in got
+        assert len(rec.desktop) == 1
+    finally:
+        n.close()
+
+
+def test_a_terminal_claimed_by_utmp_for_the_owner_but_owned_by_another_uid_is_refused(users, ptys, tmp_path):
+    forged = ptys(users["owner"])
+    os.chown(forged.path, users["other"].uid, 5)  # utmp says owner; the tty says other: the tty wins
+    rec = Recorder()
+    n = notifier(rec, tmp_path)
+    try:
+        n.send(("owner",), notice(users["owner"].uid))
+        (tty,) = [w for w in rec.wait(2) if w[0] == "tty"]
+        assert tty[2] == "skipped" and f"belongs to uid {users['other'].uid}" in tty[3]
+        assert forged.read() == b""
+    finally:
+        n.close()
+
+
+def test_mesg_n_is_respected_unless_the_config_ignores_it(users, ptys, tmp_path):
+    quiet = ptys(users["owner"], mesg=False)
+    rec = Recorder()
+    n = notifier(rec, tmp_path)
+    try:
+        n.send(("owner",), notice(users["owner"].uid))
+        (tty,) = [w for w in rec.wait(2) if w[0] == "tty"]
+        assert tty[2] == "skipped" and "mesg n" in tty[3] and quiet.read() == b""
+    finally:
+        n.close()
+    rec = Recorder()
+    n = notifier(rec, tmp_path, owner_mesg=False)
+    try:
+        n.send(("owner",), notice(users["owner"].uid))
+        assert n.wait_idle(5) and b"will be stopped" in quiet.read()
+    finally:
+        n.close()
+
+
+def test_a_full_terminal_nobody_reads_delays_neither_send_nor_the_next_warning(users, ptys, tmp_path):
+    full = ptys(users["owner"])
+    os.set_blocking(full.slave, False)
+    refused_since = None  # the kernel moves written bytes on to the master asynchronously: fill until it stays full
+    while refused_since is None or time.monotonic() - refused_since < 0.5:
+        try:
+            os.write(full.slave, b"x" * 4096)
+            refused_since = None
+        except BlockingIOError:
+            refused_since = refused_since or time.monotonic()
+            time.sleep(0.01)
+    rec = Recorder()
+    n = notifier(rec, tmp_path)
+    try:
+        started = time.monotonic()
+        for _ in range(3):
+            n.send(("owner",), notice(users["owner"].uid))
+        assert time.monotonic() - started < 0.1
+        assert n.wait_idle(5)
+        ttys = [w for w in rec.wait(6) if w[0] == "tty"]
+        assert len(ttys) == 3 and all(w[2] == "failed" and "full" in w[3] for w in ttys), ttys
+        assert time.monotonic() - started < 2
+    finally:
+        n.close()
+
+
+def test_the_owner_mail_goes_to_the_address_the_template_gives(users, ptys, tmp_path):
+    with smtp_relay() as (box, port):
+        rec = Recorder()
+        n = notifier(rec, tmp_path, smtp_port=port, owner_mail="{user}@example.org")
+        try:
+            n.send(("owner",), notice(users["owner"].uid))
+            assert box.wait(1), rec.wait(3)
+            _from, rcpts, content = box.messages[0]
+            assert rcpts == [f"{users['owner'].name}@example.org"] and b"What to do: release the GPU" in content
+            assert ("mail", f"{users['owner'].name}@example.org", "delivered", "") in rec.wait(3)
+        finally:
+            n.close()
+
+
+def test_owner_address_is_checked_after_the_template():
+    assert owner_address("{user}@example.org", 0) == "root@example.org"
+    assert owner_address("{uid}", 0) == "0"
+    assert owner_address("{user}@example.org", 2**31 - 2) is None  # no such user: no mail
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("owner_mail = admin@example.org", "must name the user"),
+    ("owner_mail = {user}@example.org, boss@example.org", "one address"),
+    ("owner_mail = {user}@exa\\mple.org", "one address"),
+    ("owner_mesg = sometimes", "respect or ignore"),
+])
+def test_a_bad_owner_mail_template_is_refused_at_its_line(tmp_path, line, says):
+    conf = tmp_path / "gpukilld.conf"
+    conf.write_text(f"[notify]\nsmtp_host = localhost\n{line}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(conf))
+    assert f"{conf}:3:" in str(e.value) and says in str(e.value), str(e.value)
+
+
+def test_owner_mail_and_mesg_reach_the_notifier(tmp_path):
+    from gpukilld.guard.runner import notify_config
+
+    conf = tmp_path / "gpukilld.conf"
+    conf.write_text("[notify]\nowner_mail = {user}@example.org\nowner_mesg = ignore\n")
+    config = notify_config(load_config(str(conf)))
+    assert config.owner_mail == "{user}@example.org" and config.owner_mesg is False
+
+
+def test_owner_is_a_notify_target_of_a_policy():
+    p = load_texts([("o.yaml", "rules:\n  - name: r\n    conditions:\n      - {type: gpu_utilization, operator: '<', "
+                                "value: 5}\n    action: notify\n    notify: [owner, journal]\n")])
+    assert p.rules[0].notify == ("owner", "journal")
