@@ -97,6 +97,11 @@ def test_idle_holders_and_keep_alives_are_warned_then_killed_and_workers_and_exe
                    if f"PID {proc.pid} " in e.get("GPUKILL_SUBJECT", "")]
         # at_start (the violation's notice), the two warnings, then what the kill did
         assert [n["GPUKILL_RESULT"] for n in notices] == ["violation", "warning", "warning", "action"]
+        # the owner target: each notice to the owner's desktop, and the terminals looked for, audited
+        owner = [e for e in bed.journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_RESULT="owner-warned")
+                 if e.get("GPUKILL_SUBJECT", "").startswith(f"PID {proc.pid} ")]
+        assert sum(e["GPUKILL_CHANNEL"] == "desktop" for e in owner) == 4, owner
+        assert any(e["GPUKILL_CHANNEL"] == "tty" for e in owner), owner
     for proc in [trainer] + ([exempt] if exempt is not None else []):
         assert not warnings_of(bed, proc.pid)
     if exempt is None:
