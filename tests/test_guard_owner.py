@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
 import threading
 import time
 
@@ -95,6 +96,7 @@ def ptys(users, tmp_path):
 
 
 def notifier(rec: Recorder, tmp_path, **kw) -> Notifier:
+    kw.setdefault("logind_bus", None)  # utmp's path; test_the_terminals_of_logind_sessions asks a logind
     config = NotifyConfig(utmp=str(tmp_path / "utmp"), smtp_host="127.0.0.1", **kw)
     return Notifier(config, lambda *a: None, lambda n: None, rec.desktop.append, rec.on_warned)
 
@@ -224,3 +226,77 @@ def test_owner_is_a_notify_target_of_a_policy():
     p = load_texts([("o.yaml", "rules:\n  - name: r\n    conditions:\n      - {type: gpu_utilization, operator: '<', "
                                 "value: 5}\n    action: notify\n    notify: [owner, journal]\n")])
     assert p.rules[0].notify == ("owner", "journal")
+
+
+LOGIND_BUS = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig><type>session</type><listen>unix:path={socket}</listen><auth>EXTERNAL</auth>
+  <policy context="default"><allow user="*"/><allow send_destination="*" eavesdrop="true"/><allow eavesdrop="true"/>
+    <allow own="*"/></policy>
+</busconfig>
+"""
+
+
+@pytest.fixture
+def logind(tmp_path):
+    """python-dbusmock's logind template on a private bus: the address, and add(uid, name, tty) for a session."""
+    from helpers.desktop_session import dbusmock_missing
+    from helpers.testbed import SYSTEM_PYTHON, _kill_group
+    from helpers.waiting import wait_until
+    from jeepney import DBusAddress, Properties, new_method_call
+    from jeepney.io.blocking import open_dbus_connection
+
+    if why := dbusmock_missing():
+        pytest.skip(why)
+    socket_path = tmp_path / "logind-bus"
+    (tmp_path / "logind.conf").write_text(LOGIND_BUS.format(socket=socket_path))
+    address = f"unix:path={socket_path}"
+    bus = subprocess.Popen(["dbus-daemon", f"--config-file={tmp_path / 'logind.conf'}", "--nofork", "--nopidfile"],
+                           start_new_session=True)
+    mock = None
+    try:
+        wait_until(socket_path.exists, 10, "the bus did not create its socket")
+        mock = subprocess.Popen([SYSTEM_PYTHON, "-m", "dbusmock", "--template", "logind"], start_new_session=True,
+                                env={"PATH": "/usr/bin:/bin", "DBUS_SYSTEM_BUS_ADDRESS": address},  # a system template
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        conn = open_dbus_connection(bus=address)
+        manager = DBusAddress("/org/freedesktop/login1", "org.freedesktop.login1", "org.freedesktop.DBus.Mock")
+        wait_until(lambda: conn.send_and_get_reply(new_method_call(
+            DBusAddress("/org/freedesktop/DBus", "org.freedesktop.DBus", "org.freedesktop.DBus"), "NameHasOwner", "s",
+            ("org.freedesktop.login1",))).body[0], 15, "the logind mock did not take its name")
+        count = iter(range(1, 100))
+
+        def add(uid: int, name: str, tty: str) -> None:
+            path = conn.send_and_get_reply(new_method_call(manager, "AddSession", "ssusb",
+                                                           (f"c{next(count)}", "seat0", uid, name, True))).body[0]
+            session = DBusAddress(path, "org.freedesktop.login1", "org.freedesktop.login1.Session")
+            conn.send_and_get_reply(Properties(session).set("TTY", "s", tty))
+
+        yield address, add
+        conn.close()
+    finally:
+        for p in (mock, bus):
+            if p is not None:
+                _kill_group(p)
+
+
+def test_the_terminals_of_logind_sessions_are_found_there_and_checked_as_utmps(users, ptys, tmp_path, logind):
+    address, add = logind
+    owner, other = users["owner"], users["other"]
+    mine, theirs = ptys(owner), ptys(other)
+    (tmp_path / "utmp").write_bytes(b"")  # nothing in utmp: what reaches the terminal came through logind
+    add(owner.uid, owner.name, mine.path.removeprefix("/dev/"))  # pts/N, as logind has it
+    add(other.uid, other.name, theirs.path.removeprefix("/dev/"))
+    add(owner.uid, owner.name, theirs.path)  # a session of the owner's naming the other user's terminal
+    rec = Recorder()
+    n = notifier(rec, tmp_path, logind_bus=address)
+    try:
+        n.send(("owner",), notice(owner.uid))
+        assert n.wait_idle(5)
+        got = rec.wait(3)
+        assert b"will be stopped in 5m" in mine.read()
+        assert theirs.read() == b""
+        assert ("tty", mine.path, "written", "") in got
+        assert ("tty", theirs.path, "skipped", f"{theirs.path} belongs to uid {other.uid}, not {owner.uid}") in got
+    finally:
+        n.close()

@@ -49,6 +49,7 @@ class NotifyConfig:
     owner_mail: str = ""  # gpukilld.conf [notify] owner_mail: "{user}@example.org"; "": no mail to owners
     owner_mesg: bool = True  # respect a terminal's mesg n
     utmp: str = owner_tty.UTMP
+    logind_bus: str | None = "SYSTEM"  # where logind answers (a jeepney bus name or address); None: utmp only
 
 
 _ADDRESS = re.compile(r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9.-]{1,190}|[A-Za-z0-9._-]{1,64}")
@@ -237,7 +238,7 @@ class Notifier:
         text = "\a\n" + "\n".join(shown(line) for line in
                                     [f"Message from gpukilld@{socket.gethostname()}: {notice.summary}",
                                      *notice.body.split("\n")])
-        deliveries = owner_tty.warn_user(uid, text, self.config.owner_mesg, self.config.utmp)
+        deliveries = owner_tty.warn_user(uid, text, self.config.owner_mesg, self.config.utmp, self.config.logind_bus)
         if not deliveries:
             self._warned("tty", f"uid {uid}", notice, "skipped", "no login session with a terminal")
         for d in deliveries:

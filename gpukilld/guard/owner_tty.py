@@ -1,7 +1,8 @@
 """A warning to the owner's terminals, as write(1) would put it, without ever waiting on a terminal.
 
-The sessions come from utmp (USER_PROCESS records; logind's ListSessions is not read yet: utmp is what every
-SSH and console login writes). Each tty is checked before a byte goes to it: a character device under /dev/pts
+The sessions come from logind (ListSessions, each of the owner's sessions' TTY property) where it answers on the
+system bus, else from utmp (USER_PROCESS records, what SSH and console logins write where logind is absent:
+containers, minimal hosts). Each tty is checked before a byte goes to it: a character device under /dev/pts
 or /dev/tty*, owned by the owner's uid (never another user's terminal, whatever utmp claims: utmp is a file a
 confused or hostile login program could fill), its group-write bit set (`mesg y`) unless the policy ignores mesg.
 It is opened O_WRONLY|O_NOCTTY|O_NONBLOCK and gets one bounded write: what does not fit in the tty's buffer now
@@ -32,6 +33,49 @@ class Delivery:
     detail: str = ""
 
 
+LOGIND = "org.freedesktop.login1"
+LOGIND_TIMEOUT = 2.0  # seconds per call: logind answers in milliseconds; one that does not is skipped for utmp
+MAX_SESSIONS = 4096
+
+
+def _tty_path(line: str) -> str | None:
+    """/dev/LINE for a tty name as utmp or logind gives it (pts/3, tty2, /dev/pts/3); None for anything else."""
+    line = line.removeprefix("/dev/")
+    if not line or "/" in line.removeprefix("pts/") or ".." in line:
+        return None
+    return f"/dev/{line}"
+
+
+def logind_ttys(uid: int, bus: str = "SYSTEM") -> tuple[str, ...] | None:
+    """The terminals of uid's logind sessions; None when logind does not answer (then utmp is read)."""
+    from jeepney import DBusAddress, MessageType, Properties, new_method_call
+    from jeepney.io.blocking import open_dbus_connection
+
+    try:
+        conn = open_dbus_connection(bus=bus)
+    except (OSError, ValueError, KeyError):
+        return None
+    try:
+        manager = DBusAddress("/org/freedesktop/login1", LOGIND, f"{LOGIND}.Manager")
+        reply = conn.send_and_get_reply(new_method_call(manager, "ListSessions"), timeout=LOGIND_TIMEOUT)
+        if reply.header.message_type != MessageType.method_return:
+            return None
+        found: dict[str, None] = {}
+        for _sid, session_uid, _user, _seat, path in reply.body[0][:MAX_SESSIONS]:
+            if session_uid != uid:
+                continue
+            session = DBusAddress(path, LOGIND, f"{LOGIND}.Session")
+            got = conn.send_and_get_reply(Properties(session).get("TTY"), timeout=LOGIND_TIMEOUT)
+            answered = got.header.message_type == MessageType.method_return and got.body[0][0] == "s"
+            if answered and (tty := _tty_path(got.body[0][1])):
+                found[tty] = None
+        return tuple(found)
+    except (OSError, TimeoutError, ValueError, IndexError, TypeError):
+        return None
+    finally:
+        conn.close()
+
+
 def user_ttys(uid: int, utmp: str = UTMP) -> tuple[str, ...]:
     """The /dev paths of uid's login sessions in utmp, each at most once; the owner check is done on writing."""
     try:
@@ -44,10 +88,9 @@ def user_ttys(uid: int, utmp: str = UTMP) -> tuple[str, ...]:
         fields = _UTMP.unpack_from(data, offset)
         if fields[0] != USER_PROCESS:
             continue
-        line = fields[2].split(b"\0", 1)[0].decode("ascii", "replace")
-        if not line or "/" in line.removeprefix("pts/") or ".." in line:
-            continue  # a line naming anything but /dev/ttyX or /dev/pts/N
-        seen[f"/dev/{line}"] = None
+        tty = _tty_path(fields[2].split(b"\0", 1)[0].decode("ascii", "replace"))
+        if tty is not None:  # a line naming anything but /dev/ttyX or /dev/pts/N is skipped
+            seen[tty] = None
     return tuple(seen)
 
 
@@ -88,5 +131,10 @@ def write_tty(path: str, uid: int, text: str, respect_mesg: bool = True) -> Deli
         os.close(fd)
 
 
-def warn_user(uid: int, text: str, respect_mesg: bool = True, utmp: str = UTMP) -> tuple[Delivery, ...]:
-    return tuple(write_tty(tty, uid, text, respect_mesg) for tty in user_ttys(uid, utmp))
+def warn_user(uid: int, text: str, respect_mesg: bool = True, utmp: str = UTMP,
+              logind_bus: str | None = "SYSTEM") -> tuple[Delivery, ...]:
+    """logind_bus: where to ask logind (None: never; utmp only)."""
+    ttys = logind_ttys(uid, logind_bus) if logind_bus is not None else None
+    if ttys is None:
+        ttys = user_ttys(uid, utmp)
+    return tuple(write_tty(tty, uid, text, respect_mesg) for tty in ttys)
