@@ -300,3 +300,51 @@ def test_the_terminals_of_logind_sessions_are_found_there_and_checked_as_utmps(u
         assert ("tty", theirs.path, "skipped", f"{theirs.path} belongs to uid {other.uid}, not {owner.uid}") in got
     finally:
         n.close()
+# -- in the daemon: the owner's pty named in a utmp bind-mounted over /run/utmp, in the daemon's own mount namespace
+
+OWNER_RULE = ("rules:\n  - name: idle-owner\n    action: kill\n    grace_period: 2s\n    warn: [at_start, 1s]\n"
+              "    notify: [owner]\n    conditions:\n"
+              "      - {type: gpu_memory, operator: '>', value: 1GiB}\n"
+              "      - {type: gpu_utilization, operator: '<', value: 5, duration: 1s, over: mean}\n")
+
+
+def test_in_the_daemon_the_owner_is_warned_on_a_full_terminal_and_still_killed_at_the_end_of_the_grace(
+        fresh_bed, users, ptys, tmp_path):
+    from gpukilld import journal as audit
+
+    bed = fresh_bed
+    mine, theirs, full = ptys(users["owner"]), ptys(users["other"]), ptys(users["owner"])
+    os.set_blocking(full.slave, False)
+    refused_since = None
+    while refused_since is None or time.monotonic() - refused_since < 0.5:  # a terminal nobody reads
+        try:
+            os.write(full.slave, b"x" * 4096)
+            refused_since = None
+        except BlockingIOError:
+            refused_since = refused_since or time.monotonic()
+            time.sleep(0.01)
+    enter = bed.in_journal_ns
+    bed.in_journal_ns = lambda argv: enter([  # type: ignore[method-assign]
+        "unshare", "-m", "--propagation", "private", "sh", "-c",
+        '[ -e /run/utmp ] || : > /run/utmp; mount --bind "$0" /run/utmp && exec "$@"', str(tmp_path / "utmp"),
+        *argv])
+    (bed.workdir / "guard.d").mkdir(exist_ok=True)
+    (bed.workdir / "guard.d" / "10-idle.yaml").write_text(OWNER_RULE)
+    bed.start_daemon(args=["--sample-interval", "0.2"])
+    t0 = time.monotonic()
+    victim = bed.victim(users["owner"], gpu=0, util=0, mem="4GiB", comm="note\x1b]0;x")
+    deadline = time.monotonic() + 20
+    while victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t_exit = time.monotonic()
+    assert victim.returncode is not None and victim.returncode < 0, "not killed"
+    assert t_exit - t0 <= 1 + 2 + 3, t_exit - t0  # duration + grace + slack: the full terminal cost nothing
+    entries = bed.wait_journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty",
+                               GPUKILL_TARGET=full.path)
+    assert entries and all(e["GPUKILL_OUTCOME"] == "failed" for e in entries), entries
+    written = bed.journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty",
+                          GPUKILL_TARGET=mine.path)
+    assert written and written[0]["GPUKILL_OUTCOME"] == "written"
+    text = mine.read()
+    assert b"idle-owner" in text and b"\x1b" not in text and b"note\\x1b]0;x" in text
+    assert theirs.read() == b""

@@ -70,7 +70,7 @@ class Grace:
 class NotificationCounters:
     """One notification channel's counters (GetStatus notifications, keyed by channel)."""
 
-    channel: str = wire("s", "email or webhook (the key of notifications)")
+    channel: str = wire("s", "email, webhook, owner-mail or tty (the key of notifications)")
     queued: int = wire("t", "notices queued", 0)
     delivered: int = wire("t", "notices delivered", 0)
     failed: int = wire("t", "notices that could not be delivered", 0)
