@@ -348,3 +348,13 @@ def test_in_the_daemon_the_owner_is_warned_on_a_full_terminal_and_still_killed_a
     text = mine.read()
     assert b"idle-owner" in text and b"\x1b" not in text and b"note\\x1b]0;x" in text
     assert theirs.read() == b""
+
+
+def test_only_terminal_lines_of_utmp_are_ever_opened(users, tmp_path):
+    from gpukilld.guard.owner_tty import user_ttys
+
+    records = b"".join(UTMP.pack(7, 1, line, b"x", b"gpkowner", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0, b"")
+                       for line in (b"watchdog", b"../sda", b":0", b"pts/../../sda", b"tty", b"pts/3", b"tty1"))
+    (tmp_path / "utmp").write_bytes(records + UTMP.pack(8, 1, b"pts/4", b"x", b"", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                          b""))  # DEAD_PROCESS: a session that ended
+    assert user_ttys(users["owner"].uid, str(tmp_path / "utmp")) == ("/dev/pts/3", "/dev/tty1")

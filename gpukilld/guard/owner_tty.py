@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ _UTMP = struct.Struct("=h2xi32s4s32s256shhi2i4i20s")
 USER_PROCESS = 7
 MAX_RECORDS = 4096  # a bigger utmp is not a login table: read no further
 MAX_MESSAGE = 2048  # bytes per terminal: a few lines, well under a pty's buffer
+# A utmp line names a terminal only as pts/N or ttyX: nothing else under /dev is ever opened (opening
+# /dev/watchdog or a disk for writing has effects of its own, whatever is written after).
+_LINE = re.compile(r"pts/[0-9]{1,9}|tty[A-Za-z0-9]{1,12}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +45,7 @@ MAX_SESSIONS = 4096
 def _tty_path(line: str) -> str | None:
     """/dev/LINE for a tty name as utmp or logind gives it (pts/3, tty2, /dev/pts/3); None for anything else."""
     line = line.removeprefix("/dev/")
-    if not line or "/" in line.removeprefix("pts/") or ".." in line:
-        return None
-    return f"/dev/{line}"
+    return f"/dev/{line}" if _LINE.fullmatch(line) else None  # not an X display (:0), a pseudo-line, a disk
 
 
 def logind_ttys(uid: int, bus: str = "SYSTEM") -> tuple[str, ...] | None:
@@ -109,7 +111,11 @@ def _refusal(st: os.stat_result, path: str, uid: int, respect_mesg: bool) -> str
 def write_tty(path: str, uid: int, text: str, respect_mesg: bool = True) -> Delivery:
     """One non-blocking write of text (already escaped by the caller) to path, if it is uid's terminal."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # Checked before opening too: even an open of another user's terminal is not ours to make.
+        why = _refusal(os.lstat(path), path, uid, respect_mesg)
+        if why:
+            return Delivery(path, "skipped", why)
+        fd = os.open(path, os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         return Delivery(path, "failed", os.strerror(e.errno or 0))
     try:
