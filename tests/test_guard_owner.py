@@ -116,6 +116,8 @@ def test_the_owner_reads_the_warning_escaped_and_another_users_terminal_gets_not
         assert ("tty", mine.path, "written", "") in got and ("desktop", f"uid {users['owner'].uid}", "signalled",
                                                               "") in got
         assert len(rec.desktop) == 1
+        n.send(("owner", "desktop"), notice(users["owner"].uid))
+        assert n.wait_idle(5) and len(rec.desktop) == 2  # one signal for both targets
     finally:
         n.close()
 

@@ -175,7 +175,7 @@ class Notifier:
             elif target == "desktop":
                 self._desktop(notice)
             elif target == OWNER:
-                self._to_owner(notice)
+                self._to_owner(notice, desktop="desktop" not in targets)  # one Notification signal, not two
             elif target.startswith("webhook:"):
                 self.webhook.put(target[len("webhook:"):], notice)
             else:
@@ -183,7 +183,7 @@ class Notifier:
         if addresses:  # one message to all the rule's addresses, as a relay would fan it out
             self.mail.put(tuple(addresses), notice)
 
-    def _to_owner(self, notice: Notice) -> None:
+    def _to_owner(self, notice: Notice, desktop: bool = True) -> None:
         """The subject's owner on each channel they have: terminals, mail by the template, the desktop."""
         uid = notice.data.get("uid")
         if not isinstance(uid, int) or isinstance(uid, bool) or uid < 0:
@@ -197,7 +197,8 @@ class Notifier:
                              "owner_mail does not give a plain address for this user")
             else:
                 self.owner_mail.put(address, notice)
-        self._desktop(notice)
+        if desktop:
+            self._desktop(notice)
         self._warned("desktop", f"uid {uid}", notice, "signalled", "")
 
     def stats(self) -> dict[str, ChannelStats]:
