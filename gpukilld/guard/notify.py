@@ -4,7 +4,9 @@ send() never blocks: e-mail and webhook deliveries go into bounded queues, each 
 with a timeout per attempt and a few retries, so a slow or dead SMTP relay never delays a kill (nor holds up
 webhooks). A full queue drops the new notice and counts it; a notice that still fails after its retries is
 reported through on_failure (the audit trail). `journal` and `desktop` are handled at once by the caller's
-callbacks: a journal entry and the Notification D-Bus signal.
+callbacks: a journal entry and the Notification D-Bus signal. `owner` fans out to the subject's owner: their
+terminals (owner_tty, in a channel thread of its own, one attempt, never blocking), their mail at owner_mail's
+address (a queue of its own) and the desktop signal; each outcome goes to `warned` for the audit trail.
 
 The threads are daemon threads: gpukilld's exit never waits for a relay that does not answer.
 """
