@@ -16,7 +16,7 @@ import pytest
 from helpers.cgroups import SLEEPER, Cgroups, start_in, systemd_roots, why_no_cgroups
 from helpers.marks import needs_root
 from helpers.procs import pid_alive
-from helpers.testbed import REPO, Testbed
+from helpers.testbed import REPO, ROOT, Testbed
 from helpers.waiting import wait_until
 
 from gpukill.policy import load_paths
@@ -77,6 +77,19 @@ def test_idle_holders_and_keep_alives_are_warned_then_killed_and_workers_and_exe
                                         "GPUKILL_SIM_UTIL": "0", "GPUKILL_SIM_SCOPE": bed.scope}, SLEEPER)
         bed.procs.append(exempt)
 
+    def in_grace() -> list[dict]:
+        r = bed.guard_call(ROOT, "GetStatus")
+        return [g for g in r.body[0]["graces"] if g["subject"].startswith(f"PID {idle.pid} ")] if r.ok else []
+
+    grace = wait_until(lambda: [g for g in in_grace() if g["warnings_sent"] >= 2], WINDOW + GRACE + 10,
+                       "the idle process was never seen in its grace with its warnings")
+    assert grace[0]["remaining"] <= 2.2
+    if grace[0]["warnings_sent"] == 2:  # the 1 s warning still to come (absent once it is sent)
+        assert grace[0]["next_warning"] == pytest.approx(grace[0]["remaining"] - 1.0, abs=0.05)
+    else:
+        assert grace[0]["warnings_sent"] == 3 and "next_warning" not in grace[0]
+    shown = bed.ctl(ROOT, "guard", "status")
+    assert shown.returncode == 0 and "warning(s) sent" in shown.stdout, shown
     for proc in (idle, keep_alive):
         wait_until(lambda p=proc: p.poll() is not None, WINDOW + GRACE + 15, f"PID {proc.pid} still running")
         assert proc.returncode == -signal.SIGTERM
