@@ -59,6 +59,19 @@ class Pty:
                 return out
             out += chunk
 
+    def fill(self) -> None:
+        """Write to the slave until the pty takes no more: a terminal nobody reads. The kernel moves written
+        bytes on to the master asynchronously, so it is full once it has refused for half a second."""
+        os.set_blocking(self.slave, False)
+        refused_since = None
+        while refused_since is None or time.monotonic() - refused_since < 0.5:
+            try:
+                os.write(self.slave, b"x" * 4096)
+                refused_since = None
+            except BlockingIOError:
+                refused_since = refused_since or time.monotonic()
+                time.sleep(0.01)
+
     def close(self) -> None:
         os.close(self.master)
         os.close(self.slave)
@@ -157,15 +170,7 @@ def test_mesg_n_is_respected_unless_the_config_ignores_it(users, ptys, tmp_path)
 
 def test_a_full_terminal_nobody_reads_delays_neither_send_nor_the_next_warning(users, ptys, tmp_path):
     full = ptys(users["owner"])
-    os.set_blocking(full.slave, False)
-    refused_since = None  # the kernel moves written bytes on to the master asynchronously: fill until it stays full
-    while refused_since is None or time.monotonic() - refused_since < 0.5:
-        try:
-            os.write(full.slave, b"x" * 4096)
-            refused_since = None
-        except BlockingIOError:
-            refused_since = refused_since or time.monotonic()
-            time.sleep(0.01)
+    full.fill()
     rec = Recorder()
     n = notifier(rec, tmp_path)
     try:
@@ -316,15 +321,7 @@ def test_in_the_daemon_the_owner_is_warned_on_a_full_terminal_and_still_killed_a
 
     bed = fresh_bed
     mine, theirs, full = ptys(users["owner"]), ptys(users["other"]), ptys(users["owner"])
-    os.set_blocking(full.slave, False)
-    refused_since = None
-    while refused_since is None or time.monotonic() - refused_since < 0.5:  # a terminal nobody reads
-        try:
-            os.write(full.slave, b"x" * 4096)
-            refused_since = None
-        except BlockingIOError:
-            refused_since = refused_since or time.monotonic()
-            time.sleep(0.01)
+    full.fill()  # a terminal nobody reads
     enter = bed.in_journal_ns
     bed.in_journal_ns = lambda argv: enter([  # type: ignore[method-assign]
         "unshare", "-m", "--propagation", "private", "sh", "-c",
