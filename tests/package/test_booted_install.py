@@ -594,6 +594,65 @@ def test_slurm_epilog_cleans_up_a_leftover(machine, slurm):
     timings["Slurm epilog"] = time.monotonic() - t0
 
 
+OWNER_POLICY = """rules:
+  - name: idle-owner
+    action: kill
+    grace_period: 3s
+    warn: [at_start, 1s]
+    notify: [owner]
+    conditions:
+      - {type: gpu_memory, operator: '>', value: 1GiB}
+      - {type: gpu_utilization, operator: '<', value: 5, duration: 1s, over: mean}
+"""
+
+
+def test_the_owner_is_warned_on_the_terminal_of_their_logind_session(machine):
+    """Issue 27 through the real logind: su's PAM stack (pam_systemd) opens a session for alice on script's
+    pty, which no utmp record names (neither su nor script writes one); Guard's warning reaches that terminal
+    through the unit's device policy (DeviceAllow=char-pts w), and the kill still comes at the end of the grace.
+    Before it is given to her the pty is root's, and the warning is refused there (owned by another uid)."""
+    # the terminal given to alice as sshd and login give it (hers, group tty, mesg y), then her session on it
+    machine.run("systemd-run", "--unit=alice-login", "script", "-qfc",
+                "t=$(tty); chown alice:tty $t; chmod 620 $t; exec su - alice -c 'sleep 600'", "/run/alice-terminal")
+    sessions = []
+
+    def alice_tty() -> str:
+        sessions[:] = machine.run("loginctl", "--no-legend", "list-sessions", check=False).stdout.split("\n")
+        for line in sessions:
+            fields = line.split()
+            if len(fields) >= 3 and fields[2] == "alice":
+                tty = machine.run("loginctl", "show-session", fields[0], "-P", "TTY", check=False).stdout.strip()
+                if tty.startswith("pts/"):
+                    return tty
+        return ""
+
+    assert wait_until(alice_tty), ("no logind session with a terminal for alice", sessions)
+    tty = alice_tty()
+    assert tty not in machine.run("who", check=False).stdout  # utmp does not name it: only logind does
+    policy = machine.root / "root/owner-policy.yaml"
+    policy.write_text(OWNER_POLICY)
+    for args in (["enable"], ["dry-run", "off"], ["load", "/root/owner-policy.yaml"]):
+        machine.run("gpukillctl", "guard", *args)
+    try:
+        machine.run("systemd-run", "--uid=alice", "--unit=idle-holder", "--setenv=GPUKILL_SIM_GPU=0",
+                    "--setenv=GPUKILL_SIM_MEM=2GiB", "--setenv=GPUKILL_SIM_UTIL=0", "/bin/sleep", "600")
+        holder = pid_of(machine, "idle-holder")
+        assert wait_until(lambda: machine.run("systemctl", "is-active", "idle-holder", check=False).stdout.strip()
+                          != "active", 30), machine.run("gpukillctl", "guard", "status").stdout
+        written = machine.run("journalctl", "--no-pager", "-o", "cat", "GPUKILL_RESULT=owner-warned",
+                              "GPUKILL_CHANNEL=tty", f"GPUKILL_TARGET=/dev/{tty}", "GPUKILL_OUTCOME=written").stdout
+        assert written.count("by tty") >= 2, machine.run(  # at_start (the violation's notice) and the 1 s warning
+            "journalctl", "--no-pager", "-o", "cat", "GPUKILL_RESULT=owner-warned").stdout
+        seen = machine.run("cat", "/run/alice-terminal").stdout  # what script read off alice's terminal
+        assert "Message from gpukilld@" in seen and f"PID {holder} (sleep" in seen, seen[-2000:]
+        killed = machine.run("journalctl", "--no-pager", "-o", "cat", f"GPUKILL_TARGET_PID={holder}",
+                             "GPUKILL_RESULT=terminated").stdout
+        assert killed.strip(), "the idle holder's kill is not in the journal"
+    finally:
+        machine.run("gpukillctl", "guard", "disable", check=False)  # the policy stays loaded, and does nothing
+        machine.run("systemctl", "stop", "alice-login", "idle-holder", check=False)
+
+
 def test_purge_leaves_nothing_of_ours(machine):
     machine.run("apt-get", "purge", "-y", "-q", "gpukill", "gpukill-serve", "gpukill-exporter", timeout=300)
     ours = ["usr/lib/gpukill", "usr/sbin/gpukilld", "usr/bin/gpukillctl", "lib/systemd/system/gpukilld.service",
