@@ -5,7 +5,8 @@ system bus, else from utmp (USER_PROCESS records, what SSH and console logins wr
 containers, minimal hosts). Each tty is checked before a byte goes to it: a character device under /dev/pts
 or /dev/tty*, owned by the owner's uid (never another user's terminal, whatever utmp claims: utmp is a file a
 confused or hostile login program could fill), its group-write bit set (`mesg y`) unless the policy ignores mesg.
-It is opened O_WRONLY|O_NOCTTY|O_NONBLOCK and gets one bounded write: what does not fit in the tty's buffer now
+It is checked by lstat before it is opened (O_WRONLY|O_NOCTTY|O_NONBLOCK|O_NOFOLLOW) and by fstat after, and
+gets one bounded write: what does not fit in the tty's buffer now
 is dropped (EAGAIN), so a full or hung terminal costs nothing. This runs in the notifier's tty channel thread,
 never on the daemon's main loop.
 """
