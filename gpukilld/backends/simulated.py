@@ -71,8 +71,11 @@ YOUNG = 10.0
 RECHECK = 60.0
 # The scan of /proc is skipped while the namespace's last PID has not moved (no process was created, so none is
 # new and no PID was reused; ended GPU processes are told by their pidfds), but made at least this often, for a
-# PID counter that wrapped all the way round between two samples. The scan was a third of an idle sample.
-FULL_SCAN = 10.0
+# PID counter that went all the way round to the same value between two samples (pid_max creations in one
+# interval): a GPU process new then is found up to FULL_SCAN late; an ended one is told by its pidfd at once.
+# On a 5,000-process host a scan takes ~8 ms: every 10 s it was 0.08 % of a core (bench/idle_cost), every
+# 60 s it is 0.013 %.
+FULL_SCAN = 60.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -239,6 +242,7 @@ class SimulatedBackend(Backend):
         self._young: set[int] = set()  # read every sample
         self._rotation: list[tuple[float, int]] = []  # (when, pid): heap of the next re-reads of the others
         self._found: dict[int, tuple[int, SimUsage]] | None = None
+        self._cycling = False  # whether any process found has a utilization cycle (its records change each sample)
         self._scanned: tuple[int | None, float] = (None, -math.inf)  # (last PID, monotonic time) at the last scan
         # The ends of GPU processes, from the kernel; without it (a fixture /proc) every process is read each time.
         self._watch = ExitWatch() if self.procfs.is_this_hosts() else None
@@ -304,6 +308,7 @@ class SimulatedBackend(Backend):
         if self._found is None:
             self._found = {pid: (seen.start_time, seen.usage) for pid, seen in self._seen.items()
                            if seen.usage is not None}
+            self._cycling = any(u.cycle for _, u in self._found.values())  # once per change, not per sample
         return self._found
 
     def _read(self, pid: int, ino: int, now: float) -> None:
@@ -381,8 +386,7 @@ class SimulatedBackend(Backend):
         usage = self._scan_usage()
         last = self._last_sample
         now = time.monotonic()
-        cycling = any(u.cycle for _, u in usage.values())
-        if last is not None and last[0] is config and last[1] is usage and not cycling:
+        if last is not None and last[0] is config and last[1] is usage and not self._cycling:
             # Nothing changed: the same records, so the sampler can tell at once (and reuse what it built).
             return BackendSample(devices=list(last[2].devices), processes=list(last[2].processes))
         per_device: dict[int, list[ProcessUsage]] = {i: [] for i in range(len(config.devices))}
