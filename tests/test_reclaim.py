@@ -1,0 +1,251 @@
+"""A kill is done when the GPU memory is back: the answer (reclaimed, held by whom, stuck and why) through the bus
+reply, ProcessKilled, the journal and the CLI; workloads reclaimed in one act (kill --tree, --unit)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+from helpers.marks import needs_root
+from helpers.testbed import SYSTEM_PYTHON
+from helpers.workloads import frozen, trainer, why_no_freezer
+
+from gpukilld import journal as audit
+
+pytestmark = needs_root
+
+
+def _grace(seconds: float) -> dict:
+    return {"$variant": ["d", seconds]}
+
+
+def _v(d: dict) -> dict:
+    """An a{sv} from the call helper, its variants unwrapped (nested records too)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and "$variant" in v:
+            v = v["$variant"][1]
+        if isinstance(v, dict):
+            v = _v(v)
+        elif isinstance(v, list):
+            v = [_v(e) if isinstance(e, dict) else e for e in v]
+        out[k] = v
+    return out
+
+
+@pytest.fixture
+def workloads(victims):
+    made = []
+    yield made
+    for w in made:
+        w.cleanup()
+
+
+def _listed_all(bed, pids):
+    for pid in pids:
+        bed.wait_listed(pid)
+
+
+def test_orphaned_workers_are_named_in_the_answer_the_signal_and_the_journal(victims, users, workloads):
+    bed = victims
+    rec = bed.record_signals(users["owner"])
+    w = trainer(bed, users["owner"], workers=4, mem="1GiB")
+    workloads.append(w)
+    _listed_all(bed, [w.pid, *w.workers])
+    start = bed.wait_listed(w.pid)["start_time"]
+    r = bed.manager(users["owner"], "KillProcessReport", "uta{sv}", [w.pid, start, {"grace": _grace(2.0)}])
+    assert r.ok, r
+    report = _v(r.body[0])
+    assert report["outcome"] == "terminated"
+    rc = report["reclaim"]
+    assert rc["verdict"] == "held", rc
+    assert sorted(h["pid"] for h in rc["holders"]) == sorted(w.workers)
+    assert {h["relation"] for h in rc["holders"]} == {"orphan"}  # their parent died: reparented
+    assert all(h["parent"] != w.pid and h["device"] == 0 for h in rc["holders"])
+    assert rc["held"] == 4 << 30 and rc["reclaimed"] == 1 << 30
+    assert all(w.alive(p) for p in w.workers), "a kill of the trainer alone signals no worker"
+    sig = rec.wait_for("ProcessKilled", where=lambda b: b[0] == w.pid)
+    assert sig is not None and len(sig["body"]) == 9
+    assert _v(sig["body"][8])["verdict"] == "held"
+    entry = bed.wait_journal(GPUKILL_TARGET_PID=str(w.pid), MESSAGE_ID=audit.KILL.message_id)
+    assert entry, "the kill is audited"
+    e = entry[0]
+    assert e["GPUKILL_RECLAIM"] == "held" and e["GPUKILL_HELD_BYTES"] == str(4 << 30)
+    assert sorted(int(h.split(":")[0]) for h in e["GPUKILL_HOLDERS"].split()) == sorted(w.workers)
+    assert "still held" in e["MESSAGE"] and str(w.workers[0]) in e["MESSAGE"]
+
+
+def test_the_cli_says_memory_held_with_an_exit_code_of_its_own(victims, users, workloads):
+    bed = victims
+    w = trainer(bed, users["owner"], workers=2, mem="512MiB")
+    workloads.append(w)
+    _listed_all(bed, [w.pid, *w.workers])
+    cli = bed.ctl(users["owner"], "kill", str(w.pid), "--grace", "2")
+    assert cli.returncode == 14, cli
+    assert cli.stderr.count("\n") == 1 and "still held" in cli.stderr
+    assert all(f"PID {p} " in cli.stderr for p in w.workers), cli.stderr
+    assert "orphan" in cli.stderr
+
+
+def test_a_lone_process_is_reclaimed(victims, users):
+    bed = victims
+    victim = bed.victim(users["owner"], gpu=0, mem="2GiB")
+    bed.wait_listed(victim.pid)
+    cli = bed.ctl(users["owner"], "kill", str(victim.pid))
+    assert cli.returncode == 0, cli
+    assert "terminated; GPU memory reclaimed (2.0 GiB)" in cli.stdout, cli.stdout
+
+
+@pytest.mark.parametrize("variant", [
+    {}, {"ignore_term": True}, {"helpers": 2},
+])
+def test_kill_tree_reclaims_the_workload(victims, users, workloads, variant):
+    bed = victims
+    w = trainer(bed, users["owner"], workers=4, mem="1GiB", **variant)
+    workloads.append(w)
+    _listed_all(bed, [w.pid, *w.workers])
+    cli = bed.ctl(users["owner"], "kill", "--tree", str(w.pid), "--force", "--grace", "0.5")
+    assert cli.returncode == 0, cli
+    assert f"tree of PID {w.pid}: GPU memory reclaimed (5.0 GiB)" in cli.stdout, cli.stdout
+    assert w.left() == [], "every GPU process of the tree ended"
+    # non-GPU helpers of the tree are never signalled: listed as left running
+    assert all(w.alive(h) for h in w.helpers)
+    assert all(f"PID {h} (python3) not on a GPU: left running" in cli.stdout for h in w.helpers), cli.stdout
+    assert cli.stdout.count("\n") == 1 + 4 + len(w.helpers) + 1  # one line each, then the GPU's
+
+
+def test_kill_unit_reclaims_a_double_forked_worker(victims, users, workloads):
+    """A worker that left the tree (double fork, own session) before the kill is still in the unit's cgroup."""
+    from helpers.cgroups import Cgroups, systemd_roots, why_no_cgroups
+
+    if why := why_no_cgroups():
+        pytest.skip(why)
+    bed = victims
+    unit = f"train-{bed.scope[-6:]}.service".replace("_", "-")
+    groups = Cgroups()
+    dirs = [groups.make(root, f"system.slice/{unit}") for root in systemd_roots()]
+    w = trainer(bed, users["owner"], workers=2, mem="1GiB", double_fork=True)
+    workloads.append(w)
+    try:
+        for pid in [w.pid, *w.workers]:
+            for d in dirs:
+                (d / "cgroup.procs").write_text(str(pid))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            units = {p["pid"]: p.get("unit") for p in bed.processes()}
+            if all(units.get(p) == unit for p in [w.pid, *w.workers]):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the unit is not listed: {units}")
+        # kill PID alone names the escaped worker by its unit
+        cli = bed.ctl(users["owner"], "kill", str(w.pid), "--grace", "2")
+        assert cli.returncode == 14, cli
+        assert f"PID {w.workers[-1]} " in cli.stderr and "unit" in cli.stderr, cli.stderr
+        assert f"gpukillctl kill --unit {unit}" in cli.stderr
+        cli = bed.ctl(users["owner"], "kill", "--unit", unit, "--force", "--grace", "0.5")
+        assert cli.returncode == 0, cli
+        assert f"unit {unit}: GPU memory reclaimed" in cli.stdout, cli.stdout
+        assert w.left() == []
+    finally:
+        w.cleanup()
+        groups.cleanup()
+
+
+def test_tree_of_a_reused_pid_signals_nothing(victims, users, workloads, alive):
+    bed = victims
+    w = trainer(bed, users["owner"], workers=1, mem="1GiB")
+    workloads.append(w)
+    listed = bed.wait_listed(w.pid)
+    for stale in (listed["start_time"] - 1, listed["start_time"] + 1):
+        r = bed.manager(users["root"], "KillWorkload", "a{sv}a{sv}",
+                        [{"tree": {"$variant": ["(ut)", [w.pid, stale]]}}, {}])
+        assert r.error == "org.gpukill1.Error.ProcessChanged", r
+    time.sleep(0.3)
+    assert w.left() == [w.pid, *w.workers], "nothing may be signalled on a start-time mismatch"
+
+
+def test_another_users_setuid_helper_in_ones_tree_is_refused_and_reported(victims, users, workloads, tmp_path):
+    """The owner's trainer runs a setuid helper that becomes the other user (real uid too): polkit refuses the
+    owner its kill, and the answer lists it, not stopped, beside the owner's killed processes."""
+    bed = victims
+    helper_dir = bed.workdir / "setuid"
+    helper_dir.mkdir(exist_ok=True)
+    os.chmod(helper_dir, 0o755)
+    helper = helper_dir / "python-as-other"
+    shutil.copy2(os.path.realpath(SYSTEM_PYTHON), helper)
+    os.chown(helper, users["other"].uid, users["other"].gid)
+    os.chmod(helper, 0o4755)
+    code = ("import os, subprocess, sys, time\n"
+            f"p = subprocess.Popen([{str(helper)!r}, '-c', 'import os, time; u = os.geteuid(); "
+            "os.setresuid(u, u, u); print(os.getuid(), flush=True); time.sleep(3600)'], stdout=subprocess.PIPE)\n"
+            "print(p.pid, p.stdout.readline().decode().strip(), flush=True)\ntime.sleep(3600)\n")
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope, "GPUKILL_SIM_MEM": "1GiB"}
+    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", code], stdout=subprocess.PIPE, env=env, cwd="/",
+                            start_new_session=True, **users["owner"].popen_kwargs())
+    bed.procs.append(proc)
+    child, child_uid = proc.stdout.readline().split()
+    child = int(child)
+    assert int(child_uid) == users["other"].uid, "the helper became the other user"
+    assert bed.wait_listed(child)["uid"] == users["other"].uid
+    start = bed.wait_listed(proc.pid)["start_time"]
+    cli = bed.ctl(users["owner"], "kill", "--tree", str(proc.pid), "--grace", "2")
+    try:
+        assert cli.returncode == 4, cli  # access denied: the first failure
+        assert f"PID {proc.pid} (python3) terminated" in cli.stdout
+        assert f"PID {child} " in cli.stderr and "not stopped" in cli.stderr, cli.stderr
+        assert proc.wait(5) is not None
+        assert os.path.exists(f"/proc/{child}"), "the other user's helper is never signalled"
+        denied = bed.wait_journal(GPUKILL_TARGET_PID=str(child), MESSAGE_ID=audit.KILL_DENIED.message_id)
+        assert denied, "polkit's refusal is audited"
+        r = bed.manager(users["root"], "KillWorkload", "a{sv}a{sv}",
+                        [{"tree": {"$variant": ["(ut)", [proc.pid, start]]}}, {}])
+        assert r.error == "org.gpukill1.Error.NoSuchProcess", r
+    finally:
+        subprocess.run(["kill", "-9", str(child)], check=False)
+
+
+def test_a_process_stuck_after_sigkill_gets_its_reason_and_the_reset(victims, users, workloads):
+    if why := why_no_freezer():
+        pytest.skip(why)
+    bed = victims
+    rec = bed.record_signals(users["owner"])
+    w = frozen(bed, users["owner"], mem="1GiB")
+    workloads.append(w)
+    listed = bed.wait_listed(w.pid)
+    r = bed.manager(users["owner"], "KillProcessReport", "uta{sv}",
+                    [w.pid, listed["start_time"], {"force": {"$variant": ["b", True]}, "grace": _grace(0.2)}])
+    assert r.ok, r
+    report = _v(r.body[0])
+    assert report["outcome"] == "still-alive"
+    rc = report["reclaim"]
+    assert rc["verdict"] == "stuck"
+    assert rc["reason"].startswith(f"uninterruptible (D), frozen by the cgroup freezer (/{w.frozen.name}): "), rc
+    assert rc["remedy"] == f"gpukillctl reset {listed['device']}"
+    assert w.alive(w.pid), "the fixture outlives SIGKILL"
+    sig = rec.wait_for("ProcessKilled", where=lambda b: b[0] == w.pid)
+    assert sig is not None and _v(sig["body"][8])["verdict"] == "stuck"
+    e = bed.wait_journal(GPUKILL_TARGET_PID=str(w.pid), MESSAGE_ID=audit.KILL.message_id)[0]
+    assert e["GPUKILL_RECLAIM"] == "stuck" and w.frozen.name in e["GPUKILL_STUCK_REASON"]
+    assert e["GPUKILL_REMEDY"] == f"gpukillctl reset {listed['device']}"
+    cli = bed.ctl(users["owner"], "kill", str(w.pid), "--force", "--grace", "0.2")
+    assert cli.returncode == 10, cli
+    assert "still alive after SIGKILL: uninterruptible (D)" in cli.stderr
+    assert f"gpukillctl reset {listed['device']}" in cli.stderr and cli.stderr.count("\n") == 1
+
+
+def test_selection_errors_are_one_line(victims, users):
+    bed = victims
+    invalid = "org.freedesktop.DBus.Error.InvalidArgs"
+    for sel, err in [({}, invalid), ({"unit": {"$variant": ["s", "no unit"]}}, invalid),
+                     ({"container": {"$variant": ["s", "xyz"]}}, invalid),
+                     ({"tree": {"$variant": ["s", "1"]}}, invalid),
+                     ({"tree": {"$variant": ["(ut)", [1, 0]]}}, "org.gpukill1.Error.ProcessChanged"),
+                     ({"bogus": {"$variant": ["s", "x"]}}, invalid)]:
+        r = bed.manager(users["owner"], "KillWorkload", "a{sv}a{sv}", [sel, {}])
+        assert r.error == err and "\n" not in r.message, (sel, r)
+    cli = bed.ctl(users["owner"], "kill", "--unit", "not a unit")
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr
