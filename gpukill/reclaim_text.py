@@ -19,7 +19,8 @@ def holder_text(h: Any) -> str:
 def reclaim_text(r: Any) -> str:
     """One clause: 'GPU memory reclaimed (2.0 GiB)', 'exited, but GPU memory is still held by ...', ..."""
     if r.verdict == "reclaimed":
-        return f"GPU memory reclaimed ({format_size(r.reclaimed)})"
+        # a backend that reads no per-process memory (0): nothing related is on the devices, no size to say
+        return f"GPU memory reclaimed ({format_size(r.reclaimed)})" if r.reclaimed else "GPU memory reclaimed"
     if r.verdict == "held":
         named = list(r.holders[:HOLDERS_SHOWN])
         rest = len(r.holders) - len(named) + r.more

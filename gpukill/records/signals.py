@@ -117,6 +117,8 @@ def signal_record(interface: str, member: str, args: list[Any]) -> Any:
     keys = names(cls)
     if cls is ProcessKilled and len(args) == len(keys) - 1:
         keys = keys[:-1]  # an older gpukilld's, without the reclaim: its default stands
+    elif cls is ProcessKilled and len(args) == len(keys) and not isinstance(args[-1], dict):
+        return None  # a reclaim that is no record: not gpukilld's signal
     if len(args) != len(keys):
         return None
     try:  # a value of the wrong type is left out by from_plain, and every signal field is required

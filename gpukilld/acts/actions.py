@@ -29,7 +29,7 @@ from gpukill.records import ALIVE, UNWATCHED, Reclaim, ResetReply, WorkloadEntry
 from gpukill.text import shown
 
 from .. import journal
-from ..access.bouncer import KILL_METHOD, RESET_METHOD, Bouncer, Caller, Request
+from ..access.bouncer import KILL_METHOD, RESET_METHOD, WORKLOAD_METHOD, Bouncer, Caller, Method, Request
 from ..backends import Backend
 from ..model import Snapshot
 from .killer import Killer, PinnedProcess, check_grace
@@ -93,11 +93,12 @@ class Actions:
 
     async def kill(
         self, caller: Caller | None, pid: int, start_time: int, grace: float, force: bool, initiator: str,
-        watch: bool = True,
+        watch: bool = True, method: Method = KILL_METHOD,
     ) -> KillResult:
         """Kill (pid, start_time). caller None means the daemon itself acts (a reset with force, Guard).
         initiator (gpukill.outcome's) goes into the journal and ProcessKilled as it is. watch: after the exit,
-        watch its devices for the GPU's answer (reclaim.py); a reset clearing its device does not."""
+        watch its devices for the GPU's answer (reclaim.py); a reset clearing its device does not. method: the
+        bus method called (KillProcess, KillProcessReport): its row of the bouncer's table decides."""
         base = self._base(caller, pid, start_time, force, initiator)
         who = self._who(caller, initiator)
         try:
@@ -111,7 +112,7 @@ class Actions:
         try:
             fields = self._fields(target, base)
             if caller is not None:
-                fields["polkit_action"] = await self._authorize(caller, target, fields)
+                fields["polkit_action"] = await self._authorize(caller, target, fields, method)
             the_watch = await self._watch(snapshot, [target]) if watch else None
             outcome = await self.killer.terminate(target, grace, force)
             reclaim = await self._answer(the_watch, [(target, outcome)], force)
@@ -136,9 +137,10 @@ class Actions:
     def _label(target: PinnedProcess) -> str:
         return f"PID {target.pid} ({shown(target.comm)}, user {shown(target.user)})"
 
-    async def _authorize(self, caller: Caller, target: PinnedProcess, fields: dict[str, object]) -> str:
+    async def _authorize(self, caller: Caller, target: PinnedProcess, fields: dict[str, object],
+                         method: Method) -> str:
         return await self.bouncer.check(
-            caller, KILL_METHOD,
+            caller, method,
             {"pid": str(target.pid), "target_user": target.user, "device": ",".join(target.device_ids)},
             target.uid,
             request=Request(journal.KILL_DENIED, f"Kill of {self._label(target)}",
@@ -173,11 +175,12 @@ class Actions:
         return result
 
     async def kill_workload(self, caller: Caller | None, selection: Selection, grace: float, force: bool,
-                            initiator: str) -> WorkloadReply:
+                            initiator: str, method: Method = WORKLOAD_METHOD) -> WorkloadReply:
         """Kill every GPU process a selection names (a tree, a unit, a container), each as kill() kills one:
         pinned by pidfd and start time before any signal, each authorized by polkit (one after the other, so
-        a prompt's auth_admin_keep covers the rest), refusals reported per process; then all are signalled
-        together and the GPU's answer is watched once for the batch."""
+        a prompt's auth_admin_keep covers the rest), refusals reported per process (when polkit refuses every
+        one, the call is refused as a single kill would be); then all are signalled together and the GPU's
+        answer is watched once for the batch."""
         check_grace(grace)
         snapshot = await self._resample()  # a worker started since the last sample is in the batch too
         procfs = self.killer.procfs
@@ -200,15 +203,19 @@ class Actions:
                     continue
                 pinned.append((target, self._fields(target, base) | {"selection": selection.text}))
             allowed: list[tuple[PinnedProcess, dict[str, object]]] = []
+            denied: GpukillError | None = None
             for target, fields in pinned:
                 if caller is not None:
                     try:
-                        fields["polkit_action"] = await self._authorize(caller, target, fields)
+                        fields["polkit_action"] = await self._authorize(caller, target, fields, method)
                     except GpukillError as e:  # another user's process in one's tree: refused, and said so
                         entries[target.pid] = WorkloadEntry(target.pid, target.start_time, target.uid, target.comm,
                                                             e.result, str(e))
+                        denied = denied or e
                         continue
                 allowed.append((target, fields))
+            if denied is not None and not allowed:
+                raise denied
             the_watch = await self._watch(snapshot, [t for t, _ in allowed]) if allowed else None
             outcomes = await asyncio.gather(*(self.killer.terminate(t, grace, force) for t, _ in allowed))
             ended = [(t, o) for (t, _), o in zip(allowed, outcomes, strict=True)]

@@ -26,7 +26,7 @@ from gpukill.records import AuditSettings, KillReport, ResetReply, SamplingStatu
 from gpukill.regex import RegexError, compile_regex
 
 from .. import __version__, audit_settings, journal
-from ..access.bouncer import Bouncer, Request
+from ..access.bouncer import KILL_REPORT_METHOD, Bouncer, Request
 from ..access.visibility import FULL, Viewer, seen_as
 from ..acts.actions import Actions, KillResult
 from ..acts.selection import Selection
@@ -540,7 +540,8 @@ class ManagerInterface(ServiceInterface):
     async def KillProcessReport(self, pid: "u", start_time: "t", options: "a{sv}") -> "a{sv}":
         caller = await current_caller(self._bouncer)
         grace, force = self._kill_options(options)
-        result = await self._actions.kill(caller, pid, start_time, grace, force, INITIATOR_USER)
+        result = await self._actions.kill(caller, pid, start_time, grace, force, INITIATOR_USER,
+                                          method=KILL_REPORT_METHOD)
         return to_dbus(KillReport(result.outcome, result.reclaim))
 
     @method()
