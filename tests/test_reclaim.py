@@ -249,3 +249,63 @@ def test_selection_errors_are_one_line(victims, users):
         assert r.error == err and "\n" not in r.message, (sel, r)
     cli = bed.ctl(users["owner"], "kill", "--unit", "not a unit")
     assert cli.returncode == 2 and "Traceback" not in cli.stderr
+
+
+GUARD_POLICY = """rules:
+  - name: stop-trainers
+    conditions: [{type: process_name, operator: ==, value: trainer}]
+    action: kill
+    force: true
+    kill_grace: 1s
+    kill_scope: %s
+"""
+
+
+@pytest.mark.parametrize("kill_scope", ["tree", "process"])
+def test_guard_with_kill_scope_tree_leaves_no_worker_behind(users, tmp_path, kill_scope):
+    """The rule names the trainer alone (its workers are python3): with kill_scope tree its kill takes every
+    worker, SIGTERM-ignoring ones too; with the default (process) the workers stay, named as holders."""
+    from helpers.testbed import Testbed
+    from helpers.waiting import wait_until
+
+    bed = Testbed()
+    w = None
+    try:
+        (bed.workdir / "guard.d").mkdir(exist_ok=True)
+        bed.start_system(args=["--sample-interval", "0.3"])
+        w = trainer(bed, users["owner"], workers=4, mem="1GiB", ignore_term=True, comm="trainer")
+        _listed_all(bed, [w.pid, *w.workers])
+        policy = tmp_path / "scoped.yaml"
+        policy.write_text(GUARD_POLICY % kill_scope)
+        policy.chmod(0o644)
+        bed.enforce(policy)
+        assert wait_until(lambda: not w.alive(w.pid), 20), "the guard never killed the trainer"
+        entry = bed.wait_journal(GPUKILL_TARGET_PID=str(w.pid), MESSAGE_ID=audit.KILL.message_id)[0]
+        assert entry["GPUKILL_INITIATOR"] == "guard:stop-trainers"
+        if kill_scope == "tree":
+            assert wait_until(lambda: w.left() == [], 10), f"workers left behind: {w.left()}"
+            assert entry["GPUKILL_RECLAIM"] == "reclaimed" and entry["GPUKILL_SELECTION"] == f"tree of PID {w.pid}"
+            for pid in w.workers:
+                killed = bed.wait_journal(GPUKILL_TARGET_PID=str(pid), MESSAGE_ID=audit.KILL.message_id)
+                assert killed and killed[0]["GPUKILL_INITIATOR"] == "guard:stop-trainers"
+        else:
+            time.sleep(1.0)
+            assert sorted(w.left()) == sorted(w.workers), "a process-scoped kill takes the trainer alone"
+            assert entry["GPUKILL_RECLAIM"] == "held"
+            assert sorted(int(h.split(":")[0]) for h in entry["GPUKILL_HOLDERS"].split()) == sorted(w.workers)
+    finally:
+        if w is not None:
+            w.cleanup()
+        bed.stop()
+
+
+def test_kill_scope_is_validated():
+    from gpukill.policy import PolicyError, load_texts
+
+    (rule,) = load_texts([("p.yaml", GUARD_POLICY % "unit")]).rules
+    assert rule.kill_scope == "unit"
+    with pytest.raises(PolicyError, match="kill_scope must be one of process, tree, unit"):
+        load_texts([("p.yaml", GUARD_POLICY % "everything")])
+    with pytest.raises(PolicyError, match="kill_scope applies only to action kill"):
+        load_texts([("p.yaml", (GUARD_POLICY % "tree").replace("action: kill", "action: log")
+                     .replace("    force: true\n    kill_grace: 1s\n", ""))])

@@ -53,6 +53,11 @@ class KillResult:
     reclaim: Reclaim = Reclaim(UNWATCHED)  # the GPU's answer (reclaim.py)
 
 
+def _owner(snapshot: Snapshot, key: tuple[int, int]) -> int | None:
+    listed = snapshot.processes_of(*key)
+    return listed[0].uid if listed else None
+
+
 def _entry_of(snapshot: Snapshot, pid: int, start_time: int, result: str, error: str) -> WorkloadEntry:
     """A refused process of a batch, named as the snapshot listed it."""
     listed = next(iter(snapshot.processes_of(pid, start_time)), None)
@@ -184,12 +189,27 @@ class Actions:
         check_grace(grace)
         snapshot = await self._resample()  # a worker started since the last sample is in the batch too
         procfs = self.killer.procfs
-        chosen, not_on_gpu = await asyncio.to_thread(selection.resolve, procfs, snapshot)
+        who = self._who(caller, initiator)
+        try:
+            chosen, not_on_gpu = await asyncio.to_thread(selection.resolve, procfs, snapshot)
+        except GpukillError as e:  # gone, a reused PID, nothing of it on a GPU: audited as a single kill's
+            pid = int(selection.value) if selection.value.isdigit() else 0
+            self._refused(caller, journal.KILL_FAILED, f"Kill of the {selection.text} requested by {who} refused: "
+                          f"{e}", result=e.result, error=str(e), selection=selection.text,
+                          **self._base(caller, pid, selection.start_time, force, initiator))
+            raise
+        if selection.owner is not None:  # Guard's: the subject's owner's processes alone, the others reported
+            others = [k for k in chosen if _owner(snapshot, k) != selection.owner]
+            chosen = [k for k in chosen if k not in others]
+        else:
+            others = []
         if len(chosen) > MAX_WORKLOAD:
             raise InvalidArgs(f"{selection.text} selects {len(chosen)} GPU processes; at most {MAX_WORKLOAD} "
                               "are killed in one act")
-        who = self._who(caller, initiator)
-        entries: dict[int, WorkloadEntry] = {}
+        entries: dict[int, WorkloadEntry] = {
+            pid: _entry_of(snapshot, pid, start_time, Protected.result,
+                           "another user's process: a Guard rule stops its subject's owner's processes alone")
+            for pid, start_time in others[:MAX_WORKLOAD]}
         pinned: list[tuple[PinnedProcess, dict[str, object]]] = []
         try:
             for pid, start_time in chosen:

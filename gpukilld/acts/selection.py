@@ -16,7 +16,7 @@ from gpukill.errors import InvalidArgs, NoSuchProcess, NotAGpuProcess, ProcessCh
 
 from ..model import Snapshot
 from ..proc.procfs import ProcFS
-from .reclaim import remember_tree
+from .reclaim import Workload, remember_tree
 
 MAX_WORKLOAD = 256  # GPU processes killed in one act; a larger selection is refused, never cut
 MAX_NAME = 256
@@ -29,12 +29,15 @@ Left = tuple[int, int, int, str]  # a process not on a GPU: pid, start time, uid
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    kind: str  # "tree", "unit" or "container"
-    value: str  # the unit's or container's name; for a tree, the root's PID
-    start_time: int = 0  # a tree's root, as listed
+    kind: str  # "tree", "unit", "container"; or "unit_of" (a Guard rule's kill_scope unit: the process's unit)
+    value: str  # the unit's or container's name; for a tree or unit_of, the process's PID
+    start_time: int = 0  # a tree's root (unit_of's process), as listed
+    owner: int | None = None  # only this uid's processes (Guard's scoped kills: the subject's owner's alone)
 
     @property
     def text(self) -> str:
+        if self.kind == "unit_of":
+            return f"unit of PID {self.value}"
         return f"tree of PID {self.value}" if self.kind == "tree" else f"{self.kind} {self.value}"
 
     @classmethod
@@ -66,6 +69,13 @@ class Selection:
         """The GPU processes selected, by PID, and (for a tree) the processes left running as not on a GPU.
         Reads /proc: call it in a worker thread."""
         on_gpu = {(p.pid, p.start_time): p for p in snapshot.processes}
+        if self.kind == "unit_of":
+            me = on_gpu.get((int(self.value), self.start_time))
+            if me is None:
+                raise NotAGpuProcess(f"PID {self.value} is not using a GPU")
+            if not me.unit or not Workload.of([me]).units:  # a login session, user@UID, init.scope: itself alone
+                return [(me.pid, me.start_time)], []
+            return sorted(k for k, p in on_gpu.items() if p.unit == me.unit), []
         if self.kind == "unit":
             return sorted(k for k, p in on_gpu.items() if p.unit == self.value), []
         if self.kind == "container":

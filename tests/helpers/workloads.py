@@ -25,7 +25,7 @@ from .testbed import SYSTEM_PYTHON, Testbed, User
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
-# argv[1]: JSON {workers, ignore_term, double_fork, helpers}. Prints one JSON line of the PIDs, then sleeps.
+# argv[1]: JSON {workers, ignore_term, double_fork, helpers, comm}. Prints one JSON line of the PIDs, then sleeps.
 TRAINER = r"""
 import json, os, signal, subprocess, sys, time
 spec = json.loads(sys.argv[1])
@@ -55,6 +55,9 @@ for i in range(spec["helpers"]):
                          stdout=subprocess.PIPE, env=plain)
     p.stdout.readline()
     helpers.append(p.pid)
+if spec.get("comm"):
+    import ctypes
+    ctypes.CDLL(None).prctl(15, spec["comm"].encode(), 0, 0, 0)  # PR_SET_NAME: the trainer alone
 print(json.dumps({"workers": workers, "helpers": helpers}), flush=True)
 time.sleep(3600)
 """
@@ -109,10 +112,11 @@ class Workload:
 
 
 def trainer(bed: Testbed, user: User, workers: int = 4, mem: str = "1GiB", ignore_term: bool = False,
-            double_fork: bool = False, helpers: int = 0, gpu: int = 0) -> Workload:
+            double_fork: bool = False, helpers: int = 0, gpu: int = 0, comm: str = "") -> Workload:
     env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope,
            "GPUKILL_SIM_MEM": mem}
-    spec = {"workers": workers, "ignore_term": ignore_term, "double_fork": double_fork, "helpers": helpers}
+    spec = {"workers": workers, "ignore_term": ignore_term, "double_fork": double_fork, "helpers": helpers,
+            "comm": comm}
     proc = subprocess.Popen([SYSTEM_PYTHON, "-c", TRAINER, json.dumps(spec)], stdout=subprocess.PIPE, env=env,
                             cwd="/", start_new_session=True, **user.popen_kwargs())
     assert proc.stdout is not None
