@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any
 
-from gpukill.reclaim_text import reclaim_text
+from gpukill.outcome import reclaim_text
 from gpukill.text import shown
 
 from ..client.exits import (

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpukill import errors
 from gpukill.limits import MAX_GRACE
-from gpukill.reclaim_text import reclaim_text
+from gpukill.outcome import reclaim_text
 from gpukill.records import (
     USAGE_BY,
     Decision,

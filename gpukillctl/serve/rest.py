@@ -43,9 +43,9 @@ from starlette.routing import Match
 from gpukill import errors
 from gpukill.limits import MAX_GRACE
 from gpukill.managed_policy import KINDS, MAX_ALLOWED_USERS, MAX_GRACE_PERIOD
+from gpukill.outcome import reclaim_text
 from gpukill.policy import MAX_POLICY_BYTES
 from gpukill.procstat import read_stat
-from gpukill.reclaim_text import reclaim_text
 from gpukill.records import (
     USAGE_BY,
     Decision,

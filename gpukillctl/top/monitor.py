@@ -78,7 +78,7 @@ def _dry(dry_run: bool) -> str:
 
 
 def reclaim_text(reclaim: Any) -> str:
-    from gpukill.reclaim_text import reclaim_text as words  # here: only a kill's line needs it
+    from gpukill.outcome import reclaim_text as words  # here: only a kill's line needs it
 
     return words(reclaim)
 

@@ -23,8 +23,7 @@ from gpukill.errors import (
     Protected,
     ResetFailed,
 )
-from gpukill.outcome import INITIATOR_RESET, Outcome, guard_initiator
-from gpukill.reclaim_text import reclaim_text
+from gpukill.outcome import INITIATOR_RESET, Outcome, guard_initiator, reclaim_text
 from gpukill.records import ALIVE, UNWATCHED, Reclaim, ResetReply, WorkloadEntry, WorkloadReply
 from gpukill.text import shown
 
