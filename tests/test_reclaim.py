@@ -249,6 +249,8 @@ def test_selection_errors_are_one_line(victims, users):
         assert r.error == err and "\n" not in r.message, (sel, r)
     cli = bed.ctl(users["owner"], "kill", "--unit", "not a unit")
     assert cli.returncode == 2 and "Traceback" not in cli.stderr
+    cli = bed.ctl(users["owner"], "kill", "--unit", "nothing-here.service")
+    assert cli.returncode == 0 and cli.stdout == "no GPU processes of unit nothing-here.service on this host\n", cli
 
 
 GUARD_POLICY = """rules:

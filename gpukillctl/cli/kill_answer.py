@@ -69,6 +69,9 @@ def answer(what: str, outcome: str, reclaim: Any) -> int:
 def workload_answer(reply: Any) -> int:
     """Print each process of a KillWorkload, then the GPU's answer; the first failure's exit status (14 when
     every process ended but memory is still held), else 0."""
+    if not reply.entries:  # as kill --job says it: nothing of it runs on a GPU here, nothing is left to stop
+        print(f"no GPU processes of {shown(reply.selection)} on this host")
+        return EXIT_OK
     codes = []
     for e in reply.entries:
         what = f"PID {e.pid} ({shown(e.comm)})"

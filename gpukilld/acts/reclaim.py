@@ -111,6 +111,8 @@ class Watch:
         self.devices = tuple(sorted({p.device for p in target_procs}))
         self.workload = Workload.of(target_procs)
         self.tree_pids = {pid for pid, _ in tree}
+        self._units: set[str | None] = set()  # of the last holders found
+        self._containers: set[str | None] = set()
         # what the targets and everything related to them held before: what a full reclaim gives back
         self.before = sum(p.gpu_memory or 0 for p in before.processes
                           if p.device_id in self.device_ids and (self._key(p) in self.targets or self._related(p)))
@@ -132,6 +134,8 @@ class Watch:
                  and (rel := self._related(p)) is not None]
         found.sort(key=lambda pr: (-(pr[0].gpu_memory or 0), pr[0].pid, pr[0].device))
         out = []
+        self._units = {p.unit for p, _ in found}
+        self._containers = {p.container_id for p, _ in found}
         for p, rel in found:
             parent = 0
             if len(out) <= MAX_HOLDERS:
@@ -159,17 +163,17 @@ class Watch:
             return Reclaim(RECLAIMED, reclaimed=self.before, devices=self.devices, samples=samples)
         return Reclaim(HELD, reclaimed=max(0, self.before - held), held=held, devices=self.devices,
                        holders=tuple(holders[:MAX_HOLDERS]), more=max(0, len(holders) - MAX_HOLDERS),
-                       samples=samples, remedy=self._held_remedy(holders))
+                       samples=samples, remedy=self._held_remedy(holders, self._units, self._containers))
 
-    def _held_remedy(self, holders: list[Holder]) -> str:
-        relations = {h.relation for h in holders}
-        if SAME_UNIT in relations and len(self.workload.units) == 1:
+    def _held_remedy(self, holders: list[Holder], units: set[str | None], containers: set[str | None]) -> str:
+        """The one act that stops every holder: their unit's (or container's) kill when they all share the
+        target's, else a kill of each (orphans are no one's tree any more)."""
+        if len(self.workload.units) == 1 and units == self.workload.units:
             return f"gpukillctl kill --unit {next(iter(self.workload.units))}"
-        if SAME_CONTAINER in relations and len(self.workload.containers) == 1:
+        if len(self.workload.containers) == 1 and containers == self.workload.containers:
             return f"gpukillctl kill --container {next(iter(self.workload.containers))}"
-        first = holders[0].pid
-        return f"gpukillctl kill {first}" + (" (and each other holder)" if len(holders) > 1 else "") + \
-            ", or kill --tree PID before its parent next time"
+        named = ", ".join(f"gpukillctl kill {h.pid}" for h in holders[:4])
+        return named + (" and the others" if len(holders) > 4 else "") + " (kill --tree PID takes them with it)"
 
     def stuck(self, pid: int) -> Reclaim:
         """The target outlived SIGKILL: why, from /proc, and what frees the GPU."""
