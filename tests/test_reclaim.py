@@ -311,3 +311,75 @@ def test_kill_scope_is_validated():
     with pytest.raises(PolicyError, match="kill_scope applies only to action kill"):
         load_texts([("p.yaml", (GUARD_POLICY % "tree").replace("action: kill", "action: log")
                      .replace("    force: true\n    kill_grace: 1s\n", ""))])
+
+
+# -- the answer's logic on fixture /proc trees (no daemon) --------------------------------------------------
+
+
+def _stat_line(pid: int, comm: str, state: str, ppid: int, start: int) -> str:
+    # fields 3.. of /proc/PID/stat: state (3), ppid (4), ..., flags (9), ..., starttime (22)
+    rest = [state, str(ppid), "0", "0", "0", "0", "0"] + ["0"] * 12 + [str(start)] + ["0"] * 30
+    return f"{pid} ({comm}) {' '.join(rest)}\n"
+
+
+def _fixture_proc(root, procs):
+    for pid, comm, state, ppid, start, wchan in procs:
+        d = root / str(pid)
+        d.mkdir()
+        (d / "stat").write_text(_stat_line(pid, comm, state, ppid, start))
+        (d / "wchan").write_text(wchan)
+        (d / "cgroup").write_text("0::/user.slice\n")
+
+
+def test_the_reason_names_the_nvidia_driver_and_the_state(tmp_path):
+    from gpukilld.acts.reclaim import stuck_reason
+    from gpukilld.proc.procfs import ProcFS
+
+    _fixture_proc(tmp_path, [(10, "train", "D", 1, 5, "nvidia_ioctl"), (11, "train", "D", 1, 5, "os_acquire_mutex"),
+                             (12, "train", "D", 1, 5, "io_schedule"), (13, "train", "S", 1, 5, "do_sys_poll")])
+    procfs = ProcFS(str(tmp_path))
+    assert stuck_reason(procfs, 10) == "uninterruptible (D) in the NVIDIA driver: nvidia_ioctl"
+    assert stuck_reason(procfs, 11) == "uninterruptible (D) in the NVIDIA driver: os_acquire_mutex"
+    assert stuck_reason(procfs, 12) == "uninterruptible (D) in the kernel: io_schedule"
+    assert stuck_reason(procfs, 13) == "state S in do_sys_poll"
+    assert stuck_reason(procfs, 99) == "it exited after the wait for SIGKILL ended"
+
+
+def test_holders_are_the_remembered_tree_and_the_workload_never_a_login_session(tmp_path):
+    """The tree is remembered before the signal; after it, a worker whose parent died is an orphan, one whose
+    parent lives a descendant; a process of the same unit is related, one of the same login session is not."""
+    from gpukilld.acts.reclaim import Watch, remember_tree
+    from gpukilld.model import GpuProcess, Snapshot
+    from gpukilld.proc.procfs import ProcFS
+
+    def gpu(pid, start, unit, mem=1 << 30):
+        return GpuProcess(pid=pid, start_time=start, uid=1000, user="u", comm=f"p{pid}", cmdline="", exe=None,
+                          device=0, device_id="GPU-0", gpu_memory=mem, gpu_utilization=None, unit=unit)
+
+    # 100 the trainer, 101 its worker, 102 a worker's child; 200 same unit, 300 same login session, 400 a stranger
+    _fixture_proc(tmp_path, [(100, "trainer", "S", 1, 5, "0"), (101, "w", "S", 100, 6, "0"),
+                             (102, "w2", "S", 101, 7, "0"), (200, "u", "S", 1, 8, "0"), (300, "s", "S", 1, 9, "0"),
+                             (400, "x", "S", 1, 10, "0")])
+    procfs = ProcFS(str(tmp_path))
+    tree = remember_tree(procfs, [100])
+    assert set(tree) == {(100, 5), (101, 6), (102, 7)}
+    before = Snapshot(1, 0.0, (), (gpu(100, 5, "train.service"), gpu(101, 6, "train.service"),
+                                   gpu(102, 7, "train.service"), gpu(200, 8, "train.service"),
+                                   gpu(300, 9, "session-3.scope"), gpu(400, 10, None)), ())
+    watch = Watch(procfs, before, [(100, 5)], tree)
+    # the trainer died: 101 was reparented to init, 102's parent 101 lives
+    (tmp_path / "101" / "stat").write_text(_stat_line(101, "w", "S", 1, 6))
+    shutil.rmtree(tmp_path / "100")
+    after = Snapshot(2, 1.0, (), before.processes[1:], ())
+    holders = {h.pid: h for h in watch.holders(after)}
+    assert set(holders) == {101, 102, 200}
+    assert (holders[101].relation, holders[101].parent) == ("orphan", 1)
+    assert (holders[102].relation, holders[102].parent) == ("descendant", 101)
+    assert holders[200].relation == "unit"
+    answer = watch.answer(list(holders.values()), 3)
+    assert answer.verdict == "held" and answer.held == 3 << 30 and answer.reclaimed == 1 << 30
+    assert answer.remedy == "gpukillctl kill --unit train.service"
+    # a 300-process session: bounded, the rest counted
+    many = Snapshot(3, 2.0, (), tuple(gpu(1000 + i, 11, "train.service", 1) for i in range(300)), ())
+    lots = watch.answer(watch.holders(many), 3)
+    assert len(lots.holders) == 16 and lots.more == 284
