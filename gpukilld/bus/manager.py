@@ -22,12 +22,12 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 from gpukill import listing
 from gpukill.errors import GpukillError, InvalidArgs, NotSupported, ReplyTooLarge, TooBusy
 from gpukill.outcome import INITIATOR_USER
-from gpukill.records import AuditSettings, KillReport, ResetReply, SamplingStatus
+from gpukill.records import AuditSettings, KillReport, Reclaim, ResetReply, SamplingStatus
 from gpukill.regex import RegexError, compile_regex
 
 from .. import __version__, audit_settings, journal
 from ..access.bouncer import KILL_REPORT_METHOD, Bouncer, Request
-from ..access.visibility import FULL, Viewer, seen_as
+from ..access.visibility import FULL, PROGRAM, Viewer, seen_as
 from ..acts.actions import Actions, KillResult
 from ..acts.selection import Selection
 from ..audit_settings import AuditSettingsKeeper
@@ -106,6 +106,15 @@ def _reported(findings: Any, viewer: Viewer, min_score: float) -> list[dict[str,
     """An audit's reply: the findings the viewer may see, of min_score or more, at most MAX_FINDINGS."""
     seen = [f for f in findings_as_seen(findings, viewer) if f.score >= min_score][:MAX_FINDINGS]
     return [to_dbus(f) for f in seen]
+
+
+def _reclaim_as_seen(reclaim: Reclaim, viewer: Viewer) -> Reclaim:
+    """The answer with other users' holders named as the caller may see them (visibility.py): where /proc hides
+    their names (hidepid), the PID, owner and memory stay and the name goes."""
+    if viewer.others in (FULL, PROGRAM) or all(h.uid == viewer.uid for h in reclaim.holders):
+        return reclaim
+    holders = tuple(h if h.uid == viewer.uid else dataclasses.replace(h, comm="") for h in reclaim.holders)
+    return dataclasses.replace(reclaim, holders=holders)
 
 
 ProcessFilter = Callable[[GpuProcess], bool]
@@ -542,7 +551,8 @@ class ManagerInterface(ServiceInterface):
         grace, force = self._kill_options(options)
         result = await self._actions.kill(caller, pid, start_time, grace, force, INITIATOR_USER,
                                           method=KILL_REPORT_METHOD)
-        return to_dbus(KillReport(result.outcome, result.reclaim))
+        viewer = await self._bouncer.viewer(caller)
+        return to_dbus(KillReport(result.outcome, _reclaim_as_seen(result.reclaim, viewer)))
 
     @method()
     @dbus_errors
@@ -553,7 +563,10 @@ class ManagerInterface(ServiceInterface):
             raise InvalidArgs("give exactly one of the selection keys tree, unit, container")
         chosen = Selection.parse({k: v.value for k, v in selection.items()})
         reply = await self._actions.kill_workload(caller, chosen, grace, force, INITIATOR_USER)
-        return to_dbus(reply)
+        viewer = await self._bouncer.viewer(caller)
+        entries = tuple(e if e.uid == viewer.uid or viewer.others in (FULL, PROGRAM) else
+                        dataclasses.replace(e, comm="") for e in reply.entries)
+        return to_dbus(dataclasses.replace(reply, entries=entries, reclaim=_reclaim_as_seen(reply.reclaim, viewer)))
 
     @method()
     @dbus_errors
