@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 
@@ -100,13 +101,17 @@ def test_a_lone_process_is_reclaimed(victims, users):
 
 
 @pytest.mark.parametrize("variant", [
-    {}, {"ignore_term": True}, {"helpers": 2},
-])
+    {}, {"ignore_term": True}, {"helpers": 2}, {"stopped": True},
+], ids=["workers", "ignoring-sigterm", "non-gpu-helpers", "stopped"])
 def test_kill_tree_reclaims_the_workload(victims, users, workloads, variant):
     bed = victims
-    w = trainer(bed, users["owner"], workers=4, mem="1GiB", **variant)
+    stopped = variant.get("stopped", False)
+    w = trainer(bed, users["owner"], workers=4, mem="1GiB", **{k: v for k, v in variant.items() if k != "stopped"})
     workloads.append(w)
     _listed_all(bed, [w.pid, *w.workers])
+    if stopped:  # a stopped trainer and workers: SIGTERM waits for a SIGCONT that never comes, SIGKILL does not
+        for pid in [w.pid, *w.workers]:
+            os.kill(pid, signal.SIGSTOP)
     cli = bed.ctl(users["owner"], "kill", "--tree", str(w.pid), "--force", "--grace", "0.5")
     assert cli.returncode == 0, cli
     assert f"tree of PID {w.pid}: GPU memory reclaimed (5.0 GiB)" in cli.stdout, cli.stdout
