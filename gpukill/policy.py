@@ -52,6 +52,7 @@ from .rules import (
     ACTIONS,
     EMPTY_POLICY,
     EVERY,
+    KILL_SCOPES,
     MATCHES,
     MAX_RESETS_PER_HOUR,
     MEAN,
@@ -102,7 +103,7 @@ AT_START = "at_start"  # a warning when the grace period begins (with the violat
 NUMERIC_KINDS = (PERCENT, CELSIUS, SIZE, DURATION, COUNT)  # what a mean can be taken of
 MAX_WARNINGS = 8  # warnings per rule: enough for any schedule, a bound on what one episode sends
 RULE_KEYS = ("name", "description", "conditions", "match", "scope", "action", "force", "grace_period",
-             "kill_grace", "notify", "exemptions", "cooldown", "max_resets_per_hour", "warn")
+             "kill_grace", "notify", "exemptions", "cooldown", "max_resets_per_hour", "warn", "kill_scope")
 RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
 MIN_RESET_COOLDOWN, MAX_RESETS_PER_HOUR_LIMIT = 10.0, 60  # a reset takes seconds; a device reset every minute is plenty
 CONDITION_KEYS = ("type", "operator", "value", "duration", "over", "scope", "description")
@@ -614,9 +615,17 @@ class _Parser:
         kill_grace = None
         if "kill_grace" in fields:
             kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_GRACE)
+        kill_scope = "process"
+        if "kill_scope" in fields:
+            ks = self.string(fields["kill_scope"][1], "kill_scope")
+            if ks is not None and ks not in KILL_SCOPES:
+                self.error(fields["kill_scope"][1], f"kill_scope must be one of {', '.join(KILL_SCOPES)}, "
+                                                    f"not {_q(ks)}")
+            elif ks is not None:
+                kill_scope = ks
         if action in ("notify", "log", RESET):
-            for key in (("grace_period", "kill_grace", "warn") if action == RESET
-                        else ("force", "grace_period", "kill_grace", "warn")):
+            for key in (("grace_period", "kill_grace", "warn", "kill_scope") if action == RESET
+                        else ("force", "grace_period", "kill_grace", "warn", "kill_scope")):
                 if key in fields:
                     self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
         warn: tuple[float, ...] = ()
@@ -708,7 +717,7 @@ class _Parser:
         return Rule(name=name, description=description, conditions=tuple(conditions), match=match, scope=scope,
                     action=action, force=force, grace_period=grace, kill_grace=kill_grace, notify=notify,
                     exemptions=exemptions, where=self.where(node), cooldown=reset_cooldown,
-                    max_resets_per_hour=max_resets, warn=warn)
+                    max_resets_per_hour=max_resets, warn=warn, kill_scope=kill_scope)
 
     def warn_schedule(self, node: Node, grace: float, no_grace: Node | None) -> tuple[float, ...]:
         """`warn: [at_start, 15m, 1m]`: when to warn during the grace period, each item `at_start` or a duration

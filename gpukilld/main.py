@@ -278,7 +278,7 @@ class Daemon:
         self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
                                  self.config.guard_policy_dir, self.config.guard_state_dir,
                                  protection=protection_of(self.config), signals=self, reset=self.actions.reset,
-                                 proc_root=self.config.proc_root)
+                                 proc_root=self.config.proc_root, kill_workload=self.actions.kill_workload)
         self.guard_interface = GuardInterface(self.guard, bouncer, lambda: self.snapshot)
         self.manager.usage = None  # GetUsage answers NotSupported until the keeper starts (below), or if off
         busio.tolerate_full_socket(bus)

@@ -64,6 +64,8 @@ PRIVILEGED = sorted(m for m, action in bouncer.METHOD_ACTIONS.items() if action 
 # One call of each privileged method: (signature, body); "$PID", "$START" are the victim's.
 CALLS = {
     (MANAGER_INTERFACE, "KillProcess"): ("uta{sv}", ["$PID", "$START", {}]),
+    (MANAGER_INTERFACE, "KillProcessReport"): ("uta{sv}", ["$PID", "$START", {}]),
+    (MANAGER_INTERFACE, "KillWorkload"): ("a{sv}a{sv}", ["$TREE", {}]),  # the victim's tree: itself
     (MANAGER_INTERFACE, "ResetDevice"): ("sa{sv}", ["1", {}]),
     (GUARD_INTERFACE, "Enable"): ("", []),
     (GUARD_INTERFACE, "Disable"): ("", []),
@@ -141,8 +143,9 @@ class Served:
 
     async def call(self, method: tuple[str, str]) -> Message:
         signature, body = CALLS[method]
+        tree = {"tree": Variant("(ut)", [self.victim.pid, self.start_time])}
         body = [self.victim.pid if v == "$PID" else self.start_time if v == "$START" else
-                MANAGED.target if v == "$MANAGED" else v for v in body]
+                MANAGED.target if v == "$MANAGED" else tree if v == "$TREE" else v for v in body]
         reply = await self.client.call(Message(destination=self.service, path=OBJECT_PATH, interface=method[0],
                                                member=method[1], signature=signature, body=body))
         assert reply is not None
@@ -206,7 +209,7 @@ async def serve(address: str, tmp_path: Path, victim: subprocess.Popen, allowed:
 
 def acted(served: Served, method: tuple[str, str]) -> bool:
     """Whether the method's act was done: the victim killed, the device reset, the guard's audit of a change."""
-    if method == KILL_METHOD:
+    if method == KILL_METHOD or method[1] in ("KillProcessReport", "KillWorkload"):
         return served.victim.poll() is not None  # the kill path waits for the exit before it answers
     if method == RESET_METHOD:
         return served.backend.resets == ["dev1"]

@@ -19,7 +19,9 @@ from gpukill.records import (
     SIGNALS,
     DeviceReset,
     DeviceStateChanged,
+    Holder,
     ProcessKilled,
+    Reclaim,
     ViolationDetails,
     names,
     signal_record,
@@ -51,8 +53,14 @@ def test_signals_match_the_interface_xml():
 
 def test_signal_record_takes_only_what_fits_the_declaration():
     killed = [41, 7, 1000, "train", ["GPU-1"], "terminated", 1000, "user"]
+    # an older gpukilld's 8 arguments: no reclaim, its default ("unwatched")
     assert signal_record("org.gpukill1.Manager", "ProcessKilled", killed) == ProcessKilled(
         41, 7, 1000, "train", ("GPU-1",), "terminated", 1000, "user")
+    held = {"verdict": "held", "held": 5, "devices": [0], "holders": [
+        {"pid": 42, "start_time": 8, "uid": 1000, "comm": "w", "device": 0, "memory": 5, "relation": "orphan"}]}
+    got = signal_record("org.gpukill1.Manager", "ProcessKilled", [*killed, held])
+    assert got.reclaim == Reclaim("held", held=5, devices=(0,), holders=(Holder(42, 8, 1000, "w", 0, 5, "orphan"),))
+    assert signal_record("org.gpukill1.Manager", "ProcessKilled", [*killed, held, "more"]) is None
     details = {"scope": "per_user", "reason": "9 GiB", "grace": 2.0, "uid": 1000, "pids": [41], "time": 5.0}
     violated = signal_record("org.gpukill1.Guard", "PolicyViolated", ["r", "user x", "kill", False, details])
     assert violated.details == ViolationDetails("per_user", "9 GiB", 2.0, 1000, (41,), 5.0)
@@ -173,7 +181,8 @@ def test_a_forged_signal_is_dropped(ebed, users):
         await probe_until_heard(plain, *listeners)
 
         sender = await asyncio.to_thread(forge, ebed, users["other"], "ProcessKilled", signature(ProcessKilled),
-                                         [FORGED_PID, 1, 0, "forged", ["GPU-x"], "terminated", 0, "user"])
+                                         [FORGED_PID, 1, 0, "forged", ["GPU-x"], "terminated", 0, "user",
+                                          {"verdict": {"$variant": ["s", "reclaimed"]}}])
         await plain.reset(str(PROBE_DEVICE))  # a real signal after the forged one: delivered in order
         for listener in listeners:
             assert await listener.wait_for(is_probe) is not None

@@ -88,6 +88,7 @@ assert set(METHODS) == {
     (GUARD, "ExportPolicies"), (GUARD, "ImportPolicies"),
     (MANAGER, "AuditRogueWith"), (MANAGER, "GetAuditSettings"), (MANAGER, "SetAuditSettings"),
     (MANAGER, "ExportAuditSettings"), (MANAGER, "ImportAuditSettings"), (MANAGER, "GetUsage"),
+    (MANAGER, "KillProcessReport"), (MANAGER, "KillWorkload"),
 }, f"the XML's methods changed: update this fuzz ({sorted(METHODS)})"
 MEMBER_IFACE = {member: iface for iface, member in METHODS}  # every member name is unique to one interface
 assert len(MEMBER_IFACE) == len(METHODS)
@@ -279,6 +280,7 @@ def options(typed: dict[str, tuple[str, ...]]) -> st.SearchStrategy:
 FILTER_TYPES = {"device": ("s", "u", "y"), "user": ("s", "u"), "name": ("s",), "name_regex": ("s",),
                 "min_memory": ("t", "u", "x"), "limit": ("u", "q", "y"), "after": ("(uu)",)}
 KILL_TYPES = {"force": ("b",), "grace": ("d", "u", "y", "t", "x")}
+SELECTION_TYPES = {"tree": ("(ut)", "(uu)", "s"), "unit": ("s", "u"), "container": ("s",)}
 RESET_TYPES = {"force": ("b",)}
 AUDIT_SETTING_TYPES = {"min_score": ("d", "u"), "idle_after": ("d",), "idle_min_memory": ("t",),
                        "abuser_share": ("d",), "abuser_window": ("d",), "pool_ports": ("aq",),
@@ -308,6 +310,11 @@ ARGS = {  # per method, the values of its arguments when it is called with its o
     "ListProcesses": st.tuples(options(FILTER_TYPES)).map(list),
     "ListProcessesCompact": st.tuples(options(FILTER_TYPES)).map(list),  # the same filter
     "KillProcess": st.tuples(kill_targets, options(KILL_TYPES)).map(lambda t: [*t[0], t[1]]),
+    "KillProcessReport": st.tuples(kill_targets, options(KILL_TYPES)).map(lambda t: [*t[0], t[1]]),
+    # a documented or arbitrary selection, or the tree of a real process (exactly, or with another start time)
+    "KillWorkload": st.tuples(st.one_of(options(SELECTION_TYPES),
+                                        kill_targets.map(lambda t: [["tree", ["(ut)", list(t)]]])),
+                              options(KILL_TYPES)).map(list),
     "ResetDevice": st.tuples(device_names, options(RESET_TYPES)).map(list),
     "Enable": st.just([]), "Disable": st.just([]), "GetStatus": st.just([]),
     "SetDryRun": st.tuples(st.booleans()).map(list),
@@ -417,6 +424,7 @@ CALL_KINDS = {  # kind of call -> its share of the examples
 
 # Every method and property once for sure, whatever the generator draws (hypothesis runs these first).
 MINIMAL_ARGS = {"ListDevices": [], "AuditRogue": [], "ListProcesses": [[]], "ListProcessesCompact": [[]], "KillProcess": [2**32 - 1, 2**64 - 1, []],
+                "KillProcessReport": [2**32 - 1, 2**64 - 1, []], "KillWorkload": [[], []],
                 "ResetDevice": ["no-such-gpu", []], "Enable": [], "Disable": [], "GetStatus": [],
                 "SetDryRun": [False], "LoadPolicy": ["explicit", "{"], "TestPolicies": ["explicit", "rules: []\n"],
                 "ListPolicies": [], "ExportPolicies": [], "SetPolicy": ["user", "gpkfuzz", {}],
@@ -611,11 +619,19 @@ class Fuzz:
             self.fail(f"{len(unknown)} unexpected traceback(s) in gpukilld's log {after}:\n" + "\n".join(lines))
 
     def harmless(self, spec: dict) -> bool:
-        """False for a KillProcess aimed at the exact (pid, start_time) of a process outside the testbed's
+        """False for a KillProcess (KillProcessReport, KillWorkload's tree) aimed at the exact (pid, start_time)
+        of a process outside the testbed's
         targets: those the daemon must refuse, and the fuzz never asks (what matters must not depend on it)."""
-        if spec["member"] != "KillProcess" or spec["signature"][:2] != "ut" or len(spec["body"]) < 2:
+        if spec["member"] == "KillWorkload" and spec["signature"] == "a{sv}a{sv}" and len(spec["body"]) == 2:
+            tree = [e for e in spec["body"][0] if isinstance(e, list) and e and e[0] == "tree"]
+            if not tree or tree[0][1][0] != "(ut)":
+                return True  # a unit or container: the testbed's victim is in neither
+            pid, start = tree[0][1][1]
+        elif spec["member"] not in ("KillProcess", "KillProcessReport") or spec["signature"][:2] != "ut" \
+                or len(spec["body"]) < 2:
             return True
-        pid, start = spec["body"][0], spec["body"][1]
+        else:
+            pid, start = spec["body"][0], spec["body"][1]
         if pid in self.safe_targets:
             return True
         try:

@@ -30,9 +30,11 @@ from gpukill.records import (
     AuditSettings,
     Device,
     GuardStatus,
+    KillReport,
     ManagedPolicyEntry,
     PolicyLoaded,
     Process,
+    Reclaim,
     ResetReply,
     UsageReport,
     UsageRow,
@@ -97,6 +99,11 @@ class RecordingClient:
     async def kill(self, pid, start_time, *, force=False, grace=None, interactive=False):
         self._record("kill", pid, start_time, force=force, grace=grace)
         return Outcome.TERMINATED
+
+    async def kill_report(self, pid, start_time, *, force=False, grace=None, interactive=False):
+        # gpukillctl kill's call (KillProcessReport): the same kill, recorded as one, with the GPU's answer
+        self._record("kill", pid, start_time, force=force, grace=grace)
+        return KillReport(Outcome.TERMINATED, Reclaim("reclaimed", reclaimed=GIB))
 
     async def reset(self, device, *, force=False, interactive=False):
         self._record("reset", device, force=force)
@@ -699,7 +706,7 @@ def test_kill_by_pid(victims, users, alive):
     bed.wait_listed(victim.pid, comm="compatpid")
     r = bed.gpukill(owner, "--kill", "--pid", str(victim.pid))
     assert r.returncode == 0, r
-    assert r.stdout == f"PID {victim.pid} (compatpid) terminated\n"
+    assert r.stdout == f"PID {victim.pid} (compatpid) terminated; GPU memory reclaimed\n"  # the GPU's answer too
     assert not alive(victim.pid)
 
 

@@ -32,7 +32,8 @@ def test_sigterm_ignoring_victim_is_killed_by_force(victims, users, alive):
     assert victim.wait(5) == -9
     sig = rec.wait_for("ProcessKilled", where=lambda b: b[0] == victim.pid)
     assert sig is not None
-    pid, start_time, uid, comm, devices, outcome, caller_uid, initiator = sig["body"]
+    pid, start_time, uid, comm, devices, outcome, caller_uid, initiator, reclaim = sig["body"]
+    assert reclaim["verdict"] == "reclaimed"  # after the exit, nothing related holds its GPU
     assert (start_time, uid, comm, outcome, caller_uid, initiator) == (
         listed["start_time"], users["owner"].uid, "stubborn", "killed", users["owner"].uid, "user")
     assert devices == [listed["device_id"]]
@@ -132,5 +133,5 @@ def test_kill_through_cli_by_owner(victims, users):
     bed.wait_listed(victim.pid, comm="xmrig")
     r = bed.ctl(users["owner"], "kill", str(victim.pid))
     assert r.returncode == 0, r
-    assert r.stdout.strip() == f"PID {victim.pid} (xmrig) terminated"
+    assert r.stdout.strip() == f"PID {victim.pid} (xmrig) terminated; GPU memory reclaimed"
     bed.wait_listed(victim.pid, present=False)

@@ -91,7 +91,9 @@ def test_the_server_user_kills_their_own_process(server, victims, users):
     listed = victims.wait_listed(victim.pid)
     r = server.call("POST", "/v1/kill", {"pid": victim.pid, "start_time": listed["start_time"], "grace": 2})
     assert r.status == 200, r
-    assert r.body == {"pid": victim.pid, "start_time": listed["start_time"], "outcome": "terminated"}
+    assert {k: r.body[k] for k in ("pid", "start_time", "outcome")} == {
+        "pid": victim.pid, "start_time": listed["start_time"], "outcome": "terminated"}
+    assert r.body["reclaim"]["verdict"] == "reclaimed" and r.body["answer"] == "GPU memory reclaimed", r.body
     assert victim.wait(5) is not None
     entries = victims.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
     assert entries, "the kill is not in the journal"

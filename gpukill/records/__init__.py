@@ -22,7 +22,8 @@ Split by who needs them, and loaded on first use: a frozen, slotted dataclass ge
 when its class statement runs (~0.35 ms each), and a one-shot `gpukillctl list` needs 3 of the 24 records. So
 `from gpukill.records import X` (or `records.X`) imports X's module the first time X is asked for; the
 declaring modules are base (wire() and the plain form), manager (the listings': devices, processes, memory regions),
-status (the Manager's others: a reset's reply, backends, sampling), audit, guard, signals and usage.
+status (the Manager's others: a reset's reply, backends, sampling), audit, guard, signals, usage and reclaim
+(a kill's answer: the memory back or who holds it).
 tests/test_records_lazy.py checks that _HOME names every public name of those modules.
 """
 
@@ -46,6 +47,9 @@ _HOME: dict[str, str] = {
                      "signal_record"), "signals"),
     **dict.fromkeys(("USAGE_BY", "ENDED_LIVE", "ENDED_EXITED", "ENDED_LEFT", "ENDED_DAEMON_DOWN", "UsageRecord",
                      "UsageRow", "UsageReport"), "usage"),
+    **dict.fromkeys(("RECLAIMED", "HELD", "STUCK", "ALIVE", "UNWATCHED", "VERDICTS", "DESCENDANT", "ORPHAN",
+                     "SAME_UNIT", "SAME_CONTAINER", "SAME_POD", "SAME_JOB", "MAX_HOLDERS", "Holder", "Reclaim",
+                     "WorkloadEntry", "WorkloadReply", "KillReport"), "reclaim"),
 }
 
 __all__ = ["Wire", "from_plain", "known_values", "left_out", "names", "specs", "to_plain", "wire", *_HOME]
@@ -67,6 +71,8 @@ def __getattr__(name: str) -> Any:
         from . import signals as module
     elif home == "usage":
         from . import usage as module
+    elif home == "reclaim":
+        from . import reclaim as module
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(module, name)

@@ -7,6 +7,7 @@ from typing import Any
 
 from .base import from_plain, names, wire
 from .guard import ViolationDetails
+from .reclaim import UNWATCHED, Reclaim
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,9 @@ class ProcessKilled:
     outcome: str = wire("s", '"terminated", "killed" or "still-alive" (gpukill.outcome)')
     caller_uid: int = wire("u", "who asked (0 for the daemon itself: a reset with force, a Guard rule)")
     initiator: str = wire("s", '"user" (a KillProcess call), "reset", or "guard:RULE"')
+    # the last argument, added with the watch of the GPU: an older daemon's 8-argument signal has none
+    reclaim: Reclaim = wire("a{sv}", "the GPU's answer: memory reclaimed, held by whom, or stuck and why",
+                            Reclaim(UNWATCHED), of=Reclaim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,9 +112,16 @@ def signal_record(interface: str, member: str, args: list[Any]) -> Any:
     """The record of a signal from its arguments (variants unwrapped), or None when it is not one of ours or
     its arguments do not fit the declaration (a newer daemon's signal, or not gpukilld's)."""
     cls = SIGNALS.get((interface, member))
-    if cls is None or len(args) != len(names(cls)):
+    if cls is None:
+        return None
+    keys = names(cls)
+    if cls is ProcessKilled and len(args) == len(keys) - 1:
+        keys = keys[:-1]  # an older gpukilld's, without the reclaim: its default stands
+    elif cls is ProcessKilled and len(args) == len(keys) and not isinstance(args[-1], dict):
+        return None  # a reclaim that is no record: not gpukilld's signal
+    if len(args) != len(keys):
         return None
     try:  # a value of the wrong type is left out by from_plain, and every signal field is required
-        return from_plain(cls, dict(zip(names(cls), args, strict=True)))
+        return from_plain(cls, dict(zip(keys, args, strict=True)))
     except TypeError:
         return None

@@ -38,11 +38,13 @@ if TYPE_CHECKING:
         Decision,
         Finding,
         GuardStatus,
+        KillReport,
         ManagedPolicyEntry,
         PolicyLoaded,
         ResetReply,
         SamplingStatus,
         UsageReport,
+        WorkloadReply,
     )
 
 BUS_NAME = "org.gpukill1"
@@ -274,6 +276,47 @@ class ClientAPI:
             return Outcome(outcome)
         except ValueError:
             raise ClientError("", f"gpukilld answered an unknown outcome: {outcome!r}") from None
+
+    @staticmethod
+    def _kill_options(force: bool, grace: float | None, interactive: bool) -> tuple[dict[str, Var], float]:
+        options: dict[str, Var] = {"force": Var("b", force)}
+        if grace is not None:
+            options["grace"] = Var("d", float(grace))
+        # the grace, SIGKILL's wait, the watch of the GPU (3 samples), a password prompt
+        return options, (grace if grace is not None else 5.0) + 60.0 + (300.0 if interactive else 0.0)
+
+    async def kill_report(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
+                          interactive: bool = False) -> KillReport:
+        """kill() with the GPU's answer: the outcome and whether the memory came back (gpukill/records/reclaim.py).
+        A gpukilld without KillProcessReport answers as kill() does, its reclaim "unwatched"."""
+        from gpukill.records import KillReport, Reclaim
+
+        options, timeout = self._kill_options(force, grace, interactive)
+        try:
+            (report,) = await self._call("KillProcessReport", "uta{sv}", [pid, start_time, options],
+                                         interactive=interactive, timeout=timeout)
+        except ClientError as e:
+            if e.name != UNKNOWN_METHOD:
+                raise
+            outcome = await self.kill(pid, start_time, force=force, grace=grace, interactive=interactive)
+            return KillReport(outcome, Reclaim("unwatched"))
+        return from_plain(KillReport, report)
+
+    async def kill_workload(self, selection: dict[str, Var], *, force: bool = False, grace: float | None = None,
+                            interactive: bool = False) -> WorkloadReply:
+        """Every GPU process of a tree ({"tree": Var("(ut)", (pid, start))}), unit or container in one act."""
+        from gpukill.records import WorkloadReply
+
+        options, timeout = self._kill_options(force, grace, interactive)
+        try:
+            (reply,) = await self._call("KillWorkload", "a{sv}a{sv}", [selection, options], interactive=interactive,
+                                        timeout=timeout + 60.0)
+        except ClientError as e:
+            if e.name != UNKNOWN_METHOD:
+                raise
+            raise ERRORS[errors.NotSupported.dbus_name](
+                e.name, "this gpukilld cannot kill a workload in one act (it has no KillWorkload: upgrade it)") from None
+        return from_plain(WorkloadReply, reply)
 
     async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
         (result,) = await self._call("ResetDevice", "sa{sv}", [device, {"force": Var("b", force)}],

@@ -20,6 +20,7 @@ EXIT_STILL_ALIVE = 10
 EXIT_RESET_FAILED = 11
 EXIT_INVALID_POLICY = 12
 EXIT_BUSY_TRY_AGAIN = 13
+EXIT_MEMORY_HELD = 14  # the process exited, but related processes still hold its GPU's memory
 
 # By the shared error class the client's exception is (client.ERRORS): the D-Bus names are spelled there.
 EXIT_FOR_ERROR: dict[type[Exception], int] = {
@@ -55,11 +56,14 @@ exit status:
   7   refused: protected process (PID 1, kernel thread, gpukilld) or not a GPU process
   8   GPU busy: processes still use it (reset --force kills them first)
   9   not supported on this GPU
-  10  the process is still alive after the grace period (kill --force sends SIGKILL)
+  10  the process is still alive after the grace period (kill --force sends SIGKILL), or after SIGKILL
+      (stuck in the kernel: the line says where, and which `gpukillctl reset N` frees the GPU)
   11  GPU reset failed; the device was left as it was
   12  the guard policy is invalid (each error as FILE:LINE:COL: message; the policy in force stays)
   13  too busy: a limit per user was reached (authorizations waiting for polkit, a policy test running);
       nothing was done, try again
+  14  the process exited, but its GPU memory is still held (by its orphaned workers, its unit's or
+      container's other processes: named on the line); kill --tree/--unit/--container reclaims a workload
 
 JSON (list --json) is stable: {"format": 1, "devices": [...], "processes": [...]}; every key is always present,
 null where the daemon cannot read a value.

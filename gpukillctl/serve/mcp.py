@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpukill import errors
 from gpukill.limits import MAX_GRACE
+from gpukill.outcome import reclaim_text
 from gpukill.records import (
     USAGE_BY,
     Decision,
@@ -60,6 +61,7 @@ from gpukill.records import (
     GuardStatus,
     ManagedPolicyEntry,
     Process,
+    Reclaim,
     ResetReply,
     UsageReport,
 )
@@ -114,6 +116,11 @@ class KillResult(BaseModel):
     outcome: Literal["terminated", "killed", "still-alive"] = Field(
         description="terminated: exited after SIGTERM; killed: needed SIGKILL (force); still-alive: outlived "
                     "the grace without force")
+    reclaim: Reclaim | None = Field(None, description=(
+        "kill_process's GPU answer: verdict reclaimed (memory back), held (exited, but its orphaned workers or "
+        "its unit's processes hold memory: holders), stuck (alive after SIGKILL: reason, remedy gpukillctl "
+        "reset N)"))
+    answer: str = Field("", description="the GPU's answer in words (process names escaped)")
 
 
 class ResetResult(BaseModel):
@@ -391,8 +398,9 @@ def build_mcp(connect: Connect) -> MCPServer:
         polkit's org.gpukill.kill-own-process, which the default policy grants; another user's need
         org.gpukill.kill-any-process, which it gives only to administrators (AccessDenied otherwise: no
         password can be asked here)."""
-        return await tool(lambda c: c.kill(pid, start_time, force=force, grace=grace),
-                          lambda outcome: KillResult(pid=pid, start_time=start_time, outcome=outcome.value))
+        return await tool(lambda c: c.kill_report(pid, start_time, force=force, grace=grace),
+                          lambda report: KillResult(pid=pid, start_time=start_time, outcome=report.outcome,
+                                                    reclaim=report.reclaim, answer=reclaim_text(report.reclaim)))
 
     @register(title="Reset a GPU", annotations=DESTRUCTIVE)
     async def reset_device(

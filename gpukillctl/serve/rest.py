@@ -43,7 +43,7 @@ from starlette.routing import Match
 from gpukill import errors
 from gpukill.limits import MAX_GRACE
 from gpukill.managed_policy import KINDS, MAX_ALLOWED_USERS, MAX_GRACE_PERIOD
-from gpukill.outcome import Outcome
+from gpukill.outcome import reclaim_text
 from gpukill.policy import MAX_POLICY_BYTES
 from gpukill.procstat import read_stat
 from gpukill.records import (
@@ -54,6 +54,7 @@ from gpukill.records import (
     GuardStatus,
     ManagedPolicyEntry,
     Process,
+    Reclaim,
     ResetReply,
     UsageReport,
     Wire,
@@ -327,8 +328,12 @@ class KillResult(BaseModel):
     start_time: int = Field(description="the start time the kill was made for")
     outcome: Literal["terminated", "killed", "still-alive"] = Field(
         description="terminated: exited after SIGTERM; killed: needed SIGKILL (force); still-alive: outlived "
-        "the grace without force"
+        "the grace without force (or SIGKILL: reclaim says stuck, why and the reset)"
     )
+    reclaim: model_of(Reclaim) = Field(  # type: ignore[valid-type]
+        description="the GPU's answer: its memory reclaimed, still held by whom, or the process stuck and why"
+    )
+    answer: str = Field(description="the answer in words, as gpukillctl kill says it")
 
 
 class ResetRequest(BaseModel):
@@ -555,10 +560,11 @@ def build_rest(connect: Connect) -> FastAPI:
             if start_time is None:
                 listed = next((p for p in await client.list_processes() if p.pid == request.pid), None)
                 start_time = listed.start_time if listed else _start_time_now(request.pid)
-            outcome: Outcome = await client.kill(
+            report = await client.kill_report(
                 request.pid, start_time, force=request.force, grace=request.grace
             )
-            return {"pid": request.pid, "start_time": start_time, "outcome": outcome.value}
+            return {"pid": request.pid, "start_time": start_time, "outcome": report.outcome,
+                    "reclaim": to_plain(report.reclaim), "answer": reclaim_text(report.reclaim)}
 
         return await with_daemon(act)
 

@@ -77,13 +77,20 @@ def _dry(dry_run: bool) -> str:
     return " (dry run)" if dry_run else ""
 
 
+def reclaim_text(reclaim: Any) -> str:
+    from gpukill.outcome import reclaim_text as words  # here: only a kill's line needs it
+
+    return words(reclaim)
+
+
 def describe(record: Any) -> str:
     """The essential fields of a signal, in words."""
     match record:
         case ProcessKilled():
             on = ", ".join(record.devices) or "no GPU"
             by = f"user uid {record.caller_uid}" if record.initiator == "user" else record.initiator
-            return f"PID {record.pid} ({record.comm}, uid {record.uid}) on {on}: {record.outcome}; by {by}"
+            answer = "" if record.reclaim.verdict == "unwatched" else f"; {reclaim_text(record.reclaim)}"
+            return f"PID {record.pid} ({record.comm}, uid {record.uid}) on {on}: {record.outcome}{answer}; by {by}"
         case DeviceReset():
             result = "reset" if record.success else "reset failed"
             killed = f"; killed first: {', '.join(map(str, record.killed))}" if record.killed else ""

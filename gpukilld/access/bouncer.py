@@ -48,6 +48,8 @@ CONFIGURE_AUDIT = "org.gpukill.configure-audit"  # the rogue-activity audit's th
 Method = tuple[str, str]  # (interface, member), as called on the bus
 KILL_METHOD: Method = (MANAGER_INTERFACE, "KillProcess")
 RESET_METHOD: Method = (MANAGER_INTERFACE, "ResetDevice")
+KILL_REPORT_METHOD: Method = (MANAGER_INTERFACE, "KillProcessReport")
+WORKLOAD_METHOD: Method = (MANAGER_INTERFACE, "KillWorkload")
 
 
 class OwnOrAny(str):
@@ -78,6 +80,9 @@ METHOD_ACTIONS: dict[Method, str] = {
     # GPU usage accounting: everyone sees their own records, others' as the listings show others' processes
     (MANAGER_INTERFACE, "GetUsage"): READ_ONLY,
     KILL_METHOD: OwnOrAny(own=KILL_OWN, others=KILL_ANY),
+    # KillProcess with the GPU's answer; a workload's processes, each process of it asked as one kill
+    KILL_REPORT_METHOD: OwnOrAny(own=KILL_OWN, others=KILL_ANY),
+    WORKLOAD_METHOD: OwnOrAny(own=KILL_OWN, others=KILL_ANY),
     RESET_METHOD: RESET_DEVICE,
     # Guard Mode: reading the state and asking what a policy would do (TestPolicies never acts) are open to
     # everyone; whatever changes what the guard enforces needs manage-guard.

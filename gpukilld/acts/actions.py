@@ -16,20 +16,24 @@ from dataclasses import dataclass
 from gpukill.errors import (
     DeviceBusy,
     GpukillError,
+    InvalidArgs,
     NoSuchDevice,
+    NotAGpuProcess,
     NotSupported,
     Protected,
     ResetFailed,
 )
-from gpukill.outcome import INITIATOR_RESET, Outcome, guard_initiator
-from gpukill.records import ResetReply
+from gpukill.outcome import INITIATOR_RESET, Outcome, guard_initiator, reclaim_text
+from gpukill.records import ALIVE, UNWATCHED, Reclaim, ResetReply, WorkloadEntry, WorkloadReply
 from gpukill.text import shown
 
 from .. import journal
-from ..access.bouncer import KILL_METHOD, RESET_METHOD, Bouncer, Caller, Request
+from ..access.bouncer import KILL_METHOD, RESET_METHOD, WORKLOAD_METHOD, Bouncer, Caller, Method, Request
 from ..backends import Backend
 from ..model import Snapshot
-from .killer import Killer, check_grace
+from .killer import Killer, PinnedProcess, check_grace
+from .reclaim import Watch, reclaim_fields, remember_tree
+from .selection import MAX_WORKLOAD, Selection
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,18 @@ class KillResult:
     device_ids: tuple[str, ...]
     outcome: Outcome
     initiator: str  # gpukill.outcome's: INITIATOR_USER, INITIATOR_RESET or guard_initiator(RULE)
+    reclaim: Reclaim = Reclaim(UNWATCHED)  # the GPU's answer (reclaim.py)
+
+
+def _owner(snapshot: Snapshot, key: tuple[int, int]) -> int | None:
+    listed = snapshot.processes_of(*key)
+    return listed[0].uid if listed else None
+
+
+def _entry_of(snapshot: Snapshot, pid: int, start_time: int, result: str, error: str) -> WorkloadEntry:
+    """A refused process of a batch, named as the snapshot listed it."""
+    listed = next(iter(snapshot.processes_of(pid, start_time)), None)
+    return WorkloadEntry(pid, start_time, listed.uid if listed else 0, listed.comm if listed else "", result, error)
 
 
 class Actions:
@@ -80,42 +96,159 @@ class Actions:
         self.refusals.log(self.bouncer.people.person(caller.uid) if caller else None, kind, message, **fields)
 
     async def kill(
-        self, caller: Caller | None, pid: int, start_time: int, grace: float, force: bool, initiator: str
+        self, caller: Caller | None, pid: int, start_time: int, grace: float, force: bool, initiator: str,
+        watch: bool = True, method: Method = KILL_METHOD,
     ) -> KillResult:
         """Kill (pid, start_time). caller None means the daemon itself acts (a reset with force, Guard).
-        initiator (gpukill.outcome's) goes into the journal and ProcessKilled as it is."""
-        base = {
-            "action": "kill", "target_pid": pid, "target_start_time": start_time, "initiator": initiator,
-            "force": int(force), **self._caller_fields(caller),
-        }
-        who = f"uid {caller.uid}" if caller else initiator
+        initiator (gpukill.outcome's) goes into the journal and ProcessKilled as it is. watch: after the exit,
+        watch its devices for the GPU's answer (reclaim.py); a reset clearing its device does not. method: the
+        bus method called (KillProcess, KillProcessReport): its row of the bouncer's table decides."""
+        base = self._base(caller, pid, start_time, force, initiator)
+        who = self._who(caller, initiator)
         try:
             check_grace(grace)
-            target = self.killer.open(pid, start_time, self._snapshot())
+            snapshot = self._snapshot()
+            target = self.killer.open(pid, start_time, snapshot)
         except GpukillError as e:
             self._refused(caller, journal.KILL_FAILED, f"Kill of PID {pid} requested by {who} refused: {e}",
                           result=e.result, error=str(e), **base)
             raise
         try:
-            fields = {**base, "target_uid": target.uid, "target_comm": target.comm,
-                      "device": ",".join(target.device_ids)}
-            label = f"PID {pid} ({shown(target.comm)}, user {shown(target.user)})"
+            fields = self._fields(target, base)
             if caller is not None:
-                fields["polkit_action"] = await self.bouncer.check(
-                    caller, KILL_METHOD,
-                    {"pid": str(pid), "target_user": target.user, "device": ",".join(target.device_ids)},
-                    target.uid,
-                    request=Request(journal.KILL_DENIED, f"Kill of {label}",
-                                    f"kill PID {pid} ({shown(target.comm)}) of user {shown(target.user)}", fields),
-                )
+                fields["polkit_action"] = await self._authorize(caller, target, fields, method)
+            the_watch = await self._watch(snapshot, [target]) if watch else None
             outcome = await self.killer.terminate(target, grace, force)
+            reclaim = await self._answer(the_watch, [(target, outcome)], force)
         finally:
             target.close()
-        self.audit.log(journal.KILL, f"{label} {outcome.text}; requested by {who}",
-                       result=outcome, grace=grace, **fields)
-        result = KillResult(pid, start_time, target.uid, target.comm, target.device_ids, outcome, initiator)
+        return self._done(caller, target, outcome, reclaim, grace, fields, who, initiator)
+
+    @staticmethod
+    def _base(caller: Caller | None, pid: int, start_time: int, force: bool, initiator: str) -> dict[str, object]:
+        return {"action": "kill", "target_pid": pid, "target_start_time": start_time, "initiator": initiator,
+                "force": int(force), **Actions._caller_fields(caller)}
+
+    @staticmethod
+    def _who(caller: Caller | None, initiator: str) -> str:
+        return f"uid {caller.uid}" if caller else initiator
+
+    @staticmethod
+    def _fields(target: PinnedProcess, base: dict[str, object]) -> dict[str, object]:
+        return {**base, "target_uid": target.uid, "target_comm": target.comm, "device": ",".join(target.device_ids)}
+
+    @staticmethod
+    def _label(target: PinnedProcess) -> str:
+        return f"PID {target.pid} ({shown(target.comm)}, user {shown(target.user)})"
+
+    async def _authorize(self, caller: Caller, target: PinnedProcess, fields: dict[str, object],
+                         method: Method) -> str:
+        return await self.bouncer.check(
+            caller, method,
+            {"pid": str(target.pid), "target_user": target.user, "device": ",".join(target.device_ids)},
+            target.uid,
+            request=Request(journal.KILL_DENIED, f"Kill of {self._label(target)}",
+                            f"kill PID {target.pid} ({shown(target.comm)}) of user {shown(target.user)}", fields),
+        )
+
+    async def _watch(self, snapshot: Snapshot, targets: list[PinnedProcess]) -> Watch:
+        """Remember the targets' trees before any signal: their orphans are named if they keep the GPU."""
+        procfs = self.killer.procfs
+        tree = await asyncio.to_thread(remember_tree, procfs, [t.pid for t in targets])
+        return Watch(procfs, snapshot, [(t.pid, t.start_time) for t in targets], tree)
+
+    async def _answer(self, the_watch: Watch | None, ended: list[tuple[PinnedProcess, Outcome]],
+                      force: bool) -> Reclaim:
+        if the_watch is None:
+            return Reclaim(UNWATCHED)
+        alive = [t for t, outcome in ended if outcome == Outcome.STILL_ALIVE]
+        if alive and force:  # SIGKILL was sent and did not end it
+            return the_watch.stuck(alive[0].pid)
+        if alive:
+            return Reclaim(ALIVE, devices=the_watch.devices, remedy="kill --force sends SIGKILL")
+        return await the_watch.after_exit(self._resample)
+
+    def _done(self, caller: Caller | None, target: PinnedProcess, outcome: Outcome, reclaim: Reclaim, grace: float,
+              fields: dict[str, object], who: str, initiator: str) -> KillResult:
+        self.audit.log(journal.KILL, f"{self._label(target)} {outcome.text}; {reclaim_text(reclaim)}; "
+                                     f"requested by {who}",
+                       result=outcome, grace=grace, **fields, **reclaim_fields(reclaim))
+        result = KillResult(target.pid, target.start_time, target.uid, target.comm, target.device_ids, outcome,
+                            initiator, reclaim)
         self._on_killed(result, caller)
         return result
+
+    async def kill_workload(self, caller: Caller | None, selection: Selection, grace: float, force: bool,
+                            initiator: str, method: Method = WORKLOAD_METHOD) -> WorkloadReply:
+        """Kill every GPU process a selection names (a tree, a unit, a container), each as kill() kills one:
+        pinned by pidfd and start time before any signal, each authorized by polkit (one after the other, so
+        a prompt's auth_admin_keep covers the rest), refusals reported per process (when polkit refuses every
+        one, the call is refused as a single kill would be); then all are signalled together and the GPU's
+        answer is watched once for the batch."""
+        check_grace(grace)
+        snapshot = await self._resample()  # a worker started since the last sample is in the batch too
+        procfs = self.killer.procfs
+        who = self._who(caller, initiator)
+        try:
+            chosen, not_on_gpu = await asyncio.to_thread(selection.resolve, procfs, snapshot)
+        except GpukillError as e:  # gone, a reused PID, nothing of it on a GPU: audited as a single kill's
+            pid = int(selection.value) if selection.value.isdigit() else 0
+            self._refused(caller, journal.KILL_FAILED, f"Kill of the {selection.text} requested by {who} refused: "
+                          f"{e}", result=e.result, error=str(e), selection=selection.text,
+                          **self._base(caller, pid, selection.start_time, force, initiator))
+            raise
+        if selection.owner is not None:  # Guard's: the subject's owner's processes alone, the others reported
+            others = [k for k in chosen if _owner(snapshot, k) != selection.owner]
+            chosen = [k for k in chosen if k not in others]
+        else:
+            others = []
+        if len(chosen) > MAX_WORKLOAD:
+            raise InvalidArgs(f"{selection.text} selects {len(chosen)} GPU processes; at most {MAX_WORKLOAD} "
+                              "are killed in one act")
+        entries: dict[int, WorkloadEntry] = {
+            pid: _entry_of(snapshot, pid, start_time, Protected.result,
+                           "another user's process: a Guard rule stops its subject's owner's processes alone")
+            for pid, start_time in others[:MAX_WORKLOAD]}
+        pinned: list[tuple[PinnedProcess, dict[str, object]]] = []
+        try:
+            for pid, start_time in chosen:
+                base = self._base(caller, pid, start_time, force, initiator)
+                try:
+                    target = self.killer.open(pid, start_time, snapshot)
+                except GpukillError as e:
+                    self._refused(caller, journal.KILL_FAILED, f"Kill of PID {pid} requested by {who} "
+                                  f"({selection.text}) refused: {e}", result=e.result, error=str(e), **base)
+                    entries[pid] = _entry_of(snapshot, pid, start_time, e.result, str(e))
+                    continue
+                pinned.append((target, self._fields(target, base) | {"selection": selection.text}))
+            allowed: list[tuple[PinnedProcess, dict[str, object]]] = []
+            denied: GpukillError | None = None
+            for target, fields in pinned:
+                if caller is not None:
+                    try:
+                        fields["polkit_action"] = await self._authorize(caller, target, fields, method)
+                    except GpukillError as e:  # another user's process in one's tree: refused, and said so
+                        entries[target.pid] = WorkloadEntry(target.pid, target.start_time, target.uid, target.comm,
+                                                            e.result, str(e))
+                        denied = denied or e
+                        continue
+                allowed.append((target, fields))
+            if denied is not None and not allowed:
+                raise denied
+            the_watch = await self._watch(snapshot, [t for t, _ in allowed]) if allowed else None
+            outcomes = await asyncio.gather(*(self.killer.terminate(t, grace, force) for t, _ in allowed))
+            ended = [(t, o) for (t, _), o in zip(allowed, outcomes, strict=True)]
+            reclaim = await self._answer(the_watch, ended, force)
+        finally:
+            for target, _ in pinned:
+                target.close()
+        for (target, fields), outcome in zip(allowed, outcomes, strict=True):
+            self._done(caller, target, outcome, reclaim, grace, fields, who, initiator)
+            entries[target.pid] = WorkloadEntry(target.pid, target.start_time, target.uid, target.comm, outcome)
+        for pid, start_time, uid, comm in not_on_gpu[:MAX_WORKLOAD]:
+            entries.setdefault(pid, WorkloadEntry(pid, start_time, uid, comm, NotAGpuProcess.result,
+                                                  "not on a GPU: left running", on_gpu=False))
+        return WorkloadReply(selection.text, tuple(entries[pid] for pid in sorted(entries)), reclaim)
 
     async def reset(self, caller: Caller | None, device_key: str, force: bool, rule: str = "") -> ResetReply:
         """Reset a device. caller None means the daemon itself acts: a Guard reset rule (`rule`), whose reset
@@ -170,7 +303,7 @@ class Actions:
         killed = []
         for (pid, start_time), _proc in holders.items():
             try:
-                result = await self.kill(None, pid, start_time, RESET_KILL_GRACE, True, initiator)
+                result = await self.kill(None, pid, start_time, RESET_KILL_GRACE, True, initiator, watch=False)
             except Protected as e:
                 raise DeviceBusy(f"cannot clear the device: {e}") from None
             except GpukillError:

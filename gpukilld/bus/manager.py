@@ -22,13 +22,14 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 from gpukill import listing
 from gpukill.errors import GpukillError, InvalidArgs, NotSupported, ReplyTooLarge, TooBusy
 from gpukill.outcome import INITIATOR_USER
-from gpukill.records import AuditSettings, ResetReply, SamplingStatus
+from gpukill.records import AuditSettings, KillReport, Reclaim, ResetReply, SamplingStatus
 from gpukill.regex import RegexError, compile_regex
 
 from .. import __version__, audit_settings, journal
-from ..access.bouncer import Bouncer, Request
-from ..access.visibility import FULL, Viewer, seen_as
+from ..access.bouncer import KILL_REPORT_METHOD, Bouncer, Request
+from ..access.visibility import FULL, PROGRAM, Viewer, seen_as
 from ..acts.actions import Actions, KillResult
+from ..acts.selection import Selection
 from ..audit_settings import AuditSettingsKeeper
 from ..model import Device, GpuProcess, Snapshot
 from ..names import MANAGER_INTERFACE
@@ -105,6 +106,15 @@ def _reported(findings: Any, viewer: Viewer, min_score: float) -> list[dict[str,
     """An audit's reply: the findings the viewer may see, of min_score or more, at most MAX_FINDINGS."""
     seen = [f for f in findings_as_seen(findings, viewer) if f.score >= min_score][:MAX_FINDINGS]
     return [to_dbus(f) for f in seen]
+
+
+def _reclaim_as_seen(reclaim: Reclaim, viewer: Viewer) -> Reclaim:
+    """The answer with other users' holders named as the caller may see them (visibility.py): where /proc hides
+    their names (hidepid), the PID, owner and memory stay and the name goes."""
+    if viewer.others in (FULL, PROGRAM) or all(h.uid == viewer.uid for h in reclaim.holders):
+        return reclaim
+    holders = tuple(h if h.uid == viewer.uid else dataclasses.replace(h, comm="") for h in reclaim.holders)
+    return dataclasses.replace(reclaim, holders=holders)
 
 
 ProcessFilter = Callable[[GpuProcess], bool]
@@ -517,17 +527,46 @@ class ManagerInterface(ServiceInterface):
         await self._bouncer.check(caller, (MANAGER_INTERFACE, member), {"settings": what[:256]}, request=request)
         return caller
 
-    @method()
-    @dbus_errors
-    async def KillProcess(self, pid: "u", start_time: "t", options: "a{sv}") -> "s":
-        caller = await current_caller(self._bouncer)
+    @staticmethod
+    def _kill_options(options: dict[str, Variant]) -> tuple[float, bool]:
         _check_keys(options, ("force", "grace"), "option")
         force = bool(_option(options, "force", "b", "option")) if "force" in options else False
         grace = float(_option(options, "grace", "duiyqxt", "option")) if "grace" in options else DEFAULT_GRACE
         if math.isnan(grace):
             raise InvalidArgs("option 'grace' is not a number")
+        return grace, force
+
+    @method()
+    @dbus_errors
+    async def KillProcess(self, pid: "u", start_time: "t", options: "a{sv}") -> "s":
+        caller = await current_caller(self._bouncer)
+        grace, force = self._kill_options(options)
         result = await self._actions.kill(caller, pid, start_time, grace, force, INITIATOR_USER)
         return result.outcome
+
+    @method()
+    @dbus_errors
+    async def KillProcessReport(self, pid: "u", start_time: "t", options: "a{sv}") -> "a{sv}":
+        caller = await current_caller(self._bouncer)
+        grace, force = self._kill_options(options)
+        result = await self._actions.kill(caller, pid, start_time, grace, force, INITIATOR_USER,
+                                          method=KILL_REPORT_METHOD)
+        viewer = await self._bouncer.viewer(caller)
+        return to_dbus(KillReport(result.outcome, _reclaim_as_seen(result.reclaim, viewer)))
+
+    @method()
+    @dbus_errors
+    async def KillWorkload(self, selection: "a{sv}", options: "a{sv}") -> "a{sv}":
+        caller = await current_caller(self._bouncer)
+        grace, force = self._kill_options(options)
+        if len(selection) > 3:
+            raise InvalidArgs("give exactly one of the selection keys tree, unit, container")
+        chosen = Selection.parse({k: v.value for k, v in selection.items()})
+        reply = await self._actions.kill_workload(caller, chosen, grace, force, INITIATOR_USER)
+        viewer = await self._bouncer.viewer(caller)
+        entries = tuple(e if e.uid == viewer.uid or viewer.others in (FULL, PROGRAM) else
+                        dataclasses.replace(e, comm="") for e in reply.entries)
+        return to_dbus(dataclasses.replace(reply, entries=entries, reclaim=_reclaim_as_seen(reply.reclaim, viewer)))
 
     @method()
     @dbus_errors
@@ -560,9 +599,9 @@ class ManagerInterface(ServiceInterface):
     # -- signals ---------------------------------------------------------------------------------------
 
     @signal()
-    def ProcessKilled(self, result: KillResult, caller_uid: int) -> "utusassus":
+    def ProcessKilled(self, result: KillResult, caller_uid: int) -> "utusassusa{sv}":
         return [result.pid, result.start_time, result.uid, result.comm, list(result.device_ids),
-                result.outcome, caller_uid, result.initiator]
+                result.outcome, caller_uid, result.initiator, to_dbus(result.reclaim)]
 
     @signal()
     def DeviceReset(self, result: ResetReply, success: bool) -> "usbsau":
@@ -590,8 +629,11 @@ OUTPUT_NAMES = {
     "ImportAuditSettings": ["settings"],
     "GetUsage": ["report"],
     "KillProcess": ["outcome"],
+    "KillProcessReport": ["report"],
+    "KillWorkload": ["reply"],
     "ResetDevice": ["result"],
-    "ProcessKilled": ["pid", "start_time", "uid", "comm", "devices", "outcome", "caller_uid", "initiator"],
+    "ProcessKilled": ["pid", "start_time", "uid", "comm", "devices", "outcome", "caller_uid", "initiator",
+                      "reclaim"],
     "DeviceReset": ["index", "id", "success", "message", "killed"],
     "DeviceStateChanged": ["index", "id", "state", "reason"],
     "SnapshotChanged": ["generation"],

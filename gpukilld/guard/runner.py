@@ -20,7 +20,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from gpukill.errors import GpukillError, NotSupported
+from gpukill.errors import GpukillError, NoSuchProcess, NotSupported
 from gpukill.outcome import Outcome, guard_initiator
 from gpukill.policy import PolicyError, directory_texts, load_texts
 from gpukill.records import (
@@ -36,6 +36,7 @@ from gpukill.records import (
 from gpukill.rules import EMPTY_POLICY, Policy, Rule
 
 from .. import journal
+from ..acts.selection import Selection
 from ..config import Config
 from ..model import Snapshot
 from . import clocks, report
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 
 SAVE_DELAY = 1.0  # counters are written at most once a second; switches and policies at once
 KillPath = Callable[..., Awaitable[Any]]  # Actions.kill(caller, pid, start_time, grace, force, initiator)
+WorkloadPath = Callable[..., Awaitable[Any]]  # Actions.kill_workload(caller, selection, grace, force, initiator)
 ResetPath = Callable[..., Awaitable[Any]]  # Actions.reset(caller, device, force, rule) -> ResetReply
 
 
@@ -98,8 +100,11 @@ class GuardRunner:
     def __init__(self, kill: KillPath, auditor: journal.Audit, notify_config: NotifyConfig, policy_dir: str,
                  state_dir: str, clock: Clock | None = None, own_pid: int | None = None,
                  protection: Protection | None = None, signals: GuardSignals | None = None,
-                 reset: ResetPath | None = None, proc_root: str = "/proc") -> None:
+                 reset: ResetPath | None = None, proc_root: str = "/proc",
+                 kill_workload: WorkloadPath | None = None) -> None:
         self.kill = kill
+        # Actions.kill_workload, for rules with kill_scope tree or unit; None: such a rule kills its target alone
+        self.kill_workload = kill_workload
         self.reset = reset  # None: resets are refused as not supported (a runner without a reset path)
         self.audit = auditor
         self.policy_dir = policy_dir
@@ -336,9 +341,19 @@ class GuardRunner:
     async def _kill(self, order: KillOrder, t: Target) -> None:
         error = ""
         try:
-            result = await self.kill(None, t.pid, t.start_time, order.kill_grace, order.force,
-                                     guard_initiator(order.rule.name))
-            outcome = result.outcome
+            scope = order.rule.kill_scope
+            if scope != "process" and self.kill_workload is not None:
+                # the subject and its tree (or unit), its owner's processes alone: a trainer takes its workers
+                selection = Selection("tree" if scope == "tree" else "unit_of", str(t.pid), t.start_time, t.uid)
+                reply = await self.kill_workload(None, selection, order.kill_grace, order.force,
+                                                 guard_initiator(order.rule.name))
+                mine = next((e for e in reply.entries if (e.pid, e.start_time) == (t.pid, t.start_time)), None)
+                outcome = mine.result if mine is not None else NoSuchProcess.result
+                error = mine.error if mine is not None else "gone before the kill"
+            else:
+                result = await self.kill(None, t.pid, t.start_time, order.kill_grace, order.force,
+                                         guard_initiator(order.rule.name))
+                outcome = result.outcome
         except GpukillError as e:  # protected, gone, PID reused: the kill path audited it already
             outcome, error = e.result, str(e)
         except Exception as e:

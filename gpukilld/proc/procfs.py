@@ -27,6 +27,7 @@ MAX_CGROUP = 65536  # /proc/PID/cgroup: a line per hierarchy, each at most PATH_
 # (attribution.trusts_environment). Environments are a few KiB; a variable past this many bytes is not looked
 # for, so one sample's reads stay small whatever a process puts there.
 MAX_ENVIRON = 131072
+MAX_WCHAN = 128  # a kernel symbol's name (KSYM_NAME_LEN is 512; the driver's are far shorter)
 _PROC_ROOT_INO = 1  # fs/proc/internal.h PROC_ROOT_INO: the root of every procfs mount
 
 
@@ -112,6 +113,22 @@ class ProcFS:
     def start_time(self, pid: int) -> int | None:
         st = self.stat(pid)
         return st.start_time if st else None
+
+    def wchan(self, pid: int) -> str | None:
+        """Where in the kernel the process waits (/proc/PID/wchan: a symbol, "0" when running), or None."""
+        try:
+            with open(self._path(pid, "wchan"), "rb") as f:
+                return bounded(f.read(MAX_WCHAN).decode("ascii", "replace").strip(), MAX_WCHAN, "") or None
+        except OSError:
+            return None
+
+    def cgroup_lines(self, pid: int) -> list[str]:
+        """/proc/PID/cgroup's lines (bounded), [] when unreadable."""
+        try:
+            with open(self._path(pid, "cgroup"), encoding="utf-8", errors="replace") as f:
+                return f.read(MAX_CGROUP).splitlines()
+        except OSError:
+            return []
 
     def environ(self, pid: int) -> dict[str, str]:
         try:

@@ -87,6 +87,10 @@ def check_article(bed: Testbed, owner: User, v: ArticleVictims, r: ArticleResult
     assert all(p["gpu_memory"] > TWELVE_GB and "python" in p["comm"] for p in r.found)
     assert error_text(r.stale).startswith("ProcessChanged: ")  # a wrong start time kills nothing
     assert [k["outcome"] for k in r.kills] == ["terminated", "terminated"]
+    # each kill ends with the GPU's answer: nothing related to it holds its memory
+    assert [k["reclaim"]["verdict"] for k in r.kills] == ["reclaimed", "reclaimed"], r.kills
+    assert all(k["reclaim"]["reclaimed"] > TWELVE_GB and k["answer"].startswith("GPU memory reclaimed (")
+               for k in r.kills), r.kills
     for p in v.big:
         assert p.wait(10) is not None
     assert {v.exactly.pid, v.trainer.pid} <= {p["pid"] for p in r.left["processes"]}

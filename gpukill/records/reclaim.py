@@ -1,0 +1,93 @@
+"""What a kill got back: whether the GPU memory of what was killed came back, and if not, who holds it.
+
+A kill is done when the memory is back, not when the signal is sent: after the target exits the daemon watches
+the devices it used for a few samples (gpukilld/acts/reclaim.py) and says one of the verdicts below. The same
+record is in the reply of KillProcessReport and KillWorkload, in ProcessKilled's last argument and, field by
+field, in the kill's journal entry (GPUKILL_RECLAIM, GPUKILL_RECLAIMED_BYTES, GPUKILL_HELD_BYTES,
+GPUKILL_HOLDERS, GPUKILL_STUCK_REASON).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import wire
+
+RECLAIMED = "reclaimed"  # the target exited and nothing related to it holds memory on its devices
+HELD = "held"  # the target exited, but related processes (its orphans, its unit's...) still hold memory there
+STUCK = "stuck"  # still alive after SIGKILL: `reason` says where it waits, `remedy` what frees the GPU
+ALIVE = "alive"  # still alive after SIGTERM, no force asked: nothing was watched
+UNWATCHED = "unwatched"  # not watched: a reset clearing its device (the reset itself frees it)
+VERDICTS = (RECLAIMED, HELD, STUCK, ALIVE, UNWATCHED)
+
+# How a holder is related to what was killed (Holder.relation).
+DESCENDANT = "descendant"  # in the target's tree when it was signalled, its parent still in that tree
+ORPHAN = "orphan"  # was in the tree; its parent died and it was reparented (to init or a subreaper)
+SAME_UNIT = "unit"
+SAME_CONTAINER = "container"
+SAME_POD = "pod"
+SAME_JOB = "job"
+
+MAX_HOLDERS = 16  # holders named in one record; `more` counts the rest (a reply stays small whatever runs)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A process that still holds GPU memory on a device the target used, related to the target."""
+
+    pid: int = wire("u", "the process")
+    start_time: int = wire("t", "its start time, clock ticks since boot: pass it to KillProcess")
+    uid: int = wire("u", "its owner")
+    comm: str = wire("s", "its name (the process chose it: escape before showing)")
+    device: int = wire("u", "the device's global index")
+    memory: int = wire("t", "bytes it holds there (0 where the backend cannot say)")
+    relation: str = wire("s", '"descendant", "orphan", "unit", "container", "pod" or "job"')
+    parent: int = wire("u", "its parent now (1 or a subreaper for an orphan)", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaim:
+    """The GPU's answer to a kill (or to a batch of kills: KillWorkload watches them together)."""
+
+    verdict: str = wire("s", '"reclaimed", "held", "stuck", "alive" or "unwatched"')
+    reclaimed: int = wire("t", "bytes freed on the devices watched, as the samples before and after say", 0)
+    held: int = wire("t", "bytes the holders still hold", 0)
+    devices: tuple[int, ...] = wire("au", "the devices watched (global indexes)", ())
+    holders: tuple[Holder, ...] = wire("aa{sv}", f"at most {MAX_HOLDERS}, largest first", (), omit_empty=True,
+                                       of=Holder)
+    more: int = wire("u", "holders not listed", 0, omit_empty=True)
+    samples: int = wire("u", "samples watched after the exit", 0)
+    reason: str = wire("s", 'for "stuck": the state and wait channel read from /proc', "", omit_empty=True)
+    remedy: str = wire("s", 'for "stuck" and "held": what frees the GPU (gpukillctl reset N, kill --tree ...)', "",
+                       omit_empty=True)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadEntry:
+    """One process of a KillWorkload: what became of it, or why it was not signalled."""
+
+    pid: int = wire("u", "the process")
+    start_time: int = wire("t", "its start time")
+    uid: int = wire("u", "its owner")
+    comm: str = wire("s", "its name (the process chose it: escape before showing)")
+    result: str = wire("s", 'an outcome ("terminated", "killed", "still-alive") or the refusal ("access-denied", '
+                            '"protected", "process-changed", "no-such-process", "not-a-gpu-process")')
+    error: str = wire("s", "why it was refused", "", omit_empty=True)
+    on_gpu: bool = wire("b", "it used a GPU when selected", True)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadReply:
+    """What KillWorkload returns: each selected process, then the GPU's answer for them all."""
+
+    selection: str = wire("s", 'what was selected: "tree PID", "unit NAME" or "container ID"')
+    entries: tuple[WorkloadEntry, ...] = wire("aa{sv}", "each process selected, by PID", (), of=WorkloadEntry)
+    reclaim: Reclaim = wire("a{sv}", "the GPU's answer for the batch", Reclaim(UNWATCHED), of=Reclaim)
+
+
+@dataclass(frozen=True, slots=True)
+class KillReport:
+    """What KillProcessReport returns: KillProcess's outcome and the GPU's answer."""
+
+    outcome: str = wire("s", '"terminated", "killed" or "still-alive" (gpukill.outcome)')
+    reclaim: Reclaim = wire("a{sv}", "whether the memory came back, and who holds it", Reclaim(UNWATCHED), of=Reclaim)

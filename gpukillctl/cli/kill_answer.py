@@ -1,0 +1,94 @@
+"""`gpukillctl kill`'s answer: one line for the process (or each process of a workload) and one for the GPU.
+
+A kill is done when the GPU memory is back: the line says reclaimed, held by whom (exit status 14), or still
+alive after SIGKILL with the reason and the reset that frees the GPU (exit status 10). `--tree`, `--unit` and
+`--container` go through KillWorkload: every GPU process of the workload, each pinned and authorized by
+gpukilld as a single kill is, listed with what became of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+from gpukill.outcome import reclaim_text
+from gpukill.text import shown
+
+from ..client.exits import (
+    EXIT_CHANGED,
+    EXIT_DENIED,
+    EXIT_MEMORY_HELD,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_STILL_ALIVE,
+)
+
+_ENTRY_EXIT = {"denied": EXIT_DENIED, "protected": EXIT_REFUSED, "not-a-gpu-process": EXIT_REFUSED,
+               "still-alive": EXIT_STILL_ALIVE, "process-changed": EXIT_CHANGED}
+
+
+def unit_name(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9:_.\\@-]+\.(service|scope)", text) or len(text) > 256:
+        raise argparse.ArgumentTypeError(f"not a systemd .service or .scope name: {text!r}")
+    return text
+
+
+def container_id(text: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{12,64}", text):
+        raise argparse.ArgumentTypeError(f"not a container id (12 to 64 lowercase hex digits): {text!r}")
+    return text
+
+
+def outcome_line(what: str, outcome: str) -> str:
+    from gpukill.outcome import Outcome
+
+    out = Outcome(outcome)
+    return f"{what} {out.text}{' after the grace period' if out == Outcome.KILLED else ''}"
+
+
+def answer(what: str, outcome: str, reclaim: Any) -> int:
+    """Print a single kill's line; its exit status."""
+    from gpukill.outcome import Outcome
+
+    if outcome == Outcome.STILL_ALIVE and reclaim.verdict != "stuck":
+        print(f"gpukillctl: {what} is {Outcome.STILL_ALIVE.text}; use --force to send SIGKILL", file=sys.stderr)
+        return EXIT_STILL_ALIVE
+    if reclaim.verdict == "stuck":
+        print(f"gpukillctl: {what} is {reclaim_text(reclaim)}", file=sys.stderr)
+        return EXIT_STILL_ALIVE
+    line = f"{outcome_line(what, outcome)}; {reclaim_text(reclaim)}"
+    if reclaim.verdict == "held":
+        print(f"gpukillctl: {line}", file=sys.stderr)
+        return EXIT_MEMORY_HELD
+    print(line)
+    return EXIT_OK
+
+
+def workload_answer(reply: Any) -> int:
+    """Print each process of a KillWorkload, then the GPU's answer; the first failure's exit status (14 when
+    every process ended but memory is still held), else 0."""
+    if not reply.entries:  # as kill --job says it: nothing of it runs on a GPU here, nothing is left to stop
+        print(f"no GPU processes of {shown(reply.selection)} on this host")
+        return EXIT_OK
+    codes = []
+    for e in reply.entries:
+        what = f"PID {e.pid} ({shown(e.comm)})"
+        if not e.on_gpu:
+            print(f"{what} not on a GPU: left running")
+        elif e.result in ("terminated", "killed"):
+            print(outcome_line(what, e.result))
+        elif e.result in ("no-such-process", "process-changed"):  # ended since the listing: nothing to stop
+            print(f"{what} already gone")
+        else:
+            print(f"gpukillctl: {what} not stopped: {shown(e.error or e.result)}", file=sys.stderr)
+            codes.append(_ENTRY_EXIT.get(e.result, EXIT_REFUSED))
+    r = reply.reclaim
+    line = f"{shown(reply.selection)}: {reclaim_text(r)}"
+    if r.verdict in ("held", "stuck", "alive"):
+        print(f"gpukillctl: {line}", file=sys.stderr)
+        codes.append({"held": EXIT_MEMORY_HELD}.get(r.verdict, EXIT_STILL_ALIVE))
+    else:
+        print(line)
+    return next((c for c in codes if c != EXIT_MEMORY_HELD), codes[0] if codes else EXIT_OK)

@@ -1,0 +1,103 @@
+"""What one KillWorkload names: a process tree, a systemd unit or a container, turned into GPU processes.
+
+Only processes on a GPU are ever signalled: a tree's processes that use no GPU (a shell, a data loader, a
+monitoring helper sharing the process group) are listed as left running, never killed, because the kill path
+acts on GPU processes alone (killer.open refuses the others) and a tree is the daemon's reading of ppid links,
+not something the caller proved about each process. A tree is read from /proc once (remember_tree), its root
+named by pid and start time as listed, so a PID reused since the listing selects nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gpukill.errors import InvalidArgs, NoSuchProcess, NotAGpuProcess, ProcessChanged, Protected
+
+from ..model import Snapshot
+from ..proc.procfs import ProcFS
+from .reclaim import Workload, remember_tree
+
+MAX_WORKLOAD = 256  # GPU processes killed in one act; a larger selection is refused, never cut
+MAX_NAME = 256
+_UNIT = re.compile(r"[A-Za-z0-9:_.\\@-]+\.(service|scope)")
+_CONTAINER = re.compile(r"[0-9a-f]{12,64}")
+
+Key = tuple[int, int]
+Left = tuple[int, int, int, str]  # a process not on a GPU: pid, start time, uid, comm
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    kind: str  # "tree", "unit", "container"; or "unit_of" (a Guard rule's kill_scope unit: the process's unit)
+    value: str  # the unit's or container's name; for a tree or unit_of, the process's PID
+    start_time: int = 0  # a tree's root (unit_of's process), as listed
+    owner: int | None = None  # only this uid's processes (Guard's scoped kills: the subject's owner's alone)
+
+    @property
+    def text(self) -> str:
+        if self.kind == "unit_of":
+            return f"unit of PID {self.value}"
+        return f"tree of PID {self.value}" if self.kind == "tree" else f"{self.kind} {self.value}"
+
+    @classmethod
+    def parse(cls, options: dict[str, object]) -> Selection:
+        """From KillWorkload's selection a{sv} (plain values): exactly one of tree (ut), unit (s), container (s)."""
+        given = [k for k in ("tree", "unit", "container") if k in options]
+        unknown = [k for k in options if k not in ("tree", "unit", "container")]
+        if unknown:
+            raise InvalidArgs(f"unknown selection key {str(unknown[0])[:64]!r} (known: tree, unit, container)")
+        if len(given) != 1:
+            raise InvalidArgs("give exactly one of the selection keys tree, unit, container")
+        kind, value = given[0], options[given[0]]
+        if kind == "tree":
+            if not (isinstance(value, list | tuple) and len(value) == 2 and all(type(v) is int for v in value)):
+                raise InvalidArgs("selection 'tree' is (pid, start_time)")
+            pid, start_time = value
+            if not 0 < pid <= 2**22:
+                raise InvalidArgs(f"pid {pid} is out of range")
+            return cls("tree", str(pid), start_time)
+        if not isinstance(value, str) or len(value) > MAX_NAME:
+            raise InvalidArgs(f"selection {kind!r} is a name of at most {MAX_NAME} characters")
+        if kind == "unit" and not _UNIT.fullmatch(value):
+            raise InvalidArgs(f"not a systemd .service or .scope name: {value[:64]!r}")
+        if kind == "container" and not _CONTAINER.fullmatch(value):
+            raise InvalidArgs(f"not a container id (12 to 64 lowercase hex digits): {value[:64]!r}")
+        return cls(kind, value)
+
+    def resolve(self, procfs: ProcFS, snapshot: Snapshot) -> tuple[list[Key], list[Left]]:
+        """The GPU processes selected, by PID, and (for a tree) the processes left running as not on a GPU.
+        Reads /proc: call it in a worker thread."""
+        on_gpu = {(p.pid, p.start_time): p for p in snapshot.processes}
+        if self.kind == "unit_of":
+            me = on_gpu.get((int(self.value), self.start_time))
+            if me is None:
+                raise NotAGpuProcess(f"PID {self.value} is not using a GPU")
+            if not me.unit or not Workload.of([me]).units:  # a login session, user@UID, init.scope: itself alone
+                return [(me.pid, me.start_time)], []
+            return sorted(k for k, p in on_gpu.items() if p.unit == me.unit), []
+        if self.kind == "unit":
+            return sorted(k for k, p in on_gpu.items() if p.unit == self.value), []
+        if self.kind == "container":
+            ids = {p.container_id for p in on_gpu.values() if p.container_id and p.container_id.startswith(self.value)}
+            if len(ids) > 1:
+                raise InvalidArgs(f"container id {self.value} is ambiguous: {len(ids)} containers start with it")
+            return sorted(k for k, p in on_gpu.items() if p.container_id in ids), []
+        pid = int(self.value)
+        st = procfs.stat(pid)
+        if st is None:
+            raise NoSuchProcess(f"no process with PID {pid}")
+        if st.start_time != self.start_time:
+            raise ProcessChanged(f"PID {pid} now belongs to another process than the one listed; list again")
+        if pid == 1 or st.is_kernel_thread:
+            raise Protected(f"the tree of PID {pid} is the whole system: name a workload's own root")
+        tree = remember_tree(procfs, [pid])
+        chosen = sorted(k for k in tree if k in on_gpu)
+        if not chosen:
+            raise NotAGpuProcess(f"no process in the tree of PID {pid} is using a GPU")
+        left = []
+        for key in sorted(k for k in tree if k not in on_gpu):
+            other = procfs.stat(key[0])
+            if other is not None and other.start_time == key[1]:
+                left.append((key[0], key[1], procfs.uid(key[0]) or 0, other.comm))
+        return chosen, left
