@@ -66,9 +66,15 @@ class SimConfig:
 
 # A process's verdict stands until one of these says it may have changed: its /proc inode (a reused PID),
 # its pidfd (it ended), its youth (read every sample for YOUNG seconds: exec comes soon after fork), or its
-# turn in the rotation (every RECHECK to 1.5 RECHECK seconds: a late exec into or out of a simulated GPU).
+# turn in the rotation (every RECHECK to 1.5 RECHECK seconds, OTHERS_SLOWER times that for a process on no
+# GPU: a late exec into or out of a simulated GPU).
 YOUNG = 10.0
 RECHECK = 60.0
+# A process on no simulated GPU is read again OTHERS_SLOWER times less often: most of a busy host is such
+# processes, and an old one exec'ing onto a GPU (the only change its rotation looks for) is rare. Polling a
+# 5,000-process host, their re-reads every 60-90 s were about a quarter of the idle daemon's /proc reads
+# (bench/idle_cost).
+OTHERS_SLOWER = 4
 # The scan of /proc is skipped while the namespace's last PID has not moved (no process was created, so none is
 # new and no PID was reused; ended GPU processes are told by their pidfds), but made at least this often, for a
 # PID counter that went all the way round to the same value between two samples (pid_max creations in one
@@ -349,7 +355,8 @@ class SimulatedBackend(Backend):
             recheck_at = math.inf
         else:
             self._young.discard(pid)
-            recheck_at = now + RECHECK * (1 + (pid % 64) / 128)  # spread over the interval, not all at once
+            every = RECHECK if usage is not None else RECHECK * OTHERS_SLOWER
+            recheck_at = now + every * (1 + (pid % 64) / 128)  # spread over the interval, not all at once
             heapq.heappush(self._rotation, (recheck_at, pid))
         self._seen[pid] = _Seen(ino, stat.start_time, stat.comm, usage, recheck_at)
         # Only a GPU process found, changed or gone changes what is found: a new process on no GPU (most of what
