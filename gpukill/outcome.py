@@ -78,8 +78,11 @@ def holder_text(h: Any) -> str:
 
 def reclaim_text(r: Any) -> str:
     """One clause: 'GPU memory reclaimed (2.0 GiB)', 'exited, but GPU memory is still held by ...', ..."""
+    from .text import shown
     from .units import format_size  # here: the outcomes above are imported by every kill's client
 
+    # the remedy names a unit or container and the reason a cgroup: names a user can choose, escaped as a
+    # process name is
     if r.verdict == "reclaimed":
         # a backend that reads no per-process memory (0): nothing related is on the devices, no size to say
         return f"GPU memory reclaimed ({format_size(r.reclaimed)})" if r.reclaimed else "GPU memory reclaimed"
@@ -88,9 +91,9 @@ def reclaim_text(r: Any) -> str:
         rest = len(r.holders) - len(named) + r.more
         more = f" and {rest} more" if rest else ""
         return (f"exited, but GPU memory is still held ({format_size(r.held)}) by "
-                f"{', '.join(holder_text(h) for h in named)}{more}; {r.remedy}")
+                f"{', '.join(holder_text(h) for h in named)}{more}; {shown(r.remedy)}")
     if r.verdict == "stuck":
-        return f"still alive after SIGKILL: {r.reason}; {r.remedy}"
+        return f"still alive after SIGKILL: {shown(r.reason)}; {shown(r.remedy)}"
     if r.verdict == "alive":
         return "GPU memory not reclaimed: it still runs"
     return "GPU memory not watched"

@@ -47,12 +47,12 @@ from .condition_types import (
 )
 from .errors import InvalidPolicy
 from .limits import MAX_GRACE
+from .records.reclaim import KILL_PROCESS, KILL_SCOPES
 from .regex import MAX_PATTERN, compile_regex
 from .rules import (
     ACTIONS,
     EMPTY_POLICY,
     EVERY,
-    KILL_SCOPES,
     MATCHES,
     MAX_RESETS_PER_HOUR,
     MEAN,
@@ -615,7 +615,7 @@ class _Parser:
         kill_grace = None
         if "kill_grace" in fields:
             kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_GRACE)
-        kill_scope = "process"
+        kill_scope = KILL_PROCESS
         if "kill_scope" in fields:
             ks = self.string(fields["kill_scope"][1], "kill_scope")
             if ks is not None and ks not in KILL_SCOPES:

@@ -18,12 +18,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .records.reclaim import KILL_PROCESS
 from .regex import compile_regex
 
 PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP = "per_process", "per_user", "per_device", "per_group"
 SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP)
 ACTIONS = ("kill", "notify", "log", "reset")
-KILL_SCOPES = ("process", "tree", "unit")  # Rule.kill_scope
 RESET = "reset"  # reset the device (scope per_device): its holders are killed first only with force
 # A reset rule's defaults: at most one reset of a device per cooldown, and a few per hour, whatever the rule says
 # of its conditions: a device that a reset does not heal must not be reset over and over.
@@ -90,10 +90,10 @@ class Rule:
     # Action kill with a grace period only: when to warn, as seconds before the grace ends, largest first
     # (`at_start` is the grace period itself). Empty: the violation's notice is the one warning, as before.
     warn: tuple[float, ...] = ()
-    # Action kill only: what one kill of a process takes with it (KILL_SCOPES). "tree": its descendants on a GPU
+    # Action kill only: what one kill of a process takes with it (records.reclaim.KILL_SCOPES). "tree": its descendants on a GPU
     # too (a trainer's workers); "unit": the GPU processes of its systemd unit. Only the subject's owner's
     # processes: Guard acts for no caller, and a setuid helper of another user in the tree is not the rule's.
-    kill_scope: str = "process"
+    kill_scope: str = KILL_PROCESS
 
     @property
     def fingerprint(self) -> tuple:

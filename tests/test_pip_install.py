@@ -125,4 +125,4 @@ def test_a_pip_installed_daemon_audits_structured_entries_to_the_journal(venv, f
         "GPUKILL_ACTION": "kill", "GPUKILL_RESULT": "terminated", "GPUKILL_CALLER_UID": "0",
         "GPUKILL_TARGET_UID": str(users["owner"].uid), "GPUKILL_TARGET_COMM": "pipvictim",
         "GPUKILL_DEVICE": listed["device_id"], "GPUKILL_FORCE": "0"}
-    assert "terminated; requested by uid 0" in kill["MESSAGE"]
+    assert "terminated; GPU memory reclaimed" in kill["MESSAGE"] and "; requested by uid 0" in kill["MESSAGE"]

@@ -388,3 +388,39 @@ def test_holders_are_the_remembered_tree_and_the_workload_never_a_login_session(
     many = Snapshot(3, 2.0, (), tuple(gpu(1000 + i, 11, "train.service", 1) for i in range(300)), ())
     lots = watch.answer(watch.holders(many), 3)
     assert len(lots.holders) == 16 and lots.more == 284
+
+
+def test_the_answers_names_are_escaped_in_its_line():
+    """A holder's name, the unit of a remedy and the cgroup of a reason are names a user chooses: the one line
+    a terminal (or the journal's MESSAGE) gets escapes them."""
+    from gpukill.outcome import reclaim_text
+    from gpukill.records import Holder, Reclaim
+
+    esc = "\x1b]0;owned\x07"
+    held = Reclaim("held", held=1 << 30, holders=(Holder(7, 1, 1000, f"w{esc}", 0, 1 << 30, "unit", 0),),
+                   remedy=f"gpukillctl kill --unit a{esc}.service")
+    stuck = Reclaim("stuck", reason=f"uninterruptible (D), frozen by the cgroup freezer (/f{esc})",
+                    remedy="gpukillctl reset 0")
+    for text in (reclaim_text(held), reclaim_text(stuck)):
+        assert "\x1b" not in text and "\x07" not in text and "\\x1b" in text, text
+
+
+def test_a_slurm_tasks_unit_relates_nobody_its_job_does(tmp_path):
+    """slurmstepd runs every job's steps in one scope: a task's unit must not make another job's process a holder
+    (nor advise `kill --unit slurmstepd.scope`, which would stop every job on the node); its job does. A
+    process known to hold no memory holds nothing back."""
+    from gpukilld.acts.reclaim import Watch
+    from gpukilld.model import GpuProcess, Snapshot
+    from gpukilld.proc.procfs import ProcFS
+
+    def gpu(pid, job, mem=1 << 30):
+        return GpuProcess(pid=pid, start_time=pid, uid=1000, user="u", comm=f"p{pid}", cmdline="", exe=None,
+                          device=0, device_id="GPU-0", gpu_memory=mem, gpu_utilization=None,
+                          unit="slurmstepd.scope", slurm_job=job)
+
+    _fixture_proc(tmp_path, [(pid, f"p{pid}", "S", 1, pid, "0") for pid in (10, 11, 12, 13)])
+    before = Snapshot(1, 0.0, (), (gpu(10, "7"), gpu(11, "7"), gpu(12, "8"), gpu(13, "7", mem=0)), ())
+    watch = Watch(ProcFS(str(tmp_path)), before, [(10, 10)], {})
+    holders = watch.holders(Snapshot(2, 1.0, (), before.processes[1:], ()))
+    assert [(h.pid, h.relation) for h in holders] == [(11, "job")]
+    assert "--unit" not in watch.answer(holders, 3).remedy

@@ -49,7 +49,8 @@ _HOME: dict[str, str] = {
                      "UsageRow", "UsageReport"), "usage"),
     **dict.fromkeys(("RECLAIMED", "HELD", "STUCK", "ALIVE", "UNWATCHED", "VERDICTS", "DESCENDANT", "ORPHAN",
                      "SAME_UNIT", "SAME_CONTAINER", "SAME_POD", "SAME_JOB", "MAX_HOLDERS", "Holder", "Reclaim",
-                     "WorkloadEntry", "WorkloadReply", "KillReport"), "reclaim"),
+                     "WorkloadEntry", "WorkloadReply", "KillReport", "KILL_PROCESS", "KILL_TREE", "KILL_UNIT",
+                     "KILL_SCOPES"), "reclaim"),
 }
 
 __all__ = ["Wire", "from_plain", "known_values", "left_out", "names", "specs", "to_plain", "wire", *_HOME]

@@ -28,6 +28,13 @@ SAME_CONTAINER = "container"
 SAME_POD = "pod"
 SAME_JOB = "job"
 
+# What one Guard kill takes with it (a kill rule's kill_scope): the process alone, its tree (descendants on a
+# GPU), or its systemd unit's GPU processes; the subject's owner's alone either way.
+KILL_PROCESS = "process"
+KILL_TREE = "tree"
+KILL_UNIT = SAME_UNIT
+KILL_SCOPES = (KILL_PROCESS, KILL_TREE, KILL_UNIT)
+
 MAX_HOLDERS = 16  # holders named in one record; `more` counts the rest (a reply stays small whatever runs)
 
 

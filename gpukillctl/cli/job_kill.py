@@ -2,7 +2,9 @@
 
 Each process is killed as `kill PID` kills it: by (pid, start time) as listed, polkit asked per process (own or
 any), so a PID reused since the listing is refused and nothing else is signalled. The processes are stopped
-together, as Slurm signals a job's tasks: the grace runs once, not once per process.
+together, as Slurm signals a job's tasks: the grace runs once, not once per process. Each line ends with the
+GPU's answer, as a single kill's does (reclaimed, held by whom, stuck and why): the Slurm epilog passes it on,
+and drains the node on exit status 14 where GPUKILL_EPILOG_DRAIN asks it to.
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ import argparse
 import sys
 
 from gpukill import errors
-from gpukill.outcome import Outcome
 from gpukill.records import Process
 from gpukill.text import shown
 
 from ..client.api import ClientAPI, ClientError
-from ..client.exits import EXIT_OK, EXIT_STILL_ALIVE, exit_code
+from ..client.exits import EXIT_MEMORY_HELD, EXIT_OK, exit_code
 
 
 def slurm_job_id(text: str) -> str:
@@ -37,28 +38,26 @@ def job_processes(procs: list[Process], job: str) -> list[Process]:
 
 
 async def _kill_one(client: ClientAPI, p: Process, args: argparse.Namespace, interactive: bool) -> int:
-    """Kill one process; print what became of it; its exit status."""
+    """Kill one process; print what became of it and the GPU's answer (kill_answer.answer); its exit status."""
+    from .kill_answer import answer
+
     what = f"PID {p.pid} ({shown(p.comm)})"
     try:
-        outcome = await client.kill(p.pid, p.start_time, force=args.force, grace=args.grace,
-                                    interactive=interactive)
+        report = await client.kill_report(p.pid, p.start_time, force=args.force, grace=args.grace,
+                                          interactive=interactive)
     except (errors.NoSuchProcess, errors.ProcessChanged):
         print(f"{what} already gone")  # ended between the listing and the kill: what was asked is done
         return EXIT_OK
     except ClientError as e:
         print(f"gpukillctl: {what}: {shown(str(e))}", file=sys.stderr)
         return exit_code(e)
-    if outcome == Outcome.STILL_ALIVE:
-        print(f"gpukillctl: {what} is {Outcome.STILL_ALIVE.text}; use --force to send SIGKILL", file=sys.stderr)
-        return EXIT_STILL_ALIVE
-    suffix = " after the grace period" if outcome == Outcome.KILLED else ""
-    print(f"{what} {outcome.text}{suffix}")
-    return EXIT_OK
+    return answer(what, report.outcome, report.reclaim)
 
 
 async def kill_job(client: ClientAPI, args: argparse.Namespace, interactive: bool) -> int:
-    """Kill every listed GPU process of Slurm job args.job; the first failure's exit status, else 0 (also when
-    the job has no GPU process here: nothing is left to stop)."""
+    """Kill every listed GPU process of Slurm job args.job; the first failure's exit status (14 when a process
+    ended but memory it shared is still held), else 0 (also when the job has no GPU process here: nothing is
+    left to stop)."""
     procs = job_processes(await client.list_processes(), args.job)
     if not procs:
         print(f"no GPU processes of Slurm job {shown(args.job)} on this host")
@@ -66,4 +65,5 @@ async def kill_job(client: ClientAPI, args: argparse.Namespace, interactive: boo
     import asyncio  # here: gpukillctl's start (which imports slurm_job_id) does without asyncio
 
     codes = await asyncio.gather(*(_kill_one(client, p, args, interactive) for p in procs))
-    return next((c for c in codes if c != EXIT_OK), EXIT_OK)
+    failed = [c for c in codes if c != EXIT_OK]
+    return next((c for c in failed if c != EXIT_MEMORY_HELD), failed[0] if failed else EXIT_OK)

@@ -6,7 +6,7 @@ time, read from /proc in a worker thread), and after the exit it watches the dev
 samples. A holder is a process on those devices that was in the remembered tree (a descendant, or an orphan once
 its parent is gone) or shares the target's systemd unit, container, pod or Slurm job. Login sessions
 (session-N.scope), user@UID.service and init.scope are no workload: sharing one says nothing, so they relate
-nobody. A target still alive after SIGKILL is "stuck": the reason is read from its /proc state and wait channel,
+nobody; nor does a Slurm task's unit (slurmstepd's scope holds every job's steps): its job relates it. A target still alive after SIGKILL is "stuck": the reason is read from its /proc state and wait channel,
 and the remedy is a reset of its devices.
 """
 
@@ -81,7 +81,10 @@ class Workload:
     def of(cls, procs: Iterable[GpuProcess]) -> Workload:
         procs = list(procs)
         return cls(
-            frozenset(p.unit for p in procs if p.unit and not _NO_WORKLOAD.fullmatch(p.unit)),
+            # A Slurm task's unit is no workload of its own: slurmstepd runs every job's steps in one scope (or
+            # slurmd's service), so its unit would relate other jobs, and a remedy `kill --unit` would stop them
+            # all; its job is what it belongs to.
+            frozenset(p.unit for p in procs if p.unit and not _NO_WORKLOAD.fullmatch(p.unit) and not p.slurm_job),
             frozenset(p.container_id for p in procs if p.container_id),
             frozenset(p.pod_uid for p in procs if p.pod_uid),
             frozenset(p.slurm_job for p in procs if p.slurm_job),
@@ -129,8 +132,9 @@ class Watch:
     def holders(self, snap: Snapshot) -> list[Holder]:
         """The related processes holding memory on the watched devices, largest first. Reads the stat of at most
         MAX_HOLDERS + 1 processes' parents: a bounded read, fine on the loop."""
+        # a process known to hold no memory there holds nothing back (one whose memory is unknown might)
         found = [(p, rel) for p in snap.processes
-                 if p.device_id in self.device_ids and self._key(p) not in self.targets
+                 if p.device_id in self.device_ids and self._key(p) not in self.targets and p.gpu_memory != 0
                  and (rel := self._related(p)) is not None]
         found.sort(key=lambda pr: (-(pr[0].gpu_memory or 0), pr[0].pid, pr[0].device))
         out = []

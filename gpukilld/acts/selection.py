@@ -73,6 +73,8 @@ class Selection:
             me = on_gpu.get((int(self.value), self.start_time))
             if me is None:
                 raise NotAGpuProcess(f"PID {self.value} is not using a GPU")
+            if me.slurm_job:  # a Slurm task: its job's processes, not the scope slurmstepd runs every job in
+                return sorted(k for k, p in on_gpu.items() if p.slurm_job == me.slurm_job), []
             if not me.unit or not Workload.of([me]).units:  # a login session, user@UID, init.scope: itself alone
                 return [(me.pid, me.start_time)], []
             return sorted(k for k, p in on_gpu.items() if p.unit == me.unit), []

@@ -24,6 +24,8 @@ from gpukill.errors import GpukillError, NoSuchProcess, NotSupported
 from gpukill.outcome import Outcome, guard_initiator
 from gpukill.policy import PolicyError, directory_texts, load_texts
 from gpukill.records import (
+    KILL_PROCESS,
+    KILL_TREE,
     Grace,
     GuardStatus,
     NotificationCounters,
@@ -342,9 +344,9 @@ class GuardRunner:
         error = ""
         try:
             scope = order.rule.kill_scope
-            if scope != "process" and self.kill_workload is not None:
+            if scope != KILL_PROCESS and self.kill_workload is not None:
                 # the subject and its tree (or unit), its owner's processes alone: a trainer takes its workers
-                selection = Selection("tree" if scope == "tree" else "unit_of", str(t.pid), t.start_time, t.uid)
+                selection = Selection("tree" if scope == KILL_TREE else "unit_of", str(t.pid), t.start_time, t.uid)
                 reply = await self.kill_workload(None, selection, order.kill_grace, order.force,
                                                  guard_initiator(order.rule.name))
                 mine = next((e for e in reply.entries if (e.pid, e.start_time) == (t.pid, t.start_time)), None)

@@ -489,7 +489,8 @@ def test_the_serve_user_unit_answers_rest_and_the_dashboard_and_kills(machine, s
     assert out["kill"]["status"] == 200 and json.loads(out["kill"]["body"])["outcome"] == "terminated", out["kill"]
     audit = machine.run("journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager",
                         f"GPUKILL_TARGET_PID={victim}").stdout
-    assert f"PID {victim} (sleep, user alice) terminated; requested by uid {uid}" in audit, audit
+    assert f"PID {victim} (sleep, user alice) terminated; GPU memory reclaimed" in audit, audit
+    assert f"; requested by uid {uid}" in audit, audit
     # the server ran as alice, under her user manager (not root's, not a system unit)
     main = int(machine.run("systemctl", "--user", "show", "-P", "MainPID", "gpukill-serve", user="alice",
                            env=env).stdout)
@@ -586,7 +587,8 @@ def test_slurm_epilog_cleans_up_a_leftover(machine, slurm):
     # the epilog's kill makes the process vanish before the epilog itself returns: COMPLETING until then
     assert wait_until(lambda: "JobState=COMPLETED" in job_state(machine, job)), job_state(machine, job)
     audit = machine.run("journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager", f"GPUKILL_TARGET_PID={pid}").stdout
-    assert f"PID {pid} (sleep, user alice) terminated; requested by uid 0" in audit, audit
+    assert f"PID {pid} (sleep, user alice) terminated; GPU memory reclaimed" in audit, audit
+    assert "; requested by uid 0" in audit and "GPUKILL_RECLAIM=reclaimed" in audit, audit
     assert "GPUKILL_INITIATOR=user" in audit, audit
     assert wait_until(lambda: f"job {job}: PID {pid} (sleep) terminated" in
                       machine.run("journalctl", "-t", "gpukill-slurm", "--no-pager").stdout, timeout=10), \
