@@ -3,6 +3,7 @@ reply, ProcessKilled, the journal and the CLI; workloads reclaimed in one act (k
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -424,3 +425,10 @@ def test_a_slurm_tasks_unit_relates_nobody_its_job_does(tmp_path):
     holders = watch.holders(Snapshot(2, 1.0, (), before.processes[1:], ()))
     assert [(h.pid, h.relation) for h in holders] == [(11, "job")]
     assert "--unit" not in watch.answer(holders, 3).remedy
+
+    # a service running many users' processes (JupyterHub's): another user's is no holder of this kill
+    hub = [dataclasses.replace(p, unit="jupyterhub.service", slurm_job=None, uid=1000 + (p.pid == 12))
+           for p in before.processes]
+    watch = Watch(ProcFS(str(tmp_path)), Snapshot(3, 2.0, (), tuple(hub), ()), [(10, 10)], {})
+    holders = watch.holders(Snapshot(4, 3.0, (), tuple(hub[1:]), ()))
+    assert [(h.pid, h.relation) for h in holders] == [(11, "unit")]

@@ -76,6 +76,7 @@ class Workload:
     containers: frozenset[str]
     pods: frozenset[str]
     jobs: frozenset[str]
+    owners: frozenset[int] = frozenset()  # the targets' uids: a unit relates its processes of these alone
 
     @classmethod
     def of(cls, procs: Iterable[GpuProcess]) -> Workload:
@@ -88,10 +89,13 @@ class Workload:
             frozenset(p.container_id for p in procs if p.container_id),
             frozenset(p.pod_uid for p in procs if p.pod_uid),
             frozenset(p.slurm_job for p in procs if p.slurm_job),
+            frozenset(p.uid for p in procs),
         )
 
     def relation(self, p: GpuProcess) -> str | None:
-        if p.unit in self.units:
+        # A service may run many users' processes (JupyterHub's notebook servers in jupyterhub.service): another
+        # user's is no leftover of this kill, and a remedy `kill --unit` would stop it too.
+        if p.unit in self.units and p.uid in self.owners:
             return SAME_UNIT
         if p.container_id in self.containers:
             return SAME_CONTAINER
