@@ -17,7 +17,7 @@ from gpukill.records import Process
 from gpukill.text import shown
 
 from ..client.api import ClientAPI, ClientError
-from ..client.exits import EXIT_MEMORY_HELD, EXIT_OK, exit_code
+from ..client.exits import EXIT_OK, batch_exit, exit_code
 
 
 def slurm_job_id(text: str) -> str:
@@ -65,5 +65,4 @@ async def kill_job(client: ClientAPI, args: argparse.Namespace, interactive: boo
     import asyncio  # here: gpukillctl's start (which imports slurm_job_id) does without asyncio
 
     codes = await asyncio.gather(*(_kill_one(client, p, args, interactive) for p in procs))
-    failed = [c for c in codes if c != EXIT_OK]
-    return next((c for c in failed if c != EXIT_MEMORY_HELD), failed[0] if failed else EXIT_OK)
+    return batch_exit(codes)

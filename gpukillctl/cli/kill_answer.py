@@ -23,6 +23,7 @@ from ..client.exits import (
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_STILL_ALIVE,
+    batch_exit,
 )
 
 _ENTRY_EXIT = {"denied": EXIT_DENIED, "protected": EXIT_REFUSED, "not-a-gpu-process": EXIT_REFUSED,
@@ -91,4 +92,4 @@ def workload_answer(reply: Any) -> int:
         codes.append({"held": EXIT_MEMORY_HELD}.get(r.verdict, EXIT_STILL_ALIVE))
     else:
         print(line)
-    return next((c for c in codes if c != EXIT_MEMORY_HELD), codes[0] if codes else EXIT_OK)
+    return batch_exit(codes)

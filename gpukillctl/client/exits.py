@@ -71,3 +71,10 @@ null where the daemon cannot read a value.
 manual pages:
   man gpukillctl        commands, options, the JSON keys
   man gpukill-policy    Guard Mode policies (guard load, test, validate)"""
+
+
+def batch_exit(codes: list[int]) -> int:
+    """The exit status of a batch of kills (kill --job, --tree, --unit, --container): the first failure's, a
+    process not stopped before memory merely still held (EXIT_MEMORY_HELD), else 0."""
+    failed = [c for c in codes if c != EXIT_OK]
+    return next((c for c in failed if c != EXIT_MEMORY_HELD), failed[0] if failed else EXIT_OK)
