@@ -29,8 +29,9 @@ def parse_stat(pid: int, text: str) -> ProcStat:
     open_paren = text.index("(")
     close_paren = text.rindex(")")
     comm = text[open_paren + 1 : close_paren]
-    rest = text[close_paren + 2 :].split()
-    # rest[0] is field 3 (state); field N is rest[N - 3].
+    # rest[0] is field 3 (state); field N is rest[N - 3]. Split no further than start time (field 22): the 30
+    # fields after it are never read, and the sampler parses thousands of these.
+    rest = text[close_paren + 2 :].split(None, 20)
     return ProcStat(
         pid=pid,
         comm=comm,

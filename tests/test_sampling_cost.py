@@ -384,3 +384,45 @@ def test_idle_processes_are_looked_at_again_only_when_they_reach_idle_after(monk
     evaluated.clear()
     found = watch(host, 30.0)
     assert len(evaluated) == 51 and {f.kind for f in found} == {"idle"} and len(found) == 51
+
+
+def made_up_process(root: Path, pid: int, status_extra: str = "", groups: int = 0, cgroup: str = "0::/\n") -> None:
+    """A process in a fixture /proc tree: stat, status (Groups: as long as asked), cmdline, cgroup."""
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    (d / "stat").write_text(f"{pid} (made up) S 1 {pid} {pid} 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 4242 " +
+                            " ".join(["0"] * 30) + "\n")
+    gids = " ".join(str(1000 + n) for n in range(groups))
+    (d / "status").write_text(f"Name:\tmade up\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t{pid}\nPid:\t{pid}\n"
+                              f"Uid:\t1234\t1234\t1234\t1234\nGid:\t1234\t1234\t1234\t1234\nGroups:\t{gids}\n"
+                              f"{status_extra}VmRSS:\t100 kB\n")
+    (d / "cmdline").write_bytes(b"made\0up\0")
+    (d / "cgroup").write_text(cgroup)
+
+
+def test_status_fields_past_a_long_groups_line_are_read(tmp_path):
+    # The sampler looks two fields up in status rather than splitting every line; NSpid: comes after Groups:,
+    # which holds up to 65,536 gids: past the first read, it must still be found.
+    made_up_process(tmp_path, 100, "NSpid:\t100\t7\n", groups=20_000)
+    made_up_process(tmp_path, 101, "NSpid:\t101\n")
+    procfs = ProcFS(str(tmp_path))
+    assert (tmp_path / "100" / "status").stat().st_size > 100_000
+    far, near = procfs.info(100), procfs.info(101)
+    assert far is not None and (far.uid, far.container_pid, far.start_time) == (1234, 7, 4242)
+    assert near is not None and (near.uid, near.container_pid) == (1234, None)
+    assert procfs.uid(100) == 1234
+
+
+def test_a_cgroup_parse_is_kept_for_short_texts_only():
+    from gpukilld.proc import attribution
+
+    unit = "0::/system.slice/gpukill-parse-kept.service\n"
+    before = attribution._parse_kept.cache_info()
+    first, again = attribution.parse_cgroup(unit), attribution.parse_cgroup(unit)
+    assert first is again and first.unit == "gpukill-parse-kept.service"  # the same text: the same parse
+    assert attribution._parse_kept.cache_info().hits > before.hits
+    # A user's made-up path as long as /proc shows (a delegated subtree): parsed each time, never held
+    long = "0::/user.slice/user-1000.slice/user@1000.service/" + "x" * attribution.PARSED_TEXT_MAX + "/a.scope\n"
+    size = attribution._parse_kept.cache_info().currsize
+    assert attribution.parse_cgroup(long).unit == "a.scope"
+    assert attribution._parse_kept.cache_info().currsize == size

@@ -28,6 +28,7 @@ Every label is bounded: ids by their grammar, unit names by systemd's (at most 2
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from ..model import Attribution
 
@@ -110,7 +111,24 @@ def _first(patterns: tuple[re.Pattern[str], ...], paths: list[str]) -> str | Non
     return None
 
 
+# The same text comes back for every process of a unit, and for each again at every re-read of its facts
+# (the sampler's rotation): the parse (a dozen anchored patterns) is kept for the last PARSED_KEPT texts seen,
+# those of at most PARSED_TEXT_MAX characters (a v1 host's dozen hierarchies fit; a user's long made-up
+# paths are parsed each time rather than held): at most 4 MiB.
+PARSED_KEPT = 1024
+PARSED_TEXT_MAX = 4096
+
+
 def parse_cgroup(text: str) -> Attribution:
+    return _parse_kept(text) if len(text) <= PARSED_TEXT_MAX else _parse(text)
+
+
+@lru_cache(maxsize=PARSED_KEPT)
+def _parse_kept(text: str) -> Attribution:
+    return _parse(text)
+
+
+def _parse(text: str) -> Attribution:
     path = _cgroup_path(text)
     paths = [path, *_all_paths(text)]  # v1 hosts spread containers and jobs over several hierarchies
     # the innermost unit: a user's own (user@UID.service/app.slice/x.service) is theirs to name, and says so

@@ -27,6 +27,8 @@ MAX_CGROUP = 65536  # /proc/PID/cgroup: a line per hierarchy, each at most PATH_
 # (attribution.trusts_environment). Environments are a few KiB; a variable past this many bytes is not looked
 # for, so one sample's reads stay small whatever a process puts there.
 MAX_ENVIRON = 131072
+# /proc/PID/status: ~1.5 KiB, but its Groups: line holds up to NGROUPS_MAX (65,536) gids
+MAX_STATUS = 1 << 20
 MAX_WCHAN = 128  # a kernel symbol's name (KSYM_NAME_LEN is 512; the driver's are far shorter)
 _PROC_ROOT_INO = 1  # fs/proc/internal.h PROC_ROOT_INO: the root of every procfs mount
 
@@ -151,22 +153,40 @@ class ProcFS:
         except OSError:
             return None
 
-    def _status_fields(self, pid: int) -> dict[str, str]:
-        fields: dict[str, str] = {}
+    def _status_fields(self, pid: int, keys: tuple[str, ...]) -> dict[str, str]:
+        """These fields of /proc/PID/status (those present), each value stripped; {} when unreadable.
+
+        Looked up in the text rather than by splitting its ~55 lines: this is half of a process's re-read in the
+        sampler's rotation (bench/idle_cost), and the fields asked for are two of them."""
         try:
-            with open(self._path(pid, "status"), encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    key, sep, value = line.partition(":")
-                    if sep:
-                        fields[key] = value.strip()
+            fd = os.open(self._path(pid, "status"), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, 4096)  # the whole file in one read, but for a long Groups: line (before NSpid:)
+                if len(data) == 4096:
+                    parts = [data]
+                    total = len(data)
+                    while total < MAX_STATUS and (more := os.read(fd, 65536)):
+                        parts.append(more)
+                        total += len(more)
+                    data = b"".join(parts)
+            finally:
+                os.close(fd)
+            text = "\n" + data.decode("utf-8", "replace")
         except OSError:
-            pass
+            return {}
+        fields = {}
+        for key in keys:
+            at = text.find(f"\n{key}:")  # a line's start: no other field's name ends in one of these
+            if at >= 0:
+                start = at + len(key) + 2
+                end = text.find("\n", start)
+                fields[key] = text[start:end if end >= 0 else len(text)].strip()
         return fields
 
     def uid(self, pid: int) -> int | None:
         """The real uid (who started it, as info() reads it); None if the process cannot be read."""
         try:
-            return int(self._status_fields(pid)["Uid"].split()[0])
+            return int(self._status_fields(pid, ("Uid",))["Uid"].split()[0])
         except (KeyError, ValueError, IndexError):
             return None
 
@@ -174,7 +194,7 @@ class ProcFS:
         stat = stat or self.stat(pid)
         if stat is None:
             return None
-        status = self._status_fields(pid)
+        status = self._status_fields(pid, ("Uid", "NSpid"))
         try:
             uid = int(status["Uid"].split()[0])  # real uid: who started it, not a setuid identity
         except (KeyError, ValueError, IndexError):

@@ -115,7 +115,8 @@ class Sampler:
         # The last sample's inputs and the records built from them, reused while they do not change.
         self._last_inputs: tuple | None = None
         self._last_processes: list[GpuProcess] = []
-        self._records: dict[tuple[int, int, str], tuple[ProcInfo, ProcessUsage, int, GpuProcess]] = {}
+        # (pid, start time, device) -> the inputs, the record, and its host facts as GpuProcess's keywords
+        self._records: dict[tuple[int, int, str], tuple[ProcInfo, ProcessUsage, int, GpuProcess, dict]] = {}
         self._published: Snapshot | None = None  # the latest snapshot handed to the main loop
         self._taken = True  # whether the main loop has taken it
 
@@ -352,13 +353,17 @@ class Sampler:
                 continue  # gone, or the PID was reused since the backend saw it
             rkey = (u.pid, u.start_time, u.device_id)
             last = self._records.get(rkey)
-            if last is not None and last[0] is info and last[2] == dev.index and last[1] == u:
-                record = last[3]  # equal inputs: the same immutable record
+            if last is not None and last[0] is info:
+                host = last[4]
+                if last[2] == dev.index and last[1] == u:
+                    record = last[3]  # equal inputs: the same immutable record
+                else:  # a busy client's figures, each sample: only the backend's part is new
+                    record = GpuProcess(**host, **{n: getattr(u, n) for n in _FROM_BACKEND}, device=dev.index)
             else:
-                record = GpuProcess(**{n: getattr(info, n) for n in _FROM_HOST},
-                                    **{n: getattr(info.attribution, n) for n in ATTRIBUTED},
-                                    **{n: getattr(u, n) for n in _FROM_BACKEND}, device=dev.index)
-            records[rkey] = (info, u, dev.index, record)
+                host = {n: getattr(info, n) for n in _FROM_HOST}
+                host.update({n: getattr(info.attribution, n) for n in ATTRIBUTED})
+                record = GpuProcess(**host, **{n: getattr(u, n) for n in _FROM_BACKEND}, device=dev.index)
+            records[rkey] = (info, u, dev.index, record, host)
             processes.append(record)
         self._records = records
         live = {(u.pid, u.start_time) for u in usages}
