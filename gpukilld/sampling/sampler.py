@@ -353,15 +353,13 @@ class Sampler:
                 continue  # gone, or the PID was reused since the backend saw it
             rkey = (u.pid, u.start_time, u.device_id)
             last = self._records.get(rkey)
-            if last is not None and last[0] is info:
-                host = last[4]
-                if last[2] == dev.index and last[1] == u:
-                    record = last[3]  # equal inputs: the same immutable record
-                else:  # a busy client's figures, each sample: only the backend's part is new
-                    record = GpuProcess(**host, **{n: getattr(u, n) for n in _FROM_BACKEND}, device=dev.index)
+            host = last[4] if last is not None and last[0] is info else None
+            if host is not None and last[2] == dev.index and last[1] == u:
+                record = last[3]  # equal inputs: the same immutable record
             else:
-                host = {n: getattr(info, n) for n in _FROM_HOST}
-                host.update({n: getattr(info.attribution, n) for n in ATTRIBUTED})
+                if host is None:  # new host facts; else a busy client's figures: only the backend's part is new
+                    host = {n: getattr(info, n) for n in _FROM_HOST}
+                    host.update({n: getattr(info.attribution, n) for n in ATTRIBUTED})
                 record = GpuProcess(**host, **{n: getattr(u, n) for n in _FROM_BACKEND}, device=dev.index)
             records[rkey] = (info, u, dev.index, record, host)
             processes.append(record)
