@@ -426,3 +426,14 @@ def test_a_cgroup_parse_is_kept_for_short_texts_only():
     size = attribution._parse_kept.cache_info().currsize
     assert attribution.parse_cgroup(long).unit == "a.scope"
     assert attribution._parse_kept.cache_info().currsize == size
+
+
+def test_a_name_that_spells_a_status_field_does_not_pass_for_it(children):
+    # The fields are looked up in status's text: a process that names itself "x\nUid:\t4242" must not pass for
+    # uid 4242 (the kernel escapes the newline in Name:; the real Uid: line is what counts).
+    code = ("import ctypes, time\nctypes.CDLL(None).prctl(15, b'x\\nUid:\\t4242\\t4242', 0, 0, 0)\n"
+            "print('ready', flush=True)\ntime.sleep(3600)\n")
+    p = spawn(children, code, gpu=None)
+    info = ProcFS("/proc").info(p.pid)
+    assert info is not None and info.uid == os.getuid() != 4242 and "Uid" in info.comm
+    assert ProcFS("/proc").uid(p.pid) == os.getuid()
