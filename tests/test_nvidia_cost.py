@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import time
 
 import pytest
 from helpers.nvml_host import fake_nvidia_host
@@ -119,13 +120,25 @@ def test_an_unchanged_host_hands_back_the_same_records(gpu_host):
         one, two = b.sample().processes, b.sample().processes
         assert len(one) == len(two) == GPUS * PER_GPU
         assert all(a is b for a, b in zip(one, two, strict=True))
-        # Every start time due in the rotation at once: all read again, found unchanged, the same records still.
-        b._start_times = {pid: (start, 0.0) for pid, (start, _) in b._start_times.items()}
-        b._rotation = [(0.0, pid) for pid in b._start_times]
+    finally:
+        b.close()
+
+
+def test_a_followed_start_time_is_not_read_again_however_long_it_runs(gpu_host, monkeypatch):
+    """A pidfd says when its process ends, and a start time cannot change while it lives: an unchanged host's
+    start times are read once, not again in a rotation (the 60-90 s one there was read 2,048 stats a turn that
+    the watch had answered already), hours of clock later as in the next second."""
+    now = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    b = NvidiaBackend(CountingProcFS())
+    try:
+        one = b.sample().processes
         b.procfs.stats = 0
-        three = b.sample().processes
-        assert b.procfs.stats == GPUS * PER_GPU
-        assert all(a is b for a, b in zip(one, three, strict=True))
+        for _ in range(20):
+            now[0] += 600.0
+            later = b.sample().processes
+        assert b.procfs.stats == 0
+        assert all(x is y for x, y in zip(one, later, strict=True))
     finally:
         b.close()
 

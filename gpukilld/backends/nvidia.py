@@ -15,14 +15,16 @@ An idle host costs little (issue 24): a sample makes only the NVML calls whose a
 handle and identity are read once; each process list is one call into a buffer kept between samples, where
 pynvml makes two and builds an object per process), and a GPU process's start time is read from /proc once,
 then held by the exit watch the simulated backend uses (gpukilld/proc/exit_watch.py): it is read again only
-when its pidfd says it ended, when its PID is new to the lists, or in a rotation spread over RECHECK.
+when its pidfd says it ended or when its PID is new to the lists. (No rotation reads it again besides: a pidfd
+names one process for good and says when it ends, and a start time cannot change while its process lives. The
+rotation this backend once had, each start time every 60-90 s, was ~27 reads a second on 8 x 256 that told
+nothing the watch does not.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import heapq
 import logging
 import queue
 import shutil
@@ -40,7 +42,6 @@ from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceRead
 from ..proc.exit_watch import ExitWatch
 from ..proc.procfs import ProcFS
 from . import Backend, BackendSample
-from .simulated import RECHECK
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +146,10 @@ class NvidiaBackend(Backend):
         self._retry = RETRY_MIN
         self._devices: dict[int, _DeviceState] = {}
         self._events = None
-        # The start time of each listed GPU process, valid while the exit watch holds it; the rotation re-reads
-        # each one every RECHECK or so anyway. Without a watch (a fixture /proc) every sample reads them all.
+        # The start time of each listed GPU process, valid while the exit watch holds it (until its pidfd says it
+        # ended). Without a watch (a fixture /proc) every sample reads them all.
         self._watch = ExitWatch() if self.procfs.is_this_hosts() else None
-        self._start_times: dict[int, tuple[int, float]] = {}  # pid -> (start time, when to read it again)
-        self._rotation: list[tuple[float, int]] = []  # heap of (when, pid)
+        self._start_times: dict[int, int] = {}  # pid -> start time, of the processes the watch follows
         # The last sample's lists and the records made from them: the same records while nothing changed, so
         # that the sampler tells at once that they are (equal lists of the same objects) and reuses what it built.
         self._last: tuple[list[Listed], list[ProcessUsage]] = ([], [])
@@ -265,33 +265,27 @@ class NvidiaBackend(Backend):
         due: set[int] = set()
         if watch is not None:
             for pid, start in watch.ended():
-                if known.get(pid, (None,))[0] == start:
+                if known.get(pid) == start:
                     due.add(pid)  # ended, or its PID reused: read it again if it is still listed
-            now = time.monotonic()
-            while self._rotation and self._rotation[0][0] <= now:
-                when, pid = heapq.heappop(self._rotation)
-                if known.get(pid, (None, None))[1] == when:
-                    due.add(pid)
             if listed == self._last[0]:
-                # Nothing listed changed: read the due start times again (ended, or their turn); while each is
-                # as it was, the last records still hold. A changed one leaves every due one read: none is due.
-                if self._still_as_they_were(due, now):
+                # Nothing listed changed: read the ended ones' start times again (a PID the lists still name may
+                # be a new process's); while none is, the last records still hold. A changed one leaves every due
+                # one read: none is due.
+                if self._still_as_they_were(due):
                     return list(self._last[1])
                 due = set()
-        else:
-            now = 0.0
         out = []
-        # The last sample's records by what NVML said, for those whose start time was read again unchanged (the
-        # rotation): the same objects, so the sampler still compares by identity.
+        # The last sample's records by what NVML said, for those whose start time is as it was: the same objects,
+        # so the sampler still compares by identity.
         records = {(p.pid, p.device_id, p.gpu_memory, p.gpu_utilization): p for p in self._last[1]}
         for item in listed:
             pid, device_id, memory, util = item
             if watch is None:
                 start = self.procfs.start_time(pid)
             elif pid in known and pid not in due:
-                start = known[pid][0]
+                start = known[pid]
             else:
-                start = self._read_start(pid, now)
+                start = self._read_start(pid)
                 due.discard(pid)
             if start is None:
                 continue
@@ -305,32 +299,30 @@ class NvidiaBackend(Backend):
             self._last = (listed, out) if all(pid in known for pid, *_ in listed) else ([], [])
         return list(out)
 
-    def _still_as_they_were(self, due: set[int], now: float) -> bool:
+    def _still_as_they_were(self, due: set[int]) -> bool:
         """Read each due PID's start time again; whether every one is followed with the start time it had."""
         same = True
         for pid in due:
-            old = self._start_times.get(pid, (None,))[0]
-            if self._read_start(pid, now) != old or pid not in self._start_times:
+            old = self._start_times.get(pid)
+            if self._read_start(pid) != old or pid not in self._start_times:
                 same = False
         return same
 
-    def _read_start(self, pid: int, now: float) -> int | None:
+    def _read_start(self, pid: int) -> int | None:
         old = self._start_times.get(pid)
         start = self.procfs.start_time(pid)
-        if old is not None and old[0] != start:
+        if old is not None and old != start:
             self._forget(pid)
         if start is None or not self._watch.follow(pid, start):
             self._start_times.pop(pid, None)  # gone, or cannot be followed: read it each sample instead
             return start
-        recheck_at = now + RECHECK * (1 + (pid % 64) / 128)  # spread over the interval, not all at once
-        heapq.heappush(self._rotation, (recheck_at, pid))
-        self._start_times[pid] = (start, recheck_at)
+        self._start_times[pid] = start
         return start
 
     def _forget(self, pid: int) -> None:
         old = self._start_times.pop(pid, None)
         if old is not None:
-            self._watch.forget((pid, old[0]))
+            self._watch.forget((pid, old))
 
     def _lost(self, state: _DeviceState, reason: str) -> DeviceReading:
         return DeviceReading(id=state.device_id, vendor="nvidia",
