@@ -86,3 +86,17 @@ def test_the_readings_differ_only_where_pyyaml_wrongly_refuses_yaml(path: Path, 
             assert python[0] == "errors" and "not valid YAML" in python[1][0], (text, fast, python)
             assert fast[0] == "policy" or "not valid YAML" not in fast[1][0], (text, fast, python)
     assert differ <= 15  # a few per cent of the mutants: tabs and `?`s mostly
+
+
+@needs_libyaml
+@pytest.mark.parametrize("text", [
+    'rules:\n  - {name: "ünïcödé ☃ 𝄞", action: kil, conditions: [{type: exe, operator: ==, value: x}]}\n',
+    'rules:\n  - name: "日本語"\n    description: "𝄞𝄞𝄞"\n    action: kil\n    conditions: [{type: bogus, operator: ==, value: 1}]\n',
+    "\ufeffrules:\n  - {name: é, action: kil, conditions: []}\n",
+    "rules:\r\n  - {name: é, action: kil, conditions: []}\r\n",
+], ids=["astral and accented", "CJK lines", "byte-order mark", "CRLF"])
+def test_lines_and_columns_agree_past_non_ascii_text(text: str, monkeypatch: pytest.MonkeyPatch):
+    """libyaml counts columns in characters as PyYAML does: FILE:LINE:COL names the same place either way."""
+    fast = outcome(text)
+    assert fast[0] == "errors" and any("unknown action 'kil'" in line for line in fast[1]), fast
+    assert fast == python_only(text, monkeypatch)
