@@ -65,12 +65,17 @@ def test_a_flood_of_keys_is_read_in_a_fraction_of_the_python_time(monkeypatch: p
     text = "rules: []\n" + "".join(f"k{i}: 1\n" for i in range(20_000))
 
     def seconds(read) -> float:
-        t0 = time.perf_counter()
+        # this process's CPU time, so a neighbour's burst on a shared VM is not counted against either reading
+        t0 = time.process_time()
         assert read(text)[0] == "errors"
-        return time.perf_counter() - t0
+        return time.process_time() - t0
 
-    python = seconds(lambda t: python_only(t, monkeypatch))
-    fast = seconds(outcome)
+    # interleaved, best of three each: one collector pass or a stolen slice in a single reading (CI once saw
+    # 0.47 s against 0.82 s where this VM reads 0.12 s against 0.76 s) does not decide the comparison
+    python, fast = float("inf"), float("inf")
+    for _ in range(3):
+        python = min(python, seconds(lambda t: python_only(t, monkeypatch)))
+        fast = min(fast, seconds(outcome))
     assert fast < python / 2, (fast, python)
 
 
