@@ -255,9 +255,8 @@ def test_nvidia_close_gives_back_nvml_and_never_waits_for_a_hung_call(nvhost, mo
     sampled = {}
     t = threading.Thread(target=lambda: sampled.update(s=b.sample()))
     t.start()
-    wait_until(lambda: len([th for th in threading.enumerate() if th.name.startswith("nvml-")]) == 8, 10,
-               "the 8 nvml- reader threads never all ran", interval=POLL)
-    workers = [th for th in threading.enumerate() if th.name.startswith("nvml-")]
+    wait_until(lambda: any(th.name.startswith("nvml-") for th in threading.enumerate()), 10,
+               "no nvml- reader thread ever ran", interval=POLL)
     started = time.monotonic()
     b.close()  # waits for the sample in progress (0.3 s deadline), not for GPU 2's hung call
     took = time.monotonic() - started
@@ -265,6 +264,7 @@ def test_nvidia_close_gives_back_nvml_and_never_waits_for_a_hung_call(nvhost, mo
     assert took < 1.0, took
     states = [d.state for d in sampled["s"].devices]  # the sample was not cut short by the close
     assert states == ["ok", "ok", "lost"] + ["ok"] * 5, states
+    workers = [th for th in threading.enumerate() if th.name.startswith("nvml-")]
     assert nvhost.counts() == {"init": base["init"] + 1, "shutdown": base["shutdown"] + 1,
                                "event_set_create": base["event_set_create"] + 1,
                                "event_set_free": base["event_set_free"] + 1}
