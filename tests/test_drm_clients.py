@@ -244,7 +244,7 @@ def test_a_listed_process_is_re_read_when_its_entry_changes_and_only_then(listin
 @needs_mknod
 def test_the_slice_re_reads_an_unchanged_table_every_revalidate_every_looks_not_samples(listing_host):
     host = listing_host
-    crowd(host, count=10)  # 5000..5009: one per slot
+    crowd(host, count=SAFETY_NET_PERIOD)  # 5000 on: one per slot (and one slot with two)
     b = DrmBackend(str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False,
                    revalidate_every=2)
     b.sample()  # round 1, the walk: 5005's first re-read comes at its 5005 % 2 + 1 = 2nd look
@@ -252,9 +252,9 @@ def test_the_slice_re_reads_an_unchanged_table_every_revalidate_every_looks_not_
     for _ in range(4 * SAFETY_NET_PERIOD):
         b.sample()
         reread.append(b.scanner.stats.scanned)
-    # each sample's slice is one process; it is re-read every second look, i.e. every 2 * SAFETY_NET_PERIOD
-    # samples, never on every look
-    assert sum(reread) == 4 * SAFETY_NET_PERIOD // 2
+    # each process is looked at once a period, four times in all; its table is re-read every second look, i.e.
+    # every 2 * SAFETY_NET_PERIOD samples, never on every look
+    assert sum(reread) == SAFETY_NET_PERIOD * 4 // 2
 
 
 @needs_mknod

@@ -112,7 +112,8 @@ def test_the_sample_that_lists_proc_stats_no_slice(host, monkeypatch):
     """Listing /proc and a slice's stats in one sample made it the slowest of the period (the p95): the
     processes are cut in SAFETY_NET_PERIOD - 1 slices, one per other sample, and each is still looked at once
     in the period."""
-    crowd(host, count=90)
+    count = 10 * scan.SLICES  # ten in each slice
+    crowd(host, count=count)
     b = backend(host)
     b.sample()
     b.sample()
@@ -123,7 +124,7 @@ def test_the_sample_that_lists_proc_stats_no_slice(host, monkeypatch):
         b.sample()
         per_sample.append((b.scanner.stats.listed_proc, sum(counting.fd_stats.values()) - before))
     assert [n for listed, n in per_sample if listed] == [0, 0]
-    assert sorted({n for listed, n in per_sample if not listed}) == [90 // scan.SLICES]
+    assert sorted({n for listed, n in per_sample if not listed}) == [count // scan.SLICES]
     assert set(counting.fd_stats.values()) == {2}  # each process twice in two periods
 
 
