@@ -67,14 +67,17 @@ class SimConfig:
 # A process's verdict stands until one of these says it may have changed: its /proc inode (a reused PID),
 # its pidfd (it ended), its youth (read every sample for YOUNG seconds: exec comes soon after fork), or its
 # turn in the rotation (every RECHECK to 1.5 RECHECK seconds, OTHERS_SLOWER times that for a process on no
-# GPU: a late exec into or out of a simulated GPU).
+# GPU): a late exec out of or onto a simulated GPU, the one change a followed process's rotation looks for.
+# A GPU process's rotation is the sampler's facts period (gpukilld/sampling/sampler.py INFO_TTL): the name,
+# command line and executable in its record are the sampler's to keep fresh (at once with the proc
+# connector, within 90 s polling), so what waits for this rotation is only the simulated driver's verdict on
+# an old process's exec. Every 60-90 s it was a quarter of the idle daemon's /proc reads (bench/idle_cost).
 YOUNG = 10.0
-RECHECK = 60.0
+RECHECK = 120.0
 # A process on no simulated GPU is read again OTHERS_SLOWER times less often: most of a busy host is such
-# processes, and an old one exec'ing onto a GPU (the only change its rotation looks for) is rare. Polling a
-# 5,000-process host, their re-reads every 60-90 s were about a quarter of the idle daemon's /proc reads
-# (bench/idle_cost).
-OTHERS_SLOWER = 4
+# processes, and an old one exec'ing onto a GPU (the only change its rotation looks for) is rare. Every 4-6
+# minutes, as since issue 24's round four.
+OTHERS_SLOWER = 2
 # The scan of /proc is skipped while the namespace's last PID has not moved (no process was created, so none is
 # new and no PID was reused; ended GPU processes are told by their pidfds), but made at least this often, for a
 # PID counter that went all the way round to the same value between two samples (pid_max creations in one
