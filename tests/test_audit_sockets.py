@@ -291,3 +291,69 @@ def test_a_process_that_execs_into_another_program_has_its_connections_read_agai
         job.kill()
         job.wait()
         pool.close()
+
+
+# alice's job: connects to the pool when told, and closes that connection when told
+CONNECT_THEN_CLOSE = """\
+import socket, sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+held = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+print("connected", flush=True)
+sys.stdin.readline()
+held.close()
+print("closed", flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_hosts_dump_serves_its_ttl_and_never_counts_a_socket_the_process_let_go(users, monkeypatch):
+    """The host's namespace is dumped again for a process read for the first time, else at most every HOST_TTL
+    seconds (a dump walks the kernel's whole TCP hash table): a connection made after the dump waits for the
+    next one; and a connection in a kept dump counts only while the process still holds that socket."""
+    alice = users["owner"]
+    pool = pools.listen(3333)
+    clock = [1000.0]
+    monkeypatch.setattr(sockets, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    dumps = []
+    real_dump = sock_diag.dump
+
+    def counted(*args, **kwargs):
+        dumps.append(clock[0])
+        return real_dump(*args, **kwargs)
+
+    monkeypatch.setattr(sock_diag, "dump", counted)
+    job = subprocess.Popen([SYSTEM_PYTHON, "-c", CONNECT_THEN_CLOSE, pool.getsockname()[0], "3333"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
+                           start_new_session=True, **alice.popen_kwargs())
+    assert job.stdin is not None
+
+    def say(word: str, answer: str) -> None:
+        job.stdin.write(word + "\n")
+        job.stdin.flush()
+        assert line(job) == answer
+
+    try:
+        assert line(job) == "ready"
+        reader = PoolConnections("/proc")
+        due = [("job", job.pid, alice.uid)]
+        assert reader.read(due, [3333], new=["job"]) == {"job": ()}  # new: the host's namespace dumped now
+        first = len(dumps)
+        assert first >= 1
+        say("go", "connected")
+        clock[0] += sockets.HOST_TTL - 1
+        assert reader.read(due, [3333]) == {"job": ()}  # read before: the dump of HOST_TTL - 1 s ago serves
+        assert len(dumps) == first
+        clock[0] += 1
+        assert reader.read(due, [3333]) == {"job": (Peer(pool.getsockname()[0], 3333),)}  # a fresh dump
+        assert len(dumps) > first
+        kept = len(dumps)
+        say("close", "closed")
+        clock[0] += 1
+        # the kept dump still names the connection; the process no longer holds it, so it does not count
+        assert reader.read(due, [3333]) == {"job": ()}
+        assert len(dumps) == kept
+    finally:
+        job.kill()
+        job.wait()
+        pool.close()

@@ -38,7 +38,13 @@ from .sock_diag import TcpSocket
 log = logging.getLogger("gpukilld")
 
 MAX_CANDIDATES = 4096  # connections to pool ports kept of one namespace per round
-HOST_TTL = 5.0  # seconds the host namespace's candidates serve (every round reads processes there)
+# Seconds the host namespace's candidates serve (every round reads processes there). A dump walks the kernel's
+# whole TCP hash table, which is sized by memory (262,144 buckets on a 24 GiB VM: 0.8 ms of kernel time a dump,
+# more on a big server), and a round came every few seconds on 2,048 GPU processes. A candidate kept this long
+# never stands for a socket that is gone: it counts only while the process still holds its inode (_scan_fds),
+# and a TCP socket's remote end never changes once connected. What waits is a connection made after the dump
+# by a process read before the next one: seen in its next turn (SOCKETS_TTL), unless it is new or exec'd.
+HOST_TTL = 15.0
 LISTEN_CHUNK = 256  # local-port ranges per LISTEN dump (one netlink attribute holds the filter)
 _FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
