@@ -29,7 +29,7 @@ class BackendStatus:
 
 
 SAMPLING_EVENTS = "events"  # the kernel's proc connector tells exec, renames and uid changes as they happen
-SAMPLING_POLLING = "polling"  # processes are re-read in rotation: what they become is seen up to ~45 s late
+SAMPLING_POLLING = "polling"  # processes are re-read in rotation: what they become is seen up to ~90 s late
 
 
 @dataclass(frozen=True, slots=True)

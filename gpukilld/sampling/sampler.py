@@ -51,11 +51,13 @@ _FROM_BACKEND = tuple(f.name for f in dataclasses.fields(ProcessUsage) if f.name
 # Without the connector (polling: not root, not the host's namespaces, a unit without AF_NETLINK) the sampler
 # looks for those changes itself: its stat (name, start time) every sample while it is YOUNG (fork, exec and a
 # rename come early), then every STAT_TTL (spread up to 1.5 STAT_TTL), with its command line, exe and cgroup
-# again when its name changed or every INFO_TTL; what an older process becomes is then seen up to 45 s late.
+# again when its name changed or every INFO_TTL; what an older process becomes is then seen up to 90 s late.
 # Whether it still runs is its backend's to say, each sample. Reading every GPU process's files every second
-# cost more than everything else the daemon does on a busy host (bench/idle_cost).
+# cost more than everything else the daemon does on a busy host (bench/idle_cost); a stat every 30-45 s was
+# still the largest part of an idle polling daemon (55 a second on 2,048 GPU processes, issue 24), and what it
+# looks for in a process past its first 10 s, a late rename or exec, is rarer than the minute it now waits.
 YOUNG = 10.0
-STAT_TTL = 30.0
+STAT_TTL = 60.0
 INFO_TTL = 120.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
