@@ -71,7 +71,7 @@ class SimConfig:
 # A GPU process's rotation is the sampler's facts period (gpukilld/sampling/sampler.py INFO_TTL): the name,
 # command line and executable in its record are the sampler's to keep fresh (at once with the proc
 # connector, within 90 s polling), so what waits for this rotation is only the simulated driver's verdict on
-# an old process's exec. Every 60-90 s it was a quarter of the idle daemon's /proc reads (bench/idle_cost).
+# an old process's exec. Every 60-90 s it was a fifth of the idle daemon's /proc reads (bench/idle_cost).
 YOUNG = 10.0
 RECHECK = 120.0
 # A process on no simulated GPU is read again OTHERS_SLOWER times less often: most of a busy host is such
