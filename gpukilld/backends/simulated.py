@@ -75,8 +75,8 @@ class SimConfig:
 YOUNG = 10.0
 RECHECK = 120.0
 # A process on no simulated GPU is read again OTHERS_SLOWER times less often: most of a busy host is such
-# processes, and an old one exec'ing onto a GPU (the only change its rotation looks for) is rare. Every 4-6
-# minutes, as since issue 24's round four.
+# processes, and an old one exec'ing onto a GPU (the only change its rotation looks for) is rare: every 4-6
+# minutes.
 OTHERS_SLOWER = 2
 # The scan of /proc is skipped while the namespace's last PID has not moved (no process was created, so none is
 # new and no PID was reused; ended GPU processes are told by their pidfds), but made at least this often, for a
