@@ -1,4 +1,4 @@
-"""The audit's socket evidence (gpukilld/rogue/sockets.py, gpukilld/rogue/sock_diag.py): only connections a GPU process made
+"""The audit's socket evidence (gpukilld/rogue/sockets.py, gpukill/kernel/sock_diag.py): only connections a GPU process made
 count, read through sock_diag, on real sockets of real processes of two unprivileged users on loopback.
 
 - planted: bob binds his client socket's source port to a pool port and connects to alice's server: her
@@ -24,9 +24,10 @@ from helpers import pools
 from helpers.guard_inputs import proc
 from helpers.testbed import SYSTEM_PYTHON, User
 
+from gpukill.kernel import sock_diag
 from gpukilld import audit_settings
 from gpukilld.config import AuditSettings, load_config
-from gpukilld.rogue import sock_diag, sockets
+from gpukilld.rogue import sockets
 from gpukilld.rogue.sockets import Peer, PoolConnections
 from gpukilld.rogue.watch import RogueWatch
 

@@ -18,11 +18,12 @@ import pytest
 from helpers.guard_inputs import GiB, proc
 
 from gpukill.errors import ConfigError
+from gpukill.kernel import sock_diag
 from gpukill.records import Evidence, Finding
 from gpukilld.access.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
 from gpukilld.config import AuditSettings, load_config
 from gpukilld.rogue import score as rogue
-from gpukilld.rogue import sock_diag, sockets
+from gpukilld.rogue import sockets
 from gpukilld.rogue.exe_replaced import RECHECK, ExeLookups, exe_replaced, lookup_is_local
 from gpukilld.rogue.score import RULE_BY_NAME, RULES, ProcessFacts, UserFacts
 from gpukilld.rogue.sockets import Peer

@@ -15,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from gpukilld.rogue import sock_diag  # noqa: E402
+from gpukill.kernel import sock_diag  # noqa: E402
 
 
 def best(f, repeat: int = 5) -> float:

@@ -1,5 +1,5 @@
 """Which GPU processes made TCP connections to pool ports: sock_diag dumps per network namespace
-(gpukilld/rogue/sock_diag.py), matched by socket inode against the processes' descriptors (/proc/PID/fd).
+(gpukill/kernel/sock_diag.py), matched by socket inode against the processes' descriptors (/proc/PID/fd).
 
 Only connections the process made count. A socket accepted on a listening port has the *client's* port as its
 remote port, which whoever connects chooses: bob binding his client socket to port 3333 and connecting to
@@ -32,8 +32,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from . import sock_diag
-from .sock_diag import TcpSocket
+from gpukill.kernel import sock_diag
+from gpukill.kernel.sock_diag import TcpSocket
 
 log = logging.getLogger("gpukilld")
 

@@ -1,5 +1,7 @@
 """TCP sockets of one network namespace, from the kernel's sock_diag netlink interface (NETLINK_SOCK_DIAG,
-INET_DIAG, linux/inet_diag.h): a small reader of our own (struct packing, no dependency).
+INET_DIAG, linux/inet_diag.h): a small reader of our own (struct packing, no dependency). The daemon's audit
+dumps a namespace's connections (gpukilld/rogue/sockets.py); `gpukillctl serve` asks who owns the one socket
+a request came in on (owner()).
 
 Why not /proc/PID/net/tcp*: those tables list every socket of the namespace as text, so a user padding their
 own namespace with thousands of sockets made the daemon parse megabytes; here the kernel filters (states, and a
@@ -142,6 +144,36 @@ def dump(sock: socket.socket, family: int, states: int, program: bytes, max_byte
             offset += (length + 3) & ~3
         if received >= max_bytes:
             raise DumpCut(found, received)
+
+
+_ID = struct.Struct("!HH16s16s")  # inet_diag_sockid's ports and addresses, in network byte order
+_NO_COOKIE = b"\xff" * 8  # INET_DIAG_NOCOOKIE: any socket with these ends
+ALL_STATES = 0xFFFFFFFF
+
+
+def owner(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
+    """The uid that owns the TCP socket of this network namespace whose own end is `local` and whose peer is
+    `remote` (addresses as text, IPv4 or IPv6): one exact lookup, one message each way, whatever the number of
+    sockets. None where the kernel knows no such socket (it closed) or the address is not an IP address."""
+    try:
+        family = socket.AF_INET6 if ":" in local[0] else socket.AF_INET
+        src, dst = (socket.inet_pton(family, a) for a in (local[0], remote[0]))
+    except (OSError, ValueError):
+        return None
+    body = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, ALL_STATES)
+    body += _ID.pack(local[1], remote[1], src.ljust(16, b"\0"), dst.ljust(16, b"\0"))
+    body += struct.pack("=I", 0) + _NO_COOKIE
+    message = _HEADER.pack(_HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0) + body
+    with _diag_socket() as sock:
+        sock.send(message)
+        reply = sock.recv(RECV_BUFFER)
+    if len(reply) < _HEADER.size + _MSG_LEN:
+        return None  # NLMSG_ERROR (ENOENT: no such socket), or nothing usable
+    length, kind, _, _, _ = _HEADER.unpack_from(reply)
+    if kind != SOCK_DIAG_BY_FAMILY or length < _HEADER.size + _MSG_LEN:
+        return None
+    (uid,) = struct.unpack_from("=I", reply, _HEADER.size + 64)
+    return uid
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
