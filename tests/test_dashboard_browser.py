@@ -7,6 +7,7 @@ GPUKILL_SCREENSHOTS=docs/screenshots writes the README's screenshots (test_every
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -14,7 +15,7 @@ import time
 import pytest
 from helpers import lab as lab_helper
 from helpers.browser import Browser, why_not
-from helpers.http_server import Server
+from helpers.http_server import Server, request_as
 from helpers.marks import needs_root, slow
 from helpers.procs import pid_alive
 from helpers.testbed import REPO, SYSTEM_PYTHON, Testbed, User
@@ -121,7 +122,7 @@ def test_without_the_link_the_page_says_how_to_get_in(browser, server):
 def test_the_one_time_link_logs_in(browser, server):
     browser.driver.delete_all_cookies()
     browser.login(server)
-    assert browser.driver.current_url == f"http://{server.host}/#/overview"
+    assert browser.driver.current_url == f"http://{server.host}/#/overview", "the page's half left the address"
     host = browser.css('section.host[data-host="0"]')[0]
     assert host.get_attribute("data-state") == "up"
     assert len(browser.css('.gpu[data-host="0"]')) == 4  # examples/simulate.yaml's four GPUs
@@ -129,6 +130,75 @@ def test_the_one_time_link_logs_in(browser, server):
     cookie = cookies[f"gpukill-session-{server.port}"]
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict", cookie
     assert browser.driver.execute_script("return document.cookie") == ""  # HttpOnly: no script reads it
+
+
+# A page another local user serves on another loopback port: it writes each request's headers, one JSON line a
+# request, to the file its argument names. Cookies are scoped by host, not port: the browser sends it the
+# dashboard's session cookie.
+HEADER_RECORDER = """
+import http.server, json, sys
+out = open(sys.argv[1], "a")
+class Page(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        out.write(json.dumps(dict(self.headers)) + "\\n"); out.flush()
+        body = b"<!doctype html><title>bob</title><p>nothing to see</p>"
+        self.send_response(200); self.send_header("content-type", "text/html"); self.send_header("content-length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def log_message(self, *args): pass
+server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@in_browser
+def test_another_users_page_sees_the_cookie_and_replaying_it_reads_and_kills_nothing(browser, server, victims, users):
+    owner, other = users["owner"], users["other"]
+    mine = victims.victim(owner, gpu=0, mem="2GiB", util=30, comm="alice-job")
+    browser.login(server, "processes")
+    wait_row(browser, mine.pid)
+    # bob's page, opened in alice's browser (a link in a chat): the browser hands it her session cookie
+    log = victims.workdir / "bobs-page.log"
+    log.touch()
+    log.chmod(0o666)
+    page = subprocess.Popen([SYSTEM_PYTHON, "-c", HEADER_RECORDER, str(log)], stdout=subprocess.PIPE, cwd="/",
+                            start_new_session=True, **other.popen_kwargs())
+    victims.procs.append(page)
+    assert page.stdout is not None
+    bobs_port = int(page.stdout.readline())
+    browser.driver.get(f"http://127.0.0.1:{bobs_port}/")
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    cookies = [h.get("Cookie", "") for h in seen]
+    name = f"gpukill-session-{server.port}"
+    stolen = next((c for header in cookies for c in header.split("; ") if c.startswith(name + "=")), None)
+    assert stolen, f"the browser did not send bob's page the cookie (the threat this test is about): {seen}"
+    assert browser.driver.execute_script("return localStorage.getItem('gpukill-session')") is None, \
+        "bob's page (another port, another origin) reads nothing of the dashboard's storage"
+    # bob replays it from his own process, with every header a page of alice's would send
+    listed = victims.wait_listed(mine.pid)
+    origin = f"http://127.0.0.1:{server.port}"
+    replay = {"Host": f"127.0.0.1:{server.port}", "Cookie": stolen, "Origin": origin,
+              "Content-Type": "application/json", "Accept": "application/json"}
+    kill = {"pid": mine.pid, "start_time": listed["start_time"], "grace": 1}
+    for extra in ({}, {"X-Gpukill-Session": "A" * 43}, {"X-Gpukill-Session": stolen.partition("=")[2]}):
+        for method, path, body in (("GET", "/v1/processes", None), ("POST", "/v1/kill", kill),
+                                   ("GET", "/ui/hosts", None)):
+            r = request_as(victims, other, server.port, method, path, {**replay, **extra}, body)
+            assert r.status == 401, (extra, path, r)
+            assert str(mine.pid) not in json.dumps(r.body), r
+    # were bob to hold both halves, his process is not the server's user: the kernel says whose socket it is
+    browser.open(server, "processes")
+    half = browser.driver.execute_script("return localStorage.getItem('gpukill-session')")
+    assert half, "the page keeps its half of the session in its origin's storage"
+    r = request_as(victims, other, server.port, "POST", "/v1/kill", {**replay, "X-Gpukill-Session": half}, kill)
+    assert (r.status, r.body["error"]) == (403, "NotYourSession"), r
+    time.sleep(0.5)
+    assert pid_alive(mine.pid), "a replayed session killed alice's process"
+    assert not victims.journal(GPUKILL_TARGET_PID=str(mine.pid), MESSAGE_ID=audit.KILL.message_id)
+    # alice's own page goes on: live, and its kill button works
+    question, answer = kill_from_page(browser, mine.pid)
+    assert answer.startswith("ok\n") and "terminated" in answer, answer
+    browser.wait(lambda: not browser.css(row_selector(mine.pid)), 5, "the killed process stayed on the page")
 
 
 # -- live -----------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The door of the dashboard `gpukillctl serve` serves at `/`: the one-time login link and its session cookie,
-the page's refusal without it, the second lock on cross-site changes, the security headers on every response,
+"""The door of the dashboard `gpukillctl serve` serves at `/`: the one-time login link and its session (a
+cookie and the page's header, each useless alone), the page's refusal without it, the second lock on cross-site changes, the security headers on every response,
 the page's files and nothing else, `--open` and the guard policy routes the Guard page uses.
 
 The session store is checked on its own (no server); the rest against a real server run as an unprivileged
@@ -46,14 +46,27 @@ def test_a_code_logs_in_once_and_only_for_ten_minutes():
     clock = Clock()
     s = Sessions(clock)
     code = s.new_code()
-    secret = s.redeem(code)
-    assert secret and s.valid(secret)
+    login = s.redeem(code)
+    assert login and s.valid(login.cookie, login.page)
     assert s.redeem(code) is None, "a code works once"
     late = s.new_code()
     clock.now += CODE_SECONDS
     assert s.redeem(late) is None, "a code is good for 10 minutes"
-    assert s.redeem("") is None and s.redeem(secret) is None  # a session's secret is no code
-    assert not s.valid(code) and not s.valid("") and not s.valid(None) and not s.valid(secret + "x")
+    assert s.redeem("") is None and s.redeem(login.cookie) is None and s.redeem(login.page) is None
+    assert not s.valid(code, code) and not s.valid("", "") and not s.valid(None, None)
+    assert not s.valid(login.cookie + "x", login.page) and not s.valid(login.cookie, login.page + "x")
+
+
+def test_a_session_is_its_two_halves_together():
+    s = Sessions(Clock())
+    first, second = s.redeem(s.new_code()), s.redeem(s.new_code())
+    assert first and second and s.valid(second.cookie, second.page)
+    assert not s.valid(first.cookie), "the cookie alone opens no data"
+    assert not s.valid(first.cookie, ""), "nor with an empty header"
+    assert not s.valid(first.cookie, second.page), "halves of two sessions are no session"
+    assert not s.valid(first.page, first.cookie), "each half in its own place"
+    assert s.valid(first.cookie, page_files=True), "the cookie alone opens the page's own files"
+    assert not s.valid(first.page, page_files=True) and not s.valid(None, page_files=True)
 
 
 def test_codes_and_sessions_are_bounded():
@@ -62,9 +75,9 @@ def test_codes_and_sessions_are_bounded():
     assert s.redeem(codes[0]) is None, "past MAX_CODES the oldest code is dropped"
     assert s.redeem(codes[1]) is not None
     assert len(s.codes) <= MAX_CODES
-    secrets_ = [s.redeem(s.new_code()) for _ in range(MAX_SESSIONS + 1)]
-    assert not s.valid(secrets_[0]), "past MAX_SESSIONS the oldest session is dropped"
-    assert all(s.valid(x) for x in secrets_[1:]) and len(s.secrets) == MAX_SESSIONS
+    logins = [s.redeem(s.new_code()) for _ in range(MAX_SESSIONS + 1)]
+    assert not s.valid(logins[0].cookie, logins[0].page), "past MAX_SESSIONS the oldest session is dropped"
+    assert all(s.valid(x.cookie, x.page) for x in logins[1:]) and len(s.secrets) == MAX_SESSIONS
 
 
 def test_the_cookie_is_named_for_the_port():
@@ -101,18 +114,20 @@ def login(server: Server, url: str):
     return request(server.port, "GET", f"{parts.path}?{parts.query}")
 
 
-def session_cookie(server: Server) -> str:
-    """A logged-in browser's Cookie header."""
+def session_headers(server: Server) -> dict[str, str]:
+    """What a logged-in page sends: the session's cookie and the page's half of it."""
     r = login(server, new_link(server))
     assert r.status == 303, r
-    return r.headers["set-cookie"].split(";", 1)[0]
+    return {"Cookie": r.headers["set-cookie"].split(";", 1)[0],
+            "X-Gpukill-Session": r.headers["location"].removeprefix("/#session=")}
 
 
 @needs_root
 def test_the_one_time_link_logs_in_exactly_once(server):
     url = new_link(server)
     r = login(server, url)
-    assert r.status == 303 and r.headers["location"] == "/", r
+    assert r.status == 303 and re.fullmatch(r"/#session=[A-Za-z0-9_-]{43}", r.headers["location"]), r
+    page_half = {"X-Gpukill-Session": r.headers["location"].removeprefix("/#session=")}
     name, _, rest = r.headers["set-cookie"].partition("=")
     secret, *attributes = rest.split("; ")
     assert name == f"gpukill-session-{server.port}" and len(secret) >= 43, r.headers
@@ -121,7 +136,11 @@ def test_the_one_time_link_logs_in_exactly_once(server):
     cookie = {"Cookie": f"{name}={secret}"}
     page = request(server.port, "GET", "/", headers=cookie)
     assert page.status == 200 and page.headers["content-type"].startswith("text/html"), page
-    assert request(server.port, "GET", "/v1/devices", headers=cookie).status == 200
+    assert request(server.port, "GET", "/v1/devices", headers={**cookie, **page_half}).status == 200
+    for alone in (cookie, page_half, {**cookie, "X-Gpukill-Session": "A" * 43}):  # each half alone: no data
+        r = request(server.port, "GET", "/v1/devices", headers=alone)
+        assert (r.status, r.error) == (401, "Unauthorized"), (alone, r)
+    assert request(server.port, "GET", "/", headers=page_half).status == 401, "the page's files take the cookie"
     again = login(server, url)
     assert again.status == 403 and "set-cookie" not in again.headers, again
     assert again.headers["content-type"].startswith("text/html") and "was used or has expired" in again.body
@@ -152,9 +171,9 @@ def test_without_a_login_the_page_says_how_to_get_in(server):
         r = request(server.port, method, path)
         assert (r.status, r.error) == (401, "Unauthorized") and r.headers.get("www-authenticate") == "Bearer", r
     # a new link takes the token itself: not the cookie, not nothing
-    cookie = session_cookie(server)
+    session = session_headers(server)
     origin = f"http://127.0.0.1:{server.port}"
-    for headers in ({}, {"Cookie": cookie, "Origin": origin, "Content-Type": "application/json"}):
+    for headers in ({}, {**session, "Origin": origin, "Content-Type": "application/json"}):
         r = request(server.port, "POST", "/login/link", headers=headers, raw=b"{}")
         assert (r.status, r.error) == (401, "Unauthorized"), r
 
@@ -164,30 +183,30 @@ def test_a_cross_site_form_post_is_refused_and_the_process_lives(server, victims
     owner = users["owner"]
     victim = victims.victim(owner, gpu=0, comm="mine")
     listed = victims.wait_listed(victim.pid)
-    cookie = session_cookie(server)
+    cookie = session_headers(server)
     form = f"pid={victim.pid}&start_time={listed['start_time']}".encode()
     origin = f"http://127.0.0.1:{server.port}"
     kill = f'{{"pid": {victim.pid}, "start_time": {listed["start_time"]}, "grace": 2}}'.encode()
     refused = [
         # what evil.example's <form method=post> sends, if the browser sent the cookie at all
-        ({"Cookie": cookie, "Origin": "http://evil.example",
+        ({**cookie, "Origin": "http://evil.example",
           "Content-Type": "application/x-www-form-urlencoded"}, form, "BadOrigin"),
-        ({"Cookie": cookie, "Content-Type": "application/x-www-form-urlencoded"}, form, "CrossSite"),
-        ({"Cookie": cookie, "Origin": origin, "Content-Type": "application/x-www-form-urlencoded"}, form,
+        ({**cookie, "Content-Type": "application/x-www-form-urlencoded"}, form, "CrossSite"),
+        ({**cookie, "Origin": origin, "Content-Type": "application/x-www-form-urlencoded"}, form,
          "CrossSite"),
-        ({"Cookie": cookie, "Origin": origin, "Content-Type": "text/plain"}, kill, "CrossSite"),
-        ({"Cookie": cookie, "Content-Type": "application/json"}, kill, "CrossSite"),  # no Origin
-        ({"Cookie": cookie, "Origin": "http://evil.example", "Content-Type": "application/json"}, kill, "BadOrigin"),
+        ({**cookie, "Origin": origin, "Content-Type": "text/plain"}, kill, "CrossSite"),
+        ({**cookie, "Content-Type": "application/json"}, kill, "CrossSite"),  # no Origin
+        ({**cookie, "Origin": "http://evil.example", "Content-Type": "application/json"}, kill, "BadOrigin"),
     ]
     for headers, body, error in refused:
         r = request(server.port, "POST", "/v1/kill", headers=headers, raw=body)
         assert (r.status, r.error) == (403, error), (headers, r)
-    r = request(server.port, "GET", "/v1/devices", headers={"Cookie": cookie, "Origin": "http://evil.example"})
+    r = request(server.port, "GET", "/v1/devices", headers={**cookie, "Origin": "http://evil.example"})
     assert (r.status, r.error) == (403, "BadOrigin"), r  # a wrong Origin, even on a read
     time.sleep(0.5)
     assert alive(victim.pid)
     # the page's own request: this Origin, JSON; the cookie acts as the server's user
-    r = request(server.port, "POST", "/v1/kill", headers={"Cookie": cookie, "Origin": origin,
+    r = request(server.port, "POST", "/v1/kill", headers={**cookie, "Origin": origin,
                                                          "Content-Type": "application/json; charset=utf-8"}, raw=kill)
     assert r.status == 200 and r.body["outcome"] == "terminated", r
     assert victim.wait(5) is not None
@@ -195,7 +214,7 @@ def test_a_cross_site_form_post_is_refused_and_the_process_lives(server, victims
 
 @needs_root
 def test_the_security_headers_on_html_json_and_static(server):
-    cookie = {"Cookie": session_cookie(server)}
+    cookie = session_headers(server)
     responses = {
         "html": request(server.port, "GET", "/", headers=cookie),
         "json": server.call("GET", "/v1/devices"),
@@ -227,7 +246,7 @@ def test_the_security_headers_on_html_json_and_static(server):
 
 @needs_root
 def test_only_the_pages_files_are_served(server):
-    cookie = {"Cookie": session_cookie(server)}
+    cookie = session_headers(server)
     assert _raw_get(server.port, "/static/app.js", cookie)[0] == 200  # the route is there, for its own files
     for path in ("/static/../session.py", "/static/..%2fsession.py", "/static/%2e%2e/session.py",
                  "/static/../../http/gate.py", "/static/..", "/static/", "/static/.hidden", "/static/app.js/x",
@@ -310,7 +329,9 @@ def test_open_opens_the_browser_on_a_link_that_works_on_loopback(bed, users):
         r = request(port, "GET", f"/login?{parts.query}")
         assert r.status == 303 and r.headers["set-cookie"].startswith(f"gpukill-session-{port}="), r
         cookie = {"Cookie": r.headers["set-cookie"].split(";", 1)[0]}
+        page_half = {"X-Gpukill-Session": r.headers["location"].removeprefix("/#session=")}
         assert request(port, "GET", "/", headers=cookie).status == 200
+        assert request(port, "GET", "/v1/devices", headers={**cookie, **page_half}).status == 200
         assert request(port, "GET", f"/login?{parts.query}").status == 403
     finally:
         assert s.stop() == 0, s.output()

@@ -6,11 +6,17 @@ gate stands in front of it (one rule for every client). A server running as alic
 page act as alice. In order, each refusal a one-line JSON error ({"error", "message"}, as gpukillctl/serve/rest.py
 answers) unless said otherwise:
 
-1. who: `Authorization: Bearer TOKEN`, or the dashboard's session cookie (gpukillctl/web/session.py), each
+1. who: `Authorization: Bearer TOKEN`, or the dashboard's session (gpukillctl/web/session.py), each
    compared in constant time (hmac.compare_digest), else 401; for a person opening the page (GET or HEAD of
-   `/` or `/static/*`) the 401 is a small HTML page saying how to get in. The one exception is the one-time
-   link, `GET /login?code=CODE`, which is its own credential: after the Host check of 2 the gate answers it
-   itself, 303 to `/` with a fresh session cookie (HttpOnly; SameSite=Strict; Path=/), or a 403 HTML page;
+   `/` or `/static/*`) the 401 is a small HTML page saying how to get in. A session is its cookie together
+   with the page's half in the PAGE_HEADER header; the cookie alone, which a browser also hands to pages that
+   other local users serve on other ports of the host, opens only the page's own files (`/`, `/static/*`).
+   On loopback TCP a session's request must also come from a socket of the server's user (or root), as the
+   kernel says (sock_diag): a secret replayed from another user's process counts for nothing, whatever the
+   browser did. The one exception is the one-time link, `GET /login?code=CODE`, which is its own credential:
+   after the Host check of 2 the gate answers it itself, 303 to `/#session=PAGE` (the page's half, in a
+   fragment, which never leaves the browser) with the session cookie (HttpOnly; SameSite=Strict; Path=/), or
+   a 403 HTML page;
 2. the Host header must name this server (allowed_hosts), else 421; an Origin, when a browser sends one,
    must be one of allowed_origins, else 403 (the same rule as the MCP SDK's DNS-rebinding protection, which
    stays on behind this gate for /mcp too);
@@ -58,12 +64,23 @@ class Sessions(Protocol):
     """The dashboard's logins, as the gate asks them (gpukillctl/web/session.py's Sessions)."""
 
     def new_code(self) -> str: ...
-    def redeem(self, code: str) -> str | None: ...
-    def valid(self, secret: str | None) -> bool: ...
+    def redeem(self, code: str) -> Login | None: ...
+    def valid(self, cookie: str | None, page: str | None = None, *, page_files: bool = False) -> bool: ...
+
+
+class Login(Protocol):
+    cookie: str
+    page: str
+
+
+PeerOwner = Callable[[tuple[str, int], tuple[str, int]], "int | None"]
 
 MCP_PATH = "/mcp"
 LOGIN_PATH = "/login"
 LINK_PATH = "/login/link"
+PAGE_HEADER = "x-gpukill-session"  # a session's page half, from its origin's storage (static/session.js)
+PAGE_FRAGMENT = "session"  # the login's redirect, /#session=SECRET, hands the page its half
+LOOPBACK_PREFIXES = ("127.", "::1", "::ffff:127.")
 STATIC_PREFIX = "/static/"
 SAFE_METHODS = ("GET", "HEAD")
 
@@ -108,6 +125,8 @@ class Gate:
         cookie: str = "",
         base_url: str = "http://localhost",
         long_lived: tuple[str, ...] = (MCP_PATH,),
+        peer_owner: PeerOwner | None = None,
+        owners: Iterable[int] = (),
     ) -> None:
         self.app = app
         self.token = token.encode()
@@ -120,6 +139,8 @@ class Gate:
         self.base_url = base_url.rstrip("/")
         self.long_lived = long_lived
         self.in_flight = 0
+        self.peer_owner = peer_owner  # who owns a loopback client's socket; None: not asked (the Unix socket)
+        self.owners = frozenset(owners)  # the uids whose sockets may use a session
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -135,12 +156,13 @@ class Gate:
             await self.login(scope, headers, send)
             return
         bearer = self.token_ok(headers.get("authorization"))
-        by_cookie = not bearer and self.cookie_ok(headers.get("cookie"))
+        page_files = method in SAFE_METHODS and (path == "/" or path.startswith(STATIC_PREFIX))
+        by_cookie = not bearer and self.session_ok(headers, page_files)
         refusal = self.refusal(headers, bearer or by_cookie)
         if refusal is None and by_cookie:
-            refusal = self.cross_site(method, path, headers)
+            refusal = self.peer_refusal(scope) or self.cross_site(method, path, headers)
         if refusal is not None:
-            if refusal[0] == 401 and method in SAFE_METHODS and (path == "/" or path.startswith(STATIC_PREFIX)):
+            if refusal[0] == 401 and page_files:
                 await _respond_html(send, 401, LOGIN_NEEDED_PAGE)  # a person opening the page
             else:
                 await _respond(send, *refusal)
@@ -211,12 +233,27 @@ class Gate:
         # compare_digest takes as long whatever the first differing byte: no guessing the token byte by byte
         return hmac.compare_digest(given.strip().encode(), self.token) and scheme.lower() == "bearer"
 
-    def cookie_ok(self, header: str | None) -> bool:
+    def session_ok(self, headers: dict[str, str], page_files: bool) -> bool:
+        """The session's cookie, and with it the page's header unless the request is for the page's files."""
+        header = headers.get("cookie")
         if self.sessions is None or not header:
             return False
+        page = headers.get(PAGE_HEADER)
         values = [v.strip() for name, _, v in (p.partition("=") for p in header.split(";"))
                   if name.strip() == self.cookie]
-        return any([self.sessions.valid(v) for v in values])
+        return any([self.sessions.valid(v, page, page_files=page_files) for v in values])
+
+    def peer_refusal(self, scope: Scope) -> tuple[int, str, str, dict[str, str]] | None:
+        """A session's request from a loopback socket that another user owns (rule 1), or whose owner the kernel
+        no longer knows."""
+        client, server = scope.get("client"), scope.get("server")
+        if self.peer_owner is None or not client or not server or not str(client[0]).startswith(LOOPBACK_PREFIXES):
+            return None
+        uid = self.peer_owner((str(client[0]), int(client[1])), (str(server[0]), int(server[1])))
+        if uid is not None and uid in self.owners:
+            return None
+        return (403, "NotYourSession",
+                "this session belongs to the server's user: the request came from another user's process", {})
 
     def is_long_lived(self, path: str) -> bool:
         return any(path == p or path.startswith(p + "/") for p in self.long_lived)
@@ -228,12 +265,13 @@ class Gate:
             await _respond(send, *refusal)
             return
         codes = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("code", [])
-        secret = self.sessions.redeem(codes[0]) if self.sessions is not None and len(codes) == 1 else None
-        if secret is None:
+        login = self.sessions.redeem(codes[0]) if self.sessions is not None and len(codes) == 1 else None
+        if login is None:
             await _respond_html(send, 403, LINK_USED_PAGE)
             return
-        cookie = f"{self.cookie}={secret}; HttpOnly; SameSite=Strict; Path=/"  # no Max-Age: the browser's session
-        raw = [(b"location", b"/"), (b"set-cookie", cookie.encode()), (b"content-length", b"0")]
+        cookie = f"{self.cookie}={login.cookie}; HttpOnly; SameSite=Strict; Path=/"  # no Max-Age: the browser's session
+        location = f"/#{PAGE_FRAGMENT}={login.page}"
+        raw = [(b"location", location.encode()), (b"set-cookie", cookie.encode()), (b"content-length", b"0")]
         await send({"type": "http.response.start", "status": 303, "headers": raw})
         await send({"type": "http.response.body", "body": b""})
 

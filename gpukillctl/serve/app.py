@@ -18,6 +18,7 @@ bound on the request body and on sessions. Mounted here, its session manager is 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -33,7 +34,7 @@ from starlette.routing import Mount, Route
 from gpukill.policy import MAX_POLICY_BYTES
 
 from ..client.dbus import Connect
-from ..http.gate import MCP_PATH, Gate
+from ..http.gate import MCP_PATH, Gate, PeerOwner
 from ..http.protocol import MAX_CONNECTIONS, DeadlineProtocol
 from ..web.hosts import HostSpec, local_host
 from ..web.hub import Hub
@@ -65,10 +66,12 @@ def build_app(
     sessions: Sessions | None = None,
     cookie: str = COOKIE,
     base_url: str = "http://localhost",
+    peer_owner: PeerOwner | None = None,
 ) -> Gate:
     """The app for this machine's gpukilld (connect) and the dashboard's hosts (host 0 first: this machine);
     sessions: the dashboard's logins, whose codes server.py prints or opens; base_url: where clients reach the
-    server, for the one-time links POST /login/link makes."""
+    server, for the one-time links POST /login/link makes; peer_owner: who owns a loopback client's socket (TCP),
+    so that a session counts only from the server's user (or root)."""
     allowed, origins = list(allowed_hosts), list(allowed_origins)
     shown = hosts if hosts is not None else [local_host()]
     mcp = build_mcp(connect)
@@ -113,6 +116,8 @@ def build_app(
         cookie=cookie,
         base_url=base_url,
         long_lived=LONG_LIVED,
+        peer_owner=peer_owner,
+        owners=(os.getuid(), 0),
     )
 
 

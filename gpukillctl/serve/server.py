@@ -383,6 +383,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ServeError(
             f"the HTTP server needs the optional packages ({e.name} is missing): {INSTALL_HINT}"
         ) from None
+    from gpukill.kernel import sock_diag
+
     from ..web.session import Sessions, cookie_name
 
     listener = bind_unix(directory) if tcp is None else bind_tcp(tcp)
@@ -401,6 +403,7 @@ def serve(args: argparse.Namespace) -> int:
             sessions=sessions,
             cookie=cookie_name(None if tcp is None else tcp.port),
             base_url=url_of(tcp),
+            peer_owner=None if tcp is None else sock_diag.owner,
         )
         announce(args, tcp, listener, made, sessions)
         return EXIT_OK if serve_app.run(app, listener.sock) else EXIT_FAILURE

@@ -1,11 +1,14 @@
 // Requests to a host's REST API ("/v1" for this machine, "/hosts/N/v1" for the others), as the page's user:
-// the session cookie goes along (same origin only); every body is JSON, with its Content-Type, which the
-// server requires of a cookie-authenticated POST, PUT or DELETE (the second lock against a cross-site post).
+// the session cookie goes along (same origin only) with the page's half of the session (session.js); every
+// body is JSON, with its Content-Type, which the server requires of a session's POST, PUT or DELETE (a
+// further lock against a cross-site post).
+
+import {headers} from "./session.js";
 
 // {ok, status, body}; body is the parsed JSON or {error, message} made up for a transport failure. The
 // daemon's own message (polkit's refusal, say) is left exactly as it came.
 export async function call(api, path, {method = "GET", body} = {}) {
-  const init = {method, credentials: "same-origin", headers: {Accept: "application/json"}};
+  const init = {method, credentials: "same-origin", headers: {Accept: "application/json", ...headers()}};
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);

@@ -10,6 +10,7 @@ import * as hosts from "./hosts.js";
 import * as kill from "./kill.js";
 import * as overview from "./overview.js";
 import * as processes from "./processes.js";
+import * as session from "./session.js";
 import {emit, on, state} from "./state.js";
 import {subscribe} from "./stream.js";
 import * as usage from "./usage.js";
@@ -79,6 +80,7 @@ function onStream(message) {
 }
 
 function start() {
+  session.keep(); // before anything asks the server: the login's redirect brings the page's half
   for (const module of [overview, processes, guard, audit, usage, kill, hosts]) module.init(() => drawSoon());
   on("host", (id) => drawSoon(id));
   on("hosts", () => drawSoon());
