@@ -135,7 +135,13 @@ def test_host_and_origin_are_checked(server):
             server.call("GET", "/v1/devices", headers={"Host": host, "Origin": f"http://{host}"}).status
             == 200
         )
-    assert server.call("GET", "/v1/devices", headers={"Host": f"localhost:{p + 1}"}).status == 421
+    # an ssh tunnel's local end: a loopback Host with another port, and an Origin only when it is that Host's
+    tunnel = f"localhost:{p + 1}"
+    assert server.call("GET", "/v1/devices", headers={"Host": tunnel, "Origin": f"http://{tunnel}"}).status == 200
+    r = server.call("GET", "/v1/devices", headers={"Host": tunnel, "Origin": f"http://localhost:{p + 2}"})
+    assert (r.status, r.error) == (403, "BadOrigin"), r
+    for name in (f"evil.example:{p + 1}", f"127.0.0.1.evil.example:{p}", f"localhost.:{p}", "127.0.0.1"):
+        assert server.call("GET", "/v1/devices", headers={"Host": name}).status == 421, name
 
 
 @needs_root

@@ -19,7 +19,10 @@ answers) unless said otherwise:
    a 403 HTML page;
 2. the Host header must name this server (allowed_hosts), else 421; an Origin, when a browser sends one,
    must be one of allowed_origins, else 403 (the same rule as the MCP SDK's DNS-rebinding protection, which
-   stays on behind this gate for /mcp too);
+   stays on behind this gate for /mcp too). A server on loopback (tunnel_ports) also answers a loopback
+   address or localhost with any port, and an Origin that is exactly that Host's: what a browser at the end
+   of `ssh -L LOCAL:127.0.0.1:PORT` sends. A DNS-rebinding page cannot send such a Host (its Host is its own
+   name), and another port's page sends its own Origin, which is not the Host's;
 3. cross-site: a request the cookie authenticated, whose method is not GET or HEAD, must carry an allowed
    Origin and `Content-Type: application/json`, else 403 CrossSite. SameSite=Strict already keeps the cookie
    off another site's requests; this is the second lock, and an HTML form can send neither. A bearer request
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Protocol
 from urllib.parse import parse_qs
@@ -81,6 +85,8 @@ LINK_PATH = "/login/link"
 PAGE_HEADER = "x-gpukill-session"  # a session's page half, from its origin's storage (static/session.js)
 PAGE_FRAGMENT = "session"  # the login's redirect, /#session=SECRET, hands the page its half
 LOOPBACK_PREFIXES = ("127.", "::1", "::ffff:127.")
+# A loopback address or localhost, with a port: the Host a browser sends through an ssh tunnel's local end.
+_TUNNEL_HOST = re.compile(r"(?:127(?:\.(?:25[0-5]|2[0-4][0-9]|1?[0-9]?[0-9])){3}|localhost|\[::1\]):[0-9]{1,5}")
 STATIC_PREFIX = "/static/"
 SAFE_METHODS = ("GET", "HEAD")
 
@@ -127,6 +133,7 @@ class Gate:
         long_lived: tuple[str, ...] = (MCP_PATH,),
         peer_owner: PeerOwner | None = None,
         owners: Iterable[int] = (),
+        tunnel_ports: bool = False,
     ) -> None:
         self.app = app
         self.token = token.encode()
@@ -141,6 +148,7 @@ class Gate:
         self.in_flight = 0
         self.peer_owner = peer_owner  # who owns a loopback client's socket; None: not asked (the Unix socket)
         self.owners = frozenset(owners)  # the uids whose sockets may use a session
+        self.tunnel_ports = tunnel_ports  # a loopback Host with any port (rule 2)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -203,10 +211,14 @@ class Gate:
         return self.host_refusal(headers)
 
     def host_refusal(self, headers: dict[str, str]) -> tuple[int, str, str, dict[str, str]] | None:
-        if headers.get("host", "").lower() not in self.allowed_hosts:
-            return 421, "BadHost", "the Host header does not name this server", {}
+        host = headers.get("host", "").lower()
+        tunnel = self.tunnel_ports and _TUNNEL_HOST.fullmatch(host) is not None
+        if host not in self.allowed_hosts and not tunnel:
+            return (421, "BadHost", "the Host header does not name this server (through a tunnel: ssh -L "
+                    "LOCAL:127.0.0.1:PORT, then open the link on 127.0.0.1:LOCAL; another name: --allow-host)", {})
         origin = headers.get("origin")
-        if origin is not None and origin.lower() not in self.allowed_origins:
+        if origin is not None and origin.lower() not in self.allowed_origins and not (
+                tunnel and origin.lower() == f"http://{host}"):
             return 403, "BadOrigin", "requests from this Origin are not allowed", {}
         return None
 

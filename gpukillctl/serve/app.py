@@ -67,11 +67,13 @@ def build_app(
     cookie: str = COOKIE,
     base_url: str = "http://localhost",
     peer_owner: PeerOwner | None = None,
+    tunnel_ports: bool = False,
 ) -> Gate:
     """The app for this machine's gpukilld (connect) and the dashboard's hosts (host 0 first: this machine);
     sessions: the dashboard's logins, whose codes server.py prints or opens; base_url: where clients reach the
     server, for the one-time links POST /login/link makes; peer_owner: who owns a loopback client's socket (TCP),
-    so that a session counts only from the server's user (or root)."""
+    so that a session counts only from the server's user (or root); tunnel_ports: a server on loopback, which
+    also answers the Host of an ssh tunnel's local end (gpukillctl/http/gate.py, rule 2)."""
     allowed, origins = list(allowed_hosts), list(allowed_origins)
     shown = hosts if hosts is not None else [local_host()]
     mcp = build_mcp(connect)
@@ -118,6 +120,7 @@ def build_app(
         long_lived=LONG_LIVED,
         peer_owner=peer_owner,
         owners=(os.getuid(), 0),
+        tunnel_ports=tunnel_ports,
     )
 
 
@@ -131,10 +134,11 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
 class Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        """SIGTERM and SIGINT end the server gracefully and then `run` returns, so that the command can clean
-        up (its token file): uvicorn's own version raises the signal again once the server stopped, which
-        would end the process first."""
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        """SIGTERM, SIGINT and SIGHUP (the terminal or the ssh session that ran it went away) end the server
+        gracefully and then `run` returns, so that the command can clean up (its token file): uvicorn's own
+        version raises the signal again once the server stopped, which would end the process first."""
+        previous = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             yield
         finally:
@@ -143,7 +147,7 @@ class Server(uvicorn.Server):
 
 
 def run(app: Gate, sock: socket.socket) -> bool:
-    """Serve on the bound socket until SIGTERM or SIGINT; whether the server had started. No access log (the
+    """Serve on the bound socket until SIGTERM, SIGINT or SIGHUP; whether the server had started. No access log (the
     daemon's journal has every act, and a log of requests would hold what clients asked for), no server
     header, no proxy headers trusted, no websockets."""
     config = uvicorn.Config(

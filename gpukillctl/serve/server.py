@@ -216,9 +216,16 @@ def read_token_file(path: str) -> str:
     return token
 
 
+ROOT_RUNTIME_DIR = "/run/user/0"  # root's, as logind makes it; made here for a root shell without a login
+
+
 def runtime_dir(why: str) -> Path:
-    """$XDG_RUNTIME_DIR/gpukill, made 0700; refused when it is not the user's own directory."""
+    """$XDG_RUNTIME_DIR/gpukill, made 0700; refused when it is not the user's own directory. Root without
+    XDG_RUNTIME_DIR (sudo -i, su, a unit) uses /run/user/0, made 0700 if logind has not: /run is root's."""
     base = os.environ.get("XDG_RUNTIME_DIR", "")
+    if (not base or not os.path.isabs(base)) and os.getuid() == 0:
+        base = ROOT_RUNTIME_DIR
+        os.makedirs(base, mode=0o700, exist_ok=True)
     if not base or not os.path.isabs(base):
         raise ServeError(f"XDG_RUNTIME_DIR is not set (no login session): {why}", EXIT_USAGE)
     path = Path(base) / "gpukill"
@@ -404,6 +411,7 @@ def serve(args: argparse.Namespace) -> int:
             cookie=cookie_name(None if tcp is None else tcp.port),
             base_url=url_of(tcp),
             peer_owner=None if tcp is None else sock_diag.owner,
+            tunnel_ports=tcp is not None and is_loopback(tcp.host),
         )
         announce(args, tcp, listener, made, sessions)
         return EXIT_OK if serve_app.run(app, listener.sock) else EXIT_FAILURE
@@ -445,7 +453,11 @@ def open_browser(link: str) -> None:
     browser ends, and meanwhile the server must answer it (the socket already listens: its request waits)."""
 
     def opening() -> None:
-        if not webbrowser.open(link):
+        if webbrowser.open(link):
+            return
+        if sys.stderr.isatty():  # a headless box over ssh: the link, to open elsewhere (see the tunnel in docs)
+            say(f"no browser could be started (set $BROWSER); log in to the dashboard once with: {link}")
+        else:
             base = link.split("/login?", 1)[0]
             say(f"no browser could be started (set $BROWSER): POST {base}/login/link with the token answers "
                 "a one-time login link")

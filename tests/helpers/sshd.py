@@ -55,13 +55,14 @@ def login_allowed(user: str, shell: str) -> Iterator[None]:
 
 
 class Sshd:
-    def __init__(self, users: list[str]) -> None:
+    def __init__(self, users: list[str], forwarding: bool = False) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="gpukill-sshd-"))
         os.chmod(self.dir, 0o755)  # sshd reads authorized_keys as the user
         self.port = free_port()
         self.users = users
         self.proc: subprocess.Popen | None = None
         self.ssh_config = self.dir / "ssh_config"
+        self.forwarding = forwarding  # local forwarding (ssh -L) allowed: the dashboard's tunnel
 
     def _keygen(self, name: str) -> Path:
         key = self.dir / name
@@ -79,7 +80,7 @@ class Sshd:
             f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {host_key}", "PidFile none",
             f"AuthorizedKeysFile {authorized}", "StrictModes no", "UsePAM no", "PubkeyAuthentication yes",
             "PasswordAuthentication no", "KbdInteractiveAuthentication no", f"AllowUsers {' '.join(self.users)}",
-            "X11Forwarding no", "AllowTcpForwarding no", "PermitTTY no", "PrintMotd no", "LogLevel VERBOSE", ""]))
+            "X11Forwarding no", f"AllowTcpForwarding {'local' if self.forwarding else 'no'}", "PermitTTY no", "PrintMotd no", "LogLevel VERBOSE", ""]))
         known_hosts = self.dir / "known_hosts"
         known_hosts.write_text(f"[localhost]:{self.port},[127.0.0.1]:{self.port} "
                                + (self.dir / "host_key.pub").read_text())
@@ -113,7 +114,7 @@ class Sshd:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def serving(user: str) -> Iterator[Sshd]:
+def serving(user: str, forwarding: bool = False) -> Iterator[Sshd]:
     """A module fixture's body: a private sshd on loopback that lets `user` log in with /bin/sh, stopped at the
     end; the test is skipped, with the reason, where sshd cannot run here."""
     import pytest
@@ -121,7 +122,7 @@ def serving(user: str) -> Iterator[Sshd]:
     reason = missing()
     if reason:
         pytest.skip(reason)
-    server = Sshd([user])
+    server = Sshd([user], forwarding)
     try:
         with login_allowed(user, "/bin/sh"):
             server.start()
