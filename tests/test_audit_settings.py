@@ -236,6 +236,42 @@ def test_allowed_users_and_processes_are_not_reported_and_read_rogue_score_0(abe
     assert everyone <= {f["pid"] for f in findings(bed, ROOT)}
 
 
+def test_an_allowed_executable_running_a_users_preloaded_library_is_scored_and_reported(abed, users):
+    """`LD_PRELOAD=~/miner.so /usr/bin/python3.X`: the allowed file, and a user's code in it. The mapped library
+    is the fact: the process is scored as any, with the reason in its evidence; without the library the same
+    program stays allowed."""
+    bed = abed
+    owner, admin = users["owner"], users["admin"]
+    home = bed.workdir / "preload-home"
+    home.mkdir(exist_ok=True)
+    os.chown(home, owner.uid, owner.gid)
+    source = home / "miner.c"
+    source.write_text("__attribute__((constructor)) static void start(void) {}\n")
+    library = home / "miner.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    os.chown(library, owner.uid, owner.gid)  # the user's own file, which the user can change at will
+    r = bed.ctl(admin, "audit", "settings", "allow-process", TRUSTED)
+    assert r.returncode == 0, r
+    plain = start_miner(bed, owner, SYSTEM_PYTHON, bed.pool_port)
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope,
+           "GPUKILL_SIM_MEM": "6GiB", "GPUKILL_SIM_UTIL": "99", "LD_PRELOAD": str(library)}
+    preloaded = subprocess.Popen([SYSTEM_PYTHON, "-c", MINER_CODE, str(bed.pool_port), "-o", STRATUM],
+                                 stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True,
+                                 **owner.popen_kwargs())
+    bed.procs.append(preloaded)
+    assert preloaded.stdout is not None and preloaded.stdout.readline().strip() == b"ready"
+    assert bed.wait_listed(preloaded.pid, comm="python3")["exe"] == TRUSTED
+    bed.wait_listed(plain.pid, comm="python3")
+    found = wait_until(lambda: finding_of(bed, ROOT, preloaded.pid, "miner"), 10,
+                       "an allowed program running a user's library was not reported")
+    why = next(e for e in found["evidence"] if e["rule"] == "allowed-untrusted")
+    assert str(library) in why["detail"] and "LD_PRELOAD=" in why["detail"], why
+    assert {e["rule"] for e in found["evidence"]} >= {"stratum-url", "pool-port"}, found
+    scored = rogue_scores(bed)
+    assert preloaded.pid in scored and plain.pid not in scored, scored
+    assert plain.pid not in {f["pid"] for f in findings(bed, ROOT)}
+
+
 SET_THEN_AUDIT = """\
 import json, sys
 from gpukillctl.client.blocking import BlockingClient, finish

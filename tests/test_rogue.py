@@ -71,6 +71,8 @@ CASES = [
     ("exe-hidden", facts(exe="/home/alice/.local/share/.x/python3"), ".local/share/.x",
      facts(exe="/home/alice/.local/share/uv/python/cpython-3.12.7-linux-x86_64-gnu/bin/python3.12")),
     ("pool-port", facts(pool_peers=(Peer("192.0.2.7", 3333),)), "192.0.2.7:3333", facts(pool_peers=())),
+    ("allowed-untrusted", facts(exe="/usr/bin/sleep", untrusted_allowed="it runs code from /home/b/x.so"), "x.so",
+     facts(exe="/usr/bin/sleep")),
     ("idle-memory", facts(idle_for=61.0, gpu_memory=2 * GiB), "2.0 GiB", facts(idle_for=59.0)),
     ("memory-hog", user(memory_share=85.0), "85%", user(memory_share=85.0, users=1)),
     ("time-hog", user(time_share=99.0), "99%", user(time_share=79.0)),

@@ -8,7 +8,7 @@ Rules come in families (FAMILIES): the rules of a family read one fact told seve
 gives itself is its comm, its argv[0] and its executable's file name), or facts an ordinary workload can show
 (where its executable lives, which ports it talks to). A family adds at most its cap, whatever matched in it:
 each rule adds its points until its family's cap is reached, in the table's order. No process family's cap
-reaches 70, the example kill threshold of docs/audit.md, and the weak families (executable location, sockets)
+reaches 70, the example kill threshold of docs/audit.md, and the weak families (executable location, sockets, allow-list)
 together stay below it too: a kill at 70 needs a strong family (the name, the command line) and one more. So a process
 whose only oddity is an executable under /tmp scores 25, a program named xmrig (name, argv[0] and executable
 all say so) 60, the same with a connection to a pool port 90, and a renamed miner (comm python3) with a
@@ -71,6 +71,9 @@ class ProcessFacts:
     # not known (a filesystem that is not looked up in). Filled in by watch.py (gpukilld/rogue/exe_replaced.py).
     exe_replaced: bool | None = False
     idle_for: float | None = None  # seconds it has held memory at 0% utilization; None: it has not
+    # It runs an executable of allowed_processes but other code too (a preloaded user library, a tracer): why.
+    # Filled in by watch.py (gpukilld/rogue/trusted_exe.py's foreign_code); such a process is scored as any.
+    untrusted_allowed: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +107,10 @@ CMDLINE_FAMILY = Family("command-line", 60, weak=False)  # its own arguments: a 
 EXE_FAMILY = Family("exe-location", 25, weak=True)  # where its executable lives: installers put them oddly too
 SOCKET_FAMILY = Family("sockets", 30, weak=True)  # which ports it talks to: servers and clients use those numbers too
 IDLE_FAMILY = Family("idle", 50, weak=False)  # GPU figures the daemon measures itself
+TRUST_FAMILY = Family("allow-list", 10, weak=True)  # an allowed program made to run a user's code
 # A user's finding (abuser) is not a process's and never reaches rogue_score: its two rules add up to 100.
 SHARE_FAMILY = Family("share", 100, weak=False)
-FAMILIES = (NAME_FAMILY, CMDLINE_FAMILY, EXE_FAMILY, SOCKET_FAMILY, IDLE_FAMILY, SHARE_FAMILY)
+FAMILIES = (NAME_FAMILY, CMDLINE_FAMILY, EXE_FAMILY, SOCKET_FAMILY, TRUST_FAMILY, IDLE_FAMILY, SHARE_FAMILY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +271,13 @@ def _pool_port(facts: Facts, _: AuditSettings) -> str | None:
     return _cut("connected to a mining pool port: " + ", ".join(str(p) for p in facts.pool_peers[:4]))
 
 
+def _allowed_untrusted(facts: Facts, _: AuditSettings) -> str | None:
+    assert isinstance(facts, ProcessFacts)
+    if facts.untrusted_allowed is None:
+        return None
+    return _cut(f"runs {facts.exe}, an allowed executable, but not trusted: {facts.untrusted_allowed}")
+
+
 def _idle(facts: Facts, settings: AuditSettings) -> str | None:
     assert isinstance(facts, ProcessFacts)
     if facts.idle_for is None or facts.idle_for < settings.idle_after:
@@ -323,6 +334,11 @@ RULES: tuple[RogueRule, ...] = (
               "a TCP connection the process made (established or being made) to a port in pool_ports (sock_diag, "
               "by socket inode; accepted connections and ports in the ephemeral range never count)",
               "high: 3333, 4444, 5555, 7777, 9999 are also ports of ordinary services a job may talk to", _pool_port),
+    RogueRule("allowed-untrusted", FINDING_MINER, 10, TRUST_FAMILY, EXE,
+              "the process runs an executable of allowed_processes, but also a file mapped executable that is not "
+              "a root-only file of the host (LD_PRELOAD of a user's library), or it is traced: scored as any "
+              "process, this rule saying why", "low: a profiler or allocator preloaded from a home directory "
+              "into an allowed program", _allowed_untrusted),
     RogueRule("idle-memory", FINDING_IDLE, 50, IDLE_FAMILY, GPU,
               "GPU memory (at least idle_min_memory) held at 0% utilization for idle_after",
               "it is what it says: a notebook waiting for its user is idle", _idle),

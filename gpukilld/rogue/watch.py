@@ -34,7 +34,7 @@ from ..proc.procfs import ProcFS
 from .exe_replaced import DELETED, ExeLookups
 from .score import ProcessFacts, UserFacts, process_findings, ranked
 from .sockets import Peer, PoolConnections, RoundBudget
-from .trusted_exe import runs_trusted
+from .trusted_exe import foreign_code, runs_trusted
 
 # Seconds before a process's connections are read again (spread up to 1.5 times that, so that not every process
 # is read in one sample): reading the descriptors of thousands of GPU processes every 10 s cost the daemon more
@@ -42,6 +42,9 @@ from .trusted_exe import runs_trusted
 SOCKETS_TTL = 60.0
 EPHEMERAL_TTL = 60.0  # seconds between reads of net.ipv4.ip_local_port_range (an admin may change it)
 MAX_GAP = 60.0  # seconds: a longer pause between samples (a suspended host) counts as this long
+# Seconds before a process running an allowed executable has its mapped files read again: a library it loads
+# later (dlopen) is seen within this long.
+TRUST_TTL = 60.0
 
 
 @lru_cache(maxsize=4096)
@@ -147,8 +150,9 @@ class RogueWatch:
         self._process_findings: list[Finding] = []
         self._facts: tuple[ProcessFacts, ...] = ()  # the basis's: rebuilt when a process's facts were made again
         self._facts_stale = False
-        # Per process running a path of allowed_processes: (that path, whether it runs that trusted file).
-        self._trusted: dict[tuple[int, int], tuple[str, bool]] = {}
+        # Per process running a path of allowed_processes: (that path, whether it runs that trusted file, why
+        # it is not trusted although it does (foreign_code), when that was read).
+        self._trusted: dict[tuple[int, int], tuple[str, bool, str | None, float]] = {}
         self._procfs = ProcFS(proc_root)
         self._allowed: frozenset[tuple[int, int]] = frozenset()
         self.basis: Basis | None = None  # the last round's
@@ -170,6 +174,8 @@ class RogueWatch:
         usages = self._usages
         self._track_window(now)
         reread = self._refresh_peers(usages, now, fresh)
+        if fresh:
+            self._allowed = self._allowed_processes(usages, settings, now)
         # Findings change with a process's facts (fresh), its connections (reread) or its idle clock.
         recheck = usages.keys() if fresh else reread | self._idle_deleted | self._idle_reached(now)
         changed = fresh
@@ -183,17 +189,16 @@ class RogueWatch:
         if changed or self._facts_stale:
             self._facts = tuple(self._found[key][2] for key in usages)
             self._facts_stale = False
-        if fresh:
-            self._allowed = self._allowed_processes(usages, settings)
         users = self._user_facts(now)
         found = allowed_out(ranked(self._process_findings, users, settings), settings, self._allowed)
         self.basis = Basis(now, settings, self._facts, self._idle_since, tuple(users), self._allowed)
         self.made_with.append((found, settings))
         return found
 
-    def _allowed_processes(self, usages: dict[tuple[int, int], _Usage],
-                           settings: AuditSettings) -> frozenset[tuple[int, int]]:
-        """The processes that run an executable of allowed_processes, checked once per process and path."""
+    def _allowed_processes(self, usages: dict[tuple[int, int], _Usage], settings: AuditSettings,
+                           now: float) -> frozenset[tuple[int, int]]:
+        """The processes that run an executable of allowed_processes and only their own code: the file checked
+        once per process and path, the code every TRUST_TTL."""
         paths = settings.allowed_processes
         if not paths:
             self._trusted.clear()
@@ -205,11 +210,16 @@ class RogueWatch:
                 continue
             last = self._trusted.get(key)
             if last is None or last[0] != exe:
-                # the start time read after the stat: the PID was this process's when its exe was looked at
-                last = (exe, runs_trusted(self.proc_root, key[0], exe) and self._procfs.start_time(key[0]) == key[1])
+                runs = runs_trusted(self.proc_root, key[0], exe)
+                last = (exe, runs, None, -TRUST_TTL)
+            if last[1] and now - last[3] >= TRUST_TTL:
+                last = (exe, True, foreign_code(self.proc_root, key[0]), now)
+            # the start time read after the reads: the PID was this process's when they were made
+            if last[1] and self._procfs.start_time(key[0]) != key[1]:
+                last = (exe, False, None, now)
             trusted[key] = last
         self._trusted = trusted
-        return frozenset(key for key, (_, ok) in trusted.items() if ok)
+        return frozenset(key for key, (_, runs, foreign, _) in trusted.items() if runs and foreign is None)
 
     def _evaluate(self, key: tuple[int, int], u: _Usage, now: float, settings: AuditSettings) -> bool:
         """Find the process's findings again if what they are made from changed; whether they changed."""
@@ -221,14 +231,17 @@ class RogueWatch:
         # A deleted executable is looked up (lstat, in the process's mount namespace; again after RECHECK): an
         # upgrade that put a new file at its path is no evidence, and the answer is part of the inputs.
         replaced = self._exe_lookups(key, p.exe, now)
+        trust = self._trusted.get(key)
+        untrusted = trust[2] if trust is not None and trust[1] else None
         inputs = (p.uid, p.user, p.comm, p.cmdline, p.exe, replaced, u.devices, u.memory, peers,
-                  idle_for is not None and idle_for >= settings.idle_after)
+                  idle_for is not None and idle_for >= settings.idle_after, untrusted)
         last = self._found.get(key)
         if last is not None and last[0] == inputs:
             return False
         facts = ProcessFacts(pid=u.p.pid, start_time=u.p.start_time, uid=u.p.uid, user=u.p.user, comm=u.p.comm,
                              cmdline=u.p.cmdline, exe=u.p.exe, home=home_of(u.p.uid), devices=tuple(u.devices),
-                             gpu_memory=u.memory, pool_peers=peers, exe_replaced=replaced, idle_for=idle_for)
+                             gpu_memory=u.memory, pool_peers=peers, exe_replaced=replaced, idle_for=idle_for,
+                             untrusted_allowed=untrusted)
         found = process_findings(facts, settings)
         self._found[key] = (inputs, found, facts)
         self._facts_stale = True
