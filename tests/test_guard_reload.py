@@ -3,7 +3,7 @@ admin's back: a policy loaded with `guard load` that kept Guard in dry run gives
 stays on until an admin ends it, and the journal and `guard status` say what was replaced, by whom it had been
 loaded and when. `guard dry-run off` says when the policy in force keeps dry run on.
 
-A real gpukilld on the simulated backend, with polkitd (the example rules: group gpukill administers) and
+The model, case by case, on the runner itself (no daemon); then in a real gpukilld on the simulated backend, with polkitd (the example rules: group gpukill administers) and
 journald; victims are real processes. The rules act after 1 s; the daemon samples every 0.2 s.
 """
 
@@ -14,14 +14,15 @@ import signal
 import subprocess
 import time
 
+import pytest
 from helpers.marks import needs_root
 from helpers.procs import pid_alive
 from helpers.testbed import ADMIN_RULES, ROOT, Testbed
 from helpers.waiting import wait_until
 
 from gpukilld import journal as audit
-
-pytestmark = needs_root
+from gpukilld.guard.notify import NotifyConfig
+from gpukilld.guard.runner import GuardRunner
 
 INTERVAL = 0.2
 ACT = 1.0  # seconds a miner must be busy before the rule kills it
@@ -70,6 +71,83 @@ def killed(proc: subprocess.Popen, timeout: float) -> bool:
         proc.returncode == -signal.SIGTERM
 
 
+# -- the model, on the runner ------------------------------------------------------------------------------
+
+
+class _Journal:
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, str, dict]] = []
+
+    def log(self, kind, message, **fields) -> None:
+        self.entries.append((kind.name, message, fields))
+
+    def results(self) -> list[str]:
+        return [f.get("result", "") for _, _, f in self.entries]
+
+
+def _runner(tmp_path, guard_d: str, journal: _Journal) -> GuardRunner:
+    async def kill(*args):
+        raise AssertionError("nothing is killed here")
+
+    (tmp_path / "guard.d").mkdir(exist_ok=True)
+    (tmp_path / "guard.d" / "10-miners.yaml").write_text(guard_d)
+    runner = GuardRunner(kill, journal, NotifyConfig(), str(tmp_path / "guard.d"), str(tmp_path / "state"))
+    runner.start()
+    return runner
+
+
+DRY = "dry_run: true\n"
+
+
+# (guard.d at start, the admin's switch, a loaded policy or None, guard.d at the reload) -> dry run after it, kept
+@pytest.mark.parametrize(("start_d", "switch", "loaded", "reload_d", "dry_after", "kept"), [
+    ("", False, DRY, "", True, True),  # the must-show case: guard load of a dry run, then a reload
+    ("", False, "", "", False, False),  # an enforcing loaded policy: nothing held dry run on
+    ("", True, "", "", True, False),  # the admin's switch is the admin's: a reload leaves it as it is
+    (DRY, False, None, "", False, False),  # guard.d's own dry_run turned off: the admin edited the file
+    (DRY, False, DRY, "", False, False),  # the same, with a loaded dry run in between
+    ("", False, DRY, DRY, True, False),  # guard.d now says dry run itself: nothing to keep
+    ("", False, None, "", False, False),  # nothing changed
+], ids=["loaded-dry", "loaded-enforcing", "switch-on", "files-edited", "files-edited-over-loaded",
+        "files-dry", "unchanged"])
+def test_a_re_read_of_guard_d_ends_a_dry_run_only_when_guard_d_ends_it(tmp_path, start_d, switch, loaded,
+                                                                       reload_d, dry_after, kept):
+    journal = _Journal()
+    runner = _runner(tmp_path, start_d + ENFORCING, journal)
+    runner.set_dry_run(switch, "uid 0")
+    if loaded is not None:
+        runner.load_policy("/srv/site.yaml", loaded + SITE.removeprefix(DRY), "uid 1000 (PID 7)", 1000)
+    (tmp_path / "guard.d" / "10-miners.yaml").write_text(reload_d + ENFORCING)
+    assert runner.reload_files()
+    assert runner.dry_run is dry_after
+    st = runner.status()
+    assert bool(st.dry_run_kept) is kept and ("dry-run-kept" in journal.results()) is kept
+    assert st.replaced.startswith("the policy /srv/site.yaml loaded by ") is (loaded is not None)
+
+
+def test_what_a_reload_kept_and_replaced_survives_a_restart(tmp_path):
+    journal = _Journal()
+    runner = _runner(tmp_path, ENFORCING, journal)
+    runner.load_policy("/srv/site.yaml", SITE, "uid 0 (PID 7)", 0)
+    assert runner.status().loaded_by == "root (uid 0)"
+    assert runner.reload_files()
+    before = runner.status()
+    runner.stop()
+    again = _runner(tmp_path, ENFORCING, _Journal())
+    after = again.status()
+    assert after.dry_run is True and again.dry_run is True
+    assert (after.dry_run_kept, after.replaced, after.replaced_at) == (before.dry_run_kept, before.replaced,
+                                                                       before.replaced_at)
+    assert before.dry_run_kept and before.replaced
+    again.set_dry_run(False, "uid 0")  # the admin ends it: enforcing, and nothing says "kept" any more
+    assert again.dry_run is False and again.status().dry_run_kept == ""
+    again.stop()
+
+
+# -- in the daemon ---------------------------------------------------------------------------------------------
+
+
+@needs_root
 def test_a_reload_after_guard_load_keeps_dry_run_and_says_what_it_replaced(fresh_bed, users):
     bed = fresh_bed
     start(bed)
@@ -126,6 +204,7 @@ def test_a_reload_after_guard_load_keeps_dry_run_and_says_what_it_replaced(fresh
     assert st["dry_run"] is False and st["dry_run_kept"] == ""
 
 
+@needs_root
 def test_a_reload_over_an_enforcing_loaded_policy_enforces_and_says_what_it_replaced(fresh_bed, users):
     bed = fresh_bed
     start(bed)
@@ -142,6 +221,7 @@ def test_a_reload_over_an_enforcing_loaded_policy_enforces_and_says_what_it_repl
     assert status(bed)["replaced"] == ""
 
 
+@needs_root
 def test_a_dry_run_that_guard_d_itself_ends_ends_on_reload(fresh_bed, users):
     """The files changed it: guard.d said dry_run: true when last read and no longer does."""
     bed = fresh_bed
@@ -159,6 +239,7 @@ def test_a_dry_run_that_guard_d_itself_ends_ends_on_reload(fresh_bed, users):
     assert "enabled, enforcing" in bed.ctl(ROOT, "guard", "status").stdout
 
 
+@needs_root
 def test_dry_run_off_says_when_the_policy_in_force_keeps_it_on(fresh_bed, users):
     bed = fresh_bed
     start(bed)
