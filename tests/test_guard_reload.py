@@ -41,12 +41,6 @@ def start(bed: Testbed) -> None:
     bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
 
 
-def status(bed: Testbed) -> dict:
-    r = bed.guard_call(ROOT, "GetStatus")
-    assert r.ok, r
-    return r.body[0]
-
-
 def reload(bed: Testbed) -> None:
     """One reload, waited for as systemd waits for it: RELOADING=1, then READY=1."""
     t0 = time.monotonic()
@@ -157,7 +151,7 @@ def test_a_reload_after_guard_load_keeps_dry_run_and_says_what_it_replaced(fresh
     assert load.returncode == 0, load
     assert load.stdout.strip() == (f"policy {site} in force until the next reload of gpukilld (systemctl reload, "
                                    "SIGHUP) or guard load: 1 rule(s): site-miners")
-    st = status(bed)
+    st = bed.guard_status()
     assert st["source"] == "loaded" and st["loaded_by"] == f"gpkadmin (uid {admin.uid})" and st["loaded_at"] > 0
     shown = bed.ctl(ROOT, "guard", "status").stdout
     assert f"policy: {site} (loaded with gpukillctl guard load by gpkadmin (uid {admin.uid}) at " in shown, shown
@@ -169,7 +163,7 @@ def test_a_reload_after_guard_load_keeps_dry_run_and_says_what_it_replaced(fresh
     reload(bed)  # logrotate, config management or a colleague: systemctl reload gpukilld
     t_reload = time.monotonic()
 
-    st = status(bed)
+    st = bed.guard_status()
     assert [r["name"] for r in st["rules"]] == ["miners"] and st["source"] == "files", "guard.d's is in force"
     assert st["dry_run"] is True and st["policy_dry_run"] is False
     assert st["loaded_by"] == "" and st["replaced_at"] > 0
@@ -200,7 +194,7 @@ def test_a_reload_after_guard_load_keeps_dry_run_and_says_what_it_replaced(fresh
     off = bed.ctl(admin, "guard", "dry-run", "off")
     assert off.returncode == 0 and off.stderr == "", off
     assert killed(miner, ACT + 8), "enforcing once the admin ended the dry run"
-    st = status(bed)
+    st = bed.guard_status()
     assert st["dry_run"] is False and st["dry_run_kept"] == ""
 
 
@@ -211,14 +205,14 @@ def test_a_reload_over_an_enforcing_loaded_policy_enforces_and_says_what_it_repl
     site = site_policy(bed, SITE.replace("dry_run: true\n", ""))
     assert bed.ctl(ROOT, "guard", "load", site).returncode == 0
     reload(bed)
-    st = status(bed)
+    st = bed.guard_status()
     assert st["dry_run"] is False and st["dry_run_kept"] == "" and st["source"] == "files"
     assert st["replaced"].startswith(f"the policy {site} loaded by root (uid 0) at ")
     miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     assert killed(miner, ACT + 8), "nothing held dry run on: guard.d's rule enforces"
     # the next `guard load` is the admin's own act: what the reload replaced is no longer news
     assert bed.ctl(ROOT, "guard", "load", site).returncode == 0
-    assert status(bed)["replaced"] == ""
+    assert bed.guard_status()["replaced"] == ""
 
 
 @needs_root
@@ -231,10 +225,10 @@ def test_a_dry_run_that_guard_d_itself_ends_ends_on_reload(fresh_bed, users):
     bed.write_conf()
     bed.start_polkit([ADMIN_RULES])
     bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
-    assert status(bed)["policy_dry_run"] is True
+    assert bed.guard_status()["policy_dry_run"] is True
     policy.write_text(ENFORCING)
     reload(bed)
-    st = status(bed)
+    st = bed.guard_status()
     assert st["dry_run"] is False and st["policy_dry_run"] is False and st["dry_run_kept"] == ""
     assert "enabled, enforcing" in bed.ctl(ROOT, "guard", "status").stdout
 
