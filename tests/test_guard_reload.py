@@ -23,6 +23,7 @@ from helpers.waiting import wait_until
 from gpukilld import journal as audit
 from gpukilld.guard.notify import NotifyConfig
 from gpukilld.guard.runner import GuardRunner
+from gpukilld.guard.state import MAX_NOTE
 
 INTERVAL = 0.2
 ACT = 1.0  # seconds a miner must be busy before the rule kills it
@@ -136,6 +137,20 @@ def test_what_a_reload_kept_and_replaced_survives_a_restart(tmp_path):
     again.set_dry_run(False, "uid 0")  # the admin ends it: enforcing, and nothing says "kept" any more
     assert again.dry_run is False and again.status().dry_run_kept == ""
     again.stop()
+
+
+def test_what_a_reload_keeps_is_bounded_by_the_policy_names_bound(tmp_path):
+    """LoadPolicy takes names of up to 4096 characters: the sentences that carry one stay whole, and are read
+    back whole after a restart."""
+    runner = _runner(tmp_path, ENFORCING, _Journal())
+    name = "/srv/" + "n" * (4096 - len("/srv/.yaml")) + ".yaml"
+    runner.load_policy(name, SITE, "uid 0 (PID 7)", 0)
+    assert runner.reload_files()
+    st = runner.status()
+    assert name in st.replaced and name in st.dry_run_kept and len(st.dry_run_kept) <= MAX_NOTE
+    runner.stop()
+    again = _runner(tmp_path, ENFORCING, _Journal()).status()
+    assert (again.replaced, again.dry_run_kept) == (st.replaced, st.dry_run_kept)
 
 
 # -- in the daemon ---------------------------------------------------------------------------------------------

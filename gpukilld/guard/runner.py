@@ -270,7 +270,7 @@ class GuardRunner:
             self.state.files_dry_run = policy.settings.dry_run
             self.state.loaded_by, self.state.loaded_at = "", 0.0
             if replaced:
-                self.state.replaced, self.state.replaced_at = replaced, now
+                self.state.replaced, self.state.replaced_at = replaced[:MAX_NOTE], now
         self._save_now()
         names = ", ".join(r.name for r in policy.rules) or "none"
         self.audit.log(journal.GUARD_POLICY, f"Guard policy from {policy.source} in force ({who}): rules {names}"

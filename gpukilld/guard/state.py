@@ -22,7 +22,9 @@ from ..files import read_kept, replace_file
 STATE_FILE = "guard-state.json"
 FORMAT = 1
 MAX_RECENT = 100
-MAX_NOTE = 2048  # who loaded the policy, why dry run is kept, what a re-read replaced: sentences the daemon wrote
+# Who loaded the policy, why dry run is kept, what a re-read replaced: sentences the daemon wrote, each with a
+# policy name of at most 4096 characters (LoadPolicy's bound) and a few dozen words around it.
+MAX_NOTE = 8192
 # The policy texts (guard.d holds a few KiB, a loaded policy at most gpukill.policy.MAX_POLICY_BYTES) and the
 # clocks (clocks.MAX_ENTRIES, under 100 bytes each): a file past this is not one we wrote, and is not read.
 MAX_STATE_BYTES = 32 << 20
