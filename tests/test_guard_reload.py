@@ -21,7 +21,7 @@ from helpers.testbed import ADMIN_RULES, ROOT, Testbed
 from helpers.waiting import wait_until
 
 from gpukilld import journal as audit
-from gpukilld.guard.notify import NotifyConfig
+from gpukilld.guard.notify import Notice, NotifyConfig
 from gpukilld.guard.runner import GuardRunner
 from gpukilld.guard.state import MAX_NOTE
 
@@ -151,6 +151,18 @@ def test_what_a_reload_keeps_is_bounded_by_the_policy_names_bound(tmp_path):
     runner.stop()
     again = _runner(tmp_path, ENFORCING, _Journal()).status()
     assert (again.replaced, again.dry_run_kept) == (st.replaced, st.dry_run_kept)
+
+
+def test_owner_warnings_are_still_journaled_after_a_reload_changes_the_relay(tmp_path):
+    """A reload that changes [notify] builds a new notifier: each warning to an owner is still audited."""
+    journal = _Journal()
+    runner = _runner(tmp_path, ENFORCING, journal)
+    runner.configure(NotifyConfig(smtp_port=2525, logind_bus=None), str(tmp_path / "guard.d"),
+                     str(tmp_path / "state"), runner.engine.protection)
+    runner.notifier.send(("owner",), Notice("warning", "miners", "user nobody", "miners: warned", "body"))
+    warned = [fields for kind, _, fields in journal.entries if fields.get("result") == "owner-warned"]
+    assert [(w["channel"], w["outcome"]) for w in warned] == [("owner", "skipped")]
+    runner.stop()
 
 
 # -- in the daemon ---------------------------------------------------------------------------------------------

@@ -230,7 +230,7 @@ class GuardRunner:
         if notify_config != self.notifier.config:
             old = self.notifier
             self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice,
-                                     self._desktop_notice)
+                                     self._desktop_notice, self._owner_warned)
             old.close()
 
     # -- policy and switches ---------------------------------------------------------------------------
