@@ -126,3 +126,32 @@ def test_the_readmes_guard_policy_is_valid():
     for block in blocks:
         policy = load_texts([("README.md", block)])
         assert policy.rules and policy.settings.dry_run, "the README's first policy is tried in a dry run"
+
+
+EXAMPLE_POLICIES = sorted((REPO / "examples").glob("**/*.yaml"))
+GUARD_TEST = re.compile(r"gpukillctl guard test\b([^\n`#]*)")
+
+
+def _header(path: Path) -> str:
+    """An example's leading comment: where it says how to install and try it."""
+    lines = path.read_text().splitlines()
+    return "\n".join(line for line in lines[:next((i for i, x in enumerate(lines) if not x.startswith("#")),
+                                                  len(lines))])
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLE_POLICIES if "guard test" in _header(p)],
+                         ids=lambda p: p.name)
+def test_an_example_policys_header_tests_the_file_it_installs(path: Path):
+    """`guard test` alone tests the policy in force, not the file just copied into guard.d: the header names
+    the file it installs."""
+    header = re.sub(r"\s+", " ", _header(path).replace("#", " "))
+    installed = re.findall(r"(/etc/gpukill/guard\.d/[\w.-]+\.yaml)", header)
+    assert installed, f"{path.name}: its header names no file in /etc/gpukill/guard.d"
+    tests = GUARD_TEST.findall(header)
+    assert tests and all(f"--policy {installed[0]}" in t for t in tests), (path.name, tests)
+
+
+def test_the_readme_tests_policy_files_not_the_policy_in_force():
+    text = re.sub(r"\s+", " ", README.read_text())
+    tests = GUARD_TEST.findall(text)
+    assert tests and all(t.strip().startswith("--policy ") for t in tests), tests

@@ -239,7 +239,7 @@ MAPPINGS = [
     (["--guard", "--guard-enable"], [call.guard_enable(True)]),
     (["--guard", "--guard-disable"], [call.guard_enable(False)]),
     (["--guard", "--guard-dry-run"], [call.guard_set_dry_run(True)]),
-    (["--guard", "--guard-enforce"], [call.guard_set_dry_run(False)]),
+    (["--guard", "--guard-enforce"], [call.guard_set_dry_run(False), call.guard_status()]),  # does a policy hold it
     (["--guard", "--guard-test-policies"], [call.guard_test("", "")]),
     (["--guard", "--guard-test-policies", "--output", "json"], [call.guard_test("", "")]),
     (["--guard", "--guard-test-policies", "--policy-file", str(POLICY)],
@@ -638,7 +638,8 @@ def test_toggle_dry_run_turns_the_daemons_state_over(capsys):
         client = RecordingClient()
         client.dry_run = now
         code, client = run(["--guard", "--guard-toggle-dry-run"], client)
-        assert code == 0 and client.calls == [call.guard_status(), call.guard_set_dry_run(then)]
+        ended = [call.guard_status()] if not then else []  # off: whether the policy in force keeps dry run on
+        assert code == 0 and client.calls == [call.guard_status(), call.guard_set_dry_run(then), *ended]
         assert capsys.readouterr().out == f"guard dry run {'on' if then else 'off'}\n"
 
 

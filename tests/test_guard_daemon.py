@@ -106,7 +106,8 @@ def test_the_issue_policy_loads_as_is(guard):
     bed = guard
     r = bed.ctl(ROOT, "guard", "load", str(ISSUE_FILE))
     assert r.returncode == 0, r
-    assert r.stdout.strip() == f"policy {ISSUE_FILE} in force: 2 rule(s): {MINERS}, {MEMORY}"
+    assert r.stdout.strip() == (f"policy {ISSUE_FILE} in force until the next reload of gpukilld (systemctl "
+                                f"reload, SIGHUP) or guard load: 2 rule(s): {MINERS}, {MEMORY}")
     st = status(bed)
     assert st["source"] == "loaded" and st["files"] == [str(ISSUE_FILE)] and st["policy_error"] == ""
     rules = {r["name"]: r for r in st["rules"]}

@@ -82,10 +82,16 @@ class GuardStatus:
     """What GetStatus returns: the switches, the policy in force, its rules and what is running now."""
 
     enabled: bool = wire("b", "the guard evaluates the policy")
-    dry_run: bool = wire("b", "set by SetDryRun: nothing is signalled")
+    dry_run: bool = wire("b", "set by SetDryRun (or kept on by a re-read of guard.d): nothing is signalled")
     policy_dry_run: bool = wire("b", "set in the policy: nothing is signalled")
     source: str = wire("s", '"files" (guard.d) or "loaded" (LoadPolicy)')
     files: tuple[str, ...] = wire("as", "the policy's files or name", ())
+    loaded_by: str = wire("s", 'loaded: who loaded it, "alice (uid 1000)"; "" for guard.d\'s', "")
+    loaded_at: float = wire("d", "loaded: when, seconds since the epoch; 0 for guard.d's", 0.0)
+    dry_run_kept: str = wire("s", 'why a re-read of guard.d, not an admin, holds dry_run on; "" otherwise', "")
+    replaced: str = wire("s", 'the loaded policy the last re-read of guard.d replaced (name, by whom, when); '
+                              '"" none since the last LoadPolicy', "")
+    replaced_at: float = wire("d", "when guard.d replaced it, seconds since the epoch; 0 none", 0.0)
     policy_error: str = wire("s", 'why the files were last rejected, or ""', "")
     rules: tuple[RuleStatus, ...] = wire("aa{sv}", "the rules in force, with their counters", (),
                                          of=RuleStatus)

@@ -1047,10 +1047,8 @@ async def toggle_dry_run(client: ClientAPI) -> int:
     """gpu-kill's toggle: the dry run as the daemon has it now, then the other state (gpukillctl guard dry-run)."""
     status = await client.guard_status()
     state = "off" if status.dry_run else "on"
-    code = await cmd_guard(client, argparse.Namespace(guard_command="dry-run", state=state, json=False, policy=None))
-    if state == "off" and status.policy_dry_run:
-        print(f"{PROG}: the policy in force says dry_run itself: it still only reports", file=sys.stderr)
-    return code
+    # off: gpukillctl guard dry-run says when the policy in force keeps dry run on
+    return await cmd_guard(client, argparse.Namespace(guard_command="dry-run", state=state, json=False, policy=None))
 
 
 # -- gpukillctl commands, run as they are ---------------------------------------------------------------------

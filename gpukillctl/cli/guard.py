@@ -21,7 +21,7 @@ from ..client.exits import EXIT_FAILURE, EXIT_INVALID_POLICY, EXIT_USAGE
 from ..client.format import shown, table
 
 if TYPE_CHECKING:  # annotations only: the Guard's records load when `guard` runs, not at every start
-    from gpukill.records import Decision, ManagedPolicyEntry
+    from gpukill.records import Decision, GuardStatus, ManagedPolicyEntry
 
 # The policy module (and PyYAML), the units and the polkit agent (subprocess) are imported by the guard commands
 # that use them: `gpukillctl list` starts faster.
@@ -200,10 +200,17 @@ async def _change(client: ClientAPI, args: argparse.Namespace) -> int:
         elif command == "dry-run":
             await client.guard_set_dry_run(args.state == "on", interactive=agent.active)
             print(f"guard dry run {args.state}")
+            if args.state == "off":
+                st = await client.guard_status()
+                if st.policy_dry_run:  # the switch is off, yet nothing is signalled: say why, and how to end it
+                    print(shown(f"gpukillctl: dry run stays on: the policy in force ({', '.join(st.files)}) sets "
+                                "dry_run: true; remove it there and load or reload the policy to enforce"),
+                          file=sys.stderr)
         else:
             result = await client.guard_load_policy(os.path.abspath(args.file), text, interactive=agent.active)
             names = ", ".join(result.rules) or "none"
-            print(shown(f"policy {args.file} in force: {len(policy.rules)} rule(s): {names}"))
+            print(shown(f"policy {args.file} in force until the next reload of gpukilld (systemctl reload, "
+                        f"SIGHUP) or guard load: {len(policy.rules)} rule(s): {names}"))
     finally:
         agent.close()
     return 0
@@ -229,8 +236,15 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
     mode = "disabled" if not st.enabled else ("enabled, DRY RUN (nothing is signalled)" if dry else
                                               "enabled, enforcing")
     print(f"guard: {mode}")
-    source = "loaded with gpukillctl guard load" if st.source == "loaded" else "guard.d"
+    for why in _dry_run_reasons(st):
+        print(shown(f"dry run: {why}"))
+    source = "guard.d"
+    if st.source == "loaded":
+        source = (f"loaded with gpukillctl guard load by {st.loaded_by or 'an unknown caller'} at "
+                  f"{_when(st.loaded_at)}, until the next reload of gpukilld or guard load")
     print(shown(f"policy: {', '.join(st.files) or 'none'} ({source})"))
+    if st.replaced:
+        print(shown(f"replaced at {_when(st.replaced_at)} by a re-read of guard.d: {st.replaced}"))
     if st.policy_error:
         print(shown(f"policy files rejected (the policy above stays in force): {st.policy_error}"))
     print(f"evaluations: {st.evaluations}, last {st.last_eval_ms:.1f} ms, slowest {st.max_eval_ms:.1f} ms")
@@ -264,6 +278,16 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
             f"{c.channel}: {c.delivered} delivered, {c.failed} failed, {c.dropped} dropped"
             for c in st.notifications))
     return 0
+
+
+def _dry_run_reasons(st: GuardStatus) -> list[str]:
+    """Each thing that holds dry run on, as `guard status` names it."""
+    reasons = []
+    if st.dry_run:
+        reasons.append(st.dry_run_kept or "set with gpukillctl guard dry-run on")
+    if st.policy_dry_run:
+        reasons.append(f"the policy in force ({', '.join(st.files) or 'none'}) sets dry_run: true")
+    return reasons
 
 
 def _decision_row(d: Decision) -> list[str]:

@@ -134,15 +134,15 @@ class GuardInterface(ServiceInterface):
         self._sandbox = Sandbox()
         self._managed = ManagedPolicies(runner, runner.audit)
 
-    async def _authorize(self, member: str, details: dict[str, str], what: str) -> str:
-        """Who asked (as the runner's audit names them), once the bouncer allows it; the bouncer audits a
-        denial and raises it (AccessDenied or TooBusy)."""
+    async def _authorize(self, member: str, details: dict[str, str], what: str) -> Caller:
+        """Who asked (caller.who: as the runner's audit names them), once the bouncer allows it; the bouncer
+        audits a denial and raises it (AccessDenied or TooBusy)."""
         caller = await current_caller(self._bouncer)
         request = Request(journal.GUARD_POLICY, f"Guard request {member}", what,
                           {"action": "guard", "requested_by": caller.who})
         await self._bouncer.check(caller, (GUARD_INTERFACE, member), {"operation": member, **details},
                                   request=request)
-        return caller.who
+        return caller
 
     async def _authorize_policies(self, member: str, operation: str, about: dict[str, str]) -> Caller:
         """As _authorize, for the managed policies (manage-policies): a denial is audited as their change would
@@ -159,25 +159,25 @@ class GuardInterface(ServiceInterface):
     @method()
     @dbus_errors
     async def Enable(self):  # no return annotation: dbus-fast would read one as the reply signature
-        self._runner.set_enabled(True, await self._authorize("Enable", {}, "enable the guard"))
+        self._runner.set_enabled(True, (await self._authorize("Enable", {}, "enable the guard")).who)
 
     @method()
     @dbus_errors
     async def Disable(self):
-        self._runner.set_enabled(False, await self._authorize("Disable", {}, "disable the guard"))
+        self._runner.set_enabled(False, (await self._authorize("Disable", {}, "disable the guard")).who)
 
     @method()
     @dbus_errors
     async def SetDryRun(self, dry_run: "b"):
-        who = await self._authorize("SetDryRun", {"dry_run": str(bool(dry_run)).lower()}, "change dry run")
-        self._runner.set_dry_run(bool(dry_run), who)
+        caller = await self._authorize("SetDryRun", {"dry_run": str(bool(dry_run)).lower()}, "change dry run")
+        self._runner.set_dry_run(bool(dry_run), caller.who)
 
     @method()
     @dbus_errors
     async def LoadPolicy(self, name: "s", text: "s") -> "a{sv}":
         name = _clean_name(name)
-        who = await self._authorize("LoadPolicy", {"policy": name[:256]}, "load a guard policy")
-        policy = self._runner.load_policy(name, text, who)
+        caller = await self._authorize("LoadPolicy", {"policy": name[:256]}, "load a guard policy")
+        policy = self._runner.load_policy(name, text, caller.who, caller.uid)
         return to_dbus(PolicyLoaded(policy.source, tuple(r.name for r in policy.rules)))
 
     @method()

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import math
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ from .. import journal
 from ..acts.selection import Selection
 from ..config import Config
 from ..model import Snapshot
+from ..proc.procfs import user_name
 from . import clocks, report
 from .conditions import Protection
 from .engine import (
@@ -57,7 +59,7 @@ from .engine import (
     Violation,
 )
 from .notify import Notice, Notifier, NotifyConfig
-from .state import MAX_RECENT, GuardState, load_state, save_state
+from .state import MAX_NOTE, MAX_RECENT, GuardState, load_state, save_state
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,11 @@ SAVE_DELAY = 1.0  # counters are written at most once a second; switches and pol
 KillPath = Callable[..., Awaitable[Any]]  # Actions.kill(caller, pid, start_time, grace, force, initiator)
 WorkloadPath = Callable[..., Awaitable[Any]]  # Actions.kill_workload(caller, selection, grace, force, initiator)
 ResetPath = Callable[..., Awaitable[Any]]  # Actions.reset(caller, device, force, rule) -> ResetReply
+
+
+def _stamp(t: float) -> str:
+    """A time in the journal's and the status's sentences: local, with its zone."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
 
 
 def notify_config(config: Config) -> NotifyConfig:
@@ -184,8 +191,10 @@ class GuardRunner:
                 log.warning("enforcing the last good policy (%s) until the files are fixed", policy.source)
                 return policy
             return EMPTY_POLICY
-        if (self.state.policy_source, self.state.policy_files) != ("files", texts):
+        if (self.state.policy_source, self.state.policy_files, self.state.files_dry_run) != \
+                ("files", texts, policy.settings.dry_run):
             self.state.policy_source, self.state.policy_files = "files", texts
+            self.state.files_dry_run, self.state.loaded_by, self.state.loaded_at = policy.settings.dry_run, "", 0.0
             self._save_now()
         return policy
 
@@ -221,7 +230,7 @@ class GuardRunner:
         if notify_config != self.notifier.config:
             old = self.notifier
             self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice,
-                                     self._desktop_notice)
+                                     self._desktop_notice, self._owner_warned)
             old.close()
 
     # -- policy and switches ---------------------------------------------------------------------------
@@ -241,14 +250,50 @@ class GuardRunner:
                        action="guard", result="rejected", error=str(e), requested_by=who)
         return e
 
-    def _install(self, policy: Policy, source: str, texts: list[tuple[str, str]], who: str) -> None:
+    def _install(self, policy: Policy, source: str, texts: list[tuple[str, str]], who: str,
+                 loaded_by: str = "") -> None:
+        """Swap the policy in force. Loaded (LoadPolicy): who loaded it and when are kept for the status and a
+        later reload. From guard.d over a loaded policy: what it replaces is journaled and kept for the status,
+        and dry run stays as it was unless guard.d's own dry_run changed since it was last read (_keep_dry_run)."""
+        was_dry, was_loaded = self.dry_run, self.state.policy_source == "loaded"
+        replaced = self._loaded_text() if was_loaded and source == "files" else ""
+        old = replaced or f"the policy {self.policy.source}"
+        now = self.clock.wall()
         self.engine.set_policy(policy)
         self.state.policy_source, self.state.policy_files = source, texts
         self.policy_error = ""
+        if source == "loaded":
+            self.state.loaded_by, self.state.loaded_at = loaded_by or who, now
+            self.state.replaced, self.state.replaced_at = "", 0.0
+        else:
+            files_turned_off = self.state.files_dry_run and not policy.settings.dry_run
+            self.state.files_dry_run = policy.settings.dry_run
+            self.state.loaded_by, self.state.loaded_at = "", 0.0
+            if replaced:
+                self.state.replaced, self.state.replaced_at = replaced[:MAX_NOTE], now
         self._save_now()
         names = ", ".join(r.name for r in policy.rules) or "none"
-        self.audit.log(journal.GUARD_POLICY, f"Guard policy from {policy.source} in force ({who}): rules {names}",
-                       action="guard", result="loaded", source=policy.source, rules=names, requested_by=who)
+        self.audit.log(journal.GUARD_POLICY, f"Guard policy from {policy.source} in force ({who}): rules {names}"
+                                             + (f"; it replaces {replaced}" if replaced else ""),
+                       action="guard", result="loaded", source=policy.source, rules=names, requested_by=who,
+                       replaced=replaced or None)
+        if source == "files" and was_dry and not self.dry_run and not files_turned_off:
+            self._keep_dry_run(f"kept on when guard.d was re-read ({who}) at {_stamp(now)}: the policy it "
+                               f"replaced, {old}, had dry_run: true; `gpukillctl guard dry-run off` enforces", who)
+
+    def _keep_dry_run(self, why: str, who: str) -> None:
+        """A re-read of guard.d that would have ended a dry run the admin did not end: the switch holds it."""
+        self.state.dry_run, self.state.dry_run_kept = True, why[:MAX_NOTE]
+        self._save_now()
+        self.audit.log(journal.GUARD_POLICY, f"Guard dry run {why}", action="guard", result="dry-run-kept",
+                       requested_by=who)
+
+    def _loaded_text(self) -> str:
+        """The loaded policy in force, as the journal and the status name it."""
+        name = ", ".join(n for n, _ in self.state.policy_files) or "<policy>"
+        by = self.state.loaded_by or "an unknown caller"
+        at = f" at {_stamp(self.state.loaded_at)}" if self.state.loaded_at else ""
+        return f"the policy {name} loaded by {by}{at}"
 
     def reload_files(self, who: str = "reload") -> bool:
         """Re-read guard.d (SIGHUP). On any error the policy in force stays and False is returned."""
@@ -261,8 +306,9 @@ class GuardRunner:
         self._install(policy, "files", texts, who)
         return True
 
-    def load_policy(self, name: str, text: str, who: str) -> Policy:
-        """Validate, then swap atomically; PolicyError (the policy in force stays) otherwise."""
+    def load_policy(self, name: str, text: str, who: str, uid: int | None = None) -> Policy:
+        """Validate, then swap atomically; PolicyError (the policy in force stays) otherwise. uid: the caller,
+        named with its user name in the status and in what a reload says it replaced."""
         try:
             policy = load_texts([(name, text)])
         except Exception as e:  # the parser raises only PolicyError; anything else is still a rejection
@@ -270,7 +316,8 @@ class GuardRunner:
             if error is e:
                 raise
             raise error from e
-        self._install(policy, "loaded", [(name, text)], who)
+        self._install(policy, "loaded", [(name, text)], who,
+                      loaded_by=f"{user_name(uid)} (uid {uid})" if uid is not None else who)
         return policy
 
     def set_enabled(self, enabled: bool, who: str) -> None:
@@ -282,10 +329,16 @@ class GuardRunner:
                        action="guard", result="enabled" if enabled else "disabled", requested_by=who)
 
     def set_dry_run(self, dry_run: bool, who: str) -> None:
-        self.state.dry_run = dry_run
+        """The admin's switch; a policy in force with dry_run: true keeps every rule dry whatever it says, and
+        the journal says so."""
+        self.state.dry_run, self.state.dry_run_kept = dry_run, ""
         self._save_now()
-        self.audit.log(journal.GUARD_POLICY, f"Guard dry run {'on' if dry_run else 'off'}, set by {who}",
-                       action="guard", result="dry-run-on" if dry_run else "dry-run-off", requested_by=who)
+        held = ""
+        if not dry_run and self.policy.settings.dry_run:
+            held = f"; dry run stays on: the policy in force ({self.policy.source}) sets dry_run: true"
+        self.audit.log(journal.GUARD_POLICY, f"Guard dry run {'on' if dry_run else 'off'}, set by {who}{held}",
+                       action="guard", result="dry-run-on" if dry_run else "dry-run-off", requested_by=who,
+                       dry_run=int(self.dry_run))
 
     # -- evaluation ------------------------------------------------------------------------------------
 
@@ -451,6 +504,11 @@ class GuardRunner:
             policy_dry_run=self.policy.settings.dry_run,
             source=self.state.policy_source,
             files=tuple(self.policy.sources),
+            loaded_by=self.state.loaded_by,
+            loaded_at=self.state.loaded_at,
+            dry_run_kept=self.state.dry_run_kept,
+            replaced=self.state.replaced,
+            replaced_at=self.state.replaced_at,
             policy_error=self.policy_error,
             rules=rules,
             recent=tuple(from_plain(RecentEvent, e) for e in self.state.recent[-20:]),

@@ -1,7 +1,9 @@
 """What Guard Mode keeps across restarts, in one JSON file under the state directory (/var/lib/gpukill).
 
-Kept: enabled, dry run, per-rule counters, recent violations, and the policy in force with its source
-(the guard.d files, or a policy loaded with LoadPolicy), and the engine's clocks (windows, grace periods,
+Kept: enabled, dry run (and why the daemon keeps it on, where a re-read of guard.d did), per-rule counters,
+recent violations, and the policy in force with its source (the guard.d files, or a policy loaded with LoadPolicy,
+by whom and when), guard.d's dry_run as last read, what the last re-read of guard.d replaced, and the engine's
+clocks (windows, grace periods,
 cooldowns: the "clocks" section, written and read by clocks.py, which checks it). Keeping the policy text means a restart enforces
 what was in force before even if a file in guard.d was broken meanwhile. Written atomically (a temporary
 file in the same directory, fsync, rename, fsync of the directory): a crash leaves the old file or the new
@@ -20,6 +22,9 @@ from ..files import read_kept, replace_file
 STATE_FILE = "guard-state.json"
 FORMAT = 1
 MAX_RECENT = 100
+# Who loaded the policy, why dry run is kept, what a re-read replaced: sentences the daemon wrote, each with a
+# policy name of at most 4096 characters (LoadPolicy's bound) and a few dozen words around it.
+MAX_NOTE = 8192
 # The policy texts (guard.d holds a few KiB, a loaded policy at most gpukill.policy.MAX_POLICY_BYTES) and the
 # clocks (clocks.MAX_ENTRIES, under 100 bytes each): a file past this is not one we wrote, and is not read.
 MAX_STATE_BYTES = 32 << 20
@@ -34,11 +39,19 @@ class GuardState:
     policy_source: str = "files"  # "files" (guard.d) or "loaded" (LoadPolicy)
     policy_files: list[tuple[str, str]] = field(default_factory=list)  # (name, text) of the policy in force
     clocks: dict[str, Any] | None = None  # clocks.save()'s form, checked by clocks.restore(); None: none saved
+    loaded_by: str = ""  # who loaded the policy in force with LoadPolicy ("alice (uid 1000)"); "" for guard.d's
+    loaded_at: float = 0.0  # when, seconds since the epoch
+    files_dry_run: bool = False  # guard.d's dry_run as last read: a re-read that turns it off changes dry run
+    dry_run_kept: str = ""  # why a re-read of guard.d, not an admin, holds the dry-run switch on
+    replaced: str = ""  # the loaded policy the last re-read of guard.d replaced: name, by whom, when
+    replaced_at: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "enabled": self.enabled, "dry_run": self.dry_run, "stats": self.stats,
                 "recent": self.recent[-MAX_RECENT:], "policy_source": self.policy_source,
                 "policy_files": [list(f) for f in self.policy_files],
+                "loaded_by": self.loaded_by, "loaded_at": self.loaded_at, "files_dry_run": self.files_dry_run,
+                "dry_run_kept": self.dry_run_kept, "replaced": self.replaced, "replaced_at": self.replaced_at,
                 **({"clocks": self.clocks} if self.clocks is not None else {})}
 
     @classmethod
@@ -61,6 +74,14 @@ class GuardState:
         if isinstance(files, list):
             s.policy_files = [(f[0], f[1]) for f in files
                               if isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)]
+        for key in ("loaded_by", "dry_run_kept", "replaced"):
+            if isinstance(data.get(key), str):
+                setattr(s, key, data[key][:MAX_NOTE])
+        for key in ("loaded_at", "replaced_at"):
+            if isinstance(data.get(key), (int, float)) and not isinstance(data[key], bool):
+                setattr(s, key, float(data[key]))
+        if isinstance(data.get("files_dry_run"), bool):
+            s.files_dry_run = data["files_dry_run"]
         if isinstance(data.get("clocks"), dict):
             s.clocks = data["clocks"]
         return s

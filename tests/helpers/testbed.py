@@ -479,6 +479,12 @@ class Testbed:
         return self.call_as(user, "org.gpukill1", "/org/gpukill1", "org.gpukill1.Guard", member, signature,
                             body, timeout)
 
+    def guard_status(self, user: User = ROOT) -> dict:
+        """Guard's GetStatus as `user` sees it; asserts it succeeded."""
+        r = self.guard_call(user, "GetStatus")
+        assert r.ok, r
+        return r.body[0]
+
     def listing(self, user: User = ROOT, *args: str, timeout: float = 60) -> dict:
         """`gpukillctl list --json ARGS...` as `user`: {"devices": [...], "processes": [...]}; asserts it succeeded."""
         r = self.ctl(user, "list", "--json", *args, timeout=timeout)
