@@ -281,9 +281,11 @@ class Daemon:
                                  protection=protection_of(self.config), signals=self, reset=self.actions.reset,
                                  proc_root=self.config.proc_root, kill_workload=self.actions.kill_workload)
         self.guard_interface = GuardInterface(self.guard, bouncer, lambda: self.snapshot)
+        self.guard_interface.bus = bus
         self.manager.usage = None  # GetUsage answers NotSupported until the keeper starts (below), or if off
         busio.tolerate_full_socket(bus)
-        bus.add_message_handler(Door(bus, bouncer, self.manager.early_answer))
+        bus.add_message_handler(Door(bus, bouncer, lambda msg: self.manager.early_answer(msg)
+                                     or self.guard_interface.early_answer(msg)))
         bus.export(OBJECT_PATH, self.manager)
         bus.export(OBJECT_PATH, self.guard_interface)
 

@@ -20,18 +20,20 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from helpers.marks import needs_root
-from helpers.testbed import ROOT, Testbed
+from helpers.testbed import PYTHON, ROOT, Testbed, User
 from helpers.waiting import wait_until
 
 from gpukill import errors, managed_policy
 from gpukill.managed_policy import ManagedPolicy
 from gpukill.policy import MAX_POLICY_BYTES
 from gpukilld import journal as audit
+from gpukilld.access import callrate
 from gpukilld.guard.managed import MAX_SETTINGS, ManagedPolicies
 from gpukilld.guard.notify import NotifyConfig
 from gpukilld.guard.runner import GuardRunner
@@ -341,6 +343,86 @@ def test_a_hand_edit_shows_as_edited(bed_):
     r = bed.ctl(ROOT, "guard", "policy", "add", "user", "gpkother", "--memory-limit", "8GiB")
     assert r.returncode == 0, r
     assert not any(e["edited"] for e in listed(bed))
+
+
+# A call made as fast as one connection gets answers (8 in flight) for argv[1] seconds: ListPolicies, or Ping
+# (answered by the bus library itself, the cheapest call there is). Prints the calls made and the listings got.
+FLOOD = """
+import asyncio, sys, time
+from dbus_fast import BusType, Message, MessageType
+from dbus_fast.aio import MessageBus
+async def main():
+    bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+    iface, member = ("org.freedesktop.DBus.Peer", "Ping") if sys.argv[2] == "ping" else ("org.gpukill1.Guard",
+                                                                                        "ListPolicies")
+    call = lambda: bus.call(Message(destination="org.gpukill1", path="/org/gpukill1", interface=iface,
+                                    member=member))
+    end, calls, listings = time.monotonic() + float(sys.argv[1]), 0, 0
+    while time.monotonic() < end:
+        replies = await asyncio.gather(*(call() for _ in range(8)))
+        calls += 8
+        listings += sum(r.message_type is MessageType.METHOD_RETURN and bool(r.body) for r in replies)
+    print(calls, listings)
+asyncio.run(main())
+"""
+FLOODED_FOR = 8.0
+
+
+async def _listing_times(bed: Testbed, count: int) -> list[float]:
+    """Seconds each of `count` ListPolicies took, one after the other, on one connection of this process."""
+    from dbus_fast import BusType, Message
+    from dbus_fast.aio import MessageBus
+
+    os.environ["DBUS_SYSTEM_BUS_ADDRESS"] = bed.bus_address
+    bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+    try:
+        took = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            reply = await bus.call(Message(destination="org.gpukill1", path="/org/gpukill1",
+                                           interface="org.gpukill1.Guard", member="ListPolicies"))
+            took.append(time.perf_counter() - t0)
+            assert len(reply.body[0]) == 256, reply.body
+        return sorted(took)
+    finally:
+        bus.disconnect()
+
+
+def _flooded_median(bed: Testbed, flooders: list[User], what: str) -> tuple[float, list[tuple[int, int]]]:
+    """Root's median ListPolicies while each flooder floods `what`; (calls, listings) of each flooder."""
+    procs = [subprocess.Popen([PYTHON, "-c", FLOOD, str(FLOODED_FOR), what], stdout=subprocess.PIPE,
+                              env=bed.env(), cwd="/", start_new_session=True, **user.popen_kwargs())
+             for user in flooders]
+    bed.procs.extend(procs)
+    time.sleep(2.0)  # past each flooder's bursts: what it costs now is the steady state
+    took = asyncio.run(_listing_times(bed, 60))
+    counts = [tuple(int(n) for n in p.communicate(timeout=30)[0].split()) for p in procs]
+    return took[len(took) // 2], counts
+
+
+@needs_root
+def test_four_users_flooding_the_policy_listing_cost_what_any_flood_costs(bed_, users):
+    """ListPolicies is open to every user: with 256 managed policies, four users each calling it as fast as
+    their connection is answered leave another caller's listing (root's, unthrottled: it measures the main
+    loop) within twice what the same four flooding the cheapest call there is (Ping) leave it. Each gets at
+    most its budget of listings (LISTING_BURST, then LISTING_RATE a second), TooBusy past it."""
+    bed = bed_
+    text = managed_policy.export_text([managed_policy.parse_settings("user", f"user{i:03}", {"process_limit": 4})
+                                       for i in range(256)])
+    source = bed.workdir / "many.yaml"
+    source.write_text(text)
+    os.chmod(source, 0o644)
+    r = bed.ctl(ROOT, "guard", "policy", "import", str(source))
+    assert r.returncode == 0, r
+    flooders = [users["owner"], users["other"], users["admin"], User.get("nobody")]
+    idle = asyncio.run(_listing_times(bed, 60))
+    by_ping, _ = _flooded_median(bed, flooders, "ping")
+    by_listing, counts = _flooded_median(bed, flooders, "listing")
+    assert by_listing <= 2 * by_ping, (f"median {by_listing * 1000:.2f} ms under a listing flood against "
+                                       f"{by_ping * 1000:.2f} ms under a Ping flood ({idle[30] * 1000:.2f} ms "
+                                       f"idle); calls and listings {counts}")
+    most = callrate.LISTING_BURST + callrate.LISTING_RATE * (FLOODED_FOR + 1)
+    assert all(calls > listings > 0 and listings <= most for calls, listings in counts), (counts, most)
 
 
 # -- bounds and errors ----------------------------------------------------------------------------------------

@@ -15,11 +15,16 @@ from collections.abc import Callable
 
 RATE = 200.0  # calls a second, per person: a `top` or an exporter needs a few
 BURST = 400.0
+# The listings every user may ask that change only when an admin changes something (Guard's managed
+# policies): a few a second is more than any front end needs, and each is a whole directory's worth of reply.
+LISTING_RATE = 5.0
+LISTING_BURST = 20.0
 
 
 class CallRate:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, rate: float = RATE, burst: float = BURST) -> None:
         self._clock = clock
+        self.rate, self.burst = rate, burst
         self._buckets: dict[int, tuple[float, float]] = {}  # person -> (tokens, when)
 
     def allow(self, uid: int) -> bool:
@@ -27,8 +32,8 @@ class CallRate:
         if uid == 0:
             return True
         now = self._clock()
-        tokens, when = self._buckets.get(uid, (BURST, now))
-        tokens = min(BURST, tokens + (now - when) * RATE)
+        tokens, when = self._buckets.get(uid, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - when) * self.rate)
         if tokens < 1.0:
             self._buckets[uid] = (tokens, now)
             return False
@@ -43,5 +48,5 @@ class CallRate:
         if uid == 0 or calls <= 0:
             return
         now = self._clock()
-        tokens, when = self._buckets.get(uid, (BURST, now))
-        self._buckets[uid] = (min(BURST, tokens + (now - when) * RATE) - calls, now)
+        tokens, when = self._buckets.get(uid, (self.burst, now))
+        self._buckets[uid] = (min(self.burst, tokens + (now - when) * self.rate) - calls, now)

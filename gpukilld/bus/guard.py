@@ -24,16 +24,18 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from dbus_fast import DBusError, Variant
+from dbus_fast import DBusError, Message, Variant
+from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, method, signal
 
 from gpukill.condition_types import CONDITION_TYPES
-from gpukill.errors import InvalidArgs
+from gpukill.errors import InvalidArgs, TooBusy
 from gpukill.policy import check_text
 from gpukill.records import Decision, GuardStatus, PolicyLoaded, ViolationDetails, from_plain
 
 from .. import journal
 from ..access.bouncer import Bouncer, Caller, Request
+from ..access.callrate import LISTING_BURST, LISTING_RATE, CallRate
 from ..access.visibility import FULL, PROGRAM, Viewer, as_seen_by
 from ..guard.engine import Violation
 from ..guard.managed import ManagedPolicies, check_settings, check_target, parse_import
@@ -43,11 +45,13 @@ from ..guard.sandbox import Sandbox, bounded_previews
 from ..model import Snapshot
 from ..names import GUARD_INTERFACE
 from ..rogue.score import findings_as_seen
+from . import writer as busio
 from .door import current_caller, dbus_errors, name_outputs
 from .wire import to_dbus
 
 NO_UID = 0xFFFFFFFF  # a notice about a device concerns no one user
 MAX_NAME = 4096
+POLICY_LISTINGS = ("ListPolicies", "ExportPolicies")
 MAX_REPORT = 200  # entries of each list in GetStatus (windows, graces: one per subject, as many as processes)
 
 
@@ -133,6 +137,11 @@ class GuardInterface(ServiceInterface):
         self._snapshot = snapshot
         self._sandbox = Sandbox()
         self._managed = ManagedPolicies(runner, runner.audit)
+        self.bus: MessageBus | None = None  # set by main: the early answers write to it
+        # ListPolicies and ExportPolicies, open to every user: (what guard.d's listing gave, the reply's body
+        # marshalled once), so a flood of them costs a lookup and a write each, not a marshalling.
+        self._policy_bodies: dict[str, tuple[object, bytes]] = {}
+        self._listing_rate = CallRate(rate=LISTING_RATE, burst=LISTING_BURST)  # per person, as the Door's
 
     async def _authorize(self, member: str, details: dict[str, str], what: str) -> Caller:
         """Who asked (caller.who: as the runner's audit names them), once the bouncer allows it; the bouncer
@@ -208,6 +217,7 @@ class GuardInterface(ServiceInterface):
     @method()
     @dbus_errors
     async def ListPolicies(self) -> "aa{sv}":
+        self._listing_budget(await current_caller(self._bouncer), "ListPolicies")
         return [to_dbus(e) for e in self._managed.entries()]
 
     @method()
@@ -228,6 +238,7 @@ class GuardInterface(ServiceInterface):
     @method()
     @dbus_errors
     async def ExportPolicies(self) -> "s":
+        self._listing_budget(await current_caller(self._bouncer), "ExportPolicies")
         return self._managed.export()
 
     @method()
@@ -239,6 +250,35 @@ class GuardInterface(ServiceInterface):
         policies = await asyncio.to_thread(parse_import, name, text)  # seconds for a megabyte: not on the loop
         entries = self._managed.import_parsed(name, policies, bool(replace), caller.uid, caller.who)
         return [to_dbus(e) for e in entries]
+
+    def _listing_budget(self, caller: Caller, member: str) -> None:
+        """TooBusy past the person's budget of policy listings (LISTING_RATE a second)."""
+        if not self._listing_rate.allow(self._bouncer.people.person(caller.uid) if caller.uid else 0):
+            raise TooBusy(f"{self._bouncer.people.charged(caller.uid)} asks {member} more than "
+                          f"{LISTING_RATE:g} times a second; slow down")
+
+    def early_answer(self, msg: Message) -> Message | bool | None:
+        """The Door's EarlyAnswer for ListPolicies and ExportPolicies: the reply from a body marshalled once per
+        listing of guard.d (gpukilld/guard/managed.py serves the listing until the files change); None for
+        anything else, or when the bus's writer is not as expected (the method answers)."""
+        if msg.interface != GUARD_INTERFACE or msg.member not in POLICY_LISTINGS or msg.signature or self.bus is None:
+            return None
+        caller = self._bouncer.known(msg)
+        if caller is None:
+            return None  # the method answers, and asks who it is
+        try:
+            self._listing_budget(caller, msg.member)
+        except TooBusy as e:
+            return Message.new_error(msg, e.dbus_name, str(e))
+        if msg.member == "ListPolicies":
+            made, signature = self._managed.entries(), "aa{sv}"
+        else:
+            made, signature = self._managed.export(), "s"
+        cached = self._policy_bodies.get(msg.member)
+        if cached is None or cached[0] is not made:
+            value = [to_dbus(e) for e in made] if isinstance(made, list) else made
+            cached = self._policy_bodies[msg.member] = (made, busio.marshal_body(signature, [value]))
+        return True if busio.send_premarshalled_reply(self.bus, msg, signature, cached[1]) else None
 
     @signal()
     def PolicyViolated(self, event: Violation, dry_run: bool) -> "sssba{sv}":

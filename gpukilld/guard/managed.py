@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ MAX_LIST = 1024  # entries of a list setting (allowed_users)
 # What a file name from managed_policy.file_name() must look like: one plain *.yaml name, no path, no dot file.
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,200}\.yaml")
 FILE_MODE = 0o644  # readable by all, as every file in guard.d: admins and `gpukillctl guard validate` read it
+LISTING_TTL = 1.0  # seconds a listing of guard.d is served before its files are looked at (stat) again
 NEW, OLD = ".gpukilld-new", ".gpukilld-old"  # suffixes of the temporary and kept files (dot files: not *.yaml)
 
 
@@ -109,10 +111,28 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
+def _directory_state(directory: str) -> tuple:
+    """What a listing of guard.d depends on, read with stat only: each *.yaml's name, inode, size and change
+    times. Any write, rename or hand edit changes it."""
+    state = []
+    for path in policy_paths(directory):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        state.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return directory, tuple(state)
+
+
 class ManagedPolicies:
     def __init__(self, runner: GuardRunner, auditor: journal.Audit) -> None:
         self.runner = runner
         self.audit = auditor
+        # ListPolicies and ExportPolicies are open to every user: what they read of guard.d, parsed once for as
+        # long as the files stay as they were (stat says so, looked at most every LISTING_TTL seconds), not at
+        # every call of every caller. A change made here forgets it at once.
+        self._listed: tuple[tuple, list[ManagedPolicyEntry], str] | None = None
+        self._listed_at = 0.0
 
     @property
     def directory(self) -> str:
@@ -156,12 +176,25 @@ class ManagedPolicies:
 
     def entries(self) -> list[ManagedPolicyEntry]:
         """Every managed policy, sorted by kind and target; at most MAX_MANAGED (the reply stays bounded)."""
-        found = self.found()
-        return [self.entry(found[key]) for key in sorted(found)[:MAX_MANAGED]]
+        return self._listing()[1]
 
     def export(self) -> str:
-        found = self.found()
-        return managed_policy.export_text([found[key].policy for key in sorted(found)[:MAX_MANAGED]])
+        return self._listing()[2]
+
+    def _listing(self) -> tuple[tuple, list[ManagedPolicyEntry], str]:
+        """(the directory's state, the entries, the export), read again only when the state changed: a hand
+        edit of guard.d shows within LISTING_TTL seconds."""
+        now = time.monotonic()
+        if self._listed is not None and now - self._listed_at < LISTING_TTL:
+            return self._listed
+        state = _directory_state(self.directory)
+        if self._listed is None or self._listed[0] != state:
+            found = self.found()
+            keys = sorted(found)[:MAX_MANAGED]
+            self._listed = (state, [self.entry(found[key]) for key in keys],
+                            managed_policy.export_text([found[key].policy for key in keys]))
+        self._listed_at = now
+        return self._listed
 
     # -- changing ------------------------------------------------------------------------------------------
 
@@ -251,6 +284,7 @@ class ManagedPolicies:
             self._journal(ops, uid, who, "rejected", error=str(e))
             raise
         undo = self._write(changes)
+        self._listed = None  # whatever happens next, the files changed
         if self.runner.reload_files(who):
             self._commit(undo)
             self._journal(ops, uid, who, "changed")
