@@ -18,14 +18,20 @@ def free_port() -> int:
 
 
 class Mailbox:
-    """aiosmtpd handler: keeps what a real relay would accept."""
+    """aiosmtpd handler: keeps what a real relay would accept; with refuse (an SMTP reply such as "554 5.7.1
+    no"), answers every message's DATA with it and keeps nothing (refused counts the attempts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse: str = "") -> None:
         self.messages: list[tuple[str, list[str], bytes]] = []
+        self.refuse = refuse
+        self.refused = 0
         self.cond = threading.Condition()
 
     async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
         with self.cond:
+            if self.refuse:
+                self.refused += 1
+                return self.refuse
             self.messages.append((envelope.mail_from, list(envelope.rcpt_tos), envelope.content))
             self.cond.notify_all()
         return "250 Message accepted for delivery"
@@ -81,11 +87,12 @@ class Blackhole:
 
 
 @contextlib.contextmanager
-def smtp_relay() -> Iterator[tuple[Mailbox, int]]:
-    """A real SMTP server on a free loopback port delivering into a Mailbox: (mailbox, port)."""
+def smtp_relay(refuse: str = "") -> Iterator[tuple[Mailbox, int]]:
+    """A real SMTP server on a free loopback port delivering into a Mailbox: (mailbox, port); refuse: the
+    reply it gives every DATA instead (Mailbox)."""
     from aiosmtpd.controller import Controller  # the test extra; callers importorskip it first
 
-    box = Mailbox()
+    box = Mailbox(refuse)
     port = free_port()
     controller = Controller(box, hostname="127.0.0.1", port=port)
     controller.start()
