@@ -169,6 +169,21 @@ def test_a_mail_the_server_refuses_is_counted_failed_never_delivered():
             n.close()
 
 
+def test_a_recipient_refused_among_others_is_reported_and_the_mail_counted_delivered():
+    with smtp_relay(unknown=("nobody@company.com",)) as (box, port):
+        rec = Recorder()
+        n = rec.notifier(NotifyConfig(smtp_port=port, smtp_host="127.0.0.1"))
+        try:
+            n.send(("admin@company.com", "nobody@company.com"), NOTICE)
+            assert box.wait(1) and n.wait_idle(5)
+            assert box.messages[0][1] == ["admin@company.com"]
+            assert rec.failures == [("nobody@company.com", "refused by the mail server: nobody@company.com: 550 "
+                                                           "5.1.1 no such mailbox")]
+            assert (n.stats()["email"].delivered, n.stats()["email"].failed) == (1, 0)
+        finally:
+            n.close()
+
+
 def test_the_desktop_counts_what_it_announced_not_delivered():
     rec = Recorder()
     n = rec.notifier(NotifyConfig())
