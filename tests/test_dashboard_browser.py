@@ -357,6 +357,11 @@ def test_every_page_draws_its_data(browser, server, victims, users):
 
     browser.open(server, "guard")
     browser.wait(lambda: browser.css("#guard-rules"), 10, "no Guard status")
+    heads = [h.text for h in browser.css("#guard-notifications th")]
+    assert heads == ["channel", "delivered", "skipped", "failed", "dropped", "announced"], heads
+    counted = {r.find_element("css selector", "td").text: r.text for r in browser.css("#guard-notifications tbody tr")}
+    assert {"email", "webhook", "owner-mail", "tty", "desktop"} <= counted.keys(), counted
+    assert counted["desktop"].startswith("desktop – – – –"), counted  # it announces only
     browser.css("#policy-text")[0].send_keys(TEST_POLICY)
     browser.css("#policy-test")[0].click()
     rows = browser.wait(lambda: browser.css("#decisions tbody tr"), 15, "no decisions for the pasted policy")

@@ -218,6 +218,24 @@ def test_unknown_values_are_left_out_and_attribution_is_bounded():
     assert down[("gpukill_up", frozenset())] == 0.0 and not any(k[0].startswith("gpukill_device") for k in down)
 
 
+def test_guard_notices_are_counted_per_channel_and_result_delivered_apart_from_skipped_and_failed():
+    from gpukill.records import GuardStatus, NotificationCounters
+
+    guard = GuardStatus(enabled=True, dry_run=False, policy_dry_run=False, source="files", notifications=(
+        NotificationCounters(channel="tty", queued=9, delivered=2, skipped=6, failed=1),
+        NotificationCounters(channel="email", queued=3, delivered=2, failed=1, dropped=1),
+        NotificationCounters(channel="desktop", announced=9)))
+    got = samples_of(Reading(guard=guard, daemon_up=True))
+    counts = {tuple(sorted(dict(labels).items())): v for (name, labels), v in got.items()
+              if name == "gpukill_guard_notifications_total"}
+    assert counts[(("channel", "tty"), ("result", "delivered"))] == 2.0
+    assert counts[(("channel", "tty"), ("result", "skipped"))] == 6.0
+    assert counts[(("channel", "tty"), ("result", "failed"))] == 1.0
+    assert counts[(("channel", "email"), ("result", "dropped"))] == 1.0
+    assert counts[(("channel", "desktop"), ("result", "announced"))] == 9.0
+    assert (("channel", "desktop"), ("result", "delivered")) not in counts, "the desktop only announces"
+
+
 def samples_of(reading: Reading, per_process: bool = False) -> dict[tuple[str, frozenset], float]:
     from prometheus_client import CollectorRegistry, generate_latest
 

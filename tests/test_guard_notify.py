@@ -3,6 +3,7 @@ TCP listener that never answers for a dead relay. send() must return at once wha
 
 from __future__ import annotations
 
+import dataclasses
 import email
 import email.policy
 import threading
@@ -150,3 +151,78 @@ def test_control_characters_in_a_process_name_neither_break_nor_reach_the_mail(s
     finally:
         n.close()
         hooks.close()
+
+
+def test_a_mail_the_server_refuses_is_counted_failed_never_delivered():
+    """Delivered means the server's 250 after DATA: a 554 there, after every attempt, is a failure, reported."""
+    with smtp_relay(refuse="554 5.7.1 relaying denied") as (box, port):
+        rec = Recorder()
+        n = rec.notifier(NotifyConfig(smtp_port=port, smtp_host="127.0.0.1", retries=2, backoff=0.05))
+        try:
+            n.send(("admin@company.com",), NOTICE)
+            with rec.cond:
+                assert rec.cond.wait_for(lambda: rec.failures, 15)
+            assert n.wait_idle(5) and box.refused == 2 and "554" in rec.failures[0][1]
+            mail = n.stats()["email"]
+            assert (mail.queued, mail.delivered, mail.skipped, mail.failed) == (1, 0, 0, 1)
+        finally:
+            n.close()
+
+
+def test_a_recipient_refused_among_others_is_reported_and_the_mail_counted_delivered():
+    with smtp_relay(unknown=("nobody@company.com",)) as (box, port):
+        rec = Recorder()
+        n = rec.notifier(NotifyConfig(smtp_port=port, smtp_host="127.0.0.1"))
+        try:
+            n.send(("admin@company.com", "nobody@company.com"), NOTICE)
+            assert box.wait(1) and n.wait_idle(5)
+            assert box.messages[0][1] == ["admin@company.com"]
+            assert rec.failures == [("nobody@company.com", "refused by the mail server: nobody@company.com: 550 "
+                                                           "5.1.1 no such mailbox")]
+            assert (n.stats()["email"].delivered, n.stats()["email"].failed) == (1, 0)
+        finally:
+            n.close()
+
+
+def test_the_desktop_counts_what_it_announced_not_delivered():
+    rec = Recorder()
+    n = rec.notifier(NotifyConfig())
+    try:
+        n.send(("desktop", "journal"), NOTICE)
+        desktop = n.stats()["desktop"]
+        assert len(rec.desktop) == 1 and (desktop.announced, desktop.delivered) == (1, 0)
+    finally:
+        n.close()
+
+
+class Audit:
+    def __init__(self) -> None:
+        self.entries: list[tuple[object, str, dict]] = []
+
+    def log(self, kind: object, message: str, **fields: object) -> None:
+        self.entries.append((kind, message, fields))
+
+
+def test_a_new_relay_after_a_reload_keeps_the_counts_and_the_owners_audit(tmp_path):
+    """gpukilld.conf's [notify] changed and reloaded: the new notifier counts on from the old one's counts and
+    still audits each warning to an owner."""
+    from gpukilld.guard.runner import GuardRunner
+
+    async def kill(*args):
+        raise AssertionError("nothing is killed here")
+
+    audit = Audit()
+    config = NotifyConfig(utmp=str(tmp_path / "no-utmp"), logind_bus=None)
+    runner = GuardRunner(kill, audit, config, str(tmp_path / "g"), str(tmp_path / "s"))  # type: ignore[arg-type]
+    try:
+        runner.notifier.send(("desktop",), NOTICE)
+        runner.configure(dataclasses.replace(config, smtp_port=2525), str(tmp_path / "g"), str(tmp_path / "s"),
+                         runner.engine.protection)
+        runner.notifier.send(("owner",), dataclasses.replace(NOTICE, data={"uid": 4242}))
+        assert runner.notifier.wait_idle(5)
+        counts = {c.channel: c for c in runner.status().notifications}
+        assert counts["desktop"].announced == 2 and (counts["tty"].queued, counts["tty"].skipped) == (1, 1)
+        warned = [f for _kind, _message, f in audit.entries if f.get("result") == "owner-warned"]
+        assert sorted((f["channel"], f["outcome"]) for f in warned) == [("desktop", "signalled"), ("tty", "skipped")]
+    finally:
+        runner.stop()

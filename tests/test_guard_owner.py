@@ -5,6 +5,8 @@ or the channel; another user's terminal gets nothing; mesg n is respected."""
 
 from __future__ import annotations
 
+import email
+import email.policy
 import os
 import struct
 import subprocess
@@ -16,6 +18,8 @@ import pytest
 pytest.importorskip("aiosmtpd.controller", reason="aiosmtpd is in the test extra (pip install -e .[test])")
 
 from helpers.sinks import smtp_relay  # noqa: E402
+from helpers.testbed import ROOT  # noqa: E402
+from helpers.waiting import wait_until  # noqa: E402
 
 from gpukill.policy import load_texts  # noqa: E402
 from gpukilld.config import ConfigError, load_config  # noqa: E402
@@ -157,6 +161,7 @@ def test_mesg_n_is_respected_unless_the_config_ignores_it(users, ptys, tmp_path)
         n.send(("owner",), notice(users["owner"].uid))
         (tty,) = [w for w in rec.wait(2) if w[0] == "tty"]
         assert tty[2] == "skipped" and "mesg n" in tty[3] and quiet.read() == b""
+        assert n.wait_idle(5) and (n.stats()["tty"].delivered, n.stats()["tty"].skipped) == (0, 1)
     finally:
         n.close()
     rec = Recorder()
@@ -164,6 +169,39 @@ def test_mesg_n_is_respected_unless_the_config_ignores_it(users, ptys, tmp_path)
     try:
         n.send(("owner",), notice(users["owner"].uid))
         assert n.wait_idle(5) and b"will be stopped" in quiet.read()
+    finally:
+        n.close()
+
+
+def test_a_warning_counts_as_delivered_only_when_a_terminal_took_it(users, ptys, tmp_path):
+    """No login session: skipped, as the journal says, never delivered; with the owner's terminal: delivered."""
+    owner = users["owner"]
+    (tmp_path / "utmp").write_bytes(b"")
+    rec = Recorder()
+    n = notifier(rec, tmp_path)
+    try:
+        n.send(("owner",), notice(owner.uid))
+        assert n.wait_idle(5)
+        assert ("tty", f"uid {owner.uid}", "skipped", "no login session with a terminal") in rec.wait(2)
+        tty = n.stats()["tty"]
+        assert (tty.queued, tty.delivered, tty.skipped, tty.failed) == (1, 0, 1, 0)
+        mine = ptys(owner)
+        n.send(("owner",), notice(owner.uid))
+        assert n.wait_idle(5) and b"will be stopped in 5m" in mine.read()
+        assert (tty.queued, tty.delivered, tty.skipped, tty.failed) == (2, 1, 1, 0)
+        assert n.stats()["desktop"].announced == 2  # the owner's desktop: announced, whoever shows it
+    finally:
+        n.close()
+
+
+def test_a_warning_without_a_single_owner_is_counted_skipped(users, tmp_path):
+    rec = Recorder()
+    n = notifier(rec, tmp_path, owner_mail="{user}@example.org")
+    try:
+        n.send(("owner",), Notice("violation", "per-gpu", "GPU 0", "per-gpu: GPU 0", "Rule: per-gpu\n", {"uid": None}))
+        assert ("owner", "", "skipped", "the subject has no single owner") in rec.wait(1)
+        assert n.stats()["tty"].skipped == 1 and n.stats()["owner-mail"].skipped == 1
+        assert n.stats()["tty"].queued == 0 and n.stats()["desktop"].announced == 0
     finally:
         n.close()
 
@@ -181,6 +219,8 @@ def test_a_full_terminal_nobody_reads_delays_neither_send_nor_the_next_warning(u
         assert n.wait_idle(5)
         ttys = [w for w in rec.wait(6) if w[0] == "tty"]
         assert len(ttys) == 3 and all(w[2] == "failed" and "full" in w[3] for w in ttys), ttys
+        tty = n.stats()["tty"]
+        assert (tty.delivered, tty.skipped, tty.failed) == (0, 0, 3)
         assert time.monotonic() - started < 2
     finally:
         n.close()
@@ -315,6 +355,14 @@ OWNER_RULE = ("rules:\n  - name: idle-owner\n    action: kill\n    grace_period:
               "      - {type: gpu_utilization, operator: '<', value: 5, duration: 1s, over: mean}\n")
 
 
+def _utmp_of_the_daemon(bed, utmp) -> None:
+    """The daemon started next reads utmp as /run/utmp: bound over it in a mount namespace of its own."""
+    enter = bed.in_journal_ns
+    bed.in_journal_ns = lambda argv: enter([  # type: ignore[method-assign]
+        "unshare", "-m", "--propagation", "private", "sh", "-c",
+        '[ -e /run/utmp ] || : > /run/utmp; mount --bind "$0" /run/utmp && exec "$@"', str(utmp), *argv])
+
+
 def test_in_the_daemon_the_owner_is_warned_on_a_full_terminal_and_still_killed_at_the_end_of_the_grace(
         fresh_bed, users, ptys, tmp_path):
     from gpukilld import journal as audit
@@ -322,11 +370,7 @@ def test_in_the_daemon_the_owner_is_warned_on_a_full_terminal_and_still_killed_a
     bed = fresh_bed
     mine, theirs, full = ptys(users["owner"]), ptys(users["other"]), ptys(users["owner"])
     full.fill()  # a terminal nobody reads
-    enter = bed.in_journal_ns
-    bed.in_journal_ns = lambda argv: enter([  # type: ignore[method-assign]
-        "unshare", "-m", "--propagation", "private", "sh", "-c",
-        '[ -e /run/utmp ] || : > /run/utmp; mount --bind "$0" /run/utmp && exec "$@"', str(tmp_path / "utmp"),
-        *argv])
+    _utmp_of_the_daemon(bed, tmp_path / "utmp")
     (bed.workdir / "guard.d").mkdir(exist_ok=True)
     (bed.workdir / "guard.d" / "10-idle.yaml").write_text(OWNER_RULE)
     bed.start_daemon(args=["--sample-interval", "0.2"])
@@ -357,3 +401,77 @@ def test_only_terminal_lines_of_utmp_are_ever_opened(users, tmp_path):
     (tmp_path / "utmp").write_bytes(records + UTMP.pack(8, 1, b"pts/4", b"x", b"", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                           b""))  # DEAD_PROCESS: a session that ended
     assert user_ttys(users["owner"].uid, str(tmp_path / "utmp")) == ("/dev/pts/3", "/dev/tty1")
+
+
+TELL_RULE = ("rules:\n  - name: tell-owner\n    action: notify\n"
+             "    notify: [owner, admin@company.com, desktop, journal]\n"
+             "    conditions: [{type: process_name, operator: contains_any, value: [gk]}]\n")
+
+
+def _lines_from(text: str) -> list[str]:
+    return [line for line in text.replace("\r\n", "\n").split("\n") if line.startswith("Forged")]
+
+
+def test_in_the_daemon_a_newline_in_a_name_adds_no_line_to_any_notice_and_each_delivery_is_counted(
+        fresh_bed, users, ptys, tmp_path):
+    """A process named "gk\\nForged: yes" (prctl PR_SET_NAME): its name stays inside its line on the owner's
+    terminal, in the owner's and the admin's mail (Subject and body), in the desktop's Notification and in the
+    journal target's MESSAGE (its fields keep the exact name). guard status counts the tty delivered with the owner's terminal, skipped without one."""
+    from gpukilld import journal as audit
+
+    bed = fresh_bed
+    owner = users["owner"]
+    mine = ptys(owner)
+    _utmp_of_the_daemon(bed, tmp_path / "utmp")
+    with smtp_relay() as (box, port):
+        (bed.workdir / "guard.d").mkdir(exist_ok=True)
+        (bed.workdir / "guard.d" / "10-tell.yaml").write_text(TELL_RULE)
+        bed.write_conf(notify={"smtp_host": "127.0.0.1", "smtp_port": port, "from": "gpukilld@test.example",
+                               "owner_mail": "{user}@example.org"})
+        bed.start_daemon(args=["--sample-interval", "0.2"])
+        rec = bed.record_signals(owner)
+        victim = bed.victim(owner, gpu=0, comm="gk\nForged: yes")
+        escaped = "gk\\x0aForged: yes"
+
+        note = rec.wait_for("Notification", where=lambda b: b[1] == "tell-owner")
+        assert note is not None
+        _uid, _rule, summary, body = note["body"]
+        assert escaped in summary and "\n" not in summary and escaped in body and not _lines_from(body), body
+
+        assert box.wait(2), box.messages
+        for _from, rcpts, content in box.messages:
+            mail = email.message_from_bytes(content, policy=email.policy.default)
+            assert mail["Forged"] is None and escaped in mail["Subject"], (rcpts, mail["Subject"])
+            text = mail.get_content()
+            assert escaped in text and not _lines_from(text), (rcpts, text)
+        assert sorted(r for _f, rcpts, _c in box.messages for r in rcpts) == [
+            "admin@company.com", f"{owner.name}@example.org"]
+
+        assert bed.wait_journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty",
+                                GPUKILL_OUTCOME="written")
+        text = mine.read().decode()
+        assert escaped in text and not _lines_from(text), text
+
+        entries = bed.wait_journal(MESSAGE_ID=audit.GUARD_NOTICE.message_id, GPUKILL_RULE="tell-owner")
+        assert entries and escaped in entries[0]["MESSAGE"] and "\n" not in entries[0]["MESSAGE"]
+        assert entries[0]["GPUKILL_SUBJECT"] == f"PID {victim.pid} (gk\nForged: yes, user {owner.name})"
+
+        (tmp_path / "utmp").write_bytes(b"")  # the owner logs out; the same file, bound in the daemon's namespace
+        bed.victim(owner, gpu=1, comm="gk again")
+        assert bed.wait_journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty",
+                                GPUKILL_OUTCOME="skipped")
+
+        def counts() -> dict:
+            r = bed.guard_call(ROOT, "GetStatus")
+            assert r.ok, r
+            return r.body[0]["notifications"]
+
+        assert wait_until(lambda: counts()["owner-mail"]["delivered"] == 2, 10, fail=False), counts()
+        got = counts()
+        assert {k: got["tty"][k] for k in ("queued", "delivered", "skipped", "failed")} == {
+            "queued": 2, "delivered": 1, "skipped": 1, "failed": 0}
+        assert got["email"]["delivered"] == 2 and got["desktop"]["announced"] == 2, got
+        cli = bed.ctl(ROOT, "guard", "status")
+        assert cli.returncode == 0, cli
+        assert "  tty: 1 delivered, 1 skipped, 0 failed, 0 dropped" in cli.stdout.splitlines(), cli.stdout
+        assert "  desktop: 2 announced (signalled on the bus; shown or not, no agent says)" in cli.stdout, cli.stdout

@@ -111,6 +111,27 @@ def test_a_dry_run_kill_order_is_one_entry_per_process_and_one_notice():
     assert lines_of(r.notice)["Why"] == j.fields["reason"] == order.reason
 
 
+def test_a_process_text_with_controls_stays_inside_its_line_of_every_notice():
+    """The name, the subject and the reason come from the process; each control is escaped in the notice's
+    lines and summary (what the terminal, the mail, the desktop and the journal target show); the webhook's
+    data keep the exact text."""
+    evil = "x\nForged: 1\x1b[2J\u2028\u202e\x85\x7f"
+    target = dataclasses.replace(MINER, comm=evil)
+    subject = f"PID 42 ({evil}, user alice)"
+    ev = Violation(RULES["miners"], subject, ("k",), 1000, (target,), f"process_name == {evil}", NOW,
+                   reason_for_others=f"others: {evil}")
+    order = KillOrder(RULES["hogs"], subject, ("k",), 1000, (target,), False, 5.0, False, ev.reason)
+    escaped = "x\\x0aForged: 1\\x1b[2J\\u2028\\u202e\\x85\\x7f"
+    for r in (report.violation(ev, False, HOST, NOW), report.would_kill(order, HOST, NOW),
+              report.kill_done(order, target, Outcome.TERMINATED, "", HOST, NOW)):
+        notice = r.notice
+        for text in (notice.summary, notice.body, notice.body_for_others):
+            assert escaped in text and not any(line.startswith("Forged") for line in text.split("\n")), text
+            assert not [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f)], text
+        assert len(notice.body.split("\n")) == len(notice.body_for_others.split("\n"))
+        assert notice.data["subject"] == subject and notice.data["reason"] == ev.reason  # the exact text
+
+
 REFUSED = Protected("PID 42 is a kernel thread")
 
 

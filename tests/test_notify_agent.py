@@ -96,19 +96,26 @@ def test_a_kill_of_the_users_process_is_one_notification_and_another_users_is_no
     assert agent.poll() is None
 
 
-def test_a_guard_grace_is_a_critical_countdown_replaced_in_place_by_the_outcome(desk, users):
-    bed, session, agent = desk
+def _hog_stopped(bed: Testbed, session: DesktopSession, owner: User, comm: str):
+    """A process of owner's named comm, stopped by HOG_POLICY's rule at the end of its grace: (the process, the
+    mark of the notifications before it, those that said it was terminated)."""
     policy = bed.workdir / "hogs.yaml"
     policy.write_text(HOG_POLICY)
     bed.enforce(policy)
     mark = len(session.notifications())
     try:
-        hog = bed.victim(users["owner"], gpu=2, comm="gpuhog")
+        hog = bed.victim(owner, gpu=2, comm=comm)
         wait_until(lambda: hog.poll() is not None, GRACE + 10, "the hog was not stopped")
         final = wait_until(lambda: [n for n in _since(session, mark) if "terminated" in n.body], 10,
                            lambda: f"no outcome notification: {_since(session, mark)}")
     finally:
         assert bed.ctl(ROOT, "guard", "disable").returncode == 0
+    return hog, mark, final
+
+
+def test_a_guard_grace_is_a_critical_countdown_replaced_in_place_by_the_outcome(desk, users):
+    bed, session, agent = desk
+    hog, mark, final = _hog_stopped(bed, session, users["owner"], "gpuhog")
     time.sleep(2.5)  # a ProcessKilled left unclaimed would show by itself after 2 s
     shown = _since(session, mark)
     first, rest = shown[0], shown[1:]
@@ -125,6 +132,25 @@ def test_a_guard_grace_is_a_critical_countdown_replaced_in_place_by_the_outcome(
     assert rest[-1] == final[-1] and final[-1].urgency == NORMAL  # the ProcessKilled made no pop-up of its own
     assert final[-1].summary == f"Guard rule no-hogs: gpuhog (PID {hog.pid}) terminated"
     assert final[-1].body == f"Guard rule no-hogs: process_name contains_any [gpuhog].\ngpuhog (PID {hog.pid}) terminated."
+    assert agent.poll() is None
+
+
+def test_a_newline_in_a_process_name_adds_no_line_to_any_pop_up(desk, users):
+    """The hog names itself "gpuhog\\nForged": its countdown, its outcome and a kill of the user's own process
+    each name it inside one line of the pop-up."""
+    bed, session, agent = desk
+    hog, mark, _final = _hog_stopped(bed, session, users["owner"], "gpuhog\nForged")
+    mine = bed.victim(users["owner"], gpu=0, comm="mine\nForged")
+    _kill(bed, mine.pid)
+    wait_until(lambda: [n for n in _since(session, mark) if f"PID {mine.pid}" in n.summary], 10,
+               lambda: f"no notification for the kill: {_since(session, mark)}")
+    shown = _since(session, mark)
+    assert any(n.summary == f"PID {hog.pid} (gpuhog\\x0aForged, user gpkowner) will be stopped in {GRACE} s"
+               for n in shown), shown
+    assert any(n.body.endswith(f"gpuhog\\x0aForged (PID {hog.pid}) terminated.") for n in shown), shown
+    assert any(n.summary == f"GPU process stopped: mine\\x0aForged (PID {mine.pid})" for n in shown), shown
+    for n in shown:
+        assert "\n" not in n.summary and not [line for line in n.body.split("\n") if line.startswith("Forged")], n
     assert agent.poll() is None
 
 

@@ -66,3 +66,20 @@ def test_the_gate_shows_a_burst_then_one_summary_and_passes_updates_of_what_it_s
 def test_body_markup_and_control_characters_are_escaped():
     assert body_text("a<b>&c\x1b[1m\nnext", markup=True) == "a&lt;b&gt;&amp;c\\x1b[1m\nnext"
     assert body_text("a<b>\x07", markup=False) == "a<b>\\x07"
+
+
+def test_a_newline_in_a_process_name_stays_inside_its_line_of_the_pop_up():
+    """A process names itself "x\\nForged: yes": the agent's body is lines of its own, and the name must add none."""
+    n = Narrator(Audience(ME))
+    name = "x\nForged: yes"
+    toasts = [*n.on_event(ProcessKilled(7, 1, ME, name, ("GPU-0",), "terminated", 0, "user"), 0.0, WALL),
+              *n.on_event(violated(ME, subject=f"PID 8 ({name}, user me)"), 0.0, WALL),
+              *n.on_event(GuardActionTaken("cap", f"PID 8 ({name}, user me)", "kill", 8, 1, "terminated", False),
+                          1.0, WALL)]
+    assert len(toasts) == 3
+    for toast in toasts:
+        lines = body_text(toast.body, markup=True).split("\n")
+        assert "\n" not in toast.summary and not [line for line in lines if line.startswith("Forged")], toast
+    assert all("x\\x0aForged: yes" in t.summary + t.body for t in toasts[:2])
+    (closed,) = toasts[2:]
+    assert closed.step is Step.CLOSE and closed.key == toasts[1].key  # the same subject, escaped alike

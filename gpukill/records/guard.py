@@ -70,11 +70,14 @@ class Grace:
 class NotificationCounters:
     """One notification channel's counters (GetStatus notifications, keyed by channel)."""
 
-    channel: str = wire("s", "email, webhook, owner-mail or tty (the key of notifications)")
+    channel: str = wire("s", "email, webhook, owner-mail, tty or desktop (the key of notifications)")
     queued: int = wire("t", "notices queued", 0)
-    delivered: int = wire("t", "notices delivered", 0)
-    failed: int = wire("t", "notices that could not be delivered", 0)
+    delivered: int = wire("t", "notices written to a terminal, accepted by the mail server (250 after DATA) or "
+                               "by the webhook (2xx)", 0)
+    failed: int = wire("t", "notices that could not be delivered: a write error, a timeout, a refusal", 0)
     dropped: int = wire("t", "notices dropped, the queue being full", 0)
+    skipped: int = wire("t", "notices with nothing to deliver to: no terminal, mesg n, no address", 0)
+    announced: int = wire("t", "desktop: Notification signals sent; no agent answers whether it showed one", 0)
 
 
 @dataclass(frozen=True, slots=True)

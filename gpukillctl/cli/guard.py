@@ -21,7 +21,7 @@ from ..client.exits import EXIT_FAILURE, EXIT_INVALID_POLICY, EXIT_USAGE
 from ..client.format import shown, table
 
 if TYPE_CHECKING:  # annotations only: the Guard's records load when `guard` runs, not at every start
-    from gpukill.records import Decision, GuardStatus, ManagedPolicyEntry
+    from gpukill.records import Decision, GuardStatus, ManagedPolicyEntry, NotificationCounters
 
 # The policy module (and PyYAML), the units and the polkit agent (subprocess) are imported by the guard commands
 # that use them: `gpukillctl list` starts faster.
@@ -273,10 +273,11 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
             outcome = r.outcome or r.event
             dry_tag = " (dry run)" if r.dry_run and outcome not in (Outcome.WOULD_KILL, Outcome.WOULD_RESET) else ""
             print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}"))
-    if any(c.queued for c in st.notifications):
-        print("\nnotifications: " + "; ".join(
-            f"{c.channel}: {c.delivered} delivered, {c.failed} failed, {c.dropped} dropped"
-            for c in st.notifications))
+    used = [c for c in st.notifications if c.queued or c.skipped or c.announced]
+    if used:
+        print("\nnotifications:")
+        for c in used:
+            print(shown(f"  {_notification_counts(c)}"))
     return 0
 
 
@@ -288,6 +289,13 @@ def _dry_run_reasons(st: GuardStatus) -> list[str]:
     if st.policy_dry_run:
         reasons.append(f"the policy in force ({', '.join(st.files) or 'none'}) sets dry_run: true")
     return reasons
+
+
+def _notification_counts(c: NotificationCounters) -> str:
+    """One channel's counters as `guard status` says them: the desktop only announces (no agent answers)."""
+    if c.channel == "desktop":
+        return f"desktop: {c.announced} announced (signalled on the bus; shown or not, no agent says)"
+    return f"{c.channel}: {c.delivered} delivered, {c.skipped} skipped, {c.failed} failed, {c.dropped} dropped"
 
 
 def _decision_row(d: Decision) -> list[str]:

@@ -226,10 +226,13 @@ def guard_families(guard: GuardStatus) -> list[Metric]:
     evaluations.add_metric([], float(guard.evaluations))
     last = _gauge("gpukill_guard_last_evaluation_seconds", "how long the last Guard evaluation took", [])
     last.add_metric([], guard.last_eval_ms / 1000.0)
-    notices = CounterMetricFamily("gpukill_guard_notifications", "Guard notices per channel and result",
+    notices = CounterMetricFamily("gpukill_guard_notifications", "Guard notices per channel and result: queued; "
+                                  "delivered (written to a terminal, accepted by the mail server or webhook), "
+                                  "skipped (nothing to deliver to), failed, dropped; desktop: announced",
                                   labels=["channel", "result"])
     for n in guard.notifications:
-        for result in ("queued", "delivered", "failed", "dropped"):
+        results = ("announced",) if n.channel == "desktop" else ("queued", "delivered", "skipped", "failed", "dropped")
+        for result in results:
             notices.add_metric([n.channel, result], float(getattr(n, result)))
     return [enabled, dry, violations, actions, evaluations, last, notices]
 

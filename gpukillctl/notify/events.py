@@ -4,7 +4,10 @@ caller passes the time in, so the countdowns and the waits here are tested with 
 A signal becomes Toasts (a desktop notification's content). Toasts with the same key are one notification
 updated in place: a Guard violation opens it (critical, with the time left while a kill waits for its grace),
 each second of the countdown updates it, and the GuardActionTaken that ends it (killed, cancelled, refused)
-closes it with the outcome. Text here is raw, as the daemon sent it: the desktop end escapes it (desktop.py).
+closes it with the outcome. The records' text is escaped as it comes in (gpukill.text.shown): a process
+chooses its name, and a newline in it must not become a line of the body, which the agent joins from lines
+of its own. A Notification's body is lines already, each escaped by the daemon; the desktop end escapes each
+line again and the markup (desktop.py).
 
 Whom an event concerns (Audience): ProcessKilled by its uid, PolicyViolated by details.uid, Notification by
 its uid; GuardActionTaken carries no uid, so it concerns the user when it ends a violation of theirs (same
@@ -17,8 +20,9 @@ from __future__ import annotations
 import math
 import pwd
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
+from typing import Any
 
 from gpukill.outcome import INITIATOR_RESET, INITIATOR_USER, Outcome, result_text
 from gpukill.records import (
@@ -32,6 +36,7 @@ from gpukill.records import (
     PolicyViolated,
     ProcessKilled,
 )
+from gpukill.text import shown
 
 LOW, NORMAL, CRITICAL = 0, 1, 2  # the urgency hint of the notification spec
 GUARD_PREFIX = "guard:"
@@ -55,8 +60,8 @@ class Step(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Toast:
-    summary: str  # one line, raw text
-    body: str  # lines, raw text
+    summary: str  # one line, its text escaped
+    body: str  # lines, each escaped
     urgency: int = NORMAL
     key: str = ""  # "" for a notification of its own
     step: Step = Step.OPEN
@@ -93,6 +98,27 @@ def user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
+def _one_line_texts(record: Any, keep: tuple[str, ...] = ()) -> Any:
+    """The record with each text in it (and in the records within it) escaped by shown(), but the fields in
+    keep; the record itself when nothing needed escaping."""
+    changes: dict[str, Any] = {}
+    for f in fields(record):
+        value = getattr(record, f.name)
+        if f.name in keep:
+            continue
+        if isinstance(value, str):
+            new = shown(value)
+        elif isinstance(value, tuple) and all(isinstance(v, str) for v in value):
+            new = tuple(map(shown, value))
+        elif is_dataclass(value):
+            new = _one_line_texts(value)
+        else:
+            continue
+        if new != value:
+            changes[f.name] = new
+    return replace(record, **changes) if changes else record
+
+
 def _slot_key(rule: str, subject: str) -> str:
     return f"guard\0{rule}\0{subject}"
 
@@ -115,6 +141,7 @@ class Narrator:
     def on_event(self, event: Event, now: float, wall: float) -> list[Toast]:
         """The Toasts for one signal; now is monotonic, wall the epoch time (a violation's grace started
         at its details.time, which is wall clock)."""
+        event = _one_line_texts(event, keep=("body",) if isinstance(event, Notification) else ())
         if isinstance(event, ProcessKilled):
             return self._killed(event, now)
         if isinstance(event, PolicyViolated):

@@ -8,6 +8,12 @@ callbacks: a journal entry and the Notification D-Bus signal. `owner` fans out t
 terminals (owner_tty, in a channel thread of its own, one attempt, never blocking), their mail at owner_mail's
 address (a queue of its own) and the desktop signal; each outcome goes to `warned` for the audit trail.
 
+Each channel counts what became of each notice, once: delivered (written to a terminal, accepted by the mail
+server: its 250 after DATA, or a 2xx from the webhook), skipped (nothing to deliver to: no login session with a
+terminal, every terminal mesg n or not the owner's, no plain address), failed (a write error, a timeout, a
+refusal, after the retries) or dropped (its queue full). The desktop channel only announces: the Notification
+signal goes to whichever agent listens, and none answers whether it showed it.
+
 The threads are daemon threads: gpukilld's exit never waits for a relay that does not answer.
 """
 
@@ -80,12 +86,23 @@ class Notice:
     data: dict[str, Any] = field(default_factory=dict)  # the webhook's JSON object
 
 
+DELIVERED, SKIPPED, FAILED = "delivered", "skipped", "failed"  # what a transport returns for a notice
+
+
 @dataclass(slots=True)
 class ChannelStats:
     queued: int = 0
     delivered: int = 0
+    skipped: int = 0
     failed: int = 0
     dropped: int = 0
+    announced: int = 0  # desktop only: signalled on the bus
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, outcome: str) -> None:
+        """One more notice of the outcome (a field's name); from any thread."""
+        with self.lock:
+            setattr(self, outcome, getattr(self, outcome) + 1)
 
 
 class _Channel:
@@ -95,7 +112,7 @@ class _Channel:
 
     _WAKE = None  # what close() puts in the queue to end the thread's wait
 
-    def __init__(self, name: str, deliver: Callable[[Any, Notice], None], config: NotifyConfig,
+    def __init__(self, name: str, deliver: Callable[[Any, Notice], str], config: NotifyConfig,
                  on_failure: Callable[[str, Notice, str], None], stop: threading.Event) -> None:
         self.name = name
         self.deliver = deliver
@@ -110,9 +127,9 @@ class _Channel:
     def put(self, target: Any, notice: Notice) -> None:
         try:
             self.queue.put_nowait((target, notice))
-            self.stats.queued += 1
+            self.stats.count("queued")
         except queue.Full:
-            self.stats.dropped += 1
+            self.stats.count("dropped")
             self.on_failure(str(target), notice, f"the {self.name} queue is full ({self.config.queue_size}); "
                                                  "notice dropped")
 
@@ -138,11 +155,14 @@ class _Channel:
                 self.queue.task_done()
 
     def _deliver(self, target: Any, notice: Notice) -> None:
+        """deliver() returns DELIVERED, SKIPPED or FAILED (a failure it has reported itself); an exception is
+        retried, then reported through on_failure."""
         error = ""
+        outcome = FAILED
         delay = self.config.backoff
         for attempt in range(1, self.config.retries + 1):
             try:
-                self.deliver(target, notice)
+                outcome = self.deliver(target, notice)
                 error = ""
                 break
             except Exception as e:  # any failure of a relay or endpoint: retry, then report
@@ -153,10 +173,10 @@ class _Channel:
                     break
                 delay *= 2
         if error:
-            self.stats.failed += 1
+            self.stats.count(FAILED)
             self.on_failure(str(target), notice, error)
         else:
-            self.stats.delivered += 1
+            self.stats.count(outcome)
 
 
 def _one_line(e: BaseException) -> str:
@@ -182,6 +202,18 @@ class Notifier:
         tty_config = NotifyConfig(retries=1, queue_size=config.queue_size)  # a terminal is written once or not
         self.tty = _Channel("tty", self._write_ttys, tty_config, lambda t, n, e: self._warned("tty", t, n, "failed", e),
                             self._stop)
+        self.desktop = ChannelStats()  # announced only: the signal goes out, no agent answers
+
+    def keep_counts(self, old: Notifier) -> None:
+        """Count on in old's counters (a notifier replaced after a reload): the counts are since gpukilld
+        started, and a notice old still delivers is counted where the new ones are."""
+        for mine, theirs in zip(self._channels(), old._channels(), strict=True):
+            mine.stats = theirs.stats
+        self.desktop = old.desktop
+
+    def _announce(self, notice: Notice) -> None:
+        self._desktop(notice)
+        self.desktop.count("announced")
 
     def send(self, targets: tuple[str, ...], notice: Notice) -> None:
         """Hand a notice to each target; returns at once."""
@@ -190,7 +222,7 @@ class Notifier:
             if target == "journal":
                 self._journal(notice)
             elif target == "desktop":
-                self._desktop(notice)
+                self._announce(notice)
             elif target == OWNER:
                 self._to_owner(notice, desktop="desktop" not in targets)  # one Notification signal, not two
             elif target.startswith("webhook:"):
@@ -205,6 +237,9 @@ class Notifier:
         uid = notice.data.get("uid")
         if not isinstance(uid, int) or isinstance(uid, bool) or uid < 0:
             self._warned("owner", "", notice, "skipped", "the subject has no single owner")
+            self.tty.stats.count(SKIPPED)  # nobody's terminal to write to, nobody's address to mail
+            if self.config.owner_mail:
+                self.owner_mail.stats.count(SKIPPED)
             return
         self.tty.put(uid, notice)
         if self.config.owner_mail:
@@ -212,15 +247,16 @@ class Notifier:
             if address is None:
                 self._warned("mail", f"uid {uid}", notice, "skipped",
                              "owner_mail does not give a plain address for this user")
+                self.owner_mail.stats.count(SKIPPED)
             else:
                 self.owner_mail.put(address, notice)
         if desktop:
-            self._desktop(notice)
+            self._announce(notice)
         self._warned("desktop", f"uid {uid}", notice, "signalled", "")
 
     def stats(self) -> dict[str, ChannelStats]:
         return {"email": self.mail.stats, "webhook": self.webhook.stats, "owner-mail": self.owner_mail.stats,
-                "tty": self.tty.stats}
+                "tty": self.tty.stats, "desktop": self.desktop}
 
     def wait_idle(self, timeout: float) -> bool:
         """For tests and shutdown: True once every queue is drained."""
@@ -236,7 +272,7 @@ class Notifier:
 
     # -- transports (run in the channel threads) ---------------------------------------------------------
 
-    def _send_mail(self, addresses: tuple[str, ...], notice: Notice) -> None:
+    def _send_mail(self, addresses: tuple[str, ...], notice: Notice) -> str:
         c = self.config
         msg = EmailMessage()
         msg["From"] = c.mail_from or f"gpukilld@{socket.gethostname()}"
@@ -249,14 +285,24 @@ class Notifier:
         msg["X-Gpukill-Rule"] = notice.rule
         msg["X-Gpukill-Event"] = notice.event
         msg.set_content("\n".join(shown(line) for line in notice.body.split("\n")))
+        # send_message returns once the server answered 250 after DATA; it raises on any refusal of the message
+        # or of every recipient. Recipients refused among others are counted with the delivery, and said.
         with smtplib.SMTP(c.smtp_host, c.smtp_port, timeout=c.timeout) as smtp:
-            smtp.send_message(msg)
+            refused = smtp.send_message(msg)
+        if refused:
+            self.mail.on_failure(", ".join(refused), notice, "refused by the mail server: " + "; ".join(
+                f"{to}: {code} {shown(reply.decode('utf-8', 'replace'))}"
+                for to, (code, reply) in refused.items()))
+        return DELIVERED
 
-    def _send_owner_mail(self, address: str, notice: Notice) -> None:
+    def _send_owner_mail(self, address: str, notice: Notice) -> str:
         self._send_mail((address,), notice)
         self._warned("mail", address, notice, "delivered", "")
+        return DELIVERED
 
-    def _write_ttys(self, uid: int, notice: Notice) -> None:
+    def _write_ttys(self, uid: int, notice: Notice) -> str:
+        """DELIVERED when at least one terminal took the message (whole or its first part), FAILED when a write
+        to a terminal failed and none took it, SKIPPED when there was none to write to."""
         # The bell and the leading newline are ours, as write(1) rings; every line of the notice is escaped.
         text = "\a\n" + "\n".join(shown(line) for line in
                                     [f"Message from gpukilld@{socket.gethostname()}: {notice.summary}",
@@ -266,8 +312,12 @@ class Notifier:
             self._warned("tty", f"uid {uid}", notice, "skipped", "no login session with a terminal")
         for d in deliveries:
             self._warned("tty", d.tty, notice, d.outcome, d.detail)
+        outcomes = {d.outcome for d in deliveries}
+        if outcomes & {"written", "partial"}:
+            return DELIVERED
+        return FAILED if "failed" in outcomes else SKIPPED
 
-    def _post(self, url: str, notice: Notice) -> None:
+    def _post(self, url: str, notice: Notice) -> str:
         # JSON keeps every value exact; the human summary is escaped as everywhere text is shown to people.
         data = notice.data
         if isinstance(data.get("summary"), str):
@@ -278,5 +328,6 @@ class Notifier:
         try:
             with urllib.request.urlopen(req, timeout=self.config.timeout) as resp:
                 resp.read(65536)
+            return DELIVERED
         except urllib.error.HTTPError as e:  # a 4xx/5xx answer is a failed delivery: retried, then reported
             raise RuntimeError(f"HTTP {e.code} {e.reason} from {url}") from None

@@ -18,6 +18,7 @@ from typing import Any
 from gpukill.outcome import Outcome, result_text
 from gpukill.records import RecentEvent
 from gpukill.rules import RESET, Rule
+from gpukill.text import shown
 from gpukill.units import format_duration, format_size
 
 from .. import journal as audit  # the event kinds (a local `journal` is an entry)
@@ -83,13 +84,18 @@ class GuardNotice(Notice):
 
 def _notice(rule: Rule, event: str, summary: str, lines: list[str], data: dict[str, Any], host: str,
             now: float, reason_for_others: str | None = None) -> GuardNotice:
-    """reason_for_others: the Why line as others may read it (engine: reason_for_others); None: as it is."""
+    """reason_for_others: the Why line as others may read it (engine: reason_for_others); None: as it is.
+    Each line and the summary are escaped here (shown()), before any channel sees them: a process's name,
+    command line or unit may hold a newline or a terminal control, and must stay inside its own line on the
+    terminal, in the mail (its Subject too), on the desktop and in the journal. The webhook's JSON keeps the
+    exact values."""
     reason = str(data.get("reason", ""))
     shared = [f"Why: {reason_for_others}" if reason_for_others is not None and line == f"Why: {reason}" else line
               for line in lines]
-    return GuardNotice(event, rule.name, str(data.get("subject", "")), summary, "\n".join(lines) + "\n",
+    return GuardNotice(event, rule.name, str(data.get("subject", "")), shown(summary),
+                       "\n".join(map(shown, lines)) + "\n",
                        {"event": event, "rule": rule.name, "host": host, "time": now, "summary": summary, **data},
-                       "\n".join(shared) + "\n")
+                       "\n".join(map(shown, shared)) + "\n")
 
 
 def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:

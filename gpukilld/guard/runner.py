@@ -231,6 +231,7 @@ class GuardRunner:
             old = self.notifier
             self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice,
                                      self._desktop_notice, self._owner_warned)
+            self.notifier.keep_counts(old)
             old.close()
 
     # -- policy and switches ---------------------------------------------------------------------------
@@ -517,7 +518,9 @@ class GuardRunner:
             evaluations=self.evaluations,
             last_eval_ms=self.engine.last_eval_seconds * 1000,
             max_eval_ms=self.max_eval_seconds * 1000,
-            notifications=tuple(NotificationCounters(channel, s.queued, s.delivered, s.failed, s.dropped)
+            notifications=tuple(NotificationCounters(channel=channel, queued=s.queued, delivered=s.delivered,
+                                                     skipped=s.skipped, failed=s.failed, dropped=s.dropped,
+                                                     announced=s.announced)
                                 for channel, s in self.notifier.stats().items()),
         )
 

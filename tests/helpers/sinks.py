@@ -18,14 +18,27 @@ def free_port() -> int:
 
 
 class Mailbox:
-    """aiosmtpd handler: keeps what a real relay would accept."""
+    """aiosmtpd handler: keeps what a real relay would accept; with refuse (an SMTP reply such as "554 5.7.1
+    no"), answers every message's DATA with it and keeps nothing (refused counts the attempts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse: str = "", unknown: tuple[str, ...] = ()) -> None:
         self.messages: list[tuple[str, list[str], bytes]] = []
+        self.refuse = refuse
+        self.refused = 0
+        self.unknown = unknown  # recipients refused at RCPT with 550, as a relay refuses a mailbox it lacks
         self.cond = threading.Condition()
+
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):  # noqa: N802 - its hook
+        if address in self.unknown:
+            return "550 5.1.1 no such mailbox"
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
 
     async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's hook name
         with self.cond:
+            if self.refuse:
+                self.refused += 1
+                return self.refuse
             self.messages.append((envelope.mail_from, list(envelope.rcpt_tos), envelope.content))
             self.cond.notify_all()
         return "250 Message accepted for delivery"
@@ -81,11 +94,12 @@ class Blackhole:
 
 
 @contextlib.contextmanager
-def smtp_relay() -> Iterator[tuple[Mailbox, int]]:
-    """A real SMTP server on a free loopback port delivering into a Mailbox: (mailbox, port)."""
+def smtp_relay(refuse: str = "", unknown: tuple[str, ...] = ()) -> Iterator[tuple[Mailbox, int]]:
+    """A real SMTP server on a free loopback port delivering into a Mailbox: (mailbox, port); refuse and
+    unknown as Mailbox takes them."""
     from aiosmtpd.controller import Controller  # the test extra; callers importorskip it first
 
-    box = Mailbox()
+    box = Mailbox(refuse, unknown)
     port = free_port()
     controller = Controller(box, hostname="127.0.0.1", port=port)
     controller.start()

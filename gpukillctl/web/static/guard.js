@@ -27,8 +27,15 @@ function renderStatus(status) {
   const recent = table("guard-recent", ["time", "rule", "event", "subject", "action", "outcome"],
     [...status.recent].reverse().map((e) => [fmt.clock(e.time), e.rule, e.event + (e.dry_run ? " (dry run)" : ""),
       e.subject, e.action, e.outcome]));
+  // Delivered: written to a terminal, accepted by the mail server or webhook; the desktop only announces (no
+  // agent answers whether it showed a notice), so its row has that count alone.
+  const counts = (c) => c.channel === "desktop" ? ["–", "–", "–", "–", String(c.announced)]
+    : [String(c.delivered), String(c.skipped), String(c.failed), String(c.dropped), "–"];
+  const notices = table("guard-notifications", ["channel", "delivered", "skipped", "failed", "dropped", "announced"],
+    Object.entries(status.notifications).map(([channel, c]) => [channel, ...counts({...c, channel})]));
   replace($("#guard-status"), switches, el("h3", null, "Rules in force"), rules,
-    el("h3", null, "Recent actions"), status.recent.length ? recent : el("p", {class: "muted"}, "None yet."));
+    el("h3", null, "Recent actions"), status.recent.length ? recent : el("p", {class: "muted"}, "None yet."),
+    el("h3", null, "Notifications"), notices);
 }
 
 function renderDecisions(decisions) {
