@@ -109,7 +109,8 @@ class Decision:
     rule: str = wire("s", "the rule's name")
     subject: str = wire("s", "the process, user or device")
     action: str = wire("s", "the rule's action")
-    status: str = wire("s", '"now", "waiting", "in-flight", "exempt"; "truncated": the count of the rest')
+    status: str = wire("s", '"now", "waiting", "in-flight", "exempt", "not-met" (watched: a windowed condition does '
+                            'not hold now, nothing is done while so); "truncated": the count of the rest')
     wait: float = wire("d", "seconds of duration, grace or cooldown still to run", 0.0)
     pids: tuple[int, ...] = wire("au", "what would be signalled", ())
     reason: str = wire("s", "why, at most 512 characters", "")

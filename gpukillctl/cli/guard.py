@@ -214,9 +214,10 @@ def _when(t: float) -> str:
 
 
 def _seconds(s: float) -> str:
-    from gpukill.units import format_duration
+    """A duration as people read it: "2h 26min", "45s" (as the usage report writes them)."""
+    from ..client.usage import duration
 
-    return format_duration(round(s)) if s >= 1 else f"{s:.1f}s"
+    return duration(s)
 
 
 async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
@@ -266,6 +267,9 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
     return 0
 
 
+NOT_MET = "not-met"  # a decision's status: watched, but a windowed condition does not hold now
+
+
 def _decision_row(d: Decision) -> list[str]:
     if d.status == "now":
         when = "now"
@@ -299,11 +303,18 @@ async def _test(client: ClientAPI, args: argparse.Namespace) -> int:
         json.dump({"decisions": [to_plain(d) for d in decisions]}, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    if not decisions:
+    acting = [d for d in decisions if d.status != NOT_MET]
+    watched = [d for d in decisions if d.status == NOT_MET]
+    if acting:
+        print(table(["RULE", "SUBJECT", "WOULD", "WHEN", "WHY"], [_decision_row(d) for d in acting]))
+    else:
         print("no rule matches anything now; nothing would be done")
-        return 0
-    print(table(["RULE", "SUBJECT", "WOULD", "WHEN", "WHY"], [_decision_row(d) for d in decisions]))
-    print("(a test: nothing was signalled)")
+    if watched:  # why nothing happens to them: the condition that does not hold, with its value
+        print("\nwatched, not met (nothing is done while so):")
+        for d in watched:
+            print(shown(f"  {d.rule}: {d.subject}: {d.reason}"))
+    if acting:
+        print("(a test: nothing was signalled)")
     return 0
 
 
