@@ -15,8 +15,12 @@ the reset path kills the holders first), at most once per device within the rule
 reset and at most max_resets_per_hour per device in the last hour, counting the resets of every rule; one
 reset of a device at a time. A dry run counts its would-be resets the same way, apart from the real ones.
 
+A dry run decides the same, with one would-kill per episode: a subject that goes on violating is not announced
+again every cooldown; when it stops (the process ended, or a condition no longer holds), a Left event says so
+and why. Enforcing is unchanged: after a kill's cooldown a subject still violating is killed again.
+
 This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder,
-ResetOrder) that
+ResetOrder, Left) that
 the runner (runner.py) carries out, and the clock is injected, so all of it is tested without waiting. With match: all
 the duration windows are kept only while the rule's conditions without a duration hold, so a window measures
 how long the rule as a whole has been about to fire (an xmrig above 95% for 5 minutes).
@@ -150,7 +154,18 @@ class ResetOrder:
     reason: str
 
 
-Event = Violation | GraceWarning | GraceCancelled | KillOrder | ResetOrder
+@dataclass(frozen=True, slots=True)
+class Left:
+    """A subject a dry run announced a would-kill for no longer violates the rule: its episode ended."""
+
+    rule: Rule
+    subject: str
+    subject_key: Any
+    uid: int | None
+    why: str  # the conditions that no longer hold, with their values; or that the subject is gone
+
+
+Event = Violation | GraceWarning | GraceCancelled | KillOrder | ResetOrder | Left
 
 
 @dataclass(slots=True)
@@ -190,7 +205,7 @@ class Episode:
     grace_until: float
     label: str
     uid: int | None
-    acted: bool = False  # a kill (or a dry run's would-kill) was ordered in this episode
+    acted: bool = False  # a kill (or a dry run's would-kill) was ordered in this episode: a dry run orders no other
     warned: int = 0  # the rule's warn schedule sent so far: its first `warned` items (at_start with the violation)
 
 
@@ -309,8 +324,9 @@ class Engine:
         events: list[Event] = []
         kills_left = self.policy.settings.max_kills_per_cycle
         for st in self.states:
-            holding = self._match(st, st.compiled.subjects(cycle), cycle, now)
-            kills_left = self._act(st, holding, now, wall, dry_run, kills_left, events, cycle)
+            subjects = st.compiled.subjects(cycle)
+            holding = self._match(st, subjects, cycle, now)
+            kills_left = self._act(st, holding, now, wall, dry_run, kills_left, events, cycle, subjects)
         self.last_eval_seconds = time.perf_counter() - t0
         return events
 
@@ -439,7 +455,7 @@ class Engine:
         return p.key in self.refused
 
     def _act(self, st: RuleState, holding: list[Subject], now: float, wall: float, dry_run: bool,
-             kills_left: int, events: list[Event], cycle: Cycle) -> int:
+             kills_left: int, events: list[Event], cycle: Cycle, subjects: list[Subject]) -> int:
         rule = st.rule
         settings = self.policy.settings
         stats = self.stats[rule.name]
@@ -468,6 +484,8 @@ class Engine:
                 self._warn(st, s, ep, now, events)
             if rule.action != "kill" or now < ep.grace_until or st.in_flight.get(key):
                 continue
+            if dry_run and ep.acted:
+                continue  # one would-kill per episode: the journal hears again when the subject leaves
             cooldown = st.dry_cooldown if dry_run else st.cooldown  # dry run off: enforce at once
             if now < cooldown.get(key, 0.0) or kills_left <= 0:
                 continue  # the cap holds the rest for the next cycle
@@ -487,12 +505,16 @@ class Engine:
             kill_grace = rule.kill_grace if rule.kill_grace is not None else settings.kill_grace
             events.append(KillOrder(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in victims), rule.force,
                                     kill_grace, dry_run, self._reason(st, s), self._reason(st, s, for_others=True)))
-        for key in [k for k in st.episodes if k not in held]:
+        ended = [k for k in st.episodes if k not in held]
+        by_key = {s.key: s for s in subjects} if ended and dry_run else {}
+        for key in ended:
             ep = st.episodes.pop(key)
             self.clocks_changed = True
             if rule.action == "kill" and not ep.acted:
                 stats.cancelled += 1
                 events.append(GraceCancelled(rule, ep.label, key, ep.uid))
+            elif rule.action == "kill" and dry_run:
+                events.append(Left(rule, ep.label, key, ep.uid, self._left_why(st, by_key.get(key), now)))
         for cooldowns in (st.cooldown, st.dry_cooldown):
             for key in [k for k, until in cooldowns.items() if until <= now]:
                 del cooldowns[key]
