@@ -6,12 +6,15 @@ The daemon tests (test_guard_reclaim.py) show the same through the bus and the C
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+
 from helpers.guard_inputs import OWN_PID, FakeTime, GiB, proc, snap
 from helpers.testbed import REPO
 
 from gpukill.policy import load_paths, load_texts
-from gpukill.records import Decision, GuardStatus, Window, from_plain
-from gpukillctl.cli.guard import _decision_row
+from gpukill.records import Decision, GuardStatus, RecentEvent, Window, from_plain
+from gpukillctl.cli.guard import _decision_row, _status, _when
 from gpukillctl.top.model import GuardMarks
 from gpukilld.guard.engine import Engine
 
@@ -32,13 +35,20 @@ def run(e: Engine, t: FakeTime, seconds: int, *procs) -> None:
         assert e.evaluate(snap(*procs), False) == []
 
 
-def test_a_busy_holder_is_watched_not_met_with_its_mean_and_an_idle_one_will_be_killed_in_human_time():
+TRAINER = proc(10, "train", mem=30 * GiB, util=87)
+IDLE = proc(11, "notebook", mem=4 * GiB, util=5, device=1)
+
+
+def an_hour_in() -> Engine:
+    """reclaim-idle after an hour of a trainer at 87% and an idle holder at 5%."""
     t = FakeTime()
     e = reclaim(t)
-    trainer = proc(10, "train", mem=30 * GiB, util=87)
-    idle = proc(11, "notebook", mem=4 * GiB, util=5, device=1)
-    run(e, t, 3600, trainer, idle)
-    previews = {p.subject: p for p in e.preview(snap(trainer, idle))}
+    run(e, t, 3600, TRAINER, IDLE)
+    return e
+
+
+def test_a_busy_holder_is_watched_not_met_with_its_mean_and_an_idle_one_will_be_killed_in_human_time():
+    previews = {p.subject: p for p in an_hour_in().preview(snap(TRAINER, IDLE))}
     busy = previews["PID 10 (train, user alice)"]
     assert busy.status == "not-met" and busy.pids == () and busy.wait == 0
     assert busy.reason == "not met: gpu_utilization < 15% on average over 2h (mean 87%)"
@@ -52,13 +62,8 @@ def test_a_busy_holder_is_watched_not_met_with_its_mean_and_an_idle_one_will_be_
 
 
 def test_a_momentary_burst_does_not_hide_an_idle_mean_nor_a_quiet_moment_make_a_trainer_a_victim():
-    t = FakeTime()
-    e = reclaim(t)
-    trainer = proc(10, "train", mem=30 * GiB, util=87)
-    idle = proc(11, "notebook", mem=4 * GiB, util=5, device=1)
-    run(e, t, 3600, trainer, idle)
     now = snap(proc(10, "train", mem=30 * GiB, util=0), proc(11, "notebook", mem=4 * GiB, util=100, device=1))
-    previews = {p.subject: p for p in e.preview(now)}
+    previews = {p.subject: p for p in an_hour_in().preview(now)}
     assert previews["PID 10 (train, user alice)"].status == "not-met"  # its mean is the mean, not this instant
     assert previews["PID 11 (notebook, user alice)"].status == "waiting"
     assert previews["PID 11 (notebook, user alice)"].wait == 3600 + 1800
@@ -78,8 +83,7 @@ def test_an_instant_value_that_fails_a_windowed_condition_is_not_met_with_its_va
 def test_a_policy_tested_as_if_loaded_now_judges_the_mean_by_the_value_now():
     t = FakeTime()
     fresh = reclaim(t)  # TestPolicies with a policy sent: no samples yet
-    previews = {p.subject: p for p in fresh.preview(snap(proc(10, "train", mem=30 * GiB, util=87),
-                                                         proc(11, "notebook", mem=4 * GiB, util=5, device=1)))}
+    previews = {p.subject: p for p in fresh.preview(snap(TRAINER, IDLE))}
     assert previews["PID 10 (train, user alice)"].status == "not-met"
     assert previews["PID 10 (train, user alice)"].reason.endswith("(mean 87%)")
     assert previews["PID 11 (notebook, user alice)"].wait == 7200 + 1800
@@ -88,9 +92,7 @@ def test_a_policy_tested_as_if_loaded_now_judges_the_mean_by_the_value_now():
 def test_status_and_top_show_only_subjects_whose_conditions_hold_now():
     t = FakeTime()
     e = reclaim(t)
-    trainer = proc(10, "train", mem=30 * GiB, util=87)
-    idle = proc(11, "notebook", mem=4 * GiB, util=5, device=1)
-    run(e, t, 600, trainer, idle)
+    run(e, t, 600, TRAINER, IDLE)
     windows = e.windows_report()
     assert {w["subject"] for w in windows} == {"PID 11 (notebook, user alice)"}
     assert sorted(w["condition"] for w in windows) == ["gpu_memory > 256MiB for 2h",
@@ -112,3 +114,15 @@ def test_match_any_keeps_every_window_it_may_act_on():
     assert [w["condition"] for w in e.windows_report()] == ["gpu_memory > 1GiB for 1h"]
     (p,) = e.preview(snap(proc(10, mem=4 * GiB, util=5)))
     assert p.status == "waiting" and p.wait == 3600 - 120
+
+
+def test_guard_status_prints_a_folded_recent_event_with_its_count_and_first_time(capsys):
+    folded = RecentEvent(1.7e9 + 120, RULE, "user alice", 1000, "violation", "kill", "", None, True, 3, 1.7e9)
+
+    class Client:
+        async def guard_status(self) -> GuardStatus:
+            return GuardStatus(enabled=True, dry_run=True, policy_dry_run=False, source="files", recent=(folded,))
+
+    assert asyncio.run(_status(Client(), argparse.Namespace(json=False))) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if "user alice" in x]
+    assert line == [f"  {_when(1.7e9 + 120)}  {RULE}: user alice: violation (dry run) (×3 since {_when(1.7e9)})"]
