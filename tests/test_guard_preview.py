@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 
 from helpers.guard_inputs import OWN_PID, FakeTime, GiB, proc, snap
 from helpers.testbed import REPO
@@ -16,6 +17,8 @@ from gpukill.policy import load_paths, load_texts
 from gpukill.records import Decision, GuardStatus, RecentEvent, Window, from_plain
 from gpukillctl.cli.guard import _decision_row, _status, _when
 from gpukillctl.top.model import GuardMarks
+from gpukilld.access.visibility import HIDDEN, Viewer
+from gpukilld.bus.guard import visible_decisions
 from gpukilld.guard.engine import Engine
 
 RECLAIM = REPO / "examples" / "guard.d" / "reclaim-idle.yaml"
@@ -126,3 +129,13 @@ def test_guard_status_prints_a_folded_recent_event_with_its_count_and_first_time
     assert asyncio.run(_status(Client(), argparse.Namespace(json=False))) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if "user alice" in x]
     assert line == [f"  {_when(1.7e9 + 120)}  {RULE}: user alice: violation (dry run) (×3 since {_when(1.7e9)})"]
+
+
+def test_where_other_users_processes_are_hidden_their_not_met_subjects_are_too():
+    bob = proc(20, "train", mem=30 * GiB, util=87, uid=1001, user="bob")
+    previews = [dataclasses.asdict(p) for p in an_hour_in().preview(snap(TRAINER, IDLE, bob))]
+    assert sorted((d["subject"], d["status"]) for d in previews) == [
+        ("PID 10 (train, user alice)", "not-met"), ("PID 11 (notebook, user alice)", "waiting"),
+        ("PID 20 (train, user bob)", "not-met")]
+    seen = visible_decisions(previews, snap(TRAINER, IDLE, bob), Viewer(1000, HIDDEN))
+    assert sorted(d["subject"] for d in seen) == ["PID 10 (train, user alice)", "PID 11 (notebook, user alice)"]
