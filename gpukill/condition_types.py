@@ -131,11 +131,13 @@ class ConditionType:
         read; the condition alone for a type without a printer."""
         if self.printer is None:
             return cond.text
+        return f"{self.name} {self.value_text(cond, value)} {cond.text.removeprefix(self.name + ' ')}"
+
+    def value_text(self, cond: Condition, value: Any) -> str:
+        """A value as reasons write it ("99%", "4.0 GiB"); "unknown" for None. Only for a type with a printer."""
         if value is None:
-            shown = "unknown"
-        else:
-            shown = _percent(value) if cond.percent_of_total else self.printer(value)
-        return f"{self.name} {shown} {cond.text.removeprefix(self.name + ' ')}"
+            return "unknown"
+        return _percent(value) if cond.percent_of_total else self.printer(value)  # type: ignore[misc]
 
 
 def _score(v: float) -> str:

@@ -240,6 +240,34 @@ def test_dry_run_never_signals(guard, users):
     assert exit_time(miner, 8) and miner.returncode == -signal.SIGTERM
 
 
+DRY_MINERS = ("cooldown: 1s\nrules:\n  - name: dry-miners\n    action: kill\n"
+              "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
+
+
+def test_a_dry_run_journals_one_would_kill_per_episode_and_when_it_ends(guard, users):
+    """A cooldown of 1 s, watched for 8 s: one would-kill entry, not one per cooldown; then a line when the
+    process is gone, and the recent events say both once."""
+    bed = guard
+    policy = bed.workdir / "dry-miners.yaml"
+    policy.write_text(DRY_MINERS)
+    assert bed.ctl(ROOT, "guard", "load", str(policy)).returncode == 0
+    assert bed.ctl(ROOT, "guard", "dry-run", "on").returncode == 0
+    miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
+    first = bed.wait_journal(MESSAGE_ID=audit.GUARD_DRY_RUN.message_id, GPUKILL_TARGET_PID=str(miner.pid))
+    assert first and first[0]["GPUKILL_RESULT"] == "would-kill", first
+    time.sleep(8.0)  # eight cooldowns, forty evaluations
+    would = bed.journal(MESSAGE_ID=audit.GUARD_DRY_RUN.message_id, GPUKILL_TARGET_PID=str(miner.pid))
+    assert [e["GPUKILL_RESULT"] for e in would] == ["would-kill"], would
+    assert rule_stats(bed, "dry-miners")["would_kill"] == 1 and pid_alive(miner.pid)
+    os.killpg(miner.pid, signal.SIGTERM)
+    miner.wait(5)
+    subject = f"PID {miner.pid} (xmrig, user gpkowner)"
+    left = bed.wait_journal(MESSAGE_ID=audit.GUARD_DRY_RUN.message_id, GPUKILL_RESULT="left", GPUKILL_SUBJECT=subject)
+    assert len(left) == 1 and left[0]["GPUKILL_REASON"].startswith("gone"), left
+    mine = [(e["event"], e["outcome"]) for e in status(bed)["recent"] if e["subject"] == subject]
+    assert mine == [("violation", ""), ("action", "would-kill"), ("left", "")], mine
+
+
 def test_test_policies_never_signals(guard, users):
     bed = guard
     assert bed.ctl(ROOT, "guard", "disable").returncode == 0

@@ -11,8 +11,9 @@ from helpers.guard_inputs import OWN_PID, FakeGroups, FakeTime, GiB, dev, proc, 
 from helpers.testbed import REPO
 
 from gpukill.policy import PolicyError, load_paths, load_texts
+from gpukilld.guard import clocks
 from gpukilld.guard.conditions import CLK_TCK, Protection
-from gpukilld.guard.engine import PROTECTED, Engine, GraceCancelled, KillOrder, Violation
+from gpukilld.guard.engine import PROTECTED, Engine, GraceCancelled, KillOrder, Left, Violation
 from gpukilld.model import Snapshot
 
 
@@ -171,7 +172,7 @@ def test_refused_by_the_kill_path_is_not_retried():
     assert e.stats["miners"].failed == 1
 
 
-def test_dry_run_orders_nothing_in_flight_and_repeats_after_the_cooldown():
+def test_dry_run_orders_nothing_in_flight_and_one_would_kill_per_episode():
     t = FakeTime()
     e = Engine(policy("cooldown: 10s\nrules:\n  - name: miners\n    action: kill\n"
                       "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"), t.clock(), own_pid=OWN_PID)
@@ -179,11 +180,45 @@ def test_dry_run_orders_nothing_in_flight_and_repeats_after_the_cooldown():
     events = e.evaluate(s, True)
     assert kinds(events) == ["Violation", "KillOrder"] and events[1].dry_run
     assert e.busy == set()  # nothing will report back: a dry run never reaches the kill path
-    assert step(e, t, s, 9, dry_run=True) == []
-    assert [ev.dry_run for ev in step(e, t, s, 1, dry_run=True)] == [True]
-    assert e.stats["miners"].would_kill == 2 and e.stats["miners"].kills == 0
-    real = step(e, t, s, 1, dry_run=False)  # dry run switched off: the would-kill's cooldown does not hold it
+    later = [ev for _ in range(60) for ev in step(e, t, s, 1, dry_run=True)]  # a minute, six cooldowns
+    assert later == [], "one would-kill for the episode, not one per cooldown"
+    assert e.stats["miners"].would_kill == 1 and e.stats["miners"].kills == 0
+    real = step(e, t, s, 1, dry_run=False)  # dry run switched off: the would-kill does not hold it back
     assert kinds(real) == ["KillOrder"] and not real[0].dry_run and e.busy == {(10, 100)}
+
+
+def test_a_dry_run_says_when_a_subject_leaves_and_why_then_announces_a_new_episode():
+    t = FakeTime()
+    e = Engine(policy("cooldown: 10s\nrules:\n  - name: busy\n    action: kill\n"
+                      "    conditions: [{type: gpu_utilization, operator: '>', value: 90, duration: 5s}]\n"),
+               t.clock(), own_pid=OWN_PID)
+    busy, calm = snap(proc(10, util=99)), snap(proc(10, util=20))
+    e.evaluate(busy, True)
+    assert kinds(step(e, t, busy, 5, dry_run=True)) == ["Violation", "KillOrder"]
+    assert [ev for _ in range(30) for ev in step(e, t, busy, 1, dry_run=True)] == []
+    (left,) = step(e, t, calm, 1, dry_run=True)
+    assert isinstance(left, Left) and left.subject == "PID 10 (python, user alice)"
+    assert left.why == "no longer holds: gpu_utilization > 90% for 5s (now 20%)"
+    step(e, t, busy, 1, dry_run=True)
+    assert kinds(step(e, t, busy, 5, dry_run=True)) == ["Violation", "KillOrder"]  # a new episode, announced
+    (gone,) = step(e, t, snap(), 1, dry_run=True)
+    assert isinstance(gone, Left) and gone.why.startswith("gone")
+    assert step(e, t, snap(), 1, dry_run=False) == []  # enforcing: an episode's end says nothing new
+
+
+def test_a_dry_runs_episode_survives_a_reload_and_a_restart_without_a_second_would_kill():
+    t = FakeTime()
+    text = ("cooldown: 10s\nrules:\n  - name: miners\n    action: kill\n"
+            "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
+    e = Engine(policy(text), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "xmrig"))
+    assert kinds(e.evaluate(s, True)) == ["Violation", "KillOrder"]
+    e.set_policy(policy(text))  # an unchanged rule keeps its episode
+    assert [ev for _ in range(20) for ev in step(e, t, s, 1, dry_run=True)] == []
+    e2 = Engine(policy(text), t.clock(), own_pid=OWN_PID)
+    restored, _ = clocks.restore(e2, clocks.save(e, "boot"), "boot", lambda pid, start: True)
+    assert restored >= 1
+    assert [ev for _ in range(20) for ev in step(e2, t, s, 1, dry_run=True)] == []
 
 
 def test_per_device_rules():

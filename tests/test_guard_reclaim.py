@@ -121,6 +121,34 @@ def test_idle_holders_and_keep_alives_are_warned_then_killed_and_workers_and_exe
         pytest.skip(f"the exempted unit was not tried: {why_no_cgroups()}")
 
 
+@needs_root
+def test_guard_test_leaves_a_busy_holder_out_of_the_kill_list_and_says_why(rbed, users):
+    """`guard test` of the policy in force: the trainer (mean 90%, above the 15% threshold) is watched, not met,
+    with its mean, not "kill in T"; the idle holder is in the kill list. Status lists only the idle one."""
+    bed, _ = rbed
+    owner = users["owner"]
+    idle = bed.victim(owner, gpu=0, mem="4GiB", util=0, comm="notebook")
+    trainer = bed.victim(owner, gpu=2, mem="30GiB", util=90, comm="train")
+
+    def windows() -> list[dict]:
+        r = bed.guard_call(ROOT, "GetStatus")
+        return r.body[0]["windows"] if r.ok else []
+
+    wait_until(lambda: {w["subject"].split(" ")[1] for w in windows()} >= {str(idle.pid)}, 5,
+               "the idle holder never entered its windows")
+    assert not [w for w in windows() if w["subject"].startswith(f"PID {trainer.pid} ")], windows()
+    shown = bed.ctl(ROOT, "guard", "status")
+    assert shown.returncode == 0 and f"PID {idle.pid} (notebook" in shown.stdout, shown
+    assert f"PID {trainer.pid} " not in shown.stdout, shown.stdout
+    cli = bed.ctl(ROOT, "guard", "test")
+    assert cli.returncode == 0, cli
+    listed, _, watched = cli.stdout.partition("watched, not met")
+    assert f"kill {idle.pid}" in listed and f"PID {trainer.pid} " not in listed, cli.stdout
+    (line,) = [x for x in watched.splitlines() if f"PID {trainer.pid} " in x]
+    assert line.strip() == (f"{RULE}: PID {trainer.pid} (train, user {owner.name}): not met: gpu_utilization < 15% "
+                            "on average over 6s (mean 90%)"), cli.stdout
+
+
 def test_the_simulated_keep_alive_pattern():
     from gpukilld.backends.simulated import parse_usage
 

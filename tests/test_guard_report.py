@@ -17,9 +17,10 @@ from gpukill.policy import load_texts
 from gpukill.records import RecentEvent, from_plain, to_plain
 from gpukilld import journal as audit
 from gpukilld.guard import report
-from gpukilld.guard.engine import Clock, GraceCancelled, KillOrder, Target, Violation
+from gpukilld.guard.engine import Clock, GraceCancelled, KillOrder, Left, Target, Violation
 from gpukilld.guard.notify import NotifyConfig
 from gpukilld.guard.runner import GuardRunner
+from gpukilld.guard.state import MAX_RECENT, add_recent
 
 HOST, NOW = "gpu-host-7", 1_700_000_123.5
 POLICY = """
@@ -132,6 +133,35 @@ def test_a_process_text_with_controls_stays_inside_its_line_of_every_notice():
         assert notice.data["subject"] == subject and notice.data["reason"] == ev.reason  # the exact text
 
 
+def test_a_dry_runs_episode_ending_is_journaled_with_why_and_not_notified():
+    ev = Left(RULES["miners"], USER, ("user", 1000), 1000, "no longer holds: gpu_memory > 8GiB (now 2.0 GiB)")
+    r = report.left(ev, NOW)
+    entry = only(r)
+    assert r.notice is None and entry.signal is None
+    assert entry.journal.kind is audit.GUARD_DRY_RUN and entry.journal.fields["result"] == "left"
+    assert entry.journal.message == ("Dry run: guard rule miners: user alice no longer violates it (no longer "
+                                     "holds: gpu_memory > 8GiB (now 2.0 GiB)); its would-kill episode ended")
+    assert entry.journal.fields["reason"] == ev.why and entry.journal.fields["dry_run"] == 1
+    assert entry.recent == RecentEvent(NOW, "miners", USER, 1000, "left", "kill", "", None, True)
+
+
+def test_recent_events_fold_repeats_with_their_count_and_first_time():
+    recent: list[dict] = []
+    flap = [RecentEvent(NOW + i, "miners", USER, 1000, event, "kill", "", None, True)
+            for i in range(3) for event in ("violation", "left")]
+    for e in flap:
+        add_recent(recent, to_plain(e))
+    add_recent(recent, to_plain(RecentEvent(NOW + 9, "miners", "user bob", 1001, "violation", "kill", "", None,
+                                            True)))
+    shown = [from_plain(RecentEvent, d) for d in json.loads(json.dumps(recent))]
+    assert [(e.subject, e.event, e.repeats, e.since, e.time) for e in shown] == [
+        (USER, "violation", 3, NOW, NOW + 2), (USER, "left", 3, NOW, NOW + 2), ("user bob", "violation", None, None,
+                                                                                 NOW + 9)]
+    for i in range(MAX_RECENT + 5):  # distinct events still keep at most MAX_RECENT, newest last
+        add_recent(recent, to_plain(RecentEvent(NOW + 10 + i, "miners", f"user u{i}", i, "violation", "kill")))
+    assert len(recent) == MAX_RECENT and recent[-1]["subject"] == f"user u{MAX_RECENT + 4}"
+
+
 REFUSED = Protected("PID 42 is a kernel thread")
 
 
@@ -209,10 +239,13 @@ def test_the_runner_passes_each_report_on_as_it_is(tmp_path):
     ev = Violation(RULES["tell"], USER, ("user", 1000), 1000, (MINER,), "why", NOW)
     order = KillOrder(RULES["hogs"], USER, ("user", 1000), 1000, (MINER,), False, 5.0, False, "why")
 
+    gone = Left(RULES["miners"], USER, ("user", 1000), 1000, "gone: no longer on a GPU, or exempt")
+
     async def run() -> None:
         runner._handle(ev, False)
         runner._handle(order, False)
         await asyncio.gather(*runner._tasks)
+        runner._handle(gone, True)
         runner.stop()
 
     asyncio.run(run())
@@ -224,10 +257,12 @@ def test_the_runner_passes_each_report_on_as_it_is(tmp_path):
                   else ("action_taken", *dataclasses.astuple(e.signal)))
         expected += [("journal", e.journal.kind, e.journal.message, e.journal.fields), signal,
                      ("notice", ("journal",), r.notice)]
+    e = only(report.left(gone, NOW))
+    expected.append(("journal", e.journal.kind, e.journal.message, e.journal.fields))  # no signal, no notice
     assert sink.got == expected
     assert kills == [(None, MINER.pid, guard_initiator("hogs"))]
     recent = [only(report.violation(ev, False, HOST, NOW)).recent,
-              only(report.kill_done(order, MINER, REFUSED.result, str(REFUSED), HOST, NOW)).recent]
+              only(report.kill_done(order, MINER, REFUSED.result, str(REFUSED), HOST, NOW)).recent, e.recent]
     assert runner.state.recent == [to_plain(e) for e in recent]
     saved = json.loads(json.dumps(runner.state.recent))  # as the state file keeps them across a restart
     assert [from_plain(RecentEvent, d) for d in saved] == recent

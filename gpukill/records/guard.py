@@ -35,11 +35,13 @@ class RecentEvent:
     rule: str = wire("s", "the rule's name", "")
     subject: str = wire("s", "the process, user or device concerned", "")
     uid: int | None = wire("u", "the user concerned, where one is", None)
-    event: str = wire("s", '"violation", "warning", "action" or "cancelled"', "")
+    event: str = wire("s", '"violation", "warning", "action", "cancelled" or "left" (a dry run\'s episode ended)', "")
     action: str = wire("s", "the rule's action", "")
     outcome: str = wire("s", "the kill's outcome or refusal, \"\" for a violation", "")
     pid: int | None = wire("u", "the process, where one is concerned", None)
     dry_run: bool = wire("b", "nothing was signalled", False)
+    repeats: int | None = wire("u", "times it happened, folded into this entry (time: the last); absent: once", None)
+    since: float | None = wire("d", "with repeats: when it first happened, seconds since the epoch", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +120,8 @@ class Decision:
     rule: str = wire("s", "the rule's name")
     subject: str = wire("s", "the process, user or device")
     action: str = wire("s", "the rule's action")
-    status: str = wire("s", '"now", "waiting", "in-flight", "exempt"; "truncated": the count of the rest')
+    status: str = wire("s", '"now", "waiting", "in-flight", "exempt", "not-met" (watched: a windowed condition does '
+                            'not hold now, nothing is done while so); "truncated": the count of the rest')
     wait: float = wire("d", "seconds of duration, grace or cooldown still to run", 0.0)
     pids: tuple[int, ...] = wire("au", "what would be signalled", ())
     reason: str = wire("s", "why, at most 512 characters", "")

@@ -221,9 +221,10 @@ def _when(t: float) -> str:
 
 
 def _seconds(s: float) -> str:
-    from gpukill.units import format_duration
+    """A duration as people read it: "2h 26min", "45s" (as the usage report writes them)."""
+    from ..client.usage import duration
 
-    return format_duration(round(s)) if s >= 1 else f"{s:.1f}s"
+    return duration(s)
 
 
 async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
@@ -272,7 +273,8 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
         for r in st.recent[-10:]:
             outcome = r.outcome or r.event
             dry_tag = " (dry run)" if r.dry_run and outcome not in (Outcome.WOULD_KILL, Outcome.WOULD_RESET) else ""
-            print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}"))
+            folded = f" (×{r.repeats} since {_when(r.since or 0)})" if r.repeats else ""
+            print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}{folded}"))
     used = [c for c in st.notifications if c.queued or c.skipped or c.announced]
     if used:
         print("\nnotifications:")
@@ -296,6 +298,9 @@ def _notification_counts(c: NotificationCounters) -> str:
     if c.channel == "desktop":
         return f"desktop: {c.announced} announced (signalled on the bus; shown or not, no agent says)"
     return f"{c.channel}: {c.delivered} delivered, {c.skipped} skipped, {c.failed} failed, {c.dropped} dropped"
+
+
+NOT_MET = "not-met"  # a decision's status: watched, but a windowed condition does not hold now
 
 
 def _decision_row(d: Decision) -> list[str]:
@@ -331,11 +336,18 @@ async def _test(client: ClientAPI, args: argparse.Namespace) -> int:
         json.dump({"decisions": [to_plain(d) for d in decisions]}, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    if not decisions:
+    acting = [d for d in decisions if d.status != NOT_MET]
+    watched = [d for d in decisions if d.status == NOT_MET]
+    if acting:
+        print(table(["RULE", "SUBJECT", "WOULD", "WHEN", "WHY"], [_decision_row(d) for d in acting]))
+    else:
         print("no rule matches anything now; nothing would be done")
-        return 0
-    print(table(["RULE", "SUBJECT", "WOULD", "WHEN", "WHY"], [_decision_row(d) for d in decisions]))
-    print("(a test: nothing was signalled)")
+    if watched:  # why nothing happens to them: the condition that does not hold, with its value
+        print("\nwatched, not met (nothing is done while so):")
+        for d in watched:
+            print(shown(f"  {d.rule}: {d.subject}: {d.reason}"))
+    if acting:
+        print("(a test: nothing was signalled)")
     return 0
 
 

@@ -86,7 +86,8 @@ def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer
     """Decisions of the policy in force as the viewer may see them: about another user's subject with the
     reason as others may read it (engine.Preview.reason_for_others: no value or text of what ListProcesses and
     AuditRogue withhold from them); where /proc hides other users' processes (hidepid), a decision about only
-    hidden processes is left out and hidden PIDs are taken out of the rest."""
+    hidden processes is left out and hidden PIDs are taken out of the rest; so is one about another user's
+    subject that names no process (a subject watched but not met: its label names the process)."""
     previews = [{**d, "reason": d["reason_for_others"]} if _theirs(d.get("uid"), viewer) else d
                 for d in previews]
     if viewer.others in (FULL, PROGRAM):
@@ -95,7 +96,7 @@ def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer
     out = []
     for d in previews:
         pids = list(d.get("pids") or ())
-        if pids and not any(pid in mine for pid in pids):
+        if pids and not any(pid in mine for pid in pids) or not pids and _theirs(d.get("uid"), viewer):
             continue
         out.append({**d, "pids": [pid for pid in pids if pid in mine]})
     return out

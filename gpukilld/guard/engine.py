@@ -15,8 +15,12 @@ the reset path kills the holders first), at most once per device within the rule
 reset and at most max_resets_per_hour per device in the last hour, counting the resets of every rule; one
 reset of a device at a time. A dry run counts its would-be resets the same way, apart from the real ones.
 
+A dry run decides the same, with one would-kill per episode: a subject that goes on violating is not announced
+again every cooldown; when it stops (the process ended, or a condition no longer holds), a Left event says so
+and why. Enforcing is unchanged: after a kill's cooldown a subject still violating is killed again.
+
 This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder,
-ResetOrder) that
+ResetOrder, Left) that
 the runner (runner.py) carries out, and the clock is injected, so all of it is tested without waiting. With match: all
 the duration windows are kept only while the rule's conditions without a duration hold, so a window measures
 how long the rule as a whole has been about to fire (an xmrig above 95% for 5 minutes).
@@ -150,7 +154,18 @@ class ResetOrder:
     reason: str
 
 
-Event = Violation | GraceWarning | GraceCancelled | KillOrder | ResetOrder
+@dataclass(frozen=True, slots=True)
+class Left:
+    """A subject a dry run announced a would-kill for no longer violates the rule: its episode ended."""
+
+    rule: Rule
+    subject: str
+    subject_key: Any
+    uid: int | None
+    why: str  # the conditions that no longer hold, with their values; or that the subject is gone
+
+
+Event = Violation | GraceWarning | GraceCancelled | KillOrder | ResetOrder | Left
 
 
 @dataclass(slots=True)
@@ -190,7 +205,7 @@ class Episode:
     grace_until: float
     label: str
     uid: int | None
-    acted: bool = False  # a kill (or a dry run's would-kill) was ordered in this episode
+    acted: bool = False  # a kill (or a dry run's would-kill) was ordered in this episode: a dry run orders no other
     warned: int = 0  # the rule's warn schedule sent so far: its first `warned` items (at_start with the violation)
 
 
@@ -216,7 +231,7 @@ class Preview:
     rule: str
     subject: str
     action: str
-    status: str  # "now", "waiting", "exempt", "in-flight"
+    status: str  # "now", "waiting", "exempt", "in-flight", "not-met" (watched; a condition does not hold now)
     wait: float  # seconds until the action would be taken (durations, grace, cooldown still to run)
     pids: tuple[int, ...]
     reason: str
@@ -224,6 +239,11 @@ class Preview:
     # who may not see all reads it about another user's (condition_types' `withheld`): gpukilld/bus/guard.py picks.
     uid: int | None = None
     reason_for_others: str = ""
+
+
+def _number(cc: CompiledCondition, value: float) -> str:
+    """A mean as reasons write it: with its type's printer, else as a plain number."""
+    return cc.ctype.printer(value) if cc.ctype.printer else f"{value:g}"
 
 
 def _uid_of(s: Subject) -> int | None:
@@ -304,8 +324,9 @@ class Engine:
         events: list[Event] = []
         kills_left = self.policy.settings.max_kills_per_cycle
         for st in self.states:
-            holding = self._match(st, st.compiled.subjects(cycle), cycle, now)
-            kills_left = self._act(st, holding, now, wall, dry_run, kills_left, events, cycle)
+            subjects = st.compiled.subjects(cycle)
+            holding = self._match(st, subjects, cycle, now)
+            kills_left = self._act(st, holding, now, wall, dry_run, kills_left, events, cycle, subjects)
         self.last_eval_seconds = time.perf_counter() - t0
         return events
 
@@ -381,9 +402,51 @@ class Engine:
         """An over: mean condition with the mean of its window (the same for others: a mean of a value that
         condition types withhold is not offered by any, as only numbers are averaged)."""
         mean = st.means.get(cc.index, {}).get(s.key)
-        printer = cc.ctype.printer or (lambda v: f"{v:g}")
-        got = "no samples" if mean is None else f"mean {printer(mean.value())}"
+        got = "no samples" if mean is None else f"mean {_number(cc, mean.value())}"
         return f"{cc.cond.text} ({got})"
+
+    def _mean_now(self, st: RuleState, cc: CompiledCondition, s: Subject) -> float | None:
+        """An over: mean condition's mean for the subject; with no samples yet (a policy tested as if loaded
+        now, a subject new since the last evaluation), its value now, which is what its window starts with."""
+        mean = st.means.get(cc.index, {}).get(s.key)
+        if mean is not None and mean.count:
+            return mean.value()
+        value = cc.number(s)  # type: ignore[misc]
+        return None if value is None else float(value)
+
+    def _holds(self, st: RuleState, cc: CompiledCondition, s: Subject) -> bool:
+        """Whether a condition holds for the subject now, its duration set aside; over: mean by its mean."""
+        if cc.cond.over == MEAN:
+            value = self._mean_now(st, cc, s)
+            return value is not None and cc.holds_for(value)  # type: ignore[misc]
+        return cc.test(s)
+
+    def _unmet(self, st: RuleState, s: Subject, for_others: bool = False) -> str:
+        """The conditions that do not hold for the subject now, each with its value: "gpu_utilization < 15%
+        on average over 2h (mean 87%)"; for_others as _reason's."""
+        parts = []
+        for cc in st.compiled.conditions:
+            if self._holds(st, cc, s):
+                continue
+            if cc.cond.over == MEAN:
+                value = self._mean_now(st, cc, s)
+                parts.append(f"{cc.cond.text} ({'unknown' if value is None else 'mean ' + _number(cc, value)})")
+            elif for_others and cc.ctype.withheld:
+                parts.append(f"{cc.cond.text} ({cc.ctype.name} withheld)")
+            elif cc.ctype.printer is None:
+                parts.append(cc.cond.text)
+            else:
+                parts.append(f"{cc.cond.text} (now {cc.ctype.value_text(cc.cond, cc.read(s))})")
+        return "; ".join(parts)
+
+    def _left_why(self, st: RuleState, s: Subject | None, now: float) -> str:
+        """Why a subject no longer violates the rule: the conditions that stopped holding, or that it is gone."""
+        if s is None:
+            return "gone: no longer on a GPU, or exempt"
+        unmet = self._unmet(st, s)
+        if unmet:
+            return f"no longer holds: {unmet}"
+        return "a condition's duration starts again"
 
     def _going(self, p: ProcView) -> bool:
         return p.key in self.busy
@@ -392,7 +455,7 @@ class Engine:
         return p.key in self.refused
 
     def _act(self, st: RuleState, holding: list[Subject], now: float, wall: float, dry_run: bool,
-             kills_left: int, events: list[Event], cycle: Cycle) -> int:
+             kills_left: int, events: list[Event], cycle: Cycle, subjects: list[Subject]) -> int:
         rule = st.rule
         settings = self.policy.settings
         stats = self.stats[rule.name]
@@ -421,6 +484,8 @@ class Engine:
                 self._warn(st, s, ep, now, events)
             if rule.action != "kill" or now < ep.grace_until or st.in_flight.get(key):
                 continue
+            if dry_run and ep.acted:
+                continue  # one would-kill per episode: the journal hears again when the subject leaves
             cooldown = st.dry_cooldown if dry_run else st.cooldown  # dry run off: enforce at once
             if now < cooldown.get(key, 0.0) or kills_left <= 0:
                 continue  # the cap holds the rest for the next cycle
@@ -440,12 +505,16 @@ class Engine:
             kill_grace = rule.kill_grace if rule.kill_grace is not None else settings.kill_grace
             events.append(KillOrder(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in victims), rule.force,
                                     kill_grace, dry_run, self._reason(st, s), self._reason(st, s, for_others=True)))
-        for key in [k for k in st.episodes if k not in held]:
+        ended = [k for k in st.episodes if k not in held]
+        by_key = {s.key: s for s in subjects} if ended and dry_run else {}
+        for key in ended:
             ep = st.episodes.pop(key)
             self.clocks_changed = True
             if rule.action == "kill" and not ep.acted:
                 stats.cancelled += 1
                 events.append(GraceCancelled(rule, ep.label, key, ep.uid))
+            elif rule.action == "kill" and dry_run:
+                events.append(Left(rule, ep.label, key, ep.uid, self._left_why(st, by_key.get(key), now)))
         for cooldowns in (st.cooldown, st.dry_cooldown):
             for key in [k for k, until in cooldowns.items() if until <= now]:
                 del cooldowns[key]
@@ -541,13 +610,20 @@ class Engine:
     # -- reports ---------------------------------------------------------------------------------------
 
     def windows_report(self) -> list[dict[str, Any]]:
-        """Subjects inside a duration window: which rule and condition, for how long, out of how long."""
+        """Subjects inside a duration window that runs toward an act: which rule and condition, for how long,
+        out of how long. With match: all, only subjects for which every condition holds now (a process holding
+        memory while busy is in the memory condition's window, yet nothing will happen to it)."""
         now = self.clock.monotonic()
         out = []
         for st in self.states:
+            toward: set[Any] | None = None  # None: every window (match: any, each one leads to the act)
+            if st.rule.match == "all" and st.windows:
+                toward = set.intersection(*(set(w) for w in st.windows.values()))
             for index, window in st.windows.items():
                 cond = st.rule.conditions[index]
                 for key, since in window.items():
+                    if toward is not None and key not in toward:
+                        continue
                     subject = st.seen.get(key)
                     out.append({"rule": st.rule.name, "subject": subject.label if subject else str(key),
                                 "uid": _uid_of(subject) if subject else None, "condition": cond.text,
@@ -575,9 +651,19 @@ class Engine:
             c, rule = st.compiled, st.rule
             visible = c.visible(cycle)
             for s in c.subjects(cycle):
-                if not c.holds_now(s):
+                if rule.match == "any":
+                    if any(self._holds(st, cc, s) for cc in c.conditions):
+                        out.append(self._preview_one(st, s, now, cycle))
                     continue
-                out.append(self._preview_one(st, s, now, cycle))
+                if not all(cc.test(s) for cc in c.instant):
+                    continue  # not watched: the rule's conditions without a duration leave it out
+                held = sum(self._holds(st, cc, s) for cc in c.timed)
+                if held == len(c.timed):
+                    out.append(self._preview_one(st, s, now, cycle))
+                elif held:  # watched, but a windowed condition does not hold now: nothing happens while so
+                    out.append(Preview(rule.name, s.label, rule.action, "not-met", 0.0, (),
+                                       "not met: " + self._unmet(st, s), _uid_of(s),
+                                       "not met: " + self._unmet(st, s, for_others=True)))
             if c.scope == "per_process":  # what the rule would match but may not touch: say so, not nothing
                 shown = {p.key for p in visible}
                 for p in procs:
@@ -589,8 +675,8 @@ class Engine:
 
     def _preview_one(self, st: RuleState, s: Subject, now: float, cycle: Cycle) -> Preview:
         c, rule, key = st.compiled, st.rule, s.key
-        waits = [max(0.0, cc.cond.duration - (now - st.windows.get(cc.index, {}).get(key, now)))
-                 for cc in c.timed if cc.test(s)]
+        waits = [max(0.0, cc.cond.duration - (now - self._window_start(st, cc, key, now)))
+                 for cc in c.timed if self._holds(st, cc, s)]
         if rule.match == "all":
             duration_left = max(waits, default=0.0)
         else:
@@ -612,6 +698,17 @@ class Engine:
             status = "now" if wait <= 0 else "waiting"
         return Preview(rule.name, s.label, rule.action, status, max(0.0, wait), pids, self._reason(st, s),
                        _uid_of(s), self._reason(st, s, for_others=True))
+
+    @staticmethod
+    def _window_start(st: RuleState, cc: CompiledCondition, key: Any, now: float) -> float:
+        """When the condition's window for the subject began: its running window; for over: mean, when its
+        mean began (a mean above the threshold at the last evaluation has no window, yet its samples count);
+        now when there is neither."""
+        since = st.windows.get(cc.index, {}).get(key)
+        if since is None and cc.cond.over == MEAN:
+            mean = st.means.get(cc.index, {}).get(key)
+            since = mean.since if mean is not None else None
+        return now if since is None else since
 
     def _preview_reset(self, st: RuleState, device: DeviceView, wait: float, cycle: Cycle) -> Preview:
         """A reset rule's decision: the holders it would kill first (force), or why it waits for them."""

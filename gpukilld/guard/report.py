@@ -4,7 +4,8 @@ and its notice (e-mail, webhook, desktop, journal), worded here and nowhere else
 Pure: no audit trail, no bus, no clock. The runner hands in the event with the host name and the time, and
 writes, emits, remembers and sends what comes back as it is. One Report per engine event: a violation, a
 grace period that ended without a kill, a dry run's kill order, one process of a kill order once the kill
-path has answered, a dry run's reset order, or a reset order once the reset path has answered (its
+path has answered, a dry run's kill order and the end of its episode (Left), a dry run's reset order, or a
+reset order once the reset path has answered (its
 GuardActionTaken has pid 0 and the device as subject; the reset path writes its own `reset` entry and
 DeviceReset signal, with the rule). Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the recent
 events and the notices say the same.
@@ -22,8 +23,10 @@ from gpukill.text import shown
 from gpukill.units import format_duration, format_size
 
 from .. import journal as audit  # the event kinds (a local `journal` is an entry)
-from .engine import GraceCancelled, GraceWarning, KillOrder, ResetOrder, Target, Violation
+from .engine import GraceCancelled, GraceWarning, KillOrder, Left, ResetOrder, Target, Violation
 from .notify import Notice
+
+LEFT = "left"  # a dry run's episode ended: the result of its journal entry, the event of its recent entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +186,18 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
                       "outcome": outcome, "pids": [t.pid for t in order.targets], "uid": order.uid}, host, now,
                      order.reason_for_others)
     return Report(tuple(entries), notice)
+
+
+def left(ev: Left, now: float) -> Report:
+    """A subject a dry run announced no longer violates the rule. Not notified: nothing happened to it."""
+    rule = ev.rule
+    journal = AuditEntry(
+        audit.GUARD_DRY_RUN, f"Dry run: guard rule {rule.name}: {ev.subject} no longer violates it ({ev.why}); "
+                             "its would-kill episode ended",
+        {"action": "guard", "result": LEFT, "rule": rule.name, "subject": ev.subject, "reason": ev.why,
+         "target_uid": ev.uid, "dry_run": 1})
+    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, LEFT, "kill", "", None, True)
+    return Report((Entry(journal, None, recent),), None)
 
 
 def kill_done(order: KillOrder, t: Target, outcome: str, error: str, host: str, now: float) -> Report:

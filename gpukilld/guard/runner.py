@@ -52,6 +52,7 @@ from .engine import (
     GraceCancelled,
     GraceWarning,
     KillOrder,
+    Left,
     Preview,
     ResetOrder,
     RuleStats,
@@ -59,7 +60,7 @@ from .engine import (
     Violation,
 )
 from .notify import Notice, Notifier, NotifyConfig
-from .state import MAX_NOTE, MAX_RECENT, GuardState, load_state, save_state
+from .state import MAX_NOTE, GuardState, add_recent, load_state, save_state
 
 log = logging.getLogger(__name__)
 
@@ -378,6 +379,8 @@ class GuardRunner:
             self._publish(event.rule, report.warning(event, dry_run, host, now))
         elif isinstance(event, GraceCancelled):
             self._publish(event.rule, report.cancelled(event, dry_run, now))
+        elif isinstance(event, Left):
+            self._publish(event.rule, report.left(event, now))
         elif isinstance(event, ResetOrder):
             if event.dry_run:
                 self._publish(event.rule, report.would_reset(event, host, now))
@@ -452,8 +455,7 @@ class GuardRunner:
             elif signal is not None:
                 self.signals.action_taken(signal.rule, signal.subject, signal.action, signal.pid, signal.start_time,
                                           signal.outcome, signal.dry_run)
-            self.state.recent.append(to_plain(entry.recent))
-            del self.state.recent[:-MAX_RECENT]
+            add_recent(self.state.recent, to_plain(entry.recent))
         targets = self._targets(rule)
         if done.notice is not None and targets:
             self.notifier.send(targets, done.notice)

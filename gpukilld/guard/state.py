@@ -87,6 +87,31 @@ class GuardState:
         return s
 
 
+FOLDED_BY = ("rule", "subject", "event", "action", "outcome", "pid", "dry_run")  # what makes a recent event a repeat
+
+
+def add_recent(recent: list[dict[str, Any]], entry: dict[str, Any]) -> None:
+    """Append a recent event (RecentEvent's plain form), newest last, at most MAX_RECENT. One that repeats an
+    event kept (the same rule, subject, event, outcome, process and dry run) is folded into it: the kept one
+    moves to the end with the new time, the number of times (repeats) and when it first happened (since)."""
+    key = tuple(entry.get(k) for k in FOLDED_BY)
+    for i in range(len(recent) - 1, -1, -1):
+        old = recent[i]
+        if tuple(old.get(k) for k in FOLDED_BY) != key:
+            continue
+        del recent[i]
+        n = old.get("repeats")
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+        entry = {**entry, "repeats": n + 1}
+        for first in (old.get("since"), old.get("time")):  # read leniently: an older daemon's entries have no since
+            if isinstance(first, int | float) and not isinstance(first, bool):
+                entry["since"] = first
+                break
+        break
+    recent.append(entry)
+    del recent[:-MAX_RECENT]
+
+
 def state_path(directory: str) -> str:
     return os.path.join(directory, STATE_FILE)
 

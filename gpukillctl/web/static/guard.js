@@ -25,8 +25,8 @@ function renderStatus(status) {
     status.rules.map((r) => [r.name, r.action, r.scope, r.conditions.join(` ${r.match} `), String(r.triggers),
       String(r.kills), String(r.would_kill), String(r.cancelled), String(r.failed), fmt.clock(r.last_triggered)]));
   const recent = table("guard-recent", ["time", "rule", "event", "subject", "action", "outcome"],
-    [...status.recent].reverse().map((e) => [fmt.clock(e.time), e.rule, e.event + (e.dry_run ? " (dry run)" : ""),
-      e.subject, e.action, e.outcome]));
+    [...status.recent].reverse().map((e) => [fmt.clock(e.time), e.rule, e.event + (e.dry_run ? " (dry run)" : "")
+      + (e.repeats ? ` (×${e.repeats} since ${fmt.clock(e.since)})` : ""), e.subject, e.action, e.outcome]));
   // Delivered: written to a terminal, accepted by the mail server or webhook; the desktop only announces (no
   // agent answers whether it showed a notice), so its row has that count alone.
   const counts = (c) => c.channel === "desktop" ? ["–", "–", "–", "–", String(c.announced)]
@@ -42,7 +42,7 @@ function renderDecisions(decisions) {
   replace($("#guard-decisions"), decisions.length === 0 ? el("p", {class: "muted"}, "The policy would do nothing now.")
     : table("decisions", ["rule", "subject", "action", "status", "wait", "PIDs", "reason"],
       decisions.map((d) => [d.rule, d.subject, d.action, d.status === "truncated" ? `${d.more} more` : d.status,
-        fmt.duration(d.wait), d.pids.join(" "), d.reason])));
+        d.status === "not-met" ? "–" : fmt.duration(d.wait), d.pids.join(" "), d.reason])));
 }
 
 function renderManaged(policies) {
