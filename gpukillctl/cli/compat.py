@@ -162,11 +162,14 @@ def hours(text: str) -> float:
 
 
 def gigabytes(text: str) -> int:
-    """gpu-kill's GB (a decimal number of GiB) as bytes, exactly: "1.5" is 1610612736."""
-    from fractions import Fraction
+    """gpu-kill's GB (a bare number is GiB, as gpu-kill documents) as bytes, exactly: "1.5" is 1610612736; a
+    size with a unit (512MiB) in gpukill.units' grammar too. A limit: under 1 MiB only in B or KiB."""
+    from gpukill.units import parse_size
 
-    _number(text, "a number of GB", 0, 1 << 30)
-    return int(Fraction(text.strip()) * GIB)
+    try:
+        return parse_size(text, bare=GIB, limit=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def percent(text: str) -> float:
