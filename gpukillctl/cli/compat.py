@@ -224,12 +224,14 @@ def number_text(value: float) -> str:
 
 
 def gib_text(size: int) -> str:
-    """Bytes as gpukillctl's sizes read them, in GiB where exact ("8GiB", "1.5GiB"), else bytes."""
+    """Bytes as gpukillctl's sizes read them, in GiB where exact ("8GiB", "1.5GiB"), else exact_size's form."""
     from fractions import Fraction
+
+    from gpukill.units import exact_size
 
     gib = Fraction(size, GIB)
     text = f"{float(gib):.10g}"
-    return f"{text}GiB" if "e" not in text and Fraction(text) == gib else str(size)  # exact, or in bytes
+    return f"{text}GiB" if "e" not in text and Fraction(text) == gib else exact_size(size)
 
 
 def version() -> str:
