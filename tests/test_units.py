@@ -223,11 +223,14 @@ def test_config_file(tmp_path):
     path.write_text("[daemon]\nsample_interval = 2.5  # seconds\nsimulate = /etc/gpukill/sim.yaml\n")
     c = load_config(str(path))
     assert (c.sample_interval, c.simulate) == (2.5, "/etc/gpukill/sim.yaml")
+    path.write_text("[daemon]\nsample_interval = 500ms\n")  # a duration in the one grammar
+    assert load_config(str(path)).sample_interval == 0.5
     for content, error in [
         ("[daemon]\n\nsampel_interval = 1\n", ":3: unknown key 'sampel_interval'"),
         ("[demon]\n", "unknown section [demon]"),
         ("[daemon]\nsample_interval = 0\n", ":2: sample_interval must be between"),
-        ("[daemon]\nsample_interval = nan\n", ":2: sample_interval must be between"),
+        ("[daemon]\nsample_interval = nan\n", ":2: sample_interval: not a duration: 'nan'"),
+        ("[daemon]\nsample_interval = 2h\n", ":2: sample_interval must be between"),
         ("sample_interval = 1\n", ":1: File contains no section headers"),
     ]:
         path.write_text(textwrap.dedent(content))
