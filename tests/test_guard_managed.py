@@ -286,6 +286,26 @@ def test_export_then_import_round_trips_byte_equal_through_the_daemon(bed_, tmp_
 
 
 @needs_root
+def test_a_managed_file_with_a_bare_byte_count_fails_and_export_import_writes_it_again(bed_, tmp_path):
+    """A size needs a unit in every policy file, a managed one too: guard.d with a bare byte count does not
+    validate (FILE:LINE:COL), and the export (from each file's first line) imported back writes it with units."""
+    bed = bed_
+    policy = ManagedPolicy("user", "gpkother", memory_limit=ARTICLE_LIMIT)
+    path = guard_d(bed) / managed_policy.file_name(policy)
+    path.write_text(managed_policy.render(policy).replace("value: 8GiB", f"value: {ARTICLE_LIMIT}"))
+    os.kill(bed.daemon.proc.pid, signal.SIGHUP)
+    wait_until(lambda: "a bare number is not a size" in (status(bed).get("policy_error") or ""), 15,
+               lambda: f"guard.d was not refused: {status(bed)}")
+    assert f"{path}:" in status(bed)["policy_error"] and rules_in_force(bed) == []
+    exported = tmp_path / "p.yaml"
+    r = bed.ctl(ROOT, "guard", "policy", "export", str(exported))
+    assert r.returncode == 0 and "memory_limit: 8GiB" in exported.read_text(), r
+    r = bed.ctl(ROOT, "guard", "policy", "import", str(exported), "--replace")
+    assert r.returncode == 0, r
+    assert path.read_text() == managed_policy.render(policy) and rules_in_force(bed) == ["user-gpkother-memory"]
+
+
+@needs_root
 def test_an_invalid_import_changes_nothing(bed_, tmp_path):
     bed = bed_
     _three(bed)
