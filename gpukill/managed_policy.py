@@ -35,8 +35,8 @@ from yaml.nodes import MappingNode, Node, SequenceNode
 
 from .condition_types import MAX_COUNT, MAX_INDEX
 from .errors import InvalidArgs
-from .policy import PolicyError, _Parser, _Stop, check_text, parse_duration
-from .units import MAX_SIZE, format_size, parse_size
+from .policy import PolicyError, _Parser, _Stop, check_text
+from .units import MAX_SIZE, exact_size, format_size, parse_duration, parse_size
 
 KINDS = ("user", "group", "gpu")
 SETTINGS = ("memory_limit", "utilization_limit", "process_limit", "allowed_users", "reserved_memory", "grace")
@@ -108,21 +108,37 @@ def _real(key: str, value: Any, lo: float, hi: float, unit: str) -> float:
     return float(value) + 0.0  # -0.0 is 0
 
 
-def _check_setting(kind: str, key: Any, value: Any) -> Any:
-    """The setting's value normalized; InvalidArgs (one line) when it is unknown, does not apply, or is wrong."""
+def _check_setting(kind: str, key: Any, value: Any, caller: bool = False) -> Any:
+    """The setting's value normalized; InvalidArgs (one line) when it is unknown, does not apply, or is wrong.
+    caller: the value comes from a caller (SetPolicy), whose typed byte count is checked as a limit too."""
     if key not in SETTINGS:
         raise InvalidArgs(f"unknown setting {_shown(key)} (known: {', '.join(SETTINGS)})")
     if key not in APPLIES[kind]:
         raise InvalidArgs(f"{key} does not apply to a {kind} policy (it takes: {', '.join(APPLIES[kind])})")
     if key in ("memory_limit", "reserved_memory"):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+        # a typed integer is bytes; a text takes the size grammar. A limit under 1 MiB from a caller is refused
+        # unless a text's unit says it is small on purpose (parse_size's limit); a record read back (a file's
+        # header, an import already parsed) holds what was once accepted.
+        typed = isinstance(value, int) and not isinstance(value, bool)
+        if not typed and not isinstance(value, str) or typed and not 1 <= value <= MAX_SIZE:
             raise InvalidArgs(f"{key} must be a whole number of bytes from 1 to 2^60 (1 EiB), not {_shown(value)}")
-        return value
+        try:
+            size = parse_size(value, bare=1 if typed else None, limit=caller or not typed)
+        except ValueError as e:
+            raise InvalidArgs(f"{key}: {e}") from None
+        if size < 1:
+            raise InvalidArgs(f"{key} must be more than 0 bytes, not {_shown(value)}")
+        return size
     if key == "utilization_limit":
         return _real(key, value, 0.0, 100.0, "percent")
     if key == "process_limit":
         return _whole(key, value, 0, MAX_COUNT)
     if key == "grace":
+        if isinstance(value, str):  # a text takes the duration grammar ("90s", "2min")
+            try:
+                value = parse_duration(value)
+            except ValueError as e:
+                raise InvalidArgs(f"grace: {e}") from None
         return _real(key, value, 0.0, MAX_GRACE_PERIOD, "seconds")
     # allowed_users: a list of user names (a lone string would read as its letters)
     if isinstance(value, str) or not isinstance(value, list | tuple):
@@ -136,13 +152,15 @@ def _check_setting(kind: str, key: Any, value: Any) -> Any:
     return tuple(sorted(set(value)))  # a set of users: one order, so one file and one export
 
 
-def parse_settings(kind: str, target: str, settings: Mapping[str, Any]) -> ManagedPolicy:
-    """A record from a{sv} settings as plain Python values; InvalidArgs (one line) for an unknown key, a wrong
-    type or range, a setting of another kind, a bad target, or no limit at all."""
+def parse_settings(kind: str, target: str, settings: Mapping[str, Any], *, caller: bool = False) -> ManagedPolicy:
+    """A record from a{sv} settings as plain Python values (sizes as bytes or as text such as "8GiB", grace as
+    seconds or as text such as "2min"); InvalidArgs (one line) for an unknown key, a wrong type or range, a
+    setting of another kind, a bad target, or no limit at all. caller: the settings come from a caller, whose
+    byte counts under 1 MiB are refused as likely mistakes (a text in B or KiB says it is meant)."""
     target = _check_target(kind, target)
     if not isinstance(settings, Mapping):
         raise InvalidArgs(f"settings must be a mapping, not {_shown(settings)}")
-    values = {key: _check_setting(kind, key, value) for key, value in settings.items()}
+    values = {key: _check_setting(kind, key, value, caller) for key, value in settings.items()}
     if not any(values.get(k) not in (None, ()) for k in LIMITS):
         limits = [k for k in APPLIES[kind] if k in LIMITS]
         raise InvalidArgs(f"a {kind} policy needs at least one limit ({', '.join(limits)})")
@@ -204,7 +222,7 @@ def _rules(p: ManagedPolicy) -> list[str]:
         if p.memory_limit is not None:
             out += _rules_for(p, "memory", f"{whose}: at most {format_size(p.memory_limit)} of GPU memory "
                                            "summed over GPUs", scope,
-                              [who, _condition(f"{p.kind}_memory", ">", str(p.memory_limit))])
+                              [who, _condition(f"{p.kind}_memory", ">", exact_size(p.memory_limit))])
         if p.utilization_limit is not None:
             out += _rules_for(p, "utilization", f"{whose}: at most {p.utilization_limit:g}% of any GPU",
                               scope, [who, _condition(f"{p.kind}_utilization", ">",
@@ -217,7 +235,7 @@ def _rules(p: ManagedPolicy) -> list[str]:
     others = [_condition("user", "not_in", _names(p.allowed_users))] if p.allowed_users else []
     if p.memory_limit is not None:
         out += _rules_for(p, "memory", f"GPU {p.target}: at most {format_size(p.memory_limit)} of memory in use",
-                          "per_device", [gpu, _condition("device_memory", ">", str(p.memory_limit))])
+                          "per_device", [gpu, _condition("device_memory", ">", exact_size(p.memory_limit))])
     if p.utilization_limit is not None:
         out += _rules_for(p, "utilization", f"GPU {p.target}: at most {p.utilization_limit:g}% utilization",
                           "per_device", [gpu, _condition("gpu_utilization", ">", _number(float(p.utilization_limit)))])
@@ -227,7 +245,7 @@ def _rules(p: ManagedPolicy) -> list[str]:
     if p.reserved_memory is not None:
         whose = ", stopping other users' processes" if p.allowed_users else ""
         out += _rules_for(p, "reserved-memory", f"GPU {p.target}: {format_size(p.reserved_memory)} kept free{whose}",
-                          "per_device", [gpu, _condition("device_memory_free", "<", str(p.reserved_memory)),
+                          "per_device", [gpu, _condition("device_memory_free", "<", exact_size(p.reserved_memory)),
                                          *others])
     return out  # never empty: parse_settings refuses a policy without a limit
 
@@ -294,6 +312,8 @@ def export_text(policies: Iterable[ManagedPolicy]) -> str:
         for key, value in as_settings(p).items():
             if key == "allowed_users":
                 shown = _names(tuple(value))
+            elif key in ("memory_limit", "reserved_memory"):
+                shown = exact_size(value)
             elif isinstance(value, float):
                 shown = _number(value)
             else:
@@ -303,7 +323,8 @@ def export_text(policies: Iterable[ManagedPolicy]) -> str:
 
 
 def _import_value(parser: _Parser, key: str, node: Node) -> Any:
-    """A setting as a file writes it, as parse_settings takes it: sizes as "8GiB" too, grace as "30s" too."""
+    """A setting as a file writes it, as parse_settings takes it: sizes in the size grammar ("8GiB"; a bare
+    number is refused), grace as seconds or in the duration grammar ("30s")."""
     if key == "allowed_users":
         if not isinstance(node, SequenceNode):
             raise InvalidArgs("allowed_users must be a list of user names")
@@ -313,9 +334,9 @@ def _import_value(parser: _Parser, key: str, node: Node) -> Any:
     if not ok:
         shape = "a mapping" if isinstance(node, MappingNode) else "a list"
         raise InvalidArgs(f"{key} must be a single value, not {shape}")
-    if key in ("memory_limit", "reserved_memory") and isinstance(raw, str):
-        try:
-            return parse_size(raw)
+    if key in ("memory_limit", "reserved_memory"):
+        try:  # a file takes the size grammar: a bare number is refused with the units
+            return parse_size(raw, limit=True)
         except ValueError as e:
             raise InvalidArgs(f"{key}: {e}") from None
     if key == "utilization_limit" and isinstance(raw, str) and raw.strip().endswith("%"):
@@ -323,11 +344,6 @@ def _import_value(parser: _Parser, key: str, node: Node) -> Any:
             return float(raw.strip()[:-1])
         except ValueError:
             raise InvalidArgs(f"utilization_limit must be a number (percent), not {_shown(raw)}") from None
-    if key == "grace" and isinstance(raw, str):
-        try:
-            return parse_duration(raw)
-        except ValueError as e:
-            raise InvalidArgs(f"grace: {e}") from None
     return raw
 
 

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from gpukill.errors import GpukillError, InvalidArgs
-from gpukill.records import AuditSettings, names
+from gpukill.records import AUDIT_DURATIONS, AuditSettings, names
 
 from .files import replace_file
 
@@ -167,17 +167,12 @@ def _number(value: float) -> str:
     return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
 
 
-def _size(n: int) -> str:
-    for suffix, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n and n % (1 << shift) == 0:
-            return f"{n >> shift}{suffix}"
-    return str(n)
-
-
 def value_text(key: str, value: Any) -> str:
     """One setting as the [audit] section writes it."""
     if key == "idle_min_memory":
-        return _size(value)
+        from gpukill.units import exact_size
+
+        return exact_size(value)
     if isinstance(value, tuple):
         return " ".join(str(v) for v in value)
     return _number(value)
@@ -192,9 +187,14 @@ def export_text(settings: AuditSettings) -> str:
 
 def parse_value(key: str, raw: str) -> Any:
     """A setting from its text in an [audit] section (ValueError, one line)."""
-    from gpukill.units import parse_size
+    from gpukill.units import parse_duration, parse_size
 
     raw = raw.strip()
+    if key in AUDIT_DURATIONS:
+        try:
+            return check_value(key, parse_duration(raw))
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
     if key in _NUMBERS:
         try:
             number = float(raw)
@@ -202,8 +202,8 @@ def parse_value(key: str, raw: str) -> Any:
             raise ValueError(f"{key} must be a number of {_NUMBERS[key][2]}") from None
         return check_value(key, number)
     if key == "idle_min_memory":
-        try:
-            return check_value(key, parse_size(raw))
+        try:  # a bare number is bytes, as gpukilld.conf has always read it; a unit as everywhere else
+            return check_value(key, parse_size(raw, bare=1))
         except ValueError as e:
             raise ValueError(f"idle_min_memory: {e}") from None
     if key in ("pool_ports", "allowed_users", "allowed_processes"):

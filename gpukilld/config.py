@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from gpukill.errors import ConfigError
 from gpukill.records import DEFAULT_POOL_PORTS, AuditSettings  # noqa: F401  (the daemon's names for them)
+from gpukill.units import parse_duration
 
 from . import audit_settings
 from .audit_settings import ephemeral_range, outside_range
@@ -185,9 +186,10 @@ def load_config(path: str, required: bool = False) -> Config:
     if parser.has_option("daemon", "sample_interval"):
         where = f"{path}:{_line_of(path, 'daemon', 'sample_interval') or '?'}"
         try:
-            values["sample_interval"] = check_interval(float(parser["daemon"]["sample_interval"]), where)
-        except ValueError:
-            raise ConfigError(f"{where}: sample_interval must be a number of seconds") from None
+            seconds = parse_duration(parser["daemon"]["sample_interval"])  # 0.5, 500ms, 2s
+        except ValueError as e:
+            raise ConfigError(f"{where}: sample_interval: {e}") from None
+        values["sample_interval"] = check_interval(seconds, where)
     if parser.has_option("daemon", "simulate"):
         values["simulate"] = parser["daemon"]["simulate"].strip() or None
     if parser.has_option("daemon", "backends"):

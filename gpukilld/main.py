@@ -27,6 +27,7 @@ from dbus_fast.constants import NameFlag
 
 from gpukill.errors import ConfigError, ResetFailed
 from gpukill.records import ResetReply
+from gpukill.units import parse_duration
 
 from . import __version__, journal
 from .access.bouncer import Bouncer, Caller
@@ -86,7 +87,11 @@ class Daemon:
         if self.args.simulate:
             config = dataclasses.replace(config, simulate=self.args.simulate)
         if self.args.sample_interval is not None:
-            interval = check_interval(self.args.sample_interval, "--sample-interval")
+            try:  # gpukill.units' duration grammar; refused in one line, as the configuration's errors are
+                seconds = parse_duration(self.args.sample_interval)
+            except ValueError as e:
+                raise ConfigError(f"--sample-interval: {e}") from None
+            interval = check_interval(seconds, "--sample-interval")
             config = dataclasses.replace(config, sample_interval=interval)
         return config
 
@@ -355,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=DEFAULT_PATH, help=f"configuration file (default {DEFAULT_PATH})")
     p.add_argument("--simulate", metavar="FILE", help="simulated GPUs described in FILE (see man gpukilld.conf)")
-    p.add_argument("--sample-interval", type=float, metavar="SECONDS", help="seconds between samples (default 1)")
+    p.add_argument("--sample-interval", metavar="DURATION",
+                   help="time between samples, e.g. 500ms or 2s (default 1s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"gpukilld {__version__}")
     return p

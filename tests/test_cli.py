@@ -29,11 +29,14 @@ def test_usage_errors(bed, users):
         (["kill", "-5"], ""),
         (["kill", "0"], "PID out of range"),
         (["kill", "99999999999"], "PID out of range"),
-        (["kill", "12", "--grace", "soon"], "not a number of seconds"),
-        (["kill", "12", "--grace", "1e9"], "grace must be between"),
+        (["kill", "12", "--grace", "soon"], "argument --grace: not a duration: 'soon'"),
+        (["kill", "12", "--grace", "1h"], "grace must be between"),
+        (["kill", "12", "--grace", "1e9"], "not a duration: '1e9'"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
-        (["list", "--min-memory", "lots"], "invalid int value"),
+        (["list", "--min-memory", "lots"], "argument --min-memory: not a size: 'lots'"),
+        (["list", "--min-memory", "5"], "a bare number is not a size: '5' (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
+        (["audit", "--idle-after", "5 parsecs"], "argument --idle-after: idle_after: not a duration"),
     ]:
         assert_one_line_error(bed.ctl(other, *args), 2, text)
 

@@ -16,7 +16,7 @@ from gpukillctl.cli import main as cli
 
 REPO = Path(__file__).resolve().parent.parent
 
-LINES = (["list", "--json"], ["list", "--device", "1", "--min-memory", "5"], ["-H", "box", "list", "--user", "x"],
+LINES = (["list", "--json"], ["list", "--device", "1", "--min-memory", "5GiB"], ["-H", "box", "list", "--user", "x"],
          ["kill", "12", "--force", "--grace", "2"], ["kill", "--job", "77"], ["reset", "0", "--force"], ["status"],
          ["guard", "status"], ["guard", "test", "--policy", "p.yaml"], ["audit", "--json"])
 

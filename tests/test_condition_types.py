@@ -48,10 +48,10 @@ SAMPLE = {STRING: "x", USER: "alice", GROUP: "video", PERCENT: 50, CELSIUS: 80, 
           COUNT: 3, INDEX: 0}
 # For the engine: a condition that holds for the snapshot below and one that cannot, per kind.
 HOLDS = {STRING: ("!=", "no-such-value"), USER: ("!=", "no-such-user"), GROUP: ("!=", "no-such-group"),
-         PERCENT: (">=", 0), CELSIUS: (">=", -273), SIZE: (">=", 0), DURATION: (">=", 0), COUNT: (">=", 0),
+         PERCENT: (">=", 0), CELSIUS: (">=", -273), SIZE: (">=", "0B"), DURATION: (">=", 0), COUNT: (">=", 0),
          INDEX: ("==", 0)}
 NEVER = {STRING: ("==", "no-such-value"), USER: ("==", "no-such-user"), GROUP: ("==", "no-such-group"),
-         PERCENT: ("<", 0), CELSIUS: ("<", -273), SIZE: ("<", 0), DURATION: ("<", 0), COUNT: ("<", 0),
+         PERCENT: ("<", 0), CELSIUS: ("<", -273), SIZE: ("<", "0B"), DURATION: ("<", 0), COUNT: ("<", 0),
          INDEX: ("!=", 0)}
 SECRET = "--token=s3cr3t"  # in the process's command line: no reason may carry it
 # What a reason shows of the snapshot below, for each type with a printer.

@@ -369,6 +369,12 @@ def test_every_page_draws_its_data(browser, server, victims, users):
     browser.screenshot("guard")
     # Setting a managed policy is polkit's manage-policies: refused to the serving user, said as it is.
     browser.css("#mp-target")[0].send_keys(other.name)
+    # the form sends what was typed: the server reads it in the one size grammar, and a bare number is no size
+    browser.css("#mp-memory")[0].send_keys("8")
+    browser.css("#mp-set")[0].click()
+    browser.wait(lambda: "a bare number is not a size: '8' (write a unit" in browser.text("#flash"), 15,
+                 lambda: f"#flash says {browser.text('#flash')!r}")
+    browser.css("#mp-memory")[0].clear()
     browser.css("#mp-memory")[0].send_keys("8GiB")
     browser.css("#mp-set")[0].click()
     refused = server.call("PUT", f"/v1/guard/policies/user/{other.name}", {"memory_limit": 8 << 30})

@@ -194,7 +194,7 @@ POLICIES = [
     "", "rules: []\n", "{}", "[]", "null", "~", "---\n...\n", "%YAML 1.1\n---\nrules: []\n", "rules:\n  -\n",
     "rules:\n  - name: x\n    conditions:\n      - {type: process_name, operator: '==', value: fuzzvictim}\n"
     "    action: log\n",
-    "rules:\n  - name: k\n    conditions:\n      - {type: gpu_memory, operator: '>', value: 0}\n    action: kill\n",
+    "rules:\n  - name: k\n    conditions:\n      - {type: gpu_memory, operator: '>', value: 0B}\n    action: kill\n",
     "rules:\n  - name: r\n    conditions:\n      - {type: process_name, operator: matches, value: '(a+)+$'}\n"
     "    action: notify\n",
     "dry_run: .nan\nmax_kills_per_cycle: 1e400\ncooldown: 99999999999999999999999d\n",

@@ -39,6 +39,7 @@ from gpukill.records import (
     UsageReport,
     UsageRow,
 )
+from gpukill.units import parse_size
 from gpukillctl.cli import compat
 from gpukillctl.cli import main as cli
 from gpukillctl.client.dbus import ERRORS, DaemonUnavailable, unwrap
@@ -139,8 +140,10 @@ class RecordingClient:
 
     async def guard_set_policy(self, kind, target, settings, *, interactive=False):
         self._record("guard_set_policy", kind, target, settings)
+        # sizes go as typed; the daemon answers bytes
         return ManagedPolicyEntry(kind=kind, target=target, file=f"/etc/gpukill/guard.d/60-managed-{kind}-{target}.yaml",
-                                  **{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+                                  **{k: tuple(v) if isinstance(v, list) else parse_size(v) if isinstance(v, str)
+                                     else v for k, v in settings.items()})
 
     async def guard_remove_policy(self, kind, target, *, interactive=False):
         self._record("guard_remove_policy", kind, target)
@@ -256,22 +259,22 @@ MAPPINGS = [
     # user, group and GPU policies: the limits given in GB (GiB), gpu-kill's defaults for the others
     (["--guard", "--guard-add-user", "developer", "--guard-memory-limit", "8.0", "--guard-utilization-limit", "70.0",
       "--guard-process-limit", "3"],
-     [call.guard_set_policy("user", "developer", {"memory_limit": 8 * GIB, "utilization_limit": 70.0,
+     [call.guard_set_policy("user", "developer", {"memory_limit": "8GiB", "utilization_limit": 70.0,
                                                   "process_limit": 3})]),
     (["--guard", "--guard-add-user", "bob", "--guard-memory-limit", "1.5"],
-     [call.guard_set_policy("user", "bob", {"memory_limit": 1610612736})]),
+     [call.guard_set_policy("user", "bob", {"memory_limit": "1.5GiB"})]),
     (["--guard", "--guard-remove-user", "developer"], [call.guard_remove_policy("user", "developer")]),
     (["--guard", "--guard-add-group", "testers", "--guard-group-memory-limit", "16.0"],
-     [call.guard_set_policy("group", "testers", {"memory_limit": 16 * GIB})]),
+     [call.guard_set_policy("group", "testers", {"memory_limit": "16GiB"})]),
     (["--guard", "--guard-add-group", "ml", "--guard-group-utilization-limit", "50", "--guard-group-process-limit",
       "15"], [call.guard_set_policy("group", "ml", {"utilization_limit": 50.0, "process_limit": 15})]),
     (["--guard", "--guard-remove-group", "developers"], [call.guard_remove_policy("group", "developers")]),
     (["--guard", "--guard-add-gpu", "0", "--guard-gpu-allowed-users", "alice, bob,", "--guard-gpu-memory-limit",
       "24.0", "--guard-gpu-utilization-limit", "90.0", "--guard-gpu-reserved-memory", "2.0"],
-     [call.guard_set_policy("gpu", "0", {"memory_limit": 24 * GIB, "utilization_limit": 90.0,
-                                         "reserved_memory": 2 * GIB, "allowed_users": ("alice", "bob")})]),
+     [call.guard_set_policy("gpu", "0", {"memory_limit": "24GiB", "utilization_limit": 90.0,
+                                         "reserved_memory": "2GiB", "allowed_users": ("alice", "bob")})]),
     (["--guard", "--guard-add-gpu", "1", "--guard-gpu-memory-limit", "16.0"],
-     [call.guard_set_policy("gpu", "1", {"memory_limit": 16 * GIB})]),
+     [call.guard_set_policy("gpu", "1", {"memory_limit": "16GiB"})]),
     (["--guard", "--guard-remove-gpu", "0"], [call.guard_remove_policy("gpu", "0")]),
     (["--guard", "--guard-export-config"], [call.guard_export_policies()]),
     (["--guard", "--guard-import-config", str(POLICY)],
@@ -465,7 +468,8 @@ REFUSALS = [
      ["--guard-group-memory-limit does not go with --guard-add-user", "gpukillctl guard policy add user a"]),
     (["--guard", "--guard-add-user", "a", "--guard-remove-user", "b"], 2,
      ["--guard-add-user and --guard-remove-user together", "gpukillctl guard policy remove user b"]),
-    (["--guard", "--guard-add-user", "a", "--guard-memory-limit", "-1"], 2, ["GB must be between", "--help"]),
+    (["--guard", "--guard-add-user", "a", "--guard-memory-limit", "-1"], 2, ["not a size: '-1'", "--help"]),
+    (["--guard", "--guard-add-user", "a", "--guard-memory-limit", "0.0001"], 2, ["under 1 MiB, likely a mistake"]),
     (["--guard", "--guard-add-user", "a", "--guard-utilization-limit", "101"], 2, ["percentage must be"]),
     (["--guard", "--guard-add-gpu", "x"], 2, ["not a GPU index"]),
     (["--guard", "--guard-export-config", "--output", "json"], 2, ["--output json does not go with",
@@ -614,7 +618,7 @@ def test_remote_kill_of_a_pid_it_does_not_list_asks_that_host(capsys):
       "--guard-process-limit", "3"],
      ["gpukillctl guard policy add user dev --memory-limit 8GiB --utilization-limit 70.5 --process-limit 3"]),
     (["--guard", "--guard-add-user", "dev", "--guard-memory-limit", "0.3"],  # not a whole number of MiB: bytes
-     ["gpukillctl guard policy add user dev --memory-limit 322122547"]),
+     ["gpukillctl guard policy add user dev --memory-limit 322122547B"]),
     (["--guard", "--guard-add-gpu", "3", "--guard-gpu-allowed-users", "a,b", "--guard-gpu-reserved-memory", "2"],
      ["gpukillctl guard policy add gpu 3 --reserved-memory 2GiB --allowed-users a,b"]),
     (["--guard", "--guard-remove-gpu", "03"], ["gpukillctl guard policy remove gpu 3"]),

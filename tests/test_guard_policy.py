@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from helpers.testbed import PYTHON, REPO
 
-from gpukill.policy import PolicyError, load_paths, load_texts, parse_duration
+from gpukill.policy import PolicyError, load_paths, load_texts
 from gpukill.rules import PER_PROCESS, PER_USER
+from gpukill.units import parse_duration
 
 ISSUE_POLICY = REPO / "tests" / "guard_policies" / "issue5.yaml"
 EXAMPLE = REPO / "examples" / "guard.yaml"
@@ -59,22 +60,37 @@ def test_the_example_is_the_issue_policy_with_comments():
 
 
 @pytest.mark.parametrize("text, seconds", [
-    ("90s", 90), ("5m", 300), ("1h30m", 5400), ("500ms", 0.5), (90, 90), (2.5, 2.5), ("1d", 86400)])
+    ("90s", 90), ("5m", 300), ("1h30m", 5400), ("500ms", 0.5), (90, 90), (2.5, 2.5), ("1d", 86400),
+    ("5 minutes", 300), ("5", 5), ("1h 30m", 5400), ("90min", 5400)])
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["5 minutes", "5", "m", "-5m", "", "5m3", True, None, "1h 30m"])
+@pytest.mark.parametrize("text", ["5 parsecs", "m", "-5m", "", "5m3", True, None, "1h 30"])
 def test_bad_durations(text):
     with pytest.raises(ValueError):
         parse_duration(text)
 
 
 def test_sizes_in_three_spellings():
-    for value, expected in (("8589934592", 8589934592), ('"8GiB"', 8 * 1024**3), ('"8GB"', 8 * 1000**3)):
+    for value, expected in (("8589934592B", 8589934592), ('"8GiB"', 8 * 1024**3), ('"8GB"', 8 * 1000**3)):
         policy = load_texts([("p.yaml", _one_condition(f"type: user_memory\noperator: '>'\nvalue: {value}",
                                                        rule_extra="scope: per_user"))])
         assert policy.rules[0].conditions[0].value == expected
+
+
+@pytest.mark.parametrize(("value", "col", "message"), [
+    ("8589934592", 16, "a bare number is not a size: 8589934592 (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
+    ("'8'", 16, "a bare number is not a size: '8' (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
+    ("0.5M", 16, "under 1 MiB, likely a mistake"),
+])
+def test_a_bare_or_tiny_size_fails_validation_where_it_is_written(value, col, message):
+    text = "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n" \
+           f"      - type: user_memory\n        operator: '>'\n        value: {value}\n"
+    with pytest.raises(PolicyError) as e:
+        load_texts([("p.yaml", text)])
+    assert e.value.errors[0].startswith(f"p.yaml:8:{col}: ") and message in e.value.errors[0]
+    assert len(e.value.errors) == 1
 
 
 def _one_condition(condition: str, rule_extra: str = "", action: str = "kill") -> str:
@@ -122,8 +138,8 @@ BROKEN = [
     ("percentage out of range", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 150"), "7:16",
      "0 to 100"),
     ("bad size", _one_condition("type: gpu_memory\noperator: '>'\nvalue: 8XB"), "7:16", "not a size: '8XB'"),
-    ("bad duration", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 95\nduration: 5 minutes"),
-     "8:19", "not a duration: '5 minutes'"),
+    ("bad duration", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 95\nduration: 5 parsecs"),
+     "8:19", "not a duration: '5 parsecs'"),
     ("negative duration", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 95\nduration: -5m"),
      "8:19", "not a duration"),
     ("bad regex", _one_condition("type: cmdline\noperator: matches\nvalue: '([a-z'"), "7:16",

@@ -111,7 +111,7 @@ def test_reasons_about_another_users_process_withhold_what_the_viewer_may_not_se
 
 def test_test_policies_adds_no_line_to_the_daemons_log_or_journal(gbed, users):
     bed = gbed
-    policy = "rules:\n  - {name: probe, action: log, conditions: [{type: gpu_memory, operator: '>', value: 0}]}\n"
+    policy = "rules:\n  - {name: probe, action: log, conditions: [{type: gpu_memory, operator: '>', value: 0B}]}\n"
     r = bed.guard_call(users["other"], "TestPolicies", "ss", ["probe", policy])  # the first child, warmed up
     assert r.ok, r
     time.sleep(1.0)

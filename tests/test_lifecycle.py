@@ -176,8 +176,9 @@ def test_startup_errors_are_one_line(users, tmp_path):
     cases = [
         (["--simulate", str(bad_yaml)], f"{bad_yaml}:"),
         (["--simulate", str(tmp_path / "missing.yaml")], "cannot read"),
-        (["--config", str(bad_conf)], f"{bad_conf}:2: sample_interval must be a number"),
-        (["--sample-interval", "-1"], "--sample-interval: sample_interval must be between"),
+        (["--config", str(bad_conf)], f"{bad_conf}:2: sample_interval: not a duration: 'fast'"),
+        (["--sample-interval", "2h"], "--sample-interval: sample_interval must be between"),
+        (["--sample-interval", "5 parsecs"], "--sample-interval: not a duration: '5 parsecs'"),
     ]
     for args, expected in cases:
         r = subprocess.run([PYTHON, "-m", "gpukilld", *args], capture_output=True, text=True, timeout=30,

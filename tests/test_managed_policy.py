@@ -80,6 +80,13 @@ def policies(draw) -> ManagedPolicy:
                                               "not True"),
     ("user", "alice", {"memory_limit": 0}, "memory_limit must be a whole number of bytes from 1 to 2^60 (1 EiB), "
                                            "not 0"),
+    ("user", "alice", {"memory_limit": "8"}, "memory_limit: a bare number is not a size: '8' (write a unit: 8GiB, "
+                                             "8GB, 512MiB, 4096B)"),
+    ("user", "alice", {"memory_limit": "0.5MiB"}, "memory_limit: a limit of '0.5MiB' is under 1 MiB, likely a "
+                                                  "mistake (every GPU process holds more); write it in B or KiB "
+                                                  "(e.g. 4096B, 512KiB) if it is meant"),
+    ("user", "alice", {"grace": "5 parsecs"}, "grace: not a duration: '5 parsecs' (write e.g. 90s, 5min, 1h30m, "
+                                              "2d 4h; units ms, s, min, h, d, w)"),
     ("user", "alice", {"utilization_limit": 101.0}, "utilization_limit must be from 0 to 100 (percent), not 101.0"),
     ("user", "alice", {"utilization_limit": float("nan")}, "utilization_limit must be from 0 to 100 (percent), "
                                                            "not nan"),
@@ -93,6 +100,21 @@ def test_parse_settings_refuses_bad_input_in_one_line(kind, target, given, error
     with pytest.raises(InvalidArgs) as info:
         parse_settings(kind, target, given)
     assert str(info.value) == error and "\n" not in error
+
+
+def test_a_callers_limit_takes_the_size_grammar_and_a_tiny_byte_count_is_refused() -> None:
+    """Text in the one size grammar; a typed byte count (D-Bus 't') is bytes, but under 1 MiB only a text in
+    B or KiB says it is meant. A record read back (a file's header) holds what was once accepted."""
+    assert parse_settings("user", "alice", {"memory_limit": "8GiB"}, caller=True).memory_limit == 8 * GiB
+    assert parse_settings("gpu", "0", {"reserved_memory": "512KiB"}, caller=True).reserved_memory == 512 << 10
+    assert parse_settings("user", "alice", {"memory_limit": 8 * GiB, "grace": "2min"}, caller=True).grace == 120.0
+    with pytest.raises(InvalidArgs, match="memory_limit: a limit of 8 is under 1 MiB, likely a mistake"):
+        parse_settings("user", "alice", {"memory_limit": 8}, caller=True)
+    assert parse_settings("user", "alice", {"memory_limit": 524288}).memory_limit == 524288  # read back
+    p = parse_settings("gpu", "0", {"reserved_memory": "512KiB", "memory_limit": "1000000001B"}, caller=True)
+    assert import_text(export_text([p]), "x.yaml") == [p]  # exported with units, read back exactly
+    assert "reserved_memory: 512KiB" in export_text([p]) and "memory_limit: 1000000001B" in export_text([p])
+    assert "value: 512KiB" in render(p) and load_texts([(file_name(p), render(p))])
 
 
 def test_parse_settings_and_as_settings() -> None:
@@ -172,7 +194,7 @@ def test_edited_sees_a_hand_change() -> None:
     p = parse_settings("user", "alice", {"memory_limit": 8 * GiB, "grace": 30})
     text = render(p)
     assert not edited(p, text)
-    by_hand = text.replace("value: 8589934592", "value: 17179869184")
+    by_hand = text.replace("value: 8GiB", "value: 16GiB")
     assert by_hand != text and load_texts([(file_name(p), by_hand)])  # still a valid policy
     assert read_file(file_name(p), by_hand) == p and edited(p, by_hand)  # the record stays; the file changed
     assert edited(p, text + "  # a comment\n")
@@ -215,7 +237,9 @@ def test_import_reads_what_a_person_writes() -> None:
     ("policies:\n  - kind: user\n    target: alice\n",
      "in.yaml:2:5: a user policy needs at least one limit (memory_limit, utilization_limit, process_limit)"),
     ("policies:\n  - kind: user\n    target: alice\n    memory_limit: 8 gigs\n",
-     "in.yaml:4:19: memory_limit: not a size: '8 gigs' (use bytes, or a suffix such as 8GiB or 8GB)"),
+     "in.yaml:4:19: memory_limit: not a size: '8 gigs' (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
+    ("policies:\n  - kind: user\n    target: alice\n    memory_limit: 8589934592\n",
+     "in.yaml:4:19: memory_limit: a bare number is not a size: 8589934592 (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
     ("policies:\n  - {kind: user, target: bob, memory_limit: 1GiB}\n  - {kind: user, target: bob, process_limit: 1}\n",
      "in.yaml:3:5: a second user policy for bob (first at in.yaml:2:5)"),
     ("policies: [\n", "in.yaml:2:1: not valid YAML: while parsing a flow node expected the node content, but found "
@@ -257,7 +281,7 @@ def test_a_user_memory_limit_kills_the_users_largest_process_after_the_grace_and
              proc(20, mem=30 * GiB, uid=1001, user="bob"))  # bob has no limit
     events = e.evaluate(s, False)
     assert [(type(ev).__name__, ev.subject) for ev in events] == [("Violation", "user alice")]
-    assert "user_memory 10.0 GiB > 8.0 GiB" in events[0].reason
+    assert "user_memory 10.0 GiB > 8GiB" in events[0].reason
     assert after(e, t, s, 29.9) == []  # not before the grace ends
     assert kill_orders(after(e, t, s, 0.1)) == [[10]]  # 10 GiB - 5 GiB: under, so the largest only
 
@@ -323,7 +347,7 @@ def test_a_group_limit_is_the_members_total() -> None:
              proc(40, mem=60 * GiB, uid=0, user="root"))  # a member, but a system account: never counted
     events = e.evaluate(s, False)
     assert [ev.subject for ev in events] == ["group research"]
-    assert "group_memory 9.0 GiB > 8.0 GiB" in events[0].reason
+    assert "group_memory 9.0 GiB > 8GiB" in events[0].reason
     assert after(e, t, s, 4.9) == []
     assert kill_orders(after(e, t, s, 0.1)) == [[10]]  # the group's largest, then 4 GiB: under
 

@@ -72,7 +72,7 @@ NUMERIC_FIELDS = [
                         "    conditions: [{type: exe, operator: ==, value: x}]\n", "5s"),
     ("condition duration", cond("gpu_utilization", extra="        value: 95\n        duration: @\n"), "5m"),
     ("gpu_memory", cond("gpu_memory", extra="        value: @\n"), "8GiB"),
-    ("user_memory", cond("user_memory", scope="per_user", extra="        value: @\n"), "8589934592"),
+    ("user_memory", cond("user_memory", scope="per_user", extra="        value: @\n"), "8589934592B"),
     ("device_memory", cond("device_memory", scope="per_device", extra="        value: @\n"), "'90%'"),
     ("gpu_utilization", cond("gpu_utilization", extra="        value: @\n"), "95"),
     ("temperature", cond("temperature", scope="per_device", extra="        value: @\n"), "85"),
@@ -140,7 +140,6 @@ def _first_condition(p):
 @pytest.mark.parametrize("template, zero, get, expected", [
     ("cooldown: @\nrules: []\n", "-0", lambda p: p.settings.cooldown, 0.0),
     ("cooldown: @\nrules: []\n", "-0.0", lambda p: p.settings.cooldown, 0.0),
-    (cond("gpu_memory", extra="        value: @\n"), "-0", lambda p: _first_condition(p).value, 0),
     (cond("gpu_utilization", extra="        value: @\n"), "-0.0", lambda p: _first_condition(p).text,
      "gpu_utilization > 0%"),
     (cond("temperature", scope="per_device", extra="        value: @\n"), "-0.0",
@@ -161,9 +160,9 @@ def test_a_float_is_neither_a_size_nor_a_uid(template):
 
 def test_sizes_and_durations_have_a_maximum():
     gpu = cond("gpu_memory", extra="        value: @\n")
-    assert load_texts([("x.yaml", place(gpu, str(2**60))[0])]).rules[0].conditions[0].value == 2**60
+    assert load_texts([("x.yaml", place(gpu, f"{2**60}B")[0])]).rules[0].conditions[0].value == 2**60
     assert load_texts([("x.yaml", place(gpu, "1EiB")[0])]).rules[0].conditions[0].value == 2**60
-    for too_large in (str(2**60 + 1), "2EiB", "1025PiB", "1.5EiB", str(2**63)):
+    for too_large in (f"{2**60 + 1}B", "2EiB", "1025PiB", "1.5EiB", f"{2**63}B"):
         text, where = place(gpu, too_large)
         assert "larger than the maximum, 1 EiB" in reject(text).errors[0], too_large
     runtime = cond("runtime", extra="        value: @\n")
@@ -181,7 +180,7 @@ def test_parse_size_and_parse_duration_never_raise_anything_but_value_error():
                   "9" * 60 + "s", "1e400s", "1" * MiB, "1s" * MiB, None, [], b"5m", True):
         with pytest.raises(ValueError):
             parse_duration(value)
-    assert parse_size(-0) == 0 and parse_duration(-0.0) == 0.0 and str(parse_duration(-0.0)) == "0.0"
+    assert parse_size(-0, bare=1) == 0 and parse_duration(-0.0) == 0.0 and str(parse_duration(-0.0)) == "0.0"
 
 
 # -- YAML that makes PyYAML itself fail ---------------------------------------------------------------------

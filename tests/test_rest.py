@@ -355,6 +355,9 @@ def test_managed_policies_polkit_decides_for_the_servers_user(server, bed, users
             assert (r.body["kind"], r.body["target"], r.body["memory_limit"], r.body["process_limit"],
                     r.body["grace"], r.body["utilization_limit"]) == ("user", OTHER, 8 * GIB, 3, 10.0, None), r
             assert r.body["file"].endswith(".yaml") and r.body["edited"] is False, r
+            # sizes and durations as the dashboard's form types them: the one grammar, read by the daemon
+            r = admin.call("PUT", path, {"memory_limit": "8GiB", "grace": "2min"})
+            assert r.status == 200 and (r.body["memory_limit"], r.body["grace"]) == (8 * GIB, 120.0), r
             listed = server.call("GET", "/v1/guard/policies")  # listing needs nothing: the owner sees it too
             assert [p for p in listed.body["policies"] if p["target"] == OTHER] == [r.body], listed
             r = server.call("DELETE", path)
@@ -367,6 +370,9 @@ def test_managed_policies_polkit_decides_for_the_servers_user(server, bed, users
             for where, body, named in (
                 ("/v1/guard/policies/team/x", settings, "kind"),
                 (path, {"memory_limit": 0}, "memory_limit"),
+                (path, {"memory_limit": "8"}, "a bare number is not a size: '8' (write a unit: 8GiB"),
+                (path, {"memory_limit": 4096}, "memory_limit: a limit of 4096 is under 1 MiB, likely a mistake"),
+                (path, {"grace": "5 parsecs"}, "not a duration: '5 parsecs'"),
                 (path, {"memory": 1}, "memory"),
                 (path, {}, "at least one limit"),
                 ("/v1/guard/policies/user/a%00b", settings, "NUL"),

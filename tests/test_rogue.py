@@ -414,8 +414,11 @@ def test_audit_settings_are_read_and_checked(tmp_path):
                     "pool_ports = 3333, 14444\n")
     assert load_config(str(conf)).audit == AuditSettings(90.0, GiB, 600.0, 75.0, (3333, 14444))
     assert load_config(str(tmp_path / "absent.conf")).audit == AuditSettings()
+    conf.write_text("[audit]\nidle_after = 30min\nabuser_window = 1h\n")  # durations in the one grammar
+    assert (load_config(str(conf)).audit.idle_after, load_config(str(conf)).audit.abuser_window) == (1800.0, 3600.0)
     for line, why in (("abuser_share = 101", "abuser_share must be between 1 and 100"),
-                      ("idle_after = nan", "idle_after must be between"),
+                      ("idle_after = nan", "idle_after: not a duration: 'nan'"),
+                      ("idle_after = 40d", "idle_after must be between"),
                       ("idle_min_memory = lots", "idle_min_memory: not a size"),
                       ("pool_ports = 3333 http", "pool_ports must be TCP ports"), ("colour = red", "unknown key")):
         conf.write_text(f"[audit]\n\n{line}\n")

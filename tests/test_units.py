@@ -9,7 +9,7 @@ import pytest
 
 from gpukill.errors import ConfigError
 from gpukill.procstat import parse_stat
-from gpukill.units import parse_size
+from gpukill.units import exact_size, parse_duration, parse_size
 from gpukilld.access.bouncer import KILL_ANY, READ_ONLY, RESET_DEVICE, action_for
 from gpukilld.backends.simulated import load_sim_config, parse_usage
 from gpukilld.config import load_config
@@ -68,11 +68,59 @@ def test_procfs_reads_this_process():
 
 
 @pytest.mark.parametrize(("text", "value"), [
-    (8589934592, 8589934592), ("8GiB", 8 * 2**30), ("8GB", 8 * 10**9), ("8G", 8 * 2**30), ("512MiB", 512 * 2**20),
-    ("1.5GiB", int(1.5 * 2**30)), ("100", 100), (" 4 KiB ", 4096),
+    ("8GiB", 8 * 2**30), ("8GB", 8 * 10**9), ("8G", 8 * 2**30), ("512MiB", 512 * 2**20),
+    ("1.5GiB", int(1.5 * 2**30)), ("100B", 100), (" 4 KiB ", 4096), ("8gib", 8 * 2**30),
 ])
 def test_sizes(text, value):
     assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bare", ["8", 8, "8589934592", 8589934592, " 100 ", "1.5"])
+def test_a_bare_number_is_no_size_unless_the_caller_says_its_unit(bare):
+    with pytest.raises(ValueError, match="a bare number is not a size.*write a unit: 8GiB, 8GB, 512MiB, 4096B"):
+        parse_size(bare)
+    assert parse_size(bare, bare=1) == int(float(str(bare)))  # a typed byte count (D-Bus 't', device files)
+    if float(str(bare)) < 1 << 30:
+        assert parse_size(bare, bare=2**30) == int(float(str(bare)) * 2**30)  # gpu-kill's GB
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ("4096B", True), ("512KiB", True), ("512K", True), ("1000KB", True), ("0GiB", True), ("0B", True),
+    ("1MiB", True), ("1GiB", True), ("0.5M", False), ("0.0001GiB", False), ("999KB", True), ("0.9MB", False),
+])
+def test_a_limit_under_one_mebibyte_needs_a_unit_that_says_it_is_small(text, ok):
+    if ok:
+        assert parse_size(text, limit=True) == parse_size(text)
+    else:
+        with pytest.raises(ValueError, match="under 1 MiB, likely a mistake"):
+            parse_size(text, limit=True)
+        assert parse_size(text) > 0  # not a limit (a filter): any size
+    with pytest.raises(ValueError, match="under 1 MiB"):
+        parse_size(4096, bare=1, limit=True)  # a typed byte count has no unit to say so
+    assert parse_size(1 << 20, bare=1, limit=True) == 1 << 20
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1 << 10, 3 << 20, 8 << 30, 10**9, 1 << 60])
+def test_exact_size_reads_back_to_the_same_bytes(n):
+    assert parse_size(exact_size(n)) == n
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("90", 90), ("90s", 90), ("90sec", 90), ("2 seconds", 2), ("5m", 300), ("5min", 300), ("5 minutes", 300),
+    ("90min", 5400), ("1h30m", 5400), ("1h 30min", 5400), ("1H30M", 5400), ("2hr", 7200), ("3 hours", 10800),
+    ("2d 4h", 2 * 86400 + 4 * 3600), ("1day", 86400), ("1w", 7 * 86400), ("2 weeks", 14 * 86400),
+    ("500ms", 0.5), ("1.5h", 5400), (" 1h ", 3600), (90, 90), (2.5, 2.5),
+])
+def test_durations_as_systemd_admins_write_them(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["5 parsecs", "m", "-5m", "", "5m3", "h30", "1e3s", "5mx", "1y", True, None,
+                                 "1" * 65, "40000d"])
+def test_what_is_no_duration_is_one_line(bad):
+    with pytest.raises(ValueError) as e:
+        parse_duration(bad)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 200
 
 
 @pytest.mark.parametrize("bad", ["lots", "-1", -1, True, "8XB", None, 1.5])
@@ -82,22 +130,22 @@ def test_bad_sizes(bad):
 
 
 @pytest.mark.parametrize(("text", "value"), [
-    (2**60, 2**60), ("1EiB", 2**60), ("1024PiB", 2**60), ("1152921504606846976", 2**60), (-0, 0), ("0.5KiB", 512),
-    ("1.1GB", 1_100_000_000), ("0" * 60 + "1K", 1024),
+    (2**60, 2**60), ("1EiB", 2**60), ("1024PiB", 2**60), ("1152921504606846976B", 2**60), (-0, 0),
+    ("0.5KiB", 512), ("1.1GB", 1_100_000_000), ("0" * 60 + "1K", 1024),
 ])
 def test_sizes_up_to_one_exbibyte_exactly(text, value):
-    assert parse_size(text) == value
+    assert parse_size(text, bare=1) == value
 
 
 @pytest.mark.parametrize("bad", [
-    2**60 + 1, 10**5000, -(10**5000), "1152921504606846977", "2EiB", "1.5EiB", "1025PiB", "2EB",
+    2**60 + 1, 10**5000, -(10**5000), "1152921504606846977B", "2EiB", "1.5EiB", "1025PiB", "2EB",
     "9" * 400, "9" * 400 + "GiB",  # int(float("9"*400) * 2**30) was OverflowError (int of inf)
     "9" * 60 + "P", "1" * 65, "1" + " " * 100_000 + "x",
     float("inf"), float("nan"), 1e400, "inf", "nan", "1e400", "1e3", "0x10", "٨GiB", "8 GiB B", b"8GiB",
 ], ids=lambda v: f"{type(v).__name__}-{v.bit_length()}-bits" if isinstance(v, int) else ascii(v)[:30])
 def test_sizes_beyond_the_maximum_or_not_sizes_are_value_errors(bad):
     with pytest.raises(ValueError) as e:
-        parse_size(bad)
+        parse_size(bad, bare=1)
     assert "\n" not in str(e.value) and len(str(e.value)) < 200
 
 
@@ -175,11 +223,14 @@ def test_config_file(tmp_path):
     path.write_text("[daemon]\nsample_interval = 2.5  # seconds\nsimulate = /etc/gpukill/sim.yaml\n")
     c = load_config(str(path))
     assert (c.sample_interval, c.simulate) == (2.5, "/etc/gpukill/sim.yaml")
+    path.write_text("[daemon]\nsample_interval = 500ms\n")  # a duration in the one grammar
+    assert load_config(str(path)).sample_interval == 0.5
     for content, error in [
         ("[daemon]\n\nsampel_interval = 1\n", ":3: unknown key 'sampel_interval'"),
         ("[demon]\n", "unknown section [demon]"),
         ("[daemon]\nsample_interval = 0\n", ":2: sample_interval must be between"),
-        ("[daemon]\nsample_interval = nan\n", ":2: sample_interval must be between"),
+        ("[daemon]\nsample_interval = nan\n", ":2: sample_interval: not a duration: 'nan'"),
+        ("[daemon]\nsample_interval = 2h\n", ":2: sample_interval must be between"),
         ("sample_interval = 1\n", ":1: File contains no section headers"),
     ]:
         path.write_text(textwrap.dedent(content))

@@ -39,7 +39,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(("ResetReply", "BackendStatus", "SAMPLING_EVENTS", "SAMPLING_POLLING", "SamplingStatus"),
                     "status"),
     **dict.fromkeys(("FINDING_MINER", "FINDING_ABUSER", "FINDING_IDLE", "FINDING_KINDS", "MAX_SCORE", "Evidence",
-                     "Finding", "DEFAULT_POOL_PORTS", "AuditSettings"), "audit"),
+                     "Finding", "DEFAULT_POOL_PORTS", "AUDIT_DURATIONS", "AuditSettings"), "audit"),
     **dict.fromkeys(("RuleStatus", "RecentEvent", "Window", "Grace", "NotificationCounters", "GuardStatus",
                      "Decision", "ViolationDetails", "PolicyLoaded", "ManagedPolicyEntry"), "guard"),
     **dict.fromkeys(("ProcessKilled", "DeviceReset", "DeviceStateChanged", "PolicyViolated", "GuardActionTaken",

@@ -44,6 +44,8 @@ class Finding:
 # ports, but inside Linux's default ephemeral range 32768-60999, where every busy server's clients have their
 # source ports): a pool port must be one that only a connection to a pool goes to.
 DEFAULT_POOL_PORTS = (3333, 3334, 3357, 4444, 5555, 6666, 7777, 9999, 14433, 14444)
+# The settings that are durations: seconds on the bus, gpukill.units' duration grammar as text ("30min").
+AUDIT_DURATIONS = ("idle_after", "abuser_window")
 
 
 @dataclass(frozen=True, slots=True)

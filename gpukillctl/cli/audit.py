@@ -44,10 +44,11 @@ GPU_KILL_THRESHOLDS: dict[str, tuple[str | None, float | str]] = {
               "Guard policy: gpukillctl guard policy add user USER --utilization-limit PCT"),
     "--rogue-duration-threshold": (
         None, "a long run is no evidence of rogue activity here (a trainer runs for days); memory held at 0% "
-              "utilization is: gpukillctl audit settings set idle_after=SECONDS"),
+              "utilization is: gpukillctl audit settings set idle_after=DURATION"),
 }
 PER_CALL = (("min_score", "--min-score", "PTS", "report only findings of at least this score (0-100)"),
-            ("idle_after", "--idle-after", "SECONDS", "idle holders: memory held unused (no utilization) this long"),
+            ("idle_after", "--idle-after", "DURATION",
+             "idle holders: memory held unused (no utilization) this long, e.g. 30min"),
             ("idle_min_memory", "--idle-min-memory", "SIZE",
              "idle holders: at least this much memory (not below the configured value)"),
             ("abuser_share", "--abuser-share", "PCT", "abusers: this share of the GPU memory or time"))
@@ -66,6 +67,18 @@ def gpu_kill_threshold(flag: str, value: str) -> tuple[str, float]:
     return key, number * float(factor)
 
 
+def _setting_type(key: str) -> Any:
+    """An argparse type for a per-scan setting: setting_value's, its one-line error naming the option."""
+    def convert(text: str) -> Any:
+        try:
+            return setting_value(key, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = key
+    return convert
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     audit = sub.add_parser("audit", help="rogue activity: crypto miners, GPU hogs, idle memory holders",
                            description="The rogue-activity audit of gpukilld's last sample: each finding with "
@@ -74,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "sample again for this one scan; `audit settings` changes them for good.")
     audit.add_argument("--json", action="store_true", help="machine-readable output (stable format)")
     for key, option, metavar, text in PER_CALL:
-        audit.add_argument(option, dest=key, metavar=metavar, help=text + " (this scan only)")
+        audit.add_argument(option, dest=key, metavar=metavar, type=_setting_type(key), help=text + " (this scan only)")
     asub = audit.add_subparsers(dest="audit_command", metavar="settings")
     settings = asub.add_parser("settings", help="the audit's thresholds and allow-lists (see man gpukilld.conf)",
                                description="Show, change, export or import the rogue-activity audit's settings, "
@@ -122,8 +135,8 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 def setting_value(key: str, text: str) -> Any:
     """A setting typed on the command line, as the daemon takes it (ValueError, one line). The daemon checks
     ranges and entries; this only gives the value its type."""
-    from gpukill.records import AuditSettings, specs
-    from gpukill.units import parse_size
+    from gpukill.records import AUDIT_DURATIONS, AuditSettings, specs
+    from gpukill.units import parse_duration, parse_size
 
     sigs = dict(specs(AuditSettings))
     if key not in sigs:
@@ -132,6 +145,11 @@ def setting_value(key: str, text: str) -> Any:
             return gpu_kill_threshold(flag, text)
         raise ValueError(f"unknown audit setting {key[:64]!r} (known: {', '.join(sigs)})")
     sig = sigs[key].sig
+    if key in AUDIT_DURATIONS:
+        try:
+            return parse_duration(text)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
     if sig == "d":
         try:
             return float(text)
@@ -184,12 +202,9 @@ async def cmd_audit(client: ClientAPI, args: argparse.Namespace) -> int:
     if getattr(args, "audit_command", None) == "settings":
         return await _settings(client, args)
     thresholds: dict[str, Any] = {}
-    for key, option, _, _ in PER_CALL:
-        if getattr(args, key) is not None:
-            try:
-                thresholds[key] = setting_value(key, getattr(args, key))
-            except ValueError as e:
-                return _fail(f"audit {option}: {e}")
+    for key, _, _, _ in PER_CALL:
+        if getattr(args, key, None) is not None:
+            thresholds[key] = getattr(args, key)  # typed by _setting_type
     findings = await client.audit_rogue(thresholds or None)
     if args.json:
         json.dump({"format": JSON_FORMAT, "findings": [to_plain(f) for f in findings]}, sys.stdout)

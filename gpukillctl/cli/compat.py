@@ -162,11 +162,14 @@ def hours(text: str) -> float:
 
 
 def gigabytes(text: str) -> int:
-    """gpu-kill's GB (a decimal number of GiB) as bytes, exactly: "1.5" is 1610612736."""
-    from fractions import Fraction
+    """gpu-kill's GB (a bare number is GiB, as gpu-kill documents) as bytes, exactly: "1.5" is 1610612736; a
+    size with a unit (512MiB) in gpukill.units' grammar too. A limit: under 1 MiB only in B or KiB."""
+    from gpukill.units import parse_size
 
-    _number(text, "a number of GB", 0, 1 << 30)
-    return int(Fraction(text.strip()) * GIB)
+    try:
+        return parse_size(text, bare=GIB, limit=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def percent(text: str) -> float:
@@ -221,12 +224,14 @@ def number_text(value: float) -> str:
 
 
 def gib_text(size: int) -> str:
-    """Bytes as gpukillctl's sizes read them, in GiB where exact ("8GiB", "1.5GiB"), else bytes."""
+    """Bytes as gpukillctl's sizes read them, in GiB where exact ("8GiB", "1.5GiB"), else exact_size's form."""
     from fractions import Fraction
+
+    from gpukill.units import exact_size
 
     gib = Fraction(size, GIB)
     text = f"{float(gib):.10g}"
-    return f"{text}GiB" if "e" not in text and Fraction(text) == gib else str(size)  # exact, or in bytes
+    return f"{text}GiB" if "e" not in text and Fraction(text) == gib else exact_size(size)
 
 
 def version() -> str:

@@ -68,7 +68,7 @@ def _register_policy(gsub: argparse._SubParsersAction) -> None:
     add.add_argument("--allowed-users", metavar="U[,U...]", type=_names,
                      help="gpu: only these users may hold the GPU")
     add.add_argument("--reserved-memory", metavar="SIZE", type=_size, help="gpu: memory kept free on the device")
-    add.add_argument("--grace", metavar="DUR", type=_duration,
+    add.add_argument("--grace", metavar="DURATION", type=_duration,
                      help="time over a limit before the kill, e.g. 30s (default 30s)")
     remove = psub.add_parser("remove", help="remove the policy of a user, group or GPU")
     remove.add_argument("kind", metavar="KIND", help="user, group or gpu")
@@ -94,10 +94,13 @@ def _argument(convert: Any) -> Any:
     return parse
 
 
-def _size_value(text: str) -> int:
+def _size_value(text: str) -> str:
+    """A limit checked here (a one-line error naming the option) and sent as written: the daemon reads the
+    same grammar, and a text in B or KiB says a limit under 1 MiB is meant, which a byte count cannot."""
     from gpukill.units import parse_size
 
-    return parse_size(text)
+    parse_size(text, limit=True)
+    return text.strip()
 
 
 def _percent_value(text: str) -> float:
@@ -129,7 +132,7 @@ def _names_value(text: str) -> tuple[str, ...]:
 
 
 def _duration_value(text: str) -> float:
-    from gpukill.policy import parse_duration
+    from gpukill.units import parse_duration
 
     return parse_duration(text)
 

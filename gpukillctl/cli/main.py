@@ -73,23 +73,25 @@ def positive_int(text: str) -> int:
 
 
 def byte_count(text: str) -> int:
+    """A size in gpukill.units' grammar (4GiB, 512MiB, 4096B): a filter, not a limit, so any size."""
+    from gpukill.units import parse_size
+
     try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a number of bytes must not be negative, not {text}")
-    return value
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def seconds(text: str) -> float:
+    """A kill's grace in gpukill.units' duration grammar (5, 5s, 2min), at most MAX_GRACE."""
     from gpukill.limits import MAX_GRACE  # here: kill's --grace needs it, `list` does not
+    from gpukill.units import parse_duration
 
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value <= MAX_GRACE:
+        value = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value > MAX_GRACE:
         raise argparse.ArgumentTypeError(f"grace must be between 0 and {MAX_GRACE:g} seconds, not {text}")
     return value
 
@@ -146,7 +148,8 @@ def _register_list(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--user", help="only processes of this user (name or uid)")
     ls.add_argument("--name", help="only processes whose name contains this")
     ls.add_argument("--name-regex", help="only processes whose name matches this regular expression")
-    ls.add_argument("--min-memory", type=byte_count, metavar="BYTES", help="only processes using at least BYTES")
+    ls.add_argument("--min-memory", type=byte_count, metavar="SIZE",
+                    help="only processes using at least SIZE (e.g. 4GiB, 512MiB)")
 
 
 def _register_kill(sub: argparse._SubParsersAction) -> None:
@@ -164,7 +167,8 @@ def _register_kill(sub: argparse._SubParsersAction) -> None:
     target.add_argument("--container", type=container_id, metavar="ID",
                         help="every GPU process of this container (an id or a prefix of 12 or more hex digits)")
     kill.add_argument("--force", action="store_true", help="send SIGKILL if it outlives the grace period")
-    kill.add_argument("--grace", type=seconds, metavar="SECONDS", help="wait this long after SIGTERM (default 5)")
+    kill.add_argument("--grace", type=seconds, metavar="DURATION",
+                      help="wait this long after SIGTERM, e.g. 30s or 2min (default 5s)")
     kill.add_argument("--start-time", type=int, metavar="TICKS",
                       help="the start time from `list --json`: refuse if PID (or --tree PID) now names another "
                            "process")

@@ -169,9 +169,13 @@ class DaemonStatus:
     sampling: SamplingStatus | None = None  # None: a daemon from before the Sampling property
 
 
+TEXT_SETTINGS = ("memory_limit", "reserved_memory", "grace")  # sizes and durations SetPolicy takes as text too
+
+
 def policy_settings(settings: dict[str, Any]) -> dict[str, Var]:
-    """SetPolicy's a{sv}: each setting with the signature ManagedPolicyEntry declares for it; errors.InvalidArgs
-    for a key it does not declare or a value that is not of its type."""
+    """SetPolicy's a{sv}: each setting with the signature ManagedPolicyEntry declares for it, or a size or a
+    duration as text ("8GiB", "2min": the daemon reads gpukill.units' grammar); errors.InvalidArgs for a key it
+    does not declare or a value that is not of its type."""
     from gpukill.records import specs
 
     sigs = {name: spec.sig for name, spec in specs(records.ManagedPolicyEntry)
@@ -182,6 +186,9 @@ def policy_settings(settings: dict[str, Any]) -> dict[str, Var]:
         sig = sigs.get(key)
         if sig is None:
             raise invalid("", f"unknown policy setting {key!r} (known: {', '.join(sigs)})")
+        if isinstance(value, str) and sig in ("t", "d") and key in TEXT_SETTINGS:
+            out[key] = Var("s", value)
+            continue
         if sig == "as":
             ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
             value = list(value) if ok else value

@@ -21,28 +21,12 @@ from gpukill.records import UsageReport, UsageRow
 from .format import table
 
 MAX_WHEN_TEXT = 64  # characters: "2026-12-01T10:00:00.000000+01:00" needs 32
-# A duration: one or more NUMBER UNIT, as systemd writes time spans ("1h30m", "90min", "2d 4h").
-_SPAN_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(weeks?|w|days?|d|hours?|hr|h|minutes?|mins?|m|seconds?|secs?|s)\s*",
-                        re.IGNORECASE)
-_SPAN_UNIT = {"w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}([ T]\d{2}:\d{2}(:\d{2}(\.\d{1,6})?)?)?(Z|[+-]\d{2}:?\d{2})?")
 _EPOCH = re.compile(r"\d{1,12}(\.\d{1,9})?")
 WORDS = ("now", "today", "yesterday", "tomorrow")
 FORMS = "a duration ago (30d, 24h, 90min, 1h30m) or a date (YYYY-MM-DD, 'YYYY-MM-DD HH:MM[:SS]', ISO 8601, " \
         "today, yesterday, now)"
-MAX_SPAN = 100 * 365 * 86400.0  # a century ago is before any GPU record
-
-
-def parse_span(text: str) -> float | None:
-    """A duration in seconds ("1h30m" -> 5400), None when the text is not one."""
-    pos, total = 0, 0.0
-    while pos < len(text):
-        m = _SPAN_PART.match(text, pos)
-        if m is None or m.end() == pos:
-            return None
-        total += float(m.group(1)) * _SPAN_UNIT[m.group(2)[0].lower()]
-        pos = m.end()
-    return total if pos and text.strip() else None
+_BARE = re.compile(r"[0-9.]+")
 
 
 def parse_when(text: str, now: float | None = None, *, epoch: bool = False) -> float:
@@ -64,11 +48,16 @@ def parse_when(text: str, now: float | None = None, *, epoch: bool = False) -> f
         midnight = datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0)
         shift = {"today": 0, "yesterday": -1, "tomorrow": 1}[word.lower()]
         return (midnight + timedelta(days=shift)).timestamp()
-    span = parse_span(word)
-    if span is not None:
-        if span > MAX_SPAN:
-            raise ValueError(f"{word!r} is more than a century ago")
-        return max(0.0, now - span)
+    if not _BARE.fullmatch(word):  # a bare number is no span ago: "24" could be hours, a day, an epoch
+        from gpukill.units import parse_duration
+
+        try:
+            span = parse_duration(word)
+        except ValueError as e:
+            if "longer than 100 years" in str(e):
+                raise ValueError(f"{word!r} is more than a century ago") from None
+        else:
+            return max(0.0, now - span)
     if _DATE.fullmatch(word):
         from datetime import datetime
 

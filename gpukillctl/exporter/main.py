@@ -51,10 +51,13 @@ USAGE_REFRESH = 10.0  # seconds between GetUsage readings (a counter 10 s old is
 
 
 def positive_seconds(text: str) -> float:
+    """The sampling interval in gpukill.units' duration grammar (15, 15s, 1min), 1 s to 1 h."""
+    from gpukill.units import parse_duration
+
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        value = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if not 1 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"the interval must be between 1 and 3600 seconds, not {text}")
     return value
@@ -78,8 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     p.add_argument("--textfile", metavar="DIR",
                    help=f"write DIR/{TEXTFILE_NAME} (atomically) instead of serving HTTP")
-    p.add_argument("--interval", type=positive_seconds, default=15.0, metavar="SECONDS",
-                   help="with --textfile: seconds between writes (default 15)")
+    p.add_argument("--interval", type=positive_seconds, default=15.0, metavar="DURATION",
+                   help="with --textfile: time between writes, e.g. 15s or 1min (default 15s)")
     p.add_argument("--once", action="store_true", help="with --textfile: write once and exit")
     p.add_argument("--per-process", action="store_true",
                    help="also one series per GPU process (a new series for every PID: mind the cardinality)")

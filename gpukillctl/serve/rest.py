@@ -35,7 +35,7 @@ from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, create_model
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Match
@@ -62,7 +62,15 @@ from gpukill.records import (
     to_plain,
 )
 from gpukill.regex import RegexError, compile_regex
-from gpukill.units import MAX_SIZE
+from gpukill.units import (
+    DURATION_FORMS,
+    MAX_DURATION_TEXT,
+    MAX_SIZE,
+    MAX_SIZE_TEXT,
+    SIZE_FORMS,
+    parse_duration,
+    parse_size,
+)
 
 from ..client.dbus import ClientError, Connect, DaemonUnavailable, GpukillClient, using
 from ..client.usage import MAX_WHEN_TEXT, parse_when
@@ -367,6 +375,32 @@ class PolicyEntryList(BaseModel):
     )
 
 
+def _size_value(value: int | str) -> int | str:
+    """A size as bytes (an integer) or as typed (8GiB): checked here with the grammar the daemon reads it in,
+    passed on as given, so that a text in B or KiB still says that a limit under 1 MiB is meant."""
+    if isinstance(value, int):
+        if not 1 <= value <= MAX_SIZE:
+            raise ValueError(f"a number of bytes from 1 to 2^60, not {value}")
+        return value
+    parse_size(value, limit=True)
+    return value.strip()
+
+
+def _duration_value(value: float | str) -> float | str:
+    """A duration as seconds (a number) or as typed (90s, 2min), at most MAX_GRACE_PERIOD."""
+    seconds = parse_duration(value)
+    if seconds > MAX_GRACE_PERIOD:
+        raise ValueError(f"at most {MAX_GRACE_PERIOD:g} seconds, not {seconds:g}")
+    return value.strip() if isinstance(value, str) else seconds
+
+
+SIZE_DOC = f"; or text with a unit ({SIZE_FORMS}; a bare number as text is refused)"
+SizeValue = Annotated[Annotated[int, Strict()] | Annotated[str, Strict(), Field(max_length=MAX_SIZE_TEXT)],
+                      AfterValidator(_size_value)]
+DurationValue = Annotated[Annotated[float, Strict()] | Annotated[str, Strict(), Field(max_length=MAX_DURATION_TEXT)],
+                          AfterValidator(_duration_value)]
+
+
 class PolicySettings(BaseModel):
     """A managed policy's settings, as `gpukillctl guard policy add` takes them: only those given are set (a
     limit left out is no limit), at least one limit; which apply depends on the kind (gpukilld refuses the
@@ -374,17 +408,19 @@ class PolicySettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    memory_limit: int | None = Field(
-        None, ge=1, le=MAX_SIZE, description="bytes of GPU memory (user, group: summed over their processes)"
+    memory_limit: SizeValue | None = Field(
+        None, description="bytes of GPU memory (user, group: summed over their processes)" + SIZE_DOC
     )
     utilization_limit: float | None = Field(None, ge=0, le=100, description="percent of GPU utilization")
     process_limit: int | None = Field(None, ge=0, le=MAX_UINT32, description="GPU processes at once (user, group)")
     allowed_users: list[BusText] | None = Field(
         None, max_length=MAX_ALLOWED_USERS, description="gpu: only these users may hold it"
     )
-    reserved_memory: int | None = Field(None, ge=1, le=MAX_SIZE, description="gpu: bytes kept free on the device")
-    grace: float | None = Field(
-        None, ge=0, le=MAX_GRACE_PERIOD, description="seconds over a limit before the kill (default 30)"
+    reserved_memory: SizeValue | None = Field(
+        None, description="gpu: bytes kept free on the device" + SIZE_DOC
+    )
+    grace: DurationValue | None = Field(
+        None, description=f"seconds over a limit before the kill (default 30); or text ({DURATION_FORMS})"
     )
 
 

@@ -133,8 +133,8 @@ def _sim_device(i: int, raw: object, where: str) -> SimDevice:
     if unknown := set(raw) - _DEVICE_KEYS:
         raise ConfigError(f"{where}: unknown key {short(sorted(unknown, key=lambda k: short(k, 60))[0], 60)}")
     try:
-        memory_total = parse_size(raw["memory_total"]) if "memory_total" in raw else None
-        memory_used = parse_size(raw.get("memory_used", 0))
+        memory_total = parse_size(raw["memory_total"], bare=1) if "memory_total" in raw else None
+        memory_used = parse_size(raw.get("memory_used", 0), bare=1)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
     state = raw.get("state", STATE_OK)
@@ -210,7 +210,7 @@ def parse_usage(env: dict[str, str], scope: str | None = None) -> SimUsage | Non
     memory = utilization = None
     if "GPUKILL_SIM_MEM" in env:
         try:
-            memory = parse_size(env["GPUKILL_SIM_MEM"])
+            memory = parse_size(env["GPUKILL_SIM_MEM"], bare=1)
         except ValueError:
             memory = None
     if "GPUKILL_SIM_UTIL" in env:

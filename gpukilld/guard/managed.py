@@ -201,7 +201,7 @@ class ManagedPolicies:
     def set(self, kind: str, target: str, settings: Mapping[str, Any], uid: int, who: str) -> ManagedPolicyEntry:
         check_target(kind, target)
         check_settings(settings)
-        policy = managed_policy.parse_settings(kind, target, settings)
+        policy = managed_policy.parse_settings(kind, target, settings, caller=True)
         found = self.found()
         changes, ops = self._place([policy], found, "set")
         self._apply(changes, ops, uid, who)

@@ -47,14 +47,3 @@ export function clock(epochSeconds) {
 export function text(value) {
   return value === null || value === undefined || value === "" ? UNKNOWN : String(value);
 }
-
-// "8GiB", "512 MiB", "1e9" → bytes; "" → null; anything else → NaN (the caller says what is wrong).
-export function parseBytes(input) {
-  const t = input.trim();
-  if (t === "") return null;
-  const m = /^(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?$/i.exec(t);
-  if (!m) return NaN;
-  const scale = {"": 1, b: 1, k: 2 ** 10, m: 2 ** 20, g: 2 ** 30, t: 2 ** 40};
-  const unit = (m[2] || "").toLowerCase().replace(/i?b$/, "").replace(/^b$/, "");
-  return Math.round(parseFloat(m[1]) * scale[unit || ""]);
-}

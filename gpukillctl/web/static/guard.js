@@ -82,13 +82,14 @@ async function testPolicy() {
 
 function managedBody() {
   const body = {};
-  const sizes = {memory_limit: "#mp-memory", reserved_memory: "#mp-reserved"};
-  for (const [field, input] of Object.entries(sizes)) {
-    const value = fmt.parseBytes($(input).value);
-    if (Number.isNaN(value)) throw new Error(`${field}: not a size (say 8GiB)`);
-    if (value !== null) body[field] = value;
+  // sizes and the grace go as typed: the server reads them in gpukill's one grammar (8GiB, 90s, 2min) and
+  // answers a one-line error naming the field
+  const texts = {memory_limit: "#mp-memory", reserved_memory: "#mp-reserved", grace: "#mp-grace"};
+  for (const [field, input] of Object.entries(texts)) {
+    const text = $(input).value.trim();
+    if (text !== "") body[field] = text;
   }
-  const numbers = {utilization_limit: "#mp-utilization", process_limit: "#mp-processes", grace: "#mp-grace"};
+  const numbers = {utilization_limit: "#mp-utilization", process_limit: "#mp-processes"};
   for (const [field, input] of Object.entries(numbers)) {
     const text = $(input).value.trim();
     if (text === "") continue;
