@@ -7,6 +7,7 @@ into inf, no int(inf)). Anything else is ValueError with a one-line reason.
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 
@@ -84,12 +85,12 @@ def format_duration(seconds: float | None) -> str:
         return UNKNOWN
     seconds = max(float(seconds), 0.0)
     if seconds < 0.9995:
-        ms = round(seconds * 1000)
+        ms = _half_up(seconds * 1000)
         return f"{ms}ms" if ms else "0s"
     if seconds < 9.95:
-        return f"{round(seconds, 1):g}s"
+        return f"{_half_up(seconds * 10) / 10:g}s"
     step = 60 if seconds >= 86400 - 0.5 else 1
-    left = round(seconds / step) * step
+    left = _half_up(seconds / step) * step
     parts: list[str] = []
     first = None
     for i, (unit, size) in enumerate(_SPAN_UNITS):
@@ -102,6 +103,11 @@ def format_duration(seconds: float | None) -> str:
             parts.append(f"{left // size}{unit}")
             left %= size
     return " ".join(parts)
+
+
+def _half_up(x: float) -> int:
+    """x rounded to a whole number, halves up, as JavaScript's Math.round: the page prints the same text."""
+    return math.floor(x + 0.5)
 
 
 def format_energy(joules: float | None) -> str:
