@@ -524,7 +524,7 @@ def _title(state: TopState, width: int) -> Line:
     count = f"{len(s.processes)} processes" + (f", {shown_rows} match /{state.filter}" if state.filter else "")
     order = SORTS[state.sort]
     text = (f"gpukill top - {len(s.devices)} GPUs, {count} - sorted by {order.name}"
-            f"{' (reversed)' if state.reverse else ''} - every {s.interval:g}s - {guard}")
+            f"{' (reversed)' if state.reverse else ''} - every {format_duration(s.interval)} - {guard}")
     return ((fit(shown(text), width), TITLE),)
 
 
