@@ -21,7 +21,7 @@ from typing import Any
 from .device_faults import recovery_action
 from .records import FINDING_IDLE, FINDING_MINER
 from .rules import PER_DEVICE, PER_GROUP, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, Condition
-from .units import format_size
+from .units import format_duration, format_size
 
 # Kinds: how a value is written in a policy, so how the parser reads it and the engine compares it. User and
 # group conditions are decided on a subject's (uid, user name) (a group subject: on its name); an index on
@@ -65,10 +65,6 @@ def _percent(v: float) -> str:
 
 def _celsius(v: float) -> str:
     return f"{v:g}°C"
-
-
-def _seconds(v: float) -> str:
-    return f"{v:.0f}s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +206,7 @@ CONDITION_TYPES: dict[str, ConditionType] = {
                       lower_bound_on=(ON_PROCESS,), victim_order=BY_UTILIZATION),
         ConditionType("gpu_memory", SIZE, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "gpu_memory"}, format_size,
                       lower_bound_on=(ON_PROCESS,), victim_order=BY_MEMORY),
-        ConditionType("runtime", DURATION, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "runtime"}, _seconds),
+        ConditionType("runtime", DURATION, NUMBER_OPS, _PROC_ROLES, {ON_PROCESS: "runtime"}, format_duration),
         # Killing every process of a user over a user-wide sum would be a disaster: the sum needs per_user,
         # where only the largest processes are killed until the user is back under.
         ConditionType("user_memory", SIZE, NUMBER_OPS, _USER_ONLY, {ON_USER: "memory"}, format_size,

@@ -19,6 +19,11 @@ import unicodedata
 
 # Categories a terminal or mail client may act on: Cc (controls), Cf (format: bidi overrides, zero-width
 # joiners), Zl/Zp (line and paragraph separators). Everything else prints as itself.
+# What every human rendering (CLI tables, top, the dashboard, journal text) prints for a value nobody measured:
+# an en dash. JSON and D-Bus records keep null; an unknown value never prints as 0. Here rather than in
+# gpukill/units.py (whose formatters use it) so that the one-shot listing reaches it without units' imports.
+UNKNOWN = "\u2013"
+
 _UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
 _SAFE_ASCII = frozenset(chr(c) for c in range(0x20, 0x7F))
 

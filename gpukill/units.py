@@ -19,6 +19,8 @@ import math
 import re
 from fractions import Fraction
 
+from .text import UNKNOWN
+
 # 1 EiB = 2^60 bytes: a million times the memory of any GPU or host, yet a size that every consumer holds
 # exactly (a signed or unsigned 64-bit integer on the bus and in C, a double in JSON) with room to add a
 # few together. 2^63 would be the type's own limit; it buys nothing real and leaves no room for sums.
@@ -170,8 +172,61 @@ def format_size(n: float) -> str:
     raise AssertionError
 
 
-def format_duration(seconds: float) -> str:
-    """A duration as a policy writes it: whole hours or minutes in h or m, anything else in seconds."""
-    if seconds >= 60 and seconds % 60 == 0:
-        return f"{seconds / 3600:g}h" if seconds % 3600 == 0 else f"{seconds / 60:g}m"
-    return f"{seconds:g}s"
+# systemd's timespan units, largest first: a duration prints as systemctl and journalctl print theirs.
+_SPAN_UNITS = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
+
+
+def format_duration(seconds: float | None) -> str:
+    """A duration as systemd writes a timespan: "2h 26min 9s", "3min 30s", "45s", "1.5s", "500ms".
+
+    At most three units, the largest and the two below it, parts that are 0 left out ("1h 5s"); rounded to
+    the smallest of them (a minute from a day on, a second from ten seconds on, a tenth below ten seconds, a
+    millisecond below one). None, nan and inf are UNKNOWN; a negative duration (a deadline already past)
+    prints as 0s."""
+    if seconds is None or seconds != seconds or seconds in (float("inf"), float("-inf")):
+        return UNKNOWN
+    seconds = max(float(seconds), 0.0)
+    if seconds < 0.9995:
+        ms = _half_up(seconds * 1000)
+        return f"{ms}ms" if ms else "0s"
+    if seconds < 9.95:
+        return f"{_half_up(seconds * 10) / 10:g}s"
+    step = 60 if seconds >= 86400 - 0.5 else 1
+    left = _half_up(seconds / step) * step
+    parts: list[str] = []
+    first = None
+    for i, (unit, size) in enumerate(_SPAN_UNITS):
+        if first is None and left < size:
+            continue
+        first = i if first is None else first
+        if i > first + 2:
+            break
+        if left >= size:
+            parts.append(f"{left // size}{unit}")
+            left %= size
+    return " ".join(parts)
+
+
+def _half_up(x: float) -> int:
+    """x rounded to a whole number, halves up, as JavaScript's Math.round: the page prints the same text."""
+    return math.floor(x + 0.5)
+
+
+def format_energy(joules: float | None) -> str:
+    """Energy in joules, as the exporter counts it (gpukill_energy_joules): "850 J", "212 kJ", "1.5 MJ", "3.6
+    GJ", three significant digits. None, nan and inf are UNKNOWN: a GPU without a power sensor measured
+    nothing, which is not 0 J."""
+    if joules is None or joules != joules or joules in (float("inf"), float("-inf")):
+        return UNKNOWN
+    value = max(float(joules), 0.0)
+    for unit, size in (("GJ", 1e9), ("MJ", 1e6), ("kJ", 1e3)):
+        if value >= size * 0.9995:  # 999.6 J rounds to 1 kJ, never to "1000 J"
+            return f"{_three(value / size)} {unit}"
+    return f"{_three(value)} J"
+
+
+def _three(x: float) -> str:
+    """Three significant digits without an exponent: 0.5, 8.25, 212, 1000 (the largest unit's overflow)."""
+    if x >= 99.95:
+        return f"{x:.0f}"
+    return f"{x:.1f}" if x >= 9.995 else f"{x:.2f}".rstrip("0").rstrip(".")

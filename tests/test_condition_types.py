@@ -55,7 +55,7 @@ NEVER = {STRING: ("==", "no-such-value"), USER: ("==", "no-such-user"), GROUP: (
          INDEX: ("!=", 0)}
 SECRET = "--token=s3cr3t"  # in the process's command line: no reason may carry it
 # What a reason shows of the snapshot below, for each type with a printer.
-SHOWN = {"user": "'alice'", "gpu_utilization": "60%", "gpu_memory": "2.0 GiB", "runtime": "999s",
+SHOWN = {"user": "'alice'", "gpu_utilization": "60%", "gpu_memory": "2.0 GiB", "runtime": "16min 39s",
          "user_memory": "2.0 GiB", "device_memory": "2.0 GiB", "temperature": "70°C", "device_state": "'ok'",
          "state_reason": "'Xid 79; recovery action: GPU reset'", "recovery_action": "'GPU reset'",
          "rogue_score": "0", "rogue_kind": "''", "gpu": "0", "user_utilization": "60%", "user_processes": "1",

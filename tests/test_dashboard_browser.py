@@ -408,6 +408,60 @@ def test_every_page_draws_its_data(browser, server, victims, users):
     assert not problems, problems
 
 
+@in_browser
+def test_the_page_prints_what_the_cli_prints_and_colours_load(browser, server, victims, users):
+    """Unknown energy (a GPU without a power sensor) is "–", never "0 J"; a duration reads as the CLI writes it;
+    a busy GPU's bar is red and its cool neighbour's idle one green, with the legend saying so."""
+    owner, other, admin = users["owner"], users["other"], users["admin"]
+    pids = {}
+    for gpu, util, comm in ((0, 95, "hotload"), (1, 2, "coolload"), (2, 40, "nopower")):
+        pids[comm] = victims.victim(owner, gpu=gpu, mem="2GiB", util=util, comm=comm).pid
+        victims.wait_listed(pids[comm])
+    browser.login(server, "overview")
+    browser.wait(lambda: browser.css('#hosts-overview .gpu[data-index="0"] .bar-fill.load-heavy'), 15,
+                 "GPU 0 at 95% is not drawn heavy")
+    assert browser.css('#hosts-overview .gpu[data-index="1"] .bar-fill.load-light')
+    assert browser.text('#hosts-overview .gpu[data-index="3"] .gpu-temp') == "\u2013"  # no sensor: not 0 °C
+    assert "heavy (from 75 %" in browser.text("#load-legend")
+    browser.screenshot("display-overview")
+
+    browser.open(server, "processes")
+    row = wait_row(browser, pids["hotload"])
+    assert row.find_element("css selector", "td.col-utilization").get_attribute("data-load") == "heavy"
+
+    browser.open(server, "usage")
+    browser.driver.find_element("css selector", '#usage-by option[value="gpu"]').click()
+
+    def energy_of(index: int) -> str | None:
+        for tr in browser.css("#usage-table tbody tr"):
+            cells = tr.find_elements("css selector", "td")
+            if cells and cells[0].text.startswith(f"GPU {index}"):
+                return cells[-1].text
+        return None
+
+    browser.wait(lambda: energy_of(2) is not None and energy_of(0) is not None, 30, "no usage of GPUs 0 and 2")
+    assert energy_of(2) == "\u2013", energy_of(2)  # the MI210 of the bed reports no power
+    assert re.fullmatch(r"\d+(\.\d+)? k?J", energy_of(0) or ""), energy_of(0)
+    assert "0 J" not in browser.text("#usage-report").replace(energy_of(0) or "", "")
+    browser.screenshot("display-usage")
+
+    # a managed policy's grace: the page writes what `gpukillctl guard policy list` writes
+    added = victims.ctl(admin, "guard", "policy", "add", "user", other.name, "--memory-limit", "64GiB",
+                        "--grace", "150s")
+    assert added.returncode == 0, added
+    try:
+        listed = victims.ctl(admin, "guard", "policy", "list")
+        assert "grace 2min 30s" in listed.stdout, listed
+        browser.open(server, "guard")
+        browser.wait(lambda: "grace 2min 30s" in browser.text("#managed-list"), 15,
+                     lambda: f"the page says {browser.text('#managed-list')!r} {browser.driver.get_log('browser')}")
+        assert "users" not in browser.text("#managed table")  # no allowed_users: none listed, the page draws on
+        assert "In a grace period" in browser.text("#guard-status")
+        browser.screenshot("display-guard")
+    finally:
+        victims.ctl(admin, "guard", "policy", "remove", "user", other.name)
+
+
 # -- without a browser ----------------------------------------------------------------------------------------
 
 

@@ -112,7 +112,7 @@ def test_the_issue_policy_loads_as_is(guard):
     assert st["source"] == "loaded" and st["files"] == [str(ISSUE_FILE)] and st["policy_error"] == ""
     rules = {r["name"]: r for r in st["rules"]}
     assert rules[MINERS]["conditions"] == ["process_name contains_any [xmrig, ethminer, cpuminer]",
-                                           "gpu_utilization > 95% for 5m"]
+                                           "gpu_utilization > 95% for 5min"]
     assert rules[MINERS]["match"] == "all" and rules[MEMORY]["scope"] == "per_user"
     loaded = bed.journal(MESSAGE_ID=audit.GUARD_POLICY.message_id, GPUKILL_RESULT="loaded")
     assert loaded and loaded[-1]["GPUKILL_RULES"] == f"{MINERS}, {MEMORY}"

@@ -121,14 +121,14 @@ def test_a_guard_grace_is_a_critical_countdown_replaced_in_place_by_the_outcome(
     first, rest = shown[0], shown[1:]
     assert first.replaces_id == 0 and first.urgency == CRITICAL, shown
     subject = f"PID {hog.pid} (gpuhog, user gpkowner)"
-    assert first.summary == f"{subject} will be stopped in {GRACE} s", shown
+    assert first.summary == f"{subject} will be stopped in {GRACE}s", shown
     assert first.body == ("Guard rule no-hogs: process_name contains_any [gpuhog].\n"
-                          f"It gets SIGTERM in {GRACE} s unless it comes back within the rule.")
+                          f"It gets SIGTERM in {GRACE}s unless it comes back within the rule.")
     popup = sum(n.replaces_id == 0 for n in session.notifications()[:mark + 1])  # the server's ids count from 1
     assert all(n.replaces_id == popup for n in rest), ("one pop-up, updated in place", shown)
     countdown = [n for n in rest if n.urgency == CRITICAL]
-    assert [n.summary for n in countdown][:2] == [f"{subject} will be stopped in {GRACE - 1} s",
-                                                  f"{subject} will be stopped in {GRACE - 2} s"]
+    assert [n.summary for n in countdown][:2] == [f"{subject} will be stopped in {GRACE - 1}s",
+                                                  f"{subject} will be stopped in {GRACE - 2}s"]
     assert rest[-1] == final[-1] and final[-1].urgency == NORMAL  # the ProcessKilled made no pop-up of its own
     assert final[-1].summary == f"Guard rule no-hogs: gpuhog (PID {hog.pid}) terminated"
     assert final[-1].body == f"Guard rule no-hogs: process_name contains_any [gpuhog].\ngpuhog (PID {hog.pid}) terminated."

@@ -20,8 +20,8 @@ def violated(uid: int, grace: float = 30.0, subject: str = "user me") -> PolicyV
 def test_a_cancelled_grace_closes_the_users_countdown_in_place():
     n = Narrator(Audience(ME))
     (opened,) = n.on_event(violated(ME), 0.0, WALL + 10)  # 10 s of the 30 s grace already ran
-    assert opened.step is Step.OPEN and opened.urgency == CRITICAL and opened.summary.endswith("in 20 s")
-    assert n.next_due() == 1.0 and [t.summary for t in n.tick(1.0)] == ["user me will be stopped in 19 s"]
+    assert opened.step is Step.OPEN and opened.urgency == CRITICAL and opened.summary.endswith("in 20s")
+    assert n.next_due() == 1.0 and [t.summary for t in n.tick(1.0)] == ["user me will be stopped in 19s"]
     (closed,) = n.on_event(GuardActionTaken("cap", "user me", "kill", 0, 0, "cancelled", False), 2.0, WALL)
     assert closed.key == opened.key and closed.step is Step.CLOSE and closed.urgency == NORMAL
     assert "nothing was stopped" in closed.body and n.tick(3.0) == []

@@ -280,8 +280,8 @@ def test_the_epilog_says_the_ended_jobs_gpu_use_in_one_line(victims, users, tmp_
                                                SLURM_JOB_START_TIME=str(started)))
     assert r.returncode == 0, r
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("gpukill-slurm: job 6161 used: ")]
-    assert re.fullmatch(r"gpukill-slurm: job 6161 used: GPU time \d+s, SM time \S+( \S+)?, memory \d+\.\d+ GiB·h, "
-                        r"peak [\d.]+ \S+, energy \d+ J; processes: 1( \(1 live\))?", line), line
+    assert re.fullmatch(r"gpukill-slurm: job 6161 used: GPU time [\d.]+s, SM time \S+( \S+)?, memory \d+\.\d+ GiB·h, "
+                        r"peak [\d.]+ \S+, energy [\d.]+ k?J; processes: 1( \(1 live\))?", line), line
     r = _run_script(bed, "epilog", _script_env(tmp_path, "6262", "", ctl))  # a job that never used a GPU here
     assert r.returncode == 0 and "gpukill-slurm: job 6262 used: no GPU on this node" in r.stderr, r
     fails = 'case "$1" in usage) echo "gpukillctl: GetUsage failed" >&2; exit 1 ;; esac; exec ' + ctl[5:]

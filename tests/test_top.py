@@ -29,8 +29,9 @@ TOP = [PYTHON, "-m", "gpukillctl", "top"]
 def terminal(victims):
     panes: list[TmuxPane] = []
 
-    def open_as(user) -> TmuxPane:
+    def open_as(user, **env: str) -> TmuxPane:
         pane = TmuxPane(victims, user)
+        pane.env.update(env)
         panes.append(pane)
         pane.start(TOP)
         pane.wait_for("gpukill top - ")
@@ -224,14 +225,14 @@ def test_top_stays_responsive_with_8_gpus_and_2048_processes_and_shows_guard(cro
         pane.keys("guarded", literal=True)
         pane.keys("Enter")
         screen = pane.wait_for(lambda s: len(order(s, guarded.pid)) == GPUS and "watch-busy" in s, timeout=30)
-        assert all(re.search(r"window \d+/3600s: watch-busy", row) for row in process_rows(screen)), screen
+        assert all(re.search(r"window [0-9.a-z ]+/1h: watch-busy", row) for row in process_rows(screen)), screen
         assert "rule watch-busy, gpu_utilization > 50" in screen  # the details say which condition holds
         pane.keys("/")
         pane.keys("C-u")
         pane.keys("doomed", literal=True)
         pane.keys("Enter")
         screen = pane.wait_for(lambda s: len(order(s, doomed.pid)) == GPUS and "evict-doomed" in s, timeout=30)
-        assert all(re.search(r"KILL in \d+s: evict-doomed", row) for row in process_rows(screen)), screen
+        assert all(re.search(r"KILL in [0-9.a-z ]+: evict-doomed", row) for row in process_rows(screen)), screen
         assert f"rule evict-doomed kills PID {doomed.pid} (doomed, user gpkowner) in" in screen
     finally:
         pane.close()
@@ -242,8 +243,46 @@ def test_top_shows_the_sessions_gpu_totals(terminal, victims, users):
     owner = users["owner"]
     victims.wait_listed(victims.victim(owner, gpu=0, mem="4GiB", util=60, comm="sessiontot").pid)
     pane = terminal(owner)
-    screen = pane.wait_for(lambda s: re.search(r"^session \(\d+s\): GPU time [1-9]\d*s, memory \d+\.\d\d GiB·h, "
-                                               r"energy \d+ J", s, re.M), timeout=30)
+    screen = pane.wait_for(lambda s: re.search(r"^session \([\d.]+s\): GPU time [1-9][\d.]*s, memory \d+\.\d\d "
+                                               r"GiB·h, energy [1-9][\d.]* k?J", s, re.M), timeout=30)
     assert screen.startswith("gpukill top - ")
     pane.keys("q")
     pane.wait_for(f"{EXITED}0]")
+
+
+# SGR colour sequences as tmux writes them back: 30-37 and 90-97 (8 and bright colours), 38;5;N and 38;2;R;G;B
+_COLOUR = re.compile(r"\x1b\[(?:[0-9;]*;)?(?:3[0-7]|9[0-7]|38;[25];[0-9;]+)(?:;[0-9;]*)?m")
+_RED, _GREEN = re.compile(r"\x1b\[(?:[0-9;]*;)?31(?:;[0-9;]*)?m"), re.compile(r"\x1b\[(?:[0-9;]*;)?32(?:;[0-9;]*)?m")
+
+
+def test_top_colours_load_as_nvitop_does_and_not_under_no_color(terminal, victims, users):
+    """A busy process's UTIL is red and an idle one's green (nvitop's thresholds, 75% and 10%); with NO_COLOR set
+    the same screen has bold and reverse but no colour at all."""
+    owner = users["owner"]
+    hot = victims.victim(owner, gpu=1, mem="1GiB", util=95, comm="hotcolour")
+    idle = victims.victim(owner, gpu=2, mem="1GiB", util=2, comm="idlecolour")
+    first = victims.victim(owner, gpu=0, mem="6GiB", util=50, comm="selected")  # the selection: drawn reversed
+    for p in (hot, idle, first):
+        victims.wait_listed(p.pid)
+
+    def row_of(screen: str, pid: int) -> str:
+        return next(line for line in screen.splitlines() if re.match(rf"(\x1b\[[0-9;]*m)*{pid} ", line))
+
+    pane = terminal(owner)
+    pane.wait_for(lambda s: order(s, first.pid, hot.pid, idle.pid) in ([first.pid, hot.pid, idle.pid],
+                                                                   [first.pid, idle.pid, hot.pid]))
+    coloured = pane.screen(escapes=True)
+    busy_row, idle_row = row_of(coloured, hot.pid), row_of(coloured, idle.pid)
+    assert re.search(_RED.pattern + r" *95%", busy_row), busy_row
+    assert re.search(_GREEN.pattern + r" *2%", idle_row), idle_row
+    pane.keys("q")
+    pane.wait_for(f"{EXITED}0]")
+
+    plain = terminal(owner, NO_COLOR="1")
+    plain.wait_for(lambda s: order(s, first.pid, hot.pid, idle.pid) in ([first.pid, hot.pid, idle.pid],
+                                                                   [first.pid, idle.pid, hot.pid]))
+    screen = plain.screen(escapes=True)
+    assert "\x1b[" in screen, "attributes (bold, reverse) are still drawn"
+    assert not _COLOUR.search(screen), screen
+    plain.keys("q")
+    plain.wait_for(f"{EXITED}0]")

@@ -204,8 +204,8 @@ def test_guard_windows_and_graces_land_on_the_processes_they_concern():
     screen = text_of(render(state, 160, 30))
     row = next(line for line in screen.splitlines() if line.startswith("5 "))
     assert row.endswith("KILL in 12s: miners (+1)")
-    assert "window 30/60s: hog" not in row and "KILL in 100s: hot (+1)" in screen
-    assert not next(line for line in screen.splitlines() if line.startswith("8 ")).rstrip().endswith("s: hog")
+    assert "window 30s/1min: hog" not in row and "KILL in 1min 40s: hot (+1)" in screen
+    assert not next(line for line in screen.splitlines() if line.startswith("8 ")).rstrip().endswith(": hog")
     # the selected process's details name every mark in full
     state.key("/")
     for ch in "xmrig":
@@ -213,7 +213,7 @@ def test_guard_windows_and_graces_land_on_the_processes_they_concern():
     state.key("ENTER")
     details = text_of(render(state, 200, 30))
     assert "grace: rule miners kills PID 5 (xmrig, user bob) in 12s" in details
-    assert "window: rule busy, gpu_utilization > 95 has held 200s of 300s" in details
+    assert "window: rule busy, gpu_utilization > 95 has held 3min 20s of 5min" in details
 
 
 def test_no_guard_status_is_said_and_nothing_is_marked():
@@ -292,3 +292,39 @@ def test_top_fetches_on_a_signalled_change_and_otherwise_only_redraws():
     assert must_fetch(timed, 101.0, **heard), "a grace's seconds move with no signal"
     later = quiet.at(BOOTTIME + 5)
     assert later.runtime(quiet.processes[0]) == quiet.runtime(quiet.processes[0]) + 5
+
+
+def _styles_of(line) -> dict[str, str]:
+    """Each non-blank segment's text (stripped) and its style."""
+    return {t.strip(): style for t, style in line if t.strip()}
+
+
+def test_load_is_coloured_as_nvitop_does_and_unknown_is_a_dash_not_zero():
+    devices = (Device(index=0, id="GPU-0", backend="simulated", vendor="nvidia", name="hot", utilization=95.0,
+                      memory_used=76 * GiB, memory_total=80 * GiB, temperature=88.0, power=350.0),
+               Device(index=1, id="GPU-1", backend="simulated", vendor="nvidia", name="idle", utilization=3.0,
+                      memory_used=4 * GiB, memory_total=80 * GiB, temperature=40.0),
+               Device(index=2, id="GPU-2", backend="simulated", vendor="nvidia", name="half", utilization=50.0,
+                      memory_used=40 * GiB, memory_total=80 * GiB, temperature=78.0),
+               Device(index=3, id="GPU-3", backend="simulated", vendor="amd", name="blind"))
+    procs = (proc(1, util=90.0, mem=8 * GiB), proc(2, util=1.0, mem=4 * GiB), proc(3, util=None, mem=2 * GiB),
+             proc(4, util=30.0, mem=None))
+    state = TopState()
+    state.update(Sample(devices=devices, processes=procs, guard=None, interval=1.0, boottime=BOOTTIME,
+                        clock_ticks=CLOCK_TICKS))
+    lines = render(state, 160, 30)
+    hot, idle, half, blind = (_styles_of(lines[i]) for i in range(1, 5))
+    assert hot["95%"] == "heavy" and hot["88C"] == "heavy" and idle["3%"] == "light" and idle["40C"] == "normal"
+    assert half["50%"] == "moderate" and half["78C"] == "moderate"
+    assert [s for t, s in lines[1] if t.startswith("[")] == ["heavy", "heavy"]  # 95% busy, 95% of memory used
+    assert [s for t, s in lines[2] if t.startswith("[")] == ["light", "light"]
+    blind_text = text_of([lines[4]])
+    assert "n/a" in blind_text and " 0%" not in blind_text and "– / –" in blind_text and "–  –" in blind_text
+    assert set(blind.values()) == {"normal"}
+    header = next(i for i, line in enumerate(lines) if text_of([line]).startswith("PID "))
+    rows = {int(text_of([line]).split()[0]): line for line in lines[header + 1:header + 5]}
+    # the first row is the selection (reversed, no colour); the others' UTIL cells are coloured by load
+    assert _styles_of(rows[2])["1%"] == "light" and _styles_of(rows[3])["–"] == "normal"
+    assert _styles_of(rows[4])["30%"] == "moderate"
+    assert text_of([rows[4]]).split()[3] == "–"  # GPU MEM unknown
+    assert "1min" in text_of([rows[2]])  # RUNTIME as systemd writes it (the processes are 60s old)

@@ -17,7 +17,7 @@ from gpukillctl.cli import main as cli
 from gpukillctl.cli.usage import query_of
 from gpukillctl.client.api import UNKNOWN_METHOD, ClientAPI, ClientError, Var, usage_variants
 from gpukillctl.client.dbus import ERRORS
-from gpukillctl.client.usage import duration, energy, gib_hours, parse_when, usage_table
+from gpukillctl.client.usage import gib_hours, parse_when, usage_table
 
 GIB = 1 << 30
 NOW = 1_780_000_000.0  # a fixed instant: 2026-05-28
@@ -149,10 +149,10 @@ def test_the_table_says_each_total_and_unknown_where_unmeasured(capsys):
     lines = out.splitlines()
     assert lines[0].split() == ["USER", "PROCESSES", "GPU", "TIME", "SM", "TIME", "MEMORY", "PEAK", "ENERGY"]
     assert lines[1].split() == ["alice", "2", "(1", "live)", "1h", "2min", "38min", "6.10", "GiB·h", "4.0", "GiB",
-                                "212.0", "kJ"]
-    # bob's name is escaped; his SM time known over half his GPU time says so; no energy measured: unknown
+                                "212", "kJ"]
+    # bob's name is escaped; his SM time known over half his GPU time says so; no energy measured: "–", not 0
     assert "bob\\x1b[2J" in lines[2] and "\x1b" not in out
-    assert "3s (50% known)" in lines[2] and lines[2].rstrip().endswith("unknown")
+    assert "3s (50% known)" in lines[2] and lines[2].rstrip().endswith(" \u2013")
     assert "by user, the first 2 of 3 groups." in out
 
 
@@ -184,13 +184,8 @@ def test_daemon_errors_are_gpukillctls_exit_statuses():
     assert exit_code(e.value) == 9 and "keeps no usage accounting" in str(e.value)
 
 
-def test_the_formats():
-    assert duration(None) == "unknown" and duration(0) == "0s" and duration(0.4) == "0.4s" and duration(0.99) == "1s"
-    assert duration(3720) == "1h 2min" and duration(2280) == "38min" and duration(3605) == "1h"
-    assert duration(90061) == "1d 1h" and duration(59) == "59s" and duration(90) == "1min 30s"
+def test_gib_hours():
     assert gib_hours(GIB * 3600) == "1.00 GiB·h" and gib_hours(0) == "0.00 GiB·h"
-    assert energy(None) == "unknown" and energy(999) == "999 J" and energy(212_000) == "212.0 kJ"
-    assert energy(3.6e6) == "3.6 MJ"
 
 
 def test_rows_are_labelled_by_what_they_are_grouped_by():

@@ -312,9 +312,9 @@ def test_top_shows_the_sessions_totals_between_the_gpus_and_the_processes():
                          since=NOW - 720, until=NOW)
     screen = text_of(render(state, 120, 30))
     line = next(ln for ln in screen.splitlines() if ln.startswith("session"))
-    assert line == "session (12min): GPU time 1h 3min, memory 6.13 GiB·h, energy 212.0 kJ"
+    assert line == "session (12min): GPU time 1h 3min, memory 6.13 GiB·h, energy 212 kJ"
     state.usage = report("user", row("bob", gpu_seconds=60.0), since=NOW - 60, until=NOW)
-    assert "energy unknown" in text_of(render(state, 120, 30))  # no device reported power: not 0 J
+    assert "energy \u2013" in text_of(render(state, 120, 30))  # no device reported power: not 0 J
     state.usage, state.usage_note = None, "no totals: this gpukilld keeps no usage accounting"
     assert "session: no totals: this gpukilld keeps no usage accounting" in text_of(render(state, 120, 30))
 

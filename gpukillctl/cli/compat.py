@@ -820,9 +820,11 @@ async def preview(client: ClientAPI, selection: Selection) -> int:
 
 
 def _how(force: bool, grace: float | None) -> str:
+    from gpukill.units import format_duration
+
     if not force:
         return "SIGTERM"
-    return f"SIGTERM, then SIGKILL if alive after {'the grace period' if grace is None else f'{grace:g}s'}"
+    return f"SIGTERM, then SIGKILL if alive after {'the grace period' if grace is None else format_duration(grace)}"
 
 
 async def targets_of(client: ClientAPI, selection: Selection) -> list:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpukill.outcome import Outcome
 from gpukill.records import to_plain
+from gpukill.text import UNKNOWN
 
 from ..client.api import ClientAPI
 from ..client.exits import EXIT_FAILURE, EXIT_INVALID_POLICY, EXIT_USAGE
@@ -220,14 +221,13 @@ async def _change(client: ClientAPI, args: argparse.Namespace) -> int:
 
 
 def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else UNKNOWN
 
 
-def _seconds(s: float) -> str:
-    """A duration as people read it: "2h 26min", "45s" (as the usage report writes them)."""
-    from ..client.usage import duration
+def _seconds(s: float | None) -> str:
+    from gpukill.units import format_duration  # imported when a duration is printed: not at every start
 
-    return duration(s)
+    return format_duration(s)
 
 
 async def _status(client: ClientAPI, args: argparse.Namespace) -> int:

@@ -316,11 +316,13 @@ async def cmd_reset(client: ClientAPI, args: argparse.Namespace) -> int:
 
 
 async def cmd_status(client: ClientAPI, args: argparse.Namespace) -> int:
+    from gpukill.units import format_duration
+
     status = await client.status()
     devices = await client.list_devices()
     procs = await client.list_processes()
     lost = [d for d in devices if d.state != STATE_OK]
-    print(f"gpukilld {status.version}, sampling every {status.sample_interval:g}s")
+    print(f"gpukilld {status.version}, sampling every {format_duration(status.sample_interval)}")
     if status.sampling is not None:  # events: a process's exec or rename is seen in the next sample
         print(shown(f"process changes: {status.sampling.mode} - {status.sampling.detail}"))
     print(f"{len(devices)} GPUs ({len(lost)} lost), {len(procs)} GPU processes")

@@ -1,4 +1,4 @@
-"""Human output: tables of devices and processes. Unknown values print as "-", never as 0.
+"""Human output: tables of devices and processes. Unknown values print as "–" (gpukill.text.UNKNOWN), never as 0.
 
 Every text that comes from the daemon is escaped before it reaches the terminal (`shown`): a process picks its
 own name and command line, and a name with an escape sequence must not repaint the admin's screen. JSON output
@@ -8,12 +8,12 @@ keeps the exact text.
 from __future__ import annotations
 
 from gpukill.records import STATE_OK, Device, Process
-from gpukill.text import shown
+from gpukill.text import UNKNOWN, shown
 
 
 def size(n: int | None) -> str:
     if n is None:
-        return "-"
+        return UNKNOWN
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -22,7 +22,7 @@ def size(n: int | None) -> str:
 
 
 def percent(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}%"
+    return UNKNOWN if v is None else f"{v:.0f}%"
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -39,8 +39,8 @@ def devices_table(devices: list[Device]) -> str:
     rows = []
     for d in devices:
         memory = f"{size(d.memory_used)} / {size(d.memory_total)}"
-        temp = "-" if d.temperature is None else f"{d.temperature:.0f}°C"
-        power = "-" if d.power is None else f"{d.power:.0f} W"
+        temp = UNKNOWN if d.temperature is None else f"{d.temperature:.0f}°C"
+        power = UNKNOWN if d.power is None else f"{d.power:.0f} W"
         state = d.state + (f" ({d.state_reason})" if d.state != STATE_OK and d.state_reason else "")
         rows.append([str(d.index), d.name, d.vendor, percent(d.utilization), memory, temp, power, state])
     return table(["GPU", "NAME", "VENDOR", "UTIL", "MEMORY", "TEMP", "POWER", "STATE"], rows)
@@ -53,14 +53,14 @@ def _owner(p: Process) -> str:
         return f"container:{p.container_id[:12]}"
     if p.slurm_job:
         return f"slurm:{p.slurm_job}"
-    return p.unit or "-"
+    return p.unit or UNKNOWN
 
 
 def processes_table(procs: list[Process]) -> str:
     if not procs:
         return "No GPU processes."
     rows = [
-        [str(p.device), str(p.pid), p.user, p.comm or "-", size(p.gpu_memory), percent(p.gpu_utilization),
+        [str(p.device), str(p.pid), p.user, p.comm or UNKNOWN, size(p.gpu_memory), percent(p.gpu_utilization),
          _owner(p)]
         for p in procs
     ]

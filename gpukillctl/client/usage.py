@@ -3,8 +3,9 @@
 
 Every front end that asks GetUsage goes through here (the CLI, the REST API's query parameters, MCP, gpukill's
 --audit, top's totals line), so "24h" and "yesterday" mean the same everywhere, and so do the table's units:
-GPU and SM time as systemd writes CPU time ("1h 2min"), memory in GiB·h (GiB held for an hour), energy in
-J/kJ/MJ. A total nobody measured prints "unknown", never 0. Process text is escaped (client/format.table).
+GPU and SM time as systemd writes a timespan ("1h 2min 5s"), memory in GiB·h (GiB held for an hour), energy in
+J/kJ/MJ (both gpukill/units.py's). A total nobody measured prints "–", never 0. Process text is escaped
+(client/format.table).
 
 Times are seconds since the epoch; a date without an offset is local time, as journalctl's --since reads it.
 Imported by one-shot commands: nothing heavy at import time (datetime is loaded when a date is parsed).
@@ -12,11 +13,12 @@ Imported by one-shot commands: nothing heavy at import time (datetime is loaded 
 
 from __future__ import annotations
 
-import math
 import re
 import time
 
 from gpukill.records import UsageReport, UsageRow
+from gpukill.text import UNKNOWN
+from gpukill.units import format_duration, format_energy, format_size
 
 from .format import table
 
@@ -73,31 +75,9 @@ def parse_when(text: str, now: float | None = None, *, epoch: bool = False) -> f
 
 # -- the report as text ----------------------------------------------------------------------------------
 
-UNKNOWN = "unknown"
 KEY_HEADERS = {"user": "USER", "unit": "UNIT", "job": "SLURM JOB", "pod": "POD", "gpu": "GPU",
                "process": "PROCESS"}
 NO_KEY = {"unit": "(no unit)", "job": "(not in a job)", "pod": "(not in a pod)"}
-
-
-def duration(seconds: float | None) -> str:
-    """As systemd writes consumed time: the two largest units, "1h 2min", "3d 4h", "38min", "12s"."""
-    if seconds is None:
-        return UNKNOWN
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    if seconds < 0.95:  # tenths below a second; from 0.95 on, whole seconds ("1s", never "1.0s")
-        return "0s" if seconds == 0 else f"{seconds:.1f}s"
-    left = round(seconds)
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
-        if left >= size:
-            parts.append(f"{left // size}{unit}")
-            left %= size
-        elif parts:
-            break  # "1h 0min 5s" reads as "1h": only adjacent units
-        if len(parts) == 2:
-            break
-    return " ".join(parts)
 
 
 def gib_hours(byte_seconds: float) -> str:
@@ -106,18 +86,7 @@ def gib_hours(byte_seconds: float) -> str:
     return f"{value:.2f} GiB·h" if value < 10 else f"{value:.1f} GiB·h" if value < 1000 else f"{value:.0f} GiB·h"
 
 
-def energy(joules: float | None) -> str:
-    if joules is None:
-        return UNKNOWN
-    for unit, size in (("GJ", 1e9), ("MJ", 1e6), ("kJ", 1e3)):
-        if joules >= size:
-            return f"{joules / size:.1f} {unit}"
-    return f"{joules:.0f} J"
-
-
 def peak(n: int) -> str:
-    from gpukill.units import format_size
-
     return format_size(n)
 
 
@@ -152,10 +121,10 @@ def usage_table(report: UsageReport) -> str:
     rows = []
     for r in report.rows:
         processes = f"{r.processes}" + (f" ({r.live} live)" if r.live else "")
-        rows.append([row_label(report.by, r), processes, duration(r.gpu_seconds),
-                     _partly(duration(r.sm_seconds), r.sm_known_seconds, r.gpu_seconds),
+        rows.append([row_label(report.by, r), processes, format_duration(r.gpu_seconds),
+                     _partly(format_duration(r.sm_seconds), r.sm_known_seconds, r.gpu_seconds),
                      gib_hours(r.memory_byte_seconds), peak(r.peak_memory),
-                     _partly(energy(r.energy_joules), r.energy_known_seconds, r.gpu_seconds)])
+                     _partly(format_energy(r.energy_joules), r.energy_known_seconds, r.gpu_seconds)])
     lines = [table([KEY_HEADERS.get(report.by, report.by.upper()), "PROCESSES", "GPU TIME", "SM TIME", "MEMORY",
                     "PEAK", "ENERGY"], rows), ""]
     more = f", the first {len(report.rows)} of {report.rows_total} groups" if report.rows_total > len(report.rows) else ""
@@ -170,5 +139,5 @@ def totals_line(report: UsageReport) -> str:
     gpu = sum(r.gpu_seconds for r in report.rows)
     memory = sum(r.memory_byte_seconds for r in report.rows)
     joules = [r.energy_joules for r in report.rows if r.energy_joules is not None]
-    return (f"GPU time {duration(gpu)}, memory {gib_hours(memory)}, energy "
-            f"{energy(sum(joules)) if joules else UNKNOWN}")
+    return (f"GPU time {format_duration(gpu)}, memory {gib_hours(memory)}, energy "
+            f"{format_energy(sum(joules) if joules else None)}")

@@ -37,6 +37,7 @@ from gpukill.records import (
     ProcessKilled,
 )
 from gpukill.text import shown
+from gpukill.units import format_duration
 
 LOW, NORMAL, CRITICAL = 0, 1, 2  # the urgency hint of the notification spec
 GUARD_PREFIX = "guard:"
@@ -204,8 +205,8 @@ class Narrator:
         seconds = max(0, math.ceil(slot.deadline - now - 1e-6))
         slot.shown_seconds = seconds
         if seconds:
-            summary = f"{slot.subject} will be stopped in {seconds} s"
-            then = f"It gets SIGTERM in {seconds} s unless it comes back within the rule."
+            summary = f"{slot.subject} will be stopped in {format_duration(seconds)}"
+            then = f"It gets SIGTERM in {format_duration(seconds)} unless it comes back within the rule."
         else:
             summary = f"{slot.subject} is being stopped"
             then = "Its grace period is over: it is being stopped now."

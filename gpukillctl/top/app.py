@@ -29,7 +29,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+
+from gpukill.text import UNKNOWN
 
 from ..client.dbus import ClientError, GpukillClient
 from ..client.polkit_agent import PolkitAgent
@@ -39,6 +41,9 @@ from .model import (
     ERROR,
     GRACE,
     HEADER,
+    HEAVY,
+    LIGHT,
+    MODERATE,
     QUIT,
     SELECTED,
     TITLE,
@@ -92,17 +97,28 @@ async def fetch(client: GpukillClient) -> tuple[Sample, str]:
     return sample, ""
 
 
-def _styles() -> dict[str, int]:
+def colour_wanted(environ: Mapping[str, str]) -> bool:
+    """Colour unless NO_COLOR is set to anything but the empty string (no-color.org). top runs only on a
+    terminal (cmd_top refuses anything else), so there is no pipe to keep escapes out of."""
+    return not environ.get("NO_COLOR")
+
+
+def _styles(colour: bool) -> dict[str, int]:
+    """Attributes by style: bold, reverse and underline always; colours only where wanted and the terminal has
+    them (red for errors and graces, yellow for windows, green/yellow/red for a load)."""
     styles = {TITLE: curses.A_REVERSE | curses.A_BOLD, HEADER: curses.A_BOLD | curses.A_UNDERLINE,
               SELECTED: curses.A_REVERSE, ERROR: curses.A_BOLD, GRACE: curses.A_BOLD, WINDOW: curses.A_NORMAL,
-              DIM: curses.A_NORMAL, BAR: curses.A_NORMAL}
-    if curses.has_colors():
+              DIM: curses.A_NORMAL, BAR: curses.A_NORMAL, LIGHT: curses.A_NORMAL, MODERATE: curses.A_NORMAL,
+              HEAVY: curses.A_BOLD}
+    if colour and curses.has_colors():
         curses.start_color()
         with contextlib.suppress(curses.error):
             curses.use_default_colors()
         background = -1 if curses.COLORS else curses.COLOR_BLACK
         for pair, (style, color) in enumerate(((ERROR, curses.COLOR_RED), (GRACE, curses.COLOR_RED),
-                                               (WINDOW, curses.COLOR_YELLOW), (DIM, curses.COLOR_CYAN)), 1):
+                                               (WINDOW, curses.COLOR_YELLOW), (DIM, curses.COLOR_CYAN),
+                                               (LIGHT, curses.COLOR_GREEN), (MODERATE, curses.COLOR_YELLOW),
+                                               (HEAVY, curses.COLOR_RED)), 1):
             with contextlib.suppress(curses.error):
                 curses.init_pair(pair, color, background)
                 styles[style] |= curses.color_pair(pair)
@@ -137,7 +153,7 @@ class TopView:
         self.client = client
         self.stdscr = stdscr
         self.state = state
-        self.styles = _styles()
+        self.styles = _styles(colour_wanted(os.environ))
         self.encoding = locale.getpreferredencoding(False)
         self.utf8 = self.encoding.replace("-", "").lower() == "utf8"
         self.suspended = False
@@ -345,8 +361,8 @@ class TopView:
         for text, style in line:
             if x >= width:
                 break
-            shown_text = text if self.utf8 or text.isascii() else text.encode(self.encoding, "replace").decode(
-                self.encoding)
+            shown_text = text if self.utf8 or text.isascii() else text.replace(UNKNOWN, "-").encode(
+                self.encoding, "replace").decode(self.encoding)
             with contextlib.suppress(curses.error):  # the bottom-right cell: the cursor cannot move past it
                 self.stdscr.addstr(y, x, shown_text, self.styles.get(style, curses.A_NORMAL))
             x += len(text) if text.isascii() else sum(map(cells, text))

@@ -5,9 +5,15 @@ terminal, and paints the lines `render` returns. So every rule of the view (sort
 that follows a process across refreshes, Guard's windows and graces against the processes they concern,
 escaping) is tested without a terminal, and the cost of a frame is measured without one.
 
+Durations print as everywhere else (gpukill.units.format_duration, systemd's "2h 26min 9s"), an unknown value
+as "–". Colour is a style of a segment, as nvitop's users read it: utilization and memory green, yellow or red
+by load (`load`), a hot temperature yellow or red, a Guard grace red; app.py maps styles to colours, or to no
+colour under NO_COLOR.
+
 Everything a process chose (comm, cmdline, user and unit names, Guard subjects) goes through `shown` before it
 is laid out, so a name holding an escape sequence prints as `\\x1b[2J` and cannot repaint the screen. The
-frame itself is ASCII, so it draws on any terminal curses knows, whatever its locale.
+frame itself is ASCII but for the "–" of an unknown value, which app.py draws as "-" where the locale is not
+UTF-8, so it draws on any terminal curses knows, whatever its locale.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from enum import Enum
 
 from gpukill.outcome import Outcome
 from gpukill.records import STATE_OK, Device, GuardStatus, Process, UsageReport
-from gpukill.text import shown
+from gpukill.text import UNKNOWN, shown
+from gpukill.units import format_duration
 
 from ..client.format import percent, size
-from ..client.usage import duration as usage_duration
 from ..client.usage import totals_line
 
 # -- one sample -------------------------------------------------------------------------------------------
@@ -97,16 +103,16 @@ class GuardMark:
     @property
     def short(self) -> str:
         if self.kind == "grace":
-            return shown(f"KILL in {self.seconds:.0f}s: {self.rule}")
-        return shown(f"window {self.seconds:.0f}/{self.duration:.0f}s: {self.rule}")
+            return shown(f"KILL in {format_duration(self.seconds)}: {self.rule}")
+        return shown(f"window {format_duration(self.seconds)}/{format_duration(self.duration)}: {self.rule}")
 
     @property
     def long(self) -> str:
         if self.kind == "grace":
-            return shown(f"grace: rule {self.rule} kills {self.subject} in {self.seconds:.0f}s unless it comes "
+            return shown(f"grace: rule {self.rule} kills {self.subject} in {format_duration(self.seconds)} unless it comes "
                          "back under")
-        return shown(f"window: rule {self.rule}, {self.condition} has held {self.seconds:.0f}s of "
-                     f"{self.duration:.0f}s for {self.subject}")
+        return shown(f"window: rule {self.rule}, {self.condition} has held "
+                     f"{format_duration(self.seconds)} of {format_duration(self.duration)} for {self.subject}")
 
 
 @dataclass(slots=True)
@@ -353,6 +359,7 @@ Segment = tuple[str, str]
 Line = tuple[Segment, ...]
 NORMAL, TITLE, HEADER, SELECTED, ERROR, GRACE, WINDOW, BAR, DIM = (
     "normal", "title", "header", "selected", "error", "grace", "window", "bar", "dim")
+LIGHT, MODERATE, HEAVY = "light", "moderate", "heavy"  # a load: green, yellow, red
 
 
 def cells(ch: str) -> int:
@@ -391,37 +398,64 @@ def bar(fraction: float | None, width: int) -> str:
     return "[" + "|" * filled + " " * (inner - filled) + "]"
 
 
-def duration(seconds: float | None) -> str:
-    """1:02:03, 3d04h, 12:05 (minutes:seconds); - when unknown."""
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s >= 86400:
-        return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-    if s >= 3600:
-        return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-    return f"{s // 60}:{s % 60:02d}"
-
-
 KEYS_HELP = "Up/Down PgUp/PgDn select  m u n t sort (again: reverse)  / filter  Esc clear filter  k kill  q quit"
 # (header, width) of the process table; COMMAND and GUARD share what is left
-_COLUMNS = (("PID", 8), ("USER", 10), ("GPU", 4), ("GPU MEM", 10), ("UTIL", 5), ("RUNTIME", 10))
+_COLUMNS = (("PID", 8), ("USER", 10), ("GPU", 4), ("GPU MEM", 10), ("UTIL", 5), ("RUNTIME", 14))
 _DETAIL_LINES = 4
 _MIN_HEIGHT = 12
+
+
+# Load levels as nvitop colours them: green below the first threshold, yellow from it, red from the second.
+# Utilization and memory (percent of the device's) as nvitop's defaults; temperature (°C) only from "warm" on,
+# uncoloured below: a cool GPU needs no colour.
+UTIL_LEVELS, MEMORY_LEVELS, TEMPERATURE_LEVELS = (10.0, 75.0), (10.0, 80.0), (75.0, 85.0)
+
+
+def load(value: float | None, levels: tuple[float, float], low: str = LIGHT) -> str:
+    """The style of a value by its load: `low` below levels[0], MODERATE from it, HEAVY from levels[1]; NORMAL
+    when unknown."""
+    if value is None:
+        return NORMAL
+    return HEAVY if value >= levels[1] else MODERATE if value >= levels[0] else low
+
+
+def clip(segments: list[Segment], width: int) -> Line:
+    """Segments cut or padded together to exactly `width` cells."""
+    out: list[Segment] = []
+    left = width
+    for text, style in segments:
+        n = len(text) if text.isascii() else sum(map(cells, text))
+        if left <= 0:
+            break
+        if n >= left:
+            out.append((fit(text, left), style))
+            left = 0
+            break
+        out.append((text, style))
+        left -= n
+    if left > 0:
+        out.append((" " * left, NORMAL))
+    return tuple(out)
 
 
 def _device_line(d: Device, width: int) -> Line:
     name = fit(shown(d.name), 26)
     util = d.utilization / 100 if d.utilization is not None else None
     mem = (d.memory_used / d.memory_total if d.memory_used is not None and d.memory_total else None)
-    rest = "  ".join(("-" if d.temperature is None else f"{d.temperature:.0f}C",
-                      "-" if d.power is None else f"{d.power:.0f}W"))
+    util_style = load(d.utilization, UTIL_LEVELS)
+    mem_style = load(None if mem is None else mem * 100, MEMORY_LEVELS)
+    temp = UNKNOWN if d.temperature is None else f"{d.temperature:.0f}C"
+    power = UNKNOWN if d.power is None else f"{d.power:.0f}W"
     state = "" if d.state == STATE_OK else shown(f"  {d.state.upper()} {d.state_reason}")
     bar_width = min(max((width - 82) // 2, 10), 32)
     used = f"{size(d.memory_used)} / {size(d.memory_total)}"
-    line = (f"{d.index:<3} {name} util {bar(util, bar_width)} {percent(d.utilization):>4}  "
-            f"mem {bar(mem, bar_width)} {used:<21} {rest}")
-    return ((fit(line, width - len(state)), NORMAL), (state, ERROR)) if state else ((fit(line, width), NORMAL),)
+    segments = [(f"{d.index:<3} {name} util ", NORMAL), (bar(util, bar_width), util_style),
+                (f" {percent(d.utilization):>4}", util_style), ("  mem ", NORMAL), (bar(mem, bar_width), mem_style),
+                (f" {used:<21} ", NORMAL), (temp, load(d.temperature, TEMPERATURE_LEVELS, low=NORMAL)),
+                (f"  {power}", NORMAL)]
+    if state:
+        return (*clip(segments, width - len(state)), (state, ERROR))
+    return clip(segments, width)
 
 
 def _command_width(rest: int) -> int:
@@ -440,18 +474,22 @@ def _process_header(state: TopState, width: int) -> Line:
 
 def _process_line(state: TopState, p: Process, width: int, selected: bool) -> Line:
     cols = [str(p.pid), shown(p.user), str(p.device), size(p.gpu_memory), percent(p.gpu_utilization),
-            duration(state.sample.runtime(p))]
-    text = "".join(fit(c, w - 1) + " " for c, (_, w) in zip(cols, _COLUMNS, strict=True))
+            format_duration(state.sample.runtime(p))]
+    laid = [fit(c, w - 1) + " " for c, (_, w) in zip(cols, _COLUMNS, strict=True)]
+    text = "".join(laid)
     rest = width - len(text)
     command = _command_width(rest)
-    name = shown(p.comm or "-") + ("  " + shown(p.cmdline) if p.cmdline else "")
+    name = shown(p.comm or UNKNOWN) + ("  " + shown(p.cmdline) if p.cmdline else "")
     marks = state.marks(p)
     guard = marks[0].short + (f" (+{len(marks) - 1})" if len(marks) > 1 else "") if marks else ""
     guard_width = max(width - len(text) - command, 0)
     if selected:
         return ((fit(text + fit(name, command - 1) + " " + guard, width), SELECTED),)
     style = GRACE if marks and marks[0].kind == "grace" else WINDOW
-    return ((text, NORMAL), (fit(name, command - 1) + " ", DIM), (fit(guard, guard_width), style if marks else NORMAL))
+    # the UTIL cell (the fifth column) coloured by the process's own utilization
+    return (("".join(laid[:4]), NORMAL), (laid[4], load(p.gpu_utilization, UTIL_LEVELS)), ("".join(laid[5:]), NORMAL),
+            (fit(name, command - 1) + " ", DIM),
+            (fit(guard, guard_width), style if marks else NORMAL))
 
 
 def _details(state: TopState, p: Process | None, width: int) -> list[Line]:
@@ -467,7 +505,7 @@ def _details(state: TopState, p: Process | None, width: int) -> list[Line]:
         f"PID {p.pid} ({p.comm}) of {p.user} (uid {p.uid}) on GPU {p.device} ({p.device_id})"
         + ("; shares a GPU context with other users" if p.shared_usage else ""),
         "  " + ", ".join(w for w in where if w),
-        f"  {p.exe or '-'}: {p.cmdline}",
+        f"  {p.exe or UNKNOWN}: {p.cmdline}",
     ]
     out: list[Line] = [((fit(shown(text), width), NORMAL),) for text in lines]
     marks = state.marks(p)
@@ -486,7 +524,7 @@ def _title(state: TopState, width: int) -> Line:
     count = f"{len(s.processes)} processes" + (f", {shown_rows} match /{state.filter}" if state.filter else "")
     order = SORTS[state.sort]
     text = (f"gpukill top - {len(s.devices)} GPUs, {count} - sorted by {order.name}"
-            f"{' (reversed)' if state.reverse else ''} - every {s.interval:g}s - {guard}")
+            f"{' (reversed)' if state.reverse else ''} - every {format_duration(s.interval)} - {guard}")
     return ((fit(shown(text), width), TITLE),)
 
 
@@ -510,7 +548,7 @@ def _usage_line(state: TopState, width: int) -> Line:
         text = f"session: {state.usage_note}" if state.usage_note else ""
     else:
         u = state.usage
-        text = (f"session ({usage_duration(max(u.until - u.since, 0.0))}): {totals_line(u)}"
+        text = (f"session ({format_duration(u.until - u.since)}): {totals_line(u)}"
                 + (" (usage store rebuilding)" if u.rebuilding else ""))
     return ((fit(shown(text), width), DIM),)
 

@@ -33,6 +33,7 @@ from gpukill.records import (
     to_plain,
 )
 from gpukill.text import shown
+from gpukill.units import format_duration
 
 from ..client.dbus import GpukillClient
 from ..client.exits import EXIT_OK, EXIT_UNAVAILABLE
@@ -99,7 +100,7 @@ def describe(record: Any) -> str:
             return f"GPU {record.index} ({record.id}) is {record.state}" + (f": {record.reason}" if record.reason else "")
         case PolicyViolated():
             d = record.details
-            grace = f"; grace {d.grace:g}s" if d.grace else ""
+            grace = f"; grace {format_duration(d.grace)}" if d.grace else ""
             return f"rule {record.rule}: {record.subject}: {record.action}{_dry(record.dry_run)}: {d.reason}{grace}"
         case GuardActionTaken():
             pid = f" PID {record.pid}" if record.pid else ""

@@ -17,6 +17,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gpukill.units import format_duration
+
 from .. import journal
 
 WINDOW = 10.0
@@ -65,5 +67,5 @@ class RefusalLog:
             window = self._windows.pop(uid)
             for kind, count in window.folded.items():
                 self.audit.log(kind, f"{count} more refused request(s) of uid {uid} ({kind.name}) in "
-                                     f"{now - window.start:.0f}s were not audited one by one",
+                                     f"{format_duration(now - window.start)} were not audited one by one",
                                result="folded", folded=count, caller_uid=uid, action=kind.name.split("-")[0])

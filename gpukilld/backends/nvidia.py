@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from gpukill.device_faults import xid_reason
 from gpukill.errors import NotSupported, ResetFailed
+from gpukill.units import format_duration
 
 from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
 from ..proc.exit_watch import ExitWatch
@@ -207,7 +208,7 @@ class NvidiaBackend(Backend):
         self._status = BackendStatus(self.name, True, f"NVML, driver {driver}, {count} GPUs")
 
     def _fail(self, why: str) -> None:
-        self._status = BackendStatus(self.name, False, f"{why}; retrying in {self._retry:.0f}s")
+        self._status = BackendStatus(self.name, False, f"{why}; retrying in {format_duration(self._retry)}")
         self._next_attempt = time.monotonic() + self._retry
         self._retry = min(self._retry * 2, RETRY_MAX)
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from gpukill.records.usage import ENDED_DAEMON_DOWN, ENDED_EXITED, ENDED_LEFT, UsageRecord
 from gpukill.text import shown
-from gpukill.units import format_size
+from gpukill.units import format_duration, format_energy, format_size
 
 from .. import journal
 
@@ -44,41 +44,18 @@ def fields_of(rec: UsageRecord) -> dict[str, object]:
     }
 
 
-def timespan(seconds: float) -> str:
-    """A duration as systemd writes one ("1h 2min", "3min 4s", "250ms"): the largest units first, seconds
-    dropped from an hour on, milliseconds from a minute on."""
-    if seconds < 1:
-        return f"{round(seconds * 1000)}ms" if seconds >= 0.0005 else "0s"
-    whole = round(seconds) if seconds >= 60 else int(seconds)
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if whole >= size:
-            parts.append(f"{whole // size}{unit}")
-            whole %= size
-    if seconds < 3600 and whole:
-        parts.append(f"{whole}s" if seconds >= 60 else f"{seconds:.3g}s")
-    return " ".join(parts) or "0s"
-
-
-def energy_text(joules: float) -> str:
-    for unit, size in (("GJ", 1e9), ("MJ", 1e6), ("kJ", 1e3)):
-        if joules >= size:
-            return f"{joules / size:.3g} {unit}"
-    return f"{joules:.3g} J"
-
-
 def message_of(rec: UsageRecord) -> str:
     """The entry's MESSAGE, in systemd's style: "PID 4242 (python3, user alice) on GPU 0: consumed 1h 2min GPU
     time (38min at full SM), 6.1 GiB·h memory, peak 4.0 GiB, 212 kJ." Process text is escaped."""
     user = shown(rec.user)
     who = (f"{rec.processes} processes of user {user}" if rec.processes > 1 or rec.pid == 0
            else f"PID {rec.pid} ({shown(rec.comm)}, user {user})")
-    text = f"{who} on GPU {rec.device}: consumed {timespan(rec.gpu_seconds)} GPU time"
+    text = f"{who} on GPU {rec.device}: consumed {format_duration(rec.gpu_seconds)} GPU time"
     if rec.sm_seconds is not None:
-        text += f" ({timespan(rec.sm_seconds)} at full SM)"
+        text += f" ({format_duration(rec.sm_seconds)} at full SM)"
     text += f", {rec.memory_byte_seconds / (1 << 30) / 3600:.3g} GiB·h memory, peak {format_size(rec.peak_memory)}"
     if rec.energy_joules is not None:
-        text += f", {energy_text(rec.energy_joules)}"
+        text += f", {format_energy(rec.energy_joules)}"
     return text + "."
 
 

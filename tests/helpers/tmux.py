@@ -51,8 +51,9 @@ class TmuxPane:
         """tmux key names (Enter, Escape, Down, C-c) or, with literal, text typed as it is."""
         self.tmux("send-keys", "-t", "t", *(["-l"] if literal else []), *keys)
 
-    def screen(self) -> str:
-        return self.tmux("capture-pane", "-p", "-t", "t").stdout
+    def screen(self, escapes: bool = False) -> str:
+        """The screen as text; with escapes, its attributes and colours as SGR sequences (capture-pane -e)."""
+        return self.tmux("capture-pane", "-p", *(["-e"] if escapes else []), "-t", "t").stdout
 
     def wait_for(self, cond: str | Callable[[str], object], timeout: float = 15.0) -> str:
         """The screen once it shows `cond` (text) or cond(screen) holds; AssertionError with the screen if not."""

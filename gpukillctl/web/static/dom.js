@@ -37,11 +37,12 @@ export function replace(node, ...children) {
 }
 
 // A bar of a percentage (0-100, or null: unknown): its width through CSSOM.
-export function bar(percent, label) {
+// A bar of `percent` with its label; `level` ("light", "moderate", "heavy" from format.js load, or "") colours it.
+export function bar(percent, label, level = "") {
   const fillEl = el("span", {class: "bar-fill"});
   const known = typeof percent === "number" && Number.isFinite(percent);
   fillEl.style.width = `${known ? Math.max(0, Math.min(100, percent)) : 0}%`;
-  if (known && percent >= 90) fillEl.classList.add("high");
+  if (known && level) fillEl.classList.add(`load-${level}`);
   return el("span", {class: known ? "bar" : "bar unknown", title: label}, fillEl,
             el("span", {class: "bar-label"}, label));
 }

@@ -33,7 +33,16 @@ function renderStatus(status) {
     : [String(c.delivered), String(c.skipped), String(c.failed), String(c.dropped), "–"];
   const notices = table("guard-notifications", ["channel", "delivered", "skipped", "failed", "dropped", "announced"],
     Object.entries(status.notifications).map(([channel, c]) => [channel, ...counts({...c, channel})]));
+  // Graces are red as in `gpukillctl top`: a kill is counting down; windows are conditions holding, not yet long enough.
+  const graces = el("table", {id: "guard-graces"},
+    el("thead", null, el("tr", null, ["rule", "subject", "left", "warnings"].map((h) => el("th", null, h)))),
+    el("tbody", null, status.graces.map((g) => el("tr", {class: "grace"}, el("td", null, g.rule), el("td", null, g.subject),
+      el("td", {class: "num"}, fmt.duration(g.remaining)), el("td", {class: "num"}, String(g.warnings_sent))))));
+  const windows = table("guard-windows", ["rule", "subject", "condition", "held", "of"],
+    status.windows.map((w) => [w.rule, w.subject, w.condition, fmt.duration(w.elapsed), fmt.duration(w.duration)]));
   replace($("#guard-status"), switches, el("h3", null, "Rules in force"), rules,
+    el("h3", null, "In a grace period"), status.graces.length ? graces : el("p", {class: "muted"}, "None."),
+    el("h3", null, "In a duration window"), status.windows.length ? windows : el("p", {class: "muted"}, "None."),
     el("h3", null, "Recent actions"), status.recent.length ? recent : el("p", {class: "muted"}, "None yet."),
     el("h3", null, "Notifications"), notices);
 }
@@ -50,9 +59,9 @@ function renderManaged(policies) {
     p.memory_limit != null ? `memory ${fmt.bytes(p.memory_limit)}` : null,
     p.utilization_limit != null ? `utilization ${p.utilization_limit} %` : null,
     p.process_limit != null ? `processes ${p.process_limit}` : null,
-    p.allowed_users.length ? `users ${p.allowed_users.join(",")}` : null,
+    p.allowed_users && p.allowed_users.length ? `users ${p.allowed_users.join(",")}` : null, // null: anyone
     p.reserved_memory != null ? `reserved ${fmt.bytes(p.reserved_memory)}` : null,
-    `grace ${p.grace}s`,
+    `grace ${fmt.duration(p.grace)}`,
   ].filter(Boolean).join("; ");
   replace($("#managed-list"), policies.length === 0 ? el("p", {class: "muted"}, "No managed policy.")
     : el("table", {id: "managed"},

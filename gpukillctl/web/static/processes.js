@@ -76,6 +76,7 @@ function update(tr, p) {
     }
     const text = show(p);
     if (td.textContent !== text) td.textContent = text;
+    if (name === "utilization") td.dataset.load = fmt.load(p.gpu_utilization, fmt.UTIL_LEVELS);
   });
 }
 

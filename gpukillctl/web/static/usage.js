@@ -15,7 +15,7 @@ const WIDTH = 640;
 const CHARTS = [
   ["GPU time", (r) => r.gpu_seconds, (v) => fmt.duration(v)],
   ["GPU memory × time (GiB·h)", (r) => r.memory_byte_seconds / 2 ** 30 / 3600, (v) => v.toPrecision(3)],
-  ["energy", (r) => r.energy_joules ?? 0, (v) => fmt.energy(v)],
+  ["energy", (r) => r.energy_joules, (v) => fmt.energy(v)], // null (no power sensor): no bar, "–"
 ];
 
 function label(row, by) {
@@ -26,13 +26,13 @@ function label(row, by) {
 
 function chart(title, rows, by, value, show) {
   const shown = rows.slice(0, MAX_BARS);
-  const top = Math.max(...shown.map(value), 0) || 1;
+  const top = Math.max(...shown.map((r) => value(r) ?? 0), 0) || 1;
   const height = shown.length * ROW + 4;
   return el("figure", {class: "chart"}, el("figcaption", null, title),
     svg("svg", {viewBox: `0 0 ${WIDTH} ${height}`, width: WIDTH, height, role: "img", "aria-label": title},
       shown.map((r, i) => {
         const v = value(r);
-        const w = Math.max(1, ((WIDTH - LABEL - 90) * v) / top);
+        const w = Math.max(1, ((WIDTH - LABEL - 90) * (v ?? 0)) / top);
         const y = i * ROW + 2;
         return svg("g", {class: "chart-row"},
           svg("text", {x: LABEL - 6, y: y + 15, "text-anchor": "end", class: "chart-label"}, label(r, by)),
