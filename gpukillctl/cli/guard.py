@@ -144,6 +144,17 @@ def _print_errors(e: Any) -> int:
     return EXIT_INVALID_POLICY
 
 
+def _print_warnings(policy: Any, args: argparse.Namespace) -> None:
+    """The user and group names this host does not know, one warning line each (the policy is still valid: the
+    user may be created later). Over -H the policy is for another host, whose users this one cannot tell."""
+    from gpukill.policy import name_warnings
+
+    if getattr(args, "host", None):
+        return
+    for line in name_warnings(policy):
+        print(shown(line), file=sys.stderr)
+
+
 def _texts(names: list[str]) -> list[tuple[str, str]]:
     from gpukill.policy import policy_paths, read_paths
 
@@ -162,6 +173,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         policy = load_texts(texts)
     except PolicyError as e:
         return _print_errors(e)
+    _print_warnings(policy, args)
     for name, _ in texts:
         rules = [r.name for r in policy.rules if r.where.startswith(f"{name}:")]
         print(f"{name}: valid, {len(rules)} rule(s)" + (f": {', '.join(rules)}" if rules else ""))
@@ -190,6 +202,7 @@ async def _change(client: ClientAPI, args: argparse.Namespace) -> int:
             policy = load_texts([(args.file, text)])
         except PolicyError as e:
             return _print_errors(e)
+        _print_warnings(policy, args)
     from ..client.polkit_agent import PolkitAgent
 
     agent = PolkitAgent(client.unique_name)
@@ -289,9 +302,10 @@ async def _test(client: ClientAPI, args: argparse.Namespace) -> int:
     if args.policy:
         try:
             text = read_text(args.policy)
-            load_texts([(args.policy, text)])  # every error here, before asking the daemon
+            policy = load_texts([(args.policy, text)])  # every error here, before asking the daemon
         except PolicyError as e:
             return _print_errors(e)
+        _print_warnings(policy, args)
         decisions = await client.guard_test(os.path.abspath(args.policy), text)
     else:
         decisions = await client.guard_test()
