@@ -670,7 +670,7 @@ def test_dry_run_of_what_the_kill_would_refuse_or_not_find(capsys):
     assert code == 5 and client.calls == [call.list_processes({})]
     assert "PID 999 is not a GPU process gpukilld lists" in capsys.readouterr().err
     code, client = run(["--kill", "--gpu", "1", "--batch", "--dry-run"], RecordingClient(processes=[]))
-    assert code == 5 and client.calls == [ON_GPU_1]
+    assert code == 5 and client.calls == [ON_GPU_1, call.list_devices()]  # GPU 1 exists: none on it
     assert capsys.readouterr().err == "gpukill: no GPU process on GPU 1; nothing would be killed\n"
 
 
@@ -685,8 +685,24 @@ def test_kill_by_gpu_batch_names_what_it_kills_and_exits_5_on_none(capsys):
     assert code == 0
     assert capsys.readouterr().out.startswith("2 process(es) on GPU 1: 4242 (python3), 4343 (pytorch)\n")
     code, client = run(["--kill", "--gpu", "1", "--batch"], RecordingClient(processes=[]))
-    assert code == 5 and client.calls == [ON_GPU_1]
+    assert code == 5 and client.calls == [ON_GPU_1, call.list_devices()]
     assert capsys.readouterr().err == "gpukill: no GPU process on GPU 1; nothing was killed\n"
+
+
+@pytest.mark.parametrize("argv,done", [(["--kill", "--gpu", "9", "--batch"], "nothing was killed"),
+                                       (["--kill", "--gpu", "9", "--batch", "--dry-run"], "nothing would be killed")])
+def test_kill_on_a_gpu_that_does_not_exist_is_exit_status_15(capsys, argv, done):
+    """A typo in --gpu is not "no process on it": gpukillctl's exit status for a name that does not exist."""
+    code, client = run(argv, RecordingClient(processes=[]))
+    assert code == 15 and client.calls == [call.list_processes({"device": "9"}), call.list_devices()]
+    assert capsys.readouterr().err == (f"gpukill: no such GPU '9' (GPUs here: 0, 1; an index, UUID or PCI bus id); "
+                                       f"{done}\n")
+
+
+def test_list_on_a_gpu_that_does_not_exist_is_exit_status_15(capsys):
+    code, _ = run(["--kill", "--gpu", "9"], RecordingClient(processes=[]))  # without --batch: the listing
+    assert code == 15
+    assert capsys.readouterr().err == "gpukillctl: no such GPU '9' (GPUs here: 0, 1; an index, UUID or PCI bus id)\n"
 
 
 def test_every_option_has_a_help_text():
@@ -823,3 +839,23 @@ def test_console_script_is_declared():
         r = subprocess.run([str(script), "--audit", "--rogue", "--audit-hours", "2"], capture_output=True, text=True,
                            timeout=30)
         assert r.returncode == 2 and r.stderr.startswith("gpukill: --audit-hours with --rogue"), r
+
+
+@needs_root
+def test_names_that_do_not_exist_end_to_end(bed, users):
+    """gpu-kill's flags that name a user or GPU: a name this host does not have is gpukillctl's exit status 15;
+    a group policy for a group it does not have is in force, with a warning (the group may come later)."""
+    other = users["other"]
+    r = bed.gpukill(other, "--audit", "--audit-user", "gpk-nosuch")
+    assert (r.returncode, r.stdout) == (15, ""), r
+    assert r.stderr == "gpukillctl: usage: no such user 'gpk-nosuch' on this host\n"
+    r = bed.gpukill(other, "--kill", "--gpu", "9", "--batch")
+    assert (r.returncode, r.stdout) == (15, ""), r
+    assert r.stderr.startswith("gpukill: no such GPU '9' (GPUs here: 0, 1, 2, 3;")
+    try:
+        r = bed.gpukill(ROOT, "--guard", "--guard-add-group", "gpk-nosuchgrp", "--guard-group-memory-limit", "8")
+        assert r.returncode == 0 and "group policy for gpk-nosuchgrp in force" in r.stdout, r
+        assert r.stderr == ("gpukillctl: warning: no such group 'gpk-nosuchgrp' on this host: the policy matches "
+                            "nobody until it exists\n")
+    finally:
+        bed.gpukill(ROOT, "--guard", "--guard-remove-group", "gpk-nosuchgrp")

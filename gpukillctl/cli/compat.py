@@ -26,6 +26,7 @@ from ..client.api import ClientAPI, ClientError, Var
 from ..client.exits import (
     EXIT_CODES_HELP,
     EXIT_FAILURE,
+    EXIT_NO_SUCH_NAME,
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_USAGE,
@@ -94,7 +95,8 @@ EPILOG = f"""\
 Each operation runs the gpukillctl command named in its help, the same way: its output, JSON and exit
 statuses are gpukillctl's (see gpukillctl(1) and gpukill(1)). A gpu-kill flag that gpukill does not take, or a
 combination whose meaning is not certain, is refused with one line naming what to run instead (exit status 2);
-nothing is guessed. --kill --filter or --gpu with --batch that finds no process exits with 5 (--dry-run too).
+nothing is guessed. --kill --filter or --gpu with --batch that finds no process exits with 5 (--dry-run too);
+with 15 where --gpu names no GPU, as gpukillctl does for a user, group, unit or GPU that does not exist.
 gpu-kill's usage audit (--audit alone, --audit-user, --audit-process, --audit-hours, --audit-summary) is
 gpukillctl usage: gpukilld's accounting of every GPU process.
 
@@ -810,7 +812,8 @@ def _check_batch_pattern(pattern: str) -> None:
 
 async def preview(client: ClientAPI, selection: Selection) -> int:
     code = await cmd_list(client, list_args(name_regex=selection.pattern, device=selection.gpu))
-    print(f"{PROG}: nothing was killed: add --batch to kill the processes listed", file=sys.stderr)
+    if code == EXIT_OK:
+        print(f"{PROG}: nothing was killed: add --batch to kill the processes listed", file=sys.stderr)
     return code
 
 
@@ -825,6 +828,17 @@ async def targets_of(client: ClientAPI, selection: Selection) -> list:
     return list({(p.pid, p.start_time): p for p in procs}.values())  # one process on two GPUs: once
 
 
+async def no_targets(client: ClientAPI, selection: Selection, done: str) -> int:
+    """A batch that selected nothing: exit status 15 when --gpu names no GPU (a typo), else 5 (nothing matched)."""
+    if selection.gpu is not None:
+        from .names import no_such_device
+
+        problem = no_such_device(await client.list_devices(), selection.gpu)
+        if problem:
+            return fail(f"{problem}; {done}", EXIT_NO_SUCH_NAME)
+    return fail(f"no GPU process{selection.words(one=True)}; {done}", EXIT_NOT_FOUND)
+
+
 def _matched(selection: Selection, targets: list) -> str:
     return shown(f"{len(targets)} process(es){selection.words(one=False)}: "
                  + ", ".join(f"{p.pid} ({p.comm})" for p in targets))
@@ -836,7 +850,7 @@ async def kill_matching(client: ClientAPI, selection: Selection, force: bool, gr
     a PID reused since the listing is refused, not killed. Every one is tried; the first failure's status."""
     targets = await targets_of(client, selection)
     if not targets:
-        return fail(f"no GPU process{selection.words(one=True)}; nothing was killed", EXIT_NOT_FOUND)
+        return await no_targets(client, selection, "nothing was killed")
     print(_matched(selection, targets))
     first_failure = EXIT_OK
     for p in targets:
@@ -856,7 +870,7 @@ async def kill_matching(client: ClientAPI, selection: Selection, force: bool, gr
 async def preview_batch(client: ClientAPI, selection: Selection, force: bool, grace: float | None) -> int:
     targets = await targets_of(client, selection)
     if not targets:
-        return fail(f"no GPU process{selection.words(one=True)}; nothing would be killed", EXIT_NOT_FOUND)
+        return await no_targets(client, selection, "nothing would be killed")
     print(_matched(selection, targets))
     for p in targets:
         print(shown(f"would kill PID {p.pid} ({p.comm}), start time {p.start_time}: {_how(force, grace)}"))

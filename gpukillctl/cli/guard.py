@@ -155,6 +155,18 @@ def _print_warnings(policy: Any, args: argparse.Namespace) -> None:
         print(shown(line), file=sys.stderr)
 
 
+def _warn_unknown_target(kind: str, target: str, args: argparse.Namespace) -> None:
+    """A managed user or group policy for a name this host does not know: in force (the user may be created
+    later), with a warning line, as a policy file naming it gets."""
+    from .names import no_such_group, no_such_user
+
+    if getattr(args, "host", None) or kind not in ("user", "group"):
+        return
+    problem = (no_such_user if kind == "user" else no_such_group)(target)
+    if problem:
+        print(f"gpukillctl: warning: {problem}: the policy matches nobody until it exists", file=sys.stderr)
+
+
 def _texts(names: list[str]) -> list[tuple[str, str]]:
     from gpukill.policy import policy_paths, read_paths
 
@@ -393,6 +405,7 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
         if command == "add":
             entry = await client.guard_set_policy(args.kind, args.target, settings, interactive=agent.active)
             print(shown(f"{entry.kind} policy for {entry.target} in force ({_limits(entry)}): {entry.file}"))
+            _warn_unknown_target(entry.kind, entry.target, args)
         elif command == "remove":
             await client.guard_remove_policy(args.kind, args.target, interactive=agent.active)
             print(shown(f"{args.kind} policy for {args.target} removed"))
