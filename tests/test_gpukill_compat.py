@@ -45,6 +45,35 @@ from gpukillctl.client.dbus import ERRORS, DaemonUnavailable, unwrap
 
 POLICY = REPO / "examples" / "guard.yaml"
 POLICY_PATH = os.path.abspath(POLICY)
+# gpu-kill's own files, as its --guard-export-config and --rogue-export-config write them (serde_json of
+# GuardModeConfig, src/guard_mode.rs, and RogueConfig::default(), src/rogue_config.rs) and as it keeps them on
+# disk (the same structs in TOML), and what gpukill imports of them.
+GPU_KILL_FILES = REPO / "tests" / "data" / "gpu-kill"
+GUARD_JSON, GUARD_TOML = GPU_KILL_FILES / "guard_config.json", GPU_KILL_FILES / "guard_mode_config.toml"
+ROGUE_JSON, ROGUE_TOML = GPU_KILL_FILES / "rogue_config.json", GPU_KILL_FILES / "rogue_config.toml"
+GUARD_IMPORTED = """# gpukill managed Guard policies (gpukillctl guard policy export)
+policies:
+  - kind: gpu
+    target: '0'
+    memory_limit: 25769803776
+    utilization_limit: 90.0
+    allowed_users: ['alice', 'bob']
+    reserved_memory: 2147483648
+    grace: 300.0
+  - kind: group
+    target: 'ml'
+    memory_limit: 34359738368
+    utilization_limit: 80.0
+    process_limit: 10
+    grace: 300.0
+  - kind: user
+    target: 'alice'
+    memory_limit: 8589934592
+    utilization_limit: 70.5
+    process_limit: 3
+    grace: 300.0
+"""
+ROGUE_IMPORTED = "[audit]\nmin_score = 70.0\nallowed_users = root admin system\n"
 
 DEVICES = [Device(index=0, id="GPU-0", backend="simulated", vendor="nvidia", name="H100"),
            Device(index=1, id="GPU-1", backend="simulated", vendor="amd", name="MI210")]
@@ -274,8 +303,8 @@ MAPPINGS = [
      [call.guard_set_policy("gpu", "1", {"memory_limit": 16 * GIB})]),
     (["--guard", "--guard-remove-gpu", "0"], [call.guard_remove_policy("gpu", "0")]),
     (["--guard", "--guard-export-config"], [call.guard_export_policies()]),
-    (["--guard", "--guard-import-config", str(POLICY)],
-     [call.guard_import_policies(POLICY_PATH, POLICY.read_text(), replace=True)]),
+    (["--guard", "--guard-import-config", str(GUARD_JSON)],
+     [call.guard_import_policies(str(GUARD_JSON), GUARD_IMPORTED, replace=True)]),
     (["--guard", "--guard-toggle-dry-run"], [call.guard_status(), call.guard_set_dry_run(True)]),
     # the audit's settings
     (["--audit", "--rogue-config"], [call.audit_settings()]),
@@ -292,7 +321,8 @@ MAPPINGS = [
     (["--audit", "--rogue-unwhitelist-process", "/opt/sim/bin/sim"],
      [call.audit_settings(), call.set_audit_settings({"allowed_processes": []})]),
     (["--audit", "--rogue-export-config"], [call.export_audit_settings()]),
-    (["--audit", "--rogue-import-config", str(POLICY)], [call.import_audit_settings(POLICY_PATH, POLICY.read_text())]),
+    (["--audit", "--rogue-import-config", str(ROGUE_JSON)], [call.import_audit_settings(str(ROGUE_JSON),
+                                                                                          ROGUE_IMPORTED)]),
     # gpu-kill's usage audit: gpukillctl usage (its records per process; the summary's top users and processes)
     (["--audit"], [call.usage({"by": "process"})]),
     (["--audit", "--output", "json"], [call.usage({"by": "process"})]),
@@ -703,6 +733,84 @@ def test_list_on_a_gpu_that_does_not_exist_is_exit_status_15(capsys):
     code, _ = run(["--kill", "--gpu", "9"], RecordingClient(processes=[]))  # without --batch: the listing
     assert code == 15
     assert capsys.readouterr().err == "gpukillctl: no such GPU '9' (GPUs here: 0, 1; an index, UUID or PCI bus id)\n"
+
+
+@pytest.mark.parametrize("path", [GUARD_JSON, GUARD_TOML])
+def test_guard_import_config_reads_gpu_kills_guard_mode_file(capsys, path):
+    """Its export (JSON) and its own file (TOML) alike: each user, group and GPU policy becomes the managed
+    policy of the same limits (GB as GiB, the grace from enforcement), replacing the managed ones, as gpu-kill's
+    import replaced its configuration; each setting without a meaning here is one line saying why."""
+    code, client = run(["--guard", "--guard-import-config", str(path)])
+    assert code == 0 and client.calls == [call.guard_import_policies(str(path), GUARD_IMPORTED, replace=True)]
+    out = capsys.readouterr()
+    assert out.out == f"1 policies from {path} in force: user alice\n"  # what the recording daemon answers
+    ignored = [line.split(" ignored: ")[0].removeprefix(f"gpukill: {path}: ") for line in out.err.splitlines()]
+    assert ignored == ["global.enabled", "global.default_memory_limit_gb", "global.default_utilization_limit_pct",
+                       "global.default_duration_limit_hours", "global.check_interval_seconds", "global.dry_run",
+                       "enforcement.soft_enforcement", "enforcement.hard_enforcement", "enforcement.max_warnings",
+                       "enforcement.notifications", "user_policies.*.duration_limit_hours", "user_policies.*.priority",
+                       "group_policies.*.priority", "group_policies.*.members"]
+    assert "gpukill: " + f"{path}: group_policies.*.members ignored: a group's members are the system's" in out.err
+
+
+@pytest.mark.parametrize("path", [ROGUE_JSON, ROGUE_TOML])
+def test_rogue_import_config_reads_gpu_kills_rogue_file(capsys, path):
+    """The confidence threshold is min_score (its f32 in TOML, 0.699999988079071, is 0.7), the user whitelist the
+    allowed users; the thresholds, patterns, weights and alerts that mean nothing here are one line each."""
+    code, client = run(["--audit", "--rogue-import-config", str(path)])
+    assert code == 0 and client.calls == [call.import_audit_settings(str(path), ROGUE_IMPORTED)]
+    err = capsys.readouterr().err
+    ignored = [line.split(" ignored: ")[0].removeprefix(f"gpukill: {path}: ") for line in err.splitlines()]
+    assert ignored == ["detection.max_memory_usage_gb", "detection.max_utilization_pct",
+                       "detection.max_duration_hours", "detection.enabled_detections", "scoring",
+                       "patterns.crypto_miner_patterns", "patterns.suspicious_process_names",
+                       "patterns.process_whitelist", "alerts"]
+    assert (f"{path}: patterns.process_whitelist ignored: python, jupyter, tensorflow, pytorch, nvidia-smi: names, "
+            "not executables' paths") in err
+
+
+def test_import_config_takes_gpukills_own_exports_as_they_are(tmp_path):
+    policies, settings = tmp_path / "policies.yaml", tmp_path / "audit.conf"
+    policies.write_text(EXPORTED_POLICIES)
+    settings.write_text(EXPORTED_SETTINGS)
+    code, client = run(["--guard", "--guard-import-config", str(policies)])
+    assert code == 0 and client.calls == [call.guard_import_policies(str(policies), EXPORTED_POLICIES, replace=True)]
+    code, client = run(["--audit", "--rogue-import-config", str(settings)])
+    assert code == 0 and client.calls == [call.import_audit_settings(str(settings), EXPORTED_SETTINGS)]
+
+
+@pytest.mark.parametrize("flag,content,formats", [
+    ("--rogue-import-config", "not a configuration\n", "gpu-kill's rogue detection configuration (the JSON of "
+     "gpu-kill --audit --rogue-export-config, or its rogue_config.toml) or gpukill's [audit] section"),
+    ("--rogue-import-config", GUARD_JSON.read_text(), "gpu-kill's rogue detection configuration"),
+    ("--guard-import-config", ROGUE_JSON.read_text(), "gpu-kill's Guard Mode configuration (the JSON of gpu-kill "
+     "--guard --guard-export-config, or its TOML file) or gpukill's managed policies (gpukillctl guard policy "
+     "export)"),
+    ("--guard-import-config", POLICY.read_text(), "gpu-kill's Guard Mode configuration"),  # a policy file
+])
+def test_import_config_of_another_format_is_one_line_naming_the_formats(capsys, tmp_path, flag, content, formats):
+    path = tmp_path / "some.file"
+    path.write_text(content)
+    op = "--audit" if flag.startswith("--rogue") else "--guard"
+    code, client = run([op, flag, str(path)])
+    assert code == 2 and client.calls == []
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpukill: {path}: not {formats}") and err.count("\n") == 1, err
+
+
+def test_import_config_with_a_wrong_value_says_where(capsys, tmp_path):
+    path = tmp_path / "guard.json"
+    path.write_text(json.dumps({"user_policies": {"alice": {"memory_limit_gb": "8GB"}}}))
+    code, client = run(["--guard", "--guard-import-config", str(path)])
+    assert code == 2 and client.calls == []
+    assert capsys.readouterr().err == (f"gpukill: {path}: user_policies.alice.memory_limit_gb must be a number, "
+                                       'not "8GB"\n')
+    path.write_text(json.dumps({"gpu_policies": {"0": {"max_memory_gb": 0.0}}}))
+    code, client = run(["--guard", "--guard-import-config", str(path)])
+    assert code == 2 and "gpu_policies.0: memory_limit must be a whole number of bytes" in capsys.readouterr().err
+    code, client = run(["--audit", "--rogue-import-config", str(tmp_path / "missing.json")])
+    assert code == 2 and client.calls == []
+    assert capsys.readouterr().err == f"gpukill: {tmp_path / 'missing.json'}:1:1: cannot read: No such file or directory\n"
 
 
 def test_every_option_has_a_help_text():

@@ -34,6 +34,7 @@ from ..client.exits import (
 )
 from ..client.format import shown
 from .audit import GPU_KILL_THRESHOLDS, cmd_audit, gpu_kill_threshold
+from .gpu_kill_files import guard_import, read_file, rogue_import
 from .guard import cmd_guard
 from .main import COMMANDS, cmd_kill, cmd_list, cmd_reset, positive_int, seconds
 from .main import build_parser as gpukillctl_parser
@@ -1054,7 +1055,10 @@ def _managed(args: argparse.Namespace, dest: str, flag: str, kind: str, verb: st
         raise Refused(f"{flag} {target} names no limit: gpu-kill filled in its defaults ({_defaults(kind)}); here a "
                       "policy has the limits you name, so name them", policy_equivalent(
                           "add", kind, target, policy_settings(kind, args, defaults=True)))
-    return steps([shlex.split(policy_equivalent(verb, kind, target, settings, args.guard_import_config))[1:]])
+    argv = shlex.split(policy_equivalent(verb, kind, target, settings, args.guard_import_config))[1:]
+    if verb == "import":
+        return gpu_kill_import(argv, args.guard_import_config, guard_import)
+    return steps([argv])
 
 
 async def toggle_dry_run(client: ClientAPI) -> int:
@@ -1098,6 +1102,27 @@ def steps(argvs: list[list[str]]) -> Plan:
         return EXIT_OK
 
     return Plan(run, commands=tuple(shlex.join(["gpukillctl", *argv]) for argv in argvs))
+
+
+def gpu_kill_import(argv: list[str], file: str,
+                    convert: Callable[[str, str], tuple[str | None, list[str]]]) -> Plan:
+    """The gpukillctl import command `argv` for FILE in gpu-kill's format (gpu_kill_files.py: converted, each
+    setting ignored said in a line) or in gpukill's own (imported as it is); refused in one line otherwise."""
+    plain = steps([argv])
+    args = gpukillctl_args(argv)
+
+    async def run(client: ClientAPI) -> int:
+        try:
+            converted, notes = convert(file, read_file(file))
+        except ValueError as e:  # WrongFormat too: the formats taken, named
+            return fail(str(e), EXIT_USAGE)
+        if converted is None:
+            return await plain.run(client)  # type: ignore[misc]
+        for note in notes:
+            print(f"{PROG}: {shown(note)}", file=sys.stderr)
+        return await COMMANDS[args.command](client, argparse.Namespace(**vars(args), text=converted))
+
+    return replace(plain, run=run)
 
 
 # -- --audit: the scan with gpu-kill's thresholds, and the audit's settings ------------------------------------
@@ -1190,6 +1215,8 @@ def _audit(args: argparse.Namespace) -> Plan:
     if thresholds:  # every threshold in one change
         argvs.append(["audit", "settings", "set", *(_threshold(d, args) for d in thresholds)])
     argvs += [_audit_argv(d, args) for d in given if d not in thresholds]
+    if given == ["rogue_import_config"]:
+        return gpu_kill_import(argvs[0], args.rogue_import_config, rogue_import)
     return steps(argvs)
 
 

@@ -389,8 +389,9 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
         return 0
     text = ""
     if command == "import":
+        text = getattr(args, "text", None)  # given: the file read and converted already (gpukill: gpu-kill's)
         try:
-            text = read_text(args.file)
+            text = read_text(args.file) if text is None else text
         except PolicyError as e:
             return _fail(str(e), EXIT_INVALID_POLICY)
     elif command == "add":
