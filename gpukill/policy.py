@@ -78,6 +78,7 @@ MAX_RULES = 1000
 MAX_LIST = 10_000  # items in one value or exemption list
 MAX_REGEX = MAX_PATTERN  # characters of a `matches` pattern (gpukill.regex)
 MAX_NAME = 100
+MAX_NAME_LOOKUPS = 1000  # distinct user and group names looked up for name_warnings: NSS may be slow (LDAP)
 MAX_DURATION = 30 * 86400.0
 # Bounds against hostile text. None of them is near what a real policy needs.
 MAX_ERRORS = 100  # error lines kept; then TOO_MANY_ERRORS and parsing stops
@@ -179,6 +180,7 @@ class PolicyFile:
     name: str
     settings: dict[str, tuple[Any, str]]
     rules: tuple[Rule, ...]
+    names: tuple[tuple[str, str, str], ...] = ()  # (user or group, name, FILE:LINE:COL): for name_warnings()
 
 
 def _describe(value: object) -> str:
@@ -281,11 +283,19 @@ class _Parser:
         self.values: dict[int, tuple[bool, Any]] = {}  # id(scalar node) -> scalar(): an alias reads it once
         self.unreadable: set[int] = set()  # ids of scalar nodes whose one error was reported already
         self.patterns: dict[str, Any] = {}  # pattern text -> compiled (or the RegexError)
+        self.names: dict[tuple[str, str], str] = {}  # (user or group, name) -> where it is first written
 
     # -- helpers ---------------------------------------------------------------------------------------
 
     def where(self, node: Node) -> str:
         return f"{self.file}:{node.start_mark.line + 1}:{node.start_mark.column + 1}"
+
+    def named(self, kind: str, values: tuple[Any, ...], node: Node) -> None:
+        """Note the user or group names (not the ids) a value gives, each where it is first written."""
+        items = node.value if isinstance(node, SequenceNode) else [node]
+        for value, item in zip(values, items, strict=False):
+            if isinstance(value, str) and not value.isdigit():
+                self.names.setdefault((kind, value), self.where(item))
 
     def add(self, line: str) -> None:
         """Record an error line; past MAX_ERRORS of them, parsing stops."""
@@ -534,7 +544,8 @@ class _Parser:
                         continue
                     seen[rule.name] = rule.where
                     rules.append(rule)
-        return PolicyFile(self.file, settings, tuple(rules))
+        return PolicyFile(self.file, settings, tuple(rules),
+                          tuple((kind, name, where) for (kind, name), where in self.names.items()))
 
     def settings(self, top: dict[str, tuple[Node, Node]]) -> dict[str, tuple[Any, str]]:
         out: dict[str, tuple[Any, str]] = {}
@@ -874,6 +885,8 @@ class _Parser:
                 values = tuple(str(v) for v in values)
             if not self.closed_set(ctype, values, node):
                 return None, False, ""
+            if kind in (USER, GROUP):
+                self.named(kind, values, node)
             return values, False, _list_text(values)
         if op == "matches":
             pattern = self.regex(node, what)
@@ -907,6 +920,8 @@ class _Parser:
                 return None, False, ""
             if not self.closed_set(ctype, (raw,), node):
                 return None, False, ""
+            if kind in (USER, GROUP):
+                self.named(kind, (raw,), node)
             return raw, False, _cut(repr(raw) if kind == STRING else raw, MAX_TEXT - 40)
         if ctype.share is not None and isinstance(raw, str) and raw.strip().endswith("%"):
             pct = self.number(node, what, raw, 0, 100, "%")
@@ -968,6 +983,8 @@ class _Parser:
                                      max_len=MAX_ID_TEXT)
             if items is not None:
                 values[key] = tuple(str(i) for i in items)
+                if key in ("users", "groups"):
+                    self.named(USER if key == "users" else GROUP, items, v)
         return Exemptions(**values)
 
 
@@ -1060,13 +1077,39 @@ def build_policy(files: list[PolicyFile]) -> Policy:
             seen[rule.name] = rule.where
             rules.append(rule)
     settings = Settings(exemptions=exemptions, **values)
+    names: dict[tuple[str, str], str] = {}
+    for f in files:
+        for kind, name, where in f.names:
+            names.setdefault((kind, name), where)
     for rule in rules:
         if rule.action == "notify" and not (rule.notify if rule.notify is not None else settings.notify):
             errors.append(f"{rule.where}: rule {rule.name!r} has action notify but no notify targets "
                           "(give 'notify:' in the rule or at the top of the policy)")
     if errors:
         raise PolicyError(errors)
-    return Policy(settings, tuple(rules), tuple(f.name for f in files))
+    return Policy(settings, tuple(rules), tuple(f.name for f in files),
+                  tuple((kind, name, where) for (kind, name), where in names.items()))
+
+
+def name_warnings(policy: Policy, limit: int = MAX_NAME_LOOKUPS) -> list[str]:
+    """'FILE:LINE:COL: warning: no user 'alcie' on this host' for each user or group name the policy writes
+    that this host's user and group databases (NSS: files, LDAP, ...) do not know. Not an error: the name may
+    be created later, and a condition on it matches nobody until then. Each lookup may wait on NSS, so the
+    daemon calls this off its main loop; at most `limit` names are looked up, the rest counted in one line."""
+    import grp
+    import pwd
+
+    out: list[str] = []
+    for kind, name, where in policy.names[:limit]:
+        try:
+            (pwd.getpwnam if kind == USER else grp.getgrnam)(name)
+        except (KeyError, UnicodeEncodeError, ValueError):  # ValueError: an embedded NUL
+            out.append(f"{where}: warning: no {kind} {_q(name)} on this host")
+        except OSError as e:  # NSS itself failed (an LDAP server down): say so rather than guess
+            out.append(f"{where}: warning: {kind} {_q(name)} could not be looked up: {e.strerror or e}")
+    if len(policy.names) > limit:
+        out.append(f"{policy.source}: warning: {len(policy.names) - limit} more user and group names not looked up")
+    return out
 
 
 def parse_policy(text: str, filename: str) -> Policy:

@@ -126,6 +126,8 @@ class Policy:
     settings: Settings
     rules: tuple[Rule, ...]
     sources: tuple[str, ...]  # file names, in the order they were read
+    # The user and group names it writes: (user or group, name, FILE:LINE:COL), each once; an id is not one.
+    names: tuple[tuple[str, str, str], ...] = field(default=(), compare=False)
 
     @property
     def source(self) -> str:

@@ -22,6 +22,7 @@ from gpukill.records import (  # noqa: F401
     Finding,
     MemoryRegion,
     Process,
+    find_device,
 )
 
 _NUMBERED = ("index", "backend")  # what the sampler gives a device; the backend reads everything else
@@ -98,16 +99,8 @@ class Snapshot:
     monotonic: float = 0.0
 
     def find_device(self, key: str) -> Device | None:
-        """A device by global index, id (UUID) or PCI bus id; ids are matched case-insensitively."""
-        key = key.strip()
-        if key.isascii() and key.isdigit():  # "²" is a digit to isdigit(), not to int()
-            index = int(key)
-            return next((d for d in self.devices if d.index == index), None)
-        low = key.lower()
-        for device in self.devices:
-            if device.id.lower() == low or (device.pci_bus_id or "").lower() == low:
-                return device
-        return None
+        """A device by global index, id (UUID) or PCI bus id (gpukill.records.find_device)."""
+        return find_device(self.devices, key)
 
     def processes_of(self, pid: int, start_time: int) -> list[GpuProcess]:
         return [p for p in self.processes if p.pid == pid and p.start_time == start_time]

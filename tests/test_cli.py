@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
+import pytest
 import yaml
 from helpers.marks import needs_root
-from helpers.testbed import PYTHON, REPO, ROOT
+from helpers.testbed import ADMIN, OTHER, PYTHON, REPO, ROOT
 
+from gpukillctl.cli.names import UNIT_DIRS
 from gpukillctl.client.dbus import DEVICE_KEYS, PROCESS_KEYS
 from gpukilld import journal as audit
 
@@ -46,6 +49,48 @@ def test_help_lists_exit_codes(bed, users):
     assert r.returncode == 0
     for line in ("3   gpukilld or the system bus is not reachable", "4   access denied", "6   the PID now belongs"):
         assert line in r.stdout
+
+
+def test_a_name_that_does_not_exist_is_exit_status_15(bed, users):
+    """A typo is not "nothing to do": no such user, unit or GPU is one line and exit status 15, with nothing on
+    stdout (not even an empty JSON listing)."""
+    other = users["other"]
+    for args, text in [
+        (["list", "--user", "gpk-nosuch"], "no such user 'gpk-nosuch' on this host"),
+        (["list", "--json", "--user", "gpk-nosuch"], "no such user 'gpk-nosuch' on this host"),
+        (["list", "--device", "9"], "no such GPU '9' (GPUs here: 0, 1, 2, 3;"),
+        (["list", "--device", "GPU-nosuch", "--user", OTHER], "no such GPU 'GPU-nosuch'"),
+        (["usage", "--user", "gpk-nosuch"], "no such user 'gpk-nosuch' on this host"),
+        (["usage", "--unit", "foo.servce"], "no such unit 'foo.servce' on this host"),
+        (["usage", "--device", "9"], "no such GPU '9'"),
+        (["kill", "--unit", "foo-typo.service"], "no such unit 'foo-typo.service' on this host (systemd has no "
+                                                  "unit file"),
+    ]:
+        r = bed.ctl(other, *args)
+        assert_one_line_error(r, 15, text)
+        assert r.stdout == "", r
+    # not a unit name at all (no unit type is "servce"): a usage error, before the daemon is asked
+    assert_one_line_error(bed.ctl(other, "kill", "--unit", "foo.servce"), 2, "not a systemd .service or .scope")
+    r = bed.ctl(other, "--help")
+    assert "15  no such user, group, unit or GPU" in r.stdout
+
+
+def test_a_name_that_exists_but_has_no_gpu_processes_is_exit_status_0_with_a_line(bed, users):
+    """The admin user runs nothing on a GPU here: exit status 0, the (empty) listing, and a line saying so."""
+    other = users["other"]
+    r = bed.ctl(other, "list", "--user", ADMIN)
+    assert r.returncode == 0 and r.stderr == f"gpukillctl: user {ADMIN} has no GPU processes\n", r
+    r = bed.ctl(other, "list", "--json", "--user", "4000000")  # a uid exists whether or not it has a name
+    assert r.returncode == 0 and json.loads(r.stdout)["processes"] == [], r
+    assert r.stderr == "gpukillctl: user 4000000 has no GPU processes\n"
+    r = bed.ctl(other, "usage", "--user", ADMIN, "--since", "1h")
+    assert r.returncode == 0 and r.stderr == f"gpukillctl: usage: user {ADMIN} has no GPU use recorded in this " \
+                                             "range\n", r
+    unit = "systemd-journald.service"
+    if not any(os.path.exists(os.path.join(d, unit)) for d in UNIT_DIRS):
+        pytest.skip(f"no {unit} file on this host to stand for a unit that exists")
+    r = bed.ctl(other, "kill", "--unit", unit)
+    assert r.returncode == 0 and r.stdout == f"no GPU processes of unit {unit} on this host\n", r
 
 
 def test_daemon_errors(victims, users):

@@ -46,6 +46,35 @@ from gpukillctl.client.dbus import ERRORS, DaemonUnavailable, unwrap
 
 POLICY = REPO / "examples" / "guard.yaml"
 POLICY_PATH = os.path.abspath(POLICY)
+# gpu-kill's own files, as its --guard-export-config and --rogue-export-config write them (serde_json of
+# GuardModeConfig, src/guard_mode.rs, and RogueConfig::default(), src/rogue_config.rs) and as it keeps them on
+# disk (the same structs in TOML), and what gpukill imports of them.
+GPU_KILL_FILES = REPO / "tests" / "data" / "gpu-kill"
+GUARD_JSON, GUARD_TOML = GPU_KILL_FILES / "guard_config.json", GPU_KILL_FILES / "guard_mode_config.toml"
+ROGUE_JSON, ROGUE_TOML = GPU_KILL_FILES / "rogue_config.json", GPU_KILL_FILES / "rogue_config.toml"
+GUARD_IMPORTED = """# gpukill managed Guard policies (gpukillctl guard policy export)
+policies:
+  - kind: gpu
+    target: '0'
+    memory_limit: 25769803776
+    utilization_limit: 90.0
+    allowed_users: ['alice', 'bob']
+    reserved_memory: 2147483648
+    grace: 300.0
+  - kind: group
+    target: 'ml'
+    memory_limit: 34359738368
+    utilization_limit: 80.0
+    process_limit: 10
+    grace: 300.0
+  - kind: user
+    target: 'alice'
+    memory_limit: 8589934592
+    utilization_limit: 70.5
+    process_limit: 3
+    grace: 300.0
+"""
+ROGUE_IMPORTED = "[audit]\nmin_score = 70.0\nallowed_users = root admin system\n"
 
 DEVICES = [Device(index=0, id="GPU-0", backend="simulated", vendor="nvidia", name="H100"),
            Device(index=1, id="GPU-1", backend="simulated", vendor="amd", name="MI210")]
@@ -277,8 +306,8 @@ MAPPINGS = [
      [call.guard_set_policy("gpu", "1", {"memory_limit": "16GiB"})]),
     (["--guard", "--guard-remove-gpu", "0"], [call.guard_remove_policy("gpu", "0")]),
     (["--guard", "--guard-export-config"], [call.guard_export_policies()]),
-    (["--guard", "--guard-import-config", str(POLICY)],
-     [call.guard_import_policies(POLICY_PATH, POLICY.read_text(), replace=True)]),
+    (["--guard", "--guard-import-config", str(GUARD_JSON)],
+     [call.guard_import_policies(str(GUARD_JSON), GUARD_IMPORTED, replace=True)]),
     (["--guard", "--guard-toggle-dry-run"], [call.guard_status(), call.guard_set_dry_run(True)]),
     # the audit's settings
     (["--audit", "--rogue-config"], [call.audit_settings()]),
@@ -295,7 +324,8 @@ MAPPINGS = [
     (["--audit", "--rogue-unwhitelist-process", "/opt/sim/bin/sim"],
      [call.audit_settings(), call.set_audit_settings({"allowed_processes": []})]),
     (["--audit", "--rogue-export-config"], [call.export_audit_settings()]),
-    (["--audit", "--rogue-import-config", str(POLICY)], [call.import_audit_settings(POLICY_PATH, POLICY.read_text())]),
+    (["--audit", "--rogue-import-config", str(ROGUE_JSON)], [call.import_audit_settings(str(ROGUE_JSON),
+                                                                                          ROGUE_IMPORTED)]),
     # gpu-kill's usage audit: gpukillctl usage (its records per process; the summary's top users and processes)
     (["--audit"], [call.usage({"by": "process"})]),
     (["--audit", "--output", "json"], [call.usage({"by": "process"})]),
@@ -675,7 +705,7 @@ def test_dry_run_of_what_the_kill_would_refuse_or_not_find(capsys):
     assert code == 5 and client.calls == [call.list_processes({})]
     assert "PID 999 is not a GPU process gpukilld lists" in capsys.readouterr().err
     code, client = run(["--kill", "--gpu", "1", "--batch", "--dry-run"], RecordingClient(processes=[]))
-    assert code == 5 and client.calls == [ON_GPU_1]
+    assert code == 5 and client.calls == [ON_GPU_1, call.list_devices()]  # GPU 1 exists: none on it
     assert capsys.readouterr().err == "gpukill: no GPU process on GPU 1; nothing would be killed\n"
 
 
@@ -690,8 +720,102 @@ def test_kill_by_gpu_batch_names_what_it_kills_and_exits_5_on_none(capsys):
     assert code == 0
     assert capsys.readouterr().out.startswith("2 process(es) on GPU 1: 4242 (python3), 4343 (pytorch)\n")
     code, client = run(["--kill", "--gpu", "1", "--batch"], RecordingClient(processes=[]))
-    assert code == 5 and client.calls == [ON_GPU_1]
+    assert code == 5 and client.calls == [ON_GPU_1, call.list_devices()]
     assert capsys.readouterr().err == "gpukill: no GPU process on GPU 1; nothing was killed\n"
+
+
+@pytest.mark.parametrize("argv,done", [(["--kill", "--gpu", "9", "--batch"], "nothing was killed"),
+                                       (["--kill", "--gpu", "9", "--batch", "--dry-run"], "nothing would be killed")])
+def test_kill_on_a_gpu_that_does_not_exist_is_exit_status_15(capsys, argv, done):
+    """A typo in --gpu is not "no process on it": gpukillctl's exit status for a name that does not exist."""
+    code, client = run(argv, RecordingClient(processes=[]))
+    assert code == 15 and client.calls == [call.list_processes({"device": "9"}), call.list_devices()]
+    assert capsys.readouterr().err == (f"gpukill: no such GPU '9' (GPUs here: 0, 1; an index, UUID or PCI bus id); "
+                                       f"{done}\n")
+
+
+def test_list_on_a_gpu_that_does_not_exist_is_exit_status_15(capsys):
+    code, _ = run(["--kill", "--gpu", "9"], RecordingClient(processes=[]))  # without --batch: the listing
+    assert code == 15
+    assert capsys.readouterr().err == "gpukillctl: no such GPU '9' (GPUs here: 0, 1; an index, UUID or PCI bus id)\n"
+
+
+@pytest.mark.parametrize("path", [GUARD_JSON, GUARD_TOML])
+def test_guard_import_config_reads_gpu_kills_guard_mode_file(capsys, path):
+    """Its export (JSON) and its own file (TOML) alike: each user, group and GPU policy becomes the managed
+    policy of the same limits (GB as GiB, the grace from enforcement), replacing the managed ones, as gpu-kill's
+    import replaced its configuration; each setting without a meaning here is one line saying why."""
+    code, client = run(["--guard", "--guard-import-config", str(path)])
+    assert code == 0 and client.calls == [call.guard_import_policies(str(path), GUARD_IMPORTED, replace=True)]
+    out = capsys.readouterr()
+    assert out.out == f"1 policies from {path} in force: user alice\n"  # what the recording daemon answers
+    ignored = [line.split(" ignored: ")[0].removeprefix(f"gpukill: {path}: ") for line in out.err.splitlines()]
+    assert ignored == ["global.enabled", "global.default_memory_limit_gb", "global.default_utilization_limit_pct",
+                       "global.default_duration_limit_hours", "global.check_interval_seconds", "global.dry_run",
+                       "enforcement.soft_enforcement", "enforcement.hard_enforcement", "enforcement.max_warnings",
+                       "enforcement.notifications", "user_policies.*.duration_limit_hours", "user_policies.*.priority",
+                       "group_policies.*.priority", "group_policies.*.members"]
+    assert "gpukill: " + f"{path}: group_policies.*.members ignored: a group's members are the system's" in out.err
+
+
+@pytest.mark.parametrize("path", [ROGUE_JSON, ROGUE_TOML])
+def test_rogue_import_config_reads_gpu_kills_rogue_file(capsys, path):
+    """The confidence threshold is min_score (its f32 in TOML, 0.699999988079071, is 0.7), the user whitelist the
+    allowed users; the thresholds, patterns, weights and alerts that mean nothing here are one line each."""
+    code, client = run(["--audit", "--rogue-import-config", str(path)])
+    assert code == 0 and client.calls == [call.import_audit_settings(str(path), ROGUE_IMPORTED)]
+    err = capsys.readouterr().err
+    ignored = [line.split(" ignored: ")[0].removeprefix(f"gpukill: {path}: ") for line in err.splitlines()]
+    assert ignored == ["detection.max_memory_usage_gb", "detection.max_utilization_pct",
+                       "detection.max_duration_hours", "detection.enabled_detections", "scoring",
+                       "patterns.crypto_miner_patterns", "patterns.suspicious_process_names",
+                       "patterns.process_whitelist", "alerts"]
+    assert (f"{path}: patterns.process_whitelist ignored: python, jupyter, tensorflow, pytorch, nvidia-smi: names, "
+            "not executables' paths") in err
+
+
+def test_import_config_takes_gpukills_own_exports_as_they_are(tmp_path):
+    policies, settings = tmp_path / "policies.yaml", tmp_path / "audit.conf"
+    policies.write_text(EXPORTED_POLICIES)
+    settings.write_text(EXPORTED_SETTINGS)
+    code, client = run(["--guard", "--guard-import-config", str(policies)])
+    assert code == 0 and client.calls == [call.guard_import_policies(str(policies), EXPORTED_POLICIES, replace=True)]
+    code, client = run(["--audit", "--rogue-import-config", str(settings)])
+    assert code == 0 and client.calls == [call.import_audit_settings(str(settings), EXPORTED_SETTINGS)]
+
+
+@pytest.mark.parametrize("flag,content,formats", [
+    ("--rogue-import-config", "not a configuration\n", "gpu-kill's rogue detection configuration (the JSON of "
+     "gpu-kill --audit --rogue-export-config, or its rogue_config.toml) or gpukill's [audit] section"),
+    ("--rogue-import-config", GUARD_JSON.read_text(), "gpu-kill's rogue detection configuration"),
+    ("--guard-import-config", ROGUE_JSON.read_text(), "gpu-kill's Guard Mode configuration (the JSON of gpu-kill "
+     "--guard --guard-export-config, or its TOML file) or gpukill's managed policies (gpukillctl guard policy "
+     "export)"),
+    ("--guard-import-config", POLICY.read_text(), "gpu-kill's Guard Mode configuration"),  # a policy file
+])
+def test_import_config_of_another_format_is_one_line_naming_the_formats(capsys, tmp_path, flag, content, formats):
+    path = tmp_path / "some.file"
+    path.write_text(content)
+    op = "--audit" if flag.startswith("--rogue") else "--guard"
+    code, client = run([op, flag, str(path)])
+    assert code == 2 and client.calls == []
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpukill: {path}: not {formats}") and err.count("\n") == 1, err
+
+
+def test_import_config_with_a_wrong_value_says_where(capsys, tmp_path):
+    path = tmp_path / "guard.json"
+    path.write_text(json.dumps({"user_policies": {"alice": {"memory_limit_gb": "8GB"}}}))
+    code, client = run(["--guard", "--guard-import-config", str(path)])
+    assert code == 2 and client.calls == []
+    assert capsys.readouterr().err == (f"gpukill: {path}: user_policies.alice.memory_limit_gb must be a number, "
+                                       'not "8GB"\n')
+    path.write_text(json.dumps({"gpu_policies": {"0": {"max_memory_gb": 0.0}}}))
+    code, client = run(["--guard", "--guard-import-config", str(path)])
+    assert code == 2 and "gpu_policies.0: memory_limit must be a whole number of bytes" in capsys.readouterr().err
+    code, client = run(["--audit", "--rogue-import-config", str(tmp_path / "missing.json")])
+    assert code == 2 and client.calls == []
+    assert capsys.readouterr().err == f"gpukill: {tmp_path / 'missing.json'}:1:1: cannot read: No such file or directory\n"
 
 
 def test_every_option_has_a_help_text():
@@ -828,3 +952,23 @@ def test_console_script_is_declared():
         r = subprocess.run([str(script), "--audit", "--rogue", "--audit-hours", "2"], capture_output=True, text=True,
                            timeout=30)
         assert r.returncode == 2 and r.stderr.startswith("gpukill: --audit-hours with --rogue"), r
+
+
+@needs_root
+def test_names_that_do_not_exist_end_to_end(bed, users):
+    """gpu-kill's flags that name a user or GPU: a name this host does not have is gpukillctl's exit status 15;
+    a group policy for a group it does not have is in force, with a warning (the group may come later)."""
+    other = users["other"]
+    r = bed.gpukill(other, "--audit", "--audit-user", "gpk-nosuch")
+    assert (r.returncode, r.stdout) == (15, ""), r
+    assert r.stderr == "gpukillctl: usage: no such user 'gpk-nosuch' on this host\n"
+    r = bed.gpukill(other, "--kill", "--gpu", "9", "--batch")
+    assert (r.returncode, r.stdout) == (15, ""), r
+    assert r.stderr.startswith("gpukill: no such GPU '9' (GPUs here: 0, 1, 2, 3;")
+    try:
+        r = bed.gpukill(ROOT, "--guard", "--guard-add-group", "gpk-nosuchgrp", "--guard-group-memory-limit", "8")
+        assert r.returncode == 0 and "group policy for gpk-nosuchgrp in force" in r.stdout, r
+        assert r.stderr == ("gpukillctl: warning: no such group 'gpk-nosuchgrp' on this host: the policy matches "
+                            "nobody until it exists\n")
+    finally:
+        bed.gpukill(ROOT, "--guard", "--guard-remove-group", "gpk-nosuchgrp")

@@ -27,7 +27,9 @@ from helpers.waiting import wait_until
 from test_gpukill_compat import (
     EXPORTED_POLICIES,
     EXPORTED_SETTINGS,
+    GUARD_JSON,
     PROCESSES,
+    ROGUE_TOML,
     RecordingClient,
     gpukillctl_commands,
     missing_in_gpukillctl,
@@ -423,6 +425,36 @@ def test_user_policy_flags_end_to_end(bed, users, tmp_path):
         assert again.stdout == exported.stdout  # byte-equal
     finally:
         bed.gpukill(ROOT, "--guard", "--guard-remove-user", "gpkother")
+
+
+@needs_root
+def test_gpu_kills_own_files_import_end_to_end(bed, users, tmp_path):
+    """gpu-kill's Guard Mode export and its rogue_config.toml, imported into the real daemon: its policies are
+    gpukilld's managed ones with the same limits; its confidence threshold and user whitelist the audit's."""
+    tmp_path.chmod(0o755)
+    before = bed.ctl(ROOT, "guard", "policy", "export")
+    settings_before = bed.ctl(ROOT, "audit", "settings", "export")
+    assert before.returncode == 0 and settings_before.returncode == 0
+    saved, saved_settings = tmp_path / "before.yaml", tmp_path / "before.conf"
+    saved.write_text(before.stdout)
+    saved_settings.write_text(settings_before.stdout)
+    try:
+        r = bed.gpukill(ROOT, "--guard", "--guard-import-config", str(GUARD_JSON))
+        assert r.returncode == 0 and "3 policies" in r.stdout, r
+        assert f"{GUARD_JSON}: group_policies.*.members ignored" in r.stderr
+        p = policies(bed)
+        assert (p[("user", "alice")]["memory_limit"], p[("user", "alice")]["process_limit"]) == (8 << 30, 3)
+        assert p[("group", "ml")]["memory_limit"] == 32 << 30 and p[("gpu", "0")]["reserved_memory"] == 2 << 30
+        assert p[("gpu", "0")]["grace"] == 300.0
+        r = bed.gpukill(ROOT, "--audit", "--rogue-import-config", str(ROGUE_TOML))
+        assert r.returncode == 0, r
+        shown = json.loads(bed.ctl(ROOT, "audit", "settings", "show", "--json").stdout)["settings"]
+        assert shown["min_score"] == 70.0 and sorted(shown["allowed_users"]) == ["admin", "root", "system"], shown
+    finally:
+        saved.chmod(0o644)
+        saved_settings.chmod(0o644)
+        bed.ctl(ROOT, "guard", "policy", "import", str(saved), "--replace")
+        bed.ctl(ROOT, "audit", "settings", "import", str(saved_settings))
 
 
 @needs_root

@@ -355,6 +355,38 @@ def test_reload_rereads_guard_d_and_keeps_the_policy_on_error(guard):
             f.unlink()
 
 
+NO_SUCH_USER_POLICY = ("rules:\n  - name: alcie-log\n    action: log\n"
+                       "    conditions: [{type: user, operator: ==, value: gpk-alcie}]\n")
+
+
+def test_a_user_unknown_to_the_host_loads_with_a_warning(guard):
+    """A name no one on the host has (a typo, or a user LDAP will bring): load and test say it at
+    FILE:LINE:COL and succeed; the daemon reading it from guard.d says it in its log (the journal under
+    systemd)."""
+    bed = guard
+    loaded = bed.workdir / "alcie.yaml"
+    loaded.write_text(NO_SUCH_USER_POLICY)
+    loaded.chmod(0o644)
+    warning = f"{loaded}:4:52: warning: no user 'gpk-alcie' on this host"
+    r = bed.ctl(ROOT, "guard", "test", "--policy", str(loaded))
+    assert r.returncode == 0 and r.stderr.splitlines() == [warning], r
+    r = bed.ctl(ROOT, "guard", "load", str(loaded))
+    assert r.returncode == 0 and r.stderr.splitlines() == [warning], r
+    assert "policy" in r.stdout and "alcie-log" in r.stdout
+    d = bed.workdir / "guard.d"
+    (d / "10-alcie.yaml").write_text(NO_SUCH_USER_POLICY)
+    try:
+        t = time.monotonic()
+        os.kill(bed.daemon.proc.pid, signal.SIGHUP)
+        assert bed.daemon.notify.wait_for("READY=1", 10, after=t) is not None
+        assert [r["name"] for r in status(bed)["rules"]] == ["alcie-log"]
+        wait_until(lambda: f"{d / '10-alcie.yaml'}:4:52: warning: no user 'gpk-alcie' on this host"
+                   in bed.daemon.log(), 10, "the daemon's warning")
+    finally:
+        for f in d.glob("*.yaml"):
+            f.unlink()
+
+
 def test_webhook_journal_and_desktop_targets(guard, users):
     bed = guard
     hooks = Hooks()

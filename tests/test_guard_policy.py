@@ -254,3 +254,46 @@ def test_validate_from_the_cli_without_a_daemon(tmp_path: Path):
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 12 and r.stderr.endswith("missing.yaml:1:1: cannot read: No such file or directory\n")
     assert "Traceback" not in r.stderr
+
+
+UNKNOWN_NAMES = """exemptions:
+  users: [root, gpk-no-such-user-b]
+  groups: [gpk-no-such-group]
+rules:
+  - name: alcie-memory
+    conditions:
+      - {type: user, operator: ==, value: gpk-no-such-user-a}
+      - {type: gpu_memory, operator: ">", value: 8GiB}
+    action: log
+  - name: ids-and-known
+    conditions:
+      - {type: user, operator: in, value: [root, 4000000, gpk-no-such-user-a]}
+    action: log
+"""
+
+
+def test_names_unknown_to_the_host_are_warnings_at_their_place():
+    """A user or group name no one on this host has is a warning at FILE:LINE:COL, once per name (its first
+    place); known names and numeric ids are not; the policy still loads (the user may be created later)."""
+    from gpukill.policy import name_warnings
+
+    policy = load_texts([("p.yaml", UNKNOWN_NAMES)])
+    assert [r.name for r in policy.rules] == ["alcie-memory", "ids-and-known"]
+    assert name_warnings(policy) == ["p.yaml:2:17: warning: no user 'gpk-no-such-user-b' on this host",
+                                     "p.yaml:3:12: warning: no group 'gpk-no-such-group' on this host",
+                                     "p.yaml:7:43: warning: no user 'gpk-no-such-user-a' on this host"]
+    assert name_warnings(load_texts([("q.yaml", ISSUE_POLICY.read_text())])) == []
+    # bounded: the first name (root) is looked up and known, the other three are counted
+    assert name_warnings(policy, limit=1) == ["p.yaml: warning: 3 more user and group names not looked up"]
+
+
+def test_validate_prints_the_warnings_and_succeeds(tmp_path: Path):
+    policy = tmp_path / "names.yaml"
+    policy.write_text(UNKNOWN_NAMES)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"}
+    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(policy)], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0 and r.stdout == f"{policy}: valid, 2 rule(s): alcie-memory, ids-and-known\n", r
+    assert r.stderr.splitlines() == [f"{policy}:2:17: warning: no user 'gpk-no-such-user-b' on this host",
+                                     f"{policy}:3:12: warning: no group 'gpk-no-such-group' on this host",
+                                     f"{policy}:7:43: warning: no user 'gpk-no-such-user-a' on this host"]

@@ -255,8 +255,9 @@ def test_selection_errors_are_one_line(victims, users):
         assert r.error == err and "\n" not in r.message, (sel, r)
     cli = bed.ctl(users["owner"], "kill", "--unit", "not a unit")
     assert cli.returncode == 2 and "Traceback" not in cli.stderr
-    cli = bed.ctl(users["owner"], "kill", "--unit", "nothing-here.service")
-    assert cli.returncode == 0 and cli.stdout == "no GPU processes of unit nothing-here.service on this host\n", cli
+    cli = bed.ctl(users["owner"], "kill", "--unit", "nothing-here.service")  # no such unit: a typo, not "none"
+    assert cli.returncode == 15 and cli.stderr == ("gpukillctl: no such unit 'nothing-here.service' on this host "
+                                                   "(systemd has no unit file and no running unit of that name)\n"), cli
 
 
 GUARD_POLICY = """rules:

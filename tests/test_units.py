@@ -304,3 +304,24 @@ def test_simulated_backend_reads_the_environment_again_after_exec(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_unit_exists_by_its_file_alias_template_or_cgroup(tmp_path):
+    """gpukillctl's check of a unit name that selected nothing (names.no_such_unit): systemd's unit directories
+    (a file, an alias link even dangling, a template for an instance) or a running unit's cgroup."""
+    from gpukillctl.cli.names import no_such_unit
+
+    units, cgroups = tmp_path / "system", tmp_path / "cgroup"
+    units.mkdir()
+    (units / "train.service").write_text("[Service]\nExecStart=/bin/true\n")
+    (units / "worker@.service").write_text("[Service]\nExecStart=/bin/true\n")
+    (units / "alias.service").symlink_to("/nonexistent/target.service")
+    (cgroups / "user.slice" / "user-1000.slice" / "user@1000.service" / "app.slice" / "lab.service").mkdir(
+        parents=True)
+    (cgroups / "cgroup.controllers").write_text("memory pids\n")
+    dirs = [str(units), str(tmp_path / "missing")]
+    for unit in ("train.service", "worker@3.service", "alias.service", "lab.service", "user@1000.service"):
+        assert no_such_unit(unit, dirs, str(cgroups)) is None, unit
+    for unit in ("train2.service", "worker@3.scope", "lab.scope", "session-1.scope"):
+        assert no_such_unit(unit, dirs, str(cgroups)) == (
+            f"no such unit {unit!r} on this host (systemd has no unit file and no running unit of that name)")

@@ -35,7 +35,8 @@ from .base import Wire, from_plain, known_values, left_out, names, specs, to_pla
 
 # The module that declares each public name, but base's (imported above).
 _HOME: dict[str, str] = {
-    **dict.fromkeys(("STATE_OK", "STATE_LOST", "STATE_ERROR", "Device", "MemoryRegion", "Process"), "manager"),
+    **dict.fromkeys(("STATE_OK", "STATE_LOST", "STATE_ERROR", "Device", "MemoryRegion", "Process", "find_device"),
+                    "manager"),
     **dict.fromkeys(("ResetReply", "BackendStatus", "SAMPLING_EVENTS", "SAMPLING_POLLING", "SamplingStatus"),
                     "status"),
     **dict.fromkeys(("FINDING_MINER", "FINDING_ABUSER", "FINDING_IDLE", "FINDING_KINDS", "MAX_SCORE", "Evidence",

@@ -5,6 +5,7 @@ Imported by the listing path (`gpukillctl list`), the daemon and every client.""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .base import wire
@@ -35,6 +36,17 @@ class Device:
     mig_mode: bool | None = wire("b", "NVIDIA Multi-Instance GPU mode; None where the device has none", None)
     parent_id: str | None = wire("s", "for a partition (a MIG instance): the id of its physical GPU", None)
     clock_mhz: float | None = wire("d", "current graphics clock, MHz", None)
+
+
+def find_device(devices: Iterable[Device], key: str) -> Device | None:
+    """A device by global index, id (UUID) or PCI bus id, as every selection by GPU names one (the daemon's
+    filters, the CLI's check that a GPU exists); ids are matched case-insensitively."""
+    key = key.strip()
+    if key.isascii() and key.isdigit():  # "²" is a digit to isdigit(), not to int()
+        index = int(key)
+        return next((d for d in devices if d.index == index), None)
+    low = key.lower()
+    return next((d for d in devices if d.id.lower() == low or (d.pci_bus_id or "").lower() == low), None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,7 +237,9 @@ async def _settings(client: ClientAPI, args: argparse.Namespace) -> int:
         return EXIT_OK
     text = ""
     changes: dict[str, Any] = {}
-    if command == "import":
+    if command == "import" and getattr(args, "text", None) is not None:
+        text = args.text  # the file read and converted already (gpukill: gpu-kill's rogue configuration)
+    elif command == "import":
         try:
             with open(args.file, encoding="utf-8") as f:
                 text = f.read(1 << 20)

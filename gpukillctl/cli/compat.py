@@ -26,6 +26,7 @@ from ..client.api import ClientAPI, ClientError, Var
 from ..client.exits import (
     EXIT_CODES_HELP,
     EXIT_FAILURE,
+    EXIT_NO_SUCH_NAME,
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_USAGE,
@@ -33,6 +34,7 @@ from ..client.exits import (
 )
 from ..client.format import shown
 from .audit import GPU_KILL_THRESHOLDS, cmd_audit, gpu_kill_threshold
+from .gpu_kill_files import guard_import, read_file, rogue_import
 from .guard import cmd_guard
 from .main import COMMANDS, cmd_kill, cmd_list, cmd_reset, positive_int, seconds
 from .main import build_parser as gpukillctl_parser
@@ -94,7 +96,8 @@ EPILOG = f"""\
 Each operation runs the gpukillctl command named in its help, the same way: its output, JSON and exit
 statuses are gpukillctl's (see gpukillctl(1) and gpukill(1)). A gpu-kill flag that gpukill does not take, or a
 combination whose meaning is not certain, is refused with one line naming what to run instead (exit status 2);
-nothing is guessed. --kill --filter or --gpu with --batch that finds no process exits with 5 (--dry-run too).
+nothing is guessed. --kill --filter or --gpu with --batch that finds no process exits with 5 (--dry-run too);
+with 15 where --gpu names no GPU, as gpukillctl does for a user, group, unit or GPU that does not exist.
 gpu-kill's usage audit (--audit alone, --audit-user, --audit-process, --audit-hours, --audit-summary) is
 gpukillctl usage: gpukilld's accounting of every GPU process.
 
@@ -815,7 +818,8 @@ def _check_batch_pattern(pattern: str) -> None:
 
 async def preview(client: ClientAPI, selection: Selection) -> int:
     code = await cmd_list(client, list_args(name_regex=selection.pattern, device=selection.gpu))
-    print(f"{PROG}: nothing was killed: add --batch to kill the processes listed", file=sys.stderr)
+    if code == EXIT_OK:
+        print(f"{PROG}: nothing was killed: add --batch to kill the processes listed", file=sys.stderr)
     return code
 
 
@@ -832,6 +836,17 @@ async def targets_of(client: ClientAPI, selection: Selection) -> list:
     return list({(p.pid, p.start_time): p for p in procs}.values())  # one process on two GPUs: once
 
 
+async def no_targets(client: ClientAPI, selection: Selection, done: str) -> int:
+    """A batch that selected nothing: exit status 15 when --gpu names no GPU (a typo), else 5 (nothing matched)."""
+    if selection.gpu is not None:
+        from .names import no_such_device
+
+        problem = no_such_device(await client.list_devices(), selection.gpu)
+        if problem:
+            return fail(f"{problem}; {done}", EXIT_NO_SUCH_NAME)
+    return fail(f"no GPU process{selection.words(one=True)}; {done}", EXIT_NOT_FOUND)
+
+
 def _matched(selection: Selection, targets: list) -> str:
     return shown(f"{len(targets)} process(es){selection.words(one=False)}: "
                  + ", ".join(f"{p.pid} ({p.comm})" for p in targets))
@@ -843,7 +858,7 @@ async def kill_matching(client: ClientAPI, selection: Selection, force: bool, gr
     a PID reused since the listing is refused, not killed. Every one is tried; the first failure's status."""
     targets = await targets_of(client, selection)
     if not targets:
-        return fail(f"no GPU process{selection.words(one=True)}; nothing was killed", EXIT_NOT_FOUND)
+        return await no_targets(client, selection, "nothing was killed")
     print(_matched(selection, targets))
     first_failure = EXIT_OK
     for p in targets:
@@ -863,7 +878,7 @@ async def kill_matching(client: ClientAPI, selection: Selection, force: bool, gr
 async def preview_batch(client: ClientAPI, selection: Selection, force: bool, grace: float | None) -> int:
     targets = await targets_of(client, selection)
     if not targets:
-        return fail(f"no GPU process{selection.words(one=True)}; nothing would be killed", EXIT_NOT_FOUND)
+        return await no_targets(client, selection, "nothing would be killed")
     print(_matched(selection, targets))
     for p in targets:
         print(shown(f"would kill PID {p.pid} ({p.comm}), start time {p.start_time}: {_how(force, grace)}"))
@@ -1047,7 +1062,10 @@ def _managed(args: argparse.Namespace, dest: str, flag: str, kind: str, verb: st
         raise Refused(f"{flag} {target} names no limit: gpu-kill filled in its defaults ({_defaults(kind)}); here a "
                       "policy has the limits you name, so name them", policy_equivalent(
                           "add", kind, target, policy_settings(kind, args, defaults=True)))
-    return steps([shlex.split(policy_equivalent(verb, kind, target, settings, args.guard_import_config))[1:]])
+    argv = shlex.split(policy_equivalent(verb, kind, target, settings, args.guard_import_config))[1:]
+    if verb == "import":
+        return gpu_kill_import(argv, args.guard_import_config, guard_import)
+    return steps([argv])
 
 
 async def toggle_dry_run(client: ClientAPI) -> int:
@@ -1089,6 +1107,27 @@ def steps(argvs: list[list[str]]) -> Plan:
         return EXIT_OK
 
     return Plan(run, commands=tuple(shlex.join(["gpukillctl", *argv]) for argv in argvs))
+
+
+def gpu_kill_import(argv: list[str], file: str,
+                    convert: Callable[[str, str], tuple[str | None, list[str]]]) -> Plan:
+    """The gpukillctl import command `argv` for FILE in gpu-kill's format (gpu_kill_files.py: converted, each
+    setting ignored said in a line) or in gpukill's own (imported as it is); refused in one line otherwise."""
+    plain = steps([argv])
+    args = gpukillctl_args(argv)
+
+    async def run(client: ClientAPI) -> int:
+        try:
+            converted, notes = convert(file, read_file(file))
+        except ValueError as e:  # WrongFormat too: the formats taken, named
+            return fail(str(e), EXIT_USAGE)
+        if converted is None:
+            return await plain.run(client)  # type: ignore[misc]
+        for note in notes:
+            print(f"{PROG}: {shown(note)}", file=sys.stderr)
+        return await COMMANDS[args.command](client, argparse.Namespace(**vars(args), text=converted))
+
+    return replace(plain, run=run)
 
 
 # -- --audit: the scan with gpu-kill's thresholds, and the audit's settings ------------------------------------
@@ -1181,6 +1220,8 @@ def _audit(args: argparse.Namespace) -> Plan:
     if thresholds:  # every threshold in one change
         argvs.append(["audit", "settings", "set", *(_threshold(d, args) for d in thresholds)])
     argvs += [_audit_argv(d, args) for d in given if d not in thresholds]
+    if given == ["rogue_import_config"]:
+        return gpu_kill_import(argvs[0], args.rogue_import_config, rogue_import)
     return steps(argvs)
 
 

@@ -148,6 +148,29 @@ def _print_errors(e: Any) -> int:
     return EXIT_INVALID_POLICY
 
 
+def _print_warnings(policy: Any, args: argparse.Namespace) -> None:
+    """The user and group names this host does not know, one warning line each (the policy is still valid: the
+    user may be created later). Over -H the policy is for another host, whose users this one cannot tell."""
+    from gpukill.policy import name_warnings
+
+    if getattr(args, "host", None):
+        return
+    for line in name_warnings(policy):
+        print(shown(line), file=sys.stderr)
+
+
+def _warn_unknown_target(kind: str, target: str, args: argparse.Namespace) -> None:
+    """A managed user or group policy for a name this host does not know: in force (the user may be created
+    later), with a warning line, as a policy file naming it gets."""
+    from .names import no_such_group, no_such_user
+
+    if getattr(args, "host", None) or kind not in ("user", "group"):
+        return
+    problem = (no_such_user if kind == "user" else no_such_group)(target)
+    if problem:
+        print(f"gpukillctl: warning: {problem}: the policy matches nobody until it exists", file=sys.stderr)
+
+
 def _texts(names: list[str]) -> list[tuple[str, str]]:
     from gpukill.policy import policy_paths, read_paths
 
@@ -166,6 +189,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         policy = load_texts(texts)
     except PolicyError as e:
         return _print_errors(e)
+    _print_warnings(policy, args)
     for name, _ in texts:
         rules = [r.name for r in policy.rules if r.where.startswith(f"{name}:")]
         print(f"{name}: valid, {len(rules)} rule(s)" + (f": {', '.join(rules)}" if rules else ""))
@@ -194,6 +218,7 @@ async def _change(client: ClientAPI, args: argparse.Namespace) -> int:
             policy = load_texts([(args.file, text)])
         except PolicyError as e:
             return _print_errors(e)
+        _print_warnings(policy, args)
     from ..client.polkit_agent import PolkitAgent
 
     agent = PolkitAgent(client.unique_name)
@@ -329,9 +354,10 @@ async def _test(client: ClientAPI, args: argparse.Namespace) -> int:
     if args.policy:
         try:
             text = read_text(args.policy)
-            load_texts([(args.policy, text)])  # every error here, before asking the daemon
+            policy = load_texts([(args.policy, text)])  # every error here, before asking the daemon
         except PolicyError as e:
             return _print_errors(e)
+        _print_warnings(policy, args)
         decisions = await client.guard_test(os.path.abspath(args.policy), text)
     else:
         decisions = await client.guard_test()
@@ -410,8 +436,9 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
         return 0
     text = ""
     if command == "import":
+        text = getattr(args, "text", None)  # given: the file read and converted already (gpukill: gpu-kill's)
         try:
-            text = read_text(args.file)
+            text = read_text(args.file) if text is None else text
         except PolicyError as e:
             return _fail(str(e), EXIT_INVALID_POLICY)
     elif command == "add":
@@ -426,6 +453,7 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
         if command == "add":
             entry = await client.guard_set_policy(args.kind, args.target, settings, interactive=agent.active)
             print(shown(f"{entry.kind} policy for {entry.target} in force ({_limits(entry)}): {entry.file}"))
+            _warn_unknown_target(entry.kind, entry.target, args)
         elif command == "remove":
             await client.guard_remove_policy(args.kind, args.target, interactive=agent.active)
             print(shown(f"{args.kind} policy for {args.target} removed"))

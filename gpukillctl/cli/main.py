@@ -24,6 +24,7 @@ from ..client.api import ClientAPI, ClientError, Var
 from ..client.exits import (
     EXIT_CODES_HELP,
     EXIT_FAILURE,
+    EXIT_NO_SUCH_NAME,
     EXIT_OK,
     EXIT_USAGE,
     exit_code,
@@ -246,9 +247,31 @@ def _filter(args: argparse.Namespace) -> dict[str, Var]:
     return f
 
 
+def _named_selection(args: argparse.Namespace, devices: list) -> tuple[str, str | None]:
+    """For a listing that selected nothing: what its names (--user, --device) name, and why one of them names
+    nothing that exists (names.py), or None when they all exist."""
+    from .names import no_such_device, no_such_user
+
+    problem = None
+    if args.device is not None:
+        problem = no_such_device(devices, args.device)
+    if problem is None and args.user is not None and not getattr(args, "host", None):
+        problem = no_such_user(args.user)
+    subject = " on ".join(w for w in (f"user {args.user}" if args.user is not None else "",
+                                      f"GPU {args.device}" if args.device is not None else "") if w)
+    return subject, problem
+
+
 async def cmd_list(client: ClientAPI, args: argparse.Namespace) -> int:
     devices = await client.list_devices()
     procs = await client.list_processes(_filter(args))
+    if not procs and (args.device is not None or args.user is not None):
+        subject, problem = _named_selection(args, devices)
+        if problem:
+            return fail(problem, EXIT_NO_SUCH_NAME)
+        from .names import none_selected
+
+        none_selected(subject)
     if args.json:
         # dumps, not dump: json.dump streams through the pure-Python encoder, dumps uses the C one (~10 ms less
         # for 256 processes)
@@ -292,6 +315,12 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
                                                interactive=agent.active)
         finally:
             agent.close()
+        if not reply.entries and args.unit and not args.host:
+            from .names import no_such_unit
+
+            problem = no_such_unit(args.unit)
+            if problem:
+                return fail(problem, EXIT_NO_SUCH_NAME)
         return workload_answer(reply)
     agent = polkit_agent(client)
     try:

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from gpukill.records import to_plain
+from gpukill.text import shown
 
 from ..client.api import ClientAPI
-from ..client.exits import EXIT_OK, EXIT_USAGE
+from ..client.exits import EXIT_NO_SUCH_NAME, EXIT_OK, EXIT_USAGE
 
 MAX_LIMIT = 1000  # GetUsage's own bound
 # gpukill.records.USAGE_BY's keys (tests/test_usage_cli.py checks they agree), written out so that parsing the
@@ -93,12 +94,39 @@ def query_of(args: argparse.Namespace) -> dict[str, Any]:
     return query
 
 
+async def _no_such_name(client: ClientAPI, args: argparse.Namespace) -> str | None:
+    """For a report that found nothing: why its --user, --unit or --device names nothing that exists (names.py),
+    or None. Only then is it asked: a user or unit removed since still has its records."""
+    from .names import no_such_device, no_such_unit, no_such_user
+
+    if args.device is not None:
+        problem = no_such_device(await client.list_devices(), args.device)
+        if problem:
+            return problem
+    if getattr(args, "host", None):  # another host's users and units: not this one's to tell
+        return None
+    if args.user is not None and (problem := no_such_user(args.user)):
+        return problem
+    if args.unit is not None and (problem := no_such_unit(args.unit)):
+        return problem
+    return None
+
+
 async def cmd_usage(client: ClientAPI, args: argparse.Namespace) -> int:
     problem = check_range(args)
     if problem:  # called by another command (gpukill's --audit) without cli.main's check
         print(f"gpukillctl: usage: {problem}", file=sys.stderr)
         return EXIT_USAGE
     report = await client.usage(query_of(args))
+    if not report.rows and any(getattr(args, key, None) is not None for key in ("user", "unit", "device")):
+        problem = await _no_such_name(client, args)
+        if problem:
+            print(f"gpukillctl: usage: {problem}", file=sys.stderr)
+            return EXIT_NO_SUCH_NAME
+        named = [f"{'GPU' if key == 'device' else key} {getattr(args, key)}" for key in ("user", "unit", "device")
+                 if getattr(args, key, None) is not None]
+        print(shown(f"gpukillctl: usage: {' on '.join(named)} has no GPU use recorded in this range"),
+              file=sys.stderr)
     if args.json:
         sys.stdout.write(json.dumps(to_plain(report)) + "\n")
         return EXIT_OK

@@ -21,6 +21,7 @@ EXIT_RESET_FAILED = 11
 EXIT_INVALID_POLICY = 12
 EXIT_BUSY_TRY_AGAIN = 13
 EXIT_MEMORY_HELD = 14  # the process exited, but related processes still hold its GPU's memory
+EXIT_NO_SUCH_NAME = 15  # a selection names a user, group, unit or GPU that does not exist: a typo, not "none"
 
 # By the shared error class the client's exception is (client.ERRORS): the D-Bus names are spelled there.
 EXIT_FOR_ERROR: dict[type[Exception], int] = {
@@ -64,6 +65,9 @@ exit status:
       nothing was done, try again
   14  the process exited, but its GPU memory is still held (by its orphaned workers, its unit's or
       container's other processes: named on the line); kill --tree/--unit/--container reclaims a workload
+  15  no such user, group, unit or GPU: a selection names one that does not exist (a user or group this
+      host does not know, a unit systemd has no file or cgroup of, a GPU not listed); one that exists but
+      has no GPU processes is exit status 0, with a line on stderr saying so
 
 JSON (list --json) is stable: {"format": 1, "devices": [...], "processes": [...]}; every key is always present,
 null where the daemon cannot read a value.

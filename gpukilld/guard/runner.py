@@ -17,13 +17,14 @@ import dataclasses
 import logging
 import math
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from gpukill.errors import GpukillError, NoSuchProcess, NotSupported
 from gpukill.outcome import Outcome, guard_initiator
-from gpukill.policy import PolicyError, directory_texts, load_texts
+from gpukill.policy import PolicyError, directory_texts, load_texts, name_warnings
 from gpukill.records import (
     KILL_PROCESS,
     KILL_TREE,
@@ -160,6 +161,7 @@ class GuardRunner:
             self.engine.stats[name] = RuleStats.from_dict(d)
         policy = self._initial_policy()
         self.engine.set_policy(policy)
+        self._warn_unknown_names(policy)
         if state.clocks is not None and state.enabled:  # disabled: enabling starts every window afresh anyway
             self._restore_clocks(state.clocks)
         self.started = True
@@ -252,6 +254,23 @@ class GuardRunner:
                        action="guard", result="rejected", error=str(e), requested_by=who)
         return e
 
+    @staticmethod
+    def _warn_unknown_names(policy: Policy) -> None:
+        """Journal a warning for each user or group name of the policy in force that this host does not know
+        (FILE:LINE:COL: warning: no user 'alcie' on this host). The lookups go through NSS, which may wait on
+        a directory server: they run in a thread of their own, never on the main loop."""
+        if not policy.names:
+            return
+
+        def warn() -> None:
+            try:
+                for line in name_warnings(policy):
+                    log.warning("%s", line)
+            except Exception:  # a lookup that fails oddly must not end the daemon (it cannot: a thread)
+                log.exception("looking up the policy's user and group names failed")
+
+        threading.Thread(target=warn, name="policy-names", daemon=True).start()
+
     def _install(self, policy: Policy, source: str, texts: list[tuple[str, str]], who: str,
                  loaded_by: str = "") -> None:
         """Swap the policy in force. Loaded (LoadPolicy): who loaded it and when are kept for the status and a
@@ -262,6 +281,7 @@ class GuardRunner:
         old = replaced or f"the policy {self.policy.source}"
         now = self.clock.wall()
         self.engine.set_policy(policy)
+        self._warn_unknown_names(policy)
         self.state.policy_source, self.state.policy_files = source, texts
         self.policy_error = ""
         if source == "loaded":
