@@ -56,20 +56,20 @@ GUARD_IMPORTED = """# gpukill managed Guard policies (gpukillctl guard policy ex
 policies:
   - kind: gpu
     target: '0'
-    memory_limit: 25769803776
+    memory_limit: 24GiB
     utilization_limit: 90.0
     allowed_users: ['alice', 'bob']
-    reserved_memory: 2147483648
+    reserved_memory: 2GiB
     grace: 300.0
   - kind: group
     target: 'ml'
-    memory_limit: 34359738368
+    memory_limit: 32GiB
     utilization_limit: 80.0
     process_limit: 10
     grace: 300.0
   - kind: user
     target: 'alice'
-    memory_limit: 8589934592
+    memory_limit: 8GiB
     utilization_limit: 70.5
     process_limit: 3
     grace: 300.0

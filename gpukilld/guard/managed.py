@@ -133,6 +133,7 @@ class ManagedPolicies:
         # every call of every caller. A change made here forgets it at once.
         self._listed: tuple[tuple, list[ManagedPolicyEntry], str] | None = None
         self._listed_at = 0.0
+        self._listed_with: object = None  # the policy in force when it was looked at
 
     @property
     def directory(self) -> str:
@@ -183,9 +184,10 @@ class ManagedPolicies:
 
     def _listing(self) -> tuple[tuple, list[ManagedPolicyEntry], str]:
         """(the directory's state, the entries, the export), read again only when the state changed: a hand
-        edit of guard.d shows within LISTING_TTL seconds."""
+        edit of guard.d shows within LISTING_TTL seconds, or at once after a reload."""
         now = time.monotonic()
-        if self._listed is not None and now - self._listed_at < LISTING_TTL:
+        in_force = self.runner.policy  # a reload (SIGHUP, a change here) makes a new one: look again at once
+        if self._listed is not None and now - self._listed_at < LISTING_TTL and in_force is self._listed_with:
             return self._listed
         state = _directory_state(self.directory)
         if self._listed is None or self._listed[0] != state:
@@ -193,7 +195,7 @@ class ManagedPolicies:
             keys = sorted(found)[:MAX_MANAGED]
             self._listed = (state, [self.entry(found[key]) for key in keys],
                             managed_policy.export_text([found[key].policy for key in keys]))
-        self._listed_at = now
+        self._listed_at, self._listed_with = now, in_force
         return self._listed
 
     # -- changing ------------------------------------------------------------------------------------------
