@@ -17,8 +17,14 @@ function table(id, headers, rows) {
 function renderStatus(status) {
   const switches = el("dl", {class: "facts"},
     el("dt", null, "enabled"), el("dd", {id: "guard-enabled"}, status.enabled ? "yes" : "no"),
-    el("dt", null, "dry run"), el("dd", null, status.dry_run || status.policy_dry_run ? "yes" : "no"),
-    el("dt", null, "policy from"), el("dd", null, `${status.source}: ${status.files.join(", ") || "–"}`),
+    el("dt", null, "dry run"), el("dd", {id: "guard-dry-run"}, status.dry_run || status.policy_dry_run ? "yes" : "no"),
+    // What holds dry run on, and where the policy came from, as `gpukillctl guard status` says them.
+    status.dry_run_kept ? [el("dt", null, "dry run kept"), el("dd", {id: "guard-dry-run-kept"}, status.dry_run_kept)]
+      : null,
+    el("dt", null, "policy from"), el("dd", {id: "guard-source"}, `${status.source}: ${status.files.join(", ") || "–"}`
+      + (status.loaded_by ? `, loaded by ${status.loaded_by} at ${fmt.clock(status.loaded_at)}` : "")),
+    status.replaced ? [el("dt", null, "replaced"), el("dd", {id: "guard-replaced"},
+      `${status.replaced} (at ${fmt.clock(status.replaced_at)}, by a re-read of guard.d)`)] : null,
     el("dt", null, "evaluations"), el("dd", null, `${status.evaluations} (last ${status.last_eval_ms.toFixed(1)} ms)`),
     status.policy_error ? [el("dt", null, "policy error"), el("dd", {class: "error"}, status.policy_error)] : null);
   const rules = table("guard-rules", ["rule", "action", "scope", "conditions", "triggers", "kills", "would kill", "cancelled", "failed", "last"],
