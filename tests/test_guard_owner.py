@@ -23,6 +23,7 @@ from helpers.waiting import wait_until  # noqa: E402
 
 from gpukill.policy import load_texts  # noqa: E402
 from gpukilld.config import ConfigError, load_config  # noqa: E402
+from gpukilld.guard import notify, owner_tty  # noqa: E402
 from gpukilld.guard.notify import Notice, Notifier, NotifyConfig, owner_address  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chowns ptys to the test users: needs root")
@@ -224,6 +225,46 @@ def test_a_full_terminal_nobody_reads_delays_neither_send_nor_the_next_warning(u
         assert time.monotonic() - started < 2
     finally:
         n.close()
+
+
+def test_one_owners_4096_terminals_do_not_delay_another_owners_warning(users, ptys, tmp_path):
+    """bob registers 4,096 terminals in utmp (utempter lets a user add their own ptys): 256 real ones and the
+    rest named, and has 40 warnings queued; alice's one warning, sent after them all, is written after at most
+    one of bob's, within half a second, and each of bob's warnings writes at most MAX_TTYS terminals."""
+    bob, alice = users["other"], users["owner"]
+    hers = ptys(alice)
+    his = [Pty(bob) for _ in range(256)]
+    try:
+        named = [UTMP.pack(7, os.getpid(), f"pts/{90000 + i}".encode(), b"%04d" % i, bob.name.encode(), b"", 0, 0, 0,
+                           0, 0, 0, 0, 0, 0, b"") for i in range(4096 - len(his))]
+        (tmp_path / "utmp").write_bytes(hers.record() + b"".join(p.record() for p in his) + b"".join(named))
+        rec = Recorder()
+        n = notifier(rec, tmp_path)
+        try:
+            for _ in range(40):
+                n.send(("owner",), notice(bob.uid, "bobs-job"))
+            sent = time.monotonic()
+            n.send(("owner",), notice(alice.uid, "alices-job"))
+            wait_until(lambda: b"alices-job" in hers.read(), 5, "alice's warning never reached her terminal",
+                       interval=0.01)
+            took = time.monotonic() - sent
+            before = [w for w in rec.warned if w[0] == "tty"]
+            assert took < 0.5, f"alice waited {took:.2f} s behind bob's warnings"
+            bobs = {w[1] for w in before if not w[1].endswith(hers.path)}
+            assert len([w for w in before if w[1] == his[0].path]) <= 2, "alice waited behind more than one of bob's"
+            assert n.wait_idle(30)
+            per_warning = [w for w in rec.warned if w[0] == "tty" and w[1] == his[0].path]
+            dropped = n.stats()["tty"].dropped
+            assert len(per_warning) + dropped == 40 and dropped >= 40 - notify.PER_OWNER - 1, (len(per_warning),
+                                                                                               dropped)
+            written = {w[1] for w in rec.warned if w[0] == "tty" and w[2] in ("written", "partial")}
+            assert len(written - {hers.path}) <= owner_tty.MAX_TTYS, len(written)
+            assert any("more terminals" in w[1] and w[2] == "skipped" for w in rec.warned), bobs
+        finally:
+            n.close()
+    finally:
+        for p in his:
+            p.close()
 
 
 def test_the_owner_mail_goes_to_the_address_the_template_gives(users, ptys, tmp_path):

@@ -19,6 +19,7 @@ The threads are daemon threads: gpukilld's exit never waits for a relay that doe
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -42,6 +43,7 @@ from gpukilld.guard import owner_tty
 log = logging.getLogger(__name__)
 
 QUEUE_SIZE = 256
+PER_OWNER = 16  # an owner's notices waiting in the tty and owner-mail channels: past it, only theirs are dropped
 RETRIES = 3  # attempts per notice
 BACKOFF = 2.0  # seconds before the 2nd attempt, doubling after that
 
@@ -105,6 +107,45 @@ class ChannelStats:
             setattr(self, outcome, getattr(self, outcome) + 1)
 
 
+class FairQueue(queue.Queue):
+    """A queue of (owner, notice) served one owner after the other, each owner's own in order, at most per_owner
+    of them waiting (queue.Full past it, as past maxsize): one owner's flood of warnings fills only their own
+    lane, and every other owner's next warning is at most one of theirs behind. queue.Queue's locking, waits and
+    task counting are kept: only its storage (_init, _qsize, _put, _get) is ours."""
+
+    def __init__(self, maxsize: int, per_owner: int) -> None:
+        self.per_owner = per_owner
+        super().__init__(maxsize)
+
+    def _init(self, maxsize: int) -> None:
+        self.lanes: dict[Any, collections.deque] = {}  # owner -> its items; dict order: whose turn is next
+        self.items = 0
+
+    def _qsize(self) -> int:
+        return self.items
+
+    def _put(self, item: Any) -> None:
+        self.lanes.setdefault(None if item is None else item[0], collections.deque()).append(item)
+        self.items += 1
+
+    def _get(self) -> Any:
+        owner = next(iter(self.lanes))
+        lane = self.lanes.pop(owner)
+        item = lane.popleft()
+        if lane:
+            self.lanes[owner] = lane  # to the back: the other owners go first
+        self.items -= 1
+        return item
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if item is not None:
+            with self.mutex:
+                lane = self.lanes.get(item[0])
+                if lane is not None and len(lane) >= self.per_owner:
+                    raise queue.Full
+        super().put(item, block=False)  # the channels never wait to queue: a full queue drops
+
+
 class _Channel:
     """One transport: a bounded queue and the thread that drains it. The thread sleeps in the queue until a
     notice or close() comes: a daemon with four channels must not wake four times a second to find nothing
@@ -113,13 +154,17 @@ class _Channel:
     _WAKE = None  # what close() puts in the queue to end the thread's wait
 
     def __init__(self, name: str, deliver: Callable[[Any, Notice], str], config: NotifyConfig,
-                 on_failure: Callable[[str, Notice, str], None], stop: threading.Event) -> None:
+                 on_failure: Callable[[str, Notice, str], None], stop: threading.Event,
+                 per_owner: int = 0) -> None:
+        """per_owner: the targets are owners (a uid, an address), served fairly (FairQueue), at most this many
+        of one owner's notices waiting."""
         self.name = name
         self.deliver = deliver
         self.config = config
         self.on_failure = on_failure
         self.stop = stop
-        self.queue: queue.Queue[tuple[Any, Notice] | None] = queue.Queue(config.queue_size)
+        self.queue: queue.Queue[tuple[Any, Notice] | None] = (
+            FairQueue(config.queue_size, per_owner) if per_owner else queue.Queue(config.queue_size))
         self.stats = ChannelStats()
         self.thread = threading.Thread(target=self._run, name=f"notify-{name}", daemon=True)
         self.thread.start()
@@ -130,8 +175,9 @@ class _Channel:
             self.stats.count("queued")
         except queue.Full:
             self.stats.count("dropped")
-            self.on_failure(str(target), notice, f"the {self.name} queue is full ({self.config.queue_size}); "
-                                                 "notice dropped")
+            full = (f"{PER_OWNER} notices of this owner are waiting" if isinstance(self.queue, FairQueue)
+                    and self.queue.qsize() < self.config.queue_size else f"the queue is full ({self.config.queue_size})")
+            self.on_failure(str(target), notice, f"the {self.name} channel: {full}; notice dropped")
 
     def wake(self) -> None:
         """End the thread's wait (after stop is set). A full queue needs none: the thread is not waiting, and
@@ -198,10 +244,11 @@ class Notifier:
         self.mail = _Channel("e-mail", self._send_mail, config, on_failure, self._stop)
         self.webhook = _Channel("webhook", self._post, config, on_failure, self._stop)
         owner_failed = lambda target, notice, error: self._warned("mail", target, notice, "failed", error)  # noqa: E731
-        self.owner_mail = _Channel("owner-mail", self._send_owner_mail, config, owner_failed, self._stop)
+        self.owner_mail = _Channel("owner-mail", self._send_owner_mail, config, owner_failed, self._stop,
+                                   per_owner=PER_OWNER)
         tty_config = NotifyConfig(retries=1, queue_size=config.queue_size)  # a terminal is written once or not
         self.tty = _Channel("tty", self._write_ttys, tty_config, lambda t, n, e: self._warned("tty", t, n, "failed", e),
-                            self._stop)
+                            self._stop, per_owner=PER_OWNER)
         self.desktop = ChannelStats()  # announced only: the signal goes out, no agent answers
 
     def keep_counts(self, old: Notifier) -> None:

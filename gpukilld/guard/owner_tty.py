@@ -7,7 +7,7 @@ or /dev/tty*, owned by the owner's uid (never another user's terminal, whatever 
 confused or hostile login program could fill), its group-write bit set (`mesg y`) unless the policy ignores mesg.
 It is checked by lstat before it is opened (O_WRONLY|O_NOCTTY|O_NONBLOCK|O_NOFOLLOW) and by fstat after, and
 gets one bounded write: what does not fit in the tty's buffer now
-is dropped (EAGAIN), so a full or hung terminal costs nothing. This runs in the notifier's tty channel thread,
+is dropped (EAGAIN), so a full or hung terminal costs nothing. At most MAX_TTYS terminals an owner are written. This runs in the notifier's tty channel thread,
 never on the daemon's main loop.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pwd
 import re
 import stat
 import struct
@@ -26,6 +27,9 @@ _UTMP = struct.Struct("=h2xi32s4s32s256shhi2i4i20s")
 USER_PROCESS = 7
 MAX_RECORDS = 4096  # a bigger utmp is not a login table: read no further
 MAX_MESSAGE = 2048  # bytes per terminal: a few lines, well under a pty's buffer
+# Terminals written per warning: a person has a few; a user who registers thousands of ptys in utmp (utempter)
+# costs the channel thread, and the journal, this many writes and lines, and only their own warnings wait.
+MAX_TTYS = 16
 # A utmp line names a terminal only as pts/N or ttyX: nothing else under /dev is ever opened (opening
 # /dev/watchdog or a disk for writing has effects of its own, whatever is written after).
 _LINE = re.compile(r"pts/[0-9]{1,9}|tty[A-Za-z0-9]{1,12}")
@@ -80,7 +84,13 @@ def logind_ttys(uid: int, bus: str = "SYSTEM") -> tuple[str, ...] | None:
 
 
 def user_ttys(uid: int, utmp: str = UTMP) -> tuple[str, ...]:
-    """The /dev paths of uid's login sessions in utmp, each at most once; the owner check is done on writing."""
+    """The /dev paths of uid's login sessions in utmp (records naming uid's user), each at most once; the owner
+    check is done on writing. Other users' records are not looked at: however many a user registers, they
+    neither take the place of uid's terminals under MAX_TTYS nor cost uid's warnings a write."""
+    try:
+        name = pwd.getpwuid(uid).pw_name.encode()
+    except KeyError:
+        return ()
     try:
         with open(utmp, "rb") as f:
             data = f.read(_UTMP.size * MAX_RECORDS)
@@ -89,7 +99,7 @@ def user_ttys(uid: int, utmp: str = UTMP) -> tuple[str, ...]:
     seen: dict[str, None] = {}
     for offset in range(0, len(data) - _UTMP.size + 1, _UTMP.size):
         fields = _UTMP.unpack_from(data, offset)
-        if fields[0] != USER_PROCESS:
+        if fields[0] != USER_PROCESS or fields[4].split(b"\0", 1)[0] != name:
             continue
         tty = _tty_path(fields[2].split(b"\0", 1)[0].decode("ascii", "replace"))
         if tty is not None:  # a line naming anything but /dev/ttyX or /dev/pts/N is skipped
@@ -144,4 +154,8 @@ def warn_user(uid: int, text: str, respect_mesg: bool = True, utmp: str = UTMP,
     ttys = logind_ttys(uid, logind_bus) if logind_bus is not None else None
     if ttys is None:
         ttys = user_ttys(uid, utmp)
-    return tuple(write_tty(tty, uid, text, respect_mesg) for tty in ttys)
+    written = tuple(write_tty(tty, uid, text, respect_mesg) for tty in ttys[:MAX_TTYS])
+    if len(ttys) > MAX_TTYS:
+        written += (Delivery(f"{len(ttys) - MAX_TTYS} more terminals", "skipped",
+                             f"at most {MAX_TTYS} terminals are written per warning"),)
+    return written
