@@ -40,6 +40,8 @@ class RecentEvent:
     outcome: str = wire("s", "the kill's outcome or refusal, \"\" for a violation", "")
     pid: int | None = wire("u", "the process, where one is concerned", None)
     dry_run: bool = wire("b", "nothing was signalled", False)
+    detail: str = wire("s", "what the rule's kill_scope stopped with the process, and what it left running and why",
+                       "", omit_empty=True)
 
 
 @dataclass(frozen=True, slots=True)

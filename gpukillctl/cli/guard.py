@@ -258,7 +258,8 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
         for r in st.recent[-10:]:
             outcome = r.outcome or r.event
             dry_tag = " (dry run)" if r.dry_run and outcome not in (Outcome.WOULD_KILL, Outcome.WOULD_RESET) else ""
-            print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}"))
+            detail = f"; {r.detail}" if r.detail else ""  # what its kill_scope stopped with it, or left running
+            print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}{detail}"))
     if any(c.queued for c in st.notifications):
         print("\nnotifications: " + "; ".join(
             f"{c.channel}: {c.delivered} delivered, {c.failed} failed, {c.dropped} dropped"
