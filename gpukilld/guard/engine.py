@@ -7,7 +7,9 @@ action kill, the subject gets the rule's grace period to come back under. Still 
 its processes are stopped through the daemon's kill path; after a kill the rule leaves that subject alone for
 the cooldown, so the next decision is made on a snapshot that shows the kill's effect. At most
 max_kills_per_cycle processes are ordered killed per evaluation, and a subject with a kill in flight gets no
-second one.
+second one. A rule's kill_scope (tree, unit) adds processes to each victim when the kill is ordered: each
+passes the checks a subject passes or is left running with why, each counts toward the cap, and a victim goes
+with its whole scope or waits for an evaluation with room for it.
 
 A per_device rule with action reset (self-healing) orders a device reset instead: once its conditions hold
 (a device in error for a while, say), not while a process holds the device unless the rule says force (then
@@ -498,22 +500,22 @@ class Engine:
                                               settings.max_kills_per_cycle, self._reason(st, s),
                                               self._reason(st, s, for_others=True)))
                 continue
-            victims = [v for v, _ in plan]
-            count = len(victims) + sum(len(sc.members) for _, sc in plan)
-            kills_left -= count
+            kill_grace = rule.kill_grace if rule.kill_grace is not None else settings.kill_grace
+            order = KillOrder(rule, s.label, key, ep.uid, tuple(Target.of(v) for v, _ in plan), rule.force,
+                              kill_grace, dry_run, self._reason(st, s), self._reason(st, s, for_others=True),
+                              tuple(sc for _, sc in plan) if rule.kill_scope != KILL_PROCESS else ())
+            kills_left -= order.count
             ep.acted = True
             self.clocks_changed = True
             if dry_run:
-                stats.would_kill += count
+                stats.would_kill += order.count
                 st.dry_cooldown[key] = now + settings.cooldown  # as if killed: decide again after the cooldown
             else:
-                keys = {p.key for p in victims} | {(m.pid, m.start_time) for _, sc in plan for m in sc.members}
+                keys = {(t.pid, t.start_time) for sc in order.scoped for t in sc.members}
+                keys |= {v.key for v, _ in plan}
                 st.in_flight[key] = keys
                 self.busy |= keys
-            kill_grace = rule.kill_grace if rule.kill_grace is not None else settings.kill_grace
-            events.append(KillOrder(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in victims), rule.force,
-                                    kill_grace, dry_run, self._reason(st, s), self._reason(st, s, for_others=True),
-                                    tuple(sc for _, sc in plan) if rule.kill_scope != KILL_PROCESS else ()))
+            events.append(order)
         for key in [k for k in st.episodes if k not in held]:
             ep = st.episodes.pop(key)
             self.clocks_changed = True
