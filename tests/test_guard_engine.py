@@ -524,6 +524,7 @@ def test_kill_scope_members_pass_the_checks_their_target_passed():
     (preview,) = [p for p in e.preview(s) if p.rule == "trainers"]
     assert preview.pids == (10, 11) and "left running: PID 1 (python, protected" in preview.reason
     assert "PID 14 (python, exempt: user bob)" in preview.reason
+    assert preview.reason_for_others.endswith("; its kill_scope adds 1 process(es), leaves 6 running")
     (order,) = [ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder)]
     assert [x.pid for x in order.targets] == [10] and order.count == 2
     (scoped,) = order.scoped

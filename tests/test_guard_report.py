@@ -229,7 +229,8 @@ def test_a_scoped_kill_names_what_it_stopped_with_the_target_and_what_it_left_ru
     assert said in entry.journal.message, entry.journal.message
     assert (entry.journal.fields["scope_pids"], entry.journal.fields["left_running"]) == ("44", "43")
     assert entry.recent.detail == said
-    assert said in lines_of(done.notice)["Result"]
+    assert lines_of(done.notice)["Scope"] == said
+    assert "Scope:" not in done.notice.body_for_others  # other processes' names are the admin's to read
     dry = only(report.would_kill(dataclasses.replace(order, dry_run=True), HOST, NOW))
     assert "with PID 44 (python3); left running: PID 43 (helper, exempt: process name helper)" in dry.journal.message
     assert dry.recent.detail == "with PID 44 (python3); left running: PID 43 (helper, exempt: process name helper)"
@@ -277,3 +278,17 @@ def test_the_runner_stops_only_what_the_engine_decided_and_frees_every_member(tm
     (recent,) = runner.state.recent
     want = (f"with PID 11 (python) not stopped: {REFUSED}" if refused else "with PID 11 (python) killed with SIGKILL")
     assert recent["detail"] == want + "; left running: PID 12 (ckpt, exempt: process name ckpt)"
+
+
+def test_a_recent_events_detail_is_left_out_where_proc_hides_other_users():
+    """The detail names other processes of a kill_scope (another user's among them): a viewer to whom /proc
+    hides other users' processes gets the event without it; one who sees programs gets it whole."""
+    from gpukill.records import GuardStatus
+    from gpukilld.access.visibility import HIDDEN, PROGRAM, Viewer
+    from gpukilld.bus.guard import status_as_seen
+
+    event = RecentEvent(NOW, "t", "PID 10 (trainer, user alice)", 1000, "action", "kill", "terminated", 10, False,
+                        "left running: PID 14 (python, exempt: user bob)")
+    status = GuardStatus(True, False, False, "files", recent=(event,))
+    assert status_as_seen(status, Viewer(1000, PROGRAM)).recent == (event,)
+    assert status_as_seen(status, Viewer(1000, HIDDEN)).recent == (dataclasses.replace(event, detail=""),)

@@ -749,8 +749,12 @@ class Engine:
             if victims and not plan and (needed := self.scope_too_large(st, victims[0], cycle)):
                 status = "waiting"
                 scope = too_large_text(rule, needed, self.policy.settings.max_kills_per_cycle)
-            if scope:
-                reason, for_others = f"{reason}; {scope}", f"{for_others}; {scope}"
+            if scope:  # others read how many, not other processes' names or why they were spared
+                reason = f"{reason}; {scope}"
+                added = sum(len(sc.members) for _, sc in plan)
+                left = sum(len(sc.left) for _, sc in plan)
+                for_others += (f"; {scope}" if not plan else
+                               f"; its kill_scope adds {added} process(es), leaves {left} running")
         else:
             pids = (s.pid,) if isinstance(s, ProcView) else tuple(p.pid for p in s.procs)
             status = "now" if wait <= 0 else "waiting"

@@ -93,11 +93,12 @@ class GuardNotice(Notice):
 
 
 def _notice(rule: Rule, event: str, summary: str, lines: list[str], data: dict[str, Any], host: str,
-            now: float, reason_for_others: str | None = None) -> GuardNotice:
-    """reason_for_others: the Why line as others may read it (engine: reason_for_others); None: as it is."""
+            now: float, reason_for_others: str | None = None, private: tuple[str, ...] = ()) -> GuardNotice:
+    """reason_for_others: the Why line as others may read it (engine: reason_for_others); None: as it is.
+    private: lines left out of the body as others read it (other processes' names and why they were spared)."""
     reason = str(data.get("reason", ""))
     shared = [f"Why: {reason_for_others}" if reason_for_others is not None and line == f"Why: {reason}" else line
-              for line in lines]
+              for line in lines if line not in private]
     return GuardNotice(event, rule.name, str(data.get("subject", "")), summary, "\n".join(lines) + "\n",
                        {"event": event, "rule": rule.name, "host": host, "time": now, "summary": summary, **data},
                        "\n".join(shared) + "\n")
@@ -220,6 +221,7 @@ def _kill_result(rule: Rule, subject: str, reason: str, reason_for_others: str, 
     that: the journal entry, GuardActionTaken, the recent event and the notice."""
     whose = "" if subject.startswith(f"PID {t.pid} ") else f" for {subject}"
     also = f"; {detail}" if detail else ""
+    scope_line = (f"Scope: {detail}",) if detail else ()
     journal = AuditEntry(
         audit.GUARD_ACTION, f"Guard rule {rule.name}: PID {t.pid} ({t.comm}, user {t.user}) {text}{whose}{also} "
                             f"({reason})",
@@ -230,9 +232,9 @@ def _kill_result(rule: Rule, subject: str, reason: str, reason_for_others: str, 
     recent = RecentEvent(now, rule.name, subject, t.uid, "action", "kill", outcome, t.pid, dry_run, detail)
     notice = _notice(rule, "action", f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
                      [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {subject}", f"Why: {reason}",
-                      f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}{also}"],
+                      f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}", *scope_line],
                      {"subject": subject, "reason": reason, "action": "kill", "dry_run": dry_run,
-                      "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now, reason_for_others)
+                      "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now, reason_for_others, scope_line)
     return Report((Entry(journal, signal, recent),), notice)
 
 
