@@ -20,6 +20,7 @@ class Outcome(StrEnum):
     CANCELLED = "cancelled"  # the guard's subject came back under within the grace: nothing was signalled
     RESET = "reset"  # a Guard reset rule's device was reset (a refusal is the reset path's result instead)
     WOULD_RESET = "would-reset"  # a dry run's reset: nothing was done
+    OVER_CAP = "over-cap"  # a Guard kill whose kill_scope takes more processes than max_kills_per_cycle: none
 
     @property
     def text(self) -> str:
@@ -40,6 +41,7 @@ _TEXT = {
     Outcome.CANCELLED: "came back under within the grace period",
     Outcome.RESET: "reset",
     Outcome.WOULD_RESET: "would be reset",
+    Outcome.OVER_CAP: "not stopped: its kill_scope takes more processes than max_kills_per_cycle",
 }
 SIGNALLED = frozenset({Outcome.TERMINATED, Outcome.KILLED, Outcome.STILL_ALIVE})
 

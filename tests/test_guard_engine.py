@@ -13,7 +13,7 @@ from helpers.testbed import REPO
 from gpukill.policy import PolicyError, load_paths, load_texts
 from gpukilld.guard import clocks
 from gpukilld.guard.conditions import CLK_TCK, Protection
-from gpukilld.guard.engine import PROTECTED, Engine, GraceCancelled, KillOrder, Left, Violation
+from gpukilld.guard.engine import PROTECTED, Engine, GraceCancelled, KillOrder, KillOverCap, Left, Violation
 from gpukilld.model import Snapshot
 
 
@@ -527,3 +527,77 @@ def test_a_groups_grace_survives_a_daemon_restart():
     clocks.restore(again, saved, "boot", lambda pid, start: True)
     assert again.grace_report()[0]["remaining"] == 10
     assert killed(step(again, t, s, 10)) == [10]  # no second violation, no new grace
+
+
+SCOPED = ("max_kills_per_cycle: {cap}\nexemptions: {{users: [bob]}}\nrules:\n  - name: trainers\n    action: kill\n"
+          "    kill_scope: {scope}\n    exemptions: {{processes: ['ckpt*'], units: ['keep-*.service']}}\n"
+          "    conditions: [{{type: process_name, operator: ==, value: trainer}}]\n")
+
+
+def _tree(children: dict[int, list[int]]):
+    """A fake /proc tree: each PID's descendants, itself included (every process here starts at tick 100)."""
+    def tree(pid: int) -> list[tuple[int, int]]:
+        out, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            out.append((p, 100))
+            todo.extend(children.get(p, []))
+        return out
+    return tree
+
+
+def test_kill_scope_members_pass_the_checks_their_target_passed():
+    """A trainer's tree: a plain worker goes with it; a worker exempt by name (rule), by unit (rule) or by user
+    (global), one in a protected system unit, another user's and PID 1 are left running, each with why."""
+    t = FakeTime()
+    e = Engine(policy(SCOPED.format(cap=10, scope="tree")), t.clock(), groups=FakeGroups({}), own_pid=OWN_PID,
+               tree=_tree({10: [11, 12, 13, 14, 15, 17, 1]}))
+    s = snap(proc(10, "trainer"), proc(11, "python"), proc(12, "ckpt-writer"),
+             proc(13, "python", unit="keep-1.service"),
+             proc(14, "python", uid=1001, user="bob"), proc(15, "python", system_unit="sshd.service"),
+             proc(16, "python"), proc(17, "python", uid=1002, user="carol"), proc(1, "python"))
+    (preview,) = [p for p in e.preview(s) if p.rule == "trainers"]
+    assert preview.pids == (10, 11) and "left running: PID 1 (python, protected" in preview.reason
+    assert "PID 14 (python, exempt: user bob)" in preview.reason
+    assert preview.reason_for_others.endswith("; its kill_scope adds 1 process(es), leaves 6 running")
+    (order,) = [ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder)]
+    assert [x.pid for x in order.targets] == [10] and order.count == 2
+    (scoped,) = order.scoped
+    assert [m.pid for m in scoped.members] == [11]
+    assert {x.pid: why for x, why in scoped.left} == {
+        1: "protected: PID 1 and gpukilld are never touched", 12: "exempt: process name ckpt-writer",
+        13: "exempt: unit keep-1.service", 14: "exempt: user bob", 15: "protected: system unit sshd.service",
+        17: "another user's process: a Guard rule stops its subject's owner's processes alone"}
+    assert e.busy == {(10, 100), (11, 100)}  # the members are in flight too: no other rule orders them
+
+
+def test_kill_scope_unit_members_pass_the_checks_too():
+    t = FakeTime()
+    e = Engine(policy(SCOPED.format(cap=10, scope="unit")), t.clock(), groups=FakeGroups({}), own_pid=OWN_PID)
+    s = snap(proc(10, "trainer", unit="train.service"), proc(11, "python", unit="train.service"),
+             proc(12, "ckpt", unit="train.service"), proc(13, "python", unit="other.service"))
+    (order,) = [ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder)]
+    assert [m.pid for m in order.scoped[0].members] == [11]
+    assert [(x.pid, why) for x, why in order.scoped[0].left] == [(12, "exempt: process name ckpt")]
+
+
+def test_kill_scope_members_count_toward_the_cap_and_a_scope_is_never_half_killed():
+    """Cap 3: trainer 10 and its two workers fill it; trainer 20 and its worker wait for the next cycle, whole;
+    trainer 30 with four workers would take 5: never stopped, said once per episode and in the preview."""
+    t = FakeTime()
+    e = Engine(policy(SCOPED.format(cap=3, scope="tree")), t.clock(), groups=FakeGroups({}), own_pid=OWN_PID,
+               tree=_tree({10: [11, 12], 20: [21], 30: [31, 32, 33, 34]}))
+    s = snap(*(proc(p, "trainer") for p in (10, 20, 30)), *(proc(p) for p in (11, 12, 21, 31, 32, 33, 34)))
+    events = e.evaluate(s, True)
+    first = [ev for ev in events if isinstance(ev, KillOrder)]
+    assert [(o.targets[0].pid, [m.pid for m in o.scoped[0].members]) for o in first] == [(10, [11, 12])]
+    assert e.stats["trainers"].would_kill == 3
+    over = [ev for ev in events if isinstance(ev, KillOverCap)]
+    assert [(ev.target.pid, ev.needed, ev.cap) for ev in over] == [(30, 5, 3)]
+    events = step(e, t, s, 1, dry_run=True)
+    second = [ev for ev in events if isinstance(ev, KillOrder)]
+    assert [(o.targets[0].pid, [m.pid for m in o.scoped[0].members]) for o in second] == [(20, [21])]
+    assert not [ev for ev in events if isinstance(ev, KillOverCap)]  # once per episode
+    (p30,) = [p for p in e.preview(s) if p.subject.startswith("PID 30 ")]
+    assert p30.status == "waiting" and p30.pids == ()
+    assert "its kill_scope tree takes 5 processes, more than max_kills_per_cycle (3)" in p30.reason

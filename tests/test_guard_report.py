@@ -266,3 +266,85 @@ def test_the_runner_passes_each_report_on_as_it_is(tmp_path):
     assert runner.state.recent == [to_plain(e) for e in recent]
     saved = json.loads(json.dumps(runner.state.recent))  # as the state file keeps them across a restart
     assert [from_plain(RecentEvent, d) for d in saved] == recent
+
+
+def test_a_scoped_kill_names_what_it_stopped_with_the_target_and_what_it_left_running():
+    """kill_scope: the journal entry, the recent event's detail and the notice name the members stopped with
+    the target (with what became of each) and those left running with why; a dry run's entry says the same
+    without results."""
+    from gpukilld.guard.engine import Scoped
+
+    worker = Target(44, 4444, 1000, "alice", "python3", None, None)
+    scoped = Scoped((worker,), ((HELPER, "exempt: process name helper"),))
+    order = KillOrder(RULES["hogs"], "PID 42 (xmrig, user alice)", (42, 4242), 1000, (MINER,), True, 5.0, False,
+                      "process_name == 'hog'", scoped=(scoped,))
+    done = report.kill_done(order, MINER, Outcome.TERMINATED, "", HOST, NOW, scoped,
+                            {(44, 4444): (Outcome.KILLED, "")})
+    entry = only(done)
+    said = "with PID 44 (python3) killed with SIGKILL; left running: PID 43 (helper, exempt: process name helper)"
+    assert said in entry.journal.message, entry.journal.message
+    assert (entry.journal.fields["scope_pids"], entry.journal.fields["left_running"]) == ("44", "43")
+    assert entry.recent.detail == said
+    assert lines_of(done.notice)["Scope"] == said
+    assert "Scope:" not in done.notice.body_for_others  # other processes' names are the admin's to read
+    dry = only(report.would_kill(dataclasses.replace(order, dry_run=True), HOST, NOW))
+    assert "with PID 44 (python3); left running: PID 43 (helper, exempt: process name helper)" in dry.journal.message
+    assert dry.recent.detail == "with PID 44 (python3); left running: PID 43 (helper, exempt: process name helper)"
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["stopped", "refused-as-a-whole"])
+def test_the_runner_stops_only_what_the_engine_decided_and_frees_every_member(tmp_path, refused):
+    """The runner hands KillWorkload the members the engine checked (only) and those it left running with why
+    (spare); every member's answer frees it and counts, and an act refused as a whole is each member's answer."""
+    from helpers.guard_inputs import OWN_PID, proc, snap
+
+    from gpukill.records import WorkloadEntry, WorkloadReply
+
+    calls = []
+
+    async def kill_workload(caller, selection, grace, force, initiator):
+        calls.append(selection)
+        if refused:
+            raise REFUSED
+        return WorkloadReply(selection.text, (WorkloadEntry(10, 100, 1000, "trainer", Outcome.TERMINATED),
+                                              WorkloadEntry(11, 100, 1000, "python", Outcome.KILLED)))
+
+    clock = Clock(monotonic=lambda: 1.0, boottime=lambda: 1.0, wall=lambda: NOW)
+    runner = GuardRunner(None, audit.Audit(None), NotifyConfig(), str(tmp_path / "g"), str(tmp_path / "s"),
+                         clock=clock, own_pid=OWN_PID, kill_workload=kill_workload)
+    runner.engine.tree = lambda pid: [(10, 100), (11, 100), (12, 100)]
+    runner.engine.set_policy(load_texts([("p.yaml", "rules:\n  - name: t\n    action: kill\n    kill_scope: tree\n"
+                                                    "    exemptions: {processes: [ckpt]}\n    conditions: [{type: "
+                                                    "process_name, operator: ==, value: trainer}]\n")]))
+    (order,) = [e for e in runner.engine.evaluate(snap(proc(10, "trainer"), proc(11), proc(12, "ckpt")), False)
+                if isinstance(e, KillOrder)]
+
+    async def run() -> None:
+        runner._handle(order, False)
+        await asyncio.gather(*runner._tasks)
+        runner.stop()
+
+    asyncio.run(run())
+    (selection,) = calls
+    assert (selection.kind, selection.value, selection.owner) == ("tree", "10", 1000)
+    assert selection.only == {(10, 100), (11, 100)} and selection.spare == ((12, 100, "exempt: process name ckpt"),)
+    assert runner.engine.busy == set() and not runner.engine.states[0].in_flight
+    stats = runner.engine.stats["t"]
+    assert (stats.kills, stats.failed) == ((0, 2) if refused else (2, 0))
+    (recent,) = runner.state.recent
+    want = (f"with PID 11 (python) not stopped: {REFUSED}" if refused else "with PID 11 (python) killed with SIGKILL")
+    assert recent["detail"] == want + "; left running: PID 12 (ckpt, exempt: process name ckpt)"
+
+
+def test_a_recent_events_detail_is_left_out_where_proc_hides_other_users():
+    """The detail names other processes of a kill_scope (another user's among them): a viewer to whom /proc
+    hides other users' processes gets the event without it; one who sees programs gets it whole."""
+    from gpukill.records import GuardStatus
+    from gpukilld.access.visibility import HIDDEN, PROGRAM, Viewer
+    from gpukilld.bus.guard import status_as_seen
+
+    event = RecentEvent(NOW, "t", "PID 10 (trainer, user alice)", 1000, "action", "kill", "terminated", 10, False,
+                        "left running: PID 14 (python, exempt: user bob)")
+    status = GuardStatus(True, False, False, "files", recent=(event,))
+    assert status_as_seen(status, Viewer(1000, PROGRAM)).recent == (event,)
+    assert status_as_seen(status, Viewer(1000, HIDDEN)).recent == (dataclasses.replace(event, detail=""),)

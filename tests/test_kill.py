@@ -135,3 +135,30 @@ def test_kill_through_cli_by_owner(victims, users):
     assert r.returncode == 0, r
     assert r.stdout.strip() == f"PID {victim.pid} (xmrig) terminated; GPU memory reclaimed"
     bed.wait_listed(victim.pid, present=False)
+
+
+def test_grace_zero_reports_the_exit_sigterm_caused(victims, users, alive):
+    """`kill --grace 0`: SIGTERM, then the answer says what became of the process; one that exits on SIGTERM
+    is terminated (exit status 0) in the reply, the CLI and the journal, never "still alive"."""
+    bed = victims
+    victim = bed.victim(users["owner"], gpu=0, comm="quitter")
+    listed = bed.wait_listed(victim.pid, comm="quitter")
+    r = bed.manager(users["owner"], "KillProcess", "uta{sv}", [victim.pid, listed["start_time"], {"grace": _grace(0)}])
+    assert r.ok and r.body == ["terminated"], r
+    assert victim.wait(5) == -15
+    entry = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
+    assert entry and entry[0]["GPUKILL_RESULT"] == "terminated" and "still alive" not in entry[0]["MESSAGE"], entry
+    victim = bed.victim(users["owner"], gpu=0, comm="quitter")
+    bed.wait_listed(victim.pid, comm="quitter")
+    cli = bed.ctl(users["owner"], "kill", str(victim.pid), "--grace", "0")
+    assert cli.returncode == 0, cli
+    assert cli.stdout.startswith(f"PID {victim.pid} (quitter) terminated"), cli.stdout
+    assert victim.wait(5) == -15
+    entry = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
+    assert entry and entry[0]["GPUKILL_RESULT"] == "terminated", entry
+    # one that ignores SIGTERM is still reported alive, after the short wait for the exit
+    stubborn = bed.victim(users["owner"], gpu=0, ignore_term=True)
+    bed.wait_listed(stubborn.pid)
+    cli = bed.ctl(users["owner"], "kill", str(stubborn.pid), "--grace", "0")
+    assert cli.returncode == 10 and "still alive" in cli.stderr, cli
+    assert alive(stubborn.pid)

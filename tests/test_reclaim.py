@@ -4,11 +4,13 @@ reply, ProcessKilled, the journal and the CLI; workloads reclaimed in one act (k
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helpers.marks import needs_root
@@ -174,17 +176,23 @@ def test_tree_of_a_reused_pid_signals_nothing(victims, users, workloads, alive):
     assert w.left() == [w.pid, *w.workers], "nothing may be signalled on a start-time mismatch"
 
 
-def test_another_users_setuid_helper_in_ones_tree_is_refused_and_reported(victims, users, workloads, tmp_path):
-    """The owner's trainer runs a setuid helper that becomes the other user (real uid too): polkit refuses the
-    owner its kill, and the answer lists it, not stopped, beside the owner's killed processes."""
-    bed = victims
+def _python_as(bed, user) -> Path:
+    """A setuid copy of the system's Python that runs as `user`: another user's helper in one's tree."""
     helper_dir = bed.workdir / "setuid"
     helper_dir.mkdir(exist_ok=True)
     os.chmod(helper_dir, 0o755)
     helper = helper_dir / "python-as-other"
     shutil.copy2(os.path.realpath(SYSTEM_PYTHON), helper)
-    os.chown(helper, users["other"].uid, users["other"].gid)
+    os.chown(helper, user.uid, user.gid)
     os.chmod(helper, 0o4755)
+    return helper
+
+
+def test_another_users_setuid_helper_in_ones_tree_is_refused_and_reported(victims, users, workloads, tmp_path):
+    """The owner's trainer runs a setuid helper that becomes the other user (real uid too): polkit refuses the
+    owner its kill, and the answer lists it, not stopped, beside the owner's killed processes."""
+    bed = victims
+    helper = _python_as(bed, users["other"])
     code = ("import os, subprocess, sys, time\n"
             f"p = subprocess.Popen([{str(helper)!r}, '-c', 'import os, time; u = os.geteuid(); "
             "os.setresuid(u, u, u); print(os.getuid(), flush=True); time.sleep(3600)'], stdout=subprocess.PIPE)\n"
@@ -302,6 +310,130 @@ def test_guard_with_kill_scope_tree_leaves_no_worker_behind(users, tmp_path, kil
             assert sorted(w.left()) == sorted(w.workers), "a process-scoped kill takes the trainer alone"
             assert entry["GPUKILL_RECLAIM"] == "held"
             assert sorted(int(h.split(":")[0]) for h in entry["GPUKILL_HOLDERS"].split()) == sorted(w.workers)
+    finally:
+        if w is not None:
+            w.cleanup()
+        bed.stop()
+
+
+SCOPED_TREE = r"""
+import ctypes, json, subprocess, sys, time
+worker = "import ctypes, sys, time\nif sys.argv[1]:\n    ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)\n" \
+         "print('ready', flush=True)\ntime.sleep(3600)\n"
+kids = [subprocess.Popen([sys.executable, "-c", worker, name], stdout=subprocess.PIPE)
+        for name in ("", "ckpt-writer", "", "")]
+as_other = "import os, time; u = os.geteuid(); os.setresuid(u, u, u); print('ready', flush=True); time.sleep(3600)"
+kids.append(subprocess.Popen([sys.argv[1], "-c", as_other], stdout=subprocess.PIPE))
+for k in kids:
+    k.stdout.readline()
+ctypes.CDLL(None).prctl(15, b"trainer", 0, 0, 0)
+print(json.dumps([k.pid for k in kids]), flush=True)
+time.sleep(3600)
+"""
+
+SCOPED_POLICY = """max_kills_per_cycle: %d
+exemptions: {users: [%s]}
+rules:
+  - name: stop-trainers
+    conditions: [{type: process_name, operator: ==, value: trainer}]
+    action: kill
+    force: true
+    kill_grace: 1s
+    kill_scope: tree
+    exemptions: {processes: ['ckpt-*'], units: ['keep-*.service']}
+"""
+
+
+def test_guard_kill_scope_leaves_exempt_and_protected_members_running_and_names_them(users, tmp_path):
+    """A trainer's tree under kill_scope tree: its plain worker goes with it; a worker exempt by name, one exempt
+    by unit, one in a protected system unit and another user's (exempt by the global exemptions) are alive
+    afterwards, each named with why in the journal and in guard status."""
+    from helpers.cgroups import Cgroups, systemd_roots, why_no_cgroups
+    from helpers.testbed import Testbed
+    from helpers.waiting import wait_until
+
+    if why := why_no_cgroups():
+        pytest.skip(why)
+    bed = Testbed()
+    groups = Cgroups()
+    kids: list[int] = []
+    try:
+        tag = bed.scope[-6:].replace("_", "-")
+        keep, protect = f"keep-{tag}.service", f"protect-{tag}.service"
+        (bed.workdir / "guard.d").mkdir(exist_ok=True)
+        bed.write_conf(guard={"protected_units": protect})
+        bed.start_system(args=["--sample-interval", "0.3"])
+        helper = _python_as(bed, users["other"])
+        env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope,
+               "GPUKILL_SIM_MEM": "1GiB"}
+        proc = subprocess.Popen([SYSTEM_PYTHON, "-c", SCOPED_TREE, str(helper)], stdout=subprocess.PIPE, env=env,
+                                cwd="/", start_new_session=True, **users["owner"].popen_kwargs())
+        bed.procs.append(proc)
+        kids = json.loads(proc.stdout.readline())
+        plain, named, in_keep, in_protect, others = kids
+        for unit, pid in ((keep, in_keep), (protect, in_protect)):
+            for root in systemd_roots():
+                (groups.make(root, f"system.slice/{unit}") / "cgroup.procs").write_text(str(pid))
+        assert wait_until(lambda: {p["pid"]: (p["comm"], p.get("unit")) for p in bed.processes()}.get(in_keep)
+                          == ("python3", keep), 10), "the unit is not listed"
+        bed.wait_listed(named, comm="ckpt-writer")
+        for pid in (proc.pid, plain, in_protect, others):
+            bed.wait_listed(pid)
+        policy = tmp_path / "scoped.yaml"
+        policy.write_text(SCOPED_POLICY % (10, users["other"].name))
+        policy.chmod(0o644)
+        bed.enforce(policy)
+        assert proc.wait(20) is not None, "the guard never killed the trainer"
+        assert wait_until(lambda: not os.path.exists(f"/proc/{plain}/stat") or
+                          Path(f"/proc/{plain}/stat").read_text().split(") ")[1][0] == "Z", 10)
+        for pid in (named, in_keep, in_protect, others):
+            assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z", f"PID {pid} was killed"
+        (done,) = bed.wait_journal(GPUKILL_TARGET_PID=str(proc.pid), MESSAGE_ID=audit.GUARD_ACTION.message_id)
+        assert done["GPUKILL_SCOPE_PIDS"] == str(plain), done
+        assert sorted(map(int, done["GPUKILL_LEFT_RUNNING"].split(","))) == sorted([named, in_keep, in_protect, others])
+        text = done["MESSAGE"]
+        assert f"with PID {plain} (python3) " in text, text
+        for why in (f"PID {named} (ckpt-writer, exempt: process name ckpt-writer)",
+                    f"PID {in_keep} (python3, exempt: unit {keep})",
+                    f"PID {in_protect} (python3, protected: system unit {protect})",
+                    f"PID {others} (python-as-other, exempt: user {users['other'].name})"):
+            assert why in text, (why, text)
+        killed = bed.wait_journal(GPUKILL_TARGET_PID=str(plain), MESSAGE_ID=audit.KILL.message_id)
+        assert killed and killed[0]["GPUKILL_INITIATOR"] == "guard:stop-trainers"
+        for pid in (named, in_keep, in_protect, others):
+            assert not bed.journal(GPUKILL_TARGET_PID=str(pid), MESSAGE_ID=audit.KILL.message_id)
+        status = bed.ctl(users["root"], "guard", "status")
+        assert f"left running: PID {named} (ckpt-writer, exempt: process name ckpt-writer)" in status.stdout, status
+    finally:
+        for pid in kids:
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+        groups.cleanup()
+        bed.stop()
+
+
+def test_guard_kill_scope_members_count_toward_max_kills_per_cycle(users, tmp_path):
+    """A trainer with three workers is four kills: under max_kills_per_cycle 3 none is signalled (never half a
+    workload), and the journal says why once."""
+    from helpers.testbed import Testbed
+
+    bed = Testbed()
+    w = None
+    try:
+        (bed.workdir / "guard.d").mkdir(exist_ok=True)
+        bed.start_system(args=["--sample-interval", "0.3"])
+        w = trainer(bed, users["owner"], workers=3, mem="1GiB", comm="trainer")
+        _listed_all(bed, [w.pid, *w.workers])
+        policy = tmp_path / "capped.yaml"
+        policy.write_text(SCOPED_POLICY % (3, "nobody-at-all"))
+        policy.chmod(0o644)
+        bed.enforce(policy)
+        (held,) = bed.wait_journal(GPUKILL_TARGET_PID=str(w.pid), MESSAGE_ID=audit.GUARD_ACTION.message_id)
+        assert held["GPUKILL_RESULT"] == "over-cap", held
+        assert "its kill_scope tree takes 4 processes, more than max_kills_per_cycle (3)" in held["MESSAGE"]
+        time.sleep(2.0)  # several more evaluations
+        assert sorted(w.left()) == sorted([w.pid, *w.workers]), "nothing of the workload is signalled"
+        assert len(bed.journal(GPUKILL_TARGET_PID=str(w.pid), MESSAGE_ID=audit.GUARD_ACTION.message_id)) == 1
+        assert not bed.journal(MESSAGE_ID=audit.KILL.message_id)
     finally:
         if w is not None:
             w.cleanup()

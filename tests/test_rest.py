@@ -85,6 +85,16 @@ def test_the_server_user_cannot_kill_another_users_process(server, victims, user
     assert alive(victim.pid)
 
 
+def test_a_kill_with_grace_0_reports_the_exit_it_caused(server, victims, users):
+    """grace 0 over REST is the daemon's: SIGTERM, then the exit it caused, never "still-alive" for a process
+    that died of it."""
+    victim = victims.victim(users["owner"], gpu=1, comm="quick")
+    listed = victims.wait_listed(victim.pid)
+    r = server.call("POST", "/v1/kill", {"pid": victim.pid, "start_time": listed["start_time"], "grace": 0})
+    assert r.status == 200 and r.body["outcome"] == "terminated", r
+    assert victim.wait(5) == -15
+
+
 def test_the_server_user_kills_their_own_process(server, victims, users):
     owner = users["owner"]
     victim = victims.victim(owner, gpu=1, comm="mine")

@@ -42,6 +42,8 @@ class RecentEvent:
     dry_run: bool = wire("b", "nothing was signalled", False)
     repeats: int | None = wire("u", "times it happened, folded into this entry (time: the last); absent: once", None)
     since: float | None = wire("d", "with repeats: when it first happened, seconds since the epoch", None)
+    detail: str = wire("s", "what the rule's kill_scope stopped with the process, and what it left running and why",
+                       "", omit_empty=True)
 
 
 @dataclass(frozen=True, slots=True)

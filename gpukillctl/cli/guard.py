@@ -302,7 +302,8 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
             outcome = r.outcome or r.event
             dry_tag = " (dry run)" if r.dry_run and outcome not in (Outcome.WOULD_KILL, Outcome.WOULD_RESET) else ""
             folded = f" (×{r.repeats} since {_when(r.since or 0)})" if r.repeats else ""
-            print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}{folded}"))
+            detail = f"; {r.detail}" if r.detail else ""  # what its kill_scope stopped with it, or left running
+            print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}{folded}{detail}"))
     used = [c for c in st.notifications if c.queued or c.skipped or c.announced]
     if used:
         print("\nnotifications:")

@@ -33,7 +33,7 @@ from ..backends import Backend
 from ..model import Snapshot
 from .killer import Killer, PinnedProcess, check_grace
 from .reclaim import Watch, reclaim_fields, remember_tree
-from .selection import MAX_WORKLOAD, Selection
+from .selection import GUARD_ONLY, MAX_WORKLOAD, OTHER_USERS, Selection
 
 log = logging.getLogger(__name__)
 
@@ -197,18 +197,23 @@ class Actions:
                           f"{e}", result=e.result, error=str(e), selection=selection.text,
                           **self._base(caller, pid, selection.start_time, force, initiator))
             raise
-        if selection.owner is not None:  # Guard's: the subject's owner's processes alone, the others reported
-            others = [k for k in chosen if _owner(snapshot, k) != selection.owner]
-            chosen = [k for k in chosen if k not in others]
-        else:
-            others = []
+        # Guard's: what its rule decided to leave running (exempt, protected), with why; then the subject's
+        # owner's processes alone; then what the rule decided to stop, nothing that started since
+        spare = {(pid, start_time): why for pid, start_time, why in selection.spare}
+        left = [(k, spare[k]) for k in chosen if k in spare]
+        chosen = [k for k in chosen if k not in spare]
+        if selection.owner is not None:
+            left += [(k, OTHER_USERS) for k in chosen if _owner(snapshot, k) != selection.owner]
+            chosen = [k for k in chosen if _owner(snapshot, k) == selection.owner]
+        if selection.only is not None:
+            left += [(k, GUARD_ONLY) for k in chosen if k not in selection.only]
+            chosen = [k for k in chosen if k in selection.only]
         if len(chosen) > MAX_WORKLOAD:
             raise InvalidArgs(f"{selection.text} selects {len(chosen)} GPU processes; at most {MAX_WORKLOAD} "
                               "are killed in one act")
         entries: dict[int, WorkloadEntry] = {
-            pid: _entry_of(snapshot, pid, start_time, Protected.result,
-                           "another user's process: a Guard rule stops its subject's owner's processes alone")
-            for pid, start_time in others[:MAX_WORKLOAD]}
+            pid: _entry_of(snapshot, pid, start_time, Protected.result, why)
+            for (pid, start_time), why in left[:MAX_WORKLOAD]}
         pinned: list[tuple[PinnedProcess, dict[str, object]]] = []
         try:
             for pid, start_time in chosen:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 from dataclasses import dataclass
 
@@ -21,6 +22,10 @@ from ..model import Snapshot
 from ..proc.procfs import ProcFS, user_name
 
 KILL_WAIT = 5.0  # how long SIGKILL gets before we report the process still alive
+# With grace 0 and no force: how long the exit that SIGTERM causes gets to show. The kernel acts on a signal when
+# the process next runs, so even one that dies at once is alive for a moment after the send; the answer says
+# what happened, not what had happened within microseconds.
+TERM_SETTLE = 2.0
 
 
 @dataclass(slots=True)
@@ -89,8 +94,17 @@ class Killer:
             raise
 
     @staticmethod
+    def _exited(pidfd: int) -> bool:
+        """Whether the process has exited already (its pidfd is readable), without waiting."""
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    @staticmethod
     async def _wait_exit(pidfd: int, timeout: float) -> bool:
         """True when the process exits within timeout; a pidfd becomes readable when its process exits."""
+        if Killer._exited(pidfd):
+            return True
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(True))
@@ -103,12 +117,13 @@ class Killer:
             loop.remove_reader(pidfd)
 
     async def terminate(self, target: PinnedProcess, grace: float, force: bool) -> Outcome:
-        """SIGTERM, wait up to grace; with force, SIGKILL after the grace. Returns the outcome."""
+        """SIGTERM, wait up to grace; with force, SIGKILL after the grace. Returns the outcome. Grace 0 without
+        force waits up to TERM_SETTLE for the exit SIGTERM causes; with force, SIGKILL follows at once."""
         try:
             signal.pidfd_send_signal(target.pidfd, signal.SIGTERM)
         except ProcessLookupError:
             return Outcome.TERMINATED  # it exited between the check and the signal: the goal is met
-        if await self._wait_exit(target.pidfd, grace):
+        if await self._wait_exit(target.pidfd, grace if grace > 0 or force else TERM_SETTLE):
             return Outcome.TERMINATED
         if not force:
             return Outcome.STILL_ALIVE

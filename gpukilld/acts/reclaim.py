@@ -68,6 +68,11 @@ def remember_tree(procfs: ProcFS, roots: Iterable[int]) -> dict[Key, int]:
     return tree
 
 
+def workload_unit(unit: str | None) -> bool:
+    """Whether a unit is a workload of its own: not a login session, user@UID.service or init.scope."""
+    return bool(unit) and not _NO_WORKLOAD.fullmatch(unit)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     """What the kill's targets belong to, from the snapshot they were killed from."""
@@ -85,7 +90,7 @@ class Workload:
             # A Slurm task's unit is no workload of its own: slurmstepd runs every job's steps in one scope (or
             # slurmd's service), so its unit would relate other jobs, and a remedy `kill --unit` would stop them
             # all; its job is what it belongs to.
-            frozenset(p.unit for p in procs if p.unit and not _NO_WORKLOAD.fullmatch(p.unit) and not p.slurm_job),
+            frozenset(p.unit for p in procs if workload_unit(p.unit) and not p.slurm_job),
             frozenset(p.container_id for p in procs if p.container_id),
             frozenset(p.pod_uid for p in procs if p.pod_uid),
             frozenset(p.slurm_job for p in procs if p.slurm_job),

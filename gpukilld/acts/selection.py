@@ -10,13 +10,15 @@ named by pid and start time as listed, so a PID reused since the listing selects
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from gpukill.errors import InvalidArgs, NoSuchProcess, NotAGpuProcess, ProcessChanged, Protected
 
 from ..model import Snapshot
 from ..proc.procfs import ProcFS
-from .reclaim import Workload, remember_tree
+from .reclaim import remember_tree, workload_unit
 
 MAX_WORKLOAD = 256  # GPU processes killed in one act; a larger selection is refused, never cut
 MAX_NAME = 256
@@ -25,6 +27,19 @@ _CONTAINER = re.compile(r"[0-9a-f]{12,64}")
 
 Key = tuple[int, int]
 Left = tuple[int, int, int, str]  # a process not on a GPU: pid, start time, uid, comm
+OTHER_USERS = "another user's process: a Guard rule stops its subject's owner's processes alone"
+GUARD_ONLY = "not in the Guard rule's decision (it started since): left running; the next evaluation decides"
+
+
+def unit_mates(me: Any, procs: Iterable[Any]) -> list[Any]:
+    """The processes of `me`'s workload among procs (each with pid, start_time, unit and slurm_job, as
+    GpuProcess and Guard's ProcView have): its Slurm job's, not the scope slurmstepd runs every job in; else its
+    systemd unit's; itself alone in a login session, user@UID or init.scope."""
+    if me.slurm_job:
+        return [p for p in procs if p.slurm_job == me.slurm_job]
+    if not workload_unit(me.unit):
+        return [me]
+    return [p for p in procs if p.unit == me.unit]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +48,11 @@ class Selection:
     value: str  # the unit's or container's name; for a tree or unit_of, the process's PID
     start_time: int = 0  # a tree's root (unit_of's process), as listed
     owner: int | None = None  # only this uid's processes (Guard's scoped kills: the subject's owner's alone)
+    # Guard's scoped kills: the processes its rule decided to stop (None: every one selected), and those it
+    # decided to leave running, with why ((pid, start time, "exempt: user bob"), ...). A process selected now
+    # but in neither started since the decision: it is left running too (GUARD_ONLY).
+    only: frozenset[Key] | None = None
+    spare: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def text(self) -> str:
@@ -73,11 +93,7 @@ class Selection:
             me = on_gpu.get((int(self.value), self.start_time))
             if me is None:
                 raise NotAGpuProcess(f"PID {self.value} is not using a GPU")
-            if me.slurm_job:  # a Slurm task: its job's processes, not the scope slurmstepd runs every job in
-                return sorted(k for k, p in on_gpu.items() if p.slurm_job == me.slurm_job), []
-            if not me.unit or not Workload.of([me]).units:  # a login session, user@UID, init.scope: itself alone
-                return [(me.pid, me.start_time)], []
-            return sorted(k for k, p in on_gpu.items() if p.unit == me.unit), []
+            return sorted({(p.pid, p.start_time) for p in unit_mates(me, on_gpu.values())}), []
         if self.kind == "unit":
             return sorted(k for k, p in on_gpu.items() if p.unit == self.value), []
         if self.kind == "container":

@@ -113,13 +113,16 @@ def status_as_seen(status: GuardStatus, viewer: Viewer) -> GuardStatus:
     """The guard's status as the viewer may see it, bounded: windows and graces are one entry per subject (as
     many as processes), so at most MAX_REPORT of each with a count of the rest. Where /proc hides other users'
     processes (hidepid), entries about another user's process or user are left out (devices stay); a window
-    about another user's subject names a withheld condition by its type only, as reasons do."""
+    about another user's subject names a withheld condition by its type only, as reasons do, and a recent
+    event's detail (the other processes a kill_scope stopped or left running, by name) is left out."""
     hides = viewer.others not in (FULL, PROGRAM)
     bounded: dict[str, Any] = {}
     for key in ("windows", "graces", "recent"):
         entries = getattr(status, key)
         if hides:
             entries = tuple(e for e in entries if e.uid is None or e.uid == viewer.uid)
+            if key == "recent":
+                entries = tuple(dataclasses.replace(e, detail="") if e.detail else e for e in entries)
         if key == "windows":
             entries = tuple(dataclasses.replace(e, condition=_condition_for_others(e.condition))
                             if _theirs(e.uid, viewer) else e for e in entries)

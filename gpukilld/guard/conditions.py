@@ -327,9 +327,13 @@ class Exempt:
         self.e = exemptions
         self.groups = groups
         self._users = set(exemptions.users)
-        self._memo: dict[tuple[int, str, str, str], bool] = {}
+        self._memo: dict[tuple[int, str, str, str], str] = {}
 
     def __call__(self, p: ProcView) -> bool:
+        return bool(self.why(p))
+
+    def why(self, p: ProcView) -> str:
+        """Which exemption covers the process ("exempt: user bob"), or "" when none does."""
         key = (p.uid, p.user, p.comm, p.unit)
         hit = self._memo.get(key)
         if hit is None:
@@ -338,15 +342,17 @@ class Exempt:
             hit = self._memo[key] = self._decide(p)
         return hit
 
-    def _decide(self, p: ProcView) -> bool:
+    def _decide(self, p: ProcView) -> str:
         e = self.e
         if e.users and (p.user in self._users or str(p.uid) in self._users):
-            return True
-        if e.groups and not self.groups.of(p.uid, p.user).isdisjoint(e.groups):
-            return True
+            return f"exempt: user {p.user or p.uid}"
+        if e.groups and (hit := sorted(self.groups.of(p.uid, p.user).intersection(e.groups))):
+            return f"exempt: group {hit[0]}"
         if e.units and p.unit and any(fnmatch.fnmatchcase(p.unit, pat) for pat in e.units):
-            return True
-        return bool(e.processes and any(fnmatch.fnmatchcase(p.comm, pat) for pat in e.processes))
+            return f"exempt: unit {p.unit}"
+        if e.processes and any(fnmatch.fnmatchcase(p.comm, pat) for pat in e.processes):
+            return f"exempt: process name {p.comm}"
+        return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,9 +370,15 @@ class Protection:
     units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
 
     def covers(self, p: ProcView) -> bool:
+        return bool(self.why(p))
+
+    def why(self, p: ProcView) -> str:
+        """What protects the process ("protected: system unit sshd.service"), or "" when nothing does."""
         if self.uid_max is not None and p.uid <= self.uid_max and not p.container:
-            return True
-        return bool(p.system_unit) and _unit_protected(self.units, p.system_unit)
+            return f"protected: system account {p.user or p.uid}"
+        if p.system_unit and _unit_protected(self.units, p.system_unit):
+            return f"protected: system unit {p.system_unit}"
+        return ""
 
 
 @lru_cache(maxsize=4096)  # a few dozen system units on a host, every cycle: match each once

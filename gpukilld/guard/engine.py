@@ -7,7 +7,9 @@ action kill, the subject gets the rule's grace period to come back under. Still 
 its processes are stopped through the daemon's kill path; after a kill the rule leaves that subject alone for
 the cooldown, so the next decision is made on a snapshot that shows the kill's effect. At most
 max_kills_per_cycle processes are ordered killed per evaluation, and a subject with a kill in flight gets no
-second one.
+second one. A rule's kill_scope (tree, unit) adds processes to each victim when the kill is ordered: each
+passes the checks a subject passes or is left running with why, each counts toward the cap, and a victim goes
+with its whole scope or waits for an evaluation with room for it.
 
 A per_device rule with action reset (self-healing) orders a device reset instead: once its conditions hold
 (a device in error for a while, say), not while a process holds the device unless the rule says force (then
@@ -38,15 +40,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpukill.errors import Protected
-from gpukill.outcome import SIGNALLED, Outcome
+from gpukill.outcome import SIGNALLED, Outcome, result_text
+from gpukill.records import KILL_PROCESS, KILL_TREE
 from gpukill.rules import EMPTY_POLICY, MEAN, RESET, Policy, Rule
 
+from ..acts.reclaim import remember_tree
+from ..acts.selection import OTHER_USERS, unit_mates
 from ..model import Snapshot
+from ..proc.procfs import ProcFS
 from .conditions import (
     CompiledCondition,
     CompiledRule,
@@ -65,6 +71,12 @@ from .window_mean import WindowMean
 
 PROTECTED = "protected (a system account or system unit): never touched"
 HOUR = 3600.0  # the window of a reset rule's max_resets_per_hour
+Tree = Callable[[int], Iterable[ProcKey]]  # a process and its descendants, by PID: for kill_scope tree
+
+
+def proc_tree(pid: int) -> Iterable[ProcKey]:
+    """The process and its live descendants as /proc has them now (acts.reclaim.remember_tree)."""
+    return remember_tree(ProcFS(), [pid]).keys()
 
 
 @dataclass(slots=True)
@@ -126,6 +138,37 @@ class GraceCancelled:
 
 
 @dataclass(frozen=True, slots=True)
+class Scoped:
+    """What a rule's kill_scope adds to one target: the processes stopped with it, each of which passed the
+    checks the target passed, and those of its tree or unit left running, with why ("exempt: user bob")."""
+
+    members: tuple[Target, ...] = ()
+    left: tuple[tuple[Target, str], ...] = ()
+
+
+def scoped_text(scoped: Scoped, results: dict[ProcKey, tuple[str, str]] | None = None) -> str:
+    """A kill_scope's additions in words: "with PID 11 (python3); left running: PID 13 (ckpt, exempt: ...)";
+    with the kill path's results ((pid, start time) -> (outcome or refusal, error)), what became of each."""
+    parts = []
+    if scoped.members:
+        def done(m: Target) -> str:
+            if results is None:
+                return ""
+            return " " + result_text(*results.get((m.pid, m.start_time), ("no-such-process", "gone before the kill")))
+
+        parts.append("with " + ", ".join(f"PID {m.pid} ({m.comm}){done(m)}" for m in scoped.members))
+    if scoped.left:
+        parts.append("left running: " + ", ".join(f"PID {t.pid} ({t.comm}, {why})" for t, why in scoped.left))
+    return "; ".join(parts)
+
+
+def too_large_text(rule: Rule, needed: int, cap: int) -> str:
+    """Why a victim whose kill_scope is larger than the per-cycle cap is never stopped."""
+    return (f"its kill_scope {rule.kill_scope} takes {needed} processes, more than max_kills_per_cycle ({cap}): "
+            "none is stopped until the cap is raised")
+
+
+@dataclass(frozen=True, slots=True)
 class KillOrder:
     rule: Rule
     subject: str
@@ -135,6 +178,28 @@ class KillOrder:
     force: bool
     kill_grace: float
     dry_run: bool
+    reason: str
+    reason_for_others: str = ""  # as Violation's
+    scoped: tuple[Scoped, ...] = ()  # one per target, for a rule whose kill_scope is not process
+
+    @property
+    def count(self) -> int:
+        """The processes the order stops: its targets and what their kill_scope adds."""
+        return len(self.targets) + sum(len(sc.members) for sc in self.scoped)
+
+
+@dataclass(frozen=True, slots=True)
+class KillOverCap:
+    """A kill is due, but its first target and what the rule's kill_scope adds take more processes than
+    max_kills_per_cycle: nothing is stopped (never half a workload). Reported once per episode."""
+
+    rule: Rule
+    subject: str
+    subject_key: Any
+    uid: int | None
+    target: Target
+    needed: int
+    cap: int
     reason: str
     reason_for_others: str = ""  # as Violation's
 
@@ -165,7 +230,7 @@ class Left:
     why: str  # the conditions that no longer hold, with their values; or that the subject is gone
 
 
-Event = Violation | GraceWarning | GraceCancelled | KillOrder | ResetOrder | Left
+Event = Violation | GraceWarning | GraceCancelled | KillOrder | KillOverCap | ResetOrder | Left
 
 
 @dataclass(slots=True)
@@ -207,6 +272,7 @@ class Episode:
     uid: int | None
     acted: bool = False  # a kill (or a dry run's would-kill) was ordered in this episode: a dry run orders no other
     warned: int = 0  # the rule's warn schedule sent so far: its first `warned` items (at_start with the violation)
+    over_cap: bool = False  # a KillOverCap was reported in this episode
 
 
 @dataclass(slots=True)
@@ -252,8 +318,9 @@ def _uid_of(s: Subject) -> int | None:
 
 class Engine:
     def __init__(self, policy: Policy = EMPTY_POLICY, clock: Clock | None = None, groups: Groups | None = None,
-                 own_pid: int | None = None, protection: Protection | None = None) -> None:
+                 own_pid: int | None = None, protection: Protection | None = None, tree: Tree = proc_tree) -> None:
         self.clock = clock or Clock()
+        self.tree = tree
         self.groups = groups or Groups(self.clock.monotonic)
         self.own_pid = os.getpid() if own_pid is None else own_pid
         # System accounts and units no rule may see (gpukilld.conf [guard]); replaced on reload, used from the
@@ -487,24 +554,33 @@ class Engine:
             if dry_run and ep.acted:
                 continue  # one would-kill per episode: the journal hears again when the subject leaves
             cooldown = st.dry_cooldown if dry_run else st.cooldown  # dry run off: enforce at once
-            if now < cooldown.get(key, 0.0) or kills_left <= 0:
-                continue  # the cap holds the rest for the next cycle
-            victims = st.compiled.victims(s, self._going, self._refused)[:kills_left]
-            if not victims:
+            if now < cooldown.get(key, 0.0):
                 continue
-            kills_left -= len(victims)
+            victims = st.compiled.victims(s, self._going, self._refused)
+            plan = self._plan(st, victims, kills_left, cycle)  # the cap holds the rest for the next cycle
+            if not plan:
+                if victims and not ep.over_cap and (needed := self.scope_too_large(st, victims[0], cycle)):
+                    ep.over_cap = True
+                    events.append(KillOverCap(rule, s.label, key, ep.uid, Target.of(victims[0]), needed,
+                                              settings.max_kills_per_cycle, self._reason(st, s),
+                                              self._reason(st, s, for_others=True)))
+                continue
+            kill_grace = rule.kill_grace if rule.kill_grace is not None else settings.kill_grace
+            order = KillOrder(rule, s.label, key, ep.uid, tuple(Target.of(v) for v, _ in plan), rule.force,
+                              kill_grace, dry_run, self._reason(st, s), self._reason(st, s, for_others=True),
+                              tuple(sc for _, sc in plan) if rule.kill_scope != KILL_PROCESS else ())
+            kills_left -= order.count
             ep.acted = True
             self.clocks_changed = True
             if dry_run:
-                stats.would_kill += len(victims)
+                stats.would_kill += order.count
                 st.dry_cooldown[key] = now + settings.cooldown  # as if killed: decide again after the cooldown
             else:
-                keys = {p.key for p in victims}
+                keys = {(t.pid, t.start_time) for sc in order.scoped for t in sc.members}
+                keys |= {v.key for v, _ in plan}
                 st.in_flight[key] = keys
                 self.busy |= keys
-            kill_grace = rule.kill_grace if rule.kill_grace is not None else settings.kill_grace
-            events.append(KillOrder(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in victims), rule.force,
-                                    kill_grace, dry_run, self._reason(st, s), self._reason(st, s, for_others=True)))
+            events.append(order)
         ended = [k for k in st.episodes if k not in held]
         by_key = {s.key: s for s in subjects} if ended and dry_run else {}
         for key in ended:
@@ -520,6 +596,65 @@ class Engine:
                 del cooldowns[key]
                 self.clocks_changed = True
         return kills_left
+
+    def _plan(self, st: RuleState, victims: list[ProcView], room: int,
+              cycle: Cycle) -> list[tuple[ProcView, Scoped]]:
+        """The victims to stop now, each with what the rule's kill_scope adds to it, within `room` kills (the
+        per-cycle cap left). Every process a scope adds is a kill toward the cap, and a victim is stopped with
+        its whole scope or waits for a later cycle with it: a workload is never half-killed by the cap."""
+        plan: list[tuple[ProcView, Scoped]] = []
+        taken: set[ProcKey] = set()
+        for v in victims:
+            if v.key in taken:  # already in an earlier victim's tree or unit
+                continue
+            scoped = self._scope(st, v, cycle, taken)
+            need = 1 + len(scoped.members)
+            if need > room:
+                break
+            room -= need
+            taken.add(v.key)
+            taken.update((m.pid, m.start_time) for m in scoped.members)
+            plan.append((v, scoped))
+        return plan
+
+    def _scope(self, st: RuleState, v: ProcView, cycle: Cycle, taken: set[ProcKey]) -> Scoped:
+        """What the rule's kill_scope adds to victim v: the GPU processes of its tree (read from /proc) or of
+        its unit, each checked as a subject is (PID 1 and gpukilld, the rule's global and own exemptions, the
+        protected accounts and units, v's owner's processes alone); those that fail are left running, with why."""
+        scope = st.rule.kill_scope
+        if scope == KILL_PROCESS:
+            return Scoped()
+        if scope == KILL_TREE:
+            by_key = {p.key: p for p in cycle.procs}
+            try:
+                tree = set(self.tree(v.pid))
+            except OSError:  # /proc unreadable: the victim alone, as kill_scope process would
+                tree = set()
+            mates = [by_key[k] for k in sorted(tree) if k in by_key] if v.key in tree else []
+        else:
+            mates = unit_mates(v, cycle.procs)
+        members, left = [], []
+        exempt = st.compiled.exempt
+        for m in mates:
+            if m.key == v.key or m.key in taken or self._going(m):
+                continue
+            why = ("protected: PID 1 and gpukilld are never touched" if m.pid in (1, self.own_pid)
+                   else (exempt.why(m) if exempt is not None else "") or cycle.protection.why(m)
+                   or ("protected: the kill path refused it" if self._refused(m) else "")
+                   or (OTHER_USERS if m.uid != v.uid else ""))
+            if why:
+                left.append((Target.of(m), why))
+            else:
+                members.append(Target.of(m))
+        return Scoped(tuple(members), tuple(left))
+
+    def scope_too_large(self, st: RuleState, victim: ProcView, cycle: Cycle) -> int:
+        """How many processes the victim and its kill_scope take when that is more than max_kills_per_cycle:
+        such a scope is never killed (0: it fits)."""
+        if st.rule.kill_scope == KILL_PROCESS:
+            return 0
+        need = 1 + len(self._scope(st, victim, cycle, set()).members)
+        return need if need > self.policy.settings.max_kills_per_cycle else 0
 
     def _warn(self, st: RuleState, s: Subject, ep: Episode, now: float, events: list[Event]) -> None:
         """The schedule's next warning, if due. Several due at once (a long evaluation interval, a restart)
@@ -690,14 +825,27 @@ class Engine:
         if rule.action == RESET:
             return self._preview_reset(st, s, max(wait, self.reset_wait(rule, key, now, False)),  # type: ignore[arg-type]
                                        cycle)
+        reason, for_others = self._reason(st, s), self._reason(st, s, for_others=True)
         if rule.action == "kill":
-            pids = tuple(p.pid for p in c.victims(s, self._going, self._refused))
+            victims = c.victims(s, self._going, self._refused)
+            plan = self._plan(st, victims, self.policy.settings.max_kills_per_cycle, cycle)
+            pids = tuple(p.pid for v, sc in plan for p in (v, *sc.members))
             status = "in-flight" if st.in_flight.get(key) else ("now" if wait <= 0 else "waiting")
+            scope = "; ".join(filter(None, (scoped_text(sc) for _, sc in plan)))
+            if victims and not plan and (needed := self.scope_too_large(st, victims[0], cycle)):
+                status = "waiting"
+                scope = too_large_text(rule, needed, self.policy.settings.max_kills_per_cycle)
+            if scope:  # others read how many, not other processes' names or why they were spared
+                reason = f"{reason}; {scope}"
+                added = sum(len(sc.members) for _, sc in plan)
+                left = sum(len(sc.left) for _, sc in plan)
+                for_others += (f"; {scope}" if not plan else
+                               f"; its kill_scope adds {added} process(es), leaves {left} running")
         else:
             pids = (s.pid,) if isinstance(s, ProcView) else tuple(p.pid for p in s.procs)
             status = "now" if wait <= 0 else "waiting"
-        return Preview(rule.name, s.label, rule.action, status, max(0.0, wait), pids, self._reason(st, s),
-                       _uid_of(s), self._reason(st, s, for_others=True))
+        return Preview(rule.name, s.label, rule.action, status, max(0.0, wait), pids, reason, _uid_of(s),
+                       for_others)
 
     @staticmethod
     def _window_start(st: RuleState, cc: CompiledCondition, key: Any, now: float) -> float:

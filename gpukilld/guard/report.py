@@ -23,7 +23,19 @@ from gpukill.text import shown
 from gpukill.units import format_duration, format_size
 
 from .. import journal as audit  # the event kinds (a local `journal` is an entry)
-from .engine import GraceCancelled, GraceWarning, KillOrder, Left, ResetOrder, Target, Violation
+from .engine import (
+    GraceCancelled,
+    GraceWarning,
+    KillOrder,
+    KillOverCap,
+    Left,
+    ResetOrder,
+    Scoped,
+    Target,
+    Violation,
+    scoped_text,
+    too_large_text,
+)
 from .notify import Notice
 
 LEFT = "left"  # a dry run's episode ended: the result of its journal entry, the event of its recent entry
@@ -86,15 +98,16 @@ class GuardNotice(Notice):
 
 
 def _notice(rule: Rule, event: str, summary: str, lines: list[str], data: dict[str, Any], host: str,
-            now: float, reason_for_others: str | None = None) -> GuardNotice:
+            now: float, reason_for_others: str | None = None, private: tuple[str, ...] = ()) -> GuardNotice:
     """reason_for_others: the Why line as others may read it (engine: reason_for_others); None: as it is.
+    private: lines left out of the body as others read it (other processes' names and why they were spared).
     Each line and the summary are escaped here (shown()), before any channel sees them: a process's name,
     command line or unit may hold a newline or a terminal control, and must stay inside its own line on the
     terminal, in the mail (its Subject too), on the desktop and in the journal. The webhook's JSON keeps the
     exact values."""
     reason = str(data.get("reason", ""))
     shared = [f"Why: {reason_for_others}" if reason_for_others is not None and line == f"Why: {reason}" else line
-              for line in lines]
+              for line in lines if line not in private]
     return GuardNotice(event, rule.name, str(data.get("subject", "")), shown(summary),
                        "\n".join(map(shown, lines)) + "\n",
                        {"event": event, "rule": rule.name, "host": host, "time": now, "summary": summary, **data},
@@ -169,15 +182,18 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
     """A dry run's kill order: one entry per process it names, one notice for them all."""
     rule, outcome = order.rule, Outcome.WOULD_KILL
     entries = []
-    for t in order.targets:
+    for i, t in enumerate(order.targets):
+        scoped = order.scoped[i] if i < len(order.scoped) else None
+        detail = scoped_text(scoped) if scoped is not None else ""
         journal = AuditEntry(
             audit.GUARD_DRY_RUN, f"Dry run: guard rule {rule.name} {outcome.text} PID {t.pid} ({t.comm}, user "
-                                 f"{t.user}) for {order.subject}; nothing was signalled",
+                                 f"{t.user}) for {order.subject}{f'; {detail}' if detail else ''}; nothing was "
+                                 "signalled",
             {"action": "guard", "result": outcome, "rule": rule.name, "subject": order.subject, "target_pid": t.pid,
              "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm,
-             "force": int(order.force), "reason": order.reason, "dry_run": 1})
+             "force": int(order.force), "reason": order.reason, "dry_run": 1, **_scope_fields(scoped)})
         signal = ActionTaken(rule.name, order.subject, "kill", t.pid, t.start_time, outcome, True)
-        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", "kill", outcome, t.pid, True)
+        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", "kill", outcome, t.pid, True, detail)
         entries.append(Entry(journal, signal, recent))
     notice = _notice(rule, "action", f"{rule.name}: {outcome.text} {_pids(order.targets)} (dry run)",
                      [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
@@ -200,26 +216,56 @@ def left(ev: Left, now: float) -> Report:
     return Report((Entry(journal, None, recent),), None)
 
 
-def kill_done(order: KillOrder, t: Target, outcome: str, error: str, host: str, now: float) -> Report:
+def _scope_fields(scoped: Scoped | None) -> dict[str, Any]:
+    """GPUKILL_SCOPE_PIDS (what the kill_scope stopped with the target) and GPUKILL_LEFT_RUNNING (what it left)."""
+    if scoped is None:
+        return {}
+    return {"scope_pids": ",".join(str(m.pid) for m in scoped.members) or None,
+            "left_running": ",".join(str(t.pid) for t, _ in scoped.left) or None}
+
+
+def kill_done(order: KillOrder, t: Target, outcome: str, error: str, host: str, now: float,
+              scoped: Scoped | None = None, results: dict[tuple[int, int], tuple[str, str]] | None = None) -> Report:
     """One process of a kill order once the kill path answered: an Outcome, or its refusal's result with the
-    error's message (the kill path audited the refusal itself; this entry says what became of the rule's act)."""
-    rule = order.rule
+    error's message (the kill path audited the refusal itself; this entry says what became of the rule's act).
+    scoped: what the rule's kill_scope added to it, with the kill path's results for those (each process's own
+    kill entry has the details)."""
     text = result_text(outcome, error)
-    whose = "" if order.subject.startswith(f"PID {t.pid} ") else f" for {order.subject}"
+    detail = scoped_text(scoped, results or {}) if scoped is not None else ""
+    return _kill_result(order.rule, order.subject, order.reason, order.reason_for_others, t, outcome, text, detail,
+                        {"force": int(order.force), "error": error or None, **_scope_fields(scoped)}, False,
+                        host, now)
+
+
+def _kill_result(rule: Rule, subject: str, reason: str, reason_for_others: str, t: Target, outcome: str, text: str,
+                 detail: str, fields: dict[str, Any], dry_run: bool, host: str, now: float) -> Report:
+    """What became of a kill rule's act on one process, `text` after its name, `detail` (the kill_scope's) after
+    that: the journal entry, GuardActionTaken, the recent event and the notice."""
+    whose = "" if subject.startswith(f"PID {t.pid} ") else f" for {subject}"
+    also = f"; {detail}" if detail else ""
+    scope_line = (f"Scope: {detail}",) if detail else ()
     journal = AuditEntry(
-        audit.GUARD_ACTION, f"Guard rule {rule.name}: PID {t.pid} ({t.comm}, user {t.user}) {text}{whose} "
-                            f"({order.reason})",
-        {"action": "guard", "result": outcome, "rule": rule.name, "subject": order.subject, "target_pid": t.pid,
-         "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm, "force": int(order.force),
-         "error": error or None, "dry_run": 0})
-    signal = ActionTaken(rule.name, order.subject, "kill", t.pid, t.start_time, outcome, False)
-    recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", "kill", outcome, t.pid, False)
+        audit.GUARD_ACTION, f"Guard rule {rule.name}: PID {t.pid} ({t.comm}, user {t.user}) {text}{whose}{also} "
+                            f"({reason})",
+        {"action": "guard", "result": outcome, "rule": rule.name, "subject": subject, "target_pid": t.pid,
+         "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm, **fields,
+         "dry_run": int(dry_run)})
+    signal = ActionTaken(rule.name, subject, "kill", t.pid, t.start_time, outcome, dry_run)
+    recent = RecentEvent(now, rule.name, subject, t.uid, "action", "kill", outcome, t.pid, dry_run, detail)
     notice = _notice(rule, "action", f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
-                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
-                      f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}"],
-                     {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": False,
-                      "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now, order.reason_for_others)
+                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {subject}", f"Why: {reason}",
+                      f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}", *scope_line],
+                     {"subject": subject, "reason": reason, "action": "kill", "dry_run": dry_run,
+                      "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now, reason_for_others, scope_line)
     return Report((Entry(journal, signal, recent),), notice)
+
+
+def over_cap(ev: KillOverCap, dry_run: bool, host: str, now: float) -> Report:
+    """A due kill whose kill_scope is larger than the per-cycle cap: nothing is stopped, and the admin is told
+    why (once per episode) and what lets it happen."""
+    why = too_large_text(ev.rule, ev.needed, ev.cap)
+    return _kill_result(ev.rule, ev.subject, ev.reason, ev.reason_for_others, ev.target, Outcome.OVER_CAP,
+                        f"not stopped: {why}", "", {"error": why}, dry_run, host, now)
 
 
 def _reset_plan(rule: Rule, holders: tuple[Target, ...]) -> str:

@@ -26,7 +26,6 @@ from gpukill.errors import GpukillError, NoSuchProcess, NotSupported
 from gpukill.outcome import Outcome, guard_initiator
 from gpukill.policy import PolicyError, directory_texts, load_texts, name_warnings
 from gpukill.records import (
-    KILL_PROCESS,
     KILL_TREE,
     Grace,
     GuardStatus,
@@ -53,10 +52,12 @@ from .engine import (
     GraceCancelled,
     GraceWarning,
     KillOrder,
+    KillOverCap,
     Left,
     Preview,
     ResetOrder,
     RuleStats,
+    Scoped,
     Target,
     Violation,
 )
@@ -401,6 +402,8 @@ class GuardRunner:
             self._publish(event.rule, report.cancelled(event, dry_run, now))
         elif isinstance(event, Left):
             self._publish(event.rule, report.left(event, now))
+        elif isinstance(event, KillOverCap):
+            self._publish(event.rule, report.over_cap(event, dry_run, host, now))
         elif isinstance(event, ResetOrder):
             if event.dry_run:
                 self._publish(event.rule, report.would_reset(event, host, now))
@@ -412,35 +415,50 @@ class GuardRunner:
             if event.dry_run:
                 self._publish(event.rule, report.would_kill(event, host, now))
             else:
-                for target in event.targets:
-                    task = asyncio.get_running_loop().create_task(self._kill(event, target))
+                for i, target in enumerate(event.targets):
+                    scoped = event.scoped[i] if i < len(event.scoped) else None
+                    task = asyncio.get_running_loop().create_task(self._kill(event, target, scoped))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
 
-    async def _kill(self, order: KillOrder, t: Target) -> None:
+    async def _kill(self, order: KillOrder, t: Target, scoped: Scoped | None = None) -> None:
         error = ""
+        results: dict[tuple[int, int], tuple[str, str]] = {}
+        unsent = (NoSuchProcess.result, "gone before the kill")  # what a member the act did not reach became
         try:
             scope = order.rule.kill_scope
-            if scope != KILL_PROCESS and self.kill_workload is not None:
-                # the subject and its tree (or unit), its owner's processes alone: a trainer takes its workers
-                selection = Selection("tree" if scope == KILL_TREE else "unit_of", str(t.pid), t.start_time, t.uid)
+            if scoped is not None and self.kill_workload is not None:
+                # the target and what the engine decided its tree (or unit) adds, each checked as the target
+                # was; those it left running are named with why, and anything that started since is left too
+                selection = Selection(
+                    "tree" if scope == KILL_TREE else "unit_of", str(t.pid), t.start_time, t.uid,
+                    only=frozenset((m.pid, m.start_time) for m in (t, *scoped.members)),
+                    spare=tuple((p.pid, p.start_time, why) for p, why in scoped.left))
                 reply = await self.kill_workload(None, selection, order.kill_grace, order.force,
                                                  guard_initiator(order.rule.name))
-                mine = next((e for e in reply.entries if (e.pid, e.start_time) == (t.pid, t.start_time)), None)
-                outcome = mine.result if mine is not None else NoSuchProcess.result
-                error = mine.error if mine is not None else "gone before the kill"
+                results = {(e.pid, e.start_time): (e.result, e.error) for e in reply.entries}
+                outcome, error = results.get((t.pid, t.start_time), (NoSuchProcess.result, "gone before the kill"))
             else:
                 result = await self.kill(None, t.pid, t.start_time, order.kill_grace, order.force,
                                          guard_initiator(order.rule.name))
                 outcome = result.outcome
         except GpukillError as e:  # protected, gone, PID reused: the kill path audited it already
             outcome, error = e.result, str(e)
+            unsent = (outcome, error)  # refused as a whole: none of its members was stopped either
         except Exception as e:
             log.exception("guard kill of PID %d failed", t.pid)
             outcome, error = GpukillError.result, f"{type(e).__name__}: {e}"
+            unsent = (outcome, error)
+        if scoped is not None:
+            if self.kill_workload is None:
+                unsent = (NotSupported.result, "this daemon has no workload kill path for Guard")
+            results = {(m.pid, m.start_time): results.get((m.pid, m.start_time), unsent) for m in scoped.members}
         try:
+            for m in scoped.members if scoped is not None else ():
+                self.engine.kill_finished(order, m, results[(m.pid, m.start_time)][0])
             self.engine.kill_finished(order, t, outcome)
-            self._publish(order.rule, report.kill_done(order, t, outcome, error, self._host, self.clock.wall()))
+            self._publish(order.rule, report.kill_done(order, t, outcome, error, self._host, self.clock.wall(),
+                                                       scoped, results))
             self._save_soon()
         except Exception:
             log.exception("guard could not report the kill of PID %d", t.pid)
