@@ -344,7 +344,7 @@ def test_a_recent_events_detail_is_left_out_where_proc_hides_other_users():
     from gpukilld.bus.guard import status_as_seen
 
     event = RecentEvent(NOW, "t", "PID 10 (trainer, user alice)", 1000, "action", "kill", "terminated", 10, False,
-                        "left running: PID 14 (python, exempt: user bob)")
+                        detail="left running: PID 14 (python, exempt: user bob)")
     status = GuardStatus(True, False, False, "files", recent=(event,))
     assert status_as_seen(status, Viewer(1000, PROGRAM)).recent == (event,)
     assert status_as_seen(status, Viewer(1000, HIDDEN)).recent == (dataclasses.replace(event, detail=""),)

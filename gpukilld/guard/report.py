@@ -193,7 +193,8 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
              "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm,
              "force": int(order.force), "reason": order.reason, "dry_run": 1, **_scope_fields(scoped)})
         signal = ActionTaken(rule.name, order.subject, "kill", t.pid, t.start_time, outcome, True)
-        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", "kill", outcome, t.pid, True, detail)
+        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", "kill", outcome, t.pid, True,
+                             detail=detail)
         entries.append(Entry(journal, signal, recent))
     notice = _notice(rule, "action", f"{rule.name}: {outcome.text} {_pids(order.targets)} (dry run)",
                      [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
@@ -251,7 +252,7 @@ def _kill_result(rule: Rule, subject: str, reason: str, reason_for_others: str, 
          "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm, **fields,
          "dry_run": int(dry_run)})
     signal = ActionTaken(rule.name, subject, "kill", t.pid, t.start_time, outcome, dry_run)
-    recent = RecentEvent(now, rule.name, subject, t.uid, "action", "kill", outcome, t.pid, dry_run, detail)
+    recent = RecentEvent(now, rule.name, subject, t.uid, "action", "kill", outcome, t.pid, dry_run, detail=detail)
     notice = _notice(rule, "action", f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
                      [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {subject}", f"Why: {reason}",
                       f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}", *scope_line],
