@@ -70,3 +70,29 @@ def test_hidepid_is_followed(hidden, users):
              "value: '.'}]}\n")
     r = bed.guard_call(users["owner"], "TestPolicies", "ss", ["p", probe])
     assert r.ok and [d["pids"] for d in r.body[0]] == [[mine.pid]], r
+
+
+def test_a_workload_kills_answer_names_hidden_processes_as_the_listing_would():
+    """KillWorkload's reply and its GPU answer, as seen by alice: bob's processes named without their names
+    under hidepid=noaccess, and not at all (only counted) under hidepid=invisible, as her listing shows them."""
+    import dataclasses
+
+    from gpukill.records import Holder, Reclaim, WorkloadEntry, WorkloadReply
+    from gpukilld.access.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
+    from gpukilld.bus.manager import _workload_as_seen
+
+    alice, bob = 1000, 1001
+    reply = WorkloadReply("unit train.service", (
+        WorkloadEntry(10, 1, alice, "trainer", "terminated"), WorkloadEntry(11, 2, bob, "bobs-secret", "access-denied"),
+    ), Reclaim("held", held=1 << 30, holders=(Holder(12, 3, bob, "bobs-holder", 0, 1 << 30, "unit"),
+                                              Holder(13, 4, alice, "loader", 0, 1 << 20, "unit"))))
+    for others in (FULL, PROGRAM):
+        assert _workload_as_seen(reply, Viewer(alice, others)) == reply
+    anonymous = _workload_as_seen(reply, Viewer(alice, ANONYMOUS))
+    assert [(e.pid, e.comm) for e in anonymous.entries] == [(10, "trainer"), (11, "")] and anonymous.hidden == 0
+    assert [(h.pid, h.comm) for h in anonymous.reclaim.holders] == [(12, ""), (13, "loader")]
+    hidden = _workload_as_seen(reply, Viewer(alice, HIDDEN))
+    assert [e.pid for e in hidden.entries] == [10] and hidden.hidden == 1
+    assert [h.pid for h in hidden.reclaim.holders] == [13] and hidden.reclaim.more == 1
+    assert "bobs" not in repr(hidden)
+    assert _workload_as_seen(reply, Viewer(bob, HIDDEN)).entries == (dataclasses.replace(reply.entries[1]),)

@@ -90,6 +90,8 @@ class WorkloadReply:
     selection: str = wire("s", 'what was selected: "tree PID", "unit NAME" or "container ID"')
     entries: tuple[WorkloadEntry, ...] = wire("aa{sv}", "each process selected, by PID", (), of=WorkloadEntry)
     reclaim: Reclaim = wire("a{sv}", "the GPU's answer for the batch", Reclaim(UNWATCHED), of=Reclaim)
+    hidden: int = wire("u", "other users' processes selected that /proc hides from the caller (hidepid=invisible), "
+                            "not listed in entries", 0, omit_empty=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,10 +70,14 @@ def answer(what: str, outcome: str, reclaim: Any) -> int:
 def workload_answer(reply: Any) -> int:
     """Print each process of a KillWorkload, then the GPU's answer; the first failure's exit status (14 when
     every process ended but memory is still held), else 0."""
-    if not reply.entries:  # as kill --job says it: nothing of it runs on a GPU here, nothing is left to stop
+    if not reply.entries and not reply.hidden:  # as kill --job says it: nothing of it runs on a GPU here
         print(f"no GPU processes of {shown(reply.selection)} on this host")
         return EXIT_OK
     codes = []
+    if reply.hidden:  # /proc hides them from the caller (hidepid): their owners' to stop, not shown here
+        print(f"gpukillctl: {reply.hidden} processes of other users in {shown(reply.selection)}, hidden from you "
+              "by /proc, not stopped", file=sys.stderr)
+        codes.append(EXIT_REFUSED)
     for e in reply.entries:
         what = f"PID {e.pid} ({shown(e.comm)})"
         if not e.on_gpu:

@@ -22,12 +22,12 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 from gpukill import listing
 from gpukill.errors import GpukillError, InvalidArgs, NotSupported, ReplyTooLarge, TooBusy
 from gpukill.outcome import INITIATOR_USER
-from gpukill.records import AuditSettings, KillReport, Reclaim, ResetReply, SamplingStatus
+from gpukill.records import AuditSettings, KillReport, Reclaim, ResetReply, SamplingStatus, WorkloadReply
 from gpukill.regex import RegexError, compile_regex
 
 from .. import __version__, audit_settings, journal
 from ..access.bouncer import KILL_REPORT_METHOD, Bouncer, Request
-from ..access.visibility import FULL, PROGRAM, Viewer, seen_as
+from ..access.visibility import FULL, HIDDEN, PROGRAM, Viewer, seen_as
 from ..acts.actions import Actions, KillResult
 from ..acts.selection import Selection
 from ..audit_settings import AuditSettingsKeeper
@@ -109,12 +109,26 @@ def _reported(findings: Any, viewer: Viewer, min_score: float) -> list[dict[str,
 
 
 def _reclaim_as_seen(reclaim: Reclaim, viewer: Viewer) -> Reclaim:
-    """The answer with other users' holders named as the caller may see them (visibility.py): where /proc hides
-    their names (hidepid), the PID, owner and memory stay and the name goes."""
+    """The answer with other users' holders as the caller's listing shows them (visibility.py): where /proc
+    hides their names (hidepid=noaccess), the PID, owner and memory stay and the name goes; where it hides the
+    processes (hidepid=invisible), they are not named at all, only counted in `more`."""
     if viewer.others in (FULL, PROGRAM) or all(h.uid == viewer.uid for h in reclaim.holders):
         return reclaim
+    if viewer.others == HIDDEN:
+        holders = tuple(h for h in reclaim.holders if h.uid == viewer.uid)
+        return dataclasses.replace(reclaim, holders=holders, more=reclaim.more + len(reclaim.holders) - len(holders))
     holders = tuple(h if h.uid == viewer.uid else dataclasses.replace(h, comm="") for h in reclaim.holders)
     return dataclasses.replace(reclaim, holders=holders)
+
+
+def _workload_as_seen(reply: WorkloadReply, viewer: Viewer) -> WorkloadReply:
+    """KillWorkload's answer as the caller's listing would show its processes: another user's named only where
+    /proc names it, and left out (counted in `hidden`) where /proc hides it."""
+    mine_or_seen = viewer.others in (FULL, PROGRAM)
+    entries = tuple(e if e.uid == viewer.uid or mine_or_seen else dataclasses.replace(e, comm="")
+                    for e in reply.entries if e.uid == viewer.uid or viewer.others != HIDDEN)
+    return dataclasses.replace(reply, entries=entries, hidden=len(reply.entries) - len(entries),
+                               reclaim=_reclaim_as_seen(reply.reclaim, viewer))
 
 
 ProcessFilter = Callable[[GpuProcess], bool]
@@ -563,10 +577,7 @@ class ManagerInterface(ServiceInterface):
             raise InvalidArgs("give exactly one of the selection keys tree, unit, container")
         chosen = Selection.parse({k: v.value for k, v in selection.items()})
         reply = await self._actions.kill_workload(caller, chosen, grace, force, INITIATOR_USER)
-        viewer = await self._bouncer.viewer(caller)
-        entries = tuple(e if e.uid == viewer.uid or viewer.others in (FULL, PROGRAM) else
-                        dataclasses.replace(e, comm="") for e in reply.entries)
-        return to_dbus(dataclasses.replace(reply, entries=entries, reclaim=_reclaim_as_seen(reply.reclaim, viewer)))
+        return to_dbus(_workload_as_seen(reply, await self._bouncer.viewer(caller)))
 
     @method()
     @dbus_errors
