@@ -74,10 +74,9 @@ def workload_answer(reply: Any) -> int:
         print(f"no GPU processes of {shown(reply.selection)} on this host")
         return EXIT_OK
     codes = []
-    if reply.hidden:  # /proc hides them from the caller (hidepid): their owners' to stop, not shown here
-        print(f"gpukillctl: {reply.hidden} processes of other users in {shown(reply.selection)}, hidden from you "
-              "by /proc, not stopped", file=sys.stderr)
-        codes.append(EXIT_REFUSED)
+    if reply.hidden:  # /proc hides them from the caller (hidepid): what became of them is not the caller's to see
+        print(f"gpukillctl: {reply.hidden} processes of other users in {shown(reply.selection)} are hidden from you "
+              "by /proc (hidepid): what became of them is not shown", file=sys.stderr)
     for e in reply.entries:
         what = f"PID {e.pid} ({shown(e.comm)})"
         if not e.on_gpu:
