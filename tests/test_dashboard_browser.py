@@ -7,13 +7,20 @@ GPUKILL_SCREENSHOTS=docs/screenshots writes the README's screenshots (test_every
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
+import os
 import re
+import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
+from helpers import cgroups as cgroup_helper
 from helpers import lab as lab_helper
+from helpers import sshd as sshd_helper
 from helpers.browser import Browser, why_not
 from helpers.http_server import Server, request_as
 from helpers.marks import needs_root, slow
@@ -37,6 +44,7 @@ TEST_POLICY = """rules:
 """
 
 BROWSER_MISSING = why_not()
+CLONE_NEWUTS = 0x04000000  # <linux/sched.h>
 
 
 def in_browser(test):
@@ -287,6 +295,190 @@ def test_hostile_process_names_render_as_text(browser, server, victims, users):
     assert browser.alert_text() is None, "a process's name ran as script"
     assert not browser.css("img"), "a process's name became markup"
     assert len(browser.css("script")) == 1  # index.html's own
+
+
+# -- labels and hosts named with markup -------------------------------------------------------------------
+
+# A user names a unit of theirs freely within systemd's grammar, whose escapes ("\x3c") stand for what it
+# excludes: this one is `systemd-escape '<img src=x onerror=alert(1)>'`, shown as written, never unescaped.
+ESCAPED_UNIT = r"run-\x3cimg\x20src\x3dx\x20onerror\x3dalert\x281\x29\x3e-{}.service"
+MARKUP_POLICY = """rules:
+  - {{name: "by-unit", action: log, conditions: [{{type: unit, operator: "==", value: '{unit}'}}]}}
+  - {{name: "by-container", action: log, conditions: [{{type: container, operator: "==", value: "{container}"}}]}}
+  - {{name: "by-job", action: log, conditions: [{{type: slurm_job, operator: "==", value: "{job}"}}]}}
+"""
+
+
+@contextlib.contextmanager
+def machine_named(name: str):
+    """Children started inside see `name` as the machine's host name: the calling thread enters a UTS namespace
+    of its own (what `unshare --uts` makes), sets it, and goes back to the machine's at the end."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open("/proc/thread-self/ns/uts") as home:
+        if libc.unshare(CLONE_NEWUTS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS)")
+        try:
+            socket.sethostname(name)
+            yield
+        finally:
+            if libc.setns(home.fileno(), CLONE_NEWUTS) != 0:
+                raise OSError(ctypes.get_errno(), "setns(CLONE_NEWUTS)")
+
+
+def labelled_victim(bed: Testbed, user: User, dirs: list[Path], comm: str, gpu: int, util: float = 0):
+    """A real process of `user` on a simulated GPU, put by root in `dirs` (cgroups, as systemd, slurmd or a
+    container runtime puts a task), that names itself `comm` (cut to 15 characters)."""
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope,
+           "GPUKILL_SIM_MEM": "2GiB", "GPUKILL_SIM_UTIL": str(util)}
+    rename = f"import ctypes\nctypes.CDLL(None).prctl(15, {comm.encode()[:15]!r}, 0, 0, 0)\n"
+    proc = cgroup_helper.start_in(user, dirs, env, rename + cgroup_helper.SLEEPER)
+    bed.procs.append(proc)
+    bed.wait_listed(proc.pid, comm=comm[:15])
+    return proc
+
+
+def assert_no_markup(browser: Browser, page: str) -> None:
+    assert browser.alert_text() is None, f"a name ran as script on the {page} page"
+    assert not browser.css("img") and not browser.css("main script"), f"a name became markup on the {page} page"
+    assert len(browser.css("script")) == 1, f"a script was added on the {page} page"  # index.html's own
+
+
+@in_browser
+def test_hostile_unit_container_job_pod_and_host_names_render_as_text_on_every_page(browser, victims, users):
+    """Host 0 is named `<img src=x onerror=alert(1)>` (the server runs in a UTS namespace of that host name),
+    another host is `</script><script>alert(1)</script>@localhost:PORT` (the user part of --host is free text;
+    nothing answers there); processes sit in cgroups whose names carry markup below a real unit, container, pod
+    and Slurm job, and name themselves with markup. Every page shows each as text: no element, no dialog, no
+    script, and the text is the one given."""
+    if why := cgroup_helper.why_no_cgroups():
+        pytest.skip(why)
+    owner = users["owner"]
+    uid, tag = owner.uid, os.getpid()  # ids of this run's own: runs side by side do not share a cgroup
+    unit, job = ESCAPED_UNIT.format(tag), str(tag)
+    container, pod_container = f"{tag:08x}" + "c" * 56, f"{tag:08x}" + "d" * 56
+    pod = f"{tag:08x}-0bad-4f00-8d00-0123456789ab"
+    made = cgroup_helper.Cgroups()
+    roots = cgroup_helper.systemd_roots()
+    try:
+        places = {  # a real label, then a directory named with markup below it (no label: not the grammar's)
+            "unit": [made.make(r, f"user.slice/user-{uid}.slice/user@{uid}.service/app.slice/{unit}/{HOSTILE[0]}")
+                     for r in roots],
+            # "</script>..." holds slashes: it is a path of three directories here, shown in no label
+            "container": [made.make(r, f"system.slice/docker-{container}.scope/{HOSTILE[1]}") for r in roots],
+            "pod": [made.make(r, f"kubepods/burstable/pod{pod}/{pod_container}/{HOSTILE[0]}") for r in roots],
+            "job": [made.make(cgroup_helper.controller_root("freezer"),
+                              f"slurm/uid_{uid}/job_{job}/step_0/{HOSTILE[0]}")],
+        }
+        procs = {what: labelled_victim(victims, owner, dirs, HOSTILE[i % 2], gpu=i)
+                 for i, (what, dirs) in enumerate(places.items())}
+        # a miner whose command line's pool URL carries markup: the audit's evidence quotes it
+        miner = named_victim(victims, owner, f"xmrig stratum+tcp://{HOSTILE[1]}", gpu=0, util=99)
+        expected = {"unit": unit, "container": container[:12], "pod": pod, "job": job}
+        fields = {"unit": ("unit", unit), "container": ("container_id", container), "pod": ("pod_uid", pod),
+                  "job": ("slurm_job", job)}
+        for what, proc in procs.items():
+            listed = victims.wait_listed(proc.pid)
+            assert listed.get(fields[what][0]) == fields[what][1], listed
+        remote = f"{HOSTILE[1]}@localhost:{sshd_helper.free_port()}"
+        with machine_named(HOSTILE[0]):
+            served = Server(victims, owner, "--host", remote, tcp=True)
+        served.wait_ready()
+        try:
+            _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, miner, expected,
+                                                unit=unit, job=job, pod=pod, container=container, remote=remote)
+        finally:
+            served.stop()
+    finally:
+        made.cleanup()  # stops the processes in them first
+
+
+def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, miner, expected, *, unit, job,
+                                        pod, container, remote):
+    browser.login(served, "overview", timeout=60)
+    browser.wait(lambda: browser.css('section.host[data-host="1"][data-state="down"]'), 60,
+                 "the host named with markup is not shown down")
+    names = [h.get_attribute("textContent") for h in browser.css("section.host .host-name")]
+    assert names == [HOSTILE[0], remote], names
+    assert [o.get_attribute("textContent") for o in browser.css("#host-select option")] == [HOSTILE[0], remote]
+    browser.driver.find_element("css selector", '#idle-after option[value="0"]').click()
+    browser.wait(lambda: len(browser.css('.reclaim[data-host="0"]')) >= len(procs), 10, "idle holders not listed")
+    reclaim = " ".join(r.get_attribute("textContent") for r in browser.css(".reclaim"))
+    assert HOSTILE[0][:15] in reclaim and HOSTILE[1][:15] in reclaim, reclaim
+    assert_no_markup(browser, "overview")
+    browser.screenshot("markup-overview")
+
+    browser.open(served, "processes")
+    for what, proc in procs.items():
+        row = wait_row(browser, proc.pid)
+        cell = row.find_element("css selector", f"td.col-{what}").get_attribute("textContent")
+        assert cell == expected[what], (what, cell)
+        assert row.find_element("css selector", "td.col-host").get_attribute("textContent") == HOSTILE[0]
+        assert row.find_element("css selector", ".comm").get_attribute("textContent") == HOSTILE[list(procs).index(
+            what) % 2][:15]
+    wait_row(browser, procs["unit"].pid).find_element("css selector", "button.kill").click()
+    assert f"on host {HOSTILE[0]}?" in browser.driver.find_element("css selector", "#confirm-text") \
+        .get_attribute("textContent")
+    browser.css("#confirm-no")[0].click()
+    browser.css("#filter")[0].send_keys(r"\x3cimg")
+    browser.wait(lambda: [r.get_attribute("data-pid") for r in browser.css("#processes tr.proc")]
+                 == [str(procs["unit"].pid)], 5, "the filter does not match the unit as written")
+    browser.css("#filter")[0].clear()
+    browser.css("#filter")[0].send_keys(" ")
+    assert_no_markup(browser, "processes")
+    browser.screenshot("markup-processes")
+
+    browser.open(served, "guard")
+    browser.wait(lambda: browser.css("#guard-rules"), 15, "no Guard status")
+    policy = MARKUP_POLICY.format(unit=unit, container=container, job=job)
+    browser.driver.execute_script("arguments[0].value = arguments[1]", browser.css("#policy-text")[0], policy)
+    browser.css("#policy-test")[0].click()
+    rows = browser.wait(lambda: len(browser.css("#decisions tbody tr")) >= 3 and browser.css("#decisions tbody tr"),
+                        15, lambda: f"no decisions for the pasted policy: {browser.text('#guard-decisions')!r}")
+    decided = {}
+    for row in rows:
+        cells = [td.get_attribute("textContent") for td in row.find_elements("css selector", "td")]
+        decided[cells[0]] = cells
+    for rule, what in (("by-unit", "unit"), ("by-container", "container"), ("by-job", "job")):
+        rule_name, subject, *_, pids, reason = decided[rule]
+        assert pids == str(procs[what].pid), decided[rule]
+        assert HOSTILE[list(procs).index(what) % 2][:15] in subject, subject  # the process's name, as text
+    assert unit in decided["by-unit"][-1] or unit.replace("\\", "\\\\") in decided["by-unit"][-1], decided
+    assert_no_markup(browser, "guard")
+    browser.driver.execute_script("arguments[0].scrollIntoView()", browser.css("#decisions")[0])
+    browser.screenshot("markup-guard")
+
+    browser.open(served, "audit")
+    finding = browser.wait(lambda: [r for r in browser.css("#findings tr.finding")
+                                    if r.get_attribute("data-pid") == str(miner.pid)], 15,
+                           lambda: f"the miner was not found: {browser.text('#audit-findings')!r}")[0]
+    details = [d.get_attribute("textContent") for d in finding.find_elements("css selector", ".evidence .detail")]
+    assert f"stratum URL in the command line: stratum+tcp://{HOSTILE[1]}" in details, details
+    assert_no_markup(browser, "audit")
+    browser.screenshot("markup-audit")
+
+    browser.open(served, "usage")
+    for by, key in (("unit", unit), ("job", job), ("pod", pod)):
+        browser.driver.find_element("css selector", f'#usage-by option[value="{by}"]').click()
+
+        def keys():
+            return [tr.find_element("css selector", "td").get_attribute("textContent")
+                    for tr in browser.css("#usage-table tbody tr")]
+        browser.wait(lambda: key in keys(), 30, lambda: f"no usage row of {by} {key}: {keys()}")  # noqa: B023
+        labels = [t.get_attribute("textContent") for t in browser.css("#usage-report svg text.chart-label")]
+        assert key in labels, (by, labels)
+        assert_no_markup(browser, f"usage by {by}")
+        if by == "unit":
+            browser.screenshot("markup-usage")
+
+    assert victims.ctl(owner, "kill", str(procs["container"].pid), "--grace", "2").returncode == 0
+    browser.open(served, "events")
+    event = browser.wait(lambda: [e for e in browser.css("#events tr.event")
+                                  if f"PID {procs['container'].pid} " in e.get_attribute("textContent")], 15,
+                         "the kill did not reach the events page")[0]
+    cells = [td.get_attribute("textContent") for td in event.find_elements("css selector", "td")]
+    assert cells[1] == HOSTILE[0] and f"({HOSTILE[1][:15]})" in cells[3], cells
+    assert_no_markup(browser, "events")
+    browser.screenshot("markup-events")
 
 
 # -- a lab --------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-// The usage page: the chosen host's accounting totals grouped by user, unit, job or GPU over a chosen
+// The usage page: the chosen host's accounting totals grouped by user, unit, job, pod or GPU over a chosen
 // range, as bar charts (SVG: geometry in attributes, labels as text nodes) and a table of the figures.
 
 import {call, failure} from "./api.js";
