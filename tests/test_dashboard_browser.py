@@ -419,6 +419,12 @@ def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, 
     assert f"on host {HOSTILE[0]}?" in browser.driver.find_element("css selector", "#confirm-text") \
         .get_attribute("textContent")
     browser.css("#confirm-no")[0].click()
+    # the long unit is cut to its column (a container's scope, docker-<64 hex>.scope, is long too), whole in the
+    # cell's tooltip
+    cell = wait_row(browser, procs["unit"].pid).find_element("css selector", "td.col-unit")
+    assert cell.get_attribute("title") == unit
+    assert browser.driver.execute_script("return arguments[0].scrollWidth > arguments[0].clientWidth", cell), \
+        "a long unit name widens its column to the whole name"
     browser.css("#filter")[0].send_keys(r"\x3cimg")
     browser.wait(lambda: [r.get_attribute("data-pid") for r in browser.css("#processes tr.proc")]
                  == [str(procs["unit"].pid)], 5, "the filter does not match the unit as written")
@@ -464,8 +470,12 @@ def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, 
             return [tr.find_element("css selector", "td").get_attribute("textContent")
                     for tr in browser.css("#usage-table tbody tr")]
         browser.wait(lambda: key in keys(), 30, lambda: f"no usage row of {by} {key}: {keys()}")  # noqa: B023
-        labels = [t.get_attribute("textContent") for t in browser.css("#usage-report svg text.chart-label")]
-        assert key in labels, (by, labels)
+        # each label whole in its tooltip, and drawn inside the chart (a long one cut, not run off its left)
+        labels = browser.driver.execute_script(
+            "return [...document.querySelectorAll('#usage-report svg text.chart-label')]"
+            ".map((t) => [t.querySelector('title').textContent, t.getBBox().x])")
+        assert key in [name for name, _ in labels], (by, labels)
+        assert all(x >= 0 for _, x in labels), (by, labels)
         assert_no_markup(browser, f"usage by {by}")
         if by == "unit":
             browser.screenshot("markup-usage")

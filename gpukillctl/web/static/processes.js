@@ -75,7 +75,10 @@ function update(tr, p) {
       return;
     }
     const text = show(p);
-    if (td.textContent !== text) td.textContent = text;
+    if (td.textContent !== text) {
+      td.textContent = text;
+      if (name === "unit") td.title = text; // the column cuts a long one (app.css)
+    }
     if (name === "utilization") td.dataset.load = fmt.load(p.gpu_utilization, fmt.UTIL_LEVELS);
   });
 }

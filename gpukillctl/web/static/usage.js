@@ -10,6 +10,14 @@ const MAX_BARS = 20;
 const ROW = 22; // px per bar
 const LABEL = 160; // px for the labels on the left
 const WIDTH = 640;
+const LABEL_CHARS = 20; // what fits in LABEL px at the labels' 12px (most characters are under 7.5px)
+
+// A label cut to the space on its left, keeping its start and its end (a unit's name may be 255 characters).
+function shortened(text) {
+  if (text.length <= LABEL_CHARS) return text;
+  const tail = Math.floor((LABEL_CHARS - 1) / 2);
+  return `${text.slice(0, LABEL_CHARS - 1 - tail)}…${text.slice(-tail)}`;
+}
 
 // [title, value of a row, its text]
 const CHARTS = [
@@ -34,8 +42,10 @@ function chart(title, rows, by, value, show) {
         const v = value(r);
         const w = Math.max(1, ((WIDTH - LABEL - 90) * (v ?? 0)) / top);
         const y = i * ROW + 2;
+        const name = label(r, by);
         return svg("g", {class: "chart-row"},
-          svg("text", {x: LABEL - 6, y: y + 15, "text-anchor": "end", class: "chart-label"}, label(r, by)),
+          svg("text", {x: LABEL - 6, y: y + 15, "text-anchor": "end", class: "chart-label"},
+            svg("title", null, name), shortened(name)), // the whole as its tooltip
           svg("rect", {x: LABEL, y, width: w.toFixed(1), height: ROW - 6, class: "chart-bar"}),
           svg("text", {x: LABEL + w + 6, y: y + 15, class: "chart-value"}, show(v)));
       })));
