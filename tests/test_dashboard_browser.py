@@ -345,9 +345,9 @@ def assert_no_markup(browser: Browser, page: str) -> None:
 
 @in_browser
 def test_hostile_unit_container_job_pod_and_host_names_render_as_text_on_every_page(browser, victims, users):
-    """Host 0 is named `<img src=x onerror=alert(1)>` (the server runs in a UTS namespace of that host name),
-    another host is `</script><script>alert(1)</script>@localhost:PORT` (the user part of --host is free text;
-    nothing answers there); processes sit in cgroups whose names carry markup below a real unit, container, pod
+    """Host 0 is named `<img src=x onerror=alert(1)>` (the server runs in a UTS namespace of that host name;
+    a second host, where nothing answers, shows the host column and picker; --host refuses markup in its user
+    part, test_remote.py); processes sit in cgroups whose names carry markup below a real unit, container, pod
     and Slurm job, and name themselves with markup. Every page shows each as text: no element, no dialog, no
     script, and the text is the one given."""
     if why := cgroup_helper.why_no_cgroups():
@@ -379,7 +379,7 @@ def test_hostile_unit_container_job_pod_and_host_names_render_as_text_on_every_p
         for what, proc in procs.items():
             listed = victims.wait_listed(proc.pid)
             assert listed.get(fields[what][0]) == fields[what][1], listed
-        remote = f"{HOSTILE[1]}@localhost:{sshd_helper.free_port()}"
+        remote = f"{owner.name}@localhost:{sshd_helper.free_port()}"
         with machine_named(HOSTILE[0]):
             served = Server(victims, owner, "--host", remote, tcp=True)
         served.wait_ready()
@@ -396,7 +396,7 @@ def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, 
                                         pod, container, remote):
     browser.login(served, "overview", timeout=60)
     browser.wait(lambda: browser.css('section.host[data-host="1"][data-state="down"]'), 60,
-                 "the host named with markup is not shown down")
+                 "the host where nothing answers is not shown down")
     names = [h.get_attribute("textContent") for h in browser.css("section.host .host-name")]
     assert names == [HOSTILE[0], remote], names
     assert [o.get_attribute("textContent") for o in browser.css("#host-select option")] == [HOSTILE[0], remote]

@@ -571,6 +571,9 @@ def test_host_specs(tmp_path):
         hosts_mod.host_specs([], str(listed))
     with pytest.raises(ValueError, match=r"^--host '-oProxyCommand=x': not a host"):
         hosts_mod.host_specs(["-oProxyCommand=x"], None)
+    listed.write_text("node4\n<img/src=x/onerror=alert(1)>@node5\n")  # shown on the page as the host's name
+    with pytest.raises(ValueError, match=rf"^{listed}:2: not a user name: '<img/src=x/onerror=alert\(1\)>' in "):
+        hosts_mod.host_specs([], str(listed))
     listed.write_text("node4\nnode5\nnode4\n")
     with pytest.raises(ValueError, match=rf"^{listed}:3: 'node4' is given twice \(first at {listed}:1\)$"):
         hosts_mod.host_specs([], str(listed))

@@ -117,6 +117,8 @@ def test_unreachable_host_is_one_line_naming_it(bed, users, server):
     ("fe80::1", Host(None, "fe80::1", None)),
     ("gk@[fe80::1%eth0]:22", Host("gk", "fe80::1%eth0", 22)),
     ("gpu_node-7.example.org", Host(None, "gpu_node-7.example.org", None)),
+    ("alice@corp.example@node7", Host("alice@corp.example", "node7", None)),  # a domain user
+    ("CORP\\alice@node7:22", Host("CORP\\alice", "node7", 22)),  # winbind's
 ])
 def test_host_syntax(text, expected):
     assert Host.parse(text) == expected
@@ -127,6 +129,14 @@ def test_host_syntax(text, expected):
 def test_bad_host_is_refused_before_ssh_runs(text):
     with pytest.raises(ValueError):
         Host.parse(text)
+
+
+# ssh refuses these users itself, later and host by host; the dashboard would show them as a host's name
+@pytest.mark.parametrize("user", ["<img/src=x/onerror=alert(1)>", "</script><script>alert(1)</script>",
+                                  "$(reboot)", "gk;id", "`id`", "-oProxyCommand=x", "gk\\", "gk'", "a|b"])
+def test_a_user_that_is_no_login_name_is_refused_before_ssh_runs(user):
+    with pytest.raises(ValueError, match=r"^not a user name: .* in .*@node7:22['\"]$"):
+        Host.parse(f"{user}@node7:22")
 
 
 def test_ssh_command_line():

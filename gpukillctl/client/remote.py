@@ -32,6 +32,9 @@ REMOTE_BUS_ENV = "GPUKILL_REMOTE_BUS"
 BRIDGE = "systemd-stdio-bridge"
 CONNECT_TIMEOUT = 90.0  # ssh's own handshake, and a password prompt on the terminal if there is one, happen inside it
 HOST_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:%")
+# A login name's: POSIX's portable ones, "@" of a domain user (alice@corp.example) and "\" of winbind's
+# (CORP\alice). ssh refuses the shell's others, and the dashboard shows the user as part of the host's name.
+USER_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_@\\")
 SSH_EXIT_WAIT = 2.0  # after the bus closes, ssh sees end of input and leaves; past this it is stopped
 
 
@@ -66,6 +69,9 @@ class Host:
         # the user's ssh configuration hand %h to one (ProxyCommand, LocalCommand, Match exec)
         if not name or not set(name) <= HOST_CHARACTERS:
             raise ValueError(f"not a host: {text!r}")
+        # the user too, should the configuration hand %r to a shell; "-" first would be an option of ssh's
+        if user and (not set(user) <= USER_CHARACTERS or user.startswith("-") or user.endswith("\\")):
+            raise ValueError(f"not a user name: {user!r} in {text!r}")
         port = None
         if port_text or rest.endswith(":"):
             if not port_text.isdigit() or not 0 < int(port_text) < 65536:
