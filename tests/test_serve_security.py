@@ -541,3 +541,48 @@ def test_bodies_over_the_limit_are_413_on_v1_and_mcp_chunked_or_not(server):
     r = server.call("POST", "/mcp", raw=b"x" * MAX_BODY, chunked=True, headers=mcp)
     assert r.status not in (413, 500), r
     assert server.call("GET", "/v1/devices").status == 200
+
+
+# -- floods from another local user ---------------------------------------------------------------------------
+
+def _spawn_client(bed, user, spec: dict):
+    """tests/clients/http_flood.py as `user`, in the background: its JSON comes out on stdout at the end."""
+    import subprocess
+
+    from helpers.testbed import PYTHON, REPO
+
+    proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "http_flood.py")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bed.env(), cwd="/",
+                            **user.popen_kwargs())
+    bed.procs.append(proc)
+    proc.stdin.write(json.dumps(spec))
+    proc.stdin.close()
+    return proc
+
+
+def _outcome(proc, timeout: float) -> dict:
+    out = proc.stdout.read()
+    assert proc.wait(timeout) == 0, proc.stderr.read()
+    return json.loads(out)
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_a_flood_of_connections_closes_its_own_first(server, bed, users):
+    """A connection of root's, silent while bob opens connections as fast as the server closes them, is still
+    open when it sends its request: the server makes room by closing the flooding user's connections, not the
+    oldest of all (which closed this one once MAX_CONNECTIONS newer ones came)."""
+    from gpukillctl.http.protocol import MAX_CONNECTIONS
+
+    mine = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        flood = _spawn_client(bed, users["other"], {"mode": "flood", "port": server.port, "seconds": 4,
+                                                    "sockets": 4 * MAX_CONNECTIONS, "kinds": ["silent"]})
+        flooded = _outcome(flood, 60)
+        assert flooded["closed_by_server"] > 2 * MAX_CONNECTIONS, flooded
+        mine.sendall(f"GET /v1/devices HTTP/1.1\r\nHost: {server.host}\r\nAuthorization: Bearer {server.token}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        mine.settimeout(30)
+        assert mine.recv(12) == b"HTTP/1.1 200"
+    finally:
+        mine.close()
