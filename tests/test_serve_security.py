@@ -545,6 +545,12 @@ def test_bodies_over_the_limit_are_413_on_v1_and_mcp_chunked_or_not(server):
 
 # -- floods from another local user ---------------------------------------------------------------------------
 
+FLOOD_SECONDS = 18
+FLOOD_SOCKETS = 2000  # more than one process of a user opens by default (systemd's soft RLIMIT_NOFILE: 1024)
+SYSTEMD_NOFILE = 1024
+ANSWER_WITHIN = 2.0  # seconds, for each of the owner's requests while the flood runs
+
+
 def _spawn_client(bed, user, spec: dict):
     """tests/clients/http_flood.py as `user`, in the background: its JSON comes out on stdout at the end."""
     import subprocess
@@ -564,6 +570,18 @@ def _outcome(proc, timeout: float) -> dict:
     out = proc.stdout.read()
     assert proc.wait(timeout) == 0, proc.stderr.read()
     return json.loads(out)
+
+
+def _fd_limit(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        return int(next(line for line in f if line.startswith("Max open files")).split()[3])
+
+
+def _rss_and_fds(pid: int) -> tuple[int, int]:
+    """The process's resident memory in KiB and its open file descriptors."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
 @needs_root
@@ -586,3 +604,55 @@ def test_a_flood_of_connections_closes_its_own_first(server, bed, users):
         assert mine.recv(12) == b"HTTP/1.1 200"
     finally:
         mine.close()
+
+
+@needs_root
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kinds", [["slowloris"], ["chunked"], ["slowloris", "chunked", "silent"]])
+def test_another_users_slow_flood_leaves_the_owner_answered(bed, users, kinds):
+    """bob, with no token, keeps as many connections to alice's TCP port as one process can, each sending its
+    headers a byte at a time, or a chunked body a byte at a time, or nothing, and replaces each one the server
+    closes at once. alice's own client, with the token, gets every answer within ANSWER_WITHIN seconds while it
+    runs; the server stays up, its memory and file descriptors bounded."""
+    import resource
+
+    from gpukillctl.http.protocol import MAX_CONNECTIONS
+    from gpukillctl.serve.app import ACCEPT_BATCH
+
+    owner, other = users["owner"], users["other"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (SYSTEMD_NOFILE, hard))  # the server's, as a user unit has it
+    try:
+        s = Server(bed, owner, tcp=True).wait_ready()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        assert s.call("GET", "/v1/devices").status == 200
+        rss_before, fds_before = _rss_and_fds(s.proc.pid)
+        flood = _spawn_client(bed, other, {"mode": "flood", "port": s.port, "seconds": FLOOD_SECONDS,
+                                           "sockets": FLOOD_SOCKETS, "kinds": kinds})
+        time.sleep(2)  # the flood at full size before alice asks
+        probe = _spawn_client(bed, owner, {"mode": "probe", "port": s.port, "seconds": FLOOD_SECONDS - 5,
+                                           "path": "/v1/devices", "token": s.token, "interval": 0.25,
+                                           "timeout": 10})
+        peak_rss, peak_fds = rss_before, fds_before
+        while probe.poll() is None:
+            rss, fds = _rss_and_fds(s.proc.pid)
+            peak_rss, peak_fds = max(peak_rss, rss), max(peak_fds, fds)
+            time.sleep(0.1)
+        answers = _outcome(probe, 10)["results"]
+        flooded = _outcome(flood, FLOOD_SECONDS + 30)
+        assert flooded["opened"] > MAX_CONNECTIONS * 4 and flooded["peak_open"] > MAX_CONNECTIONS * 4, flooded
+        assert len(answers) >= 10, (answers, flooded)
+        late = [answer for answer in answers if answer[0] != 200 or answer[1] > ANSWER_WITHIN]
+        assert not late, f"{len(late)} of {len(answers)} answers failed or late: {late[:10]}; flood: {flooded}"
+        assert s.proc.poll() is None, s.output()
+        # the connections held, and a batch each accepted, being seen and being closed; a few files besides (a
+        # bus connection, a lookup's netlink socket), well within systemd's default limit
+        bound = fds_before + MAX_CONNECTIONS + 3 * ACCEPT_BATCH + 16
+        assert peak_fds <= bound < _fd_limit(s.proc.pid), (fds_before, peak_fds, bound)
+        assert "Traceback" not in s.output() and "out of system resource" not in s.output(), s.output()
+        assert peak_rss <= rss_before + 64 * 1024, (rss_before, peak_rss)
+        assert s.call("GET", "/v1/devices").status == 200
+    finally:
+        assert s.stop() == 0, s.output()
