@@ -21,6 +21,7 @@ pytest.importorskip("mcp", reason="the serve extra (pip install 'gpukill[serve]'
 
 from helpers.http_server import Server, request, request_as  # noqa: E402
 from helpers.marks import needs_root  # noqa: E402
+from helpers.waiting import wait_until  # noqa: E402
 
 from gpukillctl.http.gate import Gate  # noqa: E402
 
@@ -587,23 +588,25 @@ def _rss_and_fds(pid: int) -> tuple[int, int]:
 @needs_root
 @pytest.mark.timeout(120)
 def test_a_flood_of_connections_closes_its_own_first(server, bed, users):
-    """A connection of root's, silent while bob opens connections as fast as the server closes them, is still
-    open when it sends its request: the server makes room by closing the flooding user's connections, not the
-    oldest of all (which closed this one once MAX_CONNECTIONS newer ones came)."""
+    """A connection of root's, silent for 2 s while bob opens connections as fast as the server closes them, is
+    still open when it sends its request: the server makes room by closing the flooding user's connections,
+    not the oldest of all (which closes this one as soon as MAX_CONNECTIONS newer ones come)."""
     from gpukillctl.http.protocol import MAX_CONNECTIONS
 
+    flood = _spawn_client(bed, users["other"], {"mode": "flood", "port": server.port, "seconds": 8,
+                                                "sockets": 4 * MAX_CONNECTIONS, "kinds": ["silent"]})
+    wait_until(lambda: _rss_and_fds(server.proc.pid)[1] > MAX_CONNECTIONS, 30, "the flood did not start")
     mine = socket.create_connection(("127.0.0.1", server.port))
     try:
-        flood = _spawn_client(bed, users["other"], {"mode": "flood", "port": server.port, "seconds": 4,
-                                                    "sockets": 4 * MAX_CONNECTIONS, "kinds": ["silent"]})
-        flooded = _outcome(flood, 60)
-        assert flooded["closed_by_server"] > 2 * MAX_CONNECTIONS, flooded
+        time.sleep(2)
         mine.sendall(f"GET /v1/devices HTTP/1.1\r\nHost: {server.host}\r\nAuthorization: Bearer {server.token}\r\n"
                      "Connection: close\r\n\r\n".encode())
         mine.settimeout(30)
         assert mine.recv(12) == b"HTTP/1.1 200"
     finally:
         mine.close()
+    flooded = _outcome(flood, 60)
+    assert flooded["closed_by_server"] > 4 * MAX_CONNECTIONS, flooded
 
 
 @needs_root
