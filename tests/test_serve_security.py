@@ -21,6 +21,7 @@ pytest.importorskip("mcp", reason="the serve extra (pip install 'gpukill[serve]'
 
 from helpers.http_server import Server, request, request_as  # noqa: E402
 from helpers.marks import needs_root  # noqa: E402
+from helpers.waiting import wait_until  # noqa: E402
 
 from gpukillctl.http.gate import Gate  # noqa: E402
 
@@ -541,3 +542,120 @@ def test_bodies_over_the_limit_are_413_on_v1_and_mcp_chunked_or_not(server):
     r = server.call("POST", "/mcp", raw=b"x" * MAX_BODY, chunked=True, headers=mcp)
     assert r.status not in (413, 500), r
     assert server.call("GET", "/v1/devices").status == 200
+
+
+# -- floods from another local user ---------------------------------------------------------------------------
+
+FLOOD_SECONDS = 18
+FLOOD_SOCKETS = 2000  # more than one process of a user opens by default (systemd's soft RLIMIT_NOFILE: 1024)
+SYSTEMD_NOFILE = 1024
+ANSWER_WITHIN = 2.0  # seconds, for each of the owner's requests while the flood runs
+
+
+def _spawn_client(bed, user, spec: dict):
+    """tests/clients/http_flood.py as `user`, in the background: its JSON comes out on stdout at the end."""
+    import subprocess
+
+    from helpers.testbed import PYTHON, REPO
+
+    proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "http_flood.py")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bed.env(), cwd="/",
+                            **user.popen_kwargs())
+    bed.procs.append(proc)
+    proc.stdin.write(json.dumps(spec))
+    proc.stdin.close()
+    return proc
+
+
+def _outcome(proc, timeout: float) -> dict:
+    out = proc.stdout.read()
+    assert proc.wait(timeout) == 0, proc.stderr.read()
+    return json.loads(out)
+
+
+def _fd_limit(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        return int(next(line for line in f if line.startswith("Max open files")).split()[3])
+
+
+def _rss_and_fds(pid: int) -> tuple[int, int]:
+    """The process's resident memory in KiB and its open file descriptors."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_a_flood_of_connections_closes_its_own_first(server, bed, users):
+    """A connection of root's, silent for 2 s while bob opens connections as fast as the server closes them, is
+    still open when it sends its request: the server makes room by closing the flooding user's connections,
+    not the oldest of all (which closes this one as soon as MAX_CONNECTIONS newer ones come)."""
+    from gpukillctl.http.protocol import MAX_CONNECTIONS
+
+    flood = _spawn_client(bed, users["other"], {"mode": "flood", "port": server.port, "seconds": 8,
+                                                "sockets": 4 * MAX_CONNECTIONS, "kinds": ["silent"]})
+    wait_until(lambda: _rss_and_fds(server.proc.pid)[1] > MAX_CONNECTIONS, 30, "the flood did not start")
+    mine = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        time.sleep(2)
+        mine.sendall(f"GET /v1/devices HTTP/1.1\r\nHost: {server.host}\r\nAuthorization: Bearer {server.token}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        mine.settimeout(30)
+        assert mine.recv(12) == b"HTTP/1.1 200"
+    finally:
+        mine.close()
+    flooded = _outcome(flood, 60)
+    assert flooded["closed_by_server"] > 4 * MAX_CONNECTIONS, flooded
+
+
+@needs_root
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kinds", [["slowloris"], ["chunked"], ["slowloris", "chunked", "silent"]])
+def test_another_users_slow_flood_leaves_the_owner_answered(bed, users, kinds):
+    """bob, with no token, keeps as many connections to alice's TCP port as one process can, each sending its
+    headers a byte at a time, or a chunked body a byte at a time, or nothing, and replaces each one the server
+    closes at once. alice's own client, with the token, gets every answer within ANSWER_WITHIN seconds while it
+    runs; the server stays up, its memory and file descriptors bounded."""
+    import resource
+
+    from gpukillctl.http.protocol import MAX_CONNECTIONS
+    from gpukillctl.serve.app import ACCEPT_BATCH
+
+    owner, other = users["owner"], users["other"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (SYSTEMD_NOFILE, hard))  # the server's, as a user unit has it
+    try:
+        s = Server(bed, owner, tcp=True).wait_ready()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        assert s.call("GET", "/v1/devices").status == 200
+        rss_before, fds_before = _rss_and_fds(s.proc.pid)
+        flood = _spawn_client(bed, other, {"mode": "flood", "port": s.port, "seconds": FLOOD_SECONDS,
+                                           "sockets": FLOOD_SOCKETS, "kinds": kinds})
+        time.sleep(2)  # the flood at full size before alice asks
+        probe = _spawn_client(bed, owner, {"mode": "probe", "port": s.port, "seconds": FLOOD_SECONDS - 5,
+                                           "path": "/v1/devices", "token": s.token, "interval": 0.25,
+                                           "timeout": 10})
+        peak_rss, peak_fds = rss_before, fds_before
+        while probe.poll() is None:
+            rss, fds = _rss_and_fds(s.proc.pid)
+            peak_rss, peak_fds = max(peak_rss, rss), max(peak_fds, fds)
+            time.sleep(0.1)
+        answers = _outcome(probe, 10)["results"]
+        flooded = _outcome(flood, FLOOD_SECONDS + 30)
+        assert flooded["opened"] > MAX_CONNECTIONS * 4 and flooded["peak_open"] > MAX_CONNECTIONS * 4, flooded
+        assert len(answers) >= 10, (answers, flooded)
+        late = [answer for answer in answers if answer[0] != 200 or answer[1] > ANSWER_WITHIN]
+        assert not late, f"{len(late)} of {len(answers)} answers failed or late: {late[:10]}; flood: {flooded}"
+        assert s.proc.poll() is None, s.output()
+        # the connections held, and a batch each accepted, being seen and being closed; a few files besides (a
+        # bus connection, a lookup's netlink socket), well within systemd's default limit
+        bound = fds_before + MAX_CONNECTIONS + 3 * ACCEPT_BATCH + 16
+        assert peak_fds <= bound < _fd_limit(s.proc.pid), (fds_before, peak_fds, bound)
+        assert "Traceback" not in s.output() and "out of system resource" not in s.output(), s.output()
+        assert peak_rss <= rss_before + 64 * 1024, (rss_before, peak_rss)
+        assert s.call("GET", "/v1/devices").status == 200
+    finally:
+        assert s.stop() == 0, s.output()

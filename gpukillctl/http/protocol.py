@@ -13,11 +13,17 @@ Here, then:
   request's body has arrived whole (request line, headers and body): past `request_timeout` it is closed
   (an app still waiting for the body sees http.disconnect). A request being answered owes nothing: a kill
   with its grace, or an MCP event stream, takes as long as it takes.
-- At most `max_connections` connections: when one more is accepted, the connection that has owed a request
-  the longest is closed to make room (an idle keep-alive connection, a slow or silent client); when every
-  connection is being answered, the new one gets 503 and is closed. An idle flood can then delay a real
-  client by nothing more than the time it takes to accept it. Answering takes the token (the gate checks
-  it before anything else), so only the token's holder can keep connections from being reclaimed.
+- At most `max_connections` connections, shared fairly among their peers: when one more is accepted, a
+  connection that owes a request (an idle keep-alive connection, a slow or silent client) is closed to make
+  room, the one that has owed the longest of the peer holding the most connections, the new one counted. A
+  peer is the user who owns the client's socket on loopback TCP, as the kernel says (sock_diag: a local user
+  cannot pass for another), else the client's address; on the Unix socket, only the server's user (and
+  root) can connect, and they are one peer. So a flood of connections that never finish their request
+  closes only the flood's own: another user's fresh connection is never the one closed while the flooding
+  user holds more (closing the oldest of all would let a flood of thousands of connections a second close
+  every other client's before its request arrives). When the peers holding the most have no connection that
+  owes a request, the new one gets 503 and is closed. Answering takes the token (the gate checks it before
+  anything else), so only the token's holder can keep connections from being reclaimed.
 
 The one class is given to uvicorn as its `http` protocol, so the server does not change with the packages
 installed (uvicorn picks httptools over h11 when httptools is there).
@@ -27,14 +33,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gpukill.kernel import sock_diag
+
+from .gate import LOOPBACK_PREFIXES
 
 REQUEST_TIMEOUT = 10.0  # seconds to receive a request whole: 2 MiB needs ~1.7 Mbit/s
 MAX_CONNECTIONS = 64
 
 _FULL = json.dumps(
-    {"error": "ServiceUnavailable", "message": f"{MAX_CONNECTIONS} requests are being answered: try again"}
+    {"error": "ServiceUnavailable", "message": f"the server's {MAX_CONNECTIONS} connections are taken: try again"}
 ).encode()
 FULL_RESPONSE = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
@@ -49,6 +60,7 @@ class DeadlineProtocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.owing_since: float | None = None
         self.deadline: asyncio.TimerHandle | None = None
+        self.peer = peer_of(transport)
         super().connection_made(transport)
         self._follow()
         self._make_room()
@@ -94,19 +106,39 @@ class DeadlineProtocol(H11Protocol):
     def _make_room(self) -> None:
         if len(self.connections) <= self.max_connections:
             return
-        waiting = [
-            c
-            for c in self.connections
-            if c is not self and isinstance(c, DeadlineProtocol) and c.owing_since is not None
-            and not c.transport.is_closing()
-        ]
+        open_ = [c for c in self.connections if isinstance(c, DeadlineProtocol) and not c.transport.is_closing()]
+        held = Counter(c.peer for c in open_)
+        waiting = [c for c in open_ if c is not self and c.owing_since is not None
+                   and held[c.peer] >= held[self.peer]]  # never one of a peer holding fewer than the newcomer's
         if waiting:
-            oldest = min(waiting, key=lambda c: c.owing_since)
-            oldest._stop_deadline()
-            oldest.transport.close()
-            self.connections.discard(oldest)  # gone now, though connection_lost comes on the next turn
+            victim = min(waiting, key=lambda c: (-held[c.peer], c.peer != self.peer, c.owing_since))
+            victim._stop_deadline()
+            victim.transport.close()
+            self.connections.discard(victim)  # gone now, though connection_lost comes on the next turn
             return
         self._stop_deadline()
         self.transport.write(FULL_RESPONSE)
         self.transport.close()
         self.connections.discard(self)
+
+
+Peer = tuple[str, object]
+
+
+def peer_of(transport: asyncio.BaseTransport) -> Peer:
+    """Whom a connection counts against: ("uid", UID) for loopback TCP, the user owning the client's socket as
+    the kernel says; ("address", ADDRESS) for TCP from elsewhere, or where the kernel no longer knows the
+    socket (its client already closed it); ("local", "") on a Unix socket, whose clients are the server's user
+    (and root)."""
+    client, server = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+    if not isinstance(client, tuple) or not isinstance(server, tuple):
+        return ("local", "")
+    address = str(client[0])
+    if address.startswith(LOOPBACK_PREFIXES):
+        try:  # the client's end of the connection: its socket, and so its owner
+            uid = sock_diag.owner((address, int(client[1])), (str(server[0]), int(server[1])))
+        except OSError:  # no netlink socket to ask with
+            uid = None
+        if uid is not None:
+            return ("uid", uid)
+    return ("address", address)

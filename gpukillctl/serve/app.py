@@ -54,6 +54,15 @@ MAX_TASKS = 2 * MAX_CONNECTIONS
 # event stream (bounded by MAX_MCP_SESSIONS) and the dashboard's event stream (bounded by the hub's subscribers).
 STREAM_PATH = "/ui/stream"
 LONG_LIVED = (MCP_PATH, STREAM_PATH)
+# asyncio accepts up to its server's backlog of connections in one turn of its loop, before DeadlineProtocol sees
+# any of them. Under a flood of new connections, a batch as large as uvicorn's default backlog (2048) makes each
+# turn long, and every step of a real request waits for a whole turn; and each connection of a batch is an open
+# file until it is seen and closed: three batches (accepted, being seen, being closed) exceed the 1024 files
+# systemd allows by default, and accept() fails with EMFILE, after which asyncio accepts nobody for a second.
+# So a small batch, and a long queue in the kernel (LISTEN_QUEUE, within net.core.somaxconn), which costs no
+# open file: a connection that finds the queue full waits for its SYN's resend, a second, whoever's it is.
+ACCEPT_BATCH = MAX_CONNECTIONS
+LISTEN_QUEUE = 4096
 
 
 def build_app(
@@ -132,6 +141,13 @@ async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
 
 
 class Server(uvicorn.Server):
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, then the listening sockets' queue lengthened to LISTEN_QUEUE: asyncio set it to the
+        backlog, which is also its batch of accepts (ACCEPT_BATCH)."""
+        await super().startup(sockets)
+        for sock in sockets or ():
+            sock.listen(LISTEN_QUEUE)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         """SIGTERM, SIGINT and SIGHUP (the terminal or the ssh session that ran it went away) end the server
@@ -158,6 +174,7 @@ def run(app: Gate, sock: socket.socket) -> bool:
         ws="none",
         lifespan="on",
         limit_concurrency=MAX_TASKS,
+        backlog=ACCEPT_BATCH,
         proxy_headers=False,
         server_header=False,
         timeout_graceful_shutdown=5,
