@@ -33,6 +33,7 @@ from gpukill.procstat import read_stat
 from gpukill.records.usage import ENDED_EXITED, UsageRecord
 
 from .. import journal
+from ..files import WriteWatch
 from ..guard.clocks import boot_id
 from .account import Accountant
 from .journal_form import fields_of, message_of
@@ -88,6 +89,9 @@ class UsageKeeper:
         self._next_prune = 0.0
         self.written = 0  # journal entries written (folded ones count once)
         self.folded = 0  # records folded into them
+        self._save_watch = WriteWatch(audit, state_path(state_dir), "the usage totals of the open processes",
+                                      "it is removed, so that a restart cannot count a record twice; the totals "
+                                      "go on in memory and the closed records to the journal and the usage store")
 
     # -- life cycle ------------------------------------------------------------------------------------
 
@@ -169,11 +173,13 @@ class UsageKeeper:
             # A state file that cannot be replaced may hold open records that close now: it goes, so that a
             # restart cannot write them twice (their running totals are lost to a restart instead).
             if isinstance(e, OSError):
-                log.error("cannot save the usage totals in %s: %s", self.state_dir, e.strerror or e)
+                self._save_watch.failed(e)
             else:
                 log.exception("saving the usage totals failed")
             with contextlib.suppress(OSError):
                 os.unlink(state_path(self.state_dir))
+        else:
+            self._save_watch.written()
         self._saved = now
         out, self._out = self._out, []
         if out:

@@ -1,0 +1,195 @@
+"""The files gpukilld keeps on a really full file system: a small tmpfs, mounted in the mount namespace the
+daemon runs in (the bed's journald's), filled up with a file. Guard's state, the policy files in guard.d, the
+audit settings' drop-in, the usage totals and the usage store: the daemon keeps sampling, what is in force stays
+whole, the journal says once what could not be written and where, a change that needs the disk is refused in
+one line, and once space is freed the next write succeeds (gpukilld/files.py's WriteWatch)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers.marks import needs_root
+from helpers.testbed import OTHER, ROOT, Testbed
+from helpers.waiting import wait_until
+
+from gpukilld import journal
+from gpukilld.files import WriteWatch
+
+INTERVAL = 0.3
+WATCH = ("rules:\n  - {name: watch, action: log, conditions: [{type: gpu_utilization, operator: '>', value: 50,"
+         " duration: 1h}]}\n")
+
+
+# -- WriteWatch alone ------------------------------------------------------------------------------------------
+
+
+class Entries:
+    def __init__(self) -> None:
+        self.logged: list[tuple[str, str, dict]] = []
+
+    def log(self, kind: journal.EventKind, message: str, **fields: object) -> None:
+        self.logged.append((kind.name, message, fields))
+
+
+def test_a_run_of_failures_is_one_entry_and_the_success_after_it_one_more():
+    audit, now = Entries(), [0.0]
+    watch = WriteWatch(audit, "/var/lib/gpukill/x.json", "the x", "the old file stays", clock=lambda: now[0])
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    for _ in range(50):  # a save per sample
+        watch.failed(full)
+        now[0] += 1
+    assert [(k, m) for k, m, _ in audit.logged] == [
+        ("write-failed", "cannot write /var/lib/gpukill/x.json (the x): No space left on device; the old file stays")]
+    assert audit.logged[0][2]["file"] == "/var/lib/gpukill/x.json"
+    watch.written()
+    watch.written()
+    assert [k for k, _, _ in audit.logged] == ["write-failed", "write-recovered"]
+    assert audit.logged[1][2]["failures"] == 50
+
+
+def test_a_disk_that_flaps_makes_at_most_one_pair_per_period():
+    audit, now = Entries(), [0.0]
+    watch = WriteWatch(audit, "/s/f", "the f", "kept", clock=lambda: now[0])
+    for _ in range(100):  # fails, then succeeds on the space its removal freed, and so on
+        watch.failed(OSError(errno.ENOSPC, "No space left on device"))
+        watch.written()
+        now[0] += 1
+    assert [k for k, _, _ in audit.logged] == ["write-failed", "write-recovered"]
+    now[0] += WriteWatch.REPORT_EVERY
+    watch.failed(OSError(errno.ENOSPC, "No space left on device"))
+    assert [k for k, _, _ in audit.logged][-1] == "write-failed" and len(audit.logged) == 3
+
+
+# -- the real daemon on a full tmpfs ---------------------------------------------------------------------------
+
+
+class Disk:
+    """A tmpfs of `size` at `where`, seen by the daemon (in the bed's mount namespace); the test reaches it
+    through /proc/JOURNALD/root."""
+
+    def __init__(self, bed: Testbed, size: str = "512k") -> None:
+        self.bed = bed
+        self.where = bed.workdir / "disk"
+        self.where.mkdir()
+        subprocess.run(bed.in_journal_ns(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
+                                          str(self.where)]), check=True)
+        self.filler = self.seen("filler")
+
+    def seen(self, *parts: str) -> Path:
+        """A path on the tmpfs as this process reaches it."""
+        return Path(f"/proc/{self.bed.journal_pid}/root{self.where}", *parts)
+
+    def fill(self) -> None:
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for chunk in (1 << 16, 4096, 1):
+                with contextlib.suppress(OSError):
+                    while os.write(fd, b"\0" * chunk):
+                        pass
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as e:
+            self.seen("probe").write_bytes(b"x")
+        assert e.value.errno == errno.ENOSPC
+
+    def free(self) -> None:
+        self.filler.unlink()
+
+    def unmount(self, *extra: Path) -> None:
+        for path in (*extra, self.where):
+            subprocess.run(self.bed.in_journal_ns(["umount", "-l", str(path)]), check=False)
+
+
+def entries(bed: Testbed, kind: journal.EventKind, path: Path | str) -> list[dict]:
+    return bed.journal(MESSAGE_ID=kind.message_id, GPUKILL_FILE=str(path))
+
+
+def snapshots(rec) -> int:
+    with rec._cond:
+        return sum(1 for s in rec.signals if s["member"] == "SnapshotChanged")
+
+
+@pytest.fixture
+def guard_disk(fresh_bed, users):
+    """The daemon with guard.d, its state directory and gpukilld.conf.d on one small tmpfs."""
+    bed = fresh_bed
+    disk = Disk(bed)
+    confd = bed.workdir / "gpukilld.conf.d"
+    confd.mkdir()
+    try:
+        for sub in ("guard.d", "state", "conf.d"):
+            disk.seen(sub).mkdir(mode=0o755)
+        disk.seen("guard.d", "watch.yaml").write_text(WATCH)
+        subprocess.run(bed.in_journal_ns(["mount", "--bind", str(disk.where / "conf.d"), str(confd)]), check=True)
+        bed.write_conf(guard={"policy_dir": disk.where / "guard.d", "state_dir": disk.where / "state"},
+                       usage={"enabled": "no"})
+        bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
+        yield bed, disk
+    finally:
+        bed.stop_daemon()
+        disk.unmount(confd)
+
+
+@pytest.mark.usefixtures("users")
+@needs_root
+def test_guard_state_policies_and_settings_survive_a_full_disk(guard_disk):
+    bed, disk = guard_disk
+    state = disk.seen("state", "guard-state.json")
+    state_in_ns = disk.where / "state" / "guard-state.json"
+    dropin = disk.seen("conf.d", "50-audit.conf")
+    for args in (["guard", "enable"], ["guard", "dry-run", "off"], ["audit", "settings", "set", "idle_after=1"]):
+        r = bed.ctl(ROOT, *args)
+        assert r.returncode == 0, r
+    before = {p: p.read_bytes() for p in (state, dropin, disk.seen("guard.d", "watch.yaml"))}
+    assert json.loads(before[state])["dry_run"] is False
+    rec = bed.record_signals(ROOT)
+
+    disk.fill()
+    for args in (["dry-run", "on"], ["disable"], ["enable"]):  # each a save of the state that fails
+        r = bed.ctl(ROOT, "guard", *args)
+        assert r.returncode == 0, r
+    assert bed.guard_status()["dry_run"] is True  # in force though not kept
+    # refused in one line, naming the file and why; nothing left behind
+    r = bed.ctl(ROOT, "guard", "policy", "add", "user", OTHER, "--memory-limit", "8GiB")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r
+    assert "No space left on device" in r.stderr and str(disk.where / "guard.d") in r.stderr, r
+    r = bed.ctl(ROOT, "audit", "settings", "set", "idle_after=2")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r
+    assert "No space left on device" in r.stderr and "50-audit.conf" in r.stderr, r
+    assert sorted(os.listdir(disk.seen("guard.d"))) == ["watch.yaml"]
+    assert sorted(os.listdir(disk.seen("state"))) == ["guard-state.json"]
+    assert {p: p.read_bytes() for p in before} == before  # the files as last written, whole
+
+    # the daemon samples on: a process that comes is listed and announced, and so is one that goes
+    seen = snapshots(rec)
+    v = bed.victim(ROOT, gpu=0, util=90, comm="afterfull")
+    assert bed.wait_listed(v.pid, comm="afterfull")
+    wait_until(lambda: snapshots(rec) > seen, 10, "no SnapshotChanged after the disk filled")
+    seen = snapshots(rec)
+    v.kill()
+    v.wait(10)
+    bed.wait_listed(v.pid, present=False)
+    wait_until(lambda: snapshots(rec) > seen, 10, "no SnapshotChanged for a process gone")
+    failed = wait_until(lambda: entries(bed, journal.WRITE_FAILED, state_in_ns), 10, "no journal entry")
+    assert len(failed) == 1 and failed[0]["PRIORITY"] == "3", failed
+    assert "No space left on device" in failed[0]["MESSAGE"] and failed[0]["GPUKILL_ERROR"], failed
+
+    disk.free()
+    r = bed.ctl(ROOT, "guard", "dry-run", "off")
+    assert r.returncode == 0, r
+    assert json.loads(state.read_bytes())["dry_run"] is False
+    recovered = wait_until(lambda: entries(bed, journal.WRITE_RECOVERED, state_in_ns), 10, "no recovery entry")
+    assert int(recovered[0]["GPUKILL_FAILURES"]) >= 3, recovered  # dry-run on, disable, enable at least
+    assert len(entries(bed, journal.WRITE_FAILED, state_in_ns)) == 1
+    r = bed.ctl(ROOT, "audit", "settings", "set", "idle_after=2")
+    assert r.returncode == 0, r
+    assert "idle_after = 2" in dropin.read_text()
+    r = bed.ctl(ROOT, "guard", "policy", "add", "user", OTHER, "--memory-limit", "8GiB")
+    assert r.returncode == 0, r
+    assert len(os.listdir(disk.seen("guard.d"))) == 2
