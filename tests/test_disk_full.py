@@ -11,6 +11,8 @@ import errno
 import json
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,72 @@ def test_guard_state_policies_and_settings_survive_a_full_disk(guard_disk):
     r = bed.ctl(ROOT, "guard", "policy", "add", "user", OTHER, "--memory-limit", "8GiB")
     assert r.returncode == 0, r
     assert len(os.listdir(disk.seen("guard.d"))) == 2
+
+
+@pytest.fixture
+def usage_disk(fresh_bed, users):
+    """The daemon with its state directory (the usage totals and store) on one small tmpfs."""
+    bed = fresh_bed
+    disk = Disk(bed, size="2m")
+    try:
+        disk.seen("state").mkdir(mode=0o755)
+        (bed.workdir / "guard.d").mkdir()
+        bed.write_conf(guard={"state_dir": disk.where / "state"})
+        bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
+        yield bed, disk
+    finally:
+        bed.stop_daemon()
+        disk.unmount()
+
+
+STORED = ("import sqlite3, sys; c = sqlite3.connect(f'file:{sys.argv[1]}?mode=ro', uri=True); "
+          "print(c.execute('SELECT count(*) FROM usage WHERE pid = ?', (int(sys.argv[2]),)).fetchone()[0])")
+
+
+def stored(bed: Testbed, disk: Disk, pid: int) -> int:
+    """The records of pid in the store's file (0 before the daemon made it), read in the daemon's mount
+    namespace: SQLite resolves /proc/PID/root as the link it is, to this namespace's /."""
+    if not disk.seen("state", "usage.sqlite").exists():
+        return 0
+    r = subprocess.run(bed.in_journal_ns([sys.executable, "-c", STORED, str(disk.where / "state" / "usage.sqlite"),
+                                          str(pid)]), capture_output=True, text=True, check=True)
+    return int(r.stdout)
+
+
+def used(bed: Testbed, name: str) -> list[dict]:
+    r = bed.ctl(ROOT, "usage", "--by", "process", "--name", name, "--since", "10min", "--json")
+    assert r.returncode == 0, r
+    return json.loads(r.stdout)["rows"]
+
+
+@pytest.mark.usefixtures("users")
+@needs_root
+def test_usage_records_are_held_while_the_disk_is_full_and_stored_once_it_is_not(usage_disk):
+    bed, disk = usage_disk
+    store = disk.where / "state" / "usage.sqlite"
+    first = bed.victim(ROOT, gpu=0, util=50, comm="beforefull", lifetime=1.0)
+    first.wait(30)
+    wait_until(lambda: stored(bed, disk, first.pid), 15, "the first record was not stored")
+
+    disk.fill()
+    ended = []
+    for n in range(3):  # several closes over a few seconds: several saves that fail
+        v = bed.victim(ROOT, gpu=0, util=50, comm=f"whilefull{n}", lifetime=1.0)
+        v.wait(30)
+        ended.append(v.pid)
+    for n, pid in enumerate(ended):
+        rows = wait_until(lambda n=n: used(bed, f"whilefull{n}"), 15, f"whilefull{n} not counted")
+        assert [r["pid"] for r in rows] == [pid]
+    assert not any(stored(bed, disk, pid) for pid in ended)  # counted from memory: the file could not take them
+    failed = wait_until(lambda: entries(bed, journal.WRITE_FAILED, store), 15, "no entry for the store")
+    time.sleep(2 * INTERVAL)
+    assert len(entries(bed, journal.WRITE_FAILED, store)) == 1, failed
+    assert "usage store" in failed[0]["MESSAGE"] and "full" in failed[0]["GPUKILL_ERROR"], failed
+    assert bed.wait_listed(bed.victim(ROOT, gpu=0, util=50, comm="sampling").pid, comm="sampling")
+
+    disk.free()
+    wait_until(lambda: entries(bed, journal.WRITE_RECOVERED, store), 15, "the store did not write again")
+    assert all(stored(bed, disk, pid) == 1 for pid in ended)
+    for n, pid in enumerate(ended):
+        assert [r["pid"] for r in used(bed, f"whilefull{n}")] == [pid]  # once, not twice
+    assert len(entries(bed, journal.WRITE_FAILED, store)) == 1

@@ -16,6 +16,9 @@ from the journal in a worker thread (gpukilld/usage/keeper.py), and until then r
   last save) go in that table too: a record is counted from the moment it closes, once.
 - Queries by user or GPU read daily totals (usage_day, kept by triggers) for the range's whole days and only
   the records at its ends one by one: 0.09 s instead of 0.97 s for 30 days of 300,000 records (_day_statement).
+- A batch that cannot be committed for a reason that passes (sqlite3.OperationalError: a full disk, an I/O
+  error) goes back to the head of the queue and is tried again RETRY seconds later; queries count it meanwhile,
+  and the journal hears of it once per run of failures (files.WriteWatch), not once per sample.
 - The file is root's, 0600 (the records name every user's processes), in the state directory.
 """
 
@@ -35,7 +38,9 @@ from collections.abc import Iterable, Sequence
 from gpukill.errors import GpukillError, NotSupported
 from gpukill.records import USAGE_BY, UsageRecord, UsageReport, UsageRow
 
+from .. import journal
 from ..access.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
+from ..files import WriteWatch
 from .query import UsageQuery
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,7 @@ SCHEMA_VERSION = 1
 BATCH = 2000  # records per commit of the writer
 GATHER = 0.05  # seconds the writer waits for more records of a burst before it commits what it has
 MAX_PENDING = 200_000  # records queued for the writer at most; past it (a disk gone bad) they are dropped, logged
+RETRY = 5.0  # seconds between tries of a batch that could not be committed (a full disk)
 QUERY_DEADLINE = 20.0  # seconds a query may run before it is interrupted
 BUSY_TIMEOUT_MS = 30_000  # a writer waits this long for another (rebuild and writer thread)
 
@@ -135,8 +141,11 @@ def _row(r: UsageRecord) -> tuple:
 
 
 class UsageStore:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, audit: journal.Audit | None = None) -> None:
         self.path = path
+        self._watch = WriteWatch(audit, path, "the usage store",
+                                 f"the records not stored are kept in memory (at most {MAX_PENDING}), counted by "
+                                 f"usage queries and tried again every {RETRY:.0f} s; the journal has them all")
         self.rebuilding = False
         self.unavailable: str | None = "the usage store is not open yet"  # why queries cannot be answered
         self._pending: deque[tuple] = deque()  # rows and ("prune", cutoff) for the writer
@@ -280,17 +289,37 @@ class UsageStore:
                 if dropped:
                     log.warning("usage store: %d records dropped (the writer is behind); the journal has them",
                                 dropped)
+                retry = False
                 try:
                     self._write(conn, batch)
-                except sqlite3.Error as e:  # a full disk, a file gone bad: the journal still has the records
+                except sqlite3.OperationalError as e:  # a full disk, an I/O error: it may pass
+                    self._watch.failed(e)
+                    retry = not self._stopping
+                    if not retry:
+                        log.warning("usage store: %d records not stored at stop: %s; the journal has them",
+                                    len(batch), e)
+                except sqlite3.Error as e:  # a file gone bad: the journal still has the records
                     log.warning("usage store: %d records not stored: %s", len(batch), e)
                 except Exception:  # a value SQLite cannot take (a bug upstream): the writer must live on
                     log.exception("usage store: %d records not stored", len(batch))
+                else:
+                    self._watch.written()
                 finally:
                     with self._cond:
+                        if retry:  # first again, in their order; add() keeps the queue's bound
+                            self._pending.extendleft(reversed(batch))
                         self._busy = False
                         self._writing = []
                         self._cond.notify_all()
+                if retry:
+                    self._pause(RETRY)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait before the next try, or until close() asks the writer to stop."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            while not self._stopping and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
 
     @staticmethod
     def _write(conn: sqlite3.Connection, batch: list[tuple]) -> None:
@@ -312,7 +341,8 @@ class UsageStore:
                 conn.execute("DELETE FROM usage_day WHERE n <= 0")
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite rolls back by itself after some errors (a full disk)
+                conn.execute("ROLLBACK")
             raise
 
     def rebuild(self, records: Iterable[UsageRecord]) -> int:
