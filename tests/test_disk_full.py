@@ -264,3 +264,43 @@ def test_usage_records_are_held_while_the_disk_is_full_and_stored_once_it_is_not
     for n, pid in enumerate(ended):
         assert [r["pid"] for r in used(bed, f"whilefull{n}")] == [pid]  # once, not twice
     assert len(entries(bed, journal.WRITE_FAILED, store)) == 1
+
+
+@pytest.fixture
+def full_at_start(fresh_bed, users):
+    """The daemon started with its state directory on a tmpfs already full: no usage store yet."""
+    bed = fresh_bed
+    disk = Disk(bed)
+    try:
+        disk.seen("state").mkdir(mode=0o755)
+        (bed.workdir / "guard.d").mkdir()
+        bed.write_conf(guard={"state_dir": disk.where / "state"})
+        disk.fill()
+        bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
+        yield bed, disk
+    finally:
+        bed.stop_daemon()
+        disk.unmount()
+
+
+@pytest.mark.usefixtures("users")
+@needs_root
+def test_a_store_that_could_not_be_made_at_start_is_made_once_there_is_space(full_at_start):
+    bed, disk = full_at_start
+    store = disk.where / "state" / "usage.sqlite"
+    r = bed.ctl(ROOT, "usage")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r
+    assert "cannot be opened" in r.stderr and "full" in r.stderr, r
+    assert not disk.seen("state", "usage.sqlite").exists()  # nothing half made left behind
+    failed = wait_until(lambda: entries(bed, journal.WRITE_FAILED, store), 10, "no entry for the store")
+    assert len(failed) == 1, failed
+    v = bed.victim(ROOT, gpu=0, util=50, comm="closedwhilefull", lifetime=1.0)
+    v.wait(30)
+    wait_until(lambda: bed.journal(MESSAGE_ID=journal.USAGE.message_id, GPUKILL_TARGET_PID=str(v.pid)), 15,
+               "no usage entry in the journal")
+
+    disk.free()
+    wait_until(lambda: entries(bed, journal.WRITE_RECOVERED, store), 20, "the store was not made")
+    rows = wait_until(lambda: used(bed, "closedwhilefull"), 15, "the record was not read back from the journal")
+    assert [r["pid"] for r in rows] == [v.pid]
+    assert stored(bed, disk, v.pid) == 1

@@ -145,7 +145,8 @@ class UsageStore:
         self.path = path
         self._watch = WriteWatch(audit, path, "the usage store",
                                  f"the records not stored are kept in memory (at most {MAX_PENDING}), counted by "
-                                 f"usage queries and tried again every {RETRY:.0f} s; the journal has them all")
+                                 f"usage queries and tried again every {RETRY:.0f} s, or, where the store cannot be "
+                                 "opened, read back from the journal once it can; the journal has them all")
         self.rebuilding = False
         self.unavailable: str | None = "the usage store is not open yet"  # why queries cannot be answered
         self._pending: deque[tuple] = deque()  # rows and ("prune", cutoff) for the writer
@@ -165,10 +166,11 @@ class UsageStore:
         state directory unwritable) leaves GetUsage answering NotSupported with the reason."""
         try:
             fresh = self._open_file()
-        except (OSError, sqlite3.Error) as e:
+        except (OSError, sqlite3.Error) as e:  # the keeper tries again (a full disk at start may pass)
             self.unavailable = f"the usage store {self.path} cannot be opened: {e}"
-            log.warning("%s", self.unavailable)
+            self._watch.failed(e)
             return False
+        self._watch.written()
         self.unavailable = None
         # a rebuild is due (the keeper starts it in a thread): replies say so from now, not only once it runs
         self.rebuilding = fresh
@@ -204,9 +206,15 @@ class UsageStore:
                 fresh = True
         # created 0600 before SQLite opens it: its -wal and -shm files take the database's mode
         os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-        with contextlib.closing(self._connect()) as conn:
-            conn.executescript(SCHEMA)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        try:
+            with contextlib.closing(self._connect()) as conn:
+                conn.executescript(SCHEMA)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except BaseException:  # half made (a full disk): gone, so that the next try starts it anew
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path + suffix)
+            raise
         return fresh
 
     def _move_aside(self, why: str) -> None:
