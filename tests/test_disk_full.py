@@ -304,3 +304,54 @@ def test_a_store_that_could_not_be_made_at_start_is_made_once_there_is_space(ful
     rows = wait_until(lambda: used(bed, "closedwhilefull"), 15, "the record was not read back from the journal")
     assert [r["pid"] for r in rows] == [v.pid]
     assert stored(bed, disk, v.pid) == 1
+
+
+# The store's writer in a process of its own in the daemon's mount namespace, on the tmpfs, its retry and queue
+# bound made small: 20 samples of 10 records each while the disk is full.
+HELD = """
+import logging, os, sqlite3, sys, time
+from gpukill.records import UsageRecord
+from gpukilld.usage import store as st
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+st.RETRY, st.MAX_PENDING = 0.05, 10
+disk = sys.argv[1]
+s = st.UsageStore(os.path.join(disk, "usage.sqlite"))
+s.open()
+fd = os.open(os.path.join(disk, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+for chunk in (1 << 16, 4096, 1):
+    try:
+        while os.write(fd, b"\\0" * chunk):
+            pass
+    except OSError:
+        pass
+os.close(fd)
+for n in range(20):
+    s.add([UsageRecord(pid=n * 10 + i, start_time=1, uid=0, user="root", comm="x", device=0, device_id="GPU-0",
+                       first_seen=1000.0, last_seen=2000.0, gpu_seconds=1.0, sm_seconds=None,
+                       sm_known_seconds=0.0, memory_byte_seconds=0.0, peak_memory=0, ended="exited")
+           for i in range(10)])
+    time.sleep(0.05)
+print("HELD", len(s._unsaved()), flush=True)
+os.unlink(os.path.join(disk, "filler"))
+print("FLUSHED", s.flush(10), flush=True)
+s.close()
+print("STORED", sqlite3.connect(os.path.join(disk, "usage.sqlite")).execute("SELECT count(*) FROM usage").fetchone()[0])
+"""
+
+
+@pytest.mark.usefixtures("users")
+@needs_root
+def test_the_store_holds_at_most_its_bound_and_says_so_once(fresh_bed):
+    bed = fresh_bed
+    disk = Disk(bed)
+    try:
+        r = subprocess.run(bed.in_journal_ns([sys.executable, "-c", HELD, str(disk.where)]), capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    finally:
+        disk.unmount()
+    assert r.returncode == 0, r
+    lines = r.stdout.splitlines()
+    assert "HELD 10" in lines and "FLUSHED True" in lines and "STORED 10" in lines, r.stdout
+    assert sum("cannot write" in line and "full" in line for line in lines) == 1, r.stdout
+    assert sum("records dropped" in line for line in lines) == 1, r.stdout
+    assert any("written again" in line for line in lines), r.stdout

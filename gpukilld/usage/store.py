@@ -155,7 +155,8 @@ class UsageStore:
         self._writing: list[tuple] = []  # ... these, until they are committed
         self._stopping = False
         self._writer: threading.Thread | None = None
-        self._dropped = 0
+        self._dropped = 0  # records add() could not queue, not yet logged
+        self._dropped_told = 0.0  # when the next line about them may be logged (monotonic)
         self._opened_at = 0.0  # records that ended after this are the writer's, not the rebuild's
 
     # -- opening ---------------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ class UsageStore:
         if not records or self._writer is None:
             return
         with self._cond:
-            room = MAX_PENDING - len(self._pending)
+            room = MAX_PENDING - len(self._pending) - len(self._writing)  # a batch being tried may come back
             if room < len(records):
                 self._dropped += len(records) - max(room, 0)
                 records = records[:max(room, 0)]
@@ -293,10 +294,13 @@ class UsageStore:
                     batch = [self._pending.popleft() for _ in range(min(BATCH, len(self._pending)))]
                     self._busy = True
                     self._writing = batch
-                    dropped, self._dropped = self._dropped, 0
+                    dropped = 0
+                    if self._dropped and time.monotonic() >= self._dropped_told:  # a line per REPORT_EVERY at most
+                        dropped, self._dropped = self._dropped, 0
+                        self._dropped_told = time.monotonic() + WriteWatch.REPORT_EVERY
                 if dropped:
-                    log.warning("usage store: %d records dropped (the writer is behind); the journal has them",
-                                dropped)
+                    log.warning("usage store: %d records dropped (the writer is behind, or cannot write); the "
+                                "journal has them", dropped)
                 retry = False
                 try:
                     self._write(conn, batch)
