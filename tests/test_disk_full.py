@@ -352,6 +352,9 @@ def test_the_store_holds_at_most_its_bound_and_says_so_once(fresh_bed):
     assert r.returncode == 0, r
     lines = r.stdout.splitlines()
     assert "HELD 10" in lines and "FLUSHED True" in lines and "STORED 10" in lines, r.stdout
-    assert sum("cannot write" in line and "full" in line for line in lines) == 1, r.stdout
-    assert sum("records dropped" in line for line in lines) == 1, r.stdout
+    # one line, whether the writer's connection or its first batch met the full disk first
+    assert sum("cannot write" in line for line in lines) == 1, r.stdout
+    # 190 dropped past the bound, told in one line while the disk is full (and the rest, if any, at close)
+    dropped = [int(line.split()[2]) for line in lines if "records dropped" in line]
+    assert sum(dropped) == 190 and 1 <= len(dropped) <= 2, r.stdout
     assert any("written again" in line for line in lines), r.stdout

@@ -275,11 +275,15 @@ class UsageStore:
         return True
 
     def _write_loop(self) -> None:
-        try:
-            conn = self._connect()
-        except sqlite3.Error as e:
-            log.warning("usage store writer cannot open %s: %s", self.path, e)
-            return
+        conn = None
+        while conn is None:  # the disk may fill between open() and here: the writer waits, it does not end
+            try:
+                conn = self._connect()
+            except sqlite3.Error as e:
+                self._watch.failed(e)
+                if self._stopping:
+                    return
+                self._pause(RETRY)
         with contextlib.closing(conn):
             while True:
                 with self._cond:
@@ -299,7 +303,7 @@ class UsageStore:
                         dropped, self._dropped = self._dropped, 0
                         self._dropped_told = time.monotonic() + WriteWatch.REPORT_EVERY
                 if dropped:
-                    log.warning("usage store: %d records dropped (the writer is behind, or cannot write); the "
+                    log.warning("usage store: %d records dropped (the writer is behind, or its writes fail); the "
                                 "journal has them", dropped)
                 retry = False
                 try:
@@ -409,6 +413,10 @@ class UsageStore:
             self._cond.notify_all()
         writer.join(timeout=30)
         self._writer = None
+        if self._dropped:  # those since the last line about them
+            log.warning("usage store: %d records dropped (the writer is behind, or its writes fail); the journal "
+                        "has them", self._dropped)
+            self._dropped = 0
 
     # -- reading ---------------------------------------------------------------------------------------
 
