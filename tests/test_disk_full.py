@@ -155,8 +155,12 @@ def test_guard_state_policies_and_settings_survive_a_full_disk(guard_disk):
     disk.fill()
     for args in (["dry-run", "on"], ["disable"], ["enable"]):  # each a save of the state that fails
         r = bed.ctl(ROOT, "guard", *args)
-        assert r.returncode == 0, r
-    assert bed.guard_status()["dry_run"] is True  # in force though not kept
+        assert r.returncode == 0, r  # in force, and the admin is told it is not kept
+        assert r.stderr.strip() == (f"gpukillctl: in force, but not kept across a restart of gpukilld: cannot write "
+                                    f"{state_in_ns}: No space left on device"), r
+    assert bed.guard_status()["dry_run"] is True
+    r = bed.ctl(ROOT, "guard", "status")
+    assert f"state not saved (a restart resumes from it as last saved): cannot write {state_in_ns}" in r.stdout, r
     # refused in one line, naming the file and why; nothing left behind
     r = bed.ctl(ROOT, "guard", "policy", "add", "user", OTHER, "--memory-limit", "8GiB")
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r
@@ -184,8 +188,9 @@ def test_guard_state_policies_and_settings_survive_a_full_disk(guard_disk):
 
     disk.free()
     r = bed.ctl(ROOT, "guard", "dry-run", "off")
-    assert r.returncode == 0, r
+    assert r.returncode == 0 and r.stderr == "", r
     assert json.loads(state.read_bytes())["dry_run"] is False
+    assert bed.guard_status()["state_error"] == ""
     recovered = wait_until(lambda: entries(bed, journal.WRITE_RECOVERED, state_in_ns), 10, "no recovery entry")
     assert int(recovered[0]["GPUKILL_FAILURES"]) >= 3, recovered  # dry-run on, disable, enable at least
     assert len(entries(bed, journal.WRITE_FAILED, state_in_ns)) == 1

@@ -131,6 +131,7 @@ class GuardRunner:
         self.signals: GuardSignals = signals if signals is not None else _NoSignals()
         self.started = False
         self.policy_error = ""  # why the last attempt to read the policy files failed ("" when it did not)
+        self.state_error = ""  # why the last save of the state failed ("" when it did not): GetStatus says it
         self.evaluations = 0
         self.max_eval_seconds = 0.0
         self._last_eval = -math.inf
@@ -553,6 +554,7 @@ class GuardRunner:
             replaced=self.state.replaced,
             replaced_at=self.state.replaced_at,
             policy_error=self.policy_error,
+            state_error=self.state_error,
             rules=rules,
             recent=tuple(from_plain(RecentEvent, e) for e in self.state.recent[-20:]),
             windows=tuple(from_plain(Window, w) for w in self.engine.windows_report()),
@@ -585,8 +587,10 @@ class GuardRunner:
         try:
             save_state(self.state_dir, self.state)
         except OSError as e:
+            self.state_error = f"cannot write {self._save_watch.path}: {e.strerror or e}"
             self._save_watch.failed(e)
         else:
+            self.state_error = ""
             self._save_watch.written()
 
     def _watch_for(self, state_dir: str) -> WriteWatch:
