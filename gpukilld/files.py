@@ -2,15 +2,23 @@
 
 A temporary file in the same directory, fsynced, renamed over the old one, then the directory fsynced: a crash
 or a full disk leaves the old file or the new one, never half of one, and the rename survives a power cut.
+Writes that fail over and over (a full disk) are reported once per run of failures, by WriteWatch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
+import time
+from collections.abc import Callable
 from typing import Any
+
+from . import journal
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(directory: str) -> None:
@@ -61,3 +69,49 @@ def read_kept(path: str, max_bytes: int) -> tuple[dict[str, Any] | None, str | N
         with contextlib.suppress(OSError):
             os.replace(path, path + ".broken")
         return None, f"{path}: cannot be read ({e}); kept as {os.path.basename(path)}.broken"
+
+
+class WriteWatch:
+    """One kept file's writes as the journal hears of them. The daemon tries a write again at its next save
+    (each sample, for some files), so a full disk would otherwise make an entry per sample. A failure is one
+    entry (journal.WRITE_FAILED: what, where, why, and what holds meanwhile) when none was written for this file
+    in the last REPORT_EVERY seconds, or since the last success; the first success after an entry is one entry
+    (journal.WRITE_RECOVERED) with the attempts that failed. A disk that flaps between full and not (a file
+    removed on failure frees the space its next write takes) makes at most one pair per REPORT_EVERY. Used
+    from one thread at a time (the file's writer)."""
+
+    REPORT_EVERY = 300.0
+
+    def __init__(self, audit: journal.Audit | None, path: str, what: str, kept: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.audit = audit
+        self.path = path
+        self.what = what  # "Guard's state": the file's part in the daemon
+        self.kept = kept  # what holds meanwhile, a sentence
+        self.failures = 0  # failed attempts since the last entry
+        self._clock = clock
+        self._reported = False  # a failure entry was written and no success since
+        self._last: float | None = None  # when the last failure entry was written
+
+    def failed(self, error: BaseException) -> None:
+        self.failures += 1
+        now = self._clock()
+        if self._reported or (self._last is not None and now - self._last < self.REPORT_EVERY):
+            return
+        self._reported, self._last, self.failures = True, now, 0
+        why = (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__
+        message = f"cannot write {self.path} ({self.what}): {why}; {self.kept}"
+        if self.audit is None:
+            log.error("%s", message)
+            return
+        self.audit.log(journal.WRITE_FAILED, message, file=self.path, what=self.what, error=why, kept=self.kept)
+
+    def written(self) -> None:
+        if not self._reported:
+            return
+        failures, self.failures, self._reported = self.failures + 1, 0, False  # the one reported counts too
+        message = f"{self.path} ({self.what}) written again after {failures} failed attempt(s)"
+        if self.audit is None:
+            log.warning("%s", message)
+            return
+        self.audit.log(journal.WRITE_RECOVERED, message, file=self.path, what=self.what, failures=failures)

@@ -81,9 +81,15 @@ AUDIT_SETTINGS = EventKind("audit-settings", "33e4adac4eb74fbf8dbfac9f87af110b",
 # kill's entry (tests/test_hostile.py). In DEBUG's own budget a churn can only cost usage entries.
 USAGE = EventKind("usage", "98e32adeb63e433194c9884c760b9489", syslog.LOG_DEBUG)
 
+# A file the daemon keeps (Guard's state, the usage totals, the usage store) could not be written: the first
+# failure of a run of them, GPUKILL_FILE and GPUKILL_ERROR (gpukilld/files.py's WriteWatch); and the first write
+# that succeeds after them, with GPUKILL_FAILURES.
+WRITE_FAILED = EventKind("write-failed", "0434aa3a59cf40b8b8f40bb844f194ed", syslog.LOG_ERR)
+WRITE_RECOVERED = EventKind("write-recovered", "795a05cbe3b448f19e23a47e60cfab12", syslog.LOG_NOTICE)
+
 ALL_KINDS = (KILL, KILL_DENIED, KILL_FAILED, RESET, RESET_DENIED, RESET_FAILED, DEVICE_STATE, DAEMON,
              GUARD_VIOLATION, GUARD_ACTION, GUARD_DRY_RUN, GUARD_POLICY, GUARD_NOTIFY_FAILED, GUARD_NOTICE,
-             GUARD_MANAGED_POLICY, AUDIT_SETTINGS, USAGE)
+             GUARD_MANAGED_POLICY, AUDIT_SETTINGS, USAGE, WRITE_FAILED, WRITE_RECOVERED)
 
 
 def field_name(key: str) -> str:

@@ -201,7 +201,7 @@ class Daemon:
         if self.config.usage_enabled and self.usage is None:
             state_dir = self.config.guard_state_dir
             try:
-                store = UsageStore(os.path.join(state_dir, "usage.sqlite"))
+                store = UsageStore(os.path.join(state_dir, "usage.sqlite"), self.audit)
                 self.usage = UsageKeeper(self.audit, store, state_dir, keep_days=self.config.usage_keep_days,
                                          alive=still_running(self.config.proc_root))
             except Exception:  # the daemon serves and enforces without the accounting rather than not at all

@@ -268,15 +268,17 @@ MAPPINGS = [
     (["--guard"], [call.guard_status()]),
     (["--guard", "--guard-config"], [call.guard_status()]),
     (["--guard", "--output", "json"], [call.guard_status()]),
-    (["--guard", "--guard-enable"], [call.guard_enable(True)]),
-    (["--guard", "--guard-disable"], [call.guard_enable(False)]),
-    (["--guard", "--guard-dry-run"], [call.guard_set_dry_run(True)]),
+    # after each change the status: whether the state could be saved (and what holds dry run on)
+    (["--guard", "--guard-enable"], [call.guard_enable(True), call.guard_status()]),
+    (["--guard", "--guard-disable"], [call.guard_enable(False), call.guard_status()]),
+    (["--guard", "--guard-dry-run"], [call.guard_set_dry_run(True), call.guard_status()]),
     (["--guard", "--guard-enforce"], [call.guard_set_dry_run(False), call.guard_status()]),  # does a policy hold it
     (["--guard", "--guard-test-policies"], [call.guard_test("", "")]),
     (["--guard", "--guard-test-policies", "--output", "json"], [call.guard_test("", "")]),
     (["--guard", "--guard-test-policies", "--policy-file", str(POLICY)],
      [call.guard_test(POLICY_PATH, POLICY.read_text())]),
-    (["--guard", "--policy-file", str(POLICY)], [call.guard_load_policy(POLICY_PATH, POLICY.read_text())]),
+    (["--guard", "--policy-file", str(POLICY)],
+     [call.guard_load_policy(POLICY_PATH, POLICY.read_text()), call.guard_status()]),
     # --vendor: only that vendor's GPUs and their processes; --containers: the column gpukillctl list always has
     (["--list", "--vendor", "amd"], LISTING),
     (["--list", "--vendor", "all", "--output", "json"], LISTING),
@@ -308,7 +310,7 @@ MAPPINGS = [
     (["--guard", "--guard-export-config"], [call.guard_export_policies()]),
     (["--guard", "--guard-import-config", str(GUARD_JSON)],
      [call.guard_import_policies(str(GUARD_JSON), GUARD_IMPORTED, replace=True)]),
-    (["--guard", "--guard-toggle-dry-run"], [call.guard_status(), call.guard_set_dry_run(True)]),
+    (["--guard", "--guard-toggle-dry-run"], [call.guard_status(), call.guard_set_dry_run(True), call.guard_status()]),
     # the audit's settings
     (["--audit", "--rogue-config"], [call.audit_settings()]),
     (["--audit", "--rogue-config", "--output", "json"], [call.audit_settings()]),
@@ -672,8 +674,8 @@ def test_toggle_dry_run_turns_the_daemons_state_over(capsys):
         client = RecordingClient()
         client.dry_run = now
         code, client = run(["--guard", "--guard-toggle-dry-run"], client)
-        ended = [call.guard_status()] if not then else []  # off: whether the policy in force keeps dry run on
-        assert code == 0 and client.calls == [call.guard_status(), call.guard_set_dry_run(then), *ended]
+        # the status before (to turn it over) and after (whether it was saved; off: whether a policy keeps it on)
+        assert code == 0 and client.calls == [call.guard_status(), call.guard_set_dry_run(then), call.guard_status()]
         assert capsys.readouterr().out == f"guard dry run {'on' if then else 'off'}\n"
 
 

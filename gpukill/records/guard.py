@@ -100,6 +100,9 @@ class GuardStatus:
                               '"" none since the last LoadPolicy', "")
     replaced_at: float = wire("d", "when guard.d replaced it, seconds since the epoch; 0 none", 0.0)
     policy_error: str = wire("s", 'why the files were last rejected, or ""', "")
+    state_error: str = wire("s", 'why the state (switches, policy, clocks) could not be saved: in force, but a '
+                                 'restart resumes from the file as last written; "" when the last save succeeded',
+                            "")
     rules: tuple[RuleStatus, ...] = wire("aa{sv}", "the rules in force, with their counters", (),
                                          of=RuleStatus)
     recent: tuple[RecentEvent, ...] = wire("aa{sv}", "recent events, newest last", (), of=RecentEvent)

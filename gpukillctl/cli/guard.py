@@ -229,17 +229,19 @@ async def _change(client: ClientAPI, args: argparse.Namespace) -> int:
         elif command == "dry-run":
             await client.guard_set_dry_run(args.state == "on", interactive=agent.active)
             print(f"guard dry run {args.state}")
-            if args.state == "off":
-                st = await client.guard_status()
-                if st.policy_dry_run:  # the switch is off, yet nothing is signalled: say why, and how to end it
-                    print(shown(f"gpukillctl: dry run stays on: the policy in force ({', '.join(st.files)}) sets "
-                                "dry_run: true; remove it there and load or reload the policy to enforce"),
-                          file=sys.stderr)
         else:
             result = await client.guard_load_policy(os.path.abspath(args.file), text, interactive=agent.active)
             names = ", ".join(result.rules) or "none"
             print(shown(f"policy {args.file} in force until the next reload of gpukilld (systemctl reload, "
                         f"SIGHUP) or guard load: {len(policy.rules)} rule(s): {names}"))
+        st = await client.guard_status()
+        if command == "dry-run" and args.state == "off" and st.policy_dry_run:
+            # the switch is off, yet nothing is signalled: say why, and how to end it
+            print(shown(f"gpukillctl: dry run stays on: the policy in force ({', '.join(st.files)}) sets "
+                        "dry_run: true; remove it there and load or reload the policy to enforce"), file=sys.stderr)
+        if st.state_error:  # in force now; a restart would go back to what was last saved
+            print(shown(f"gpukillctl: in force, but not kept across a restart of gpukilld: {st.state_error}"),
+                  file=sys.stderr)
     finally:
         agent.close()
     return 0
@@ -276,6 +278,8 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
         print(shown(f"replaced at {_when(st.replaced_at)} by a re-read of guard.d: {st.replaced}"))
     if st.policy_error:
         print(shown(f"policy files rejected (the policy above stays in force): {st.policy_error}"))
+    if st.state_error:
+        print(shown(f"state not saved (a restart resumes from it as last saved): {st.state_error}"))
     print(f"evaluations: {st.evaluations}, last {st.last_eval_ms:.1f} ms, slowest {st.max_eval_ms:.1f} ms")
     if st.rules:
         print()

@@ -41,6 +41,7 @@ from gpukill.rules import EMPTY_POLICY, Policy, Rule
 from .. import journal
 from ..acts.selection import Selection
 from ..config import Config
+from ..files import WriteWatch
 from ..model import Snapshot
 from ..proc.procfs import user_name
 from . import clocks, report
@@ -62,7 +63,7 @@ from .engine import (
     Violation,
 )
 from .notify import Notice, Notifier, NotifyConfig
-from .state import MAX_NOTE, GuardState, add_recent, load_state, save_state
+from .state import MAX_NOTE, GuardState, add_recent, load_state, save_state, state_path
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,13 @@ class GuardRunner:
         self.clock = clock or Clock()
         self.engine = Engine(clock=self.clock, own_pid=own_pid, protection=protection)
         self.state = GuardState()
+        self._save_watch = self._watch_for(state_dir)
         self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice,
                                  self._owner_warned)
         self.signals: GuardSignals = signals if signals is not None else _NoSignals()
         self.started = False
         self.policy_error = ""  # why the last attempt to read the policy files failed ("" when it did not)
+        self.state_error = ""  # why the last save of the state failed ("" when it did not): GetStatus says it
         self.evaluations = 0
         self.max_eval_seconds = 0.0
         self._last_eval = -math.inf
@@ -551,6 +554,7 @@ class GuardRunner:
             replaced=self.state.replaced,
             replaced_at=self.state.replaced_at,
             policy_error=self.policy_error,
+            state_error=self.state_error,
             rules=rules,
             recent=tuple(from_plain(RecentEvent, e) for e in self.state.recent[-20:]),
             windows=tuple(from_plain(Window, w) for w in self.engine.windows_report()),
@@ -578,10 +582,21 @@ class GuardRunner:
         if self.started:  # before start() has restored them, the clocks loaded stay as they were read
             self.state.clocks = clocks.save(self.engine, self._boot)
             self.engine.clocks_changed = False
+        if self._save_watch.path != state_path(self.state_dir):
+            self._save_watch = self._watch_for(self.state_dir)
         try:
             save_state(self.state_dir, self.state)
         except OSError as e:
-            log.error("cannot save the guard state in %s: %s", self.state_dir, e.strerror or e)
+            self.state_error = f"cannot write {self._save_watch.path}: {e.strerror or e}"
+            self._save_watch.failed(e)
+        else:
+            self.state_error = ""
+            self._save_watch.written()
+
+    def _watch_for(self, state_dir: str) -> WriteWatch:
+        return WriteWatch(self.audit, state_path(state_dir), "Guard's state",
+                          "Guard enforces what is in force; a restart before the next save resumes from the file "
+                          "as last written")
 
     def _save_soon(self) -> None:
         self._dirty = True

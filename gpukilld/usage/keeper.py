@@ -15,7 +15,8 @@ store, its running totals saved across restarts.
   minute ends. The store still gets every record unfolded.
 - At start the saved state is read back (records of processes gone meanwhile are written as "daemon-down"),
   the store opened and, when its file was missing, rebuilt from the journal in a thread of its own; its rows
-  older than keep_days are deleted once a day, in a thread too.
+  older than keep_days are deleted once a day, in a thread too. A store that could not be opened (a full disk
+  at start) is tried again every REOPEN_EVERY seconds; once open, its rebuild reads back what closed meanwhile.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gpukill.procstat import read_stat
 from gpukill.records.usage import ENDED_EXITED, UsageRecord
 
 from .. import journal
+from ..files import WriteWatch
 from ..guard.clocks import boot_id
 from .account import Accountant
 from .journal_form import fields_of, message_of
@@ -47,6 +49,7 @@ BURST = 3000  # ... with this many at once
 FOLD_WINDOW = 60.0  # seconds: folded records are written when their minute ends
 PRUNE_EVERY = 86400.0
 FIRST_PRUNE = 60.0  # seconds after start: not in the start-up's rush
+REOPEN_EVERY = 10.0  # seconds between tries to open a store that could not be opened
 
 
 def still_running(root: str = "/proc") -> Callable[[int, int], bool]:
@@ -86,8 +89,12 @@ class UsageKeeper:
         self._folds: dict[tuple[int, str], list[UsageRecord]] = {}
         self._fold_end = 0.0
         self._next_prune = 0.0
+        self._next_open = 0.0
         self.written = 0  # journal entries written (folded ones count once)
         self.folded = 0  # records folded into them
+        self._save_watch = WriteWatch(audit, state_path(state_dir), "the usage totals of the open processes",
+                                      "it is removed, so that a restart cannot count a record twice; the totals "
+                                      "go on in memory and the closed records to the journal and the usage store")
 
     # -- life cycle ------------------------------------------------------------------------------------
 
@@ -108,16 +115,21 @@ class UsageKeeper:
                 log.exception("the saved usage totals could not be restored")
             if self.accountant.load_note:
                 log.warning("%s", self.accountant.load_note)
+        self._open_store(now)
+        self._started = True
+        self._out.extend(closed)
+        self._save(now)
+
+    def _open_store(self, now: float) -> None:
+        """Open the store, and rebuild it from the journal in a thread when its file was made anew."""
+        self._next_open = now + REOPEN_EVERY
         try:
             fresh = not self.store.open()
         except Exception as e:
             log.error("the usage store cannot be opened: %s", e)
             fresh = False
-        if fresh:
+        if fresh and getattr(self.store, "unavailable", None) is None:
             threading.Thread(target=self._rebuild, name="usage-rebuild", daemon=True).start()
-        self._started = True
-        self._out.extend(closed)
-        self._save(now)
 
     def stop(self) -> None:
         """Save the totals of the records still open, write what closed and what was folded; close the store."""
@@ -156,6 +168,8 @@ class UsageKeeper:
                 self._flush_folds()
             if now >= self._next_prune:
                 self._prune(now)
+            if now >= self._next_open and getattr(self.store, "unavailable", None) is not None:
+                self._open_store(now)
         except Exception:  # the accounting must never cost the loop, nor the snapshot's other readers
             log.exception("usage accounting failed on a snapshot")
 
@@ -169,11 +183,13 @@ class UsageKeeper:
             # A state file that cannot be replaced may hold open records that close now: it goes, so that a
             # restart cannot write them twice (their running totals are lost to a restart instead).
             if isinstance(e, OSError):
-                log.error("cannot save the usage totals in %s: %s", self.state_dir, e.strerror or e)
+                self._save_watch.failed(e)
             else:
                 log.exception("saving the usage totals failed")
             with contextlib.suppress(OSError):
                 os.unlink(state_path(self.state_dir))
+        else:
+            self._save_watch.written()
         self._saved = now
         out, self._out = self._out, []
         if out:

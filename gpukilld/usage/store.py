@@ -16,6 +16,9 @@ from the journal in a worker thread (gpukilld/usage/keeper.py), and until then r
   last save) go in that table too: a record is counted from the moment it closes, once.
 - Queries by user or GPU read daily totals (usage_day, kept by triggers) for the range's whole days and only
   the records at its ends one by one: 0.09 s instead of 0.97 s for 30 days of 300,000 records (_day_statement).
+- A batch that cannot be committed for a reason that passes (sqlite3.OperationalError: a full disk, an I/O
+  error) goes back to the head of the queue and is tried again RETRY seconds later; queries count it meanwhile,
+  and the journal hears of it once per run of failures (files.WriteWatch), not once per sample.
 - The file is root's, 0600 (the records name every user's processes), in the state directory.
 """
 
@@ -35,7 +38,9 @@ from collections.abc import Iterable, Sequence
 from gpukill.errors import GpukillError, NotSupported
 from gpukill.records import USAGE_BY, UsageRecord, UsageReport, UsageRow
 
+from .. import journal
 from ..access.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
+from ..files import WriteWatch
 from .query import UsageQuery
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,7 @@ SCHEMA_VERSION = 1
 BATCH = 2000  # records per commit of the writer
 GATHER = 0.05  # seconds the writer waits for more records of a burst before it commits what it has
 MAX_PENDING = 200_000  # records queued for the writer at most; past it (a disk gone bad) they are dropped, logged
+RETRY = 5.0  # seconds between tries of a batch that could not be committed (a full disk)
 QUERY_DEADLINE = 20.0  # seconds a query may run before it is interrupted
 BUSY_TIMEOUT_MS = 30_000  # a writer waits this long for another (rebuild and writer thread)
 
@@ -135,8 +141,12 @@ def _row(r: UsageRecord) -> tuple:
 
 
 class UsageStore:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, audit: journal.Audit | None = None) -> None:
         self.path = path
+        self._watch = WriteWatch(audit, path, "the usage store",
+                                 f"the records not stored are kept in memory (at most {MAX_PENDING}), counted by "
+                                 f"usage queries and tried again every {RETRY:.0f} s, or, where the store cannot be "
+                                 "opened, read back from the journal once it can; the journal has them all")
         self.rebuilding = False
         self.unavailable: str | None = "the usage store is not open yet"  # why queries cannot be answered
         self._pending: deque[tuple] = deque()  # rows and ("prune", cutoff) for the writer
@@ -145,7 +155,8 @@ class UsageStore:
         self._writing: list[tuple] = []  # ... these, until they are committed
         self._stopping = False
         self._writer: threading.Thread | None = None
-        self._dropped = 0
+        self._dropped = 0  # records add() could not queue, not yet logged
+        self._dropped_told = 0.0  # when the next line about them may be logged (monotonic)
         self._opened_at = 0.0  # records that ended after this are the writer's, not the rebuild's
 
     # -- opening ---------------------------------------------------------------------------------------
@@ -156,10 +167,11 @@ class UsageStore:
         state directory unwritable) leaves GetUsage answering NotSupported with the reason."""
         try:
             fresh = self._open_file()
-        except (OSError, sqlite3.Error) as e:
+        except (OSError, sqlite3.Error) as e:  # the keeper tries again (a full disk at start may pass)
             self.unavailable = f"the usage store {self.path} cannot be opened: {e}"
-            log.warning("%s", self.unavailable)
+            self._watch.failed(e)
             return False
+        self._watch.written()
         self.unavailable = None
         # a rebuild is due (the keeper starts it in a thread): replies say so from now, not only once it runs
         self.rebuilding = fresh
@@ -195,9 +207,15 @@ class UsageStore:
                 fresh = True
         # created 0600 before SQLite opens it: its -wal and -shm files take the database's mode
         os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-        with contextlib.closing(self._connect()) as conn:
-            conn.executescript(SCHEMA)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        try:
+            with contextlib.closing(self._connect()) as conn:
+                conn.executescript(SCHEMA)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except BaseException:  # half made (a full disk): gone, so that the next try starts it anew
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path + suffix)
+            raise
         return fresh
 
     def _move_aside(self, why: str) -> None:
@@ -225,7 +243,7 @@ class UsageStore:
         if not records or self._writer is None:
             return
         with self._cond:
-            room = MAX_PENDING - len(self._pending)
+            room = MAX_PENDING - len(self._pending) - len(self._writing)  # a batch being tried may come back
             if room < len(records):
                 self._dropped += len(records) - max(room, 0)
                 records = records[:max(room, 0)]
@@ -257,11 +275,15 @@ class UsageStore:
         return True
 
     def _write_loop(self) -> None:
-        try:
-            conn = self._connect()
-        except sqlite3.Error as e:
-            log.warning("usage store writer cannot open %s: %s", self.path, e)
-            return
+        conn = None
+        while conn is None:  # the disk may fill between open() and here: the writer waits, it does not end
+            try:
+                conn = self._connect()
+            except sqlite3.Error as e:
+                self._watch.failed(e)
+                if self._stopping:
+                    return
+                self._pause(RETRY)
         with contextlib.closing(conn):
             while True:
                 with self._cond:
@@ -276,21 +298,44 @@ class UsageStore:
                     batch = [self._pending.popleft() for _ in range(min(BATCH, len(self._pending)))]
                     self._busy = True
                     self._writing = batch
-                    dropped, self._dropped = self._dropped, 0
+                    dropped = 0
+                    if self._dropped and time.monotonic() >= self._dropped_told:  # a line per REPORT_EVERY at most
+                        dropped, self._dropped = self._dropped, 0
+                        self._dropped_told = time.monotonic() + WriteWatch.REPORT_EVERY
                 if dropped:
-                    log.warning("usage store: %d records dropped (the writer is behind); the journal has them",
-                                dropped)
+                    log.warning("usage store: %d records dropped (the writer is behind, or its writes fail); the "
+                                "journal has them", dropped)
+                retry = False
                 try:
                     self._write(conn, batch)
-                except sqlite3.Error as e:  # a full disk, a file gone bad: the journal still has the records
+                except sqlite3.OperationalError as e:  # a full disk, an I/O error: it may pass
+                    self._watch.failed(e)
+                    retry = not self._stopping
+                    if not retry:
+                        log.warning("usage store: %d records not stored at stop: %s; the journal has them",
+                                    len(batch), e)
+                except sqlite3.Error as e:  # a file gone bad: the journal still has the records
                     log.warning("usage store: %d records not stored: %s", len(batch), e)
                 except Exception:  # a value SQLite cannot take (a bug upstream): the writer must live on
                     log.exception("usage store: %d records not stored", len(batch))
+                else:
+                    self._watch.written()
                 finally:
                     with self._cond:
+                        if retry:  # first again, in their order; add() keeps the queue's bound
+                            self._pending.extendleft(reversed(batch))
                         self._busy = False
                         self._writing = []
                         self._cond.notify_all()
+                if retry:
+                    self._pause(RETRY)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait before the next try, or until close() asks the writer to stop."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            while not self._stopping and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
 
     @staticmethod
     def _write(conn: sqlite3.Connection, batch: list[tuple]) -> None:
@@ -312,7 +357,8 @@ class UsageStore:
                 conn.execute("DELETE FROM usage_day WHERE n <= 0")
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite rolls back by itself after some errors (a full disk)
+                conn.execute("ROLLBACK")
             raise
 
     def rebuild(self, records: Iterable[UsageRecord]) -> int:
@@ -367,6 +413,10 @@ class UsageStore:
             self._cond.notify_all()
         writer.join(timeout=30)
         self._writer = None
+        if self._dropped:  # those since the last line about them
+            log.warning("usage store: %d records dropped (the writer is behind, or its writes fail); the journal "
+                        "has them", self._dropped)
+            self._dropped = 0
 
     # -- reading ---------------------------------------------------------------------------------------
 
