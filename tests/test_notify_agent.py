@@ -145,7 +145,7 @@ def test_a_newline_in_a_process_name_adds_no_line_to_any_pop_up(desk, users):
     wait_until(lambda: [n for n in _since(session, mark) if f"PID {mine.pid}" in n.summary], 10,
                lambda: f"no notification for the kill: {_since(session, mark)}")
     shown = _since(session, mark)
-    assert any(n.summary == f"PID {hog.pid} (gpuhog\\x0aForged, user gpkowner) will be stopped in {GRACE} s"
+    assert any(n.summary == f"PID {hog.pid} (gpuhog\\x0aForged, user gpkowner) will be stopped in {GRACE}s"
                for n in shown), shown
     assert any(n.body.endswith(f"gpuhog\\x0aForged (PID {hog.pid}) terminated.") for n in shown), shown
     assert any(n.summary == f"GPU process stopped: mine\\x0aForged (PID {mine.pid})" for n in shown), shown

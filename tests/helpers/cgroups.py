@@ -92,12 +92,18 @@ def enter(dirs: list[Path]) -> str:
 
 def start_in(user: User, dirs: list[Path], env: dict[str, str], code: str) -> subprocess.Popen:
     """A real process of `user` that root puts in `dirs` (each a cgroup) and that then drops to the user and
-    runs `code`, as slurmd starts a task or systemd a user's process. Returns once `code` printed "ready"."""
+    runs `code`, as slurmd starts a task or systemd a user's process. Returns once `code` printed "ready".
+    `env` is the environment of `code` alone (env -i at the last exec): the root process before it carries no
+    GPUKILL_SIM_* variable, so the simulated backend never lists it as root, or outside its cgroups, in a
+    sample taken before the move (a process's facts are read again only every few minutes after that)."""
     groups = ",".join(map(str, user.groups)) or None
+    assignments = [f"{k}={v}" for k, v in env.items()]
     argv = [SYSTEM_PYTHON, "-c", enter(dirs) + "os.execv('/usr/bin/setpriv', ['setpriv', '--reuid', "
             f"'{user.uid}', '--regid', '{user.gid}', " + (f"'--groups', '{groups}'" if groups else
-            "'--clear-groups'") + f", '--', {SYSTEM_PYTHON!r}, '-c', {code!r}])\n"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True)
+            "'--clear-groups'") + f", '--', '/usr/bin/env', '-i', *{assignments!r}, {SYSTEM_PYTHON!r}, '-c', "
+            f"{code!r}])\n"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env={"PATH": "/usr/bin:/bin"}, cwd="/",
+                            start_new_session=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     if line != b"ready":
