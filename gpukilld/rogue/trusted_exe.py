@@ -71,25 +71,13 @@ def runs_trusted(proc_root: str, pid: int, exe: str) -> bool:
 
 
 def _root_only_file(path: str, dev: int, ino: int) -> bool:
-    """Whether the file at `path` on the host is the inode (dev, ino), a regular file owned by root and writable
-    by root alone, in folders owned by root and writable by root alone up to /."""
+    """Whether the file at `path` on the host is the inode (dev, ino), and one untrusted_because() finds no
+    fault with: a regular file owned by root and writable by root alone, in such folders up to /."""
     try:
         st = os.stat(path, follow_symlinks=False)
     except OSError:
         return False
-    if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino) or not _root_only(st):
-        return False
-    folder = os.path.dirname(path)
-    while True:
-        try:
-            st = os.stat(folder, follow_symlinks=False)
-        except OSError:
-            return False
-        if not stat.S_ISDIR(st.st_mode) or not _root_only(st):
-            return False
-        if folder == "/":
-            return True
-        folder = os.path.dirname(folder)
+    return (st.st_dev, st.st_ino) == (dev, ino) and untrusted_because(path) is None
 
 
 MAX_MAPS_BYTES = 1 << 20  # /proc/PID/maps read at most this far: a process can map many files
