@@ -57,8 +57,19 @@ def test_open_without_a_browser_prints_the_link_and_a_hangup_removes_the_token(b
     assert server, "the server is not running"
     for pid in server:
         os.kill(pid, signal.SIGHUP)
-    wait_until(lambda: proc.poll() is not None, 15, "the server did not end on SIGHUP", interval=0.1)
+    # script(1) may end before the server it ran has finished removing its token: wait for the server itself.
+    wait_until(lambda: proc.poll() is not None and not any(running(pid) for pid in server), 15,
+               "the server did not end on SIGHUP", interval=0.1)
     assert not token.exists(), "the token file outlived a hangup"
+
+
+def running(pid: int) -> bool:
+    """pid is a process that has not ended (a zombie has ended)."""
+    try:
+        raw = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return raw[raw.rindex(")") + 2:].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
