@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -66,7 +67,7 @@ def test_open_without_a_browser_prints_the_link_and_a_hangup_removes_the_token(b
 def running(pid: int) -> bool:
     """pid is a process that has not ended (a zombie has ended)."""
     try:
-        raw = open(f"/proc/{pid}/stat").read()
+        raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
     return raw[raw.rindex(")") + 2:].split()[0] != "Z"
