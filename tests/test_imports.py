@@ -1,5 +1,5 @@
 """The import graph: the clients never reach into the daemon, the shared package depends on neither, no cycles;
-and inside each package the folders by concern, with their arrows one way (the layout of issue 21).
+and inside each package the folders by concern, with their arrows one way (LAYERS below).
 
 Every import counts, those inside functions too: a lazy import still ties two modules together (it only hides
 the tie until the function runs). Read from the source with ast, so nothing is imported to check it.
