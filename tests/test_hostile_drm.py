@@ -128,7 +128,7 @@ def serving(bed: Testbed, user) -> None:
 
 def test_a_client_shared_with_another_user_is_charged_to_no_one(guarded, users):
     bed, host = guarded
-    other = spawn(bed, users["other"])  # started first: the holder the old rule charged
+    other = spawn(bed, users["other"])  # started first: the holder a first-holder rule would charge
     time.sleep(0.05)  # a later start time, in clock ticks
     miner = spawn(bed, users["owner"])
     share_client(bed, host, [(other, 5), (miner, 7)], client_id=40, vram=6 * GiB)

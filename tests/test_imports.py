@@ -272,7 +272,7 @@ def test_the_folder_rules_report_what_breaks_them():
 
 
 def test_a_flat_package_is_reported(tmp_path):
-    # The tree as it was before the folders (one module per concern side by side at the package's root): every
+    # A tree without folders (one module per concern side by side at the package's root): every
     # module outside a folder is named, and the crowded root too.
     for pkg in PACKAGES:
         (tmp_path / pkg).mkdir()
