@@ -88,7 +88,7 @@ class Rule:
     cooldown: float = RESET_COOLDOWN
     max_resets_per_hour: int = MAX_RESETS_PER_HOUR
     # Action kill with a grace period only: when to warn, as seconds before the grace ends, largest first
-    # (`at_start` is the grace period itself). Empty: the violation's notice is the one warning, as before.
+    # (`at_start` is the grace period itself). Empty: the violation's notice is the one warning.
     warn: tuple[float, ...] = ()
     # Action kill only: what one kill of a process takes with it (records.reclaim.KILL_SCOPES). "tree": its descendants on a GPU
     # too (a trainer's workers); "unit": the GPU processes of its systemd unit. Only the subject's owner's

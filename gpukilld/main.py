@@ -321,8 +321,8 @@ class Daemon:
         self.loop.add_signal_handler(signal.SIGHUP, self.reload)
 
         # What start-up made (modules, classes, the bus, the first samples) lives as long as the daemon: out of the
-        # collector's sight, so that its full collections walk only what came since (they walked all of it again
-        # each time, 15-20 ms, about once a minute of 1 Hz samples: bench/README.md, issue 24).
+        # collector's sight, so that its full collections walk only what came since (unfrozen, they walk all of it
+        # each time, 15-20 ms, about once a minute of 1 Hz samples: bench/README.md).
         gc.freeze()
         # READY only now: the name is ours, so a client started after READY finds us.
         self.notifier.notify(f"READY=1\nSTATUS={self._status or 'starting'}\nMAINPID={os.getpid()}")

@@ -27,7 +27,7 @@ pytestmark = needs_root
 
 ARTICLE_URL = "/v1/processes?filter=python&memory_gt=12884901888"  # the article's, character for character
 TWELVE_GB = 12884901888
-ARTICLE_POLICY = REPO / "tests" / "guard_policies" / "issue5.yaml"  # the article's policy, as it prints it
+ARTICLE_POLICY = REPO / "tests" / "guard_policies" / "first-policy.yaml"  # the article's policy, as it prints it
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 
 

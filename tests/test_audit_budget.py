@@ -4,8 +4,8 @@ daemon's watchdog fed (the gap between its WATCHDOG=1 pings, one per sample, is 
 the interval) and its memory bounded, and every namespace's miner is found all the same: what a round cannot
 read waits for the next one.
 
-Before the budget (one parse of /proc/PID/net/tcp* and one walk of /proc/PID/fd per namespace, all in one
-round) the first round after the processes came took seconds, growing with the namespaces and their padding.
+Without the budget (one parse of /proc/PID/net/tcp* and one walk of /proc/PID/fd per namespace, all in one
+round) the first round after the processes come takes seconds, growing with the namespaces and their padding.
 PADDING connection pairs per namespace (2 sockets each); GPUKILL_TEST_NETNS_PADDING sets it.
 """
 

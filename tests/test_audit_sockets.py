@@ -124,7 +124,7 @@ def test_bob_cannot_plant_pool_port_evidence_on_alices_server(people, users):
         source = "127.0.0.9" if pool_host != "127.0.0.9" else "127.0.0.10"
         planter = people(bob, PLANTER, source, "3333", str(port))
         assert line(planter) == "connected" and line(server) == "accepted"
-        # the planted socket is there, with the pool port as its remote end (what the old table reading counted)
+        # the planted socket is there, with the pool port as its remote end (what a reading of /proc/net/tcp would count)
         s = sock_diag.open_in(None)
         with s:
             seen, _ = sock_diag.dump(s, socket.AF_INET, sock_diag.CONNECTING,

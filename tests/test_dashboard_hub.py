@@ -27,7 +27,7 @@ from gpukillctl.web import hub as hub_mod  # noqa: E402
 
 VIEW_KEYS = {"id", "name", "state", "error", "generation", "at", "interval", "devices", "processes"}
 SCRIPT_NAME = "</script><script>alert(1)</script>"
-CHANGE_WITHIN = 2.0  # the bound: a kill made elsewhere is gone from the open page within 2 s
+CHANGE_WITHIN = 2.0  # the dashboard's bound: a kill made elsewhere is gone from the open page within 2 s
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The documentation in rooms (issue 21): README.md is the front door, under 250 lines, and links every page of
+"""The documentation in rooms: README.md is the front door, under 250 lines, and links every page of
 docs/; every relative link of README.md and docs/*.md reaches a file that exists, and each #anchor a heading
 of that file (as GitHub makes anchors from headings); every repository path the pages write in backticks
 exists; the README's Architecture table lists exactly the folders of Python modules in gpukill/, gpukilld/ and

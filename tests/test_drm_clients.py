@@ -1,4 +1,4 @@
-"""The DRM scan from the kernel's client lists (issue 14): debugfs dri/N/clients names the processes to look at,
+"""The DRM scan from the kernel's client lists: debugfs dri/N/clients names the processes to look at,
 the full fd-table walk stays as a slice-per-sample safety net, and a list that cannot be read or trusted sends
 the sample back to the walk. Parsing is pure; the backend tests run on fixture hosts (mknod, hence root)."""
 
@@ -116,8 +116,8 @@ def test_an_fd_passed_to_an_unlisted_process_is_found_within_the_safety_net_peri
     host.process(7100, "launcher", start_time=1)
     host.open_drm(7100, 4, 128, amdgpu_fdinfo(3, "0000:03:00.0", vram=GiB))
     b = backend(host)
-    b.sample()  # round 1: the walk
-    # 7101's slot (7101 % 10 == 1) comes at round 11, the last of the next SAFETY_NET_PERIOD samples.
+    b.sample()  # sample 1: the walk
+    # 7101's slot (7101 % 10 == 1) comes at sample 11, the last of the next SAFETY_NET_PERIOD samples.
     host.process(7101, "worker", start_time=2)
     host.open_drm(7101, 9, 128, amdgpu_fdinfo(3, "0000:03:00.0", vram=GiB), listed=False)  # SCM_RIGHTS
     found = [7101 in pids(b.sample()) for _ in range(SAFETY_NET_PERIOD)]
@@ -133,17 +133,17 @@ def test_a_process_started_between_two_listings_of_proc_is_looked_at_within_the_
     host.process(7100, "launcher", start_time=1)
     host.open_drm(7100, 4, 128, amdgpu_fdinfo(3, "0000:03:00.0", vram=GiB))
     b = backend(host)
-    b.sample()  # round 1: the walk
+    b.sample()  # sample 1: the walk
     listings = []
-    for _ in range(SAFETY_NET_PERIOD - 1):  # rounds 2..10
+    for _ in range(SAFETY_NET_PERIOD - 1):  # samples 2..10
         b.sample()
         listings.append(b.scanner.stats.listed_proc)
     assert listings == [False] * (SAFETY_NET_PERIOD - 2) + [True]  # /proc itself only every period
-    # Started right after round 10's listing: its slot (7111 % 10 == 1) is round 11, before any listing shows
-    # it, and round 21 after; the next listing (round 20) looks at it as new, SAFETY_NET_PERIOD samples on.
+    # Started right after sample 10's listing: its slot (7111 % 10 == 1) is sample 11, before any listing shows
+    # it, and sample 21 after; the next listing (sample 20) looks at it as new, SAFETY_NET_PERIOD samples on.
     host.process(7111, "worker", start_time=2)
     host.open_drm(7111, 9, 128, amdgpu_fdinfo(3, "0000:03:00.0", vram=GiB), listed=False)  # SCM_RIGHTS
-    found = [7111 in pids(b.sample()) for _ in range(SAFETY_NET_PERIOD)]  # rounds 11..20
+    found = [7111 in pids(b.sample()) for _ in range(SAFETY_NET_PERIOD)]  # samples 11..20
     assert found == [False] * (SAFETY_NET_PERIOD - 1) + [True]
     assert 7111 in pids(b.sample())  # and kept as a known holder
 
@@ -208,10 +208,10 @@ def test_a_newly_listed_process_is_read_in_full_even_behind_an_unchanged_fingerp
     host.close_fd(5010, 0)
     host.open_drm(5010, 0, 128, amdgpu_fdinfo(8, "0000:03:00.0", vram=GiB))
     os.utime(fd_dir, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert 5010 in pids(b.sample())  # round 3, not 5010's slot: only the kernel's list says to look
+    assert 5010 in pids(b.sample())  # sample 3, not 5010's slot: only the kernel's list says to look
 
 
-# -- cost: what a sample with trusted lists skips (issue 14: <= 10 ms per sample) --------------------------
+# -- cost: what a sample with trusted lists skips (goal: <= 10 ms per sample) ------------------------------
 
 
 @needs_mknod
@@ -247,7 +247,7 @@ def test_the_slice_re_reads_an_unchanged_table_every_revalidate_every_looks_not_
     crowd(host, count=SAFETY_NET_PERIOD)  # 5000 on: one per slot (and one slot with two)
     b = DrmBackend(str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False,
                    revalidate_every=2)
-    b.sample()  # round 1, the walk: 5005's first re-read comes at its 5005 % 2 + 1 = 2nd look
+    b.sample()  # sample 1, the walk: 5005's first re-read comes at its 5005 % 2 + 1 = 2nd look
     reread = []
     for _ in range(4 * SAFETY_NET_PERIOD):
         b.sample()

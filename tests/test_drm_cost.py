@@ -1,4 +1,4 @@
-"""What an idle DRM sample reads and redoes (issue 24, bench/fdinfo_scan): with trusted client lists, a holder's
+"""What an idle DRM sample reads and redoes (bench/fdinfo_scan): with trusted client lists, a holder's
 fdinfo is read through a descriptor of its /proc directory, and its fd table is stat'ed only with its slice; a
 busy client's fdinfo is parsed from its engine lines on (the rest looked up); unchanged figures keep their
 ProcessUsage record; discovery and hwmon labels are read again only when sysfs re-creates them. And what must

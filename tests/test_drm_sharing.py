@@ -1,4 +1,4 @@
-"""Whose a shared DRM client is (issue 9): one (device, drm-client-id) held by several processes, through fork,
+"""Whose a shared DRM client is: one (device, drm-client-id) held by several processes, through fork,
 dup or an fd passed over a socket with SCM_RIGHTS. Same uid: the first holder. One regular uid and system
 accounts: that user's. Several regular uids: no one, every holder flagged shared_usage.
 
@@ -53,7 +53,7 @@ def test_same_uid_sharing_counts_once_under_the_first_holder():
 
 
 def test_different_regular_uids_are_charged_to_no_one():
-    # gpkother's process started first (a launcher, or it was handed the fd): before issue 9 it paid for all of it
+    # gpkother's process started first (a launcher, or it was handed the fd): charging the first holder bills it all
     own = client(2, (200, 20), vram=GiB, busy=0.25)  # the miner's own context, unshared
     got = usages([client(1, (100, 30), (200, 20)), own], {20: 1001, 30: 1002})
     assert got[30] == (None, None, True)  # never charged for what another user allocated

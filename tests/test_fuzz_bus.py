@@ -1,4 +1,4 @@
-"""Property-based fuzz of every org.gpukill1 method and property over a real bus (issue 9).
+"""Property-based fuzz of every org.gpukill1 method and property over a real bus.
 
 Every method of both interfaces (read from dbus/org.gpukill1.xml), every property through
 org.freedesktop.DBus.Properties (Get, GetAll, Set), Introspect, Peer, ObjectManager, unknown members, wrong

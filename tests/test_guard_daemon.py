@@ -1,7 +1,7 @@
 """Guard Mode in the real daemon, on real processes on the simulated backend, with real polkitd, journald, a
 real SMTP server (aiosmtpd) and a real HTTP server on loopback.
 
-The must-show policy is issue 5's, loaded as is (test_the_issue_policy_loads_as_is). To keep the suite fast
+The must-show policy is docs/guard.md's first, loaded as is (test_the_first_policy_loads_as_is). To keep the suite fast
 the other tests load a copy in which only the durations change: "5m" becomes "3s" and "30s" becomes "2s"
 (SCALED below; the test checks that nothing else differs). The daemon samples every 0.2 s.
 """
@@ -29,15 +29,15 @@ from gpukilld import journal as audit  # noqa: E402
 
 pytestmark = needs_root
 
-ISSUE_FILE = REPO / "tests" / "guard_policies" / "issue5.yaml"
-ISSUE_TEXT = ISSUE_FILE.read_text()
-SCALED = ISSUE_TEXT.replace('duration: "5m"', 'duration: "3s"').replace('grace_period: "30s"', 'grace_period: "2s"')
+FIRST_FILE = REPO / "tests" / "guard_policies" / "first-policy.yaml"
+FIRST_TEXT = FIRST_FILE.read_text()
+SCALED = FIRST_TEXT.replace('duration: "5m"', 'duration: "3s"').replace('grace_period: "30s"', 'grace_period: "2s"')
 DURATION, GRACE, INTERVAL = 3.0, 2.0, 0.2
 MINERS, MEMORY = "block-crypto-miners", "limit-user-memory"
 
 
 def test_the_scaled_copy_differs_only_in_its_durations():
-    diff = [(a, b) for a, b in zip(ISSUE_TEXT.splitlines(), SCALED.splitlines(), strict=True) if a != b]
+    diff = [(a, b) for a, b in zip(FIRST_TEXT.splitlines(), SCALED.splitlines(), strict=True) if a != b]
     assert diff == [('        duration: "5m"', '        duration: "3s"'),
                     ('    grace_period: "30s"', '    grace_period: "2s"')]
 
@@ -72,7 +72,7 @@ def gbed(users, smtp):
 
 @pytest.fixture
 def guard(gbed, users):
-    """Each test starts enabled, enforcing, with the scaled issue policy; its processes are killed after it."""
+    """Each test starts enabled, enforcing, with the scaled first policy; its processes are killed after it."""
     before = len(gbed.procs)
     gbed.enforce(gbed.workdir / "scaled.yaml")
     yield gbed
@@ -102,14 +102,14 @@ def exit_time(proc: subprocess.Popen, timeout: float) -> float:
 # -- the must-show items ------------------------------------------------------------------------------------
 
 
-def test_the_issue_policy_loads_as_is(guard):
+def test_the_first_policy_loads_as_is(guard):
     bed = guard
-    r = bed.ctl(ROOT, "guard", "load", str(ISSUE_FILE))
+    r = bed.ctl(ROOT, "guard", "load", str(FIRST_FILE))
     assert r.returncode == 0, r
-    assert r.stdout.strip() == (f"policy {ISSUE_FILE} in force until the next reload of gpukilld (systemctl "
+    assert r.stdout.strip() == (f"policy {FIRST_FILE} in force until the next reload of gpukilld (systemctl "
                                 f"reload, SIGHUP) or guard load: 2 rule(s): {MINERS}, {MEMORY}")
     st = status(bed)
-    assert st["source"] == "loaded" and st["files"] == [str(ISSUE_FILE)] and st["policy_error"] == ""
+    assert st["source"] == "loaded" and st["files"] == [str(FIRST_FILE)] and st["policy_error"] == ""
     rules = {r["name"]: r for r in st["rules"]}
     assert rules[MINERS]["conditions"] == ["process_name contains_any [xmrig, ethminer, cpuminer]",
                                            "gpu_utilization > 95% for 5min"]

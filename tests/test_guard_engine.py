@@ -21,8 +21,8 @@ def policy(text: str):
     return load_texts([("test.yaml", text)])
 
 
-def scaled_issue_policy():
-    return load_paths([str(REPO / "tests" / "guard_policies" / "issue5.yaml")])
+def first_policy():
+    return load_paths([str(REPO / "tests" / "guard_policies" / "first-policy.yaml")])
 
 
 def kinds(events) -> list[str]:
@@ -36,7 +36,7 @@ def step(engine: Engine, t: FakeTime, snapshot: Snapshot, seconds: float, dry_ru
 
 def test_duration_holds_only_after_being_true_that_long_and_restarts_when_false():
     t = FakeTime()
-    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    e = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
     busy = snap(proc(10, "xmrig", util=99))
     idle = snap(proc(10, "xmrig", util=20))
     assert e.evaluate(busy, False) == []
@@ -55,7 +55,7 @@ def test_duration_holds_only_after_being_true_that_long_and_restarts_when_false(
 
 def test_conditions_combine_with_and():
     t = FakeTime()
-    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    e = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
     s = snap(proc(10, "python", util=99), proc(11, "xmrig", util=50), proc(12, "cpuminer-opt", util=100, device=1))
     e.evaluate(s, False)
     events = step(e, t, s, 301)
@@ -76,7 +76,7 @@ def test_match_any():
 
 def test_grace_period_then_kill_largest_first_only_until_under():
     t = FakeTime()
-    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    e = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
     s = snap(proc(10, mem=5 * GiB), proc(11, mem=4 * GiB, device=1), proc(12, mem=1 * GiB, device=2),
              proc(20, mem=7 * GiB, uid=1001, user="bob"))
     events = e.evaluate(s, False)
@@ -103,7 +103,7 @@ def test_per_user_kills_several_when_one_is_not_enough():
 
 def test_coming_back_under_during_the_grace_cancels():
     t = FakeTime()
-    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    e = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
     over = snap(proc(10, mem=5 * GiB), proc(11, mem=4 * GiB))
     under = snap(proc(10, mem=5 * GiB))
     e.evaluate(over, False)
@@ -273,14 +273,14 @@ def test_runtime_cmdline_and_group_conditions():
 
 def test_an_unchanged_rule_keeps_its_window_across_a_reload():
     t = FakeTime()
-    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    e = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
     s = snap(proc(10, "xmrig", util=99))
     e.evaluate(s, False)
     step(e, t, s, 200)
-    e.set_policy(scaled_issue_policy())  # the same files read again (SIGHUP)
+    e.set_policy(first_policy())  # the same files read again (SIGHUP)
     assert kinds(step(e, t, s, 100)) == ["Violation", "KillOrder"]
-    changed = load_texts([("p.yaml", (REPO / "tests/guard_policies/issue5.yaml").read_text().replace("95", "90"))])
-    e2 = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    changed = load_texts([("p.yaml", (REPO / "tests/guard_policies/first-policy.yaml").read_text().replace("95", "90"))])
+    e2 = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
     e2.evaluate(s, False)
     step(e2, t, s, 200)
     e2.set_policy(changed)  # a changed rule starts over
@@ -289,7 +289,7 @@ def test_an_unchanged_rule_keeps_its_window_across_a_reload():
 
 def test_preview_reports_and_changes_nothing():
     t = FakeTime()
-    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    e = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
     s = snap(proc(10, "xmrig", util=99), proc(11, mem=5 * GiB), proc(12, mem=4 * GiB, device=1))
     e.evaluate(s, False)
     t.now += 120
@@ -300,13 +300,13 @@ def test_preview_reports_and_changes_nothing():
     assert miners.status == "waiting" and miners.wait == 180 and miners.pids == (10,)
     memory = previews["limit-user-memory"]
     assert memory.status == "now" and memory.pids == (11,)  # its 30 s grace ran out while we waited
-    fresh = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)  # as TestPolicies with a new policy
+    fresh = Engine(first_policy(), t.clock(), own_pid=OWN_PID)  # as TestPolicies with a new policy
     assert {p.rule: p.wait for p in fresh.preview(s)} == {"block-crypto-miners": 300, "limit-user-memory": 30}
 
 
 def test_grace_cancelled_event_type():
     t = FakeTime()
-    e = Engine(scaled_issue_policy(), t.clock(), own_pid=OWN_PID)
+    e = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
     e.evaluate(snap(proc(10, mem=9 * GiB)), False)
     events = step(e, t, snap(), 1)
     assert isinstance(events[0], GraceCancelled) and events[0].uid == 1000
@@ -334,7 +334,7 @@ def test_choosing_victims_among_thousands_stays_cheap():
     assert [x.pid for x in order.targets] == [10 + 4999 - i for i in range(10)]  # largest first, capped at 10
 
 
-# -- protection (issue 9) --------------------------------------------------------------------------------------
+# -- protection ------------------------------------------------------------------------------------------------
 
 MINERS_NOW = ("rules:\n  - name: miners\n    action: kill\n"
               "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
@@ -435,7 +435,7 @@ def test_a_process_on_two_gpus_is_partial_if_either_record_is():
     assert len(step(e, t, snap(proc(10, mem=GiB, device=0), proc(10, mem=GiB, device=1)), 1)) == 1
 
 
-# -- per_group, not_in, gpu, device_memory_free (issue 20: gpu-kill's group and GPU policies) ---------------------
+# -- per_group, not_in, gpu, device_memory_free (gpu-kill's group and GPU policies) ------------------------------
 
 GROUP_CAP = ("rules:\n  - name: research\n    scope: per_group\n    action: kill\n    conditions:\n"
              "      - {type: group, operator: in, value: [research, '2000']}\n"

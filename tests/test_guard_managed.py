@@ -1,4 +1,4 @@
-"""The managed user, group and GPU policies (issue 20): SetPolicy, RemovePolicy, ListPolicies, ExportPolicies and
+"""The managed user, group and GPU policies: SetPolicy, RemovePolicy, ListPolicies, ExportPolicies and
 ImportPolicies of org.gpukill1.Guard, and `gpukillctl guard policy`, on the test bed's real components: dbus-daemon
 with our bus policy, polkitd with the example admin rules, journald, gpukilld on the simulated GPUs, real users.
 

@@ -1,4 +1,4 @@
-"""`over: mean` (issue 27): a duration judged by the mean of its samples, so a keep-alive burst every few seconds
+"""`over: mean`: a duration judged by the mean of its samples, so a keep-alive burst every few seconds
 does not restart a 2-hour idle clock, while real work does; bounded memory per subject; validated FILE:LINE:COL."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The notify target `owner` (issue 27): the subject's owner warned on their terminals (real ptys owned by the test
+"""The notify target `owner`: the subject's owner warned on their terminals (real ptys owned by the test
 users, named in a utmp file of glibc's format), by mail at the address gpukilld.conf's owner_mail template gives
 (aiosmtpd), and on the desktop; each delivery reported for the audit. A terminal nobody reads never holds send()
 or the channel; another user's terminal gets nothing; mesg n is respected."""

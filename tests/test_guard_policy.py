@@ -17,7 +17,7 @@ from gpukill.policy import PolicyError, load_paths, load_texts
 from gpukill.rules import PER_PROCESS, PER_USER
 from gpukill.units import parse_duration
 
-ISSUE_POLICY = REPO / "tests" / "guard_policies" / "issue5.yaml"
+FIRST_POLICY = REPO / "tests" / "guard_policies" / "first-policy.yaml"
 EXAMPLE = REPO / "examples" / "guard.yaml"
 
 
@@ -29,14 +29,14 @@ def readme_guard_policy() -> str:
     return section.split("```yaml\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readme_shows_the_issue_policy_the_tests_load():
-    """issue5.yaml is issue 5's policy byte for byte ("The policy admins will paste first (must load as is)"):
+def test_the_guard_page_shows_the_first_policy_the_tests_load():
+    """first-policy.yaml is the policy admins paste first, byte for byte (it must load as is):
     docs/guard.md must show that very text, so what admins copy is what this suite loads and runs."""
-    assert readme_guard_policy() == ISSUE_POLICY.read_text()
+    assert readme_guard_policy() == FIRST_POLICY.read_text()
 
 
-def test_the_issue_policy_loads_as_is_with_and_by_default():
-    policy = load_paths([str(ISSUE_POLICY)])
+def test_the_first_policy_loads_as_is_with_and_by_default():
+    policy = load_paths([str(FIRST_POLICY)])
     miners, memory = policy.rules
     assert miners.name == "block-crypto-miners" and memory.name == "limit-user-memory"
     # "Terminate processes with miner-like names OR high compute load" says the description; the rule is AND
@@ -50,11 +50,11 @@ def test_the_issue_policy_loads_as_is_with_and_by_default():
     assert not memory.force and memory.grace_period == 30.0 and memory.notify is None
 
 
-def test_the_example_is_the_issue_policy_with_comments():
+def test_the_example_is_the_first_policy_with_comments():
     """examples/guard.yaml explains AND-by-default around the same two rules, which must mean the same."""
     example = load_paths([str(EXAMPLE)])
-    issue = load_paths([str(ISSUE_POLICY)])
-    assert [r.fingerprint for r in example.rules[:2]] == [r.fingerprint for r in issue.rules]
+    first = load_paths([str(FIRST_POLICY)])
+    assert [r.fingerprint for r in example.rules[:2]] == [r.fingerprint for r in first.rules]
     text = EXAMPLE.read_text()
     assert "match: any" in text and "AND" in text
 
@@ -244,10 +244,10 @@ def test_validate_from_the_cli_without_a_daemon(tmp_path: Path):
                        env=env, timeout=60)
     assert r.returncode == 12, r
     assert r.stderr == f"{bad}:6:19: unknown operator '=>' does not fit gpu_memory (use one of: >, >=, <, <=, ==, !=)\n"
-    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(ISSUE_POLICY), str(EXAMPLE.parent /
+    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(FIRST_POLICY), str(EXAMPLE.parent /
                         "guard.yaml")], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 12 and "duplicate rule name 'block-crypto-miners'" in r.stderr  # two files, one set
-    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(ISSUE_POLICY)], capture_output=True,
+    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(FIRST_POLICY)], capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 0 and "valid, 2 rule(s): block-crypto-miners, limit-user-memory" in r.stdout, r
     r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(tmp_path / "missing.yaml")],
@@ -282,7 +282,7 @@ def test_names_unknown_to_the_host_are_warnings_at_their_place():
     assert name_warnings(policy) == ["p.yaml:2:17: warning: no user 'gpk-no-such-user-b' on this host",
                                      "p.yaml:3:12: warning: no group 'gpk-no-such-group' on this host",
                                      "p.yaml:7:43: warning: no user 'gpk-no-such-user-a' on this host"]
-    assert name_warnings(load_texts([("q.yaml", ISSUE_POLICY.read_text())])) == []
+    assert name_warnings(load_texts([("q.yaml", FIRST_POLICY.read_text())])) == []
     # bounded: the first name (root) is looked up and known, the other three are counted
     assert name_warnings(policy, limit=1) == ["p.yaml: warning: 3 more user and group names not looked up"]
 

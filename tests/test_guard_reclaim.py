@@ -1,4 +1,4 @@
-"""The shipped reclaim-idle policy (examples/guard.d/reclaim-idle.yaml, issue 27) in the real daemon on the
+"""The shipped reclaim-idle policy (examples/guard.d/reclaim-idle.yaml) in the real daemon on the
 simulated host, with its durations scaled down: a process holding memory at 0% and one at 0% with a burst every
 2 s (a keep-alive, GPUKILL_SIM_UTIL_CYCLE) are warned on the schedule and then killed at the end of the grace; a
 trainer at 90% and an idle process in an exempted unit (slurmstepd*) are untouched; every warning is journaled.

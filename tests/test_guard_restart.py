@@ -1,4 +1,4 @@
-"""Guard's clocks across a daemon restart (issue 15): windows, graces and counters are not started again.
+"""Guard's clocks across a daemon restart: windows, graces and counters are not started again.
 
 First the engine with injected clocks (clocks.save / clocks.restore: what is given back, what is dropped,
 and nothing saved can make it fail), then the real daemon on the simulated backend, restarted the way the

@@ -1,4 +1,4 @@
-"""A kill rule's warning schedule (`warn:`, issue 27): validated where it is written, sent when due during the
+"""A kill rule's warning schedule (`warn:`): validated where it is written, sent when due during the
 grace period with how long is left, one warning for several due at once, none after the kill or once the subject
 comes back under, and kept across a daemon restart (the clocks). Engine with an injected clock; the daemon test
 (test_guard_reclaim.py) shows the journal entries on real processes."""

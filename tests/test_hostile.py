@@ -3,7 +3,7 @@ rate limit as an admin might set, simulated GPUs with real processes.
 
 The attacker is gpkother. After each attack (and during the long ones) another user's `gpukillctl list`
 answers within 2 s, from the same gpukilld process, still owner of org.gpukill1 (`serving`). Where an attack
-worked against the daemon before issue 9, the test says how it showed.
+would show against a daemon without its defence, the test says how.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ ANSWER_WITHIN = 2.0
 # real kills included. (journald raises the burst with the free space of the journal's file system, ~3.5x on
 # this tmpfs: 350 entries a minute, still far below 1,000.)
 JOURNAL_BURST, JOURNAL_INTERVAL = 100, 60
-BOMB = ".*" * 60 + "X"  # the issue's `printf '.*%.0s' $(seq 60)`X: exponential for a backtracking engine
+BOMB = ".*" * 60 + "X"  # `printf '.*%.0s' $(seq 60)`X: exponential for a backtracking engine
 
 
 @pytest.fixture(scope="module")

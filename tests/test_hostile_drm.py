@@ -1,4 +1,4 @@
-"""Guard never acts on borrowed evidence (issue 9), in the real daemon on the DRM backend: a DRM client passed
+"""Guard never acts on borrowed evidence, in the real daemon on the DRM backend: a DRM client passed
 to a process of another uid under a per-user memory rule. Part of the hostile-user suite (test_hostile.py),
 on its own because it needs the DRM fixture host.
 
@@ -7,9 +7,9 @@ opened, so both processes' fdinfo show the same drm-client-id with the same coun
 (drm_fixtures.DrmHost) mirrors real processes of real users (their stat and status are the kernel's, so start
 times and uids are real and kills are real) and gives both the same client's fdinfo.
 
-A: gpkowner's miner shares a 6 GiB client with a process of gpkother that started earlier. Before issue 9 the
-   client was charged to the holder that started first, gpkother's, whose process the rule then killed. Now it
-   is charged to no one: nobody is over, nothing of gpkother's is killed or reported.
+A: gpkowner's miner shares a 6 GiB client with a process of gpkother that started earlier. Charged to the
+   holder that started first, gpkother's, the client would get that process killed by the rule. It is
+   charged to no one: nobody is over, nothing of gpkother's is killed or reported.
 B: the same with a system account's process (messagebus, as dbus-daemon holding a queued fd): the client is the
    miner's, so the rule stops the miner, and the system process, protected and never charged, lives on.
 """
@@ -128,7 +128,7 @@ def serving(bed: Testbed, user) -> None:
 
 def test_a_client_shared_with_another_user_is_charged_to_no_one(guarded, users):
     bed, host = guarded
-    other = spawn(bed, users["other"])  # started first: the holder the old rule charged
+    other = spawn(bed, users["other"])  # started first: the holder a first-holder rule would charge
     time.sleep(0.05)  # a later start time, in clock ticks
     miner = spawn(bed, users["owner"])
     share_client(bed, host, [(other, 5), (miner, 7)], client_id=40, vram=6 * GiB)

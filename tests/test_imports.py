@@ -1,5 +1,5 @@
 """The import graph: the clients never reach into the daemon, the shared package depends on neither, no cycles;
-and inside each package the folders by concern, with their arrows one way (the layout of issue 21).
+and inside each package the folders by concern, with their arrows one way (LAYERS below).
 
 Every import counts, those inside functions too: a lazy import still ties two modules together (it only hides
 the tie until the function runs). Read from the source with ast, so nothing is imported to check it.
@@ -272,7 +272,7 @@ def test_the_folder_rules_report_what_breaks_them():
 
 
 def test_a_flat_package_is_reported(tmp_path):
-    # The tree as it was before the folders (one module per concern side by side at the package's root): every
+    # A tree without folders (one module per concern side by side at the package's root): every
     # module outside a folder is named, and the crowded root too.
     for pkg in PACKAGES:
         (tmp_path / pkg).mkdir()

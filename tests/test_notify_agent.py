@@ -1,4 +1,4 @@
-"""`gpukillctl notify-agent` with real components (issue 11): our gpukilld on the private system bus, a real
+"""`gpukillctl notify-agent` with real components: our gpukilld on the private system bus, a real
 notification server (python-dbusmock's notification_daemon) on a private session bus of gpkowner's, and the
 agent running as gpkowner. What the server received is read back with its GetCalls.
 

@@ -219,7 +219,7 @@ def peer_view(host, symbols=()) -> dict:
 
 
 def with_mig_instance(nvhost, job_pid: int) -> tuple[dict, dict]:
-    """GPU 2 in MIG mode with one instance (128 MiB reserved, as on the driver the issue checked) running
+    """GPU 2 in MIG mode with one instance (128 MiB reserved, as seen on a real instance) running
     job_pid with 2 GiB; the GPU itself keeps the 512 MiB reserved of every fake H100."""
     gpu = nvhost.device(2)
     gpu["mig_mode"] = 1

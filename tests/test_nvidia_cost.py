@@ -1,5 +1,5 @@
-"""What an idle NVIDIA host costs the backend (issue 24): NVML calls per sample, counted by the fake library
-itself, and /proc reads per sample, counted at ProcFS; and that what it no longer reads is still seen at once
+"""What an idle NVIDIA host costs the backend: NVML calls per sample, counted by the fake library
+itself, and /proc reads per sample, counted at ProcFS; and that what it does not read again is still seen at once
 (a process that ends, a new one) because the exit watch says when to read again.
 
 In-process: the fake libnvidia-ml loaded under its soname (so pynvml's dlopen finds it), real child processes
@@ -22,7 +22,7 @@ PER_GPU = 16
 GIB = 2**30
 # An unchanged host's sample: the device count and the Xid event poll, then per GPU utilization, memory,
 # temperature, power, power limit, MIG mode, the three process lists (one call each) and the per-process
-# utilization. Before issue 24: 1 handle lookup more per GPU, and two calls per non-empty list.
+# utilization. Handles are looked up once, and each list is one call into a buffer kept between samples.
 CALLS_PER_IDLE_SAMPLE = 2 + GPUS * 10
 
 

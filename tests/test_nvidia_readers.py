@@ -1,6 +1,6 @@
 """Who reads the GPUs (gpukilld/backends/nvidia.py, NvidiaBackend._read_all): one reader thread, all of them in
-turn, while none hangs (one hand-over a sample: a thread per GPU cost ~1 ms a sample in wake-ups on 8 GPUs,
-issue 24); and a hung call still costs only its own GPU, in the sample it hangs in and in the ones after.
+turn, while none hangs (one hand-over a sample: a thread per GPU costs ~1 ms a sample in wake-ups on 8
+GPUs); and a hung call still costs only its own GPU, in the sample it hangs in and in the ones after.
 
 In-process: the fake libnvidia-ml loaded under its soname, its "slow_ms" fault making every call of one GPU
 sleep; the backend sampled directly, each device read recorded with the thread that made it."""

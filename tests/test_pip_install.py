@@ -1,5 +1,5 @@
 """A plain `pip install` of the checkout audits to the journal: MESSAGE_ID, PRIORITY and the GPUKILL_* fields
-reach a real journald without systemd-python or any other optional package (issue 9). The daemon run is the
+reach a real journald without systemd-python or any other optional package. The daemon run is the
 venv's console script, with nothing of the checkout on its path."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Policies from someone who means harm (issue 9: every local user may send one with TestPolicies).
+"""Policies from someone who means harm (every local user may send one with TestPolicies).
 
 Whatever the text, the parser answers PolicyError with FILE:LINE:COL lines, never another exception, in
 bounded time and with bounded output: numbers of any size, .inf and .nan, deep nesting, alias bombs, floods of
@@ -515,7 +515,7 @@ MORE = GOOD + "      - {type: gpu_memory, operator: '>', value: @}\n"
 
 
 @pytest.mark.parametrize("broken, where", [
-    place(MORE, "9" * 5000),  # PyYAML's int() raises ValueError: the daemon used to crash-loop on it
+    place(MORE, "9" * 5000),  # PyYAML's int() raises ValueError: uncaught, the daemon crash-loops
     place(MORE, "'" + "9" * 400 + "GiB'"),  # parse_size did int(float(...)) = int(inf): OverflowError
     place(MORE, "1.0e+400"),
     ("rules: " + "[" * 100_000, "1:71"),  # RecursionError in PyYAML's composer

@@ -1,7 +1,7 @@
-"""What a process becomes is seen at once (issue 19): the kernel's proc connector (gpukilld/sampling/proc_events.py) tells
+"""What a process becomes is seen at once: the kernel's proc connector (gpukilld/sampling/proc_events.py) tells
 the sampler of an exec, a rename (prctl PR_SET_NAME) or a new uid, and the process is read again in the next
 sample, however old it is. Where the connector is unavailable (GPUKILLD_PROC_EVENTS=off, a network namespace
-of its own, a PID namespace of its own) the daemon polls as before and `gpukillctl status` says so.
+of its own, a PID namespace of its own) the daemon polls and `gpukillctl status` says so.
 
 The must-show: a process that becomes a miner after running 15 s (renamed, or exec'd into a program named
 xmrig) is killed by a real daemon enforcing a `process_name` rule within one sample interval plus the rule's

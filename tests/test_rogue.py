@@ -153,9 +153,10 @@ def test_the_table_keeps_every_family_below_a_kill():
     assert len({r.family.name for r in RULES if r.kind == "abuser"} & {f.name for f in process_families}) == 0
 
 
-def test_the_issue_s_planted_score_stays_far_below_the_threshold():
-    """alice's job on a uv interpreter that apt-style upgrade replaced, with bob's planted pool-port peer: the
-    issue's 20 + 20 + 30 = 70 is now the planted connection alone (and the socket reader drops even that)."""
+def test_a_planted_score_stays_far_below_the_threshold():
+    """alice's job on a uv interpreter that apt-style upgrade replaced, with bob's planted pool-port peer: of the
+    20 + 20 + 30 = 70 of a scorer counting all three, the planted connection alone is left (and the socket
+    reader drops even that)."""
     alice = facts(exe="/home/alice/.local/share/uv/python/cpython-3.11.9-linux-x86_64-gnu/bin/python3.11 (deleted)",
                   exe_replaced=True, pool_peers=(Peer("127.0.0.1", 3333),))
     assert score(alice) == 30

@@ -2,8 +2,8 @@
 users, seen by the real daemon (simulated backend) with the documented example policies in force (not dry run).
 
 Benign (gpkowner, "alice"): a trainer; a Jupyter-like server and an inference server each receiving hundreds of
-inbound connections, some of them from source ports equal to pool ports, made by the other user (the planted
-attack of issue 19); a TensorBoard-like server; interpreters where uv, pyenv, conda, mamba, pipx and venvs put
+inbound connections, some of them from source ports equal to pool ports, made by the other user (a planted
+attack on port-based scoring); a TensorBoard-like server; interpreters where uv, pyenv, conda, mamba, pipx and venvs put
 them under $HOME (real copies of /usr/bin/python3); interpreters replaced mid-run, as apt and uv upgrades do;
 torch.distributed-like peers on 29500; a notebook kernel talking to its server on 8888; outbound connections to
 443 and 8080. Hostile (gpkother, "bob"): miners by name, renamed, behind 4,096 descriptors, on port 443, each

@@ -367,7 +367,7 @@ def test_the_audit_scores_a_process_again_when_its_facts_change_not_its_utilizat
 def test_idle_processes_are_looked_at_again_only_when_they_reach_idle_after(monkeypatch):
     """An unchanged host of processes holding memory at 0% (every process of the fake NVIDIA host, which reports
     no utilization samples): their findings change only when one reaches idle_after, so only then is one
-    evaluated again, not every idle process every sample (issue 24); a deleted executable still is."""
+    evaluated again, not every idle process every sample; a deleted executable still is."""
     evaluated: list[int] = []
     real = RogueWatch._evaluate
     monkeypatch.setattr(RogueWatch, "_evaluate",

@@ -1,5 +1,5 @@
 """The client library's snapshot_changes(): observers list on SnapshotChanged, spread over a quarter of the
-sample interval instead of all in the same millisecond (bench/README.md, list_latency, round 2)."""
+sample interval instead of all in the same millisecond (bench/README.md, list_latency)."""
 
 from __future__ import annotations
 

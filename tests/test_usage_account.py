@@ -1,4 +1,4 @@
-"""GPU usage accounting without a daemon (issue 22): the accountant fed synthetic snapshots at known instants,
+"""GPU usage accounting without a daemon: the accountant fed synthetic snapshots at known instants,
 its state across a simulated restart, the journal entry's form, the keeper's bound on the journal, [usage].
 
 Every figure is exact: utilizations, memory and power are chosen so that the sums are exact in binary."""

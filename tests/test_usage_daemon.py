@@ -1,4 +1,4 @@
-"""GPU usage accounting in the real daemon (issue 22): simulated GPUs, real processes at known utilization and
+"""GPU usage accounting in the real daemon: simulated GPUs, real processes at known utilization and
 memory for known durations, the USAGE entries read back from the test bed's journald with `journalctl -o json`.
 
 Samples every INTERVAL seconds: a process is first seen up to one interval after it starts and last seen up to

@@ -50,7 +50,7 @@ MAX_QUEUED_EVENTS = 10_000  # signals kept for a consumer slower than gpukilld; 
 # first (as systemd's RandomizedDelaySec spreads timers). Every listener hears the signal in the same
 # millisecond: without it, 32 observers queue 32 listings behind one another (p99 ~27 ms on 2 CPUs). A quarter
 # keeps what the delay adds to a listing's age well under the interval it may be old anyway, and ends the
-# spread long before the next sample can change the listing again (bench/README.md, list_latency, round 2).
+# spread long before the next sample can change the listing again (bench/README.md, list_latency).
 SPREAD_FRACTION = 0.25
 
 

@@ -13,13 +13,13 @@ only (nvml.h); the v1 struct, whose `used` adds the memory the driver reserves (
 seen on an instance), only where the driver has no v2. Used memory then means the same for a GPU, its
 instances and the processes on them, as in nvidia-smi and nvitop.
 
-An idle host costs little (issue 24): a sample makes only the NVML calls whose answers can change (a device's
+An idle host costs little: a sample makes only the NVML calls whose answers can change (a device's
 handle and identity are read once; each process list is one call into a buffer kept between samples, where
 pynvml makes two and builds an object per process), and a GPU process's start time is read from /proc once,
 then held by the exit watch the simulated backend uses (gpukilld/proc/exit_watch.py): it is read again only
 when its pidfd says it ended or when its PID is new to the lists. (No rotation reads it again besides: a pidfd
-names one process for good and says when it ends, and a start time cannot change while its process lives. The
-rotation this backend once had, each start time every 60-90 s, was ~27 reads a second on 8 x 256 that told
+names one process for good and says when it ends, and a start time cannot change while its process lives. A
+rotation reading each start time every 60-90 s would make ~27 reads a second on 8 x 256 that tell
 nothing the watch does not.)
 """
 
@@ -264,10 +264,10 @@ class NvidiaBackend(Backend):
     def _read_all(self, states: list[_DeviceState]) -> dict[int, Future]:
         """Each GPU's read of this sample, by index; one that did not answer within the deadline is not done.
 
-        One reader thread reads them all in turn: one hand-over a sample, where a thread per GPU cost eight,
-        whose wake-ups and GIL hand-offs took ~1 ms a sample on 8 GPUs against 0.2 ms of reading (issue 24).
+        One reader thread reads them all in turn: one hand-over a sample, where a thread per GPU costs eight,
+        whose wake-ups and GIL hand-offs take ~1 ms a sample on 8 GPUs against 0.2 ms of reading.
         A hung call must still cost only its own GPU: a GPU whose read of an earlier sample has not returned is
-        not read again (as before); when the deadline passes, the reads the reader had not come to are
+        not read again; when the deadline passes, the reads the reader had not come to are
         cancelled and each is given to a thread of that GPU's own, with a deadline of its own; and a reader
         still inside a call at the next sample is left to it (it ends when the call returns), a new one reading
         the others. So a sample waits at most twice the deadline, once for the reader and once for the GPUs it

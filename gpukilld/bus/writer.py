@@ -111,7 +111,7 @@ def send_premarshalled_reply(bus: MessageBus, call: Message, signature: str, bod
     the body), as dbus-fast's own schedule_write does when its queue is empty; what the socket does not take
     is queued for the writer. Going through the queue every time costs an event-loop round (add_writer, a
     writable event, remove_writer): for 32 observers each listing once a second, about half of gpukilld's CPU
-    per call (bench/README.md, list_latency, round 2)."""
+    per call (bench/README.md, list_latency)."""
     writer = getattr(bus, "_writer", None)
     messages = getattr(writer, "messages", None)
     if messages is None or not hasattr(writer, "schedule_write") or not hasattr(writer, "buf"):

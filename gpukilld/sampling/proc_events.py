@@ -4,7 +4,7 @@ The kernel multicasts an event when a process forks, execs, changes its name (pr
 /proc/PID/comm), its uid, or exits. The sampler drains them without blocking at each sample and re-reads the
 processes they name, so a GPU process that execs or renames itself into a miner is seen in the next sample,
 not at its turn in the re-read rotation (gpukilld/sampling/sampler.py). Where the connector cannot be had, the sampler
-polls as before and says why (`gpukillctl status`): it needs CAP_NET_ADMIN in the initial user namespace, the
+polls instead and says why (`gpukillctl status`): it needs CAP_NET_ADMIN in the initial user namespace, the
 initial network namespace (a unit with PrivateNetwork=, or RestrictAddressFamilies= without AF_NETLINK, loses
 it) and the initial PID namespace (the kernel ignores a subscription from any other one, and its events carry
 the initial namespace's PIDs). The kernel acknowledges a subscription it accepted, so "listening" here means

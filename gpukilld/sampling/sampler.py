@@ -53,9 +53,9 @@ _FROM_BACKEND = tuple(f.name for f in dataclasses.fields(ProcessUsage) if f.name
 # rename come early), then every STAT_TTL (spread up to 1.5 STAT_TTL), with its command line, exe and cgroup
 # again when its name changed or every INFO_TTL; what an older process becomes is then seen up to 90 s late.
 # Whether it still runs is its backend's to say, each sample. Reading every GPU process's files every second
-# cost more than everything else the daemon does on a busy host (bench/idle_cost); a stat every 30-45 s was
-# still the largest part of an idle polling daemon (55 a second on 2,048 GPU processes, issue 24), and what it
-# looks for in a process past its first 10 s, a late rename or exec, is rarer than the minute it now waits.
+# costs more than everything else the daemon does on a busy host (bench/idle_cost); a stat every 30-45 s is
+# still the largest part of an idle polling daemon (55 a second on 2,048 GPU processes), and what it
+# looks for in a process past its first 10 s, a late rename or exec, is rare enough to wait a minute for.
 YOUNG = 10.0
 STAT_TTL = 60.0
 INFO_TTL = 120.0

@@ -1,4 +1,4 @@
-"""GPU usage accounting: who used which GPU, how much, for how long (issue 22).
+"""GPU usage accounting: who used which GPU, how much, for how long.
 
 account.py integrates each snapshot into records per (process, GPU); keeper.py runs it on the main loop, writes
 the closed records to the journal (journal_form.py: the fields, the message, and back) and to the store

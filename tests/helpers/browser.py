@@ -1,7 +1,7 @@
 """A real browser for the dashboard's tests and bench: Debian's headless chromium driven through Selenium with
 Debian's chromedriver (no browser downloaded, none of Selenium Manager's). It only reaches TCP, so the server
 it opens listens with `--tcp 127.0.0.1:PORT`; it gets in through a one-time login link (POST /login/link with
-the server's bearer token, as the contract of issue 23 gives it), as a person opening `gpukillctl serve
+the server's bearer token, as the dashboard's login contract gives it), as a person opening `gpukillctl serve
 --open`'s link does.
 
 GPUKILL_SCREENSHOTS=DIR: screenshot() writes DIR/NAME.png (docs/screenshots holds the README's); unset, it

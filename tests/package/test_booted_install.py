@@ -31,7 +31,7 @@ INCLUDE = "systemd,systemd-sysv,libpam-systemd,dbus,polkitd,python3"
 CLEAN_ENV = ["env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND=noninteractive", "LANG=C.UTF-8"]
 
 # `systemd-analyze security gpukilld.service` in the booted bookworm (systemd 252) rates the installed unit 3.6
-# (3.8 before issue 9's hardening, 3.3 after; issue 19 added CAP_NET_ADMIN for the kernel's proc connector, +0.2,
+# (3.3 for the hardening alone; CAP_NET_ADMIN for the kernel's proc connector adds 0.2,
 # and RestrictNamespaces=net for sock_diag, +0.1: `systemd-analyze security --offline=yes` on the unit file).
 # A change that loosens systemd/gpukilld.service fails here; one that tightens it should lower this figure with it.
 EXPOSURE_MAX = 3.6
@@ -609,7 +609,7 @@ OWNER_POLICY = """rules:
 
 
 def test_the_owner_is_warned_on_the_terminal_of_their_logind_session(machine):
-    """Issue 27 through the real logind: su's PAM stack (pam_systemd) opens a session for alice on script's
+    """The owner's terminal warning through the real logind: su's PAM stack (pam_systemd) opens a session for alice on script's
     pty, which no utmp record names (neither su nor script writes one); Guard's warning reaches that terminal
     through the unit's device policy (DeviceAllow=char-pts w), and the kill still comes at the end of the grace.
     Before it is given to her the pty is root's, and the warning is refused there (owned by another uid)."""

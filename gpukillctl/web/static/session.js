@@ -12,7 +12,7 @@ export function keep() {
   const match = /^#session=([A-Za-z0-9_-]{1,200})$/.exec(location.hash);
   if (!match) return;
   localStorage.setItem(KEY, match[1]);
-  // the address as the link's redirect used to leave it: "/" (the overview); a later visit to #/PAGE is a
+  // the address at "/" (the overview), not "#/overview": a later visit to #/PAGE is then a
   // move within this page, not a reload
   history.replaceState(null, "", location.pathname);
 }

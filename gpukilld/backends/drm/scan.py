@@ -55,8 +55,8 @@ Fingerprint = tuple[int, int, int | tuple[str, ...]]  # fd dir inode, mtime, siz
 # that opened a file or last used it, so a DRM fd inherited by a child or passed over a unix socket shows only
 # in the holder's fd table while it does not use it (its first ioctl makes it the one listed). 20 keeps such a
 # holder unseen for at most 20 s at the default 1 Hz while the slice costs a twentieth of the full walk (~260
-# stats on a host of 5,000 processes). It was 10 until issue 24: the slice's 556 stats a sample were a quarter
-# of a listed sample and made the idle daemon miss its 0.8 % of a core (0.88 % at 10, 0.67 % at 20, one VM,
+# stats on a host of 5,000 processes). At 10, the slice's 556 stats a sample are a quarter
+# of a listed sample and make the idle daemon miss its 0.8 % of a core (0.88 % at 10, 0.67 % at 20, one VM,
 # bench/fdinfo_scan); a holder that never touches the GPU is what the trade makes later, and a reset does not
 # rely on it (holders() walks every table before it acts). /proc itself is listed only
 # every SAFETY_NET_PERIOD samples, and a process that listing shows for the first time is looked at at once
