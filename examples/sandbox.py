@@ -9,10 +9,10 @@
         (or SIGTERM, SIGHUP) stops everything it started and every process started with `run`, and removes
         its directory.
 
-    examples/sandbox.py run --user USER [--gpu N] [--mem SIZE] [--util PERCENT] -- COMMAND [ARG...]
+    examples/sandbox.py run --user USER [--gpu N] [--mem SIZE] [--util PERCENT] [--name NAME] -- COMMAND...
         Starts COMMAND as USER "on" simulated GPU N of the sandbox that DBUS_SYSTEM_BUS_ADDRESS names, in the
-        background, and prints its PID. The pasted lines put this on PATH as `gpukill-sandbox`, beside the
-        checkout's `gpukillctl`.
+        background, named NAME if given, and prints its PID. The pasted lines put this on PATH as
+        `gpukill-sandbox`, beside the checkout's `gpukillctl`.
 
 Unlike the demo, the sandbox runs in the machine's PID namespace: the clients in other shells are then callers
 that the bus and polkitd can see. gpukilld still sees only the sandbox's processes, because the simulated
@@ -124,15 +124,16 @@ def show_how_to_use(tb: Testbed, bin_dir: Path) -> None:
     out()
     out("Then, for example:")
     out()
-    for line, why in [
-        (f"gpukill-sandbox run --user {OWNER} --gpu 0 --mem 12GiB --util 87 -- sleep 600",
-         f"a process of {OWNER} on GPU 0; prints its PID"),
-        ("gpukillctl list", "the GPUs and who is on them"),
-        (f"runuser -u {OTHER} -- gpukillctl kill PID", "denied: not theirs"),
-        (f"runuser -u {OWNER} -- gpukillctl kill PID", "terminated"),
+    examples = [
+        (f"gpukill-sandbox run --user {OWNER} --gpu 0 --mem 12GiB --util 87 -- sleep 600", "prints its PID"),
+        ("gpukillctl list", "the GPUs, then who is on them"),
+        (f"runuser -u {OTHER} -- gpukillctl kill PID </dev/null", "denied: not theirs (no password asked)"),
+        (f"runuser -u {ADMIN} -- gpukillctl kill PID", "an admin: terminated"),
         ("journalctl -t gpukilld", "the audit trail"),
-    ]:
-        out(f"{line:<82} # {why}")
+    ]
+    width = max(len(line) for line, _ in examples)
+    for line, why in examples:
+        out(f"{line:<{width}}  # {why}")
     out()
     out("Ctrl-C here stops everything and removes the directory.")
 
@@ -233,6 +234,19 @@ def check_gpus(spec: str, sim_path: Path) -> None:
         raise Refused(f"--gpu {spec}: the sandbox has GPUs 0 to {count - 1}")
 
 
+def named(workdir: Path, name: str, executable: str) -> str:
+    """A link called `name` to executable: run through it, a process is named `name` (the kernel names a
+    process after the file it executes), as a miner renamed to look harmless is, or the reverse."""
+    if not name or "/" in name or name in (".", "..") or len(name) > 15:
+        raise Refused(f"--name {name!r}: a file name of at most 15 characters (the kernel's limit)")
+    names = workdir / "names"
+    names.mkdir(mode=0o755, exist_ok=True)
+    link = names / name
+    link.unlink(missing_ok=True)
+    link.symlink_to(os.path.realpath(executable))
+    return str(link)
+
+
 def start(args: argparse.Namespace) -> str:
     workdir = sandbox_dir()
     check_gpus(args.gpu, workdir / "simulate.yaml")
@@ -252,19 +266,24 @@ def start(args: argparse.Namespace) -> str:
     env = testbed.sim_env(workdir.name, args.gpu, args.mem, args.util)
     env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
     env["HOME"] = pwd.getpwuid(user.uid).pw_dir
-    if shutil.which(args.command[0], path=env["PATH"]) is None and "/" not in args.command[0]:
+    executable = shutil.which(args.command[0], path=env["PATH"])
+    if executable is None:
         raise Refused(f"no command {args.command[0]!r} on {env['PATH']}")
+    argv = list(args.command)
+    if args.name:
+        executable, argv[0] = named(workdir, args.name, executable), args.name
     try:
-        proc = subprocess.Popen(args.command, env=env, cwd="/", start_new_session=True, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **user.popen_kwargs())
+        proc = subprocess.Popen(argv, executable=executable, env=env, cwd="/", start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                **user.popen_kwargs())
     except OSError as e:
         raise Refused(f"{args.command[0]}: {e.strerror}") from None
+    what = shlex.join(args.command) + (f", named {args.name}," if args.name else "")
     try:
         status = proc.wait(0.3)
     except subprocess.TimeoutExpired:
-        return (f"PID {proc.pid}: {shlex.join(args.command)} as {user.name}, on simulated GPU {args.gpu} "
-                "(listed within a second)")
-    raise Refused(f"{shlex.join(args.command)} exited at once with status {status}")
+        return f"PID {proc.pid}: {what} as {user.name}, on simulated GPU {args.gpu} (listed within a second)"
+    raise Refused(f"{what} exited at once with status {status}")
 
 
 def run(argv: list[str]) -> int:
@@ -276,6 +295,7 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--gpu", default="0", help="the simulated GPU's index, or indexes: 0,2 (default 0)")
     parser.add_argument("--mem", help="the GPU memory it holds: 12GiB, 500MiB")
     parser.add_argument("--util", type=float, help="how busy it keeps the GPU, in percent")
+    parser.add_argument("--name", help="the process's name, as gpukillctl list shows it (xmrig, train.py)")
     parser.add_argument("command", nargs="+", metavar="COMMAND", help="after --: the command and its arguments")
     args = parser.parse_args(argv)
     try:
@@ -290,8 +310,8 @@ def main() -> int:
     if sys.argv[1:2] == ["run"]:
         return run(sys.argv[2:])
     if len(sys.argv) > 1:
-        print(f"usage: {Path(sys.argv[0]).name} [run --user USER [--gpu N] [--mem SIZE] [--util PERCENT] -- "
-              "COMMAND [ARG...]]", file=sys.stderr)
+        print(f"usage: {Path(sys.argv[0]).name} [run --user USER [--gpu N] [--mem SIZE] [--util PERCENT] "
+              "[--name NAME] -- COMMAND [ARG...]]", file=sys.stderr)
         return 2
     return serve()
 
