@@ -56,22 +56,19 @@ def out(text: str = "") -> None:
 
 # -- the sandbox's processes -------------------------------------------------------------------------------
 
+def in_scope(pid: int, scope: str) -> bool:
+    """Whether the live process pid carries the sandbox's scope in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:
+        return False
+    return f"{SCOPE_ENV}={scope}".encode() in environ and demo.alive(pid)
+
+
 def scoped_processes(scope: str) -> list[int]:
-    """Every live process whose environment carries the sandbox's scope: what `run` started, and their
-    children."""
-    needle = f"{SCOPE_ENV}={scope}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in environ and demo.alive(int(entry)):
-            found.append(int(entry))
-    return sorted(found)
+    """Every live process of the sandbox's scope: what `run` started, and their children."""
+    return sorted(int(e) for e in os.listdir("/proc") if e.isdigit() and in_scope(int(e), scope))
 
 
 def kill_scoped(scope: str) -> int:
@@ -84,7 +81,7 @@ def kill_scoped(scope: str) -> int:
         except OSError:
             continue
         try:
-            if pid in scoped_processes(scope):  # still the same process: the pidfd pins it
+            if in_scope(pid, scope):  # still the same process: the pidfd pins it
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 killed += 1
         except OSError:
