@@ -159,7 +159,8 @@ def teardown(tb: Testbed) -> str | None:
         time.sleep(0.1)
     if tb.workdir.exists():
         return f"{tb.workdir} is still there"
-    out(f"sandbox: stopped {len(sids)} components and {killed} processes started with run; removed {tb.workdir}")
+    processes = f"{killed} process{'' if killed == 1 else 'es'}"
+    out(f"sandbox: stopped {len(sids)} components and {processes} started with run; removed {tb.workdir}")
     return None
 
 
