@@ -1,4 +1,4 @@
-# gpukill developer entry points. `make test` and `make demo` work on a fresh Debian machine as root.
+# gpukill developer entry points. `make test`, `make demo` and `make sandbox` work on a fresh Debian machine as root.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # What the real-component tests and the demo run: the bus, polkitd, journald, unshare/nsenter/setpriv, gcc for
@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 # chromium, chromium-driver: the real browser the dashboard tests drive through Selenium (tests/helpers/browser.py)
 APT_PACKAGES := dbus-daemon polkitd systemd util-linux gcc python3-venv gdb groff-base python3-dbusmock tmux prometheus openssh-server openssh-client jq uidmap chromium chromium-driver
 
-.PHONY: all deps venv test test-gpu lint demo bench clean deb rpm pkg-deps test-package
+.PHONY: all deps venv test test-gpu lint demo sandbox bench clean deb rpm pkg-deps test-package
 
 all: test
 
@@ -46,6 +46,10 @@ lint: venv
 
 demo: venv
 	$(PY) examples/demo.py
+
+# The demo's private machine kept running: it prints the lines to paste into another shell; Ctrl-C ends it.
+sandbox: venv
+	$(PY) examples/sandbox.py
 
 bench: venv
 	$(PY) -m pip install -q -e '.[test,bench]'

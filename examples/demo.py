@@ -372,14 +372,31 @@ def reexec_in_pid_namespace() -> None:
     os.execvpe("unshare", argv, env)
 
 
-def main() -> int:
+def unready(prog: str) -> str | None:
+    """Why `make PROG` cannot start here (not root, a tool missing), in one line; None when it can."""
     if not testbed.is_root():
-        print("demo: `make demo` must run as root (it starts a private bus, polkitd and journald, "
-              "and creates test users)", file=sys.stderr)
-        return 1
+        return (f"`make {prog}` must run as root (it starts a private bus, polkitd and journald, "
+                "and creates test users)")
     missing = testbed.missing_tools()
     if missing:
-        print(f"demo: missing {', '.join(missing)}; run `make demo`, which installs them", file=sys.stderr)
+        return f"missing {', '.join(missing)}; run `make {prog}`, which installs them"
+    return None
+
+
+def make_users() -> str | None:
+    """The three users and their group, created if missing, and a checkout they can run: a one-line problem
+    or None."""
+    try:
+        testbed.ensure_users()
+        testbed.make_traversable(REPO)
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"setting up users and permissions: {e}"
+    return None
+
+
+def main() -> int:
+    if problem := unready("demo"):
+        print(f"demo: {problem}", file=sys.stderr)
         return 1
     if os.environ.get(INNER_ENV) != "1":
         others = other_simulations()
@@ -396,11 +413,8 @@ def main() -> int:
     out(bold("gpukill guided tour"))
     out("A private, real system with simulated GPUs; nothing on this machine is changed except three")
     out(f"system users ({OWNER}, {OTHER}, {ADMIN}) and group '{ADMIN_GROUP}', created if missing.")
-    try:
-        testbed.ensure_users()
-        testbed.make_traversable(REPO)
-    except (OSError, subprocess.CalledProcessError) as e:
-        print(f"demo: FAILED: setting up users and permissions: {e}", file=sys.stderr)
+    if problem := make_users():
+        print(f"demo: FAILED: {problem}", file=sys.stderr)
         return 1
 
     tour = Tour()

@@ -1,9 +1,10 @@
-"""The documentation in rooms: README.md is the front door, under 250 lines, and links every page of
-docs/; every relative link of README.md and docs/*.md reaches a file that exists, and each #anchor a heading
-of that file (as GitHub makes anchors from headings); every repository path the pages write in backticks
-exists; the README's Architecture table lists exactly the folders of Python modules in gpukill/, gpukilld/ and
-gpukillctl/, so a folder added, moved or removed without the table fails here; and the policy the README's
-first five minutes load is a valid one."""
+"""The documentation in rooms: README.md is the front door, under 250 lines, that opens on the commands to set up
+(`make demo`, `make test`, `make sandbox`) and links every page of docs/; every relative link of README.md and
+docs/*.md reaches a file that exists, and each #anchor a heading of that file (as GitHub makes anchors from
+headings); every repository path the pages write in backticks exists; the Architecture table of
+docs/development.md lists exactly the folders of Python modules in gpukill/, gpukilld/ and gpukillctl/, so a
+folder added, moved or removed without the table fails here; and the policy the README's first five minutes
+load is a valid one."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gpukill.policy import load_texts
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DEVELOPMENT = REPO / "docs" / "development.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
 PACKAGES = ("gpukill", "gpukilld", "gpukillctl")
@@ -63,6 +65,18 @@ def test_the_readme_is_a_front_door_under_250_lines():
     assert len(README.read_text().splitlines()) < 250
 
 
+def test_the_readme_opens_on_the_commands_to_set_up():
+    """Before the first section, after what gpukill is: the first code block, with make demo, test, sandbox."""
+    text = README.read_text()
+    before_sections = text[:text.index("\n## ")]
+    blocks = re.findall(r"^```sh\n(.*?)^```", before_sections, re.M | re.S)
+    assert blocks, "the README's opening shows no commands"
+    commands = [line.split("#")[0].strip() for line in blocks[0].splitlines()]
+    assert commands == ["make demo", "make test", "make sandbox"], commands
+    makefile = (REPO / "Makefile").read_text()
+    assert all(re.search(rf"^{c.split()[1]}:", makefile, re.M) for c in commands)
+
+
 def test_there_are_docs_pages_and_the_readme_links_every_one():
     assert len(DOCS) >= 5, DOCS
     linked = {(README.parent / target.split("#")[0]).resolve() for target in links(README)}
@@ -96,7 +110,7 @@ def test_every_repository_path_in_backticks_exists(page: Path):
 
 
 def architecture_rows() -> list[tuple[str, str]]:
-    text = README.read_text()
+    text = DEVELOPMENT.read_text()
     section = text[text.index("\n## Architecture\n"):]
     section = section[:section.index("\n## ", 1)]
     rows = [line for line in section.splitlines() if line.startswith("|")][2:]

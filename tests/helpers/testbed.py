@@ -528,11 +528,7 @@ class Testbed:
                lifetime: float = 3600, env: dict[str, str] | None = None) -> subprocess.Popen:
         """A real process "on" a simulated GPU, owned by `user`, that exits by itself after `lifetime` seconds;
         returns once it is set up. env: more of its environment (GPUKILL_SIM_UTIL_CYCLE, ...)."""
-        env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": self.scope, **(env or {})}
-        if mem is not None:
-            env["GPUKILL_SIM_MEM"] = mem
-        if util is not None:
-            env["GPUKILL_SIM_UTIL"] = str(util)
+        env = {**sim_env(self.scope, gpu, mem, util), **(env or {})}
         code = "import ctypes, signal, sys, time\n"
         if comm:
             code += f"ctypes.CDLL(None).prctl(15, {comm.encode()!r}, 0, 0, 0)\n"  # PR_SET_NAME
@@ -548,6 +544,17 @@ class Testbed:
         if proc.stdout.readline().strip() != b"ready":
             raise RuntimeError("victim failed to start")
         return proc
+
+
+def sim_env(scope: str, gpu: int | str = 0, mem: str | None = None, util: float | None = None) -> dict[str, str]:
+    """The environment that puts a process "on" simulated GPU `gpu` ("0,2" for two) of the bed whose scope is
+    `scope`, holding `mem` of its memory and busy `util` percent (gpukilld/backends/simulated.py reads it)."""
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": scope}
+    if mem is not None:
+        env["GPUKILL_SIM_MEM"] = mem
+    if util is not None:
+        env["GPUKILL_SIM_UTIL"] = str(util)
+    return env
 
 
 def start_time_of(pid: int) -> int:
