@@ -33,7 +33,7 @@ from ..client.exits import (
     exit_code,
 )
 from ..client.format import shown
-from .audit import GPU_KILL_THRESHOLDS, cmd_audit, gpu_kill_threshold
+from .audit import GPU_KILL_THRESHOLDS, gpu_kill_threshold
 from .gpu_kill_files import guard_import, read_file, rogue_import
 from .guard import cmd_guard
 from .main import COMMANDS, cmd_kill, cmd_list, cmd_reset, positive_int, seconds
@@ -453,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _flag_of(dest: str) -> str:
+def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
@@ -477,7 +477,7 @@ OPTION_OWNERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("guard_test_policies", "--guard-test-policies", ("guard",)),
     ("policy_file", "--policy-file", ("guard",)),
     ("rogue", "--rogue", ("audit",)),
-    *[(dest, _flag_of(dest), ("audit",)) for dest in USAGE_DESTS],
+    *[(dest, _flag(dest), ("audit",)) for dest in USAGE_DESTS],
     ("vendor", "--vendor", ("list",)),
     ("containers", "--containers", ("list",)),
     *[(flag[2:].replace("-", "_"), flag, ("guard",)) for flag in (
@@ -655,14 +655,6 @@ def kill_args(pid: int, start_time: int | None, force: bool, grace: float | None
 def fail(message: str, code: int) -> int:
     print(f"{PROG}: {shown(message)}", file=sys.stderr)  # daemon messages name processes: escape them
     return code
-
-
-# -- --audit --rogue ---------------------------------------------------------------------------------------
-
-
-def _audit(args: argparse.Namespace) -> Plan:
-    audit_ns = argparse.Namespace(json=args.output == "json")
-    return Plan(lambda client: cmd_audit(client, audit_ns))
 
 
 # -- --list ------------------------------------------------------------------------------------------------
@@ -1143,10 +1135,6 @@ _SETTINGS_WORDS = {"rogue_config": "show", "rogue_export_config": "export", "rog
 
 def _audit_settings_given(args: argparse.Namespace) -> bool:
     return any(_given(args, dest) for dest in AUDIT_SETTING_DESTS)
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def _threshold(dest: str, args: argparse.Namespace) -> str:
