@@ -33,6 +33,7 @@ from ..client.exits import (
     exit_code,
 )
 from ..client.format import shown
+from ..client.ports import port_number
 from .audit import GPU_KILL_THRESHOLDS, gpu_kill_threshold
 from .gpu_kill_files import guard_import, read_file, rogue_import
 from .guard import cmd_guard
@@ -194,12 +195,6 @@ def gpu_index(text: str) -> str:
 def user_list(text: str) -> tuple[str, ...]:
     """gpu-kill's comma-separated names, blanks dropped as it drops them."""
     return tuple(name.strip() for name in text.split(",") if name.strip())
-
-
-def port_number(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r}")
-    return int(text)
 
 
 def vendor_name(text: str) -> str:
