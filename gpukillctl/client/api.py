@@ -110,56 +110,70 @@ class Var(NamedTuple):
     value: Any
 
 
-def audit_variants(values: dict[str, Any]) -> dict[str, Any]:
-    """Audit settings or thresholds as an a{sv}: each value as a Var of its key's signature (the record's), a Var
-    as it is; a key the record does not know goes as a string, for the daemon to refuse by name."""
-    from gpukill.records import AuditSettings, specs
+_UNSIGNED_BITS = {"y": 8, "q": 16, "u": 32, "t": 64}
+_WRONG = object()  # what _typed answers for a value its signature does not take
 
-    sigs = dict(specs(AuditSettings))
-    out = {}
+
+def _typed(sig: str, value: Any) -> Any:
+    """value as a Var of sig carries it (a number as a float for d, a tuple as a list), or _WRONG."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if sig == "d" and number:
+        return float(value)
+    if sig in _UNSIGNED_BITS and number and isinstance(value, int) and 0 <= value < 1 << _UNSIGNED_BITS[sig]:
+        return value
+    if (sig == "s" and isinstance(value, str)) or (sig == "b" and isinstance(value, bool)):
+        return value
+    if sig.startswith("a") and isinstance(value, list | tuple):
+        items = [_typed(sig[1:], v) for v in value]
+        return _WRONG if _WRONG in items else items
+    return _WRONG
+
+
+def plain_variants(values: dict[str, Any], sigs: dict[str, str], what: str,
+                   text_too: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An a{sv} from plain values: each as a Var of its key's signature in sigs (an int where a d goes as a float,
+    a tuple as a list), a Var or a dbus-fast Variant as it is, None left out; a key of text_too also takes a
+    string, sent as one (a size or a duration, which gpukilld reads in gpukill.units' grammar).
+    errors.InvalidArgs in one line naming the key for a key sigs does not hold or a value not of its type: the
+    client sends what it was given or nothing."""
+    invalid = ERRORS[errors.InvalidArgs.dbus_name]
+    out: dict[str, Any] = {}
     for key, value in values.items():
+        if value is None:
+            continue
+        if key not in sigs:
+            raise invalid(errors.InvalidArgs.dbus_name, f"unknown {what} {key[:64]!r} (known: {', '.join(sigs)})")
         if isinstance(value, Var) or type(value).__name__ == "Variant":
             out[key] = value
             continue
-        sig = sigs[key].sig if key in sigs else "s"
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if sig == "d" and number:
-            value = float(value)
-        elif sig in ("as", "aq") and isinstance(value, list | tuple) and all(
-                isinstance(v, str) if sig == "as" else isinstance(v, int) and 0 <= v < 1 << 16 for v in value):
-            value = list(value)
-        elif not (sig == "t" and isinstance(value, int) and number and 0 <= value < 1 << 64):
-            sig, value = "s", str(value)[:1024]  # not of the key's type: the daemon refuses it by name, in one line
-        out[key] = Var(sig, value)
+        if key in text_too and isinstance(value, str):
+            out[key] = Var("s", value)
+            continue
+        typed = _typed(sigs[key], value)
+        if typed is _WRONG:
+            raise invalid(errors.InvalidArgs.dbus_name,
+                          f"{what} {key}: {repr(value)[:64]} is not of its type ({sigs[key]})")
+        out[key] = Var(sigs[key], typed)
     return out
 
 
+def audit_variants(values: dict[str, Any]) -> dict[str, Any]:
+    """Audit settings or thresholds as an a{sv}: plain_variants with the signatures AuditSettings declares."""
+    from gpukill.records import AuditSettings, specs
+
+    return plain_variants(values, {name: spec.sig for name, spec in specs(AuditSettings)}, "audit setting")
+
+
 # GetUsage's query keys and the signature each goes as (the daemon takes more for some: these are the ones the
-# clients send). A key not here goes as a string, for the daemon to refuse by name.
+# clients send).
 USAGE_QUERY = {"since": "d", "until": "d", "by": "s", "user": "s", "name": "s", "unit": "s", "job": "s", "pod": "s",
                "device": "s", "limit": "u"}
 
 
 def usage_variants(query: dict[str, Any]) -> dict[str, Any]:
-    """GetUsage's a{sv} from plain values (floats for since/until, an int limit, text for the rest); a Var (or a
-    dbus-fast Variant) as it is; a value not of its key's type goes as text, for the daemon to refuse in one
-    line rather than the client failing to send it."""
-    out: dict[str, Any] = {}
-    for key, value in query.items():
-        if value is None:
-            continue
-        if isinstance(value, Var) or type(value).__name__ == "Variant":
-            out[key] = value
-            continue
-        sig = USAGE_QUERY.get(key, "s")
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if sig == "d" and number:
-            out[key] = Var("d", float(value))
-        elif sig == "u" and number and isinstance(value, int) and 0 <= value < 1 << 32:
-            out[key] = Var("u", value)
-        else:
-            out[key] = Var("s", str(value)[:1024])
-    return out
+    """GetUsage's a{sv} from plain values (numbers for since/until, an int limit, text for the rest):
+    plain_variants with USAGE_QUERY's signatures."""
+    return plain_variants(query, USAGE_QUERY, "usage query key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,35 +189,14 @@ class DaemonStatus:
 TEXT_SETTINGS = ("memory_limit", "reserved_memory", "grace")  # sizes and durations SetPolicy takes as text too
 
 
-def policy_settings(settings: dict[str, Any]) -> dict[str, Var]:
-    """SetPolicy's a{sv}: each setting with the signature ManagedPolicyEntry declares for it, or a size or a
-    duration as text ("8GiB", "2min": the daemon reads gpukill.units' grammar); errors.InvalidArgs for a key it
-    does not declare or a value that is not of its type."""
+def policy_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """SetPolicy's a{sv}: plain_variants with the signatures ManagedPolicyEntry declares for its settings, a size
+    or a duration also as text ("8GiB", "2min": the daemon reads gpukill.units' grammar)."""
     from gpukill.records import specs
 
     sigs = {name: spec.sig for name, spec in specs(records.ManagedPolicyEntry)
             if name not in ("kind", "target", "file", "edited")}
-    invalid = ERRORS[errors.InvalidArgs.dbus_name]
-    out: dict[str, Var] = {}
-    for key, value in settings.items():
-        sig = sigs.get(key)
-        if sig is None:
-            raise invalid("", f"unknown policy setting {key!r} (known: {', '.join(sigs)})")
-        if isinstance(value, str) and sig in ("t", "d") and key in TEXT_SETTINGS:
-            out[key] = Var("s", value)
-            continue
-        if sig == "as":
-            ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
-            value = list(value) if ok else value
-        elif sig == "d":
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            value = float(value) if ok else value
-        else:
-            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < (1 << (32 if sig == "u" else 64))
-        if not ok:
-            raise invalid("", f"policy setting {key}: {value!r} is not of its type ({sig})")
-        out[key] = Var(sig, value)
-    return out
+    return plain_variants(settings, sigs, "policy setting", TEXT_SETTINGS)
 
 
 class ClientAPI:
