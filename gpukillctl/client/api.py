@@ -96,6 +96,20 @@ TIMEOUT = "org.freedesktop.DBus.Error.Timeout"
 ROW_DEVICE, ROW_PID = 1 + listing.COLUMNS.index("device"), 1 + listing.COLUMNS.index("pid")
 
 
+DAEMON_UNAVAILABLE = "org.gpukill1.Error.DaemonUnavailable"  # what no D-Bus error names: no bus, or no gpukilld
+
+
+def error_name(e: Exception) -> str:
+    """The error name every client that reports a failure by name shows (the REST API's "error", the start of
+    an MCP tool error): the full D-Bus error name, as the shared error class (gpukill.errors) or the bus names
+    it; DAEMON_UNAVAILABLE without a daemon; org.gpukill1.Error.Failed for a failure nobody named."""
+    if isinstance(e, DaemonUnavailable):
+        return DAEMON_UNAVAILABLE
+    if isinstance(e, errors.GpukillError):
+        return e.dbus_name
+    return (e.name if isinstance(e, ClientError) else "") or errors.GpukillError.dbus_name
+
+
 def error_for(name: str, message: str) -> ClientError:
     """The exception for a D-Bus error reply."""
     if name in NOT_RUNNING:

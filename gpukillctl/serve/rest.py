@@ -72,6 +72,7 @@ from gpukill.units import (
     parse_size,
 )
 
+from ..client.api import error_name
 from ..client.dbus import ClientError, Connect, DaemonUnavailable, GpukillClient, using
 from ..client.usage import MAX_WHEN_TEXT, parse_when
 
@@ -201,13 +202,6 @@ def status_for(e: ClientError) -> int:
     if e.name == TIMEOUT_ERROR:
         return 504
     return next((code for cls, code in STATUS_FOR_ERROR.items() if isinstance(e, cls)), 502)
-
-
-def error_name(e: ClientError) -> str:
-    """The D-Bus error name the failure came with; DaemonUnavailable has none of its own."""
-    if isinstance(e, DaemonUnavailable):
-        return "org.gpukill1.Error.DaemonUnavailable"
-    return e.dbus_name if isinstance(e, errors.GpukillError) else (e.name or errors.GpukillError.dbus_name)
 
 
 # -- models: derived from the records' declarations ---------------------------------------------------------
