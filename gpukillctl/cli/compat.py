@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
-from gpukill.regex import RegexError, compile_regex
+from gpukill.regex import RegexError
 
 from ..client.api import ClientAPI, ClientError, Var
+from ..client.batch import MatchesEveryName, check_batch_pattern, once_per_process
 from ..client.exits import (
     EXIT_CODES_HELP,
     EXIT_FAILURE,
@@ -790,17 +791,14 @@ def _kill(args: argparse.Namespace) -> Plan:
 
 
 def _check_batch_pattern(pattern: str) -> None:
-    """A pattern that matches the empty string matches every name (the daemon searches the name, as gpu-kill
-    does): "", ".*", "x*", "a|". Killing every GPU process is a different request from killing some by name,
-    and a pattern like that is usually a slip, so it is refused rather than taken literally."""
+    """client.batch's check, refused as gpukill refuses: with what to run instead."""
     try:
-        matches_nothing_too = compile_regex(pattern).search("") is not None
+        check_batch_pattern(pattern)
     except RegexError as e:
         raise Refused(f"--filter: {e}", "gpukillctl list --name-regex REGEX to try a pattern") from None
-    if matches_nothing_too:
-        raise Refused(f"--filter {shlex.quote(pattern)} matches the empty string, so every process name: "
-                      "refused with --batch", "name the processes, e.g. --filter '^python3$'; or gpukillctl list, "
-                      "then gpukillctl kill PID for each")
+    except MatchesEveryName as e:
+        raise Refused(f"--filter {e}: refused with --batch", "name the processes, e.g. --filter '^python3$'; or "
+                      "gpukillctl list, then gpukillctl kill PID for each") from None
 
 
 async def preview(client: ClientAPI, selection: Selection) -> int:
@@ -819,8 +817,7 @@ def _how(force: bool, grace: float | None) -> str:
 
 
 async def targets_of(client: ClientAPI, selection: Selection) -> list:
-    procs = await client.list_processes(selection.filter())
-    return list({(p.pid, p.start_time): p for p in procs}.values())  # one process on two GPUs: once
+    return once_per_process(await client.list_processes(selection.filter()))
 
 
 async def no_targets(client: ClientAPI, selection: Selection, done: str) -> int:

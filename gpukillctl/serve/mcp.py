@@ -66,10 +66,11 @@ from gpukill.records import (
     ResetReply,
     UsageReport,
 )
-from gpukill.regex import MAX_PATTERN, RegexError, compile_regex
+from gpukill.regex import MAX_PATTERN, RegexError
 from gpukill.text import shown
 
 from ..client.api import error_name
+from ..client.batch import MatchesEveryName, by_process, check_batch_pattern, once_per_process
 from ..client.dbus import ClientError, Connect, GpukillClient, using
 
 T = TypeVar("T")
@@ -209,31 +210,25 @@ class BatchKillResult(BaseModel):
 
 
 def batch_pattern(pattern: str) -> None:
-    """Refuse (InvalidArgs) a pattern RE2 cannot use, and one that matches the empty string: that matches every
-    name ("", ".*", "a|"), and killing every GPU process is not a kill by name (gpukill --filter --batch refuses
-    it for the same reason)."""
+    """client.batch's check, refused as InvalidArgs: gpukill --filter --batch refuses the same patterns."""
     try:
-        empty_matches = compile_regex(pattern).search("") is not None
+        check_batch_pattern(pattern)
     except RegexError as e:
         raise errors.InvalidArgs(f"pattern: {e}") from None
-    if empty_matches:
-        raise errors.InvalidArgs(f"pattern {pattern!r} matches the empty string, so every process name: name the "
-                                 "processes (e.g. '^python3$'), or use list_processes and kill_process")
+    except MatchesEveryName as e:
+        raise errors.InvalidArgs(f"pattern {e}: name the processes (e.g. '^python3$'), or use list_processes "
+                                 "and kill_process") from None
 
 
 def batch_matches(procs: Iterable[Process]) -> list[BatchMatch]:
-    """One BatchMatch per (pid, start_time) of a listing (a record per process and GPU), by pid."""
-    found: dict[tuple[int, int], BatchMatch] = {}
-    for p in procs:
-        m = found.get((p.pid, p.start_time))
-        if m is None:
-            found[(p.pid, p.start_time)] = BatchMatch(pid=p.pid, start_time=p.start_time, name=p.comm, user=p.user,
-                                                      uid=p.uid, gpus=[p.device], gpu_memory=p.gpu_memory)
-            continue
-        m.gpus.append(p.device)
-        if p.gpu_memory is not None:
-            m.gpu_memory = p.gpu_memory + (m.gpu_memory or 0)
-    return sorted(found.values(), key=lambda m: (m.pid, m.start_time))
+    """One BatchMatch per process of a listing (a record per process and GPU), by pid."""
+    found = []
+    for (pid, start_time), records in by_process(procs).items():
+        memory = [p.gpu_memory for p in records if p.gpu_memory is not None]
+        first = records[0]
+        found.append(BatchMatch(pid=pid, start_time=start_time, name=first.comm, user=first.user, uid=first.uid,
+                                gpus=[p.device for p in records], gpu_memory=sum(memory) if memory else None))
+    return sorted(found, key=lambda m: (m.pid, m.start_time))
 
 
 def refuse(ref: ProcessRef, reason: str, message: str) -> NotKilled:
@@ -261,7 +256,7 @@ async def kill_confirmed(client: GpukillClient, flt: dict[str, Variant], selecti
     renames itself between this listing and its kill is still killed: it matched when the kill was decided.
     Nothing the preview did not list can be killed unless its start time was passed back, which only a listing
     gives."""
-    refs = list({(r.pid, r.start_time): r for r in confirm}.values())
+    refs = once_per_process(confirm)
     now = {(m.pid, m.start_time) for m in batch_matches(await client.list_processes(flt))}
     chosen = [r for r in refs if (r.pid, r.start_time) in now]
     rest = [r for r in refs if (r.pid, r.start_time) not in now]
