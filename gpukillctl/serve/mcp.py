@@ -335,33 +335,51 @@ def strict_arguments(tool: Tool) -> Tool:
     return tool
 
 
-def build_mcp(connect: Connect) -> MCPServer:
-    """The MCP server with gpukill's tools and resources; each acts through `connect()`'s client."""
-    tools: list[Tool] = []  # the server is made with them, after their definitions below
+class Toolbox:
+    """The tools of one server as they are made: each registered with strict_arguments, each call made through
+    its own connection."""
 
-    def register(title: str, annotations: ToolAnnotations) -> Callable[[Callable[..., Awaitable[R]]],
-                                                                        Callable[..., Awaitable[R]]]:
+    def __init__(self, connect: Connect) -> None:
+        self.connect = connect
+        self.tools: list[Tool] = []
+
+    def register(self, title: str, annotations: ToolAnnotations) -> Callable[[Callable[..., Awaitable[R]]],
+                                                                              Callable[..., Awaitable[R]]]:
         """What mcp.tool() does, with strict_arguments."""
         def add(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-            tools.append(strict_arguments(Tool.from_function(fn, title=title, annotations=annotations)))
+            self.tools.append(strict_arguments(Tool.from_function(fn, title=title, annotations=annotations)))
             return fn
         return add
 
-    async def tool(act: Callable[[GpukillClient], Awaitable[T]], result: Callable[[T], R]) -> R:
+    async def call(self, act: Callable[[GpukillClient], Awaitable[T]], result: Callable[[T], R]) -> R:
         """result(act(client)), or the daemon's error as the tool's error result. (A tool may return a
         CallToolResult in place of its declared type; the SDK passes an error result through unchecked.)"""
         try:
-            value = await using(connect, act)
+            value = await using(self.connect, act)
         except (ClientError, errors.GpukillError) as e:  # the daemon's refusal, or ours of an argument
             return tool_error(e)  # type: ignore[return-value]
         return result(value)
 
-    @register(title="List GPUs", annotations=READ_ONLY)
+
+def build_mcp(connect: Connect) -> MCPServer:
+    """The MCP server with gpukill's tools and resources; each acts through `connect()`'s client."""
+    box = Toolbox(connect)
+    for add_tools in (_process_tools, _report_tools, _batch_tool, _policy_tools):
+        add_tools(box)
+    mcp = MCPServer(SERVER_NAME, instructions=INSTRUCTIONS, log_level="WARNING", tools=box.tools)
+    _resources(mcp, connect)
+    return mcp
+
+
+def _process_tools(box: Toolbox) -> None:
+    """list_devices, list_processes, kill_process, reset_device."""
+
+    @box.register(title="List GPUs", annotations=READ_ONLY)
     async def list_devices() -> DeviceList:
         """The GPUs: index, id, vendor, memory, utilization, state. Needs no authorization."""
-        return await tool(lambda c: c.list_devices(), lambda devices: DeviceList(devices=devices))
+        return await box.call(lambda c: c.list_devices(), lambda devices: DeviceList(devices=devices))
 
-    @register(title="List GPU processes", annotations=READ_ONLY)
+    @box.register(title="List GPU processes", annotations=READ_ONLY)
     async def list_processes(
         name: Annotated[str | None, Field(description="only processes whose name (comm) contains this")] = None,
         name_regex: Annotated[str | None, Field(
@@ -376,9 +394,9 @@ def build_mcp(connect: Connect) -> MCPServer:
         Needs no authorization; other users' processes are shown as far as polkit's
         org.gpukill.view-all-processes lets you see them."""
         flt = process_filter(name, name_regex, user, device, memory_gt)
-        return await tool(lambda c: c.list_processes(flt), lambda procs: ProcessList(processes=procs))
+        return await box.call(lambda c: c.list_processes(flt), lambda procs: ProcessList(processes=procs))
 
-    @register(title="Stop a GPU process", annotations=DESTRUCTIVE)
+    @box.register(title="Stop a GPU process", annotations=DESTRUCTIVE)
     async def kill_process(
         pid: Annotated[int, Field(gt=0, lt=MAX_PID, description="the process id, from list_processes")],
         start_time: Annotated[int, Field(ge=0, le=MAX_UINT64, description=(
@@ -391,11 +409,11 @@ def build_mcp(connect: Connect) -> MCPServer:
         polkit's org.gpukill.kill-own-process, which the default policy grants; another user's need
         org.gpukill.kill-any-process, which it gives only to administrators (AccessDenied otherwise: no
         password can be asked here)."""
-        return await tool(lambda c: c.kill_report(pid, start_time, force=force, grace=grace),
+        return await box.call(lambda c: c.kill_report(pid, start_time, force=force, grace=grace),
                           lambda report: KillResult(pid=pid, start_time=start_time, outcome=report.outcome,
                                                     reclaim=report.reclaim, answer=reclaim_text(report.reclaim)))
 
-    @register(title="Reset a GPU", annotations=DESTRUCTIVE)
+    @box.register(title="Reset a GPU", annotations=DESTRUCTIVE)
     async def reset_device(
         device: DeviceArg,
         force: Annotated[bool, Field(description="kill the processes on the GPU first")] = False,
@@ -403,16 +421,20 @@ def build_mcp(connect: Connect) -> MCPServer:
         """Reset a GPU. Refused (DeviceBusy) while processes use it, unless force. Needs polkit's
         org.gpukill.reset-device, which the default policy gives only to administrators (AccessDenied
         otherwise), which also covers the kills of force."""
-        return await tool(lambda c: c.reset(str(device), force=force), lambda reply: ResetResult(reset=reply))
+        return await box.call(lambda c: c.reset(str(device), force=force), lambda reply: ResetResult(reset=reply))
 
-    @register(title="Audit rogue GPU use", annotations=READ_ONLY)
+
+def _report_tools(box: Toolbox) -> None:
+    """audit_rogue, usage, guard_status, guard_test_policy: they read, never act."""
+
+    @box.register(title="Audit rogue GPU use", annotations=READ_ONLY)
     async def audit_rogue() -> AuditResult:
         """Crypto miners, users far above their share, and idle processes holding GPU memory, each with a
         score (0-100) and the evidence behind it. Needs no authorization; evidence about processes you may not
         see (polkit's org.gpukill.view-all-processes) is left out."""
-        return await tool(lambda c: c.audit_rogue(), lambda findings: AuditResult(findings=findings))
+        return await box.call(lambda c: c.audit_rogue(), lambda findings: AuditResult(findings=findings))
 
-    @register(title="GPU usage", annotations=READ_ONLY)
+    @box.register(title="GPU usage", annotations=READ_ONLY)
     async def usage(
         hours: Annotated[float, Field(gt=0, le=MAX_USAGE_HOURS, description=(
             "the last this many hours, up to now (gpu-kill's scan_rogue_activity hours)"))] = 24,
@@ -436,25 +458,29 @@ def build_mcp(connect: Connect) -> MCPServer:
         query = {"since": time.time() - hours * 3600.0, "by": by, "user": user, "name": name, "unit": unit,
                  "job": job, "pod": pod, "device": device, "limit": limit}
         query = {k: str(v) if k in ("user", "device") else v for k, v in query.items() if v is not None}
-        return await tool(lambda c: c.usage(query), lambda report: UsageResult(usage=report))
+        return await box.call(lambda c: c.usage(query), lambda report: UsageResult(usage=report))
 
-    @register(title="Guard status", annotations=READ_ONLY)
+    @box.register(title="Guard status", annotations=READ_ONLY)
     async def guard_status() -> GuardStatusResult:
         """Guard Mode: whether it is enabled or in dry run, the policy's rules with their counters, recent
         events. Needs no authorization."""
-        return await tool(lambda c: c.guard_status(), lambda status: GuardStatusResult(guard=status))
+        return await box.call(lambda c: c.guard_status(), lambda status: GuardStatusResult(guard=status))
 
-    @register(title="Test a Guard policy", annotations=READ_ONLY)
+    @box.register(title="Test a Guard policy", annotations=READ_ONLY)
     async def guard_test_policy(
         policy: Annotated[str, Field(description="the policy as YAML; empty: the policy in force")] = "",
         name: Annotated[str, Field(description="a name for the policy in error messages")] = "mcp",
     ) -> PolicyTestResult:
         """What a Guard policy would do with the GPUs' current processes. Never acts; needs no
         authorization."""
-        return await tool(lambda c: c.guard_test(name if policy else "", policy),
+        return await box.call(lambda c: c.guard_test(name if policy else "", policy),
                           lambda decisions: PolicyTestResult(decisions=decisions))
 
-    @register(title="Stop GPU processes by name", annotations=DESTRUCTIVE)
+
+def _batch_tool(box: Toolbox) -> None:
+    """kill_processes_by_name: gpu-kill's batch kill, a preview and then a confirmation."""
+
+    @box.register(title="Stop GPU processes by name", annotations=DESTRUCTIVE)
     async def kill_processes_by_name(
         pattern: Annotated[str, Field(min_length=1, max_length=MAX_PATTERN, description=(
             "gpu-kill's name pattern: a regular expression (RE2) searched in the process name, e.g. 'python' "
@@ -501,16 +527,20 @@ def build_mcp(connect: Connect) -> MCPServer:
             return BatchKillResult(pattern=pattern, memory_gt=memory_gt, confirmed=True, matches=[], more=0,
                                    killed=killed, not_killed=not_killed, next_step=step)
 
-        return await tool(preview if confirm is None else confirmed, lambda result: result)
+        return await box.call(preview if confirm is None else confirmed, lambda result: result)
 
-    @register(title="List Guard policies", annotations=READ_ONLY)
+
+def _policy_tools(box: Toolbox) -> None:
+    """list_policies, create_user_policy, remove_user_policy: the managed user policies."""
+
+    @box.register(title="List Guard policies", annotations=READ_ONLY)
     async def list_policies() -> PolicyList:
         """The user, group and GPU policies Guard Mode enforces from gpukilld's policy directory (made by
         create_user_policy or `gpukillctl guard policy add`), with their limits and files. Needs no
         authorization."""
-        return await tool(lambda c: c.guard_list_policies(), lambda policies: PolicyList(policies=policies))
+        return await box.call(lambda c: c.guard_list_policies(), lambda policies: PolicyList(policies=policies))
 
-    @register(title="Create a user's Guard policy", annotations=WRITES)
+    @box.register(title="Create a user's Guard policy", annotations=WRITES)
     async def create_user_policy(
         username: Annotated[str, Field(min_length=1, max_length=256, description="the user it limits")],
         memory_limit_gb: Annotated[float | None, Field(gt=0, le=1 << 20, description=(
@@ -538,20 +568,22 @@ def build_mcp(connect: Connect) -> MCPServer:
             settings["process_limit"] = process_limit
         if grace_seconds is not None:
             settings["grace"] = float(grace_seconds)
-        return await tool(lambda c: c.guard_set_policy("user", username, settings),
+        return await box.call(lambda c: c.guard_set_policy("user", username, settings),
                           lambda entry: PolicyResult(policy=entry))
 
-    @register(title="Remove a user's Guard policy", annotations=WRITES)
+    @box.register(title="Remove a user's Guard policy", annotations=WRITES)
     async def remove_user_policy(
         username: Annotated[str, Field(min_length=1, max_length=256, description="the user whose policy goes")],
     ) -> PolicyRemoved:
         """Remove the Guard Mode policy of one user (its file in gpukilld's policy directory); InvalidArgs when
         the user has none. Needs polkit's org.gpukill.manage-policies, which the default policy gives only
         to administrators (AccessDenied otherwise: no password can be asked here)."""
-        return await tool(lambda c: c.guard_remove_policy("user", username),
+        return await box.call(lambda c: c.guard_remove_policy("user", username),
                           lambda _: PolicyRemoved(target=username))
 
-    mcp = MCPServer(SERVER_NAME, instructions=INSTRUCTIONS, log_level="WARNING", tools=tools)
+
+def _resources(mcp: MCPServer, connect: Connect) -> None:
+    """The resources: what the read-only tools answer without arguments."""
 
     async def resource(act: Callable[[GpukillClient], Awaitable[BaseModel]]) -> str:
         try:
@@ -588,8 +620,6 @@ def build_mcp(connect: Connect) -> MCPServer:
     async def audit_resource() -> str:
         """The rogue-activity audit's findings now (as audit_rogue)."""
         return await resource(lambda c: _model(AuditResult, "findings", c.audit_rogue()))
-
-    return mcp
 
 
 async def _model(cls: type[BaseModel], field: str, value: Awaitable[object]) -> BaseModel:
