@@ -70,6 +70,7 @@ def test_a_missing_method_is_an_error_like_any_other():
     (api.audit_variants, "idle_min_memory", -1),
     (api.usage_variants, "limit", 2**40),
     (api.usage_variants, "since", "yesterday"),
+    (api.usage_variants, "until", 10**400),
     (api.usage_variants, "user", 1000),
     (api.policy_settings, "process_limit", True),
     (api.policy_settings, "allowed_users", "alice"),

@@ -132,7 +132,10 @@ def _typed(sig: str, value: Any) -> Any:
     """value as a Var of sig carries it (a number as a float for d, a tuple as a list), or _WRONG."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if sig == "d" and number:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond every float
+            return _WRONG
     if sig in _UNSIGNED_BITS and number and isinstance(value, int) and 0 <= value < 1 << _UNSIGNED_BITS[sig]:
         return value
     if (sig == "s" and isinstance(value, str)) or (sig == "b" and isinstance(value, bool)):
