@@ -177,7 +177,7 @@ def test_guard_tools(bed, users):
     assert isinstance(guard["enabled"], bool) and isinstance(guard["rules"], list)
     assert json.loads(resource.contents[0].text)["guard"]["source"] == guard["source"]
     assert structured(tested) == {"decisions": []}
-    assert error_text(broken).startswith("InvalidPolicy: ") and "broken.yaml" in error_text(broken)
+    assert error_text(broken).startswith("org.gpukill1.Error.InvalidPolicy: ") and "broken.yaml" in error_text(broken)
 
 
 @needs_root
