@@ -71,20 +71,9 @@ def test_both_transports_page_alike(victims, users, monkeypatch):
     whole, _ = both(bed, lambda c: c.list_processes())
     keys = sorted((p.device, p.pid) for p in whole)
     assert len(whole) >= 3
-    blocking, on_asyncio = both(bed, lambda c: c._pages({}))
-    assert [(p["device"], p["pid"]) for p in blocking] == [(p["device"], p["pid"]) for p in on_asyncio] == keys
     blocking, on_asyncio = both(bed, lambda c: c._compact_pages({}))
     for body in (blocking, on_asyncio):
         assert [(p.device, p.pid) for p in listing.processes_from_reply(body)] == keys
-
-
-class OlderDaemon(BlockingClient):
-    """A gpukilld from before the compact listing, as far as the client can tell: it answers UnknownMethod."""
-
-    async def _call(self, member, *args, **kwargs):
-        if member == listing.METHOD:
-            raise client_api.error_for(client_api.UNKNOWN_METHOD, f"No such method '{member}'")
-        return await super()._call(member, *args, **kwargs)
 
 
 def test_the_compact_listing_is_the_records_listing(victims, users):
@@ -97,11 +86,6 @@ def test_the_compact_listing_is_the_records_listing(victims, users):
 
     compact, records = on(bed, lambda c: c.list_processes(), blocking=True), on(bed, as_records, blocking=True)
     assert compact == records and len(compact) >= 1
-    older = OlderDaemon(open_dbus_connection(bus=bed.bus_address))
-    try:
-        assert finish(older.list_processes()) == records  # from a daemon without it: the a{sv} listing
-    finally:
-        older.close()
 
 
 def test_an_unknown_listing_format_is_one_error(bed):

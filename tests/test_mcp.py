@@ -28,6 +28,7 @@ from helpers.mcp_scenario import (
 )
 from helpers.testbed import PYTHON, REPO, Testbed, User, start_time_of
 
+from gpukill import errors
 from gpukilld import journal as audit
 
 mcp_client = pytest.importorskip("mcp.client.client", reason="the mcp SDK is not installed: pip install '.[serve]'")
@@ -152,9 +153,9 @@ def test_another_users_process_is_a_tool_error_and_audited(victims, users):
         return kill, reset, gone
 
     kill, reset, gone = run_mcp(bed, other, session)
-    assert error_text(kill).startswith("AccessDenied: ") and "not authorized to kill" in error_text(kill)
-    assert error_text(reset).startswith("AccessDenied: ")
-    assert error_text(gone).startswith("NoSuchProcess: ")
+    assert error_text(kill).startswith("org.freedesktop.DBus.Error.AccessDenied: ") and "not authorized to kill" in error_text(kill)
+    assert error_text(reset).startswith("org.freedesktop.DBus.Error.AccessDenied: ")
+    assert error_text(gone).startswith("org.gpukill1.Error.NoSuchProcess: ")
     assert victim.poll() is None
     denied = bed.wait_journal(MESSAGE_ID=audit.KILL_DENIED.message_id, GPUKILL_TARGET_PID=str(victim.pid))
     assert denied and denied[0]["GPUKILL_CALLER_UID"] == str(other.uid) and denied[0]["GPUKILL_RESULT"] == "denied"
@@ -176,7 +177,7 @@ def test_guard_tools(bed, users):
     assert isinstance(guard["enabled"], bool) and isinstance(guard["rules"], list)
     assert json.loads(resource.contents[0].text)["guard"]["source"] == guard["source"]
     assert structured(tested) == {"decisions": []}
-    assert error_text(broken).startswith("InvalidPolicy: ") and "broken.yaml" in error_text(broken)
+    assert error_text(broken).startswith("org.gpukill1.Error.InvalidPolicy: ") and "broken.yaml" in error_text(broken)
 
 
 @needs_root
@@ -185,7 +186,7 @@ def test_daemon_unreachable_is_a_tool_error(bed, users):
         return await client.call_tool("list_devices", {})
 
     result = run_mcp(bed, users["other"], session, DBUS_SYSTEM_BUS_ADDRESS="unix:path=/nonexistent")
-    assert error_text(result).startswith("DaemonUnavailable: cannot connect to the system bus")
+    assert error_text(result).startswith("org.gpukill1.Error.DaemonUnavailable: cannot connect to the system bus")
 
 
 def test_without_the_sdk_it_says_what_to_install():
@@ -241,7 +242,7 @@ def test_kill_by_name_refusals(victims, users):
     preview, bad, unknown, alive, confirmed = run_mcp(bed, owner, session)
     assert sorted(m["pid"] for m in preview["matches"]) == sorted([mine.pid, theirs.pid]), preview
     texts = [error_text(r) for r in bad]
-    assert [t.split(":")[0] for t in texts[:3]] == ["InvalidArgs"] * 3, texts
+    assert [t.split(":")[0] for t in texts[:3]] == ["org.freedesktop.DBus.Error.InvalidArgs"] * 3, texts
     assert "matches the empty string" in texts[0] and "matches the empty string" in texts[1], texts
     assert "RE2" in texts[2], texts
     assert "confirm" in texts[3] and "confirm" in texts[4] and "force" in texts[5], texts
@@ -251,7 +252,7 @@ def test_kill_by_name_refusals(victims, users):
 
     assert [(k["pid"], k["outcome"]) for k in confirmed["killed"]] == [(mine.pid, "terminated")], confirmed
     assert sorted((n["pid"], n["reason"]) for n in confirmed["not_killed"]) == sorted(
-        [(theirs.pid, "AccessDenied"), (gone, "NoSuchProcess")]), confirmed
+        [(theirs.pid, errors.AccessDenied.dbus_name), (gone, errors.NoSuchProcess.dbus_name)]), confirmed
     assert mine.wait(10) is not None and theirs.poll() is None
     denied = bed.wait_journal(MESSAGE_ID=audit.KILL_DENIED.message_id, GPUKILL_TARGET_PID=str(theirs.pid),
                               GPUKILL_TARGET_START_TIME=str(start_time_of(theirs.pid)))

@@ -77,7 +77,7 @@ def test_create_user_policy_takes_only_what_it_is_given(bed, users, no_policy):
     policy = structured(made)["policy"]
     assert policy["utilization_limit"] == 90 and policy["grace"] == 60, policy
     assert policy["memory_limit"] is None and policy["process_limit"] is None, policy
-    assert none.is_error and none.content[0].text.startswith("InvalidArgs: "), none.content
+    assert none.is_error and none.content[0].text.startswith("org.freedesktop.DBus.Error.InvalidArgs: "), none.content
     assert stray.is_error and "memory_limit" in stray.content[0].text, stray.content
     assert "Extra inputs are not permitted" in stray.content[0].text, stray.content
     assert [p for p in structured(listed)["policies"] if p["target"] == TARGET] == [policy]  # the stray call: no change

@@ -285,7 +285,7 @@ def test_mcp_usage_refuses_unknown_arguments_and_says_daemon_errors():
                                                          "usage accounting is off in gpukilld.conf"))
     result = mcp_session(off, lambda s: s.call_tool("usage", {}))
     text = result.content[0].text if hasattr(result, "content") else result[0][0].text
-    assert text.startswith("NotSupported: usage accounting is off")
+    assert text.startswith("org.gpukill1.Error.NotSupported: usage accounting is off")
 
 
 def test_mcp_usage_resource_is_the_last_day_by_user():

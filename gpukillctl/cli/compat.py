@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
-from gpukill.regex import RegexError, compile_regex
+from gpukill.regex import RegexError
 
 from ..client.api import ClientAPI, ClientError, Var
+from ..client.batch import MatchesEveryName, check_batch_pattern, once_per_process
 from ..client.exits import (
     EXIT_CODES_HELP,
     EXIT_FAILURE,
@@ -33,7 +34,8 @@ from ..client.exits import (
     exit_code,
 )
 from ..client.format import shown
-from .audit import GPU_KILL_THRESHOLDS, cmd_audit, gpu_kill_threshold
+from ..client.ports import port_number
+from .audit import GPU_KILL_THRESHOLDS, gpu_kill_threshold
 from .gpu_kill_files import guard_import, read_file, rogue_import
 from .guard import cmd_guard
 from .main import COMMANDS, cmd_kill, cmd_list, cmd_reset, positive_int, seconds
@@ -194,12 +196,6 @@ def gpu_index(text: str) -> str:
 def user_list(text: str) -> tuple[str, ...]:
     """gpu-kill's comma-separated names, blanks dropped as it drops them."""
     return tuple(name.strip() for name in text.split(",") if name.strip())
-
-
-def port_number(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r}")
-    return int(text)
 
 
 def vendor_name(text: str) -> str:
@@ -453,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _flag_of(dest: str) -> str:
+def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
@@ -477,7 +473,7 @@ OPTION_OWNERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("guard_test_policies", "--guard-test-policies", ("guard",)),
     ("policy_file", "--policy-file", ("guard",)),
     ("rogue", "--rogue", ("audit",)),
-    *[(dest, _flag_of(dest), ("audit",)) for dest in USAGE_DESTS],
+    *[(dest, _flag(dest), ("audit",)) for dest in USAGE_DESTS],
     ("vendor", "--vendor", ("list",)),
     ("containers", "--containers", ("list",)),
     *[(flag[2:].replace("-", "_"), flag, ("guard",)) for flag in (
@@ -657,14 +653,6 @@ def fail(message: str, code: int) -> int:
     return code
 
 
-# -- --audit --rogue ---------------------------------------------------------------------------------------
-
-
-def _audit(args: argparse.Namespace) -> Plan:
-    audit_ns = argparse.Namespace(json=args.output == "json")
-    return Plan(lambda client: cmd_audit(client, audit_ns))
-
-
 # -- --list ------------------------------------------------------------------------------------------------
 
 
@@ -803,17 +791,14 @@ def _kill(args: argparse.Namespace) -> Plan:
 
 
 def _check_batch_pattern(pattern: str) -> None:
-    """A pattern that matches the empty string matches every name (the daemon searches the name, as gpu-kill
-    does): "", ".*", "x*", "a|". Killing every GPU process is a different request from killing some by name,
-    and a pattern like that is usually a slip, so it is refused rather than taken literally."""
+    """client.batch's check, refused as gpukill refuses: with what to run instead."""
     try:
-        matches_nothing_too = compile_regex(pattern).search("") is not None
+        check_batch_pattern(pattern)
     except RegexError as e:
         raise Refused(f"--filter: {e}", "gpukillctl list --name-regex REGEX to try a pattern") from None
-    if matches_nothing_too:
-        raise Refused(f"--filter {shlex.quote(pattern)} matches the empty string, so every process name: "
-                      "refused with --batch", "name the processes, e.g. --filter '^python3$'; or gpukillctl list, "
-                      "then gpukillctl kill PID for each")
+    except MatchesEveryName as e:
+        raise Refused(f"--filter {e}: refused with --batch", "name the processes, e.g. --filter '^python3$'; or "
+                      "gpukillctl list, then gpukillctl kill PID for each") from None
 
 
 async def preview(client: ClientAPI, selection: Selection) -> int:
@@ -832,8 +817,7 @@ def _how(force: bool, grace: float | None) -> str:
 
 
 async def targets_of(client: ClientAPI, selection: Selection) -> list:
-    procs = await client.list_processes(selection.filter())
-    return list({(p.pid, p.start_time): p for p in procs}.values())  # one process on two GPUs: once
+    return once_per_process(await client.list_processes(selection.filter()))
 
 
 async def no_targets(client: ClientAPI, selection: Selection, done: str) -> int:
@@ -1143,10 +1127,6 @@ _SETTINGS_WORDS = {"rogue_config": "show", "rogue_export_config": "export", "rog
 
 def _audit_settings_given(args: argparse.Namespace) -> bool:
     return any(_given(args, dest) for dest in AUDIT_SETTING_DESTS)
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def _threshold(dest: str, args: argparse.Namespace) -> str:

@@ -52,6 +52,10 @@ OBJECT_PATH = "/org/gpukill1"
 INTERFACE = "org.gpukill1.Manager"
 GUARD_INTERFACE = "org.gpukill1.Guard"
 CALL_TIMEOUT = 25.0
+DEFAULT_GRACE = 5.0  # seconds: gpukilld's grace after SIGTERM when a kill names none
+# Seconds a kill's reply may take beyond its grace: SIGKILL's wait and the watch of the GPU's memory (3 samples)
+KILL_REPLY_MARGIN = 60.0
+PROMPT_TIME = 300.0  # seconds for a password prompt, where one may be asked
 PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
 DBUS = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
 ALLOW_INTERACTIVE_AUTHORIZATION = 0x4  # the message flag, as the D-Bus specification numbers it
@@ -88,9 +92,22 @@ ERRORS: dict[str, type[ClientError]] = {
 ERRORS["org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"] = ERRORS[errors.AccessDenied.dbus_name]
 NOT_RUNNING = ("org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner")
 TIMEOUT = "org.freedesktop.DBus.Error.Timeout"
-UNKNOWN_METHOD = "org.freedesktop.DBus.Error.UnknownMethod"  # what a gpukilld older than a method answers
 # Where a compact row (gpukill/listing.py: the mask, then its COLUMNS) holds the keyset of paging.
 ROW_DEVICE, ROW_PID = 1 + listing.COLUMNS.index("device"), 1 + listing.COLUMNS.index("pid")
+
+
+DAEMON_UNAVAILABLE = "org.gpukill1.Error.DaemonUnavailable"  # what no D-Bus error names: no bus, or no gpukilld
+
+
+def error_name(e: Exception) -> str:
+    """The error name every client that reports a failure by name shows (the REST API's "error", the start of
+    an MCP tool error): the full D-Bus error name, as the shared error class (gpukill.errors) or the bus names
+    it; DAEMON_UNAVAILABLE without a daemon; org.gpukill1.Error.Failed for a failure nobody named."""
+    if isinstance(e, DaemonUnavailable):
+        return DAEMON_UNAVAILABLE
+    if isinstance(e, errors.GpukillError):
+        return e.dbus_name
+    return (e.name if isinstance(e, ClientError) else "") or errors.GpukillError.dbus_name
 
 
 def error_for(name: str, message: str) -> ClientError:
@@ -107,56 +124,73 @@ class Var(NamedTuple):
     value: Any
 
 
-def audit_variants(values: dict[str, Any]) -> dict[str, Any]:
-    """Audit settings or thresholds as an a{sv}: each value as a Var of its key's signature (the record's), a Var
-    as it is; a key the record does not know goes as a string, for the daemon to refuse by name."""
-    from gpukill.records import AuditSettings, specs
+_UNSIGNED_BITS = {"y": 8, "q": 16, "u": 32, "t": 64}
+_WRONG = object()  # what _typed answers for a value its signature does not take
 
-    sigs = dict(specs(AuditSettings))
-    out = {}
+
+def _typed(sig: str, value: Any) -> Any:
+    """value as a Var of sig carries it (a number as a float for d, a tuple as a list), or _WRONG."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if sig == "d" and number:
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond every float
+            return _WRONG
+    if sig in _UNSIGNED_BITS and number and isinstance(value, int) and 0 <= value < 1 << _UNSIGNED_BITS[sig]:
+        return value
+    if (sig == "s" and isinstance(value, str)) or (sig == "b" and isinstance(value, bool)):
+        return value
+    if sig.startswith("a") and isinstance(value, list | tuple):
+        items = [_typed(sig[1:], v) for v in value]
+        return _WRONG if _WRONG in items else items
+    return _WRONG
+
+
+def plain_variants(values: dict[str, Any], sigs: dict[str, str], what: str,
+                   text_too: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An a{sv} from plain values: each as a Var of its key's signature in sigs (an int where a d goes as a float,
+    a tuple as a list), a Var or a dbus-fast Variant as it is, None left out; a key of text_too also takes a
+    string, sent as one (a size or a duration, which gpukilld reads in gpukill.units' grammar).
+    errors.InvalidArgs in one line naming the key for a key sigs does not hold or a value not of its type: the
+    client sends what it was given or nothing."""
+    invalid = ERRORS[errors.InvalidArgs.dbus_name]
+    out: dict[str, Any] = {}
     for key, value in values.items():
+        if value is None:
+            continue
+        if key not in sigs:
+            raise invalid(errors.InvalidArgs.dbus_name, f"unknown {what} {key[:64]!r} (known: {', '.join(sigs)})")
         if isinstance(value, Var) or type(value).__name__ == "Variant":
             out[key] = value
             continue
-        sig = sigs[key].sig if key in sigs else "s"
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if sig == "d" and number:
-            value = float(value)
-        elif sig in ("as", "aq") and isinstance(value, list | tuple) and all(
-                isinstance(v, str) if sig == "as" else isinstance(v, int) and 0 <= v < 1 << 16 for v in value):
-            value = list(value)
-        elif not (sig == "t" and isinstance(value, int) and number and 0 <= value < 1 << 64):
-            sig, value = "s", str(value)[:1024]  # not of the key's type: the daemon refuses it by name, in one line
-        out[key] = Var(sig, value)
+        if key in text_too and isinstance(value, str):
+            out[key] = Var("s", value)
+            continue
+        typed = _typed(sigs[key], value)
+        if typed is _WRONG:
+            raise invalid(errors.InvalidArgs.dbus_name,
+                          f"{what} {key}: {repr(value)[:64]} is not of its type ({sigs[key]})")
+        out[key] = Var(sigs[key], typed)
     return out
 
 
+def audit_variants(values: dict[str, Any]) -> dict[str, Any]:
+    """Audit settings or thresholds as an a{sv}: plain_variants with the signatures AuditSettings declares."""
+    from gpukill.records import AuditSettings, specs
+
+    return plain_variants(values, {name: spec.sig for name, spec in specs(AuditSettings)}, "audit setting")
+
+
 # GetUsage's query keys and the signature each goes as (the daemon takes more for some: these are the ones the
-# clients send). A key not here goes as a string, for the daemon to refuse by name.
+# clients send).
 USAGE_QUERY = {"since": "d", "until": "d", "by": "s", "user": "s", "name": "s", "unit": "s", "job": "s", "pod": "s",
                "device": "s", "limit": "u"}
 
 
 def usage_variants(query: dict[str, Any]) -> dict[str, Any]:
-    """GetUsage's a{sv} from plain values (floats for since/until, an int limit, text for the rest); a Var (or a
-    dbus-fast Variant) as it is; a value not of its key's type goes as text, for the daemon to refuse in one
-    line rather than the client failing to send it."""
-    out: dict[str, Any] = {}
-    for key, value in query.items():
-        if value is None:
-            continue
-        if isinstance(value, Var) or type(value).__name__ == "Variant":
-            out[key] = value
-            continue
-        sig = USAGE_QUERY.get(key, "s")
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if sig == "d" and number:
-            out[key] = Var("d", float(value))
-        elif sig == "u" and number and isinstance(value, int) and 0 <= value < 1 << 32:
-            out[key] = Var("u", value)
-        else:
-            out[key] = Var("s", str(value)[:1024])
-    return out
+    """GetUsage's a{sv} from plain values (numbers for since/until, an int limit, text for the rest):
+    plain_variants with USAGE_QUERY's signatures."""
+    return plain_variants(query, USAGE_QUERY, "usage query key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,35 +206,14 @@ class DaemonStatus:
 TEXT_SETTINGS = ("memory_limit", "reserved_memory", "grace")  # sizes and durations SetPolicy takes as text too
 
 
-def policy_settings(settings: dict[str, Any]) -> dict[str, Var]:
-    """SetPolicy's a{sv}: each setting with the signature ManagedPolicyEntry declares for it, or a size or a
-    duration as text ("8GiB", "2min": the daemon reads gpukill.units' grammar); errors.InvalidArgs for a key it
-    does not declare or a value that is not of its type."""
+def policy_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """SetPolicy's a{sv}: plain_variants with the signatures ManagedPolicyEntry declares for its settings, a size
+    or a duration also as text ("8GiB", "2min": the daemon reads gpukill.units' grammar)."""
     from gpukill.records import specs
 
     sigs = {name: spec.sig for name, spec in specs(records.ManagedPolicyEntry)
             if name not in ("kind", "target", "file", "edited")}
-    invalid = ERRORS[errors.InvalidArgs.dbus_name]
-    out: dict[str, Var] = {}
-    for key, value in settings.items():
-        sig = sigs.get(key)
-        if sig is None:
-            raise invalid("", f"unknown policy setting {key!r} (known: {', '.join(sigs)})")
-        if isinstance(value, str) and sig in ("t", "d") and key in TEXT_SETTINGS:
-            out[key] = Var("s", value)
-            continue
-        if sig == "as":
-            ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
-            value = list(value) if ok else value
-        elif sig == "d":
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            value = float(value) if ok else value
-        else:
-            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < (1 << (32 if sig == "u" else 64))
-        if not ok:
-            raise invalid("", f"policy setting {key}: {value!r} is not of its type ({sig})")
-        out[key] = Var(sig, value)
-    return out
+    return plain_variants(settings, sigs, "policy setting", TEXT_SETTINGS)
 
 
 class ClientAPI:
@@ -224,8 +237,8 @@ class ClientAPI:
     async def list_processes(self, filter: dict[str, Any] | None = None) -> list[Process]:
         """Every process the daemon shows us; page by page when the whole listing is too large for one reply.
         filter: ListProcesses' keys, each value a Var (the async transport also takes dbus-fast Variants).
-        Asked in the compact form (gpukill/listing.py: no variants, a fraction of the bytes and of the decoding),
-        or as a{sv} records from a gpukilld that does not have it yet."""
+        Asked in the compact form (gpukill/listing.py: no variants, a fraction of the bytes and of the
+        decoding)."""
         try:
             try:
                 body = await self._call(listing.METHOD, listing.IN_SIGNATURE, [filter or {}])
@@ -234,17 +247,10 @@ class ClientAPI:
             return listing.processes_from_reply(body)
         except listing.UnknownListingFormat as e:
             raise ClientError("", str(e)) from None
-        except ClientError as e:
-            if e.name != UNKNOWN_METHOD:
-                raise
-        try:
-            (procs,) = await self._call("ListProcesses", "a{sv}", [filter or {}])
-        except errors.ReplyTooLarge:
-            procs = await self._pages(filter or {})
-        return [from_plain(Process, p) for p in procs]
 
     async def _compact_pages(self, filter: dict[str, Any]) -> list:
-        """The compact listing's body, gathered in keyset pages as _pages gathers ListProcesses'."""
+        """The compact listing's body, gathered in keyset pages in (device, pid) order: a process that comes
+        or goes between pages shifts nothing."""
         rows: list = []
         page_filter = {**filter, "limit": Var("u", PAGE_SIZE)}
         while True:
@@ -256,25 +262,9 @@ class ClientAPI:
                 return [form, rows]
             page_filter["after"] = Var("(uu)", (page[-1][ROW_DEVICE], page[-1][ROW_PID]))
 
-    async def _pages(self, filter: dict[str, Any]) -> list[dict[str, Any]]:
-        """Keyset pages in (device, pid) order: a process that comes or goes between pages shifts nothing."""
-        procs: list[dict[str, Any]] = []
-        page_filter = {**filter, "limit": Var("u", PAGE_SIZE)}
-        while True:
-            (page,) = await self._call("ListProcesses", "a{sv}", [page_filter])
-            procs.extend(page)
-            if len(page) < PAGE_SIZE:
-                return procs
-            last = page[-1]
-            page_filter["after"] = Var("(uu)", (last["device"], last["pid"]))
-
     async def kill(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
                    interactive: bool = False) -> Outcome:
-        options: dict[str, Var] = {"force": Var("b", force)}
-        if grace is not None:
-            options["grace"] = Var("d", float(grace))
-        # The daemon may wait the whole grace, then SIGKILL's wait, plus a password prompt.
-        timeout = (grace if grace is not None else 5.0) + 30.0 + (300.0 if interactive else 0.0)
+        options, timeout = self._kill_options(force, grace, interactive)
         (outcome,) = await self._call("KillProcess", "uta{sv}", [pid, start_time, options],
                                       interactive=interactive, timeout=timeout)
         from gpukill.outcome import Outcome
@@ -286,27 +276,22 @@ class ClientAPI:
 
     @staticmethod
     def _kill_options(force: bool, grace: float | None, interactive: bool) -> tuple[dict[str, Var], float]:
+        """A kill's options and how long to wait for its reply: the grace, then KILL_REPLY_MARGIN (SIGKILL's wait,
+        the watch of the GPU), and a password prompt's time when one may be asked."""
         options: dict[str, Var] = {"force": Var("b", force)}
         if grace is not None:
             options["grace"] = Var("d", float(grace))
-        # the grace, SIGKILL's wait, the watch of the GPU (3 samples), a password prompt
-        return options, (grace if grace is not None else 5.0) + 60.0 + (300.0 if interactive else 0.0)
+        waited = (grace if grace is not None else DEFAULT_GRACE) + KILL_REPLY_MARGIN
+        return options, waited + (PROMPT_TIME if interactive else 0.0)
 
     async def kill_report(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
                           interactive: bool = False) -> KillReport:
-        """kill() with the GPU's answer: the outcome and whether the memory came back (gpukill/records/reclaim.py).
-        A gpukilld without KillProcessReport answers as kill() does, its reclaim "unwatched"."""
-        from gpukill.records import KillReport, Reclaim
+        """kill() with the GPU's answer: the outcome and whether the memory came back (gpukill/records/reclaim.py)."""
+        from gpukill.records import KillReport
 
         options, timeout = self._kill_options(force, grace, interactive)
-        try:
-            (report,) = await self._call("KillProcessReport", "uta{sv}", [pid, start_time, options],
-                                         interactive=interactive, timeout=timeout)
-        except ClientError as e:
-            if e.name != UNKNOWN_METHOD:
-                raise
-            outcome = await self.kill(pid, start_time, force=force, grace=grace, interactive=interactive)
-            return KillReport(outcome, Reclaim("unwatched"))
+        (report,) = await self._call("KillProcessReport", "uta{sv}", [pid, start_time, options],
+                                     interactive=interactive, timeout=timeout)
         return from_plain(KillReport, report)
 
     async def kill_workload(self, selection: dict[str, Var], *, force: bool = False, grace: float | None = None,
@@ -315,14 +300,8 @@ class ClientAPI:
         from gpukill.records import WorkloadReply
 
         options, timeout = self._kill_options(force, grace, interactive)
-        try:
-            (reply,) = await self._call("KillWorkload", "a{sv}a{sv}", [selection, options], interactive=interactive,
-                                        timeout=timeout + 60.0)
-        except ClientError as e:
-            if e.name != UNKNOWN_METHOD:
-                raise
-            raise ERRORS[errors.NotSupported.dbus_name](
-                e.name, "this gpukilld cannot kill a workload in one act (it has no KillWorkload: upgrade it)") from None
+        (reply,) = await self._call("KillWorkload", "a{sv}a{sv}", [selection, options], interactive=interactive,
+                                    timeout=timeout + 60.0)
         return from_plain(WorkloadReply, reply)
 
     async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
@@ -349,8 +328,8 @@ class ClientAPI:
     async def set_audit_settings(self, changes: dict[str, Any], *, interactive: bool = False) -> AuditSettings:
         """Change the given settings (plain values or Vars; the others stay); errors.InvalidArgs when one is
         invalid (nothing changes then), errors.AccessDenied when polkit says no."""
-        (settings,) = await self._call("SetAuditSettings", "a{sv}", [audit_variants(changes)],
-                                       interactive=interactive, timeout=CALL_TIMEOUT + (300.0 if interactive else 0.0))
+        (settings,) = await self._call("SetAuditSettings", "a{sv}", [audit_variants(changes)], interactive=interactive,
+                                       timeout=CALL_TIMEOUT + (PROMPT_TIME if interactive else 0.0))
         return from_plain(records.AuditSettings, settings)
 
     async def export_audit_settings(self) -> str:
@@ -361,22 +340,15 @@ class ClientAPI:
     async def import_audit_settings(self, name: str, text: str, *, interactive: bool = False) -> AuditSettings:
         """Change the settings an [audit] text names; errors.InvalidArgs "NAME:LINE: ..." when it is invalid."""
         (settings,) = await self._call("ImportAuditSettings", "ss", [name, text], interactive=interactive,
-                                       timeout=CALL_TIMEOUT + (300.0 if interactive else 0.0))
+                                       timeout=CALL_TIMEOUT + (PROMPT_TIME if interactive else 0.0))
         return from_plain(records.AuditSettings, settings)
 
     async def usage(self, query: dict[str, Any] | None = None) -> UsageReport:
         """GetUsage: the GPU use recorded in a range, grouped (query: since, until, by, user, name, unit, job, pod,
         device, limit as plain values, see usage_variants), filtered as the listings are: other users' records
-        as the caller may see them. errors.NotSupported from a gpukilld without the accounting (too old, or
-        [usage] enabled = no)."""
-        try:
-            (report,) = await self._call("GetUsage", "a{sv}", [usage_variants(query or {})],
-                                         timeout=CALL_TIMEOUT + 35.0)  # a month of records is read in a thread
-        except ClientError as e:
-            if e.name != UNKNOWN_METHOD:
-                raise
-            raise ERRORS[errors.NotSupported.dbus_name](
-                e.name, "this gpukilld keeps no usage accounting (it has no GetUsage: upgrade it)") from None
+        as the caller may see them. errors.NotSupported when gpukilld keeps no accounting ([usage] enabled = no)."""
+        (report,) = await self._call("GetUsage", "a{sv}", [usage_variants(query or {})],
+                                     timeout=CALL_TIMEOUT + 35.0)  # a month of records is read in a thread
         return from_plain(records.UsageReport, report)
 
     async def status(self) -> DaemonStatus:
@@ -394,7 +366,7 @@ class ClientAPI:
     async def _guard(self, member: str, signature: str = "", body: list | None = None, *,
                      interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
         return await self._call(member, signature, body, interface=GUARD_INTERFACE, interactive=interactive,
-                                timeout=timeout + (300.0 if interactive else 0.0))
+                                timeout=timeout + (PROMPT_TIME if interactive else 0.0))
 
     async def guard_status(self) -> GuardStatus:
         (status,) = await self._guard("GetStatus")

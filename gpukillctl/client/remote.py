@@ -27,6 +27,8 @@ from typing import BinaryIO
 
 from dbus_fast.aio import MessageBus
 
+from .ports import parse_port
+
 SSH_ENV = "GPUKILL_SSH"
 REMOTE_BUS_ENV = "GPUKILL_REMOTE_BUS"
 BRIDGE = "systemd-stdio-bridge"
@@ -74,9 +76,10 @@ class Host:
             raise ValueError(f"not a user name: {user!r} in {text!r}")
         port = None
         if port_text or rest.endswith(":"):
-            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-                raise ValueError(f"not a port: {port_text!r} in {text!r}")
-            port = int(port_text)
+            try:
+                port = parse_port(port_text)
+            except ValueError as e:
+                raise ValueError(f"{e} in {text!r}") from None
         return cls(user or None, name, port)
 
     def ssh_argv(self, ssh: list[str], remote_command: str) -> list[str]:

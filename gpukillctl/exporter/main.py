@@ -36,7 +36,8 @@ from pathlib import Path
 
 from ..client.dbus import ClientError, GpukillClient
 from ..client.exits import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from ..http.listen import ServeError, port_number
+from ..client.ports import port_number
+from ..http.listen import ServeError
 
 PROG = "gpukillctl exporter"
 INSTALL_HINT = "pip install 'gpukill[exporter]', or the package gpukill-exporter"

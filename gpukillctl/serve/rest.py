@@ -72,6 +72,7 @@ from gpukill.units import (
     parse_size,
 )
 
+from ..client.api import error_name
 from ..client.dbus import ClientError, Connect, DaemonUnavailable, GpukillClient, using
 from ..client.usage import MAX_WHEN_TEXT, parse_when
 
@@ -201,13 +202,6 @@ def status_for(e: ClientError) -> int:
     if e.name == TIMEOUT_ERROR:
         return 504
     return next((code for cls, code in STATUS_FOR_ERROR.items() if isinstance(e, cls)), 502)
-
-
-def error_name(e: ClientError) -> str:
-    """The D-Bus error name the failure came with; DaemonUnavailable has none of its own."""
-    if isinstance(e, DaemonUnavailable):
-        return "org.gpukill1.Error.DaemonUnavailable"
-    return e.dbus_name if isinstance(e, errors.GpukillError) else (e.name or errors.GpukillError.dbus_name)
 
 
 # -- models: derived from the records' declarations ---------------------------------------------------------
@@ -480,29 +474,7 @@ def build_rest(connect: Connect) -> FastAPI:
         "scalar one given twice, or a body key its schema does not list is refused (422) with its name.",
     )
     app.router.route_class = StrictRoute  # every route below: unknown query parameters are refused
-
-    @app.exception_handler(ClientError)
-    async def daemon_error(request: Request, e: ClientError) -> JSONResponse:
-        return error_response(status_for(e), error_name(e), str(e))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        problems = [
-            f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', '')}" for err in e.errors()
-        ]
-        return error_response(422, INVALID_ARGS, "; ".join(problems)[:1024] or "invalid arguments")
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        if e.status_code == 400:  # a body FastAPI could not even decode (not UTF-8): invalid arguments too
-            return error_response(422, INVALID_ARGS, str(e.detail))
-        headers = dict(e.headers or {})
-        if e.status_code == 405:  # Starlette names the methods of the first route of the path only
-            headers = {k: v for k, v in headers.items() if k.lower() != "allow"}
-            headers["Allow"] = ", ".join(_allowed_methods(app, request))
-        return error_response(
-            e.status_code, _HTTP_ERROR_NAMES.get(e.status_code, "HTTPError"), str(e.detail), headers=headers
-        )
+    _error_handlers(app)
 
     def with_daemon(act: Callable[[GpukillClient], Awaitable[Any]]) -> Awaitable[Any]:
         return using(connect, act)
@@ -678,6 +650,34 @@ def build_rest(connect: Connect) -> FastAPI:
     _policy_routes(app, with_daemon)
     _declare_token(app)
     return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every failure as {"error": NAME, "message": TEXT}: the daemon's (its D-Bus error name, the status of
+    STATUS_FOR_ERROR), arguments that do not validate (422 InvalidArgs), and the HTTP layer's own refusals."""
+
+    @app.exception_handler(ClientError)
+    async def daemon_error(request: Request, e: ClientError) -> JSONResponse:
+        return error_response(status_for(e), error_name(e), str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        problems = [
+            f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', '')}" for err in e.errors()
+        ]
+        return error_response(422, INVALID_ARGS, "; ".join(problems)[:1024] or "invalid arguments")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 400:  # a body FastAPI could not even decode (not UTF-8): invalid arguments too
+            return error_response(422, INVALID_ARGS, str(e.detail))
+        headers = dict(e.headers or {})
+        if e.status_code == 405:  # Starlette names the methods of the first route of the path only
+            headers = {k: v for k, v in headers.items() if k.lower() != "allow"}
+            headers["Allow"] = ", ".join(_allowed_methods(app, request))
+        return error_response(
+            e.status_code, _HTTP_ERROR_NAMES.get(e.status_code, "HTTPError"), str(e.detail), headers=headers
+        )
 
 
 _POLICY_PATH = f"{API_PREFIX}/guard/policies/{{kind}}/{{target}}"

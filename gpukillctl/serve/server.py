@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING
 
 from ..client.dbus import GpukillClient
 from ..client.exits import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from ..http.listen import ServeError, port_number
+from ..client.ports import port_number
+from ..http.listen import ServeError
 
 if TYPE_CHECKING:
     from ..web.session import Sessions

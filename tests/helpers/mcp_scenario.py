@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from gpukill import errors
 from gpukilld import journal as audit
 
 from .testbed import ROOT, Testbed, User, start_time_of
@@ -85,7 +86,7 @@ def check_article(bed: Testbed, owner: User, v: ArticleVictims, r: ArticleResult
     assert [d["index"] for d in r.devices] == [0, 1, 2, 3] and r.devices[0]["name"] == "Simulated H100 80GB HBM3"
     assert sorted(p["pid"] for p in r.found) == sorted(p.pid for p in v.big)
     assert all(p["gpu_memory"] > TWELVE_GB and "python" in p["comm"] for p in r.found)
-    assert error_text(r.stale).startswith("ProcessChanged: ")  # a wrong start time kills nothing
+    assert error_text(r.stale).startswith("org.gpukill1.Error.ProcessChanged: ")  # a wrong start time kills nothing
     assert [k["outcome"] for k in r.kills] == ["terminated", "terminated"]
     # each kill ends with the GPU's answer: nothing related to it holds its memory
     assert [k["reclaim"]["verdict"] for k in r.kills] == ["reclaimed", "reclaimed"], r.kills
@@ -158,7 +159,7 @@ def check_batch(bed: Testbed, owner: User, v: ArticleVictims, r: BatchResults) -
 
     s = r.stale
     assert s["confirmed"] is True and s["killed"] == [], s
-    assert [(n["pid"], n["reason"]) for n in s["not_killed"]] == [(v.big[0].pid, "ProcessChanged")], s
+    assert [(n["pid"], n["reason"]) for n in s["not_killed"]] == [(v.big[0].pid, errors.ProcessChanged.dbus_name)], s
     assert r.big0_alive_after_stale
 
     c = r.confirmed
@@ -233,14 +234,14 @@ def check_policy_made(r: PolicyResults, target: str) -> None:
     assert [p for p in r.resource["policies"] if p["target"] == target] == [policy], r.resource
     assert structured(r.removed) == {"kind": "user", "target": target, "removed": True}
     assert target not in user_policies(r.listed_after)
-    assert error_text(r.removed_again).startswith("InvalidArgs: ") and target in error_text(r.removed_again)
+    assert error_text(r.removed_again).startswith("org.freedesktop.DBus.Error.InvalidArgs: ") and target in error_text(r.removed_again)
 
 
 def check_policy_refused(r: PolicyResults, target: str) -> None:
     """As an ordinary user: polkit refuses both changes (AccessDenied, as a tool error); listing works; no
     policy was made."""
-    assert error_text(r.created).startswith("AccessDenied: "), error_text(r.created)
-    assert error_text(r.removed).startswith("AccessDenied: ")
-    assert error_text(r.removed_again).startswith("AccessDenied: ")
+    assert error_text(r.created).startswith("org.freedesktop.DBus.Error.AccessDenied: "), error_text(r.created)
+    assert error_text(r.removed).startswith("org.freedesktop.DBus.Error.AccessDenied: ")
+    assert error_text(r.removed_again).startswith("org.freedesktop.DBus.Error.AccessDenied: ")
     assert target not in user_policies(r.listed) and target not in user_policies(r.listed_after)
     assert [p for p in r.resource["policies"] if p["target"] == target] == []
