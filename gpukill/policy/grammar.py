@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
@@ -58,6 +58,16 @@ CONDITION_KEYS = ("type", "operator", "value", "duration", "over", "scope", "des
 # Python's `re`, on a name whose length is bounded before matching (MAX_NAME); linear in it anyway
 # (tests/test_policy_hostile.py measures 1 MiB).
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class _KillSettings(NamedTuple):
+    """A rule's keys of action kill, read."""
+
+    force: bool
+    grace_period: float
+    kill_grace: float | None
+    kill_scope: str
+    warn: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,59 +175,77 @@ class _Parser(ValueReader):
         fields = self.mapping(node, "a rule", RULE_KEYS)
         if fields is None:
             return None
-        name = None
-        if "name" not in fields:
-            self.error(node, "a rule needs a 'name'")
-        else:
-            name = self.string(fields["name"][1], "the rule name")
-            if name is not None and (len(name) > MAX_NAME or not _NAME.match(name)):
-                self.error(fields["name"][1], f"rule name {quoted(name)} must be at most {MAX_NAME} letters, digits, "
-                                              "'.', '_' or '-', starting with a letter or digit")
-                name = None
+        name = self.rule_name(node, fields)
         label = f"rule {name!r}" if name else "the rule"
         description = ""
         if "description" in fields:
             description = self.string(fields["description"][1], "description", allow_empty=True,
                                       max_len=MAX_DESCRIPTION) or ""
+        match = self.rule_match(fields)
+        rule_scope = self.scope(fields["scope"][1]) if "scope" in fields else None
+        action = self.rule_action(node, fields, label)
+        kill = self.kill_settings(fields, action)
+        reset_cooldown, max_resets = self.reset_settings(fields, action)
+        notify = self.notify_targets(fields["notify"][1]) if "notify" in fields else None
+        exemptions = Exemptions()
+        if "exemptions" in fields:
+            exemptions = self.exemptions(fields["exemptions"][1]) or Exemptions()
+        cond_nodes = self.condition_nodes(node, fields, label)
+        scope = self.agreed_scope(rule_scope, cond_nodes)
+        conditions = [c for c in (self.condition(cn, scope) for cn in cond_nodes) if c is not None]
+        self.check_match_any(fields, match, scope, conditions)
+        self.check_kill_selects_some(node, label, scope, action, conditions)
+        self.check_subjects_named(node, fields, label, scope, match, conditions, self.failures == before)
+        self.check_reset_scope(fields, label, scope, action, conditions)
+        if self.failures > before or name is None or action is None:
+            return None
+        return Rule(name=name, description=description, conditions=tuple(conditions), match=match, scope=scope,
+                    action=action, force=kill.force, grace_period=kill.grace_period, kill_grace=kill.kill_grace,
+                    notify=notify, exemptions=exemptions, where=self.where(node), cooldown=reset_cooldown,
+                    max_resets_per_hour=max_resets, warn=kill.warn, kill_scope=kill.kill_scope)
 
-        match = "all"
-        if "match" in fields:
-            m = self.string(fields["match"][1], "match")
-            if m is not None and m not in MATCHES:
-                self.error(fields["match"][1], f"match must be 'all' or 'any', not {quoted(m)}")
-            elif m is not None:
-                match = m
+    # -- a rule's fields, each read alone ----------------------------------------------------------------
 
-        rule_scope = None
-        if "scope" in fields:
-            rule_scope = self.scope(fields["scope"][1])
+    def rule_name(self, node: Node, fields: dict[str, tuple[Node, Node]]) -> str | None:
+        if "name" not in fields:
+            self.error(node, "a rule needs a 'name'")
+            return None
+        name = self.string(fields["name"][1], "the rule name")
+        if name is not None and (len(name) > MAX_NAME or not _NAME.match(name)):
+            self.error(fields["name"][1], f"rule name {quoted(name)} must be at most {MAX_NAME} letters, digits, "
+                                          "'.', '_' or '-', starting with a letter or digit")
+            return None
+        return name
 
-        action = None
+    def rule_match(self, fields: dict[str, tuple[Node, Node]]) -> str:
+        if "match" not in fields:
+            return "all"
+        m = self.string(fields["match"][1], "match")
+        if m is not None and m not in MATCHES:
+            self.error(fields["match"][1], f"match must be 'all' or 'any', not {quoted(m)}")
+            return "all"
+        return "all" if m is None else m
+
+    def rule_action(self, node: Node, fields: dict[str, tuple[Node, Node]], label: str) -> str | None:
         if "action" not in fields:
             self.error(node, f"{label} needs an 'action': kill, notify, log or reset")
-        else:
-            action = self.string(fields["action"][1], "action")
-            if action is not None and action not in ACTIONS:
-                self.error(fields["action"][1], f"unknown action {quoted(action)} (known: {', '.join(ACTIONS)})")
-                action = None
+            return None
+        action = self.string(fields["action"][1], "action")
+        if action is not None and action not in ACTIONS:
+            self.error(fields["action"][1], f"unknown action {quoted(action)} (known: {', '.join(ACTIONS)})")
+            return None
+        return action
 
-        force = False
-        if "force" in fields:
-            force = bool(self.boolean(fields["force"][1], "force"))
+    def kill_settings(self, fields: dict[str, tuple[Node, Node]], action: str | None) -> _KillSettings:
+        """The keys of action kill; any of them on another action is an error."""
+        force = bool(self.boolean(fields["force"][1], "force")) if "force" in fields else False
         grace = 0.0
         if "grace_period" in fields:
             grace = self.duration(fields["grace_period"][1], "grace_period", 0.0, 86400.0) or 0.0
         kill_grace = None
         if "kill_grace" in fields:
             kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_GRACE)
-        kill_scope = KILL_PROCESS
-        if "kill_scope" in fields:
-            ks = self.string(fields["kill_scope"][1], "kill_scope")
-            if ks is not None and ks not in KILL_SCOPES:
-                self.error(fields["kill_scope"][1], f"kill_scope must be one of {', '.join(KILL_SCOPES)}, "
-                                                    f"not {quoted(ks)}")
-            elif ks is not None:
-                kill_scope = ks
+        kill_scope = self.rule_kill_scope(fields["kill_scope"][1]) if "kill_scope" in fields else KILL_PROCESS
         if action in ("notify", "log", RESET):
             for key in (("grace_period", "kill_grace", "warn", "kill_scope") if action == RESET
                         else ("force", "grace_period", "kill_grace", "warn", "kill_scope")):
@@ -226,69 +254,93 @@ class _Parser(ValueReader):
         warn: tuple[float, ...] = ()
         if "warn" in fields and action == "kill":
             warn = self.warn_schedule(fields["warn"][1], grace, fields["warn"][0] if not grace else None)
+        return _KillSettings(force, grace, kill_grace, kill_scope, warn)
+
+    def rule_kill_scope(self, node: Node) -> str:
+        ks = self.string(node, "kill_scope")
+        if ks is not None and ks not in KILL_SCOPES:
+            self.error(node, f"kill_scope must be one of {', '.join(KILL_SCOPES)}, not {quoted(ks)}")
+            return KILL_PROCESS
+        return KILL_PROCESS if ks is None else ks
+
+    def reset_settings(self, fields: dict[str, tuple[Node, Node]], action: str | None) -> tuple[float, int]:
+        """(cooldown, max_resets_per_hour): keys of action reset only; any of them on another action is an
+        error."""
         reset_cooldown, max_resets = RESET_COOLDOWN, MAX_RESETS_PER_HOUR
         if action != RESET:
             for key in RESET_KEYS:
                 if key in fields and action is not None:
                     self.error(fields[key][0], f"{key} applies only to action reset, not {action}")
-        else:
-            if "cooldown" in fields:
-                reset_cooldown = self.duration(fields["cooldown"][1], "cooldown", MIN_RESET_COOLDOWN, 86400.0) \
-                    or RESET_COOLDOWN
-            if "max_resets_per_hour" in fields:
-                ok, raw = self.scalar(fields["max_resets_per_hour"][1])
-                if ok and isinstance(raw, int) and not isinstance(raw, bool) and 1 <= raw <= MAX_RESETS_PER_HOUR_LIMIT:
-                    max_resets = raw
-                else:
-                    self.error(fields["max_resets_per_hour"][1], "max_resets_per_hour must be a whole number from 1 "
-                                                                 f"to {MAX_RESETS_PER_HOUR_LIMIT}, not "
-                               f"{described(raw) if ok else node_kind(fields['max_resets_per_hour'][1])}")
-        notify = None
-        if "notify" in fields:
-            notify = self.notify_targets(fields["notify"][1])
-        exemptions = Exemptions()
-        if "exemptions" in fields:
-            exemptions = self.exemptions(fields["exemptions"][1]) or Exemptions()
+            return reset_cooldown, max_resets
+        if "cooldown" in fields:
+            reset_cooldown = self.duration(fields["cooldown"][1], "cooldown", MIN_RESET_COOLDOWN, 86400.0) \
+                or RESET_COOLDOWN
+        if "max_resets_per_hour" in fields:
+            node = fields["max_resets_per_hour"][1]
+            ok, raw = self.scalar(node)
+            if ok and isinstance(raw, int) and not isinstance(raw, bool) and 1 <= raw <= MAX_RESETS_PER_HOUR_LIMIT:
+                max_resets = raw
+            else:
+                self.error(node, "max_resets_per_hour must be a whole number from 1 to "
+                                 f"{MAX_RESETS_PER_HOUR_LIMIT}, not {described(raw) if ok else node_kind(node)}")
+        return reset_cooldown, max_resets
 
-        # The scope: the rule's own, or the one its conditions state (they must agree).
-        cond_nodes: list[Node] = []
+    def condition_nodes(self, node: Node, fields: dict[str, tuple[Node, Node]], label: str) -> list[Node]:
         if "conditions" not in fields:
             self.error(node, f"{label} needs 'conditions'")
-        else:
-            cnode = fields["conditions"][1]
-            if not isinstance(cnode, SequenceNode):
-                self.error(cnode, f"conditions must be a list, not {node_kind(cnode)}")
-            elif not cnode.value:
-                self.error(cnode, f"{label} has an empty conditions list: it would match every process")
-            else:
-                cond_nodes = list(cnode.value)
-                self.budget(cnode, len(cond_nodes))
+            return []
+        cnode = fields["conditions"][1]
+        if not isinstance(cnode, SequenceNode):
+            self.error(cnode, f"conditions must be a list, not {node_kind(cnode)}")
+            return []
+        if not cnode.value:
+            self.error(cnode, f"{label} has an empty conditions list: it would match every process")
+            return []
+        self.budget(cnode, len(cnode.value))
+        return list(cnode.value)
+
+    def agreed_scope(self, rule_scope: str | None, cond_nodes: list[Node]) -> str:
+        """The scope: the rule's own, or the one its conditions state (they must agree); per_process if none."""
         scope = rule_scope
         for cn in cond_nodes:
-            if isinstance(cn, MappingNode):
-                self.budget(cn, len(cn.value))
-                for k, v in cn.value:
-                    if isinstance(k, ScalarNode) and k.value == "scope":
-                        s = self.scope(v)
-                        if s is None:
-                            continue
-                        if scope is None:
-                            scope = s
-                        elif s != scope:
-                            where = "the rule's scope" if rule_scope else "another condition's scope"
-                            self.error(v, f"condition scope {s} conflicts with {where} {scope}")
-        scope = scope or PER_PROCESS
-        conditions = [c for c in (self.condition(cn, scope) for cn in cond_nodes) if c is not None]
+            if not isinstance(cn, MappingNode):
+                continue
+            self.budget(cn, len(cn.value))
+            for k, v in cn.value:
+                if not (isinstance(k, ScalarNode) and k.value == "scope"):
+                    continue
+                s = self.scope(v)
+                if s is None:
+                    continue
+                if scope is None:
+                    scope = s
+                elif s != scope:
+                    where = "the rule's scope" if rule_scope else "another condition's scope"
+                    self.error(v, f"condition scope {s} conflicts with {where} {scope}")
+        return scope or PER_PROCESS
+
+    # -- a rule's fields, checked together ---------------------------------------------------------------
+
+    def check_match_any(self, fields: dict[str, tuple[Node, Node]], match: str, scope: str,
+                        conditions: list[Condition]) -> None:
         if match == "any" and any(c.role == SELECTOR for c in conditions):
             # selectors pick the processes a per_user/per_device rule counts; OR-ing them has no clear meaning
             self.error(fields["match"][1], f"match any is not supported with process conditions in scope {scope}; "
                                            "write one rule per alternative")
+
+    def check_kill_selects_some(self, node: Node, label: str, scope: str, action: str | None,
+                                conditions: list[Condition]) -> None:
         if conditions and scope != PER_PROCESS and all(c.role == SELECTOR for c in conditions) and action == "kill":
             self.error(node, f"{label} in scope {scope} has only process conditions: with action kill it would "
                              f"kill every selected process; add a {scope.removeprefix('per_')} condition or use "
                              "scope per_process")
+
+    def check_subjects_named(self, node: Node, fields: dict[str, tuple[Node, Node]], label: str, scope: str,
+                             match: str, conditions: list[Condition], valid: bool) -> None:
+        """In a scope whose subjects a condition names (per_group: group), a rule has such a condition, with ==
+        or in; valid: no error was found in the rule so far."""
         naming = [t for t in CONDITION_TYPES.values() if scope in t.names]
-        if naming and conditions and self.failures == before and not any(
+        if naming and conditions and valid and not any(
                 c.type in {t.name for t in naming} and c.role == SUBJECT and c.operator in ("==", "in")
                 for c in conditions):
             # Its subjects are what that condition names: a rule without one would look at every group of
@@ -300,6 +352,9 @@ class _Parser(ValueReader):
             # The naming condition holds for every subject it names: with any, the rule would hold for all.
             self.error(fields["match"][1], f"match any is not supported in scope {scope}: its "
                                            f"{naming[0].name} condition holds for every subject it names")
+
+    def check_reset_scope(self, fields: dict[str, tuple[Node, Node]], label: str, scope: str, action: str | None,
+                          conditions: list[Condition]) -> None:
         if action == RESET and scope != PER_DEVICE:
             self.error(fields["action"][1], f"action reset resets a device: {label} needs scope per_device, "
                                             f"not {scope}")
@@ -307,12 +362,6 @@ class _Parser(ValueReader):
             # A reset stops everything on the device: which processes a rule counts cannot change that.
             self.error(fields["action"][1], f"action reset acts on the whole device: {label} may have only device "
                                             "conditions, no process conditions")
-        if self.failures > before or name is None or action is None:
-            return None
-        return Rule(name=name, description=description, conditions=tuple(conditions), match=match, scope=scope,
-                    action=action, force=force, grace_period=grace, kill_grace=kill_grace, notify=notify,
-                    exemptions=exemptions, where=self.where(node), cooldown=reset_cooldown,
-                    max_resets_per_hour=max_resets, warn=warn, kill_scope=kill_scope)
 
     def warn_schedule(self, node: Node, grace: float, no_grace: Node | None) -> tuple[float, ...]:
         """`warn: [at_start, 15m, 1m]`: when to warn during the grace period, each item `at_start` or a duration
