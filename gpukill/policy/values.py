@@ -42,6 +42,8 @@ from .bounds import (
 from .messages import cut, described, quoted
 from .readers import FieldReader, node_kind
 
+_NO_VALUE: tuple[Any, bool, str] = (None, False, "")  # a value that cannot be read (its error recorded)
+
 
 class ValueReader(FieldReader):
     """The typed readers, and the reader of a condition's value."""
@@ -87,77 +89,97 @@ class ValueReader(FieldReader):
     def condition_value(self, ctype: ConditionType, op: str, node: Node) -> tuple[Any, bool, str]:
         """(normalized value, percent_of_total, how to show it), read as the type's kind says; errors
         recorded on failure."""
-        kind = ctype.kind
         what = f"the value of {ctype.name} {op}"
         if op in LIST_OPS:
-            values = self.string_list(node, what, allow_int=kind == USER,
-                                      max_len=MAX_ID_TEXT if kind in (USER, GROUP) else MAX_STRING)
-            if values is None:
-                return None, False, ""
-            if kind == GROUP:
-                values = tuple(str(v) for v in values)
-            if not self.closed_set(ctype, values, node):
-                return None, False, ""
-            if kind in (USER, GROUP):
-                self.named(kind, values, node)
-            return values, False, list_text(values)
+            return self.list_value(ctype, node, what)
         if op == "matches":
             pattern = self.regex(node, what)
-            return (None, False, "") if pattern is None else (pattern, False, f"/{pattern.pattern}/")
+            return _NO_VALUE if pattern is None else (pattern, False, f"/{pattern.pattern}/")
         ok, raw = self.scalar(node)
         if not ok:
             self.error(node, f"{what} must be a single value, not {node_kind(node)}")
-            return None, False, ""
-        if kind in (COUNT, INDEX):
-            lo, hi = (0, MAX_COUNT) if kind == COUNT else (0, MAX_INDEX)
-            if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
-                what_kind = "a whole number" if kind == COUNT else "a GPU index (a whole number)"
-                self.error(node, f"{what} must be {what_kind} from {lo} to {hi}, not {described(raw)}")
-                return None, False, ""
-            return raw, False, str(raw)
-        if kind in (STRING, GROUP, USER):
-            is_id = isinstance(raw, int) and not isinstance(raw, bool) and kind in (GROUP, USER)
-            if is_id and not 0 <= raw <= MAX_ID:
-                self.error(node, f"{what}: a {'uid' if kind == USER else 'gid'} is from 0 to {MAX_ID}, "
-                                 f"not {short(raw)}")
-                return None, False, ""
-            if is_id:
-                return (raw if kind == USER else str(raw)), False, str(raw)
-            if not isinstance(raw, str) or (not raw and kind != STRING):
-                names = {STRING: "a string", GROUP: "a group name or gid", USER: "a user name or uid"}
-                self.error(node, f"{what} must be {names[kind]}, not {described(raw)}")
-                return None, False, ""
-            limit = MAX_STRING if kind == STRING else MAX_ID_TEXT
-            if len(raw) > limit:
-                self.error(node, f"{what} must be at most {limit} characters, not {len(raw)}")
-                return None, False, ""
-            if not self.closed_set(ctype, (raw,), node):
-                return None, False, ""
-            if kind in (USER, GROUP):
-                self.named(kind, (raw,), node)
-            return raw, False, cut(repr(raw) if kind == STRING else raw, MAX_TEXT - 40)
+            return _NO_VALUE
+        if ctype.kind in (COUNT, INDEX):
+            return self.whole_value(ctype, node, what, raw)
+        if ctype.kind in (STRING, GROUP, USER):
+            return self.text_value(ctype, node, what, raw)
+        return self.measured_value(ctype, node, what, raw)
+
+    def list_value(self, ctype: ConditionType, node: Node, what: str) -> tuple[Any, bool, str]:
+        """The list of an `in` or `not in`: strings, or user names and uids, or group names and gids (as
+        strings)."""
+        kind = ctype.kind
+        values = self.string_list(node, what, allow_int=kind == USER,
+                                  max_len=MAX_ID_TEXT if kind in (USER, GROUP) else MAX_STRING)
+        if values is None:
+            return _NO_VALUE
+        if kind == GROUP:
+            values = tuple(str(v) for v in values)
+        if not self.closed_set(ctype, values, node):
+            return _NO_VALUE
+        if kind in (USER, GROUP):
+            self.named(kind, values, node)
+        return values, False, list_text(values)
+
+    def whole_value(self, ctype: ConditionType, node: Node, what: str, raw: Any) -> tuple[Any, bool, str]:
+        """A count or a GPU index: a whole number in its range."""
+        lo, hi = (0, MAX_COUNT) if ctype.kind == COUNT else (0, MAX_INDEX)
+        if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
+            what_kind = "a whole number" if ctype.kind == COUNT else "a GPU index (a whole number)"
+            self.error(node, f"{what} must be {what_kind} from {lo} to {hi}, not {described(raw)}")
+            return _NO_VALUE
+        return raw, False, str(raw)
+
+    def text_value(self, ctype: ConditionType, node: Node, what: str, raw: Any) -> tuple[Any, bool, str]:
+        """A string, a user (a name, or a uid as a number) or a group (a name, or a gid as a string)."""
+        kind = ctype.kind
+        is_id = isinstance(raw, int) and not isinstance(raw, bool) and kind in (GROUP, USER)
+        if is_id and not 0 <= raw <= MAX_ID:
+            self.error(node, f"{what}: a {'uid' if kind == USER else 'gid'} is from 0 to {MAX_ID}, "
+                             f"not {short(raw)}")
+            return _NO_VALUE
+        if is_id:
+            return (raw if kind == USER else str(raw)), False, str(raw)
+        if not isinstance(raw, str) or (not raw and kind != STRING):
+            names = {STRING: "a string", GROUP: "a group name or gid", USER: "a user name or uid"}
+            self.error(node, f"{what} must be {names[kind]}, not {described(raw)}")
+            return _NO_VALUE
+        limit = MAX_STRING if kind == STRING else MAX_ID_TEXT
+        if len(raw) > limit:
+            self.error(node, f"{what} must be at most {limit} characters, not {len(raw)}")
+            return _NO_VALUE
+        if not self.closed_set(ctype, (raw,), node):
+            return _NO_VALUE
+        if kind in (USER, GROUP):
+            self.named(kind, (raw,), node)
+        return raw, False, cut(repr(raw) if kind == STRING else raw, MAX_TEXT - 40)
+
+    def measured_value(self, ctype: ConditionType, node: Node, what: str, raw: Any) -> tuple[Any, bool, str]:
+        """A percentage, a share of a total ("50%" where the type has one), a temperature, a size or a
+        duration."""
+        kind = ctype.kind
         if ctype.share is not None and isinstance(raw, str) and raw.strip().endswith("%"):
             pct = self.number(node, what, raw, 0, 100, "%")
-            return (None, False, "") if pct is None else (pct, True, f"{pct:g}% of {ctype.share.of}")
+            return _NO_VALUE if pct is None else (pct, True, f"{pct:g}% of {ctype.share.of}")
         if kind == PERCENT:
             number = self.number(node, what, raw, 0, 100, "%")
-            return (None, False, "") if number is None else (number, False, f"{number:g}%")
+            return _NO_VALUE if number is None else (number, False, f"{number:g}%")
         if kind == CELSIUS:
             number = self.number(node, what, raw, MIN_TEMPERATURE, MAX_TEMPERATURE, "°C")
-            return (None, False, "") if number is None else (number, False, f"{number:g}")
+            return _NO_VALUE if number is None else (number, False, f"{number:g}")
         if kind == SIZE:
             try:
                 size = parse_size(raw, limit=True)  # a threshold is a limit: "8" or "0.5M" is a mistake
             except ValueError as e:
                 self.error(node, f"{what}: {e}")
-                return None, False, ""
+                return _NO_VALUE
             return size, False, raw.strip()
         if kind == DURATION:
             try:
                 seconds = parse_duration(raw)
             except ValueError as e:
                 self.error(node, f"{what}: {e}")
-                return None, False, ""
+                return _NO_VALUE
             return seconds, False, format_duration(seconds)
         raise AssertionError(kind)
 
