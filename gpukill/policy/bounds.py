@@ -1,5 +1,5 @@
-"""Every bound the policy parser keeps: on the text it reads, the work it does, what it reports, and the values
-a policy may give. None of them is near what a real policy needs."""
+"""Every bound the policy parser keeps: on the text it reads, the work it does, what it reports, and the
+values a policy may give. None of them is near what a real policy needs."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ from .bounds import (
     MIN_RESET_COOLDOWN,
 )
 from .messages import TOO_MANY_ERRORS, close_match, cut, described, quoted
-from .readers import Stop, node_kind
+from .readers import Fields, Stop, node_kind
 from .values import ValueReader
 from .yaml_safe import NotYaml, compose
 
@@ -122,7 +122,8 @@ class _Parser(ValueReader):
             key_node, rules_node = top["rules"]
             ok, value = self.scalar(rules_node)
             if not isinstance(rules_node, SequenceNode):
-                self.error(rules_node, f"'rules' must be a list, not {described(value) if ok else node_kind(rules_node)}")
+                shape = described(value) if ok else node_kind(rules_node)
+                self.error(rules_node, f"'rules' must be a list, not {shape}")
             elif len(rules_node.value) > MAX_RULES:
                 self.error(rules_node, f"more than {MAX_RULES} rules")
             else:
@@ -141,7 +142,7 @@ class _Parser(ValueReader):
         return PolicyFile(self.file, settings, tuple(rules),
                           tuple((kind, name, where) for (kind, name), where in self.names.items()))
 
-    def settings(self, top: dict[str, tuple[Node, Node]]) -> dict[str, tuple[Any, str]]:
+    def settings(self, top: Fields) -> dict[str, tuple[Any, str]]:
         out: dict[str, tuple[Any, str]] = {}
         for key, (_key_node, node) in top.items():
             value: Any = None
@@ -200,24 +201,25 @@ class _Parser(ValueReader):
         if self.failures > before or name is None or action is None:
             return None
         return Rule(name=name, description=description, conditions=tuple(conditions), match=match, scope=scope,
-                    action=action, force=kill.force, grace_period=kill.grace_period, kill_grace=kill.kill_grace,
-                    notify=notify, exemptions=exemptions, where=self.where(node), cooldown=reset_cooldown,
-                    max_resets_per_hour=max_resets, warn=kill.warn, kill_scope=kill.kill_scope)
+                    action=action, force=kill.force, grace_period=kill.grace_period,
+                    kill_grace=kill.kill_grace, notify=notify, exemptions=exemptions, where=self.where(node),
+                    cooldown=reset_cooldown, max_resets_per_hour=max_resets, warn=kill.warn,
+                    kill_scope=kill.kill_scope)
 
     # -- a rule's fields, each read alone ----------------------------------------------------------------
 
-    def rule_name(self, node: Node, fields: dict[str, tuple[Node, Node]]) -> str | None:
+    def rule_name(self, node: Node, fields: Fields) -> str | None:
         if "name" not in fields:
             self.error(node, "a rule needs a 'name'")
             return None
         name = self.string(fields["name"][1], "the rule name")
         if name is not None and (len(name) > MAX_NAME or not _NAME.match(name)):
-            self.error(fields["name"][1], f"rule name {quoted(name)} must be at most {MAX_NAME} letters, digits, "
-                                          "'.', '_' or '-', starting with a letter or digit")
+            self.error(fields["name"][1], f"rule name {quoted(name)} must be at most {MAX_NAME} letters, "
+                                          "digits, '.', '_' or '-', starting with a letter or digit")
             return None
         return name
 
-    def rule_match(self, fields: dict[str, tuple[Node, Node]]) -> str:
+    def rule_match(self, fields: Fields) -> str:
         if "match" not in fields:
             return "all"
         m = self.string(fields["match"][1], "match")
@@ -226,7 +228,7 @@ class _Parser(ValueReader):
             return "all"
         return "all" if m is None else m
 
-    def rule_action(self, node: Node, fields: dict[str, tuple[Node, Node]], label: str) -> str | None:
+    def rule_action(self, node: Node, fields: Fields, label: str) -> str | None:
         if "action" not in fields:
             self.error(node, f"{label} needs an 'action': kill, notify, log or reset")
             return None
@@ -236,7 +238,7 @@ class _Parser(ValueReader):
             return None
         return action
 
-    def kill_settings(self, fields: dict[str, tuple[Node, Node]], action: str | None) -> _KillSettings:
+    def kill_settings(self, fields: Fields, action: str | None) -> _KillSettings:
         """The keys of action kill; any of them on another action is an error."""
         force = bool(self.boolean(fields["force"][1], "force")) if "force" in fields else False
         grace = 0.0
@@ -263,7 +265,7 @@ class _Parser(ValueReader):
             return KILL_PROCESS
         return KILL_PROCESS if ks is None else ks
 
-    def reset_settings(self, fields: dict[str, tuple[Node, Node]], action: str | None) -> tuple[float, int]:
+    def reset_settings(self, fields: Fields, action: str | None) -> tuple[float, int]:
         """(cooldown, max_resets_per_hour): keys of action reset only; any of them on another action is an
         error."""
         reset_cooldown, max_resets = RESET_COOLDOWN, MAX_RESETS_PER_HOUR
@@ -281,11 +283,12 @@ class _Parser(ValueReader):
             if ok and isinstance(raw, int) and not isinstance(raw, bool) and 1 <= raw <= MAX_RESETS_PER_HOUR_LIMIT:
                 max_resets = raw
             else:
+                shape = described(raw) if ok else node_kind(node)
                 self.error(node, "max_resets_per_hour must be a whole number from 1 to "
-                                 f"{MAX_RESETS_PER_HOUR_LIMIT}, not {described(raw) if ok else node_kind(node)}")
+                                 f"{MAX_RESETS_PER_HOUR_LIMIT}, not {shape}")
         return reset_cooldown, max_resets
 
-    def condition_nodes(self, node: Node, fields: dict[str, tuple[Node, Node]], label: str) -> list[Node]:
+    def condition_nodes(self, node: Node, fields: Fields, label: str) -> list[Node]:
         if "conditions" not in fields:
             self.error(node, f"{label} needs 'conditions'")
             return []
@@ -300,7 +303,7 @@ class _Parser(ValueReader):
         return list(cnode.value)
 
     def agreed_scope(self, rule_scope: str | None, cond_nodes: list[Node]) -> str:
-        """The scope: the rule's own, or the one its conditions state (they must agree); per_process if none."""
+        """The rule's scope: its own, or the one its conditions state (they must agree); else per_process."""
         scope = rule_scope
         for cn in cond_nodes:
             if not isinstance(cn, MappingNode):
@@ -321,7 +324,7 @@ class _Parser(ValueReader):
 
     # -- a rule's fields, checked together ---------------------------------------------------------------
 
-    def check_match_any(self, fields: dict[str, tuple[Node, Node]], match: str, scope: str,
+    def check_match_any(self, fields: Fields, match: str, scope: str,
                         conditions: list[Condition]) -> None:
         if match == "any" and any(c.role == SELECTOR for c in conditions):
             # selectors pick the processes a per_user/per_device rule counts; OR-ing them has no clear meaning
@@ -335,10 +338,10 @@ class _Parser(ValueReader):
                              f"kill every selected process; add a {scope.removeprefix('per_')} condition or use "
                              "scope per_process")
 
-    def check_subjects_named(self, node: Node, fields: dict[str, tuple[Node, Node]], label: str, scope: str,
+    def check_subjects_named(self, node: Node, fields: Fields, label: str, scope: str,
                              match: str, conditions: list[Condition], valid: bool) -> None:
-        """In a scope whose subjects a condition names (per_group: group), a rule has such a condition, with ==
-        or in; valid: no error was found in the rule so far."""
+        """In a scope whose subjects a condition names (per_group: group), a rule has such a condition, with
+        == or in; valid: no error was found in the rule so far."""
         naming = [t for t in CONDITION_TYPES.values() if scope in t.names]
         if naming and conditions and valid and not any(
                 c.type in {t.name for t in naming} and c.role == SUBJECT and c.operator in ("==", "in")
@@ -353,7 +356,7 @@ class _Parser(ValueReader):
             self.error(fields["match"][1], f"match any is not supported in scope {scope}: its "
                                            f"{naming[0].name} condition holds for every subject it names")
 
-    def check_reset_scope(self, fields: dict[str, tuple[Node, Node]], label: str, scope: str, action: str | None,
+    def check_reset_scope(self, fields: Fields, label: str, scope: str, action: str | None,
                           conditions: list[Condition]) -> None:
         if action == RESET and scope != PER_DEVICE:
             self.error(fields["action"][1], f"action reset resets a device: {label} needs scope per_device, "

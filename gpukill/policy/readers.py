@@ -1,11 +1,11 @@
-"""The typed readers of a policy's fields: a mapping with known keys, a string, a boolean, a duration, a list of
-strings, notify targets, exemptions. Each reports what is wrong at FILE:LINE:COL and counts what it visits
+"""The typed readers of a policy's fields: a mapping with known keys, a string, a boolean, a duration, a list
+of strings, notify targets, exemptions. Each reports what is wrong at FILE:LINE:COL and counts what it visits
 against the bounds."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeAlias
 
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
@@ -28,8 +28,10 @@ from .messages import close_match, described, one_line, quoted
 from .yaml_safe import scalar_value
 
 EXEMPTION_KEYS = ("users", "groups", "units", "processes")
+Fields: TypeAlias = dict[str, tuple[Node, Node]]  # a mapping's known keys -> (key node, value node)
 
-# Python's `re`, on text whose length is bounded before matching (MAX_EMAIL, MAX_URL); each is linear in that text anyway (tests/test_policy_hostile.py measures 1 MiB).
+# Python's `re`, on text whose length is bounded before matching (MAX_EMAIL, MAX_URL); each is linear in that
+# text anyway (tests/test_policy_hostile.py measures 1 MiB).
 _EMAIL = re.compile(r"^[^@\s<>,;:\"]+@[A-Za-z0-9.-]+\.[A-Za-z0-9-]+$")
 _WEBHOOK = re.compile(r"^(https?)://([^/\s:]+|\[[0-9a-fA-F:]+\])(:\d{1,5})?(/\S*)?$")
 
@@ -122,17 +124,18 @@ class FieldReader:
         self.add(f"{self.where(node)}: {problem}")
         return False, None
 
-    def mapping(self, node: Node, what: str, known: tuple[str, ...]) -> dict[str, tuple[Node, Node]] | None:
+    def mapping(self, node: Node, what: str, known: tuple[str, ...]) -> Fields | None:
         """Keys of a mapping node with their key and value nodes; unknown and duplicate keys are errors."""
         if not isinstance(node, MappingNode):
             self.error(node, f"{what} must be a mapping, not {node_kind(node)}")
             return None
         self.budget(node, len(node.value))
-        out: dict[str, tuple[Node, Node]] = {}
+        out: Fields = {}
         for key_node, value_node in node.value:
             ok, key = self.scalar(key_node)
             if not ok or not isinstance(key, str):
-                self.error(key_node, f"keys of {what} must be names, not {described(key) if ok else node_kind(key_node)}")
+                shape = described(key) if ok else node_kind(key_node)
+                self.error(key_node, f"keys of {what} must be names, not {shape}")
                 continue
             if key in out:
                 first = self.where(out[key][0])
@@ -140,7 +143,8 @@ class FieldReader:
                 continue
             if key not in known:
                 hint = close_match(key, known)
-                self.error(key_node, f"unknown field {quoted(key)} in {what}{hint} (known: {', '.join(known)})")
+                self.error(key_node, f"unknown field {quoted(key)} in {what}{hint} "
+                                     f"(known: {', '.join(known)})")
                 continue
             out[key] = (key_node, value_node)
         return out
@@ -161,7 +165,8 @@ class FieldReader:
     def boolean(self, node: Node, what: str) -> bool | None:
         ok, value = self.scalar(node)
         if not ok or not isinstance(value, bool):
-            self.error(node, f"{what} must be true or false, not {described(value) if ok else node_kind(node)}")
+            shape = described(value) if ok else node_kind(node)
+            self.error(node, f"{what} must be true or false, not {shape}")
             return None
         return value
 
@@ -259,7 +264,8 @@ def notify_target_problem(target: str) -> str | None:
         if len(url) > MAX_URL:
             return f"bad webhook URL {quoted(url, 80)}: longer than {MAX_URL} characters"
         if not _WEBHOOK.match(url):
-            return f"bad webhook URL {quoted(url, 80)}: expected webhook:http://HOST[:PORT]/PATH or https://..."
+            return (f"bad webhook URL {quoted(url, 80)}: expected webhook:http://HOST[:PORT]/PATH or "
+                    "https://...")
         return None
     if len(target) > MAX_EMAIL and "@" in target:
         return f"e-mail address {quoted(target, 80)} is longer than {MAX_EMAIL} characters"

@@ -64,7 +64,8 @@ class ValueReader(FieldReader):
                 compiled = e
             self.patterns[pattern] = compiled
         if isinstance(compiled, BaseException):
-            self.error(node, f"bad regular expression {quoted(pattern)}: {_regex_hint(pattern, str(compiled))}{compiled}")
+            hint = _regex_hint(pattern, str(compiled))
+            self.error(node, f"bad regular expression {quoted(pattern)}: {hint}{compiled}")
             return None
         return compiled
 

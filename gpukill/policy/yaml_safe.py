@@ -1,6 +1,7 @@
 """A policy's YAML read safely and within bounds: PyYAML's safe constructor and resolver on libyaml's parser
-where it is there, PyYAML's Python composer (its nesting bounded) in every case, so that each node carries the
-marks that FILE:LINE:COL needs. Whatever the text, what this raises is NotYaml, one line saying where and why."""
+where it is there, PyYAML's Python composer (its nesting bounded) in every case, so that each node carries
+the marks that FILE:LINE:COL needs. Whatever the text, what this raises is NotYaml, one line saying where and
+why."""
 
 from __future__ import annotations
 
@@ -144,7 +145,8 @@ def scalar_value(loader: SafeConstructor, node: ScalarNode) -> tuple[Any, str | 
     if node.tag in (_INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG) and len(node.value) > MAX_NUMBER_TEXT:
         # Python refuses ints of more than 4300 digits (ValueError), and PyYAML's sexagesimal ints
         # (1:2:3:...) cost quadratic time: no number this long is valid anywhere in a policy.
-        return None, f"a number written with more than {MAX_NUMBER_TEXT} characters is too large for any setting"
+        return None, (f"a number written with more than {MAX_NUMBER_TEXT} characters is too large for any "
+                      "setting")
     try:
         value = loader.construct_object(node)
     except yaml.YAMLError as e:  # e.g. an unknown tag
