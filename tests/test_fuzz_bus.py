@@ -119,7 +119,7 @@ def _documented_errors() -> dict[str, str]:
         if cls.__module__ == errors.__name__:
             out[cls.dbus_name] = f"gpukilld/errors.py: {cls.__name__}"
     assert PolicyError.dbus_name == "org.gpukill1.Error.InvalidPolicy"
-    out[PolicyError.dbus_name] = "gpukill/policy.py: PolicyError (LoadPolicy, TestPolicies)"
+    out[PolicyError.dbus_name] = "gpukill/policy/messages.py: PolicyError (LoadPolicy, TestPolicies)"
     out["org.gpukill1.Error.Failed"] = "gpukilld/errors.py: GpukillError, the base class"
     return out
 

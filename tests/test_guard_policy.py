@@ -1,6 +1,6 @@
 """Guard policy files: the admins' policy loads as is, and broken files are reported as FILE:LINE:COL.
 
-No daemon here: policy.py is what `gpukillctl guard validate` runs offline, and what LoadPolicy runs before
+No daemon here: gpukill.policy is what `gpukillctl guard validate` runs offline, and what LoadPolicy runs before
 anything is swapped. Every broken file is checked for the exact line and column of the mistake.
 """
 

@@ -3,7 +3,7 @@
 Every console script of pyproject.toml has a man page in man/ and generated completions; every command and
 option of its parser (subcommands and nested ones included, read at test time, so a command added later is
 checked too) is documented in the page and completed by both shells. gpukill-policy(5) lists exactly the
-policy keys of gpukill/policy.py and the condition types of gpukill/condition_types.py with their kinds,
+policy keys of gpukill/policy/ and the condition types of gpukill/condition_types.py with their kinds,
 operators and scopes; gpukilld.conf(5) every section and key gpukilld/config.py accepts. The packages install
 every page and every completion, and --help points to the pages, never to README.md (not installed).
 """

@@ -20,11 +20,13 @@ from gpukill.policy import (
     MAX_TEXT,
     TOO_MANY_ERRORS,
     PolicyError,
+    grammar,
     load_texts,
     notify_target_problem,
-    parse_duration,
+    readers,
+    values,
 )
-from gpukill.units import parse_size
+from gpukill.units import parse_duration, parse_size
 from gpukilld.guard.conditions import string_test
 
 MiB = 1 << 20
@@ -344,7 +346,7 @@ def test_policy_regexes_are_linear_on_a_megabyte(what):
     from gpukill import units
 
     s = ADVERSARIAL[what]
-    for regex in (P._NAME.match, P._EMAIL.match, P._WEBHOOK.match, units._SIZE.fullmatch):
+    for regex in (grammar._NAME.match, readers._EMAIL.match, readers._WEBHOOK.match, units._SIZE.fullmatch):
         t0 = time.perf_counter()
         regex(s)
         assert time.perf_counter() - t0 < 0.5, (what, regex)
@@ -433,8 +435,8 @@ def test_patterns_compare_by_their_text():
 
 def test_a_pattern_used_a_thousand_times_is_compiled_once(monkeypatch):
     calls = []
-    real = P.compile_regex
-    monkeypatch.setattr(P, "compile_regex", lambda p: calls.append(p) or real(p))
+    real = values.compile_regex
+    monkeypatch.setattr(values, "compile_regex", lambda p: calls.append(p) or real(p))
     text = ("rules:\n" + "".join(f"  - name: r{i}\n    action: log\n    conditions: [{{type: cmdline, operator: "
                                  f"matches, value: {'&p a+b' if i == 0 else '*p'}}}]\n" for i in range(1000)))
     assert len(load_texts([("x.yaml", text)]).rules) == 1000
@@ -448,7 +450,7 @@ def test_a_bug_in_the_parser_is_still_a_policy_error(monkeypatch):
     def boom(self, root):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(P._Parser, "document", boom)
+    monkeypatch.setattr(grammar._Parser, "document", boom)
     with pytest.raises(PolicyError) as info:
         load_texts([("x.yaml", "rules: []\n")])
     assert info.value.errors == ["x.yaml:1:1: the policy could not be read (KeyError: 'a bug')"]

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from gpukill import policy as P
-from gpukill.policy import PolicyError, load_texts
+from gpukill.policy import PolicyError, load_texts, yaml_safe
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = sorted([*ROOT.glob("examples/guard.d/*.yaml"), ROOT / "examples/guard.yaml",
                  ROOT / "examples/simulate.yaml", *ROOT.glob("tests/guard_policies/*.yaml")])
 YAML_CHARACTERS = " \t\n:-[]{},'\"#&*!|>%@`?\\"
-needs_libyaml = pytest.mark.skipif(P._CParser is None, reason="this PyYAML is built without libyaml")
+needs_libyaml = pytest.mark.skipif(yaml_safe._CParser is None, reason="this PyYAML is built without libyaml")
 
 
 def outcome(text: str) -> tuple[str, object]:
@@ -33,7 +32,7 @@ def outcome(text: str) -> tuple[str, object]:
 
 def python_only(text: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, object]:
     with monkeypatch.context() as m:
-        m.setattr(P, "_CParser", None)
+        m.setattr(yaml_safe, "_CParser", None)
         return outcome(text)
 
 
@@ -56,7 +55,7 @@ def mutants(text: str, count: int, seed: int) -> list[str]:
 @pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.name)
 def test_a_valid_policy_is_read_by_libyaml_and_means_the_same(path: Path, monkeypatch: pytest.MonkeyPatch):
     text = path.read_text()
-    assert P._fast_nodes(text) is not None
+    assert yaml_safe._fast_nodes(text) is not None
     assert outcome(text) == python_only(text, monkeypatch)
 
 
