@@ -1,6 +1,6 @@
 """Guard Mode: declarative policies the daemon enforces on its own snapshots.
 
-policy.py parses and validates policy files (no daemon or D-Bus imports: gpukillctl uses it offline),
+gpukill/policy/ parses and validates policy files (no daemon or D-Bus imports: gpukillctl uses it offline),
 conditions.py turns the snapshot into subjects and compiles conditions, engine.py is the evaluation and
 duration / grace / cooldown state machine (pure, clock injected), runner.py carries its decisions out through
 the daemon's kill path, notify.py delivers notifications off the enforcement path, state.py persists what must
