@@ -256,7 +256,7 @@ def write_atomically(path: str, text: str) -> None:
     if not os.path.isdir(folder):
         os.makedirs(folder, exist_ok=True)
         os.chmod(folder, 0o755)  # the unit's UMask=0077 would hide it: the settings are for everyone to read
-    replace_file(path, text.encode("utf-8"), 0o644)
+    replace_file(path, text, 0o644)
 
 
 class SettingsFailed(GpukillError):
