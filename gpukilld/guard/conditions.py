@@ -43,6 +43,7 @@ from gpukill.condition_types import (
     victim_order,
     view_of,
 )
+from gpukill.procstat import CLK_TCK
 from gpukill.rules import (
     MEAN,
     PER_GROUP,
@@ -59,7 +60,6 @@ from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX
 from ..model import STATE_LOST, Device, Snapshot
 from ..rogue.score import process_scores
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 MEMO_LIMIT = 20_000  # distinct strings remembered per condition (names, command lines) before starting over
 
 ProcKey = tuple[int, int]  # (pid, start time): a process, never confused with a later one reusing the PID
