@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpukill.outcome import Outcome
 from gpukill.records import to_plain
+from gpukill.rules import KILL, RESET
 from gpukill.text import UNKNOWN
 
 from ..client.api import ClientAPI
@@ -344,9 +345,9 @@ def _decision_row(d: Decision) -> list[str]:
     else:
         when = d.status
     pids = ", ".join(map(str, d.pids)) or "-"
-    if d.action == "kill":
+    if d.action == KILL:
         what = f"{d.action} {pids}"
-    elif d.action == "reset" and d.pids:  # force: its holders are killed first
+    elif d.action == RESET and d.pids:  # force: its holders are killed first
         what = f"kill {pids}, reset"
     else:
         what = d.action

@@ -47,7 +47,7 @@ from typing import Any
 from gpukill.errors import Protected
 from gpukill.outcome import SIGNALLED, Outcome, result_text
 from gpukill.records import KILL_PROCESS, KILL_TREE
-from gpukill.rules import EMPTY_POLICY, MEAN, RESET, Policy, Rule
+from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, Policy, Rule
 
 from ..acts.reclaim import remember_tree
 from ..acts.selection import OTHER_USERS, unit_mates
@@ -532,13 +532,13 @@ class Engine:
             held.add(key)
             ep = st.episodes.get(key)
             if ep is None:
-                grace = rule.grace_period if rule.action == "kill" else 0.0
+                grace = rule.grace_period if rule.action == KILL else 0.0
                 ep = st.episodes[key] = Episode(now, now + grace, s.label, _uid_of(s))
                 ep.warned = 1 if rule.warn and rule.warn[0] >= grace else 0  # at_start: the violation's notice
                 self.clocks_changed = True
                 stats.triggers += 1
                 stats.last_triggered = wall
-                if rule.action == "kill":
+                if rule.action == KILL:
                     concerned = st.compiled.victims(s, self._going, self._refused)
                 else:
                     concerned = [s] if isinstance(s, ProcView) else list(s.procs)
@@ -547,9 +547,9 @@ class Engine:
             if rule.action == RESET:
                 self._reset(st, s, now, dry_run, cycle, events)  # type: ignore[arg-type]  # per_device only
                 continue
-            if rule.action == "kill" and rule.warn and not ep.acted and now < ep.grace_until:
+            if rule.action == KILL and rule.warn and not ep.acted and now < ep.grace_until:
                 self._warn(st, s, ep, now, events)
-            if rule.action != "kill" or now < ep.grace_until or st.in_flight.get(key):
+            if rule.action != KILL or now < ep.grace_until or st.in_flight.get(key):
                 continue
             if dry_run and ep.acted:
                 continue  # one would-kill per episode: the journal hears again when the subject leaves
@@ -586,10 +586,10 @@ class Engine:
         for key in ended:
             ep = st.episodes.pop(key)
             self.clocks_changed = True
-            if rule.action == "kill" and not ep.acted:
+            if rule.action == KILL and not ep.acted:
                 stats.cancelled += 1
                 events.append(GraceCancelled(rule, ep.label, key, ep.uid))
-            elif rule.action == "kill" and dry_run:
+            elif rule.action == KILL and dry_run:
                 events.append(Left(rule, ep.label, key, ep.uid, self._left_why(st, by_key.get(key), now)))
         for cooldowns in (st.cooldown, st.dry_cooldown):
             for key in [k for k, until in cooldowns.items() if until <= now]:
@@ -772,7 +772,7 @@ class Engine:
                  "warnings_sent": ep.warned,
                  "next_warning": (ep.grace_until - st.rule.warn[ep.warned] - now
                                   if ep.warned < len(st.rule.warn) else None)}
-                for st in self.states if st.rule.action == "kill"
+                for st in self.states if st.rule.action == KILL
                 for ep in st.episodes.values() if not ep.acted and now < ep.grace_until]
 
     def preview(self, snapshot: Snapshot) -> list[Preview]:
@@ -818,15 +818,15 @@ class Engine:
             duration_left = 0.0 if any(cc.test(s) for cc in c.instant) else min(waits, default=0.0)
         ep = st.episodes.get(key)
         if ep is not None:
-            wait = max(0.0, ep.grace_until - now) if rule.action == "kill" else 0.0
+            wait = max(0.0, ep.grace_until - now) if rule.action == KILL else 0.0
         else:
-            wait = duration_left + (rule.grace_period if rule.action == "kill" else 0.0)
+            wait = duration_left + (rule.grace_period if rule.action == KILL else 0.0)
         wait = max(wait, st.cooldown.get(key, 0.0) - now)  # previews show what enforcing would do
         if rule.action == RESET:
             return self._preview_reset(st, s, max(wait, self.reset_wait(rule, key, now, False)),  # type: ignore[arg-type]
                                        cycle)
         reason, for_others = self._reason(st, s), self._reason(st, s, for_others=True)
-        if rule.action == "kill":
+        if rule.action == KILL:
             victims = c.victims(s, self._going, self._refused)
             plan = self._plan(st, victims, self.policy.settings.max_kills_per_cycle, cycle)
             pids = tuple(p.pid for v, sc in plan for p in (v, *sc.members))
