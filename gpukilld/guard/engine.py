@@ -59,11 +59,11 @@ from .conditions import (
     Cycle,
     DeviceView,
     Groups,
+    PeopleView,
     ProcKey,
     ProcView,
     Protection,
     Subject,
-    UserView,
     boot_seconds,
     process_views,
 )
@@ -313,7 +313,7 @@ def _number(cc: CompiledCondition, value: float) -> str:
 
 
 def _uid_of(s: Subject) -> int | None:
-    return s.uid if isinstance(s, ProcView | UserView) else None
+    return s.uid if isinstance(s, ProcView | PeopleView) else None
 
 
 class Engine:
