@@ -307,6 +307,20 @@ class Preview:
     reason_for_others: str = ""
 
 
+def grace_of(rule: Rule) -> float:
+    """The grace period a violation of the rule starts: a kill rule's; no other action waits for one."""
+    return rule.grace_period if rule.action == KILL else 0.0
+
+
+def act_wait(rule: Rule, grace_until: float | None, cooldown_until: float, now: float,
+             windows_left: float = 0.0) -> float:
+    """Seconds until the rule acts on a subject (0: now), as evaluate decides and preview reports it: the grace
+    period of its violation (grace_until; None: not violating yet, so its windows still to run, then the whole
+    grace), and after that the cooldown that follows a kill of it."""
+    until = now + windows_left + grace_of(rule) if grace_until is None else grace_until
+    return max(0.0, until - now, cooldown_until - now)
+
+
 def _number(cc: CompiledCondition, value: float) -> str:
     """A mean as reasons write it: with its type's printer, else as a plain number."""
     return cc.ctype.printer(value) if cc.ctype.printer else f"{value:g}"
@@ -532,7 +546,7 @@ class Engine:
             held.add(key)
             ep = st.episodes.get(key)
             if ep is None:
-                grace = rule.grace_period if rule.action == KILL else 0.0
+                grace = grace_of(rule)
                 ep = st.episodes[key] = Episode(now, now + grace, s.label, _uid_of(s))
                 ep.warned = 1 if rule.warn and rule.warn[0] >= grace else 0  # at_start: the violation's notice
                 self.clocks_changed = True
@@ -549,12 +563,12 @@ class Engine:
                 continue
             if rule.action == KILL and rule.warn and not ep.acted and now < ep.grace_until:
                 self._warn(st, s, ep, now, events)
-            if rule.action != KILL or now < ep.grace_until or st.in_flight.get(key):
+            if rule.action != KILL or st.in_flight.get(key):
                 continue
             if dry_run and ep.acted:
                 continue  # one would-kill per episode: the journal hears again when the subject leaves
             cooldown = st.dry_cooldown if dry_run else st.cooldown  # dry run off: enforce at once
-            if now < cooldown.get(key, 0.0):
+            if act_wait(rule, ep.grace_until, cooldown.get(key, 0.0), now) > 0:
                 continue
             victims = st.compiled.victims(s, self._going, self._refused)
             plan = self._plan(st, victims, kills_left, cycle)  # the cap holds the rest for the next cycle
@@ -817,11 +831,8 @@ class Engine:
         else:
             duration_left = 0.0 if any(cc.test(s) for cc in c.instant) else min(waits, default=0.0)
         ep = st.episodes.get(key)
-        if ep is not None:
-            wait = max(0.0, ep.grace_until - now) if rule.action == KILL else 0.0
-        else:
-            wait = duration_left + (rule.grace_period if rule.action == KILL else 0.0)
-        wait = max(wait, st.cooldown.get(key, 0.0) - now)  # previews show what enforcing would do
+        # Previews show what enforcing would do: its cooldowns, not a dry run's.
+        wait = act_wait(rule, ep.grace_until if ep else None, st.cooldown.get(key, 0.0), now, duration_left)
         if rule.action == RESET:
             return self._preview_reset(st, s, max(wait, self.reset_wait(rule, key, now, False)),  # type: ignore[arg-type]
                                        cycle)
