@@ -50,20 +50,12 @@ from .fdinfo import FdInfo, parse_fdinfo
 
 Fingerprint = tuple[int, int, int | tuple[str, ...]]  # fd dir inode, mtime, size or fd numbers
 
-# With the kernel's client lists, the processes they do not name are still walked, 1/SAFETY_NET_PERIOD of
-# them per sample (by pid), so each is looked at once every SAFETY_NET_PERIOD samples: the lists name the tgid
-# that opened a file or last used it, so a DRM fd inherited by a child or passed over a unix socket shows only
-# in the holder's fd table while it does not use it (its first ioctl makes it the one listed). 20 keeps such a
-# holder unseen for at most 20 s at the default 1 Hz while the slice costs a twentieth of the full walk (~260
-# stats on a host of 5,000 processes). It was 10 until issue 24: the slice's 556 stats a sample were a quarter
-# of a listed sample and made the idle daemon miss its 0.8 % of a core (0.88 % at 10, 0.67 % at 20, one VM,
-# bench/fdinfo_scan); a holder that never touches the GPU is what the trade makes later, and a reset does not
-# rely on it (holders() walks every table before it acts). /proc itself is listed only
-# every SAFETY_NET_PERIOD samples, and a process that listing shows for the first time is looked at at once
-# (FdScanner._slices), so one started between two listings is looked at within the period as well. The sample
-# that lists /proc looks at no slice (listing 5,000 entries costs as much as a slice's stats): the processes are
-# cut in SLICES = SAFETY_NET_PERIOD - 1 slices (pid % SLICES), one for each of the other samples of the period,
-# so each is still looked at once every SAFETY_NET_PERIOD samples and no sample pays for both.
+# The kernel's client lists name the process that opened a DRM file or last used it, so a holder that inherited
+# one (or was passed it) and has not used it shows only in its fd table: with the lists, every process is still
+# walked once every SAFETY_NET_PERIOD samples. One sample of the period lists /proc (a process new there is
+# looked at at once); each of the others walks one of SLICES slices (pid % SLICES), so no sample pays for both.
+# 20 samples (20 s at 1 Hz) keeps the idle daemon's cost low (bench/fdinfo_scan); a reset does not rely on it
+# (holders() walks every table before it acts).
 SAFETY_NET_PERIOD = 20
 SLICES = SAFETY_NET_PERIOD - 1
 # At most this many holders are held by a /proc/PID descriptor, and at most a quarter of the descriptors the
