@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from gpukill.outcome import Outcome
 from gpukill.records import to_plain
-from gpukill.rules import KILL, RESET
 from gpukill.text import UNKNOWN
 
 from ..client.api import ClientAPI
@@ -338,6 +337,8 @@ NOT_MET = "not-met"  # a decision's status: watched, but a windowed condition do
 
 
 def _decision_row(d: Decision) -> list[str]:
+    from gpukill.rules import KILL, RESET  # here: the listing path imports this module, and not the rules
+
     if d.status == "now":
         when = "now"
     elif d.status == "waiting":
