@@ -78,8 +78,8 @@ class Daemon:
         self.config: Config = self._load_config()
         self.backends: list[Backend] = build_backends(self.config)  # a broken device file fails here
         self.snapshot: Snapshot = EMPTY_SNAPSHOT
-        self.notifier = sdnotify.SystemdNotifier()
-        self.audit = journal.Audit()
+        self.notifier: sdnotify.SystemdNotifier = sdnotify.SystemdNotifier()  # READY, STATUS, WATCHDOG
+        self.audit: journal.Audit = journal.Audit()  # the journal entries of every act and change
         self._status = ""
         self._snapshot_waiters: list[asyncio.Future[Snapshot]] = []
         self._stop = asyncio.Event()
