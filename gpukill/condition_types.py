@@ -8,7 +8,7 @@ validates from it, gpukilld.guard.conditions compiles from it, and docs/guard.md
 (tests/test_condition_types.py checks all three against it).
 
 Readers name attributes of the views the daemon builds of a snapshot (gpukilld.guard.conditions: ProcView,
-UserView, DeviceView, GroupView) without importing them: this package never imports the daemon.
+PeopleView for a user or a group, DeviceView) without importing them: this package never imports the daemon.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 PF_KTHREAD = 0x00200000  # include/linux/sched.h: "I am a kernel thread"
+CLK_TCK = os.sysconf("SC_CLK_TCK")  # clock ticks a second: the unit of start_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,11 @@ def parse_stat(pid: int, text: str) -> ProcStat:
         flags=int(rest[6]),
         start_time=int(rest[19]),
     )
+
+
+def seconds_since_start(start_time: int, boottime: float) -> float:
+    """How long ago a process started, given its start_time and CLOCK_BOOTTIME now."""
+    return boottime - start_time / CLK_TCK
 
 
 def read_stat(pid: int, root: str = "/proc") -> ProcStat | None:

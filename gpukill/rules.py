@@ -23,8 +23,9 @@ from .regex import compile_regex
 
 PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP = "per_process", "per_user", "per_device", "per_group"
 SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP)
-ACTIONS = ("kill", "notify", "log", "reset")
+KILL = "kill"  # stop the subject's processes through the kill path, after the rule's grace period
 RESET = "reset"  # reset the device (scope per_device): its holders are killed first only with force
+ACTIONS = (KILL, "notify", "log", RESET)
 # A reset rule's defaults: at most one reset of a device per cooldown, and a few per hour, whatever the rule says
 # of its conditions: a device that a reset does not heal must not be reset over and over.
 RESET_COOLDOWN = 600.0

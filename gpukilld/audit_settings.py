@@ -17,7 +17,6 @@ its own name (comm, argv[0], the file name of a copy), so a miner could take any
 from __future__ import annotations
 
 import asyncio
-import configparser
 import dataclasses
 import math
 import os
@@ -29,6 +28,7 @@ from gpukill.errors import GpukillError, InvalidArgs
 from gpukill.records import AUDIT_DURATIONS, AuditSettings, names
 
 from .files import replace_file
+from .ini import IniText
 
 KEYS = names(AuditSettings)
 # The keys AuditRogueWith takes for one scan, and why the others cannot be (refused in one line, never dropped).
@@ -216,18 +216,6 @@ def parse_value(key: str, raw: str) -> Any:
     raise ValueError(f"unknown key {key[:64]!r} in [audit] (known: {', '.join(KEYS)})")
 
 
-def line_of(text: str, section: str, key: str) -> int | None:
-    """configparser forgets line numbers; find the key's line so that an error can point at it."""
-    current = None
-    for n, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if s.startswith("[") and s.endswith("]"):
-            current = s[1:-1].strip()
-        elif current == section and s.split("=", 1)[0].split(":", 1)[0].strip().lower() == key:
-            return n
-    return None
-
-
 def parse_text(name: str, text: str, *, imported: bool = True) -> dict[str, Any]:
     """The settings an [audit] text names (an import, or a file of ours: imported=False), each checked:
     ValueError "NAME:LINE: what" at the first problem. Nothing but an [audit] section may be in it. An import's
@@ -235,13 +223,8 @@ def parse_text(name: str, text: str, *, imported: bool = True) -> dict[str, Any]
     range is a sysctl, which may change under a file written before)."""
     if len(text.encode("utf-8", "surrogatepass")) > MAX_TEXT:
         raise ValueError(f"{name}: larger than {MAX_TEXT >> 10} KiB")
-    parser = configparser.ConfigParser(inline_comment_prefixes=("#", ";"), interpolation=None)
-    try:
-        parser.read_string(text, source=name)
-    except configparser.Error as e:
-        line = getattr(e, "lineno", None)
-        first = str(e).splitlines()[0]
-        raise ValueError(f"{name}:{line}: {first}" if line else f"{name}: {first}") from None
+    parsed = IniText(name, text)
+    parser = parsed.parser
     for section in parser.sections():
         if section != "audit":
             raise ValueError(f"{name}:{_section_line(text, section)}: "
@@ -250,7 +233,7 @@ def parse_text(name: str, text: str, *, imported: bool = True) -> dict[str, Any]
         raise ValueError(f"{name}:1: no [audit] section")
     values = {}
     for key in parser["audit"]:
-        where = f"{name}:{line_of(text, 'audit', key) or '?'}"
+        where = parsed.where("audit", key)
         if key not in KEYS:
             raise ValueError(f"{where}: unknown key {key[:64]!r} in [audit] (known: {', '.join(KEYS)})")
         try:
@@ -273,7 +256,7 @@ def write_atomically(path: str, text: str) -> None:
     if not os.path.isdir(folder):
         os.makedirs(folder, exist_ok=True)
         os.chmod(folder, 0o755)  # the unit's UMask=0077 would hide it: the settings are for everyone to read
-    replace_file(path, text.encode("utf-8"), 0o644)
+    replace_file(path, text, 0o644)
 
 
 class SettingsFailed(GpukillError):

@@ -49,7 +49,6 @@ names the file and line.
 
 from __future__ import annotations
 
-import configparser
 import dataclasses
 import logging
 import math
@@ -62,6 +61,7 @@ from gpukill.units import parse_duration
 
 from . import audit_settings
 from .audit_settings import ephemeral_range, outside_range
+from .ini import IniText
 
 log = logging.getLogger("gpukilld")
 DEFAULT_PATH = "/etc/gpukill/gpukilld.conf"
@@ -143,101 +143,118 @@ def check_interval(value: float, where: str) -> float:
     return value
 
 
-def _line_of(path: str, section: str, key: str) -> int | None:
-    """configparser forgets line numbers; find the key's line so the error can point at it."""
-    current = None
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                s = line.strip()
-                if s.startswith("[") and s.endswith("]"):
-                    current = s[1:-1].strip()
-                elif current == section and s.split("=", 1)[0].split(":", 1)[0].strip() == key:
-                    return n
-    except OSError:
-        pass
-    return None
-
-
 def load_config(path: str, required: bool = False) -> Config:
-    parser = configparser.ConfigParser(inline_comment_prefixes=("#", ";"), interpolation=None)
+    conf = _read(path, required)
+    if conf is None:
+        return Config(sys_uid_max=read_sys_uid_max(), audit=_audit_dropin(path, AuditSettings()))
+    _check_known(conf)
+    values: dict[str, object] = {}
+    values.update(_daemon(conf))
+    values.update(_paths(conf))
+    values.update(_guard_dirs(conf))
+    values.update(_protection(conf))
+    values.update(_usage(conf))
+    audit = _audit(conf, AuditSettings()) if conf.parser.has_section("audit") else AuditSettings()
+    values["audit"] = _audit_dropin(path, audit)
+    values.update(_notify(conf))
+    return Config(**values)  # type: ignore[arg-type]
+
+
+def _read(path: str, required: bool) -> IniText | None:
+    """The file, parsed; None when it is missing and need not be there."""
     try:
         with open(path, encoding="utf-8") as f:
-            parser.read_file(f, source=path)
+            text = f.read()
     except FileNotFoundError:
         if required:
             raise ConfigError(f"{path}: no such file") from None
-        return Config(sys_uid_max=read_sys_uid_max(), audit=_audit_dropin(path, AuditSettings()))
+        return None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    except configparser.Error as e:
-        first = str(e).splitlines()[0]
-        line = getattr(e, "lineno", None)
-        raise ConfigError(f"{path}:{line}: {first}" if line else f"{path}: {first}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    try:
+        return IniText(path, text)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
-    for section in parser.sections():
+
+def _check_known(conf: IniText) -> None:
+    for section in conf.parser.sections():
         if section not in _KNOWN:
-            raise ConfigError(f"{path}: unknown section [{section}] (known: {', '.join(_KNOWN)})")
-        for key in parser[section]:
+            raise ConfigError(f"{conf.name}: unknown section [{section}] (known: {', '.join(_KNOWN)})")
+        for key in conf.parser[section]:
             if key not in _KNOWN[section]:
-                where = f"{path}:{_line_of(path, section, key) or '?'}"
-                raise ConfigError(f"{where}: unknown key {key!r} in [{section}]")
+                raise ConfigError(f"{conf.where(section, key)}: unknown key {key!r} in [{section}]")
+
+
+def _daemon(conf: IniText) -> dict[str, object]:
+    """[daemon] sample_interval, simulate and backends."""
     values: dict[str, object] = {}
-    if parser.has_option("daemon", "sample_interval"):
-        where = f"{path}:{_line_of(path, 'daemon', 'sample_interval') or '?'}"
+    if conf.has("daemon", "sample_interval"):
+        where = conf.where("daemon", "sample_interval")
         try:
-            seconds = parse_duration(parser["daemon"]["sample_interval"])  # 0.5, 500ms, 2s
+            seconds = parse_duration(conf.get("daemon", "sample_interval"))  # 0.5, 500ms, 2s
         except ValueError as e:
             raise ConfigError(f"{where}: sample_interval: {e}") from None
         values["sample_interval"] = check_interval(seconds, where)
-    if parser.has_option("daemon", "simulate"):
-        values["simulate"] = parser["daemon"]["simulate"].strip() or None
-    if parser.has_option("daemon", "backends"):
-        names = tuple(n.strip() for n in parser["daemon"]["backends"].replace(",", " ").split())
+    if conf.has("daemon", "simulate"):
+        values["simulate"] = conf.get("daemon", "simulate").strip() or None
+    if conf.has("daemon", "backends"):
+        names = tuple(n.strip() for n in conf.get("daemon", "backends").replace(",", " ").split())
         if names and names != ("auto",):
             if (why := backends_problem(names)) is not None:
-                raise ConfigError(f"{path}:{_line_of(path, 'daemon', 'backends') or '?'}: {why}")
+                raise ConfigError(f"{conf.where('daemon', 'backends')}: {why}")
             values["backends"] = names
-    for key, field in (("proc", "proc_root"), ("sys", "sys_root"), ("debugfs", "debugfs_root")):
-        if parser.has_option("paths", key):
-            values[field] = parser["paths"][key].strip()
+    return values
+
+
+def _paths(conf: IniText) -> dict[str, object]:
+    """[paths]: where the kernel's trees are."""
+    return {field: conf.get("paths", key).strip()
+            for key, field in (("proc", "proc_root"), ("sys", "sys_root"), ("debugfs", "debugfs_root"))
+            if conf.has("paths", key)}
+
+
+def _guard_dirs(conf: IniText) -> dict[str, object]:
+    """[guard] policy_dir and state_dir, neither empty."""
+    values: dict[str, object] = {}
     for key, field in (("policy_dir", "guard_policy_dir"), ("state_dir", "guard_state_dir")):
-        if parser.has_option("guard", key):
-            if not (value := parser["guard"][key].strip()):
-                raise ConfigError(f"{path}:{_line_of(path, 'guard', key) or '?'}: {key} must not be empty")
+        if conf.has("guard", key):
+            if not (value := conf.get("guard", key).strip()):
+                raise ConfigError(f"{conf.where('guard', key)}: {key} must not be empty")
             values[field] = value
-    values.update(_protection(parser, path))
-    values.update(_usage(parser, path))
-    audit = AuditSettings()
-    if parser.has_section("audit"):
-        with open(path, encoding="utf-8") as f:
-            audit = _audit(parser, path, f.read(), audit)
-    values["audit"] = _audit_dropin(path, audit)
-    if parser.has_option("notify", "smtp_host"):
-        values["smtp_host"] = parser["notify"]["smtp_host"].strip() or "localhost"
-    if parser.has_option("notify", "from"):
-        values["mail_from"] = parser["notify"]["from"].strip()
-    if parser.has_option("notify", "owner_mail"):
-        values["owner_mail"] = _owner_mail(parser["notify"]["owner_mail"].strip(),
-                                           f"{path}:{_line_of(path, 'notify', 'owner_mail') or '?'}")
-    if parser.has_option("notify", "owner_mesg"):
-        word = parser["notify"]["owner_mesg"].strip()
+    return values
+
+
+def _notify(conf: IniText) -> dict[str, object]:
+    """[notify]: the relay, the sender, owner_mail's template, owner_mesg, and the port and timeout in range."""
+    values: dict[str, object] = {}
+    if conf.has("notify", "smtp_host"):
+        values["smtp_host"] = conf.get("notify", "smtp_host").strip() or "localhost"
+    if conf.has("notify", "from"):
+        values["mail_from"] = conf.get("notify", "from").strip()
+    if conf.has("notify", "owner_mail"):
+        values["owner_mail"] = _owner_mail(conf.get("notify", "owner_mail").strip(),
+                                           conf.where("notify", "owner_mail"))
+    if conf.has("notify", "owner_mesg"):
+        word = conf.get("notify", "owner_mesg").strip()
         if word not in ("respect", "ignore"):
-            where = f"{path}:{_line_of(path, 'notify', 'owner_mesg') or '?'}"
-            raise ConfigError(f"{where}: owner_mesg is respect or ignore, not {word[:40]!r}")
+            raise ConfigError(f"{conf.where('notify', 'owner_mesg')}: owner_mesg is respect or ignore, "
+                              f"not {word[:40]!r}")
         values["owner_mesg"] = word == "respect"
     for key, field, kind, low, high in (("smtp_port", "smtp_port", int, 1, 65535),
                                         ("timeout", "notify_timeout", float, 0.1, 300.0)):
-        if parser.has_option("notify", key):
-            where = f"{path}:{_line_of(path, 'notify', key) or '?'}"
+        if conf.has("notify", key):
+            where = conf.where("notify", key)
             try:
-                number = kind(parser["notify"][key])
+                number = kind(conf.get("notify", key))
             except ValueError:
                 raise ConfigError(f"{where}: {key} must be a number") from None
             if not low <= number <= high:  # also rejects NaN
                 raise ConfigError(f"{where}: {key} must be between {low} and {high:g}")
             values[field] = number
-    return Config(**values)  # type: ignore[arg-type]
+    return values
 
 
 def _owner_mail(template: str, where: str) -> str:
@@ -254,65 +271,62 @@ def _owner_mail(template: str, where: str) -> str:
     return template
 
 
-def _protection(parser: configparser.ConfigParser, path: str) -> dict[str, object]:
+def _protection(conf: IniText) -> dict[str, object]:
     """[guard] protect_system_users (yes/no) and protected_units (unit patterns; empty: none)."""
     values: dict[str, object] = {"sys_uid_max": read_sys_uid_max()}
-    if parser.has_option("guard", "protect_system_users"):
+    if conf.has("guard", "protect_system_users"):
         try:
-            values["guard_protect_system_users"] = parser.getboolean("guard", "protect_system_users")
+            values["guard_protect_system_users"] = conf.parser.getboolean("guard", "protect_system_users")
         except ValueError:
-            where = f"{path}:{_line_of(path, 'guard', 'protect_system_users') or '?'}"
-            raise ConfigError(f"{where}: protect_system_users must be yes or no") from None
-    if parser.has_option("guard", "protected_units"):
-        patterns = tuple(parser["guard"]["protected_units"].replace(",", " ").split())
+            raise ConfigError(f"{conf.where('guard', 'protect_system_users')}: protect_system_users must be "
+                              "yes or no") from None
+    if conf.has("guard", "protected_units"):
+        patterns = tuple(conf.get("guard", "protected_units").replace(",", " ").split())
         for pattern in patterns:
             if not _UNIT_PATTERN.fullmatch(pattern):
-                where = f"{path}:{_line_of(path, 'guard', 'protected_units') or '?'}"
-                raise ConfigError(f"{where}: protected_units: {pattern!r} is not a unit name or pattern "
-                                  "(e.g. dbus.service, getty@*.service)")
+                raise ConfigError(f"{conf.where('guard', 'protected_units')}: protected_units: {pattern!r} is not "
+                                  "a unit name or pattern (e.g. dbus.service, getty@*.service)")
         values["guard_protected_units"] = patterns
     return values
 
 
-def _usage(parser: configparser.ConfigParser, path: str) -> dict[str, object]:
+def _usage(conf: IniText) -> dict[str, object]:
     """[usage] enabled (yes/no) and keep_days (whole days, 1 to MAX_KEEP_DAYS)."""
     values: dict[str, object] = {}
-    if parser.has_option("usage", "enabled"):
+    if conf.has("usage", "enabled"):
         try:
-            values["usage_enabled"] = parser.getboolean("usage", "enabled")
+            values["usage_enabled"] = conf.parser.getboolean("usage", "enabled")
         except ValueError:
-            where = f"{path}:{_line_of(path, 'usage', 'enabled') or '?'}"
-            raise ConfigError(f"{where}: enabled must be yes or no") from None
-    if parser.has_option("usage", "keep_days"):
-        where = f"{path}:{_line_of(path, 'usage', 'keep_days') or '?'}"
-        text = parser["usage"]["keep_days"].strip()
+            raise ConfigError(f"{conf.where('usage', 'enabled')}: enabled must be yes or no") from None
+    if conf.has("usage", "keep_days"):
+        text = conf.get("usage", "keep_days").strip()
         if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_KEEP_DAYS):
-            raise ConfigError(f"{where}: keep_days must be a whole number of days between 1 and {MAX_KEEP_DAYS}")
+            raise ConfigError(f"{conf.where('usage', 'keep_days')}: keep_days must be a whole number of days "
+                              f"between 1 and {MAX_KEEP_DAYS}")
         values["usage_keep_days"] = int(text)
     return values
 
 
-def _audit(parser: configparser.ConfigParser, path: str, text: str, base: AuditSettings) -> AuditSettings:
+def _audit(conf: IniText, base: AuditSettings) -> AuditSettings:
     """[audit]: the rogue-activity audit's settings (gpukilld/rogue/score.py), each checked with its line, over base."""
-    section = parser["audit"]
+    section = conf.parser["audit"]
     values: dict[str, object] = {}
     for key in section:
         try:
             values[key] = audit_settings.parse_value(key, section[key])
         except ValueError as e:
-            raise ConfigError(f"{path}:{audit_settings.line_of(text, 'audit', key) or '?'}: {e}") from None
+            raise ConfigError(f"{conf.where('audit', key)}: {e}") from None
     if "pool_ports" in values:
         ports = tuple(dict.fromkeys(values["pool_ports"]))  # type: ignore[call-overload]
         if not all(1 <= p <= 65535 for p in ports):
-            raise ConfigError(f"{path}:{audit_settings.line_of(text, 'audit', 'pool_ports') or '?'}: "
-                              "pool_ports must be TCP ports (1 to 65535)")
+            raise ConfigError(f"{conf.where('audit', 'pool_ports')}: pool_ports must be TCP ports (1 to 65535)")
         span = ephemeral_range()
         usable = outside_range(ports, span)
         if span is not None and len(usable) < len(ports):
             inside = ", ".join(str(p) for p in ports if p not in usable)
-            log.warning("%s:%s: pool_ports %s ignored: inside the ephemeral port range %d-%d "
+            log.warning("%s: pool_ports %s ignored: inside the ephemeral port range %d-%d "
                         "(net.ipv4.ip_local_port_range), where any client's source port may lie",
-                        path, audit_settings.line_of(text, "audit", "pool_ports") or "?", inside, *span)
+                        conf.where("audit", "pool_ports"), inside, *span)
         values["pool_ports"] = usable
     return dataclasses.replace(base, **values)  # type: ignore[arg-type]
 
@@ -334,6 +348,4 @@ def _audit_dropin(path: str, base: AuditSettings) -> AuditSettings:
         audit_settings.parse_text(dropin, text, imported=False)  # checked whole: only [audit], known keys
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    parser = configparser.ConfigParser(inline_comment_prefixes=("#", ";"), interpolation=None)
-    parser.read_string(text, source=dropin)
-    return _audit(parser, dropin, text, base)
+    return _audit(IniText(dropin, text), base)

@@ -30,24 +30,27 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def replace_file(path: str, data: bytes, mode: int = 0o600) -> None:
-    """Write `data` as `path`, atomically, with `mode` whatever the umask; raises OSError (the caller says what
-    it keeps instead). The directory must exist."""
+def replace_file(path: str, data: bytes | str, mode: int = 0o600, *, sync_dir: bool = True) -> None:
+    """Write `data` (text as UTF-8) as `path`, atomically, with `mode` whatever the umask; raises OSError (the
+    caller says what it keeps instead). The directory must exist. sync_dir=False leaves the directory's fsync to
+    a caller that replaces several files in it and syncs it once (fsync_dir)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
     directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)  # created 0600
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)  # O_EXCL: never a link
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if mode != 0o600:
-            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(directory)
+    if sync_dir:
+        fsync_dir(directory)
 
 
 def read_kept(path: str, max_bytes: int) -> tuple[dict[str, Any] | None, str | None]:

@@ -32,10 +32,11 @@ from gpukill.units import parse_duration
 from . import __version__, journal
 from .access.bouncer import Bouncer, Caller
 from .access.refusals import RefusalLog
-from .access.visibility import read_proc_rules
+from .access.visibility import ProcRules, read_proc_rules
 from .acts.actions import Actions, KillResult
 from .acts.killer import Killer
 from .audit_settings import AuditSettingsKeeper, dropin_path
+from .backends import Backend
 from .backends.registry import build_backends
 from .bus import writer as busio
 from .bus.door import Door
@@ -49,6 +50,7 @@ from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
 from .names import BUS_NAME, OBJECT_PATH
 from .proc.procfs import ProcFS
 from .rogue.watch import RogueWatch
+from .sampling.proc_events import ProcEvents
 from .sampling.proc_events import open_for as open_proc_events
 from .sampling.sampler import Sampler, StateChange
 from .usage.keeper import UsageKeeper, still_running
@@ -67,18 +69,35 @@ def status_line(snap: Snapshot) -> str:
 
 
 class Daemon:
+    """Every part of gpukilld, each named here with its type. The configuration and the backends are made at
+    once (a broken file fails before the bus); the parts that serve or act are made by _build, in one place,
+    once the system bus is connected; the usage keeper only once the bus name is ours (run)."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.config = self._load_config()
-        self.backends = build_backends(self.config)  # a broken device file fails here, before the bus
+        self.config: Config = self._load_config()
+        self.backends: list[Backend] = build_backends(self.config)  # a broken device file fails here
         self.snapshot: Snapshot = EMPTY_SNAPSHOT
-        self.notifier = sdnotify.SystemdNotifier()
-        self.audit = journal.Audit()
+        self.notifier: sdnotify.SystemdNotifier = sdnotify.SystemdNotifier()  # READY, STATUS, WATCHDOG
+        self.audit: journal.Audit = journal.Audit()  # the journal entries of every act and change
         self._status = ""
         self._snapshot_waiters: list[asyncio.Future[Snapshot]] = []
         self._stop = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.usage: UsageKeeper | None = None  # GPU usage accounting, while [usage] enabled
+        self.usage: UsageKeeper | None = None  # GPU usage accounting, while [usage] enabled and the name is ours
+        # Made by _build, in this order (a MessageBus needs the running loop):
+        self.bus: MessageBus  # the system bus connection
+        self.proc_rules: ProcRules  # hidepid: what /proc shows users of each other
+        self.bouncer: Bouncer  # who may do what (polkit), refusals journalled
+        self.procfs: ProcFS
+        self.proc_events: ProcEvents  # the kernel's proc connector, where it can listen
+        self.rogue: RogueWatch  # the rogue-activity audit, run by the sampler
+        self.sampler: Sampler
+        self.actions: Actions  # the kill and reset paths
+        self.audit_settings: AuditSettingsKeeper  # the audit's settings as admins change them
+        self.manager: ManagerInterface
+        self.guard: GuardRunner
+        self.guard_interface: GuardInterface
 
     # -- configuration ---------------------------------------------------------------------------------
 
@@ -182,8 +201,7 @@ class Daemon:
             self.config = config
             self.proc_rules = read_proc_rules(config.proc_root)  # /proc may have been remounted with hidepid
             self.sampler.interval = config.sample_interval
-            if isinstance(self.sampler.audit, RogueWatch):
-                self.sampler.audit.settings = config.audit
+            self.rogue.settings = config.audit
             self.backends = backends
             self.sampler.backends = backends
             self.actions.backends = {b.name: b for b in backends}
@@ -213,7 +231,6 @@ class Daemon:
             self.usage = None
         if self.usage is not None:
             self.usage.keep_days = self.config.usage_keep_days
-        self.manager.usage = self.usage
 
     def _close_when_unused(self, replaced: list) -> None:
         """Close the backends a reload replaced (NVML handles, threads, ROCm SMI) once no sample uses them.
@@ -249,47 +266,50 @@ class Daemon:
 
     # -- main ------------------------------------------------------------------------------------------
 
+    def _build(self, bus: MessageBus) -> None:
+        """The parts that serve and act, each handed what it uses: none is wired from outside afterwards."""
+        self.bus = bus
+        self.proc_rules = read_proc_rules(self.config.proc_root)
+        self.bouncer = Bouncer(bus, RefusalLog(self.audit), proc_rules=lambda: self.proc_rules)
+        self.procfs = ProcFS(self.config.proc_root)
+        # What processes become, from the kernel (gpukilld/sampling/proc_events.py); where it cannot, the sampler polls.
+        self.proc_events = open_proc_events(self.procfs.is_this_hosts())
+        if not self.proc_events.listening:
+            log.info("the kernel's proc connector is unavailable (%s): polling", self.proc_events.reason)
+        self.rogue = RogueWatch(self.config.proc_root, self.config.audit)
+        self.sampler = Sampler(
+            self.backends, self.config.sample_interval, self.procfs, self._publish,
+            watchdog=lambda: self.notifier.notify("WATCHDOG=1"), watchdog_interval=self._watchdog_interval(),
+            audit=self.rogue, events=self.proc_events,
+        )
+        self.actions = Actions(
+            snapshot=lambda: self.snapshot, backends={b.name: b for b in self.backends}, bouncer=self.bouncer,
+            killer=Killer(), auditor=self.audit, on_killed=self._on_killed, on_reset=self._on_reset,
+            resample=self.next_snapshot,
+        )
+        # The audit's settings as admins change them (SetAuditSettings): kept beside the configuration file.
+        self.audit_settings = AuditSettingsKeeper(dropin_path(self.args.config), self.rogue, self.audit,
+                                                  self.next_snapshot)
+        # GetUsage answers NotSupported while no keeper runs (until the name is ours, or [usage] is off).
+        self.manager = ManagerInterface(lambda: self.snapshot, self.actions, self.bouncer,
+                                        lambda: self.sampler.interval, self.sampler.sampling_status, bus=bus,
+                                        audit_settings=self.audit_settings, usage=lambda: self.usage)
+        self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
+                                 self.config.guard_policy_dir, self.config.guard_state_dir,
+                                 protection=protection_of(self.config), signals=self, reset=self.actions.reset,
+                                 proc_root=self.config.proc_root, kill_workload=self.actions.kill_workload)
+        self.guard_interface = GuardInterface(self.guard, self.bouncer, lambda: self.snapshot, bus=bus)
+
     async def run(self) -> int:
         self.loop = asyncio.get_running_loop()
-        backends = self.backends
         try:
             bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
         except Exception as e:
             log.error("cannot connect to the system bus: %s", e)
             return 1
-        self.bus = bus
-        self.proc_rules = read_proc_rules(self.config.proc_root)  # hidepid: what /proc shows users of each other
-        self.bouncer = bouncer = Bouncer(bus, RefusalLog(self.audit), proc_rules=lambda: self.proc_rules)
-        procfs = ProcFS(self.config.proc_root)
-        # What processes become, from the kernel (gpukilld/sampling/proc_events.py); where it cannot, the sampler polls.
-        events = open_proc_events(procfs.is_this_hosts())
-        if not events.listening:
-            log.info("the kernel's proc connector is unavailable (%s): polling", events.reason)
-        self.sampler = Sampler(
-            backends, self.config.sample_interval, procfs, self._publish,
-            watchdog=lambda: self.notifier.notify("WATCHDOG=1"), watchdog_interval=self._watchdog_interval(),
-            audit=RogueWatch(self.config.proc_root, self.config.audit), events=events,
-        )
-        self.actions = Actions(
-            snapshot=lambda: self.snapshot, backends={b.name: b for b in backends}, bouncer=bouncer,
-            killer=Killer(), auditor=self.audit, on_killed=self._on_killed, on_reset=self._on_reset,
-            resample=self.next_snapshot,
-        )
-        self.manager = ManagerInterface(lambda: self.snapshot, self.actions, bouncer,
-                                        lambda: self.sampler.interval, self.sampler.sampling_status)
-        self.manager.bus = bus
-        # The audit's settings as admins change them (SetAuditSettings): kept beside the configuration file.
-        self.manager.audit_settings = AuditSettingsKeeper(dropin_path(self.args.config), self.sampler.audit,
-                                                          self.audit, self.next_snapshot)
-        self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
-                                 self.config.guard_policy_dir, self.config.guard_state_dir,
-                                 protection=protection_of(self.config), signals=self, reset=self.actions.reset,
-                                 proc_root=self.config.proc_root, kill_workload=self.actions.kill_workload)
-        self.guard_interface = GuardInterface(self.guard, bouncer, lambda: self.snapshot)
-        self.guard_interface.bus = bus
-        self.manager.usage = None  # GetUsage answers NotSupported until the keeper starts (below), or if off
+        self._build(bus)
         busio.tolerate_full_socket(bus)
-        bus.add_message_handler(Door(bus, bouncer, lambda msg: self.manager.early_answer(msg)
+        bus.add_message_handler(Door(bus, self.bouncer, lambda msg: self.manager.early_answer(msg)
                                      or self.guard_interface.early_answer(msg)))
         bus.export(OBJECT_PATH, self.manager)
         bus.export(OBJECT_PATH, self.guard_interface)

@@ -72,8 +72,8 @@ def test_audit_rogue_is_built_once_per_snapshot_and_viewer(bus_address, monkeypa
         service = await MessageBus(bus_address=bus_address).connect()
         client = await MessageBus(bus_address=bus_address).connect()
         bouncer = ChosenCaller(service)
-        manager = ManagerInterface(lambda: snapshot[0], None, bouncer, lambda: 1.0)  # type: ignore[arg-type]
-        manager.bus = service
+        manager = ManagerInterface(lambda: snapshot[0], None, bouncer, lambda: 1.0,  # type: ignore[arg-type]
+                                   bus=service)
         service.add_message_handler(Door(service, bouncer, manager.early_answer))
         service.export(OBJECT_PATH, manager)
 

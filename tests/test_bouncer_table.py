@@ -193,10 +193,10 @@ async def serve(address: str, tmp_path: Path, victim: subprocess.Popen, allowed:
     (tmp_path / "guard.d" / managed_policy.file_name(MANAGED)).write_text(managed_policy.render(MANAGED))
     runner = GuardRunner(actions.kill, journal, NotifyConfig(), str(tmp_path / "guard.d"),  # type: ignore[arg-type]
                          str(tmp_path / "state"))
-    manager = ManagerInterface(lambda: snapshot, actions, table_polkit, lambda: 1.0)
-    manager.bus = service
-    manager.audit_settings = AuditSettingsKeeper(str(tmp_path / "gpukilld.conf.d" / "50-audit.conf"),
-                                                 RogueWatch("/nonexistent"), journal)
+    settings = AuditSettingsKeeper(str(tmp_path / "gpukilld.conf.d" / "50-audit.conf"), RogueWatch("/nonexistent"),
+                                   journal)
+    manager = ManagerInterface(lambda: snapshot, actions, table_polkit, lambda: 1.0, bus=service,
+                               audit_settings=settings)
     service.add_message_handler(Door(service, table_polkit, manager.early_answer))
     service.export(OBJECT_PATH, manager)
     service.export(OBJECT_PATH, GuardInterface(runner, table_polkit, lambda: snapshot))

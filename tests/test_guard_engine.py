@@ -11,8 +11,9 @@ from helpers.guard_inputs import OWN_PID, FakeGroups, FakeTime, GiB, dev, proc, 
 from helpers.testbed import REPO
 
 from gpukill.policy import PolicyError, load_paths, load_texts
+from gpukill.procstat import CLK_TCK
 from gpukilld.guard import clocks
-from gpukilld.guard.conditions import CLK_TCK, Protection
+from gpukilld.guard.conditions import Protection
 from gpukilld.guard.engine import PROTECTED, Engine, GraceCancelled, KillOrder, KillOverCap, Left, Violation
 from gpukilld.model import Snapshot
 

@@ -19,7 +19,7 @@ from gpukillctl.cli.guard import _decision_row, _status, _when
 from gpukillctl.top.model import GuardMarks
 from gpukilld.access.visibility import HIDDEN, Viewer
 from gpukilld.bus.guard import visible_decisions
-from gpukilld.guard.engine import Engine
+from gpukilld.guard.engine import Engine, KillOrder
 
 RECLAIM = REPO / "examples" / "guard.d" / "reclaim-idle.yaml"
 RULE = "reclaim-idle-gpus"
@@ -139,3 +139,31 @@ def test_where_other_users_processes_are_hidden_their_not_met_subjects_are_too()
         ("PID 20 (train, user bob)", "not-met")]
     seen = visible_decisions(previews, snap(TRAINER, IDLE, bob), Viewer(1000, HIDDEN))
     assert sorted(d["subject"] for d in seen) == ["PID 10 (train, user alice)", "PID 11 (notebook, user alice)"]
+
+
+def test_the_preview_says_when_the_engine_kills_through_window_grace_flight_and_cooldown():
+    """At every step the preview's status and wait (act_wait, engine.py) say what evaluate then does: nothing
+    while the window, the grace, the kill in flight and the cooldown run, a kill the moment it says "now"."""
+    t = FakeTime()
+    e = Engine(load_texts([("p.yaml", "cooldown: 40s\nrules:\n  - name: hog\n    action: kill\n"
+                                      "    grace_period: 30s\n    conditions:\n"
+                                      "      - {type: gpu_memory, operator: '>', value: 1GiB, duration: 20s}\n")]),
+               t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "hog", mem=2 * GiB, util=50))
+    kills, predicted = [], None
+    for _ in range(30):
+        (p,) = e.preview(s)
+        if predicted is None and p.status == "waiting":
+            predicted = t.now + p.wait
+        orders = [ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder)]
+        assert (p.status == "now") == bool(orders), (t.now, p)
+        for order in orders:
+            assert t.now == predicted, "the kill comes when the preview said it would"
+            kills.append(t.now)
+            (after,) = e.preview(s)
+            assert after.status == "in-flight"
+            e.kill_finished(order, order.targets[0], "still-alive")  # survived: the cooldown starts
+            predicted = None
+        t.now += 5
+    first = 1000.0 + 20 + 30  # the window, then the grace
+    assert kills == [first, first + 40, first + 80]  # then once a cooldown, each from the kill's answer

@@ -47,7 +47,7 @@ DISPATCHED = {"gpukillctl.top.app", "gpukillctl.top.monitor", "gpukillctl.notify
 DAEMON_FLOW = ("base", "proc", "backends", "sampling", "access", "rogue", "acts", "guard", "usage", "bus", "main")
 DAEMON_ROOT = {"gpukilld": "base", "gpukilld.model": "base", "gpukilld.config": "base",
                "gpukilld.audit_settings": "base", "gpukilld.journal": "base", "gpukilld.names": "base",
-               "gpukilld.files": "base",
+               "gpukilld.files": "base", "gpukilld.ini": "base",
                "gpukilld.main": "main", "gpukilld.__main__": "main"}
 # No folder holds more than about 12 modules at one level (gpukill/ holds 13, all one concern: the records and
 # rules both sides read); __init__ and __main__ are not counted.

@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -21,6 +20,7 @@ from helpers.http_server import PYTHON, Server, free_port, request, runtime_dir 
 from helpers.marks import needs_root  # noqa: E402
 from helpers.waiting import wait_until  # noqa: E402
 
+from gpukill.procstat import read_stat  # noqa: E402
 from gpukillctl.serve import server as serve_server  # noqa: E402
 
 LINK = re.compile(r"log in to the dashboard once with: (http://127\.0\.0\.1:(\d+)/login\?code=[A-Za-z0-9_-]+)")
@@ -66,11 +66,8 @@ def test_open_without_a_browser_prints_the_link_and_a_hangup_removes_the_token(b
 
 def running(pid: int) -> bool:
     """pid is a process that has not ended (a zombie has ended)."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return raw[raw.rindex(")") + 2:].split()[0] != "Z"
+    stat = read_stat(pid)
+    return stat is not None and stat.state != "Z"
 
 
 @pytest.fixture(scope="module")

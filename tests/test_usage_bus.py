@@ -195,7 +195,7 @@ class BlockingStore:
 
 
 class Keeper:
-    """What main sets as manager.usage (gpukilld/usage/keeper.py): live() and store."""
+    """What the daemon's usage keeper offers the manager (gpukilld/usage/keeper.py): live() and store."""
 
     def __init__(self) -> None:
         self.store = BlockingStore()
@@ -206,7 +206,7 @@ class Keeper:
 
 def _blocked_queries(tmp_path, per_client: list[int]):
     """GetUsage against a store that answers only when released: `per_client[i]` calls from client i, each
-    client another uid. Returns the NotSupported reply before the keeper is set, the replies that came before
+    client another uid. Returns the NotSupported reply before the keeper runs, the replies that came before
     the release (TooBusy), a ListDevices answered meanwhile, every reply, and the most queries run at once."""
     import asyncio
 
@@ -243,8 +243,9 @@ def _blocked_queries(tmp_path, per_client: list[int]):
         for i, c in enumerate(clients):
             uids[c.unique_name] = 5000 + i
         bouncer = OrdinaryUsers(service, people=People("/nonexistent/subuid"))
-        manager = ManagerInterface(lambda: snap, None, bouncer, lambda: 1.0)  # type: ignore[arg-type]
-        manager.bus = service
+        running: list[Keeper] = []  # the keeper the daemon runs: none, then one
+        manager = ManagerInterface(lambda: snap, None, bouncer, lambda: 1.0, bus=service,  # type: ignore[arg-type]
+                                   usage=lambda: running[0] if running else None)
         service.add_message_handler(Door(service, bouncer, manager.early_answer))
         service.export(OBJECT_PATH, manager)
 
@@ -256,7 +257,7 @@ def _blocked_queries(tmp_path, per_client: list[int]):
         try:
             off = await call(clients[0])
             keeper = Keeper()
-            manager.usage = keeper
+            running.append(keeper)
             calls = []
             for client, n in zip(clients, per_client, strict=True):
                 calls += [asyncio.ensure_future(call(client)) for _ in range(n)]

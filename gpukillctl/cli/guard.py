@@ -337,6 +337,8 @@ NOT_MET = "not-met"  # a decision's status: watched, but a windowed condition do
 
 
 def _decision_row(d: Decision) -> list[str]:
+    from gpukill.rules import KILL, RESET  # here: the listing path imports this module, and not the rules
+
     if d.status == "now":
         when = "now"
     elif d.status == "waiting":
@@ -344,9 +346,9 @@ def _decision_row(d: Decision) -> list[str]:
     else:
         when = d.status
     pids = ", ".join(map(str, d.pids)) or "-"
-    if d.action == "kill":
+    if d.action == KILL:
         what = f"{d.action} {pids}"
-    elif d.action == "reset" and d.pids:  # force: its holders are killed first
+    elif d.action == RESET and d.pids:  # force: its holders are killed first
         what = f"kill {pids}, reset"
     else:
         what = d.action

@@ -36,6 +36,7 @@ from gpukill.records import (
     PolicyViolated,
     ProcessKilled,
 )
+from gpukill.rules import KILL
 from gpukill.text import shown
 from gpukill.units import format_duration
 
@@ -185,7 +186,7 @@ class Narrator:
         if not self.audience.concerns(d.uid) or v.action == "log":  # a log rule is meant to be quiet
             return []
         key = _slot_key(v.rule, v.subject)
-        waits = v.action == "kill" and not v.dry_run
+        waits = v.action == KILL and not v.dry_run
         left = max(0.0, d.grace - max(0.0, wall - d.time)) if d.time else d.grace
         slot = Slot(v.rule, v.subject, d.reason, now + left if waits else None)
         self.slots[key] = slot
@@ -194,7 +195,7 @@ class Narrator:
         self.rule_shown[v.rule] = now
         if waits:
             return [self._countdown(slot, now, Step.OPEN)]
-        if v.action == "kill":  # a dry run: nothing will be signalled
+        if v.action == KILL:  # a dry run: nothing will be signalled
             return [Toast(f"Dry run: Guard would stop {v.subject}",
                           f"Guard rule {v.rule}: {d.reason}. The rule is in dry run: nothing is signalled.",
                           NORMAL, key, Step.OPEN)]

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 
+from gpukill.procstat import CLK_TCK
 from gpukill.text import UNKNOWN
 
 from ..client.dbus import ClientError, GpukillClient
@@ -89,7 +90,7 @@ async def fetch(client: GpukillClient) -> tuple[Sample, str]:
     sample = Sample(devices=tuple(devices), processes=tuple(processes),  # type: ignore[arg-type]
                     guard=None if isinstance(guard, BaseException) else guard,
                     interval=status.sample_interval,  # type: ignore[union-attr]
-                    boottime=time.clock_gettime(time.CLOCK_BOOTTIME), clock_ticks=os.sysconf("SC_CLK_TCK"))
+                    boottime=time.clock_gettime(time.CLOCK_BOOTTIME), clock_ticks=CLK_TCK)
     if isinstance(guard, ClientError):
         return sample, f"guard status unavailable: {guard}"
     if isinstance(guard, BaseException):

@@ -24,7 +24,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gpukill.procstat import seconds_since_start
 from gpukill.records import Device, Process, SnapshotChanged, to_plain
 
 from ..client.dbus import DaemonUnavailable, GpukillClient
@@ -47,7 +47,6 @@ MAX_SIGNALS = 256  # per subscriber; a page slower than that loses the oldest (i
 LINGER = 30.0  # seconds a feed outlives its last subscriber: a page reloaded does not cost a new connection
 PING = 15.0  # seconds between comment lines on a quiet stream: proxies and browsers keep it open
 BACKOFF_FIRST, BACKOFF_MAX = 2.0, 60.0  # retrying a host that is down: doubling from the first to the last
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SIGNAL_TYPES = ("ProcessKilled", "DeviceReset", "DeviceStateChanged", "PolicyViolated", "GuardActionTaken",
                 "Notification")
 
@@ -218,7 +217,7 @@ class Feed:
         rows = []
         for p, idle_seconds in zip(processes, idle, strict=True):
             row = to_plain(p)
-            row["runtime"] = max(0.0, boot - p.start_time / CLK_TCK) if boot is not None else None
+            row["runtime"] = max(0.0, seconds_since_start(p.start_time, boot)) if boot is not None else None
             row["idle_seconds"] = idle_seconds
             rows.append(row)
         return {"id": self.host.id, "name": self.host.name, "state": "up", "error": "", "generation": generation,

@@ -25,6 +25,7 @@ from gpukill.errors import (
 )
 from gpukill.outcome import INITIATOR_RESET, Outcome, guard_initiator, reclaim_text
 from gpukill.records import ALIVE, UNWATCHED, Reclaim, ResetReply, WorkloadEntry, WorkloadReply
+from gpukill.rules import KILL
 from gpukill.text import shown
 
 from .. import journal
@@ -126,7 +127,7 @@ class Actions:
 
     @staticmethod
     def _base(caller: Caller | None, pid: int, start_time: int, force: bool, initiator: str) -> dict[str, object]:
-        return {"action": "kill", "target_pid": pid, "target_start_time": start_time, "initiator": initiator,
+        return {"action": KILL, "target_pid": pid, "target_start_time": start_time, "initiator": initiator,
                 "force": int(force), **Actions._caller_fields(caller)}
 
     @staticmethod

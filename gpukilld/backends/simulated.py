@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import yaml
 
 from gpukill.errors import ConfigError, NotSupported, ResetFailed
+from gpukill.procstat import seconds_since_start
 from gpukill.units import parse_size, short
 
 from ..model import STATE_ERROR, STATE_LOST, STATE_OK, BackendStatus, DeviceReading, ProcessUsage
@@ -85,7 +86,6 @@ OTHERS_SLOWER = 2
 # On a 5,000-process host a scan takes ~8 ms: every 10 s it was 0.08 % of a core (bench/idle_cost), every
 # 60 s it is 0.013 %.
 FULL_SCAN = 60.0
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,7 +352,7 @@ class SimulatedBackend(Backend):
                 again = True  # its end would go unseen: read it every sample instead
         # A young process is read every sample: fork then exec (a new name and environment) happens early.
         again = again or self._watch is None or \
-            time.clock_gettime(time.CLOCK_BOOTTIME) - stat.start_time / _CLK_TCK < YOUNG
+            seconds_since_start(stat.start_time, time.clock_gettime(time.CLOCK_BOOTTIME)) < YOUNG
         if again:
             self._young.add(pid)
             recheck_at = math.inf

@@ -134,14 +134,15 @@ def status_as_seen(status: GuardStatus, viewer: Viewer) -> GuardStatus:
 
 
 class GuardInterface(ServiceInterface):
-    def __init__(self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot],
+                 bus: MessageBus | None = None) -> None:
         super().__init__(GUARD_INTERFACE)
         self._runner = runner
         self._bouncer = bouncer
         self._snapshot = snapshot
         self._sandbox = Sandbox()
         self._managed = ManagedPolicies(runner, runner.audit)
-        self.bus: MessageBus | None = None  # set by main: the early answers write to it
+        self.bus = bus  # the early answers write to it
         # ListPolicies and ExportPolicies, open to every user: (what guard.d's listing gave, the reply's body
         # marshalled once), so a flood of them costs a lookup and a write each, not a marshalling.
         self._policy_bodies: dict[str, tuple[object, bytes]] = {}

@@ -226,7 +226,8 @@ def _check_size(records: list[Record], what: str) -> None:
 class ManagerInterface(ServiceInterface):
     def __init__(self, snapshot: Callable[[], Snapshot], actions: Actions, bouncer: Bouncer,
                  sample_interval: Callable[[], float],
-                 sampling: Callable[[], SamplingStatus] | None = None) -> None:
+                 sampling: Callable[[], SamplingStatus] | None = None, *, bus: MessageBus | None = None,
+                 audit_settings: AuditSettingsKeeper | None = None, usage: Callable[[], Any] = lambda: None) -> None:
         super().__init__(MANAGER_INTERFACE)
         self._sampling = sampling  # the sampler's: the proc connector, or polling and why
         self._snapshot = snapshot
@@ -242,18 +243,18 @@ class ManagerInterface(ServiceInterface):
         self._compact_bodies: dict[tuple[int, str], bytes] = {}  # the same in the compact form
         self._audits: dict[tuple[int, str], list[dict[str, Variant]]] = {}  # a viewer's AuditRogue reply
         self._audit_bodies: dict[tuple[int, str], bytes] = {}  # the same, marshalled
-        self.bus: MessageBus | None = None  # set by main: replies are refused while its queue is backed up
-        # The audit's settings (set by main): what GetAuditSettings shows and SetAuditSettings changes.
-        self.audit_settings: AuditSettingsKeeper | None = None
+        self.bus = bus  # replies are refused while its queue is backed up
+        # The audit's settings: what GetAuditSettings shows and SetAuditSettings changes.
+        self.audit_settings = audit_settings
         self._audit_settings: AuditSettings | None = None  # the settings the cached AuditRogue replies were made with
         self._scans: dict[tuple[AuditSettings, tuple[int, str]], list[dict[str, Variant]]] = {}
         self._scans_basis: object = None  # the round the cached scans were made from
         self._scan_turn = asyncio.Semaphore(1)
         self._scans_waiting = 0
         self._published = 0  # the generation the last SnapshotChanged announced (0: the empty snapshot)
-        # GPU usage accounting (set by main: gpukilld/usage/keeper.py's UsageKeeper, with .live() and .store);
-        # None when [usage] enabled = no
-        self.usage: Any = None
+        # GPU usage accounting now (gpukilld/usage/keeper.py's UsageKeeper, with .live() and .store); None while
+        # it is not running ([usage] enabled = no, or before the daemon owns its name)
+        self._usage = usage
         self._usage_turn = asyncio.Semaphore(USAGE_QUERIES_AT_ONCE)
         self._usage_calls = 0  # running and waiting
         self._usage_calls_of: dict[int, int] = {}  # the same per person
@@ -499,7 +500,7 @@ class ManagerInterface(ServiceInterface):
     @method()
     @dbus_errors
     async def GetUsage(self, query: "a{sv}") -> "a{sv}":
-        usage = self.usage
+        usage = self._usage()
         if usage is None:
             raise NotSupported(USAGE_OFF)
         q = parse_query(query, time.time())

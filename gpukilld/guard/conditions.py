@@ -43,6 +43,7 @@ from gpukill.condition_types import (
     victim_order,
     view_of,
 )
+from gpukill.procstat import CLK_TCK
 from gpukill.rules import (
     MEAN,
     PER_GROUP,
@@ -59,7 +60,6 @@ from ..config import DEFAULT_PROTECTED_UNITS, SYS_UID_MAX
 from ..model import STATE_LOST, Device, Snapshot
 from ..rogue.score import process_scores
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 MEMO_LIMIT = 20_000  # distinct strings remembered per condition (names, command lines) before starting over
 
 ProcKey = tuple[int, int]  # (pid, start time): a process, never confused with a later one reusing the PID
@@ -113,9 +113,11 @@ def _less(by_device: dict[int, float] | None, proc: ProcView) -> dict[int, float
 
 
 @dataclass(slots=True)
-class UserView:
-    uid: int
-    user: str
+class PeopleView:
+    """A user (per_user) or a group (per_group), with the processes of theirs that the rule counts and their sums."""
+
+    name: str  # the user's name; a group's as the rule names it (a name, or a gid as text)
+    uid: int | None  # the user's; None: a group
     procs: list[ProcView]
     memory: int | None
     partial: bool = False  # some of its processes' usage is charged to no one: memory is a lower bound
@@ -123,53 +125,29 @@ class UserView:
     by_device: dict[int, float] | None = None  # GPU index -> its processes' utilization there, added up
 
     @property
-    def key(self) -> int:
-        return self.uid
+    def key(self) -> int | str:
+        return self.name if self.uid is None else self.uid
 
     @property
-    def label(self) -> str:
-        return f"user {self.user}"
-
-    @property
-    def utilization(self) -> float | None:
-        """The busiest GPU's share taken by the user's processes (see condition_types: user_utilization)."""
-        return None if self.by_device is None else max(self.by_device.values(), default=0.0)
-
-    def without(self, proc: ProcView) -> UserView:
-        """The user's figures as if proc were gone. Only the sums change (what conditions on a user read);
-        the process list stays, so choosing victims among thousands costs no copies."""
-        memory = None if self.memory is None else max(0, self.memory - (proc.gpu_memory or 0))
-        return UserView(self.uid, self.user, self.procs, memory, self.partial, max(0, self.count - 1),
-                        _less(self.by_device, proc))
-
-
-@dataclass(slots=True)
-class GroupView:
-    """A group a per_group rule names, with its members' processes that the rule counts."""
-
-    name: str  # as the rule names it: a group name, or a gid as text
-    procs: list[ProcView]
-    memory: int | None
-    partial: bool = False
-    count: int = 0
-    by_device: dict[int, float] | None = None
-
-    @property
-    def key(self) -> str:
+    def user(self) -> str:
+        """The user's name, as a process's (what user conditions decide on)."""
         return self.name
 
     @property
     def label(self) -> str:
-        return f"group {self.name}"
+        return f"group {self.name}" if self.uid is None else f"user {self.name}"
 
     @property
     def utilization(self) -> float | None:
+        """The busiest GPU's share taken by the processes (see condition_types: user_utilization)."""
         return None if self.by_device is None else max(self.by_device.values(), default=0.0)
 
-    def without(self, proc: ProcView) -> GroupView:
+    def without(self, proc: ProcView) -> PeopleView:
+        """The figures as if proc were gone. Only the sums change (what conditions on a user or group read);
+        the process list stays, so choosing victims among thousands costs no copies."""
         memory = None if self.memory is None else max(0, self.memory - (proc.gpu_memory or 0))
-        return GroupView(self.name, self.procs, memory, self.partial, max(0, self.count - 1),
-                         _less(self.by_device, proc))
+        return PeopleView(self.name, self.uid, self.procs, memory, self.partial, max(0, self.count - 1),
+                          _less(self.by_device, proc))
 
 
 @dataclass(slots=True)
@@ -189,7 +167,7 @@ class DeviceView:
 
     def without(self, proc: ProcView) -> DeviceView:
         """The device as if proc were gone: its share of memory and utilization taken off (the sums only,
-        as for UserView.without)."""
+        as for PeopleView.without)."""
         mem, util = proc.per_device.get(self.device.index, (None, None))
         return DeviceView(
             self.device, self.procs,
@@ -198,7 +176,7 @@ class DeviceView:
         )
 
 
-Subject = ProcView | UserView | DeviceView | GroupView
+Subject = ProcView | PeopleView | DeviceView
 
 
 def _sum(values: Iterable[int | None]) -> int | None:
@@ -253,16 +231,16 @@ def process_views(snapshot: Snapshot, boot_now: float,
     return views
 
 
-def user_views(procs: list[ProcView]) -> list[UserView]:
+def user_views(procs: list[ProcView]) -> list[PeopleView]:
     by_uid: dict[int, list[ProcView]] = {}
     for p in procs:
         by_uid.setdefault(p.uid, []).append(p)
-    return [UserView(uid, ps[0].user, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps), len(ps),
+    return [PeopleView(ps[0].user, uid, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps), len(ps),
                      _utilization_by_device(ps))
             for uid, ps in by_uid.items()]
 
 
-def group_views(procs: list[ProcView], names: Iterable[str], groups: Groups) -> list[GroupView]:
+def group_views(procs: list[ProcView], names: Iterable[str], groups: Groups) -> list[PeopleView]:
     """One view per group named (by name or gid as text) that has a member among the processes' users."""
     members: dict[int, frozenset[str]] = {}
     for p in procs:
@@ -272,8 +250,8 @@ def group_views(procs: list[ProcView], names: Iterable[str], groups: Groups) -> 
     for name in dict.fromkeys(names):
         ps = [p for p in procs if name in members[p.uid]]
         if ps:
-            out.append(GroupView(name, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps), len(ps),
-                                 _utilization_by_device(ps)))
+            out.append(PeopleView(name, None, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps),
+                                  len(ps), _utilization_by_device(ps)))
     return out
 
 
@@ -526,7 +504,7 @@ class Cycle:
         self._visible: dict[Exemptions, list[ProcView]] = {}
         # Keyed by id() of a list, which each entry keeps alive so the id cannot be reused this cycle.
         self._index: dict[tuple[int, str], tuple[list[ProcView], dict[Any, list[ProcView]]]] = {}
-        self._users: dict[int, tuple[list[ProcView], list[UserView]]] = {}
+        self._users: dict[int, tuple[list[ProcView], list[PeopleView]]] = {}
         self._devices: dict[tuple[int, bool], tuple[list[ProcView], list[DeviceView]]] = {}
 
     def visible(self, exemptions: Exemptions, exempt: Exempt | None) -> list[ProcView]:
@@ -556,7 +534,7 @@ class Cycle:
         self._index[key] = (procs, groups)
         return groups
 
-    def users(self, procs: list[ProcView], shared: bool) -> list[UserView]:
+    def users(self, procs: list[ProcView], shared: bool) -> list[PeopleView]:
         if not shared:
             return user_views(procs)
         cached = self._users.get(id(procs))
@@ -685,7 +663,7 @@ def _memory_size(p: ProcView, subject: Subject) -> tuple[float, float]:
 def _util_size(p: ProcView, subject: Subject) -> tuple[float, ...]:
     """By utilization. A user's or a group's figure is its busiest GPU's: there, what a process takes of that
     GPU comes first (one busy elsewhere would bring nothing down), then its own highest, then its memory."""
-    by_device = subject.by_device if isinstance(subject, UserView | GroupView) else None
+    by_device = subject.by_device if isinstance(subject, PeopleView) else None
     if by_device:
         busiest = max(by_device, key=by_device.__getitem__)
         on_it = p.per_device.get(busiest, (None, None))[1]
@@ -697,6 +675,6 @@ def _util_size(p: ProcView, subject: Subject) -> tuple[float, ...]:
 _SIZE_OF = {BY_MEMORY: _memory_size, BY_UTILIZATION: _util_size}
 
 
-def _uid_and_name(s: ProcView | UserView) -> tuple[int, str]:
+def _uid_and_name(s: ProcView | PeopleView) -> tuple[int | None, str]:
     """What user and group conditions decide on: the uid, and the name where a policy gives one."""
     return (s.uid, s.user)

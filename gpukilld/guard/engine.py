@@ -47,7 +47,7 @@ from typing import Any
 from gpukill.errors import Protected
 from gpukill.outcome import SIGNALLED, Outcome, result_text
 from gpukill.records import KILL_PROCESS, KILL_TREE
-from gpukill.rules import EMPTY_POLICY, MEAN, RESET, Policy, Rule
+from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, Policy, Rule
 
 from ..acts.reclaim import remember_tree
 from ..acts.selection import OTHER_USERS, unit_mates
@@ -59,11 +59,11 @@ from .conditions import (
     Cycle,
     DeviceView,
     Groups,
+    PeopleView,
     ProcKey,
     ProcView,
     Protection,
     Subject,
-    UserView,
     boot_seconds,
     process_views,
 )
@@ -307,13 +307,27 @@ class Preview:
     reason_for_others: str = ""
 
 
+def grace_of(rule: Rule) -> float:
+    """The grace period a violation of the rule starts: a kill rule's; no other action waits for one."""
+    return rule.grace_period if rule.action == KILL else 0.0
+
+
+def act_wait(rule: Rule, grace_until: float | None, cooldown_until: float, now: float,
+             windows_left: float = 0.0) -> float:
+    """Seconds until the rule acts on a subject (0: now), as evaluate decides and preview reports it: the grace
+    period of its violation (grace_until; None: not violating yet, so its windows still to run, then the whole
+    grace), and after that the cooldown that follows a kill of it."""
+    until = now + windows_left + grace_of(rule) if grace_until is None else grace_until
+    return max(0.0, until - now, cooldown_until - now)
+
+
 def _number(cc: CompiledCondition, value: float) -> str:
     """A mean as reasons write it: with its type's printer, else as a plain number."""
     return cc.ctype.printer(value) if cc.ctype.printer else f"{value:g}"
 
 
 def _uid_of(s: Subject) -> int | None:
-    return s.uid if isinstance(s, ProcView | UserView) else None
+    return s.uid if isinstance(s, ProcView | PeopleView) else None
 
 
 class Engine:
@@ -532,13 +546,13 @@ class Engine:
             held.add(key)
             ep = st.episodes.get(key)
             if ep is None:
-                grace = rule.grace_period if rule.action == "kill" else 0.0
+                grace = grace_of(rule)
                 ep = st.episodes[key] = Episode(now, now + grace, s.label, _uid_of(s))
                 ep.warned = 1 if rule.warn and rule.warn[0] >= grace else 0  # at_start: the violation's notice
                 self.clocks_changed = True
                 stats.triggers += 1
                 stats.last_triggered = wall
-                if rule.action == "kill":
+                if rule.action == KILL:
                     concerned = st.compiled.victims(s, self._going, self._refused)
                 else:
                     concerned = [s] if isinstance(s, ProcView) else list(s.procs)
@@ -547,14 +561,14 @@ class Engine:
             if rule.action == RESET:
                 self._reset(st, s, now, dry_run, cycle, events)  # type: ignore[arg-type]  # per_device only
                 continue
-            if rule.action == "kill" and rule.warn and not ep.acted and now < ep.grace_until:
+            if rule.action == KILL and rule.warn and not ep.acted and now < ep.grace_until:
                 self._warn(st, s, ep, now, events)
-            if rule.action != "kill" or now < ep.grace_until or st.in_flight.get(key):
+            if rule.action != KILL or st.in_flight.get(key):
                 continue
             if dry_run and ep.acted:
                 continue  # one would-kill per episode: the journal hears again when the subject leaves
             cooldown = st.dry_cooldown if dry_run else st.cooldown  # dry run off: enforce at once
-            if now < cooldown.get(key, 0.0):
+            if act_wait(rule, ep.grace_until, cooldown.get(key, 0.0), now) > 0:
                 continue
             victims = st.compiled.victims(s, self._going, self._refused)
             plan = self._plan(st, victims, kills_left, cycle)  # the cap holds the rest for the next cycle
@@ -586,10 +600,10 @@ class Engine:
         for key in ended:
             ep = st.episodes.pop(key)
             self.clocks_changed = True
-            if rule.action == "kill" and not ep.acted:
+            if rule.action == KILL and not ep.acted:
                 stats.cancelled += 1
                 events.append(GraceCancelled(rule, ep.label, key, ep.uid))
-            elif rule.action == "kill" and dry_run:
+            elif rule.action == KILL and dry_run:
                 events.append(Left(rule, ep.label, key, ep.uid, self._left_why(st, by_key.get(key), now)))
         for cooldowns in (st.cooldown, st.dry_cooldown):
             for key in [k for k, until in cooldowns.items() if until <= now]:
@@ -772,7 +786,7 @@ class Engine:
                  "warnings_sent": ep.warned,
                  "next_warning": (ep.grace_until - st.rule.warn[ep.warned] - now
                                   if ep.warned < len(st.rule.warn) else None)}
-                for st in self.states if st.rule.action == "kill"
+                for st in self.states if st.rule.action == KILL
                 for ep in st.episodes.values() if not ep.acted and now < ep.grace_until]
 
     def preview(self, snapshot: Snapshot) -> list[Preview]:
@@ -817,16 +831,13 @@ class Engine:
         else:
             duration_left = 0.0 if any(cc.test(s) for cc in c.instant) else min(waits, default=0.0)
         ep = st.episodes.get(key)
-        if ep is not None:
-            wait = max(0.0, ep.grace_until - now) if rule.action == "kill" else 0.0
-        else:
-            wait = duration_left + (rule.grace_period if rule.action == "kill" else 0.0)
-        wait = max(wait, st.cooldown.get(key, 0.0) - now)  # previews show what enforcing would do
+        # Previews show what enforcing would do: its cooldowns, not a dry run's.
+        wait = act_wait(rule, ep.grace_until if ep else None, st.cooldown.get(key, 0.0), now, duration_left)
         if rule.action == RESET:
             return self._preview_reset(st, s, max(wait, self.reset_wait(rule, key, now, False)),  # type: ignore[arg-type]
                                        cycle)
         reason, for_others = self._reason(st, s), self._reason(st, s, for_others=True)
-        if rule.action == "kill":
+        if rule.action == KILL:
             victims = c.victims(s, self._going, self._refused)
             plan = self._plan(st, victims, self.policy.settings.max_kills_per_cycle, cycle)
             pids = tuple(p.pid for v, sc in plan for p in (v, *sc.members))

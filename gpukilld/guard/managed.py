@@ -45,7 +45,7 @@ from gpukill.records import ManagedPolicyEntry, from_plain
 from gpukill.text import shown
 
 from .. import journal
-from ..files import fsync_dir
+from ..files import fsync_dir, replace_file
 from .runner import GuardRunner
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ MAX_LIST = 1024  # entries of a list setting (allowed_users)
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,200}\.yaml")
 FILE_MODE = 0o644  # readable by all, as every file in guard.d: admins and `gpukillctl guard validate` read it
 LISTING_TTL = 1.0  # seconds a listing of guard.d is served before its files are looked at (stat) again
-NEW, OLD = ".gpukilld-new", ".gpukilld-old"  # suffixes of the temporary and kept files (dot files: not *.yaml)
+OLD = ".gpukilld-old"  # the suffix of a replaced file, kept until the change is in force (not *.yaml)
 
 
 def check_target(kind: str, target: str) -> None:
@@ -329,30 +329,12 @@ class ManagedPolicies:
                 if text is None:
                     os.unlink(path)
                 else:
-                    self._write_file(path, text)
+                    replace_file(path, text, FILE_MODE, sync_dir=False)  # guard.d is synced once, below
             fsync_dir(self.directory)
         except OSError as e:
             self._revert(undo)
             raise GpukillError(f"cannot write {path}: {e.strerror or e}") from None
         return undo
-
-    @staticmethod
-    def _write_file(path: str, text: str) -> None:
-        new = path + NEW
-        _unlink(new)
-        fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-        try:
-            os.fchmod(fd, FILE_MODE)  # whatever the umask: every file in guard.d is readable by all
-            data = text.encode()
-            while data:
-                data = data[os.write(fd, data):]
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink(new)
-            raise
-        os.close(fd)
-        os.replace(new, path)
 
     def _revert(self, undo: list[tuple[str, str | None]]) -> None:
         for path, kept in reversed(undo):

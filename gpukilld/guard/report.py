@@ -18,7 +18,7 @@ from typing import Any
 
 from gpukill.outcome import Outcome, result_text
 from gpukill.records import RecentEvent
-from gpukill.rules import RESET, Rule
+from gpukill.rules import KILL, RESET, Rule
 from gpukill.text import shown
 from gpukill.units import format_duration, format_size
 
@@ -116,8 +116,8 @@ def _notice(rule: Rule, event: str, summary: str, lines: list[str], data: dict[s
 
 def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
     rule = ev.rule
-    dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == "kill" else ""
-    if rule.action == "kill":
+    dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == KILL else ""
+    if rule.action == KILL:
         what = (f"its process(es) {_pids(ev.targets)} get SIGTERM in {format_duration(rule.grace_period)} "
                 "unless it comes back under" if rule.grace_period else f"stopping {_pids(ev.targets)} now")
     elif rule.action == RESET:
@@ -138,7 +138,7 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
                       "grace": rule.grace_period, "pids": [t.pid for t in ev.targets], "uid": ev.uid}, host, now,
                      ev.reason_for_others)
     # With a warn schedule the violation's notice is its at_start warning: sent only if the schedule says so.
-    warned_at_start = not rule.warn or rule.action != "kill" or rule.warn[0] >= rule.grace_period
+    warned_at_start = not rule.warn or rule.action != KILL or rule.warn[0] >= rule.grace_period
     return Report((Entry(journal, Violated(ev, dry_run), recent),), notice if warned_at_start else None)
 
 
@@ -154,13 +154,13 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
         {"action": "guard", "result": "warning", "rule": rule.name, "subject": ev.subject, "reason": ev.reason,
          "remaining": round(ev.remaining, 1), "warning": ev.number, "dry_run": int(dry_run),
          "target_pids": ",".join(str(t.pid) for t in ev.targets) or None, "target_uid": ev.uid})
-    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "warning", "kill", "", None, dry_run)
+    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "warning", KILL, "", None, dry_run)
     notice = _notice(rule, "warning", f"{rule.name}: {ev.subject} will be stopped in {left}",
                      [f"Host: {host}", f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
                       f"Subject: {ev.subject}", f"Why: {ev.reason}", f"What happens: {what}",
                       "What to do: end the process or bring it back under the rule before then; ask the "
                       "administrators for an exemption if it must run"],
-                     {"subject": ev.subject, "reason": ev.reason, "action": "kill", "dry_run": dry_run,
+                     {"subject": ev.subject, "reason": ev.reason, "action": KILL, "dry_run": dry_run,
                       "remaining": ev.remaining, "warning": ev.number, "pids": [t.pid for t in ev.targets],
                       "uid": ev.uid}, host, now, ev.reason_for_others)
     return Report((Entry(journal, None, recent),), notice)
@@ -173,8 +173,8 @@ def cancelled(ev: GraceCancelled, dry_run: bool, now: float) -> Report:
         audit.GUARD_ACTION, f"Guard rule {ev.rule.name}: {ev.subject} {outcome.text}; nothing was signalled",
         {"action": "guard", "result": outcome, "rule": ev.rule.name, "subject": ev.subject, "target_uid": ev.uid,
          "dry_run": int(dry_run)})
-    signal = ActionTaken(ev.rule.name, ev.subject, "kill", 0, 0, outcome, dry_run)
-    recent = RecentEvent(now, ev.rule.name, ev.subject, ev.uid, "cancelled", "kill", outcome, None, dry_run)
+    signal = ActionTaken(ev.rule.name, ev.subject, KILL, 0, 0, outcome, dry_run)
+    recent = RecentEvent(now, ev.rule.name, ev.subject, ev.uid, "cancelled", KILL, outcome, None, dry_run)
     return Report((Entry(journal, signal, recent),), None)
 
 
@@ -192,14 +192,14 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
             {"action": "guard", "result": outcome, "rule": rule.name, "subject": order.subject, "target_pid": t.pid,
              "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm,
              "force": int(order.force), "reason": order.reason, "dry_run": 1, **_scope_fields(scoped)})
-        signal = ActionTaken(rule.name, order.subject, "kill", t.pid, t.start_time, outcome, True)
-        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", "kill", outcome, t.pid, True,
+        signal = ActionTaken(rule.name, order.subject, KILL, t.pid, t.start_time, outcome, True)
+        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", KILL, outcome, t.pid, True,
                              detail=detail)
         entries.append(Entry(journal, signal, recent))
     notice = _notice(rule, "action", f"{rule.name}: {outcome.text} {_pids(order.targets)} (dry run)",
                      [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
                       f"Dry run: would have stopped {_pids(order.targets)}; nothing was signalled"],
-                     {"subject": order.subject, "reason": order.reason, "action": "kill", "dry_run": True,
+                     {"subject": order.subject, "reason": order.reason, "action": KILL, "dry_run": True,
                       "outcome": outcome, "pids": [t.pid for t in order.targets], "uid": order.uid}, host, now,
                      order.reason_for_others)
     return Report(tuple(entries), notice)
@@ -213,7 +213,7 @@ def left(ev: Left, now: float) -> Report:
                              "its would-kill episode ended",
         {"action": "guard", "result": LEFT, "rule": rule.name, "subject": ev.subject, "reason": ev.why,
          "target_uid": ev.uid, "dry_run": 1})
-    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, LEFT, "kill", "", None, True)
+    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, LEFT, KILL, "", None, True)
     return Report((Entry(journal, None, recent),), None)
 
 
@@ -251,12 +251,12 @@ def _kill_result(rule: Rule, subject: str, reason: str, reason_for_others: str, 
         {"action": "guard", "result": outcome, "rule": rule.name, "subject": subject, "target_pid": t.pid,
          "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm, **fields,
          "dry_run": int(dry_run)})
-    signal = ActionTaken(rule.name, subject, "kill", t.pid, t.start_time, outcome, dry_run)
-    recent = RecentEvent(now, rule.name, subject, t.uid, "action", "kill", outcome, t.pid, dry_run, detail=detail)
+    signal = ActionTaken(rule.name, subject, KILL, t.pid, t.start_time, outcome, dry_run)
+    recent = RecentEvent(now, rule.name, subject, t.uid, "action", KILL, outcome, t.pid, dry_run, detail=detail)
     notice = _notice(rule, "action", f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
                      [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {subject}", f"Why: {reason}",
                       f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}", *scope_line],
-                     {"subject": subject, "reason": reason, "action": "kill", "dry_run": dry_run,
+                     {"subject": subject, "reason": reason, "action": KILL, "dry_run": dry_run,
                       "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now, reason_for_others, scope_line)
     return Report((Entry(journal, signal, recent),), notice)
 

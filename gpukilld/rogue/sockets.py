@@ -157,15 +157,26 @@ class PoolConnections:
         dumped again, not served from the last HOST_TTL seconds: a process connects when it starts). The
         connections to `ports` of the processes finished this round, by key; the others are deferred (asked
         about again next round)."""
-        budget = self.budget
         started = time.monotonic()
-        spent = _Spent(deadline=started + budget.seconds)
+        spent = _Spent(deadline=started + self.budget.seconds)
         ranges = sock_diag.port_ranges(ports)[:sock_diag.MAX_RANGES]
         done: dict[object, tuple[Peer, ...]] = {}
         if not ranges:
             return {key: () for key, _, _ in due}
-        # Group the due processes by namespace, in order of waiting, as far as the budget goes.
         host = _own_netns()
+        by_netns = self._by_netns(due, host, done)
+        candidates = self._read_namespaces(by_netns, host, ranges, set(new), started, spent)
+        self._match(by_netns, candidates, host, spent, done)
+        self.last_round = {"seconds": time.monotonic() - started, "namespaces": spent.namespaces,
+                           "bytes": spent.bytes, "fds": spent.fds, "finished": len(done),
+                           "deferred": len(due) - len(done)}
+        return done
+
+    def _by_netns(self, due: list[tuple[object, int, int]], host: int | None,
+                  done: dict[object, tuple[Peer, ...]]) -> dict[int, list[tuple[object, int, int]]]:
+        """The due processes by namespace, in order of waiting, as far as the budget goes; those gone are done
+        (with nothing)."""
+        budget = self.budget
         by_netns: dict[int, list[tuple[object, int, int]]] = {}
         for n, (key, pid, uid) in enumerate(due):
             if n >= budget.processes:
@@ -177,26 +188,20 @@ class PoolConnections:
             if netns not in by_netns and len(by_netns) + (host not in by_netns) >= budget.namespaces:
                 continue  # a namespace of its own past the budget: next round
             by_netns.setdefault(netns, []).append((key, pid, uid))
-        # The host's namespace first (sockets made there before a process moved), then the others; their
-        # sock_diag sockets made in one go (sock_diag.open_many), dumped as far as the budget goes.
+        return by_netns
+
+    def _read_namespaces(self, by_netns: dict[int, list[tuple[object, int, int]]], host: int | None,
+                         ranges: list[tuple[int, int]], new: set[object], started: float,
+                         spent: _Spent) -> dict[int, list[TcpSocket]]:
+        """Each namespace's candidate connections: the host's first (sockets made there before a process
+        moved), then the others; their sock_diag sockets made in one go (sock_diag.open_many), dumped as far as
+        the budget goes. A namespace missing from the answer is deferred."""
         candidates: dict[int, list[TcpSocket]] = {}
         order = ([host] if host is not None and by_netns else []) + [ns for ns in by_netns if ns != host]
         ns_fds: list[int] = []  # every one opened, closed at the end
-        reading: list[tuple[int, int | None]] = []  # (namespace, its fd; None: the host's, ours)
         try:
-            for netns in order:
-                if netns == host:
-                    reading.append((netns, None))
-                    continue
-                try:
-                    fd = os.open(f"{self.proc_root}/{by_netns[netns][0][1]}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                except OSError:
-                    continue  # the process is gone (its key is asked about again, and then found gone)
-                ns_fds.append(fd)
-                if os.fstat(fd).st_ino == netns:  # else it moved (or its pid was reused) since the stat
-                    reading.append((netns, fd))
+            reading = self._open_namespaces(order, by_netns, host, ns_fds)
             cached = self._host
-            new = set(new)
             if (cached is not None and reading and reading[0][1] is None and cached[1] == tuple(ranges)
                     and cached[2] == host and started - cached[0] < HOST_TTL
                     and not any(key in new for members in by_netns.values() for key, _, _ in members)):
@@ -205,7 +210,7 @@ class PoolConnections:
             diag = sock_diag.open_many([fd for _, fd in reading])
             try:
                 for (netns, ns_fd), s in zip(reading, diag, strict=True):
-                    if spent.dumps_over(budget):
+                    if spent.dumps_over(self.budget):
                         break
                     if isinstance(s, OSError):
                         self._cannot(s)
@@ -222,7 +227,30 @@ class PoolConnections:
         finally:
             for fd in ns_fds:
                 os.close(fd)
-        # Processes of the namespaces read: their descriptors, where a candidate of their uid is.
+        return candidates
+
+    def _open_namespaces(self, order: list[int], by_netns: dict[int, list[tuple[object, int, int]]],
+                         host: int | None, ns_fds: list[int]) -> list[tuple[int, int | None]]:
+        """(namespace, its fd; None: the host's, ours) for each namespace still there; every fd opened is added
+        to ns_fds, for the caller to close."""
+        reading: list[tuple[int, int | None]] = []
+        for netns in order:
+            if netns == host:
+                reading.append((netns, None))
+                continue
+            try:
+                fd = os.open(f"{self.proc_root}/{by_netns[netns][0][1]}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue  # the process is gone (its key is asked about again, and then found gone)
+            ns_fds.append(fd)
+            if os.fstat(fd).st_ino == netns:  # else it moved (or its pid was reused) since the stat
+                reading.append((netns, fd))
+        return reading
+
+    def _match(self, by_netns: dict[int, list[tuple[object, int, int]]], candidates: dict[int, list[TcpSocket]],
+               host: int | None, spent: _Spent, done: dict[object, tuple[Peer, ...]]) -> None:
+        """Processes of the namespaces read: their descriptors, where a candidate of their uid is, as far as
+        the budget goes."""
         host_candidates = candidates.get(host, []) if host is not None else []
         scanned = False  # the first scan of a round goes on even past the budget: every round makes progress
         for netns, members in by_netns.items():
@@ -235,17 +263,13 @@ class PoolConnections:
                     done[key] = ()
                     self._scans.pop(key, None)
                     continue
-                if scanned and spent.scans_over(budget):
+                if scanned and spent.scans_over(self.budget):
                     continue
                 scanned = True
                 held = self._scan_fds(key, pid, mine.keys(), spent)
                 if held is not None:
                     done[key] = tuple(sorted({Peer(mine[i].remote_address, mine[i].remote_port) for i in held},
                                              key=lambda peer: (peer.address, peer.port)))
-        self.last_round = {"seconds": time.monotonic() - started, "namespaces": spent.namespaces,
-                           "bytes": spent.bytes, "fds": spent.fds, "finished": len(done),
-                           "deferred": len(due) - len(done)}
-        return done
 
     def _candidates(self, s: socket.socket, ns_fd: int | None, ranges: list[tuple[int, int]],
                     families: list[int], spent: _Spent) -> list[TcpSocket]:

@@ -13,12 +13,12 @@ import dataclasses
 import heapq
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gpukill.procstat import seconds_since_start
 from gpukill.records import SAMPLING_EVENTS, SAMPLING_POLLING, SamplingStatus
 
 from ..backends import Backend, BackendSample
@@ -59,7 +59,6 @@ _FROM_BACKEND = tuple(f.name for f in dataclasses.fields(ProcessUsage) if f.name
 YOUNG = 10.0
 STAT_TTL = 60.0
 INFO_TTL = 120.0
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +229,7 @@ class Sampler:
             self._forget(key)
             return None
         events = self._events is not None
-        young = not events and time.clock_gettime(time.CLOCK_BOOTTIME) - start_time / _CLK_TCK < YOUNG
+        young = not events and seconds_since_start(start_time, time.clock_gettime(time.CLOCK_BOOTTIME)) < YOUNG
         if known is not None and not changed and known.info.comm == stat.comm and now < known.info_due \
                 and not (key in self._young and not young):  # no longer young: read it all once more
             info = known.info

@@ -50,20 +50,12 @@ from .fdinfo import FdInfo, parse_fdinfo
 
 Fingerprint = tuple[int, int, int | tuple[str, ...]]  # fd dir inode, mtime, size or fd numbers
 
-# With the kernel's client lists, the processes they do not name are still walked, 1/SAFETY_NET_PERIOD of
-# them per sample (by pid), so each is looked at once every SAFETY_NET_PERIOD samples: the lists name the tgid
-# that opened a file or last used it, so a DRM fd inherited by a child or passed over a unix socket shows only
-# in the holder's fd table while it does not use it (its first ioctl makes it the one listed). 20 keeps such a
-# holder unseen for at most 20 s at the default 1 Hz while the slice costs a twentieth of the full walk (~260
-# stats on a host of 5,000 processes). At 10, the slice's 556 stats a sample are a quarter
-# of a listed sample and make the idle daemon miss its 0.8 % of a core (0.88 % at 10, 0.67 % at 20, one VM,
-# bench/fdinfo_scan); a holder that never touches the GPU is what the trade makes later, and a reset does not
-# rely on it (holders() walks every table before it acts). /proc itself is listed only
-# every SAFETY_NET_PERIOD samples, and a process that listing shows for the first time is looked at at once
-# (FdScanner._slices), so one started between two listings is looked at within the period as well. The sample
-# that lists /proc looks at no slice (listing 5,000 entries costs as much as a slice's stats): the processes are
-# cut in SLICES = SAFETY_NET_PERIOD - 1 slices (pid % SLICES), one for each of the other samples of the period,
-# so each is still looked at once every SAFETY_NET_PERIOD samples and no sample pays for both.
+# The kernel's client lists name the process that opened a DRM file or last used it, so a holder that inherited
+# one (or was passed it) and has not used it shows only in its fd table: with the lists, every process is still
+# walked once every SAFETY_NET_PERIOD samples. One sample of the period lists /proc (a process new there is
+# looked at at once); each of the others walks one of SLICES slices (pid % SLICES), so no sample pays for both.
+# 20 samples (20 s at 1 Hz) keeps the idle daemon's cost low (bench/fdinfo_scan); a reset does not rely on it
+# (holders() walks every table before it acts).
 SAFETY_NET_PERIOD = 20
 SLICES = SAFETY_NET_PERIOD - 1
 # At most this many holders are held by a /proc/PID descriptor, and at most a quarter of the descriptors the
@@ -371,11 +363,7 @@ class FdScanner:
         try:
             root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
-            self._procs, self._holding, self._fdinfo = {}, set(), {}
-            self._listing, self._names = set(), []
-            self.close()
-            for members in self._slices:
-                members.clear()
+            self._forget_all()
             return []
         walk = listed is None or not self._walked
         stats.walked = walk
@@ -386,90 +374,116 @@ class FdScanner:
         self._listed = listed_now
         out: list[ClientRead] = []
         try:
-            procs = self._procs
             names: list[str] | None = None
             if walk or not self._listing or self._round % SAFETY_NET_PERIOD == 0:
                 names = os.listdir(self.root)  # by path: ~20% cheaper than through root_fd (no fdopendir of a dup)
                 stats.listed_proc = True
-            pins = self._pins
             # _repin left every pin on a holder of the last sample, with that holder's start time
-            pinned = set() if walk else pins.keys() - changed
+            pinned = set() if walk else self._pins.keys() - changed
             # brings _listing to names, if listed now
             candidates, unstatted = self._candidates(names, walk, listed_now, pinned)
-            if walk:
-                kept: dict[str, _Proc] = {}
-            else:
-                kept = procs  # in place: a sample visits a tenth of the processes
-                if names is not None and names != self._names:  # forget those that left; a reused pid
-                    for gone in procs.keys() - self._listing:  # meanwhile shows a new fd-directory inode when looked at
-                        del procs[gone]
+            kept = self._kept(names, walk)
             if names is not None:
                 self._names = names
-            with_drm = []
-            fstat = os.stat
-            fd_counts = self.fd_counts is True
-            looked = 0
-            for pid in candidates:
-                try:
-                    st = fstat(pid + "/fd", dir_fd=root_fd)  # relative: no walk of the root path each time
-                except OSError:
-                    kept.pop(pid, None)
-                    continue  # exited, or not ours to read
-                if fd_counts:
-                    fingerprint: Fingerprint | None = (st.st_ino, st.st_mtime_ns, st.st_size)
-                else:
-                    fingerprint = self._fingerprint(pid, st)
-                    fd_counts = self.fd_counts is True
-                    if fingerprint is None:
-                        kept.pop(pid, None)
-                        continue
-                proc = procs.get(pid)
-                if proc is None or proc.fingerprint != fingerprint or pid in changed:
-                    fresh = True
-                elif walk or pid not in listed_now:  # a listed process's unchanged entry stands for the re-read
-                    proc.looks_left -= 1
-                    fresh = proc.looks_left <= 0
-                else:
-                    fresh = False
-                if fresh:
-                    proc = self._scan_process(pid, fingerprint, proc)
-                    if proc is None:
-                        kept.pop(pid, None)
-                        continue
-                kept[pid] = proc
-                looked += 1
-                if proc.fds:
-                    with_drm.append(pid)
-            for pid in unstatted:  # pinned holders: their fdinfo reads below tell whether they are still there
-                proc = procs.get(pid)
-                if proc is not None:
-                    looked += 1
-                    stats.unstatted += 1
-                    if proc.fds:
-                        with_drm.append(pid)
+            with_drm = self._look(root_fd, candidates, unstatted, kept, changed, walk, listed_now)
             self._walked = self._walked or walk
-            stats.processes = looked
             self._procs = kept  # on a walk, processes that left /proc are forgotten here
-            seen: dict[tuple[str, int], tuple[bytes, FdInfo]] = {}
-            holding = set()
-            for pid in with_drm:
-                proc = kept[pid]
-                if not self._read_clients(root_fd, pid, proc, out, seen):
-                    fresh = self._scan_process(pid, proc.fingerprint or (0, 0, 0), None)  # the table moved: look again
-                    if fresh is None:
-                        del kept[pid]
-                        continue
-                    kept[pid] = fresh
-                    if not self._read_clients(root_fd, pid, fresh, out, seen):
-                        fresh.fingerprint = None  # still moving: look again next sample
-                if kept[pid].fds:
-                    holding.add(pid)
-            self._holding = holding
-            self._repin(root_fd, holding, kept)
-            self._fdinfo = seen  # fds not read this sample are forgotten
+            self._read_holders(root_fd, with_drm, kept, out)
         finally:
             os.close(root_fd)
         stats.drm_fds = len(out)
         stats.unreadable = sum(1 for r in out if r.info is None)
         return out
+
+    def _forget_all(self) -> None:
+        """/proc cannot be opened: no process is known, none pinned."""
+        self._procs, self._holding, self._fdinfo = {}, set(), {}
+        self._listing, self._names = set(), []
+        self.close()
+        for members in self._slices:
+            members.clear()
+
+    def _kept(self, names: list[str] | None, walk: bool) -> dict[str, _Proc]:
+        """Where this sample's processes go: a new table on a walk; else the last one, in place (a sample visits
+        a tenth of the processes), less those that left /proc when it was listed (a reused pid meanwhile shows
+        a new fd-directory inode when looked at)."""
+        if walk:
+            return {}
+        procs = self._procs
+        if names is not None and names != self._names:
+            for gone in procs.keys() - self._listing:
+                del procs[gone]
+        return procs
+
+    def _look(self, root_fd: int, candidates: list[str], unstatted: set[str], kept: dict[str, _Proc],
+              changed: set[str], walk: bool, listed_now: Mapping[str, object]) -> list[str]:
+        """Stat each candidate's fd directory and read its table again where it moved, is due, or the kernel's
+        entry for it changed; the pinned holders (unstatted) are taken as they are. The pids that hold DRM fds."""
+        procs = self._procs
+        with_drm = []
+        fstat = os.stat
+        fd_counts = self.fd_counts is True
+        looked = 0
+        for pid in candidates:
+            try:
+                st = fstat(pid + "/fd", dir_fd=root_fd)  # relative: no walk of the root path each time
+            except OSError:
+                kept.pop(pid, None)
+                continue  # exited, or not ours to read
+            if fd_counts:
+                fingerprint: Fingerprint | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+            else:
+                fingerprint = self._fingerprint(pid, st)
+                fd_counts = self.fd_counts is True
+                if fingerprint is None:
+                    kept.pop(pid, None)
+                    continue
+            proc = procs.get(pid)
+            if proc is None or proc.fingerprint != fingerprint or pid in changed:
+                fresh = True
+            elif walk or pid not in listed_now:  # a listed process's unchanged entry stands for the re-read
+                proc.looks_left -= 1
+                fresh = proc.looks_left <= 0
+            else:
+                fresh = False
+            if fresh:
+                proc = self._scan_process(pid, fingerprint, proc)
+                if proc is None:
+                    kept.pop(pid, None)
+                    continue
+            kept[pid] = proc
+            looked += 1
+            if proc.fds:
+                with_drm.append(pid)
+        for pid in unstatted:  # pinned holders: their fdinfo reads below tell whether they are still there
+            proc = procs.get(pid)
+            if proc is not None:
+                looked += 1
+                self.stats.unstatted += 1
+                if proc.fds:
+                    with_drm.append(pid)
+        self.stats.processes = looked
+        return with_drm
+
+    def _read_holders(self, root_fd: int, with_drm: list[str], kept: dict[str, _Proc],
+                      out: list[ClientRead]) -> None:
+        """Each holder's DRM fds' fdinfo into out; a holder whose table moved meanwhile is looked at again (then
+        next sample, if it is still moving). The holders and their pins follow."""
+        seen: dict[tuple[str, int], tuple[bytes, FdInfo]] = {}
+        holding = set()
+        for pid in with_drm:
+            proc = kept[pid]
+            if not self._read_clients(root_fd, pid, proc, out, seen):
+                fresh = self._scan_process(pid, proc.fingerprint or (0, 0, 0), None)  # the table moved: look again
+                if fresh is None:
+                    del kept[pid]
+                    continue
+                kept[pid] = fresh
+                if not self._read_clients(root_fd, pid, fresh, out, seen):
+                    fresh.fingerprint = None  # still moving: look again next sample
+            if kept[pid].fds:
+                holding.add(pid)
+        self._holding = holding
+        self._repin(root_fd, holding, kept)
+        self._fdinfo = seen  # fds not read this sample are forgotten
 
