@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .device_faults import recovery_action
-from .records import FINDING_IDLE, FINDING_MINER
+from .records.audit import FINDING_IDLE, FINDING_MINER
 from .rules import PER_DEVICE, PER_GROUP, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, Condition
 from .units import format_duration, format_size
 

@@ -66,7 +66,8 @@ def test_open_without_a_browser_prints_the_link_and_a_hangup_removes_the_token(b
 def running(pid: int) -> bool:
     """pid is a process that has not ended (a zombie has ended)."""
     try:
-        raw = open(f"/proc/{pid}/stat").read()
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
     except OSError:
         return False
     return raw[raw.rindex(")") + 2:].split()[0] != "Z"

@@ -14,7 +14,7 @@ import pytest
 from helpers.marks import needs_root
 
 from gpukill import errors
-from gpukill.records import UsageReport, UsageRow
+from gpukill.records.usage import UsageReport, UsageRow
 from gpukillctl.client.dbus import ERRORS
 
 GIB = 1 << 30

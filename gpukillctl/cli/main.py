@@ -18,7 +18,8 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from gpukill.records import STATE_OK, Process, to_plain
+from gpukill.records.base import to_plain
+from gpukill.records.manager import STATE_OK, Process
 
 from ..client.api import ClientAPI, ClientError, Var
 from ..client.exits import (

@@ -21,7 +21,7 @@ from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
 
-from gpukill.records import Event, SnapshotChanged, signal_record
+from gpukill.records.signals import Event, SnapshotChanged, signal_record
 
 from . import remote
 from .api import (  # noqa: F401 (re-exported: the client library's names, where callers import them)

@@ -7,7 +7,7 @@ keeps the exact text.
 
 from __future__ import annotations
 
-from gpukill.records import STATE_OK, Device, Process
+from gpukill.records.manager import STATE_OK, Device, Process
 from gpukill.text import UNKNOWN, shown
 
 

@@ -25,17 +25,9 @@ from typing import Any, Protocol
 from gpukill.errors import GpukillError, NoSuchProcess, NotSupported
 from gpukill.outcome import Outcome, guard_initiator
 from gpukill.policy import PolicyError, directory_texts, load_texts, name_warnings
-from gpukill.records import (
-    KILL_TREE,
-    Grace,
-    GuardStatus,
-    NotificationCounters,
-    RecentEvent,
-    RuleStatus,
-    Window,
-    from_plain,
-    to_plain,
-)
+from gpukill.records.base import from_plain, to_plain
+from gpukill.records.guard import Grace, GuardStatus, NotificationCounters, RecentEvent, RuleStatus, Window
+from gpukill.records.reclaim import KILL_TREE
 from gpukill.rules import EMPTY_POLICY, Policy, Rule
 
 from .. import journal

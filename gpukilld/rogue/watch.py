@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from gpukill.records import Finding
+from gpukill.records.audit import Finding
 
 from .. import audit_settings
 from ..config import AuditSettings

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gpukill.records import SAMPLING_EVENTS, SAMPLING_POLLING, SamplingStatus
+from gpukill.records.status import SAMPLING_EVENTS, SAMPLING_POLLING, SamplingStatus
 
 from ..backends import Backend, BackendSample
 from ..model import (
