@@ -133,7 +133,11 @@ class ConditionType:
         """A value as reasons write it ("99%", "4.0 GiB"); "unknown" for None. Only for a type with a printer."""
         if value is None:
             return "unknown"
-        return _percent(value) if cond.percent_of_total else self.printer(value)  # type: ignore[misc]
+        if cond.percent_of_total:
+            return _percent(value)
+        if self.printer is None:
+            raise TypeError(f"condition type {self.name} has no printer")
+        return self.printer(value)
 
 
 def _score(v: float) -> str:

@@ -202,7 +202,10 @@ class ClientAPI:
     which returns the reply's body as plain values (variants unwrapped, structs as lists) or raises the
     ClientError of error_for; `unique_name` and `close`."""
 
-    unique_name: str
+    @property
+    def unique_name(self) -> str:
+        """This connection's unique name on the bus (":1.42")."""
+        raise NotImplementedError
 
     def close(self) -> None:
         raise NotImplementedError
