@@ -26,7 +26,7 @@ from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO, Testbed
 from helpers.waiting import wait_until
 
-prometheus_client = pytest.importorskip("prometheus_client", reason="the `exporter` extra is not installed")
+pytest.importorskip("prometheus_client", reason="the `exporter` extra is not installed")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from gpukill.records.manager import Device, Process  # noqa: E402

@@ -264,7 +264,7 @@ async def _settings(client: ClientAPI, args: argparse.Namespace) -> int:
         changes = {key: entries}
     from ..client.polkit_agent import PolkitAgent
 
-    agent = PolkitAgent(client.unique_name)
+    agent = PolkitAgent()
     try:
         if command == "import":
             settings = await client.import_audit_settings(args.file, text, interactive=agent.active)

@@ -221,7 +221,7 @@ async def _change(client: ClientAPI, args: argparse.Namespace) -> int:
         _print_warnings(policy, args)
     from ..client.polkit_agent import PolkitAgent
 
-    agent = PolkitAgent(client.unique_name)
+    agent = PolkitAgent()
     try:
         if command in ("enable", "disable"):
             await client.guard_enable(command == "enable", interactive=agent.active)
@@ -453,7 +453,7 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
                          "--process-limit, --allowed-users, --reserved-memory)", EXIT_USAGE)
     from ..client.polkit_agent import PolkitAgent
 
-    agent = PolkitAgent(client.unique_name)
+    agent = PolkitAgent()
     try:
         if command == "add":
             entry = await client.guard_set_policy(args.kind, args.target, settings, interactive=agent.active)
