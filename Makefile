@@ -111,4 +111,4 @@ test-package: venv deb rpm
 	$(PY) -m pytest -q -rs -s tests/package
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache $(BUILD) dist
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache $(BUILD) dist
