@@ -46,8 +46,9 @@ lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# The fast loop, as any user, in under a minute on two cores: lint, formatting, types ([tool.mypy]), dead code
-# ([tool.vulture]) and the tests that need no root (GPUKILL_PURE: tests/helpers/testbed.py skips the others).
+# The fast loop, as any user, in about a minute on two idle cores: lint, formatting, types ([tool.mypy]),
+# dead code ([tool.vulture]) and the tests that need no root (GPUKILL_PURE: tests/helpers/testbed.py skips
+# the others).
 check: $(VENV)/.stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
