@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 # chromium, chromium-driver: the real browser the dashboard tests drive through Selenium (tests/helpers/browser.py)
 APT_PACKAGES := dbus-daemon polkitd systemd util-linux gcc python3-venv gdb groff-base python3-dbusmock tmux prometheus openssh-server openssh-client jq uidmap chromium chromium-driver
 
-.PHONY: all deps venv test test-gpu lint demo sandbox bench clean deb rpm pkg-deps test-package
+.PHONY: all deps venv test test-gpu lint check demo sandbox bench clean deb rpm pkg-deps test-package
 
 all: test
 
@@ -41,8 +41,20 @@ test: venv
 test-gpu: venv
 	$(PY) -m pytest -q -rs tests/gpu
 
-lint: venv
+# lint and check need the venv alone, not deps' Debian packages: they run as any user once the venv exists.
+lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# The fast loop, as any user, in about a minute on two idle cores: lint, formatting, types ([tool.mypy]),
+# dead code ([tool.vulture]) and the tests that need no root (GPUKILL_PURE: tests/helpers/testbed.py skips
+# the others).
+check: $(VENV)/.stamp
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/vulture
+	GPUKILL_PURE=1 $(PY) -m pytest -q -n 4 -p no:cacheprovider
 
 demo: venv
 	$(PY) examples/demo.py
@@ -104,4 +116,4 @@ test-package: venv deb rpm
 	$(PY) -m pytest -q -rs -s tests/package
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache $(BUILD) dist
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache $(BUILD) dist

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .device_faults import recovery_action
-from .records import FINDING_IDLE, FINDING_MINER
+from .records.audit import FINDING_IDLE, FINDING_MINER
 from .rules import PER_DEVICE, PER_GROUP, PER_PROCESS, PER_USER, SELECTOR, SUBJECT, Condition
 from .units import format_duration, format_size
 
@@ -133,7 +133,11 @@ class ConditionType:
         """A value as reasons write it ("99%", "4.0 GiB"); "unknown" for None. Only for a type with a printer."""
         if value is None:
             return "unknown"
-        return _percent(value) if cond.percent_of_total else self.printer(value)  # type: ignore[misc]
+        if cond.percent_of_total:
+            return _percent(value)
+        if self.printer is None:
+            raise TypeError(f"condition type {self.name} has no printer")
+        return self.printer(value)
 
 
 def _score(v: float) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpukill.errors import GpukillError
-from gpukill.records import MemoryRegion, Process
+from gpukill.records.manager import MemoryRegion, Process
 
 METHOD = "ListProcessesCompact"
 IN_SIGNATURE = "a{sv}"  # the filter of ListProcesses, same keys, same meaning

@@ -283,7 +283,7 @@ def read_file(name: str, text: str) -> ManagedPolicy | None:
         return None
     kind, target = record.pop("kind", None), record.pop("target", None)
     try:
-        p = parse_settings(kind, target, record)  # type: ignore[arg-type]
+        p = parse_settings(kind, target, record)
     except InvalidArgs:
         return None
     return p if os.path.basename(name) == file_name(p) else None

@@ -25,7 +25,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from gpukill.errors import GpukillError, InvalidArgs
-from gpukill.records import AUDIT_DURATIONS, AuditSettings, names
+from gpukill.records.audit import AUDIT_DURATIONS, AuditSettings
+from gpukill.records.base import names
 
 from .files import replace_file
 from .ini import IniText

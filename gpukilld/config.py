@@ -56,7 +56,10 @@ import re
 from dataclasses import dataclass
 
 from gpukill.errors import ConfigError
-from gpukill.records import DEFAULT_POOL_PORTS, AuditSettings  # noqa: F401  (the daemon's names for them)
+from gpukill.records.audit import (  # noqa: F401  (the daemon's names for them)
+    DEFAULT_POOL_PORTS,
+    AuditSettings,
+)
 from gpukill.units import parse_duration
 
 from . import audit_settings

@@ -26,7 +26,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag
 
 from gpukill.errors import ConfigError, ResetFailed
-from gpukill.records import ResetReply
+from gpukill.records.status import ResetReply
 from gpukill.units import parse_duration
 
 from . import __version__, journal

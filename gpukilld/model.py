@@ -13,17 +13,17 @@ from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Any
 
 # Devices and memory regions are the records the bus carries, declared once in the shared package.
-from gpukill.records import (  # noqa: F401
+from gpukill.records.audit import Finding  # noqa: F401
+from gpukill.records.manager import (  # noqa: F401
     STATE_ERROR,
     STATE_LOST,
     STATE_OK,
-    BackendStatus,
     Device,
-    Finding,
     MemoryRegion,
     Process,
     find_device,
 )
+from gpukill.records.status import BackendStatus  # noqa: F401
 
 _NUMBERED = ("index", "backend")  # what the sampler gives a device; the backend reads everything else
 

@@ -16,7 +16,7 @@ from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 from helpers.open_bus import open_bus
 
-from gpukill.records import Evidence, Finding
+from gpukill.records.audit import Evidence, Finding
 from gpukilld.access.bouncer import Bouncer, Caller
 from gpukilld.access.people import People
 from gpukilld.bus import manager as manager_module

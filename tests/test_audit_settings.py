@@ -28,7 +28,7 @@ from helpers.testbed import PYTHON, ROOT, SYSTEM_PYTHON, Testbed
 from helpers.waiting import wait_until
 from test_rogue_daemon import INTERVAL, MINER_CODE, STRATUM, finding_of, findings, start_miner
 
-from gpukill.records import AuditSettings
+from gpukill.records.audit import AuditSettings
 from gpukillctl.client.exits import EXIT_DENIED, EXIT_USAGE
 from gpukilld import audit_settings
 from gpukilld import journal as audit

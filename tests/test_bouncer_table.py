@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -139,7 +139,6 @@ class Served:
     service: str
     victim: subprocess.Popen
     start_time: int
-    guard_actions: list[str] = field(default_factory=list)
 
     async def call(self, method: tuple[str, str]) -> Message:
         signature, body = CALLS[method]

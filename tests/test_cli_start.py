@@ -238,3 +238,13 @@ def test_the_packaged_command_imports_its_tree_from_bytecode(tmp_path, package):
         subprocess.run(rpm_compile_line().replace(DEB_LIB, str(lib)), shell=True, check=True,
                        env={"PATH": "/usr/bin:/bin"})
     assert compiled_from_source(wrapper, lib) == []
+
+
+def test_the_listing_path_builds_only_the_listings_records():
+    # What `gpukillctl list --json` imports before it connects: the audit's, the Guard's and the signals'
+    # records (21 of the 24 dataclasses, ~7 ms) must not come with it.
+    probe = ("import sys; import gpukillctl.cli.main, gpukillctl.client.blocking; "
+             "gpukillctl.cli.main.build_parser(full=False).parse_args(['list', '--json']); "
+             "print(sorted(m for m in sys.modules if m.startswith('gpukill.records.')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['gpukill.records.base', 'gpukill.records.manager']", out.stdout

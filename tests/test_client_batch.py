@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gpukill import errors
-from gpukill.records import Process
+from gpukill.records.manager import Process
 from gpukillctl.cli import compat
 from gpukillctl.client.batch import by_process, once_per_process
 

@@ -15,7 +15,8 @@ from helpers.testbed import PYTHON, ROOT
 from jeepney.io.blocking import open_dbus_connection
 
 from gpukill import errors, listing
-from gpukill.records import Process, from_plain
+from gpukill.records.base import from_plain
+from gpukill.records.manager import Process
 from gpukillctl.client import api as client_api
 from gpukillctl.client.api import Var
 from gpukillctl.client.blocking import BlockingClient, finish

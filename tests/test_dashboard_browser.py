@@ -445,7 +445,7 @@ def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, 
         cells = [td.get_attribute("textContent") for td in row.find_elements("css selector", "td")]
         decided[cells[0]] = cells
     for rule, what in (("by-unit", "unit"), ("by-container", "container"), ("by-job", "job")):
-        rule_name, subject, *_, pids, reason = decided[rule]
+        _, subject, *_, pids, reason = decided[rule]
         assert pids == str(procs[what].pid), decided[rule]
         assert HOSTILE[list(procs).index(what) % 2][:15] in subject, subject  # the process's name, as text
     assert unit in decided["by-unit"][-1] or unit.replace("\\", "\\\\") in decided["by-unit"][-1], decided

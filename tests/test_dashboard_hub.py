@@ -21,7 +21,7 @@ from helpers.lab import BusMonitor, EventReader, pids_of  # noqa: E402
 from helpers.marks import needs_root  # noqa: E402
 from helpers.testbed import SYSTEM_PYTHON  # noqa: E402
 
-from gpukill.records import Process  # noqa: E402
+from gpukill.records.manager import Process  # noqa: E402
 from gpukillctl.web import hosts as hosts_mod  # noqa: E402
 from gpukillctl.web import hub as hub_mod  # noqa: E402
 

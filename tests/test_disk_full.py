@@ -315,7 +315,7 @@ def test_a_store_that_could_not_be_made_at_start_is_made_once_there_is_space(ful
 # bound made small: 20 samples of 10 records each while the disk is full.
 HELD = """
 import logging, os, sqlite3, sys, time
-from gpukill.records import UsageRecord
+from gpukill.records.usage import UsageRecord
 from gpukilld.usage import store as st
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
 st.RETRY, st.MAX_PENDING = 0.05, 10

@@ -14,18 +14,16 @@ from dbus_fast.aio import MessageBus
 from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO, Testbed
 
-from gpukill.records import (
+from gpukill.records.base import names, specs
+from gpukill.records.guard import ViolationDetails
+from gpukill.records.reclaim import Holder, Reclaim
+from gpukill.records.signals import (
     SIGNAL_OF,
     SIGNALS,
     DeviceReset,
     DeviceStateChanged,
-    Holder,
     ProcessKilled,
-    Reclaim,
-    ViolationDetails,
-    names,
     signal_record,
-    specs,
 )
 from gpukillctl.client.dbus import GpukillClient
 from gpukillctl.top.monitor import ENVELOPE_KEYS

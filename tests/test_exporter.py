@@ -26,10 +26,11 @@ from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO, Testbed
 from helpers.waiting import wait_until
 
-prometheus_client = pytest.importorskip("prometheus_client", reason="the `exporter` extra is not installed")
+pytest.importorskip("prometheus_client", reason="the `exporter` extra is not installed")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from gpukill.records import BackendStatus, Device, Process  # noqa: E402
+from gpukill.records.manager import Device, Process  # noqa: E402
+from gpukill.records.status import BackendStatus  # noqa: E402
 from gpukillctl.exporter.metrics import Reading, families  # noqa: E402
 
 GIB = 1 << 30
@@ -219,7 +220,7 @@ def test_unknown_values_are_left_out_and_attribution_is_bounded():
 
 
 def test_guard_notices_are_counted_per_channel_and_result_delivered_apart_from_skipped_and_failed():
-    from gpukill.records import GuardStatus, NotificationCounters
+    from gpukill.records.guard import GuardStatus, NotificationCounters
 
     guard = GuardStatus(enabled=True, dry_run=False, policy_dry_run=False, source="files", notifications=(
         NotificationCounters(channel="tty", queued=9, delivered=2, skipped=6, failed=1),

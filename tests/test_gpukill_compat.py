@@ -26,19 +26,12 @@ from helpers.testbed import PYTHON, REPO, ROOT
 from gpukill import errors, rules
 from gpukill.condition_types import CONDITION_TYPES
 from gpukill.outcome import Outcome
-from gpukill.records import (
-    AuditSettings,
-    Device,
-    GuardStatus,
-    KillReport,
-    ManagedPolicyEntry,
-    PolicyLoaded,
-    Process,
-    Reclaim,
-    ResetReply,
-    UsageReport,
-    UsageRow,
-)
+from gpukill.records.audit import AuditSettings
+from gpukill.records.guard import GuardStatus, ManagedPolicyEntry, PolicyLoaded
+from gpukill.records.manager import Device, Process
+from gpukill.records.reclaim import KillReport, Reclaim
+from gpukill.records.status import ResetReply
+from gpukill.records.usage import UsageReport, UsageRow
 from gpukill.units import parse_size
 from gpukillctl.cli import compat
 from gpukillctl.cli import main as cli

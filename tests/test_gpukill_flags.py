@@ -36,7 +36,7 @@ from test_gpukill_compat import (
     proc,
 )
 
-from gpukill.records import Device
+from gpukill.records.manager import Device
 from gpukillctl.cli import compat
 from gpukillctl.cli import main as cli
 from gpukillctl.client.exits import EXIT_OK, EXIT_USAGE

@@ -14,7 +14,8 @@ from helpers.guard_inputs import OWN_PID, FakeTime, GiB, proc, snap
 from helpers.testbed import REPO
 
 from gpukill.policy import load_paths, load_texts
-from gpukill.records import Decision, GuardStatus, RecentEvent, Window, from_plain
+from gpukill.records.base import from_plain
+from gpukill.records.guard import Decision, GuardStatus, RecentEvent, Window
 from gpukillctl.cli.guard import _decision_row, _status, _when
 from gpukillctl.top.model import GuardMarks
 from gpukilld.access.visibility import HIDDEN, Viewer

@@ -14,7 +14,8 @@ import pytest
 from gpukill.errors import GpukillError, NoSuchProcess, Protected
 from gpukill.outcome import SIGNALLED, Outcome, guard_initiator, result_text
 from gpukill.policy import load_texts
-from gpukill.records import RecentEvent, from_plain, to_plain
+from gpukill.records.base import from_plain, to_plain
+from gpukill.records.guard import RecentEvent
 from gpukilld import journal as audit
 from gpukilld.guard import report
 from gpukilld.guard.engine import Clock, GraceCancelled, KillOrder, Left, Target, Violation
@@ -298,7 +299,7 @@ def test_the_runner_stops_only_what_the_engine_decided_and_frees_every_member(tm
     (spare); every member's answer frees it and counts, and an act refused as a whole is each member's answer."""
     from helpers.guard_inputs import OWN_PID, proc, snap
 
-    from gpukill.records import WorkloadEntry, WorkloadReply
+    from gpukill.records.reclaim import WorkloadEntry, WorkloadReply
 
     calls = []
 
@@ -339,7 +340,7 @@ def test_the_runner_stops_only_what_the_engine_decided_and_frees_every_member(tm
 def test_a_recent_events_detail_is_left_out_where_proc_hides_other_users():
     """The detail names other processes of a kill_scope (another user's among them): a viewer to whom /proc
     hides other users' processes gets the event without it; one who sees programs gets it whole."""
-    from gpukill.records import GuardStatus
+    from gpukill.records.guard import GuardStatus
     from gpukilld.access.visibility import HIDDEN, PROGRAM, Viewer
     from gpukilld.bus.guard import status_as_seen
 

@@ -18,7 +18,8 @@ from helpers.testbed import PYTHON, REPO, User
 from helpers.waiting import wait_until
 
 from gpukill import listing
-from gpukill.records import MemoryRegion, Process, names
+from gpukill.records.base import names
+from gpukill.records.manager import MemoryRegion, Process
 
 XML = REPO / "dbus" / "org.gpukill1.xml"
 

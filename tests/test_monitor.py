@@ -18,7 +18,8 @@ from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO, ROOT, Testbed, User
 from helpers.waiting import wait_until
 
-from gpukill.records import ViolationDetails, names
+from gpukill.records.base import names
+from gpukill.records.guard import ViolationDetails
 
 pytestmark = needs_root
 

@@ -3,7 +3,8 @@ event concerns, a grace that ends in a cancellation, folding, and the gate's bur
 
 from __future__ import annotations
 
-from gpukill.records import GuardActionTaken, Notification, PolicyViolated, ProcessKilled, ViolationDetails
+from gpukill.records.guard import ViolationDetails
+from gpukill.records.signals import GuardActionTaken, Notification, PolicyViolated, ProcessKilled
 from gpukillctl.notify.desktop import body_text
 from gpukillctl.notify.events import CLAIM_WAIT, CRITICAL, NORMAL, Audience, Narrator, Step
 from gpukillctl.notify.gate import Gate, Toast

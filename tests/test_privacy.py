@@ -77,7 +77,7 @@ def test_a_workload_kills_answer_names_hidden_processes_as_the_listing_would():
     under hidepid=noaccess, and not at all (only counted) under hidepid=invisible, as her listing shows them."""
     import dataclasses
 
-    from gpukill.records import Holder, Reclaim, WorkloadEntry, WorkloadReply
+    from gpukill.records.reclaim import Holder, Reclaim, WorkloadEntry, WorkloadReply
     from gpukilld.access.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
     from gpukilld.bus.manager import _workload_as_seen
 

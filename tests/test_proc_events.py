@@ -26,7 +26,8 @@ from helpers.procs import pid_alive
 from helpers.testbed import REPO, ROOT, SYSTEM_PYTHON, Testbed
 from helpers.waiting import wait_until
 
-from gpukill.records import SamplingStatus, specs
+from gpukill.records.base import specs
+from gpukill.records.status import SamplingStatus
 from gpukilld.backends import Backend, BackendSample
 from gpukilld.model import BackendStatus, DeviceReading, ProcessUsage
 from gpukilld.proc.procfs import ProcFS

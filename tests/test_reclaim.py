@@ -528,7 +528,7 @@ def test_the_answers_names_are_escaped_in_its_line():
     """A holder's name, the unit of a remedy and the cgroup of a reason are names a user chooses: the one line
     a terminal (or the journal's MESSAGE) gets escapes them."""
     from gpukill.outcome import reclaim_text
-    from gpukill.records import Holder, Reclaim
+    from gpukill.records.reclaim import Holder, Reclaim
 
     esc = "\x1b]0;owned\x07"
     held = Reclaim("held", held=1 << 30, holders=(Holder(7, 1, 1000, f"w{esc}", 0, 1 << 30, "unit", 0),),

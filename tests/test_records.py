@@ -13,21 +13,12 @@ import pytest
 from dbus_fast import Variant
 from helpers.testbed import REPO
 
-from gpukill import errors, records
-from gpukill.records import (
-    Decision,
-    Device,
-    Finding,
-    GuardStatus,
-    PolicyLoaded,
-    Process,
-    ResetReply,
-    ViolationDetails,
-    from_plain,
-    names,
-    specs,
-    to_plain,
-)
+from gpukill import errors
+from gpukill.records.audit import Finding
+from gpukill.records.base import from_plain, names, specs, to_plain
+from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry, PolicyLoaded, ViolationDetails
+from gpukill.records.manager import Device, MemoryRegion, Process
+from gpukill.records.status import ResetReply
 from gpukillctl.client import exits
 from gpukillctl.client.dbus import (
     DEVICE_KEYS,
@@ -47,7 +38,7 @@ SCALARS = {"u": 7, "t": 1 << 40, "d": 1.5, "b": True, "as": ("a", "b"), "au": (1
 # Every record a client meets, with the bus method whose comment in dbus/org.gpukill1.xml lists its keys.
 DOCUMENTED_IN = {Device: "ListDevices", Process: "ListProcesses", ResetReply: "ResetDevice",
                  GuardStatus: "GetStatus", Decision: "TestPolicies", ViolationDetails: "PolicyViolated",
-                 PolicyLoaded: "LoadPolicy", Finding: "AuditRogue", records.ManagedPolicyEntry: "ListPolicies"}
+                 PolicyLoaded: "LoadPolicy", Finding: "AuditRogue", ManagedPolicyEntry: "ListPolicies"}
 
 
 def full(cls: type, tag: str = "x") -> object:
@@ -106,7 +97,7 @@ def test_left_out_values_come_back_as_defaults_and_json_nulls():
     assert plain["temperature"] is None and plain["state_reason"] is None and plain["utilization"] == 0.0
 
     proc = Process(pid=1, start_time=2, uid=3, user="u", comm="c", cmdline="c", device=0, device_id="GPU-0",
-                   memory_regions=(records.MemoryRegion("vram", 5, None),))
+                   memory_regions=(MemoryRegion("vram", 5, None),))
     sent = to_dbus(proc)
     assert "shared_usage" not in sent and "exe" not in sent
     assert sent["memory_regions"] == Variant("a{sa{st}}", {"vram": {"total": 5}})

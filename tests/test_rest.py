@@ -24,7 +24,8 @@ from helpers.marks import needs_root  # noqa: E402
 from helpers.testbed import PYTHON, REPO, SYSTEM_PYTHON, Testbed  # noqa: E402
 from helpers.waiting import wait_until  # noqa: E402
 
-from gpukill.records import Device, Process, names  # noqa: E402
+from gpukill.records.base import names  # noqa: E402
+from gpukill.records.manager import Device, Process  # noqa: E402
 from gpukilld import journal as audit  # noqa: E402
 
 pytestmark = needs_root

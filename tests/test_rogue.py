@@ -19,7 +19,7 @@ from helpers.guard_inputs import GiB, proc
 
 from gpukill.errors import ConfigError
 from gpukill.kernel import sock_diag
-from gpukill.records import Evidence, Finding
+from gpukill.records.audit import Evidence, Finding
 from gpukilld.access.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
 from gpukilld.config import AuditSettings, load_config
 from gpukilld.rogue import score as rogue

@@ -16,7 +16,7 @@ from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO, ROOT
 
 from gpukill.policy import load_texts
-from gpukill.records import Process
+from gpukill.records.manager import Process
 from gpukillctl.cli.job_kill import job_processes, slurm_job_id
 from gpukilld.guard.engine import Engine
 from gpukilld.proc.attribution import parse_cgroup, slurm_job_from_environ

@@ -7,7 +7,8 @@ import time
 import unicodedata
 
 from gpukill.outcome import Outcome
-from gpukill.records import Device, Grace, GuardStatus, Process, Window
+from gpukill.records.guard import Grace, GuardStatus, Window
+from gpukill.records.manager import Device, Process
 from gpukillctl.top.model import (
     QUIT,
     SORTS,

@@ -182,7 +182,7 @@ class BlockingStore:
         self.running = self.most = 0
 
     def query(self, q, viewer, live):
-        from gpukill.records import UsageReport
+        from gpukill.records.usage import UsageReport
         with self.lock:
             self.running += 1
             self.most = max(self.most, self.running)

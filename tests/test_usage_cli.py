@@ -12,7 +12,8 @@ import pytest
 from helpers.marks import needs_root
 
 from gpukill import errors
-from gpukill.records import UsageReport, UsageRow, from_plain, to_plain
+from gpukill.records.base import from_plain, to_plain
+from gpukill.records.usage import UsageReport, UsageRow
 from gpukillctl.cli import main as cli
 from gpukillctl.cli.usage import query_of
 from gpukillctl.client.api import ClientAPI, ClientError, Var, usage_variants
@@ -257,6 +258,6 @@ def test_gpukill_audit_summary_is_top_users_then_top_processes(victims, users):
 
 
 def test_the_groupings_are_getusages():
-    from gpukill.records import USAGE_BY
+    from gpukill.records.usage import USAGE_BY
     from gpukillctl.cli import usage as cli_usage
     assert tuple(USAGE_BY) == cli_usage.BY

@@ -14,7 +14,7 @@ import pytest
 from helpers.marks import needs_root
 
 from gpukill import errors
-from gpukill.records import UsageReport, UsageRow
+from gpukill.records.usage import UsageReport, UsageRow
 from gpukillctl.client.dbus import ERRORS
 
 GIB = 1 << 30
@@ -34,7 +34,7 @@ def report(by: str, *rows: UsageRow, since: float = NOW - 3600, until: float = N
 
 # -- the exporter's counters ----------------------------------------------------------------------------------
 
-prometheus_client = pytest.importorskip("prometheus_client", reason="the `exporter` extra is not installed")
+pytest.importorskip("prometheus_client", reason="the `exporter` extra is not installed")
 
 from gpukillctl.exporter import main as exporter_main  # noqa: E402
 from gpukillctl.exporter.metrics import RECENT_USAGE, Reading, UsageCounters, families  # noqa: E402
@@ -158,7 +158,7 @@ def test_the_exporter_asks_getusage_once_per_grouping_per_usage_interval(monkeyp
 
 # -- REST: GET /v1/usage ----------------------------------------------------------------------------------------
 
-fastapi = pytest.importorskip("fastapi", reason="the serve extra (pip install 'gpukill[serve]') is not installed")
+pytest.importorskip("fastapi", reason="the serve extra (pip install 'gpukill[serve]') is not installed")
 httpx2 = pytest.importorskip("httpx2", reason="the serve extra's HTTP client is not installed")
 
 from gpukillctl.serve.rest import build_rest  # noqa: E402
@@ -335,7 +335,7 @@ def view(client: TopClient) -> top_app.TopView:
     """A TopView without a terminal: only what session_usage touches."""
     v = top_app.TopView.__new__(top_app.TopView)
     v.client, v.state, v.started = client, TopState(), time.time() - 5
-    v.usage_at, v.usage_off, v.usage_calls = None, False, 0
+    v.usage_at, v.usage_off = None, False
     return v
 
 

@@ -77,7 +77,7 @@ def test_totals_of_processes_at_known_utilization_and_memory_match_their_lives(u
     start(ubed)
     one, t_one = living(ubed, users["owner"], 3.0, gpu=0, mem="2GiB", util=50)
     two, t_two = living(ubed, users["owner"], 3.0, gpu="1,2", mem="1GiB", util=40)  # on two GPUs
-    blind, t_blind = living(ubed, ROOT, 3.0, gpu=2, mem="1GiB")  # no utilization: SM time unknown
+    blind, _ = living(ubed, ROOT, 3.0, gpu=2, mem="1GiB")  # no utilization: SM time unknown
     t_end = {p.pid: ended(p) for p in (one, two, blind)}
 
     (e,) = wait_entries(ubed, one.pid)
@@ -123,7 +123,7 @@ def test_totals_of_processes_at_known_utilization_and_memory_match_their_lives(u
 def test_a_restart_in_the_middle_loses_and_doubles_nothing(ubed, users):
     start(ubed)
     through, t_through = living(ubed, users["owner"], 10.0, gpu=0, mem="1GiB", util=50)
-    during, t_during = living(ubed, users["owner"], 60.0, gpu=1, mem="1GiB", util=25)
+    during, _ = living(ubed, users["owner"], 60.0, gpu=1, mem="1GiB", util=25)
     wait_until(lambda: {through.pid, during.pid} <= {p["pid"] for p in ubed.processes()}, 10, "never listed")
     time.sleep(1.5)
     ubed.stop_daemon()  # SIGTERM: the totals saved at stop

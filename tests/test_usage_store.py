@@ -14,7 +14,7 @@ import pytest
 from dbus_fast import Variant
 
 from gpukill.errors import InvalidArgs, NotSupported
-from gpukill.records import UsageRecord
+from gpukill.records.usage import UsageRecord
 from gpukilld import journal
 from gpukilld.access.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer
 from gpukilld.usage import journal_read

@@ -9,7 +9,6 @@ from .base import wire
 FINDING_MINER = "miner"  # a crypto miner: its name, command line, executable or connections
 FINDING_ABUSER = "abuser"  # a user holding far more GPU memory or time than the others over a window
 FINDING_IDLE = "idle"  # GPU memory held at 0% utilization longer than a threshold (a forgotten notebook)
-FINDING_KINDS = (FINDING_MINER, FINDING_ABUSER, FINDING_IDLE)
 MAX_SCORE = 100
 
 

@@ -54,7 +54,8 @@ def left_out(spec: Wire, value: Any) -> bool:
 def to_plain(record: Any) -> dict[str, Any]:
     """Every field in order, JSON-ready: null where the bus leaves the value out (false for a flag)."""
     out: dict[str, Any] = {}
-    for name, spec in specs(type(record)):
+    cls: type = type(record)  # as `type`: mypy takes type[Any] for unhashable (the cache's argument)
+    for name, spec in specs(cls):
         value = getattr(record, name)
         # left_out() and _plain_value() written out for the commonest cases: `list --json` runs this for every
         # field of every process (~4,600 times for 256), where the two calls cost more than the work
@@ -79,7 +80,8 @@ def _plain_value(spec: Wire, value: Any) -> Any:
 
 def known_values(record: Any, key: str | None = None) -> dict[str, Any]:
     """A keyed map's entry: the record's values that are not left out, but its key."""
-    return {name: _plain_value(spec, value) for name, spec in specs(type(record))
+    cls: type = type(record)  # as in to_plain
+    return {name: _plain_value(spec, value) for name, spec in specs(cls)
             if name != key and not left_out(spec, value := getattr(record, name))}
 
 

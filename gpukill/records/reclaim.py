@@ -18,7 +18,6 @@ HELD = "held"  # the target exited, but related processes (its orphans, its unit
 STUCK = "stuck"  # still alive after SIGKILL: `reason` says where it waits, `remedy` what frees the GPU
 ALIVE = "alive"  # still alive after SIGTERM, no force asked: nothing was watched
 UNWATCHED = "unwatched"  # not watched: a reset clearing its device (the reset itself frees it)
-VERDICTS = (RECLAIMED, HELD, STUCK, ALIVE, UNWATCHED)
 
 # How a holder is related to what was killed (Holder.relation).
 DESCENDANT = "descendant"  # in the target's tree when it was signalled, its parent still in that tree

@@ -19,14 +19,14 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gpukill.records import to_plain
+from gpukill.records.base import to_plain
 
 from ..client.api import ClientAPI
 from ..client.exits import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from ..client.format import shown, size, table
 
 if TYPE_CHECKING:  # annotations only: the audit's records load when `audit` runs, not at every start
-    from gpukill.records import AuditSettings, Finding
+    from gpukill.records.audit import AuditSettings, Finding
 
 JSON_FORMAT = 1
 
@@ -135,7 +135,8 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 def setting_value(key: str, text: str) -> Any:
     """A setting typed on the command line, as the daemon takes it (ValueError, one line). The daemon checks
     ranges and entries; this only gives the value its type."""
-    from gpukill.records import AUDIT_DURATIONS, AuditSettings, specs
+    from gpukill.records.audit import AUDIT_DURATIONS, AuditSettings
+    from gpukill.records.base import specs
     from gpukill.units import parse_duration, parse_size
 
     sigs = dict(specs(AuditSettings))
@@ -263,7 +264,7 @@ async def _settings(client: ClientAPI, args: argparse.Namespace) -> int:
         changes = {key: entries}
     from ..client.polkit_agent import PolkitAgent
 
-    agent = PolkitAgent(client.unique_name)
+    agent = PolkitAgent()
     try:
         if command == "import":
             settings = await client.import_audit_settings(args.file, text, interactive=agent.active)

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gpukill.outcome import Outcome
-from gpukill.records import to_plain
+from gpukill.records.base import to_plain
 from gpukill.text import UNKNOWN
 
 from ..client.api import ClientAPI
@@ -22,7 +22,7 @@ from ..client.exits import EXIT_FAILURE, EXIT_INVALID_POLICY, EXIT_USAGE
 from ..client.format import shown, table
 
 if TYPE_CHECKING:  # annotations only: the Guard's records load when `guard` runs, not at every start
-    from gpukill.records import Decision, GuardStatus, ManagedPolicyEntry, NotificationCounters
+    from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry, NotificationCounters
 
 # The policy module (and PyYAML), the units and the polkit agent (subprocess) are imported by the guard commands
 # that use them: `gpukillctl list` starts faster.
@@ -221,7 +221,7 @@ async def _change(client: ClientAPI, args: argparse.Namespace) -> int:
         _print_warnings(policy, args)
     from ..client.polkit_agent import PolkitAgent
 
-    agent = PolkitAgent(client.unique_name)
+    agent = PolkitAgent()
     try:
         if command in ("enable", "disable"):
             await client.guard_enable(command == "enable", interactive=agent.active)
@@ -455,7 +455,7 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
                          "--process-limit, --allowed-users, --reserved-memory)", EXIT_USAGE)
     from ..client.polkit_agent import PolkitAgent
 
-    agent = PolkitAgent(client.unique_name)
+    agent = PolkitAgent()
     try:
         if command == "add":
             entry = await client.guard_set_policy(args.kind, args.target, settings, interactive=agent.active)

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from gpukill import errors
-from gpukill.records import Process
+from gpukill.records.manager import Process
 from gpukill.text import shown
 
 from ..client.api import ClientAPI, ClientError

@@ -18,7 +18,8 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from gpukill.records import STATE_OK, Process, to_plain
+from gpukill.records.base import to_plain
+from gpukill.records.manager import STATE_OK, Process
 
 from ..client.api import ClientAPI, ClientError, Var
 from ..client.exits import (
@@ -216,12 +217,12 @@ def fail(message: str, code: int) -> int:
     return code
 
 
-def polkit_agent(client: ClientAPI) -> Any:
-    """pkttyagent for this connection, for a call polkit may ask a password for (imported here: it brings
+def polkit_agent() -> Any:
+    """pkttyagent for this process, for a call polkit may ask a password for (imported here: it brings
     subprocess, which `list` does without)."""
     from ..client.polkit_agent import PolkitAgent
 
-    return PolkitAgent(client.unique_name)
+    return PolkitAgent()
 
 
 def _start_time_from_proc(pid: int) -> int:
@@ -292,7 +293,7 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
             return fail("--start-time names one process: it does not go with --job", EXIT_USAGE)
         from .job_kill import kill_job
 
-        agent = polkit_agent(client)
+        agent = polkit_agent()
         try:
             return await kill_job(client, args, agent.active)
         finally:
@@ -309,7 +310,7 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
     if args.tree or args.unit or args.container:
         selection = ({"tree": Var("(ut)", (args.tree, start_time))} if args.tree else
                      {"unit": Var("s", args.unit)} if args.unit else {"container": Var("s", args.container)})
-        agent = polkit_agent(client)
+        agent = polkit_agent()
         try:
             reply = await client.kill_workload(selection, force=args.force, grace=args.grace,
                                                interactive=agent.active)
@@ -322,7 +323,7 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
             if problem:
                 return fail(problem, EXIT_NO_SUCH_NAME)
         return workload_answer(reply)
-    agent = polkit_agent(client)
+    agent = polkit_agent()
     try:
         report = await client.kill_report(pid, start_time, force=args.force, grace=args.grace,
                                           interactive=agent.active)
@@ -333,7 +334,7 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
 
 
 async def cmd_reset(client: ClientAPI, args: argparse.Namespace) -> int:
-    agent = polkit_agent(client)
+    agent = polkit_agent()
     try:
         result = await client.reset(args.device, force=args.force, interactive=agent.active)
     finally:

@@ -58,7 +58,7 @@ def _no_such(kind: str, name: str) -> str | None:
 
 def no_such_device(devices: Iterable, key: str) -> str | None:
     """Why `key` names none of the GPUs listed, or None. `devices` are the daemon's (ListDevices)."""
-    from gpukill.records import find_device
+    from gpukill.records.manager import find_device
 
     devices = list(devices)
     if find_device(devices, key) is not None:

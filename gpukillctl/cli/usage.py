@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpukill.records import to_plain
+from gpukill.records.base import to_plain
 from gpukill.text import shown
 
 from ..client.api import ClientAPI

@@ -24,28 +24,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gpukill import errors, listing, records
-from gpukill.records import Device, Process, from_plain, names
+from gpukill import errors, listing
+from gpukill.records.base import from_plain, names
+from gpukill.records.manager import Device, Process
 
 # The listing's records alone are imported above: the others (a reset's reply, the audit's, the Guard's) are
-# records.X in the methods that return them, so that their modules load when those run, not at every start
+# imported in the methods that return them, so that their modules load when those run, not at every start
 # (gpukill/records/__init__.py); Outcome (an enum) likewise, in kill().
 if TYPE_CHECKING:
     from gpukill.outcome import Outcome
-    from gpukill.records import (
-        AuditSettings,
-        BackendStatus,
-        Decision,
-        Finding,
-        GuardStatus,
-        KillReport,
-        ManagedPolicyEntry,
-        PolicyLoaded,
-        ResetReply,
-        SamplingStatus,
-        UsageReport,
-        WorkloadReply,
-    )
+    from gpukill.records.audit import AuditSettings, Finding
+    from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry, PolicyLoaded
+    from gpukill.records.reclaim import KillReport, WorkloadReply
+    from gpukill.records.status import BackendStatus, ResetReply, SamplingStatus
+    from gpukill.records.usage import UsageReport
 
 BUS_NAME = "org.gpukill1"
 OBJECT_PATH = "/org/gpukill1"
@@ -176,7 +168,8 @@ def plain_variants(values: dict[str, Any], sigs: dict[str, str], what: str,
 
 def audit_variants(values: dict[str, Any]) -> dict[str, Any]:
     """Audit settings or thresholds as an a{sv}: plain_variants with the signatures AuditSettings declares."""
-    from gpukill.records import AuditSettings, specs
+    from gpukill.records.audit import AuditSettings
+    from gpukill.records.base import specs
 
     return plain_variants(values, {name: spec.sig for name, spec in specs(AuditSettings)}, "audit setting")
 
@@ -209,9 +202,10 @@ TEXT_SETTINGS = ("memory_limit", "reserved_memory", "grace")  # sizes and durati
 def policy_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """SetPolicy's a{sv}: plain_variants with the signatures ManagedPolicyEntry declares for its settings, a size
     or a duration also as text ("8GiB", "2min": the daemon reads gpukill.units' grammar)."""
-    from gpukill.records import specs
+    from gpukill.records.base import specs
+    from gpukill.records.guard import ManagedPolicyEntry
 
-    sigs = {name: spec.sig for name, spec in specs(records.ManagedPolicyEntry)
+    sigs = {name: spec.sig for name, spec in specs(ManagedPolicyEntry)
             if name not in ("kind", "target", "file", "edited")}
     return plain_variants(settings, sigs, "policy setting", TEXT_SETTINGS)
 
@@ -221,7 +215,10 @@ class ClientAPI:
     which returns the reply's body as plain values (variants unwrapped, structs as lists) or raises the
     ClientError of error_for; `unique_name` and `close`."""
 
-    unique_name: str
+    @property
+    def unique_name(self) -> str:
+        """This connection's unique name on the bus (":1.42")."""
+        raise NotImplementedError
 
     def close(self) -> None:
         raise NotImplementedError
@@ -287,7 +284,7 @@ class ClientAPI:
     async def kill_report(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
                           interactive: bool = False) -> KillReport:
         """kill() with the GPU's answer: the outcome and whether the memory came back (gpukill/records/reclaim.py)."""
-        from gpukill.records import KillReport
+        from gpukill.records.reclaim import KillReport
 
         options, timeout = self._kill_options(force, grace, interactive)
         (report,) = await self._call("KillProcessReport", "uta{sv}", [pid, start_time, options],
@@ -297,7 +294,7 @@ class ClientAPI:
     async def kill_workload(self, selection: dict[str, Var], *, force: bool = False, grace: float | None = None,
                             interactive: bool = False) -> WorkloadReply:
         """Every GPU process of a tree ({"tree": Var("(ut)", (pid, start))}), unit or container in one act."""
-        from gpukill.records import WorkloadReply
+        from gpukill.records.reclaim import WorkloadReply
 
         options, timeout = self._kill_options(force, grace, interactive)
         (reply,) = await self._call("KillWorkload", "a{sv}a{sv}", [selection, options], interactive=interactive,
@@ -305,32 +302,36 @@ class ClientAPI:
         return from_plain(WorkloadReply, reply)
 
     async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
+        from gpukill.records.status import ResetReply
         (result,) = await self._call("ResetDevice", "sa{sv}", [device, {"force": Var("b", force)}],
                                      interactive=interactive, timeout=600.0 if interactive else 300.0)
-        return from_plain(records.ResetReply, result)
+        return from_plain(ResetReply, result)
 
     async def audit_rogue(self, thresholds: dict[str, Any] | None = None) -> list[Finding]:
         """The rogue-activity audit of the current snapshot (miners, abusers, idle holders), highest score
         first, filtered as ListProcesses filters: evidence the caller may not see is left out. thresholds: for
         this scan only (AuditRogueWith: min_score, idle_after, idle_min_memory, abuser_share, as plain values
         or Vars); None: the settings in force (AuditRogue)."""
+        from gpukill.records.audit import Finding
         if thresholds is None:
             (findings,) = await self._call("AuditRogue")
         else:
             (findings,) = await self._call("AuditRogueWith", "a{sv}", [audit_variants(thresholds)])
-        return [from_plain(records.Finding, f) for f in findings]
+        return [from_plain(Finding, f) for f in findings]
 
     async def audit_settings(self) -> AuditSettings:
         """The audit's settings in force (thresholds, allow-lists)."""
+        from gpukill.records.audit import AuditSettings
         (settings,) = await self._call("GetAuditSettings")
-        return from_plain(records.AuditSettings, settings)
+        return from_plain(AuditSettings, settings)
 
     async def set_audit_settings(self, changes: dict[str, Any], *, interactive: bool = False) -> AuditSettings:
         """Change the given settings (plain values or Vars; the others stay); errors.InvalidArgs when one is
         invalid (nothing changes then), errors.AccessDenied when polkit says no."""
+        from gpukill.records.audit import AuditSettings
         (settings,) = await self._call("SetAuditSettings", "a{sv}", [audit_variants(changes)], interactive=interactive,
                                        timeout=CALL_TIMEOUT + (PROMPT_TIME if interactive else 0.0))
-        return from_plain(records.AuditSettings, settings)
+        return from_plain(AuditSettings, settings)
 
     async def export_audit_settings(self) -> str:
         """The settings in force as an [audit] section (canonical: it imports back to the same text)."""
@@ -339,26 +340,29 @@ class ClientAPI:
 
     async def import_audit_settings(self, name: str, text: str, *, interactive: bool = False) -> AuditSettings:
         """Change the settings an [audit] text names; errors.InvalidArgs "NAME:LINE: ..." when it is invalid."""
+        from gpukill.records.audit import AuditSettings
         (settings,) = await self._call("ImportAuditSettings", "ss", [name, text], interactive=interactive,
                                        timeout=CALL_TIMEOUT + (PROMPT_TIME if interactive else 0.0))
-        return from_plain(records.AuditSettings, settings)
+        return from_plain(AuditSettings, settings)
 
     async def usage(self, query: dict[str, Any] | None = None) -> UsageReport:
         """GetUsage: the GPU use recorded in a range, grouped (query: since, until, by, user, name, unit, job, pod,
         device, limit as plain values, see usage_variants), filtered as the listings are: other users' records
         as the caller may see them. errors.NotSupported when gpukilld keeps no accounting ([usage] enabled = no)."""
+        from gpukill.records.usage import UsageReport
         (report,) = await self._call("GetUsage", "a{sv}", [usage_variants(query or {})],
                                      timeout=CALL_TIMEOUT + 35.0)  # a month of records is read in a thread
-        return from_plain(records.UsageReport, report)
+        return from_plain(UsageReport, report)
 
     async def status(self) -> DaemonStatus:
+        from gpukill.records.status import BackendStatus, SamplingStatus
         (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")
         sampling = props.get("Sampling")
         return DaemonStatus(
             version=props["Version"],
             sample_interval=props["SampleInterval"],
-            backends=tuple(records.BackendStatus(n, bool(a), d) for n, a, d in props["Backends"]),
-            sampling=from_plain(records.SamplingStatus, sampling) if isinstance(sampling, dict) else None,
+            backends=tuple(BackendStatus(n, bool(a), d) for n, a, d in props["Backends"]),
+            sampling=from_plain(SamplingStatus, sampling) if isinstance(sampling, dict) else None,
         )
 
     # -- Guard Mode (org.gpukill1.Guard) ---------------------------------------------------------------
@@ -369,8 +373,9 @@ class ClientAPI:
                                 timeout=timeout + (PROMPT_TIME if interactive else 0.0))
 
     async def guard_status(self) -> GuardStatus:
+        from gpukill.records.guard import GuardStatus
         (status,) = await self._guard("GetStatus")
-        return from_plain(records.GuardStatus, status)
+        return from_plain(GuardStatus, status)
 
     async def guard_enable(self, enabled: bool = True, *, interactive: bool = False) -> None:
         await self._guard("Enable" if enabled else "Disable", interactive=interactive)
@@ -380,28 +385,32 @@ class ClientAPI:
 
     async def guard_load_policy(self, name: str, text: str, *, interactive: bool = False) -> PolicyLoaded:
         """Make the policy the one in force; errors.InvalidPolicy when it is invalid."""
+        from gpukill.records.guard import PolicyLoaded
         (result,) = await self._guard("LoadPolicy", "ss", [name, text], interactive=interactive)
-        return from_plain(records.PolicyLoaded, result)
+        return from_plain(PolicyLoaded, result)
 
     async def guard_test(self, name: str = "", text: str = "") -> list[Decision]:
         """What a policy (text "": the one in force) would do with the current snapshot; never acts."""
+        from gpukill.records.guard import Decision
         (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
-        return [from_plain(records.Decision, d) for d in decisions]
+        return [from_plain(Decision, d) for d in decisions]
 
     # -- the managed user, group and GPU policies (files gpukilld keeps in guard.d) -----------------------
 
     async def guard_list_policies(self) -> list[ManagedPolicyEntry]:
+        from gpukill.records.guard import ManagedPolicyEntry
         (policies,) = await self._guard("ListPolicies")
-        return [from_plain(records.ManagedPolicyEntry, p) for p in policies]
+        return [from_plain(ManagedPolicyEntry, p) for p in policies]
 
     async def guard_set_policy(self, kind: str, target: str, settings: dict[str, Any], *,
                                interactive: bool = False) -> ManagedPolicyEntry:
         """Create or replace the kind's policy for target (settings: memory_limit, utilization_limit,
         process_limit, allowed_users, reserved_memory, grace as plain values); errors.InvalidArgs for a setting
         the daemon cannot take, errors.InvalidPolicy when guard.d with it does not validate."""
+        from gpukill.records.guard import ManagedPolicyEntry
         (policy,) = await self._guard("SetPolicy", "ssa{sv}", [kind, target, policy_settings(settings)],
                                       interactive=interactive)
-        return from_plain(records.ManagedPolicyEntry, policy)
+        return from_plain(ManagedPolicyEntry, policy)
 
     async def guard_remove_policy(self, kind: str, target: str, *, interactive: bool = False) -> None:
         await self._guard("RemovePolicy", "ss", [kind, target], interactive=interactive)
@@ -413,5 +422,6 @@ class ClientAPI:
     async def guard_import_policies(self, name: str, text: str, *, replace: bool = False,
                                     interactive: bool = False) -> list[ManagedPolicyEntry]:
         """All or nothing; replace: the managed policies the text does not name are removed."""
+        from gpukill.records.guard import ManagedPolicyEntry
         (policies,) = await self._guard("ImportPolicies", "ssb", [name, text, replace], interactive=interactive)
-        return [from_plain(records.ManagedPolicyEntry, p) for p in policies]
+        return [from_plain(ManagedPolicyEntry, p) for p in policies]

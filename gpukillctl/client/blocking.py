@@ -45,7 +45,10 @@ T = TypeVar("T")
 class BlockingClient(ClientAPI):
     def __init__(self, connection: DBusConnection) -> None:
         self.connection = connection
-        self.unique_name = connection.unique_name
+
+    @property
+    def unique_name(self) -> str:
+        return self.connection.unique_name
 
     @classmethod
     def connect(cls) -> BlockingClient:

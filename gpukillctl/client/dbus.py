@@ -21,7 +21,7 @@ from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import MessageFlag
 
-from gpukill.records import Event, SnapshotChanged, signal_record
+from gpukill.records.signals import Event, SnapshotChanged, signal_record
 
 from . import remote
 from .api import (  # noqa: F401 (re-exported: the client library's names, where callers import them)
@@ -107,7 +107,7 @@ class GpukillClient(ClientAPI):
 
     @property
     def unique_name(self) -> str:
-        return self.bus.unique_name
+        return self.bus.unique_name or ""  # None only before the connection's Hello, which connect() awaits
 
     def close(self) -> None:
         self.bus.disconnect()
@@ -119,8 +119,9 @@ class GpukillClient(ClientAPI):
                       flags=MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive else MessageFlag.NONE)
         reply = await self._send(msg, timeout, "gpukilld")
         if reply.message_type == MessageType.ERROR:
-            text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else reply.error_name
-            raise error_for(reply.error_name, text)
+            name = reply.error_name or ""
+            text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else name
+            raise error_for(name, text)
         return unwrap(reply.body)
 
     # -- signals -----------------------------------------------------------------------------------------
@@ -251,8 +252,8 @@ class GpukillClient(ClientAPI):
         """A call of the bus itself (org.freedesktop.DBus) with one string argument."""
         msg = Message(destination=DBUS[0], path=DBUS[1], interface=DBUS[2], member=member, signature="s", body=[arg])
         reply = await self._send(msg, CALL_TIMEOUT, f"the system bus ({member})")
-        if reply is None or reply.message_type == MessageType.ERROR:
-            raise ClientError(reply.error_name if reply else "", f"{member} failed on the system bus")
+        if reply.message_type == MessageType.ERROR:
+            raise ClientError(reply.error_name or "", f"{member} failed on the system bus")
         return reply.body
 
     async def _name_owner(self) -> str | None:

@@ -7,18 +7,19 @@ keeps the exact text.
 
 from __future__ import annotations
 
-from gpukill.records import STATE_OK, Device, Process
+from gpukill.records.manager import STATE_OK, Device, Process
 from gpukill.text import UNKNOWN, shown
 
 
 def size(n: int | None) -> str:
     if n is None:
         return UNKNOWN
+    value: float = n
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(value)
 
 
 def percent(v: float | None) -> str:

@@ -11,7 +11,7 @@ import sys
 class PolkitAgent:
     """Runs pkttyagent for this process while an authorized call is made (not as root, not without a tty)."""
 
-    def __init__(self, bus_name: str) -> None:
+    def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         agent = shutil.which("pkttyagent")
         if not agent or not sys.stdin.isatty() or os.geteuid() == 0:

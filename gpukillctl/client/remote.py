@@ -180,7 +180,7 @@ async def _join(argv: list[str], stderr: BinaryIO) -> RemoteBus:
             shutil.rmtree(rendezvous, ignore_errors=True)
     with ours:
         ours.setblocking(True)
-        proc = subprocess.Popen(argv, stdin=ours, stdout=ours, stderr=stderr)
+        proc = subprocess.Popen(argv, stdin=ours.fileno(), stdout=ours.fileno(), stderr=stderr)
     bus.ssh = proc
     try:
         await asyncio.wait_for(joining, CONNECT_TIMEOUT)

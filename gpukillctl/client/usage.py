@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 
-from gpukill.records import UsageReport, UsageRow
+from gpukill.records.usage import UsageReport, UsageRow
 from gpukill.text import UNKNOWN
 from gpukill.units import format_duration, format_energy, format_size
 

@@ -108,7 +108,6 @@ class DaemonReader:
         self.wall = wall
         self.started = wall()  # GetUsage's since: the counters count from the exporter's start
         self.usage = None  # UsageCounters once GetUsage answered; None while the daemon keeps no accounting
-        self.usage_reads = 0  # GetUsage calls made
         self._usage_at: float | None = None  # when the usage was last read, on self.clock
         self.client: GpukillClient | None = None
         self.signals = SignalCounts()
@@ -210,7 +209,6 @@ class DaemonReader:
         self._usage_at = self.clock()
         now = self.wall()
         try:
-            self.usage_reads += len(USAGE_GROUPINGS)
             reports = await asyncio.gather(*(client.usage({"since": self.started, "until": max(now, self.started + 1),
                                                            "by": by}) for by, _ in USAGE_GROUPINGS))
         except errors.NotSupported:

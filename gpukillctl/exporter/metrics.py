@@ -19,16 +19,11 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpukill.records import (
-    STATE_OK,
-    BackendStatus,
-    Device,
-    DeviceReset,
-    GuardStatus,
-    Process,
-    ProcessKilled,
-    UsageReport,
-)
+from gpukill.records.guard import GuardStatus
+from gpukill.records.manager import STATE_OK, Device, Process
+from gpukill.records.signals import DeviceReset, ProcessKilled
+from gpukill.records.status import BackendStatus
+from gpukill.records.usage import UsageReport
 
 DEVICE_LABELS = ["gpu", "uuid", "pci_bus_id", "vendor", "model"]
 MHZ = 1_000_000.0

@@ -25,9 +25,9 @@ from enum import Enum
 from typing import Any
 
 from gpukill.outcome import INITIATOR_RESET, INITIATOR_USER, Outcome, result_text
-from gpukill.records import (
+from gpukill.records.manager import STATE_OK
+from gpukill.records.signals import (
     NO_UID,
-    STATE_OK,
     DeviceReset,
     DeviceStateChanged,
     Event,

@@ -54,18 +54,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpukill import errors
 from gpukill.limits import MAX_GRACE
 from gpukill.outcome import reclaim_text
-from gpukill.records import (
-    USAGE_BY,
-    Decision,
-    Device,
-    Finding,
-    GuardStatus,
-    ManagedPolicyEntry,
-    Process,
-    Reclaim,
-    ResetReply,
-    UsageReport,
-)
+from gpukill.records.audit import Finding
+from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry
+from gpukill.records.manager import Device, Process
+from gpukill.records.reclaim import Reclaim
+from gpukill.records.status import ResetReply
+from gpukill.records.usage import USAGE_BY, UsageReport
 from gpukill.regex import MAX_PATTERN, RegexError
 from gpukill.text import shown
 

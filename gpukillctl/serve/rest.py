@@ -46,21 +46,13 @@ from gpukill.managed_policy import KINDS, MAX_ALLOWED_USERS, MAX_GRACE_PERIOD
 from gpukill.outcome import reclaim_text
 from gpukill.policy import MAX_POLICY_BYTES
 from gpukill.procstat import read_stat
-from gpukill.records import (
-    USAGE_BY,
-    Decision,
-    Device,
-    Finding,
-    GuardStatus,
-    ManagedPolicyEntry,
-    Process,
-    Reclaim,
-    ResetReply,
-    UsageReport,
-    Wire,
-    specs,
-    to_plain,
-)
+from gpukill.records.audit import Finding
+from gpukill.records.base import Wire, specs, to_plain
+from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry
+from gpukill.records.manager import Device, Process
+from gpukill.records.reclaim import Reclaim
+from gpukill.records.status import ResetReply
+from gpukill.records.usage import USAGE_BY, UsageReport
 from gpukill.regex import RegexError, compile_regex
 from gpukill.units import (
     DURATION_FORMS,

@@ -168,7 +168,6 @@ class TopView:
         self.started = time.time()  # the session's start: GetUsage's since for the totals line
         self.usage_at: float | None = None  # time.monotonic() of the last GetUsage; None: not yet asked
         self.usage_off = False  # the daemon keeps no accounting: never asked again
-        self.usage_calls = 0
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -229,7 +228,6 @@ class TopView:
         if self.usage_off or (self.usage_at is not None and now - self.usage_at < USAGE_EVERY):
             return
         self.usage_at = now
-        self.usage_calls += 1
         wall = time.time()
         try:
             self.state.usage = await self.client.usage({"since": self.started, "until": max(wall, self.started + 1),
@@ -312,7 +310,7 @@ class TopView:
         agent: PolkitAgent | None = None
         try:
             self.suspend(f"gpukillctl top: stopping PID {request.pid}; polkit may ask for a password here.")
-            agent = PolkitAgent(self.client.unique_name)
+            agent = PolkitAgent()
             if not agent.active:  # no prompt can come: back to the view while the daemon works
                 self.resume()
             outcome = await self.client.kill(request.pid, request.start_time, force=request.force,

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from gpukill.outcome import Outcome
-from gpukill.records import STATE_OK, Device, GuardStatus, Process, UsageReport
+from gpukill.records.guard import GuardStatus
+from gpukill.records.manager import STATE_OK, Device, Process
+from gpukill.records.usage import UsageReport
 from gpukill.text import UNKNOWN, shown
 from gpukill.units import format_duration
 

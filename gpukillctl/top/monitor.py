@@ -20,7 +20,8 @@ import sys
 import time
 from typing import Any
 
-from gpukill.records import (
+from gpukill.records.base import to_plain
+from gpukill.records.signals import (
     NO_UID,
     SIGNAL_OF,
     DeviceReset,
@@ -30,7 +31,6 @@ from gpukill.records import (
     PolicyViolated,
     ProcessKilled,
     SnapshotChanged,
-    to_plain,
 )
 from gpukill.text import shown
 from gpukill.units import format_duration

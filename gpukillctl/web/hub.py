@@ -33,7 +33,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gpukill.procstat import seconds_since_start
-from gpukill.records import Device, Process, SnapshotChanged, to_plain
+from gpukill.records.base import to_plain
+from gpukill.records.manager import Device, Process
+from gpukill.records.signals import SnapshotChanged
 
 from ..client.dbus import DaemonUnavailable, GpukillClient
 from ..http.protocol import MAX_CONNECTIONS

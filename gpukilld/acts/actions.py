@@ -24,7 +24,8 @@ from gpukill.errors import (
     ResetFailed,
 )
 from gpukill.outcome import INITIATOR_RESET, Outcome, guard_initiator, reclaim_text
-from gpukill.records import ALIVE, UNWATCHED, Reclaim, ResetReply, WorkloadEntry, WorkloadReply
+from gpukill.records.reclaim import ALIVE, UNWATCHED, Reclaim, WorkloadEntry, WorkloadReply
+from gpukill.records.status import ResetReply
 from gpukill.rules import KILL
 from gpukill.text import shown
 

@@ -16,7 +16,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from gpukill.records import (
+from gpukill.records.reclaim import (
     DESCENDANT,
     HELD,
     MAX_HOLDERS,

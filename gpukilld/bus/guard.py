@@ -31,7 +31,8 @@ from dbus_fast.service import ServiceInterface, method, signal
 from gpukill.condition_types import CONDITION_TYPES
 from gpukill.errors import InvalidArgs, TooBusy
 from gpukill.policy import check_text
-from gpukill.records import Decision, GuardStatus, PolicyLoaded, ViolationDetails, from_plain
+from gpukill.records.base import from_plain
+from gpukill.records.guard import Decision, GuardStatus, PolicyLoaded, ViolationDetails
 
 from .. import journal
 from ..access.bouncer import Bouncer, Caller, Request

@@ -22,7 +22,9 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 from gpukill import listing
 from gpukill.errors import GpukillError, InvalidArgs, NotSupported, ReplyTooLarge, TooBusy
 from gpukill.outcome import INITIATOR_USER
-from gpukill.records import AuditSettings, KillReport, Reclaim, ResetReply, SamplingStatus, WorkloadReply
+from gpukill.records.audit import AuditSettings
+from gpukill.records.reclaim import KillReport, Reclaim, WorkloadReply
+from gpukill.records.status import ResetReply, SamplingStatus
 from gpukill.regex import RegexError, compile_regex
 
 from .. import __version__, audit_settings, journal

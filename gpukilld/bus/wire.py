@@ -12,7 +12,7 @@ from typing import Any
 
 from dbus_fast import Variant
 
-from gpukill.records import Wire, known_values, specs
+from gpukill.records.base import Wire, known_values, specs
 
 
 def to_dbus(record: Any) -> dict[str, Variant]:

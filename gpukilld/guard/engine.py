@@ -46,7 +46,7 @@ from typing import Any
 
 from gpukill.errors import Protected
 from gpukill.outcome import SIGNALLED, Outcome, result_text
-from gpukill.records import KILL_PROCESS, KILL_TREE
+from gpukill.records.reclaim import KILL_PROCESS, KILL_TREE
 from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, Policy, Rule
 
 from ..acts.reclaim import remember_tree

@@ -41,7 +41,8 @@ from gpukill.policy import (
     policy_paths,
     read_text,
 )
-from gpukill.records import ManagedPolicyEntry, from_plain
+from gpukill.records.base import from_plain
+from gpukill.records.guard import ManagedPolicyEntry
 from gpukill.text import shown
 
 from .. import journal

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpukill.outcome import Outcome, result_text
-from gpukill.records import RecentEvent
+from gpukill.records.guard import RecentEvent
 from gpukill.rules import KILL, RESET, Rule
 from gpukill.text import shown
 from gpukill.units import format_duration, format_size

@@ -25,17 +25,9 @@ from typing import Any, Protocol
 from gpukill.errors import GpukillError, NoSuchProcess, NotSupported
 from gpukill.outcome import Outcome, guard_initiator
 from gpukill.policy import PolicyError, directory_texts, load_texts, name_warnings
-from gpukill.records import (
-    KILL_TREE,
-    Grace,
-    GuardStatus,
-    NotificationCounters,
-    RecentEvent,
-    RuleStatus,
-    Window,
-    from_plain,
-    to_plain,
-)
+from gpukill.records.base import from_plain, to_plain
+from gpukill.records.guard import Grace, GuardStatus, NotificationCounters, RecentEvent, RuleStatus, Window
+from gpukill.records.reclaim import KILL_TREE
 from gpukill.rules import EMPTY_POLICY, Policy, Rule
 
 from .. import journal
@@ -137,7 +129,6 @@ class GuardRunner:
         self._last_eval = -math.inf
         self._tasks: set[asyncio.Task] = set()
         self._save_handle: asyncio.TimerHandle | None = None
-        self._dirty = False  # counters or recent events not yet written
         self._host = socket.gethostname()
         self._boot = clocks.boot_id()  # the clocks saved are this boot's; others' are dropped at start
         self._alive = clocks.process_alive(proc_root)
@@ -574,7 +565,6 @@ class GuardRunner:
     # -- persistence -----------------------------------------------------------------------------------
 
     def _save_now(self) -> None:
-        self._dirty = False
         if self._save_handle is not None:  # this write has what it would have written
             self._save_handle.cancel()
             self._save_handle = None
@@ -599,7 +589,6 @@ class GuardRunner:
                           "as last written")
 
     def _save_soon(self) -> None:
-        self._dirty = True
         if self._save_handle is not None:
             return
         loop = asyncio.get_running_loop()

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from gpukill.errors import GpukillError, TooBusy
 from gpukill.policy import PolicyError
-from gpukill.records import Finding, from_plain, to_plain
+from gpukill.records.audit import Finding
+from gpukill.records.base import from_plain, to_plain
 from gpukill.text import bounded
 
 from ..access.people import People, shared

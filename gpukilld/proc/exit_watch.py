@@ -91,11 +91,6 @@ class ExitWatch:
             self._epoll.unregister(fd)  # type: ignore[union-attr]
         os.close(fd)
 
-    def keep_only(self, keys: set[Key] | dict) -> None:
-        """Stop following every process but these."""
-        for key in [k for k in self._fds if k not in keys]:
-            self.forget(key)
-
     def close(self) -> None:
         for key in list(self._fds):
             self.forget(key)

@@ -33,7 +33,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gpukill.records import FINDING_ABUSER, FINDING_IDLE, FINDING_MINER, MAX_SCORE, Evidence, Finding
+from gpukill.records.audit import FINDING_ABUSER, FINDING_IDLE, FINDING_MINER, MAX_SCORE, Evidence, Finding
 from gpukill.regex import compile_regex
 from gpukill.text import bounded
 from gpukill.units import format_duration, format_size

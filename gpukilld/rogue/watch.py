@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from gpukill.records import Finding
+from gpukill.records.audit import Finding
 
 from .. import audit_settings
 from ..config import AuditSettings
@@ -371,8 +371,3 @@ class RogueWatch:
         if self._ephemeral is None or now - self._ephemeral[0] >= EPHEMERAL_TTL:
             self._ephemeral = (now, audit_settings.ephemeral_range())
         return self._ephemeral[1]
-
-    @property
-    def sockets_round(self) -> dict[str, float]:
-        """What the last round of socket reads spent and deferred (seconds, namespaces, bytes, fds, ...)."""
-        return dict(self._connections.last_round, waiting=len(self._waiting))

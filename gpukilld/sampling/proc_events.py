@@ -53,9 +53,6 @@ PROC_EVENT_PTRACE = 0x100
 PROC_EVENT_COMM = 0x200
 PROC_EVENT_COREDUMP = 0x40000000
 PROC_EVENT_EXIT = 0x80000000
-KIND_NAMES = {PROC_EVENT_FORK: "fork", PROC_EVENT_EXEC: "exec", PROC_EVENT_UID: "uid", PROC_EVENT_GID: "gid",
-              PROC_EVENT_SID: "sid", PROC_EVENT_PTRACE: "ptrace", PROC_EVENT_COMM: "comm",
-              PROC_EVENT_COREDUMP: "coredump", PROC_EVENT_EXIT: "exit"}
 
 # What the sampler acts on: a new program (exec), a new name (comm), a new owner (uid: the real uid it lists).
 SAMPLER_KINDS = PROC_EVENT_EXEC | PROC_EVENT_COMM | PROC_EVENT_UID

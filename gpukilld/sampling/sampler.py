@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpukill.procstat import seconds_since_start
-from gpukill.records import SAMPLING_EVENTS, SAMPLING_POLLING, SamplingStatus
+from gpukill.records.status import SAMPLING_EVENTS, SAMPLING_POLLING, SamplingStatus
 
 from ..backends import Backend, BackendSample
 from ..model import (

@@ -14,7 +14,7 @@ import logging
 import subprocess
 from collections.abc import Iterator
 
-from gpukill.records import UsageRecord
+from gpukill.records.usage import UsageRecord
 
 from .. import journal
 from .journal_form import fields_of, record_from_journal

@@ -13,7 +13,7 @@ from typing import Any
 from dbus_fast import Variant
 
 from gpukill.errors import InvalidArgs
-from gpukill.records import USAGE_BY
+from gpukill.records.usage import USAGE_BY
 
 DEFAULT_RANGE = 86400.0  # since defaults to a day before until
 MAX_TIME = 2.0**40  # seconds since the epoch (year ~36,800): anything later is a mistake, not a range

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from gpukill.errors import GpukillError, NotSupported
-from gpukill.records import USAGE_BY, UsageRecord, UsageReport, UsageRow
+from gpukill.records.usage import USAGE_BY, UsageRecord, UsageReport, UsageRow
 
 from .. import journal
 from ..access.visibility import ANONYMOUS, FULL, HIDDEN, PROGRAM, Viewer

@@ -14,7 +14,8 @@ from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
 
 from gpukill import listing
-from gpukill.records import Process, from_plain, to_plain
+from gpukill.records.base import from_plain, to_plain
+from gpukill.records.manager import Process
 
 
 async def call(bus, member, signature, filter_):

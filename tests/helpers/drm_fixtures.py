@@ -18,8 +18,6 @@ import shutil
 import stat
 from pathlib import Path
 
-KFD_MAJOR = 238  # /dev/kfd's major is dynamic; any non-226 char device shows the scanner ignores it
-
 
 def print_size(kind: str, region: str, size: int) -> str:
     """drm_print_memory_stats: bytes, or KiB/MiB while the value divides evenly (drm_file.c print_size)."""

@@ -163,7 +163,6 @@ class EventReader:
         self.headers: dict[str, str] = {}
         self.body = b""  # the whole body of a response that is not a stream (a refusal)
         self._buffer = bytearray()
-        self.bytes_read = 0  # of the stream's events
 
     @classmethod
     async def open(cls, port: int, token: str | None, path: str = "/ui/stream", *,
@@ -200,9 +199,6 @@ class EventReader:
     def resume(self) -> None:
         self.writer.transport.resume_reading()
 
-    def json_body(self) -> dict:
-        return json.loads(self.body)
-
     async def _chunk(self) -> bytes:
         if self.headers.get("transfer-encoding", "").lower() != "chunked":
             data = await self.reader.read(65536)
@@ -223,7 +219,6 @@ class EventReader:
             while (end := self._buffer.find(b"\n\n", searched)) < 0:
                 searched = max(0, len(self._buffer) - 1)
                 data = await self._chunk()
-                self.bytes_read += len(data)
                 self._buffer += data
         block = bytes(self._buffer[:end])
         del self._buffer[:end + 2]
