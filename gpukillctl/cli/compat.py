@@ -1125,10 +1125,6 @@ _SETTINGS_WORDS = {"rogue_config": "show", "rogue_export_config": "export", "rog
                    "rogue_whitelist_user": "allow-user", "rogue_unwhitelist_user": "disallow-user"}
 
 
-def _audit_settings_given(args: argparse.Namespace) -> bool:
-    return any(_given(args, dest) for dest in AUDIT_SETTING_DESTS)
-
-
 def _threshold(dest: str, args: argparse.Namespace) -> str:
     """gpu-kill's threshold as KEY=VALUE in our setting's unit (gpukillctl audit's table converts it)."""
     key, value = gpu_kill_threshold(_flag(dest), getattr(args, dest))

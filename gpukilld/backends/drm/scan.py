@@ -103,7 +103,6 @@ class ScanStats:
     scanned: int = 0  # of which fd tables were read in full
     walked: bool = False  # every process was looked at (no client list, or a list could not be trusted)
     listed_proc: bool = False  # /proc itself was listed (a walk, or every SAFETY_NET_PERIOD samples)
-    drm_fds: int = 0
     unreadable: int = 0  # DRM fds whose fdinfo could not be read
 
 
@@ -391,7 +390,6 @@ class FdScanner:
             self._read_holders(root_fd, with_drm, kept, out)
         finally:
             os.close(root_fd)
-        stats.drm_fds = len(out)
         stats.unreadable = sum(1 for r in out if r.info is None)
         return out
 
