@@ -19,8 +19,8 @@ from gpukilld.backends import nvidia
 from gpukilld.backends.nvidia import NvidiaBackend
 
 GPUS = 8
-# Wall time, as a hung call is asleep: a healthy read takes milliseconds, and on a loaded machine (CI runs 4
-# workers on 2 cores) still far less than a second, so none is taken for hung; past the deadline, is.
+# Wall time, as a hung call sleeps: a healthy read takes milliseconds, and well under a second on a loaded
+# machine (CI runs 4 workers on 2 cores), so only the hung GPU misses the deadline.
 DEADLINE = 1.0
 HANG = 5.0  # seconds each call of the hung GPU takes: past two deadlines and a sample, yet short to wait out
 
