@@ -34,6 +34,7 @@ from test_gpukill_compat import (
     gpukillctl_commands,
     missing_in_gpukillctl,
     proc,
+    watch_until,
 )
 
 from gpukill.records.manager import Device
@@ -187,12 +188,8 @@ class Ran:
             args = cli.build_parser().parse_args(list(self.plan.gpukillctl))
             return EXIT_OK if args.command == "serve" else EXIT_USAGE
         if self.plan.endless:  # --watch: a few refreshes, then stopped
-            async def a_while() -> int:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.plan.run(self.client), 0.2)
-                return EXIT_OK
-
-            return asyncio.run(a_while())
+            asyncio.run(watch_until(self.plan, self.client, lambda calls: len(calls) >= 3 * len(LISTING)))
+            return EXIT_OK
         return asyncio.run(self.plan.run(self.client))
 
 

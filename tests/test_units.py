@@ -298,7 +298,7 @@ def test_simulated_backend_reads_the_environment_again_after_exec(tmp_path):
         assert all(p.pid != proc.pid for p in backend.sample().processes)
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
-        found = wait_until(lambda: [p for p in backend.sample().processes if p.pid == proc.pid], 5,
+        found = wait_until(lambda: [p for p in backend.sample().processes if p.pid == proc.pid], 30,
                            "the exec'd process was never sampled", interval=0.05)
         assert found[0].device_id == "0000:c1:00.0"
     finally:

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 import pytest
+from helpers.waiting import wait_until
 
 from gpukill.errors import ConfigError
 from gpukill.records.usage import UsageRecord
@@ -507,10 +508,7 @@ def test_the_keeper_starts_whatever_the_state_file_holds(tmp_path):
 def test_a_missing_store_is_rebuilt_from_the_journal_in_a_thread(tmp_path):
     store = FakeStore(exists=False)
     k = keeper(tmp_path, store, entries=lambda: iter([RECORD]))
-    for _ in range(100):
-        if store.rebuilt:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: store.rebuilt, 30, "the store was never rebuilt", interval=0.05)
     assert store.rebuilt == [RECORD]
     k.stop()
 
@@ -524,10 +522,7 @@ def test_the_store_is_pruned_once_a_day(tmp_path):
     k.on_snapshot(feed.at(keeper_mod.FIRST_PRUNE + 1))
     k.on_snapshot(feed.at(keeper_mod.FIRST_PRUNE + 2))
     k.on_snapshot(feed.at(keeper_mod.FIRST_PRUNE + keeper_mod.PRUNE_EVERY + 2))
-    for _ in range(100):
-        if len(store.pruned) == 2:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: len(store.pruned) == 2, 30, lambda: f"pruned {store.pruned}", interval=0.05)
     assert store.pruned == [30, 30]
 
 

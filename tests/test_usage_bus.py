@@ -217,7 +217,7 @@ def _blocked_queries(tmp_path, per_client: list[int]):
     from gpukilld.access.bouncer import Bouncer, Caller
     from gpukilld.access.people import People
     from gpukilld.bus.door import Door
-    from gpukilld.bus.manager import ManagerInterface
+    from gpukilld.bus.manager import USAGE_QUERIES_AT_ONCE, ManagerInterface
     from gpukilld.model import Snapshot
     from gpukilld.names import MANAGER_INTERFACE, OBJECT_PATH
 
@@ -254,15 +254,29 @@ def _blocked_queries(tmp_path, per_client: list[int]):
             return client.call(Message(destination=service.unique_name, path=OBJECT_PATH,
                                        interface=MANAGER_INTERFACE, member=member, signature=signature, body=body))
 
+        async def until(cond, what: str) -> None:
+            """Polled rather than slept for: on a loaded machine the calls may take seconds to arrive."""
+            deadline = time.monotonic() + 60
+            while not cond():
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.02)
+
+        calls: list[asyncio.Future] = []
+
+        def arrived() -> bool:
+            """The daemon holds each call sent (running or waiting for a turn) or has answered it TooBusy."""
+            return manager._usage_calls + sum(c.done() for c in calls) == len(calls)
+
         try:
             off = await call(clients[0])
             keeper = Keeper()
             running.append(keeper)
-            calls = []
             for client, n in zip(clients, per_client, strict=True):
                 calls += [asyncio.ensure_future(call(client)) for _ in range(n)]
-                await asyncio.sleep(0.3)  # in this order
-            await asyncio.sleep(2)  # all arrived
+                await until(arrived, "not every call arrived")  # in this order
+            store = keeper.store
+            await until(lambda: store.running >= min(manager._usage_calls, USAGE_QUERIES_AT_ONCE),
+                        "the queries never took their turns")
             busy = [c.result() for c in calls if c.done()]
             ping = await call(clients[0], "ListDevices")
             keeper.store.release.set()
