@@ -56,6 +56,7 @@ def _on_signal(signum, _frame):
 
 # -- output ----------------------------------------------------------------------------------------------
 
+
 def bold(text: str) -> str:
     return f"\033[1m{text}\033[0m" if TTY else text
 
@@ -99,13 +100,14 @@ def show_output(text: str) -> None:
 
 # -- processes -------------------------------------------------------------------------------------------
 
+
 def _stat_fields(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
     except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def _user_of(pid: int) -> str:
@@ -153,6 +155,7 @@ def wait_gone(proc: subprocess.Popen, timeout: float = 10.0) -> bool:
 
 # -- the tour --------------------------------------------------------------------------------------------
 
+
 class Demo:
     def __init__(self, tour: Tour, tb: Testbed) -> None:
         self.tour = tour
@@ -175,12 +178,14 @@ class Demo:
     def run(self) -> None:
         tour, tb = self.tour, self.tb
 
-        tour.step("Start a private system: bus, journald, polkitd, gpukilld",
-                  "Real components, isolated from this machine's own, all in a private PID namespace (gpukilld",
-                  "sees only the tour's processes): dbus-daemon with gpukill's bus policy,",
-                  "systemd-journald and polkitd each in a private mount namespace (polkitd sees only our actions",
-                  f"and the example rule {ADMIN_RULES.relative_to(REPO)}), and gpukilld on",
-                  f"{SIM_YAML.relative_to(REPO)} (four simulated GPUs).")
+        tour.step(
+            "Start a private system: bus, journald, polkitd, gpukilld",
+            "Real components, isolated from this machine's own, all in a private PID namespace (gpukilld",
+            "sees only the tour's processes): dbus-daemon with gpukill's bus policy,",
+            "systemd-journald and polkitd each in a private mount namespace (polkitd sees only our actions",
+            f"and the example rule {ADMIN_RULES.relative_to(REPO)}), and gpukilld on",
+            f"{SIM_YAML.relative_to(REPO)} (four simulated GPUs).",
+        )
         address = tb.start_bus()
         tb.start_journal()
         tb.start_polkit([ADMIN_RULES])
@@ -196,18 +201,22 @@ class Demo:
             out(f"   {pid:>7}  {_user_of(pid):<9} {_cmdline(pid)[:90]}")
         tour.expect(len(pids) >= 4, f"expected at least 4 running processes, found {len(pids)}")
 
-        tour.step("Start some GPU work",
-                  "Real processes owned by real users. The simulated backend puts a process on a GPU when its",
-                  "environment says GPUKILL_SIM_GPU=N; each is renamed like the program it pretends to be.",
-                  f"{ADMIN} is in group '{ADMIN_GROUP}', which the example polkit rule lets do anything.")
+        tour.step(
+            "Start some GPU work",
+            "Real processes owned by real users. The simulated backend puts a process on a GPU when its",
+            "environment says GPUKILL_SIM_GPU=N; each is renamed like the program it pretends to be.",
+            f"{ADMIN} is in group '{ADMIN_GROUP}', which the example polkit rule lets do anything.",
+        )
         self.train = tb.victim(self.owner, gpu=0, mem="12GiB", util=87, comm="train.py")
         self.notebook = tb.victim(self.other, gpu=1, mem="6GiB", util=9, comm="ipykernel")
         self.miner = tb.victim(self.owner, gpu=1, mem="2GiB", util=99, comm="xmrig")
         self.server = tb.victim(self.other, gpu=2, mem="20GiB", util=41, comm="llama-server")
-        work = [("train.py", self.train, self.owner, "GPU 0, 12 GiB, 87%"),
-                ("ipykernel", self.notebook, self.other, "GPU 1, 6 GiB, 9%"),
-                ("xmrig", self.miner, self.owner, "GPU 1, 2 GiB, 99% - a crypto miner"),
-                ("llama-server", self.server, self.other, "GPU 2, 20 GiB, 41%")]
+        work = [
+            ("train.py", self.train, self.owner, "GPU 0, 12 GiB, 87%"),
+            ("ipykernel", self.notebook, self.other, "GPU 1, 6 GiB, 9%"),
+            ("xmrig", self.miner, self.owner, "GPU 1, 2 GiB, 99% - a crypto miner"),
+            ("llama-server", self.server, self.other, "GPU 2, 20 GiB, 41%"),
+        ]
         for name, proc, user, where in work:
             out(f"   PID {proc.pid:<5} {name:<13} as {f'{user.name} (uid {user.uid})':<21} {where}")
         out()
@@ -218,8 +227,7 @@ class Demo:
             except AssertionError:
                 tour.expect(False, f"gpukilld never listed {name} (PID {proc.pid})")
 
-        tour.step("Who is on which GPU?",
-                  "Listing needs no privilege: any user may look.")
+        tour.step("Who is on which GPU?", "Listing needs no privilege: any user may look.")
         r = self.ctl(self.other, "list")
         tour.expect(r.returncode == 0, f"gpukillctl list failed with exit status {r.returncode}")
         for name, proc, _user, _where in work:
@@ -229,28 +237,36 @@ class Demo:
         r = self.ctl(self.other, "status")
         tour.expect(r.returncode == 0, f"gpukillctl status failed with exit status {r.returncode}")
 
-        tour.step(f"{OTHER} tries to kill {OWNER}'s miner",
-                  "Stopping another user's process is org.gpukill.kill-any-process, which needs an admin.",
-                  "gpukilld asks polkit; polkit says no (no agent to ask for a password), so nothing is sent.")
+        tour.step(
+            f"{OTHER} tries to kill {OWNER}'s miner",
+            "Stopping another user's process is org.gpukill.kill-any-process, which needs an admin.",
+            "gpukilld asks polkit; polkit says no (no agent to ask for a password), so nothing is sent.",
+        )
         r = self.ctl(self.other, "kill", str(self.miner.pid))
-        tour.expect(r.returncode == EXIT_DENIED,
-                    f"expected exit status {EXIT_DENIED} (denied), got {r.returncode}: {r.stderr.strip()!r}")
+        tour.expect(
+            r.returncode == EXIT_DENIED,
+            f"expected exit status {EXIT_DENIED} (denied), got {r.returncode}: {r.stderr.strip()!r}",
+        )
         time.sleep(0.3)
         tour.expect(self.miner.poll() is None and alive(self.miner.pid), "the miner died although the kill was denied")
         out(f"   xmrig (PID {self.miner.pid}) is still running.")
 
-        tour.step(f"{OWNER} kills their own miner",
-                  "Stopping your own process is org.gpukill.kill-own-process, allowed for everyone.",
-                  "gpukilld pins the process with a pidfd, checks it is the one that was listed, sends SIGTERM.")
+        tour.step(
+            f"{OWNER} kills their own miner",
+            "Stopping your own process is org.gpukill.kill-own-process, allowed for everyone.",
+            "gpukilld pins the process with a pidfd, checks it is the one that was listed, sends SIGTERM.",
+        )
         r = self.ctl(self.owner, "kill", str(self.miner.pid))
         tour.expect(r.returncode == 0, f"gpukillctl kill failed with exit status {r.returncode}: {r.stderr.strip()!r}")
         tour.expect("terminated" in r.stdout, f"expected 'terminated', got {r.stdout.strip()!r}")
         tour.expect(wait_gone(self.miner), "the miner is still running after a successful kill")
         out(f"   xmrig (PID {self.miner.pid}) is gone (exit status {self.miner.returncode}).")
 
-        tour.step(f"An admin steps in: {ADMIN} stops {OTHER}'s notebook, root resets GPU 0",
-                  f"{ADMIN} is in group '{ADMIN_GROUP}'; the example rule says yes to every org.gpukill.* action.",
-                  "A reset with --force first stops every process on the GPU (here train.py).")
+        tour.step(
+            f"An admin steps in: {ADMIN} stops {OTHER}'s notebook, root resets GPU 0",
+            f"{ADMIN} is in group '{ADMIN_GROUP}'; the example rule says yes to every org.gpukill.* action.",
+            "A reset with --force first stops every process on the GPU (here train.py).",
+        )
         r = self.ctl(self.admin, "kill", str(self.notebook.pid))
         tour.expect(r.returncode == 0, f"{ADMIN}'s kill failed with exit status {r.returncode}: {r.stderr.strip()!r}")
         tour.expect(wait_gone(self.notebook), "the notebook is still running after a successful kill")
@@ -267,15 +283,19 @@ class Demo:
         r = self.ctl(self.other, "list")
         tour.expect(r.returncode == 0, f"gpukillctl list failed with exit status {r.returncode}")
 
-        tour.step("The audit trail in the journal",
-                  "gpukilld writes one journal entry per privileged request - allowed, denied or failed - with",
-                  "structured GPUKILL_* fields saying who asked for what. (journalctl runs in journald's namespace.)")
+        tour.step(
+            "The audit trail in the journal",
+            "gpukilld writes one journal entry per privileged request - allowed, denied or failed - with",
+            "structured GPUKILL_* fields saying who asked for what. (journalctl runs in journald's namespace.)",
+        )
         self.show_journal()
 
-        tour.step("Who used the GPUs?",
-                  "gpukilld adds up what each sample saw of every process on every GPU. When a process ends, its",
-                  "totals go to the journal (the \"consumed\" lines above) and to a store; `usage` asks for them,",
-                  "the running processes' totals so far included. Each user sees their own in full.")
+        tour.step(
+            "Who used the GPUs?",
+            "gpukilld adds up what each sample saw of every process on every GPU. When a process ends, its",
+            'totals go to the journal (the "consumed" lines above) and to a store; `usage` asks for them,',
+            "the running processes' totals so far included. Each user sees their own in full.",
+        )
         r = self.ctl(ROOT, "usage", "--by", "process")
         tour.expect(r.returncode == 0, f"gpukillctl usage failed with exit status {r.returncode}: {r.stderr.strip()!r}")
         tour.expect(str(self.train.pid) in r.stdout, f"train.py (PID {self.train.pid}) is not in the usage by process")
@@ -304,8 +324,15 @@ class Demo:
         r = subprocess.run(tb.in_journal_ns(argv), capture_output=True, text=True, timeout=30)
         tour.expect(r.returncode == 0, f"journalctl failed: {r.stderr.strip()!r}")
         out(dim("    (MESSAGE and a few GPUKILL_* fields of each entry)"))
-        fields = ["GPUKILL_EVENT", "GPUKILL_RESULT", "GPUKILL_CALLER_UID", "GPUKILL_TARGET_PID",
-                  "GPUKILL_TARGET_COMM", "GPUKILL_POLKIT_ACTION", "GPUKILL_INITIATOR"]
+        fields = [
+            "GPUKILL_EVENT",
+            "GPUKILL_RESULT",
+            "GPUKILL_CALLER_UID",
+            "GPUKILL_TARGET_PID",
+            "GPUKILL_TARGET_COMM",
+            "GPUKILL_POLKIT_ACTION",
+            "GPUKILL_INITIATOR",
+        ]
         for line in r.stdout.splitlines():
             e = json.loads(line)
             out(f"    {e.get('MESSAGE')}")
@@ -316,18 +343,24 @@ class Demo:
         for e in entries:
             by_event.setdefault(e.get("GPUKILL_EVENT", ""), []).append(e)
         for kind, n in want.items():
-            tour.expect(len(by_event.get(kind, [])) >= n,
-                        f"expected {n} '{kind}' journal entr{'y' if n == 1 else 'ies'}, found "
-                        f"{len(by_event.get(kind, []))}")
+            tour.expect(
+                len(by_event.get(kind, [])) >= n,
+                f"expected {n} '{kind}' journal entr{'y' if n == 1 else 'ies'}, found {len(by_event.get(kind, []))}",
+            )
         denied = by_event["kill-denied"][0]
-        tour.expect(denied.get("GPUKILL_TARGET_PID") == str(self.miner.pid)
-                    and denied.get("GPUKILL_CALLER_UID") == str(self.other.uid),
-                    f"the kill-denied entry does not name {OTHER} and the miner: {json.dumps(denied)[:200]}")
+        tour.expect(
+            denied.get("GPUKILL_TARGET_PID") == str(self.miner.pid)
+            and denied.get("GPUKILL_CALLER_UID") == str(self.other.uid),
+            f"the kill-denied entry does not name {OTHER} and the miner: {json.dumps(denied)[:200]}",
+        )
         killers = {(e.get("GPUKILL_TARGET_PID"), e.get("GPUKILL_CALLER_UID")) for e in by_event["kill"]}
-        tour.expect((str(self.miner.pid), str(self.owner.uid)) in killers,
-                    f"no journal entry for {OWNER} killing the miner")
-        tour.expect((str(self.notebook.pid), str(self.admin.uid)) in killers,
-                    f"no journal entry for {ADMIN} killing the notebook")
+        tour.expect(
+            (str(self.miner.pid), str(self.owner.uid)) in killers, f"no journal entry for {OWNER} killing the miner"
+        )
+        tour.expect(
+            (str(self.notebook.pid), str(self.admin.uid)) in killers,
+            f"no journal entry for {ADMIN} killing the notebook",
+        )
 
 
 def cleanup(tour: Tour, tb: Testbed, keep_workdir: bool) -> str | None:
@@ -366,8 +399,17 @@ def other_simulations() -> list[int]:
 def reexec_in_pid_namespace() -> None:
     """Become PID 1 of a new PID namespace with its own /proc; unshare waits and passes on the exit status."""
     env = {**os.environ, INNER_ENV: "1"}
-    argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "--", sys.executable,
-            str(Path(__file__).resolve()), *sys.argv[1:]]
+    argv = [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--kill-child",
+        "--",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *sys.argv[1:],
+    ]
     sys.stdout.flush()
     os.execvpe("unshare", argv, env)
 
@@ -375,8 +417,7 @@ def reexec_in_pid_namespace() -> None:
 def unready(prog: str) -> str | None:
     """Why `make PROG` cannot start here (not root, a tool missing), in one line; None when it can."""
     if not testbed.is_root():
-        return (f"`make {prog}` must run as root (it starts a private bus, polkitd and journald, "
-                "and creates test users)")
+        return f"`make {prog}` must run as root (it starts a private bus, polkitd and journald, and creates test users)"
     missing = testbed.missing_tools()
     if missing:
         return f"missing {', '.join(missing)}; run `make {prog}`, which installs them"
@@ -401,8 +442,11 @@ def main() -> int:
     if os.environ.get(INNER_ENV) != "1":
         others = other_simulations()
         if others:
-            print(f"demo: note: other simulated gpukilld running (PID {', '.join(map(str, others))}); they see "
-                  "the tour's processes on their simulated GPUs too", file=sys.stderr)
+            print(
+                f"demo: note: other simulated gpukilld running (PID {', '.join(map(str, others))}); they see "
+                "the tour's processes on their simulated GPUs too",
+                file=sys.stderr,
+            )
         reexec_in_pid_namespace()
     if os.getpid() != 1:
         print("demo: expected to run as PID 1 of a private PID namespace", file=sys.stderr)

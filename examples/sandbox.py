@@ -56,6 +56,7 @@ def out(text: str = "") -> None:
 
 # -- the sandbox's processes -------------------------------------------------------------------------------
 
+
 def in_scope(pid: int, scope: str) -> bool:
     """Whether the live process pid carries the sandbox's scope in its environment."""
     try:
@@ -97,8 +98,8 @@ def write_commands(tb: Testbed) -> Path:
     bin_dir.mkdir()
     python, repo = shlex.quote(testbed.PYTHON), shlex.quote(str(REPO))
     scripts = {
-        "gpukillctl": f"PYTHONPATH={repo} PYTHONDONTWRITEBYTECODE=1 exec {python} -m gpukillctl \"$@\"\n",
-        "gpukill-sandbox": f"exec {python} {shlex.quote(str(Path(__file__).resolve()))} \"$@\"\n",
+        "gpukillctl": f'PYTHONPATH={repo} PYTHONDONTWRITEBYTECODE=1 exec {python} -m gpukillctl "$@"\n',
+        "gpukill-sandbox": f'exec {python} {shlex.quote(str(Path(__file__).resolve()))} "$@"\n',
     }
     for name, body in scripts.items():
         (bin_dir / name).write_text("#!/bin/sh\n" + body)
@@ -111,8 +112,10 @@ def show_how_to_use(tb: Testbed, bin_dir: Path) -> None:
     devices = len(yaml.safe_load(SIM_YAML.read_text())["devices"])
     out(f"gpukill sandbox: a private system bus, polkitd, journald and gpukilld on {devices} simulated GPUs")
     out(f"({SIM_YAML.relative_to(REPO)}), in {tb.workdir}.")
-    out(f"Users: {OWNER}, {OTHER}, and {ADMIN} in group '{ADMIN_GROUP}', which the example rule "
-        f"{ADMIN_RULES.relative_to(REPO)} lets do everything.")
+    out(
+        f"Users: {OWNER}, {OTHER}, and {ADMIN} in group '{ADMIN_GROUP}', which the example rule "
+        f"{ADMIN_RULES.relative_to(REPO)} lets do everything."
+    )
     out()
     out("Paste these two lines into another shell, as root:")
     out()
@@ -136,6 +139,7 @@ def show_how_to_use(tb: Testbed, bin_dir: Path) -> None:
 
 
 # -- running and stopping ----------------------------------------------------------------------------------
+
 
 def watch(tb: Testbed, names: dict[int, str]) -> str:
     """Wait until a signal comes (the exception ends the wait) or a component exits: what exited, in one line."""
@@ -173,8 +177,11 @@ def serve() -> int:
         return 1
     others = demo.other_simulations()
     if others:
-        print(f"sandbox: note: other simulated gpukilld running (PID {', '.join(map(str, others))}); they see "
-              "the sandbox's processes on their simulated GPUs too", file=sys.stderr)
+        print(
+            f"sandbox: note: other simulated gpukilld running (PID {', '.join(map(str, others))}); they see "
+            "the sandbox's processes on their simulated GPUs too",
+            file=sys.stderr,
+        )
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: a shell's `&` ignores it
         signal.signal(sig, demo._on_signal)
     tb = Testbed(Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX)))
@@ -207,6 +214,7 @@ def serve() -> int:
 
 # -- `run`: a process on a simulated GPU -------------------------------------------------------------------
 
+
 class Refused(Exception):
     """What `run` cannot do, in one line."""
 
@@ -215,10 +223,15 @@ def sandbox_dir() -> Path:
     """The directory of the sandbox DBUS_SYSTEM_BUS_ADDRESS names."""
     address = os.environ.get("DBUS_SYSTEM_BUS_ADDRESS", "")
     path = Path(address.removeprefix("unix:path="))
-    if not (address.startswith("unix:path=") and path.name == SOCKET_NAME
-            and path.parent.name.startswith(WORKDIR_PREFIX) and path.exists()):
-        raise Refused("DBUS_SYSTEM_BUS_ADDRESS names no running sandbox: paste the export line that "
-                      "`make sandbox` printed")
+    if not (
+        address.startswith("unix:path=")
+        and path.name == SOCKET_NAME
+        and path.parent.name.startswith(WORKDIR_PREFIX)
+        and path.exists()
+    ):
+        raise Refused(
+            "DBUS_SYSTEM_BUS_ADDRESS names no running sandbox: paste the export line that `make sandbox` printed"
+        )
     return path.parent
 
 
@@ -271,9 +284,17 @@ def start(args: argparse.Namespace) -> str:
     if args.name:
         executable, argv[0] = named(workdir, args.name, executable), args.name
     try:
-        proc = subprocess.Popen(argv, executable=executable, env=env, cwd="/", start_new_session=True,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                **user.popen_kwargs())
+        proc = subprocess.Popen(
+            argv,
+            executable=executable,
+            env=env,
+            cwd="/",
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            **user.popen_kwargs(),
+        )
     except OSError as e:
         raise Refused(f"{args.command[0]}: {e.strerror}") from None
     what = shlex.join(args.command) + (f", named {args.name}," if args.name else "")
@@ -288,7 +309,8 @@ def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="gpukill-sandbox run",
         description="Start COMMAND as USER on a simulated GPU of the sandbox DBUS_SYSTEM_BUS_ADDRESS names, in "
-                    "the background; print its PID. The sandbox's teardown ends it.")
+        "the background; print its PID. The sandbox's teardown ends it.",
+    )
     parser.add_argument("--user", required=True, help="whose process it is (gpkowner, gpkother, gpkadmin, root)")
     parser.add_argument("--gpu", default="0", help="the simulated GPU's index, or indexes: 0,2 (default 0)")
     parser.add_argument("--mem", help="the GPU memory it holds: 12GiB, 500MiB")
@@ -308,8 +330,11 @@ def main() -> int:
     if sys.argv[1:2] == ["run"]:
         return run(sys.argv[2:])
     if len(sys.argv) > 1:
-        print(f"usage: {Path(sys.argv[0]).name} [run --user USER [--gpu N] [--mem SIZE] [--util PERCENT] "
-              "[--name NAME] -- COMMAND [ARG...]]", file=sys.stderr)
+        print(
+            f"usage: {Path(sys.argv[0]).name} [run --user USER [--gpu N] [--mem SIZE] [--util PERCENT] "
+            "[--name NAME] -- COMMAND [ARG...]]",
+            file=sys.stderr,
+        )
         return 2
     return serve()
 

@@ -89,8 +89,10 @@ def _check_target(kind: str, target: Any) -> str:
         if not _INDEX.fullmatch(target) or int(target) > MAX_INDEX:
             raise InvalidArgs(f"GPU index {_shown(target)} is out of range: a whole number from 0 to {MAX_INDEX}")
     elif not _NAME.fullmatch(target):
-        raise InvalidArgs(f"bad {kind} name {_shown(target)}: a letter or _ first, then letters, digits, _ . or -, "
-                          "at most 32 characters")
+        raise InvalidArgs(
+            f"bad {kind} name {_shown(target)}: a letter or _ first, then letters, digits, _ . or -, "
+            "at most 32 characters"
+        )
     return target
 
 
@@ -147,8 +149,10 @@ def _check_setting(kind: str, key: Any, value: Any, caller: bool = False) -> Any
         raise InvalidArgs(f"allowed_users has more than {MAX_ALLOWED_USERS} names")
     for name in value:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise InvalidArgs(f"bad user name {_shown(name)} in allowed_users: a letter or _ first, then letters, "
-                              "digits, _ . or -, at most 32 characters")
+            raise InvalidArgs(
+                f"bad user name {_shown(name)} in allowed_users: a letter or _ first, then letters, "
+                "digits, _ . or -, at most 32 characters"
+            )
     return tuple(sorted(set(value)))  # a set of users: one order, so one file and one export
 
 
@@ -204,8 +208,14 @@ def _names(users: tuple[str, ...]) -> str:
 
 
 def _rule(name: str, description: str, scope: str, grace: float, conditions: list[str]) -> list[str]:
-    lines = [f"  - name: {name}", f"    description: {_quoted(description)}", f"    scope: {scope}", "    action: kill",
-             f"    grace_period: {_number(float(grace))}", "    conditions:"]
+    lines = [
+        f"  - name: {name}",
+        f"    description: {_quoted(description)}",
+        f"    scope: {scope}",
+        "    action: kill",
+        f"    grace_period: {_number(float(grace))}",
+        "    conditions:",
+    ]
     return lines + [f"      - {c}" for c in conditions]
 
 
@@ -220,33 +230,61 @@ def _rules(p: ManagedPolicy) -> list[str]:
         who = _condition(p.kind, "==", f"'{p.target}'")
         whose = f"user {p.target}" if p.kind == "user" else f"the members of group {p.target} together"
         if p.memory_limit is not None:
-            out += _rules_for(p, "memory", f"{whose}: at most {format_size(p.memory_limit)} of GPU memory "
-                                           "summed over GPUs", scope,
-                              [who, _condition(f"{p.kind}_memory", ">", exact_size(p.memory_limit))])
+            out += _rules_for(
+                p,
+                "memory",
+                f"{whose}: at most {format_size(p.memory_limit)} of GPU memory summed over GPUs",
+                scope,
+                [who, _condition(f"{p.kind}_memory", ">", exact_size(p.memory_limit))],
+            )
         if p.utilization_limit is not None:
-            out += _rules_for(p, "utilization", f"{whose}: at most {p.utilization_limit:g}% of any GPU",
-                              scope, [who, _condition(f"{p.kind}_utilization", ">",
-                                                      _number(float(p.utilization_limit)))])
+            out += _rules_for(
+                p,
+                "utilization",
+                f"{whose}: at most {p.utilization_limit:g}% of any GPU",
+                scope,
+                [who, _condition(f"{p.kind}_utilization", ">", _number(float(p.utilization_limit)))],
+            )
         if p.process_limit is not None:
-            out += _rules_for(p, "processes", f"{whose}: at most {p.process_limit} GPU process(es)", scope,
-                              [who, _condition(f"{p.kind}_processes", ">", str(p.process_limit))])
+            out += _rules_for(
+                p,
+                "processes",
+                f"{whose}: at most {p.process_limit} GPU process(es)",
+                scope,
+                [who, _condition(f"{p.kind}_processes", ">", str(p.process_limit))],
+            )
         return out
     gpu = _condition("gpu", "==", p.target)
     others = [_condition("user", "not_in", _names(p.allowed_users))] if p.allowed_users else []
     if p.memory_limit is not None:
-        out += _rules_for(p, "memory", f"GPU {p.target}: at most {format_size(p.memory_limit)} of memory in use",
-                          "per_device", [gpu, _condition("device_memory", ">", exact_size(p.memory_limit))])
+        out += _rules_for(
+            p,
+            "memory",
+            f"GPU {p.target}: at most {format_size(p.memory_limit)} of memory in use",
+            "per_device",
+            [gpu, _condition("device_memory", ">", exact_size(p.memory_limit))],
+        )
     if p.utilization_limit is not None:
-        out += _rules_for(p, "utilization", f"GPU {p.target}: at most {p.utilization_limit:g}% utilization",
-                          "per_device", [gpu, _condition("gpu_utilization", ">", _number(float(p.utilization_limit)))])
+        out += _rules_for(
+            p,
+            "utilization",
+            f"GPU {p.target}: at most {p.utilization_limit:g}% utilization",
+            "per_device",
+            [gpu, _condition("gpu_utilization", ">", _number(float(p.utilization_limit)))],
+        )
     if p.allowed_users:
-        out += _rules_for(p, "allowed-users", f"GPU {p.target}: only {', '.join(p.allowed_users)}",
-                          "per_process", [gpu, *others])
+        out += _rules_for(
+            p, "allowed-users", f"GPU {p.target}: only {', '.join(p.allowed_users)}", "per_process", [gpu, *others]
+        )
     if p.reserved_memory is not None:
         whose = ", stopping other users' processes" if p.allowed_users else ""
-        out += _rules_for(p, "reserved-memory", f"GPU {p.target}: {format_size(p.reserved_memory)} kept free{whose}",
-                          "per_device", [gpu, _condition("device_memory_free", "<", exact_size(p.reserved_memory)),
-                                         *others])
+        out += _rules_for(
+            p,
+            "reserved-memory",
+            f"GPU {p.target}: {format_size(p.reserved_memory)} kept free{whose}",
+            "per_device",
+            [gpu, _condition("device_memory_free", "<", exact_size(p.reserved_memory)), *others],
+        )
     return out  # never empty: parse_settings refuses a policy without a limit
 
 
@@ -262,10 +300,13 @@ def _header(p: ManagedPolicy) -> str:
 def render(p: ManagedPolicy) -> str:
     """The policy as an ordinary Guard policy file: the record on the first line (read_file), then its rules.
     Deterministic: the same record gives the same bytes."""
-    lines = [_header(p),
-             "# Written by gpukilld for `gpukillctl guard policy add`: change it with gpukillctl guard policy; a hand",
-             "# edit shows as edited in `gpukillctl guard policy list` and is replaced by the next change.",
-             "rules:", *_rules(p)]
+    lines = [
+        _header(p),
+        "# Written by gpukilld for `gpukillctl guard policy add`: change it with gpukillctl guard policy; a hand",
+        "# edit shows as edited in `gpukillctl guard policy list` and is replaced by the next change.",
+        "rules:",
+        *_rules(p),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -276,7 +317,7 @@ def read_file(name: str, text: str) -> ManagedPolicy | None:
     if not first.startswith(HEADER) or len(first) > 1 << 16:
         return None
     try:
-        record = json.loads(first[len(HEADER):])
+        record = json.loads(first[len(HEADER) :])
     except ValueError:
         return None
     if not isinstance(record, dict):
@@ -360,8 +401,9 @@ def import_text(text: str, name: str) -> list[ManagedPolicy]:
     except _Stop:
         pass
     except Exception as e:  # a bug of ours or PyYAML's: still text that cannot be imported, never a crash
-        raise PolicyError(parser.errors[:50] + [f"{name}:1:1: the policies could not be read "
-                                                f"({type(e).__name__}: {e})"]) from e
+        raise PolicyError(
+            parser.errors[:50] + [f"{name}:1:1: the policies could not be read ({type(e).__name__}: {e})"]
+        ) from e
     if parser.errors:
         raise PolicyError(parser.errors)
     return out
@@ -436,4 +478,3 @@ def _import_policy(parser: _Parser, item: Node) -> ManagedPolicy | None:
     except InvalidArgs as e:
         parser.error(item, str(e))
         return None
-

@@ -92,8 +92,10 @@ def reclaim_text(r: Any) -> str:
         named = list(r.holders[:HOLDERS_SHOWN])
         rest = len(r.holders) - len(named) + r.more
         more = f" and {rest} more" if rest else ""
-        return (f"exited, but GPU memory is still held ({format_size(r.held)}) by "
-                f"{', '.join(holder_text(h) for h in named)}{more}; {shown(r.remedy)}")
+        return (
+            f"exited, but GPU memory is still held ({format_size(r.held)}) by "
+            f"{', '.join(holder_text(h) for h in named)}{more}; {shown(r.remedy)}"
+        )
     if r.verdict == "stuck":
         return f"still alive after SIGKILL: {shown(r.reason)}; {shown(r.remedy)}"
     if r.verdict == "alive":

@@ -32,5 +32,7 @@ def compile_regex(pattern: str):
         return re2.compile(pattern, _OPTIONS)
     except re2.error as e:
         reason = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
-        raise RegexError(f"not a valid regular expression: {reason} (gpukilld uses RE2 syntax, which runs in "
-                         "linear time: no backreferences or lookaround)") from None
+        raise RegexError(
+            f"not a valid regular expression: {reason} (gpukilld uses RE2 syntax, which runs in "
+            "linear time: no backreferences or lookaround)"
+        ) from None

@@ -67,8 +67,12 @@ class Exemptions:
         def union(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
             return tuple(dict.fromkeys(a + b))
 
-        return Exemptions(union(self.users, other.users), union(self.groups, other.groups),
-                          union(self.units, other.units), union(self.processes, other.processes))
+        return Exemptions(
+            union(self.users, other.users),
+            union(self.groups, other.groups),
+            union(self.units, other.units),
+            union(self.processes, other.processes),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +95,8 @@ class Rule:
     # Action kill with a grace period only: when to warn, as seconds before the grace ends, largest first
     # (`at_start` is the grace period itself). Empty: the violation's notice is the one warning.
     warn: tuple[float, ...] = ()
-    # Action kill only: what one kill of a process takes with it (records.reclaim.KILL_SCOPES). "tree": its descendants on a GPU
+    # Action kill only: what one kill of a process takes with it (records.reclaim.KILL_SCOPES). "tree": its descendants
+    # on a GPU
     # too (a trainer's workers); "unit": the GPU processes of its systemd unit. Only the subject's owner's
     # processes: Guard acts for no caller, and a setuid helper of another user in the tree is not the rule's.
     kill_scope: str = KILL_PROCESS
@@ -99,10 +104,25 @@ class Rule:
     @property
     def fingerprint(self) -> tuple:
         """What the rule does, without where it was written: an unchanged rule keeps its windows on reload."""
-        return (self.name, self.match, self.scope, self.action, self.force, self.grace_period, self.kill_grace,
-                self.notify, self.exemptions, self.cooldown, self.max_resets_per_hour, self.warn, self.kill_scope,
-                tuple((c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total, c.over)
-                      for c in self.conditions))
+        return (
+            self.name,
+            self.match,
+            self.scope,
+            self.action,
+            self.force,
+            self.grace_period,
+            self.kill_grace,
+            self.notify,
+            self.exemptions,
+            self.cooldown,
+            self.max_resets_per_hour,
+            self.warn,
+            self.kill_scope,
+            tuple(
+                (c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total, c.over)
+                for c in self.conditions
+            ),
+        )
 
 
 def _fingerprint_value(value: Any) -> Any:

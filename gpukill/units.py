@@ -41,7 +41,9 @@ _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
 # "ms" is not read as "m" then "s"; a unit is a whole word ("5mx" is no duration).
 _DURATION_PART = re.compile(
     r"\s*([0-9]+(?:\.[0-9]+)?)\s*(milliseconds?|msecs?|ms|seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h"
-    r"|days?|d|weeks?|w)(?![a-z])\s*", re.IGNORECASE)
+    r"|days?|d|weeks?|w)(?![a-z])\s*",
+    re.IGNORECASE,
+)
 _DURATION_UNITS = {"m": 60.0, "s": 1.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 _BARE_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 
@@ -96,8 +98,10 @@ def parse_size(value: object, *, bare: int | None = None, limit: bool = False) -
 
 
 def _small(shown_value: str) -> ValueError:
-    return ValueError(f"a limit of {shown_value} is under 1 MiB, likely a mistake (every GPU process holds "
-                      "more); write it in B or KiB (e.g. 4096B, 512KiB) if it is meant")
+    return ValueError(
+        f"a limit of {shown_value} is under 1 MiB, likely a mistake (every GPU process holds "
+        "more); write it in B or KiB (e.g. 4096B, 512KiB) if it is meant"
+    )
 
 
 def exact_size(n: int) -> str:
@@ -139,8 +143,9 @@ def parse_duration(value: object) -> float:
                 seconds += float(m.group(1)) * _unit_seconds(m.group(2))
                 pos = m.end()
             if not text or pos != len(text):
-                raise ValueError(f"not a duration: {short(value)} (write e.g. {DURATION_FORMS}; units ms, s, "
-                                 "min, h, d, w)")
+                raise ValueError(
+                    f"not a duration: {short(value)} (write e.g. {DURATION_FORMS}; units ms, s, min, h, d, w)"
+                )
     else:
         raise ValueError(f"not a duration: {short(value)} (write e.g. {DURATION_FORMS})")
     if math.isnan(seconds):
@@ -158,7 +163,7 @@ def short(value: object, limit: int = 40) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def format_size(n: float) -> str:

@@ -44,15 +44,21 @@ MAX_ENTRIES = 256  # per allow-list, and pool ports
 MAX_ENTRY = 255  # characters of a user name or an executable's path
 MAX_TEXT = 256 << 10  # bytes of an imported text: every list full is ~130 KiB
 DAY = 86400.0
-_NUMBERS = {"idle_after": (0.0, 30 * DAY, "seconds"), "abuser_window": (1.0, 7 * DAY, "seconds"),
-            "abuser_share": (1.0, 100.0, "percent"), "min_score": (0.0, 100.0, "points")}
+_NUMBERS = {
+    "idle_after": (0.0, 30 * DAY, "seconds"),
+    "abuser_window": (1.0, 7 * DAY, "seconds"),
+    "abuser_share": (1.0, 100.0, "percent"),
+    "min_score": (0.0, 100.0, "points"),
+}
 _FORBIDDEN = set(" \t,#;=")  # separators and comment marks of the [audit] text: never inside one entry
 DROPIN_NAME = "50-audit.conf"
 # Seconds a change waits for a sample made with it before it returns anyway (well inside clients' 25 s timeout):
 # with samples further apart, the findings follow at the next sample.
 APPLY_WAIT = 15.0
-HEADER = ("# The rogue-activity audit's settings, written by gpukilld (gpukillctl audit settings); read after\n"
-          "# gpukilld.conf, whose [audit] keys these replace. Delete this file and reload to use gpukilld.conf's.\n")
+HEADER = (
+    "# The rogue-activity audit's settings, written by gpukilld (gpukillctl audit settings); read after\n"
+    "# gpukilld.conf, whose [audit] keys these replace. Delete this file and reload to use gpukilld.conf's.\n"
+)
 
 
 # Which pool ports can say anything about a connection. Here, beside the check of pool_ports, and not with the
@@ -99,8 +105,10 @@ def check_value(key: str, value: Any) -> Any:
         span = ephemeral_range()
         inside = [p for p in ports if span is not None and span[0] <= p <= span[1]]
         if inside:
-            raise ValueError(f"pool_ports: {inside[0]} lies inside the ephemeral port range {span[0]}-{span[1]} "
-                             "(net.ipv4.ip_local_port_range), where any client's source port may lie")
+            raise ValueError(
+                f"pool_ports: {inside[0]} lies inside the ephemeral port range {span[0]}-{span[1]} "
+                "(net.ipv4.ip_local_port_range), where any client's source port may lie"
+            )
         return ports
     if key == "allowed_users":
         users = _entries(key, value, str)
@@ -112,12 +120,16 @@ def check_value(key: str, value: Any) -> Any:
         for path in paths:
             _check_text(key, path)
             if not path.startswith("/"):
-                raise ValueError(f"allowed_processes: {path[:64]!r} is not an absolute path: a process chooses its "
-                                 "own name, so an allowed process is named by its executable (e.g. "
-                                 "/usr/bin/python3), owned by root")
+                raise ValueError(
+                    f"allowed_processes: {path[:64]!r} is not an absolute path: a process chooses its "
+                    "own name, so an allowed process is named by its executable (e.g. "
+                    "/usr/bin/python3), owned by root"
+                )
             if posixpath.normpath(path) != path:
-                raise ValueError(f"allowed_processes: {path[:64]!r} is not a normalized path "
-                                 f"(write {posixpath.normpath(path)[:64]!r})")
+                raise ValueError(
+                    f"allowed_processes: {path[:64]!r} is not a normalized path "
+                    f"(write {posixpath.normpath(path)[:64]!r})"
+                )
         return paths
     raise ValueError(f"unknown audit setting {key[:64]!r} (known: {', '.join(KEYS)})")
 
@@ -228,8 +240,9 @@ def parse_text(name: str, text: str, *, imported: bool = True) -> dict[str, Any]
     parser = parsed.parser
     for section in parser.sections():
         if section != "audit":
-            raise ValueError(f"{name}:{_section_line(text, section)}: "
-                             f"unknown section [{section[:64]}] (only [audit] belongs here)")
+            raise ValueError(
+                f"{name}:{_section_line(text, section)}: unknown section [{section[:64]}] (only [audit] belongs here)"
+            )
     if not parser.has_section("audit"):
         raise ValueError(f"{name}:1: no [audit] section")
     values = {}
@@ -272,8 +285,14 @@ class AuditSettingsKeeper:
     applied, then audited; a change returns once a sample's findings were made with it (or after a bound), so the
     next AuditRogue reflects it. One change at a time."""
 
-    def __init__(self, path: str, watch: Any, auditor: Any,
-                 resample: Callable[[], Awaitable[Any]] | None = None, samples: int = 4) -> None:
+    def __init__(
+        self,
+        path: str,
+        watch: Any,
+        auditor: Any,
+        resample: Callable[[], Awaitable[Any]] | None = None,
+        samples: int = 4,
+    ) -> None:
         self.path = path
         self.watch = watch  # rogue/watch.py RogueWatch: .settings, .made_with
         self._auditor = auditor
@@ -285,8 +304,15 @@ class AuditSettingsKeeper:
     def current(self) -> AuditSettings:
         return self.watch.settings
 
-    async def change(self, changes: dict[str, Any], *, operation: str, caller_uid: int, caller_pid: int | None,
-                     source: str | None = None) -> AuditSettings:
+    async def change(
+        self,
+        changes: dict[str, Any],
+        *,
+        operation: str,
+        caller_uid: int,
+        caller_pid: int | None,
+        source: str | None = None,
+    ) -> AuditSettings:
         """Apply checked changes (checked() or parse_text()): the file, then the audit, then the journal."""
         async with self._lock:
             new = dataclasses.replace(self.current, **changes)
@@ -295,17 +321,32 @@ class AuditSettingsKeeper:
                 await asyncio.to_thread(write_atomically, self.path, text)
             except OSError as e:
                 why = f"cannot write {self.path}: {e.strerror or e}"
-                self._auditor.log(_kind(), f"Audit settings not changed ({operation}) for uid {caller_uid}: {why}",
-                                  operation=operation, result="failed", error=why, file=self.path,
-                                  caller_uid=caller_uid, caller_pid=caller_pid, source=source)
+                self._auditor.log(
+                    _kind(),
+                    f"Audit settings not changed ({operation}) for uid {caller_uid}: {why}",
+                    operation=operation,
+                    result="failed",
+                    error=why,
+                    file=self.path,
+                    caller_uid=caller_uid,
+                    caller_pid=caller_pid,
+                    source=source,
+                )
                 raise SettingsFailed(f"{why}; the settings in force are unchanged") from None
             self.watch.settings = new
             listed = ", ".join(f"{k}={value_text(k, v)}" for k, v in changes.items())
-            self._auditor.log(_kind(), f"Audit settings changed ({operation}) by uid {caller_uid}: "
-                                       f"{listed[:2048] or 'nothing'}",
-                              operation=operation, result="changed", keys=" ".join(changes) or None,
-                              file=self.path, caller_uid=caller_uid, caller_pid=caller_pid, source=source,
-                              settings=text)
+            self._auditor.log(
+                _kind(),
+                f"Audit settings changed ({operation}) by uid {caller_uid}: {listed[:2048] or 'nothing'}",
+                operation=operation,
+                result="changed",
+                keys=" ".join(changes) or None,
+                file=self.path,
+                caller_uid=caller_uid,
+                caller_pid=caller_pid,
+                source=source,
+                settings=text,
+            )
             await self._applied(new)
             return new
 

@@ -74,9 +74,20 @@ SYS_UID_MAX = 999  # shadow's and systemd's default when login.defs does not say
 # System units whose death takes the machine down or locks people out; Guard never touches their processes.
 # Matched against the unit under /system.slice only (model.Attribution.system_unit), which users cannot forge.
 DEFAULT_PROTECTED_UNITS = (
-    "dbus.service", "dbus-broker.service", "systemd-*.service", "polkit.service", "gpukilld.service",
-    "display-manager.service", "gdm.service", "gdm3.service", "sddm.service", "lightdm.service",
-    "ssh.service", "sshd.service", "getty@*.service", "serial-getty@*.service",
+    "dbus.service",
+    "dbus-broker.service",
+    "systemd-*.service",
+    "polkit.service",
+    "gpukilld.service",
+    "display-manager.service",
+    "gdm.service",
+    "gdm3.service",
+    "sddm.service",
+    "lightdm.service",
+    "ssh.service",
+    "sshd.service",
+    "getty@*.service",
+    "serial-getty@*.service",
 )
 _UNIT_PATTERN = re.compile(r"[A-Za-z0-9:_.@\\*?\[\]-]*(?:\.service|\.scope|\*)")  # a unit name, or a pattern of one
 
@@ -110,10 +121,14 @@ class Config:
         return self.sys_uid_max if self.guard_protect_system_users else None
 
 
-_KNOWN = {"daemon": {"sample_interval", "simulate", "backends"}, "paths": {"proc", "sys", "debugfs"},
-          "guard": {"policy_dir", "state_dir", "protect_system_users", "protected_units"},
-          "notify": {"smtp_host", "smtp_port", "from", "timeout", "owner_mail", "owner_mesg"},
-          "audit": set(audit_settings.KEYS), "usage": {"enabled", "keep_days"}}
+_KNOWN = {
+    "daemon": {"sample_interval", "simulate", "backends"},
+    "paths": {"proc", "sys", "debugfs"},
+    "guard": {"policy_dir", "state_dir", "protect_system_users", "protected_units"},
+    "notify": {"smtp_host", "smtp_port", "from", "timeout", "owner_mail", "owner_mesg"},
+    "audit": set(audit_settings.KEYS),
+    "usage": {"enabled", "keep_days"},
+}
 MAX_KEEP_DAYS = 36500  # a century: past it, a typo
 
 
@@ -135,8 +150,10 @@ def backends_problem(names: tuple[str, ...]) -> str | None:
     """Why these backends cannot run together, or None. Fake GPUs listed, indexed, killed for and "reset" next
     to real ones would be a demo setting that reaches production unnoticed."""
     if "simulated" in names and len(names) > 1:
-        return (f"backends = {', '.join(names)}: the simulated backend cannot be combined with real backends; "
-                "use `simulated` alone (or `auto` with simulate = FILE), or only real ones")
+        return (
+            f"backends = {', '.join(names)}: the simulated backend cannot be combined with real backends; "
+            "use `simulated` alone (or `auto` with simulate = FILE), or only real ones"
+        )
     return None
 
 
@@ -214,9 +231,11 @@ def _daemon(conf: IniText) -> dict[str, object]:
 
 def _paths(conf: IniText) -> dict[str, object]:
     """[paths]: where the kernel's trees are."""
-    return {field: conf.get("paths", key).strip()
-            for key, field in (("proc", "proc_root"), ("sys", "sys_root"), ("debugfs", "debugfs_root"))
-            if conf.has("paths", key)}
+    return {
+        field: conf.get("paths", key).strip()
+        for key, field in (("proc", "proc_root"), ("sys", "sys_root"), ("debugfs", "debugfs_root"))
+        if conf.has("paths", key)
+    }
 
 
 def _guard_dirs(conf: IniText) -> dict[str, object]:
@@ -238,16 +257,18 @@ def _notify(conf: IniText) -> dict[str, object]:
     if conf.has("notify", "from"):
         values["mail_from"] = conf.get("notify", "from").strip()
     if conf.has("notify", "owner_mail"):
-        values["owner_mail"] = _owner_mail(conf.get("notify", "owner_mail").strip(),
-                                           conf.where("notify", "owner_mail"))
+        values["owner_mail"] = _owner_mail(conf.get("notify", "owner_mail").strip(), conf.where("notify", "owner_mail"))
     if conf.has("notify", "owner_mesg"):
         word = conf.get("notify", "owner_mesg").strip()
         if word not in ("respect", "ignore"):
-            raise ConfigError(f"{conf.where('notify', 'owner_mesg')}: owner_mesg is respect or ignore, "
-                              f"not {word[:40]!r}")
+            raise ConfigError(
+                f"{conf.where('notify', 'owner_mesg')}: owner_mesg is respect or ignore, not {word[:40]!r}"
+            )
         values["owner_mesg"] = word == "respect"
-    for key, field, kind, low, high in (("smtp_port", "smtp_port", int, 1, 65535),
-                                        ("timeout", "notify_timeout", float, 0.1, 300.0)):
+    for key, field, kind, low, high in (
+        ("smtp_port", "smtp_port", int, 1, 65535),
+        ("timeout", "notify_timeout", float, 0.1, 300.0),
+    ):
         if conf.has("notify", key):
             where = conf.where("notify", key)
             try:
@@ -269,8 +290,10 @@ def _owner_mail(template: str, where: str) -> str:
     if "{user}" not in template and "{uid}" not in template:
         raise ConfigError(f"{where}: owner_mail must name the user: {{user}}@DOMAIN (or {{uid}})")
     if not re.fullmatch(r"[A-Za-z0-9._%+-]*(@[A-Za-z0-9.-]+)?", rest) or len(template) > 254:
-        raise ConfigError(f"{where}: owner_mail is one address made of {{user}} or {{uid}}, letters, digits, "
-                          f"'._%+-' and @DOMAIN, not {template[:80]!r}")
+        raise ConfigError(
+            f"{where}: owner_mail is one address made of {{user}} or {{uid}}, letters, digits, "
+            f"'._%+-' and @DOMAIN, not {template[:80]!r}"
+        )
     return template
 
 
@@ -281,14 +304,17 @@ def _protection(conf: IniText) -> dict[str, object]:
         try:
             values["guard_protect_system_users"] = conf.parser.getboolean("guard", "protect_system_users")
         except ValueError:
-            raise ConfigError(f"{conf.where('guard', 'protect_system_users')}: protect_system_users must be "
-                              "yes or no") from None
+            raise ConfigError(
+                f"{conf.where('guard', 'protect_system_users')}: protect_system_users must be yes or no"
+            ) from None
     if conf.has("guard", "protected_units"):
         patterns = tuple(conf.get("guard", "protected_units").replace(",", " ").split())
         for pattern in patterns:
             if not _UNIT_PATTERN.fullmatch(pattern):
-                raise ConfigError(f"{conf.where('guard', 'protected_units')}: protected_units: {pattern!r} is not "
-                                  "a unit name or pattern (e.g. dbus.service, getty@*.service)")
+                raise ConfigError(
+                    f"{conf.where('guard', 'protected_units')}: protected_units: {pattern!r} is not "
+                    "a unit name or pattern (e.g. dbus.service, getty@*.service)"
+                )
         values["guard_protected_units"] = patterns
     return values
 
@@ -304,8 +330,10 @@ def _usage(conf: IniText) -> dict[str, object]:
     if conf.has("usage", "keep_days"):
         text = conf.get("usage", "keep_days").strip()
         if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_KEEP_DAYS):
-            raise ConfigError(f"{conf.where('usage', 'keep_days')}: keep_days must be a whole number of days "
-                              f"between 1 and {MAX_KEEP_DAYS}")
+            raise ConfigError(
+                f"{conf.where('usage', 'keep_days')}: keep_days must be a whole number of days "
+                f"between 1 and {MAX_KEEP_DAYS}"
+            )
         values["usage_keep_days"] = int(text)
     return values
 
@@ -327,9 +355,13 @@ def _audit(conf: IniText, base: AuditSettings) -> AuditSettings:
         usable = outside_range(ports, span)
         if span is not None and len(usable) < len(ports):
             inside = ", ".join(str(p) for p in ports if p not in usable)
-            log.warning("%s: pool_ports %s ignored: inside the ephemeral port range %d-%d "
-                        "(net.ipv4.ip_local_port_range), where any client's source port may lie",
-                        conf.where("audit", "pool_ports"), inside, *span)
+            log.warning(
+                "%s: pool_ports %s ignored: inside the ephemeral port range %d-%d "
+                "(net.ipv4.ip_local_port_range), where any client's source port may lie",
+                conf.where("audit", "pool_ports"),
+                inside,
+                *span,
+            )
         values["pool_ports"] = usable
     return dataclasses.replace(base, **values)  # type: ignore[arg-type]
 

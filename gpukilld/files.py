@@ -85,8 +85,9 @@ class WriteWatch:
 
     REPORT_EVERY = 300.0
 
-    def __init__(self, audit: journal.Audit | None, path: str, what: str, kept: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, audit: journal.Audit | None, path: str, what: str, kept: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.audit = audit
         self.path = path
         self.what = what  # "Guard's state": the file's part in the daemon

@@ -87,9 +87,27 @@ USAGE = EventKind("usage", "98e32adeb63e433194c9884c760b9489", syslog.LOG_DEBUG)
 WRITE_FAILED = EventKind("write-failed", "0434aa3a59cf40b8b8f40bb844f194ed", syslog.LOG_ERR)
 WRITE_RECOVERED = EventKind("write-recovered", "795a05cbe3b448f19e23a47e60cfab12", syslog.LOG_NOTICE)
 
-ALL_KINDS = (KILL, KILL_DENIED, KILL_FAILED, RESET, RESET_DENIED, RESET_FAILED, DEVICE_STATE, DAEMON,
-             GUARD_VIOLATION, GUARD_ACTION, GUARD_DRY_RUN, GUARD_POLICY, GUARD_NOTIFY_FAILED, GUARD_NOTICE,
-             GUARD_MANAGED_POLICY, AUDIT_SETTINGS, USAGE, WRITE_FAILED, WRITE_RECOVERED)
+ALL_KINDS = (
+    KILL,
+    KILL_DENIED,
+    KILL_FAILED,
+    RESET,
+    RESET_DENIED,
+    RESET_FAILED,
+    DEVICE_STATE,
+    DAEMON,
+    GUARD_VIOLATION,
+    GUARD_ACTION,
+    GUARD_DRY_RUN,
+    GUARD_POLICY,
+    GUARD_NOTIFY_FAILED,
+    GUARD_NOTICE,
+    GUARD_MANAGED_POLICY,
+    AUDIT_SETTINGS,
+    USAGE,
+    WRITE_FAILED,
+    WRITE_RECOVERED,
+)
 
 
 def field_name(key: str) -> str:
@@ -135,8 +153,9 @@ class Audit:
             except OSError:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF_SIZE)
             seconds = int(SEND_TIMEOUT)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            struct.pack("@ll", seconds, int((SEND_TIMEOUT - seconds) * 1e6)))  # a timeval
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", seconds, int((SEND_TIMEOUT - seconds) * 1e6))
+            )  # a timeval
             self._sock = sock
 
     @property
@@ -150,10 +169,16 @@ class Audit:
         extra.setdefault("GPUKILL_EVENT", kind.name)
         if self._sock is not None:
             caller = sys._getframe(1)  # the code that audits, not this function: what CODE_* is for
-            entry = [("MESSAGE", message), ("MESSAGE_ID", kind.message_id), ("PRIORITY", str(kind.priority)),
-                     ("SYSLOG_IDENTIFIER", self.identifier), ("CODE_FILE", caller.f_code.co_filename),
-                     ("CODE_LINE", str(caller.f_lineno)), ("CODE_FUNC", caller.f_code.co_qualname),
-                     *extra.items()]
+            entry = [
+                ("MESSAGE", message),
+                ("MESSAGE_ID", kind.message_id),
+                ("PRIORITY", str(kind.priority)),
+                ("SYSLOG_IDENTIFIER", self.identifier),
+                ("CODE_FILE", caller.f_code.co_filename),
+                ("CODE_LINE", str(caller.f_lineno)),
+                ("CODE_FUNC", caller.f_code.co_qualname),
+                *extra.items(),
+            ]
             try:
                 self._send(encode(entry))
                 return
@@ -188,9 +213,10 @@ class Audit:
         try:
             view = memoryview(payload)
             while view:
-                view = view[os.write(fd, view):]
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+                view = view[os.write(fd, view) :]
+            fcntl.fcntl(
+                fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+            )
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
             self._sock.sendmsg([], rights, flags, JOURNAL_SOCKET)  # empty payload: the fd is the entry
         finally:

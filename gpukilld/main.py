@@ -138,7 +138,10 @@ class Daemon:
             self.audit.log(
                 journal.DEVICE_STATE,
                 f"GPU {dev.index} ({dev.id}) is {dev.state}" + (f": {dev.state_reason}" if dev.state_reason else ""),
-                device=dev.id, device_index=dev.index, state=dev.state, previous_state=change.previous,
+                device=dev.id,
+                device_index=dev.index,
+                state=dev.state,
+                previous_state=change.previous,
                 reason=dev.state_reason or None,
             )
             self.manager.DeviceStateChanged(dev)
@@ -177,8 +180,9 @@ class Daemon:
     def violated(self, event: Violation, dry_run: bool) -> None:
         self.guard_interface.PolicyViolated(event, dry_run)
 
-    def action_taken(self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str,
-                     dry_run: bool) -> None:
+    def action_taken(
+        self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str, dry_run: bool
+    ) -> None:
         self.guard_interface.GuardActionTaken(rule, subject, action, pid, start_time, outcome, dry_run)
 
     def notification(self, notice: Notice, uid: int | None) -> None:
@@ -194,8 +198,9 @@ class Daemon:
             backends = build_backends(config, previous=(self.config, self.backends))
         except ConfigError as e:
             log.error("reload failed, keeping the configuration in force: %s", e)
-            self.audit.log(journal.DAEMON, f"Reload failed, configuration unchanged: {e}", result="reload-failed",
-                           error=str(e))
+            self.audit.log(
+                journal.DAEMON, f"Reload failed, configuration unchanged: {e}", result="reload-failed", error=str(e)
+            )
         else:
             replaced = [b for b in self.backends if not any(b is kept for kept in backends)]
             self.config = config
@@ -206,8 +211,9 @@ class Daemon:
             self.sampler.backends = backends
             self.actions.backends = {b.name: b for b in backends}
             self._close_when_unused(replaced)
-            self.guard.configure(notify_config(config), config.guard_policy_dir, config.guard_state_dir,
-                                 protection_of(config))
+            self.guard.configure(
+                notify_config(config), config.guard_policy_dir, config.guard_state_dir, protection_of(config)
+            )
             self._configure_usage()
             self.audit.log(journal.DAEMON, "Configuration reloaded", result="reloaded")
         self.guard.reload_files()  # a broken policy file leaves the policy in force (and says so)
@@ -220,8 +226,13 @@ class Daemon:
             state_dir = self.config.guard_state_dir
             try:
                 store = UsageStore(os.path.join(state_dir, "usage.sqlite"), self.audit)
-                self.usage = UsageKeeper(self.audit, store, state_dir, keep_days=self.config.usage_keep_days,
-                                         alive=still_running(self.config.proc_root))
+                self.usage = UsageKeeper(
+                    self.audit,
+                    store,
+                    state_dir,
+                    keep_days=self.config.usage_keep_days,
+                    alive=still_running(self.config.proc_root),
+                )
             except Exception:  # the daemon serves and enforces without the accounting rather than not at all
                 log.exception("GPU usage accounting could not be set up; it is off")
             else:
@@ -278,26 +289,52 @@ class Daemon:
             log.info("the kernel's proc connector is unavailable (%s): polling", self.proc_events.reason)
         self.rogue = RogueWatch(self.config.proc_root, self.config.audit)
         self.sampler = Sampler(
-            self.backends, self.config.sample_interval, self.procfs, self._publish,
-            watchdog=lambda: self.notifier.notify("WATCHDOG=1"), watchdog_interval=self._watchdog_interval(),
-            audit=self.rogue, events=self.proc_events,
+            self.backends,
+            self.config.sample_interval,
+            self.procfs,
+            self._publish,
+            watchdog=lambda: self.notifier.notify("WATCHDOG=1"),
+            watchdog_interval=self._watchdog_interval(),
+            audit=self.rogue,
+            events=self.proc_events,
         )
         self.actions = Actions(
-            snapshot=lambda: self.snapshot, backends={b.name: b for b in self.backends}, bouncer=self.bouncer,
-            killer=Killer(), auditor=self.audit, on_killed=self._on_killed, on_reset=self._on_reset,
+            snapshot=lambda: self.snapshot,
+            backends={b.name: b for b in self.backends},
+            bouncer=self.bouncer,
+            killer=Killer(),
+            auditor=self.audit,
+            on_killed=self._on_killed,
+            on_reset=self._on_reset,
             resample=self.next_snapshot,
         )
         # The audit's settings as admins change them (SetAuditSettings): kept beside the configuration file.
-        self.audit_settings = AuditSettingsKeeper(dropin_path(self.args.config), self.rogue, self.audit,
-                                                  self.next_snapshot)
+        self.audit_settings = AuditSettingsKeeper(
+            dropin_path(self.args.config), self.rogue, self.audit, self.next_snapshot
+        )
         # GetUsage answers NotSupported while no keeper runs (until the name is ours, or [usage] is off).
-        self.manager = ManagerInterface(lambda: self.snapshot, self.actions, self.bouncer,
-                                        lambda: self.sampler.interval, self.sampler.sampling_status, bus=bus,
-                                        audit_settings=self.audit_settings, usage=lambda: self.usage)
-        self.guard = GuardRunner(self.actions.kill, self.audit, notify_config(self.config),
-                                 self.config.guard_policy_dir, self.config.guard_state_dir,
-                                 protection=protection_of(self.config), signals=self, reset=self.actions.reset,
-                                 proc_root=self.config.proc_root, kill_workload=self.actions.kill_workload)
+        self.manager = ManagerInterface(
+            lambda: self.snapshot,
+            self.actions,
+            self.bouncer,
+            lambda: self.sampler.interval,
+            self.sampler.sampling_status,
+            bus=bus,
+            audit_settings=self.audit_settings,
+            usage=lambda: self.usage,
+        )
+        self.guard = GuardRunner(
+            self.actions.kill,
+            self.audit,
+            notify_config(self.config),
+            self.config.guard_policy_dir,
+            self.config.guard_state_dir,
+            protection=protection_of(self.config),
+            signals=self,
+            reset=self.actions.reset,
+            proc_root=self.config.proc_root,
+            kill_workload=self.actions.kill_workload,
+        )
         self.guard_interface = GuardInterface(self.guard, self.bouncer, lambda: self.snapshot, bus=bus)
 
     async def run(self) -> int:
@@ -309,8 +346,11 @@ class Daemon:
             return 1
         self._build(bus)
         busio.tolerate_full_socket(bus)
-        bus.add_message_handler(Door(bus, self.bouncer, lambda msg: self.manager.early_answer(msg)
-                                     or self.guard_interface.early_answer(msg)))
+        bus.add_message_handler(
+            Door(
+                bus, self.bouncer, lambda msg: self.manager.early_answer(msg) or self.guard_interface.early_answer(msg)
+            )
+        )
         bus.export(OBJECT_PATH, self.manager)
         bus.export(OBJECT_PATH, self.guard_interface)
 
@@ -380,8 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=DEFAULT_PATH, help=f"configuration file (default {DEFAULT_PATH})")
     p.add_argument("--simulate", metavar="FILE", help="simulated GPUs described in FILE (see man gpukilld.conf)")
-    p.add_argument("--sample-interval", metavar="DURATION",
-                   help="time between samples, e.g. 500ms or 2s (default 1s)")
+    p.add_argument("--sample-interval", metavar="DURATION", help="time between samples, e.g. 500ms or 2s (default 1s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"gpukilld {__version__}")
     return p

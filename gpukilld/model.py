@@ -31,9 +31,14 @@ _NUMBERED = ("index", "backend")  # what the sampler gives a device; the backend
 # defaults. The sampler turns it into a Device (numbered()); a field added to Device comes with it.
 DeviceReading = make_dataclass(
     "DeviceReading",
-    [(f.name, f.type, field(default=f.default)) if f.default is not MISSING else (f.name, f.type)
-     for f in fields(Device) if f.name not in _NUMBERED],
-    frozen=True, slots=True)
+    [
+        (f.name, f.type, field(default=f.default)) if f.default is not MISSING else (f.name, f.type)
+        for f in fields(Device)
+        if f.name not in _NUMBERED
+    ],
+    frozen=True,
+    slots=True,
+)
 
 
 def numbered(reading: Any, index: int, backend: str) -> Device:
@@ -77,7 +82,8 @@ class GpuProcess(Process):
     # The system service or scope that holds the process (Attribution.system_unit): Guard's protection of
     # system units reads it, and unlike `unit` no user can forge it. Not on the bus (declared without wire()).
     system_unit: str | None = None
-    # Attribution.job_from_environ: gpukilld/access/visibility.py shows such a job to the owner and full viewers only. Not on
+    # Attribution.job_from_environ: gpukilld/access/visibility.py shows such a job to the owner and full viewers only.
+    # Not on
     # the bus either.
     job_from_environ: bool = False
 

@@ -70,19 +70,41 @@ def start_padded(bed: Testbed, users) -> tuple[list[subprocess.Popen], set[int]]
     people = [users["owner"], users["other"]]
     procs = []
     for i in range(NAMESPACES):
-        env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(i % 2), "GPUKILL_SIM_SCOPE": bed.scope,
-               "GPUKILL_SIM_MEM": "1GiB", "GPUKILL_SIM_UTIL": "50"}
-        argv = ["unshare", "-Urn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', SYSTEM_PYTHON, "-c",
-                PADDED, str(PADDING), "1" if i % MINER_EVERY == 0 else "0", json.dumps(env)]
-        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             env={"PATH": "/usr/bin:/bin"}, cwd="/",
-                             start_new_session=True, **people[i % 2].popen_kwargs())
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "GPUKILL_SIM_GPU": str(i % 2),
+            "GPUKILL_SIM_SCOPE": bed.scope,
+            "GPUKILL_SIM_MEM": "1GiB",
+            "GPUKILL_SIM_UTIL": "50",
+        }
+        argv = [
+            "unshare",
+            "-Urn",
+            "sh",
+            "-c",
+            'ip link set lo up && exec "$0" "$@"',
+            SYSTEM_PYTHON,
+            "-c",
+            PADDED,
+            str(PADDING),
+            "1" if i % MINER_EVERY == 0 else "0",
+            json.dumps(env),
+        ]
+        p = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env={"PATH": "/usr/bin:/bin"},
+            cwd="/",
+            start_new_session=True,
+            **people[i % 2].popen_kwargs(),
+        )
         bed.procs.append(p)
         procs.append(p)
         if i % 8 == 7:  # a few at a time: 2 cores
             for q in procs[-8:]:
                 assert q.stdout.readline().strip() == b"ready", q.args
-    for q in procs[len(procs) // 8 * 8:]:
+    for q in procs[len(procs) // 8 * 8 :]:
         assert q.stdout.readline().strip() == b"ready", q.args
     return procs, {p.pid for i, p in enumerate(procs) if i % MINER_EVERY == 0}
 
@@ -99,8 +121,7 @@ def test_300_padded_namespaces_keep_the_watchdog_fed_and_memory_bounded(users):
         assert len({os.stat(f"/proc/{p.pid}/ns/net").st_ino for p in procs}) == NAMESPACES
         print(f"\n{NAMESPACES} namespaces of {2 * PADDING + 1} sockets each started in {time.monotonic() - t:.1f}s")
         started = time.monotonic()
-        bed.start_system(args=["--sample-interval", str(INTERVAL)],
-                         env={"WATCHDOG_USEC": str(WATCHDOG_SEC * 10**6)})
+        bed.start_system(args=["--sample-interval", str(INTERVAL)], env={"WATCHDOG_USEC": str(WATCHDOG_SEC * 10**6)})
         pid = daemon_pid(bed)
         ready = time.monotonic()
         rss_first = rss_peak = rss_kib(pid)
@@ -111,8 +132,11 @@ def test_300_padded_namespaces_keep_the_watchdog_fed_and_memory_bounded(users):
             rss_peak = max(rss_peak, rss_kib(pid))
             r = bed.ctl(ROOT, "audit", "--json", timeout=120)
             assert r.returncode == 0, r
-            found = {f["pid"] for f in json.loads(r.stdout)["findings"]
-                     if any(e["rule"] == "pool-port" for e in f["evidence"])}
+            found = {
+                f["pid"]
+                for f in json.loads(r.stdout)["findings"]
+                if any(e["rule"] == "pool-port" for e in f["evidence"])
+            }
             if found >= miners:
                 break
         all_found = time.monotonic() - started
@@ -125,9 +149,11 @@ def test_300_padded_namespaces_keep_the_watchdog_fed_and_memory_bounded(users):
         # from the daemon's start (systemd's watchdog counts from there) to the last ping, and on to now
         pings = [started, *(t for t in bed.daemon.notify.times("WATCHDOG=1") if t >= started), time.monotonic()]
         gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
-        print(f"daemon ready in {ready - started:.1f}s, every miner found {all_found:.1f}s after its start; "
-              f"{len(pings) - 2} watchdog pings, longest gap {max(gaps):.2f}s (WatchdogSec={WATCHDOG_SEC}); "
-              f"RSS {rss_first // 1024} MiB when ready, {rss_peak // 1024} MiB at most")
+        print(
+            f"daemon ready in {ready - started:.1f}s, every miner found {all_found:.1f}s after its start; "
+            f"{len(pings) - 2} watchdog pings, longest gap {max(gaps):.2f}s (WatchdogSec={WATCHDOG_SEC}); "
+            f"RSS {rss_first // 1024} MiB when ready, {rss_peak // 1024} MiB at most"
+        )
         # well under WatchdogSec: a gap is one sample (its audit round within the budget) and the interval
         assert max(gaps) < WATCHDOG_SEC / 4, sorted(gaps)[-5:]
         # bounded: the daemon keeps what it derived, not what it read (MemoryHigh=512M in the unit)

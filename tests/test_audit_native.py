@@ -25,7 +25,8 @@ from gpukilld import journal as audit
 
 def test_values_without_a_newline_are_plain_lines():
     assert audit.encode([("MESSAGE", "PID 42 (sleep) terminated"), ("GPUKILL_TARGET_PID", "42")]) == (
-        b"MESSAGE=PID 42 (sleep) terminated\nGPUKILL_TARGET_PID=42\n")
+        b"MESSAGE=PID 42 (sleep) terminated\nGPUKILL_TARGET_PID=42\n"
+    )
     assert audit.encode([("GPUKILL_TARGET_COMM", "caf\u00e9 \x1b[2J")]) == b"GPUKILL_TARGET_COMM=caf\xc3\xa9 \x1b[2J\n"
 
 
@@ -50,19 +51,27 @@ EVIL_MESSAGE = f"PID 42 ({EVIL}) terminated"
 
 def _run(code: str, socket_path: str) -> subprocess.CompletedProcess:
     prelude = f"from gpukilld import journal as audit\naudit.JOURNAL_SOCKET = {socket_path!r}\n"
-    return subprocess.run([PYTHON, "-c", prelude + textwrap.dedent(code)], capture_output=True, timeout=30,
-                          cwd="/", env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [PYTHON, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True,
+        timeout=30,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def test_without_a_journal_socket_each_entry_is_one_escaped_line():
     """A process name must not start a line of its own, nor a `<N>` priority that systemd would read."""
-    r = _run(f"""
+    r = _run(
+        f"""
         a = audit.Audit()
         assert not a.to_journal
         a.log(audit.KILL, {EVIL_MESSAGE!r}, target_comm={EVIL!r}, target_pid=42, device=None)
         a.log(audit.KILL_DENIED, "denied", target_comm="x GPUKILL_RESULT=allowed", rule="")
         a.log(audit.DAEMON, "right \\u202eto left", comm='a" GPUKILL_RESULT="allowed')
-    """, "/nonexistent/socket")
+    """,
+        "/nonexistent/socket",
+    )
     assert r.returncode == 0 and r.stdout == b"", r.stderr
     assert r.stderr.split(b"\n") == [
         b"<5>PID 42 (evil\\x0a<0>forged\\x1b[2J\\x0d) terminated "
@@ -78,14 +87,19 @@ def test_a_failed_send_is_one_line_with_the_reason(tmp_path):
     path = tmp_path / "socket"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.bind(str(path))
-    r = _run(f"""
+    r = _run(
+        f"""
         a = audit.Audit()
         assert a.to_journal
         a.log(audit.KILL, "PID 42 terminated", target_comm={EVIL!r})
-    """, str(path))
+    """,
+        str(path),
+    )
     assert r.returncode == 0, r.stderr
-    assert r.stderr == (b"<5>PID 42 terminated [GPUKILL_TARGET_COMM=evil\\x0a<0>forged\\x1b[2J\\x0d "
-                        b"GPUKILL_EVENT=kill] (not in the journal: Connection refused)\n")
+    assert r.stderr == (
+        b"<5>PID 42 terminated [GPUKILL_TARGET_COMM=evil\\x0a<0>forged\\x1b[2J\\x0d "
+        b"GPUKILL_EVENT=kill] (not in the journal: Connection refused)\n"
+    )
 
 
 # -- through a real journald ----------------------------------------------------------------------------------
@@ -113,8 +127,17 @@ def _child(bed: Testbed, code: str, uid: int | None = None, gid: int | None = No
     """argv and Popen arguments that run `code` (after CHILD_PRELUDE) in the bed's journal namespace, as uid:gid
     if given."""
     ids = ["-S", str(uid), "-G", str(gid)] if uid is not None else []
-    argv = ["nsenter", "-t", str(bed.journal_pid), "-m", *ids, "--", PYTHON, "-c",
-            CHILD_PRELUDE + textwrap.dedent(code)]
+    argv = [
+        "nsenter",
+        "-t",
+        str(bed.journal_pid),
+        "-m",
+        *ids,
+        "--",
+        PYTHON,
+        "-c",
+        CHILD_PRELUDE + textwrap.dedent(code),
+    ]
     return argv, {"env": bed.env(), "cwd": "/"}
 
 
@@ -131,9 +154,13 @@ def _entries(bed: Testbed, message_id: str, n: int = 1, timeout: float = 10.0) -
     as a list of byte values, and a large one only with --all."""
     deadline = time.monotonic() + timeout
     while True:
-        out = subprocess.run(bed.in_journal_ns(["journalctl", "--all", "--no-pager", "-o", "json",
-                                                f"MESSAGE_ID={message_id}"]),
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            bed.in_journal_ns(["journalctl", "--all", "--no-pager", "-o", "json", f"MESSAGE_ID={message_id}"]),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         entries = [json.loads(line) for line in out.splitlines() if line.strip()]
         if len(entries) >= n or time.monotonic() > deadline:
             return [{k: bytes(v) if isinstance(v, list) else v.encode() for k, v in e.items()} for e in entries]
@@ -143,18 +170,24 @@ def _entries(bed: Testbed, message_id: str, n: int = 1, timeout: float = 10.0) -
 @needs_root
 def test_fields_arrive_exactly(journal):
     mid = uuid.uuid4().hex
-    _run_child(journal, f"""
+    _run_child(
+        journal,
+        f"""
         kind = audit.EventKind("test-plain", {mid!r}, 5)
         def kill_something():
             audit.Audit().log(kind, "Kill of PID 42 allowed", target_pid=42, caller_uid=0, device=None, rule="r1")
         kill_something()
-    """)
+    """,
+    )
     [e] = _entries(journal, mid)
     assert e["MESSAGE"] == b"Kill of PID 42 allowed" and e["PRIORITY"] == b"5"
     assert e["SYSLOG_IDENTIFIER"] == b"gpukilld" and e["_TRANSPORT"] == b"journal"
     assert {k: v for k, v in e.items() if k.startswith("GPUKILL_")} == {
-        "GPUKILL_TARGET_PID": b"42", "GPUKILL_CALLER_UID": b"0", "GPUKILL_RULE": b"r1",
-        "GPUKILL_EVENT": b"test-plain"}  # None left out, the event's name by default
+        "GPUKILL_TARGET_PID": b"42",
+        "GPUKILL_CALLER_UID": b"0",
+        "GPUKILL_RULE": b"r1",
+        "GPUKILL_EVENT": b"test-plain",
+    }  # None left out, the event's name by default
     assert e["CODE_FUNC"] == b"kill_something" and e["CODE_FILE"] == b"<string>"  # the caller, not journal.py
     assert e["CODE_LINE"].isdigit()
 
@@ -164,10 +197,13 @@ def test_newlines_and_escapes_arrive_byte_for_byte_and_forge_no_field(journal):
     mid = uuid.uuid4().hex
     message = "first line\nsecond \x1b[31mred\x1b[0m\n<0>forged"
     comm = "evil\nGPUKILL_RESULT=allowed\nPRIORITY=0\x1b]0;title\x07"
-    _run_child(journal, f"""
+    _run_child(
+        journal,
+        f"""
         audit.Audit().log(audit.EventKind("test-nl", {mid!r}, 4), {message!r}, target_comm={comm!r},
                           result="denied", **{{"odd-name": "x\\n"}})
-    """)
+    """,
+    )
     [e] = _entries(journal, mid)
     assert e["MESSAGE"] == message.encode() and e["GPUKILL_TARGET_COMM"] == comm.encode()
     assert e["GPUKILL_RESULT"] == b"denied" and e["PRIORITY"] == b"4" and e["GPUKILL_ODD_NAME"] == b"x\n"
@@ -177,9 +213,12 @@ def test_newlines_and_escapes_arrive_byte_for_byte_and_forge_no_field(journal):
 def test_non_ascii_text_arrives_as_utf8(journal):
     mid = uuid.uuid4().hex
     message = "GPU 0 \u2014 caf\u00e9 \u2713 \u65e5\u672c\u8a9e \U0001f680"
-    _run_child(journal, f"""
+    _run_child(
+        journal,
+        f"""
         audit.Audit().log(audit.EventKind("test-utf8", {mid!r}, 6), {message!r}, user="j\u00fcrgen")
-    """)
+    """,
+    )
     [e] = _entries(journal, mid)
     assert e["MESSAGE"].decode() == message and e["GPUKILL_USER"] == "j\u00fcrgen".encode()
 
@@ -193,12 +232,17 @@ def test_an_entry_over_the_datagram_limit_goes_in_a_sealed_memfd(journal, users)
     blob = "".join(f"{i:07d} \x1b\n" for i in range(20_000))  # 200 000 bytes, with newlines and escapes
     path = journal.workdir / f"{mid}.blob"
     path.write_text(blob, newline="")
-    out = _run_child(journal, f"""
+    out = _run_child(
+        journal,
+        f"""
         audit.SNDBUF_SIZE = 64 * 1024
         blob = open({str(path)!r}, encoding="utf-8", newline="").read()
         audit.Audit().log(audit.EventKind("test-big", {mid!r}, 5), "big", blob=blob, after="end")
         print(len(memfds), os.getuid())
-    """, uid=other.uid, gid=other.gid)
+    """,
+        uid=other.uid,
+        gid=other.gid,
+    )
     assert out.split() == ["1", str(other.uid)]
     [e] = _entries(journal, mid)
     assert len(blob) == 200_000 and e["GPUKILL_BLOB"] == blob.encode()
@@ -209,10 +253,13 @@ def test_an_entry_over_the_datagram_limit_goes_in_a_sealed_memfd(journal, users)
 def test_an_entry_over_the_default_send_buffer_goes_in_a_memfd(journal):
     """As the daemon runs (root, default buffer): 17 MB is over the doubled 8 MiB buffer on any kernel."""
     mid = uuid.uuid4().hex
-    out = _run_child(journal, f"""
+    out = _run_child(
+        journal,
+        f"""
         audit.Audit().log(audit.EventKind("test-huge", {mid!r}, 5), "huge", blob="q" * 17_000_000)
         print(len(memfds))
-    """)
+    """,
+    )
     assert out.split() == ["1"]
     [e] = _entries(journal, mid)
     assert e["GPUKILL_BLOB"] == b"q" * 17_000_000
@@ -223,7 +270,9 @@ def test_a_stalled_journal_costs_one_timeout_then_entries_go_to_stderr(journal):
     """journald stopped: its queue fills, one send waits SEND_TIMEOUT, the next ones do not wait; each goes
     to stderr as one line. Once journald reads again, entries go to the journal again."""
     mid = uuid.uuid4().hex
-    argv, kw = _child(journal, f"""
+    argv, kw = _child(
+        journal,
+        f"""
         import json, time
         audit.SEND_TIMEOUT = 0.5
         a = audit.Audit()
@@ -241,9 +290,17 @@ def test_a_stalled_journal_costs_one_timeout_then_entries_go_to_stderr(journal):
         sys.stdin.readline()
         a.log(kind, "after", n="after")
         print("done", flush=True)
-    """)
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, **kw)
+    """,
+    )
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
     journal.procs.append(proc)  # killed by the bed if the test fails half-way
     os.kill(journal.journal_pid, signal.SIGSTOP)
     try:
@@ -262,6 +319,8 @@ def test_a_stalled_journal_costs_one_timeout_then_entries_go_to_stderr(journal):
     err = proc.communicate(timeout=30)[1]
     lines = err.splitlines()
     assert len(lines) == len(times) - queued, err
-    assert all(line.startswith("<5>entry ") and line.endswith("(not in the journal: Resource temporarily "
-                                                              "unavailable)") for line in lines), err
+    assert all(
+        line.startswith("<5>entry ") and line.endswith("(not in the journal: Resource temporarily unavailable)")
+        for line in lines
+    ), err
     assert [e["GPUKILL_N"] for e in _entries(journal, mid, n=queued + 1)][-1] == b"after"

@@ -51,9 +51,19 @@ class ChosenCaller(Bouncer):
 
 
 def findings(n: int) -> tuple[Finding, ...]:
-    return tuple(Finding(kind="miner", score=i % 100, uid=ALICE if i % 2 else BOB, user="u", pid=1000 + i,
-                         start_time=i, comm=f"proc{i}", evidence=(Evidence("miner-name", 40, f"name {i}"),))
-                 for i in range(n))
+    return tuple(
+        Finding(
+            kind="miner",
+            score=i % 100,
+            uid=ALICE if i % 2 else BOB,
+            user="u",
+            pid=1000 + i,
+            start_time=i,
+            comm=f"proc{i}",
+            evidence=(Evidence("miner-name", 40, f"name {i}"),),
+        )
+        for i in range(n)
+    )
 
 
 def test_audit_rogue_is_built_once_per_snapshot_and_viewer(bus_address, monkeypatch):
@@ -67,19 +77,28 @@ def test_audit_rogue_is_built_once_per_snapshot_and_viewer(bus_address, monkeypa
     monkeypatch.setattr(manager_module, "findings_as_seen", counted)
 
     async def run() -> tuple[list, list, list]:
-        snapshot = [Snapshot(generation=1, taken_at=0.0, devices=(), processes=(), backends=(),
-                             findings=findings(1000))]
+        snapshot = [
+            Snapshot(generation=1, taken_at=0.0, devices=(), processes=(), backends=(), findings=findings(1000))
+        ]
         service = await MessageBus(bus_address=bus_address).connect()
         client = await MessageBus(bus_address=bus_address).connect()
         bouncer = ChosenCaller(service)
-        manager = ManagerInterface(lambda: snapshot[0], None, bouncer, lambda: 1.0,  # type: ignore[arg-type]
-                                   bus=service)
+        manager = ManagerInterface(
+            lambda: snapshot[0],
+            None,
+            bouncer,
+            lambda: 1.0,  # type: ignore[arg-type]
+            bus=service,
+        )
         service.add_message_handler(Door(service, bouncer, manager.early_answer))
         service.export(OBJECT_PATH, manager)
 
         async def audit() -> list:
-            reply = await client.call(Message(destination=service.unique_name, path=OBJECT_PATH,
-                                              interface=MANAGER_INTERFACE, member="AuditRogue"))
+            reply = await client.call(
+                Message(
+                    destination=service.unique_name, path=OBJECT_PATH, interface=MANAGER_INTERFACE, member="AuditRogue"
+                )
+            )
             assert reply.message_type is MessageType.METHOD_RETURN, reply.body
             return reply.body[0]
 
@@ -87,8 +106,9 @@ def test_audit_rogue_is_built_once_per_snapshot_and_viewer(bus_address, monkeypa
             alice = [await audit() for _ in range(50)]
             bouncer.uid = BOB
             bob = await audit()
-            snapshot[0] = Snapshot(generation=2, taken_at=0.0, devices=(), processes=(), backends=(),
-                                   findings=findings(10))
+            snapshot[0] = Snapshot(
+                generation=2, taken_at=0.0, devices=(), processes=(), backends=(), findings=findings(10)
+            )
             bouncer.uid = ALICE
             newer = await audit()
             return alice, [bob], [newer]

@@ -50,8 +50,9 @@ def sbed(users):
     shutil.copy(SYSTEM_PYTHON, renamed)
     try:
         (b.workdir / "guard.d").mkdir()
-        b.write_conf(audit={"idle_after": IDLE_AFTER, "idle_min_memory": "1MiB",
-                            "pool_ports": f"{pool.getsockname()[1]} 3333"})
+        b.write_conf(
+            audit={"idle_after": IDLE_AFTER, "idle_min_memory": "1MiB", "pool_ports": f"{pool.getsockname()[1]} 3333"}
+        )
         b.start_system(args=["--sample-interval", str(INTERVAL)])
         b.pool_port, b.renamed = pool.getsockname()[1], renamed  # type: ignore[attr-defined]
         yield b
@@ -82,8 +83,10 @@ def dropin(bed: Testbed) -> str:
 def defaults_file(bed: Testbed):
     """The bed's gpukilld.conf settings as an import: what every test starts from."""
     path = bed.workdir / "bed-defaults.conf"
-    path.write_text(f"[audit]\nidle_after = {IDLE_AFTER:g}\nidle_min_memory = 1MiB\n"
-                    f"pool_ports = {bed.pool_port} 3333\nmin_score = 0\nallowed_users =\nallowed_processes =\n")
+    path.write_text(
+        f"[audit]\nidle_after = {IDLE_AFTER:g}\nidle_min_memory = 1MiB\n"
+        f"pool_ports = {bed.pool_port} 3333\nmin_score = 0\nallowed_users =\nallowed_processes =\n"
+    )
     return path
 
 
@@ -111,8 +114,10 @@ def variants(values: dict) -> dict:
 def rogue_scores(bed: Testbed) -> set[int]:
     """The PIDs Guard's rogue_score reads above 0 for, through a policy tested (never acted on) as root."""
     policy = bed.workdir / "any-score.yaml"
-    policy.write_text("rules:\n  - name: any-score\n    action: kill\n    conditions:\n"
-                      "      - {type: rogue_score, operator: '>', value: 0}\n")
+    policy.write_text(
+        "rules:\n  - name: any-score\n    action: kill\n    conditions:\n"
+        "      - {type: rogue_score, operator: '>', value: 0}\n"
+    )
     r = bed.ctl(ROOT, "guard", "test", "--policy", str(policy), "--json")
     assert r.returncode == 0, r
     return {pid for d in json.loads(r.stdout)["decisions"] for pid in d["pids"]}
@@ -120,12 +125,36 @@ def rogue_scores(bed: Testbed) -> set[int]:
 
 def start_in_namespace(bed: Testbed, user, over: str, with_file: str) -> subprocess.Popen:
     """start_miner's miner, run as `over` after binding `with_file` over it in a user and mount namespace."""
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope,
-           "GPUKILL_SIM_MEM": "6GiB", "GPUKILL_SIM_UTIL": "99"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUKILL_SIM_GPU": "0",
+        "GPUKILL_SIM_SCOPE": bed.scope,
+        "GPUKILL_SIM_MEM": "6GiB",
+        "GPUKILL_SIM_UTIL": "99",
+    }
     script = f'mount --bind {with_file} {over} && exec {over} "$@"'
-    proc = subprocess.Popen(["unshare", "-rm", "sh", "-c", script, "sh", "-c", MINER_CODE, str(bed.pool_port),
-                             "-o", STRATUM, "--threads", "8"], stdout=subprocess.PIPE, env=env, cwd="/",
-                            start_new_session=True, **user.popen_kwargs())
+    proc = subprocess.Popen(
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            "-c",
+            MINER_CODE,
+            str(bed.pool_port),
+            "-o",
+            STRATUM,
+            "--threads",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **user.popen_kwargs(),
+    )
     bed.procs.append(proc)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     return proc
@@ -157,8 +186,11 @@ def test_an_admin_changes_a_threshold_and_the_next_audit_reflects_it(abed, users
     assert finding_of(bed, ROOT, notebook.pid, "idle") is None  # 50 < 70: not reported any more
     assert notebook.pid in rogue_scores(bed)  # Guard's rogue_score still reads the idle finding
 
-    entries = wait_until(lambda: journal_of(bed, GPUKILL_CALLER_UID=str(admin.uid), GPUKILL_RESULT="changed"),
-                         10, "the change is not in the journal")
+    entries = wait_until(
+        lambda: journal_of(bed, GPUKILL_CALLER_UID=str(admin.uid), GPUKILL_RESULT="changed"),
+        10,
+        "the change is not in the journal",
+    )
     assert {e["GPUKILL_KEYS"] for e in entries} >= {"idle_after", "min_score"}, entries
     assert all(e["GPUKILL_OPERATION"] == "set" and e["GPUKILL_FILE"] == dropin(bed) for e in entries)
     # gpu-kill's thresholds that mean nothing here are refused in one line saying why and what to use
@@ -183,8 +215,11 @@ def test_an_ordinary_user_is_refused_by_polkit_and_it_is_journalled(abed, users)
     assert export(bed) == before
     # reading is everyone's
     assert settings_of(bed, other)["min_score"] == 0.0
-    denied = wait_until(lambda: journal_of(bed, GPUKILL_CALLER_UID=str(other.uid), GPUKILL_RESULT="denied"),
-                        10, "the denial is not in the journal")
+    denied = wait_until(
+        lambda: journal_of(bed, GPUKILL_CALLER_UID=str(other.uid), GPUKILL_RESULT="denied"),
+        10,
+        "the denial is not in the journal",
+    )
     assert denied[0]["GPUKILL_POLKIT_ACTION"] == "org.gpukill.configure-audit", denied
 
 
@@ -198,8 +233,11 @@ def test_allowed_users_and_processes_are_not_reported_and_read_rogue_score_0(abe
     assert bed.wait_listed(renamed.pid, comm="python3")["exe"] == bed.renamed
     bed.wait_listed(others.pid, comm="python3")
     everyone = {trusted.pid, renamed.pid, others.pid}
-    wait_until(lambda: everyone <= {f["pid"] for f in findings(bed, ROOT) if f["kind"] == "miner"}, 10,
-               "the miners were not found")
+    wait_until(
+        lambda: everyone <= {f["pid"] for f in findings(bed, ROOT) if f["kind"] == "miner"},
+        10,
+        "the miners were not found",
+    )
     assert everyone <= rogue_scores(bed)
 
     # an allow-list by name is refused: a process chooses its own name
@@ -253,17 +291,31 @@ def test_an_allowed_executable_running_a_users_preloaded_library_is_scored_and_r
     r = bed.ctl(admin, "audit", "settings", "allow-process", TRUSTED)
     assert r.returncode == 0, r
     plain = start_miner(bed, owner, SYSTEM_PYTHON, bed.pool_port)
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope,
-           "GPUKILL_SIM_MEM": "6GiB", "GPUKILL_SIM_UTIL": "99", "LD_PRELOAD": str(library)}
-    preloaded = subprocess.Popen([SYSTEM_PYTHON, "-c", MINER_CODE, str(bed.pool_port), "-o", STRATUM],
-                                 stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True,
-                                 **owner.popen_kwargs())
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUKILL_SIM_GPU": "0",
+        "GPUKILL_SIM_SCOPE": bed.scope,
+        "GPUKILL_SIM_MEM": "6GiB",
+        "GPUKILL_SIM_UTIL": "99",
+        "LD_PRELOAD": str(library),
+    }
+    preloaded = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", MINER_CODE, str(bed.pool_port), "-o", STRATUM],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **owner.popen_kwargs(),
+    )
     bed.procs.append(preloaded)
     assert preloaded.stdout is not None and preloaded.stdout.readline().strip() == b"ready"
     assert bed.wait_listed(preloaded.pid, comm="python3")["exe"] == TRUSTED
     bed.wait_listed(plain.pid, comm="python3")
-    found = wait_until(lambda: finding_of(bed, ROOT, preloaded.pid, "miner"), 10,
-                       "an allowed program running a user's library was not reported")
+    found = wait_until(
+        lambda: finding_of(bed, ROOT, preloaded.pid, "miner"),
+        10,
+        "an allowed program running a user's library was not reported",
+    )
     why = next(e for e in found["evidence"] if e["rule"] == "allowed-untrusted")
     assert str(library) in why["detail"] and "LD_PRELOAD=" in why["detail"], why
     assert {e["rule"] for e in found["evidence"]} >= {"stratum-url", "pool-port"}, found
@@ -300,8 +352,16 @@ def test_a_change_is_in_force_when_the_call_returns_even_between_samples(abed, u
 def test_export_then_import_round_trips_byte_equal(abed, users):
     bed = abed
     admin = users["admin"]
-    r = bed.ctl(admin, "audit", "settings", "set", "min_score=42.5", "abuser_share=66",
-                f"allowed_users={users['other'].name},nobody", f"allowed_processes={TRUSTED}")
+    r = bed.ctl(
+        admin,
+        "audit",
+        "settings",
+        "set",
+        "min_score=42.5",
+        "abuser_share=66",
+        f"allowed_users={users['other'].name},nobody",
+        f"allowed_processes={TRUSTED}",
+    )
     assert r.returncode == 0, r
     exported = bed.workdir / "exported.conf"  # the bed's folder: readable by the admin, who imports it
     exported.write_text(export(bed))
@@ -339,14 +399,21 @@ def test_an_invalid_change_or_import_leaves_the_settings_in_force(abed, users):
     r = bed.ctl(admin, "audit", "settings", "import", str(bad))
     assert r.returncode == EXIT_USAGE, r
     assert r.stderr.strip() == f"gpukillctl: {bad}:3: abuser_share must be between 1 and 100 percent", r
-    for argv in (["set", "pool_ports=0"], ["set", "idle_after=-1"], ["set", "allowed_users=a;b"],
-                 ["set", "colour=red"]):
+    for argv in (
+        ["set", "pool_ports=0"],
+        ["set", "idle_after=-1"],
+        ["set", "allowed_users=a;b"],
+        ["set", "colour=red"],
+    ):
         r = bed.ctl(admin, "audit", "settings", *argv)
         assert r.returncode == EXIT_USAGE and len(r.stderr.strip().splitlines()) == 1, (argv, r)
     # over the bus as well: too many entries, a wrong type, a key nobody knows; nothing of the rest applies
-    for changes in ({"min_score": ["d", 5.0], "allowed_users": ["as", [f"u{i}" for i in range(300)]]},
-                    {"min_score": ["s", "high"]}, {"min_score": ["d", 5.0], "frobnicate": ["b", True]},
-                    {"allowed_processes": ["as", ["/usr/bin/../../tmp/x"]]}):
+    for changes in (
+        {"min_score": ["d", 5.0], "allowed_users": ["as", [f"u{i}" for i in range(300)]]},
+        {"min_score": ["s", "high"]},
+        {"min_score": ["d", 5.0], "frobnicate": ["b", True]},
+        {"allowed_processes": ["as", ["/usr/bin/../../tmp/x"]]},
+    ):
         reply = bed.manager(ROOT, "SetAuditSettings", "a{sv}", [variants(changes)])
         assert not reply.ok and reply.error == "org.freedesktop.DBus.Error.InvalidArgs", reply
         assert "\n" not in reply.message

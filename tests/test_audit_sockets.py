@@ -1,4 +1,5 @@
-"""The audit's socket evidence (gpukilld/rogue/sockets.py, gpukill/kernel/sock_diag.py): only connections a GPU process made
+"""The audit's socket evidence (gpukilld/rogue/sockets.py, gpukill/kernel/sock_diag.py): only connections a GPU process
+made
 count, read through sock_diag, on real sockets of real processes of two unprivileged users on loopback.
 
 - planted: bob binds his client socket's source port to a pool port and connects to alice's server: her
@@ -31,11 +32,13 @@ from gpukilld.rogue import sockets
 from gpukilld.rogue.sockets import Peer, PoolConnections
 from gpukilld.rogue.watch import RogueWatch
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: runs processes as two other users and "
-                                                          "reads their descriptors")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root: runs processes as two other users and reads their descriptors"
+)
 
-SETTINGS = AuditSettings(idle_after=60.0, idle_min_memory=1 << 20, abuser_window=100.0, abuser_share=80.0,
-                         pool_ports=(3333,))
+SETTINGS = AuditSettings(
+    idle_after=60.0, idle_min_memory=1 << 20, abuser_window=100.0, abuser_share=80.0, pool_ports=(3333,)
+)
 
 # alice's server: listens, accepts and holds every connection (saying "accepted"), and connects out where told.
 SERVER = """\
@@ -71,8 +74,15 @@ def people():
 
     def run(user: User, code: str, *args: str, wrap: list[str] | None = None) -> subprocess.Popen:
         argv = [*(wrap or []), SYSTEM_PYTHON, "-c", code, *args]
-        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd="/", text=True,
-                             start_new_session=True, **user.popen_kwargs())
+        p = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            cwd="/",
+            text=True,
+            start_new_session=True,
+            **user.popen_kwargs(),
+        )
         started.append(p)
         return p
 
@@ -124,11 +134,13 @@ def test_bob_cannot_plant_pool_port_evidence_on_alices_server(people, users):
         source = "127.0.0.9" if pool_host != "127.0.0.9" else "127.0.0.10"
         planter = people(bob, PLANTER, source, "3333", str(port))
         assert line(planter) == "connected" and line(server) == "accepted"
-        # the planted socket is there, with the pool port as its remote end (what a reading of /proc/net/tcp would count)
+        # the planted socket is there, with the pool port as its remote end (what a reading of /proc/net/tcp would
+        # count)
         s = sock_diag.open_in(None)
         with s:
-            seen, _ = sock_diag.dump(s, socket.AF_INET, sock_diag.CONNECTING,
-                                     sock_diag.bytecode([(3333, 3333)], remote=True), 1 << 20)
+            seen, _ = sock_diag.dump(
+                s, socket.AF_INET, sock_diag.CONNECTING, sock_diag.bytecode([(3333, 3333)], remote=True), 1 << 20
+            )
         assert any(c.local_port == port and c.remote_address == source and c.uid == alice.uid for c in seen), seen
 
         peers, evidence = pool_peers(server.pid, alice.uid)
@@ -178,8 +190,9 @@ time.sleep(300)
 
 def test_connections_in_a_user_and_network_namespace_of_its_own_are_found(people, users):
     alice = users["owner"]
-    inside = people(alice, NETNS_MINER, "inside",
-                    wrap=["unshare", "-Urn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"'])
+    inside = people(
+        alice, NETNS_MINER, "inside", wrap=["unshare", "-Urn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']
+    )
     assert line(inside) == "ready"
     assert os.stat(f"/proc/{inside.pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
     assert pool_peers(inside.pid, alice.uid)[0] == (Peer("127.0.0.1", 3333),)
@@ -239,7 +252,7 @@ def test_the_round_budget_defers_and_finishes_everything(people, users):
         done = reader.read(waiting, (3333,))
         assert done and reader.last_round["namespaces"] <= 2, reader.last_round
         assert all(peers == (Peer("127.0.0.1", 3333),) for peers in done.values()), done
-        assert [w[0] for w in waiting if w[0] in done] == [w[0] for w in waiting][:len(done)]  # first come first
+        assert [w[0] for w in waiting if w[0] in done] == [w[0] for w in waiting][: len(done)]  # first come first
         waiting = [w for w in waiting if w[0] not in done]
         rounds += 1
     assert rounds >= 3
@@ -262,14 +275,21 @@ def test_a_process_that_execs_into_another_program_has_its_connections_read_agai
     socket a miner opens right after it must not wait a minute to count."""
     alice = users["owner"]
     pool = pools.listen(3333)
-    job = subprocess.Popen([SYSTEM_PYTHON, "-c", LATE_CONNECTOR, pool.getsockname()[0], "3333"],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
-                           start_new_session=True, **alice.popen_kwargs())
+    job = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", LATE_CONNECTOR, pool.getsockname()[0], "3333"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        start_new_session=True,
+        **alice.popen_kwargs(),
+    )
     try:
         assert line(job) == "ready"
         watch = RogueWatch("/proc", SETTINGS)
-        before = proc(job.pid, comm="python3", util=50.0, uid=alice.uid, user="alice", mem=1 << 30,
-                      cmdline="python3 train.py")
+        before = proc(
+            job.pid, comm="python3", util=50.0, uid=alice.uid, user="alice", mem=1 << 30, cmdline="python3 train.py"
+        )
         key = (before.pid, before.start_time)
         for _ in range(50):  # a round past its budget (a loaded host) leaves the process for the next one
             watch([before], time.monotonic())
@@ -324,9 +344,15 @@ def test_the_hosts_dump_serves_its_ttl_and_never_counts_a_socket_the_process_let
         return real_dump(*args, **kwargs)
 
     monkeypatch.setattr(sock_diag, "dump", counted)
-    job = subprocess.Popen([SYSTEM_PYTHON, "-c", CONNECT_THEN_CLOSE, pool.getsockname()[0], "3333"],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
-                           start_new_session=True, **alice.popen_kwargs())
+    job = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", CONNECT_THEN_CLOSE, pool.getsockname()[0], "3333"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        start_new_session=True,
+        **alice.popen_kwargs(),
+    )
     assert job.stdin is not None
 
     def say(word: str, answer: str) -> None:

@@ -37,8 +37,9 @@ def test_kill_matrix(victims, users, alive, caller, target, allowed):
     bed = victims
     victim = bed.victim(users[target], gpu=0, mem="1GiB", comm=f"victim-{target}"[:15])
     listed = bed.wait_listed(victim.pid)
-    r = bed.manager(users[caller], "KillProcess", "uta{sv}",
-                    [victim.pid, listed["start_time"], {"grace": {"$variant": ["d", 3.0]}}])
+    r = bed.manager(
+        users[caller], "KillProcess", "uta{sv}", [victim.pid, listed["start_time"], {"grace": {"$variant": ["d", 3.0]}}]
+    )
     expected_action = "org.gpukill.kill-own-process" if caller == target else "org.gpukill.kill-any-process"
     if allowed:
         assert r.ok, r
@@ -79,7 +80,8 @@ def test_reset_matrix(bed, users, caller, allowed):
     assert len(entries) == before + 1
     entry = entries[-1]
     assert entry["GPUKILL_POLKIT_ACTION" if not allowed else "GPUKILL_RESULT"] == (
-        "org.gpukill.reset-device" if not allowed else "reset")
+        "org.gpukill.reset-device" if not allowed else "reset"
+    )
     assert entry["GPUKILL_DEVICE_INDEX"] == "2"
     assert entry["GPUKILL_DEVICE"] == "0000:c1:00.0"
     assert int(entry["GPUKILL_CALLER_PID"]) > 0

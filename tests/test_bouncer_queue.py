@@ -50,8 +50,9 @@ class FakePolkit(Bouncer):
     def release(self, uid: int, interactive: bool = False) -> None:
         self.answer.setdefault((uid, interactive), asyncio.Event()).set()
 
-    async def _check(self, caller: Caller, action: str, details: dict[str, str],
-                     left: float | None = None) -> tuple[bool, str]:
+    async def _check(
+        self, caller: Caller, action: str, details: dict[str, str], left: float | None = None
+    ) -> tuple[bool, str]:
         lane = (caller.uid, caller.interactive)
         self.asked.append((caller.uid, caller.pid or 0))
         self.at_polkit[lane] = self.at_polkit.get(lane, 0) + 1
@@ -78,11 +79,13 @@ async def outcome(coro) -> object:
 def test_a_burst_of_checks_is_served_in_order_a_few_at_a_time():
     """A lane's worth of checks of one person at once: all allowed, in arrival order, never more than a lane's
     share at polkit. Before: 2 asked, the rest TooBusy."""
+
     async def run() -> tuple[list, FakePolkit]:
         bouncer = FakePolkit()
         bouncer.release(ALICE)
-        results = await asyncio.gather(*(outcome(bouncer.authorize(caller(ALICE, n), KILL_ANY, {}))
-                                         for n in range(QUEUE_PER_LANE)))
+        results = await asyncio.gather(
+            *(outcome(bouncer.authorize(caller(ALICE, n), KILL_ANY, {})) for n in range(QUEUE_PER_LANE))
+        )
         return results, bouncer
 
     results, bouncer = asyncio.run(run())
@@ -95,10 +98,13 @@ def test_a_burst_of_checks_is_served_in_order_a_few_at_a_time():
 def test_only_a_full_lane_is_too_busy_and_prompts_hold_only_their_own_lane():
     """A person's interactive checks that are never answered fill their lane (QUEUE_PER_LANE, 2 at polkit); the
     next is TooBusy at once. That person's non-interactive checks and another person's are still answered."""
+
     async def run() -> tuple[list, object, tuple, tuple, FakePolkit]:
         bouncer = FakePolkit()
-        stuck = [asyncio.ensure_future(bouncer.authorize(caller(ALICE, n, True), KILL_ANY, {}))
-                 for n in range(QUEUE_PER_LANE)]
+        stuck = [
+            asyncio.ensure_future(bouncer.authorize(caller(ALICE, n, True), KILL_ANY, {}))
+            for n in range(QUEUE_PER_LANE)
+        ]
         await asyncio.sleep(0.05)
         refused = await outcome(bouncer.authorize(caller(ALICE, 999, True), KILL_ANY, {}))
         bouncer.release(ALICE)
@@ -127,8 +133,10 @@ def test_a_subordinate_uid_waits_in_its_owners_lane(tmp_path):
 
     async def run() -> object:
         bouncer = FakePolkit(people)
-        stuck = [asyncio.ensure_future(bouncer.authorize(caller(100000 + n, n, True), KILL_ANY, {}))
-                 for n in range(QUEUE_PER_LANE)]  # 64 uids of alice's range: one person
+        stuck = [
+            asyncio.ensure_future(bouncer.authorize(caller(100000 + n, n, True), KILL_ANY, {}))
+            for n in range(QUEUE_PER_LANE)
+        ]  # 64 uids of alice's range: one person
         await asyncio.sleep(0.05)
         refused = await outcome(bouncer.authorize(caller(ALICE, 999, True), KILL_ANY, {}))
         for t in stuck:
@@ -142,6 +150,7 @@ def test_a_subordinate_uid_waits_in_its_owners_lane(tmp_path):
 
 def test_turns_go_round_robin_when_polkit_is_full():
     """With polkit full, a person who comes later is not served after all of an earlier person's queue."""
+
     async def run() -> list[int]:
         bouncer = FakePolkit(queue=PolkitQueue(in_flight=2, in_flight_per_lane={False: 2, True: 1}))
         alice = [asyncio.ensure_future(bouncer.authorize(caller(ALICE, n), KILL_ANY, {})) for n in range(20)]
@@ -160,8 +169,10 @@ def test_turns_go_round_robin_when_polkit_is_full():
 def test_the_timeout_counts_the_wait_for_a_turn():
     async def run() -> tuple[tuple[bool, str], float]:
         bouncer = FakePolkit(timeout=0.3)
-        stuck = [asyncio.ensure_future(bouncer.authorize(caller(ALICE, n), KILL_ANY, {}))
-                 for n in range(IN_FLIGHT_PER_LANE[False])]
+        stuck = [
+            asyncio.ensure_future(bouncer.authorize(caller(ALICE, n), KILL_ANY, {}))
+            for n in range(IN_FLIGHT_PER_LANE[False])
+        ]
         await asyncio.sleep(0.01)
         t0 = time.monotonic()
         # a timeout that started only at a turn would never answer: failed at 30 s, not hung
@@ -222,20 +233,34 @@ def gpu_processes(bed: Testbed, user, count: int) -> list[subprocess.Popen]:
     """count small real processes of user on the simulated GPUs (a shell waiting to read: cheap to start)."""
     if not _STDIN:
         _STDIN.extend(os.pipe())
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0,1,2,3", "GPUKILL_SIM_SCOPE": bed.scope,
-           "GPUKILL_SIM_MEM": "1GiB"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUKILL_SIM_GPU": "0,1,2,3",
+        "GPUKILL_SIM_SCOPE": bed.scope,
+        "GPUKILL_SIM_MEM": "1GiB",
+    }
     procs = []
     for _ in range(count):
-        proc = subprocess.Popen(["/bin/sh", "-c", "read x"], stdin=_STDIN[0], env=env, cwd="/",
-                                start_new_session=True, **user.popen_kwargs())
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", "read x"],
+            stdin=_STDIN[0],
+            env=env,
+            cwd="/",
+            start_new_session=True,
+            **user.popen_kwargs(),
+        )
         bed.procs.append(proc)
         procs.append(proc)
     return procs
 
 
 def wait_listed(bed: Testbed, pids: set[int], timeout: float = 60.0) -> None:
-    wait_until(lambda: pids <= bed.listed().keys(), timeout,
-               lambda: f"{len(pids - bed.listed().keys())} processes never listed", interval=0.5)
+    wait_until(
+        lambda: pids <= bed.listed().keys(),
+        timeout,
+        lambda: f"{len(pids - bed.listed().keys())} processes never listed",
+        interval=0.5,
+    )
 
 
 @needs_root
@@ -251,8 +276,13 @@ def test_120_parallel_kills_of_two_users_all_succeed(bed, users):
 
     def burst(who: str) -> None:
         pids = "".join(f"{p.pid}\n" for p in victims[who])
-        r = bed.run_as(users[who], ["xargs", "-P", "60", "-n", "1", "/bin/sh", str(killer)], timeout=300,
-                       input=pids, env={"GPK_PYTHON": PYTHON})
+        r = bed.run_as(
+            users[who],
+            ["xargs", "-P", "60", "-n", "1", "/bin/sh", str(killer)],
+            timeout=300,
+            input=pids,
+            env={"GPK_PYTHON": PYTHON},
+        )
         lines[who] = r.stdout.splitlines()
 
     threads = [threading.Thread(target=burst, args=(who,)) for who in victims]
@@ -281,12 +311,22 @@ def test_a_flood_of_prompts_that_are_never_answered_leaves_every_other_kill_serv
     target = bed.victim(owner, gpu=0, comm="target")
     listed = bed.wait_listed(target.pid)
     agent, _name, events = start_hostile_agent(bed, other)
-    agent.stdin.write(json.dumps({"flood": 128, "batch": 128, "member": "KillProcess", "signature": "uta{sv}",
-                                  "body": [target.pid, listed["start_time"], {}], "interactive": True,
-                                  "wait": 5}) + "\n")
+    agent.stdin.write(
+        json.dumps(
+            {
+                "flood": 128,
+                "batch": 128,
+                "member": "KillProcess",
+                "signature": "uta{sv}",
+                "body": [target.pid, listed["start_time"], {}],
+                "interactive": True,
+                "wait": 5,
+            }
+        )
+        + "\n"
+    )
     agent.stdin.flush()
-    flood = wait_until(lambda: next((e["flood"] for e in events if "flood" in e), None), 60,
-                       "the flood never finished")
+    flood = wait_until(lambda: next((e["flood"] for e in events if "flood" in e), None), 60, "the flood never finished")
     # the lane holds them (before: 2 pending, 126 refused); past it, refused at once
     assert 2 < flood["pending"] <= QUEUE_PER_LANE and flood.get(TOO_BUSY, 0) >= 128 - QUEUE_PER_LANE, flood
     begun = [e for e in events if "begin" in e]
@@ -312,6 +352,7 @@ def test_a_flood_of_prompts_that_are_never_answered_leaves_every_other_kill_serv
 
 def test_everyone_together_waits_in_a_bounded_queue():
     """Many people's checks beyond what polkit takes at once wait, up to QUEUE_TOTAL in all; past it TooBusy."""
+
     async def run() -> tuple[list, object]:
         bouncer = FakePolkit(queue=PolkitQueue(in_flight=2, queue_total=3))
         waiting = [asyncio.ensure_future(bouncer.authorize(caller(1000 + n, n), KILL_ANY, {})) for n in range(5)]

@@ -76,10 +76,17 @@ CALLS = {
     # the managed policies: "$MANAGED" is the user policy that serve() has written into guard.d already
     (GUARD_INTERFACE, "SetPolicy"): ("ssa{sv}", ["user", "nobody", {"memory_limit": Variant("t", 1 << 30)}]),
     (GUARD_INTERFACE, "RemovePolicy"): ("ss", ["user", "$MANAGED"]),
-    (GUARD_INTERFACE, "ImportPolicies"): ("ssb", ["import.yaml", managed_policy.export_text(
-        [managed_policy.ManagedPolicy("group", "nogroup", process_limit=2)]), False]),
+    (GUARD_INTERFACE, "ImportPolicies"): (
+        "ssb",
+        [
+            "import.yaml",
+            managed_policy.export_text([managed_policy.ManagedPolicy("group", "nogroup", process_limit=2)]),
+            False,
+        ],
+    ),
 }
 MANAGED = managed_policy.ManagedPolicy("user", "daemon", memory_limit=1 << 30)
+
 
 class Journal:
     """Audit entries as (kind, message, fields), in the order written."""
@@ -108,8 +115,9 @@ class TablePolkit(Bouncer):
         self.checked.append(method)
         return await super().check(caller, method, details, target_uid, request=request)
 
-    async def _check(self, caller: Caller, action: str, details: dict[str, str],
-                     left: float | None = None) -> tuple[bool, str]:
+    async def _check(
+        self, caller: Caller, action: str, details: dict[str, str], left: float | None = None
+    ) -> tuple[bool, str]:
         self.asked.append(action)
         return action in self.allowed, "polkit (faked)"
 
@@ -143,10 +151,28 @@ class Served:
     async def call(self, method: tuple[str, str]) -> Message:
         signature, body = CALLS[method]
         tree = {"tree": Variant("(ut)", [self.victim.pid, self.start_time])}
-        body = [self.victim.pid if v == "$PID" else self.start_time if v == "$START" else
-                MANAGED.target if v == "$MANAGED" else tree if v == "$TREE" else v for v in body]
-        reply = await self.client.call(Message(destination=self.service, path=OBJECT_PATH, interface=method[0],
-                                               member=method[1], signature=signature, body=body))
+        body = [
+            self.victim.pid
+            if v == "$PID"
+            else self.start_time
+            if v == "$START"
+            else MANAGED.target
+            if v == "$MANAGED"
+            else tree
+            if v == "$TREE"
+            else v
+            for v in body
+        ]
+        reply = await self.client.call(
+            Message(
+                destination=self.service,
+                path=OBJECT_PATH,
+                interface=method[0],
+                member=method[1],
+                signature=signature,
+                body=body,
+            )
+        )
         assert reply is not None
         return reply
 
@@ -166,16 +192,28 @@ def victim():
 
 
 @contextlib.asynccontextmanager
-async def serve(address: str, tmp_path: Path, victim: subprocess.Popen, allowed: set[str],
-                victim_uid: int = SOMEONE_ELSE) -> AsyncIterator[Served]:
+async def serve(
+    address: str, tmp_path: Path, victim: subprocess.Popen, allowed: set[str], victim_uid: int = SOMEONE_ELSE
+) -> AsyncIterator[Served]:
     """gpukilld's bus side as main wires it, on the private bus, over a snapshot of two devices."""
     start_time = ProcFS().start_time(victim.pid)
     assert start_time is not None
-    devices = tuple(Device(index=i, id=f"dev{i}", backend=Backend.name, vendor="test", name="Test GPU")
-                    for i in range(2))
-    listed = GpuProcess(pid=victim.pid, start_time=start_time, uid=victim_uid, user="victim", comm="victim",
-                        cmdline="victim", exe=None, device=0, device_id="dev0", gpu_memory=None,
-                        gpu_utilization=None)
+    devices = tuple(
+        Device(index=i, id=f"dev{i}", backend=Backend.name, vendor="test", name="Test GPU") for i in range(2)
+    )
+    listed = GpuProcess(
+        pid=victim.pid,
+        start_time=start_time,
+        uid=victim_uid,
+        user="victim",
+        comm="victim",
+        cmdline="victim",
+        exe=None,
+        device=0,
+        device_id="dev0",
+        gpu_memory=None,
+        gpu_utilization=None,
+    )
     snapshot = Snapshot(generation=1, taken_at=0.0, devices=devices, processes=(listed,), backends=())
     service = await MessageBus(bus_address=address).connect()
     client = await MessageBus(bus_address=address).connect()
@@ -185,17 +223,31 @@ async def serve(address: str, tmp_path: Path, victim: subprocess.Popen, allowed:
     async def resample() -> Snapshot:
         return snapshot
 
-    actions = Actions(snapshot=lambda: snapshot, backends={Backend.name: backend}, bouncer=table_polkit,
-                      killer=Killer(), auditor=journal, on_killed=lambda *_: None,  # type: ignore[arg-type]
-                      on_reset=lambda *_: None, resample=resample)
+    actions = Actions(
+        snapshot=lambda: snapshot,
+        backends={Backend.name: backend},
+        bouncer=table_polkit,
+        killer=Killer(),
+        auditor=journal,
+        on_killed=lambda *_: None,  # type: ignore[arg-type]
+        on_reset=lambda *_: None,
+        resample=resample,
+    )
     (tmp_path / "guard.d").mkdir(exist_ok=True)
     (tmp_path / "guard.d" / managed_policy.file_name(MANAGED)).write_text(managed_policy.render(MANAGED))
-    runner = GuardRunner(actions.kill, journal, NotifyConfig(), str(tmp_path / "guard.d"),  # type: ignore[arg-type]
-                         str(tmp_path / "state"))
-    settings = AuditSettingsKeeper(str(tmp_path / "gpukilld.conf.d" / "50-audit.conf"), RogueWatch("/nonexistent"),
-                                   journal)
-    manager = ManagerInterface(lambda: snapshot, actions, table_polkit, lambda: 1.0, bus=service,
-                               audit_settings=settings)
+    runner = GuardRunner(
+        actions.kill,
+        journal,
+        NotifyConfig(),
+        str(tmp_path / "guard.d"),  # type: ignore[arg-type]
+        str(tmp_path / "state"),
+    )
+    settings = AuditSettingsKeeper(
+        str(tmp_path / "gpukilld.conf.d" / "50-audit.conf"), RogueWatch("/nonexistent"), journal
+    )
+    manager = ManagerInterface(
+        lambda: snapshot, actions, table_polkit, lambda: 1.0, bus=service, audit_settings=settings
+    )
     service.add_message_handler(Door(service, table_polkit, manager.early_answer))
     service.export(OBJECT_PATH, manager)
     service.export(OBJECT_PATH, GuardInterface(runner, table_polkit, lambda: snapshot))
@@ -213,14 +265,20 @@ def acted(served: Served, method: tuple[str, str]) -> bool:
     if method == RESET_METHOD:
         return served.backend.resets == ["dev1"]
     if method[1] in ("SetAuditSettings", "ImportAuditSettings"):
-        return any(kind is audit.AUDIT_SETTINGS and fields.get("result") == "changed"
-                   for kind, _, fields in served.journal.entries)
+        return any(
+            kind is audit.AUDIT_SETTINGS and fields.get("result") == "changed"
+            for kind, _, fields in served.journal.entries
+        )
     if method[1] in ("SetPolicy", "RemovePolicy", "ImportPolicies"):  # a file of guard.d written or removed
-        return any(kind is audit.GUARD_MANAGED_POLICY and fields.get("result") == "changed"
-                   for kind, _, fields in served.journal.entries)
+        return any(
+            kind is audit.GUARD_MANAGED_POLICY and fields.get("result") == "changed"
+            for kind, _, fields in served.journal.entries
+        )
     results = {"Enable": "enabled", "Disable": "disabled", "SetDryRun": "dry-run-on", "LoadPolicy": "loaded"}
-    return any(kind is audit.GUARD_POLICY and fields.get("result") == results[method[1]]
-               for kind, _, fields in served.journal.entries)
+    return any(
+        kind is audit.GUARD_POLICY and fields.get("result") == results[method[1]]
+        for kind, _, fields in served.journal.entries
+    )
 
 
 def test_the_calls_here_are_the_tables_privileged_methods():
@@ -265,8 +323,9 @@ def test_editing_a_row_changes_what_the_method_needs(bus_address, tmp_path, vict
     asyncio.run(run())
 
 
-@pytest.mark.parametrize(("victim_uid", "action"), [(CALLER_UID, KILL_OWN), (SOMEONE_ELSE, KILL_ANY)],
-                         ids=["own", "any"])
+@pytest.mark.parametrize(
+    ("victim_uid", "action"), [(CALLER_UID, KILL_OWN), (SOMEONE_ELSE, KILL_ANY)], ids=["own", "any"]
+)
 def test_a_kill_asks_the_own_or_any_action_of_its_row(bus_address, tmp_path, victim, victim_uid, action):
     async def run() -> None:
         async with serve(bus_address, tmp_path, victim, allowed={action}, victim_uid=victim_uid) as served:
@@ -285,8 +344,9 @@ def test_an_unmapped_method_is_denied_without_asking_polkit():
         table_polkit = TablePolkit(None, journal, allowed={KILL_ANY})  # type: ignore[arg-type]
         request = Request(audit.KILL_DENIED, "Frobnication", "frobnicate", {"action": "kill"})
         with pytest.raises(AccessDenied, match="not a method gpukilld allows"):
-            await table_polkit.check(Caller(":1.1", CALLER_UID, 1, False), (MANAGER_INTERFACE, "Frobnicate"), {},
-                                     request=request)
+            await table_polkit.check(
+                Caller(":1.1", CALLER_UID, 1, False), (MANAGER_INTERFACE, "Frobnicate"), {}, request=request
+            )
         assert table_polkit.asked == []
 
     asyncio.run(run())
@@ -326,8 +386,16 @@ def test_real_polkit_answers_the_action_the_table_picks(bed, users, monkeypatch)
     admin's password, and nothing here is interactive); with KillProcess's row edited to kill-any alone,
     'other' may no longer kill its own either."""
     other = users["other"]
-    holder = subprocess.Popen([PYTHON, "-c", HOLD_A_CONNECTION], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=bed.env(), cwd="/", start_new_session=True, **other.popen_kwargs())
+    holder = subprocess.Popen(
+        [PYTHON, "-c", HOLD_A_CONNECTION],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=bed.env(),
+        cwd="/",
+        start_new_session=True,
+        **other.popen_kwargs(),
+    )
     bed.procs.append(holder)
     name = holder.stdout.readline().strip()
     assert name.startswith(":"), name
@@ -340,7 +408,8 @@ def test_real_polkit_answers_the_action_the_table_picks(bed, users, monkeypatch)
             request = Request(audit.KILL_DENIED, "Kill of a test target", "kill a test target", {"action": "kill"})
             try:
                 return await Bouncer(bus, RefusalLog(journal)).check(  # type: ignore[arg-type]
-                    caller, KILL_METHOD, {"pid": "1"}, target_uid, request=request)
+                    caller, KILL_METHOD, {"pid": "1"}, target_uid, request=request
+                )
             except AccessDenied:
                 return "denied"
         finally:

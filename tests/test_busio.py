@@ -40,12 +40,22 @@ asyncio.run(main(int(sys.argv[1])))
 
 
 def test_premarshalled_reply_is_byte_identical_to_dbus_fast():
-    call = Message(destination="org.gpukill1", path="/org/gpukill1", interface="org.gpukill1.Manager",
-                   member="ListProcesses", signature="a{sv}", body=[{}], serial=4242)
+    call = Message(
+        destination="org.gpukill1",
+        path="/org/gpukill1",
+        interface="org.gpukill1.Manager",
+        member="ListProcesses",
+        signature="a{sv}",
+        body=[{}],
+        serial=4242,
+    )
     records = [{"pid": Variant("u", 7), "comm": Variant("s", "x" * 999), "gpu_memory": Variant("t", 2**40)}]
     # the header is packed by hand: senders of every length modulo 8 move its inner and final padding
-    for sender, body, signature in [(":1." + "7" * n, b, sig) for n in range(1, 10)
-                                    for b, sig in (([[]], "aa{sv}"), ([records], "aa{sv}"), ([1, []], "ua(ub)"))]:
+    for sender, body, signature in [
+        (":1." + "7" * n, b, sig)
+        for n in range(1, 10)
+        for b, sig in (([[]], "aa{sv}"), ([records], "aa{sv}"), ([1, []], "ua(ub)"))
+    ]:
         call.sender = sender
         expected = Message.new_method_return(call, signature, body)
         expected.serial = 99
@@ -61,8 +71,16 @@ def _idle_writer():
     ours.setblocking(False)
     loop = asyncio.new_event_loop()
     serials = iter(range(100, 1000))
-    bus = SimpleNamespace(_negotiate_unix_fd=False, _sock=ours, _loop=loop, _fd=ours.fileno(), unique_name=":1.1",
-                          _user_disconnect=False, _finalize=lambda e: None, next_serial=lambda: next(serials))
+    bus = SimpleNamespace(
+        _negotiate_unix_fd=False,
+        _sock=ours,
+        _loop=loop,
+        _fd=ours.fileno(),
+        unique_name=":1.1",
+        _user_disconnect=False,
+        _finalize=lambda e: None,
+        next_serial=lambda: next(serials),
+    )
     bus._writer = _MessageWriter(bus)
     assert busio.tolerate_full_socket(bus)
     return bus, ours, peer, loop
@@ -117,15 +135,28 @@ def _writer_over_a_full_socket(fix: bool):
     ours.setblocking(False)
     loop = asyncio.new_event_loop()
     fatal: list[Exception] = []
-    bus = SimpleNamespace(_negotiate_unix_fd=False, _sock=ours, _loop=loop, _fd=ours.fileno(), unique_name=":1.1",
-                          _user_disconnect=False, _finalize=fatal.append)
+    bus = SimpleNamespace(
+        _negotiate_unix_fd=False,
+        _sock=ours,
+        _loop=loop,
+        _fd=ours.fileno(),
+        unique_name=":1.1",
+        _user_disconnect=False,
+        _finalize=fatal.append,
+    )
     bus._writer = _MessageWriter(bus)
     if fix:
         assert busio.tolerate_full_socket(bus)
     try:
         for serial in range(1, 4):  # the first fills the buffer (partial write), the next ones hit EAGAIN
-            reply = Message(message_type=MessageType.METHOD_RETURN, reply_serial=serial, destination=":1.2",
-                            signature="s", body=["x" * 1_000_000], serial=serial)
+            reply = Message(
+                message_type=MessageType.METHOD_RETURN,
+                reply_serial=serial,
+                destination=":1.2",
+                signature="s",
+                body=["x" * 1_000_000],
+                serial=serial,
+            )
             bus._writer.schedule_write(reply, loop.create_future())
     finally:
         loop.remove_writer(ours.fileno())
@@ -145,7 +176,8 @@ def test_full_socket_buffer_does_not_drop_the_connection():
 
 @needs_root
 def test_many_concurrent_large_replies_do_not_drop_the_daemon(victims, users):
-    """32 clients, each with 16 ListProcesses calls in flight three times over, replies of about 0.8 MB. Before busio, dbus-fast
+    """32 clients, each with 16 ListProcesses calls in flight three times over, replies of about 0.8 MB. Before busio,
+    dbus-fast
     dropped the daemon's bus connection on EAGAIN whenever dbus-daemon fell behind, and the daemon exited. Now
     what cannot be queued within the daemon's bound is refused with TooBusy, and the rest is answered. The
     clients are root: a user's calls are held to a rate (callrate.py), and others' command lines come to a user
@@ -154,8 +186,12 @@ def test_many_concurrent_large_replies_do_not_drop_the_daemon(victims, users):
     procs = [bed.victim(users["owner"], gpu="0,1,2,3", mem="1GiB", padding=8000) for i in range(48)]
     bed.wait_listed(procs[-1].pid)
     kwargs = users["root"].popen_kwargs()
-    clients = [subprocess.Popen([PYTHON, "-c", FLOOD, "16"], stdout=subprocess.PIPE, text=True, env=bed.env(),
-                                cwd="/", **kwargs) for _ in range(32)]
+    clients = [
+        subprocess.Popen(
+            [PYTHON, "-c", FLOOD, "16"], stdout=subprocess.PIPE, text=True, env=bed.env(), cwd="/", **kwargs
+        )
+        for _ in range(32)
+    ]
     results = [json.loads(c.communicate(timeout=120)[0]) for c in clients]
     assert bed.daemon.proc.poll() is None, bed.daemon.log()
     assert "lost the system bus" not in bed.daemon.log()

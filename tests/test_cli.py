@@ -63,8 +63,10 @@ def test_a_name_that_does_not_exist_is_exit_status_15(bed, users):
         (["usage", "--user", "gpk-nosuch"], "no such user 'gpk-nosuch' on this host"),
         (["usage", "--unit", "foo.servce"], "no such unit 'foo.servce' on this host"),
         (["usage", "--device", "9"], "no such GPU '9'"),
-        (["kill", "--unit", "foo-typo.service"], "no such unit 'foo-typo.service' on this host (systemd has no "
-                                                  "unit file"),
+        (
+            ["kill", "--unit", "foo-typo.service"],
+            "no such unit 'foo-typo.service' on this host (systemd has no unit file",
+        ),
     ]:
         r = bed.ctl(other, *args)
         assert_one_line_error(r, 15, text)
@@ -86,8 +88,7 @@ def test_a_name_that_exists_but_has_no_gpu_processes_is_exit_status_0_with_a_lin
     assert r.returncode == 0 and json.loads(r.stdout)["processes"] == [], r
     assert r.stderr == "gpukillctl: user 4000000 has no GPU processes\n"
     r = bed.ctl(other, "usage", "--user", "nobody", "--since", "1h")
-    assert r.returncode == 0 and r.stderr == "gpukillctl: usage: user nobody has no GPU use recorded in this " \
-                                             "range\n", r
+    assert r.returncode == 0 and r.stderr == "gpukillctl: usage: user nobody has no GPU use recorded in this range\n", r
     unit = "systemd-journald.service"
     if not any(os.path.exists(os.path.join(d, unit)) for d in UNIT_DIRS):
         pytest.skip(f"no {unit} file on this host to stand for a unit that exists")
@@ -115,8 +116,13 @@ def test_daemon_errors(victims, users):
 def test_daemon_absent_and_bus_absent(fresh_bed, users):
     bed = fresh_bed  # a bus without gpukilld on it
     assert_one_line_error(bed.ctl(users["other"], "list"), 3, "gpukilld is not running")
-    r = subprocess.run([PYTHON, "-m", "gpukillctl", "status"], capture_output=True, text=True, timeout=30,
-                       env={**os.environ, "PYTHONPATH": str(REPO), "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"})
+    r = subprocess.run(
+        [PYTHON, "-m", "gpukillctl", "status"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": str(REPO), "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"},
+    )
     assert_one_line_error(r, 3, "cannot connect to the system bus")
 
 
@@ -151,8 +157,9 @@ def test_force_reset_kills_holders_first(victims, users, alive):
     assert kill and kill["body"][5] == "killed" and kill["body"][7] == "reset"
     reset = rec.wait_for("DeviceReset", where=lambda b: b[0] == 1)
     assert reset and reset["body"][2] is True and reset["body"][4] == [holder.pid]
-    assert bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(holder.pid),
-                            GPUKILL_INITIATOR="reset")
+    assert bed.wait_journal(
+        MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(holder.pid), GPUKILL_INITIATOR="reset"
+    )
 
 
 def test_json_output_is_stable(victims, users):

@@ -16,9 +16,18 @@ from gpukillctl.cli import main as cli
 
 REPO = Path(__file__).resolve().parent.parent
 
-LINES = (["list", "--json"], ["list", "--device", "1", "--min-memory", "5GiB"], ["-H", "box", "list", "--user", "x"],
-         ["kill", "12", "--force", "--grace", "2"], ["kill", "--job", "77"], ["reset", "0", "--force"], ["status"],
-         ["guard", "status"], ["guard", "test", "--policy", "p.yaml"], ["audit", "--json"])
+LINES = (
+    ["list", "--json"],
+    ["list", "--device", "1", "--min-memory", "5GiB"],
+    ["-H", "box", "list", "--user", "x"],
+    ["kill", "12", "--force", "--grace", "2"],
+    ["kill", "--job", "77"],
+    ["reset", "0", "--force"],
+    ["status"],
+    ["guard", "status"],
+    ["guard", "test", "--policy", "p.yaml"],
+    ["audit", "--json"],
+)
 
 
 @pytest.mark.parametrize("argv", LINES, ids=" ".join)
@@ -29,8 +38,9 @@ def test_the_one_commands_parser_parses_as_the_whole_one(argv):
 
 
 def test_only_builds_that_command_alone():
-    sub = next(a for a in cli.build_parser(full=False, only="list")._actions
-               if isinstance(a, cli.argparse._SubParsersAction))
+    sub = next(
+        a for a in cli.build_parser(full=False, only="list")._actions if isinstance(a, cli.argparse._SubParsersAction)
+    )
     assert list(sub.choices) == ["list"]
 
 
@@ -49,8 +59,10 @@ def test_help_width_is_argparses(monkeypatch, columns):
 
 def test_the_list_path_imports_no_shutil():
     # shutil comes with bz2, lzma and zlib: ~1.5 ms of a ~45 ms `gpukillctl list --json`
-    probe = ("import sys; import gpukillctl.cli.main as c; "
-             "c.build_parser(full=False, only='list').parse_args(['list', '--json']); print('shutil' in sys.modules)")
+    probe = (
+        "import sys; import gpukillctl.cli.main as c; "
+        "c.build_parser(full=False, only='list').parse_args(['list', '--json']); print('shutil' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout
 
@@ -58,9 +70,20 @@ def test_the_list_path_imports_no_shutil():
 # What a one-shot `list` leaves unimported (gpukillctl/cli/deferred.py; the other commands' modules, imported when
 # their parser is built or they run): inspect (~5.5 ms with ast, dis, tokenize) and copy are imported by
 # dataclasses for calls `list` never makes, and stand in sys.modules until something uses them.
-UNUSED_BY_LIST = ("ast", "dis", "tokenize", "linecache", "weakref", "gpukill.outcome", "gpukill.limits",
-                  "gpukill.records.status", "gpukillctl.cli.guard", "gpukillctl.cli.audit", "gpukillctl.cli.usage",
-                  "gpukillctl.cli.job_kill")
+UNUSED_BY_LIST = (
+    "ast",
+    "dis",
+    "tokenize",
+    "linecache",
+    "weakref",
+    "gpukill.outcome",
+    "gpukill.limits",
+    "gpukill.records.status",
+    "gpukillctl.cli.guard",
+    "gpukillctl.cli.audit",
+    "gpukillctl.cli.usage",
+    "gpukillctl.cli.job_kill",
+)
 # After `list`: inspect and copy used through the names dataclasses took of them at its import (the stand-ins),
 # and through a fresh import; each answer is compared with the real modules' (below, in this process).
 LATER_USE = """
@@ -85,28 +108,30 @@ def list_and_use_later(env: dict[str, str], tmp_path: Path) -> tuple[int, str, d
     """Run `gpukillctl list --json` in a fresh interpreter: its exit status, its stdout, what it left unloaded and
     what later uses of the deferred modules answered there."""
     probe = tmp_path / "probe.py"  # a file, for inspect.getsource
-    probe.write_text("import json, sys, types\n"
-                     "from gpukillctl.cli.main import main\n"
-                     "code = main(['list', '--json'])\n"
-                     "stand_ins = {name: sys.modules.get(name) for name in ('inspect', 'copy')}\n"
-                     "state = {'code': code, 'kinds': {n: type(m).__name__ for n, m in stand_ins.items()},\n"
-                     f"         'loaded': sorted(m for m in {UNUSED_BY_LIST!r} if m in sys.modules),\n"
-                     # the records it made: each dataclass compiled its generated methods at this start
-                     "         'dataclasses': sorted(n for m in list(sys.modules) if m.startswith('gpukill.records.')\n"
-                     "                               for n, v in vars(sys.modules[m]).items() if isinstance(v, type)\n"
-                     "                               and '__dataclass_fields__' in vars(v) and v.__module__ == m)}\n"
-                     + LATER_USE +
-                     "state['uses'] = uses\n"
-                     "state['replaced'] = {n: type(sys.modules[n]) is types.ModuleType and sys.modules[n] is not m\n"
-                     "                     for n, m in stand_ins.items()}\n"
-                     "state['same_names'] = stand_ins['inspect'].signature is sys.modules['inspect'].signature\n"
-                     "state['dir'] = 'signature' in dir(stand_ins['inspect'])\n"
-                     "state['missing'] = hasattr(stand_ins['inspect'], 'nonesuch')\n"
-                     "sys.stderr.write('PROBE ' + json.dumps(state) + '\\n')\n")
+    probe.write_text(
+        "import json, sys, types\n"
+        "from gpukillctl.cli.main import main\n"
+        "code = main(['list', '--json'])\n"
+        "stand_ins = {name: sys.modules.get(name) for name in ('inspect', 'copy')}\n"
+        "state = {'code': code, 'kinds': {n: type(m).__name__ for n, m in stand_ins.items()},\n"
+        f"         'loaded': sorted(m for m in {UNUSED_BY_LIST!r} if m in sys.modules),\n"
+        # the records it made: each dataclass compiled its generated methods at this start
+        "         'dataclasses': sorted(n for m in list(sys.modules) if m.startswith('gpukill.records.')\n"
+        "                               for n, v in vars(sys.modules[m]).items() if isinstance(v, type)\n"
+        "                               and '__dataclass_fields__' in vars(v) and v.__module__ == m)}\n"
+        + LATER_USE
+        + "state['uses'] = uses\n"
+        "state['replaced'] = {n: type(sys.modules[n]) is types.ModuleType and sys.modules[n] is not m\n"
+        "                     for n, m in stand_ins.items()}\n"
+        "state['same_names'] = stand_ins['inspect'].signature is sys.modules['inspect'].signature\n"
+        "state['dir'] = 'signature' in dir(stand_ins['inspect'])\n"
+        "state['missing'] = hasattr(stand_ins['inspect'], 'nonesuch')\n"
+        "sys.stderr.write('PROBE ' + json.dumps(state) + '\\n')\n"
+    )
     r = subprocess.run([sys.executable, str(probe)], cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
     line = next((line for line in r.stderr.splitlines() if line.startswith("PROBE ")), None)
     assert line, r.stderr[-2000:]
-    state = json.loads(line[len("PROBE "):])
+    state = json.loads(line[len("PROBE ") :])
     return state.pop("code"), r.stdout, state
 
 
@@ -146,8 +171,10 @@ def test_list_defers_what_it_never_uses_to_the_end(bed, tmp_path):
 
 def test_the_daemon_gets_no_stand_in():
     # the stand-ins are the commands' alone: gpukilld's modules import the real inspect, as they always did
-    probe = ("import sys, types; import gpukilld.main; "
-             "print(type(sys.modules['inspect']) is types.ModuleType, 'gpukillctl.cli' in sys.modules)")
+    probe = (
+        "import sys, types; import gpukilld.main; "
+        "print(type(sys.modules['inspect']) is types.ModuleType, 'gpukillctl.cli' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "False"], out.stdout
 
@@ -156,11 +183,14 @@ def test_the_daemon_gets_no_stand_in():
 def test_help_is_the_same_as_argparses_own(argv):
     # what --help writes is what argparse writes with its own formatters (which ask shutil for the width)
     env = {"COLUMNS": "70", "PATH": "/usr/bin:/bin"}
-    ours = subprocess.run([sys.executable, "-m", "gpukillctl", *argv], cwd=REPO, capture_output=True, text=True,
-                          env=env)
-    plain = ("import argparse, sys; from gpukillctl.cli import main as cli; "
-             "argparse.ArgumentParser._get_formatter = lambda self: self.formatter_class(prog=self.prog); "
-             f"cli.Parser._get_formatter = argparse.ArgumentParser._get_formatter; cli.main({argv!r})")
+    ours = subprocess.run(
+        [sys.executable, "-m", "gpukillctl", *argv], cwd=REPO, capture_output=True, text=True, env=env
+    )
+    plain = (
+        "import argparse, sys; from gpukillctl.cli import main as cli; "
+        "argparse.ArgumentParser._get_formatter = lambda self: self.formatter_class(prog=self.prog); "
+        f"cli.Parser._get_formatter = argparse.ArgumentParser._get_formatter; cli.main({argv!r})"
+    )
     theirs = subprocess.run([sys.executable, "-c", plain], cwd=REPO, capture_output=True, text=True, env=env)
     assert ours.returncode == theirs.returncode == 0
     assert ours.stdout == theirs.stdout and "usage:" in ours.stdout
@@ -179,8 +209,11 @@ def scriptlet(spec: str, name: str) -> str:
 
 
 def rpm_compile_line() -> str:
-    lines = [line for line in scriptlet(SPEC.read_text(), "%post").splitlines()
-             if DEB_LIB in line and not line.lstrip().startswith("#")]
+    lines = [
+        line
+        for line in scriptlet(SPEC.read_text(), "%post").splitlines()
+        if DEB_LIB in line and not line.lstrip().startswith("#")
+    ]
     assert lines, "the .rpm's %post makes no bytecode for /usr/lib/gpukill"
     return lines[0]
 
@@ -188,7 +221,10 @@ def rpm_compile_line() -> str:
 def test_the_packages_make_the_trees_bytecode_where_installed():
     rules = (REPO / "packaging" / "debian" / "rules").read_text()
     # py3compile in postinst, py3clean in prerm: the main package's tree, and gpukill-serve's bundled stack
-    assert f"dh_python3 -pgpukill {DEB_LIB}\n" in rules and f"dh_python3 -pgpukill-serve --no-guessing-deps {DEB_LIB}/vendor-serve" in rules
+    assert (
+        f"dh_python3 -pgpukill {DEB_LIB}\n" in rules
+        and f"dh_python3 -pgpukill-serve --no-guessing-deps {DEB_LIB}/vendor-serve" in rules
+    )
     assert "compileall" in rpm_compile_line()
     # and the .rpm takes it away on erase (it does not own those files)
     erase = scriptlet(SPEC.read_text(), "%preun")
@@ -217,13 +253,16 @@ def packaged_tree(root: Path) -> tuple[Path, Path]:
 def compiled_from_source(wrapper: Path, lib: Path) -> list[str]:
     """The modules of the tree that `gpukillctl list --json` compiled from source (no bus: it stops at connect)."""
     env = {"PATH": "/usr/bin:/bin", "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent/bus"}
-    r = subprocess.run(["/usr/bin/python3", "-v", str(wrapper), "list", "--json"], capture_output=True, text=True,
-                       env=env, cwd="/")
+    r = subprocess.run(
+        ["/usr/bin/python3", "-v", str(wrapper), "list", "--json"], capture_output=True, text=True, env=env, cwd="/"
+    )
     assert r.returncode == 3 and "cannot connect to the system bus" in r.stderr, r.stderr[-500:]
     return [line for line in r.stderr.splitlines() if line.startswith(f"# code object from {lib}/")]
 
 
-@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="the packages' interpreter, /usr/bin/python3, is absent")
+@pytest.mark.skipif(
+    not Path("/usr/bin/python3").exists(), reason="the packages' interpreter, /usr/bin/python3, is absent"
+)
 @pytest.mark.parametrize("package", ["deb", "rpm"])
 def test_the_packaged_command_imports_its_tree_from_bytecode(tmp_path, package):
     lib, wrapper = packaged_tree(tmp_path)
@@ -235,16 +274,19 @@ def test_the_packaged_command_imports_its_tree_from_bytecode(tmp_path, package):
         subprocess.run(["py3compile", str(lib)], check=True)
     else:
         # as the %post runs it: `python3` is the system's, the one the wrapper's shebang names
-        subprocess.run(rpm_compile_line().replace(DEB_LIB, str(lib)), shell=True, check=True,
-                       env={"PATH": "/usr/bin:/bin"})
+        subprocess.run(
+            rpm_compile_line().replace(DEB_LIB, str(lib)), shell=True, check=True, env={"PATH": "/usr/bin:/bin"}
+        )
     assert compiled_from_source(wrapper, lib) == []
 
 
 def test_the_listing_path_builds_only_the_listings_records():
     # What `gpukillctl list --json` imports before it connects: the audit's, the Guard's and the signals'
     # records (21 of the 24 dataclasses, ~7 ms) must not come with it.
-    probe = ("import sys; import gpukillctl.cli.main, gpukillctl.client.blocking; "
-             "gpukillctl.cli.main.build_parser(full=False).parse_args(['list', '--json']); "
-             "print(sorted(m for m in sys.modules if m.startswith('gpukill.records.')))")
+    probe = (
+        "import sys; import gpukillctl.cli.main, gpukillctl.client.blocking; "
+        "gpukillctl.cli.main.build_parser(full=False).parse_args(['list', '--json']); "
+        "print(sorted(m for m in sys.modules if m.startswith('gpukill.records.')))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['gpukill.records.base', 'gpukill.records.manager']", out.stdout

@@ -24,8 +24,9 @@ class Recorder(ClientAPI):
     def close(self) -> None:
         pass
 
-    async def _call(self, member, signature="", body=None, *, interface=api.INTERFACE, interactive=False,
-                    timeout=api.CALL_TIMEOUT):
+    async def _call(
+        self, member, signature="", body=None, *, interface=api.INTERFACE, interactive=False, timeout=api.CALL_TIMEOUT
+    ):
         self.calls.append((member, body or [], timeout))
         return self.reply
 
@@ -52,8 +53,12 @@ def test_a_missing_method_is_an_error_like_any_other():
             await super()._call(member, *args, **kwargs)
             raise api.error_for("org.freedesktop.DBus.Error.UnknownMethod", f"No such method '{member}'")
 
-    for act in (lambda c: c.list_processes(), lambda c: c.kill_report(1, 1), lambda c: c.usage({}),
-                lambda c: c.kill_workload({"unit": api.Var("s", "x.service")})):
+    for act in (
+        lambda c: c.list_processes(),
+        lambda c: c.kill_report(1, 1),
+        lambda c: c.usage({}),
+        lambda c: c.kill_workload({"unit": api.Var("s", "x.service")}),
+    ):
         client = Missing([])
         with pytest.raises(api.ClientError) as caught:
             asyncio.run(act(client))
@@ -64,18 +69,21 @@ def test_a_missing_method_is_an_error_like_any_other():
 # -- plain values as a{sv}: one converter, one policy ------------------------------------------------------
 
 
-@pytest.mark.parametrize("convert,key,wrong", [
-    (api.audit_variants, "min_score", "high"),
-    (api.audit_variants, "pool_ports", [4444, "x"]),
-    (api.audit_variants, "idle_min_memory", -1),
-    (api.usage_variants, "limit", 2**40),
-    (api.usage_variants, "since", "yesterday"),
-    (api.usage_variants, "until", 10**400),
-    (api.usage_variants, "user", 1000),
-    (api.policy_settings, "process_limit", True),
-    (api.policy_settings, "allowed_users", "alice"),
-    (api.policy_settings, "utilization_limit", "70%"),
-])
+@pytest.mark.parametrize(
+    "convert,key,wrong",
+    [
+        (api.audit_variants, "min_score", "high"),
+        (api.audit_variants, "pool_ports", [4444, "x"]),
+        (api.audit_variants, "idle_min_memory", -1),
+        (api.usage_variants, "limit", 2**40),
+        (api.usage_variants, "since", "yesterday"),
+        (api.usage_variants, "until", 10**400),
+        (api.usage_variants, "user", 1000),
+        (api.policy_settings, "process_limit", True),
+        (api.policy_settings, "allowed_users", "alice"),
+        (api.policy_settings, "utilization_limit", "70%"),
+    ],
+)
 def test_a_value_of_the_wrong_type_is_refused_naming_its_key(convert, key, wrong):
     """Every converter of plain values refuses what it cannot send as asked, in one line naming the key, rather
     than sending something else (or failing in the transport)."""
@@ -94,9 +102,14 @@ def test_an_unknown_key_is_refused_naming_it(convert):
 
 def test_values_of_their_type_go_as_their_signature():
     assert api.audit_variants({"min_score": 70, "pool_ports": (3333, 4444), "allowed_users": ["bob"]}) == {
-        "min_score": api.Var("d", 70.0), "pool_ports": api.Var("aq", [3333, 4444]),
-        "allowed_users": api.Var("as", ["bob"])}
+        "min_score": api.Var("d", 70.0),
+        "pool_ports": api.Var("aq", [3333, 4444]),
+        "allowed_users": api.Var("as", ["bob"]),
+    }
     assert api.policy_settings({"memory_limit": "8GiB", "grace": 30, "process_limit": 3}) == {
-        "memory_limit": api.Var("s", "8GiB"), "grace": api.Var("d", 30.0), "process_limit": api.Var("u", 3)}
+        "memory_limit": api.Var("s", "8GiB"),
+        "grace": api.Var("d", 30.0),
+        "process_limit": api.Var("u", 3),
+    }
     given = api.Var("t", 5)
     assert api.usage_variants({"limit": given, "device": None}) == {"limit": given}

@@ -38,9 +38,22 @@ def readings(text: str) -> dict[str, int | None]:
     }
 
 
-@pytest.mark.parametrize("text,port", [("8080", 8080), ("1", 1), ("65535", 65535), ("0", None), ("65536", None),
-                                       (" 8080", None), ("+8080", None), ("8_080", None), ("٨٠٨٠", None),
-                                       ("", None), ("http", None)])
+@pytest.mark.parametrize(
+    "text,port",
+    [
+        ("8080", 8080),
+        ("1", 1),
+        ("65535", 65535),
+        ("0", None),
+        ("65536", None),
+        (" 8080", None),
+        ("+8080", None),
+        ("8_080", None),
+        ("٨٠٨٠", None),
+        ("", None),
+        ("http", None),
+    ],
+)
 def test_every_port_option_reads_a_port_alike(text, port, capsys):
     assert readings(text) == dict.fromkeys(readings("1"), port)
     if port is None:

@@ -55,9 +55,13 @@ def test_both_transports_give_the_same_records(victims, users):
     bed = victims
     victim = bed.victim(users["owner"], gpu=1, comm="same")
     bed.wait_listed(victim.pid)
-    for act in (lambda c: c.list_devices(), lambda c: c.status(), lambda c: c.guard_status(),
-                lambda c: c.audit_rogue(),
-                lambda c: c.list_processes({"device": Var("s", "1"), "min_memory": Var("t", 0)})):
+    for act in (
+        lambda c: c.list_devices(),
+        lambda c: c.status(),
+        lambda c: c.guard_status(),
+        lambda c: c.audit_rogue(),
+        lambda c: c.list_processes({"device": Var("s", "1"), "min_memory": Var("t", 0)}),
+    ):
         blocking, on_asyncio = both(bed, act)
         assert blocking == on_asyncio
     procs, _ = both(bed, lambda c: c.list_processes({"device": Var("s", "1")}))
@@ -92,8 +96,10 @@ def test_the_compact_listing_is_the_records_listing(victims, users):
 def test_an_unknown_listing_format_is_one_error(bed):
     class NewerDaemon(BlockingClient):
         async def _call(self, member, *args, **kwargs):
-            return [listing.FORMAT + 1, []] if member == listing.METHOD else await super()._call(member, *args,
-                                                                                                 **kwargs)
+            return (
+                [listing.FORMAT + 1, []] if member == listing.METHOD else await super()._call(member, *args, **kwargs)
+            )
+
     newer = NewerDaemon(open_dbus_connection(bus=bed.bus_address))
     try:
         with pytest.raises(client_api.ClientError, match=f"format {listing.FORMAT + 1}"):
@@ -113,12 +119,24 @@ def test_both_transports_raise_the_daemons_error(bed):
 
 def imported(stderr: str) -> set[str]:
     """The top-level modules a `python -X importtime` run imported."""
-    return {line.split("|")[-1].strip().split(".")[0] for line in stderr.splitlines()
-            if line.startswith("import time:") and "|" in line}
+    return {
+        line.split("|")[-1].strip().split(".")[0]
+        for line in stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
 
 
-@pytest.mark.parametrize("args", [["list", "--json"], ["status"], ["guard", "status", "--json"], ["audit"],
-                                  ["kill", "4194000"], ["reset", "no-such-gpu"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["list", "--json"],
+        ["status"],
+        ["guard", "status", "--json"],
+        ["audit"],
+        ["kill", "4194000"],
+        ["reset", "no-such-gpu"],
+    ],
+)
 def test_one_shot_commands_load_no_event_loop(bed, args):
     r = bed.run_as(ROOT, [PYTHON, "-X", "importtime", "-m", "gpukillctl", *args], timeout=60)
     assert "Traceback" not in r.stderr, r.stderr

@@ -19,12 +19,15 @@ def _error(conf: Path) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("section, key, value", [
-    ("daemon", "Sample_Interval", "soon"),
-    ("usage", "KEEP_DAYS", "0"),
-    ("notify", "Smtp_Port", "99999"),
-    ("audit", "Idle_After", "forever"),
-])
+@pytest.mark.parametrize(
+    "section, key, value",
+    [
+        ("daemon", "Sample_Interval", "soon"),
+        ("usage", "KEEP_DAYS", "0"),
+        ("notify", "Smtp_Port", "99999"),
+        ("audit", "Idle_After", "forever"),
+    ],
+)
 def test_a_mixed_case_key_in_the_main_file_names_its_line(tmp_path: Path, section: str, key: str, value: str):
     conf = tmp_path / "gpukilld.conf"
     conf.write_text(f"# comment\n[{section}]   # the section\n\n{key} = {value}\n")
@@ -49,8 +52,9 @@ def test_an_unknown_mixed_case_key_names_its_line(tmp_path: Path):
 
 
 def test_line_of_reads_as_configparser_does():
-    text = ("; comment\n[daemon] # inline\n#Backends = x\nBackends : nvidia  ; inline\n[ audit ]\nbackends = 1\n"
-            "[audit]\n")
+    text = (
+        "; comment\n[daemon] # inline\n#Backends = x\nBackends : nvidia  ; inline\n[ audit ]\nbackends = 1\n[audit]\n"
+    )
     assert line_of(text, "daemon", "backends") == 4
     assert line_of(text, "audit", "backends") is None  # "[ audit ]" is the section " audit "
     assert line_of(text, " audit ", "backends") == 6

@@ -34,8 +34,9 @@ def interface_shape(root: ET.Element, name: str) -> dict:
 
 @needs_root
 def test_live_introspection_equals_the_xml(bed, users):
-    r = bed.call_as(users["other"], "org.gpukill1", "/org/gpukill1", "org.freedesktop.DBus.Introspectable",
-                    "Introspect")
+    r = bed.call_as(
+        users["other"], "org.gpukill1", "/org/gpukill1", "org.freedesktop.DBus.Introspectable", "Introspect"
+    )
     assert r.ok, r
     live = ET.fromstring(r.body[0])
     contract = ET.parse(XML).getroot()
@@ -86,8 +87,9 @@ def test_catalog_documents_every_message_id(tmp_path):
     catalog_dir.mkdir(parents=True)
     shutil.copy(REPO / "systemd" / "gpukill.catalog", catalog_dir)
     subprocess.run(["journalctl", f"--root={tmp_path}", "--update-catalog"], check=True)
-    listed = subprocess.run(["journalctl", f"--root={tmp_path}", "--list-catalog"], capture_output=True,
-                            text=True, check=True).stdout
+    listed = subprocess.run(
+        ["journalctl", f"--root={tmp_path}", "--list-catalog"], capture_output=True, text=True, check=True
+    ).stdout
     ids = {line.split()[0] for line in listed.splitlines() if line.strip()}
     assert ids == {k.message_id for k in audit.ALL_KINDS}
 
@@ -101,8 +103,12 @@ def test_daemon_start_is_audited_with_its_message_id(bed, users):
 
 def test_bus_policy_lets_only_root_own_the_name():
     conf = ET.parse(REPO / "dbus" / "org.gpukill1.conf").getroot()
-    owners = [(p.get("user") or p.get("context"), a.get("own")) for p in conf.iter("policy")
-              for a in p.findall("allow") if a.get("own")]
+    owners = [
+        (p.get("user") or p.get("context"), a.get("own"))
+        for p in conf.iter("policy")
+        for a in p.findall("allow")
+        if a.get("own")
+    ]
     assert owners == [("root", "org.gpukill1")]
     activation = (REPO / "dbus" / "org.gpukill1.service").read_text()
     assert "SystemdService=gpukilld.service" in activation and "Name=org.gpukill1" in activation
@@ -111,9 +117,23 @@ def test_bus_policy_lets_only_root_own_the_name():
 @needs_root
 def test_bus_policy_is_enforced(bed, users):
     """An unprivileged connection cannot take the name: the bus itself refuses, before gpukilld sees it."""
-    r = bed.call_as(users["other"], "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
-                    "RequestName", "su", ["org.gpukill1", 4])
+    r = bed.call_as(
+        users["other"],
+        "org.freedesktop.DBus",
+        "/org/freedesktop/DBus",
+        "org.freedesktop.DBus",
+        "RequestName",
+        "su",
+        ["org.gpukill1", 4],
+    )
     assert r.error == "org.freedesktop.DBus.Error.AccessDenied", r
-    r = bed.call_as(ROOT, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
-                    "GetNameOwner", "s", ["org.gpukill1"])
+    r = bed.call_as(
+        ROOT,
+        "org.freedesktop.DBus",
+        "/org/freedesktop/DBus",
+        "org.freedesktop.DBus",
+        "GetNameOwner",
+        "s",
+        ["org.gpukill1"],
+    )
     assert r.ok

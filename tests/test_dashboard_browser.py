@@ -68,15 +68,31 @@ def server(bed, users):
     s.stop()
 
 
-def named_victim(bed: Testbed, user: User, name: str, gpu: int = 0, mem: str = "1GiB", util: float = 0) -> subprocess.Popen:
+def named_victim(
+    bed: Testbed, user: User, name: str, gpu: int = 0, mem: str = "1GiB", util: float = 0
+) -> subprocess.Popen:
     """A real process on a simulated GPU whose command line starts with `name` (its argv[0]) and whose comm
     is `name` cut to 15 characters (prctl PR_SET_NAME), as a user can name any process of theirs."""
-    code = (f"import ctypes, time\nctypes.CDLL(None).prctl(15, {name.encode()[:15]!r}, 0, 0, 0)\n"
-            "print('ready', flush=True)\ntime.sleep(600)\n")
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope,
-           "GPUKILL_SIM_MEM": mem, "GPUKILL_SIM_UTIL": str(util)}
-    proc = subprocess.Popen([name, "-c", code], executable=SYSTEM_PYTHON, stdout=subprocess.PIPE, env=env, cwd="/",
-                            start_new_session=True, **user.popen_kwargs())
+    code = (
+        f"import ctypes, time\nctypes.CDLL(None).prctl(15, {name.encode()[:15]!r}, 0, 0, 0)\n"
+        "print('ready', flush=True)\ntime.sleep(600)\n"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUKILL_SIM_GPU": str(gpu),
+        "GPUKILL_SIM_SCOPE": bed.scope,
+        "GPUKILL_SIM_MEM": mem,
+        "GPUKILL_SIM_UTIL": str(util),
+    }
+    proc = subprocess.Popen(
+        [name, "-c", code],
+        executable=SYSTEM_PYTHON,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **user.popen_kwargs(),
+    )
     bed.procs.append(proc)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     # gpukilld may have listed it before its prctl (a loaded machine): the comm event is seen in a later sample
@@ -89,20 +105,27 @@ def row_selector(pid: int, host: int = 0) -> str:
 
 
 def wait_row(browser: Browser, pid: int, host: int = 0, timeout: float = 15.0):
-    return browser.wait(lambda: browser.css(row_selector(pid, host)), timeout,
-                        f"PID {pid} of host {host} never appeared on the processes page")[0]
+    return browser.wait(
+        lambda: browser.css(row_selector(pid, host)),
+        timeout,
+        f"PID {pid} of host {host} never appeared on the processes page",
+    )[0]
 
 
 def kill_from_page(browser: Browser, pid: int) -> tuple[str, str]:
     """Click the row's kill button, check the confirmation names the process, say yes; (#flash's kind, text)."""
     flash_before = browser.text("#flash")
     wait_row(browser, pid).find_element("css selector", "button.kill").click()
-    dialog = browser.wait(lambda: [d for d in browser.css("dialog#confirm") if d.is_displayed()], 5,
-                          "dialog#confirm did not open")[0]
+    dialog = browser.wait(
+        lambda: [d for d in browser.css("dialog#confirm") if d.is_displayed()], 5, "dialog#confirm did not open"
+    )[0]
     question = dialog.find_element("css selector", "#confirm-text").text
     browser.css("#confirm-yes")[0].click()
-    browser.wait(lambda: browser.css("#flash")[0].is_displayed() and browser.text("#flash") != flash_before, 30,
-                 "#flash showed no answer")
+    browser.wait(
+        lambda: browser.css("#flash")[0].is_displayed() and browser.text("#flash") != flash_before,
+        30,
+        "#flash showed no answer",
+    )
     flash = browser.css("#flash")[0]
     return question, f"{flash.get_attribute('data-kind')}\n{flash.text}"
 
@@ -150,8 +173,11 @@ class Page(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         out.write(json.dumps(dict(self.headers)) + "\\n"); out.flush()
         body = b"<!doctype html><title>bob</title><p>nothing to see</p>"
-        self.send_response(200); self.send_header("content-type", "text/html"); self.send_header("content-length", str(len(body)))
-        self.end_headers(); self.wfile.write(body)
+        self.send_response(200)
+        self.send_header("content-type", "text/html")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
     def log_message(self, *args): pass
 server = http.server.HTTPServer(("127.0.0.1", 0), Page)
 print(server.server_address[1], flush=True)
@@ -169,8 +195,13 @@ def test_another_users_page_sees_the_cookie_and_replaying_it_reads_and_kills_not
     log = victims.workdir / "bobs-page.log"
     log.touch()
     log.chmod(0o666)
-    page = subprocess.Popen([SYSTEM_PYTHON, "-c", HEADER_RECORDER, str(log)], stdout=subprocess.PIPE, cwd="/",
-                            start_new_session=True, **other.popen_kwargs())
+    page = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", HEADER_RECORDER, str(log)],
+        stdout=subprocess.PIPE,
+        cwd="/",
+        start_new_session=True,
+        **other.popen_kwargs(),
+    )
     victims.procs.append(page)
     assert page.stdout is not None
     bobs_port = int(page.stdout.readline())
@@ -180,17 +211,26 @@ def test_another_users_page_sees_the_cookie_and_replaying_it_reads_and_kills_not
     name = f"gpukill-session-{server.port}"
     stolen = next((c for header in cookies for c in header.split("; ") if c.startswith(name + "=")), None)
     assert stolen, f"the browser did not send bob's page the cookie (the threat this test is about): {seen}"
-    assert browser.driver.execute_script("return localStorage.getItem('gpukill-session')") is None, \
+    assert browser.driver.execute_script("return localStorage.getItem('gpukill-session')") is None, (
         "bob's page (another port, another origin) reads nothing of the dashboard's storage"
+    )
     # bob replays it from his own process, with every header a page of alice's would send
     listed = victims.wait_listed(mine.pid)
     origin = f"http://127.0.0.1:{server.port}"
-    replay = {"Host": f"127.0.0.1:{server.port}", "Cookie": stolen, "Origin": origin,
-              "Content-Type": "application/json", "Accept": "application/json"}
+    replay = {
+        "Host": f"127.0.0.1:{server.port}",
+        "Cookie": stolen,
+        "Origin": origin,
+        "Content-Type": "application/json",
+        "Accept": "application/json",
+    }
     kill = {"pid": mine.pid, "start_time": listed["start_time"], "grace": 1}
     for extra in ({}, {"X-Gpukill-Session": "A" * 43}, {"X-Gpukill-Session": stolen.partition("=")[2]}):
-        for method, path, body in (("GET", "/v1/processes", None), ("POST", "/v1/kill", kill),
-                                   ("GET", "/ui/hosts", None)):
+        for method, path, body in (
+            ("GET", "/v1/processes", None),
+            ("POST", "/v1/kill", kill),
+            ("GET", "/ui/hosts", None),
+        ):
             r = request_as(victims, other, server.port, method, path, {**replay, **extra}, body)
             assert r.status == 401, (extra, path, r)
             assert str(mine.pid) not in json.dumps(r.body), r
@@ -224,17 +264,22 @@ def test_a_kill_made_elsewhere_leaves_the_open_page_within_2s(browser, server, v
     assert r.returncode == 0, r
     assert by_cli.wait(5) is not None
     gone_at = time.monotonic()
-    browser.wait(lambda: not browser.css(row_selector(by_cli.pid)), 2.0,
-                 "a process killed with gpukillctl kill was still on the page 2 s later")
+    browser.wait(
+        lambda: not browser.css(row_selector(by_cli.pid)),
+        2.0,
+        "a process killed with gpukillctl kill was still on the page 2 s later",
+    )
     exits.kill()
     exits.wait(5)
     gone_at = time.monotonic()
-    browser.wait(lambda: not browser.css(row_selector(exits.pid)), 2.0,
-                 "a process that exited was still on the page 2 s later")
+    browser.wait(
+        lambda: not browser.css(row_selector(exits.pid)), 2.0, "a process that exited was still on the page 2 s later"
+    )
     assert time.monotonic() - gone_at <= 2.5
     # Live from the stream alone: the page never asked /v1/processes.
     asked = browser.driver.execute_script(
-        "return performance.getEntriesByType('resource').map(e => new URL(e.name).pathname)")
+        "return performance.getEntriesByType('resource').map(e => new URL(e.name).pathname)"
+    )
     assert not [p for p in asked if p.endswith("/processes")], asked
 
 
@@ -290,8 +335,11 @@ def test_hostile_process_names_render_as_text(browser, server, victims, users):
     r = victims.ctl(users["owner"], "kill", str(procs[1].pid), "--grace", "2")
     assert r.returncode == 0, r
     browser.open(server, "events")
-    browser.wait(lambda: [e for e in browser.css("#events tr.event") if HOSTILE[1][:15] in e.text], 10,
-                 "the kill's ProcessKilled signal did not reach the events page")
+    browser.wait(
+        lambda: [e for e in browser.css("#events tr.event") if HOSTILE[1][:15] in e.text],
+        10,
+        "the kill's ProcessKilled signal did not reach the events page",
+    )
     assert browser.alert_text() is None, "a process's name ran as script"
     assert not browser.css("img"), "a process's name became markup"
     assert len(browser.css("script")) == 1  # index.html's own
@@ -328,8 +376,13 @@ def machine_named(name: str):
 def labelled_victim(bed: Testbed, user: User, dirs: list[Path], comm: str, gpu: int, util: float = 0):
     """A real process of `user` on a simulated GPU, put by root in `dirs` (cgroups, as systemd, slurmd or a
     container runtime puts a task), that names itself `comm` (cut to 15 characters)."""
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope,
-           "GPUKILL_SIM_MEM": "2GiB", "GPUKILL_SIM_UTIL": str(util)}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUKILL_SIM_GPU": str(gpu),
+        "GPUKILL_SIM_SCOPE": bed.scope,
+        "GPUKILL_SIM_MEM": "2GiB",
+        "GPUKILL_SIM_UTIL": str(util),
+    }
     rename = f"import ctypes\nctypes.CDLL(None).prctl(15, {comm.encode()[:15]!r}, 0, 0, 0)\n"
     proc = cgroup_helper.start_in(user, dirs, env, rename + cgroup_helper.SLEEPER)
     bed.procs.append(proc)
@@ -361,21 +414,30 @@ def test_hostile_unit_container_job_pod_and_host_names_render_as_text_on_every_p
     roots = cgroup_helper.systemd_roots()
     try:
         places = {  # a real label, then a directory named with markup below it (no label: not the grammar's)
-            "unit": [made.make(r, f"user.slice/user-{uid}.slice/user@{uid}.service/app.slice/{unit}/{HOSTILE[0]}")
-                     for r in roots],
+            "unit": [
+                made.make(r, f"user.slice/user-{uid}.slice/user@{uid}.service/app.slice/{unit}/{HOSTILE[0]}")
+                for r in roots
+            ],
             # "</script>..." holds slashes: it is a path of three directories here, shown in no label
             "container": [made.make(r, f"system.slice/docker-{container}.scope/{HOSTILE[1]}") for r in roots],
             "pod": [made.make(r, f"kubepods/burstable/pod{pod}/{pod_container}/{HOSTILE[0]}") for r in roots],
-            "job": [made.make(cgroup_helper.controller_root("freezer"),
-                              f"slurm/uid_{uid}/job_{job}/step_0/{HOSTILE[0]}")],
+            "job": [
+                made.make(cgroup_helper.controller_root("freezer"), f"slurm/uid_{uid}/job_{job}/step_0/{HOSTILE[0]}")
+            ],
         }
-        procs = {what: labelled_victim(victims, owner, dirs, HOSTILE[i % 2], gpu=i)
-                 for i, (what, dirs) in enumerate(places.items())}
+        procs = {
+            what: labelled_victim(victims, owner, dirs, HOSTILE[i % 2], gpu=i)
+            for i, (what, dirs) in enumerate(places.items())
+        }
         # a miner whose command line's pool URL carries markup: the audit's evidence quotes it
         miner = named_victim(victims, owner, f"xmrig stratum+tcp://{HOSTILE[1]}", gpu=0, util=99)
         expected = {"unit": unit, "container": container[:12], "pod": pod, "job": job}
-        fields = {"unit": ("unit", unit), "container": ("container_id", container), "pod": ("pod_uid", pod),
-                  "job": ("slurm_job", job)}
+        fields = {
+            "unit": ("unit", unit),
+            "container": ("container_id", container),
+            "pod": ("pod_uid", pod),
+            "job": ("slurm_job", job),
+        }
         for what, proc in procs.items():
             listed = victims.wait_listed(proc.pid)
             assert listed.get(fields[what][0]) == fields[what][1], listed
@@ -384,19 +446,35 @@ def test_hostile_unit_container_job_pod_and_host_names_render_as_text_on_every_p
             served = Server(victims, owner, "--host", remote, tcp=True)
         served.wait_ready()
         try:
-            _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, miner, expected,
-                                                unit=unit, job=job, pod=pod, container=container, remote=remote)
+            _every_page_shows_the_names_as_text(
+                browser,
+                served,
+                victims,
+                owner,
+                procs,
+                miner,
+                expected,
+                unit=unit,
+                job=job,
+                pod=pod,
+                container=container,
+                remote=remote,
+            )
         finally:
             served.stop()
     finally:
         made.cleanup()  # stops the processes in them first
 
 
-def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, miner, expected, *, unit, job,
-                                        pod, container, remote):
+def _every_page_shows_the_names_as_text(
+    browser, served, victims, owner, procs, miner, expected, *, unit, job, pod, container, remote
+):
     browser.login(served, "overview", timeout=60)
-    browser.wait(lambda: browser.css('section.host[data-host="1"][data-state="down"]'), 60,
-                 "the host where nothing answers is not shown down")
+    browser.wait(
+        lambda: browser.css('section.host[data-host="1"][data-state="down"]'),
+        60,
+        "the host where nothing answers is not shown down",
+    )
     names = [h.get_attribute("textContent") for h in browser.css("section.host .host-name")]
     assert names == [HOSTILE[0], remote], names
     assert [o.get_attribute("textContent") for o in browser.css("#host-select option")] == [HOSTILE[0], remote]
@@ -413,21 +491,28 @@ def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, 
         cell = row.find_element("css selector", f"td.col-{what}").get_attribute("textContent")
         assert cell == expected[what], (what, cell)
         assert row.find_element("css selector", "td.col-host").get_attribute("textContent") == HOSTILE[0]
-        assert row.find_element("css selector", ".comm").get_attribute("textContent") == HOSTILE[list(procs).index(
-            what) % 2][:15]
+        assert (
+            row.find_element("css selector", ".comm").get_attribute("textContent")
+            == HOSTILE[list(procs).index(what) % 2][:15]
+        )
     wait_row(browser, procs["unit"].pid).find_element("css selector", "button.kill").click()
-    assert f"on host {HOSTILE[0]}?" in browser.driver.find_element("css selector", "#confirm-text") \
-        .get_attribute("textContent")
+    assert f"on host {HOSTILE[0]}?" in browser.driver.find_element("css selector", "#confirm-text").get_attribute(
+        "textContent"
+    )
     browser.css("#confirm-no")[0].click()
     # the long unit is cut to its column (a container's scope, docker-<64 hex>.scope, is long too), whole in the
     # cell's tooltip
     cell = wait_row(browser, procs["unit"].pid).find_element("css selector", "td.col-unit")
     assert cell.get_attribute("title") == unit
-    assert browser.driver.execute_script("return arguments[0].scrollWidth > arguments[0].clientWidth", cell), \
+    assert browser.driver.execute_script("return arguments[0].scrollWidth > arguments[0].clientWidth", cell), (
         "a long unit name widens its column to the whole name"
+    )
     browser.css("#filter")[0].send_keys(r"\x3cimg")
-    browser.wait(lambda: [r.get_attribute("data-pid") for r in browser.css("#processes tr.proc")]
-                 == [str(procs["unit"].pid)], 5, "the filter does not match the unit as written")
+    browser.wait(
+        lambda: [r.get_attribute("data-pid") for r in browser.css("#processes tr.proc")] == [str(procs["unit"].pid)],
+        5,
+        "the filter does not match the unit as written",
+    )
     browser.css("#filter")[0].clear()
     browser.css("#filter")[0].send_keys(" ")
     assert_no_markup(browser, "processes")
@@ -438,8 +523,11 @@ def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, 
     policy = MARKUP_POLICY.format(unit=unit, container=container, job=job)
     browser.driver.execute_script("arguments[0].value = arguments[1]", browser.css("#policy-text")[0], policy)
     browser.css("#policy-test")[0].click()
-    rows = browser.wait(lambda: len(browser.css("#decisions tbody tr")) >= 3 and browser.css("#decisions tbody tr"),
-                        15, lambda: f"no decisions for the pasted policy: {browser.text('#guard-decisions')!r}")
+    rows = browser.wait(
+        lambda: len(browser.css("#decisions tbody tr")) >= 3 and browser.css("#decisions tbody tr"),
+        15,
+        lambda: f"no decisions for the pasted policy: {browser.text('#guard-decisions')!r}",
+    )
     decided = {}
     for row in rows:
         cells = [td.get_attribute("textContent") for td in row.find_elements("css selector", "td")]
@@ -454,9 +542,11 @@ def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, 
     browser.screenshot("markup-guard")
 
     browser.open(served, "audit")
-    finding = browser.wait(lambda: [r for r in browser.css("#findings tr.finding")
-                                    if r.get_attribute("data-pid") == str(miner.pid)], 15,
-                           lambda: f"the miner was not found: {browser.text('#audit-findings')!r}")[0]
+    finding = browser.wait(
+        lambda: [r for r in browser.css("#findings tr.finding") if r.get_attribute("data-pid") == str(miner.pid)],
+        15,
+        lambda: f"the miner was not found: {browser.text('#audit-findings')!r}",
+    )[0]
     details = [d.get_attribute("textContent") for d in finding.find_elements("css selector", ".evidence .detail")]
     assert f"stratum URL in the command line: stratum+tcp://{HOSTILE[1]}" in details, details
     assert_no_markup(browser, "audit")
@@ -467,13 +557,17 @@ def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, 
         browser.driver.find_element("css selector", f'#usage-by option[value="{by}"]').click()
 
         def keys():
-            return [tr.find_element("css selector", "td").get_attribute("textContent")
-                    for tr in browser.css("#usage-table tbody tr")]
+            return [
+                tr.find_element("css selector", "td").get_attribute("textContent")
+                for tr in browser.css("#usage-table tbody tr")
+            ]
+
         browser.wait(lambda: key in keys(), 30, lambda: f"no usage row of {by} {key}: {keys()}")  # noqa: B023
         # each label whole in its tooltip, and drawn inside the chart (a long one cut, not run off its left)
         labels = browser.driver.execute_script(
             "return [...document.querySelectorAll('#usage-report svg text.chart-label')]"
-            ".map((t) => [t.querySelector('title').textContent, t.getBBox().x])")
+            ".map((t) => [t.querySelector('title').textContent, t.getBBox().x])"
+        )
         assert key in [name for name, _ in labels], (by, labels)
         assert all(x >= 0 for _, x in labels), (by, labels)
         assert_no_markup(browser, f"usage by {by}")
@@ -482,9 +576,15 @@ def _every_page_shows_the_names_as_text(browser, served, victims, owner, procs, 
 
     assert victims.ctl(owner, "kill", str(procs["container"].pid), "--grace", "2").returncode == 0
     browser.open(served, "events")
-    event = browser.wait(lambda: [e for e in browser.css("#events tr.event")
-                                  if f"PID {procs['container'].pid} " in e.get_attribute("textContent")], 15,
-                         "the kill did not reach the events page")[0]
+    event = browser.wait(
+        lambda: [
+            e
+            for e in browser.css("#events tr.event")
+            if f"PID {procs['container'].pid} " in e.get_attribute("textContent")
+        ],
+        15,
+        "the kill did not reach the events page",
+    )[0]
     cells = [td.get_attribute("textContent") for td in event.find_elements("css selector", "td")]
     assert cells[1] == HOSTILE[0] and f"({HOSTILE[1][:15]})" in cells[3], cells
     assert_no_markup(browser, "events")
@@ -506,10 +606,16 @@ def test_two_hosts_over_ssh_on_one_page_one_of_them_stopped(browser, lab, victim
     served = lab.serve(owner, *lab.hosts)
     try:
         browser.login(served, "overview", timeout=60)
-        browser.wait(lambda: browser.css('section.host[data-host="1"][data-state="up"]'), 60,
-                     lambda: "the second host is not up: " + browser.text('section.host[data-host="1"]'))
-        stopped = browser.wait(lambda: browser.css('section.host[data-host="2"][data-state="down"]'), 60,
-                               "the stopped host is not shown down")[0]
+        browser.wait(
+            lambda: browser.css('section.host[data-host="1"][data-state="up"]'),
+            60,
+            lambda: "the second host is not up: " + browser.text('section.host[data-host="1"]'),
+        )
+        stopped = browser.wait(
+            lambda: browser.css('section.host[data-host="2"][data-state="down"]'),
+            60,
+            "the stopped host is not shown down",
+        )[0]
         assert stopped.find_element("css selector", ".host-error").text, "the stopped host's error is not said"
         assert len(browser.css('.gpu[data-host="1"]')) == 4 and not browser.css('.gpu[data-host="2"]')
         assert len(browser.css('section.host[data-host="0"] .gpu')) == 4
@@ -531,9 +637,15 @@ def test_two_hosts_over_ssh_on_one_page_one_of_them_stopped(browser, lab, victim
 def test_every_page_draws_its_data(browser, server, victims, users):
     """And, with GPUKILL_SCREENSHOTS=DIR, a screenshot of each page into DIR (the README's)."""
     owner, other, admin = users["owner"], users["other"], users["admin"]
-    for i, (user, comm, mem, util) in enumerate([(owner, "train.py", "30GiB", 97), (owner, "eval.py", "12GiB", 64),
-                                                 (other, "notebook", "9GiB", 0), (admin, "xmrig", "6GiB", 99),
-                                                 (other, "infer", "20GiB", 35)]):
+    for i, (user, comm, mem, util) in enumerate(
+        [
+            (owner, "train.py", "30GiB", 97),
+            (owner, "eval.py", "12GiB", 64),
+            (other, "notebook", "9GiB", 0),
+            (admin, "xmrig", "6GiB", 99),
+            (other, "infer", "20GiB", 35),
+        ]
+    ):
         victims.victim(user, gpu=i % 3, mem=mem, util=util, comm=comm)
     browser.login(server, "overview")
     browser.wait(lambda: len(browser.css("#hosts-overview .gpu")) == 4, 10, "no GPU cards")
@@ -574,19 +686,26 @@ def test_every_page_draws_its_data(browser, server, victims, users):
     # the form sends what was typed: the server reads it in the one size grammar, and a bare number is no size
     browser.css("#mp-memory")[0].send_keys("8")
     browser.css("#mp-set")[0].click()
-    browser.wait(lambda: "a bare number is not a size: '8' (write a unit" in browser.text("#flash"), 15,
-                 lambda: f"#flash says {browser.text('#flash')!r}")
+    browser.wait(
+        lambda: "a bare number is not a size: '8' (write a unit" in browser.text("#flash"),
+        15,
+        lambda: f"#flash says {browser.text('#flash')!r}",
+    )
     browser.css("#mp-memory")[0].clear()
     browser.css("#mp-memory")[0].send_keys("8GiB")
     browser.css("#mp-set")[0].click()
     refused = server.call("PUT", f"/v1/guard/policies/user/{other.name}", {"memory_limit": 8 << 30})
     assert refused.status == 403, refused
-    browser.wait(lambda: browser.text("#flash") == refused.body["message"], 15,
-                 lambda: f"#flash says {browser.text('#flash')!r}, not {refused.body['message']!r}")
+    browser.wait(
+        lambda: browser.text("#flash") == refused.body["message"],
+        15,
+        lambda: f"#flash says {browser.text('#flash')!r}, not {refused.body['message']!r}",
+    )
 
     browser.open(server, "audit")
-    finding = browser.wait(lambda: [r for r in browser.css("#findings tr.finding") if "xmrig" in r.text], 15,
-                           "the miner was not found")[0]
+    finding = browser.wait(
+        lambda: [r for r in browser.css("#findings tr.finding") if "xmrig" in r.text], 15, "the miner was not found"
+    )[0]
     assert "miner-name" in finding.text, finding.text
     browser.screenshot("audit")
 
@@ -600,13 +719,19 @@ def test_every_page_draws_its_data(browser, server, victims, users):
     victims.wait_listed(victim.pid)
     assert victims.ctl(owner, "kill", str(victim.pid), "--grace", "2").returncode == 0
     browser.open(server, "events")
-    browser.wait(lambda: [e for e in browser.css("#events tr.event") if "short-run" in e.text], 10,
-                 "the kill did not reach the events page")
+    browser.wait(
+        lambda: [e for e in browser.css("#events tr.event") if "short-run" in e.text],
+        10,
+        "the kill did not reach the events page",
+    )
     browser.screenshot("events")
     # No script error and nothing the Content-Security-Policy refused, on any page of this module's visits
     # (the refused requests' 401s and 403s are the network's entries, and expected).
-    problems = [e for e in browser.driver.get_log("browser")
-                if e.get("source") != "network" or "Content Security Policy" in e.get("message", "")]
+    problems = [
+        e
+        for e in browser.driver.get_log("browser")
+        if e.get("source") != "network" or "Content Security Policy" in e.get("message", "")
+    ]
     assert not problems, problems
 
 
@@ -620,8 +745,11 @@ def test_the_page_prints_what_the_cli_prints_and_colours_load(browser, server, v
         pids[comm] = victims.victim(owner, gpu=gpu, mem="2GiB", util=util, comm=comm).pid
         victims.wait_listed(pids[comm])
     browser.login(server, "overview")
-    browser.wait(lambda: browser.css('#hosts-overview .gpu[data-index="0"] .bar-fill.load-heavy'), 15,
-                 "GPU 0 at 95% is not drawn heavy")
+    browser.wait(
+        lambda: browser.css('#hosts-overview .gpu[data-index="0"] .bar-fill.load-heavy'),
+        15,
+        "GPU 0 at 95% is not drawn heavy",
+    )
     assert browser.css('#hosts-overview .gpu[data-index="1"] .bar-fill.load-light')
     assert browser.text('#hosts-overview .gpu[data-index="3"] .gpu-temp') == "\u2013"  # no sensor: not 0 °C
     assert "heavy (from 75 %" in browser.text("#load-legend")
@@ -648,15 +776,19 @@ def test_the_page_prints_what_the_cli_prints_and_colours_load(browser, server, v
     browser.screenshot("display-usage")
 
     # a managed policy's grace: the page writes what `gpukillctl guard policy list` writes
-    added = victims.ctl(admin, "guard", "policy", "add", "user", other.name, "--memory-limit", "64GiB",
-                        "--grace", "150s")
+    added = victims.ctl(
+        admin, "guard", "policy", "add", "user", other.name, "--memory-limit", "64GiB", "--grace", "150s"
+    )
     assert added.returncode == 0, added
     try:
         listed = victims.ctl(admin, "guard", "policy", "list")
         assert "grace 2min 30s" in listed.stdout, listed
         browser.open(server, "guard")
-        browser.wait(lambda: "grace 2min 30s" in browser.text("#managed-list"), 15,
-                     lambda: f"the page says {browser.text('#managed-list')!r} {browser.driver.get_log('browser')}")
+        browser.wait(
+            lambda: "grace 2min 30s" in browser.text("#managed-list"),
+            15,
+            lambda: f"the page says {browser.text('#managed-list')!r} {browser.driver.get_log('browser')}",
+        )
         assert "users" not in browser.text("#managed table")  # no allowed_users: none listed, the page draws on
         assert "In a grace period" in browser.text("#guard-status")
         browser.screenshot("display-guard")
@@ -672,8 +804,10 @@ def test_the_page_never_makes_markup_from_text():
     scripts, no inline script or style (the CSP refuses them), no eval, no library fetched from elsewhere."""
     scripts = sorted(STATIC.glob("*.js"))
     assert {p.name for p in scripts} >= {"app.js", "stream-worker.js"}
-    banned = re.compile(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|\beval\s*\(|new Function|"
-                        r"setAttribute\(\s*[\"']style|https?://(?!www\.w3\.org/2000/svg)")
+    banned = re.compile(
+        r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|\beval\s*\(|new Function|"
+        r"setAttribute\(\s*[\"']style|https?://(?!www\.w3\.org/2000/svg)"
+    )
     for path in scripts:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not banned.search(line), f"{path.name}:{n}: {line.strip()}"

@@ -1,5 +1,6 @@
 """The door of the dashboard `gpukillctl serve` serves at `/`: the one-time login link and its session (a
-cookie and the page's header, each useless alone), the page's refusal without it, the second lock on cross-site changes, the security headers on every response,
+cookie and the page's header, each useless alone), the page's refusal without it, the second lock on cross-site changes,
+the security headers on every response,
 the page's files and nothing else, `--open` and the guard policy routes the Guard page uses.
 
 The session store is checked on its own (no server); the rest against a real server run as an unprivileged
@@ -118,8 +119,10 @@ def session_headers(server: Server) -> dict[str, str]:
     """What a logged-in page sends: the session's cookie and the page's half of it."""
     r = login(server, new_link(server))
     assert r.status == 303, r
-    return {"Cookie": r.headers["set-cookie"].split(";", 1)[0],
-            "X-Gpukill-Session": r.headers["location"].removeprefix("/#session=")}
+    return {
+        "Cookie": r.headers["set-cookie"].split(";", 1)[0],
+        "X-Gpukill-Session": r.headers["location"].removeprefix("/#session="),
+    }
 
 
 @needs_root
@@ -144,7 +147,12 @@ def test_the_one_time_link_logs_in_exactly_once(server):
     again = login(server, url)
     assert again.status == 403 and "set-cookie" not in again.headers, again
     assert again.headers["content-type"].startswith("text/html") and "was used or has expired" in again.body
-    for path in ("/login?code=", "/login", "/login?code=" + "A" * 43, f"{urlsplit(url).path}?{urlsplit(url).query}&code=x"):
+    for path in (
+        "/login?code=",
+        "/login",
+        "/login?code=" + "A" * 43,
+        f"{urlsplit(url).path}?{urlsplit(url).query}&code=x",
+    ):
         r = request(server.port, "GET", path)
         assert r.status == 403 and "set-cookie" not in r.headers, (path, r)
     forged = {"Cookie": f"{name}={'A' * len(secret)}"}
@@ -189,11 +197,13 @@ def test_a_cross_site_form_post_is_refused_and_the_process_lives(server, victims
     kill = f'{{"pid": {victim.pid}, "start_time": {listed["start_time"]}, "grace": 2}}'.encode()
     refused = [
         # what evil.example's <form method=post> sends, if the browser sent the cookie at all
-        ({**cookie, "Origin": "http://evil.example",
-          "Content-Type": "application/x-www-form-urlencoded"}, form, "BadOrigin"),
+        (
+            {**cookie, "Origin": "http://evil.example", "Content-Type": "application/x-www-form-urlencoded"},
+            form,
+            "BadOrigin",
+        ),
         ({**cookie, "Content-Type": "application/x-www-form-urlencoded"}, form, "CrossSite"),
-        ({**cookie, "Origin": origin, "Content-Type": "application/x-www-form-urlencoded"}, form,
-         "CrossSite"),
+        ({**cookie, "Origin": origin, "Content-Type": "application/x-www-form-urlencoded"}, form, "CrossSite"),
         ({**cookie, "Origin": origin, "Content-Type": "text/plain"}, kill, "CrossSite"),
         ({**cookie, "Content-Type": "application/json"}, kill, "CrossSite"),  # no Origin
         ({**cookie, "Origin": "http://evil.example", "Content-Type": "application/json"}, kill, "BadOrigin"),
@@ -206,8 +216,13 @@ def test_a_cross_site_form_post_is_refused_and_the_process_lives(server, victims
     time.sleep(0.5)
     assert alive(victim.pid)
     # the page's own request: this Origin, JSON; the cookie acts as the server's user
-    r = request(server.port, "POST", "/v1/kill", headers={**cookie, "Origin": origin,
-                                                         "Content-Type": "application/json; charset=utf-8"}, raw=kill)
+    r = request(
+        server.port,
+        "POST",
+        "/v1/kill",
+        headers={**cookie, "Origin": origin, "Content-Type": "application/json; charset=utf-8"},
+        raw=kill,
+    )
     assert r.status == 200 and r.body["outcome"] == "terminated", r
     assert victim.wait(5) is not None
 
@@ -248,9 +263,19 @@ def test_the_security_headers_on_html_json_and_static(server):
 def test_only_the_pages_files_are_served(server):
     cookie = session_headers(server)
     assert _raw_get(server.port, "/static/app.js", cookie)[0] == 200  # the route is there, for its own files
-    for path in ("/static/../session.py", "/static/..%2fsession.py", "/static/%2e%2e/session.py",
-                 "/static/../../http/gate.py", "/static/..", "/static/", "/static/.hidden", "/static/app.js/x",
-                 "/static/../__init__.py", "/index.html", "/static/nothing.js"):
+    for path in (
+        "/static/../session.py",
+        "/static/..%2fsession.py",
+        "/static/%2e%2e/session.py",
+        "/static/../../http/gate.py",
+        "/static/..",
+        "/static/",
+        "/static/.hidden",
+        "/static/app.js/x",
+        "/static/../__init__.py",
+        "/index.html",
+        "/static/nothing.js",
+    ):
         r = _raw_get(server.port, path, cookie)
         assert r[0] in (400, 404), (path, r)
         assert b"import " not in r[1] and b"def " not in r[1], (path, r)
@@ -289,7 +314,7 @@ def _listening_addresses(pid: int) -> set[tuple[str, int]]:
     for fd in os.listdir(f"/proc/{pid}/fd"):
         target = os.readlink(f"/proc/{pid}/fd/{fd}")
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
@@ -315,8 +340,12 @@ def test_open_opens_the_browser_on_a_link_that_works_on_loopback(bed, users):
     browser.chmod(0o755)
     s = Server(bed, owner, "--open", env={"BROWSER": str(browser)})
     try:
-        wait_until(lambda: opened.exists() and opened.read_text().endswith("\n"), 30,
-                   lambda: f"no browser was opened: {s.output()}", interval=0.2)
+        wait_until(
+            lambda: opened.exists() and opened.read_text().endswith("\n"),
+            30,
+            lambda: f"no browser was opened: {s.output()}",
+            interval=0.2,
+        )
         urls = opened.read_text().split()
         assert len(urls) == 1, urls
         parts = urlsplit(urls[0])

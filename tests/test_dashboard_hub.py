@@ -60,8 +60,12 @@ def until_gone(reader: EventReader, pid: int, host: int = 0, signals: list | Non
             event = await reader.next(30)
             if event.event == "signal" and signals is not None:
                 signals.append(event.json())
-            if event.event == "host" and (view := event.json())["id"] == host and view["state"] == "up" \
-                    and pid not in pids_of(view):
+            if (
+                event.event == "host"
+                and (view := event.json())["id"] == host
+                and view["state"] == "up"
+                and pid not in pids_of(view)
+            ):
                 return view, event.at
 
     return asyncio.ensure_future(read())
@@ -101,8 +105,9 @@ def test_the_first_host_event_carries_the_live_listing(bed, victims, users):
     try:
         run(go())
         hosts = s.call("GET", "/ui/hosts")
-        assert hosts.status == 200 and hosts.body == {"hosts": [{"id": 0, "name": hosts.body["hosts"][0]["name"],
-                                                                 "api": "/v1"}]}, hosts
+        assert hosts.status == 200 and hosts.body == {
+            "hosts": [{"id": 0, "name": hosts.body["hosts"][0]["name"], "api": "/v1"}]
+        }, hosts
     finally:
         s.stop()
 
@@ -146,11 +151,18 @@ def test_a_process_name_of_markup_arrives_as_the_exact_json_string(server, bed, 
     page sets it as text, tests/test_dashboard_browser.py)."""
     owner = users["owner"]
     # comm holds 15 bytes (the kernel's TASK_COMM_LEN): the whole name is in the command line
-    code = (f"import ctypes, time; ctypes.CDLL(None).prctl(15, {SCRIPT_NAME[:15].encode()!r}, 0, 0, 0); "
-            "print('ready', flush=True); time.sleep(600)")
-    victim = subprocess.Popen([SYSTEM_PYTHON, "-c", code, SCRIPT_NAME], stdout=subprocess.PIPE, cwd="/",
-                              env={"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope},
-                              start_new_session=True, **owner.popen_kwargs())
+    code = (
+        f"import ctypes, time; ctypes.CDLL(None).prctl(15, {SCRIPT_NAME[:15].encode()!r}, 0, 0, 0); "
+        "print('ready', flush=True); time.sleep(600)"
+    )
+    victim = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", code, SCRIPT_NAME],
+        stdout=subprocess.PIPE,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope},
+        start_new_session=True,
+        **owner.popen_kwargs(),
+    )
     bed.procs.append(victim)  # killed after the test (victims)
     assert victim.stdout is not None and victim.stdout.readline().strip() == b"ready"
     bed.wait_listed(victim.pid, comm=SCRIPT_NAME[:15])
@@ -159,8 +171,11 @@ def test_a_process_name_of_markup_arrives_as_the_exact_json_string(server, bed, 
         r = await EventReader.open(server.port, server.token)
         while True:
             event = await r.next(30)
-            if event.event == "host" and victim.pid in pids_of(view := event.json()) and any(
-                    p["comm"] == SCRIPT_NAME[:15] for p in view["processes"] if p["pid"] == victim.pid):
+            if (
+                event.event == "host"
+                and victim.pid in pids_of(view := event.json())
+                and any(p["comm"] == SCRIPT_NAME[:15] for p in view["processes"] if p["pid"] == victim.pid)
+            ):
                 r.close()
                 return event.data
 
@@ -240,8 +255,12 @@ def test_with_every_stream_open_the_server_still_answers_requests(server):
         try:
             one_more = await EventReader.open(server.port, server.token)
             one_more.close()
-            answered = await asyncio.gather(*(asyncio.to_thread(
-                lambda: request(server.port, "GET", "/v1/devices", server.token).status) for _ in range(8)))
+            answered = await asyncio.gather(
+                *(
+                    asyncio.to_thread(lambda: request(server.port, "GET", "/v1/devices", server.token).status)
+                    for _ in range(8)
+                )
+            )
             return [r.status for r in readers], one_more.status, list(answered)
         finally:
             for r in readers:
@@ -268,8 +287,9 @@ def test_a_kill_for_another_host_goes_to_that_hosts_gpukilld_over_ssh(lab, bed, 
     try:
         assert s.call("GET", "/v1/devices").status >= 500  # host 0: no bus
         listed = {p["pid"]: p for p in s.call("GET", "/hosts/1/v1/processes").body["processes"]}
-        r = s.call("POST", "/hosts/1/v1/kill", {"pid": mine.pid, "start_time": listed[mine.pid]["start_time"],
-                                                "grace": 2})
+        r = s.call(
+            "POST", "/hosts/1/v1/kill", {"pid": mine.pid, "start_time": listed[mine.pid]["start_time"], "grace": 2}
+        )
         assert r.status == 200 and r.body["outcome"] in ("terminated", "killed"), r
         assert mine.wait(10) is not None
         entry = bed.wait_journal(GPUKILL_TARGET_PID=str(mine.pid), MESSAGE_ID=audit.KILL.message_id)
@@ -291,9 +311,16 @@ def padded_sleepers(bed, user, n: int, gpus: int = 2) -> list[subprocess.Popen]:
     procs = []
     for i in range(n):
         env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(i % gpus), "GPUKILL_SIM_SCOPE": bed.scope}
-        procs.append(subprocess.Popen(["bash", "-c", 'exec -a "$0" sleep 600', f"{i:04d}" + "x" * 3996],
-                                      env=env, cwd="/", start_new_session=True, stdin=subprocess.DEVNULL,
-                                      **user.popen_kwargs()))
+        procs.append(
+            subprocess.Popen(
+                ["bash", "-c", 'exec -a "$0" sleep 600', f"{i:04d}" + "x" * 3996],
+                env=env,
+                cwd="/",
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                **user.popen_kwargs(),
+            )
+        )
     bed.procs.extend(procs)
     return procs
 
@@ -350,8 +377,11 @@ def test_a_stopped_host_is_down_while_the_other_stays_live(lab, bed, victims, us
         assert [v["name"] for v in first[1:]] == [lab.remote, lab.stopped], first
         views: dict[int, dict] = {}
         deadline = time.monotonic() + 90
-        while not (views.get(1, {}).get("state") == "up" and victim.pid in pids_of(views[1])
-                   and views.get(2, {}).get("state") == "down"):
+        while not (
+            views.get(1, {}).get("state") == "up"
+            and victim.pid in pids_of(views[1])
+            and views.get(2, {}).get("state") == "down"
+        ):
             assert time.monotonic() < deadline, views
             event = await r.next(deadline - time.monotonic())
             if event.event == "host":
@@ -372,7 +402,9 @@ def test_a_stopped_host_is_down_while_the_other_stays_live(lab, bed, victims, us
         run(go())
         hosts = s.call("GET", "/ui/hosts").body["hosts"]
         assert [(h["id"], h["name"], h["api"]) for h in hosts[1:]] == [
-            (1, lab.remote, "/hosts/1/v1"), (2, lab.stopped, "/hosts/2/v1")], hosts
+            (1, lab.remote, "/hosts/1/v1"),
+            (2, lab.stopped, "/hosts/2/v1"),
+        ], hosts
     finally:
         s.stop()
 
@@ -393,9 +425,20 @@ async def asgi_stream(app, path: str = "/ui/stream"):
         await gone.wait()
         return {"type": "http.disconnect"}
 
-    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "headers": [(b"host", b"localhost")], "root_path": "", "scheme": "http", "http_version": "1.1",
-             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"host", b"localhost")],
+        "root_path": "",
+        "scheme": "http",
+        "http_version": "1.1",
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+    }
     task = asyncio.ensure_future(app(scope, receive, sent.put))
     start = await sent.get()
     body = b""
@@ -471,9 +514,20 @@ def test_the_feed_starts_with_the_first_page_outlives_the_last_by_linger_and_a_q
             await asyncio.sleep(3600)
             return {"type": "http.disconnect"}
 
-        scope = {"type": "http", "method": "GET", "path": "/ui/stream", "raw_path": b"/ui/stream",
-                 "query_string": b"", "headers": [], "root_path": "", "scheme": "http", "http_version": "1.1",
-                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "asgi": {"version": "3.0"}}
+        scope = {
+            "type": "http",
+            "method": "GET",
+            "path": "/ui/stream",
+            "raw_path": b"/ui/stream",
+            "query_string": b"",
+            "headers": [],
+            "root_path": "",
+            "scheme": "http",
+            "http_version": "1.1",
+            "server": ("127.0.0.1", 80),
+            "client": ("127.0.0.1", 1),
+            "asgi": {"version": "3.0"},
+        }
         stream = asyncio.ensure_future(app(scope, receive, send))
         deadline = time.monotonic() + 30
         while not any(m.get("body") == b": ping\n\n" for m in sent):
@@ -542,8 +596,18 @@ def test_idle_seconds_count_from_the_first_listing_that_saw_memory_held_at_zero_
     clock = hub_mod.IdleClock()
 
     def proc(pid: int, util: float | None, mem: int | None = 1 << 30) -> Process:
-        return Process(pid=pid, start_time=pid * 10, uid=0, user="u", comm="c", cmdline="c", device=0,
-                       device_id="GPU-0", gpu_memory=mem, gpu_utilization=util)
+        return Process(
+            pid=pid,
+            start_time=pid * 10,
+            uid=0,
+            user="u",
+            comm="c",
+            cmdline="c",
+            device=0,
+            device_id="GPU-0",
+            gpu_memory=mem,
+            gpu_utilization=util,
+        )
 
     assert clock.update([proc(1, 0.0), proc(2, 5.0), proc(3, None), proc(4, 0.0, 0)], 100.0) == [0.0, None, None, None]
     assert clock.update([proc(1, 0.0), proc(2, 0.0)], 130.0) == [30.0, 0.0]
@@ -554,18 +618,23 @@ def test_idle_seconds_count_from_the_first_listing_that_saw_memory_held_at_zero_
 def test_an_event_is_one_data_line_whatever_the_text():
     data = hub_mod.sse("host", {"comm": "a\n\nevent: signal\ndata: {}\r\n"})
     assert data.count(b"\n") == 3 and data.endswith(b"\n\n"), data
-    assert json.loads(data.split(b"\n")[1][len(b"data: "):]) == {"comm": "a\n\nevent: signal\ndata: {}\r\n"}
+    assert json.loads(data.split(b"\n")[1][len(b"data: ") :]) == {"comm": "a\n\nevent: signal\ndata: {}\r\n"}
 
 
 def test_host_specs(tmp_path):
     specs = hosts_mod.host_specs(["gk@node2:2222", "node3"], None)
-    assert [(h.id, h.name, h.api) for h in specs[1:]] == [(1, "gk@node2:2222", "/hosts/1/v1"),
-                                                          (2, "node3", "/hosts/2/v1")]
+    assert [(h.id, h.name, h.api) for h in specs[1:]] == [
+        (1, "gk@node2:2222", "/hosts/1/v1"),
+        (2, "node3", "/hosts/2/v1"),
+    ]
     assert specs[0].id == 0 and specs[0].api == "/v1" and specs[0].name
     listed = tmp_path / "hosts"
     listed.write_text("# the lab\nnode4   # rack 2\n\n  gk@[fe80::1%eth0]:22\n")
-    assert [h.name for h in hosts_mod.host_specs(["node3"], str(listed))[1:]] == ["node3", "node4",
-                                                                                   "gk@[fe80::1%eth0]:22"]
+    assert [h.name for h in hosts_mod.host_specs(["node3"], str(listed))[1:]] == [
+        "node3",
+        "node4",
+        "gk@[fe80::1%eth0]:22",
+    ]
     listed.write_text("node4\n$(reboot)\n")
     with pytest.raises(ValueError, match=rf"^{listed}:2: not a host: '\$\(reboot\)'$"):
         hosts_mod.host_specs([], str(listed))

@@ -24,8 +24,10 @@ from gpukilld import journal
 from gpukilld.files import WriteWatch
 
 INTERVAL = 0.3
-WATCH = ("rules:\n  - {name: watch, action: log, conditions: [{type: gpu_utilization, operator: '>', value: 50,"
-         " duration: 1h}]}\n")
+WATCH = (
+    "rules:\n  - {name: watch, action: log, conditions: [{type: gpu_utilization, operator: '>', value: 50,"
+    " duration: 1h}]}\n"
+)
 
 
 # -- WriteWatch alone ------------------------------------------------------------------------------------------
@@ -47,7 +49,8 @@ def test_a_run_of_failures_is_one_entry_and_the_success_after_it_one_more():
         watch.failed(full)
         now[0] += 1
     assert [(k, m) for k, m, _ in audit.logged] == [
-        ("write-failed", "cannot write /var/lib/gpukill/x.json (the x): No space left on device; the old file stays")]
+        ("write-failed", "cannot write /var/lib/gpukill/x.json (the x): No space left on device; the old file stays")
+    ]
     assert audit.logged[0][2]["file"] == "/var/lib/gpukill/x.json"
     watch.written()
     watch.written()
@@ -79,8 +82,10 @@ class Disk:
         self.bed = bed
         self.where = bed.workdir / "disk"
         self.where.mkdir()
-        subprocess.run(bed.in_journal_ns(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
-                                          str(self.where)]), check=True)
+        subprocess.run(
+            bed.in_journal_ns(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(self.where)]),
+            check=True,
+        )
         self.filler = self.seen("filler")
 
     def seen(self, *parts: str) -> Path:
@@ -129,8 +134,9 @@ def guard_disk(fresh_bed, users):
             disk.seen(sub).mkdir(mode=0o755)
         disk.seen("guard.d", "watch.yaml").write_text(WATCH)
         subprocess.run(bed.in_journal_ns(["mount", "--bind", str(disk.where / "conf.d"), str(confd)]), check=True)
-        bed.write_conf(guard={"policy_dir": disk.where / "guard.d", "state_dir": disk.where / "state"},
-                       usage={"enabled": "no"})
+        bed.write_conf(
+            guard={"policy_dir": disk.where / "guard.d", "state_dir": disk.where / "state"}, usage={"enabled": "no"}
+        )
         bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
         yield bed, disk
     finally:
@@ -156,8 +162,10 @@ def test_guard_state_policies_and_settings_survive_a_full_disk(guard_disk):
     for args in (["dry-run", "on"], ["disable"], ["enable"]):  # each a save of the state that fails
         r = bed.ctl(ROOT, "guard", *args)
         assert r.returncode == 0, r  # in force, and the admin is told it is not kept
-        assert r.stderr.strip() == (f"gpukillctl: in force, but not kept across a restart of gpukilld: cannot write "
-                                    f"{state_in_ns}: No space left on device"), r
+        assert r.stderr.strip() == (
+            f"gpukillctl: in force, but not kept across a restart of gpukilld: cannot write "
+            f"{state_in_ns}: No space left on device"
+        ), r
     assert bed.guard_status()["dry_run"] is True
     r = bed.ctl(ROOT, "guard", "status")
     assert f"state not saved (a restart resumes from it as last saved): cannot write {state_in_ns}" in r.stdout, r
@@ -218,8 +226,10 @@ def usage_disk(fresh_bed, users):
         disk.unmount()
 
 
-STORED = ("import sqlite3, sys; c = sqlite3.connect(f'file:{sys.argv[1]}?mode=ro', uri=True); "
-          "print(c.execute('SELECT count(*) FROM usage WHERE pid = ?', (int(sys.argv[2]),)).fetchone()[0])")
+STORED = (
+    "import sqlite3, sys; c = sqlite3.connect(f'file:{sys.argv[1]}?mode=ro', uri=True); "
+    "print(c.execute('SELECT count(*) FROM usage WHERE pid = ?', (int(sys.argv[2]),)).fetchone()[0])"
+)
 
 
 def stored(bed: Testbed, disk: Disk, pid: int) -> int:
@@ -227,8 +237,12 @@ def stored(bed: Testbed, disk: Disk, pid: int) -> int:
     namespace: SQLite resolves /proc/PID/root as the link it is, to this namespace's /."""
     if not disk.seen("state", "usage.sqlite").exists():
         return 0
-    r = subprocess.run(bed.in_journal_ns([sys.executable, "-c", STORED, str(disk.where / "state" / "usage.sqlite"),
-                                          str(pid)]), capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        bed.in_journal_ns([sys.executable, "-c", STORED, str(disk.where / "state" / "usage.sqlite"), str(pid)]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(r.stdout)
 
 
@@ -301,8 +315,11 @@ def test_a_store_that_could_not_be_made_at_start_is_made_once_there_is_space(ful
     assert len(failed) == 1, failed
     v = bed.victim(ROOT, gpu=0, util=50, comm="closedwhilefull", lifetime=1.0)
     v.wait(30)
-    wait_until(lambda: bed.journal(MESSAGE_ID=journal.USAGE.message_id, GPUKILL_TARGET_PID=str(v.pid)), 15,
-               "no usage entry in the journal")
+    wait_until(
+        lambda: bed.journal(MESSAGE_ID=journal.USAGE.message_id, GPUKILL_TARGET_PID=str(v.pid)),
+        15,
+        "no usage entry in the journal",
+    )
 
     disk.free()
     wait_until(lambda: entries(bed, journal.WRITE_RECOVERED, store), 20, "the store was not made")
@@ -350,8 +367,13 @@ def test_the_store_holds_at_most_its_bound_and_says_so_once(fresh_bed):
     bed = fresh_bed
     disk = Disk(bed)
     try:
-        r = subprocess.run(bed.in_journal_ns([sys.executable, "-c", HELD, str(disk.where)]), capture_output=True,
-                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        r = subprocess.run(
+            bed.in_journal_ns([sys.executable, "-c", HELD, str(disk.where)]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        )
     finally:
         disk.unmount()
     assert r.returncode == 0, r

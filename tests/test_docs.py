@@ -22,8 +22,21 @@ DOCS = sorted((REPO / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
 PACKAGES = ("gpukill", "gpukilld", "gpukillctl")
 # top-level folders of the repository: a backticked path starting with one of them names a file of the checkout
-TOP = ("gpukill", "gpukilld", "gpukillctl", "tests", "bench", "deploy", "dbus", "systemd", "polkit", "packaging",
-       "examples", "man", "docs")
+TOP = (
+    "gpukill",
+    "gpukilld",
+    "gpukillctl",
+    "tests",
+    "bench",
+    "deploy",
+    "dbus",
+    "systemd",
+    "polkit",
+    "packaging",
+    "examples",
+    "man",
+    "docs",
+)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -68,7 +81,7 @@ def test_the_readme_is_a_front_door_under_250_lines():
 def test_the_readme_opens_on_the_commands_to_set_up():
     """Before the first section, after what gpukill is: the first code block, with make demo, test, sandbox."""
     text = README.read_text()
-    before_sections = text[:text.index("\n## ")]
+    before_sections = text[: text.index("\n## ")]
     blocks = re.findall(r"^```sh\n(.*?)^```", before_sections, re.M | re.S)
     assert blocks, "the README's opening shows no commands"
     commands = [line.split("#")[0].strip() for line in blocks[0].splitlines()]
@@ -111,8 +124,8 @@ def test_every_repository_path_in_backticks_exists(page: Path):
 
 def architecture_rows() -> list[tuple[str, str]]:
     text = DEVELOPMENT.read_text()
-    section = text[text.index("\n## Architecture\n"):]
-    section = section[:section.index("\n## ", 1)]
+    section = text[text.index("\n## Architecture\n") :]
+    section = section[: section.index("\n## ", 1)]
     rows = [line for line in section.splitlines() if line.startswith("|")][2:]
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
     return [(folder.strip("`").rstrip("/"), job) for folder, job, *_ in cells]
@@ -120,8 +133,12 @@ def architecture_rows() -> list[tuple[str, str]]:
 
 def package_folders() -> set[str]:
     """Every folder of gpukill/, gpukilld/ and gpukillctl/ that holds Python modules."""
-    return {str(d.relative_to(REPO)) for top in PACKAGES for d in [REPO / top, *(REPO / top).rglob("*")]
-            if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))}
+    return {
+        str(d.relative_to(REPO))
+        for top in PACKAGES
+        for d in [REPO / top, *(REPO / top).rglob("*")]
+        if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
+    }
 
 
 def test_the_architecture_table_lists_exactly_the_package_folders():
@@ -131,7 +148,8 @@ def test_the_architecture_table_lists_exactly_the_package_folders():
     assert all(job for _, job in rows), rows
     assert set(folders) == package_folders(), (
         f"in the table, not the tree: {sorted(set(folders) - package_folders())}; "
-        f"in the tree, not the table: {sorted(package_folders() - set(folders))}")
+        f"in the tree, not the table: {sorted(package_folders() - set(folders))}"
+    )
 
 
 def test_the_readmes_guard_policy_is_valid():
@@ -149,12 +167,12 @@ GUARD_TEST = re.compile(r"gpukillctl guard test\b([^\n`#]*)")
 def _header(path: Path) -> str:
     """An example's leading comment: where it says how to install and try it."""
     lines = path.read_text().splitlines()
-    return "\n".join(line for line in lines[:next((i for i, x in enumerate(lines) if not x.startswith("#")),
-                                                  len(lines))])
+    return "\n".join(
+        line for line in lines[: next((i for i, x in enumerate(lines) if not x.startswith("#")), len(lines))]
+    )
 
 
-@pytest.mark.parametrize("path", [p for p in EXAMPLE_POLICIES if "guard test" in _header(p)],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in EXAMPLE_POLICIES if "guard test" in _header(p)], ids=lambda p: p.name)
 def test_an_example_policys_header_tests_the_file_it_installs(path: Path):
     """`guard test` alone tests the policy in force, not the file just copied into guard.d: the header names
     the file it installs."""

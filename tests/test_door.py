@@ -41,13 +41,22 @@ class SlowBouncer:
 
 
 def call(sender: str, member: str = "ListDevices") -> Message:
-    return Message(destination="org.gpukill1", path=OBJECT_PATH, interface=MANAGER_INTERFACE, member=member,
-                   sender=sender, serial=1)
+    return Message(
+        destination="org.gpukill1",
+        path=OBJECT_PATH,
+        interface=MANAGER_INTERFACE,
+        member=member,
+        sender=sender,
+        serial=1,
+    )
 
 
 def busy(answer) -> bool:
-    return isinstance(answer, Message) and answer.message_type is MessageType.ERROR and \
-        answer.error_name == "org.gpukill1.Error.TooBusy"
+    return (
+        isinstance(answer, Message)
+        and answer.message_type is MessageType.ERROR
+        and answer.error_name == "org.gpukill1.Error.TooBusy"
+    )
 
 
 def test_a_new_connection_cannot_outrun_its_identification():

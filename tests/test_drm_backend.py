@@ -1,4 +1,5 @@
-"""The DRM backend on fixture hosts (tests/helpers/drm_fixtures.py): devices and telemetry per driver family, per-process
+"""The DRM backend on fixture hosts (tests/helpers/drm_fixtures.py): devices and telemetry per driver family,
+per-process
 utilization from two samples with a driven clock, memory per region, shared and vanishing clients, unreadable
 fdinfo, KFD compute processes, the incremental scan, and resets writing (or reading) the right files.
 
@@ -47,7 +48,6 @@ class Clock:
         return self.t
 
 
-
 def backend(host: DrmHost, clock: Clock, **kw) -> DrmBackend:
     return DrmBackend(str(host.sys), str(host.proc), str(host.debugfs), clock=clock, use_rsmi=False, **kw)
 
@@ -62,20 +62,41 @@ def by_pid(sample, pid: int):
 
 
 def test_amdgpu_telemetry_and_process_usage_from_two_samples(host):
-    host.amdgpu(busy=37, vram_used=6 * GiB, vram_total=24 * GiB, edge_mc=45000, power_uw=98_500_000,
-                sclk_hz=2_100_000_000, unique_id="4a3b2c1d0e0f1a2b", product_name="Radeon RX 7900 XTX")
+    host.amdgpu(
+        busy=37,
+        vram_used=6 * GiB,
+        vram_total=24 * GiB,
+        edge_mc=45000,
+        power_uw=98_500_000,
+        sclk_hz=2_100_000_000,
+        unique_id="4a3b2c1d0e0f1a2b",
+        product_name="Radeon RX 7900 XTX",
+    )
     host.process(4242, "train.py", start_time=555_000)
     host.open_file(4242, 0, "/dev/null")
-    text = amdgpu_fdinfo(11, "0000:03:00.0", vram=4 * GiB, vram_resident=3 * GiB, gtt=256 * MiB,
-                         gfx_ns=1_000_000_000, compute_ns=0)
+    text = amdgpu_fdinfo(
+        11, "0000:03:00.0", vram=4 * GiB, vram_resident=3 * GiB, gtt=256 * MiB, gfx_ns=1_000_000_000, compute_ns=0
+    )
     host.open_drm(4242, 5, 128, text)
     clock = Clock(100.0)
     b = backend(host, clock)
     first = b.sample()
     assert by_pid(first, 4242).gpu_utilization is None  # one sample: nothing to compare with yet
     clock.t = 102.0
-    host.set_fdinfo(4242, 5, 128, amdgpu_fdinfo(11, "0000:03:00.0", vram=4 * GiB, vram_resident=3 * GiB,
-                                                 gtt=256 * MiB, gfx_ns=2_500_000_000, compute_ns=200_000_000))
+    host.set_fdinfo(
+        4242,
+        5,
+        128,
+        amdgpu_fdinfo(
+            11,
+            "0000:03:00.0",
+            vram=4 * GiB,
+            vram_resident=3 * GiB,
+            gtt=256 * MiB,
+            gfx_ns=2_500_000_000,
+            compute_ns=200_000_000,
+        ),
+    )
     s = b.sample()
     (dev,) = s.devices
     assert dev.id == "GPU-4a3b2c1d0e0f1a2b" and dev.pci_bus_id == "0000:03:00.0" and dev.vendor == "amd"
@@ -86,8 +107,11 @@ def test_amdgpu_telemetry_and_process_usage_from_two_samples(host):
     assert (p.start_time, p.device_id) == (555_000, "GPU-4a3b2c1d0e0f1a2b")
     assert p.gpu_utilization == pytest.approx(75.0)  # gfx: 1.5 s busy in 2 s; compute 10 %: the busiest counts
     assert p.gpu_memory == 3 * GiB  # resident VRAM
-    assert p.memory_regions == (MemoryRegion("cpu", 0, 0), MemoryRegion("gtt", 256 * MiB, 256 * MiB),
-                                MemoryRegion("vram", 4 * GiB, 3 * GiB))
+    assert p.memory_regions == (
+        MemoryRegion("cpu", 0, 0),
+        MemoryRegion("gtt", 256 * MiB, 256 * MiB),
+        MemoryRegion("vram", 4 * GiB, 3 * GiB),
+    )
 
 
 def test_i915_discrete_card_power_from_energy_and_device_utilization_from_clients(host):
@@ -103,10 +127,13 @@ def test_i915_discrete_card_power_from_energy_and_device_utilization_from_client
     assert first.devices[0].power is None and first.devices[0].utilization is None  # no deltas yet
     clock.t = 52.0
     host.set_attr(card / "hwmon" / "hwmon0", "energy1_input", 91_000_000)  # 90 J in 2 s
-    host.set_fdinfo(300, 7, 129, i915_fdinfo(1, pdev, render_ns=500_000_000, video_ns=400_000_000,
-                                             system0=8 * MiB, local0=512 * MiB))
-    host.set_fdinfo(301, 4, 129, i915_fdinfo(2, pdev, render_ns=800_000_000, copy_ns=200_000_000,
-                                             system0=2 * MiB))
+    host.set_fdinfo(
+        300,
+        7,
+        129,
+        i915_fdinfo(1, pdev, render_ns=500_000_000, video_ns=400_000_000, system0=8 * MiB, local0=512 * MiB),
+    )
+    host.set_fdinfo(301, 4, 129, i915_fdinfo(2, pdev, render_ns=800_000_000, copy_ns=200_000_000, system0=2 * MiB))
     s = b.sample()
     (dev,) = s.devices
     assert dev.id == pdev and dev.vendor == "intel" and dev.name == "Intel GPU [8086:56a0] (i915)"
@@ -116,8 +143,11 @@ def test_i915_discrete_card_power_from_energy_and_device_utilization_from_client
     assert a.gpu_utilization == pytest.approx(25.0)  # render 25 %, video 0.4 s / 2 s / 2 engines = 10 %
     assert c.gpu_utilization == pytest.approx(40.0)
     assert a.gpu_memory == 512 * MiB and c.gpu_memory == 2 * MiB  # local0 on the card; system0 alone
-    assert {r.name: r.resident for r in a.memory_regions} == {"system0": 8 * MiB, "local0": 512 * MiB,
-                                                              "stolen-system0": 0}
+    assert {r.name: r.resident for r in a.memory_regions} == {
+        "system0": 8 * MiB,
+        "local0": 512 * MiB,
+        "stolen-system0": 0,
+    }
     status = b.status()
     assert status.available and "i915 0000:00:02.0: no memory, temperature" in status.detail
 
@@ -132,8 +162,7 @@ def test_xe_cycles_temperature_and_power(host):
     b.sample()
     clock.t = 11.0
     host.set_attr(card / "hwmon" / "hwmon0", "energy1_input", 155_000_000)
-    host.set_fdinfo(900, 3, 130, xe_fdinfo(21, pdev, rcs=150_000, ccs=2_600_000, total_cycles=2_000_000,
-                                           vram0=3 * GiB))
+    host.set_fdinfo(900, 3, 130, xe_fdinfo(21, pdev, rcs=150_000, ccs=2_600_000, total_cycles=2_000_000, vram0=3 * GiB))
     s = b.sample()
     (dev,) = s.devices
     assert (dev.temperature, dev.power, dev.clock_mhz) == (61.5, 150.0, 2050.0)
@@ -146,15 +175,32 @@ def test_xe_cycles_temperature_and_power(host):
 def test_panfrost_platform_gpu_with_devfreq_and_cycles(host):
     host.panfrost(cur_freq_hz=600_000_000)
     host.process(1200, "kodi", start_time=5)
-    host.open_drm(1200, 9, 128, panfrost_fdinfo(14, fragment_ns=0, fragment_cycles=0, vertex_ns=0,
-                                                vertex_cycles=0, total=290 * MiB, resident=36496 * 1024))
+    host.open_drm(
+        1200,
+        9,
+        128,
+        panfrost_fdinfo(
+            14, fragment_ns=0, fragment_cycles=0, vertex_ns=0, vertex_cycles=0, total=290 * MiB, resident=36496 * 1024
+        ),
+    )
     clock = Clock(0.0)
     b = backend(host, clock)
     b.sample()
     clock.t = 0.5
-    host.set_fdinfo(1200, 9, 128, panfrost_fdinfo(14, fragment_ns=300_000_000, fragment_cycles=240_000_000,
-                                                  vertex_ns=20_000_000, vertex_cycles=16_000_000,
-                                                  total=290 * MiB, resident=36496 * 1024))
+    host.set_fdinfo(
+        1200,
+        9,
+        128,
+        panfrost_fdinfo(
+            14,
+            fragment_ns=300_000_000,
+            fragment_cycles=240_000_000,
+            vertex_ns=20_000_000,
+            vertex_cycles=16_000_000,
+            total=290 * MiB,
+            resident=36496 * 1024,
+        ),
+    )
     s = b.sample()
     (dev,) = s.devices
     assert dev.id == "fde60000.gpu" and dev.pci_bus_id is None and dev.vendor == "arm"
@@ -249,9 +295,17 @@ def test_unreadable_fdinfo_is_skipped_without_an_error(host):
     )
     make_traversable(REPO)  # the unprivileged reader imports gpukilld from the checkout
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"}
-    r = subprocess.run(["/usr/bin/python3", "-c", script, str(host.sys), str(host.proc), str(host.debugfs)],
-                       user=65534, group=65534, extra_groups=[], env=env, capture_output=True, text=True,
-                       timeout=30, cwd="/")
+    r = subprocess.run(
+        ["/usr/bin/python3", "-c", script, str(host.sys), str(host.proc), str(host.debugfs)],
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd="/",
+    )
     assert r.returncode == 0 and r.stderr == "", r.stderr
     out = json.loads(r.stdout)
     assert out == {"procs": {"700": 4 * MiB, "701": None}, "util": None, "unreadable": 1}
@@ -363,8 +417,11 @@ def test_reset_refuses_while_a_full_scan_finds_holders(host):
     b = backend(host, Clock())
     host.process(4100, "on-peer", start_time=5)  # opened after the last sample: only a full scan sees it
     host.open_drm(4100, 9, 129, amdgpu_fdinfo(3, "0000:c2:00.0", vram=GiB))
-    with pytest.raises(DeviceBusy, match="1 process\\(es\\) hold 0000:c1:00.0 or its XGMI peers: 4100; nothing "
-                                         "was reset; XGMI hive 77: its peers 0000:c2:00.0 are reset with it"):
+    with pytest.raises(
+        DeviceBusy,
+        match="1 process\\(es\\) hold 0000:c1:00.0 or its XGMI peers: 4100; nothing "
+        "was reset; XGMI hive 77: its peers 0000:c2:00.0 are reset with it",
+    ):
         b.reset("0000:c1:00.0")
     host.exit(4100)
     host.process(4101, "rocm-only", start_time=6)
@@ -373,8 +430,6 @@ def test_reset_refuses_while_a_full_scan_finds_holders(host):
         b.reset("0000:c1:00.0")
     host.exit(4101)  # KFD's entry outlives the /proc one for a moment: a dead PID holds nothing
     assert b.reset("0000:c1:00.0").startswith("amdgpu GPU recovery of 0000:c1:00.0 done")
-
-
 
 
 def test_amdgpu_reset_reads_amdgpu_gpu_recover(host):
@@ -404,10 +459,14 @@ def test_amdgpu_reset_failure_names_the_error_and_xgmi_peers(host):
     host.amdgpu_recover(0, "-110\n")
     host.amdgpu_recover(1, "0\n")
     b = backend(host, Clock())
-    assert b.reset("0000:c2:00.0") == ("amdgpu GPU recovery of 0000:c2:00.0 done; XGMI hive 1234567890123: "
-                                       "its peers 0000:c1:00.0 are reset with it")
-    with pytest.raises(ResetFailed, match=r"recovery of 0000:c1:00.0 failed: Connection timed out \(ETIMEDOUT\); "
-                                          r"XGMI hive 1234567890123: its peers 0000:c2:00.0 are reset with it"):
+    assert b.reset("0000:c2:00.0") == (
+        "amdgpu GPU recovery of 0000:c2:00.0 done; XGMI hive 1234567890123: its peers 0000:c1:00.0 are reset with it"
+    )
+    with pytest.raises(
+        ResetFailed,
+        match=r"recovery of 0000:c1:00.0 failed: Connection timed out \(ETIMEDOUT\); "
+        r"XGMI hive 1234567890123: its peers 0000:c2:00.0 are reset with it",
+    ):
         b.reset("0000:c1:00.0")
 
 
@@ -451,10 +510,15 @@ def test_mixed_host_lists_each_gpu_once_in_card_order(host):
     host.amdgpu("0000:83:00.0", card=4, render=131, unique_id="00aa11bb22cc33dd")  # a serial seen twice
     b = backend(host, Clock())
     s = b.sample()
-    assert [(d.id, d.vendor) for d in s.devices] == [("GPU-00aa11bb22cc33dd", "amd"), ("0000:00:02.0", "intel"),
-                                                     ("0000:04:00.0", "intel"), ("0000:83:00.0", "amd")]
-    assert b.status().detail.startswith("4 GPUs: amdgpu 0000:03:00.0, i915 0000:00:02.0, xe 0000:04:00.0, "
-                                        "amdgpu 0000:83:00.0")
+    assert [(d.id, d.vendor) for d in s.devices] == [
+        ("GPU-00aa11bb22cc33dd", "amd"),
+        ("0000:00:02.0", "intel"),
+        ("0000:04:00.0", "intel"),
+        ("0000:83:00.0", "amd"),
+    ]
+    assert b.status().detail.startswith(
+        "4 GPUs: amdgpu 0000:03:00.0, i915 0000:00:02.0, xe 0000:04:00.0, amdgpu 0000:83:00.0"
+    )
 
 
 def test_no_gpu_means_unavailable_with_the_reason(host):
@@ -468,6 +532,7 @@ def test_pyrsmi_absent_falls_back_to_sysfs(host):
     needs ROCm and an AMD GPU to be exercised; only its pure helpers are checked below."""
     try:
         import pyrsmi  # noqa: F401
+
         pytest.skip("pyrsmi is installed here: the fallback is not what runs")
     except ImportError:
         pass
@@ -480,8 +545,7 @@ def test_pyrsmi_absent_falls_back_to_sysfs(host):
 
 def test_pyrsmi_helpers():
     assert bdf_to_address((0x0001 << 32) | (0xC1 << 8) | (0x1F << 3) | 0x7) == "0001:c1:1f.7"
-    merged = merge(Telemetry(utilization=50.0, power=None), Telemetry(utilization=10.0, power=80.0,
-                                                                      temperature=40.0))
+    merged = merge(Telemetry(utilization=50.0, power=None), Telemetry(utilization=10.0, power=80.0, temperature=40.0))
     assert (merged.utilization, merged.power, merged.temperature) == (50.0, 80.0, 40.0)
 
 

@@ -34,8 +34,12 @@ KERNEL_6_8 = """             command  tgid dev master a   uid      magic
 def test_parse_the_kernel_format_with_and_without_the_name_column():
     # tgid 0: the process is gone, nobody to scan; each tgid with the number of rows (DRM files) naming it
     assert parse_clients(KERNEL_6_8) == {1812: 1, 2231: 1, 4410: 1}
-    named = clients_header() + clients_row("python3", 77, 128, 1000, name="vllm-worker") + clients_row(
-        "Xorg", 5, 0, 0, master=True) + clients_row("python3", 77, 0, 1000, name="vllm-worker")
+    named = (
+        clients_header()
+        + clients_row("python3", 77, 128, 1000, name="vllm-worker")
+        + clients_row("Xorg", 5, 0, 0, master=True)
+        + clients_row("python3", 77, 0, 1000, name="vllm-worker")
+    )
     assert parse_clients(named) == {77: 2, 5: 1}
     assert parse_clients(clients_header()) == {}  # a card nobody has open
 
@@ -45,15 +49,18 @@ def test_a_comm_with_spaces_or_none_at_all_still_parses():
     assert parse_clients(text) == {900: 1, 901: 1}
 
 
-@pytest.mark.parametrize("text", [
-    "",  # empty: no header
-    "garbage\n",
-    "command dev master a uid magic\n   x 0 n y 0 0\n",  # no tgid column
-    clients_header() + "  evil\n" + clients_row("rest", 12, 128, 0),  # a newline in a comm split its row
-    clients_header() + clients_row("a", 12, 128, 0).replace(" 12 ", " 1x "),  # tgid not a number
-    clients_header() + clients_row("a", 12, 128, 0).replace("   n    y", "   q    y"),  # master flag not y/n
-    clients_header() + "x" * (MAX_LINE + 1) + "\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",  # empty: no header
+        "garbage\n",
+        "command dev master a uid magic\n   x 0 n y 0 0\n",  # no tgid column
+        clients_header() + "  evil\n" + clients_row("rest", 12, 128, 0),  # a newline in a comm split its row
+        clients_header() + clients_row("a", 12, 128, 0).replace(" 12 ", " 1x "),  # tgid not a number
+        clients_header() + clients_row("a", 12, 128, 0).replace("   n    y", "   q    y"),  # master flag not y/n
+        clients_header() + "x" * (MAX_LINE + 1) + "\n",
+    ],
+)
 def test_text_that_is_not_a_clients_file_in_full_is_not_trusted(text):
     assert parse_clients(text) is None
 
@@ -81,8 +88,9 @@ def crowd(host: DrmHost, first: int = 5000, count: int = 60) -> None:
 
 
 def backend(host: DrmHost) -> DrmBackend:
-    return DrmBackend(str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False,
-                      revalidate_every=1000)
+    return DrmBackend(
+        str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False, revalidate_every=1000
+    )
 
 
 def pids(sample) -> set[int]:
@@ -224,8 +232,9 @@ def test_a_listed_process_is_re_read_when_its_entry_changes_and_only_then(listin
     host.process(7400, "trainer", start_time=1)
     host.open_file(7400, 3, "/dev/null")
     host.open_drm(7400, 4, 128, amdgpu_fdinfo(3, "0000:03:00.0", vram=GiB))
-    b = DrmBackend(str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False,
-                   revalidate_every=1)  # every look would re-read, but for the entry
+    b = DrmBackend(
+        str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False, revalidate_every=1
+    )  # every look would re-read, but for the entry
     b.sample()  # the walk
     for _ in range(3):
         b.sample()
@@ -245,8 +254,9 @@ def test_a_listed_process_is_re_read_when_its_entry_changes_and_only_then(listin
 def test_the_slice_re_reads_an_unchanged_table_every_revalidate_every_looks_not_samples(listing_host):
     host = listing_host
     crowd(host, count=SAFETY_NET_PERIOD)  # 5000 on: one per slot (and one slot with two)
-    b = DrmBackend(str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False,
-                   revalidate_every=2)
+    b = DrmBackend(
+        str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False, revalidate_every=2
+    )
     b.sample()  # sample 1, the walk: 5005's first re-read comes at its 5005 % 2 + 1 = 2nd look
     reread = []
     for _ in range(4 * SAFETY_NET_PERIOD):

@@ -44,8 +44,9 @@ def crowd(host: DrmHost, first: int = 5000, count: int = 40) -> None:
 
 
 def backend(host: DrmHost, **kw) -> DrmBackend:
-    return DrmBackend(str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False,
-                      revalidate_every=1000, **kw)
+    return DrmBackend(
+        str(host.sys), str(host.proc), str(host.debugfs), clock=lambda: 0.0, use_rsmi=False, revalidate_every=1000, **kw
+    )
 
 
 def by_pid(sample) -> dict[int, object]:
@@ -205,8 +206,11 @@ def test_a_listed_holder_that_receives_an_fd_shows_it_within_the_safety_net_peri
     b.sample()
     host.open_drm(7001, 9, 128, amdgpu_fdinfo(50, "0000:03:00.0", vram=GiB), listed=False)  # SCM_RIGHTS
     host.uids[7001] = 2000  # another user's process than the sender's (uid 1000)
-    (host.proc / "7001" / "status").write_text((host.proc / "7001" / "status").read_text().replace(
-        "Uid:\t1000\t1000\t1000\t1000", "Uid:\t2000\t2000\t2000\t2000"))
+    (host.proc / "7001" / "status").write_text(
+        (host.proc / "7001" / "status")
+        .read_text()
+        .replace("Uid:\t1000\t1000\t1000\t1000", "Uid:\t2000\t2000\t2000\t2000")
+    )
     shared = [by_pid(b.sample())[7100].shared_usage for _ in range(SAFETY_NET_PERIOD)]
     assert shared[-1]  # the receiver was looked at with its slice: the client is both users', no one's
     assert by_pid(b.sample())[7001].shared_usage
@@ -313,8 +317,11 @@ def test_hwmon_labels_are_read_once_per_hwmon_directory(host, monkeypatch):
         assert (t.temperature, t.clock_mhz) == (45.0, 2100.0)
     assert sum(p.endswith("_label") for p in reads) == 3  # temp1, temp2, freq1: once
     shutil.rmtree(dev / "hwmon" / "hwmon0")  # the driver reloaded: a new hwmon, other labels
-    host.hwmon(dev, "amdgpu", {"temp1_input": 61000, "temp1_label": "junction", "freq2_input": 1_000_000_000,
-                               "freq2_label": "sclk"})
+    host.hwmon(
+        dev,
+        "amdgpu",
+        {"temp1_input": 61000, "temp1_label": "junction", "freq2_input": 1_000_000_000, "freq2_label": "sclk"},
+    )
     t = reader.read(card, 2.0)
     assert (t.temperature, t.clock_mhz) == (61.0, 1000.0)
 

@@ -29,8 +29,15 @@ def nvhost(tmp_path):
 
 def test_daemon_on_a_mixed_host_lists_kills_and_resets(fresh_bed, users, host, nvhost):
     bed = fresh_bed
-    host.amdgpu("0000:03:00.0", card=0, render=128, busy=20, vram_used=3 * GiB, unique_id="00c0ffee12345678",
-                product_name="AMD Instinct MI210")
+    host.amdgpu(
+        "0000:03:00.0",
+        card=0,
+        render=128,
+        busy=20,
+        vram_used=3 * GiB,
+        unique_id="00c0ffee12345678",
+        product_name="AMD Instinct MI210",
+    )
     host.i915("0000:00:02.0", card=1, render=129, act_freq_mhz=1100)
     host.asahi("206400000.gpu", card=2, render=130)
     host.ast("0000:02:00.0", card=3)
@@ -38,8 +45,12 @@ def test_daemon_on_a_mixed_host_lists_kills_and_resets(fresh_bed, users, host, n
 
     trainer = spawn(bed, users["owner"])
     host.mirror(trainer.pid)
-    host.open_drm(trainer.pid, 5, 128, amdgpu_fdinfo(17, "0000:03:00.0", vram=4 * GiB, vram_resident=3 * GiB,
-                                                     gtt=512 * MiB, gfx_ns=10**9))
+    host.open_drm(
+        trainer.pid,
+        5,
+        128,
+        amdgpu_fdinfo(17, "0000:03:00.0", vram=4 * GiB, vram_resident=3 * GiB, gtt=512 * MiB, gfx_ns=10**9),
+    )
     viewer = spawn(bed, users["owner"])
     host.mirror(viewer.pid)
     host.open_drm(viewer.pid, 4, 130, "")  # asahi: found through the fd alone
@@ -56,29 +67,47 @@ def test_daemon_on_a_mixed_host_lists_kills_and_resets(fresh_bed, users, host, n
     devices = doc["devices"]
     indexes, ids = [d["index"] for d in devices], [d["id"] for d in devices]
     assert len(devices) == 3 + 4 and len(set(indexes)) == 7 and len(set(ids)) == 7  # and the 4 NVIDIA GPUs
-    assert sorted(d["id"] for d in devices if d["backend"] == "nvidia") == sorted(nvhost.device(i)["uuid"]
-                                                                                  for i in range(4))
+    assert sorted(d["id"] for d in devices if d["backend"] == "nvidia") == sorted(
+        nvhost.device(i)["uuid"] for i in range(4)
+    )
     by_id = {d["id"]: d for d in devices}
     amd, intel, apple = by_id["GPU-00c0ffee12345678"], by_id["0000:00:02.0"], by_id["206400000.gpu"]
     assert "0000:02:00.0" not in by_id  # the BMC display is no GPU
-    assert (amd["backend"], amd["vendor"], amd["name"], amd["pci_bus_id"]) == ("drm", "amd", "AMD Instinct MI210",
-                                                                               "0000:03:00.0")
-    assert (amd["utilization"], amd["memory_used"], amd["temperature"], amd["clock_mhz"]) == (20.0, 3 * GiB, 45.0,
-                                                                                              2100.0)
+    assert (amd["backend"], amd["vendor"], amd["name"], amd["pci_bus_id"]) == (
+        "drm",
+        "amd",
+        "AMD Instinct MI210",
+        "0000:03:00.0",
+    )
+    assert (amd["utilization"], amd["memory_used"], amd["temperature"], amd["clock_mhz"]) == (
+        20.0,
+        3 * GiB,
+        45.0,
+        2100.0,
+    )
     assert (intel["vendor"], intel["clock_mhz"], intel["temperature"]) == ("intel", 1100.0, None)
-    assert (apple["vendor"], apple["utilization"], apple["memory_used"], apple["temperature"]) == ("apple", None,
-                                                                                                   None, None)
+    assert (apple["vendor"], apple["utilization"], apple["memory_used"], apple["temperature"]) == (
+        "apple",
+        None,
+        None,
+        None,
+    )
     procs = {p["pid"]: p for p in doc["processes"]}
     t = procs[trainer.pid]
-    assert (t["user"], t["device"], t["device_id"], t["gpu_memory"]) == ("gpkowner", amd["index"],
-                                                                         amd["id"], 3 * GiB)
-    assert t["memory_regions"] == {"cpu": {"total": 0, "resident": 0},
-                                   "gtt": {"total": 512 * MiB, "resident": 512 * MiB},
-                                   "vram": {"total": 4 * GiB, "resident": 3 * GiB}}
+    assert (t["user"], t["device"], t["device_id"], t["gpu_memory"]) == ("gpkowner", amd["index"], amd["id"], 3 * GiB)
+    assert t["memory_regions"] == {
+        "cpu": {"total": 0, "resident": 0},
+        "gtt": {"total": 512 * MiB, "resident": 512 * MiB},
+        "vram": {"total": 4 * GiB, "resident": 3 * GiB},
+    }
     assert t["exe"].startswith("/usr/bin/python3")  # the real process's executable, as the kernel shows it
     v = procs[viewer.pid]
-    assert (v["device"], v["gpu_memory"], v["gpu_utilization"], v["memory_regions"]) == (apple["index"], None,
-                                                                                         None, None)
+    assert (v["device"], v["gpu_memory"], v["gpu_utilization"], v["memory_regions"]) == (
+        apple["index"],
+        None,
+        None,
+        None,
+    )
     assert procs[encoder.pid]["user"] == "gpkother" and procs[encoder.pid]["device"] == intel["index"]
 
     status = bed.ctl(ROOT, "status")

@@ -51,8 +51,10 @@ def test_panfrost_documentation_sample_verbatim():
 
 
 def test_xe_total_cycles_are_engine_keys_not_a_memory_region():
-    info = parse_fdinfo(PREFIX + xe_fdinfo(3, "0000:03:00.0", rcs=28257900, ccs=0, total_cycles=7655183225,
-                                           vram0=23992 * 1024, gtt=192 * 1024))
+    info = parse_fdinfo(
+        PREFIX
+        + xe_fdinfo(3, "0000:03:00.0", rcs=28257900, ccs=0, total_cycles=7655183225, vram0=23992 * 1024, gtt=192 * 1024)
+    )
     assert set(info.regions) == {"system", "gtt", "vram0", "stolen"}  # no region called "cycles-rcs"
     assert info.engines["rcs"].cycles == 28257900 and info.engines["rcs"].total_cycles == 7655183225
     assert info.engines["ccs"].capacity == 4 and info.engines["vcs"].capacity == 2
@@ -60,8 +62,9 @@ def test_xe_total_cycles_are_engine_keys_not_a_memory_region():
 
 
 def test_amdgpu_new_keys_win_over_the_deprecated_alias_and_the_odd_space():
-    text = PREFIX + amdgpu_fdinfo(7, "0000:03:00.0", vram=3 * MiB, vram_resident=2 * MiB, gtt=5 * MiB,
-                                  gfx_ns=1203400000)
+    text = PREFIX + amdgpu_fdinfo(
+        7, "0000:03:00.0", vram=3 * MiB, vram_resident=2 * MiB, gtt=5 * MiB, gfx_ns=1203400000
+    )
     assert "drm-memory-gtt: \t5120 KiB\n" in text  # amdgpu's own spelling, space before the tab
     info = parse_fdinfo(text)
     assert info.pdev == "0000:03:00.0" and info.client_id == 7
@@ -77,8 +80,12 @@ def test_amdgpu_before_6_11_has_only_the_deprecated_keys():
 
 
 def test_i915_regions_and_capacity():
-    info = parse_fdinfo(PREFIX + i915_fdinfo(7, "0000:00:02.0", render_ns=9288864723, copy_ns=2035071108,
-                                             system0=6044 * 1024, local0=512 * MiB))
+    info = parse_fdinfo(
+        PREFIX
+        + i915_fdinfo(
+            7, "0000:00:02.0", render_ns=9288864723, copy_ns=2035071108, system0=6044 * 1024, local0=512 * MiB
+        )
+    )
     assert info.engines["video"].capacity == 2 and info.engines["render"].capacity == 1
     assert info.engines["video-enhance"].busy_ns == 0
     assert set(info.regions) == {"system0", "local0", "stolen-system0"}
@@ -88,9 +95,11 @@ def test_i915_regions_and_capacity():
 def test_units_and_malformed_values():
     assert print_size("total", "vram", 3 * MiB) == "drm-total-vram:\t3 MiB\n"
     assert print_size("total", "vram", 1536) == "drm-total-vram:\t1536\n"  # not a whole KiB: bytes
-    info = parse_fdinfo("drm-driver:\tmsm\ndrm-maxfreq-gpu:\t650 MHz\ndrm-total-memory:\t2 GiB\n"
-                        "drm-client-id:\tseven\ndrm-engine-gpu:\t12 parsecs\ndrm-engine-capacity-gpu:\t0\n"
-                        "drm-resident-memory:\t-4\nno colon here\n")
+    info = parse_fdinfo(
+        "drm-driver:\tmsm\ndrm-maxfreq-gpu:\t650 MHz\ndrm-total-memory:\t2 GiB\n"
+        "drm-client-id:\tseven\ndrm-engine-gpu:\t12 parsecs\ndrm-engine-capacity-gpu:\t0\n"
+        "drm-resident-memory:\t-4\nno colon here\n"
+    )
     assert info.engines["gpu"].maxfreq_hz == 650_000_000 and info.engines["gpu"].busy_ns is None
     assert info.engines["gpu"].capacity == 1  # zero is not allowed: the default stands
     assert info.client_id is None and info.regions["memory"].total == 2 << 30
@@ -127,37 +136,59 @@ def test_the_parsed_line_cache_stays_bounded_and_never_changes_a_result():
 
 
 def test_ns_engines_divided_by_elapsed_time_and_capacity():
-    f = _two_samples(i915_fdinfo(1, "0000:00:02.0", render_ns=1_000_000_000, video_ns=0),
-                     i915_fdinfo(1, "0000:00:02.0", render_ns=1_500_000_000, video_ns=400_000_000), dt=2.0)
+    f = _two_samples(
+        i915_fdinfo(1, "0000:00:02.0", render_ns=1_000_000_000, video_ns=0),
+        i915_fdinfo(1, "0000:00:02.0", render_ns=1_500_000_000, video_ns=400_000_000),
+        dt=2.0,
+    )
     assert f["render"] == pytest.approx(0.25)  # 0.5 s busy in 2 s
     assert f["video"] == pytest.approx(0.10)  # 0.4 s over 2 s on two engines
 
 
 def test_xe_cycles_over_total_cycles_and_capacity():
-    f = _two_samples(xe_fdinfo(3, "p", rcs=1000, ccs=0, total_cycles=10_000),
-                     xe_fdinfo(3, "p", rcs=7000, ccs=16_000, total_cycles=20_000), dt=99.0)
+    f = _two_samples(
+        xe_fdinfo(3, "p", rcs=1000, ccs=0, total_cycles=10_000),
+        xe_fdinfo(3, "p", rcs=7000, ccs=16_000, total_cycles=20_000),
+        dt=99.0,
+    )
     assert f["rcs"] == pytest.approx(0.6)  # GPU clock domain: the CPU-side dt does not matter
     assert f["ccs"] == pytest.approx(0.4)  # 16,000 of 4 x 10,000
 
 
 def test_msm_cycles_over_maxfreq_and_elapsed_time():
-    f = _two_samples(msm_fdinfo(2, elapsed_ns=0, cycles=0, maxfreq_hz=500_000_000),
-                     msm_fdinfo(2, elapsed_ns=10, cycles=350_000_000, maxfreq_hz=500_000_000), dt=1.0)
+    f = _two_samples(
+        msm_fdinfo(2, elapsed_ns=0, cycles=0, maxfreq_hz=500_000_000),
+        msm_fdinfo(2, elapsed_ns=10, cycles=350_000_000, maxfreq_hz=500_000_000),
+        dt=1.0,
+    )
     assert f["gpu"] == pytest.approx(0.7)  # cycles win over ns: they account for the clock
 
 
 def test_panfrost_uses_cycles_and_maxfreq():
-    f = _two_samples(panfrost_fdinfo(1, fragment_ns=0, fragment_cycles=0, vertex_ns=0, vertex_cycles=0,
-                                     maxfreq_hz=800_000_000),
-                     panfrost_fdinfo(1, fragment_ns=999_999_999, fragment_cycles=400_000_000,
-                                     vertex_ns=0, vertex_cycles=80_000_000, maxfreq_hz=800_000_000), dt=2.0)
+    f = _two_samples(
+        panfrost_fdinfo(1, fragment_ns=0, fragment_cycles=0, vertex_ns=0, vertex_cycles=0, maxfreq_hz=800_000_000),
+        panfrost_fdinfo(
+            1,
+            fragment_ns=999_999_999,
+            fragment_cycles=400_000_000,
+            vertex_ns=0,
+            vertex_cycles=80_000_000,
+            maxfreq_hz=800_000_000,
+        ),
+        dt=2.0,
+    )
     assert f["fragment"] == pytest.approx(0.25) and f["vertex-tiler"] == pytest.approx(0.05)
 
 
 def test_a_counter_that_goes_backwards_stays_at_the_larger_value_until_it_catches_up():
     tracker = UtilizationTracker()
-    samples = [(0.0, 5_000_000_000), (1.0, 5_500_000_000), (2.0, 5_200_000_000), (3.0, 5_400_000_000),
-               (4.0, 6_000_000_000)]
+    samples = [
+        (0.0, 5_000_000_000),
+        (1.0, 5_500_000_000),
+        (2.0, 5_200_000_000),
+        (3.0, 5_400_000_000),
+        (4.0, 6_000_000_000),
+    ]
     seen = []
     for t, ns in samples:
         seen.append(tracker.update(("d", 1), parse_fdinfo(f"drm-engine-gfx:\t{ns} ns\n").engines, t))

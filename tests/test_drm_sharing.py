@@ -35,8 +35,7 @@ def usages(clients: list[Client], uids: dict[int, int | None]) -> dict[int, tupl
         asked.append(holder[1])
         return uids[holder[1]]
 
-    out = {u.pid: (u.gpu_memory, u.gpu_utilization, u.shared_usage)
-           for u in process_usages(clients, uid_of, SYS_MAX)}
+    out = {u.pid: (u.gpu_memory, u.gpu_utilization, u.shared_usage) for u in process_usages(clients, uid_of, SYS_MAX)}
     out["asked"] = sorted(set(asked))  # type: ignore[index]
     return out
 
@@ -89,15 +88,13 @@ def test_a_holder_gone_since_the_scan_is_left_out_and_an_unreadable_one_counts_a
 
 
 def test_uids_are_read_only_for_shared_clients():
-    got = usages([client(1, (100, 10)), client(2, (200, 20), (300, 21)), client(3, (400, 40))],
-                 {20: 1001, 21: 1001})
+    got = usages([client(1, (100, 10)), client(2, (200, 20), (300, 21)), client(3, (400, 40))], {20: 1001, 21: 1001})
     assert got["asked"] == [20, 21]
 
 
 # -- the backend on a fixture /proc -----------------------------------------------------------------------------
 
 needs_mknod = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: fixture /dev/dri nodes are made with mknod")
-
 
 
 @needs_mknod

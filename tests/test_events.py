@@ -38,8 +38,11 @@ PROBE_DEVICE = 2  # the simulated MI210: resets succeed, and no test here puts a
 def xml_signals() -> dict[tuple[str, str], list[tuple[str, str]]]:
     """Every signal of dbus/org.gpukill1.xml: (interface, member) -> [(argument name, type), ...] in order."""
     root = ET.parse(REPO / "dbus" / "org.gpukill1.xml").getroot()
-    return {(iface.get("name"), sig.get("name")): [(arg.get("name"), arg.get("type")) for arg in sig.iter("arg")]
-            for iface in root.iter("interface") for sig in iface.iter("signal")}
+    return {
+        (iface.get("name"), sig.get("name")): [(arg.get("name"), arg.get("type")) for arg in sig.iter("arg")]
+        for iface in root.iter("interface")
+        for sig in iface.iter("signal")
+    }
 
 
 def test_signals_match_the_interface_xml():
@@ -53,9 +56,16 @@ def test_signal_record_takes_only_what_fits_the_declaration():
     killed = [41, 7, 1000, "train", ["GPU-1"], "terminated", 1000, "user"]
     # an older gpukilld's 8 arguments: no reclaim, its default ("unwatched")
     assert signal_record("org.gpukill1.Manager", "ProcessKilled", killed) == ProcessKilled(
-        41, 7, 1000, "train", ("GPU-1",), "terminated", 1000, "user")
-    held = {"verdict": "held", "held": 5, "devices": [0], "holders": [
-        {"pid": 42, "start_time": 8, "uid": 1000, "comm": "w", "device": 0, "memory": 5, "relation": "orphan"}]}
+        41, 7, 1000, "train", ("GPU-1",), "terminated", 1000, "user"
+    )
+    held = {
+        "verdict": "held",
+        "held": 5,
+        "devices": [0],
+        "holders": [
+            {"pid": 42, "start_time": 8, "uid": 1000, "comm": "w", "device": 0, "memory": 5, "relation": "orphan"}
+        ],
+    }
     got = signal_record("org.gpukill1.Manager", "ProcessKilled", [*killed, held])
     assert got.reclaim == Reclaim("held", held=5, devices=(0,), holders=(Holder(42, 8, 1000, "w", 0, 5, "orphan"),))
     assert signal_record("org.gpukill1.Manager", "ProcessKilled", [*killed, held, "more"]) is None
@@ -67,8 +77,9 @@ def test_signal_record_takes_only_what_fits_the_declaration():
     assert signal_record("org.gpukill1.Manager", "ProcessKilled", killed[:-1]) is None
     assert signal_record("org.gpukill1.Manager", "ProcessKilled", [*killed, "more"]) is None
     assert signal_record("org.gpukill1.Manager", "ProcessKilled", ["41", *killed[1:]]) is None
-    assert signal_record("org.gpukill1.Manager", "DeviceStateChanged", [1, "GPU-1", "lost", ""]) == \
-        DeviceStateChanged(1, "GPU-1", "lost", "")
+    assert signal_record("org.gpukill1.Manager", "DeviceStateChanged", [1, "GPU-1", "lost", ""]) == DeviceStateChanged(
+        1, "GPU-1", "lost", ""
+    )
     assert signal_record("org.gpukill1.Guard", "PolicyViolated", ["r", "s", "kill", False, {"scope": "x"}]) is None
 
 
@@ -76,7 +87,7 @@ def test_monitor_json_keys_are_documented_and_do_not_collide():
     """The `monitor --json` keys docs/using.md lists are the XML's, in order; no argument shadows an envelope
     key."""
     readme = (REPO / "docs" / "using.md").read_text()
-    section = readme[readme.index("## Watching signals"):]
+    section = readme[readme.index("## Watching signals") :]
     for (_, member), args in xml_signals().items():
         documented = re.search(rf"^\s*- `{member}`: (.*)$", section, re.M)
         assert documented, f"{member} is not in docs/using.md's monitor section"
@@ -87,6 +98,7 @@ def test_monitor_json_keys_are_documented_and_do_not_collide():
 
 
 # -- on the test bed ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def ebed(users):
@@ -127,6 +139,7 @@ class Listener:
             while not (hits := [r for r in self.records if cond(r)]):
                 await asyncio.sleep(0.05)
             return hits[0]
+
         try:
             return await asyncio.wait_for(found(), timeout)
         except TimeoutError:
@@ -151,8 +164,15 @@ async def probe_until_heard(prober: GpukillClient, *listeners: Listener) -> None
 
 
 def forge(bed: Testbed, user, member: str, signature: str, body: list) -> str:
-    spec = json.dumps({"path": "/org/gpukill1", "iface": "org.gpukill1.Manager", "member": member,
-                       "signature": signature, "body": body})
+    spec = json.dumps(
+        {
+            "path": "/org/gpukill1",
+            "iface": "org.gpukill1.Manager",
+            "member": member,
+            "signature": signature,
+            "body": body,
+        }
+    )
     r = bed.run_as(user, [PYTHON, str(REPO / "tests" / "clients" / "emit_signal.py")], input=spec)
     assert r.returncode == 0, r
     return json.loads(r.stdout)["sender"]
@@ -178,9 +198,24 @@ def test_a_forged_signal_is_dropped(ebed, users):
         listeners = [Listener(plain), Listener(broad)]
         await probe_until_heard(plain, *listeners)
 
-        sender = await asyncio.to_thread(forge, ebed, users["other"], "ProcessKilled", signature(ProcessKilled),
-                                         [FORGED_PID, 1, 0, "forged", ["GPU-x"], "terminated", 0, "user",
-                                          {"verdict": {"$variant": ["s", "reclaimed"]}}])
+        sender = await asyncio.to_thread(
+            forge,
+            ebed,
+            users["other"],
+            "ProcessKilled",
+            signature(ProcessKilled),
+            [
+                FORGED_PID,
+                1,
+                0,
+                "forged",
+                ["GPU-x"],
+                "terminated",
+                0,
+                "user",
+                {"verdict": {"$variant": ["s", "reclaimed"]}},
+            ],
+        )
         await plain.reset(str(PROBE_DEVICE))  # a real signal after the forged one: delivered in order
         for listener in listeners:
             assert await listener.wait_for(is_probe) is not None

@@ -47,14 +47,26 @@ def free_port() -> int:
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def eight_gpus(path: Path) -> Path:
-    devices = [{"name": "Simulated H100 80GB HBM3", "vendor": "nvidia", "uuid": f"GPU-0000000{i}-e5e5",
-                "pci_bus_id": f"0000:{0x18 + i:02x}:00.0", "memory_total": "80GiB", "temperature": 40 + i,
-                "power": 70.0 + i} for i in range(8)]
+    devices = [
+        {
+            "name": "Simulated H100 80GB HBM3",
+            "vendor": "nvidia",
+            "uuid": f"GPU-0000000{i}-e5e5",
+            "pci_bus_id": f"0000:{0x18 + i:02x}:00.0",
+            "memory_total": "80GiB",
+            "temperature": 40 + i,
+            "power": 70.0 + i,
+        }
+        for i in range(8)
+    ]
     path.write_text(yaml.safe_dump({"devices": devices}))
     return path
 
@@ -65,8 +77,11 @@ def host(users):
     bed = Testbed()
     try:
         bed.start_system(sim_yaml=eight_gpus(bed.workdir / "eight.yaml"))
-        victims = [bed.victim(users["owner"], gpu=0, mem="3GiB"), bed.victim(users["owner"], gpu=5, mem="1GiB"),
-                   bed.victim(users["other"], gpu=3, mem="2GiB")]
+        victims = [
+            bed.victim(users["owner"], gpu=0, mem="3GiB"),
+            bed.victim(users["owner"], gpu=5, mem="1GiB"),
+            bed.victim(users["other"], gpu=3, mem="2GiB"),
+        ]
         for v in victims:
             bed.wait_listed(v.pid)
         yield bed
@@ -78,9 +93,15 @@ def host(users):
 def exporter_process(host, users):
     """The exporter as an unprivileged user (as the unit's DynamicUser is), on a free port: (url, process)."""
     port = free_port()
-    proc = subprocess.Popen([PYTHON, "-m", "gpukillctl", "exporter", "--port", str(port)], env=host.env(),
-                            cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                            **users["other"].popen_kwargs())
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "gpukillctl", "exporter", "--port", str(port)],
+        env=host.env(),
+        cwd="/",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        **users["other"].popen_kwargs(),
+    )
     host.procs.append(proc)
     url = f"http://127.0.0.1:{port}/metrics"
     wait_until(lambda: _get(url), 20, "the exporter never answered")
@@ -106,8 +127,15 @@ def test_metrics_of_eight_gpus_and_per_user_memory(exporter, users):
     got = samples(text)
     ups = {dict(k[1])["gpu"]: v for k, v in got.items() if k[0] == "gpukill_device_up"}
     assert ups == {str(i): 1.0 for i in range(8)}
-    labels = frozenset({"gpu": "3", "uuid": "GPU-00000003-e5e5", "pci_bus_id": "0000:1b:00.0", "vendor": "nvidia",
-                        "model": "Simulated H100 80GB HBM3"}.items())
+    labels = frozenset(
+        {
+            "gpu": "3",
+            "uuid": "GPU-00000003-e5e5",
+            "pci_bus_id": "0000:1b:00.0",
+            "vendor": "nvidia",
+            "model": "Simulated H100 80GB HBM3",
+        }.items()
+    )
     assert got[("gpukill_device_temperature_celsius", labels)] == 43.0
     assert got[("gpukill_device_memory_total_bytes", labels)] == 80 * GIB
     user = {dict(k[1])["user"]: v for k, v in got.items() if k[0] == "gpukill_user_gpu_memory_bytes"}
@@ -123,8 +151,7 @@ def test_metrics_of_eight_gpus_and_per_user_memory(exporter, users):
 @needs_root
 @needs_promtool
 def test_exposition_passes_promtool_check_metrics(exporter):
-    r = subprocess.run([PROMTOOL, "check", "metrics"], input=_get(exporter), capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([PROMTOOL, "check", "metrics"], input=_get(exporter), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r
 
 
@@ -136,13 +163,26 @@ def prometheus(exporter: str):
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="gpukill-prom-") as tmp:
         config = Path(tmp) / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s"},
-            "scrape_configs": [{"job_name": "gpukill", "static_configs": [{"targets": [target]}]}]}))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s"},
+                    "scrape_configs": [{"job_name": "gpukill", "static_configs": [{"targets": [target]}]}],
+                }
+            )
+        )
         with open(Path(tmp) / "prometheus.log", "wb") as log:
-            prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
-                                     f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log,
-                                    start_new_session=True)
+            prom = subprocess.Popen(
+                [
+                    PROMETHEUS,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={tmp}/data",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
 
         def per_user(promql: str) -> dict[str, float] | None:
             body = _get(f"http://127.0.0.1:{port}/api/v1/query?{urllib.parse.urlencode({'query': promql})}")
@@ -176,8 +216,11 @@ def test_a_real_prometheus_gives_gpukillctl_usages_answer_per_user(host, exporte
         other = users["other"].name
         assert other in found and found[other] > 0, found
         text = _get(exporter)
-        exported = {dict(k[1])["user"]: v for k, v in samples(text).items()
-                    if k[0] == "gpukill_gpu_seconds_total" and dict(k[1]).get("user")}
+        exported = {
+            dict(k[1])["user"]: v
+            for k, v in samples(text).items()
+            if k[0] == "gpukill_gpu_seconds_total" and dict(k[1]).get("user")
+        }
         r = host.ctl(users["other"], "usage", "--since", f"@{started - 3600:.0f}", "--user", other, "--json")
         assert r.returncode == 0, r
         (mine,) = json.loads(r.stdout)["rows"]
@@ -199,10 +242,31 @@ def test_textfile_is_written_whole(host, users):
 
 
 def test_unknown_values_are_left_out_and_attribution_is_bounded():
-    device = Device(index=0, id="GPU-x", backend="simulated", vendor="amd", name="MI", utilization=50.0,
-                    temperature=None, clock_mhz=1500.0)
-    procs = [Process(pid=10 + i, start_time=1, uid=1000, user="alice", comm="python", cmdline="python",
-                     device=0, device_id="GPU-x", gpu_memory=GIB, slurm_job="42" if i else None) for i in range(50)]
+    device = Device(
+        index=0,
+        id="GPU-x",
+        backend="simulated",
+        vendor="amd",
+        name="MI",
+        utilization=50.0,
+        temperature=None,
+        clock_mhz=1500.0,
+    )
+    procs = [
+        Process(
+            pid=10 + i,
+            start_time=1,
+            uid=1000,
+            user="alice",
+            comm="python",
+            cmdline="python",
+            device=0,
+            device_id="GPU-x",
+            gpu_memory=GIB,
+            slurm_job="42" if i else None,
+        )
+        for i in range(50)
+    ]
     got = samples_of(Reading(devices=(device,), processes=tuple(procs), daemon_up=True))
     names = {name for name, _ in got}
     assert "gpukill_device_temperature_celsius" not in names, "an unknown value is no series, never 0"
@@ -222,13 +286,23 @@ def test_unknown_values_are_left_out_and_attribution_is_bounded():
 def test_guard_notices_are_counted_per_channel_and_result_delivered_apart_from_skipped_and_failed():
     from gpukill.records.guard import GuardStatus, NotificationCounters
 
-    guard = GuardStatus(enabled=True, dry_run=False, policy_dry_run=False, source="files", notifications=(
-        NotificationCounters(channel="tty", queued=9, delivered=2, skipped=6, failed=1),
-        NotificationCounters(channel="email", queued=3, delivered=2, failed=1, dropped=1),
-        NotificationCounters(channel="desktop", announced=9)))
+    guard = GuardStatus(
+        enabled=True,
+        dry_run=False,
+        policy_dry_run=False,
+        source="files",
+        notifications=(
+            NotificationCounters(channel="tty", queued=9, delivered=2, skipped=6, failed=1),
+            NotificationCounters(channel="email", queued=3, delivered=2, failed=1, dropped=1),
+            NotificationCounters(channel="desktop", announced=9),
+        ),
+    )
     got = samples_of(Reading(guard=guard, daemon_up=True))
-    counts = {tuple(sorted(dict(labels).items())): v for (name, labels), v in got.items()
-              if name == "gpukill_guard_notifications_total"}
+    counts = {
+        tuple(sorted(dict(labels).items())): v
+        for (name, labels), v in got.items()
+        if name == "gpukill_guard_notifications_total"
+    }
     assert counts[(("channel", "tty"), ("result", "delivered"))] == 2.0
     assert counts[(("channel", "tty"), ("result", "skipped"))] == 6.0
     assert counts[(("channel", "tty"), ("result", "failed"))] == 1.0
@@ -251,11 +325,13 @@ def samples_of(reading: Reading, per_process: bool = False) -> dict[tuple[str, f
 
 @needs_promtool
 def test_alert_rules_pass_promtool_check_and_unit_tests():
-    check = subprocess.run([PROMTOOL, "check", "rules", str(DEPLOY / "gpukill-alerts.yml")], capture_output=True,
-                           text=True, timeout=60)
+    check = subprocess.run(
+        [PROMTOOL, "check", "rules", str(DEPLOY / "gpukill-alerts.yml")], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0 and "SUCCESS: 4 rules found" in check.stdout, check
-    unit = subprocess.run([PROMTOOL, "test", "rules", "gpukill-alerts.test.yml"], cwd=DEPLOY, capture_output=True,
-                          text=True, timeout=60)
+    unit = subprocess.run(
+        [PROMTOOL, "test", "rules", "gpukill-alerts.test.yml"], cwd=DEPLOY, capture_output=True, text=True, timeout=60
+    )
     assert unit.returncode == 0 and "SUCCESS" in unit.stdout, unit
 
 
@@ -263,16 +339,38 @@ def test_grafana_dashboard_queries_only_exported_metrics():
     dashboard = json.loads((DEPLOY / "gpukill-dashboard.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     assert exprs
-    reading = Reading(devices=(Device(index=0, id="g", backend="s", vendor="v", name="n", utilization=1.0,
-                                      memory_used=1, memory_total=2, temperature=1.0, power=1.0, power_limit=2.0,
-                                      clock_mhz=1.0),), backends=(BackendStatus("s", True, ""),),
-                      daemon_up=True)
+    reading = Reading(
+        devices=(
+            Device(
+                index=0,
+                id="g",
+                backend="s",
+                vendor="v",
+                name="n",
+                utilization=1.0,
+                memory_used=1,
+                memory_total=2,
+                temperature=1.0,
+                power=1.0,
+                power_limit=2.0,
+                clock_mhz=1.0,
+            ),
+        ),
+        backends=(BackendStatus("s", True, ""),),
+        daemon_up=True,
+    )
     exported = {name.removesuffix("_total") for name, _ in samples_of(reading)}
-    used = {word for expr in exprs for word in expr.replace("(", " ").replace("{", " ").split()
-            if word.startswith("gpukill_")}
+    used = {
+        word
+        for expr in exprs
+        for word in expr.replace("(", " ").replace("{", " ").split()
+        if word.startswith("gpukill_")
+    }
     assert used and {u.removesuffix("_total") for u in used} <= exported | {
-        f"gpukill_{g}_gpu_{k}" for g in ("user", "unit", "slurm_job", "pod_uid", "container")
-        for k in ("memory_bytes", "processes")} | {"gpukill_guard_actions", "gpukill_guard_violations"}, used
+        f"gpukill_{g}_gpu_{k}"
+        for g in ("user", "unit", "slurm_job", "pod_uid", "container")
+        for k in ("memory_bytes", "processes")
+    } | {"gpukill_guard_actions", "gpukill_guard_violations"}, used
 
 
 class BusCalls:
@@ -281,9 +379,13 @@ class BusCalls:
     def __init__(self, host: Testbed, member: str) -> None:
         self.member = member
         self.lines: list[str] = []
-        self.proc = subprocess.Popen(["dbus-monitor", "--address", host.bus_address, "--profile",
-                                      f"type='method_call',member='{member}'"], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["dbus-monitor", "--address", host.bus_address, "--profile", f"type='method_call',member='{member}'"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         host.procs.append(self.proc)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -309,8 +411,9 @@ def test_fifty_scrapes_a_second_are_served_from_one_reading_per_sample_interval(
     calls = BusCalls(host, "ListDevices")
     try:
         # the monitor is in place once it sees a call of ours
-        wait_until(lambda: (host.manager(users["root"], "ListDevices"), calls.count())[1], 10,
-                   "dbus-monitor saw no call")
+        wait_until(
+            lambda: (host.manager(users["root"], "ListDevices"), calls.count())[1], 10, "dbus-monitor saw no call"
+        )
         before = calls.count()
         rate, seconds = 50, 4.0
         t0 = time.monotonic()
@@ -329,7 +432,9 @@ def test_fifty_scrapes_a_second_are_served_from_one_reading_per_sample_interval(
     ups = [samples(b)[("gpukill_up", frozenset())] for b in bodies]
     assert ups.count(1.0) == len(ups), f"gpukill_up was 0 in {ups.count(0.0)} of {len(ups)} scrapes"
     assert elapsed < 2 * seconds + 2, f"{len(bodies)} scrapes took {elapsed:.1f} s"  # a loaded machine is slower
-    assert 1 <= reads <= elapsed / 1.0 + 2, f"{reads} readings of the daemon for {len(bodies)} scrapes in {elapsed:.1f} s"
+    assert 1 <= reads <= elapsed / 1.0 + 2, (
+        f"{reads} readings of the daemon for {len(bodies)} scrapes in {elapsed:.1f} s"
+    )
     ages = [samples(b)[("gpukill_exporter_reading_age_seconds", frozenset())] for b in bodies]
     assert max(ages) < 1.0 + 2.0, max(ages)  # an interval, and the time a reading takes on a loaded machine
 
@@ -386,8 +491,9 @@ def test_slow_connections_get_no_thread_each_and_are_closed_at_the_deadline(expo
 
 @needs_root
 def test_http_formats_and_methods(exporter):
-    request = urllib.request.Request(exporter, headers={"Accept": "application/openmetrics-text; version=1.0.0",
-                                                        "Accept-Encoding": "gzip"})
+    request = urllib.request.Request(
+        exporter, headers={"Accept": "application/openmetrics-text; version=1.0.0", "Accept-Encoding": "gzip"}
+    )
     with urllib.request.urlopen(request, timeout=10) as r:
         assert r.headers["Content-Type"].startswith("application/openmetrics-text")
         assert r.headers["Content-Encoding"] == "gzip"
@@ -397,8 +503,12 @@ def test_http_formats_and_methods(exporter):
         assert r.status == 200 and r.read() == b"" and int(r.headers["Content-Length"]) > 0
     for path, method, code in (("/nothing", "GET", 404), ("/metrics", "POST", 405)):
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(urllib.request.Request(exporter.replace("/metrics", path), method=method,
-                                                          data=b"" if method == "POST" else None), timeout=10)
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    exporter.replace("/metrics", path), method=method, data=b"" if method == "POST" else None
+                ),
+                timeout=10,
+            )
         assert e.value.code == code
 
 

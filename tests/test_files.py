@@ -75,5 +75,6 @@ def test_managed_policies_are_written_by_replace_file(tmp_path: Path, monkeypatc
     policies._write({"50-user-alice.yaml": "rules: []\n", "50-user-bob.yaml": "rules: []\n"})
     assert [(os.path.basename(p), mode, kw) for p, mode, kw in written] == [
         ("50-user-alice.yaml", managed.FILE_MODE, {"sync_dir": False}),
-        ("50-user-bob.yaml", managed.FILE_MODE, {"sync_dir": False})]
+        ("50-user-bob.yaml", managed.FILE_MODE, {"sync_dir": False}),
+    ]
     assert synced == [str(tmp_path)]

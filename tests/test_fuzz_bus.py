@@ -5,7 +5,8 @@ org.freedesktop.DBus.Properties (Get, GetAll, Set), Introspect, Peer, ObjectMana
 interfaces, no interface and other object paths, with arbitrary arguments: the right signature with arbitrary
 values (a{sv} arguments with arbitrary keys and variants of arbitrary types), near misses (an argument more or
 less) and arbitrary signatures with bodies that fit them. Each identity (an unprivileged user, root, a polkit
-admin) is one long-lived client process (tests/clients/fuzz_client.py) fed JSON lines, so an example costs one bus round trip.
+admin) is one long-lived client process (tests/clients/fuzz_client.py) fed JSON lines, so an example costs one bus round
+trip.
 
 Properties checked for every call: a reply comes (never a timeout, never NoReply, never a dropped connection);
 an error's name is one of ALLOWED_ERRORS (gpukilld's documented errors and the standard ones that dbus-fast,
@@ -48,8 +49,11 @@ pytestmark = needs_root
 
 BUS_NAME, OBJECT_PATH = "org.gpukill1", "/org/gpukill1"
 MANAGER, GUARD = "org.gpukill1.Manager", "org.gpukill1.Guard"
-PROPS, INTROSPECTABLE, PEER = ("org.freedesktop.DBus.Properties", "org.freedesktop.DBus.Introspectable",
-                               "org.freedesktop.DBus.Peer")
+PROPS, INTROSPECTABLE, PEER = (
+    "org.freedesktop.DBus.Properties",
+    "org.freedesktop.DBus.Introspectable",
+    "org.freedesktop.DBus.Peer",
+)
 OBJECT_MANAGER = "org.freedesktop.DBus.ObjectManager"
 FDO = "org.freedesktop.DBus.Error."
 
@@ -63,6 +67,7 @@ CALL_TIMEOUT = 45.0  # the client gives up at 30 s and says so; this is for a cl
 
 
 # -- the contract ----------------------------------------------------------------------------------------------
+
 
 def _contract() -> tuple[dict[tuple[str, str], tuple[str, str]], dict[tuple[str, str], str]]:
     """(iface, method) -> (in signature, out signature) and (iface, property) -> type, from the XML."""
@@ -82,13 +87,31 @@ def _contract() -> tuple[dict[tuple[str, str], tuple[str, str]], dict[tuple[str,
 
 METHODS, PROPERTIES = _contract()
 assert set(METHODS) == {
-    (MANAGER, "ListDevices"), (MANAGER, "ListProcesses"), (MANAGER, "KillProcess"), (MANAGER, "ResetDevice"),
-    (MANAGER, "ListProcessesCompact"), (MANAGER, "AuditRogue"), (GUARD, "Enable"), (GUARD, "Disable"), (GUARD, "SetDryRun"), (GUARD, "LoadPolicy"), (GUARD, "GetStatus"),
-    (GUARD, "TestPolicies"), (GUARD, "ListPolicies"), (GUARD, "SetPolicy"), (GUARD, "RemovePolicy"),
-    (GUARD, "ExportPolicies"), (GUARD, "ImportPolicies"),
-    (MANAGER, "AuditRogueWith"), (MANAGER, "GetAuditSettings"), (MANAGER, "SetAuditSettings"),
-    (MANAGER, "ExportAuditSettings"), (MANAGER, "ImportAuditSettings"), (MANAGER, "GetUsage"),
-    (MANAGER, "KillProcessReport"), (MANAGER, "KillWorkload"),
+    (MANAGER, "ListDevices"),
+    (MANAGER, "ListProcesses"),
+    (MANAGER, "KillProcess"),
+    (MANAGER, "ResetDevice"),
+    (MANAGER, "ListProcessesCompact"),
+    (MANAGER, "AuditRogue"),
+    (GUARD, "Enable"),
+    (GUARD, "Disable"),
+    (GUARD, "SetDryRun"),
+    (GUARD, "LoadPolicy"),
+    (GUARD, "GetStatus"),
+    (GUARD, "TestPolicies"),
+    (GUARD, "ListPolicies"),
+    (GUARD, "SetPolicy"),
+    (GUARD, "RemovePolicy"),
+    (GUARD, "ExportPolicies"),
+    (GUARD, "ImportPolicies"),
+    (MANAGER, "AuditRogueWith"),
+    (MANAGER, "GetAuditSettings"),
+    (MANAGER, "SetAuditSettings"),
+    (MANAGER, "ExportAuditSettings"),
+    (MANAGER, "ImportAuditSettings"),
+    (MANAGER, "GetUsage"),
+    (MANAGER, "KillProcessReport"),
+    (MANAGER, "KillWorkload"),
 }, f"the XML's methods changed: update this fuzz ({sorted(METHODS)})"
 MEMBER_IFACE = {member: iface for iface, member in METHODS}  # every member name is unique to one interface
 assert len(MEMBER_IFACE) == len(METHODS)
@@ -127,24 +150,23 @@ def _documented_errors() -> dict[str, str]:
 # Standard errors, with where each comes from (dbus-fast 5.2: message_bus.py, _find_message_handler and
 # _default_properties_handler; gpukilld/bus/door.py: Door; dbus-daemon: the bus policy of dbus/org.gpukill1.conf).
 STANDARD_ERRORS = {
-    FDO + "AccessDenied":
-        "Door: a member of our interfaces (or, without an interface, a member) the bouncer's table does not "
-        "map; errors.AccessDenied: polkit said no; dbus-daemon: the bus policy lets non-root callers send to "
-        "org.gpukill1 only on the Manager, Guard, Introspectable, Properties and Peer interfaces; dbus-fast: "
-        "Peer.GetMachineId, which it forwards to dbus-daemon, and dbus-daemon's bus policy refuses (the error "
-        "name of that refusal is passed on)",
+    FDO + "AccessDenied": "Door: a member of our interfaces (or, without an interface, a member) the bouncer's table "
+    "does not "
+    "map; errors.AccessDenied: polkit said no; dbus-daemon: the bus policy lets non-root callers send to "
+    "org.gpukill1 only on the Manager, Guard, Introspectable, Properties and Peer interfaces; dbus-fast: "
+    "Peer.GetMachineId, which it forwards to dbus-daemon, and dbus-daemon's bus policy refuses (the error "
+    "name of that refusal is passed on)",
     FDO + "InvalidArgs": "errors.InvalidArgs: a bad option or filter key or value",
-    FDO + "UnknownMethod":
-        "dbus-fast: no handler for this interface, member AND signature (a real method with a wrong "
-        "signature, Introspect/Ping/GetMachineId with arguments, an unknown Properties member or a Properties "
-        "member with the wrong signature, anything at a path where nothing is exported)",
+    FDO + "UnknownMethod": "dbus-fast: no handler for this interface, member AND signature (a real method with a wrong "
+    "signature, Introspect/Ping/GetMachineId with arguments, an unknown Properties member or a Properties "
+    "member with the wrong signature, anything at a path where nothing is exported)",
     FDO + "UnknownObject": "dbus-fast: Properties.Get/GetAll/Set at a path where nothing is exported",
     FDO + "UnknownInterface": "dbus-fast: Properties.Get/GetAll of an interface not exported at the path",
-    FDO + "UnknownProperty":
-        "dbus-fast: Properties.Get of a property the interface does not have (any property of a standard "
-        "interface, every property of org.gpukill1.Guard)",
-    FDO + "PropertyReadOnly":
-        "Door: every Properties.Set at /org/gpukill1, whatever its interface, property or signature",
+    FDO + "UnknownProperty": "dbus-fast: Properties.Get of a property the interface does not have (any property of a "
+    "standard "
+    "interface, every property of org.gpukill1.Guard)",
+    FDO
+    + "PropertyReadOnly": "Door: every Properties.Set at /org/gpukill1, whatever its interface, property or signature",
     FDO + "NotSupported": "dbus-fast: Properties.Get/GetAll with the empty interface name",
 }
 # Not allowed, on purpose: org.freedesktop.DBus.Error.Failed (no path of the daemon sends it with our objects;
@@ -158,8 +180,15 @@ ALLOWED_ERRORS = {**_documented_errors(), **STANDARD_ERRORS}
 
 # -- strategies: D-Bus types and values in the client's wire JSON (see clients/fuzz_client.py) -----------------------
 
-INT_RANGES = {"y": (0, 2**8 - 1), "n": (-(2**15), 2**15 - 1), "q": (0, 2**16 - 1), "i": (-(2**31), 2**31 - 1),
-              "u": (0, 2**32 - 1), "x": (-(2**63), 2**63 - 1), "t": (0, 2**64 - 1)}
+INT_RANGES = {
+    "y": (0, 2**8 - 1),
+    "n": (-(2**15), 2**15 - 1),
+    "q": (0, 2**16 - 1),
+    "i": (-(2**31), 2**31 - 1),
+    "u": (0, 2**32 - 1),
+    "x": (-(2**63), 2**63 - 1),
+    "t": (0, 2**64 - 1),
+}
 BASIC = "ybnqiuxtdsog"  # every basic type but h (file descriptors need fd passing)
 MAX_VARIANT_DEPTH = 3
 
@@ -184,27 +213,77 @@ body_sigs = st.lists(single_sigs, max_size=4).map("".join)
 # Strings: never NUL and never a surrogate (D-Bus strings are valid UTF-8 without NUL; the bus disconnects a
 # client that sends one), but every other character: controls, non-BMP, combining, bidi overrides.
 CHARS = st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",))
-DEVICE_IDS = ["0", "1", "2", "3", "4", "-1", "4294967296", "GPU-8f1c6a2e-0b7d-4c1e-9a55-3d2e7f10a001",
-              "gpu-8f1c6a2e-0b7d-4c1e-9a55-3d2e7f10a002", "0000:18:00.0", "0000:2A:00.0", "0000:c1:00.0",
-              "0000:03:00.0", "18:00.0", " 0", "0 ", "00"]
+DEVICE_IDS = [
+    "0",
+    "1",
+    "2",
+    "3",
+    "4",
+    "-1",
+    "4294967296",
+    "GPU-8f1c6a2e-0b7d-4c1e-9a55-3d2e7f10a001",
+    "gpu-8f1c6a2e-0b7d-4c1e-9a55-3d2e7f10a002",
+    "0000:18:00.0",
+    "0000:2A:00.0",
+    "0000:c1:00.0",
+    "0000:03:00.0",
+    "18:00.0",
+    " 0",
+    "0 ",
+    "00",
+]
 # an alias bomb: nine levels of nine references (a parser that expands aliases visits 9**9 items)
 BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
-    f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True))
+    f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)
+)
 POLICIES = [
-    "", "rules: []\n", "{}", "[]", "null", "~", "---\n...\n", "%YAML 1.1\n---\nrules: []\n", "rules:\n  -\n",
+    "",
+    "rules: []\n",
+    "{}",
+    "[]",
+    "null",
+    "~",
+    "---\n...\n",
+    "%YAML 1.1\n---\nrules: []\n",
+    "rules:\n  -\n",
     "rules:\n  - name: x\n    conditions:\n      - {type: process_name, operator: '==', value: fuzzvictim}\n"
     "    action: log\n",
     "rules:\n  - name: k\n    conditions:\n      - {type: gpu_memory, operator: '>', value: 0B}\n    action: kill\n",
     "rules:\n  - name: r\n    conditions:\n      - {type: process_name, operator: matches, value: '(a+)+$'}\n"
     "    action: notify\n",
     "dry_run: .nan\nmax_kills_per_cycle: 1e400\ncooldown: 99999999999999999999999d\n",
-    "!!python/object/apply:os.system ['true']\n", "a: !!binary AAAA\n", "a: *undefined\n",
+    "!!python/object/apply:os.system ['true']\n",
+    "a: !!binary AAAA\n",
+    "a: *undefined\n",
     BOMB,
-    "[" * 500 + "]" * 500, "{a: " * 200 + "1" + "}" * 200, "rules:\n" + "  - name: n\n" * 2000,
-    "\ufeffrules: []\n", "rules: [\x1b[31m]\n", "\t\x01\x02\x7f\u2028\U0001f600",
+    "[" * 500 + "]" * 500,
+    "{a: " * 200 + "1" + "}" * 200,
+    "rules:\n" + "  - name: n\n" * 2000,
+    "\ufeffrules: []\n",
+    "rules: [\x1b[31m]\n",
+    "\t\x01\x02\x7f\u2028\U0001f600",
 ]
-INTERESTING = [*DEVICE_IDS, *POLICIES, "root", "gpkowner", "gpkother", "fuzzvictim", "%s%n%x", "\n", "../../etc",
-               "é", "\U0001f600" * 3, "\u202e", "a" * 300, "(" * 100, "[[:alpha:]", "\\", "*", ".*", "^$"]
+INTERESTING = [
+    *DEVICE_IDS,
+    *POLICIES,
+    "root",
+    "gpkowner",
+    "gpkother",
+    "fuzzvictim",
+    "%s%n%x",
+    "\n",
+    "../../etc",
+    "é",
+    "\U0001f600" * 3,
+    "\u202e",
+    "a" * 300,
+    "(" * 100,
+    "[[:alpha:]",
+    "\\",
+    "*",
+    ".*",
+    "^$",
+]
 texts = st.one_of(
     st.text(CHARS, max_size=40),
     st.sampled_from(INTERESTING),
@@ -271,26 +350,56 @@ def options(typed: dict[str, tuple[str, ...]]) -> st.SearchStrategy:
         return st.sampled_from(typed[key]).flatmap(lambda sig: values_of(sig).map(lambda val: [key, [sig, val]]))
 
     documented = st.lists(st.sampled_from(known), unique=True, max_size=len(known)).flatmap(
-        lambda keys: st.tuples(*(entry(k) for k in keys)).map(list))
+        lambda keys: st.tuples(*(entry(k) for k in keys)).map(list)
+    )
     arbitrary = st.lists(st.tuples(st.one_of(st.sampled_from(known), texts), variants()).map(list), max_size=5)
     return st.one_of(documented, arbitrary)
 
 
 # Documented keys and the types the daemon takes for them (manager.py), as the XML documents them and a few more.
-FILTER_TYPES = {"device": ("s", "u", "y"), "user": ("s", "u"), "name": ("s",), "name_regex": ("s",),
-                "min_memory": ("t", "u", "x"), "limit": ("u", "q", "y"), "after": ("(uu)",)}
+FILTER_TYPES = {
+    "device": ("s", "u", "y"),
+    "user": ("s", "u"),
+    "name": ("s",),
+    "name_regex": ("s",),
+    "min_memory": ("t", "u", "x"),
+    "limit": ("u", "q", "y"),
+    "after": ("(uu)",),
+}
 KILL_TYPES = {"force": ("b",), "grace": ("d", "u", "y", "t", "x")}
 SELECTION_TYPES = {"tree": ("(ut)", "(uu)", "s"), "unit": ("s", "u"), "container": ("s",)}
 RESET_TYPES = {"force": ("b",)}
-AUDIT_SETTING_TYPES = {"min_score": ("d", "u"), "idle_after": ("d",), "idle_min_memory": ("t",),
-                       "abuser_share": ("d",), "abuser_window": ("d",), "pool_ports": ("aq",),
-                       "allowed_users": ("as",), "allowed_processes": ("as",)}
+AUDIT_SETTING_TYPES = {
+    "min_score": ("d", "u"),
+    "idle_after": ("d",),
+    "idle_min_memory": ("t",),
+    "abuser_share": ("d",),
+    "abuser_window": ("d",),
+    "pool_ports": ("aq",),
+    "allowed_users": ("as",),
+    "allowed_processes": ("as",),
+}
 AUDIT_TEXTS = ["[audit]\nmin_score = 10\n", "[audit]\nidle_after = nan\n", "[guard]\nx = 1\n", "{"]
-USAGE_QUERY_TYPES = {"since": ("d", "t", "i"), "until": ("d", "x", "u"), "by": ("s",), "user": ("s", "u"),
-                     "name": ("s",), "unit": ("s",), "job": ("s",), "pod": ("s",), "device": ("s", "u"),
-                     "limit": ("u", "y")}
-POLICY_SETTING_TYPES = {"memory_limit": ("t", "u"), "utilization_limit": ("d",), "process_limit": ("u",),
-                        "allowed_users": ("as",), "reserved_memory": ("t",), "grace": ("d",)}
+USAGE_QUERY_TYPES = {
+    "since": ("d", "t", "i"),
+    "until": ("d", "x", "u"),
+    "by": ("s",),
+    "user": ("s", "u"),
+    "name": ("s",),
+    "unit": ("s",),
+    "job": ("s",),
+    "pod": ("s",),
+    "device": ("s", "u"),
+    "limit": ("u", "y"),
+}
+POLICY_SETTING_TYPES = {
+    "memory_limit": ("t", "u"),
+    "utilization_limit": ("d",),
+    "process_limit": ("u",),
+    "allowed_users": ("as",),
+    "reserved_memory": ("t",),
+    "grace": ("d",),
+}
 # (pid, start_time) of the victim, the bystander and gpukilld itself: filled in by the fixture, and read when
 # an example is drawn (a strategy built over the list would keep the placeholders)
 HINTS: dict[str, list[tuple[int, int]]] = {"targets": [(0, 0)] * 3}
@@ -306,27 +415,34 @@ device_names = st.one_of(st.sampled_from(DEVICE_IDS), texts)
 policy_texts = st.one_of(st.sampled_from(POLICIES), texts)
 
 ARGS = {  # per method, the values of its arguments when it is called with its own signature
-    "ListDevices": st.just([]), "AuditRogue": st.just([]),
+    "ListDevices": st.just([]),
+    "AuditRogue": st.just([]),
     "ListProcesses": st.tuples(options(FILTER_TYPES)).map(list),
     "ListProcessesCompact": st.tuples(options(FILTER_TYPES)).map(list),  # the same filter
     "KillProcess": st.tuples(kill_targets, options(KILL_TYPES)).map(lambda t: [*t[0], t[1]]),
     "KillProcessReport": st.tuples(kill_targets, options(KILL_TYPES)).map(lambda t: [*t[0], t[1]]),
     # a documented or arbitrary selection, or the tree of a real process (exactly, or with another start time)
-    "KillWorkload": st.tuples(st.one_of(options(SELECTION_TYPES),
-                                        kill_targets.map(lambda t: [["tree", ["(ut)", list(t)]]])),
-                              options(KILL_TYPES)).map(list),
+    "KillWorkload": st.tuples(
+        st.one_of(options(SELECTION_TYPES), kill_targets.map(lambda t: [["tree", ["(ut)", list(t)]]])),
+        options(KILL_TYPES),
+    ).map(list),
     "ResetDevice": st.tuples(device_names, options(RESET_TYPES)).map(list),
-    "Enable": st.just([]), "Disable": st.just([]), "GetStatus": st.just([]),
+    "Enable": st.just([]),
+    "Disable": st.just([]),
+    "GetStatus": st.just([]),
     "SetDryRun": st.tuples(st.booleans()).map(list),
     "LoadPolicy": st.tuples(texts, policy_texts).map(list),
     "TestPolicies": st.tuples(texts, policy_texts).map(list),
-    "ListPolicies": st.just([]), "ExportPolicies": st.just([]),
-    "SetPolicy": st.tuples(st.sampled_from(["user", "group", "gpu"]) | texts, texts,
-                           options(POLICY_SETTING_TYPES)).map(list),
+    "ListPolicies": st.just([]),
+    "ExportPolicies": st.just([]),
+    "SetPolicy": st.tuples(st.sampled_from(["user", "group", "gpu"]) | texts, texts, options(POLICY_SETTING_TYPES)).map(
+        list
+    ),
     "RemovePolicy": st.tuples(st.sampled_from(["user", "group", "gpu"]) | texts, texts).map(list),
     "ImportPolicies": st.tuples(texts, policy_texts, st.booleans()).map(list),
     "AuditRogueWith": st.tuples(options(AUDIT_SETTING_TYPES)).map(list),
-    "GetAuditSettings": st.just([]), "ExportAuditSettings": st.just([]),
+    "GetAuditSettings": st.just([]),
+    "ExportAuditSettings": st.just([]),
     "SetAuditSettings": st.tuples(options(AUDIT_SETTING_TYPES)).map(list),
     "ImportAuditSettings": st.tuples(texts, st.one_of(st.sampled_from(AUDIT_TEXTS), texts)).map(list),
     "GetUsage": st.tuples(options(USAGE_QUERY_TYPES)).map(list),
@@ -336,8 +452,12 @@ assert set(ARGS) == {m for _, m in METHODS}
 member_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,30}", fullmatch=True)
 iface_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}(\.[A-Za-z_][A-Za-z0-9_]{0,12}){1,3}", fullmatch=True)
 OUR_IFACES = [MANAGER, GUARD]
-STANDARD_CALLS = [(INTROSPECTABLE, "Introspect", ""), (PEER, "Ping", ""), (PEER, "GetMachineId", ""),
-                  (OBJECT_MANAGER, "GetManagedObjects", "")]
+STANDARD_CALLS = [
+    (INTROSPECTABLE, "Introspect", ""),
+    (PEER, "Ping", ""),
+    (PEER, "GetMachineId", ""),
+    (OBJECT_MANAGER, "GetManagedObjects", ""),
+]
 flags = st.sampled_from([0, 0, 0, 0, 0, 0, 0, 4, 4, 1])  # none; ALLOW_INTERACTIVE_AUTHORIZATION; NO_REPLY
 paths = st.sampled_from(range(8)).flatmap(lambda n: object_paths if n == 0 else st.just(OBJECT_PATH))
 
@@ -350,8 +470,15 @@ def body_of(sig: str) -> st.SearchStrategy[list]:
 
 
 def _spec(iface, member, sig, body, path=OBJECT_PATH, flag=0) -> dict:
-    return {"dest": BUS_NAME, "path": path, "iface": iface, "member": member, "signature": sig, "body": body,
-            "flags": flag}
+    return {
+        "dest": BUS_NAME,
+        "path": path,
+        "iface": iface,
+        "member": member,
+        "signature": sig,
+        "body": body,
+        "flags": flag,
+    }
 
 
 WEIGHTS = {"ListProcesses": 4, "KillProcess": 4, "ResetDevice": 3, "LoadPolicy": 3, "TestPolicies": 3}  # else 1
@@ -362,26 +489,30 @@ def our_method_well_typed(draw) -> dict:
     iface, member = draw(st.sampled_from([m for m in sorted(METHODS) for _ in range(WEIGHTS.get(m[1], 1))]))
     # the right interface mostly; sometimes none (matched by member) or the other of ours
     iface = draw(st.sampled_from([iface] * 8 + [None, GUARD if iface == MANAGER else MANAGER]))
-    return _spec(iface, member, METHODS[(MEMBER_IFACE[member], member)][0], draw(ARGS[member]), OBJECT_PATH,
-                 draw(flags))
+    return _spec(
+        iface, member, METHODS[(MEMBER_IFACE[member], member)][0], draw(ARGS[member]), OBJECT_PATH, draw(flags)
+    )
 
 
 @st.composite
 def our_method_any_signature(draw) -> dict:
     iface, member = draw(st.sampled_from(sorted(METHODS)))
     right = METHODS[(iface, member)][0]
-    sig = draw(st.one_of(
-        body_sigs,
-        single_sigs.map(lambda extra: right + extra),  # one argument too many
-        st.just(right[:-1] if right and right[-1] not in "})" else ""),  # the last one cut (or none at all)
-        st.just("a{ss}" if right == "a{sv}" else "sv"),
-    ).filter(lambda s: len(s) <= 255))
+    sig = draw(
+        st.one_of(
+            body_sigs,
+            single_sigs.map(lambda extra: right + extra),  # one argument too many
+            st.just(right[:-1] if right and right[-1] not in "})" else ""),  # the last one cut (or none at all)
+            st.just("a{ss}" if right == "a{sv}" else "sv"),
+        ).filter(lambda s: len(s) <= 255)
+    )
     iface = draw(st.sampled_from([iface, iface, None]))
     return _spec(iface, member, sig, draw(body_of(sig)), draw(paths), draw(flags))
 
 
-prop_ifaces = st.one_of(st.sampled_from([MANAGER, MANAGER, GUARD, "", PROPS, INTROSPECTABLE, PEER, OBJECT_MANAGER]),
-                        iface_names, texts)
+prop_ifaces = st.one_of(
+    st.sampled_from([MANAGER, MANAGER, GUARD, "", PROPS, INTROSPECTABLE, PEER, OBJECT_MANAGER]), iface_names, texts
+)
 prop_names = st.one_of(st.sampled_from(sorted({p for _, p in PROPERTIES})), member_names, texts)
 
 
@@ -410,36 +541,79 @@ def standard_calls(draw) -> dict:
 
 @st.composite
 def unknown_calls(draw) -> dict:
-    iface = draw(st.one_of(st.sampled_from([*OUR_IFACES, None, PROPS, PEER, INTROSPECTABLE, "org.gpukill1.Error",
-                                            "org.gpukill1", "org.freedesktop.DBus.Monitoring"]), iface_names))
+    iface = draw(
+        st.one_of(
+            st.sampled_from(
+                [
+                    *OUR_IFACES,
+                    None,
+                    PROPS,
+                    PEER,
+                    INTROSPECTABLE,
+                    "org.gpukill1.Error",
+                    "org.gpukill1",
+                    "org.freedesktop.DBus.Monitoring",
+                ]
+            ),
+            iface_names,
+        )
+    )
     member = draw(st.one_of(member_names, st.sampled_from([m for _, m in METHODS] + ["Get", "Ping", "Introspect"])))
     sig = draw(body_sigs)
     return _spec(iface, member, sig, draw(body_of(sig)), draw(paths), draw(flags))
 
 
 CALL_KINDS = {  # kind of call -> its share of the examples
-    our_method_well_typed: 20, our_method_any_signature: 3, property_calls: 3, standard_calls: 1, unknown_calls: 2,
+    our_method_well_typed: 20,
+    our_method_any_signature: 3,
+    property_calls: 3,
+    standard_calls: 1,
+    unknown_calls: 2,
 }
 
 
 # Every method and property once for sure, whatever the generator draws (hypothesis runs these first).
-MINIMAL_ARGS = {"ListDevices": [], "AuditRogue": [], "ListProcesses": [[]], "ListProcessesCompact": [[]], "KillProcess": [2**32 - 1, 2**64 - 1, []],
-                "KillProcessReport": [2**32 - 1, 2**64 - 1, []], "KillWorkload": [[], []],
-                "ResetDevice": ["no-such-gpu", []], "Enable": [], "Disable": [], "GetStatus": [],
-                "SetDryRun": [False], "LoadPolicy": ["explicit", "{"], "TestPolicies": ["explicit", "rules: []\n"],
-                "ListPolicies": [], "ExportPolicies": [], "SetPolicy": ["user", "gpkfuzz", {}],
-                "RemovePolicy": ["user", "gpkfuzz"], "ImportPolicies": ["explicit", "{", False],
-                "AuditRogueWith": [[]], "GetAuditSettings": [], "ExportAuditSettings": [],
-                "SetAuditSettings": [[]], "ImportAuditSettings": ["explicit", "{"], "GetUsage": [[]]}
+MINIMAL_ARGS = {
+    "ListDevices": [],
+    "AuditRogue": [],
+    "ListProcesses": [[]],
+    "ListProcessesCompact": [[]],
+    "KillProcess": [2**32 - 1, 2**64 - 1, []],
+    "KillProcessReport": [2**32 - 1, 2**64 - 1, []],
+    "KillWorkload": [[], []],
+    "ResetDevice": ["no-such-gpu", []],
+    "Enable": [],
+    "Disable": [],
+    "GetStatus": [],
+    "SetDryRun": [False],
+    "LoadPolicy": ["explicit", "{"],
+    "TestPolicies": ["explicit", "rules: []\n"],
+    "ListPolicies": [],
+    "ExportPolicies": [],
+    "SetPolicy": ["user", "gpkfuzz", {}],
+    "RemovePolicy": ["user", "gpkfuzz"],
+    "ImportPolicies": ["explicit", "{", False],
+    "AuditRogueWith": [[]],
+    "GetAuditSettings": [],
+    "ExportAuditSettings": [],
+    "SetAuditSettings": [[]],
+    "ImportAuditSettings": ["explicit", "{"],
+    "GetUsage": [[]],
+}
 SET_VALUES = {"s": "9.9", "d": 0.001, "a(sbs)": [["fake", True, ""]], "a{sv}": {}}  # one of each property's type
 EXPLICIT = [
     *(_spec(iface, member, METHODS[(iface, member)][0], MINIMAL_ARGS[member]) for iface, member in sorted(METHODS)),
     *(_spec(PROPS, "Get", "ss", [iface, name]) for iface, name in sorted(PROPERTIES)),
-    *(_spec(PROPS, "Set", "ssv", [iface, name, [sig, SET_VALUES[sig]]])
-      for (iface, name), sig in sorted(PROPERTIES.items())),
-    _spec(PROPS, "GetAll", "s", [MANAGER]), _spec(PROPS, "GetAll", "s", [GUARD]),
+    *(
+        _spec(PROPS, "Set", "ssv", [iface, name, [sig, SET_VALUES[sig]]])
+        for (iface, name), sig in sorted(PROPERTIES.items())
+    ),
+    _spec(PROPS, "GetAll", "s", [MANAGER]),
+    _spec(PROPS, "GetAll", "s", [GUARD]),
     *(_spec(iface, member, sig, []) for iface, member, sig in STANDARD_CALLS),
-    _spec(MANAGER, "NoSuchMethod", "", []), _spec(GUARD, "ListDevices", "", []), _spec(None, "ListDevices", "", []),
+    _spec(MANAGER, "NoSuchMethod", "", []),
+    _spec(GUARD, "ListDevices", "", []),
+    _spec(None, "ListDevices", "", []),
     _spec("org.example.Nothing", "ListDevices", "", []),
 ]
 
@@ -486,7 +660,7 @@ def log_tracebacks(log: bytes) -> list[LogTraceback]:
             while end < len(lines) and lines[end].startswith(" "):  # the frames
                 end += 1
             exception = lines[end] if end < len(lines) else ""
-            out.append(LogTraceback(offsets[i], header, exception, "\n".join([header, *lines[i:end + 1]])[:3000]))
+            out.append(LogTraceback(offsets[i], header, exception, "\n".join([header, *lines[i : end + 1]])[:3000]))
     return out
 
 
@@ -496,9 +670,17 @@ class Client:
     def __init__(self, bed: Testbed, user: User) -> None:
         self.user = user
         with open(bed.workdir / f"fuzz-{user.name}.err", "w") as err:
-            self.proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "fuzz_client.py")], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, env=bed.env(), cwd="/",
-                                         start_new_session=True, text=True, **user.popen_kwargs())
+            self.proc = subprocess.Popen(
+                [PYTHON, str(REPO / "tests" / "clients" / "fuzz_client.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=bed.env(),
+                cwd="/",
+                start_new_session=True,
+                text=True,
+                **user.popen_kwargs(),
+            )
         bed.procs.append(self.proc)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -568,8 +750,15 @@ class Fuzz:
         pytest.fail(text, pytrace=False)
 
     def root_call(self, iface, member, sig="", body=None, dest=BUS_NAME, path=OBJECT_PATH) -> dict:
-        spec = {"dest": dest, "path": path, "iface": iface, "member": member, "signature": sig,
-                "body": body or [], "want_body": True}
+        spec = {
+            "dest": dest,
+            "path": path,
+            "iface": iface,
+            "member": member,
+            "signature": sig,
+            "body": body or [],
+            "want_body": True,
+        }
         return self.client("root").call(spec)
 
     def check_daemon(self, after: str) -> None:
@@ -579,13 +768,25 @@ class Fuzz:
         if self.bed.daemon.proc.poll() is not None:
             self.dead_after = after
             self.fail(f"gpukilld exited ({self.bed.daemon.proc.returncode}) {after}")
-        r = self.root_call("org.freedesktop.DBus", "NameHasOwner", "s", [BUS_NAME],
-                           dest="org.freedesktop.DBus", path="/org/freedesktop/DBus")
+        r = self.root_call(
+            "org.freedesktop.DBus",
+            "NameHasOwner",
+            "s",
+            [BUS_NAME],
+            dest="org.freedesktop.DBus",
+            path="/org/freedesktop/DBus",
+        )
         if not (r.get("ok") and r["body"] == [True]):
             self.dead_after = after
             self.fail(f"org.gpukill1 has no owner {after}", answer=r)
-        r = self.root_call("org.freedesktop.DBus", "GetConnectionUnixProcessID", "s", [BUS_NAME],
-                           dest="org.freedesktop.DBus", path="/org/freedesktop/DBus")
+        r = self.root_call(
+            "org.freedesktop.DBus",
+            "GetConnectionUnixProcessID",
+            "s",
+            [BUS_NAME],
+            dest="org.freedesktop.DBus",
+            path="/org/freedesktop/DBus",
+        )
         if not (r.get("ok") and r["body"] == [self.daemon_pid]):
             self.dead_after = after
             self.fail(f"org.gpukill1 is not owned by gpukilld (PID {self.daemon_pid}) {after}", answer=r)
@@ -598,8 +799,11 @@ class Fuzz:
     def reset_guard(self) -> None:
         """The guard as it started: disabled, not dry, no rules (the fuzz may have loaded a valid policy with
         kill rules and enabled it: the tests after it start their own victims)."""
-        for member, sig, body in (("Disable", "", []), ("SetDryRun", "b", [False]),
-                                  ("LoadPolicy", "ss", ["reset", "rules: []\n"])):
+        for member, sig, body in (
+            ("Disable", "", []),
+            ("SetDryRun", "b", [False]),
+            ("LoadPolicy", "ss", ["reset", "rules: []\n"]),
+        ):
             r = self.root_call(GUARD, member, sig, body)
             if not r.get("ok"):
                 self.fail(f"resetting the guard: {member} failed", answer=r)
@@ -627,8 +831,11 @@ class Fuzz:
             if not tree or tree[0][1][0] != "(ut)":
                 return True  # a unit or container: the testbed's victim is in neither
             pid, start = tree[0][1][1]
-        elif spec["member"] not in ("KillProcess", "KillProcessReport") or spec["signature"][:2] != "ut" \
-                or len(spec["body"]) < 2:
+        elif (
+            spec["member"] not in ("KillProcess", "KillProcessReport")
+            or spec["signature"][:2] != "ut"
+            or len(spec["body"]) < 2
+        ):
             return True
         else:
             pid, start = spec["body"][0], spec["body"][1]
@@ -681,17 +888,28 @@ class Fuzz:
         if home is None or (iface is not None and iface != home):
             self.fail(f"a call gpukilld does not offer succeeded as {who}", spec, answer)
         if answer.get("signature") != METHODS[(home, member)][1]:
-            self.fail(f"{member} replied with signature {answer.get('signature')!r}, the XML says "
-                      f"{METHODS[(home, member)][1]!r}", spec, answer)
+            self.fail(
+                f"{member} replied with signature {answer.get('signature')!r}, the XML says "
+                f"{METHODS[(home, member)][1]!r}",
+                spec,
+                answer,
+            )
         if who == "other" and member in PRIVILEGED:
             self.fail(f"the unprivileged user succeeded in {member}", spec, answer)
 
     def _count(self, who: str, spec: dict, answer: dict) -> None:
         c = self.stats.setdefault(who, Counter())
-        key = ("ok" if answer.get("ok") else "noreply" if answer.get("noreply")
-               else answer.get("error") or next(iter(answer), "?"))
+        key = (
+            "ok"
+            if answer.get("ok")
+            else "noreply"
+            if answer.get("noreply")
+            else answer.get("error") or next(iter(answer), "?")
+        )
         c[key] += 1
-        self.detail.setdefault(who, Counter())[(f"{spec['iface']}.{spec['member']}({spec['signature'][:20]})", key)] += 1
+        self.detail.setdefault(who, Counter())[
+            (f"{spec['iface']}.{spec['member']}({spec['signature'][:20]})", key)
+        ] += 1
         if answer.get("message_len", 0) > self.longest.get(who, (0, ""))[0]:
             self.longest[who] = (answer["message_len"], answer.get("error", ""))
         elapsed = answer.get("elapsed", 0.0)
@@ -718,10 +936,11 @@ def fuzz(users):
         for who, counter in f.stats.items():
             slow = f.slowest.get(who, (0.0, ""))
             longest = f.longest.get(who, (0, ""))
-            print(f"\nfuzz as {who}: {sum(counter.values())} calls, slowest {slow[0]:.2f}s {slow[1]}, longest "
-                  f"error text {longest[0]} characters ({longest[1]}); "
-                  + ", ".join(f"{k.removeprefix('org.freedesktop.DBus.Error.')}={n}"
-                              for k, n in counter.most_common()))
+            print(
+                f"\nfuzz as {who}: {sum(counter.values())} calls, slowest {slow[0]:.2f}s {slow[1]}, longest "
+                f"error text {longest[0]} characters ({longest[1]}); "
+                + ", ".join(f"{k.removeprefix('org.freedesktop.DBus.Error.')}={n}" for k, n in counter.most_common())
+            )
             if os.environ.get("GPUKILL_FUZZ_VERBOSE"):
                 for (call, outcome), n in sorted(f.detail[who].items()):
                     print(f"  {n:4} {call} -> {outcome}")
@@ -731,14 +950,21 @@ def fuzz(users):
 
 # -- the fuzz --------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.filterwarnings("ignore:Generating overly large repr")  # the strategies quote 1 MiB of examples
 @pytest.mark.parametrize("who", ["other", "root", "admin"])
 def test_fuzz_every_method_and_property(fuzz, who):
     start = time.monotonic()
 
     @seed(SEEDS[who] + SEED_OFFSET)
-    @settings(max_examples=max(1, round(EXAMPLES[who] * SCALE)), deadline=None, database=None, derandomize=False,
-              suppress_health_check=list(HealthCheck), print_blob=False)
+    @settings(
+        max_examples=max(1, round(EXAMPLES[who] * SCALE)),
+        deadline=None,
+        database=None,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
     @given(spec=calls())
     def run(spec):
         fuzz.check_call(who, spec)
@@ -754,6 +980,7 @@ def test_fuzz_every_method_and_property(fuzz, who):
 
 
 # -- regressions and known edges, as plain calls ------------------------------------------------------------------
+
 
 def v(sig: str, value) -> list:
     return [sig, value]
@@ -777,8 +1004,18 @@ def _expect(fuzz: Fuzz, who: str, spec: dict, errors: set[str | None], max_secon
 INVALID, DENIED = FDO + "InvalidArgs", FDO + "AccessDenied"
 
 
-@pytest.mark.parametrize("grace", [v("t", 2**64 - 1), v("x", 2**63 - 1), v("x", -(2**63)), v("d", float("nan")),
-                                   v("d", float("inf")), v("d", -0.0 - 1e-300), v("u", 2**32 - 1)])
+@pytest.mark.parametrize(
+    "grace",
+    [
+        v("t", 2**64 - 1),
+        v("x", 2**63 - 1),
+        v("x", -(2**63)),
+        v("d", float("nan")),
+        v("d", float("inf")),
+        v("d", -0.0 - 1e-300),
+        v("u", 2**32 - 1),
+    ],
+)
 def test_kill_grace_extremes(fuzz, grace):
     for who in ("other", "root"):
         for pid, start in ((2**32 - 1, 2**64 - 1), (fuzz.bystander.pid, start_time_of(fuzz.bystander.pid))):
@@ -789,12 +1026,21 @@ def test_kill_grace_extremes(fuzz, grace):
 def test_kill_huge_ids_and_wrong_option_types(fuzz):
     nsp, notgpu = "org.gpukill1.Error.NoSuchProcess", "org.gpukill1.Error.NotAGpuProcess"
     for who in ("other", "root"):
-        _expect(fuzz, who, _spec(MANAGER, "KillProcess", "uta{sv}", [2**32 - 1, 2**64 - 1, []]),
-                {INVALID, nsp})
-        _expect(fuzz, who, _spec(MANAGER, "KillProcess", "uta{sv}",
-                                 [fuzz.bystander.pid, start_time_of(fuzz.bystander.pid), []]), {notgpu})
-        for opts in ([["force", v("t", 2**64 - 1)]], [["force", v("x", -(2**63))]], [["grace", v("(uu)", [1, 2])]],
-                     [["force", v("v", ["b", True])]], [["signal", v("u", 9)]], [["", v("b", True)]]):
+        _expect(fuzz, who, _spec(MANAGER, "KillProcess", "uta{sv}", [2**32 - 1, 2**64 - 1, []]), {INVALID, nsp})
+        _expect(
+            fuzz,
+            who,
+            _spec(MANAGER, "KillProcess", "uta{sv}", [fuzz.bystander.pid, start_time_of(fuzz.bystander.pid), []]),
+            {notgpu},
+        )
+        for opts in (
+            [["force", v("t", 2**64 - 1)]],
+            [["force", v("x", -(2**63))]],
+            [["grace", v("(uu)", [1, 2])]],
+            [["force", v("v", ["b", True])]],
+            [["signal", v("u", 9)]],
+            [["", v("b", True)]],
+        ):
             _expect(fuzz, who, _spec(MANAGER, "KillProcess", "uta{sv}", [fuzz.bystander.pid, 1, opts]), {INVALID})
     assert fuzz.bystander.poll() is None
 
@@ -803,16 +1049,36 @@ def test_filter_edges(fuzz):
     for who in ("other", "root"):
         # a 2,000-character regex: compiled (RE2) or refused, quickly, never a hang
         for rx in ("a" * 2000, "(a|b)*" * 333, "(" * 1000 + ")" * 1000, "[" * 2000, "\\p{L}" * 400):
-            _expect(fuzz, who, _spec(MANAGER, "ListProcesses", "a{sv}", [[["name_regex", v("s", rx)]]]),
-                    {None, INVALID}, max_seconds=5)
-        for filt in ([["limit", v("s", "10")]], [["limit", v("t", 5)]], [["limit", v("x", -1)]],
-                     [["limit", v("u", 0)]], [["limit", v("u", 2**32 - 1)]], [["limit", v("d", 1.0)]],
-                     [["after", v("(ss)", ["a", "b"])]], [["after", v("au", [1, 2])]],
-                     [["after", v("(uuu)", [1, 2, 3])]], [["after", v("u", 1)]], [["after", v("(ii)", [-1, -1])]],
-                     [["min_memory", v("d", float("nan"))]], [["user", v("b", True)]], [["device", v("as", ["0"])]]):
+            _expect(
+                fuzz,
+                who,
+                _spec(MANAGER, "ListProcesses", "a{sv}", [[["name_regex", v("s", rx)]]]),
+                {None, INVALID},
+                max_seconds=5,
+            )
+        for filt in (
+            [["limit", v("s", "10")]],
+            [["limit", v("t", 5)]],
+            [["limit", v("x", -1)]],
+            [["limit", v("u", 0)]],
+            [["limit", v("u", 2**32 - 1)]],
+            [["limit", v("d", 1.0)]],
+            [["after", v("(ss)", ["a", "b"])]],
+            [["after", v("au", [1, 2])]],
+            [["after", v("(uuu)", [1, 2, 3])]],
+            [["after", v("u", 1)]],
+            [["after", v("(ii)", [-1, -1])]],
+            [["min_memory", v("d", float("nan"))]],
+            [["user", v("b", True)]],
+            [["device", v("as", ["0"])]],
+        ):
             _expect(fuzz, who, _spec(MANAGER, "ListProcesses", "a{sv}", [filt]), {INVALID})
-        ok = _expect(fuzz, who, _spec(MANAGER, "ListProcesses", "a{sv}",
-                                      [[["limit", v("u", 1)], ["after", v("(uu)", [0, 0])]]]), {None})
+        ok = _expect(
+            fuzz,
+            who,
+            _spec(MANAGER, "ListProcesses", "a{sv}", [[["limit", v("u", 1)], ["after", v("(uu)", [0, 0])]]]),
+            {None},
+        )
         assert ok["signature"] == "aa{sv}"
 
 
@@ -820,20 +1086,40 @@ def test_policy_edges(fuzz):
     mib = ("rules: []\n# " + "x" * 80 + "\n") * ((1 << 20) // 84)
     for who in ("other", "root"):
         # a 1 MiB policy text: an answer (InvalidPolicy or decisions), never a timeout or a dead daemon
-        _expect(fuzz, who, _spec(GUARD, "TestPolicies", "ss", ["big", mib]),
-                {None, "org.gpukill1.Error.InvalidPolicy"}, max_seconds=25)
-        _expect(fuzz, who, _spec(GUARD, "TestPolicies", "ss", ["big", mib + "x"]),
-                {None, "org.gpukill1.Error.InvalidPolicy"}, max_seconds=25)
-        _expect(fuzz, who, _spec(GUARD, "TestPolicies", "ss", ["bomb", BOMB]),
-                {"org.gpukill1.Error.InvalidPolicy"}, max_seconds=25)
+        _expect(
+            fuzz,
+            who,
+            _spec(GUARD, "TestPolicies", "ss", ["big", mib]),
+            {None, "org.gpukill1.Error.InvalidPolicy"},
+            max_seconds=25,
+        )
+        _expect(
+            fuzz,
+            who,
+            _spec(GUARD, "TestPolicies", "ss", ["big", mib + "x"]),
+            {None, "org.gpukill1.Error.InvalidPolicy"},
+            max_seconds=25,
+        )
+        _expect(
+            fuzz,
+            who,
+            _spec(GUARD, "TestPolicies", "ss", ["bomb", BOMB]),
+            {"org.gpukill1.Error.InvalidPolicy"},
+            max_seconds=25,
+        )
     # LoadPolicy as the unprivileged user: denied, whatever the text
     for text in ("rules: []\n", mib, "{"):
         _expect(fuzz, "other", _spec(GUARD, "LoadPolicy", "ss", ["x", text]), {DENIED})
     for member, sig, body in (("Enable", "", []), ("Disable", "", []), ("SetDryRun", "b", [True])):
         _expect(fuzz, "other", _spec(GUARD, member, sig, body), {DENIED})
     # as root the alias bomb is refused (as LoadPolicy parses in the daemon itself), quickly
-    _expect(fuzz, "root", _spec(GUARD, "LoadPolicy", "ss", ["bomb", BOMB]),
-            {"org.gpukill1.Error.InvalidPolicy"}, max_seconds=10)
+    _expect(
+        fuzz,
+        "root",
+        _spec(GUARD, "LoadPolicy", "ss", ["bomb", BOMB]),
+        {"org.gpukill1.Error.InvalidPolicy"},
+        max_seconds=10,
+    )
 
 
 def test_property_edges(fuzz):
@@ -842,8 +1128,12 @@ def test_property_edges(fuzz):
         _expect(fuzz, who, _spec(PROPS, "Get", "ss", [GUARD, "Version"]), {FDO + "UnknownProperty"})
         _expect(fuzz, who, _spec(PROPS, "Get", "ss", ["org.example.Nothing", "Version"]), {FDO + "UnknownInterface"})
         _expect(fuzz, who, _spec(PROPS, "Get", "ss", ["", "Version"]), {FDO + "NotSupported"})
-        for name, value in (("SampleInterval", v("d", 0.001)), ("Version", v("s", "9")), ("Backends", v("b", True)),
-                            ("NoSuchProperty", v("s", "x"))):
+        for name, value in (
+            ("SampleInterval", v("d", 0.001)),
+            ("Version", v("s", "9")),
+            ("Backends", v("b", True)),
+            ("NoSuchProperty", v("s", "x")),
+        ):
             _expect(fuzz, who, _spec(PROPS, "Set", "ssv", [MANAGER, name, value]), {FDO + "PropertyReadOnly"})
         for (iface, name), sig in PROPERTIES.items():
             got = _expect(fuzz, who, _spec(PROPS, "Get", "ss", [iface, name]), {None})
@@ -856,8 +1146,12 @@ def test_wrong_signatures_are_unknown_method(fuzz):
     """What dbus-fast answers for a real method called with another signature (the reason UnknownMethod is in
     ALLOWED_ERRORS): the handler is looked up by member and signature together."""
     for who in ("other", "root"):
-        for member, sig, body in (("ListDevices", "s", ["x"]), ("ListProcesses", "", []),
-                                  ("KillProcess", "ut", [1, 1]), ("ResetDevice", "sa{ss}", ["0", []])):
+        for member, sig, body in (
+            ("ListDevices", "s", ["x"]),
+            ("ListProcesses", "", []),
+            ("KillProcess", "ut", [1, 1]),
+            ("ResetDevice", "sa{ss}", ["0", []]),
+        ):
             _expect(fuzz, who, _spec(MANAGER, member, sig, body), {FDO + "UnknownMethod"})
         _expect(fuzz, who, _spec(GUARD, "SetDryRun", "u", [1]), {FDO + "UnknownMethod"})
         _expect(fuzz, who, _spec(GUARD, "NoSuchMethod", "", []), {DENIED})
@@ -886,8 +1180,12 @@ def test_kill_of_a_gpu_process(fuzz, users):
             _expect(fuzz, "other", _spec(None, "KillProcess", "uta{sv}", [victim.pid, start, opts]), {DENIED})
         _expect(fuzz, "other", _spec(MANAGER, "ResetDevice", "sa{sv}", ["1", [["force", v("b", True)]]]), {DENIED})
         assert victim.poll() is None
-        _expect(fuzz, "other", _spec(MANAGER, "KillProcess", "uta{sv}", [victim.pid, start + 1, []]),
-                {"org.gpukill1.Error.ProcessChanged"})
+        _expect(
+            fuzz,
+            "other",
+            _spec(MANAGER, "KillProcess", "uta{sv}", [victim.pid, start + 1, []]),
+            {"org.gpukill1.Error.ProcessChanged"},
+        )
         got = _expect(fuzz, "admin", _spec(MANAGER, "KillProcess", "uta{sv}", [victim.pid, start, []]), {None})
         assert got["signature"] == "s"
         victim.wait(10)
@@ -925,4 +1223,5 @@ def test_no_reply_calls_log_no_tracebacks(fuzz):
     assert not tracebacks, (
         f"{len(calls)} refused calls sent with NO_REPLY_EXPECTED by an unprivileged user wrote "
         f"{len(written.splitlines())} lines with {len(tracebacks)} tracebacks to gpukilld's log:\n"
-        + written.decode(errors="replace")[:3000])
+        + written.decode(errors="replace")[:3000]
+    )

@@ -70,13 +70,23 @@ policies:
 """
 ROGUE_IMPORTED = "[audit]\nmin_score = 70.0\nallowed_users = root admin system\n"
 
-DEVICES = [Device(index=0, id="GPU-0", backend="simulated", vendor="nvidia", name="H100"),
-           Device(index=1, id="GPU-1", backend="simulated", vendor="amd", name="MI210")]
+DEVICES = [
+    Device(index=0, id="GPU-0", backend="simulated", vendor="nvidia", name="H100"),
+    Device(index=1, id="GPU-1", backend="simulated", vendor="amd", name="MI210"),
+]
 
 
 def proc(pid: int, start_time: int, comm: str, device: int = 0) -> Process:
-    return Process(pid=pid, start_time=start_time, uid=1000, user="alice", comm=comm, cmdline=comm,
-                   device=device, device_id=f"GPU-{device}")
+    return Process(
+        pid=pid,
+        start_time=start_time,
+        uid=1000,
+        user="alice",
+        comm=comm,
+        cmdline=comm,
+        device=device,
+        device_id=f"GPU-{device}",
+    )
 
 
 # 4242 uses both GPUs: listed twice, killed once.
@@ -164,9 +174,15 @@ class RecordingClient:
     async def guard_set_policy(self, kind, target, settings, *, interactive=False):
         self._record("guard_set_policy", kind, target, settings)
         # sizes go as typed; the daemon answers bytes
-        return ManagedPolicyEntry(kind=kind, target=target, file=f"/etc/gpukill/guard.d/60-managed-{kind}-{target}.yaml",
-                                  **{k: tuple(v) if isinstance(v, list) else parse_size(v) if isinstance(v, str)
-                                     else v for k, v in settings.items()})
+        return ManagedPolicyEntry(
+            kind=kind,
+            target=target,
+            file=f"/etc/gpukill/guard.d/60-managed-{kind}-{target}.yaml",
+            **{
+                k: tuple(v) if isinstance(v, list) else parse_size(v) if isinstance(v, str) else v
+                for k, v in settings.items()
+            },
+        )
 
     async def guard_remove_policy(self, kind, target, *, interactive=False):
         self._record("guard_remove_policy", kind, target)
@@ -207,8 +223,14 @@ class RecordingClient:
         self._record("usage", query)
         now = time.time()
         by = query.get("by", "user")
-        row = UsageRow(key="alice" if by == "user" else "4343:888", uid=1000, user="alice", processes=1,
-                       gpu_seconds=3600.0, memory_byte_seconds=float(1 << 30) * 3600)
+        row = UsageRow(
+            key="alice" if by == "user" else "4343:888",
+            uid=1000,
+            user="alice",
+            processes=1,
+            gpu_seconds=3600.0,
+            memory_byte_seconds=float(1 << 30) * 3600,
+        )
         return UsageReport(since=now - 86400, until=now, by=by, rows=(row,), rows_total=1)
 
 
@@ -246,12 +268,18 @@ MAPPINGS = [
     (["--list", "--output=table", "--details"], LISTING),
     (["--kill", "--pid", "4343"], [call.list_processes({}), call.kill(4343, 888, force=False, grace=None)]),
     (["--kill", "--pid", "4343", "--force"], [call.list_processes({}), call.kill(4343, 888, force=True, grace=None)]),
-    (["--kill", "--pid", "4343", "--force", "--timeout-secs", "2.5"],
-     [call.list_processes({}), call.kill(4343, 888, force=True, grace=2.5)]),
-    (["--kill", "--filter", "^py", "--batch"],
-     [BY_REGEX, call.kill(4242, 777, force=False, grace=None), call.kill(4343, 888, force=False, grace=None)]),
-    (["--kill", "--filter", "^py", "--batch", "--force", "--timeout-secs", "1"],
-     [BY_REGEX, call.kill(4242, 777, force=True, grace=1.0), call.kill(4343, 888, force=True, grace=1.0)]),
+    (
+        ["--kill", "--pid", "4343", "--force", "--timeout-secs", "2.5"],
+        [call.list_processes({}), call.kill(4343, 888, force=True, grace=2.5)],
+    ),
+    (
+        ["--kill", "--filter", "^py", "--batch"],
+        [BY_REGEX, call.kill(4242, 777, force=False, grace=None), call.kill(4343, 888, force=False, grace=None)],
+    ),
+    (
+        ["--kill", "--filter", "^py", "--batch", "--force", "--timeout-secs", "1"],
+        [BY_REGEX, call.kill(4242, 777, force=True, grace=1.0), call.kill(4343, 888, force=True, grace=1.0)],
+    ),
     (["--kill", "--filter", "^py"], [call.list_devices(), BY_REGEX]),  # gpu-kill's preview: lists, kills nothing
     (["--kill", "--filter", "^py", "--dry-run"], [call.list_devices(), BY_REGEX]),
     # --dry-run/--safe: the kill's own listing, and no Kill call
@@ -261,13 +289,22 @@ MAPPINGS = [
     (["--kill", "--gpu", "1", "--batch", "--safe"], [ON_GPU_1]),
     # --kill --gpu: alone a preview, with --batch each process on it by the PID and start time listed
     (["--kill", "--gpu", "1"], [call.list_devices(), ON_GPU_1]),
-    (["--kill", "--gpu", "1", "--batch"], [ON_GPU_1, call.kill(4242, 777, force=False, grace=None),
-                                           call.kill(4343, 888, force=False, grace=None)]),
-    (["--kill", "--gpu", "1", "--batch", "--force", "--timeout-secs", "2"],
-     [ON_GPU_1, call.kill(4242, 777, force=True, grace=2.0), call.kill(4343, 888, force=True, grace=2.0)]),
-    (["--kill", "--gpu", "GPU-1", "--filter", "^py", "--batch"],
-     [call.list_processes({"name_regex": "^py", "device": "GPU-1"}), call.kill(4242, 777, force=False, grace=None),
-      call.kill(4343, 888, force=False, grace=None)]),
+    (
+        ["--kill", "--gpu", "1", "--batch"],
+        [ON_GPU_1, call.kill(4242, 777, force=False, grace=None), call.kill(4343, 888, force=False, grace=None)],
+    ),
+    (
+        ["--kill", "--gpu", "1", "--batch", "--force", "--timeout-secs", "2"],
+        [ON_GPU_1, call.kill(4242, 777, force=True, grace=2.0), call.kill(4343, 888, force=True, grace=2.0)],
+    ),
+    (
+        ["--kill", "--gpu", "GPU-1", "--filter", "^py", "--batch"],
+        [
+            call.list_processes({"name_regex": "^py", "device": "GPU-1"}),
+            call.kill(4242, 777, force=False, grace=None),
+            call.kill(4343, 888, force=False, grace=None),
+        ],
+    ),
     (["--audit", "--rogue"], [call.audit_rogue()]),
     (["--audit", "--rogue", "--output", "json"], [call.audit_rogue()]),
     (["--reset", "--gpu", "1"], [call.reset("1", force=False)]),
@@ -285,10 +322,14 @@ MAPPINGS = [
     (["--guard", "--guard-enforce"], [call.guard_set_dry_run(False), call.guard_status()]),  # does a policy hold it
     (["--guard", "--guard-test-policies"], [call.guard_test("", "")]),
     (["--guard", "--guard-test-policies", "--output", "json"], [call.guard_test("", "")]),
-    (["--guard", "--guard-test-policies", "--policy-file", str(POLICY)],
-     [call.guard_test(POLICY_PATH, POLICY.read_text())]),
-    (["--guard", "--policy-file", str(POLICY)],
-     [call.guard_load_policy(POLICY_PATH, POLICY.read_text()), call.guard_status()]),
+    (
+        ["--guard", "--guard-test-policies", "--policy-file", str(POLICY)],
+        [call.guard_test(POLICY_PATH, POLICY.read_text())],
+    ),
+    (
+        ["--guard", "--policy-file", str(POLICY)],
+        [call.guard_load_policy(POLICY_PATH, POLICY.read_text()), call.guard_status()],
+    ),
     # --vendor: only that vendor's GPUs and their processes; --containers: the column gpukillctl list always has
     (["--list", "--vendor", "amd"], LISTING),
     (["--list", "--vendor", "all", "--output", "json"], LISTING),
@@ -298,57 +339,131 @@ MAPPINGS = [
     (["4343", "--safe"], [call.list_processes({})]),
     (["--reset", "1"], [call.reset("1", force=False)]),
     # user, group and GPU policies: the limits given in GB (GiB), gpu-kill's defaults for the others
-    (["--guard", "--guard-add-user", "developer", "--guard-memory-limit", "8.0", "--guard-utilization-limit", "70.0",
-      "--guard-process-limit", "3"],
-     [call.guard_set_policy("user", "developer", {"memory_limit": "8GiB", "utilization_limit": 70.0,
-                                                  "process_limit": 3})]),
-    (["--guard", "--guard-add-user", "bob", "--guard-memory-limit", "1.5"],
-     [call.guard_set_policy("user", "bob", {"memory_limit": "1.5GiB"})]),
+    (
+        [
+            "--guard",
+            "--guard-add-user",
+            "developer",
+            "--guard-memory-limit",
+            "8.0",
+            "--guard-utilization-limit",
+            "70.0",
+            "--guard-process-limit",
+            "3",
+        ],
+        [
+            call.guard_set_policy(
+                "user", "developer", {"memory_limit": "8GiB", "utilization_limit": 70.0, "process_limit": 3}
+            )
+        ],
+    ),
+    (
+        ["--guard", "--guard-add-user", "bob", "--guard-memory-limit", "1.5"],
+        [call.guard_set_policy("user", "bob", {"memory_limit": "1.5GiB"})],
+    ),
     (["--guard", "--guard-remove-user", "developer"], [call.guard_remove_policy("user", "developer")]),
-    (["--guard", "--guard-add-group", "testers", "--guard-group-memory-limit", "16.0"],
-     [call.guard_set_policy("group", "testers", {"memory_limit": "16GiB"})]),
-    (["--guard", "--guard-add-group", "ml", "--guard-group-utilization-limit", "50", "--guard-group-process-limit",
-      "15"], [call.guard_set_policy("group", "ml", {"utilization_limit": 50.0, "process_limit": 15})]),
+    (
+        ["--guard", "--guard-add-group", "testers", "--guard-group-memory-limit", "16.0"],
+        [call.guard_set_policy("group", "testers", {"memory_limit": "16GiB"})],
+    ),
+    (
+        [
+            "--guard",
+            "--guard-add-group",
+            "ml",
+            "--guard-group-utilization-limit",
+            "50",
+            "--guard-group-process-limit",
+            "15",
+        ],
+        [call.guard_set_policy("group", "ml", {"utilization_limit": 50.0, "process_limit": 15})],
+    ),
     (["--guard", "--guard-remove-group", "developers"], [call.guard_remove_policy("group", "developers")]),
-    (["--guard", "--guard-add-gpu", "0", "--guard-gpu-allowed-users", "alice, bob,", "--guard-gpu-memory-limit",
-      "24.0", "--guard-gpu-utilization-limit", "90.0", "--guard-gpu-reserved-memory", "2.0"],
-     [call.guard_set_policy("gpu", "0", {"memory_limit": "24GiB", "utilization_limit": 90.0,
-                                         "reserved_memory": "2GiB", "allowed_users": ("alice", "bob")})]),
-    (["--guard", "--guard-add-gpu", "1", "--guard-gpu-memory-limit", "16.0"],
-     [call.guard_set_policy("gpu", "1", {"memory_limit": "16GiB"})]),
+    (
+        [
+            "--guard",
+            "--guard-add-gpu",
+            "0",
+            "--guard-gpu-allowed-users",
+            "alice, bob,",
+            "--guard-gpu-memory-limit",
+            "24.0",
+            "--guard-gpu-utilization-limit",
+            "90.0",
+            "--guard-gpu-reserved-memory",
+            "2.0",
+        ],
+        [
+            call.guard_set_policy(
+                "gpu",
+                "0",
+                {
+                    "memory_limit": "24GiB",
+                    "utilization_limit": 90.0,
+                    "reserved_memory": "2GiB",
+                    "allowed_users": ("alice", "bob"),
+                },
+            )
+        ],
+    ),
+    (
+        ["--guard", "--guard-add-gpu", "1", "--guard-gpu-memory-limit", "16.0"],
+        [call.guard_set_policy("gpu", "1", {"memory_limit": "16GiB"})],
+    ),
     (["--guard", "--guard-remove-gpu", "0"], [call.guard_remove_policy("gpu", "0")]),
     (["--guard", "--guard-export-config"], [call.guard_export_policies()]),
-    (["--guard", "--guard-import-config", str(GUARD_JSON)],
-     [call.guard_import_policies(str(GUARD_JSON), GUARD_IMPORTED, replace=True)]),
+    (
+        ["--guard", "--guard-import-config", str(GUARD_JSON)],
+        [call.guard_import_policies(str(GUARD_JSON), GUARD_IMPORTED, replace=True)],
+    ),
     (["--guard", "--guard-toggle-dry-run"], [call.guard_status(), call.guard_set_dry_run(True), call.guard_status()]),
     # the audit's settings
     (["--audit", "--rogue-config"], [call.audit_settings()]),
     (["--audit", "--rogue-config", "--output", "json"], [call.audit_settings()]),
     (["--audit", "--rogue-confidence-threshold", "0.5"], [call.set_audit_settings({"min_score": 50.0})]),
     (["--audit", "--rogue", "--rogue-confidence-threshold", "0.9"], [call.audit_rogue({"min_score": 90.0})]),
-    (["--audit", "--rogue-whitelist-user", "developer"],
-     [call.audit_settings(), call.set_audit_settings({"allowed_users": ["carol", "developer"]})]),
-    (["--audit", "--rogue-unwhitelist-user", "carol"],
-     [call.audit_settings(), call.set_audit_settings({"allowed_users": []})]),
-    (["--audit", "--rogue-whitelist-process", "/usr/bin/my-app", "--rogue-confidence-threshold", "0.7"],
-     [call.set_audit_settings({"min_score": 70.0}), call.audit_settings(),
-      call.set_audit_settings({"allowed_processes": ["/opt/sim/bin/sim", "/usr/bin/my-app"]})]),
-    (["--audit", "--rogue-unwhitelist-process", "/opt/sim/bin/sim"],
-     [call.audit_settings(), call.set_audit_settings({"allowed_processes": []})]),
+    (
+        ["--audit", "--rogue-whitelist-user", "developer"],
+        [call.audit_settings(), call.set_audit_settings({"allowed_users": ["carol", "developer"]})],
+    ),
+    (
+        ["--audit", "--rogue-unwhitelist-user", "carol"],
+        [call.audit_settings(), call.set_audit_settings({"allowed_users": []})],
+    ),
+    (
+        ["--audit", "--rogue-whitelist-process", "/usr/bin/my-app", "--rogue-confidence-threshold", "0.7"],
+        [
+            call.set_audit_settings({"min_score": 70.0}),
+            call.audit_settings(),
+            call.set_audit_settings({"allowed_processes": ["/opt/sim/bin/sim", "/usr/bin/my-app"]}),
+        ],
+    ),
+    (
+        ["--audit", "--rogue-unwhitelist-process", "/opt/sim/bin/sim"],
+        [call.audit_settings(), call.set_audit_settings({"allowed_processes": []})],
+    ),
     (["--audit", "--rogue-export-config"], [call.export_audit_settings()]),
-    (["--audit", "--rogue-import-config", str(ROGUE_JSON)], [call.import_audit_settings(str(ROGUE_JSON),
-                                                                                          ROGUE_IMPORTED)]),
+    (
+        ["--audit", "--rogue-import-config", str(ROGUE_JSON)],
+        [call.import_audit_settings(str(ROGUE_JSON), ROGUE_IMPORTED)],
+    ),
     # gpu-kill's usage audit: gpukillctl usage (its records per process; the summary's top users and processes)
     (["--audit"], [call.usage({"by": "process"})]),
     (["--audit", "--output", "json"], [call.usage({"by": "process"})]),
     (["--audit", "--audit-hours", "6"], [call.usage({"by": "process", "since": "6.0h ago"})]),
     (["--audit", "--audit-user", "john"], [call.usage({"by": "process", "user": "john"})]),
-    (["--audit", "--audit-process", "tensorflow", "--audit-hours", "1.5"],
-     [call.usage({"by": "process", "name": "tensorflow", "since": "1.5h ago"})]),
+    (
+        ["--audit", "--audit-process", "tensorflow", "--audit-hours", "1.5"],
+        [call.usage({"by": "process", "name": "tensorflow", "since": "1.5h ago"})],
+    ),
     (["--audit", "--audit-summary"], [call.usage({"by": "user"}), call.usage({"by": "process"})]),
-    (["--audit", "--audit-summary", "--audit-user", "alice", "--audit-hours", "168"],
-     [call.usage({"by": "user", "user": "alice", "since": "168.0h ago"}),
-      call.usage({"by": "process", "user": "alice", "since": "168.0h ago"})]),
+    (
+        ["--audit", "--audit-summary", "--audit-user", "alice", "--audit-hours", "168"],
+        [
+            call.usage({"by": "user", "user": "alice", "since": "168.0h ago"}),
+            call.usage({"by": "process", "user": "alice", "since": "168.0h ago"}),
+        ],
+    ),
 ]
 
 
@@ -361,11 +476,13 @@ def test_each_combination_makes_gpukillctls_calls(argv, calls, capsys):
 
 def test_output_is_gpukillctls(capsys):
     """Same client, same records: gpukill's output is gpukillctl's, JSON included."""
-    for gpukill_argv, gpukillctl_argv in [(["--list", "--output", "json"], ["list", "--json"]),
-                                          (["--list"], ["list"]),
-                                          (["--guard", "--output", "json"], ["guard", "status", "--json"]),
-                                          (["--kill", "--pid", "4343"], ["kill", "4343"]),
-                                          (["--reset", "--gpu", "1", "--force"], ["reset", "1", "--force"])]:
+    for gpukill_argv, gpukillctl_argv in [
+        (["--list", "--output", "json"], ["list", "--json"]),
+        (["--list"], ["list"]),
+        (["--guard", "--output", "json"], ["guard", "status", "--json"]),
+        (["--kill", "--pid", "4343"], ["kill", "4343"]),
+        (["--reset", "--gpu", "1", "--force"], ["reset", "1", "--force"]),
+    ]:
         run(gpukill_argv)
         ours = capsys.readouterr()
         args = cli.build_parser().parse_args(gpukillctl_argv)
@@ -426,7 +543,11 @@ REFUSALS = [
     ([], 2, ["one of --list, --kill, --reset, --guard", "gpukillctl --help"]),
     (["--kill", "--reset", "--pid", "5"], 2, ["--kill and --reset together", "gpukillctl kill PID; gpukillctl reset"]),
     (["--list", "--guard"], 2, ["--list and --guard together", "gpukillctl list; gpukillctl guard status"]),
-    (["--list", "--force"], 2, ["--force is an option of --kill or --reset, not of --list", "instead: gpukillctl list"]),
+    (
+        ["--list", "--force"],
+        2,
+        ["--force is an option of --kill or --reset, not of --list", "instead: gpukillctl list"],
+    ),
     (["--list", "--filter", "py"], 2, ["--filter is an option of --kill", "gpukillctl list --name-regex py"]),
     (["--list", "--pid", "5"], 2, ["--pid is an option of --kill", "gpukillctl list"]),
     (["--kill", "--watch", "--pid", "5"], 2, ["--watch is an option of --list", "gpukillctl kill 5"]),
@@ -437,10 +558,16 @@ REFUSALS = [
     (["--kill", "--gpu", "0", "--force"], 2, ["--force without --batch", "gpukillctl list --device 0"]),
     (["--kill", "--gpu", "0", "--all"], 2, ["--all is an option of --reset, not of --kill", "list --device 0"]),
     (["--list", "--dry-run"], 2, ["--dry-run (--safe) is an option of --kill, not of --list", "gpukillctl list"]),
-    (["--reset", "--gpu", "0", "--safe"], 2, ["--dry-run (--safe) is an option of --kill, not of --reset",
-                                              "gpukillctl reset 0"]),
-    (["--guard", "--guard-enable", "--dry-run"], 2, ["is an option of --kill, not of --guard",
-                                                     "gpukillctl guard enable"]),
+    (
+        ["--reset", "--gpu", "0", "--safe"],
+        2,
+        ["--dry-run (--safe) is an option of --kill, not of --reset", "gpukillctl reset 0"],
+    ),
+    (
+        ["--guard", "--guard-enable", "--dry-run"],
+        2,
+        ["is an option of --kill, not of --guard", "gpukillctl guard enable"],
+    ),
     (["--safe", "--pid", "5"], 2, ["without an operation", "gpukillctl kill 5"]),
     (["--kill", "--pid", "5", "--filter", "py"], 2, ["--pid and --filter together", "gpukillctl kill 5"]),
     (["--kill", "--pid", "5", "--batch"], 2, ["--batch goes with --filter", "gpukillctl kill 5"]),
@@ -458,78 +585,160 @@ REFUSALS = [
     (["--reset"], 2, ["--reset needs --gpu GPU or --all", "gpukillctl reset GPU"]),
     (["--reset", "--gpu", "1", "--all"], 2, ["--gpu and --all together", "gpukillctl reset 1"]),
     (["--reset", "--gpu", "1", "--output", "json"], 2, ["--output json does not go with --reset", "reset 1"]),
-    (["--guard", "--guard-enable", "--guard-dry-run"], 2,
-     ["--guard-enable and --guard-dry-run together", "gpukillctl guard enable; gpukillctl guard dry-run on"]),
+    (
+        ["--guard", "--guard-enable", "--guard-dry-run"],
+        2,
+        ["--guard-enable and --guard-dry-run together", "gpukillctl guard enable; gpukillctl guard dry-run on"],
+    ),
     (["--guard", "--guard-disable", "--guard-test-policies"], 2, ["together", "gpukillctl guard disable"]),
-    (["--guard", "--guard-enable", "--policy-file", "p.yaml"], 2,
-     ["--policy-file with --guard-enable", "gpukillctl guard load p.yaml; then gpukillctl guard enable"]),
-    (["--guard", "--guard-enforce", "--output", "json"], 2, ["--output json does not go with --guard-enforce",
-                                                             "gpukillctl guard dry-run off"]),
-    (["--guard", "--policy-file", "p.yaml", "--output", "json"], 2, ["does not go with --policy-file",
-                                                                      "gpukillctl guard load p.yaml"]),
-    (["--guard-enable"], 2, ["--guard-enable without an operation: it is an option of --guard",
-                             "instead: gpukillctl guard enable"]),
+    (
+        ["--guard", "--guard-enable", "--policy-file", "p.yaml"],
+        2,
+        ["--policy-file with --guard-enable", "gpukillctl guard load p.yaml; then gpukillctl guard enable"],
+    ),
+    (
+        ["--guard", "--guard-enforce", "--output", "json"],
+        2,
+        ["--output json does not go with --guard-enforce", "gpukillctl guard dry-run off"],
+    ),
+    (
+        ["--guard", "--policy-file", "p.yaml", "--output", "json"],
+        2,
+        ["does not go with --policy-file", "gpukillctl guard load p.yaml"],
+    ),
+    (
+        ["--guard-enable"],
+        2,
+        ["--guard-enable without an operation: it is an option of --guard", "instead: gpukillctl guard enable"],
+    ),
     (["--pid", "5", "--force"], 2, ["--pid without an operation", "instead: gpukillctl kill 5"]),
     (["--rogue"], 2, ["--rogue without an operation: it is an option of --audit", "instead: gpukillctl audit"]),
     (["--list", "--rogue"], 2, ["--rogue is an option of --audit, not of --list", "gpukillctl list"]),
     # gpu-kill's usage audit is gpukillctl usage; with the rogue scan or a settings request it is a second request
-    (["--audit", "--rogue", "--audit-hours", "48"], 2,
-     ["--audit-hours with --rogue: the usage over time and the rogue-activity audit of the GPUs now are two "
-      "requests", "instead: gpukillctl usage --by process --since 48h; then gpukillctl audit\n"]),
-    (["--audit", "--audit-user", "bob", "--rogue-whitelist-user", "x"], 2,
-     ["two requests", "gpukillctl usage --by process --user bob; then gpukillctl audit settings allow-user x"]),
+    (
+        ["--audit", "--rogue", "--audit-hours", "48"],
+        2,
+        [
+            "--audit-hours with --rogue: the usage over time and the rogue-activity audit of the GPUs now are two "
+            "requests",
+            "instead: gpukillctl usage --by process --since 48h; then gpukillctl audit\n",
+        ],
+    ),
+    (
+        ["--audit", "--audit-user", "bob", "--rogue-whitelist-user", "x"],
+        2,
+        ["two requests", "gpukillctl usage --by process --user bob; then gpukillctl audit settings allow-user x"],
+    ),
     (["--audit", "--audit-hours", "0"], 2, ["a number of hours must be more than 0"]),
     (["--audit", "--audit-hours", "a day"], 2, ["not a number of hours"]),
     (["--list", "--audit-summary"], 2, ["--audit-summary is an option of --audit, not of --list"]),
-    (["--kill", "--pid", "5", "--vendor", "amd"], 2, ["--vendor is an option of --list, not of --kill",
-                                                      "gpukillctl kill 5"]),
+    (
+        ["--kill", "--pid", "5", "--vendor", "amd"],
+        2,
+        ["--vendor is an option of --list, not of --kill", "gpukillctl kill 5"],
+    ),
     (["--reset", "--gpu", "0", "--containers"], 2, ["--containers is an option of --list", "gpukillctl reset 0"]),
     (["--list", "--vendor", "nv;idia"], 2, ["not a vendor", "gpukillctl --help"]),
     (["--list", "--ssh-user", "bob"], 2, ["--ssh-user goes with --remote HOST", "gpukillctl -H"]),
     (["--remote=-bad", "--list"], 2, ["--remote: not a host", "gpukillctl -H"]),
     (["--remote", "h", "--server"], 2, ["--remote with --server", "gpukillctl serve"]),
-    (["--server", "--server-host", "0.0.0.0"], 2, ["--server-host 0.0.0.0: off loopback",
-                                                   "gpukillctl serve --tcp 0.0.0.0:8080 --token-file FILE"]),
+    (
+        ["--server", "--server-host", "0.0.0.0"],
+        2,
+        ["--server-host 0.0.0.0: off loopback", "gpukillctl serve --tcp 0.0.0.0:8080 --token-file FILE"],
+    ),
     (["--server", "--server-port", "0"], 2, ["not a port", "gpukillctl --help"]),
     (["--list", "--open"], 2, ["--open is an option of --server, not of --list", "instead: gpukillctl list"]),
-    (["--guard", "--guard-memory-limit", "16"], 2,
-     ["--guard-memory-limit goes with --guard-add-user: alone it changes nothing",
-      "instead: gpukillctl guard policy add user USER --memory-limit 16GiB\n"]),
-    (["--guard", "--guard-add-user", "bob"], 2,
-     ["--guard-add-user bob names no limit: gpu-kill filled in its defaults (16GB memory, 80% utilization, 5 "
-      "processes)", "instead: gpukillctl guard policy add user bob --memory-limit 16GiB --utilization-limit 80 "
-      "--process-limit 5\n"]),
-    (["--guard", "--guard-add-gpu", "2"], 2,
-     ["names no limit", "gpukillctl guard policy add gpu 2 --memory-limit 24GiB --utilization-limit 90 "
-      "--reserved-memory 2GiB\n"]),
-    (["--guard", "--guard-add-user", "a", "--guard-group-memory-limit", "4"], 2,
-     ["--guard-group-memory-limit does not go with --guard-add-user", "gpukillctl guard policy add user a"]),
-    (["--guard", "--guard-add-user", "a", "--guard-remove-user", "b"], 2,
-     ["--guard-add-user and --guard-remove-user together", "gpukillctl guard policy remove user b"]),
+    (
+        ["--guard", "--guard-memory-limit", "16"],
+        2,
+        [
+            "--guard-memory-limit goes with --guard-add-user: alone it changes nothing",
+            "instead: gpukillctl guard policy add user USER --memory-limit 16GiB\n",
+        ],
+    ),
+    (
+        ["--guard", "--guard-add-user", "bob"],
+        2,
+        [
+            "--guard-add-user bob names no limit: gpu-kill filled in its defaults (16GB memory, 80% utilization, 5 "
+            "processes)",
+            "instead: gpukillctl guard policy add user bob --memory-limit 16GiB --utilization-limit 80 "
+            "--process-limit 5\n",
+        ],
+    ),
+    (
+        ["--guard", "--guard-add-gpu", "2"],
+        2,
+        [
+            "names no limit",
+            "gpukillctl guard policy add gpu 2 --memory-limit 24GiB --utilization-limit 90 --reserved-memory 2GiB\n",
+        ],
+    ),
+    (
+        ["--guard", "--guard-add-user", "a", "--guard-group-memory-limit", "4"],
+        2,
+        ["--guard-group-memory-limit does not go with --guard-add-user", "gpukillctl guard policy add user a"],
+    ),
+    (
+        ["--guard", "--guard-add-user", "a", "--guard-remove-user", "b"],
+        2,
+        ["--guard-add-user and --guard-remove-user together", "gpukillctl guard policy remove user b"],
+    ),
     (["--guard", "--guard-add-user", "a", "--guard-memory-limit", "-1"], 2, ["not a size: '-1'", "--help"]),
     (["--guard", "--guard-add-user", "a", "--guard-memory-limit", "0.0001"], 2, ["under 1 MiB, likely a mistake"]),
     (["--guard", "--guard-add-user", "a", "--guard-utilization-limit", "101"], 2, ["percentage must be"]),
     (["--guard", "--guard-add-gpu", "x"], 2, ["not a GPU index"]),
-    (["--guard", "--guard-export-config", "--output", "json"], 2, ["--output json does not go with",
-                                                                   "gpukillctl guard policy export"]),
-    (["--guard", "--guard-add-group", "ml", "--guard-group-members", "a,b"], 2,
-     ["--guard-group-members: a group's members are the system's", "instead: gpasswd -a a ml; gpasswd -a b ml; then "
-      "gpukillctl guard policy add group ml --memory-limit SIZE\n"]),
-    (["--guard", "--guard-add-group", "ml", "--guard-group-members", "a", "--guard-group-memory-limit", "4"], 2,
-     ["instead: gpasswd -a a ml; then gpukillctl guard policy add group ml --memory-limit 4GiB\n"]),
-    (["--guard", "--guard-group-members", "a"], 2, ["instead: gpasswd -a a GROUP; then gpukillctl guard policy add "
-                                                    "group GROUP --memory-limit SIZE\n"]),
-    (["--audit", "--rogue-whitelist-process", "my-app"], 2,
-     ["absolute path, not a process name", "gpukillctl audit settings allow-process /PATH/OF/my-app"]),
+    (
+        ["--guard", "--guard-export-config", "--output", "json"],
+        2,
+        ["--output json does not go with", "gpukillctl guard policy export"],
+    ),
+    (
+        ["--guard", "--guard-add-group", "ml", "--guard-group-members", "a,b"],
+        2,
+        [
+            "--guard-group-members: a group's members are the system's",
+            "instead: gpasswd -a a ml; gpasswd -a b ml; then "
+            "gpukillctl guard policy add group ml --memory-limit SIZE\n",
+        ],
+    ),
+    (
+        ["--guard", "--guard-add-group", "ml", "--guard-group-members", "a", "--guard-group-memory-limit", "4"],
+        2,
+        ["instead: gpasswd -a a ml; then gpukillctl guard policy add group ml --memory-limit 4GiB\n"],
+    ),
+    (
+        ["--guard", "--guard-group-members", "a"],
+        2,
+        ["instead: gpasswd -a a GROUP; then gpukillctl guard policy add group GROUP --memory-limit SIZE\n"],
+    ),
+    (
+        ["--audit", "--rogue-whitelist-process", "my-app"],
+        2,
+        ["absolute path, not a process name", "gpukillctl audit settings allow-process /PATH/OF/my-app"],
+    ),
     (["--audit", "--rogue-confidence-threshold", "2"], 2, ["confidence must be between 0 and 1"]),
-    (["--audit", "--rogue-memory-threshold", "15"], 2, ["--rogue-memory-threshold is not supported",
-                                                       "gpukillctl audit settings set abuser_share=PCT"]),
-    (["--audit", "--rogue-config", "--rogue-export-config"], 2, ["together: one request at a time",
-                                                                 "gpukillctl audit settings show"]),
-    (["--audit", "--rogue", "--rogue-whitelist-user", "bob"], 2,
-     ["a scan and a change of settings are two requests", "gpukillctl audit settings allow-user bob"]),
-    (["--audit", "--rogue-export-config", "--output", "json"], 2, ["--output json does not go",
-                                                                   "gpukillctl audit settings export"]),
+    (
+        ["--audit", "--rogue-memory-threshold", "15"],
+        2,
+        ["--rogue-memory-threshold is not supported", "gpukillctl audit settings set abuser_share=PCT"],
+    ),
+    (
+        ["--audit", "--rogue-config", "--rogue-export-config"],
+        2,
+        ["together: one request at a time", "gpukillctl audit settings show"],
+    ),
+    (
+        ["--audit", "--rogue", "--rogue-whitelist-user", "bob"],
+        2,
+        ["a scan and a change of settings are two requests", "gpukillctl audit settings allow-user bob"],
+    ),
+    (
+        ["--audit", "--rogue-export-config", "--output", "json"],
+        2,
+        ["--output json does not go", "gpukillctl audit settings export"],
+    ),
     (["--list", "--ssh-key", "k"], 2, ["--ssh-key is not supported", "IdentityFile KEY", "gpukillctl -H HOST list"]),
 ]
 
@@ -598,13 +807,20 @@ def test_every_replacement_names_what_exists():
     assert "gpukillctl exporter" in compat.UNSUPPORTED["--register-node"]
 
 
-@pytest.mark.parametrize("argv,commands", [
-    (["--audit"], ["gpukillctl usage --by process"]),
-    (["--audit", "--audit-summary", "--audit-hours", "168", "--output", "json"],
-     ["gpukillctl usage --by user --since 168h --json", "gpukillctl usage --by process --since 168h --json"]),
-    (["--audit", "--audit-user", "alice", "--audit-process", "pytorch", "--audit-hours", "12"],
-     ["gpukillctl usage --by process --user alice --name pytorch --since 12h"]),
-])
+@pytest.mark.parametrize(
+    "argv,commands",
+    [
+        (["--audit"], ["gpukillctl usage --by process"]),
+        (
+            ["--audit", "--audit-summary", "--audit-hours", "168", "--output", "json"],
+            ["gpukillctl usage --by user --since 168h --json", "gpukillctl usage --by process --since 168h --json"],
+        ),
+        (
+            ["--audit", "--audit-user", "alice", "--audit-process", "pytorch", "--audit-hours", "12"],
+            ["gpukillctl usage --by process --user alice --name pytorch --since 12h"],
+        ),
+    ],
+)
 def test_usage_audit_is_gpukillctl_usage(argv, commands):
     """gpu-kill's usage audit flags are gpukillctl usage's options, parsed by gpukillctl's own parser."""
     assert list(compat.plan(argv).commands) == commands
@@ -612,16 +828,19 @@ def test_usage_audit_is_gpukillctl_usage(argv, commands):
         assert missing_in_gpukillctl(command.split()[1:]) is None, command
 
 
-@pytest.mark.parametrize("argv,serve", [
-    (["--server"], ("serve",)),
-    (["up"], ("serve",)),  # gpu-kill's shorthand
-    (["--server", "--server-port", "9000"], ("serve", "--tcp", "127.0.0.1:9000")),
-    (["--server", "--server-host", "::1"], ("serve", "--tcp", "[::1]:8080")),
-    (["--server", "--server-host", "localhost", "--server-port", "3001"], ("serve", "--tcp", "localhost:3001")),
-    # the dashboard in a browser: TCP (a browser cannot reach the socket), on gpu-kill's port unless given
-    (["--server", "--open"], ("serve", "--tcp", "127.0.0.1:8080", "--open")),
-    (["--server", "--open", "--server-port", "9000"], ("serve", "--tcp", "127.0.0.1:9000", "--open")),
-])
+@pytest.mark.parametrize(
+    "argv,serve",
+    [
+        (["--server"], ("serve",)),
+        (["up"], ("serve",)),  # gpu-kill's shorthand
+        (["--server", "--server-port", "9000"], ("serve", "--tcp", "127.0.0.1:9000")),
+        (["--server", "--server-host", "::1"], ("serve", "--tcp", "[::1]:8080")),
+        (["--server", "--server-host", "localhost", "--server-port", "3001"], ("serve", "--tcp", "localhost:3001")),
+        # the dashboard in a browser: TCP (a browser cannot reach the socket), on gpu-kill's port unless given
+        (["--server", "--open"], ("serve", "--tcp", "127.0.0.1:8080", "--open")),
+        (["--server", "--open", "--server-port", "9000"], ("serve", "--tcp", "127.0.0.1:9000", "--open")),
+    ],
+)
 def test_server_is_gpukillctl_serve(argv, serve):
     p = compat.plan(argv)
     assert p.run is None and p.gpukillctl == serve
@@ -631,12 +850,15 @@ def test_server_is_gpukillctl_serve(argv, serve):
         assert "not on gpu-kill's 0.0.0.0" in p.note
 
 
-@pytest.mark.parametrize("argv,host", [
-    (["--remote", "gpu01", "--list"], "gpu01"),
-    (["--remote", "gpu01", "--ssh-user", "admin", "--ssh-port", "2222", "--list"], "admin@gpu01:2222"),
-    (["--remote", "fe80::1%eth0", "--ssh-port", "22", "--list"], "[fe80::1%eth0]:22"),
-    (["--remote", "ops@gpu01", "--guard", "--guard-enable"], "ops@gpu01"),
-])
+@pytest.mark.parametrize(
+    "argv,host",
+    [
+        (["--remote", "gpu01", "--list"], "gpu01"),
+        (["--remote", "gpu01", "--ssh-user", "admin", "--ssh-port", "2222", "--list"], "admin@gpu01:2222"),
+        (["--remote", "fe80::1%eth0", "--ssh-port", "22", "--list"], "[fe80::1%eth0]:22"),
+        (["--remote", "ops@gpu01", "--guard", "--guard-enable"], "ops@gpu01"),
+    ],
+)
 def test_remote_is_gpukillctl_H(argv, host):
     assert compat.plan(argv).host == host
     assert cli.build_parser().parse_args(["-H", host, "list"]).host == host  # as -H takes it
@@ -651,24 +873,56 @@ def test_remote_kill_of_a_pid_it_does_not_list_asks_that_host(capsys):
     assert client.calls == [call.list_processes({}), call.kill(1, 0, force=False, grace=None)]
 
 
-@pytest.mark.parametrize("argv,commands", [
-    (["--guard", "--guard-add-user", "dev", "--guard-memory-limit", "8.0", "--guard-utilization-limit", "70.5",
-      "--guard-process-limit", "3"],
-     ["gpukillctl guard policy add user dev --memory-limit 8GiB --utilization-limit 70.5 --process-limit 3"]),
-    (["--guard", "--guard-add-user", "dev", "--guard-memory-limit", "0.3"],  # not a whole number of MiB: bytes
-     ["gpukillctl guard policy add user dev --memory-limit 322122547B"]),
-    (["--guard", "--guard-add-gpu", "3", "--guard-gpu-allowed-users", "a,b", "--guard-gpu-reserved-memory", "2"],
-     ["gpukillctl guard policy add gpu 3 --reserved-memory 2GiB --allowed-users a,b"]),
-    (["--guard", "--guard-remove-gpu", "03"], ["gpukillctl guard policy remove gpu 3"]),
-    (["--guard", "--guard-import-config", "g.json"], ["gpukillctl guard policy import g.json --replace"]),
-    (["--audit", "--rogue-config", "--output", "json"], ["gpukillctl audit settings show --json"]),
-    (["--audit", "--rogue-confidence-threshold", "0.123", "--rogue-whitelist-user", "u",
-      "--rogue-unwhitelist-process", "/bin/x"],
-     ["gpukillctl audit settings set min_score=12.3", "gpukillctl audit settings disallow-process /bin/x",
-      "gpukillctl audit settings allow-user u"]),
-    (["--audit", "--rogue", "--rogue-confidence-threshold", "0.5", "--output", "json"],
-     ["gpukillctl audit --json --min-score 50"]),
-])
+@pytest.mark.parametrize(
+    "argv,commands",
+    [
+        (
+            [
+                "--guard",
+                "--guard-add-user",
+                "dev",
+                "--guard-memory-limit",
+                "8.0",
+                "--guard-utilization-limit",
+                "70.5",
+                "--guard-process-limit",
+                "3",
+            ],
+            ["gpukillctl guard policy add user dev --memory-limit 8GiB --utilization-limit 70.5 --process-limit 3"],
+        ),
+        (
+            ["--guard", "--guard-add-user", "dev", "--guard-memory-limit", "0.3"],  # not a whole number of MiB: bytes
+            ["gpukillctl guard policy add user dev --memory-limit 322122547B"],
+        ),
+        (
+            ["--guard", "--guard-add-gpu", "3", "--guard-gpu-allowed-users", "a,b", "--guard-gpu-reserved-memory", "2"],
+            ["gpukillctl guard policy add gpu 3 --reserved-memory 2GiB --allowed-users a,b"],
+        ),
+        (["--guard", "--guard-remove-gpu", "03"], ["gpukillctl guard policy remove gpu 3"]),
+        (["--guard", "--guard-import-config", "g.json"], ["gpukillctl guard policy import g.json --replace"]),
+        (["--audit", "--rogue-config", "--output", "json"], ["gpukillctl audit settings show --json"]),
+        (
+            [
+                "--audit",
+                "--rogue-confidence-threshold",
+                "0.123",
+                "--rogue-whitelist-user",
+                "u",
+                "--rogue-unwhitelist-process",
+                "/bin/x",
+            ],
+            [
+                "gpukillctl audit settings set min_score=12.3",
+                "gpukillctl audit settings disallow-process /bin/x",
+                "gpukillctl audit settings allow-user u",
+            ],
+        ),
+        (
+            ["--audit", "--rogue", "--rogue-confidence-threshold", "0.5", "--output", "json"],
+            ["gpukillctl audit --json --min-score 50"],
+        ),
+    ],
+)
 def test_settings_flags_run_gpukillctls_commands(argv, commands):
     """gpu-kill's policy and audit settings flags are gpukillctl guard policy and audit settings commands, parsed
     by gpukillctl's own parser: sizes exact (GB as GiB), numbers as given."""
@@ -690,8 +944,9 @@ def test_version_is_the_packages(capsys):
         compat.main(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out == f"gpukill {importlib.metadata.version('gpukill')}\n"
-    r = subprocess.run([PYTHON, "-m", "gpukillctl.cli.compat", "--version"], capture_output=True, text=True,
-                       timeout=30, cwd=REPO)
+    r = subprocess.run(
+        [PYTHON, "-m", "gpukillctl.cli.compat", "--version"], capture_output=True, text=True, timeout=30, cwd=REPO
+    )
     assert (r.returncode, r.stdout, r.stderr) == (0, f"gpukill {importlib.metadata.version('gpukill')}\n", "")
 
 
@@ -699,9 +954,11 @@ def test_dry_run_prints_the_decisions_and_kills_nothing(capsys):
     code, client = run(["--kill", "--filter", "^py", "--batch", "--dry-run", "--force", "--timeout-secs", "2"])
     assert code == 0 and not [c for c in client.calls if c[0] == "kill"]
     out = capsys.readouterr()
-    assert out.out == ("2 process(es) match '^py': 4242 (python3), 4343 (pytorch)\n"
-                       "would kill PID 4242 (python3), start time 777: SIGTERM, then SIGKILL if alive after 2s\n"
-                       "would kill PID 4343 (pytorch), start time 888: SIGTERM, then SIGKILL if alive after 2s\n")
+    assert out.out == (
+        "2 process(es) match '^py': 4242 (python3), 4343 (pytorch)\n"
+        "would kill PID 4242 (python3), start time 777: SIGTERM, then SIGKILL if alive after 2s\n"
+        "would kill PID 4343 (pytorch), start time 888: SIGTERM, then SIGKILL if alive after 2s\n"
+    )
     assert out.err == "gpukill: dry run: nothing was killed (polkit decides at the kill)\n"
     code, client = run(["--kill", "--pid", "4343", "--safe"])
     assert code == 0 and client.calls == [call.list_processes({})]
@@ -732,14 +989,20 @@ def test_kill_by_gpu_batch_names_what_it_kills_and_exits_5_on_none(capsys):
     assert capsys.readouterr().err == "gpukill: no GPU process on GPU 1; nothing was killed\n"
 
 
-@pytest.mark.parametrize("argv,done", [(["--kill", "--gpu", "9", "--batch"], "nothing was killed"),
-                                       (["--kill", "--gpu", "9", "--batch", "--dry-run"], "nothing would be killed")])
+@pytest.mark.parametrize(
+    "argv,done",
+    [
+        (["--kill", "--gpu", "9", "--batch"], "nothing was killed"),
+        (["--kill", "--gpu", "9", "--batch", "--dry-run"], "nothing would be killed"),
+    ],
+)
 def test_kill_on_a_gpu_that_does_not_exist_is_exit_status_15(capsys, argv, done):
     """A typo in --gpu is not "no process on it": gpukillctl's exit status for a name that does not exist."""
     code, client = run(argv, RecordingClient(processes=[]))
     assert code == 15 and client.calls == [call.list_processes({"device": "9"}), call.list_devices()]
-    assert capsys.readouterr().err == (f"gpukill: no such GPU '9' (GPUs here: 0, 1; an index, UUID or PCI bus id); "
-                                       f"{done}\n")
+    assert capsys.readouterr().err == (
+        f"gpukill: no such GPU '9' (GPUs here: 0, 1; an index, UUID or PCI bus id); {done}\n"
+    )
 
 
 def test_list_on_a_gpu_that_does_not_exist_is_exit_status_15(capsys):
@@ -758,11 +1021,22 @@ def test_guard_import_config_reads_gpu_kills_guard_mode_file(capsys, path):
     out = capsys.readouterr()
     assert out.out == f"1 policies from {path} in force: user alice\n"  # what the recording daemon answers
     ignored = [line.split(" ignored: ")[0].removeprefix(f"gpukill: {path}: ") for line in out.err.splitlines()]
-    assert ignored == ["global.enabled", "global.default_memory_limit_gb", "global.default_utilization_limit_pct",
-                       "global.default_duration_limit_hours", "global.check_interval_seconds", "global.dry_run",
-                       "enforcement.soft_enforcement", "enforcement.hard_enforcement", "enforcement.max_warnings",
-                       "enforcement.notifications", "user_policies.*.duration_limit_hours", "user_policies.*.priority",
-                       "group_policies.*.priority", "group_policies.*.members"]
+    assert ignored == [
+        "global.enabled",
+        "global.default_memory_limit_gb",
+        "global.default_utilization_limit_pct",
+        "global.default_duration_limit_hours",
+        "global.check_interval_seconds",
+        "global.dry_run",
+        "enforcement.soft_enforcement",
+        "enforcement.hard_enforcement",
+        "enforcement.max_warnings",
+        "enforcement.notifications",
+        "user_policies.*.duration_limit_hours",
+        "user_policies.*.priority",
+        "group_policies.*.priority",
+        "group_policies.*.members",
+    ]
     assert "gpukill: " + f"{path}: group_policies.*.members ignored: a group's members are the system's" in out.err
 
 
@@ -774,12 +1048,21 @@ def test_rogue_import_config_reads_gpu_kills_rogue_file(capsys, path):
     assert code == 0 and client.calls == [call.import_audit_settings(str(path), ROGUE_IMPORTED)]
     err = capsys.readouterr().err
     ignored = [line.split(" ignored: ")[0].removeprefix(f"gpukill: {path}: ") for line in err.splitlines()]
-    assert ignored == ["detection.max_memory_usage_gb", "detection.max_utilization_pct",
-                       "detection.max_duration_hours", "detection.enabled_detections", "scoring",
-                       "patterns.crypto_miner_patterns", "patterns.suspicious_process_names",
-                       "patterns.process_whitelist", "alerts"]
-    assert (f"{path}: patterns.process_whitelist ignored: python, jupyter, tensorflow, pytorch, nvidia-smi: names, "
-            "not executables' paths") in err
+    assert ignored == [
+        "detection.max_memory_usage_gb",
+        "detection.max_utilization_pct",
+        "detection.max_duration_hours",
+        "detection.enabled_detections",
+        "scoring",
+        "patterns.crypto_miner_patterns",
+        "patterns.suspicious_process_names",
+        "patterns.process_whitelist",
+        "alerts",
+    ]
+    assert (
+        f"{path}: patterns.process_whitelist ignored: python, jupyter, tensorflow, pytorch, nvidia-smi: names, "
+        "not executables' paths"
+    ) in err
 
 
 def test_import_config_takes_gpukills_own_exports_as_they_are(tmp_path):
@@ -792,15 +1075,26 @@ def test_import_config_takes_gpukills_own_exports_as_they_are(tmp_path):
     assert code == 0 and client.calls == [call.import_audit_settings(str(settings), EXPORTED_SETTINGS)]
 
 
-@pytest.mark.parametrize("flag,content,formats", [
-    ("--rogue-import-config", "not a configuration\n", "gpu-kill's rogue detection configuration (the JSON of "
-     "gpu-kill --audit --rogue-export-config, or its rogue_config.toml) or gpukill's [audit] section"),
-    ("--rogue-import-config", GUARD_JSON.read_text(), "gpu-kill's rogue detection configuration"),
-    ("--guard-import-config", ROGUE_JSON.read_text(), "gpu-kill's Guard Mode configuration (the JSON of gpu-kill "
-     "--guard --guard-export-config, or its TOML file) or gpukill's managed policies (gpukillctl guard policy "
-     "export)"),
-    ("--guard-import-config", POLICY.read_text(), "gpu-kill's Guard Mode configuration"),  # a policy file
-])
+@pytest.mark.parametrize(
+    "flag,content,formats",
+    [
+        (
+            "--rogue-import-config",
+            "not a configuration\n",
+            "gpu-kill's rogue detection configuration (the JSON of "
+            "gpu-kill --audit --rogue-export-config, or its rogue_config.toml) or gpukill's [audit] section",
+        ),
+        ("--rogue-import-config", GUARD_JSON.read_text(), "gpu-kill's rogue detection configuration"),
+        (
+            "--guard-import-config",
+            ROGUE_JSON.read_text(),
+            "gpu-kill's Guard Mode configuration (the JSON of gpu-kill "
+            "--guard --guard-export-config, or its TOML file) or gpukill's managed policies (gpukillctl guard policy "
+            "export)",
+        ),
+        ("--guard-import-config", POLICY.read_text(), "gpu-kill's Guard Mode configuration"),  # a policy file
+    ],
+)
 def test_import_config_of_another_format_is_one_line_naming_the_formats(capsys, tmp_path, flag, content, formats):
     path = tmp_path / "some.file"
     path.write_text(content)
@@ -816,14 +1110,17 @@ def test_import_config_with_a_wrong_value_says_where(capsys, tmp_path):
     path.write_text(json.dumps({"user_policies": {"alice": {"memory_limit_gb": "8GB"}}}))
     code, client = run(["--guard", "--guard-import-config", str(path)])
     assert code == 2 and client.calls == []
-    assert capsys.readouterr().err == (f"gpukill: {path}: user_policies.alice.memory_limit_gb must be a number, "
-                                       'not "8GB"\n')
+    assert capsys.readouterr().err == (
+        f'gpukill: {path}: user_policies.alice.memory_limit_gb must be a number, not "8GB"\n'
+    )
     path.write_text(json.dumps({"gpu_policies": {"0": {"max_memory_gb": 0.0}}}))
     code, client = run(["--guard", "--guard-import-config", str(path)])
     assert code == 2 and "gpu_policies.0: memory_limit must be a whole number of bytes" in capsys.readouterr().err
     code, client = run(["--audit", "--rogue-import-config", str(tmp_path / "missing.json")])
     assert code == 2 and client.calls == []
-    assert capsys.readouterr().err == f"gpukill: {tmp_path / 'missing.json'}:1:1: cannot read: No such file or directory\n"
+    assert (
+        capsys.readouterr().err == f"gpukill: {tmp_path / 'missing.json'}:1:1: cannot read: No such file or directory\n"
+    )
 
 
 def test_every_option_has_a_help_text():
@@ -833,7 +1130,6 @@ def test_every_option_has_a_help_text():
 
 
 # -- end to end: the real daemon on the test bed, gpukill run as the users -------------------------------------
-
 
 
 @needs_root
@@ -924,9 +1220,15 @@ def test_list_json_is_gpukillctls(victims, users):
 @needs_root
 def test_watch_refreshes_until_ctrl_c(bed, users):
     other = users["other"]
-    watcher = subprocess.Popen([PYTHON, "-m", "gpukillctl.cli.compat", "--list", "--watch", "--output", "json"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bed.env(), cwd="/",
-                               **other.popen_kwargs())
+    watcher = subprocess.Popen(
+        [PYTHON, "-m", "gpukillctl.cli.compat", "--list", "--watch", "--output", "json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=bed.env(),
+        cwd="/",
+        **other.popen_kwargs(),
+    )
     try:
         assert watcher.stdout is not None
         docs = [json.loads(watcher.stdout.readline()) for _ in range(2)]  # two refreshes, one line each
@@ -945,8 +1247,10 @@ def test_refusal_from_the_command_line(bed, users):
     """As the admin types it: one line, exit 2, the gpukillctl command named; nothing reaches the daemon."""
     r = bed.gpukill(users["other"], "--kill", "--reset", "--pid", "1")
     assert (r.returncode, r.stdout) == (2, ""), r
-    assert r.stderr == ("gpukill: --kill and --reset together: one operation at a time; "
-                        "instead: gpukillctl kill PID; gpukillctl reset GPU\n")
+    assert r.stderr == (
+        "gpukill: --kill and --reset together: one operation at a time; "
+        "instead: gpukillctl kill PID; gpukillctl reset GPU\n"
+    )
 
 
 def test_console_script_is_declared():
@@ -957,8 +1261,9 @@ def test_console_script_is_declared():
     assert "from gpukillctl.cli.compat import main" in wrapper
     script = Path(PYTHON).parent / "gpukill"
     if script.exists():  # installed by `pip install -e .` (make test)
-        r = subprocess.run([str(script), "--audit", "--rogue", "--audit-hours", "2"], capture_output=True, text=True,
-                           timeout=30)
+        r = subprocess.run(
+            [str(script), "--audit", "--rogue", "--audit-hours", "2"], capture_output=True, text=True, timeout=30
+        )
         assert r.returncode == 2 and r.stderr.startswith("gpukill: --audit-hours with --rogue"), r
 
 
@@ -976,7 +1281,9 @@ def test_names_that_do_not_exist_end_to_end(bed, users):
     try:
         r = bed.gpukill(ROOT, "--guard", "--guard-add-group", "gpk-nosuchgrp", "--guard-group-memory-limit", "8")
         assert r.returncode == 0 and "group policy for gpk-nosuchgrp in force" in r.stdout, r
-        assert r.stderr == ("gpukillctl: warning: no such group 'gpk-nosuchgrp' on this host: the policy matches "
-                            "nobody until it exists\n")
+        assert r.stderr == (
+            "gpukillctl: warning: no such group 'gpk-nosuchgrp' on this host: the policy matches "
+            "nobody until it exists\n"
+        )
     finally:
         bed.gpukill(ROOT, "--guard", "--guard-remove-group", "gpk-nosuchgrp")

@@ -46,7 +46,11 @@ from gpukilld import journal as audit
 DATA = REPO / "tests" / "data" / "gpu-kill"
 SHELL = (">", ">>", "|")
 # the recording client's processes, with the PIDs gpu-kill's examples name (12345, 1234), "python" ones among them
-EXAMPLE_PROCESSES = [*PROCESSES, proc(12345, 999, "python"), proc(1234, 555, "train", device=1)]  # where an example's gpukill command line ends and the shell's part begins
+EXAMPLE_PROCESSES = [
+    *PROCESSES,
+    proc(12345, 999, "python"),
+    proc(1234, 555, "train", device=1),
+]  # where an example's gpukill command line ends and the shell's part begins
 
 
 def data_lines(name: str) -> list[str]:
@@ -94,10 +98,14 @@ SMALLEST: dict[str, tuple[str, tuple[str, ...] | str]] = {
     "--rogue-utilization-threshold": ("--audit --rogue-utilization-threshold 90", "refused"),
     "--rogue-duration-threshold": ("--audit --rogue-duration-threshold 24", "refused"),
     "--rogue-confidence-threshold": ("--audit --rogue-confidence-threshold 0.8", ("set_audit_settings",)),
-    "--rogue-whitelist-process": ("--audit --rogue-whitelist-process /usr/bin/my-app",
-                                  ("audit_settings", "set_audit_settings")),
-    "--rogue-unwhitelist-process": ("--audit --rogue-unwhitelist-process /opt/sim/bin/sim",
-                                    ("audit_settings", "set_audit_settings")),
+    "--rogue-whitelist-process": (
+        "--audit --rogue-whitelist-process /usr/bin/my-app",
+        ("audit_settings", "set_audit_settings"),
+    ),
+    "--rogue-unwhitelist-process": (
+        "--audit --rogue-unwhitelist-process /opt/sim/bin/sim",
+        ("audit_settings", "set_audit_settings"),
+    ),
     "--rogue-whitelist-user": ("--audit --rogue-whitelist-user developer", ("audit_settings", "set_audit_settings")),
     "--rogue-unwhitelist-user": ("--audit --rogue-unwhitelist-user carol", ("audit_settings", "set_audit_settings")),
     "--rogue-export-config": ("--audit --rogue-export-config", ("export_audit_settings",)),
@@ -111,8 +119,10 @@ SMALLEST: dict[str, tuple[str, tuple[str, ...] | str]] = {
     "--guard-add-user": ("--guard --guard-add-user developer --guard-memory-limit 8", ("guard_set_policy",)),
     "--guard-remove-user": ("--guard --guard-remove-user developer", ("guard_remove_policy",)),
     "--guard-memory-limit": ("--guard --guard-add-user developer --guard-memory-limit 8", ("guard_set_policy",)),
-    "--guard-utilization-limit": ("--guard --guard-add-user developer --guard-utilization-limit 70",
-                                  ("guard_set_policy",)),
+    "--guard-utilization-limit": (
+        "--guard --guard-add-user developer --guard-utilization-limit 70",
+        ("guard_set_policy",),
+    ),
     "--guard-process-limit": ("--guard --guard-add-user developer --guard-process-limit 3", ("guard_set_policy",)),
     "--guard-export-config": ("--guard --guard-export-config", ("guard_export_policies",)),
     "--guard-import-config": ("--guard --guard-import-config guard_config.json", ("guard_import_policies",)),
@@ -122,19 +132,26 @@ SMALLEST: dict[str, tuple[str, tuple[str, ...] | str]] = {
     "--guard-remove-group": ("--guard --guard-remove-group ml", ("guard_remove_policy",)),
     "--guard-add-gpu": ("--guard --guard-add-gpu 0 --guard-gpu-memory-limit 24", ("guard_set_policy",)),
     "--guard-remove-gpu": ("--guard --guard-remove-gpu 0", ("guard_remove_policy",)),
-    "--guard-group-memory-limit": ("--guard --guard-add-group ml --guard-group-memory-limit 32",
-                                   ("guard_set_policy",)),
-    "--guard-group-utilization-limit": ("--guard --guard-add-group ml --guard-group-utilization-limit 80",
-                                        ("guard_set_policy",)),
-    "--guard-group-process-limit": ("--guard --guard-add-group ml --guard-group-process-limit 10",
-                                    ("guard_set_policy",)),
+    "--guard-group-memory-limit": ("--guard --guard-add-group ml --guard-group-memory-limit 32", ("guard_set_policy",)),
+    "--guard-group-utilization-limit": (
+        "--guard --guard-add-group ml --guard-group-utilization-limit 80",
+        ("guard_set_policy",),
+    ),
+    "--guard-group-process-limit": (
+        "--guard --guard-add-group ml --guard-group-process-limit 10",
+        ("guard_set_policy",),
+    ),
     "--guard-gpu-memory-limit": ("--guard --guard-add-gpu 0 --guard-gpu-memory-limit 24", ("guard_set_policy",)),
-    "--guard-gpu-utilization-limit": ("--guard --guard-add-gpu 0 --guard-gpu-utilization-limit 90",
-                                      ("guard_set_policy",)),
+    "--guard-gpu-utilization-limit": (
+        "--guard --guard-add-gpu 0 --guard-gpu-utilization-limit 90",
+        ("guard_set_policy",),
+    ),
     "--guard-gpu-reserved-memory": ("--guard --guard-add-gpu 0 --guard-gpu-reserved-memory 2", ("guard_set_policy",)),
     "--guard-group-members": ("--guard --guard-add-group ml --guard-group-members alice,bob", "refused"),
-    "--guard-gpu-allowed-users": ("--guard --guard-add-gpu 0 --guard-gpu-allowed-users alice,bob",
-                                  ("guard_set_policy",)),
+    "--guard-gpu-allowed-users": (
+        "--guard --guard-add-gpu 0 --guard-gpu-allowed-users alice,bob",
+        ("guard_set_policy",),
+    ),
     "--server-port": ("--server --server-port 9000", "serve"),
     "--server-host": ("--server --server-host 127.0.0.1", "serve"),
     "--register-node": ("--register-node http://coordinator:8080", "refused"),
@@ -147,8 +164,6 @@ SMALLEST: dict[str, tuple[str, tuple[str, ...] | str]] = {
     "--help": ("--help", ()),
     "--version": ("--version", ()),
 }
-
-
 
 
 @pytest.fixture
@@ -239,8 +254,10 @@ def test_the_data_is_gpu_kills():
     assert len(FLAGS) == 76 and len(set(FLAGS)) == 76
     assert set(SMALLEST) == set(FLAGS)
     assert len(EXAMPLES) == len({c for _, c in EXAMPLES}) == 100
-    assert all(c.startswith("gpukill") and re.fullmatch(r"(README|DETAILED)\.md:\d+(,(README|DETAILED)\.md:\d+)*", w)
-               for w, c in EXAMPLES)
+    assert all(
+        c.startswith("gpukill") and re.fullmatch(r"(README|DETAILED)\.md:\d+(,(README|DETAILED)\.md:\d+)*", w)
+        for w, c in EXAMPLES
+    )
 
 
 @pytest.mark.parametrize("flag", FLAGS)
@@ -257,7 +274,7 @@ def test_each_flag(flag, in_tmp):
         if expected == "serve":
             assert r.plan.run is None and r.plan.gpukillctl[0] == "serve"
         else:
-            assert r.calls[:len(expected)] == expected, r.calls
+            assert r.calls[: len(expected)] == expected, r.calls
 
 
 def example_words(command: str) -> tuple[list[str], str | None]:
@@ -281,9 +298,31 @@ def run_examples(directory: Path) -> list[tuple[str, str, Ran]]:
 
 
 # Options whose effect depends on the operation they go with: an example is checked by its operation instead.
-MODIFIERS = {"--gpu", "--force", "--pid", "--timeout-secs", "--filter", "--batch", "--details", "--watch",
-             "--output", "--vendor", "--containers", "--remote", "--ssh-user", "--ssh-port", "--dry-run", "--safe",
-             "--all", "--list", "--kill", "--reset", "--guard", "--audit", "--server"}
+MODIFIERS = {
+    "--gpu",
+    "--force",
+    "--pid",
+    "--timeout-secs",
+    "--filter",
+    "--batch",
+    "--details",
+    "--watch",
+    "--output",
+    "--vendor",
+    "--containers",
+    "--remote",
+    "--ssh-user",
+    "--ssh-port",
+    "--dry-run",
+    "--safe",
+    "--all",
+    "--list",
+    "--kill",
+    "--reset",
+    "--guard",
+    "--audit",
+    "--server",
+}
 
 
 def expected_calls(words: list[str]) -> set[str]:
@@ -326,22 +365,32 @@ def counts(results) -> dict[str, int]:
     return tally
 
 
-README_COUNTS = re.compile(r"Of gpu-kill's (\d+) flags, (\d+) work and (\d+) are refused[^.]*; of the (\d+) example "
-                           r"command lines in its README and DETAILED\.md, (\d+) work and (\d+) are refused")
+README_COUNTS = re.compile(
+    r"Of gpu-kill's (\d+) flags, (\d+) work and (\d+) are refused[^.]*; of the (\d+) example "
+    r"command lines in its README and DETAILED\.md, (\d+) work and (\d+) are refused"
+)
 
 
 def test_the_readme_says_the_counts(in_tmp, capsys):
     flags = counts(Ran(shlex.split(SMALLEST[f][0])) for f in FLAGS)
     examples = counts(r for _, _, r in run_examples(in_tmp))
     with capsys.disabled():
-        print(f"\ngpu-kill's {len(FLAGS)} flags: {flags['works']} work, {flags['refused']} refused with a pointer; "
-              f"its {len(EXAMPLES)} examples: {examples['works']} work, {examples['refused']} refused with the "
-              "equivalent")
+        print(
+            f"\ngpu-kill's {len(FLAGS)} flags: {flags['works']} work, {flags['refused']} refused with a pointer; "
+            f"its {len(EXAMPLES)} examples: {examples['works']} work, {examples['refused']} refused with the "
+            "equivalent"
+        )
     readme = " ".join((REPO / "docs" / "using.md").read_text().split())  # the sentence may wrap
     m = README_COUNTS.search(readme)
     assert m, "docs/using.md's gpukill section does not say the counts"
-    assert tuple(map(int, m.groups())) == (len(FLAGS), flags["works"], flags["refused"], len(EXAMPLES),
-                                           examples["works"], examples["refused"])
+    assert tuple(map(int, m.groups())) == (
+        len(FLAGS),
+        flags["works"],
+        flags["refused"],
+        len(EXAMPLES),
+        examples["works"],
+        examples["refused"],
+    )
     man = " ".join((REPO / "man" / "gpukill.1").read_text().split())
     assert f"{flags['works']} work" in man and f"{examples['works']} work" in man
 
@@ -358,7 +407,6 @@ def test_vendor_shows_that_vendors_gpus_and_their_processes_only(capsys):
 
 
 # -- end to end: the real daemon on the test bed ----------------------------------------------------------------
-
 
 
 @needs_root
@@ -397,8 +445,17 @@ def policies(bed) -> dict[tuple[str, str], dict]:
 def test_user_policy_flags_end_to_end(bed, users, tmp_path):
     """DETAILED.md's user policy lines, as written: the policy is in gpukillctl guard policy list, each change
     is in the journal, a user is refused by polkit, export then import round-trips."""
-    add = ["--guard", "--guard-add-user", "gpkother", "--guard-memory-limit", "8.0", "--guard-utilization-limit",
-           "70.0", "--guard-process-limit", "3"]
+    add = [
+        "--guard",
+        "--guard-add-user",
+        "gpkother",
+        "--guard-memory-limit",
+        "8.0",
+        "--guard-utilization-limit",
+        "70.0",
+        "--guard-process-limit",
+        "3",
+    ]
     denied = bed.gpukill(users["other"], *add)
     assert denied.returncode == 4 and ("gpkother", "user") not in policies(bed), denied
     try:
@@ -474,6 +531,7 @@ def test_toggle_dry_run_end_to_end(bed):
 def test_rogue_settings_flags_end_to_end(bed, users):
     """--rogue-whitelist-user and --rogue-confidence-threshold change the daemon's audit settings (journal entry
     each); put back after."""
+
     def settings() -> dict:
         r = bed.ctl(ROOT, "audit", "settings", "show", "--json")
         assert r.returncode == 0, r
@@ -490,12 +548,19 @@ def test_rogue_settings_flags_end_to_end(bed, users):
         assert denied.returncode == 4 and "gpkother" in settings()["allowed_users"], denied
         r = bed.gpukill(ROOT, "--audit", "--rogue-unwhitelist-user", "gpkother")
         assert r.returncode == 0 and "gpkother" not in settings()["allowed_users"], r
-        r = bed.gpukill(users["other"], "--audit", "--rogue", "--rogue-confidence-threshold", "0.99", "--output",
-                    "json")
+        r = bed.gpukill(
+            users["other"], "--audit", "--rogue", "--rogue-confidence-threshold", "0.99", "--output", "json"
+        )
         assert r.returncode == 0 and all(f["score"] >= 99 for f in json.loads(r.stdout)["findings"]), r
     finally:
-        bed.ctl(ROOT, "audit", "settings", "set", f"min_score={before['min_score']}",
-                f"allowed_users={','.join(before['allowed_users'])}")
+        bed.ctl(
+            ROOT,
+            "audit",
+            "settings",
+            "set",
+            f"min_score={before['min_score']}",
+            f"allowed_users={','.join(before['allowed_users'])}",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -511,8 +576,11 @@ def test_remote_with_ssh_user_and_port_end_to_end(victims, users, sshd_server, a
     bed, owner = victims, users["owner"]
     victim = bed.victim(owner, gpu=1, comm="overssh")
     bed.wait_listed(victim.pid, comm="overssh")
-    env = {**sshd_server.client_env(), "GPUKILL_REMOTE_BUS": bed.bus_address,
-           "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent/system_bus_socket"}
+    env = {
+        **sshd_server.client_env(),
+        "GPUKILL_REMOTE_BUS": bed.bus_address,
+        "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent/system_bus_socket",
+    }
     remote = ["--remote", "localhost", "--ssh-user", owner.name, "--ssh-port", str(sshd_server.port)]
     r = bed.run_as(ROOT, [PYTHON, "-m", "gpukillctl.cli.compat", *remote, "--list", "--output", "json"], env=env)
     assert r.returncode == 0, (r.stderr, sshd_server.log())
@@ -533,17 +601,26 @@ def test_server_port_serves_the_rest_api_end_to_end(bed, users):
     runtime = http_server.runtime_dir(bed, owner)
     log = bed.workdir / f"gpukill-server-{port}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([PYTHON, "-m", "gpukillctl.cli.compat", "--server", "--server-port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd="/",
-                                env=bed.env(XDG_RUNTIME_DIR=str(runtime)), start_new_session=True,
-                                **owner.popen_kwargs())
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "gpukillctl.cli.compat", "--server", "--server-port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd="/",
+            env=bed.env(XDG_RUNTIME_DIR=str(runtime)),
+            start_new_session=True,
+            **owner.popen_kwargs(),
+        )
     bed.procs.append(proc)
     token_file = runtime / "gpukill" / f"serve-{port}.token"
     try:
+
         def answering() -> bool:
             assert proc.poll() is None, log.read_text(errors="replace")
-            return token_file.exists() and http_server.request(port, "GET", "/v1/devices",
-                                                               token=token_file.read_text().strip()).status == 200
+            return (
+                token_file.exists()
+                and http_server.request(port, "GET", "/v1/devices", token=token_file.read_text().strip()).status == 200
+            )
 
         wait_until(answering, 30, lambda: log.read_text(errors="replace"), interval=0.2)
         devices = http_server.request(port, "GET", "/v1/devices", token=token_file.read_text().strip()).body

@@ -16,8 +16,10 @@ from gpukilld.guard.state import STATE_FILE, GuardState, load_state, save_state
 
 def test_guard_and_notify_sections(tmp_path: Path):
     conf = tmp_path / "gpukilld.conf"
-    conf.write_text("[guard]\npolicy_dir = /srv/guard.d\nstate_dir = /srv/state\n"
-                    "[notify]\nsmtp_host = relay.example\nsmtp_port = 2525\nfrom = gpu@example.com\ntimeout = 2.5\n")
+    conf.write_text(
+        "[guard]\npolicy_dir = /srv/guard.d\nstate_dir = /srv/state\n"
+        "[notify]\nsmtp_host = relay.example\nsmtp_port = 2525\nfrom = gpu@example.com\ntimeout = 2.5\n"
+    )
     c = load_config(str(conf))
     assert (c.guard_policy_dir, c.guard_state_dir) == ("/srv/guard.d", "/srv/state")
     assert (c.smtp_host, c.smtp_port, c.mail_from, c.notify_timeout) == ("relay.example", 2525, "gpu@example.com", 2.5)
@@ -26,15 +28,18 @@ def test_guard_and_notify_sections(tmp_path: Path):
     assert (defaults.smtp_host, defaults.smtp_port) == ("localhost", 25)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[notify]\nsmtp_port = 99999\n", ":2: smtp_port must be between 1 and 65535"),
-    ("[notify]\n\nsmtp_port = twenty-five\n", ":3: smtp_port must be a number"),
-    ("[notify]\ntimeout = nan\n", ":2: timeout must be between"),
-    ("[notify]\nsmtp_server = x\n", ":2: unknown key 'smtp_server' in [notify]"),
-    ("[guard]\npolicy_dir =\n", ":2: policy_dir must not be empty"),
-    ("[guard]\n\nprotect_system_users = maybe\n", ":3: protect_system_users must be yes or no"),
-    ("[guard]\nprotected_units = dbus.service sshd\n", ":2: protected_units: 'sshd' is not a unit name or pattern"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[notify]\nsmtp_port = 99999\n", ":2: smtp_port must be between 1 and 65535"),
+        ("[notify]\n\nsmtp_port = twenty-five\n", ":3: smtp_port must be a number"),
+        ("[notify]\ntimeout = nan\n", ":2: timeout must be between"),
+        ("[notify]\nsmtp_server = x\n", ":2: unknown key 'smtp_server' in [notify]"),
+        ("[guard]\npolicy_dir =\n", ":2: policy_dir must not be empty"),
+        ("[guard]\n\nprotect_system_users = maybe\n", ":3: protect_system_users must be yes or no"),
+        ("[guard]\nprotected_units = dbus.service sshd\n", ":2: protected_units: 'sshd' is not a unit name or pattern"),
+    ],
+)
 def test_bad_guard_settings_name_the_line(tmp_path: Path, text: str, message: str):
     conf = tmp_path / "gpukilld.conf"
     conf.write_text(text)
@@ -69,9 +74,14 @@ def test_sys_uid_max_comes_from_login_defs(tmp_path: Path):
 
 
 def test_state_round_trip_is_atomic_and_private(tmp_path: Path):
-    state = GuardState(enabled=False, dry_run=True, stats={"miners": {"kills": 3}},
-                       recent=[{"time": 1.0, "rule": "miners"}], policy_source="loaded",
-                       policy_files=[("p.yaml", "rules: []\n")])
+    state = GuardState(
+        enabled=False,
+        dry_run=True,
+        stats={"miners": {"kills": 3}},
+        recent=[{"time": 1.0, "rule": "miners"}],
+        policy_source="loaded",
+        policy_files=[("p.yaml", "rules: []\n")],
+    )
     save_state(str(tmp_path / "state"), state)
     path = tmp_path / "state" / STATE_FILE
     assert stat.S_IMODE(path.stat().st_mode) == 0o600

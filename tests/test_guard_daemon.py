@@ -38,8 +38,10 @@ MINERS, MEMORY = "block-crypto-miners", "limit-user-memory"
 
 def test_the_scaled_copy_differs_only_in_its_durations():
     diff = [(a, b) for a, b in zip(FIRST_TEXT.splitlines(), SCALED.splitlines(), strict=True) if a != b]
-    assert diff == [('        duration: "5m"', '        duration: "3s"'),
-                    ('    grace_period: "30s"', '    grace_period: "2s"')]
+    assert diff == [
+        ('        duration: "5m"', '        duration: "3s"'),
+        ('    grace_period: "30s"', '    grace_period: "2s"'),
+    ]
 
 
 # -- the bed ----------------------------------------------------------------------------------------------
@@ -47,8 +49,9 @@ def test_the_scaled_copy_differs_only_in_its_durations():
 
 def write_conf(bed: Testbed, smtp_port: int, timeout: float = 10.0) -> None:
     (bed.workdir / "guard.d").mkdir(exist_ok=True)
-    bed.write_conf(notify={"smtp_host": "127.0.0.1", "smtp_port": smtp_port, "from": "gpukilld@test.example",
-                           "timeout": timeout})
+    bed.write_conf(
+        notify={"smtp_host": "127.0.0.1", "smtp_port": smtp_port, "from": "gpukilld@test.example", "timeout": timeout}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +109,17 @@ def test_the_first_policy_loads_as_is(guard):
     bed = guard
     r = bed.ctl(ROOT, "guard", "load", str(FIRST_FILE))
     assert r.returncode == 0, r
-    assert r.stdout.strip() == (f"policy {FIRST_FILE} in force until the next reload of gpukilld (systemctl "
-                                f"reload, SIGHUP) or guard load: 2 rule(s): {MINERS}, {MEMORY}")
+    assert r.stdout.strip() == (
+        f"policy {FIRST_FILE} in force until the next reload of gpukilld (systemctl "
+        f"reload, SIGHUP) or guard load: 2 rule(s): {MINERS}, {MEMORY}"
+    )
     st = status(bed)
     assert st["source"] == "loaded" and st["files"] == [str(FIRST_FILE)] and st["policy_error"] == ""
     rules = {r["name"]: r for r in st["rules"]}
-    assert rules[MINERS]["conditions"] == ["process_name contains_any [xmrig, ethminer, cpuminer]",
-                                           "gpu_utilization > 95% for 5min"]
+    assert rules[MINERS]["conditions"] == [
+        "process_name contains_any [xmrig, ethminer, cpuminer]",
+        "gpu_utilization > 95% for 5min",
+    ]
     assert rules[MINERS]["match"] == "all" and rules[MEMORY]["scope"] == "per_user"
     loaded = bed.journal(MESSAGE_ID=audit.GUARD_POLICY.message_id, GPUKILL_RESULT="loaded")
     assert loaded and loaded[-1]["GPUKILL_RULES"] == f"{MINERS}, {MEMORY}"
@@ -140,8 +147,14 @@ def test_a_miner_over_the_duration_is_killed_and_python_is_not(guard, users, smt
     assert taken["body"][0] == MINERS and taken["body"][5] == "terminated" and taken["body"][6] is False
     killed = rec.wait_for("ProcessKilled", where=lambda b: b[0] == miner.pid)
     assert killed["body"][7] == f"guard:{MINERS}"  # through the daemon's kill path, initiator guard:RULE
-    assert rec.wait_for("PolicyViolated", timeout=0.5, where=lambda b: f"PID {python.pid} " in b[1]
-                        or f"PID {idle_miner.pid} " in b[1]) is None
+    assert (
+        rec.wait_for(
+            "PolicyViolated",
+            timeout=0.5,
+            where=lambda b: f"PID {python.pid} " in b[1] or f"PID {idle_miner.pid} " in b[1],
+        )
+        is None
+    )
 
     # the journal: the violation and the action with the rule's name, and the kill path's own entry
     v = bed.wait_journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_TARGET_PIDS=str(miner.pid))
@@ -164,8 +177,11 @@ def test_a_miner_shorter_than_the_duration_is_not_killed(guard, users):
     bed = guard
     t0 = time.monotonic()
     brief = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig", lifetime=1.5)
-    seen = wait_until(lambda: [w for w in status(bed)["windows"] if f"PID {brief.pid} " in w["subject"]], 5,
-                      "the miner never entered the duration window")
+    seen = wait_until(
+        lambda: [w for w in status(bed)["windows"] if f"PID {brief.pid} " in w["subject"]],
+        5,
+        "the miner never entered the duration window",
+    )
     assert seen[0]["rule"] == MINERS and seen[0]["duration"] == DURATION
     t_exit = exit_time(brief, 10)
     assert brief.returncode == 0 and t_exit - t0 < DURATION, "it ended by itself"
@@ -211,8 +227,9 @@ def test_dropping_under_during_the_grace_cancels(guard, users):
     t_violation, _ = _wait_violation(bed, rec, "gpkowner")
     os.killpg(small.pid, signal.SIGTERM)  # the user stops one job on reading the notice: 5 GiB left
     small.wait(5)
-    cancelled = rec.wait_for("GuardActionTaken", timeout=GRACE + 5,
-                             where=lambda b: b[0] == MEMORY and b[5] == "cancelled")
+    cancelled = rec.wait_for(
+        "GuardActionTaken", timeout=GRACE + 5, where=lambda b: b[0] == MEMORY and b[5] == "cancelled"
+    )
     assert cancelled is not None and cancelled["body"][1] == "user gpkowner" and cancelled["body"][3] == 0
     time.sleep(max(0.0, t_violation + GRACE + 1.5 - time.monotonic()))
     assert pid_alive(big.pid), "the grace was cancelled: nothing may be signalled"
@@ -240,8 +257,10 @@ def test_dry_run_never_signals(guard, users):
     assert exit_time(miner, 8) and miner.returncode == -signal.SIGTERM
 
 
-DRY_MINERS = ("cooldown: 1s\nrules:\n  - name: dry-miners\n    action: kill\n"
-              "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
+DRY_MINERS = (
+    "cooldown: 1s\nrules:\n  - name: dry-miners\n    action: kill\n"
+    "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"
+)
 
 
 def test_a_dry_run_journals_one_would_kill_per_episode_and_when_it_ends(guard, users):
@@ -274,13 +293,16 @@ def test_test_policies_never_signals(guard, users):
     miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     bed.wait_listed(miner.pid, comm="xmrig")  # a sample may have caught it before it named itself
     instant = bed.workdir / "instant.yaml"
-    instant.write_text("rules:\n  - name: now\n    action: kill\n    force: true\n"
-                       "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
+    instant.write_text(
+        "rules:\n  - name: now\n    action: kill\n    force: true\n"
+        "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"
+    )
     os.chmod(instant, 0o644)
     r = bed.guard_call(users["other"], "TestPolicies", "ss", ["instant.yaml", instant.read_text()])
     assert r.ok, r
-    assert [(d["rule"], d["action"], d["status"], d["pids"]) for d in r.body[0]] == [("now", "kill", "now",
-                                                                                      [miner.pid])]
+    assert [(d["rule"], d["action"], d["status"], d["pids"]) for d in r.body[0]] == [
+        ("now", "kill", "now", [miner.pid])
+    ]
     r = bed.guard_call(users["other"], "TestPolicies", "ss", ["", ""])  # the policy in force, its windows
     assert r.ok, r
     mine = [d for d in r.body[0] if d["pids"] == [miner.pid]]
@@ -297,7 +319,10 @@ def test_a_policy_that_backtracks_forever_cannot_stall_the_daemon(guard, users):
     bed = guard
     victim = bed.victim(users["owner"], gpu=0, padding=40)  # a command line of 40 "x"
     bed.wait_listed(victim.pid)
-    evil = "rules:\n  - name: evil\n    action: log\n    conditions: [{type: cmdline, operator: matches, value: '(x+)+y'}]\n"
+    evil = (
+        "rules:\n  - name: evil\n    action: log\n"
+        "    conditions: [{type: cmdline, operator: matches, value: '(x+)+y'}]\n"
+    )
     t0 = time.monotonic()
     r = bed.guard_call(users["other"], "TestPolicies", "ss", ["evil.yaml", evil])
     assert r.ok and [d for d in r.body[0] if victim.pid in d["pids"]] == [], r
@@ -311,17 +336,22 @@ def test_a_broken_policy_keeps_the_old_one(guard, users):
     bed = guard
     before = status(bed)
     broken = bed.workdir / "broken.yaml"
-    broken.write_text(SCALED.replace('operator: ">"\n        value: 95', 'operator: "=>"\n        value: 95')
-                      .replace("force: false", "force: maybe"))
+    broken.write_text(
+        SCALED.replace('operator: ">"\n        value: 95', 'operator: "=>"\n        value: 95').replace(
+            "force: false", "force: maybe"
+        )
+    )
     cli = bed.ctl(ROOT, "guard", "load", str(broken))
     assert cli.returncode == 12, cli
     assert cli.stderr.splitlines() == [
         f"{broken}:9:19: unknown operator '=>' does not fit gpu_utilization (use one of: >, >=, <, <=, ==, !=)",
-        f"{broken}:23:12: force must be true or false, not the string 'maybe'"]
+        f"{broken}:23:12: force must be true or false, not the string 'maybe'",
+    ]
     r = bed.guard_call(ROOT, "LoadPolicy", "ss", [str(broken), broken.read_text()])  # the daemon checks too
     assert r.error == "org.gpukill1.Error.InvalidPolicy"
-    assert r.message.startswith(f"{broken}:9:19: unknown operator") and r.message.endswith("(and 1 more; see "
-                                                                                          "gpukillctl guard validate)")
+    assert r.message.startswith(f"{broken}:9:19: unknown operator") and r.message.endswith(
+        "(and 1 more; see gpukillctl guard validate)"
+    )
     after = status(bed)
     assert after["rules"] == before["rules"] and after["files"] == before["files"]
     rejected = bed.wait_journal(MESSAGE_ID=audit.GUARD_POLICY.message_id, GPUKILL_RESULT="rejected")
@@ -334,8 +364,10 @@ def test_a_broken_policy_keeps_the_old_one(guard, users):
 def test_reload_rereads_guard_d_and_keeps_the_policy_on_error(guard):
     bed = guard
     d = bed.workdir / "guard.d"
-    (d / "10-log.yaml").write_text("rules:\n  - name: log-miners\n    action: log\n"
-                                   "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
+    (d / "10-log.yaml").write_text(
+        "rules:\n  - name: log-miners\n    action: log\n"
+        "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"
+    )
     try:
         t = time.monotonic()
         os.kill(bed.daemon.proc.pid, signal.SIGHUP)
@@ -355,8 +387,9 @@ def test_reload_rereads_guard_d_and_keeps_the_policy_on_error(guard):
             f.unlink()
 
 
-NO_SUCH_USER_POLICY = ("rules:\n  - name: alcie-log\n    action: log\n"
-                       "    conditions: [{type: user, operator: ==, value: gpk-alcie}]\n")
+NO_SUCH_USER_POLICY = (
+    "rules:\n  - name: alcie-log\n    action: log\n    conditions: [{type: user, operator: ==, value: gpk-alcie}]\n"
+)
 
 
 def test_a_user_unknown_to_the_host_loads_with_a_warning(guard):
@@ -380,8 +413,11 @@ def test_a_user_unknown_to_the_host_loads_with_a_warning(guard):
         os.kill(bed.daemon.proc.pid, signal.SIGHUP)
         assert bed.daemon.notify.wait_for("READY=1", 10, after=t) is not None
         assert [r["name"] for r in status(bed)["rules"]] == ["alcie-log"]
-        wait_until(lambda: f"{d / '10-alcie.yaml'}:4:52: warning: no user 'gpk-alcie' on this host"
-                   in bed.daemon.log(), 10, "the daemon's warning")
+        wait_until(
+            lambda: f"{d / '10-alcie.yaml'}:4:52: warning: no user 'gpk-alcie' on this host" in bed.daemon.log(),
+            10,
+            "the daemon's warning",
+        )
     finally:
         for f in d.glob("*.yaml"):
             f.unlink()
@@ -392,9 +428,11 @@ def test_webhook_journal_and_desktop_targets(guard, users):
     hooks = Hooks()
     try:
         policy = bed.workdir / "notify.yaml"
-        policy.write_text("rules:\n  - name: tell\n    action: notify\n"
-                          f"    notify: ['webhook:http://127.0.0.1:{hooks.port}/hook', journal, desktop]\n"
-                          "    conditions: [{type: process_name, operator: ==, value: notifyme}]\n")
+        policy.write_text(
+            "rules:\n  - name: tell\n    action: notify\n"
+            f"    notify: ['webhook:http://127.0.0.1:{hooks.port}/hook', journal, desktop]\n"
+            "    conditions: [{type: process_name, operator: ==, value: notifyme}]\n"
+        )
         assert bed.ctl(ROOT, "guard", "load", str(policy)).returncode == 0
         rec = bed.record_signals(users["owner"])
         proc = bed.victim(users["owner"], gpu=3, comm="notifyme")
@@ -414,8 +452,12 @@ def test_webhook_journal_and_desktop_targets(guard, users):
 def test_authorization(guard, users):
     bed = guard
     other, admin = users["other"], users["admin"]
-    for member, sig, body in (("Enable", "", []), ("Disable", "", []), ("SetDryRun", "b", [True]),
-                              ("LoadPolicy", "ss", ["x.yaml", "rules: []\n"])):
+    for member, sig, body in (
+        ("Enable", "", []),
+        ("Disable", "", []),
+        ("SetDryRun", "b", [True]),
+        ("LoadPolicy", "ss", ["x.yaml", "rules: []\n"]),
+    ):
         r = bed.guard_call(other, member, sig, body)
         assert r.error == "org.freedesktop.DBus.Error.AccessDenied", (member, r)
     cli = bed.ctl(other, "guard", "disable")
@@ -440,9 +482,11 @@ def _own_bed(bed: Testbed, smtp_port: int, policy: str, timeout: float = 10.0) -
     bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
 
 
-FAST_MINERS = ("rules:\n  - name: miners\n    action: kill\n    force: true\n    notify: [admin@company.com]\n"
-               "    conditions:\n      - {type: process_name, operator: contains_any, value: [xmrig]}\n"
-               "      - {type: gpu_utilization, operator: '>', value: 95, duration: 1s}\n")
+FAST_MINERS = (
+    "rules:\n  - name: miners\n    action: kill\n    force: true\n    notify: [admin@company.com]\n"
+    "    conditions:\n      - {type: process_name, operator: contains_any, value: [xmrig]}\n"
+    "      - {type: gpu_utilization, operator: '>', value: 95, duration: 1s}\n"
+)
 
 
 def test_a_blackholed_smtp_relay_does_not_delay_the_kill(fresh_bed, users):
@@ -501,4 +545,3 @@ def test_the_policy_in_force_survives_a_broken_file_across_a_restart(fresh_bed, 
     miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     assert exit_time(miner, 15) and miner.returncode == -signal.SIGTERM
     assert "Traceback" not in bed.daemon.log()
-

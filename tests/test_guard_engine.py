@@ -64,10 +64,15 @@ def test_conditions_combine_with_and():
 
 def test_match_any():
     t = FakeTime()
-    e = Engine(policy("rules:\n  - name: any\n    match: any\n    action: notify\n    notify: [journal]\n"
-                      "    conditions:\n      - {type: process_name, operator: ==, value: xmrig}\n"
-                      "      - {type: gpu_utilization, operator: '>', value: 95, duration: 1m}\n"),
-               t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "rules:\n  - name: any\n    match: any\n    action: notify\n    notify: [journal]\n"
+            "    conditions:\n      - {type: process_name, operator: ==, value: xmrig}\n"
+            "      - {type: gpu_utilization, operator: '>', value: 95, duration: 1m}\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     s = snap(proc(10, "xmrig", util=1), proc(11, "python", util=99), proc(12, "python", util=10))
     assert [ev.subject for ev in e.evaluate(s, False)] == ["PID 10 (xmrig, user alice)"]
     assert [ev.subject for ev in step(e, t, s, 60)] == ["PID 11 (python, user alice)"]
@@ -77,8 +82,12 @@ def test_match_any():
 def test_grace_period_then_kill_largest_first_only_until_under():
     t = FakeTime()
     e = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
-    s = snap(proc(10, mem=5 * GiB), proc(11, mem=4 * GiB, device=1), proc(12, mem=1 * GiB, device=2),
-             proc(20, mem=7 * GiB, uid=1001, user="bob"))
+    s = snap(
+        proc(10, mem=5 * GiB),
+        proc(11, mem=4 * GiB, device=1),
+        proc(12, mem=1 * GiB, device=2),
+        proc(20, mem=7 * GiB, uid=1001, user="bob"),
+    )
     events = e.evaluate(s, False)
     assert kinds(events) == ["Violation"]
     v = events[0]
@@ -94,8 +103,14 @@ def test_grace_period_then_kill_largest_first_only_until_under():
 
 def test_per_user_kills_several_when_one_is_not_enough():
     t = FakeTime()
-    e = Engine(policy("rules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
-                      "    conditions: [{type: user_memory, operator: '>', value: 3GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "rules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
+            "    conditions: [{type: user_memory, operator: '>', value: 3GiB}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     events = e.evaluate(snap(proc(10, mem=2 * GiB), proc(11, mem=5 * GiB), proc(12, mem=4 * GiB)), False)
     order = next(ev for ev in events if isinstance(ev, KillOrder))
     assert [x.pid for x in order.targets] == [11, 12]  # 11 GiB -> 6 GiB -> 2 GiB <= 3 GiB
@@ -119,8 +134,14 @@ def test_coming_back_under_during_the_grace_cancels():
 
 def test_no_second_kill_while_one_is_in_flight_then_cooldown():
     t = FakeTime()
-    e = Engine(policy("cooldown: 20s\nrules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
-                      "    conditions: [{type: user_memory, operator: '>', value: 3GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "cooldown: 20s\nrules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
+            "    conditions: [{type: user_memory, operator: '>', value: 3GiB}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     s = snap(proc(10, mem=5 * GiB), proc(11, mem=1 * GiB))
     order = next(ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder))
     assert [x.pid for x in order.targets] == [10]
@@ -135,8 +156,14 @@ def test_no_second_kill_while_one_is_in_flight_then_cooldown():
 
 def test_cap_on_kills_per_cycle():
     t = FakeTime()
-    e = Engine(policy("max_kills_per_cycle: 2\nrules:\n  - name: miners\n    action: kill\n"
-                      "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "max_kills_per_cycle: 2\nrules:\n  - name: miners\n    action: kill\n"
+            "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     s = snap(*(proc(10 + i, "xmrig") for i in range(5)))
     first = [x.pid for ev in e.evaluate(s, False) if isinstance(ev, KillOrder) for x in ev.targets]
     second = [x.pid for ev in step(e, t, s, 1) if isinstance(ev, KillOrder) for x in ev.targets]
@@ -148,13 +175,21 @@ def test_cap_on_kills_per_cycle():
 def test_exempt_and_protected_processes_are_never_touched():
     t = FakeTime()
     groups = FakeGroups({1002: {"research", "1002"}})
-    text = ("exemptions: {users: [root]}\nrules:\n  - name: miners\n    action: kill\n"
-            "    exemptions: {groups: [research], units: ['slurm*.scope'], processes: ['xmrig-ok*']}\n"
-            "    conditions: [{type: process_name, operator: contains_any, value: [xmrig]}]\n")
+    text = (
+        "exemptions: {users: [root]}\nrules:\n  - name: miners\n    action: kill\n"
+        "    exemptions: {groups: [research], units: ['slurm*.scope'], processes: ['xmrig-ok*']}\n"
+        "    conditions: [{type: process_name, operator: contains_any, value: [xmrig]}]\n"
+    )
     e = Engine(load_texts([("p.yaml", text)]), t.clock(), groups=groups, own_pid=OWN_PID)
-    s = snap(proc(1, "xmrig"), proc(OWN_PID, "xmrig"), proc(10, "xmrig", uid=0, user="root"),
-             proc(11, "xmrig", uid=1002, user="carol"), proc(12, "xmrig", unit="slurm-42.scope"),
-             proc(13, "xmrig-ok-bench"), proc(14, "xmrig"))
+    s = snap(
+        proc(1, "xmrig"),
+        proc(OWN_PID, "xmrig"),
+        proc(10, "xmrig", uid=0, user="root"),
+        proc(11, "xmrig", uid=1002, user="carol"),
+        proc(12, "xmrig", unit="slurm-42.scope"),
+        proc(13, "xmrig-ok-bench"),
+        proc(14, "xmrig"),
+    )
     killed = [x.pid for ev in e.evaluate(s, False) if isinstance(ev, KillOrder) for x in ev.targets]
     assert killed == [14]
     exempt = {p.pids[0] for p in e.preview(s) if p.status == "exempt"}
@@ -163,8 +198,14 @@ def test_exempt_and_protected_processes_are_never_touched():
 
 def test_refused_by_the_kill_path_is_not_retried():
     t = FakeTime()
-    e = Engine(policy("cooldown: 1s\nrules:\n  - name: miners\n    action: kill\n"
-                      "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "cooldown: 1s\nrules:\n  - name: miners\n    action: kill\n"
+            "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     s = snap(proc(10, "xmrig"))
     order = next(ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder))
     e.kill_finished(order, order.targets[0], "protected")
@@ -174,8 +215,14 @@ def test_refused_by_the_kill_path_is_not_retried():
 
 def test_dry_run_orders_nothing_in_flight_and_one_would_kill_per_episode():
     t = FakeTime()
-    e = Engine(policy("cooldown: 10s\nrules:\n  - name: miners\n    action: kill\n"
-                      "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "cooldown: 10s\nrules:\n  - name: miners\n    action: kill\n"
+            "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     s = snap(proc(10, "xmrig"))
     events = e.evaluate(s, True)
     assert kinds(events) == ["Violation", "KillOrder"] and events[1].dry_run
@@ -189,9 +236,14 @@ def test_dry_run_orders_nothing_in_flight_and_one_would_kill_per_episode():
 
 def test_a_dry_run_says_when_a_subject_leaves_and_why_then_announces_a_new_episode():
     t = FakeTime()
-    e = Engine(policy("cooldown: 10s\nrules:\n  - name: busy\n    action: kill\n"
-                      "    conditions: [{type: gpu_utilization, operator: '>', value: 90, duration: 5s}]\n"),
-               t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "cooldown: 10s\nrules:\n  - name: busy\n    action: kill\n"
+            "    conditions: [{type: gpu_utilization, operator: '>', value: 90, duration: 5s}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     busy, calm = snap(proc(10, util=99)), snap(proc(10, util=20))
     e.evaluate(busy, True)
     assert kinds(step(e, t, busy, 5, dry_run=True)) == ["Violation", "KillOrder"]
@@ -208,8 +260,10 @@ def test_a_dry_run_says_when_a_subject_leaves_and_why_then_announces_a_new_episo
 
 def test_a_dry_runs_episode_survives_a_reload_and_a_restart_without_a_second_would_kill():
     t = FakeTime()
-    text = ("cooldown: 10s\nrules:\n  - name: miners\n    action: kill\n"
-            "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
+    text = (
+        "cooldown: 10s\nrules:\n  - name: miners\n    action: kill\n"
+        "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"
+    )
     e = Engine(policy(text), t.clock(), own_pid=OWN_PID)
     s = snap(proc(10, "xmrig"))
     assert kinds(e.evaluate(s, True)) == ["Violation", "KillOrder"]
@@ -223,15 +277,25 @@ def test_a_dry_runs_episode_survives_a_reload_and_a_restart_without_a_second_wou
 
 def test_per_device_rules():
     t = FakeTime()
-    e = Engine(policy("rules:\n  - name: full\n    scope: per_device\n    action: kill\n    conditions:\n"
-                      "      - {type: device_memory, operator: '>', value: '90%'}\n"
-                      "      - {type: user, operator: '!=', value: root}\n"
-                      "  - name: hot\n    scope: per_device\n    action: log\n"
-                      "    conditions: [{type: temperature, operator: '>=', value: 85, duration: 30s}]\n"),
-               t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "rules:\n  - name: full\n    scope: per_device\n    action: kill\n    conditions:\n"
+            "      - {type: device_memory, operator: '>', value: '90%'}\n"
+            "      - {type: user, operator: '!=', value: root}\n"
+            "  - name: hot\n    scope: per_device\n    action: log\n"
+            "    conditions: [{type: temperature, operator: '>=', value: 85, duration: 30s}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     devices = (dev(0, used=78 * GiB, temperature=90.0), dev(1, used=10 * GiB, temperature=None))
-    s = snap(proc(10, mem=40 * GiB), proc(11, mem=30 * GiB), proc(12, mem=8 * GiB, uid=0, user="root"),
-             proc(13, mem=10 * GiB, device=1), devices=devices)
+    s = snap(
+        proc(10, mem=40 * GiB),
+        proc(11, mem=30 * GiB),
+        proc(12, mem=8 * GiB, uid=0, user="root"),
+        proc(13, mem=10 * GiB, device=1),
+        devices=devices,
+    )
     events = e.evaluate(s, False)
     order = next(ev for ev in events if isinstance(ev, KillOrder))
     assert order.subject == "GPU 0 (GPU-0)" and [x.pid for x in order.targets] == [10]  # root's is not selected
@@ -241,15 +305,27 @@ def test_per_device_rules():
 
 def test_unknown_values_never_make_a_condition_true():
     t = FakeTime()
-    e = Engine(policy("rules:\n  - name: small\n    action: log\n"
-                      "    conditions: [{type: gpu_memory, operator: '<', value: 1GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "rules:\n  - name: small\n    action: log\n"
+            "    conditions: [{type: gpu_memory, operator: '<', value: 1GiB}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     assert e.evaluate(snap(proc(10, mem=None), proc(11, mem=1024)), False)[0].subject.startswith("PID 11")
 
 
 def test_a_process_on_two_gpus_is_one_subject_with_its_memory_summed():
     t = FakeTime()
-    e = Engine(policy("rules:\n  - name: big\n    action: kill\n"
-                      "    conditions: [{type: gpu_memory, operator: '>', value: 6GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "rules:\n  - name: big\n    action: kill\n"
+            "    conditions: [{type: gpu_memory, operator: '>', value: 6GiB}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     events = e.evaluate(snap(proc(10, mem=4 * GiB, device=0), proc(10, mem=4 * GiB, device=1)), False)
     assert kinds(events) == ["Violation", "KillOrder"] and len(events[1].targets) == 1
 
@@ -257,17 +333,30 @@ def test_a_process_on_two_gpus_is_one_subject_with_its_memory_summed():
 def test_runtime_cmdline_and_group_conditions():
     t = FakeTime(now=10_000.0)
     groups = FakeGroups({1000: {"students"}})
-    e = Engine(load_texts([("p.yaml", "rules:\n  - name: long\n    action: log\n    conditions:\n"
-                                      "      - {type: runtime, operator: '>', value: 1h}\n"
-                                      "      - {type: group, operator: ==, value: students}\n"
-                                      "      - {type: cmdline, operator: matches, value: '--epochs[= ]1000'}\n")]),
-               t.clock(), groups=groups, own_pid=OWN_PID)
+    e = Engine(
+        load_texts(
+            [
+                (
+                    "p.yaml",
+                    "rules:\n  - name: long\n    action: log\n    conditions:\n"
+                    "      - {type: runtime, operator: '>', value: 1h}\n"
+                    "      - {type: group, operator: ==, value: students}\n"
+                    "      - {type: cmdline, operator: matches, value: '--epochs[= ]1000'}\n",
+                )
+            ]
+        ),
+        t.clock(),
+        groups=groups,
+        own_pid=OWN_PID,
+    )
     started_two_hours_ago = int((10_000 - 7200) * CLK_TCK)
     started_now = int(10_000 * CLK_TCK)
-    s = snap(proc(10, cmdline="python train.py --epochs 1000", start=started_two_hours_ago),
-             proc(11, cmdline="python train.py --epochs 1000", start=started_now),
-             proc(12, cmdline="python train.py --epochs 1000", start=started_two_hours_ago, uid=1001, user="bob"),
-             proc(13, cmdline="python train.py --epochs 10", start=started_two_hours_ago))
+    s = snap(
+        proc(10, cmdline="python train.py --epochs 1000", start=started_two_hours_ago),
+        proc(11, cmdline="python train.py --epochs 1000", start=started_now),
+        proc(12, cmdline="python train.py --epochs 1000", start=started_two_hours_ago, uid=1001, user="bob"),
+        proc(13, cmdline="python train.py --epochs 10", start=started_two_hours_ago),
+    )
     assert [ev.subject for ev in e.evaluate(s, False)] == ["PID 10 (python, user alice)"]
 
 
@@ -279,7 +368,9 @@ def test_an_unchanged_rule_keeps_its_window_across_a_reload():
     step(e, t, s, 200)
     e.set_policy(first_policy())  # the same files read again (SIGHUP)
     assert kinds(step(e, t, s, 100)) == ["Violation", "KillOrder"]
-    changed = load_texts([("p.yaml", (REPO / "tests/guard_policies/first-policy.yaml").read_text().replace("95", "90"))])
+    changed = load_texts(
+        [("p.yaml", (REPO / "tests/guard_policies/first-policy.yaml").read_text().replace("95", "90"))]
+    )
     e2 = Engine(first_policy(), t.clock(), own_pid=OWN_PID)
     e2.evaluate(s, False)
     step(e2, t, s, 200)
@@ -315,8 +406,14 @@ def test_grace_cancelled_event_type():
 def test_a_process_renamed_since_the_last_cycle_is_judged_by_its_new_name():
     """Views are reused from cycle to cycle: every field must follow the snapshot (exec, prctl, cgroups)."""
     t = FakeTime()
-    e = Engine(policy("rules:\n  - name: miners\n    action: kill\n"
-                      "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "rules:\n  - name: miners\n    action: kill\n"
+            "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     assert e.evaluate(snap(proc(10, "python", mem=GiB)), False) == []
     events = step(e, t, snap(proc(10, "xmrig", mem=2 * GiB)), 1)
     assert kinds(events) == ["Violation", "KillOrder"] and events[1].targets[0].gpu_memory == 2 * GiB
@@ -325,8 +422,14 @@ def test_a_process_renamed_since_the_last_cycle_is_judged_by_its_new_name():
 def test_choosing_victims_among_thousands_stays_cheap():
     """A user with 5,000 processes far over the limit: choosing largest-first must not copy lists per pick."""
     t = FakeTime()
-    e = Engine(policy("rules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
-                      "    conditions: [{type: user_memory, operator: '>', value: 1GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "rules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
+            "    conditions: [{type: user_memory, operator: '>', value: 1GiB}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     s = snap(*(proc(10 + i, mem=GiB + i, device=i % 4) for i in range(5000)))
     with cpu_time() as took:
         order = next(ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder))
@@ -336,10 +439,13 @@ def test_choosing_victims_among_thousands_stays_cheap():
 
 # -- protection ------------------------------------------------------------------------------------------------
 
-MINERS_NOW = ("rules:\n  - name: miners\n    action: kill\n"
-              "    conditions: [{type: process_name, operator: ==, value: xmrig}]\n")
-USER_CAP = ("rules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
-            "    conditions: [{type: user_memory, operator: '>', value: 8GiB}]\n")
+MINERS_NOW = (
+    "rules:\n  - name: miners\n    action: kill\n    conditions: [{type: process_name, operator: ==, value: xmrig}]\n"
+)
+USER_CAP = (
+    "rules:\n  - name: cap\n    scope: per_user\n    action: kill\n"
+    "    conditions: [{type: user_memory, operator: '>', value: 8GiB}]\n"
+)
 
 
 def killed(events) -> list[int]:
@@ -349,15 +455,17 @@ def killed(events) -> list[int]:
 def test_system_accounts_and_system_units_are_never_touched_and_say_so_in_previews():
     t = FakeTime()
     e = Engine(policy(MINERS_NOW), t.clock(), own_pid=OWN_PID)  # the default protection: uid <= 999, the units
-    s = snap(proc(10, "xmrig", uid=0, user="root"), proc(11, "xmrig", uid=100, user="messagebus"),
-             proc(12, "xmrig", uid=999, user="sysacct"),
-             proc(13, "xmrig", uid=1005, user="svc", unit="dbus.service", system_unit="dbus.service"),
-             proc(14, "xmrig", uid=1005, user="svc", unit="worker.service",
-                  system_unit="getty@tty1.service"),
-             # a cgroup named dbus.service in gpkowner's delegated subtree: its innermost unit, not a system unit
-             proc(15, "xmrig", uid=1000, unit="dbus.service"),
-             proc(16, "xmrig", uid=1000, system_unit="cron.service"),  # a system unit, but not a protected one
-             proc(17, "xmrig", uid=1000))
+    s = snap(
+        proc(10, "xmrig", uid=0, user="root"),
+        proc(11, "xmrig", uid=100, user="messagebus"),
+        proc(12, "xmrig", uid=999, user="sysacct"),
+        proc(13, "xmrig", uid=1005, user="svc", unit="dbus.service", system_unit="dbus.service"),
+        proc(14, "xmrig", uid=1005, user="svc", unit="worker.service", system_unit="getty@tty1.service"),
+        # a cgroup named dbus.service in gpkowner's delegated subtree: its innermost unit, not a system unit
+        proc(15, "xmrig", uid=1000, unit="dbus.service"),
+        proc(16, "xmrig", uid=1000, system_unit="cron.service"),  # a system unit, but not a protected one
+        proc(17, "xmrig", uid=1000),
+    )
     previews = {p.pids[0]: p for p in e.preview(s)}  # TestPolicies: what it would do, and what it may not touch
     assert {pid for pid, p in previews.items() if p.status == "exempt"} == {10, 11, 12, 13, 14}
     assert all(previews[pid].reason == PROTECTED for pid in (10, 11, 12, 13, 14))
@@ -367,17 +475,21 @@ def test_system_accounts_and_system_units_are_never_touched_and_say_so_in_previe
 
 def test_protected_processes_do_not_count_in_a_users_sum_nor_become_a_devices_victims():
     t = FakeTime()
-    text = USER_CAP + ("  - name: full\n    scope: per_device\n    action: kill\n"
-                       "    conditions: [{type: device_memory, operator: '>', value: '90%'}]\n")
-    s = snap(proc(10, mem=6 * GiB, system_unit="systemd-foo.service"),  # alice's, in a protected system unit
-             proc(11, mem=4 * GiB, device=1),
-             proc(20, mem=60 * GiB, uid=0, user="root"), proc(21, mem=10 * GiB, uid=1001, user="bob", device=1),
-             devices=(dev(0, used=78 * GiB), dev(1, used=74 * GiB)))
+    text = USER_CAP + (
+        "  - name: full\n    scope: per_device\n    action: kill\n"
+        "    conditions: [{type: device_memory, operator: '>', value: '90%'}]\n"
+    )
+    s = snap(
+        proc(10, mem=6 * GiB, system_unit="systemd-foo.service"),  # alice's, in a protected system unit
+        proc(11, mem=4 * GiB, device=1),
+        proc(20, mem=60 * GiB, uid=0, user="root"),
+        proc(21, mem=10 * GiB, uid=1001, user="bob", device=1),
+        devices=(dev(0, used=78 * GiB), dev(1, used=74 * GiB)),
+    )
     e = Engine(policy(text), t.clock(), own_pid=OWN_PID)
     events = e.evaluate(s, False)
     # alice: 4 GiB counted, not 10. GPU 0 is over 90% only through root's 60 GiB: nothing there may go.
-    assert [ev.subject for ev in events if isinstance(ev, Violation)] == ["user bob", "GPU 0 (GPU-0)",
-                                                                          "GPU 1 (GPU-1)"]
+    assert [ev.subject for ev in events if isinstance(ev, Violation)] == ["user bob", "GPU 0 (GPU-0)", "GPU 1 (GPU-1)"]
     assert killed(events) == [21]  # bob's, for the user rule; GPU 1 is then back under (64 of 80 GiB)
     unprotected = Engine(policy(text), t.clock(), own_pid=OWN_PID, protection=Protection(None, ()))
     assert killed(unprotected.evaluate(s, False)) == [10, 20, 21]  # alice at 10 GiB; root at 60 GiB
@@ -399,8 +511,9 @@ def test_protection_is_configurable():
 def test_root_in_a_container_is_a_workload_not_a_system_account():
     t = FakeTime()
     e = Engine(policy(MINERS_NOW), t.clock(), own_pid=OWN_PID)
-    s = snap(proc(10, "xmrig", uid=0, user="root", container="c0ffee" * 10 + "abcd"),
-             proc(11, "xmrig", uid=0, user="root"))
+    s = snap(
+        proc(10, "xmrig", uid=0, user="root", container="c0ffee" * 10 + "abcd"), proc(11, "xmrig", uid=0, user="root")
+    )
     assert killed(e.evaluate(s, False)) == [10]
 
 
@@ -408,46 +521,67 @@ def test_usage_charged_to_no_one_makes_figures_lower_bounds():
     """A process sharing a DRM context with another user: its own part is known, the shared part is not.
     That can show it is over a limit, never that it is under one."""
     t = FakeTime()
-    text = ("rules:\n  - name: big\n    action: log\n"
-            "    conditions: [{type: gpu_memory, operator: '>', value: 1GiB}]\n"
-            "  - name: small\n    action: log\n"
-            "    conditions: [{type: gpu_memory, operator: '<', value: 1GiB}]\n"
-            "  - name: idle\n    action: log\n"
-            "    conditions: [{type: gpu_utilization, operator: '<=', value: 5}]\n"
-            "  - name: light-user\n    scope: per_user\n    action: log\n"
-            "    conditions: [{type: user_memory, operator: '<', value: 1GiB}]\n"
-            "  - name: heavy-user\n    scope: per_user\n    action: log\n"
-            "    conditions: [{type: user_memory, operator: '>=', value: 2GiB}]\n")
+    text = (
+        "rules:\n  - name: big\n    action: log\n"
+        "    conditions: [{type: gpu_memory, operator: '>', value: 1GiB}]\n"
+        "  - name: small\n    action: log\n"
+        "    conditions: [{type: gpu_memory, operator: '<', value: 1GiB}]\n"
+        "  - name: idle\n    action: log\n"
+        "    conditions: [{type: gpu_utilization, operator: '<=', value: 5}]\n"
+        "  - name: light-user\n    scope: per_user\n    action: log\n"
+        "    conditions: [{type: user_memory, operator: '<', value: 1GiB}]\n"
+        "  - name: heavy-user\n    scope: per_user\n    action: log\n"
+        "    conditions: [{type: user_memory, operator: '>=', value: 2GiB}]\n"
+    )
     e = Engine(policy(text), t.clock(), own_pid=OWN_PID)
-    s = snap(proc(10, mem=2 * GiB, util=0.0, shared=True), proc(11, mem=None, util=None, shared=True, device=1),
-             proc(20, mem=GiB // 2, util=0.0, uid=1001, user="bob"))
+    s = snap(
+        proc(10, mem=2 * GiB, util=0.0, shared=True),
+        proc(11, mem=None, util=None, shared=True, device=1),
+        proc(20, mem=GiB // 2, util=0.0, uid=1001, user="bob"),
+    )
     got = sorted((ev.rule.name, ev.subject) for ev in e.evaluate(s, False))
-    assert got == [("big", "PID 10 (python, user alice)"), ("heavy-user", "user alice"),
-                   ("idle", "PID 20 (python, user bob)"), ("light-user", "user bob"),
-                   ("small", "PID 20 (python, user bob)")]
+    assert got == [
+        ("big", "PID 10 (python, user alice)"),
+        ("heavy-user", "user alice"),
+        ("idle", "PID 20 (python, user bob)"),
+        ("light-user", "user bob"),
+        ("small", "PID 20 (python, user bob)"),
+    ]
 
 
 def test_a_process_on_two_gpus_is_partial_if_either_record_is():
     t = FakeTime()
-    e = Engine(policy("rules:\n  - name: small\n    action: log\n"
-                      "    conditions: [{type: gpu_memory, operator: '<', value: 4GiB}]\n"), t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        policy(
+            "rules:\n  - name: small\n    action: log\n"
+            "    conditions: [{type: gpu_memory, operator: '<', value: 4GiB}]\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     assert e.evaluate(snap(proc(10, mem=GiB, device=0), proc(10, mem=None, device=1, shared=True)), False) == []
     assert len(step(e, t, snap(proc(10, mem=GiB, device=0), proc(10, mem=GiB, device=1)), 1)) == 1
 
 
 # -- per_group, not_in, gpu, device_memory_free (gpu-kill's group and GPU policies) ------------------------------
 
-GROUP_CAP = ("rules:\n  - name: research\n    scope: per_group\n    action: kill\n    conditions:\n"
-             "      - {type: group, operator: in, value: [research, '2000']}\n"
-             "      - {type: group_memory, operator: '>', value: 8GiB}\n")
+GROUP_CAP = (
+    "rules:\n  - name: research\n    scope: per_group\n    action: kill\n    conditions:\n"
+    "      - {type: group, operator: in, value: [research, '2000']}\n"
+    "      - {type: group_memory, operator: '>', value: 8GiB}\n"
+)
 
 
 def test_per_group_looks_at_the_groups_it_names_and_kills_largest_first_until_under():
     t = FakeTime()
     groups = FakeGroups({1000: {"research", "users"}, 1001: {"research", "users"}, 1002: {"users", "2000"}})
     e = Engine(policy(GROUP_CAP), t.clock(), groups=groups, own_pid=OWN_PID)
-    s = snap(proc(10, mem=5 * GiB), proc(11, mem=2 * GiB, device=1), proc(20, mem=4 * GiB, uid=1001, user="bob"),
-             proc(30, mem=7 * GiB, uid=1002, user="carol"))
+    s = snap(
+        proc(10, mem=5 * GiB),
+        proc(11, mem=2 * GiB, device=1),
+        proc(20, mem=4 * GiB, uid=1001, user="bob"),
+        proc(30, mem=7 * GiB, uid=1002, user="carol"),
+    )
     events = e.evaluate(s, False)
     # research: 11 GiB; the gid 2000: 7 GiB; "users" (18 GiB) is not named, so not looked at
     assert [ev.subject for ev in events if isinstance(ev, Violation)] == ["group research"]
@@ -457,11 +591,15 @@ def test_per_group_looks_at_the_groups_it_names_and_kills_largest_first_until_un
 
 def test_per_group_needs_a_group_condition_naming_its_groups():
     for conds, error in [
-        ("      - {type: group_memory, operator: '>', value: 8GiB}\n",
-         "test.yaml:2:5: rule 'g' in scope per_group needs a group condition with == or in naming its group(s)"),
-        ("      - {type: group, operator: '!=', value: research}\n"
-         "      - {type: group_memory, operator: '>', value: 8GiB}\n",
-         "test.yaml:2:5: rule 'g' in scope per_group needs a group condition with == or in naming its group(s)"),
+        (
+            "      - {type: group_memory, operator: '>', value: 8GiB}\n",
+            "test.yaml:2:5: rule 'g' in scope per_group needs a group condition with == or in naming its group(s)",
+        ),
+        (
+            "      - {type: group, operator: '!=', value: research}\n"
+            "      - {type: group_memory, operator: '>', value: 8GiB}\n",
+            "test.yaml:2:5: rule 'g' in scope per_group needs a group condition with == or in naming its group(s)",
+        ),
     ]:
         text = "rules:\n  - name: g\n    scope: per_group\n    action: kill\n    conditions:\n" + conds
         try:
@@ -470,14 +608,18 @@ def test_per_group_needs_a_group_condition_naming_its_groups():
             assert err.errors == [error]
         else:
             raise AssertionError("accepted")
-    text = ("rules:\n  - name: g\n    scope: per_group\n    match: any\n    action: log\n    conditions:\n"
-            "      - {type: group, operator: ==, value: research}\n"
-            "      - {type: group_memory, operator: '>', value: 8GiB}\n")
+    text = (
+        "rules:\n  - name: g\n    scope: per_group\n    match: any\n    action: log\n    conditions:\n"
+        "      - {type: group, operator: ==, value: research}\n"
+        "      - {type: group_memory, operator: '>', value: 8GiB}\n"
+    )
     try:
         policy(text)
     except PolicyError as err:
-        assert err.errors == ["test.yaml:4:12: match any is not supported in scope per_group: its group condition "
-                              "holds for every subject it names"]
+        assert err.errors == [
+            "test.yaml:4:12: match any is not supported in scope per_group: its group condition "
+            "holds for every subject it names"
+        ]
     else:
         raise AssertionError("accepted")
 
@@ -485,27 +627,48 @@ def test_per_group_needs_a_group_condition_naming_its_groups():
 def test_not_in_and_the_gpu_condition():
     t = FakeTime()
     groups = FakeGroups({1001: {"staff"}})
-    e = Engine(policy("rules:\n  - name: others-on-0\n    action: log\n    conditions:\n"
-                      "      - {type: gpu, operator: ==, value: 0}\n"
-                      "      - {type: user, operator: not_in, value: [alice, 1003]}\n"
-                      "      - {type: group, operator: not_in, value: [staff]}\n"
-                      "      - {type: process_name, operator: not_in, value: [sshd]}\n"),
-               t.clock(), groups=groups, own_pid=OWN_PID)
-    s = snap(proc(10), proc(20, uid=1001, user="bob"), proc(30, uid=1002, user="carol", device=1),
-             proc(31, uid=1002, user="carol", device=1), proc(31, uid=1002, user="carol", device=0),
-             proc(32, "sshd", uid=1002, user="carol"), proc(40, uid=1003, user="dave"))
+    e = Engine(
+        policy(
+            "rules:\n  - name: others-on-0\n    action: log\n    conditions:\n"
+            "      - {type: gpu, operator: ==, value: 0}\n"
+            "      - {type: user, operator: not_in, value: [alice, 1003]}\n"
+            "      - {type: group, operator: not_in, value: [staff]}\n"
+            "      - {type: process_name, operator: not_in, value: [sshd]}\n"
+        ),
+        t.clock(),
+        groups=groups,
+        own_pid=OWN_PID,
+    )
+    s = snap(
+        proc(10),
+        proc(20, uid=1001, user="bob"),
+        proc(30, uid=1002, user="carol", device=1),
+        proc(31, uid=1002, user="carol", device=1),
+        proc(31, uid=1002, user="carol", device=0),
+        proc(32, "sshd", uid=1002, user="carol"),
+        proc(40, uid=1003, user="dave"),
+    )
     assert [ev.subject for ev in e.evaluate(s, False)] == ["PID 31 (python, user carol)"]
 
 
 def test_device_memory_free_and_user_processes():
     t = FakeTime()
-    e = Engine(policy("rules:\n  - name: keep-free\n    scope: per_device\n    action: kill\n    conditions:\n"
-                      "      - {type: device_memory_free, operator: '<', value: 20GiB}\n"
-                      "  - name: two-each\n    scope: per_user\n    action: kill\n    conditions:\n"
-                      "      - {type: user_processes, operator: '>', value: 2}\n"),
-               t.clock(), own_pid=OWN_PID)
-    s = snap(proc(10, mem=10 * GiB), proc(11, mem=30 * GiB), proc(20, mem=5 * GiB, uid=1001, user="bob"),
-             devices=(dev(0, used=70 * GiB),))  # 10 GiB free of 80
+    e = Engine(
+        policy(
+            "rules:\n  - name: keep-free\n    scope: per_device\n    action: kill\n    conditions:\n"
+            "      - {type: device_memory_free, operator: '<', value: 20GiB}\n"
+            "  - name: two-each\n    scope: per_user\n    action: kill\n    conditions:\n"
+            "      - {type: user_processes, operator: '>', value: 2}\n"
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
+    s = snap(
+        proc(10, mem=10 * GiB),
+        proc(11, mem=30 * GiB),
+        proc(20, mem=5 * GiB, uid=1001, user="bob"),
+        devices=(dev(0, used=70 * GiB),),
+    )  # 10 GiB free of 80
     events = e.evaluate(s, False)
     assert killed(events) == [11]  # 40 GiB free after the largest; alice has 2 processes: not over
     assert events[0].reason == "device_memory_free 10.0 GiB < 20GiB"
@@ -529,13 +692,16 @@ def test_a_groups_grace_survives_a_daemon_restart():
     assert killed(step(again, t, s, 10)) == [10]  # no second violation, no new grace
 
 
-SCOPED = ("max_kills_per_cycle: {cap}\nexemptions: {{users: [bob]}}\nrules:\n  - name: trainers\n    action: kill\n"
-          "    kill_scope: {scope}\n    exemptions: {{processes: ['ckpt*'], units: ['keep-*.service']}}\n"
-          "    conditions: [{{type: process_name, operator: ==, value: trainer}}]\n")
+SCOPED = (
+    "max_kills_per_cycle: {cap}\nexemptions: {{users: [bob]}}\nrules:\n  - name: trainers\n    action: kill\n"
+    "    kill_scope: {scope}\n    exemptions: {{processes: ['ckpt*'], units: ['keep-*.service']}}\n"
+    "    conditions: [{{type: process_name, operator: ==, value: trainer}}]\n"
+)
 
 
 def _tree(children: dict[int, list[int]]):
     """A fake /proc tree: each PID's descendants, itself included (every process here starts at tick 100)."""
+
     def tree(pid: int) -> list[tuple[int, int]]:
         out, todo = [], [pid]
         while todo:
@@ -543,6 +709,7 @@ def _tree(children: dict[int, list[int]]):
             out.append((p, 100))
             todo.extend(children.get(p, []))
         return out
+
     return tree
 
 
@@ -550,12 +717,24 @@ def test_kill_scope_members_pass_the_checks_their_target_passed():
     """A trainer's tree: a plain worker goes with it; a worker exempt by name (rule), by unit (rule) or by user
     (global), one in a protected system unit, another user's and PID 1 are left running, each with why."""
     t = FakeTime()
-    e = Engine(policy(SCOPED.format(cap=10, scope="tree")), t.clock(), groups=FakeGroups({}), own_pid=OWN_PID,
-               tree=_tree({10: [11, 12, 13, 14, 15, 17, 1]}))
-    s = snap(proc(10, "trainer"), proc(11, "python"), proc(12, "ckpt-writer"),
-             proc(13, "python", unit="keep-1.service"),
-             proc(14, "python", uid=1001, user="bob"), proc(15, "python", system_unit="sshd.service"),
-             proc(16, "python"), proc(17, "python", uid=1002, user="carol"), proc(1, "python"))
+    e = Engine(
+        policy(SCOPED.format(cap=10, scope="tree")),
+        t.clock(),
+        groups=FakeGroups({}),
+        own_pid=OWN_PID,
+        tree=_tree({10: [11, 12, 13, 14, 15, 17, 1]}),
+    )
+    s = snap(
+        proc(10, "trainer"),
+        proc(11, "python"),
+        proc(12, "ckpt-writer"),
+        proc(13, "python", unit="keep-1.service"),
+        proc(14, "python", uid=1001, user="bob"),
+        proc(15, "python", system_unit="sshd.service"),
+        proc(16, "python"),
+        proc(17, "python", uid=1002, user="carol"),
+        proc(1, "python"),
+    )
     (preview,) = [p for p in e.preview(s) if p.rule == "trainers"]
     assert preview.pids == (10, 11) and "left running: PID 1 (python, protected" in preview.reason
     assert "PID 14 (python, exempt: user bob)" in preview.reason
@@ -565,17 +744,25 @@ def test_kill_scope_members_pass_the_checks_their_target_passed():
     (scoped,) = order.scoped
     assert [m.pid for m in scoped.members] == [11]
     assert {x.pid: why for x, why in scoped.left} == {
-        1: "protected: PID 1 and gpukilld are never touched", 12: "exempt: process name ckpt-writer",
-        13: "exempt: unit keep-1.service", 14: "exempt: user bob", 15: "protected: system unit sshd.service",
-        17: "another user's process: a Guard rule stops its subject's owner's processes alone"}
+        1: "protected: PID 1 and gpukilld are never touched",
+        12: "exempt: process name ckpt-writer",
+        13: "exempt: unit keep-1.service",
+        14: "exempt: user bob",
+        15: "protected: system unit sshd.service",
+        17: "another user's process: a Guard rule stops its subject's owner's processes alone",
+    }
     assert e.busy == {(10, 100), (11, 100)}  # the members are in flight too: no other rule orders them
 
 
 def test_kill_scope_unit_members_pass_the_checks_too():
     t = FakeTime()
     e = Engine(policy(SCOPED.format(cap=10, scope="unit")), t.clock(), groups=FakeGroups({}), own_pid=OWN_PID)
-    s = snap(proc(10, "trainer", unit="train.service"), proc(11, "python", unit="train.service"),
-             proc(12, "ckpt", unit="train.service"), proc(13, "python", unit="other.service"))
+    s = snap(
+        proc(10, "trainer", unit="train.service"),
+        proc(11, "python", unit="train.service"),
+        proc(12, "ckpt", unit="train.service"),
+        proc(13, "python", unit="other.service"),
+    )
     (order,) = [ev for ev in e.evaluate(s, False) if isinstance(ev, KillOrder)]
     assert [m.pid for m in order.scoped[0].members] == [11]
     assert [(x.pid, why) for x, why in order.scoped[0].left] == [(12, "exempt: process name ckpt")]
@@ -585,8 +772,13 @@ def test_kill_scope_members_count_toward_the_cap_and_a_scope_is_never_half_kille
     """Cap 3: trainer 10 and its two workers fill it; trainer 20 and its worker wait for the next cycle, whole;
     trainer 30 with four workers would take 5: never stopped, said once per episode and in the preview."""
     t = FakeTime()
-    e = Engine(policy(SCOPED.format(cap=3, scope="tree")), t.clock(), groups=FakeGroups({}), own_pid=OWN_PID,
-               tree=_tree({10: [11, 12], 20: [21], 30: [31, 32, 33, 34]}))
+    e = Engine(
+        policy(SCOPED.format(cap=3, scope="tree")),
+        t.clock(),
+        groups=FakeGroups({}),
+        own_pid=OWN_PID,
+        tree=_tree({10: [11, 12], 20: [21], 30: [31, 32, 33, 34]}),
+    )
     s = snap(*(proc(p, "trainer") for p in (10, 20, 30)), *(proc(p) for p in (11, 12, 21, 31, 32, 33, 34)))
     events = e.evaluate(s, True)
     first = [ev for ev in events if isinstance(ev, KillOrder)]

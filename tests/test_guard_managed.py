@@ -73,8 +73,11 @@ def bed_(mbed):
     for f in guard_d.iterdir():
         f.unlink()
     os.kill(mbed.daemon.proc.pid, signal.SIGHUP)
-    wait_until(lambda: not status(mbed)["rules"] and status(mbed)["source"] == "files", 15,
-               "guard.d's empty policy never came in force")
+    wait_until(
+        lambda: not status(mbed)["rules"] and status(mbed)["source"] == "files",
+        15,
+        "guard.d's empty policy never came in force",
+    )
     before = len(mbed.procs)
     yield mbed
     mbed.kill_since(before)
@@ -142,19 +145,28 @@ def test_root_adds_lists_and_removes_a_user_policy_as_a_file_in_guard_d(bed_, us
     assert rules_in_force(bed) == ["user-gpkother-memory"]  # applied without a restart
     assert status(bed)["source"] == "files"
     [entry] = listed(bed, users["other"])  # anyone may list
-    assert entry == {"kind": "user", "target": "gpkother", "file": str(path), "edited": False,
-                     "memory_limit": ARTICLE_LIMIT, "utilization_limit": None, "process_limit": None,
-                     "allowed_users": None, "reserved_memory": None, "grace": 30.0}
+    assert entry == {
+        "kind": "user",
+        "target": "gpkother",
+        "file": str(path),
+        "edited": False,
+        "memory_limit": ARTICLE_LIMIT,
+        "utilization_limit": None,
+        "process_limit": None,
+        "allowed_users": None,
+        "reserved_memory": None,
+        "grace": 30.0,
+    }
     [audited] = managed_entries(bed, GPUKILL_OPERATION="set", GPUKILL_POLICY_TARGET="gpkother")
     assert audited["GPUKILL_POLICY_KIND"] == "user" and audited["GPUKILL_FILE"] == str(path)
     assert audited["GPUKILL_CALLER_UID"] == "0" and audited["GPUKILL_RESULT"] == "changed"
 
     # replaced in place: the same file, the new limit
-    r = bed.ctl(ROOT, "guard", "policy", "add", "user", "gpkother", "--memory-limit", "4GiB",
-                "--process-limit", "2")
+    r = bed.ctl(ROOT, "guard", "policy", "add", "user", "gpkother", "--memory-limit", "4GiB", "--process-limit", "2")
     assert r.returncode == 0, r
     assert path.read_text() == managed_policy.render(
-        ManagedPolicy("user", "gpkother", memory_limit=4 * GIB, process_limit=2))
+        ManagedPolicy("user", "gpkother", memory_limit=4 * GIB, process_limit=2)
+    )
     assert sorted(rules_in_force(bed)) == ["user-gpkother-memory", "user-gpkother-processes"]
 
     r = bed.ctl(ROOT, "guard", "policy", "remove", "user", "gpkother")
@@ -169,8 +181,9 @@ def test_root_adds_lists_and_removes_a_user_policy_as_a_file_in_guard_d(bed_, us
 def test_an_admin_of_the_gpukill_group_manages_policies_without_a_password(bed_, users):
     """ADMIN_RULES (the example rules) let group gpukill do everything: gpkadmin is in it."""
     bed, admin = bed_, users["admin"]
-    r = bed.ctl(admin, "guard", "policy", "add", "gpu", "1", "--allowed-users", "gpkowner,gpkadmin",
-                "--reserved-memory", "2GiB")
+    r = bed.ctl(
+        admin, "guard", "policy", "add", "gpu", "1", "--allowed-users", "gpkowner,gpkadmin", "--reserved-memory", "2GiB"
+    )
     assert r.returncode == 0, r
     assert (guard_d(bed) / "60-managed-gpu-1.yaml").exists()
     assert sorted(rules_in_force(bed)) == ["gpu-1-allowed-users", "gpu-1-reserved-memory"]
@@ -185,7 +198,8 @@ def test_an_admin_of_the_gpukill_group_manages_policies_without_a_password(bed_,
 def test_an_ordinary_user_is_refused_by_polkit_and_the_refusal_is_audited(bed_, users):
     bed, owner = bed_, users["owner"]
     (guard_d(bed) / "60-managed-user-gpkother.yaml").write_text(
-        managed_policy.render(ManagedPolicy("user", "gpkother", memory_limit=GIB)))
+        managed_policy.render(ManagedPolicy("user", "gpkother", memory_limit=GIB))
+    )
     before = snapshot_files(bed)
 
     r = bed.ctl(owner, "guard", "policy", "add", "user", "gpkowner", "--memory-limit", "80GiB")
@@ -198,8 +212,11 @@ def test_an_ordinary_user_is_refused_by_polkit_and_the_refusal_is_audited(bed_, 
     assert not r.ok and r.error == DENIED, r
     assert snapshot_files(bed) == before  # nothing written, nothing removed
 
-    denied = wait_until(lambda: managed_entries(bed, GPUKILL_RESULT="denied", GPUKILL_CALLER_UID=str(owner.uid)),
-                        10, "no audit entry of the refusals")
+    denied = wait_until(
+        lambda: managed_entries(bed, GPUKILL_RESULT="denied", GPUKILL_CALLER_UID=str(owner.uid)),
+        10,
+        "no audit entry of the refusals",
+    )
     assert {e["GPUKILL_OPERATION"] for e in denied} >= {"set"}
     assert all(e["GPUKILL_POLKIT_ACTION"] == MANAGE for e in denied)
     set_entry = next(e for e in denied if e["GPUKILL_OPERATION"] == "set")
@@ -232,14 +249,19 @@ def test_the_articles_per_user_memory_limit_kills_the_over_limit_process_after_i
     r = bed.ctl(ROOT, "guard", "policy", "add", "user", "gpkowner", "--memory-limit", "8GiB", "--grace", "3s")
     assert r.returncode == 0, r
     added = time.monotonic()
-    violation = wait_until(lambda: bed.journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_RULE=rule),
-                           10, "the limit was never found violated")[0]
+    violation = wait_until(
+        lambda: bed.journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_RULE=rule),
+        10,
+        "the limit was never found violated",
+    )[0]
     assert big.poll() is None  # warned at once, not killed
-    wait_until(lambda: big.poll() is not None, GRACE + 10, "the over-limit process was never killed",
-               interval=0.05)
+    wait_until(lambda: big.poll() is not None, GRACE + 10, "the over-limit process was never killed", interval=0.05)
     assert time.monotonic() - added >= GRACE - 0.3
-    [kill] = wait_until(lambda: bed.journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(big.pid)),
-                        10, "no kill entry in the journal")
+    [kill] = wait_until(
+        lambda: bed.journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(big.pid)),
+        10,
+        "no kill entry in the journal",
+    )
     assert kill["GPUKILL_INITIATOR"] == f"guard:{rule}"
     waited = (int(kill["__REALTIME_TIMESTAMP"]) - int(violation["__REALTIME_TIMESTAMP"])) / 1e6
     assert GRACE - 0.3 <= waited <= GRACE + 5, waited  # after its grace, and not long after
@@ -251,9 +273,11 @@ def test_the_articles_per_user_memory_limit_kills_the_over_limit_process_after_i
 
 
 def _three(bed: Testbed) -> None:
-    for args in (["user", "gpkother", "--memory-limit", "8GiB"],
-                 ["group", "gpukill", "--process-limit", "4", "--utilization-limit", "90%", "--grace", "1m"],
-                 ["gpu", "2", "--memory-limit", "60GiB", "--allowed-users", "gpkadmin"]):
+    for args in (
+        ["user", "gpkother", "--memory-limit", "8GiB"],
+        ["group", "gpukill", "--process-limit", "4", "--utilization-limit", "90%", "--grace", "1m"],
+        ["gpu", "2", "--memory-limit", "60GiB", "--allowed-users", "gpkadmin"],
+    ):
         r = bed.ctl(ROOT, "guard", "policy", "add", *args)
         assert r.returncode == 0, r
 
@@ -296,8 +320,11 @@ def test_a_managed_file_with_a_bare_byte_count_fails_and_export_import_writes_it
     path = guard_d(bed) / managed_policy.file_name(policy)
     path.write_text(managed_policy.render(policy).replace("value: 8GiB", f"value: {ARTICLE_LIMIT}"))
     os.kill(bed.daemon.proc.pid, signal.SIGHUP)
-    wait_until(lambda: "a bare number is not a size" in (status(bed).get("policy_error") or ""), 15,
-               lambda: f"guard.d was not refused: {status(bed)}")
+    wait_until(
+        lambda: "a bare number is not a size" in (status(bed).get("policy_error") or ""),
+        15,
+        lambda: f"guard.d was not refused: {status(bed)}",
+    )
     assert f"{path}:" in status(bed)["policy_error"] and rules_in_force(bed) == []
     exported = tmp_path / "p.yaml"
     r = bed.ctl(ROOT, "guard", "policy", "export", str(exported))
@@ -313,8 +340,10 @@ def test_an_invalid_import_changes_nothing(bed_, tmp_path):
     _three(bed)
     before, in_force = snapshot_files(bed), rules_in_force(bed)
     bad = tmp_path / "bad.yaml"
-    bad.write_text("policies:\n  - kind: user\n    target: 'gpkowner'\n    memory_limit: 1GiB\n"
-                   "  - kind: gpu\n    target: '0'\n    process_limit: 3\n")  # process_limit is not a GPU's
+    bad.write_text(
+        "policies:\n  - kind: user\n    target: 'gpkowner'\n    memory_limit: 1GiB\n"
+        "  - kind: gpu\n    target: '0'\n    process_limit: 3\n"
+    )  # process_limit is not a GPU's
     r = bed.ctl(ROOT, "guard", "policy", "import", str(bad), "--replace")
     assert r.returncode == 12, r  # EXIT_INVALID_POLICY
     line = one_line(r)
@@ -399,8 +428,14 @@ async def _listing_times(bed: Testbed, count: int) -> list[float]:
         took = []
         for _ in range(count):
             t0 = time.perf_counter()
-            reply = await bus.call(Message(destination="org.gpukill1", path="/org/gpukill1",
-                                           interface="org.gpukill1.Guard", member="ListPolicies"))
+            reply = await bus.call(
+                Message(
+                    destination="org.gpukill1",
+                    path="/org/gpukill1",
+                    interface="org.gpukill1.Guard",
+                    member="ListPolicies",
+                )
+            )
             took.append(time.perf_counter() - t0)
             assert len(reply.body[0]) == 256, reply.body
         return sorted(took)
@@ -410,9 +445,17 @@ async def _listing_times(bed: Testbed, count: int) -> list[float]:
 
 def _flooded_median(bed: Testbed, flooders: list[User], what: str) -> tuple[float, list[tuple[int, int]]]:
     """Root's median ListPolicies while each flooder floods `what`; (calls, listings) of each flooder."""
-    procs = [subprocess.Popen([PYTHON, "-c", FLOOD, str(FLOODED_FOR), what], stdout=subprocess.PIPE,
-                              env=bed.env(), cwd="/", start_new_session=True, **user.popen_kwargs())
-             for user in flooders]
+    procs = [
+        subprocess.Popen(
+            [PYTHON, "-c", FLOOD, str(FLOODED_FOR), what],
+            stdout=subprocess.PIPE,
+            env=bed.env(),
+            cwd="/",
+            start_new_session=True,
+            **user.popen_kwargs(),
+        )
+        for user in flooders
+    ]
     bed.procs.extend(procs)
     time.sleep(2.0)  # past each flooder's bursts: what it costs now is the steady state
     took = asyncio.run(_listing_times(bed, 60))
@@ -427,8 +470,9 @@ def test_four_users_flooding_the_policy_listing_cost_what_any_flood_costs(bed_, 
     loop) within twice what the same four flooding the cheapest call there is (Ping) leave it. Each gets at
     most its budget of listings (LISTING_BURST, then LISTING_RATE a second), TooBusy past it."""
     bed = bed_
-    text = managed_policy.export_text([managed_policy.parse_settings("user", f"user{i:03}", {"process_limit": 4})
-                                       for i in range(256)])
+    text = managed_policy.export_text(
+        [managed_policy.parse_settings("user", f"user{i:03}", {"process_limit": 4}) for i in range(256)]
+    )
     source = bed.workdir / "many.yaml"
     source.write_text(text)
     os.chmod(source, 0o644)
@@ -438,9 +482,11 @@ def test_four_users_flooding_the_policy_listing_cost_what_any_flood_costs(bed_, 
     idle = asyncio.run(_listing_times(bed, 60))
     by_ping, _ = _flooded_median(bed, flooders, "ping")
     by_listing, counts = _flooded_median(bed, flooders, "listing")
-    assert by_listing <= 2 * by_ping, (f"median {by_listing * 1000:.2f} ms under a listing flood against "
-                                       f"{by_ping * 1000:.2f} ms under a Ping flood ({idle[30] * 1000:.2f} ms "
-                                       f"idle); calls and listings {counts}")
+    assert by_listing <= 2 * by_ping, (
+        f"median {by_listing * 1000:.2f} ms under a listing flood against "
+        f"{by_ping * 1000:.2f} ms under a Ping flood ({idle[30] * 1000:.2f} ms "
+        f"idle); calls and listings {counts}"
+    )
     most = callrate.LISTING_BURST + callrate.LISTING_RATE * (FLOODED_FOR + 1)
     assert all(calls > listings > 0 and listings <= most for calls, listings in counts), (counts, most)
 
@@ -453,10 +499,16 @@ def test_cli_errors_are_one_line(bed_, tmp_path):
     bed = bed_
     cases = [
         (["add", "user", "gpkowner", "--memory-limit", "lots"], 2, "argument --memory-limit: not a size: 'lots'"),
-        (["add", "user", "gpkowner", "--memory-limit", "8"], 2,
-         "argument --memory-limit: a bare number is not a size: '8' (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
-        (["add", "gpu", "0", "--reserved-memory", "0.5M"], 2, "argument --reserved-memory: a limit of '0.5M' is "
-                                                              "under 1 MiB, likely a mistake"),
+        (
+            ["add", "user", "gpkowner", "--memory-limit", "8"],
+            2,
+            "argument --memory-limit: a bare number is not a size: '8' (write a unit: 8GiB, 8GB, 512MiB, 4096B)",
+        ),
+        (
+            ["add", "gpu", "0", "--reserved-memory", "0.5M"],
+            2,
+            "argument --reserved-memory: a limit of '0.5M' is under 1 MiB, likely a mistake",
+        ),
         (["add", "user", "gpkowner"], 2, "give at least one limit"),
         (["add", "team", "x", "--memory-limit", "1GiB"], 2, "unknown policy kind 'team'"),
         (["add", "gpu", "0", "--process-limit", "3"], 2, "process_limit does not apply to a gpu policy"),
@@ -486,8 +538,9 @@ def test_sizes_and_durations_go_as_typed_and_the_daemon_reads_the_one_grammar(be
     assert entries["gpkother"]["memory_limit"] == 8 * GIB and entries["gpkother"]["grace"] == 120.0
     assert entries["0"]["reserved_memory"] == 512 << 10
     assert "value: 8GiB" in (guard_d(bed) / "60-managed-user-gpkother.yaml").read_text()
-    r = bed.guard_call(ROOT, "SetPolicy", "ssa{sv}", ["user", "gpkowner", {"memory_limit": V("s", "1.5GiB"),
-                                                                             "grace": V("s", "1h")}])
+    r = bed.guard_call(
+        ROOT, "SetPolicy", "ssa{sv}", ["user", "gpkowner", {"memory_limit": V("s", "1.5GiB"), "grace": V("s", "1h")}]
+    )
     assert r.ok and r.body[0]["memory_limit"] == 3 * GIB // 2 and r.body[0]["grace"] == 3600.0, r
 
 
@@ -497,10 +550,16 @@ def test_what_a_caller_sends_is_bounded(bed_):
     cases = [
         (["user", "x" * 300, {"memory_limit": V("t", GIB)}], INVALID_ARGS, "1 to 256 characters"),
         (["user", "gpkowner", {f"k{i}": V("u", i) for i in range(MAX_SETTINGS + 1)}], INVALID_ARGS, "at most 16"),
-        (["user", "gpkowner", {"memory_limit": V("s", "8")}], INVALID_ARGS,
-         "memory_limit: a bare number is not a size: '8' (write a unit"),
-        (["user", "gpkowner", {"memory_limit": V("t", 8)}], INVALID_ARGS,
-         "memory_limit: a limit of 8 is under 1 MiB, likely a mistake"),
+        (
+            ["user", "gpkowner", {"memory_limit": V("s", "8")}],
+            INVALID_ARGS,
+            "memory_limit: a bare number is not a size: '8' (write a unit",
+        ),
+        (
+            ["user", "gpkowner", {"memory_limit": V("t", 8)}],
+            INVALID_ARGS,
+            "memory_limit: a limit of 8 is under 1 MiB, likely a mistake",
+        ),
         (["user", "gpkowner", {"grace": V("s", "5 parsecs")}], INVALID_ARGS, "grace: not a duration: '5 parsecs'"),
         (["user", "gpkowner", {"memory_limit": V("b", True)}], INVALID_ARGS, "memory_limit must be a whole number"),
         (["gpu", "0/../../x", {"memory_limit": V("t", GIB)}], INVALID_ARGS, "GPU index"),
@@ -554,17 +613,32 @@ def test_a_directory_that_fails_only_as_it_is_re_read_is_put_back_as_it_was(tmp_
 
         monkeypatch.setattr(runner, "reload_files", reload_after_a_hand_edit)
         with pytest.raises(Exception) as raised:
-            managed.import_("new.yaml", managed_policy.export_text(
-                [ManagedPolicy("user", "alice", memory_limit=2 * GIB), ManagedPolicy("user", "carol", process_limit=1)]),
-                True, 0, "uid 0")
+            managed.import_(
+                "new.yaml",
+                managed_policy.export_text(
+                    [
+                        ManagedPolicy("user", "alice", memory_limit=2 * GIB),
+                        ManagedPolicy("user", "carol", process_limit=1),
+                    ]
+                ),
+                True,
+                0,
+                "uid 0",
+            )
         assert raised.value.dbus_name == INVALID_POLICY and "10-late.yaml:" in str(raised.value)
         after = {f.name: (f.read_bytes(), f.stat().st_ino, f.stat().st_mode) for f in (tmp_path / "guard.d").iterdir()}
         assert after == before  # alice's file is the very one (inode, 0600), bob's is back, carol's is gone
         assert [r.name for r in runner.policy.rules] == in_force
-        results = [(f["operation"], f["policy_target"], f["result"]) for kind, f in journal.entries
-                   if kind == audit.GUARD_MANAGED_POLICY.name][-3:]
-        assert results == [("import", "alice", "rejected"), ("import", "carol", "rejected"),
-                           ("import-remove", "bob", "rejected")]
+        results = [
+            (f["operation"], f["policy_target"], f["result"])
+            for kind, f in journal.entries
+            if kind == audit.GUARD_MANAGED_POLICY.name
+        ][-3:]
+        assert results == [
+            ("import", "alice", "rejected"),
+            ("import", "carol", "rejected"),
+            ("import-remove", "bob", "rejected"),
+        ]
 
     asyncio.run(run())
 

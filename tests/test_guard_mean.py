@@ -10,10 +10,12 @@ from gpukill.policy import PolicyError, load_texts
 from gpukilld.guard.engine import Engine, KillOrder, Violation
 from gpukilld.guard.window_mean import BUCKETS, WindowMean
 
-IDLE = ("rules:\n  - name: reclaim\n    conditions:\n"
-        "      - {type: gpu_memory, operator: '>', value: 256MiB, duration: 100s}\n"
-        "      - {type: gpu_utilization, operator: '<', value: 15, duration: 100s, over: mean}\n"
-        "    action: kill\n")
+IDLE = (
+    "rules:\n  - name: reclaim\n    conditions:\n"
+    "      - {type: gpu_memory, operator: '>', value: 256MiB, duration: 100s}\n"
+    "      - {type: gpu_utilization, operator: '<', value: 15, duration: 100s, over: mean}\n"
+    "    action: kill\n"
+)
 
 
 def engine(text: str = IDLE) -> tuple[Engine, FakeTime]:
@@ -65,13 +67,22 @@ def test_the_mean_holds_at_most_BUCKETS_buckets_and_forgets_what_left_the_span()
     assert len(m.buckets) <= BUCKETS and m.value() == 0.0
 
 
-@pytest.mark.parametrize(("condition", "where", "says"), [
-    ("{type: gpu_utilization, operator: '<', value: 5, over: mean}", "m.yaml:3:67", "needs a duration"),
-    ("{type: gpu_utilization, operator: '<', value: 5, duration: 1m, over: median}", "m.yaml:3:87",
-     "over must be one of every, mean"),
-    ("{type: process_name, operator: '==', value: x, duration: 1m, over: mean}", "m.yaml:3:79",
-     "needs a condition on a number"),
-])
+@pytest.mark.parametrize(
+    ("condition", "where", "says"),
+    [
+        ("{type: gpu_utilization, operator: '<', value: 5, over: mean}", "m.yaml:3:67", "needs a duration"),
+        (
+            "{type: gpu_utilization, operator: '<', value: 5, duration: 1m, over: median}",
+            "m.yaml:3:87",
+            "over must be one of every, mean",
+        ),
+        (
+            "{type: process_name, operator: '==', value: x, duration: 1m, over: mean}",
+            "m.yaml:3:79",
+            "needs a condition on a number",
+        ),
+    ],
+)
 def test_a_bad_over_is_refused_at_its_line_and_column(condition, where, says):
     with pytest.raises(PolicyError) as e:
         load_texts([("m.yaml", f"rules:\n  - name: r\n    conditions: [{condition}]\n    action: log\n")])

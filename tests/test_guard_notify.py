@@ -17,8 +17,14 @@ from helpers.sinks import Blackhole, Hooks, smtp_relay  # noqa: E402
 
 from gpukilld.guard.notify import Notice, Notifier, NotifyConfig  # noqa: E402
 
-NOTICE = Notice("violation", "block-crypto-miners", "PID 42 (xmrig, user bob)", "block-crypto-miners: PID 42 violates",
-                "Rule: block-crypto-miners\n", {"event": "violation", "rule": "block-crypto-miners", "pids": [42]})
+NOTICE = Notice(
+    "violation",
+    "block-crypto-miners",
+    "PID 42 (xmrig, user bob)",
+    "block-crypto-miners: PID 42 violates",
+    "Rule: block-crypto-miners\n",
+    {"event": "violation", "rule": "block-crypto-miners", "pids": [42]},
+)
 
 
 @pytest.fixture
@@ -136,10 +142,14 @@ def test_control_characters_in_a_process_name_neither_break_nor_reach_the_mail(s
     rec = Recorder()
     hooks = Hooks()
     n = rec.notifier(NotifyConfig(smtp_port=port, smtp_host="127.0.0.1", mail_from="gpukilld@test.example"))
-    evil = Notice("action", "block-crypto-miners", "PID 42 (x\r\nBcc: all@corp\x1b[2J, user bob)",
-                  "block-crypto-miners: PID 42 (x\r\nBcc: all@corp\x1b[2J) terminated",
-                  "Subject: PID 42 (x\r\nBcc: all@corp\x1b[2J)\n",
-                  {"summary": "block-crypto-miners: PID 42 (x\r\nBcc: all@corp\x1b[2J) terminated", "pids": [42]})
+    evil = Notice(
+        "action",
+        "block-crypto-miners",
+        "PID 42 (x\r\nBcc: all@corp\x1b[2J, user bob)",
+        "block-crypto-miners: PID 42 (x\r\nBcc: all@corp\x1b[2J) terminated",
+        "Subject: PID 42 (x\r\nBcc: all@corp\x1b[2J)\n",
+        {"summary": "block-crypto-miners: PID 42 (x\r\nBcc: all@corp\x1b[2J) terminated", "pids": [42]},
+    )
     try:
         n.send(("admin@company.com", f"webhook:http://127.0.0.1:{hooks.port}/h"), evil)
         assert box.wait(1) and hooks.wait(1), rec.failures
@@ -147,9 +157,13 @@ def test_control_characters_in_a_process_name_neither_break_nor_reach_the_mail(s
         headers = content.split("\r\n\r\n", 1)[0]
         assert "\x1b" not in content and "\nBcc:" not in headers and "\r" not in content.replace("\r\n", "")
         parsed = email.message_from_string(content, policy=email.policy.default)
-        assert parsed["Subject"] == "[gpukill] block-crypto-miners: PID 42 (x\\x0d\\x0aBcc: all@corp\\x1b[2J) terminated"
+        assert (
+            parsed["Subject"] == "[gpukill] block-crypto-miners: PID 42 (x\\x0d\\x0aBcc: all@corp\\x1b[2J) terminated"
+        )
         assert parsed["Bcc"] is None and box.messages[0][1] == ["admin@company.com"]  # no header from a name
-        assert hooks.posts[0][1]["summary"] == "block-crypto-miners: PID 42 (x\\x0d\\x0aBcc: all@corp\\x1b[2J) terminated"
+        assert (
+            hooks.posts[0][1]["summary"] == "block-crypto-miners: PID 42 (x\\x0d\\x0aBcc: all@corp\\x1b[2J) terminated"
+        )
     finally:
         n.close()
         hooks.close()
@@ -179,8 +193,9 @@ def test_a_recipient_refused_among_others_is_reported_and_the_mail_counted_deliv
             n.send(("admin@company.com", "nobody@company.com"), NOTICE)
             assert box.wait(1) and n.wait_idle(5)
             assert box.messages[0][1] == ["admin@company.com"]
-            assert rec.failures == [("nobody@company.com", "refused by the mail server: nobody@company.com: 550 "
-                                                           "5.1.1 no such mailbox")]
+            assert rec.failures == [
+                ("nobody@company.com", "refused by the mail server: nobody@company.com: 550 5.1.1 no such mailbox")
+            ]
             assert (n.stats()["email"].delivered, n.stats()["email"].failed) == (1, 0)
         finally:
             n.close()
@@ -218,8 +233,12 @@ def test_a_new_relay_after_a_reload_keeps_the_counts_and_the_owners_audit(tmp_pa
     runner = GuardRunner(kill, audit, config, str(tmp_path / "g"), str(tmp_path / "s"))  # type: ignore[arg-type]
     try:
         runner.notifier.send(("desktop",), NOTICE)
-        runner.configure(dataclasses.replace(config, smtp_port=2525), str(tmp_path / "g"), str(tmp_path / "s"),
-                         runner.engine.protection)
+        runner.configure(
+            dataclasses.replace(config, smtp_port=2525),
+            str(tmp_path / "g"),
+            str(tmp_path / "s"),
+            runner.engine.protection,
+        )
         runner.notifier.send(("owner",), dataclasses.replace(NOTICE, data={"uid": 4242}))
         assert runner.notifier.wait_idle(5)
         counts = {c.channel: c for c in runner.status().notifications}

@@ -32,9 +32,14 @@ UTMP = struct.Struct("=h2xi32s4s32s256shhi2i4i20s")
 
 
 def notice(uid: int, name: str = "note\x1b]0;pwned\x07book") -> Notice:
-    return Notice("warning", "reclaim-idle", f"PID 4242 ({name})", f"reclaim-idle: PID 4242 ({name}) will be stopped "
-                  "in 5m", f"Rule: reclaim-idle\nProcess: 4242 ({name}) on GPU 0, 4.0 GiB\nWhat to do: release the "
-                  "GPU or ask the admin\n", {"uid": uid, "pids": [4242]})
+    return Notice(
+        "warning",
+        "reclaim-idle",
+        f"PID 4242 ({name})",
+        f"reclaim-idle: PID 4242 ({name}) will be stopped in 5m",
+        f"Rule: reclaim-idle\nProcess: 4242 ({name}) on GPU 0, 4.0 GiB\nWhat to do: release the GPU or ask the admin\n",
+        {"uid": uid, "pids": [4242]},
+    )
 
 
 class Pty:
@@ -50,8 +55,24 @@ class Pty:
 
     def record(self) -> bytes:
         line = self.path.removeprefix("/dev/").encode()
-        return UTMP.pack(7, os.getpid(), line, line[-4:], self.user.name.encode(), b"ssh.example", 0, 0, 0,
-                         int(time.time()), 0, 0, 0, 0, 0, b"")
+        return UTMP.pack(
+            7,
+            os.getpid(),
+            line,
+            line[-4:],
+            self.user.name.encode(),
+            b"ssh.example",
+            0,
+            0,
+            0,
+            int(time.time()),
+            0,
+            0,
+            0,
+            0,
+            0,
+            b"",
+        )
 
     def read(self) -> bytes:
         out = b""
@@ -131,8 +152,12 @@ def test_the_owner_reads_the_warning_escaped_and_another_users_terminal_gets_not
         assert b"Message from gpukilld@" in text and b"will be stopped in 5m" in text and b"What to do" in text
         assert b"\x1b" not in text and b"note\\x1b]0;pwned\\x07book" in text  # the name's escape sequence, shown
         assert theirs.read() == b""
-        assert ("tty", mine.path, "written", "") in got and ("desktop", f"uid {users['owner'].uid}", "signalled",
-                                                              "") in got
+        assert ("tty", mine.path, "written", "") in got and (
+            "desktop",
+            f"uid {users['owner'].uid}",
+            "signalled",
+            "",
+        ) in got
         assert len(rec.desktop) == 1
         n.send(("owner", "desktop"), notice(users["owner"].uid))
         assert n.wait_idle(5) and len(rec.desktop) == 2  # one signal for both targets
@@ -235,8 +260,27 @@ def test_one_owners_4096_terminals_do_not_delay_another_owners_warning(users, pt
     hers = ptys(alice)
     his = [Pty(bob) for _ in range(256)]
     try:
-        named = [UTMP.pack(7, os.getpid(), f"pts/{90000 + i}".encode(), b"%04d" % i, bob.name.encode(), b"", 0, 0, 0,
-                           0, 0, 0, 0, 0, 0, b"") for i in range(4096 - len(his))]
+        named = [
+            UTMP.pack(
+                7,
+                os.getpid(),
+                f"pts/{90000 + i}".encode(),
+                b"%04d" % i,
+                bob.name.encode(),
+                b"",
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                b"",
+            )
+            for i in range(4096 - len(his))
+        ]
         (tmp_path / "utmp").write_bytes(hers.record() + b"".join(p.record() for p in his) + b"".join(named))
         rec = Recorder()
         n = notifier(rec, tmp_path)
@@ -245,8 +289,9 @@ def test_one_owners_4096_terminals_do_not_delay_another_owners_warning(users, pt
                 n.send(("owner",), notice(bob.uid, "bobs-job"))
             sent = time.monotonic()
             n.send(("owner",), notice(alice.uid, "alices-job"))
-            wait_until(lambda: b"alices-job" in hers.read(), 5, "alice's warning never reached her terminal",
-                       interval=0.01)
+            wait_until(
+                lambda: b"alices-job" in hers.read(), 5, "alice's warning never reached her terminal", interval=0.01
+            )
             took = time.monotonic() - sent
             before = [w for w in rec.warned if w[0] == "tty"]
             assert took < 0.5, f"alice waited {took:.2f} s behind bob's warnings"
@@ -255,8 +300,10 @@ def test_one_owners_4096_terminals_do_not_delay_another_owners_warning(users, pt
             assert n.wait_idle(30)
             per_warning = [w for w in rec.warned if w[0] == "tty" and w[1] == his[0].path]
             dropped = n.stats()["tty"].dropped
-            assert len(per_warning) + dropped == 40 and dropped >= 40 - notify.PER_OWNER - 1, (len(per_warning),
-                                                                                               dropped)
+            assert len(per_warning) + dropped == 40 and dropped >= 40 - notify.PER_OWNER - 1, (
+                len(per_warning),
+                dropped,
+            )
             written = {w[1] for w in rec.warned if w[0] == "tty" and w[2] in ("written", "partial")}
             assert len(written - {hers.path}) <= owner_tty.MAX_TTYS, len(written)
             assert any("more terminals" in w[1] and w[2] == "skipped" for w in rec.warned), bobs
@@ -287,12 +334,15 @@ def test_owner_address_is_checked_after_the_template():
     assert owner_address("{user}@example.org", 2**31 - 2) is None  # no such user: no mail
 
 
-@pytest.mark.parametrize(("line", "says"), [
-    ("owner_mail = admin@example.org", "must name the user"),
-    ("owner_mail = {user}@example.org, boss@example.org", "one address"),
-    ("owner_mail = {user}@exa\\mple.org", "one address"),
-    ("owner_mesg = sometimes", "respect or ignore"),
-])
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("owner_mail = admin@example.org", "must name the user"),
+        ("owner_mail = {user}@example.org, boss@example.org", "one address"),
+        ("owner_mail = {user}@exa\\mple.org", "one address"),
+        ("owner_mesg = sometimes", "respect or ignore"),
+    ],
+)
 def test_a_bad_owner_mail_template_is_refused_at_its_line(tmp_path, line, says):
     conf = tmp_path / "gpukilld.conf"
     conf.write_text(f"[notify]\nsmtp_host = localhost\n{line}\n")
@@ -311,8 +361,15 @@ def test_owner_mail_and_mesg_reach_the_notifier(tmp_path):
 
 
 def test_owner_is_a_notify_target_of_a_policy():
-    p = load_texts([("o.yaml", "rules:\n  - name: r\n    conditions:\n      - {type: gpu_utilization, operator: '<', "
-                                "value: 5}\n    action: notify\n    notify: [owner, journal]\n")])
+    p = load_texts(
+        [
+            (
+                "o.yaml",
+                "rules:\n  - name: r\n    conditions:\n      - {type: gpu_utilization, operator: '<', "
+                "value: 5}\n    action: notify\n    notify: [owner, journal]\n",
+            )
+        ]
+    )
     assert p.rules[0].notify == ("owner", "journal")
 
 
@@ -339,24 +396,39 @@ def logind(tmp_path):
     socket_path = tmp_path / "logind-bus"
     (tmp_path / "logind.conf").write_text(LOGIND_BUS.format(socket=socket_path))
     address = f"unix:path={socket_path}"
-    bus = subprocess.Popen(["dbus-daemon", f"--config-file={tmp_path / 'logind.conf'}", "--nofork", "--nopidfile"],
-                           start_new_session=True)
+    bus = subprocess.Popen(
+        ["dbus-daemon", f"--config-file={tmp_path / 'logind.conf'}", "--nofork", "--nopidfile"], start_new_session=True
+    )
     mock = None
     try:
         wait_until(socket_path.exists, 10, "the bus did not create its socket")
-        mock = subprocess.Popen([SYSTEM_PYTHON, "-m", "dbusmock", "--template", "logind"], start_new_session=True,
-                                env={"PATH": "/usr/bin:/bin", "DBUS_SYSTEM_BUS_ADDRESS": address},  # a system template
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        mock = subprocess.Popen(
+            [SYSTEM_PYTHON, "-m", "dbusmock", "--template", "logind"],
+            start_new_session=True,
+            env={"PATH": "/usr/bin:/bin", "DBUS_SYSTEM_BUS_ADDRESS": address},  # a system template
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         conn = open_dbus_connection(bus=address)
         manager = DBusAddress("/org/freedesktop/login1", "org.freedesktop.login1", "org.freedesktop.DBus.Mock")
-        wait_until(lambda: conn.send_and_get_reply(new_method_call(
-            DBusAddress("/org/freedesktop/DBus", "org.freedesktop.DBus", "org.freedesktop.DBus"), "NameHasOwner", "s",
-            ("org.freedesktop.login1",))).body[0], 15, "the logind mock did not take its name")
+        wait_until(
+            lambda: conn.send_and_get_reply(
+                new_method_call(
+                    DBusAddress("/org/freedesktop/DBus", "org.freedesktop.DBus", "org.freedesktop.DBus"),
+                    "NameHasOwner",
+                    "s",
+                    ("org.freedesktop.login1",),
+                )
+            ).body[0],
+            15,
+            "the logind mock did not take its name",
+        )
         count = iter(range(1, 100))
 
         def add(uid: int, name: str, tty: str) -> None:
-            path = conn.send_and_get_reply(new_method_call(manager, "AddSession", "ssusb",
-                                                           (f"c{next(count)}", "seat0", uid, name, True))).body[0]
+            path = conn.send_and_get_reply(
+                new_method_call(manager, "AddSession", "ssusb", (f"c{next(count)}", "seat0", uid, name, True))
+            ).body[0]
             session = DBusAddress(path, "org.freedesktop.login1", "org.freedesktop.login1.Session")
             conn.send_and_get_reply(Properties(session).set("TTY", "s", tty))
 
@@ -388,24 +460,39 @@ def test_the_terminals_of_logind_sessions_are_found_there_and_checked_as_utmps(u
         assert ("tty", theirs.path, "skipped", f"{theirs.path} belongs to uid {other.uid}, not {owner.uid}") in got
     finally:
         n.close()
+
+
 # -- in the daemon: the owner's pty named in a utmp bind-mounted over /run/utmp, in the daemon's own mount namespace
 
-OWNER_RULE = ("rules:\n  - name: idle-owner\n    action: kill\n    grace_period: 2s\n    warn: [at_start, 1s]\n"
-              "    notify: [owner]\n    conditions:\n"
-              "      - {type: gpu_memory, operator: '>', value: 1GiB}\n"
-              "      - {type: gpu_utilization, operator: '<', value: 5, duration: 1s, over: mean}\n")
+OWNER_RULE = (
+    "rules:\n  - name: idle-owner\n    action: kill\n    grace_period: 2s\n    warn: [at_start, 1s]\n"
+    "    notify: [owner]\n    conditions:\n"
+    "      - {type: gpu_memory, operator: '>', value: 1GiB}\n"
+    "      - {type: gpu_utilization, operator: '<', value: 5, duration: 1s, over: mean}\n"
+)
 
 
 def _utmp_of_the_daemon(bed, utmp) -> None:
     """The daemon started next reads utmp as /run/utmp: bound over it in a mount namespace of its own."""
     enter = bed.in_journal_ns
-    bed.in_journal_ns = lambda argv: enter([  # type: ignore[method-assign]
-        "unshare", "-m", "--propagation", "private", "sh", "-c",
-        '[ -e /run/utmp ] || : > /run/utmp; mount --bind "$0" /run/utmp && exec "$@"', str(utmp), *argv])
+    bed.in_journal_ns = lambda argv: enter(
+        [  # type: ignore[method-assign]
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            '[ -e /run/utmp ] || : > /run/utmp; mount --bind "$0" /run/utmp && exec "$@"',
+            str(utmp),
+            *argv,
+        ]
+    )
 
 
 def test_in_the_daemon_the_owner_is_warned_on_a_full_terminal_and_still_killed_at_the_end_of_the_grace(
-        fresh_bed, users, ptys, tmp_path):
+    fresh_bed, users, ptys, tmp_path
+):
     from gpukilld import journal as audit
 
     bed = fresh_bed
@@ -423,11 +510,11 @@ def test_in_the_daemon_the_owner_is_warned_on_a_full_terminal_and_still_killed_a
     t_exit = time.monotonic()
     assert victim.returncode is not None and victim.returncode < 0, "not killed"
     assert t_exit - t0 <= 1 + 2 + 3, t_exit - t0  # duration + grace + slack: the full terminal cost nothing
-    entries = bed.wait_journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty",
-                               GPUKILL_TARGET=full.path)
+    entries = bed.wait_journal(
+        MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty", GPUKILL_TARGET=full.path
+    )
     assert entries and all(e["GPUKILL_OUTCOME"] == "failed" for e in entries), entries
-    written = bed.journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty",
-                          GPUKILL_TARGET=mine.path)
+    written = bed.journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty", GPUKILL_TARGET=mine.path)
     assert written and written[0]["GPUKILL_OUTCOME"] == "written"
     text = mine.read()
     assert b"idle-owner" in text and b"\x1b" not in text and b"note\\x1b]0;x" in text
@@ -437,16 +524,21 @@ def test_in_the_daemon_the_owner_is_warned_on_a_full_terminal_and_still_killed_a
 def test_only_terminal_lines_of_utmp_are_ever_opened(users, tmp_path):
     from gpukilld.guard.owner_tty import user_ttys
 
-    records = b"".join(UTMP.pack(7, 1, line, b"x", b"gpkowner", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0, b"")
-                       for line in (b"watchdog", b"../sda", b":0", b"pts/../../sda", b"tty", b"pts/3", b"tty1"))
-    (tmp_path / "utmp").write_bytes(records + UTMP.pack(8, 1, b"pts/4", b"x", b"", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                          b""))  # DEAD_PROCESS: a session that ended
+    records = b"".join(
+        UTMP.pack(7, 1, line, b"x", b"gpkowner", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0, b"")
+        for line in (b"watchdog", b"../sda", b":0", b"pts/../../sda", b"tty", b"pts/3", b"tty1")
+    )
+    (tmp_path / "utmp").write_bytes(
+        records + UTMP.pack(8, 1, b"pts/4", b"x", b"", b"", 0, 0, 0, 0, 0, 0, 0, 0, 0, b"")
+    )  # DEAD_PROCESS: a session that ended
     assert user_ttys(users["owner"].uid, str(tmp_path / "utmp")) == ("/dev/pts/3", "/dev/tty1")
 
 
-TELL_RULE = ("rules:\n  - name: tell-owner\n    action: notify\n"
-             "    notify: [owner, admin@company.com, desktop, journal]\n"
-             "    conditions: [{type: process_name, operator: contains_any, value: [gk]}]\n")
+TELL_RULE = (
+    "rules:\n  - name: tell-owner\n    action: notify\n"
+    "    notify: [owner, admin@company.com, desktop, journal]\n"
+    "    conditions: [{type: process_name, operator: contains_any, value: [gk]}]\n"
+)
 
 
 def _lines_from(text: str) -> list[str]:
@@ -454,10 +546,12 @@ def _lines_from(text: str) -> list[str]:
 
 
 def test_in_the_daemon_a_newline_in_a_name_adds_no_line_to_any_notice_and_each_delivery_is_counted(
-        fresh_bed, users, ptys, tmp_path):
+    fresh_bed, users, ptys, tmp_path
+):
     """A process named "gk\\nForged: yes" (prctl PR_SET_NAME): its name stays inside its line on the owner's
     terminal, in the owner's and the admin's mail (Subject and body), in the desktop's Notification and in the
-    journal target's MESSAGE (its fields keep the exact name). guard status counts the tty delivered with the owner's terminal, skipped without one."""
+    journal target's MESSAGE (its fields keep the exact name). guard status counts the tty delivered with the owner's
+    terminal, skipped without one."""
     from gpukilld import journal as audit
 
     bed = fresh_bed
@@ -467,8 +561,14 @@ def test_in_the_daemon_a_newline_in_a_name_adds_no_line_to_any_notice_and_each_d
     with smtp_relay() as (box, port):
         (bed.workdir / "guard.d").mkdir(exist_ok=True)
         (bed.workdir / "guard.d" / "10-tell.yaml").write_text(TELL_RULE)
-        bed.write_conf(notify={"smtp_host": "127.0.0.1", "smtp_port": port, "from": "gpukilld@test.example",
-                               "owner_mail": "{user}@example.org"})
+        bed.write_conf(
+            notify={
+                "smtp_host": "127.0.0.1",
+                "smtp_port": port,
+                "from": "gpukilld@test.example",
+                "owner_mail": "{user}@example.org",
+            }
+        )
         bed.start_daemon(args=["--sample-interval", "0.2"])
         rec = bed.record_signals(owner)
         victim = bed.victim(owner, gpu=0, comm="gk\nForged: yes")
@@ -486,10 +586,13 @@ def test_in_the_daemon_a_newline_in_a_name_adds_no_line_to_any_notice_and_each_d
             text = mail.get_content()
             assert escaped in text and not _lines_from(text), (rcpts, text)
         assert sorted(r for _f, rcpts, _c in box.messages for r in rcpts) == [
-            "admin@company.com", f"{owner.name}@example.org"]
+            "admin@company.com",
+            f"{owner.name}@example.org",
+        ]
 
-        assert bed.wait_journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty",
-                                GPUKILL_OUTCOME="written")
+        assert bed.wait_journal(
+            MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty", GPUKILL_OUTCOME="written"
+        )
         text = mine.read().decode()
         assert escaped in text and not _lines_from(text), text
 
@@ -499,8 +602,9 @@ def test_in_the_daemon_a_newline_in_a_name_adds_no_line_to_any_notice_and_each_d
 
         (tmp_path / "utmp").write_bytes(b"")  # the owner logs out; the same file, bound in the daemon's namespace
         bed.victim(owner, gpu=1, comm="gk again")
-        assert bed.wait_journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty",
-                                GPUKILL_OUTCOME="skipped")
+        assert bed.wait_journal(
+            MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_CHANNEL="tty", GPUKILL_OUTCOME="skipped"
+        )
 
         def counts() -> dict:
             r = bed.guard_call(ROOT, "GetStatus")
@@ -510,7 +614,11 @@ def test_in_the_daemon_a_newline_in_a_name_adds_no_line_to_any_notice_and_each_d
         assert wait_until(lambda: counts()["owner-mail"]["delivered"] == 2, 10, fail=False), counts()
         got = counts()
         assert {k: got["tty"][k] for k in ("queued", "delivered", "skipped", "failed")} == {
-            "queued": 2, "delivered": 1, "skipped": 1, "failed": 0}
+            "queued": 2,
+            "delivered": 1,
+            "skipped": 1,
+            "failed": 0,
+        }
         assert got["email"]["delivered"] == 2 and got["desktop"]["announced"] == 2, got
         cli = bed.ctl(ROOT, "guard", "status")
         assert cli.returncode == 0, cli

@@ -59,9 +59,22 @@ def test_the_example_is_the_first_policy_with_comments():
     assert "match: any" in text and "AND" in text
 
 
-@pytest.mark.parametrize("text, seconds", [
-    ("90s", 90), ("5m", 300), ("1h30m", 5400), ("500ms", 0.5), (90, 90), (2.5, 2.5), ("1d", 86400),
-    ("5 minutes", 300), ("5", 5), ("1h 30m", 5400), ("90min", 5400)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("90s", 90),
+        ("5m", 300),
+        ("1h30m", 5400),
+        ("500ms", 0.5),
+        (90, 90),
+        (2.5, 2.5),
+        ("1d", 86400),
+        ("5 minutes", 300),
+        ("5", 5),
+        ("1h 30m", 5400),
+        ("90min", 5400),
+    ],
+)
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -74,19 +87,30 @@ def test_bad_durations(text):
 
 def test_sizes_in_three_spellings():
     for value, expected in (("8589934592B", 8589934592), ('"8GiB"', 8 * 1024**3), ('"8GB"', 8 * 1000**3)):
-        policy = load_texts([("p.yaml", _one_condition(f"type: user_memory\noperator: '>'\nvalue: {value}",
-                                                       rule_extra="scope: per_user"))])
+        policy = load_texts(
+            [
+                (
+                    "p.yaml",
+                    _one_condition(f"type: user_memory\noperator: '>'\nvalue: {value}", rule_extra="scope: per_user"),
+                )
+            ]
+        )
         assert policy.rules[0].conditions[0].value == expected
 
 
-@pytest.mark.parametrize(("value", "col", "message"), [
-    ("8589934592", 16, "a bare number is not a size: 8589934592 (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
-    ("'8'", 16, "a bare number is not a size: '8' (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
-    ("0.5M", 16, "under 1 MiB, likely a mistake"),
-])
+@pytest.mark.parametrize(
+    ("value", "col", "message"),
+    [
+        ("8589934592", 16, "a bare number is not a size: 8589934592 (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
+        ("'8'", 16, "a bare number is not a size: '8' (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
+        ("0.5M", 16, "under 1 MiB, likely a mistake"),
+    ],
+)
 def test_a_bare_or_tiny_size_fails_validation_where_it_is_written(value, col, message):
-    text = "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n" \
-           f"      - type: user_memory\n        operator: '>'\n        value: {value}\n"
+    text = (
+        "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n"
+        f"      - type: user_memory\n        operator: '>'\n        value: {value}\n"
+    )
     with pytest.raises(PolicyError) as e:
         load_texts([("p.yaml", text)])
     assert e.value.errors[0].startswith(f"p.yaml:8:{col}: ") and message in e.value.errors[0]
@@ -109,90 +133,224 @@ BROKEN = [
     ("no rules key", "dry_run: true\n", "1:1", "no 'rules:' list"),
     ("rules is a mapping", "rules:\n  name: x\n", "2:3", "'rules' must be a list"),
     ("a rule is a string", "rules:\n  - block miners\n", "2:5", "a rule must be a mapping"),
-    ("unknown rule field", _one_condition("type: process_name\noperator: '=='\nvalue: x").replace(
-        "    action: kill", "    action: kill\n    severity: high"), "4:5", "unknown field 'severity'"),
-    ("missing rule name", "rules:\n  - action: kill\n    conditions:\n      - {type: exe, operator: '==', value: x}\n",
-     "2:5", "needs a 'name'"),
-    ("rule name with a space", _one_condition("type: exe\noperator: '=='\nvalue: x").replace("name: r", "name: my rule"),
-     "2:11", "rule name 'my rule'"),
-    ("duplicate rule names", "rules:\n" + "".join(
-        f"  - name: same\n    action: log\n    conditions:\n      - {{type: exe, operator: '==', value: {v}}}\n"
-        for v in "ab"), "6:5", "duplicate rule name 'same' (first defined at bad.yaml:2:5)"),
+    (
+        "unknown rule field",
+        _one_condition("type: process_name\noperator: '=='\nvalue: x").replace(
+            "    action: kill", "    action: kill\n    severity: high"
+        ),
+        "4:5",
+        "unknown field 'severity'",
+    ),
+    (
+        "missing rule name",
+        "rules:\n  - action: kill\n    conditions:\n      - {type: exe, operator: '==', value: x}\n",
+        "2:5",
+        "needs a 'name'",
+    ),
+    (
+        "rule name with a space",
+        _one_condition("type: exe\noperator: '=='\nvalue: x").replace("name: r", "name: my rule"),
+        "2:11",
+        "rule name 'my rule'",
+    ),
+    (
+        "duplicate rule names",
+        "rules:\n"
+        + "".join(
+            f"  - name: same\n    action: log\n    conditions:\n      - {{type: exe, operator: '==', value: {v}}}\n"
+            for v in "ab"
+        ),
+        "6:5",
+        "duplicate rule name 'same' (first defined at bad.yaml:2:5)",
+    ),
     ("no conditions", "rules:\n  - name: r\n    action: kill\n", "2:5", "needs 'conditions'"),
-    ("empty conditions", "rules:\n  - name: r\n    action: kill\n    conditions: []\n", "4:17",
-     "empty conditions list"),
-    ("unknown condition field", _one_condition("type: exe\noperater: '=='\nvalue: x"), "6:9",
-     "unknown field 'operater' in a condition (did you mean 'operator'?)"),
-    ("unknown condition type", _one_condition("type: gpu_util\noperator: '>'\nvalue: 5"), "5:15",
-     "unknown condition type 'gpu_util'"),
-    ("unknown operator", _one_condition("type: gpu_memory\noperator: '=>'\nvalue: 5"), "6:19",
-     "unknown operator '=>'"),
-    ("operator that does not fit the type", _one_condition("type: gpu_utilization\noperator: contains_any\n"
-                                                          "value: [9]"), "6:19", "does not fit gpu_utilization"),
-    ("number compared as a string", _one_condition("type: process_name\noperator: '>'\nvalue: 5"), "6:19",
-     "operator '>' does not fit process_name"),
-    ("wrong value type", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: high"), "7:16",
-     "must be a number, not the string 'high'"),
-    ("a list where one value goes", _one_condition("type: process_name\noperator: '=='\nvalue: [a, b]"), "7:16",
-     "must be a single value, not a list"),
-    ("percentage out of range", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 150"), "7:16",
-     "0 to 100"),
+    (
+        "empty conditions",
+        "rules:\n  - name: r\n    action: kill\n    conditions: []\n",
+        "4:17",
+        "empty conditions list",
+    ),
+    (
+        "unknown condition field",
+        _one_condition("type: exe\noperater: '=='\nvalue: x"),
+        "6:9",
+        "unknown field 'operater' in a condition (did you mean 'operator'?)",
+    ),
+    (
+        "unknown condition type",
+        _one_condition("type: gpu_util\noperator: '>'\nvalue: 5"),
+        "5:15",
+        "unknown condition type 'gpu_util'",
+    ),
+    ("unknown operator", _one_condition("type: gpu_memory\noperator: '=>'\nvalue: 5"), "6:19", "unknown operator '=>'"),
+    (
+        "operator that does not fit the type",
+        _one_condition("type: gpu_utilization\noperator: contains_any\nvalue: [9]"),
+        "6:19",
+        "does not fit gpu_utilization",
+    ),
+    (
+        "number compared as a string",
+        _one_condition("type: process_name\noperator: '>'\nvalue: 5"),
+        "6:19",
+        "operator '>' does not fit process_name",
+    ),
+    (
+        "wrong value type",
+        _one_condition("type: gpu_utilization\noperator: '>'\nvalue: high"),
+        "7:16",
+        "must be a number, not the string 'high'",
+    ),
+    (
+        "a list where one value goes",
+        _one_condition("type: process_name\noperator: '=='\nvalue: [a, b]"),
+        "7:16",
+        "must be a single value, not a list",
+    ),
+    ("percentage out of range", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 150"), "7:16", "0 to 100"),
     ("bad size", _one_condition("type: gpu_memory\noperator: '>'\nvalue: 8XB"), "7:16", "not a size: '8XB'"),
-    ("bad duration", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 95\nduration: 5 parsecs"),
-     "8:19", "not a duration: '5 parsecs'"),
-    ("negative duration", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 95\nduration: -5m"),
-     "8:19", "not a duration"),
-    ("bad regex", _one_condition("type: cmdline\noperator: matches\nvalue: '([a-z'"), "7:16",
-     "bad regular expression"),
-    ("regex with a backreference (RE2)", _one_condition("type: cmdline\noperator: matches\nvalue: '(a)\\1'"),
-     "7:16", "bad regular expression '(a)\\\\1': backreferences (\\1, (?P=name)) are not supported"),
-    ("regex with lookahead (RE2)", _one_condition("type: cmdline\noperator: matches\nvalue: 'x(?=y)'"), "7:16",
-     "bad regular expression 'x(?=y)': lookahead and lookbehind"),
-    ("a number too large for any setting", _one_condition("type: gpu_memory\noperator: '>'\nvalue: " + "9" * 5000),
-     "7:16", "a number written with more than 100 characters"),
-    ("a size beyond 1 EiB", _one_condition("type: gpu_memory\noperator: '>'\nvalue: 2EiB"), "7:16",
-     "larger than the maximum, 1 EiB"),
-    ("an infinite percentage", _one_condition("type: gpu_utilization\noperator: '>'\nvalue: .inf"), "7:16",
-     "must be from 0 to 100%, not inf"),
-    ("unknown action", _one_condition("type: exe\noperator: '=='\nvalue: x", action="terminate"), "3:13",
-     "unknown action 'terminate'"),
-    ("force is not a boolean", _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="force: 'yes'"),
-     "4:12", "force must be true or false, not the string 'yes'"),
-    ("grace period on a notify rule", _one_condition("type: exe\noperator: '=='\nvalue: x", action="notify",
-                                                     rule_extra="notify: [journal]\ngrace_period: 30s"),
-     "5:5", "grace_period applies only to action kill"),
-    ("user_memory without per_user", _one_condition("type: user_memory\noperator: '>'\nvalue: 8GiB"), "5:15",
-     "needs scope per_user"),
-    ("conflicting scopes", _one_condition("type: user_memory\noperator: '>'\nvalue: 8GiB\nscope: per_user",
-                                          rule_extra="scope: per_device"), "9:16",
-     "condition scope per_user conflicts with the rule's scope per_device"),
-    ("unknown scope", _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="scope: per_node"), "4:12",
-     "unknown scope 'per_node'"),
-    ("bad match", _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="match: some"), "4:12",
-     "match must be 'all' or 'any'"),
-    ("not a notify target", _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="notify: [admin]"),
-     "4:14", "not a notify target: 'admin'"),
-    ("webhook that is not http", _one_condition("type: exe\noperator: '=='\nvalue: x",
-                                                rule_extra="notify: ['webhook:ftp://h/x']"), "4:14",
-     "bad webhook URL"),
-    ("duplicate key", _one_condition("type: exe\noperator: '=='\nvalue: x\nvalue: y"), "8:9",
-     "duplicate key 'value' in a condition (first at bad.yaml:7:9)"),
+    (
+        "bad duration",
+        _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 95\nduration: 5 parsecs"),
+        "8:19",
+        "not a duration: '5 parsecs'",
+    ),
+    (
+        "negative duration",
+        _one_condition("type: gpu_utilization\noperator: '>'\nvalue: 95\nduration: -5m"),
+        "8:19",
+        "not a duration",
+    ),
+    ("bad regex", _one_condition("type: cmdline\noperator: matches\nvalue: '([a-z'"), "7:16", "bad regular expression"),
+    (
+        "regex with a backreference (RE2)",
+        _one_condition("type: cmdline\noperator: matches\nvalue: '(a)\\1'"),
+        "7:16",
+        "bad regular expression '(a)\\\\1': backreferences (\\1, (?P=name)) are not supported",
+    ),
+    (
+        "regex with lookahead (RE2)",
+        _one_condition("type: cmdline\noperator: matches\nvalue: 'x(?=y)'"),
+        "7:16",
+        "bad regular expression 'x(?=y)': lookahead and lookbehind",
+    ),
+    (
+        "a number too large for any setting",
+        _one_condition("type: gpu_memory\noperator: '>'\nvalue: " + "9" * 5000),
+        "7:16",
+        "a number written with more than 100 characters",
+    ),
+    (
+        "a size beyond 1 EiB",
+        _one_condition("type: gpu_memory\noperator: '>'\nvalue: 2EiB"),
+        "7:16",
+        "larger than the maximum, 1 EiB",
+    ),
+    (
+        "an infinite percentage",
+        _one_condition("type: gpu_utilization\noperator: '>'\nvalue: .inf"),
+        "7:16",
+        "must be from 0 to 100%, not inf",
+    ),
+    (
+        "unknown action",
+        _one_condition("type: exe\noperator: '=='\nvalue: x", action="terminate"),
+        "3:13",
+        "unknown action 'terminate'",
+    ),
+    (
+        "force is not a boolean",
+        _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="force: 'yes'"),
+        "4:12",
+        "force must be true or false, not the string 'yes'",
+    ),
+    (
+        "grace period on a notify rule",
+        _one_condition(
+            "type: exe\noperator: '=='\nvalue: x", action="notify", rule_extra="notify: [journal]\ngrace_period: 30s"
+        ),
+        "5:5",
+        "grace_period applies only to action kill",
+    ),
+    (
+        "user_memory without per_user",
+        _one_condition("type: user_memory\noperator: '>'\nvalue: 8GiB"),
+        "5:15",
+        "needs scope per_user",
+    ),
+    (
+        "conflicting scopes",
+        _one_condition(
+            "type: user_memory\noperator: '>'\nvalue: 8GiB\nscope: per_user", rule_extra="scope: per_device"
+        ),
+        "9:16",
+        "condition scope per_user conflicts with the rule's scope per_device",
+    ),
+    (
+        "unknown scope",
+        _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="scope: per_node"),
+        "4:12",
+        "unknown scope 'per_node'",
+    ),
+    (
+        "bad match",
+        _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="match: some"),
+        "4:12",
+        "match must be 'all' or 'any'",
+    ),
+    (
+        "not a notify target",
+        _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="notify: [admin]"),
+        "4:14",
+        "not a notify target: 'admin'",
+    ),
+    (
+        "webhook that is not http",
+        _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="notify: ['webhook:ftp://h/x']"),
+        "4:14",
+        "bad webhook URL",
+    ),
+    (
+        "duplicate key",
+        _one_condition("type: exe\noperator: '=='\nvalue: x\nvalue: y"),
+        "8:9",
+        "duplicate key 'value' in a condition (first at bad.yaml:7:9)",
+    ),
     ("bad top-level setting", "dry_run: maybe\nrules: []\n", "1:10", "dry_run must be true or false"),
     ("max kills per cycle of zero", "max_kills_per_cycle: 0\nrules: []\n", "1:22", "from 1 to 10000"),
-    ("unknown exemption", _one_condition("type: exe\noperator: '=='\nvalue: x",
-                                         rule_extra="exemptions:\n  uids: [0]"), "5:7", "unknown field 'uids'"),
-    ("notify rule without targets", _one_condition("type: exe\noperator: '=='\nvalue: x", action="notify"), "2:5",
-     "action notify but no notify targets"),
-    ("missing action", "rules:\n  - name: r\n    conditions:\n      - {type: exe, operator: '==', value: x}\n",
-     "2:5", "needs an 'action'"),
-    ("duration on a process condition of a per_user rule",
-     "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n"
-     "      - {type: user_memory, operator: '>', value: 1GiB}\n"
-     "      - {type: process_name, operator: '==', value: x, duration: 5m}\n", "7:56",
-     "duration on process_name is not supported in scope per_user"),
-    ("a per_user kill rule with only process conditions",
-     "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n"
-     "      - {type: process_name, operator: '==', value: x}\n", "2:5", "would kill every selected process"),
+    (
+        "unknown exemption",
+        _one_condition("type: exe\noperator: '=='\nvalue: x", rule_extra="exemptions:\n  uids: [0]"),
+        "5:7",
+        "unknown field 'uids'",
+    ),
+    (
+        "notify rule without targets",
+        _one_condition("type: exe\noperator: '=='\nvalue: x", action="notify"),
+        "2:5",
+        "action notify but no notify targets",
+    ),
+    (
+        "missing action",
+        "rules:\n  - name: r\n    conditions:\n      - {type: exe, operator: '==', value: x}\n",
+        "2:5",
+        "needs an 'action'",
+    ),
+    (
+        "duration on a process condition of a per_user rule",
+        "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n"
+        "      - {type: user_memory, operator: '>', value: 1GiB}\n"
+        "      - {type: process_name, operator: '==', value: x, duration: 5m}\n",
+        "7:56",
+        "duration on process_name is not supported in scope per_user",
+    ),
+    (
+        "a per_user kill rule with only process conditions",
+        "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n"
+        "      - {type: process_name, operator: '==', value: x}\n",
+        "2:5",
+        "would kill every selected process",
+    ),
 ]
 
 
@@ -211,9 +369,11 @@ def test_at_least_twenty_kinds_of_broken_files():
 
 
 def test_every_error_of_a_file_is_reported():
-    text = ("rules:\n  - name: a\n    action: explode\n    conditions:\n      - {type: gpu_util, operator: '>', value: 1}\n"
-            "  - name: b\n    action: kill\n    force: sometimes\n    conditions:\n"
-            "      - {type: exe, operator: '==', value: x}\n")
+    text = (
+        "rules:\n  - name: a\n    action: explode\n    conditions:\n      - {type: gpu_util, operator: '>', value: 1}\n"
+        "  - name: b\n    action: kill\n    force: sometimes\n    conditions:\n"
+        "      - {type: exe, operator: '==', value: x}\n"
+    )
     with pytest.raises(PolicyError) as info:
         load_texts([("many.yaml", text)])
     assert [e.split(": ", 1)[0] for e in info.value.errors] == ["many.yaml:3:13", "many.yaml:5:16", "many.yaml:8:12"]
@@ -240,18 +400,34 @@ def test_validate_from_the_cli_without_a_daemon(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(BROKEN[16][1])  # unknown operator
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"}
-    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(bad)], capture_output=True, text=True,
-                       env=env, timeout=60)
+    r = subprocess.run(
+        [PYTHON, "-m", "gpukillctl", "guard", "validate", str(bad)], capture_output=True, text=True, env=env, timeout=60
+    )
     assert r.returncode == 12, r
     assert r.stderr == f"{bad}:6:19: unknown operator '=>' does not fit gpu_memory (use one of: >, >=, <, <=, ==, !=)\n"
-    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(FIRST_POLICY), str(EXAMPLE.parent /
-                        "guard.yaml")], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [PYTHON, "-m", "gpukillctl", "guard", "validate", str(FIRST_POLICY), str(EXAMPLE.parent / "guard.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 12 and "duplicate rule name 'block-crypto-miners'" in r.stderr  # two files, one set
-    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(FIRST_POLICY)], capture_output=True,
-                       text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [PYTHON, "-m", "gpukillctl", "guard", "validate", str(FIRST_POLICY)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 0 and "valid, 2 rule(s): block-crypto-miners, limit-user-memory" in r.stdout, r
-    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(tmp_path / "missing.yaml")],
-                       capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [PYTHON, "-m", "gpukillctl", "guard", "validate", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 12 and r.stderr.endswith("missing.yaml:1:1: cannot read: No such file or directory\n")
     assert "Traceback" not in r.stderr
 
@@ -279,9 +455,11 @@ def test_names_unknown_to_the_host_are_warnings_at_their_place():
 
     policy = load_texts([("p.yaml", UNKNOWN_NAMES)])
     assert [r.name for r in policy.rules] == ["alcie-memory", "ids-and-known"]
-    assert name_warnings(policy) == ["p.yaml:2:17: warning: no user 'gpk-no-such-user-b' on this host",
-                                     "p.yaml:3:12: warning: no group 'gpk-no-such-group' on this host",
-                                     "p.yaml:7:43: warning: no user 'gpk-no-such-user-a' on this host"]
+    assert name_warnings(policy) == [
+        "p.yaml:2:17: warning: no user 'gpk-no-such-user-b' on this host",
+        "p.yaml:3:12: warning: no group 'gpk-no-such-group' on this host",
+        "p.yaml:7:43: warning: no user 'gpk-no-such-user-a' on this host",
+    ]
     assert name_warnings(load_texts([("q.yaml", FIRST_POLICY.read_text())])) == []
     # bounded: the first name (root) is looked up and known, the other three are counted
     assert name_warnings(policy, limit=1) == ["p.yaml: warning: 3 more user and group names not looked up"]
@@ -291,9 +469,16 @@ def test_validate_prints_the_warnings_and_succeeds(tmp_path: Path):
     policy = tmp_path / "names.yaml"
     policy.write_text(UNKNOWN_NAMES)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"}
-    r = subprocess.run([PYTHON, "-m", "gpukillctl", "guard", "validate", str(policy)], capture_output=True,
-                       text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [PYTHON, "-m", "gpukillctl", "guard", "validate", str(policy)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout == f"{policy}: valid, 2 rule(s): alcie-memory, ids-and-known\n", r
-    assert r.stderr.splitlines() == [f"{policy}:2:17: warning: no user 'gpk-no-such-user-b' on this host",
-                                     f"{policy}:3:12: warning: no group 'gpk-no-such-group' on this host",
-                                     f"{policy}:7:43: warning: no user 'gpk-no-such-user-a' on this host"]
+    assert r.stderr.splitlines() == [
+        f"{policy}:2:17: warning: no user 'gpk-no-such-user-b' on this host",
+        f"{policy}:3:12: warning: no group 'gpk-no-such-group' on this host",
+        f"{policy}:7:43: warning: no user 'gpk-no-such-user-a' on this host",
+    ]

@@ -60,8 +60,19 @@ def test_a_busy_holder_is_watched_not_met_with_its_mean_and_an_idle_one_will_be_
     # an hour of the two-hour windows left, then the 30-minute grace
     assert still.status == "waiting" and still.pids == (11,) and still.wait == 3600 + 1800
     assert "mean 5%" in still.reason
-    when = _decision_row(from_plain(Decision, {"rule": RULE, "subject": still.subject, "action": "kill",
-                                               "status": still.status, "wait": still.wait, "pids": [11]}))
+    when = _decision_row(
+        from_plain(
+            Decision,
+            {
+                "rule": RULE,
+                "subject": still.subject,
+                "action": "kill",
+                "status": still.status,
+                "wait": still.wait,
+                "pids": [11],
+            },
+        )
+    )
     assert when[2:4] == ["kill 11", "in 1h 30min"]
 
 
@@ -99,21 +110,38 @@ def test_status_and_top_show_only_subjects_whose_conditions_hold_now():
     run(e, t, 600, TRAINER, IDLE)
     windows = e.windows_report()
     assert {w["subject"] for w in windows} == {"PID 11 (notebook, user alice)"}
-    assert sorted(w["condition"] for w in windows) == ["gpu_memory > 256MiB for 2h",
-                                                      "gpu_utilization < 15% on average over 2h"]
-    status = GuardStatus(enabled=True, dry_run=False, policy_dry_run=False, source="files",
-                         windows=tuple(from_plain(Window, w) for w in windows))
+    assert sorted(w["condition"] for w in windows) == [
+        "gpu_memory > 256MiB for 2h",
+        "gpu_utilization < 15% on average over 2h",
+    ]
+    status = GuardStatus(
+        enabled=True,
+        dry_run=False,
+        policy_dry_run=False,
+        source="files",
+        windows=tuple(from_plain(Window, w) for w in windows),
+    )
     marks = GuardMarks.of(status)
     assert set(marks.by_pid) == {11}
 
 
 def test_match_any_keeps_every_window_it_may_act_on():
     t = FakeTime()
-    e = Engine(load_texts([("any.yaml", "rules:\n  - name: any\n    match: any\n    action: log\n"
-                                        "    conditions:\n"
-                                        "      - {type: gpu_memory, operator: '>', value: 1GiB, duration: 1h}\n"
-                                        "      - {type: gpu_utilization, operator: '>', value: 90, duration: 1h}\n")]),
-               t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        load_texts(
+            [
+                (
+                    "any.yaml",
+                    "rules:\n  - name: any\n    match: any\n    action: log\n"
+                    "    conditions:\n"
+                    "      - {type: gpu_memory, operator: '>', value: 1GiB, duration: 1h}\n"
+                    "      - {type: gpu_utilization, operator: '>', value: 90, duration: 1h}\n",
+                )
+            ]
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     run(e, t, 120, proc(10, mem=4 * GiB, util=5))
     assert [w["condition"] for w in e.windows_report()] == ["gpu_memory > 1GiB for 1h"]
     (p,) = e.preview(snap(proc(10, mem=4 * GiB, util=5)))
@@ -136,8 +164,10 @@ def test_where_other_users_processes_are_hidden_their_not_met_subjects_are_too()
     bob = proc(20, "train", mem=30 * GiB, util=87, uid=1001, user="bob")
     previews = [dataclasses.asdict(p) for p in an_hour_in().preview(snap(TRAINER, IDLE, bob))]
     assert sorted((d["subject"], d["status"]) for d in previews) == [
-        ("PID 10 (train, user alice)", "not-met"), ("PID 11 (notebook, user alice)", "waiting"),
-        ("PID 20 (train, user bob)", "not-met")]
+        ("PID 10 (train, user alice)", "not-met"),
+        ("PID 11 (notebook, user alice)", "waiting"),
+        ("PID 20 (train, user bob)", "not-met"),
+    ]
     seen = visible_decisions(previews, snap(TRAINER, IDLE, bob), Viewer(1000, HIDDEN))
     assert sorted(d["subject"] for d in seen) == ["PID 10 (train, user alice)", "PID 11 (notebook, user alice)"]
 
@@ -146,10 +176,20 @@ def test_the_preview_says_when_the_engine_kills_through_window_grace_flight_and_
     """At every step the preview's status and wait (act_wait, engine.py) say what evaluate then does: nothing
     while the window, the grace, the kill in flight and the cooldown run, a kill the moment it says "now"."""
     t = FakeTime()
-    e = Engine(load_texts([("p.yaml", "cooldown: 40s\nrules:\n  - name: hog\n    action: kill\n"
-                                      "    grace_period: 30s\n    conditions:\n"
-                                      "      - {type: gpu_memory, operator: '>', value: 1GiB, duration: 20s}\n")]),
-               t.clock(), own_pid=OWN_PID)
+    e = Engine(
+        load_texts(
+            [
+                (
+                    "p.yaml",
+                    "cooldown: 40s\nrules:\n  - name: hog\n    action: kill\n"
+                    "    grace_period: 30s\n    conditions:\n"
+                    "      - {type: gpu_memory, operator: '>', value: 1GiB, duration: 20s}\n",
+                )
+            ]
+        ),
+        t.clock(),
+        own_pid=OWN_PID,
+    )
     s = snap(proc(10, "hog", mem=2 * GiB, util=50))
     kills, predicted = [], None
     for _ in range(30):

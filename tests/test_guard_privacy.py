@@ -53,11 +53,21 @@ def gbed(users):
 
 
 def _miner(bed: Testbed, user) -> subprocess.Popen:
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope, "GPUKILL_SIM_UTIL": "99",
-           "GPUKILL_SIM_MEM": "2GiB"}
-    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time\nprint('ready', flush=True)\ntime.sleep(600)\n",
-                             *MINER_ARGS], stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True,
-                            **user.popen_kwargs())
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUKILL_SIM_GPU": "0",
+        "GPUKILL_SIM_SCOPE": bed.scope,
+        "GPUKILL_SIM_UTIL": "99",
+        "GPUKILL_SIM_MEM": "2GiB",
+    }
+    proc = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", "import time\nprint('ready', flush=True)\ntime.sleep(600)\n", *MINER_ARGS],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **user.popen_kwargs(),
+    )
     bed.procs.append(proc)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     return proc
@@ -89,15 +99,20 @@ def test_reasons_about_another_users_process_withhold_what_the_viewer_may_not_se
         assert _windows(bed, viewer, miner.pid) == ["rogue_score >= 1% for 1h"]
     # another user: that the rules hold (Guard acts in the open), not the score nor the arguments they matched
     reasons = _decisions(bed, other, miner.pid)
-    assert reasons == {"score-watch": "rogue_score withheld", "score-now": "rogue_score withheld",
-                       "args": "cmdline withheld"}, reasons
+    assert reasons == {
+        "score-watch": "rogue_score withheld",
+        "score-now": "rogue_score withheld",
+        "args": "cmdline withheld",
+    }, reasons
     assert _windows(bed, other, miner.pid) == ["rogue_score withheld"]
     # what another user sees of the process itself, and of its audit, says no more
     seen = bed.listed(other)[miner.pid]
     assert "stratum" not in seen["cmdline"] and seen["exe"] is None
     # PolicyViolated goes to every listener: it carries the reason as others may read it
     for rule, shown in (("score-now", "rogue_score withheld"), ("args", "cmdline withheld")):
-        sig = rec.wait_for("PolicyViolated", 10, where=lambda b, rule=rule: b[0] == rule and f"PID {miner.pid} " in b[1])
+        sig = rec.wait_for(
+            "PolicyViolated", 10, where=lambda b, rule=rule: b[0] == rule and f"PID {miner.pid} " in b[1]
+        )
         assert sig is not None, rec.signals
         assert sig["body"][4]["reason"] == shown, sig
     # so does the desktop notice (the Notification signal, for the owner's agent, heard by every listener)
@@ -125,6 +140,6 @@ def test_test_policies_adds_no_line_to_the_daemons_log_or_journal(gbed, users):
         r = bed.guard_call(user, "TestPolicies", "ss", ["probe", policy])
         assert r.ok, r
     time.sleep(1.0)  # a waiter thread's warning comes after the reply
-    added = bed.daemon.log()[len(log_before):]
+    added = bed.daemon.log()[len(log_before) :]
     assert added == "", added
     assert entries() == journal_before

@@ -24,8 +24,11 @@ from gpukilld import journal as audit
 
 SHIPPED = REPO / "examples" / "guard.d" / "reclaim-idle.yaml"
 TEXT = SHIPPED.read_text()
-SCALED = (TEXT.replace("duration: 2h", "duration: 6s").replace("grace_period: 30m", "grace_period: 4s")
-          .replace("warn: [at_start, 15m, 1m]", "warn: [at_start, 2s, 1s]"))
+SCALED = (
+    TEXT.replace("duration: 2h", "duration: 6s")
+    .replace("grace_period: 30m", "grace_period: 4s")
+    .replace("warn: [at_start, 15m, 1m]", "warn: [at_start, 2s, 1s]")
+)
 WINDOW, GRACE = 6.0, 4.0
 RULE = "reclaim-idle-gpus"
 KEEP_ALIVE = {"GPUKILL_SIM_UTIL_CYCLE": "100:0.2,0:1.8"}
@@ -34,8 +37,10 @@ KEEP_ALIVE = {"GPUKILL_SIM_UTIL_CYCLE": "100:0.2,0:1.8"}
 def test_the_shipped_policy_is_valid_and_the_scaled_copy_differs_only_in_its_durations():
     (rule,) = load_paths([str(SHIPPED)]).rules
     assert rule.grace_period == 1800 and rule.warn == (1800, 900, 60)
-    assert [c.text for c in rule.conditions] == ["gpu_memory > 256MiB for 2h",
-                                                 "gpu_utilization < 15% on average over 2h"]
+    assert [c.text for c in rule.conditions] == [
+        "gpu_memory > 256MiB for 2h",
+        "gpu_utilization < 15% on average over 2h",
+    ]
     diff = [(a, b) for a, b in zip(TEXT.splitlines(), SCALED.splitlines(), strict=True) if a != b]
     assert [a.split(":")[0].strip(" -{") for a, _ in diff] == ["type", "type", "grace_period", "warn"]
 
@@ -58,8 +63,11 @@ def rbed(users, tmp_path):
 
 
 def warnings_of(bed: Testbed, pid: int) -> list[dict]:
-    return [e for e in bed.journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_RULE=RULE)
-            if str(pid) in e.get("GPUKILL_TARGET_PIDS", "").split(",")]
+    return [
+        e
+        for e in bed.journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_RULE=RULE)
+        if str(pid) in e.get("GPUKILL_TARGET_PIDS", "").split(",")
+    ]
 
 
 @needs_root
@@ -73,16 +81,29 @@ def test_idle_holders_and_keep_alives_are_warned_then_killed_and_workers_and_exe
     exempt = None
     if why_no_cgroups() is None:
         dirs = [made.make(r, f"system.slice/slurmstepd-{bed.scope}.scope") for r in systemd_roots()]
-        exempt = start_in(owner, dirs, {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "3", "GPUKILL_SIM_MEM": "4GiB",
-                                        "GPUKILL_SIM_UTIL": "0", "GPUKILL_SIM_SCOPE": bed.scope}, SLEEPER)
+        exempt = start_in(
+            owner,
+            dirs,
+            {
+                "PATH": "/usr/bin:/bin",
+                "GPUKILL_SIM_GPU": "3",
+                "GPUKILL_SIM_MEM": "4GiB",
+                "GPUKILL_SIM_UTIL": "0",
+                "GPUKILL_SIM_SCOPE": bed.scope,
+            },
+            SLEEPER,
+        )
         bed.procs.append(exempt)
 
     def in_grace() -> list[dict]:
         r = bed.guard_call(ROOT, "GetStatus")
         return [g for g in r.body[0]["graces"] if g["subject"].startswith(f"PID {idle.pid} ")] if r.ok else []
 
-    grace = wait_until(lambda: [g for g in in_grace() if g["warnings_sent"] >= 2], WINDOW + GRACE + 10,
-                       "the idle process was never seen in its grace with its warnings")
+    grace = wait_until(
+        lambda: [g for g in in_grace() if g["warnings_sent"] >= 2],
+        WINDOW + GRACE + 10,
+        "the idle process was never seen in its grace with its warnings",
+    )
     assert grace[0]["remaining"] <= 2.2
     if grace[0]["warnings_sent"] == 2:  # the 1 s warning still to come (absent once it is sent)
         assert grace[0]["next_warning"] == pytest.approx(grace[0]["remaining"] - 1.0, abs=0.05)
@@ -100,19 +121,28 @@ def test_idle_holders_and_keep_alives_are_warned_then_killed_and_workers_and_exe
         assert pid_alive(exempt.pid), "the process in an exempted unit was killed"
 
     for proc in (idle, keep_alive):
-        violation = [e for e in bed.journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_RULE=RULE)
-                     if e.get("GPUKILL_TARGET_PIDS") == str(proc.pid)]
+        violation = [
+            e
+            for e in bed.journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_RULE=RULE)
+            if e.get("GPUKILL_TARGET_PIDS") == str(proc.pid)
+        ]
         assert len(violation) == 1 and "on average over 6s (mean" in violation[0]["GPUKILL_REASON"]
         warned = warnings_of(bed, proc.pid)
         assert [w["GPUKILL_WARNING"] for w in warned] == ["2", "3"], warned
         assert [float(w["GPUKILL_REMAINING"]) for w in warned] == pytest.approx([2.0, 1.0], abs=0.45)
-        notices = [e for e in bed.journal(MESSAGE_ID=audit.GUARD_NOTICE.message_id, GPUKILL_RULE=RULE)
-                   if f"PID {proc.pid} " in e.get("GPUKILL_SUBJECT", "")]
+        notices = [
+            e
+            for e in bed.journal(MESSAGE_ID=audit.GUARD_NOTICE.message_id, GPUKILL_RULE=RULE)
+            if f"PID {proc.pid} " in e.get("GPUKILL_SUBJECT", "")
+        ]
         # at_start (the violation's notice), the two warnings, then what the kill did
         assert [n["GPUKILL_RESULT"] for n in notices] == ["violation", "warning", "warning", "action"]
         # the owner target: each notice to the owner's desktop, and the terminals looked for, audited
-        owner = [e for e in bed.journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_RESULT="owner-warned")
-                 if e.get("GPUKILL_SUBJECT", "").startswith(f"PID {proc.pid} ")]
+        owner = [
+            e
+            for e in bed.journal(MESSAGE_ID=audit.GUARD_WARNING.message_id, GPUKILL_RESULT="owner-warned")
+            if e.get("GPUKILL_SUBJECT", "").startswith(f"PID {proc.pid} ")
+        ]
         assert sum(e["GPUKILL_CHANNEL"] == "desktop" for e in owner) == 4, owner
         assert any(e["GPUKILL_CHANNEL"] == "tty" for e in owner), owner
     for proc in [trainer] + ([exempt] if exempt is not None else []):
@@ -134,8 +164,11 @@ def test_guard_test_leaves_a_busy_holder_out_of_the_kill_list_and_says_why(rbed,
         r = bed.guard_call(ROOT, "GetStatus")
         return r.body[0]["windows"] if r.ok else []
 
-    wait_until(lambda: {w["subject"].split(" ")[1] for w in windows()} >= {str(idle.pid)}, 5,
-               "the idle holder never entered its windows")
+    wait_until(
+        lambda: {w["subject"].split(" ")[1] for w in windows()} >= {str(idle.pid)},
+        5,
+        "the idle holder never entered its windows",
+    )
     assert not [w for w in windows() if w["subject"].startswith(f"PID {trainer.pid} ")], windows()
     shown = bed.ctl(ROOT, "guard", "status")
     assert shown.returncode == 0 and f"PID {idle.pid} (notebook" in shown.stdout, shown
@@ -145,8 +178,10 @@ def test_guard_test_leaves_a_busy_holder_out_of_the_kill_list_and_says_why(rbed,
     listed, _, watched = cli.stdout.partition("watched, not met")
     assert f"kill {idle.pid}" in listed and f"PID {trainer.pid} " not in listed, cli.stdout
     (line,) = [x for x in watched.splitlines() if f"PID {trainer.pid} " in x]
-    assert line.strip() == (f"{RULE}: PID {trainer.pid} (train, user {owner.name}): not met: gpu_utilization < 15% "
-                            "on average over 6s (mean 90%)"), cli.stdout
+    assert line.strip() == (
+        f"{RULE}: PID {trainer.pid} (train, user {owner.name}): not met: gpu_utilization < 15% "
+        "on average over 6s (mean 90%)"
+    ), cli.stdout
 
 
 def test_the_simulated_keep_alive_pattern():

@@ -3,7 +3,8 @@ admin's back: a policy loaded with `guard load` that kept Guard in dry run gives
 stays on until an admin ends it, and the journal and `guard status` say what was replaced, by whom it had been
 loaded and when. `guard dry-run off` says when the policy in force keeps dry run on.
 
-The model, case by case, on the runner itself (no daemon); then in a real gpukilld on the simulated backend, with polkitd (the example rules: group gpukill administers) and
+The model, case by case, on the runner itself (no daemon); then in a real gpukilld on the simulated backend, with
+polkitd (the example rules: group gpukill administers) and
 journald; victims are real processes. The rules act after 1 s; the daemon samples every 0.2 s.
 """
 
@@ -27,9 +28,11 @@ from gpukilld.guard.state import MAX_NOTE
 
 INTERVAL = 0.2
 ACT = 1.0  # seconds a miner must be busy before the rule kills it
-ENFORCING = ("rules:\n  - name: miners\n    action: kill\n    force: true\n    conditions:\n"
-             "      - {type: process_name, operator: ==, value: xmrig}\n"
-             f"      - {{type: gpu_utilization, operator: '>', value: 95, duration: {ACT:g}s}}\n")
+ENFORCING = (
+    "rules:\n  - name: miners\n    action: kill\n    force: true\n    conditions:\n"
+    "      - {type: process_name, operator: ==, value: xmrig}\n"
+    f"      - {{type: gpu_utilization, operator: '>', value: 95, duration: {ACT:g}s}}\n"
+)
 SITE = "dry_run: true\n" + ENFORCING.replace("name: miners", "name: site-miners")
 
 
@@ -62,8 +65,10 @@ def kills_of(bed: Testbed, pid: int) -> list[dict]:
 
 
 def killed(proc: subprocess.Popen, timeout: float) -> bool:
-    return wait_until(lambda: proc.poll() is not None, timeout, fail=False, interval=0.05) and \
-        proc.returncode == -signal.SIGTERM
+    return (
+        wait_until(lambda: proc.poll() is not None, timeout, fail=False, interval=0.05)
+        and proc.returncode == -signal.SIGTERM
+    )
 
 
 # -- the model, on the runner ------------------------------------------------------------------------------
@@ -95,18 +100,30 @@ DRY = "dry_run: true\n"
 
 
 # (guard.d at start, the admin's switch, a loaded policy or None, guard.d at the reload) -> dry run after it, kept
-@pytest.mark.parametrize(("start_d", "switch", "loaded", "reload_d", "dry_after", "kept"), [
-    ("", False, DRY, "", True, True),  # the must-show case: guard load of a dry run, then a reload
-    ("", False, "", "", False, False),  # an enforcing loaded policy: nothing held dry run on
-    ("", True, "", "", True, False),  # the admin's switch is the admin's: a reload leaves it as it is
-    (DRY, False, None, "", False, False),  # guard.d's own dry_run turned off: the admin edited the file
-    (DRY, False, DRY, "", False, False),  # the same, with a loaded dry run in between
-    ("", False, DRY, DRY, True, False),  # guard.d now says dry run itself: nothing to keep
-    ("", False, None, "", False, False),  # nothing changed
-], ids=["loaded-dry", "loaded-enforcing", "switch-on", "files-edited", "files-edited-over-loaded",
-        "files-dry", "unchanged"])
-def test_a_re_read_of_guard_d_ends_a_dry_run_only_when_guard_d_ends_it(tmp_path, start_d, switch, loaded,
-                                                                       reload_d, dry_after, kept):
+@pytest.mark.parametrize(
+    ("start_d", "switch", "loaded", "reload_d", "dry_after", "kept"),
+    [
+        ("", False, DRY, "", True, True),  # the must-show case: guard load of a dry run, then a reload
+        ("", False, "", "", False, False),  # an enforcing loaded policy: nothing held dry run on
+        ("", True, "", "", True, False),  # the admin's switch is the admin's: a reload leaves it as it is
+        (DRY, False, None, "", False, False),  # guard.d's own dry_run turned off: the admin edited the file
+        (DRY, False, DRY, "", False, False),  # the same, with a loaded dry run in between
+        ("", False, DRY, DRY, True, False),  # guard.d now says dry run itself: nothing to keep
+        ("", False, None, "", False, False),  # nothing changed
+    ],
+    ids=[
+        "loaded-dry",
+        "loaded-enforcing",
+        "switch-on",
+        "files-edited",
+        "files-edited-over-loaded",
+        "files-dry",
+        "unchanged",
+    ],
+)
+def test_a_re_read_of_guard_d_ends_a_dry_run_only_when_guard_d_ends_it(
+    tmp_path, start_d, switch, loaded, reload_d, dry_after, kept
+):
     journal = _Journal()
     runner = _runner(tmp_path, start_d + ENFORCING, journal)
     runner.set_dry_run(switch, "uid 0")
@@ -131,8 +148,11 @@ def test_what_a_reload_kept_and_replaced_survives_a_restart(tmp_path):
     again = _runner(tmp_path, ENFORCING, _Journal())
     after = again.status()
     assert after.dry_run is True and again.dry_run is True
-    assert (after.dry_run_kept, after.replaced, after.replaced_at) == (before.dry_run_kept, before.replaced,
-                                                                       before.replaced_at)
+    assert (after.dry_run_kept, after.replaced, after.replaced_at) == (
+        before.dry_run_kept,
+        before.replaced,
+        before.replaced_at,
+    )
     assert before.dry_run_kept and before.replaced
     again.set_dry_run(False, "uid 0")  # the admin ends it: enforcing, and nothing says "kept" any more
     assert again.dry_run is False and again.status().dry_run_kept == ""
@@ -157,8 +177,12 @@ def test_owner_warnings_are_still_journaled_after_a_reload_changes_the_relay(tmp
     """A reload that changes [notify] builds a new notifier: each warning to an owner is still audited."""
     journal = _Journal()
     runner = _runner(tmp_path, ENFORCING, journal)
-    runner.configure(NotifyConfig(smtp_port=2525, logind_bus=None), str(tmp_path / "guard.d"),
-                     str(tmp_path / "state"), runner.engine.protection)
+    runner.configure(
+        NotifyConfig(smtp_port=2525, logind_bus=None),
+        str(tmp_path / "guard.d"),
+        str(tmp_path / "state"),
+        runner.engine.protection,
+    )
     runner.notifier.send(("owner",), Notice("warning", "miners", "user nobody", "miners: warned", "body"))
     warned = [fields for kind, _, fields in journal.entries if fields.get("result") == "owner-warned"]
     assert [(w["channel"], w["outcome"]) for w in warned] == [("owner", "skipped")]
@@ -176,8 +200,10 @@ def test_a_reload_after_guard_load_keeps_dry_run_and_says_what_it_replaced(fresh
     site = site_policy(bed)
     load = bed.ctl(admin, "guard", "load", site)
     assert load.returncode == 0, load
-    assert load.stdout.strip() == (f"policy {site} in force until the next reload of gpukilld (systemctl reload, "
-                                   "SIGHUP) or guard load: 1 rule(s): site-miners")
+    assert load.stdout.strip() == (
+        f"policy {site} in force until the next reload of gpukilld (systemctl reload, "
+        "SIGHUP) or guard load: 1 rule(s): site-miners"
+    )
     st = bed.guard_status()
     assert st["source"] == "loaded" and st["loaded_by"] == f"gpkadmin (uid {admin.uid})" and st["loaded_at"] > 0
     shown = bed.ctl(ROOT, "guard", "status").stdout
@@ -185,8 +211,9 @@ def test_a_reload_after_guard_load_keeps_dry_run_and_says_what_it_replaced(fresh
     assert "until the next reload of gpukilld or guard load)" in shown and "DRY RUN" in shown
 
     miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
-    assert bed.wait_journal(MESSAGE_ID=audit.GUARD_DRY_RUN.message_id, GPUKILL_TARGET_PID=str(miner.pid)), \
+    assert bed.wait_journal(MESSAGE_ID=audit.GUARD_DRY_RUN.message_id, GPUKILL_TARGET_PID=str(miner.pid)), (
         "the loaded policy, a dry run, reports the miner it would kill"
+    )
     reload(bed)  # logrotate, config management or a colleague: systemctl reload gpukilld
     t_reload = time.monotonic()
 
@@ -204,7 +231,9 @@ def test_a_reload_after_guard_load_keeps_dry_run_and_says_what_it_replaced(fresh
     would = bed.wait_journal(MESSAGE_ID=audit.GUARD_DRY_RUN.message_id, GPUKILL_RULE="miners")
     assert would and would[0]["GPUKILL_TARGET_PID"] == str(miner.pid), "guard.d's rule, still a dry run"
 
-    loaded = bed.journal(MESSAGE_ID=audit.GUARD_POLICY.message_id, GPUKILL_RESULT="loaded", GPUKILL_REQUESTED_BY="reload")
+    loaded = bed.journal(
+        MESSAGE_ID=audit.GUARD_POLICY.message_id, GPUKILL_RESULT="loaded", GPUKILL_REQUESTED_BY="reload"
+    )
     assert loaded and loaded[-1]["GPUKILL_REPLACED"] == st["replaced"]
     assert loaded[-1]["MESSAGE"].endswith(f"rules miners; it replaces {st['replaced']}")
     kept = bed.journal(MESSAGE_ID=audit.GUARD_POLICY.message_id, GPUKILL_RESULT="dry-run-kept")
@@ -270,14 +299,21 @@ def test_dry_run_off_says_when_the_policy_in_force_keeps_it_on(fresh_bed, users)
     off = bed.ctl(users["admin"], "guard", "dry-run", "off")
     assert off.returncode == 0, off  # the switch is off, as asked
     assert off.stdout == "guard dry run off\n"
-    assert off.stderr == (f"gpukillctl: dry run stays on: the policy in force ({site}) sets dry_run: true; "
-                          "remove it there and load or reload the policy to enforce\n")
+    assert off.stderr == (
+        f"gpukillctl: dry run stays on: the policy in force ({site}) sets dry_run: true; "
+        "remove it there and load or reload the policy to enforce\n"
+    )
     shown = bed.ctl(ROOT, "guard", "status").stdout.splitlines()
-    assert shown[:2] == ["guard: enabled, DRY RUN (nothing is signalled)",
-                         f"dry run: the policy in force ({site}) sets dry_run: true"], shown
+    assert shown[:2] == [
+        "guard: enabled, DRY RUN (nothing is signalled)",
+        f"dry run: the policy in force ({site}) sets dry_run: true",
+    ], shown
     entry = bed.wait_journal(MESSAGE_ID=audit.GUARD_POLICY.message_id, GPUKILL_RESULT="dry-run-off")
-    assert entry and entry[-1]["MESSAGE"].endswith(f"; dry run stays on: the policy in force ({site}) sets "
-                                                   "dry_run: true") and entry[-1]["GPUKILL_DRY_RUN"] == "1"
+    assert (
+        entry
+        and entry[-1]["MESSAGE"].endswith(f"; dry run stays on: the policy in force ({site}) sets dry_run: true")
+        and entry[-1]["GPUKILL_DRY_RUN"] == "1"
+    )
     miner = bed.victim(users["owner"], gpu=0, util=99, comm="xmrig")
     time.sleep(ACT + 10 * INTERVAL + 1.0)
     assert pid_alive(miner.pid) and kills_of(bed, miner.pid) == []

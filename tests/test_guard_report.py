@@ -76,8 +76,7 @@ def test_a_violation_says_the_same_in_the_journal_on_the_bus_in_recent_events_an
     for key in ("subject", "reason", "dry_run", "grace"):
         assert journal.fields[key] == notice.data[key], key
     assert (journal.fields["rule_action"], journal.fields["target_uid"]) == (notice.data["action"], notice.data["uid"])
-    assert entry.recent == RecentEvent(NOW, rule, USER, 1000, "violation", RULES[rule].action, "", None,
-                                              dry_run)
+    assert entry.recent == RecentEvent(NOW, rule, USER, 1000, "violation", RULES[rule].action, "", None, dry_run)
     assert (notice.event, notice.rule, notice.subject) == ("violation", rule, USER)
     assert (notice.data["host"], notice.data["time"], notice.data["summary"]) == (HOST, NOW, notice.summary)
     assert lines_of(notice)["Host"] == HOST and lines_of(notice)["Subject"] == USER
@@ -120,16 +119,27 @@ def test_a_process_text_with_controls_stays_inside_its_line_of_every_notice():
     evil = "x\nForged: 1\x1b[2J\u2028\u202e\x85\x7f"
     target = dataclasses.replace(MINER, comm=evil)
     subject = f"PID 42 ({evil}, user alice)"
-    ev = Violation(RULES["miners"], subject, ("k",), 1000, (target,), f"process_name == {evil}", NOW,
-                   reason_for_others=f"others: {evil}")
+    ev = Violation(
+        RULES["miners"],
+        subject,
+        ("k",),
+        1000,
+        (target,),
+        f"process_name == {evil}",
+        NOW,
+        reason_for_others=f"others: {evil}",
+    )
     order = KillOrder(RULES["hogs"], subject, ("k",), 1000, (target,), False, 5.0, False, ev.reason)
     escaped = "x\\x0aForged: 1\\x1b[2J\\u2028\\u202e\\x85\\x7f"
-    for r in (report.violation(ev, False, HOST, NOW), report.would_kill(order, HOST, NOW),
-              report.kill_done(order, target, Outcome.TERMINATED, "", HOST, NOW)):
+    for r in (
+        report.violation(ev, False, HOST, NOW),
+        report.would_kill(order, HOST, NOW),
+        report.kill_done(order, target, Outcome.TERMINATED, "", HOST, NOW),
+    ):
         notice = r.notice
         for text in (notice.summary, notice.body, notice.body_for_others):
             assert escaped in text and not any(line.startswith("Forged") for line in text.split("\n")), text
-            assert not [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7f <= ord(c) <= 0x9f)], text
+            assert not [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F)], text
         assert len(notice.body.split("\n")) == len(notice.body_for_others.split("\n"))
         assert notice.data["subject"] == subject and notice.data["reason"] == ev.reason  # the exact text
 
@@ -140,24 +150,30 @@ def test_a_dry_runs_episode_ending_is_journaled_with_why_and_not_notified():
     entry = only(r)
     assert r.notice is None and entry.signal is None
     assert entry.journal.kind is audit.GUARD_DRY_RUN and entry.journal.fields["result"] == "left"
-    assert entry.journal.message == ("Dry run: guard rule miners: user alice no longer violates it (no longer "
-                                     "holds: gpu_memory > 8GiB (now 2.0 GiB)); its would-kill episode ended")
+    assert entry.journal.message == (
+        "Dry run: guard rule miners: user alice no longer violates it (no longer "
+        "holds: gpu_memory > 8GiB (now 2.0 GiB)); its would-kill episode ended"
+    )
     assert entry.journal.fields["reason"] == ev.why and entry.journal.fields["dry_run"] == 1
     assert entry.recent == RecentEvent(NOW, "miners", USER, 1000, "left", "kill", "", None, True)
 
 
 def test_recent_events_fold_repeats_with_their_count_and_first_time():
     recent: list[dict] = []
-    flap = [RecentEvent(NOW + i, "miners", USER, 1000, event, "kill", "", None, True)
-            for i in range(3) for event in ("violation", "left")]
+    flap = [
+        RecentEvent(NOW + i, "miners", USER, 1000, event, "kill", "", None, True)
+        for i in range(3)
+        for event in ("violation", "left")
+    ]
     for e in flap:
         add_recent(recent, to_plain(e))
-    add_recent(recent, to_plain(RecentEvent(NOW + 9, "miners", "user bob", 1001, "violation", "kill", "", None,
-                                            True)))
+    add_recent(recent, to_plain(RecentEvent(NOW + 9, "miners", "user bob", 1001, "violation", "kill", "", None, True)))
     shown = [from_plain(RecentEvent, d) for d in json.loads(json.dumps(recent))]
     assert [(e.subject, e.event, e.repeats, e.since, e.time) for e in shown] == [
-        (USER, "violation", 3, NOW, NOW + 2), (USER, "left", 3, NOW, NOW + 2), ("user bob", "violation", None, None,
-                                                                                 NOW + 9)]
+        (USER, "violation", 3, NOW, NOW + 2),
+        (USER, "left", 3, NOW, NOW + 2),
+        ("user bob", "violation", None, None, NOW + 9),
+    ]
     for i in range(MAX_RECENT + 5):  # distinct events still keep at most MAX_RECENT, newest last
         add_recent(recent, to_plain(RecentEvent(NOW + 10 + i, "miners", f"user u{i}", i, "violation", "kill")))
     assert len(recent) == MAX_RECENT and recent[-1]["subject"] == f"user u{MAX_RECENT + 4}"
@@ -166,8 +182,9 @@ def test_recent_events_fold_repeats_with_their_count_and_first_time():
 REFUSED = Protected("PID 42 is a kernel thread")
 
 
-@pytest.mark.parametrize("outcome, error", [*((o, "") for o in sorted(SIGNALLED)),
-                                            (REFUSED.result, str(REFUSED)), (GpukillError.result, "")])
+@pytest.mark.parametrize(
+    "outcome, error", [*((o, "") for o in sorted(SIGNALLED)), (REFUSED.result, str(REFUSED)), (GpukillError.result, "")]
+)
 @pytest.mark.parametrize("subject", [USER, f"PID {MINER.pid} (xmrig, user alice)"])
 def test_a_finished_kill_words_its_outcome_the_same_in_the_journal_and_the_notice(outcome, error, subject):
     order = KillOrder(RULES["hogs"], subject, ("k",), 1000, (MINER,), False, 5.0, False, "gpu_memory > 2 GiB")
@@ -231,8 +248,9 @@ def test_the_runner_passes_each_report_on_as_it_is(tmp_path):
         raise REFUSED
 
     clock = Clock(monotonic=lambda: 1.0, boottime=lambda: 1.0, wall=lambda: NOW)
-    runner = GuardRunner(kill, sink, NotifyConfig(), str(tmp_path / "g"), str(tmp_path / "s"), clock=clock,
-                         signals=sink)
+    runner = GuardRunner(
+        kill, sink, NotifyConfig(), str(tmp_path / "g"), str(tmp_path / "s"), clock=clock, signals=sink
+    )
     runner.notifier.close()
     runner.notifier = sink
     runner._host = HOST
@@ -251,19 +269,30 @@ def test_the_runner_passes_each_report_on_as_it_is(tmp_path):
 
     asyncio.run(run())
     expected = []
-    for r in (report.violation(ev, False, HOST, NOW), report.kill_done(order, MINER, REFUSED.result, str(REFUSED),
-                                                                        HOST, NOW)):
+    for r in (
+        report.violation(ev, False, HOST, NOW),
+        report.kill_done(order, MINER, REFUSED.result, str(REFUSED), HOST, NOW),
+    ):
         e = only(r)
-        signal = (("violated", e.signal.event, e.signal.dry_run) if isinstance(e.signal, report.Violated)
-                  else ("action_taken", *dataclasses.astuple(e.signal)))
-        expected += [("journal", e.journal.kind, e.journal.message, e.journal.fields), signal,
-                     ("notice", ("journal",), r.notice)]
+        signal = (
+            ("violated", e.signal.event, e.signal.dry_run)
+            if isinstance(e.signal, report.Violated)
+            else ("action_taken", *dataclasses.astuple(e.signal))
+        )
+        expected += [
+            ("journal", e.journal.kind, e.journal.message, e.journal.fields),
+            signal,
+            ("notice", ("journal",), r.notice),
+        ]
     e = only(report.left(gone, NOW))
     expected.append(("journal", e.journal.kind, e.journal.message, e.journal.fields))  # no signal, no notice
     assert sink.got == expected
     assert kills == [(None, MINER.pid, guard_initiator("hogs"))]
-    recent = [only(report.violation(ev, False, HOST, NOW)).recent,
-              only(report.kill_done(order, MINER, REFUSED.result, str(REFUSED), HOST, NOW)).recent, e.recent]
+    recent = [
+        only(report.violation(ev, False, HOST, NOW)).recent,
+        only(report.kill_done(order, MINER, REFUSED.result, str(REFUSED), HOST, NOW)).recent,
+        e.recent,
+    ]
     assert runner.state.recent == [to_plain(e) for e in recent]
     saved = json.loads(json.dumps(runner.state.recent))  # as the state file keeps them across a restart
     assert [from_plain(RecentEvent, d) for d in saved] == recent
@@ -277,10 +306,19 @@ def test_a_scoped_kill_names_what_it_stopped_with_the_target_and_what_it_left_ru
 
     worker = Target(44, 4444, 1000, "alice", "python3", None, None)
     scoped = Scoped((worker,), ((HELPER, "exempt: process name helper"),))
-    order = KillOrder(RULES["hogs"], "PID 42 (xmrig, user alice)", (42, 4242), 1000, (MINER,), True, 5.0, False,
-                      "process_name == 'hog'", scoped=(scoped,))
-    done = report.kill_done(order, MINER, Outcome.TERMINATED, "", HOST, NOW, scoped,
-                            {(44, 4444): (Outcome.KILLED, "")})
+    order = KillOrder(
+        RULES["hogs"],
+        "PID 42 (xmrig, user alice)",
+        (42, 4242),
+        1000,
+        (MINER,),
+        True,
+        5.0,
+        False,
+        "process_name == 'hog'",
+        scoped=(scoped,),
+    )
+    done = report.kill_done(order, MINER, Outcome.TERMINATED, "", HOST, NOW, scoped, {(44, 4444): (Outcome.KILLED, "")})
     entry = only(done)
     said = "with PID 44 (python3) killed with SIGKILL; left running: PID 43 (helper, exempt: process name helper)"
     assert said in entry.journal.message, entry.journal.message
@@ -307,18 +345,43 @@ def test_the_runner_stops_only_what_the_engine_decided_and_frees_every_member(tm
         calls.append(selection)
         if refused:
             raise REFUSED
-        return WorkloadReply(selection.text, (WorkloadEntry(10, 100, 1000, "trainer", Outcome.TERMINATED),
-                                              WorkloadEntry(11, 100, 1000, "python", Outcome.KILLED)))
+        return WorkloadReply(
+            selection.text,
+            (
+                WorkloadEntry(10, 100, 1000, "trainer", Outcome.TERMINATED),
+                WorkloadEntry(11, 100, 1000, "python", Outcome.KILLED),
+            ),
+        )
 
     clock = Clock(monotonic=lambda: 1.0, boottime=lambda: 1.0, wall=lambda: NOW)
-    runner = GuardRunner(None, audit.Audit(None), NotifyConfig(), str(tmp_path / "g"), str(tmp_path / "s"),
-                         clock=clock, own_pid=OWN_PID, kill_workload=kill_workload)
+    runner = GuardRunner(
+        None,
+        audit.Audit(None),
+        NotifyConfig(),
+        str(tmp_path / "g"),
+        str(tmp_path / "s"),
+        clock=clock,
+        own_pid=OWN_PID,
+        kill_workload=kill_workload,
+    )
     runner.engine.tree = lambda pid: [(10, 100), (11, 100), (12, 100)]
-    runner.engine.set_policy(load_texts([("p.yaml", "rules:\n  - name: t\n    action: kill\n    kill_scope: tree\n"
-                                                    "    exemptions: {processes: [ckpt]}\n    conditions: [{type: "
-                                                    "process_name, operator: ==, value: trainer}]\n")]))
-    (order,) = [e for e in runner.engine.evaluate(snap(proc(10, "trainer"), proc(11), proc(12, "ckpt")), False)
-                if isinstance(e, KillOrder)]
+    runner.engine.set_policy(
+        load_texts(
+            [
+                (
+                    "p.yaml",
+                    "rules:\n  - name: t\n    action: kill\n    kill_scope: tree\n"
+                    "    exemptions: {processes: [ckpt]}\n    conditions: [{type: "
+                    "process_name, operator: ==, value: trainer}]\n",
+                )
+            ]
+        )
+    )
+    (order,) = [
+        e
+        for e in runner.engine.evaluate(snap(proc(10, "trainer"), proc(11), proc(12, "ckpt")), False)
+        if isinstance(e, KillOrder)
+    ]
 
     async def run() -> None:
         runner._handle(order, False)
@@ -333,7 +396,7 @@ def test_the_runner_stops_only_what_the_engine_decided_and_frees_every_member(tm
     stats = runner.engine.stats["t"]
     assert (stats.kills, stats.failed) == ((0, 2) if refused else (2, 0))
     (recent,) = runner.state.recent
-    want = (f"with PID 11 (python) not stopped: {REFUSED}" if refused else "with PID 11 (python) killed with SIGKILL")
+    want = f"with PID 11 (python) not stopped: {REFUSED}" if refused else "with PID 11 (python) killed with SIGKILL"
     assert recent["detail"] == want + "; left running: PID 12 (ckpt, exempt: process name ckpt)"
 
 
@@ -344,8 +407,18 @@ def test_a_recent_events_detail_is_left_out_where_proc_hides_other_users():
     from gpukilld.access.visibility import HIDDEN, PROGRAM, Viewer
     from gpukilld.bus.guard import status_as_seen
 
-    event = RecentEvent(NOW, "t", "PID 10 (trainer, user alice)", 1000, "action", "kill", "terminated", 10, False,
-                        detail="left running: PID 14 (python, exempt: user bob)")
+    event = RecentEvent(
+        NOW,
+        "t",
+        "PID 10 (trainer, user alice)",
+        1000,
+        "action",
+        "kill",
+        "terminated",
+        10,
+        False,
+        detail="left running: PID 14 (python, exempt: user bob)",
+    )
     status = GuardStatus(True, False, False, "files", recent=(event,))
     assert status_as_seen(status, Viewer(1000, PROGRAM)).recent == (event,)
     assert status_as_seen(status, Viewer(1000, HIDDEN)).recent == (dataclasses.replace(event, detail=""),)

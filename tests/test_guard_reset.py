@@ -26,10 +26,12 @@ GPU1 = "GPU-8f1c6a2e-0b7d-4c1e-9a55-3d2e7f10a002"
 
 
 def policy(name: str, force: bool) -> str:
-    return (f"rules:\n  - name: {name}\n    scope: per_device\n    action: reset\n    force: {str(force).lower()}\n"
-            f"    cooldown: {COOLDOWN:g}s\n    max_resets_per_hour: 5\n    conditions:\n"
-            f"      - {{type: device_state, operator: ==, value: error, duration: {DURATION:g}s}}\n"
-            "      - {type: recovery_action, operator: ==, value: GPU reset}\n")
+    return (
+        f"rules:\n  - name: {name}\n    scope: per_device\n    action: reset\n    force: {str(force).lower()}\n"
+        f"    cooldown: {COOLDOWN:g}s\n    max_resets_per_hour: 5\n    conditions:\n"
+        f"      - {{type: device_state, operator: ==, value: error, duration: {DURATION:g}s}}\n"
+        "      - {type: recovery_action, operator: ==, value: GPU reset}\n"
+    )
 
 
 @pytest.fixture
@@ -111,8 +113,7 @@ def test_with_force_the_holder_is_killed_first_and_dry_run_resets_nothing(rbed, 
     assert bed.ctl(ROOT, "guard", "dry-run", "on").returncode == 0
     load(bed, "heal-force", policy("heal-force", force=True))
     break_devices(bed, 1)
-    dry = bed.wait_journal(MESSAGE_ID=audit.GUARD_DRY_RUN.message_id, GPUKILL_RULE="heal-force",
-                           timeout=DURATION + 8)
+    dry = bed.wait_journal(MESSAGE_ID=audit.GUARD_DRY_RUN.message_id, GPUKILL_RULE="heal-force", timeout=DURATION + 8)
     assert dry and dry[0]["GPUKILL_RESULT"] == "would-reset" and dry[0]["GPUKILL_TARGET_PIDS"] == str(holder.pid)
     time.sleep(1.0)
     assert holder.poll() is None and resets_of(bed, GPU1) == [], "a dry run kills and resets nothing"

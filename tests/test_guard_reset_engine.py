@@ -18,11 +18,17 @@ XID = xid_reason(79, "GPU reset")
 
 
 def policy(force: bool = False, cooldown: str = "1m", per_hour: int = 3, extra: str = ""):
-    return load_texts([("heal.yaml", "rules:\n  - name: heal\n    scope: per_device\n    action: reset\n"
-                                     f"    force: {str(force).lower()}\n    cooldown: {cooldown}\n"
-                                     f"    max_resets_per_hour: {per_hour}\n    conditions:\n"
-                                     "      - {type: device_state, operator: ==, value: error, duration: 10s}\n"
-                                     + extra)])
+    return load_texts(
+        [
+            (
+                "heal.yaml",
+                "rules:\n  - name: heal\n    scope: per_device\n    action: reset\n"
+                f"    force: {str(force).lower()}\n    cooldown: {cooldown}\n"
+                f"    max_resets_per_hour: {per_hour}\n    conditions:\n"
+                "      - {type: device_state, operator: ==, value: error, duration: 10s}\n" + extra,
+            )
+        ]
+    )
 
 
 def broken(index: int = 0, state: str = "error", reason: str = XID):
@@ -119,8 +125,12 @@ def test_test_policies_previews_a_reset_without_ordering_it() -> None:
     clock = FakeTime()
     engine = engine_for(policy(), clock)
     (preview,) = engine.preview(snap(devices=(broken(0), dev(1))))
-    assert (preview.action, preview.status, preview.wait, preview.subject) == ("reset", "waiting", 10.0,
-                                                                               "GPU 0 (GPU-0)")
+    assert (preview.action, preview.status, preview.wait, preview.subject) == (
+        "reset",
+        "waiting",
+        10.0,
+        "GPU 0 (GPU-0)",
+    )
     assert engine.resets == {} and engine.stats["heal"].triggers == 0
 
 
@@ -129,12 +139,14 @@ def test_lost_devices_and_recovery_actions() -> None:
     assert recovery_action(XID) == "GPU reset" and recovery_action("Xid 13") is None
     clock = FakeTime()
     lost = policy(extra="").rules[0]
-    text = ("rules:\n  - name: lost\n    scope: per_device\n    action: reset\n    conditions:\n"
-            "      - {type: device_state, operator: in, value: [lost]}\n"
-            "  - name: xid\n    scope: per_device\n    action: log\n    conditions:\n"
-            "      - {type: recovery_action, operator: ==, value: GPU reset}\n"
-            "  - name: hot\n    scope: per_device\n    action: log\n    conditions:\n"
-            "      - {type: temperature, operator: '>', value: -100}\n")
+    text = (
+        "rules:\n  - name: lost\n    scope: per_device\n    action: reset\n    conditions:\n"
+        "      - {type: device_state, operator: in, value: [lost]}\n"
+        "  - name: xid\n    scope: per_device\n    action: log\n    conditions:\n"
+        "      - {type: recovery_action, operator: ==, value: GPU reset}\n"
+        "  - name: hot\n    scope: per_device\n    action: log\n    conditions:\n"
+        "      - {type: temperature, operator: '>', value: -100}\n"
+    )
     engine = engine_for(load_texts([("p.yaml", text)]), clock)
     events = engine.evaluate(snap(devices=(broken(0, "lost", "NVML: GPU is lost"), broken(1), dev(2))), False)
     assert [o.subject_key for o in resets(events)] == ["GPU-0"]

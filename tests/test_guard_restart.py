@@ -26,15 +26,19 @@ BOOT = "7d3f0c1e-0000-4000-8000-000000000001"
 
 
 def grace_policy(grace: str = "30s", name: str = "miners") -> str:
-    return (f"rules:\n  - name: {name}\n    action: kill\n    force: true\n    grace_period: {grace}\n"
-            "    conditions:\n      - {type: process_name, operator: ==, value: xmrig}\n"
-            "      - {type: gpu_utilization, operator: '>', value: 95}\n")
+    return (
+        f"rules:\n  - name: {name}\n    action: kill\n    force: true\n    grace_period: {grace}\n"
+        "    conditions:\n      - {type: process_name, operator: ==, value: xmrig}\n"
+        "      - {type: gpu_utilization, operator: '>', value: 95}\n"
+    )
 
 
 def window_policy(duration: str = "60s") -> str:
-    return ("rules:\n  - name: slow\n    action: kill\n    force: true\n    grace_period: 0s\n"
-            "    conditions:\n      - {type: process_name, operator: ==, value: xmrig}\n"
-            f"      - {{type: gpu_utilization, operator: '>', value: 95, duration: {duration}}}\n")
+    return (
+        "rules:\n  - name: slow\n    action: kill\n    force: true\n    grace_period: 0s\n"
+        "    conditions:\n      - {type: process_name, operator: ==, value: xmrig}\n"
+        f"      - {{type: gpu_utilization, operator: '>', value: 95, duration: {duration}}}\n"
+    )
 
 
 def engine(text: str, t: FakeTime, offset: float = 0.0) -> Engine:
@@ -160,14 +164,28 @@ def test_nothing_saved_can_make_the_restore_fail_and_what_is_read_is_bounded():
     good = saved_grace(t)
     rule = good["rules"][0]
     hostile = [
-        None, [], "x", {"format": 2, "boot_id": BOOT, "rules": []}, {"format": 1, "boot_id": BOOT, "rules": {}},
+        None,
+        [],
+        "x",
+        {"format": 2, "boot_id": BOOT, "rules": []},
+        {"format": 1, "boot_id": BOOT, "rules": {}},
         {**good, "rules": [None, 1, {"name": 3}, {**rule, "windows": "x", "episodes": [[1], None]}]},
-        {**good, "rules": [{**rule, "episodes": [[["p", -1, 100], 1, 2, "l", None, False],
-                                                  [["u", 5], 1, 2, "l", None, False],  # a uid for a process rule
-                                                  [["p", 10, 100], float("nan"), 2, "l", None, False],
-                                                  [["p", 10, 100], 1e300, 2, "l", None, False],  # in the future
-                                                  [["p", 10, 100], 1, 2, "x" * 10_000, None, False],
-                                                  [["p", 10, 100], 1, 2, "l", "root", False]]}]},
+        {
+            **good,
+            "rules": [
+                {
+                    **rule,
+                    "episodes": [
+                        [["p", -1, 100], 1, 2, "l", None, False],
+                        [["u", 5], 1, 2, "l", None, False],  # a uid for a process rule
+                        [["p", 10, 100], float("nan"), 2, "l", None, False],
+                        [["p", 10, 100], 1e300, 2, "l", None, False],  # in the future
+                        [["p", 10, 100], 1, 2, "x" * 10_000, None, False],
+                        [["p", 10, 100], 1, 2, "l", "root", False],
+                    ],
+                }
+            ],
+        },
         {**good, "rules": [], "resets": {"": [1.0], "GPU-0": ["x", float("inf")], "GPU-1": 5}, "dry_resets": []},
     ]
     for data in hostile:

@@ -14,8 +14,10 @@ from gpukilld.guard.engine import Engine, GraceWarning, KillOrder, Violation
 
 
 def rule(warn: str, grace: str = "100s", action: str = "kill") -> str:
-    return ("rules:\n  - name: idle\n    conditions:\n      - {type: gpu_utilization, operator: '<', value: 5}\n"
-            f"    action: {action}\n    grace_period: {grace}\n    warn: {warn}\n")
+    return (
+        "rules:\n  - name: idle\n    conditions:\n      - {type: gpu_utilization, operator: '<', value: 5}\n"
+        f"    action: {action}\n    grace_period: {grace}\n    warn: {warn}\n"
+    )
 
 
 def policy(text: str):
@@ -33,23 +35,27 @@ def test_the_schedule_is_kept_largest_first_with_at_start_as_the_grace_period():
     assert r.warn == (100.0, 60.0, 10.0)
 
 
-@pytest.mark.parametrize(("warn", "grace", "where", "says"), [
-    ("[at_start, 2m]", "100s", "w.yaml:7:22", "must fall within the grace period"),
-    ("[0s]", "100s", "w.yaml:7:12", "must fall within the grace period"),
-    ("[1m, 1m]", "100s", "w.yaml:7:16", "twice"),
-    ("[]", "100s", "w.yaml:7:11", "an empty list"),
-    ("soon", "100s", "w.yaml:7:11", "warn must be a list"),
-    ("[tomorrow]", "100s", "w.yaml:7:12", "a warning"),
-    ("[at_start]", "0s", "w.yaml:7:5", "warn needs a grace_period"),
-])
+@pytest.mark.parametrize(
+    ("warn", "grace", "where", "says"),
+    [
+        ("[at_start, 2m]", "100s", "w.yaml:7:22", "must fall within the grace period"),
+        ("[0s]", "100s", "w.yaml:7:12", "must fall within the grace period"),
+        ("[1m, 1m]", "100s", "w.yaml:7:16", "twice"),
+        ("[]", "100s", "w.yaml:7:11", "an empty list"),
+        ("soon", "100s", "w.yaml:7:11", "warn must be a list"),
+        ("[tomorrow]", "100s", "w.yaml:7:12", "a warning"),
+        ("[at_start]", "0s", "w.yaml:7:5", "warn needs a grace_period"),
+    ],
+)
 def test_a_bad_schedule_is_refused_at_its_line_and_column(warn, grace, where, says):
     message = error_of(rule(warn, grace))
     assert where in message and says in message, message
 
 
 def test_warn_applies_only_to_kill_rules():
-    message = error_of(rule("[at_start]", action="notify").replace("    grace_period: 100s\n", "")
-                       + "    notify: [journal]\n")
+    message = error_of(
+        rule("[at_start]", action="notify").replace("    grace_period: 100s\n", "") + "    notify: [journal]\n"
+    )
     assert "warn applies only to action kill" in message
 
 

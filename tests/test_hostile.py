@@ -61,8 +61,15 @@ def bed(hbed):
 
 
 def owner_pid(bed: Testbed) -> int:
-    r = bed.call_as(ROOT, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
-                    "GetConnectionUnixProcessID", "s", ["org.gpukill1"])
+    r = bed.call_as(
+        ROOT,
+        "org.freedesktop.DBus",
+        "/org/freedesktop/DBus",
+        "org.freedesktop.DBus",
+        "GetConnectionUnixProcessID",
+        "s",
+        ["org.gpukill1"],
+    )
     assert r.ok, r
     return r.body[0]
 
@@ -111,12 +118,17 @@ def start_many(bed: Testbed, user, count: int, gpus: str, args: list[str], code:
     are the process's command line, as long as the kernel allows)."""
     if not _STDIN:
         _STDIN.extend(os.pipe())  # kept open for the session: the write end is never closed
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": gpus, "GPUKILL_SIM_SCOPE": bed.scope,
-           "GPUKILL_SIM_MEM": "1GiB"}
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": gpus, "GPUKILL_SIM_SCOPE": bed.scope, "GPUKILL_SIM_MEM": "1GiB"}
     procs = []
     for _ in range(count):
-        proc = subprocess.Popen(["/bin/sh", "-c", code, "sh", *args], stdin=_STDIN[0], env=env, cwd="/",
-                                start_new_session=True, **user.popen_kwargs())
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", code, "sh", *args],
+            stdin=_STDIN[0],
+            env=env,
+            cwd="/",
+            start_new_session=True,
+            **user.popen_kwargs(),
+        )
         bed.procs.append(proc)
         procs.append(proc)
     return procs
@@ -124,8 +136,12 @@ def start_many(bed: Testbed, user, count: int, gpus: str, args: list[str], code:
 
 def wait_listed(bed: Testbed, pids: set[int], timeout: float = 20.0) -> None:
     # the client pages when the listing is large
-    wait_until(lambda: pids <= bed.listed().keys(), timeout,
-               lambda: f"{len(pids - bed.listed().keys())} processes never listed", interval=0.3)
+    wait_until(
+        lambda: pids <= bed.listed().keys(),
+        timeout,
+        lambda: f"{len(pids - bed.listed().keys())} processes never listed",
+        interval=0.3,
+    )
 
 
 # -- regular expressions ---------------------------------------------------------------------------------
@@ -149,8 +165,12 @@ def test_a_regex_bomb_in_the_list_filter_costs_nothing(bed, users):
     for r, took in result["value"]:
         assert r.returncode == 0 and took < ANSWER_WITHIN, (r.stderr, took)
     # what RE2 cannot run in linear time is refused with the reason, in one line
-    for pattern, why in ((r"(a)\1", "invalid escape sequence"), ("(?=a)", "invalid perl operator"),
-                         ("((a{100}){100}){100}", "invalid repetition size"), ("x" * 1025, "longer than 1024")):
+    for pattern, why in (
+        (r"(a)\1", "invalid escape sequence"),
+        ("(?=a)", "invalid perl operator"),
+        ("((a{100}){100}){100}", "invalid repetition size"),
+        ("x" * 1025, "longer than 1024"),
+    ):
         r = bed.ctl(users["other"], "list", "--name-regex", pattern)
         assert r.returncode == 2 and why in r.stderr and r.stderr.count("\n") == 1, r.stderr
     serving(bed, users["owner"])
@@ -160,12 +180,15 @@ def test_a_regex_bomb_in_test_policies_and_in_an_admin_rule(bed, users):
     """Caller policies run in the sandbox, admin rules in the daemon: both with RE2, over bounded text."""
     victims = start_many(bed, users["owner"], 10, "0,1", ["a" * 100_000], code="read x")
     wait_listed(bed, {p.pid for p in victims})
-    evil = ("rules:\n"
-            f"  - {{name: bomb, action: log, conditions: [{{type: cmdline, operator: matches, value: '{BOMB}'}}]}}\n"
-            "  - {name: nested, action: log, conditions: [{type: process_name, operator: matches,"
-            " value: '(a|aa){1000}'}]}\n")
-    with during(bed, users["owner"], bed.guard_call, users["other"], "TestPolicies", "ss", ["evil.yaml", evil]) \
-            as result:
+    evil = (
+        "rules:\n"
+        f"  - {{name: bomb, action: log, conditions: [{{type: cmdline, operator: matches, value: '{BOMB}'}}]}}\n"
+        "  - {name: nested, action: log, conditions: [{type: process_name, operator: matches,"
+        " value: '(a|aa){1000}'}]}\n"
+    )
+    with during(
+        bed, users["owner"], bed.guard_call, users["other"], "TestPolicies", "ss", ["evil.yaml", evil]
+    ) as result:
         pass
     r = result["value"]
     assert r.ok and r.body == [[]], r  # nothing matches, and it said so quickly
@@ -173,10 +196,16 @@ def test_a_regex_bomb_in_test_policies_and_in_an_admin_rule(bed, users):
     # The same patterns as an admin's guard.d rule, evaluated by the daemon itself every sample
     (bed.workdir / "guard.d" / "evil.yaml").write_text(evil)
     bed.daemon.proc.send_signal(1)  # SIGHUP: re-read guard.d
-    st = wait_until(lambda: (s := bed.guard_call(ROOT, "GetStatus").body[0])["evaluations"] >= 5
-                    and {r["name"] for r in s["rules"]} == {"bomb", "nested"} and s, 10,
-                    lambda: f"the admin's rules were not evaluated: {bed.guard_call(ROOT, 'GetStatus').body[0]}",
-                    interval=0.3)
+    st = wait_until(
+        lambda: (
+            (s := bed.guard_call(ROOT, "GetStatus").body[0])["evaluations"] >= 5
+            and {r["name"] for r in s["rules"]} == {"bomb", "nested"}
+            and s
+        ),
+        10,
+        lambda: f"the admin's rules were not evaluated: {bed.guard_call(ROOT, 'GetStatus').body[0]}",
+        interval=0.3,
+    )
     assert st["max_eval_ms"] < 500, st["max_eval_ms"]
     serving(bed, users["owner"])
     (bed.workdir / "guard.d" / "evil.yaml").unlink()
@@ -228,24 +257,31 @@ def test_test_policies_alias_blowup_is_bounded(bed, users):
     """YAML aliases let a small text name huge lists many times over; what comes back stays small."""
     victims = start_many(bed, users["owner"], 20, "0,1", ["b" * 3000])
     wait_listed(bed, {p.pid for p in victims})
+
     def policy(anchor: str, items: str, count: int, extra: str = "") -> str:
         """count rules; the first defines the list (a YAML anchor), the others refer to it (aliases)."""
-        rules = [f"  - {{name: r{i}, action: log, conditions: [{{type: cmdline, operator: contains_any, value: "
-                 f"{f'&{anchor} [{items}]' if i == 0 else f'*{anchor}'}}}{extra}]}}" for i in range(count)]
+        rules = [
+            f"  - {{name: r{i}, action: log, conditions: [{{type: cmdline, operator: contains_any, value: "
+            f"{f'&{anchor} [{items}]' if i == 0 else f'*{anchor}'}}}{extra}]}}"
+            for i in range(count)
+        ]
         return "rules:\n" + "\n".join(rules) + "\n"
 
     texts = {
         # 400 references to a 2,001-item list: 800,000 items to check, and as many to print in reasons
-        "huge": policy("big", "sh, " + ", ".join(f"n{i:04d}" for i in range(2000)), 400,
-                       ", {type: process_name, operator: contains_any, value: [sh]}"),
+        "huge": policy(
+            "big",
+            "sh, " + ", ".join(f"n{i:04d}" for i in range(2000)),
+            400,
+            ", {type: process_name, operator: contains_any, value: [sh]}",
+        ),
         # valid and small, but 400 rules x 20 processes = 8,000 decisions
         "many": policy("few", "sh, " + ", ".join(f"m{i}" for i in range(100)), 400),
     }
     for name, text in texts.items():
         assert len(text) < 200_000
         t0 = time.monotonic()
-        with during(bed, users["owner"], bed.guard_call, users["other"], "TestPolicies", "ss", [name, text]) \
-                as result:
+        with during(bed, users["owner"], bed.guard_call, users["other"], "TestPolicies", "ss", [name, text]) as result:
             pass
         r = result["value"]
         took = time.monotonic() - t0
@@ -265,13 +301,19 @@ def test_test_policies_alias_blowup_is_bounded(bed, users):
 
 def test_one_user_cannot_hold_every_policy_test(bed, users):
     """A user gets one sandbox at a time; others still get theirs."""
-    slow = "rules:\n" + "".join(f"  - {{name: r{i}, action: log, conditions: [{{type: process_name, operator: "
-                                 f"==, value: zzz}}]}}\n" for i in range(1000))  # a second or so to validate
+    slow = "rules:\n" + "".join(
+        f"  - {{name: r{i}, action: log, conditions: [{{type: process_name, operator: ==, value: zzz}}]}}\n"
+        for i in range(1000)
+    )  # a second or so to validate
 
     def three():
         outs = []
-        ts = [threading.Thread(target=lambda: outs.append(
-            bed.guard_call(users["other"], "TestPolicies", "ss", ["slow.yaml", slow]))) for _ in range(3)]
+        ts = [
+            threading.Thread(
+                target=lambda: outs.append(bed.guard_call(users["other"], "TestPolicies", "ss", ["slow.yaml", slow]))
+            )
+            for _ in range(3)
+        ]
         for t in ts:
             t.start()
         for t in ts:
@@ -295,8 +337,11 @@ def flood(agent: subprocess.Popen, events: list[dict], **spec) -> dict:
     agent.stdin.write(json.dumps(spec) + "\n")
     agent.stdin.flush()
     waves = spec["flood"] // spec.get("batch", 100) + 1
-    floods = wait_until(lambda: (f := [e for e in events if "flood" in e])[before:] and f,
-                        (spec.get("wait", 5) + spec.get("pause", 0)) * waves + 30, "the flood never finished")
+    floods = wait_until(
+        lambda: (f := [e for e in events if "flood" in e])[before:] and f,
+        (spec.get("wait", 5) + spec.get("pause", 0)) * waves + 30,
+        "the flood never finished",
+    )
     return floods[-1]["flood"]
 
 
@@ -307,8 +352,17 @@ def test_never_answered_authorizations_do_not_lock_out_others(bed, users):
     target = bed.victim(users["owner"], gpu=0, comm="target")
     listed = bed.wait_listed(target.pid)
     agent, _name, events = start_hostile_agent(bed, users["other"])
-    outcome = flood(agent, events, flood=128, batch=128, member="KillProcess", signature="uta{sv}",
-                    body=[target.pid, listed["start_time"], {}], interactive=True, wait=5)
+    outcome = flood(
+        agent,
+        events,
+        flood=128,
+        batch=128,
+        member="KillProcess",
+        signature="uta{sv}",
+        body=[target.pid, listed["start_time"], {}],
+        interactive=True,
+        wait=5,
+    )
     lane = polkit_queue.QUEUE_PER_LANE
     assert outcome["pending"] <= lane and outcome.get(TOO_BUSY, 0) >= 128 - lane, outcome
     assert any("begin" in e for e in events), "polkit never asked the hostile agent: the attack did not happen"
@@ -366,8 +420,19 @@ def test_a_flood_of_calls_is_held_to_its_rate(bed, users):
     others are served."""
     agent, _name, events = start_hostile_agent(bed, users["other"])
     started = time.monotonic()
-    agent.stdin.write(json.dumps({"flood": 20000, "batch": 120, "member": "ListProcesses", "signature": "a{sv}",
-                                  "body": [{"name": {"$variant": ["s", "no such process"]}}], "wait": 60}) + "\n")
+    agent.stdin.write(
+        json.dumps(
+            {
+                "flood": 20000,
+                "batch": 120,
+                "member": "ListProcesses",
+                "signature": "a{sv}",
+                "body": [{"name": {"$variant": ["s", "no such process"]}}],
+                "wait": 60,
+            }
+        )
+        + "\n"
+    )
     agent.stdin.flush()
     time.sleep(1.0)  # the flood is on
     serving(bed, users["owner"])
@@ -396,10 +461,28 @@ def test_a_thousand_refusals_do_not_push_a_kill_out_of_the_journal(bed, users):
     time.sleep(refusals.WINDOW + 1)  # refusals of earlier tests by the same user are reported first
     before = len(bed.journal(GPUKILL_CALLER_UID=str(other.uid)))
     # paced under the per-uid call rate (200/s), so that every one reaches the kill path and its audit
-    refused = flood(agent, events, flood=500, batch=100, pause=0.7, member="KillProcess", signature="uta{sv}",
-                    body=[1, 0, {}], wait=30)
-    denied = flood(agent, events, flood=500, batch=100, pause=0.7, member="KillProcess", signature="uta{sv}",
-                   body=[victim.pid, listed["start_time"], {}], wait=60)
+    refused = flood(
+        agent,
+        events,
+        flood=500,
+        batch=100,
+        pause=0.7,
+        member="KillProcess",
+        signature="uta{sv}",
+        body=[1, 0, {}],
+        wait=30,
+    )
+    denied = flood(
+        agent,
+        events,
+        flood=500,
+        batch=100,
+        pause=0.7,
+        member="KillProcess",
+        signature="uta{sv}",
+        body=[victim.pid, listed["start_time"], {}],
+        wait=60,
+    )
     assert refused == {"pending": 0, "org.gpukill1.Error.ProcessChanged": 500}, refused
     assert denied["pending"] == 0 and sum(denied.values()) == 500, denied
     # the owner's real kill right after the flood is in the journal, and so is a warning of the same priority
@@ -408,16 +491,18 @@ def test_a_thousand_refusals_do_not_push_a_kill_out_of_the_journal(bed, users):
     mine_listed = bed.wait_listed(mine.pid)
     r = bed.manager(users["owner"], "KillProcess", "uta{sv}", [mine.pid, mine_listed["start_time"], {}])
     assert r.ok, r
-    assert bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(mine.pid)), \
+    assert bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(mine.pid)), (
         "the real kill was pushed out of the journal"
+    )
     original = bed.daemon.sim_path.read_text()
     sim = yaml.safe_load(original)
     sim["devices"][3]["state"] = "lost"
     try:
         bed.daemon.sim_path.with_suffix(".tmp").write_text(yaml.safe_dump(sim))
         os.replace(bed.daemon.sim_path.with_suffix(".tmp"), bed.daemon.sim_path)
-        assert bed.wait_journal(MESSAGE_ID=audit.DEVICE_STATE.message_id, GPUKILL_STATE="lost"), \
+        assert bed.wait_journal(MESSAGE_ID=audit.DEVICE_STATE.message_id, GPUKILL_STATE="lost"), (
             "the lost GPU's warning was pushed out of the journal"
+        )
     finally:
         bed.daemon.sim_path.with_suffix(".tmp").write_text(original)
         os.replace(bed.daemon.sim_path.with_suffix(".tmp"), bed.daemon.sim_path)
@@ -461,9 +546,17 @@ def test_escape_sequences_in_names_never_reach_a_terminal(bed, users):
 
 def test_errors_before_authorization_say_no_more_than_kill_would(bed, users):
     """A caller learns whether a PID exists (as kill(2) tells), not another process's name or start time."""
-    secret = subprocess.Popen([SYSTEM_PYTHON, "-c", "import ctypes,time; ctypes.CDLL(None).prctl(15, b'secretname',"
-                               " 0, 0, 0); print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE,
-                              start_new_session=True, **users["owner"].popen_kwargs())
+    secret = subprocess.Popen(
+        [
+            SYSTEM_PYTHON,
+            "-c",
+            "import ctypes,time; ctypes.CDLL(None).prctl(15, b'secretname',"
+            " 0, 0, 0); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+        **users["owner"].popen_kwargs(),
+    )
     bed.procs.append(secret)
     assert secret.stdout.readline().strip() == b"ready"
     with open(f"/proc/{secret.pid}/stat") as f:

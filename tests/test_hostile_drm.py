@@ -39,8 +39,10 @@ GiB = 1 << 30
 PDEV = "0000:03:00.0"
 RULE = "limit-user-memory"
 GRACE, INTERVAL = 1.0, 0.2
-POLICY = (f"rules:\n  - name: {RULE}\n    scope: per_user\n    action: kill\n    grace_period: {GRACE:g}s\n"
-          "    conditions: [{type: user_memory, operator: '>', value: 4GiB}]\n")
+POLICY = (
+    f"rules:\n  - name: {RULE}\n    scope: per_user\n    action: kill\n    grace_period: {GRACE:g}s\n"
+    "    conditions: [{type: user_memory, operator: '>', value: 4GiB}]\n"
+)
 
 
 def system_user() -> User:
@@ -88,8 +90,9 @@ def guarded(drm_bed):
     del bed.procs[before:]
 
 
-def share_client(bed: Testbed, host: DrmHost, holders: list[tuple[subprocess.Popen, int]], client_id: int,
-                 vram: int) -> None:
+def share_client(
+    bed: Testbed, host: DrmHost, holders: list[tuple[subprocess.Popen, int]], client_id: int, vram: int
+) -> None:
     """The same drm_file in each holder's fd table, as the receiver of an SCM_RIGHTS message holds it.
 
     The fixture's fd tables are written one after the other, and a sample between two writes would see one
@@ -168,8 +171,9 @@ def test_a_client_shared_with_a_system_daemon_is_the_users(guarded, users):
     assert pid_alive(daemon.pid), "the system account's process was killed"
     assert guard_entries(bed, daemon.pid) == []
 
-    violation = bed.wait_journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_RULE=RULE,
-                                 GPUKILL_TARGET_PIDS=str(miner.pid))
+    violation = bed.wait_journal(
+        MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_RULE=RULE, GPUKILL_TARGET_PIDS=str(miner.pid)
+    )
     assert violation and violation[0]["GPUKILL_SUBJECT"] == "user gpkowner"
     assert "user_memory 6.0 GiB" in violation[0]["GPUKILL_REASON"], violation[0]
     action = bed.wait_journal(MESSAGE_ID=audit.GUARD_ACTION.message_id, GPUKILL_TARGET_PID=str(miner.pid))

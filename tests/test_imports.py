@@ -38,17 +38,31 @@ CLIENT_FOLDERS: dict[str, set[str]] = {
 CLIENT_ROOT = {"gpukillctl", "gpukillctl.__main__"}  # the modules gpukillctl/ may hold outside a folder
 # What of a front end cli/ may import, and from where: the entry points (register, cmd_*) it dispatches to.
 DISPATCHER = "gpukillctl.cli.main"
-DISPATCHED = {"gpukillctl.top.app", "gpukillctl.top.monitor", "gpukillctl.notify.agent", "gpukillctl.serve.server",
-              "gpukillctl.serve.mcp_cli", "gpukillctl.exporter.main"}
+DISPATCHED = {
+    "gpukillctl.top.app",
+    "gpukillctl.top.monitor",
+    "gpukillctl.notify.agent",
+    "gpukillctl.serve.server",
+    "gpukillctl.serve.mcp_cli",
+    "gpukillctl.exporter.main",
+}
 # gpukilld: data flows up this list, from the base (the snapshot's records, the configuration and the audit's
 # settings it reads, the journal writer, the bus names) through /proc, the backends, sampling, access, the
 # rogue audit, the acts on processes and devices, Guard and usage accounting, to the bus; main.py wires them
 # all. A folder imports its own and those before it, never one after it.
 DAEMON_FLOW = ("base", "proc", "backends", "sampling", "access", "rogue", "acts", "guard", "usage", "bus", "main")
-DAEMON_ROOT = {"gpukilld": "base", "gpukilld.model": "base", "gpukilld.config": "base",
-               "gpukilld.audit_settings": "base", "gpukilld.journal": "base", "gpukilld.names": "base",
-               "gpukilld.files": "base", "gpukilld.ini": "base",
-               "gpukilld.main": "main", "gpukilld.__main__": "main"}
+DAEMON_ROOT = {
+    "gpukilld": "base",
+    "gpukilld.model": "base",
+    "gpukilld.config": "base",
+    "gpukilld.audit_settings": "base",
+    "gpukilld.journal": "base",
+    "gpukilld.names": "base",
+    "gpukilld.files": "base",
+    "gpukilld.ini": "base",
+    "gpukilld.main": "main",
+    "gpukilld.__main__": "main",
+}
 # No folder holds more than about 12 modules at one level (gpukill/ holds 13, all one concern: the records and
 # rules both sides read); __init__ and __main__ are not counted.
 MAX_MODULES = 13
@@ -109,11 +123,15 @@ def folders_of(root: Path = REPO) -> dict[str, str | None]:
         if pkg == "gpukill":
             out[name] = "gpukill"
         elif pkg == "gpukillctl":
-            out[name] = (folder if folder in CLIENT_FOLDERS and folder != "root"
-                         else "root" if folder is None and name in CLIENT_ROOT else None)
+            out[name] = (
+                folder
+                if folder in CLIENT_FOLDERS and folder != "root"
+                else "root"
+                if folder is None and name in CLIENT_ROOT
+                else None
+            )
         else:
-            out[name] = (folder if folder in DAEMON_FLOW[1:-1]
-                         else DAEMON_ROOT.get(name) if folder is None else None)
+            out[name] = folder if folder in DAEMON_FLOW[1:-1] else DAEMON_ROOT.get(name) if folder is None else None
     return out
 
 
@@ -128,14 +146,19 @@ def folder_violations(graph: dict[str, set[str]], folders: dict[str, str | None]
                 continue
             if pkg == "gpukillctl":
                 if there not in CLIENT_FOLDERS[here]:
-                    wrong.append(f"{importer} ({here}/) imports {target} ({there}/): "
-                                 f"{here}/ may import only {', '.join(sorted(CLIENT_FOLDERS[here]))}")
+                    wrong.append(
+                        f"{importer} ({here}/) imports {target} ({there}/): "
+                        f"{here}/ may import only {', '.join(sorted(CLIENT_FOLDERS[here]))}"
+                    )
                 elif here == "cli" and there in FRONT_ENDS and (importer != DISPATCHER or target not in DISPATCHED):
-                    wrong.append(f"{importer} imports {target}: cli/ reaches a front end only from {DISPATCHER}, "
-                                 f"and only its entry point ({', '.join(sorted(DISPATCHED))})")
+                    wrong.append(
+                        f"{importer} imports {target}: cli/ reaches a front end only from {DISPATCHER}, "
+                        f"and only its entry point ({', '.join(sorted(DISPATCHED))})"
+                    )
             elif pkg == "gpukilld" and DAEMON_FLOW.index(there) > DAEMON_FLOW.index(here):
-                wrong.append(f"{importer} ({here}) imports {target} ({there}): against the flow "
-                             f"{' <- '.join(DAEMON_FLOW)}")
+                wrong.append(
+                    f"{importer} ({here}) imports {target} ({there}): against the flow {' <- '.join(DAEMON_FLOW)}"
+                )
     return wrong
 
 
@@ -196,9 +219,12 @@ def test_the_graph_is_read_from_every_module():
 
 
 def test_each_package_imports_only_what_it_may():
-    wrong = [f"{importer} imports {target}"
-             for importer, targets in import_graph().items() for target in sorted(targets)
-             if target.split(".")[0] not in ALLOWED[importer.split(".")[0]]]
+    wrong = [
+        f"{importer} imports {target}"
+        for importer, targets in import_graph().items()
+        for target in sorted(targets)
+        if target.split(".")[0] not in ALLOWED[importer.split(".")[0]]
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -215,8 +241,10 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_client_loads_no_daemon_module():
     # At run time too: whatever gpukillctl imports when it starts, nothing of gpukilld comes with it.
-    probe = ("import sys; import gpukillctl.cli.main, gpukillctl.client.dbus; "
-             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gpukilld'))")
+    probe = (
+        "import sys; import gpukillctl.cli.main, gpukillctl.client.dbus; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gpukilld'))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -225,10 +253,12 @@ def test_the_one_shot_path_loads_no_event_loop():
     # gpukillctl list/kill/reset/status/guard/audit start in ~1/3 of the time without asyncio and dbus-fast
     # (gpukillctl/client/blocking.py): an eager import of either anywhere on that path undoes it. The path
     # here is what `gpukillctl list --json` and `gpukill --list` import before they connect.
-    probe = ("import sys; import gpukillctl.cli.main, gpukillctl.cli.compat, gpukillctl.client.blocking; "
-             "gpukillctl.cli.main.build_parser(full=False).parse_args(['list', '--json']); "
-             "gpukillctl.cli.compat.plan(['--kill', '--pid', '12']); "
-             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('asyncio', 'dbus_fast')))")
+    probe = (
+        "import sys; import gpukillctl.cli.main, gpukillctl.cli.compat, gpukillctl.client.blocking; "
+        "gpukillctl.cli.main.build_parser(full=False).parse_args(['list', '--json']); "
+        "gpukillctl.cli.compat.plan(['--kill', '--pid', '12']); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('asyncio', 'dbus_fast')))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -253,20 +283,35 @@ def test_no_folder_is_crowded():
 
 def test_the_folder_rules_report_what_breaks_them():
     # The checks above pass on an empty answer: on a small graph with each kind of wrong arrow, they must speak.
-    folders = {"gpukillctl.top.app": "top", "gpukillctl.serve.server": "serve", "gpukillctl.client.api": "client",
-               "gpukillctl.cli.main": "cli", "gpukillctl.cli.compat": "cli", "gpukillctl.top.model": "top",
-               "gpukilld.rogue.score": "rogue", "gpukilld.bus.door": "bus", "gpukilld.model": "base",
-               "gpukilld.main": "main", "gpukilld.stray": None}
-    graph = {"gpukillctl.top.app": {"gpukillctl.serve.server", "gpukillctl.client.api"},  # a front end on another
-             "gpukillctl.client.api": {"gpukillctl.cli.main"},  # the bottom reaching up
-             "gpukillctl.cli.compat": {"gpukillctl.top.app"},  # a front end, not from the dispatcher
-             "gpukillctl.cli.main": {"gpukillctl.top.model", "gpukillctl.top.app"},  # past the entry point
-             "gpukilld.rogue.score": {"gpukilld.bus.door", "gpukilld.model"},  # a lower folder on a higher one
-             "gpukilld.main": {"gpukilld.bus.door", "gpukilld.rogue.score", "gpukilld.stray"}}
+    folders = {
+        "gpukillctl.top.app": "top",
+        "gpukillctl.serve.server": "serve",
+        "gpukillctl.client.api": "client",
+        "gpukillctl.cli.main": "cli",
+        "gpukillctl.cli.compat": "cli",
+        "gpukillctl.top.model": "top",
+        "gpukilld.rogue.score": "rogue",
+        "gpukilld.bus.door": "bus",
+        "gpukilld.model": "base",
+        "gpukilld.main": "main",
+        "gpukilld.stray": None,
+    }
+    graph = {
+        "gpukillctl.top.app": {"gpukillctl.serve.server", "gpukillctl.client.api"},  # a front end on another
+        "gpukillctl.client.api": {"gpukillctl.cli.main"},  # the bottom reaching up
+        "gpukillctl.cli.compat": {"gpukillctl.top.app"},  # a front end, not from the dispatcher
+        "gpukillctl.cli.main": {"gpukillctl.top.model", "gpukillctl.top.app"},  # past the entry point
+        "gpukilld.rogue.score": {"gpukilld.bus.door", "gpukilld.model"},  # a lower folder on a higher one
+        "gpukilld.main": {"gpukilld.bus.door", "gpukilld.rogue.score", "gpukilld.stray"},
+    }
     wrong = folder_violations(graph, folders)
     assert [w.split(" imports ")[0] for w in wrong] == [
-        "gpukillctl.cli.compat", "gpukillctl.cli.main", "gpukillctl.client.api (client/)", "gpukillctl.top.app (top/)",
-        "gpukilld.rogue.score (rogue)"], "\n".join(wrong)
+        "gpukillctl.cli.compat",
+        "gpukillctl.cli.main",
+        "gpukillctl.client.api (client/)",
+        "gpukillctl.top.app (top/)",
+        "gpukilld.rogue.score (rogue)",
+    ], "\n".join(wrong)
     assert "gpukillctl.top.model" in wrong[1] and "gpukillctl.serve.server" in wrong[3] and "bus" in wrong[4]
     assert outside_folders(folders) == ["gpukilld.stray"]
 
@@ -282,6 +327,7 @@ def test_a_flat_package_is_reported(tmp_path):
     (tmp_path / "gpukilld" / "bouncer.py").write_text("from . import model\n")
     (tmp_path / "gpukilld" / "model.py").write_text("")
     folders = folders_of(tmp_path)
-    assert outside_folders(folders) == sorted([f"gpukillctl.front_end_{i}" for i in range(MAX_MODULES + 1)]
-                                              + ["gpukilld.bouncer"])
+    assert outside_folders(folders) == sorted(
+        [f"gpukillctl.front_end_{i}" for i in range(MAX_MODULES + 1)] + ["gpukilld.bouncer"]
+    )
     assert crowded_folders(tmp_path) == [f"gpukillctl/ holds {MAX_MODULES + 1} modules (at most {MAX_MODULES})"]

@@ -31,13 +31,16 @@ AUTH_SELF_RULE = """polkit.addRule(function(action, subject) {
 
 def run_on_terminal(bed, user: User, args: list[str], answer: str | None, timeout: float = 60) -> tuple[int, str]:
     """Run gpukillctl as `user` with a pty as its terminal; type `answer` at the password prompt."""
-    script = (f"mount --bind {bed.workdir} /run/dbus && exec setpriv --reuid={user.uid} --regid={user.gid} "
-              f"--init-groups {PYTHON} -m gpukillctl {' '.join(args)}")
+    script = (
+        f"mount --bind {bed.workdir} /run/dbus && exec setpriv --reuid={user.uid} --regid={user.gid} "
+        f"--init-groups {PYTHON} -m gpukillctl {' '.join(args)}"
+    )
     pid, fd = os.forkpty()
     if pid == 0:  # child: never returns
         try:
-            os.execve("/usr/bin/unshare", ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                      bed.env())
+            os.execve(
+                "/usr/bin/unshare", ["unshare", "--mount", "--propagation", "private", "sh", "-c", script], bed.env()
+            )
         finally:
             os._exit(127)
     out = b""

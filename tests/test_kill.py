@@ -24,8 +24,12 @@ def test_sigterm_ignoring_victim_is_killed_by_force(victims, users, alive):
     victim = bed.victim(users["owner"], gpu=0, ignore_term=True, comm="stubborn")
     listed = bed.wait_listed(victim.pid)
     t0 = time.monotonic()
-    r = bed.manager(users["owner"], "KillProcess", "uta{sv}",
-                    [victim.pid, listed["start_time"], {"force": {"$variant": ["b", True]}, "grace": _grace(1.0)}])
+    r = bed.manager(
+        users["owner"],
+        "KillProcess",
+        "uta{sv}",
+        [victim.pid, listed["start_time"], {"force": {"$variant": ["b", True]}, "grace": _grace(1.0)}],
+    )
     elapsed = time.monotonic() - t0
     assert r.ok and r.body == ["killed"], r
     assert elapsed >= 1.0, "SIGKILL must come only after the grace"
@@ -35,7 +39,13 @@ def test_sigterm_ignoring_victim_is_killed_by_force(victims, users, alive):
     pid, start_time, uid, comm, devices, outcome, caller_uid, initiator, reclaim = sig["body"]
     assert reclaim["verdict"] == "reclaimed"  # after the exit, nothing related holds its GPU
     assert (start_time, uid, comm, outcome, caller_uid, initiator) == (
-        listed["start_time"], users["owner"].uid, "stubborn", "killed", users["owner"].uid, "user")
+        listed["start_time"],
+        users["owner"].uid,
+        "stubborn",
+        "killed",
+        users["owner"].uid,
+        "user",
+    )
     assert devices == [listed["device_id"]]
     entry = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
     assert entry and entry[0]["GPUKILL_RESULT"] == "killed" and entry[0]["GPUKILL_FORCE"] == "1"
@@ -47,7 +57,9 @@ def test_without_force_it_is_reported_still_alive(victims, users, alive):
     bed = victims
     victim = bed.victim(users["owner"], gpu=0, ignore_term=True)
     listed = bed.wait_listed(victim.pid)
-    r = bed.manager(users["owner"], "KillProcess", "uta{sv}", [victim.pid, listed["start_time"], {"grace": _grace(0.5)}])
+    r = bed.manager(
+        users["owner"], "KillProcess", "uta{sv}", [victim.pid, listed["start_time"], {"grace": _grace(0.5)}]
+    )
     assert r.ok and r.body == ["still-alive"], r
     assert alive(victim.pid)
     entry = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
@@ -86,8 +98,11 @@ def test_real_pid_reuse(victims, users, alive):
     for _ in range(50):
         with open("/proc/sys/kernel/ns_last_pid", "w") as f:
             f.write(str(pid - 1))
-        p = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time; time.sleep(60)"],
-                             env={"GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope}, start_new_session=True)
+        p = subprocess.Popen(
+            [SYSTEM_PYTHON, "-c", "import time; time.sleep(60)"],
+            env={"GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope},
+            start_new_session=True,
+        )
         bed.procs.append(p)
         if p.pid == pid:
             newcomer = p
@@ -113,8 +128,9 @@ def test_protected_targets(victims, users, alive):
         r = bed.manager(users["root"], "KillProcess", "uta{sv}", [pid, start_time_of(pid), {}])
         assert r.error == error, (pid, r)
     # a real process of the owner that is not on any GPU
-    plain = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time; time.sleep(60)"], user=users["owner"].uid,
-                             env={}, start_new_session=True)
+    plain = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", "import time; time.sleep(60)"], user=users["owner"].uid, env={}, start_new_session=True
+    )
     bed.procs.append(plain)
     time.sleep(0.3)
     r = bed.manager(users["owner"], "KillProcess", "uta{sv}", [plain.pid, start_time_of(plain.pid), {}])

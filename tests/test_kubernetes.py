@@ -31,8 +31,7 @@ ENTRYPOINT = CONTAINER / "entrypoint.sh"
 
 
 def _documents() -> list[tuple[Path, dict]]:
-    return [(path, doc) for path in sorted(KUBE.glob("*.yaml"))
-            for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [(path, doc) for path in sorted(KUBE.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def _one(kind: str) -> dict:
@@ -71,6 +70,7 @@ def _configmap_tree(dest: Path) -> None:
 
 
 # -- the manifests --------------------------------------------------------------------------------------
+
 
 def test_manifests_validate_against_the_kubernetes_api_schemas():
     kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
@@ -188,6 +188,7 @@ def _image_account() -> tuple[int, int]:
 
 # -- the image ------------------------------------------------------------------------------------------
 
+
 def test_the_containerfile_installs_what_the_entrypoint_needs():
     text = CONTAINER.joinpath("Containerfile").read_text()
     stages = re.split(r"^FROM ", text, flags=re.M)[1:]
@@ -206,6 +207,7 @@ def test_the_containerfile_installs_what_the_entrypoint_needs():
 
 
 # -- the entrypoint, run as the DaemonSet runs it -------------------------------------------------------
+
 
 def _in_session(sid: int) -> list[int]:
     """The processes of a session (the pod's: dbus-daemon and gpukilld were started in the entrypoint's)."""
@@ -256,8 +258,9 @@ def test_entrypoint_runs_gpukilld_on_the_pods_bus_with_the_configmaps_policy(use
     # The image's accounts: the host's, plus the exporter's as the Containerfile's useradd makes it (dbus-daemon
     # refuses a uid it cannot look up, so the image must have it).
     uid, gid = _image_account()
-    (tmp_path / "passwd").write_text(Path("/etc/passwd").read_text()
-                                     + f"gpukill-exporter:x:{uid}:{gid}::/nonexistent:/usr/sbin/nologin\n")
+    (tmp_path / "passwd").write_text(
+        Path("/etc/passwd").read_text() + f"gpukill-exporter:x:{uid}:{gid}::/nonexistent:/usr/sbin/nologin\n"
+    )
     (tmp_path / "group").write_text(Path("/etc/group").read_text() + f"gpukill-exporter:x:{gid}:\n")
     # The image's files in a private mount namespace: the ConfigMap read-only at /etc/gpukill, an empty
     # /run/dbus, the state hostPath, and our bus policy alone where the Containerfile copies it. hostPID:
@@ -265,36 +268,65 @@ def test_entrypoint_runs_gpukilld_on_the_pods_bus_with_the_configmaps_policy(use
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DBUS_", "NOTIFY_SOCKET", "WATCHDOG"))}
     env["PATH"] = f"{Path(PYTHON).parent}:/usr/sbin:/usr/bin:/sbin:/bin"
     with _mount_point(config_dir), _mount_point("/var/lib/gpukill"):
-        script = " && ".join([
-            f"mount --bind -o ro {configmap} {config_dir}",
-            f"mount -t tmpfs tmpfs {_entrypoint_setting('BUS_DIR')}",
-            f"mount --bind {state} /var/lib/gpukill",
-            f"mount -t tmpfs tmpfs {Path(policy).parent}",
-            f"cp {REPO / 'dbus' / 'org.gpukill1.conf'} {policy}",
-            f"mount --bind {tmp_path / 'passwd'} /etc/passwd",
-            f"mount --bind {tmp_path / 'group'} /etc/group",
-            f'exec {ENTRYPOINT} "$@"'])
+        script = " && ".join(
+            [
+                f"mount --bind -o ro {configmap} {config_dir}",
+                f"mount -t tmpfs tmpfs {_entrypoint_setting('BUS_DIR')}",
+                f"mount --bind {state} /var/lib/gpukill",
+                f"mount -t tmpfs tmpfs {Path(policy).parent}",
+                f"cp {REPO / 'dbus' / 'org.gpukill1.conf'} {policy}",
+                f"mount --bind {tmp_path / 'passwd'} /etc/passwd",
+                f"mount --bind {tmp_path / 'group'} /etc/group",
+                f'exec {ENTRYPOINT} "$@"',
+            ]
+        )
         log = tmp_path / "pod.log"
         with open(log, "wb") as out:
-            pod = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "bash", "-c", script, "bash",
-                                    *_container().get("args", []), "--simulate", str(tmp_path / "simulate.yaml")],
-                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
+            pod = subprocess.Popen(
+                [
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "bash",
+                    "-c",
+                    script,
+                    "bash",
+                    *_container().get("args", []),
+                    "--simulate",
+                    str(tmp_path / "simulate.yaml"),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
 
         def kubectl_exec(*args: str) -> subprocess.CompletedProcess:
             """`kubectl exec POD -- gpukillctl ARGS`: root in the pod's mount namespace, no bus address given."""
-            return subprocess.run(["nsenter", "-t", str(pod.pid), "-m", "--", "gpukillctl", *args],
-                                  capture_output=True, text=True, timeout=60, env=env, cwd="/")
+            return subprocess.run(
+                ["nsenter", "-t", str(pod.pid), "-m", "--", "gpukillctl", *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=env,
+                cwd="/",
+            )
 
         try:
-            wait_until(lambda: kubectl_exec("status").returncode == 0 or pod.poll() is not None, 30,
-                       lambda: log.read_text(errors="replace"))
+            wait_until(
+                lambda: kubectl_exec("status").returncode == 0 or pod.poll() is not None,
+                30,
+                lambda: log.read_text(errors="replace"),
+            )
             assert pod.poll() is None, log.read_text(errors="replace")
             bus_config = _entrypoint_setting("BUS_CONFIG")  # the pod's bus is in the pod only
             assert os.path.exists(f"/proc/{pod.pid}/root{bus_config}") and not os.path.exists(bus_config)
             listing = json.loads(kubectl_exec("list", "--json").stdout)
             assert [(d["backend"], d["name"]) for d in listing["devices"]] == [
-                ("simulated", d["name"]) for d in sim["devices"]]
+                ("simulated", d["name"]) for d in sim["devices"]
+            ]
 
             # The ConfigMap's rule stops a miner in any pod; a process of the same user that is no miner stays.
             miner = bed.victim(users["owner"], gpu=0, comm="xmrig")
@@ -311,16 +343,35 @@ def test_entrypoint_runs_gpukilld_on_the_pods_bus_with_the_configmaps_policy(use
             port = exporter["ports"][0]["containerPort"]
             command = [str(free_port()) if a == str(port) else a for a in exporter["command"]]
             uid = exporter["securityContext"]["runAsUser"]
-            sidecar = subprocess.Popen(["nsenter", "-t", str(pod.pid), "-m", "--", "setpriv", f"--reuid={uid}",
-                                        f"--regid={exporter['securityContext']['runAsGroup']}", "--clear-groups",
-                                        "--inh-caps=-all", *command], env=env, cwd="/", start_new_session=True,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            sidecar = subprocess.Popen(
+                [
+                    "nsenter",
+                    "-t",
+                    str(pod.pid),
+                    "-m",
+                    "--",
+                    "setpriv",
+                    f"--reuid={uid}",
+                    f"--regid={exporter['securityContext']['runAsGroup']}",
+                    "--clear-groups",
+                    "--inh-caps=-all",
+                    *command,
+                ],
+                env=env,
+                cwd="/",
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
             try:
                 url = f"http://127.0.0.1:{command[command.index('--port') + 1]}/metrics"
                 # a reading the daemon did not answer in time (a loaded machine) is served as gpukill_up 0: the
                 # next scrape reads again
-                metrics = wait_until(lambda: (m := _scrape(url)) and "\ngpukill_up 1" in m and m, 60,
-                                     "the exporter never served /metrics with gpukilld up")
+                metrics = wait_until(
+                    lambda: (m := _scrape(url)) and "\ngpukill_up 1" in m and m,
+                    60,
+                    "the exporter never served /metrics with gpukilld up",
+                )
             finally:
                 _kill_group(sidecar)
             assert metrics.count("\ngpukill_device_up{") == len(sim["devices"])

@@ -49,34 +49,50 @@ def test_a_cgroup_a_user_can_make_carries_no_job_pod_or_container(text):
     assert (a.slurm_job, a.pod_uid, a.container_id) == (None, None, None), a
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    # the trees' owners: slurmstepd, the kubelet, the runtimes (v2 and v1, systemd and cgroupfs drivers)
-    ("0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0\n", {"slurm_job": "4242"}),
-    ("4:memory:/slurm/uid_1000/job_77/step_0/task_0\n1:name=systemd:/system.slice/slurmd.service\n0::/\n",
-     {"slurm_job": "77"}),
-    ("4:memory:/slurm_node3/uid_1000/job_78/step_0\n", {"slurm_job": "78"}),
-    # what the job's user makes below its own step names nothing new: the job is the first from the root
-    ("0::/system.slice/slurmstepd.scope/job_5/step_0/user/task_0/job_6\n", {"slurm_job": "5"}),
-    (f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD.replace('-', '_')}.slice/"
-     f"crio-{ID}.scope\n", {"pod_uid": POD, "container_id": ID}),
-    (f"0::/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.slice/cri-containerd-{ID}.scope\n",
-     {"pod_uid": POD, "container_id": ID}),
-    (f"9:cpu:/kubepods/pod{POD}/{ID}\n1:name=systemd:/kubepods/pod{POD}/{ID}\n", {"pod_uid": POD, "container_id": ID}),
-    (f"0::/system.slice/docker-{ID}.scope/inner.scope\n", {"container_id": ID}),
-    (f"0::/machine.slice/libpod-{ID}.scope/container\n", {"container_id": ID}),
-    (f"5:pids:/docker/{ID}\n", {"container_id": ID}),
-    (f"5:pids:/libpod_parent/libpod-{ID}\n", {"container_id": ID}),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # the trees' owners: slurmstepd, the kubelet, the runtimes (v2 and v1, systemd and cgroupfs drivers)
+        ("0::/system.slice/slurmstepd.scope/job_4242/step_0/user/task_0\n", {"slurm_job": "4242"}),
+        (
+            "4:memory:/slurm/uid_1000/job_77/step_0/task_0\n1:name=systemd:/system.slice/slurmd.service\n0::/\n",
+            {"slurm_job": "77"},
+        ),
+        ("4:memory:/slurm_node3/uid_1000/job_78/step_0\n", {"slurm_job": "78"}),
+        # what the job's user makes below its own step names nothing new: the job is the first from the root
+        ("0::/system.slice/slurmstepd.scope/job_5/step_0/user/task_0/job_6\n", {"slurm_job": "5"}),
+        (
+            f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD.replace('-', '_')}.slice/"
+            f"crio-{ID}.scope\n",
+            {"pod_uid": POD, "container_id": ID},
+        ),
+        (
+            f"0::/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.slice/cri-containerd-{ID}.scope\n",
+            {"pod_uid": POD, "container_id": ID},
+        ),
+        (
+            f"9:cpu:/kubepods/pod{POD}/{ID}\n1:name=systemd:/kubepods/pod{POD}/{ID}\n",
+            {"pod_uid": POD, "container_id": ID},
+        ),
+        (f"0::/system.slice/docker-{ID}.scope/inner.scope\n", {"container_id": ID}),
+        (f"0::/machine.slice/libpod-{ID}.scope/container\n", {"container_id": ID}),
+        (f"5:pids:/docker/{ID}\n", {"container_id": ID}),
+        (f"5:pids:/libpod_parent/libpod-{ID}\n", {"container_id": ID}),
+    ],
+)
 def test_the_trees_owners_give_the_labels(text, expected):
     a = parse_cgroup(text)
     got = {k: v for k, v in dataclasses.asdict(a).items() if k in ("slurm_job", "pod_uid", "container_id") and v}
     assert got == expected
 
 
-@pytest.mark.parametrize("text", [
-    "0::/system.slice/slurmstepd.scope/job_12345678901/step_0\n",  # past 32 bits: not a job id
-    "0::/system.slice/slurmstepd.scope/job_12x/step_0\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0::/system.slice/slurmstepd.scope/job_12345678901/step_0\n",  # past 32 bits: not a job id
+        "0::/system.slice/slurmstepd.scope/job_12x/step_0\n",
+    ],
+)
 def test_job_ids_are_bounded(text):
     assert parse_cgroup(text).slurm_job is None
 
@@ -88,23 +104,36 @@ def test_unit_names_are_bounded_to_systemds_grammar():
     assert parse_cgroup("0::/system.slice/bad\u202e.service\n").system_unit is None
 
 
-@pytest.mark.parametrize(("text", "trusted"), [
-    ("1:name=systemd:/system.slice/slurmd.service\n0::/system.slice/slurmd.service\n", True),  # linuxproc
-    ("0::/system.slice/slurmstepd.scope\n", True),
-    ("0::/system.slice/slurmd@node2.service\n", True),
-    ("0::/system.slice/cron.service\n", False),  # users' cron jobs run here, with any environment
-    ("0::/user.slice/user-1000.slice/session-3.scope\n", False),
-    (f"0::{USER_SVC}/app.slice/slurmd.service\n", False),  # a user unit named like slurmd's
-    ("0::/\n", False),  # no systemd: every process is here
-    ("0::/system.slice/slurmstepd.scope/job_4/step_0\n", False),  # the cgroup names the job already
-])
+@pytest.mark.parametrize(
+    ("text", "trusted"),
+    [
+        ("1:name=systemd:/system.slice/slurmd.service\n0::/system.slice/slurmd.service\n", True),  # linuxproc
+        ("0::/system.slice/slurmstepd.scope\n", True),
+        ("0::/system.slice/slurmd@node2.service\n", True),
+        ("0::/system.slice/cron.service\n", False),  # users' cron jobs run here, with any environment
+        ("0::/user.slice/user-1000.slice/session-3.scope\n", False),
+        (f"0::{USER_SVC}/app.slice/slurmd.service\n", False),  # a user unit named like slurmd's
+        ("0::/\n", False),  # no systemd: every process is here
+        ("0::/system.slice/slurmstepd.scope/job_4/step_0\n", False),  # the cgroup names the job already
+    ],
+)
 def test_the_environment_names_a_job_only_in_slurmds_unit(text, trusted):
     assert trusts_environment(parse_cgroup(text)) is trusted
 
 
 def _proc(uid: int, job: str, from_environ: bool) -> GpuProcess:
-    return GpuProcess(pid=10, start_time=1, uid=uid, user="u", comm="train", cmdline="train --x", device=0,
-                      device_id="GPU-0", slurm_job=job, job_from_environ=from_environ)
+    return GpuProcess(
+        pid=10,
+        start_time=1,
+        uid=uid,
+        user="u",
+        comm="train",
+        cmdline="train --x",
+        device=0,
+        device_id="GPU-0",
+        slurm_job=job,
+        job_from_environ=from_environ,
+    )
 
 
 def test_a_job_from_the_environment_is_shown_to_whoever_could_read_it():
@@ -157,8 +186,12 @@ def test_a_users_own_cgroups_named_like_a_job_pod_or_container_carry_no_label(vi
     for p in paths:
         made = bed.run_as(owner, ["mkdir", "-p", str(p)])
         assert made.returncode == 0, made
-    cgroups.made.extend(sorted({q for p in paths for q in [p, *p.parents] if q not in cgroups.made
-                                and any(h in q.parents for h in homes)}, key=str))
+    cgroups.made.extend(
+        sorted(
+            {q for p in paths for q in [p, *p.parents] if q not in cgroups.made and any(h in q.parents for h in homes)},
+            key=str,
+        )
+    )
     # a real process of the user's, started in its subtree (as systemd starts a user's processes), moves itself
     # into them, with a SLURM_JOB_ID of its choice
     victim = _start(bed, start_in(owner, homes, _env(bed, SLURM_JOB_ID="4242"), enter(paths) + SLEEPER))
@@ -170,8 +203,7 @@ def test_a_users_own_cgroups_named_like_a_job_pod_or_container_carry_no_label(vi
 
 
 @needs_root
-def test_slurms_own_trees_label_the_job_and_an_environments_job_only_for_those_who_may_read_it(
-        victims, users, cgroups):
+def test_slurms_own_trees_label_the_job_and_an_environments_job_only_for_those_who_may_read_it(victims, users, cgroups):
     bed, owner, other = victims, users["owner"], users["other"]
     # proctrack/linuxproc (tests/package/test_booted_install.py's real Slurm): tasks sit in slurmd's unit with
     # SLURM_JOB_ID in their environment; a unit name of this bed's own, so runs side by side do not share it
@@ -191,8 +223,9 @@ def test_slurms_own_trees_label_the_job_and_an_environments_job_only_for_those_w
     seen = bed.listed(other)
     assert seen[linuxproc.pid].get("slurm_job") is None and seen[in_job.pid]["slurm_job"] == "77"
     # and a Guard rule keyed on the job selects both, as root evaluates it
-    rule = ("rules:\n  - {name: job, action: log, conditions: [{type: slurm_job, operator: in, "
-            "value: ['4242', '77']}]}\n")
+    rule = (
+        "rules:\n  - {name: job, action: log, conditions: [{type: slurm_job, operator: in, value: ['4242', '77']}]}\n"
+    )
     r = bed.guard_call(ROOT, "TestPolicies", "ss", ["job", rule])
     assert r.ok, r
     assert {pid for d in r.body[0] for pid in d["pids"]} >= {linuxproc.pid, in_job.pid}, r.body

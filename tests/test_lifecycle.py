@@ -58,8 +58,9 @@ def test_ready_only_once_the_name_is_owned(fresh_bed):
 
 def test_no_ready_when_the_name_is_taken(fresh_bed):
     bed = fresh_bed
-    holder = subprocess.Popen([PYTHON, "-c", HOLD_NAME], env=bed.env(), stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    holder = subprocess.Popen(
+        [PYTHON, "-c", HOLD_NAME], env=bed.env(), stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     bed.procs.append(holder)
     assert holder.stdout.readline().strip() == "held"
     daemon = bed.start_daemon(wait_ready=False)
@@ -98,9 +99,23 @@ def test_watchdog_stops_when_the_main_loop_hangs(fresh_bed):
     daemon = bed.start_daemon(args=["--sample-interval", "0.2"], env={"WATCHDOG_USEC": "1000000"})
     time.sleep(1.0)
     assert len(daemon.notify.times("WATCHDOG=1")) >= 3, daemon.notify.messages
-    gdb = subprocess.Popen(["gdb", "-nx", "-q", "-batch", "-p", str(daemon.proc.pid), "-ex", "echo calling\\n",
-                            "-ex", "call (unsigned int)sleep(5)"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+    gdb = subprocess.Popen(
+        [
+            "gdb",
+            "-nx",
+            "-q",
+            "-batch",
+            "-p",
+            str(daemon.proc.pid),
+            "-ex",
+            "echo calling\\n",
+            "-ex",
+            "call (unsigned int)sleep(5)",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for line in gdb.stdout:
             if line.strip() == "calling":
@@ -122,8 +137,15 @@ def test_reload_rereads_config_and_keeps_it_on_error(fresh_bed):
     conf = bed.workdir / "gpukilld.conf"
 
     def interval() -> float:
-        r = bed.call_as(ROOT, "org.gpukill1", "/org/gpukill1", "org.freedesktop.DBus.Properties", "Get", "ss",
-                        ["org.gpukill1.Manager", "SampleInterval"])
+        r = bed.call_as(
+            ROOT,
+            "org.gpukill1",
+            "/org/gpukill1",
+            "org.freedesktop.DBus.Properties",
+            "Get",
+            "ss",
+            ["org.gpukill1.Manager", "SampleInterval"],
+        )
         return r.body[0]
 
     assert interval() == 1.0
@@ -181,8 +203,13 @@ def test_startup_errors_are_one_line(users, tmp_path):
         (["--sample-interval", "5 parsecs"], "--sample-interval: not a duration: '5 parsecs'"),
     ]
     for args, expected in cases:
-        r = subprocess.run([PYTHON, "-m", "gpukilld", *args], capture_output=True, text=True, timeout=30,
-                           env={**os.environ, "PYTHONPATH": str(REPO), "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"})
+        r = subprocess.run(
+            [PYTHON, "-m", "gpukilld", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "PYTHONPATH": str(REPO), "DBUS_SYSTEM_BUS_ADDRESS": "unix:path=/nonexistent"},
+        )
         assert r.returncode == 1, (args, r)
         assert expected in r.stderr, (args, r.stderr)
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr

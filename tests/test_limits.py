@@ -21,8 +21,10 @@ def policy_kill_grace(value: float) -> float:
 
 
 def rule_kill_grace(value: float) -> float | None:
-    text = ("rules:\n  - name: r\n    action: kill\n    kill_grace: " + repr(value) + "\n"
-            "    conditions: [{type: process_name, operator: ==, value: x}]\n")
+    text = (
+        "rules:\n  - name: r\n    action: kill\n    kill_grace: " + repr(value) + "\n"
+        "    conditions: [{type: process_name, operator: ==, value: x}]\n"
+    )
     return load_texts([("p.yaml", text)]).rules[0].kill_grace
 
 

@@ -39,24 +39,43 @@ def test_columns_are_the_records_fields_and_the_signature_is_the_contracts():
     assert args == [("in", listing.IN_SIGNATURE), ("out", "u"), ("out", listing.OUT_SIGNATURE[1:])]
 
 
-FULL = Process(pid=7, start_time=1 << 40, uid=1000, user="alice", comm="train\x1b[31m", cmdline="python t.py",
-               exe="/usr/bin/python3", device=3, device_id="GPU-3", gpu_memory=0, gpu_utilization=0.0,
-               unit="job.scope", container_id="abc", pod_uid="pod", slurm_job="42", container_pid=0,
-               memory_regions=(MemoryRegion("vram", 5, None), MemoryRegion("gtt", None, 0)), shared_usage=True)
+FULL = Process(
+    pid=7,
+    start_time=1 << 40,
+    uid=1000,
+    user="alice",
+    comm="train\x1b[31m",
+    cmdline="python t.py",
+    exe="/usr/bin/python3",
+    device=3,
+    device_id="GPU-3",
+    gpu_memory=0,
+    gpu_utilization=0.0,
+    unit="job.scope",
+    container_id="abc",
+    pod_uid="pod",
+    slurm_job="42",
+    container_pid=0,
+    memory_regions=(MemoryRegion("vram", 5, None), MemoryRegion("gtt", None, 0)),
+    shared_usage=True,
+)
 BARE = Process(pid=8, start_time=9, uid=0, user="", comm="", cmdline="", device=0, device_id="")
 
 
 def _through_the_bus(rows: list[tuple]) -> list:
     """The reply body as dbus-fast hands it to a client: marshalled, then unmarshalled."""
-    msg = Message(path="/x", interface="x.y", member="Z", signature=listing.OUT_SIGNATURE,
-                  body=listing.reply_body(rows))
+    msg = Message(
+        path="/x", interface="x.y", member="Z", signature=listing.OUT_SIGNATURE, body=listing.reply_body(rows)
+    )
     return Unmarshaller(io.BytesIO(bytes(msg._marshall(False)))).unmarshall().body  # type: ignore[arg-type]
 
 
 def test_known_values_zeros_and_unknown_values_survive_the_bus():
     """0, 0.0 and "" known stay known; unknown stays unknown (None), in rows and in memory regions."""
-    assert listing.processes_from_reply(_through_the_bus([listing.encode_row(FULL),
-                                                         listing.encode_row(BARE)])) == [FULL, BARE]
+    assert listing.processes_from_reply(_through_the_bus([listing.encode_row(FULL), listing.encode_row(BARE)])) == [
+        FULL,
+        BARE,
+    ]
 
 
 def test_an_unknown_format_is_one_line():
@@ -69,9 +88,24 @@ def test_an_unknown_format_is_one_line():
 def test_the_compact_reply_is_smaller_than_the_records():
     from gpukilld.bus.wire import to_dbus
     from gpukilld.bus.writer import marshal_body
-    processes = [Process(pid=p, start_time=p, uid=1000, user="alice", comm="python3", cmdline="python3 t.py",
-                         exe="/usr/bin/python3", device=p % 8, device_id=f"GPU-{p % 8}", gpu_memory=1 << 30,
-                         gpu_utilization=2.0, unit="session-1.scope") for p in range(256)]
+
+    processes = [
+        Process(
+            pid=p,
+            start_time=p,
+            uid=1000,
+            user="alice",
+            comm="python3",
+            cmdline="python3 t.py",
+            exe="/usr/bin/python3",
+            device=p % 8,
+            device_id=f"GPU-{p % 8}",
+            gpu_memory=1 << 30,
+            gpu_utilization=2.0,
+            unit="session-1.scope",
+        )
+        for p in range(256)
+    ]
     compact = marshal_body(listing.OUT_SIGNATURE, listing.reply_body([listing.encode_row(p) for p in processes]))
     records = marshal_body("aa{sv}", [[to_dbus(p) for p in processes]])
     assert len(compact) < len(records) * 0.6  # 47 KB against 90 KB
@@ -97,10 +131,18 @@ def test_compact_listing_is_the_records_for_every_caller_and_filter(victims, use
         bed.wait_listed(v.pid, comm="compact-own")  # under its own name: it renames itself once started
     bed.wait_listed(theirs.pid, comm="compact-other")
     first = sorted((0, v.pid) for v in mine[:2])[0]
-    filters = [{}, {"user": _v("u", owner.uid)}, {"device": _v("s", "1")}, {"name": _v("s", "compact-o")},
-               {"name_regex": _v("s", "^compact-(own|other)$")}, {"min_memory": _v("t", 1 << 30)},
-               {"limit": _v("u", 1)}, {"limit": _v("u", 2), "after": _v("(uu)", list(first))},
-               {"after": _v("(uu)", [1 << 31, 0])}, {"device": _v("s", "no-such-gpu")}]
+    filters = [
+        {},
+        {"user": _v("u", owner.uid)},
+        {"device": _v("s", "1")},
+        {"name": _v("s", "compact-o")},
+        {"name_regex": _v("s", "^compact-(own|other)$")},
+        {"min_memory": _v("t", 1 << 30)},
+        {"limit": _v("u", 1)},
+        {"limit": _v("u", 2), "after": _v("(uu)", list(first))},
+        {"after": _v("(uu)", [1 << 31, 0])},
+        {"device": _v("s", "no-such-gpu")},
+    ]
     for user in (owner, other, users["root"]):
         for f, got in zip(filters, both(bed, user, filters), strict=True):
             assert got["compact"] == got["records"], (user.name, f)
@@ -112,14 +154,22 @@ def test_compact_listing_is_the_records_for_every_caller_and_filter(victims, use
 
 @needs_root
 def test_hostile_sizes_are_refused_alike(bed, users):
-    filters = [{"limit": _v("u", 0)}, {"limit": _v("u", 1 << 31)}, {"limit": _v("s", "5")},
-               {"after": _v("(uu)", [1 << 32 - 1, 1 << 32 - 1])}, {"after": _v("u", 5)}, {"bogus": _v("u", 1)},
-               {"name_regex": _v("s", "(")}]
+    filters = [
+        {"limit": _v("u", 0)},
+        {"limit": _v("u", 1 << 31)},
+        {"limit": _v("s", "5")},
+        {"after": _v("(uu)", [1 << 32 - 1, 1 << 32 - 1])},
+        {"after": _v("u", 5)},
+        {"bogus": _v("u", 1)},
+        {"name_regex": _v("s", "(")},
+    ]
     got = both(bed, users["other"], filters)
     assert [g["compact"] for g in got] == [g["records"] for g in got]
     errors = [g["records"]["error"] if isinstance(g["records"], dict) else None for g in got]
-    assert errors == ["org.freedesktop.DBus.Error.InvalidArgs"] * 3 + [None] + \
-        ["org.freedesktop.DBus.Error.InvalidArgs"] * 3
+    assert (
+        errors
+        == ["org.freedesktop.DBus.Error.InvalidArgs"] * 3 + [None] + ["org.freedesktop.DBus.Error.InvalidArgs"] * 3
+    )
     assert got[3]["compact"] == []
 
 
@@ -152,16 +202,25 @@ def test_snapshot_changed_when_a_process_comes_and_goes_and_only_then(victims, u
 @needs_root
 def test_snapshot_changed_is_a_typed_event(bed, users):
     """GpukillClient.events() yields it as gpukill.records.SnapshotChanged."""
-    code = ("import asyncio\nfrom gpukillctl.client.dbus import GpukillClient\n"
-            "async def main():\n"
-            "    c = await GpukillClient.connect()\n"
-            "    async for e in c.events():\n"
-            "        print(type(e).__name__, e.generation, flush=True)\n"
-            "        return\n"
-            "asyncio.run(main())\n")
+    code = (
+        "import asyncio\nfrom gpukillctl.client.dbus import GpukillClient\n"
+        "async def main():\n"
+        "    c = await GpukillClient.connect()\n"
+        "    async for e in c.events():\n"
+        "        print(type(e).__name__, e.generation, flush=True)\n"
+        "        return\n"
+        "asyncio.run(main())\n"
+    )
     kwargs = users["other"].popen_kwargs()
-    proc = subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True, env=bed.env(), cwd="/",
-                            start_new_session=True, **kwargs)
+    proc = subprocess.Popen(
+        [PYTHON, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=bed.env(),
+        cwd="/",
+        start_new_session=True,
+        **kwargs,
+    )
     bed.procs.append(proc)
     time.sleep(1.0)  # subscribed
     victim = bed.victim(users["owner"], gpu=3, comm="typed")

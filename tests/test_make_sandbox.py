@@ -21,9 +21,11 @@ SANDBOX = REPO / "examples" / "sandbox.py"
 README = REPO / "README.md"
 LOOKS = ("gpukillctl list", "gpukillctl guard test")  # commands that change nothing: asked again until listed
 
-needs_root = pytest.mark.skipif(not testbed.is_root() or bool(testbed.missing_tools()),
-                                reason="needs root and the demo's tools: the sandbox starts a private bus, polkitd "
-                                       "and journald, and creates test users")
+needs_root = pytest.mark.skipif(
+    not testbed.is_root() or bool(testbed.missing_tools()),
+    reason="needs root and the demo's tools: the sandbox starts a private bus, polkitd "
+    "and journald, and creates test users",
+)
 
 
 class Output:
@@ -57,8 +59,9 @@ def pasted(lines: list[str], *commands: str) -> subprocess.CompletedProcess:
     """commands run by bash after the printed export and alias lines, as pasted into another root shell."""
     setup = [line for line in lines if line.startswith(("export ", "alias "))]
     script = "\n".join([*setup, "shopt -s expand_aliases", *commands])
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd="/",
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd="/", stdin=subprocess.DEVNULL
+    )
 
 
 def with_cmdline_naming(text: str) -> list[int]:
@@ -95,8 +98,14 @@ def alive(pid: int) -> bool:
 @pytest.fixture
 def sandbox():
     """examples/sandbox.py running: the process, its output, and the lines it printed up to "Ctrl-C here"."""
-    proc = subprocess.Popen([PYTHON, str(SANDBOX)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [PYTHON, str(SANDBOX)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         output = Output(proc)
         yield proc, output, output.until("Ctrl-C here")
@@ -210,8 +219,15 @@ def test_the_readmes_first_five_minutes_run_as_written(sandbox, tmp_path):
 
 def test_run_without_a_sandbox_says_so_in_one_line():
     env = {k: v for k, v in os.environ.items() if k != "DBUS_SYSTEM_BUS_ADDRESS"}
-    r = subprocess.run([PYTHON, str(SANDBOX), "run", "--user", "root", "--", "sleep", "1"], capture_output=True,
-                       text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [PYTHON, str(SANDBOX), "run", "--user", "root", "--", "sleep", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 2
-    assert r.stderr == ("gpukill-sandbox run: DBUS_SYSTEM_BUS_ADDRESS names no running sandbox: paste the export "
-                        "line that `make sandbox` printed\n")
+    assert r.stderr == (
+        "gpukill-sandbox run: DBUS_SYSTEM_BUS_ADDRESS names no running sandbox: paste the export "
+        "line that `make sandbox` printed\n"
+    )

@@ -53,8 +53,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("member", "signature", "body", "error"), CASES,
-                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    ("member", "signature", "body", "error"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
 def test_malformed_input(bed, users, member, signature, body, error):
     for who in ("root", "other"):
         r = bed.manager(users[who], member, signature, body)
@@ -71,11 +72,25 @@ def test_malformed_input(bed, users, member, signature, body, error):
 
 def test_properties_are_read_only(bed, users):
     for who in ("root", "other"):
-        r = bed.call_as(users[who], "org.gpukill1", "/org/gpukill1", "org.freedesktop.DBus.Properties", "Set",
-                        "ssv", ["org.gpukill1.Manager", "SampleInterval", v("d", 0.001)])
+        r = bed.call_as(
+            users[who],
+            "org.gpukill1",
+            "/org/gpukill1",
+            "org.freedesktop.DBus.Properties",
+            "Set",
+            "ssv",
+            ["org.gpukill1.Manager", "SampleInterval", v("d", 0.001)],
+        )
         assert not r.ok, r
-    r = bed.call_as(users["other"], "org.gpukill1", "/org/gpukill1", "org.freedesktop.DBus.Properties", "Get",
-                    "ss", ["org.gpukill1.Manager", "SampleInterval"])
+    r = bed.call_as(
+        users["other"],
+        "org.gpukill1",
+        "/org/gpukill1",
+        "org.freedesktop.DBus.Properties",
+        "Get",
+        "ss",
+        ["org.gpukill1.Manager", "SampleInterval"],
+    )
     assert r.ok and r.body == [1.0]
 
 

@@ -33,9 +33,11 @@ from gpukilld.guard.engine import Engine, KillOrder, Violation
 
 NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}", fullmatch=True)
 VALUES = {
-    "memory_limit": st.integers(1, 2**60), "reserved_memory": st.integers(1, 2**60),
+    "memory_limit": st.integers(1, 2**60),
+    "reserved_memory": st.integers(1, 2**60),
     "utilization_limit": st.floats(0, 100, allow_nan=False) | st.integers(0, 100),
-    "process_limit": st.integers(0, 1_000_000), "allowed_users": st.lists(NAMES, min_size=1, max_size=5),
+    "process_limit": st.integers(0, 1_000_000),
+    "allowed_users": st.lists(NAMES, min_size=1, max_size=5),
     "grace": st.floats(0, 86400, allow_nan=False),
 }
 
@@ -53,49 +55,122 @@ def policies(draw) -> ManagedPolicy:
 
 # -- parse_settings ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("kind", "target", "given", "error"), [
-    ("user", "alice", {"memory_limt": 1}, "unknown setting 'memory_limt' (known: memory_limit, utilization_limit, "
-                                          "process_limit, allowed_users, reserved_memory, grace)"),
-    ("user", "alice", {"memory_limit": 1, "allowed_users": ["bob"]},
-     "allowed_users does not apply to a user policy (it takes: memory_limit, utilization_limit, process_limit, grace)"),
-    ("gpu", "0", {"process_limit": 2},
-     "process_limit does not apply to a gpu policy (it takes: memory_limit, utilization_limit, allowed_users, "
-     "reserved_memory, grace)"),
-    ("user", "al ice", {"memory_limit": 1}, "bad user name 'al ice': a letter or _ first, then letters, digits, _ . "
-                                            "or -, at most 32 characters"),
-    ("user", "1000", {"memory_limit": 1}, "bad user name '1000': a letter or _ first, then letters, digits, _ . or -,"
-                                          " at most 32 characters"),
-    ("group", "../etc", {"memory_limit": 1}, "bad group name '../etc': a letter or _ first, then letters, digits, _ "
-                                             ". or -, at most 32 characters"),
-    ("gpu", "1024", {"memory_limit": 1}, "GPU index '1024' is out of range: a whole number from 0 to 1023"),
-    ("gpu", "-1", {"memory_limit": 1}, "GPU index '-1' is out of range: a whole number from 0 to 1023"),
-    ("gpu", "01", {"memory_limit": 1}, "GPU index '01' is out of range: a whole number from 0 to 1023"),
-    ("disk", "0", {"memory_limit": 1}, "unknown policy kind 'disk' (known: user, group, gpu)"),
-    ("user", "alice", {}, "a user policy needs at least one limit (memory_limit, utilization_limit, process_limit)"),
-    ("user", "alice", {"grace": 5.0}, "a user policy needs at least one limit (memory_limit, utilization_limit, "
-                                      "process_limit)"),
-    ("gpu", "0", {"allowed_users": []}, "a gpu policy needs at least one limit (memory_limit, utilization_limit, "
-                                        "allowed_users, reserved_memory)"),
-    ("user", "alice", {"memory_limit": True}, "memory_limit must be a whole number of bytes from 1 to 2^60 (1 EiB), "
-                                              "not True"),
-    ("user", "alice", {"memory_limit": 0}, "memory_limit must be a whole number of bytes from 1 to 2^60 (1 EiB), "
-                                           "not 0"),
-    ("user", "alice", {"memory_limit": "8"}, "memory_limit: a bare number is not a size: '8' (write a unit: 8GiB, "
-                                             "8GB, 512MiB, 4096B)"),
-    ("user", "alice", {"memory_limit": "0.5MiB"}, "memory_limit: a limit of '0.5MiB' is under 1 MiB, likely a "
-                                                  "mistake (every GPU process holds more); write it in B or KiB "
-                                                  "(e.g. 4096B, 512KiB) if it is meant"),
-    ("user", "alice", {"grace": "5 parsecs"}, "grace: not a duration: '5 parsecs' (write e.g. 90s, 5min, 1h30m, "
-                                              "2d 4h; units ms, s, min, h, d, w)"),
-    ("user", "alice", {"utilization_limit": 101.0}, "utilization_limit must be from 0 to 100 (percent), not 101.0"),
-    ("user", "alice", {"utilization_limit": float("nan")}, "utilization_limit must be from 0 to 100 (percent), "
-                                                           "not nan"),
-    ("user", "alice", {"process_limit": 2.5}, "process_limit must be a whole number from 0 to 1000000, not 2.5"),
-    ("user", "alice", {"memory_limit": 1, "grace": -1}, "grace must be from 0 to 86400 (seconds), not -1"),
-    ("gpu", "0", {"allowed_users": "alice"}, "allowed_users must be a list of user names, not 'alice'"),
-    ("gpu", "0", {"allowed_users": ["alice", "b b"]}, "bad user name 'b b' in allowed_users: a letter or _ first, "
-                                                      "then letters, digits, _ . or -, at most 32 characters"),
-])
+
+@pytest.mark.parametrize(
+    ("kind", "target", "given", "error"),
+    [
+        (
+            "user",
+            "alice",
+            {"memory_limt": 1},
+            "unknown setting 'memory_limt' (known: memory_limit, utilization_limit, "
+            "process_limit, allowed_users, reserved_memory, grace)",
+        ),
+        (
+            "user",
+            "alice",
+            {"memory_limit": 1, "allowed_users": ["bob"]},
+            "allowed_users does not apply to a user policy"
+            " (it takes: memory_limit, utilization_limit, process_limit, grace)",
+        ),
+        (
+            "gpu",
+            "0",
+            {"process_limit": 2},
+            "process_limit does not apply to a gpu policy (it takes: memory_limit, utilization_limit, allowed_users, "
+            "reserved_memory, grace)",
+        ),
+        (
+            "user",
+            "al ice",
+            {"memory_limit": 1},
+            "bad user name 'al ice': a letter or _ first, then letters, digits, _ . or -, at most 32 characters",
+        ),
+        (
+            "user",
+            "1000",
+            {"memory_limit": 1},
+            "bad user name '1000': a letter or _ first, then letters, digits, _ . or -, at most 32 characters",
+        ),
+        (
+            "group",
+            "../etc",
+            {"memory_limit": 1},
+            "bad group name '../etc': a letter or _ first, then letters, digits, _ . or -, at most 32 characters",
+        ),
+        ("gpu", "1024", {"memory_limit": 1}, "GPU index '1024' is out of range: a whole number from 0 to 1023"),
+        ("gpu", "-1", {"memory_limit": 1}, "GPU index '-1' is out of range: a whole number from 0 to 1023"),
+        ("gpu", "01", {"memory_limit": 1}, "GPU index '01' is out of range: a whole number from 0 to 1023"),
+        ("disk", "0", {"memory_limit": 1}, "unknown policy kind 'disk' (known: user, group, gpu)"),
+        (
+            "user",
+            "alice",
+            {},
+            "a user policy needs at least one limit (memory_limit, utilization_limit, process_limit)",
+        ),
+        (
+            "user",
+            "alice",
+            {"grace": 5.0},
+            "a user policy needs at least one limit (memory_limit, utilization_limit, process_limit)",
+        ),
+        (
+            "gpu",
+            "0",
+            {"allowed_users": []},
+            "a gpu policy needs at least one limit (memory_limit, utilization_limit, allowed_users, reserved_memory)",
+        ),
+        (
+            "user",
+            "alice",
+            {"memory_limit": True},
+            "memory_limit must be a whole number of bytes from 1 to 2^60 (1 EiB), not True",
+        ),
+        (
+            "user",
+            "alice",
+            {"memory_limit": 0},
+            "memory_limit must be a whole number of bytes from 1 to 2^60 (1 EiB), not 0",
+        ),
+        (
+            "user",
+            "alice",
+            {"memory_limit": "8"},
+            "memory_limit: a bare number is not a size: '8' (write a unit: 8GiB, 8GB, 512MiB, 4096B)",
+        ),
+        (
+            "user",
+            "alice",
+            {"memory_limit": "0.5MiB"},
+            "memory_limit: a limit of '0.5MiB' is under 1 MiB, likely a "
+            "mistake (every GPU process holds more); write it in B or KiB "
+            "(e.g. 4096B, 512KiB) if it is meant",
+        ),
+        (
+            "user",
+            "alice",
+            {"grace": "5 parsecs"},
+            "grace: not a duration: '5 parsecs' (write e.g. 90s, 5min, 1h30m, 2d 4h; units ms, s, min, h, d, w)",
+        ),
+        ("user", "alice", {"utilization_limit": 101.0}, "utilization_limit must be from 0 to 100 (percent), not 101.0"),
+        (
+            "user",
+            "alice",
+            {"utilization_limit": float("nan")},
+            "utilization_limit must be from 0 to 100 (percent), not nan",
+        ),
+        ("user", "alice", {"process_limit": 2.5}, "process_limit must be a whole number from 0 to 1000000, not 2.5"),
+        ("user", "alice", {"memory_limit": 1, "grace": -1}, "grace must be from 0 to 86400 (seconds), not -1"),
+        ("gpu", "0", {"allowed_users": "alice"}, "allowed_users must be a list of user names, not 'alice'"),
+        (
+            "gpu",
+            "0",
+            {"allowed_users": ["alice", "b b"]},
+            "bad user name 'b b' in allowed_users: a letter or _ first, "
+            "then letters, digits, _ . or -, at most 32 characters",
+        ),
+    ],
+)
 def test_parse_settings_refuses_bad_input_in_one_line(kind, target, given, error) -> None:
     with pytest.raises(InvalidArgs) as info:
         parse_settings(kind, target, given)
@@ -133,8 +208,13 @@ def test_the_record_and_its_settings_agree() -> None:
 
 # -- render and read_file ---------------------------------------------------------------------------------
 
-SAMPLE = {"memory_limit": 8 * GiB, "utilization_limit": 80.0, "process_limit": 2, "allowed_users": ["alice", "bob"],
-          "reserved_memory": 2 * GiB}
+SAMPLE = {
+    "memory_limit": 8 * GiB,
+    "utilization_limit": 80.0,
+    "process_limit": 2,
+    "allowed_users": ["alice", "bob"],
+    "reserved_memory": 2 * GiB,
+}
 TARGETS = {"user": "alice", "group": "research", "gpu": "0"}
 
 
@@ -172,11 +252,13 @@ def test_any_policy_renders_valid_and_reads_back(p: ManagedPolicy) -> None:
 
 
 def test_all_managed_files_together_are_one_valid_policy() -> None:
-    ps = [parse_settings("user", "alice", {"memory_limit": GiB, "process_limit": 1}),
-          parse_settings("user", "bob", {"utilization_limit": 50}),
-          parse_settings("group", "alice", {"memory_limit": GiB}),  # a group named as a user: other rule names
-          parse_settings("gpu", "0", {"allowed_users": ["alice"], "reserved_memory": GiB}),
-          parse_settings("gpu", "1", {"memory_limit": GiB})]
+    ps = [
+        parse_settings("user", "alice", {"memory_limit": GiB, "process_limit": 1}),
+        parse_settings("user", "bob", {"utilization_limit": 50}),
+        parse_settings("group", "alice", {"memory_limit": GiB}),  # a group named as a user: other rule names
+        parse_settings("gpu", "0", {"allowed_users": ["alice"], "reserved_memory": GiB}),
+        parse_settings("gpu", "1", {"memory_limit": GiB}),
+    ]
     policy = load_texts([(file_name(p), render(p)) for p in ps])
     assert len({r.name for r in policy.rules}) == len(policy.rules) == 7
 
@@ -203,6 +285,7 @@ def test_edited_sees_a_hand_change() -> None:
 
 # -- export and import ------------------------------------------------------------------------------------
 
+
 @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(policies(), max_size=6, unique_by=lambda p: (p.kind, p.target)))
 def test_export_import_export_is_byte_equal(ps: list[ManagedPolicy]) -> None:
@@ -214,38 +297,65 @@ def test_export_import_export_is_byte_equal(ps: list[ManagedPolicy]) -> None:
 
 
 def test_import_reads_what_a_person_writes() -> None:
-    text = ("policies:\n"
-            "  - {kind: user, target: alice, memory_limit: 8GiB, grace: 1m}\n"
-            "  - {kind: gpu, target: 0, utilization_limit: '90%', allowed_users: [bob]}\n")
+    text = (
+        "policies:\n"
+        "  - {kind: user, target: alice, memory_limit: 8GiB, grace: 1m}\n"
+        "  - {kind: gpu, target: 0, utilization_limit: '90%', allowed_users: [bob]}\n"
+    )
     assert import_text(text, "mine.yaml") == [
         ManagedPolicy("user", "alice", memory_limit=8 * GiB, grace=60.0),
-        ManagedPolicy("gpu", "0", utilization_limit=90.0, allowed_users=("bob",))]
+        ManagedPolicy("gpu", "0", utilization_limit=90.0, allowed_users=("bob",)),
+    ]
     assert import_text(export_text([]), "empty.yaml") == []
 
 
-@pytest.mark.parametrize(("text", "error"), [
-    ("policies:\n  - kind: user\n    target: alice\n    memory_limt: 5\n",
-     "in.yaml:4:5: unknown field 'memory_limt' in a policy (did you mean 'memory_limit'?) (known: kind, target, "
-     "memory_limit, utilization_limit, process_limit, allowed_users, reserved_memory, grace)"),
-    ("policies:\n  - kind: user\n    target: alice\n    allowed_users: [bob]\n",
-     "in.yaml:4:5: allowed_users does not apply to a user policy (it takes: memory_limit, utilization_limit, "
-     "process_limit, grace)"),
-    ("policies:\n  - kind: gpu\n    target: 4096\n    memory_limit: 5\n",
-     "in.yaml:3:13: GPU index '4096' is out of range: a whole number from 0 to 1023"),
-    ("policies:\n  - kind: usr\n    target: alice\n",
-     "in.yaml:2:11: unknown policy kind 'usr' (known: user, group, gpu)"),
-    ("policies:\n  - kind: user\n    target: alice\n",
-     "in.yaml:2:5: a user policy needs at least one limit (memory_limit, utilization_limit, process_limit)"),
-    ("policies:\n  - kind: user\n    target: alice\n    memory_limit: 8 gigs\n",
-     "in.yaml:4:19: memory_limit: not a size: '8 gigs' (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
-    ("policies:\n  - kind: user\n    target: alice\n    memory_limit: 8589934592\n",
-     "in.yaml:4:19: memory_limit: a bare number is not a size: 8589934592 (write a unit: 8GiB, 8GB, 512MiB, 4096B)"),
-    ("policies:\n  - {kind: user, target: bob, memory_limit: 1GiB}\n  - {kind: user, target: bob, process_limit: 1}\n",
-     "in.yaml:3:5: a second user policy for bob (first at in.yaml:2:5)"),
-    ("policies: [\n", "in.yaml:2:1: not valid YAML: while parsing a flow node expected the node content, but found "
-                      "'<stream end>'"),
-    ("rules: []\n", "in.yaml:1:1: unknown field 'rules' in the managed policies (known: policies)"),
-])
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (
+            "policies:\n  - kind: user\n    target: alice\n    memory_limt: 5\n",
+            "in.yaml:4:5: unknown field 'memory_limt' in a policy (did you mean 'memory_limit'?) (known: kind, target, "
+            "memory_limit, utilization_limit, process_limit, allowed_users, reserved_memory, grace)",
+        ),
+        (
+            "policies:\n  - kind: user\n    target: alice\n    allowed_users: [bob]\n",
+            "in.yaml:4:5: allowed_users does not apply to a user policy (it takes: memory_limit, utilization_limit, "
+            "process_limit, grace)",
+        ),
+        (
+            "policies:\n  - kind: gpu\n    target: 4096\n    memory_limit: 5\n",
+            "in.yaml:3:13: GPU index '4096' is out of range: a whole number from 0 to 1023",
+        ),
+        (
+            "policies:\n  - kind: usr\n    target: alice\n",
+            "in.yaml:2:11: unknown policy kind 'usr' (known: user, group, gpu)",
+        ),
+        (
+            "policies:\n  - kind: user\n    target: alice\n",
+            "in.yaml:2:5: a user policy needs at least one limit (memory_limit, utilization_limit, process_limit)",
+        ),
+        (
+            "policies:\n  - kind: user\n    target: alice\n    memory_limit: 8 gigs\n",
+            "in.yaml:4:19: memory_limit: not a size: '8 gigs' (write a unit: 8GiB, 8GB, 512MiB, 4096B)",
+        ),
+        (
+            "policies:\n  - kind: user\n    target: alice\n    memory_limit: 8589934592\n",
+            "in.yaml:4:19: memory_limit: a bare number is not a size: 8589934592"
+            " (write a unit: 8GiB, 8GB, 512MiB, 4096B)",
+        ),
+        (
+            "policies:\n  - {kind: user, target: bob, memory_limit: 1GiB}\n"
+            "  - {kind: user, target: bob, process_limit: 1}\n",
+            "in.yaml:3:5: a second user policy for bob (first at in.yaml:2:5)",
+        ),
+        (
+            "policies: [\n",
+            "in.yaml:2:1: not valid YAML: while parsing a flow node expected the node content, but found "
+            "'<stream end>'",
+        ),
+        ("rules: []\n", "in.yaml:1:1: unknown field 'rules' in the managed policies (known: policies)"),
+    ],
+)
 def test_import_errors_name_file_line_and_column(text: str, error: str) -> None:
     with pytest.raises(PolicyError) as info:
         import_text(text, "in.yaml")
@@ -259,6 +369,7 @@ def test_import_is_bounded_like_every_policy() -> None:
 
 
 # -- what the rendered files make the engine do --------------------------------------------------------------
+
 
 def engine_for(*ps: ManagedPolicy, t: FakeTime, groups: FakeGroups | None = None) -> Engine:
     policy = load_texts([(file_name(p), render(p)) for p in ps])
@@ -277,8 +388,12 @@ def after(engine: Engine, t: FakeTime, s, seconds: float) -> list:
 def test_a_user_memory_limit_kills_the_users_largest_process_after_the_grace_and_not_before() -> None:
     t = FakeTime()
     e = engine_for(parse_settings("user", "alice", {"memory_limit": 8 * GiB, "grace": 30}), t=t)
-    s = snap(proc(10, mem=5 * GiB), proc(11, mem=4 * GiB, device=1), proc(12, mem=1 * GiB),
-             proc(20, mem=30 * GiB, uid=1001, user="bob"))  # bob has no limit
+    s = snap(
+        proc(10, mem=5 * GiB),
+        proc(11, mem=4 * GiB, device=1),
+        proc(12, mem=1 * GiB),
+        proc(20, mem=30 * GiB, uid=1001, user="bob"),
+    )  # bob has no limit
     events = e.evaluate(s, False)
     assert [(type(ev).__name__, ev.subject) for ev in events] == [("Violation", "user alice")]
     assert "user_memory 10.0 GiB > 8GiB" in events[0].reason
@@ -289,8 +404,13 @@ def test_a_user_memory_limit_kills_the_users_largest_process_after_the_grace_and
 def test_a_user_process_limit_stops_the_surplus_only() -> None:
     t = FakeTime()
     e = engine_for(parse_settings("user", "alice", {"process_limit": 2, "grace": 0}), t=t)
-    s = snap(proc(10, mem=1 * GiB), proc(11, mem=4 * GiB), proc(12, mem=3 * GiB, device=1), proc(13, mem=2 * GiB),
-             *(proc(20 + i, uid=1001, user="bob") for i in range(5)))
+    s = snap(
+        proc(10, mem=1 * GiB),
+        proc(11, mem=4 * GiB),
+        proc(12, mem=3 * GiB, device=1),
+        proc(13, mem=2 * GiB),
+        *(proc(20 + i, uid=1001, user="bob") for i in range(5)),
+    )
     events = e.evaluate(s, False)
     assert "user_processes 4 > 2" in next(ev for ev in events if isinstance(ev, Violation)).reason
     assert kill_orders(events) == [[11, 12]]  # the two largest; two stay, as the limit says
@@ -308,10 +428,15 @@ def test_a_user_utilization_limit_compares_the_users_share_of_each_gpu() -> None
 def test_a_gpu_allowed_users_policy_stops_only_others_processes_on_that_gpu() -> None:
     t = FakeTime()
     e = engine_for(parse_settings("gpu", "0", {"allowed_users": ["alice"], "grace": 10}), t=t)
-    s = snap(proc(10), proc(11, device=1),  # alice's: allowed
-             proc(20, uid=1001, user="bob"), proc(21, uid=1001, user="bob", device=1),  # bob on 0, and on 1
-             proc(30, uid=1002, user="carol", device=1), proc(30, uid=1002, user="carol", device=0),  # on both
-             proc(40, uid=0, user="root"))  # a system account: never touched
+    s = snap(
+        proc(10),
+        proc(11, device=1),  # alice's: allowed
+        proc(20, uid=1001, user="bob"),
+        proc(21, uid=1001, user="bob", device=1),  # bob on 0, and on 1
+        proc(30, uid=1002, user="carol", device=1),
+        proc(30, uid=1002, user="carol", device=0),  # on both
+        proc(40, uid=0, user="root"),
+    )  # a system account: never touched
     events = e.evaluate(s, False)
     assert sorted(ev.subject for ev in events) == ["PID 20 (python, user bob)", "PID 30 (python, user carol)"]
     assert after(e, t, s, 9) == []
@@ -321,19 +446,25 @@ def test_a_gpu_allowed_users_policy_stops_only_others_processes_on_that_gpu() ->
 def test_reserved_memory_stops_processes_until_the_reservation_is_free_again() -> None:
     t = FakeTime()
     devices = (dev(0, used=75 * GiB), dev(1, used=79 * GiB))  # 80 GiB each: 5 GiB free on 0, 1 GiB on 1
-    s = snap(proc(10, mem=30 * GiB), proc(20, mem=25 * GiB, uid=1001, user="bob"),
-             proc(21, mem=4 * GiB, uid=1001, user="bob"), proc(22, mem=79 * GiB, uid=1001, user="bob", device=1),
-             devices=devices)
+    s = snap(
+        proc(10, mem=30 * GiB),
+        proc(20, mem=25 * GiB, uid=1001, user="bob"),
+        proc(21, mem=4 * GiB, uid=1001, user="bob"),
+        proc(22, mem=79 * GiB, uid=1001, user="bob", device=1),
+        devices=devices,
+    )
     e = engine_for(parse_settings("gpu", "0", {"reserved_memory": 10 * GiB, "grace": 0}), t=t)
     assert kill_orders(e.evaluate(s, False)) == [[10]]  # the largest on GPU 0; GPU 1 has no reservation
-    shielded = engine_for(parse_settings("gpu", "0", {"reserved_memory": 10 * GiB, "allowed_users": ["alice"],
-                                                      "grace": 0}), t=t)
+    shielded = engine_for(
+        parse_settings("gpu", "0", {"reserved_memory": 10 * GiB, "allowed_users": ["alice"], "grace": 0}), t=t
+    )
     # bob may not use GPU 0: the allowed-users rule stops both of his processes there; with those on their way
     # the reservation is kept (34 GiB free), so it stops nothing more, and never alice's
     assert kill_orders(shielded.evaluate(s, False)) == [[20], [21]]
     alone = snap(proc(10, mem=30 * GiB), proc(11, mem=40 * GiB), devices=(dev(0, used=75 * GiB),))
-    later = engine_for(parse_settings("gpu", "0", {"reserved_memory": 10 * GiB, "allowed_users": ["alice"],
-                                                   "grace": 0}), t=t)
+    later = engine_for(
+        parse_settings("gpu", "0", {"reserved_memory": 10 * GiB, "allowed_users": ["alice"], "grace": 0}), t=t
+    )
     events = later.evaluate(alone, False)
     assert [ev.subject for ev in events] == ["GPU 0 (GPU-0)"] and kill_orders(events) == []  # short, said so
 
@@ -342,9 +473,12 @@ def test_a_group_limit_is_the_members_total() -> None:
     t = FakeTime()
     groups = FakeGroups({1000: {"research"}, 1001: {"research", "staff"}, 0: {"research"}})
     e = engine_for(parse_settings("group", "research", {"memory_limit": 8 * GiB, "grace": 5}), t=t, groups=groups)
-    s = snap(proc(10, mem=5 * GiB), proc(20, mem=4 * GiB, uid=1001, user="bob"),  # 9 GiB together, each under 8
-             proc(30, mem=40 * GiB, uid=1002, user="carol"),  # not a member
-             proc(40, mem=60 * GiB, uid=0, user="root"))  # a member, but a system account: never counted
+    s = snap(
+        proc(10, mem=5 * GiB),
+        proc(20, mem=4 * GiB, uid=1001, user="bob"),  # 9 GiB together, each under 8
+        proc(30, mem=40 * GiB, uid=1002, user="carol"),  # not a member
+        proc(40, mem=60 * GiB, uid=0, user="root"),
+    )  # a member, but a system account: never counted
     events = e.evaluate(s, False)
     assert [ev.subject for ev in events] == ["group research"]
     assert "group_memory 9.0 GiB > 8GiB" in events[0].reason
@@ -356,14 +490,22 @@ def test_a_group_process_limit_counts_every_members_processes() -> None:
     t = FakeTime()
     groups = FakeGroups({1000: {"research"}, 1001: {"research"}})
     e = engine_for(parse_settings("group", "research", {"process_limit": 2, "grace": 0}), t=t, groups=groups)
-    s = snap(proc(10, mem=1 * GiB), proc(11, mem=3 * GiB), proc(20, mem=2 * GiB, uid=1001, user="bob"),
-             proc(30, mem=9 * GiB, uid=1002, user="carol"), proc(31, uid=1002, user="carol"))
+    s = snap(
+        proc(10, mem=1 * GiB),
+        proc(11, mem=3 * GiB),
+        proc(20, mem=2 * GiB, uid=1001, user="bob"),
+        proc(30, mem=9 * GiB, uid=1002, user="carol"),
+        proc(31, uid=1002, user="carol"),
+    )
     assert kill_orders(e.evaluate(s, False)) == [[11]]  # three members' processes: the largest goes
 
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
-@given(st.text(alphabet=st.sampled_from("policies:-kindtargetusergpumemory_limitgrace 0123456789[]{},'\"\n&*!#%"),
-               max_size=300))
+@given(
+    st.text(
+        alphabet=st.sampled_from("policies:-kindtargetusergpumemory_limitgrace 0123456789[]{},'\"\n&*!#%"), max_size=300
+    )
+)
 def test_import_of_any_text_answers_policies_or_a_policy_error(text: str) -> None:
     try:
         got = import_text(text, "any.yaml")
@@ -377,8 +519,11 @@ def test_a_group_utilization_limit_adds_up_the_members_on_each_gpu() -> None:
     t = FakeTime()
     groups = FakeGroups({1000: {"research"}, 1001: {"research"}})
     e = engine_for(parse_settings("group", "research", {"utilization_limit": 80, "grace": 0}), t=t, groups=groups)
-    s = snap(proc(10, util=50.0), proc(20, util=40.0, uid=1001, user="bob"),  # 90% of GPU 0 together
-             proc(21, util=70.0, uid=1001, user="bob", device=1))  # 70% of GPU 1: under
+    s = snap(
+        proc(10, util=50.0),
+        proc(20, util=40.0, uid=1001, user="bob"),  # 90% of GPU 0 together
+        proc(21, util=70.0, uid=1001, user="bob", device=1),
+    )  # 70% of GPU 1: under
     # the one taking most of GPU 0 (bob's 70% on GPU 1 would bring GPU 0 down by nothing): 40% left there
     assert kill_orders(e.evaluate(s, False)) == [[10]]
 
@@ -387,9 +532,12 @@ def test_a_gpu_memory_and_utilization_limit_look_at_that_gpu_only() -> None:
     t = FakeTime()
     e = engine_for(parse_settings("gpu", "1", {"memory_limit": 40 * GiB, "utilization_limit": 90, "grace": 0}), t=t)
     devices = (dev(0, used=79 * GiB, util=100.0), dev(1, used=50 * GiB, util=95.0))
-    s = snap(proc(10, mem=79 * GiB, util=100.0),  # GPU 0: over both, but it has no policy
-             proc(20, mem=30 * GiB, util=10.0, device=1, uid=1001, user="bob"),
-             proc(21, mem=20 * GiB, util=85.0, device=1, uid=1002, user="carol"), devices=devices)
+    s = snap(
+        proc(10, mem=79 * GiB, util=100.0),  # GPU 0: over both, but it has no policy
+        proc(20, mem=30 * GiB, util=10.0, device=1, uid=1001, user="bob"),
+        proc(21, mem=20 * GiB, util=85.0, device=1, uid=1002, user="carol"),
+        devices=devices,
+    )
     events = e.evaluate(s, False)
     assert sorted(ev.rule.name for ev in events if isinstance(ev, Violation)) == ["gpu-1-memory", "gpu-1-utilization"]
     # the largest by memory goes (20 GiB left in use); with it on its way GPU 1 is at 85%: nothing more to stop

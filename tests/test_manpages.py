@@ -77,7 +77,7 @@ def entries(section: str) -> list[tuple[list[str], list[str]]]:
         if line == ".TP":
             tag = tokens(lines[i + 1])
             body = []
-            for following in lines[i + 2:]:
+            for following in lines[i + 2 :]:
                 if following in (".TP", ".PP") or following.startswith((".SH", ".SS")):
                     break
                 body += tokens(following)
@@ -108,14 +108,22 @@ def subcommands(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def options(parser: argparse.ArgumentParser, with_help: bool) -> list[str]:
-    return [s for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS
-            and (with_help or not isinstance(a, argparse._HelpAction)) for s in a.option_strings]
+    return [
+        s
+        for a in parser._actions
+        if a.option_strings and a.help != argparse.SUPPRESS and (with_help or not isinstance(a, argparse._HelpAction))
+        for s in a.option_strings
+    ]
 
 
 def values(parser: argparse.ArgumentParser) -> list[str]:
     """The fixed words an argument takes (`dry-run on|off`, `--log-level debug`): documented with it."""
-    return [str(c) for a in parser._actions if a.choices is not None and a.help != argparse.SUPPRESS
-            and not isinstance(a, argparse._SubParsersAction) for c in a.choices]
+    return [
+        str(c)
+        for a in parser._actions
+        if a.choices is not None and a.help != argparse.SUPPRESS and not isinstance(a, argparse._SubParsersAction)
+        for c in a.choices
+    ]
 
 
 def all_commands() -> list[tuple[str, tuple[str, ...], argparse.ArgumentParser]]:
@@ -139,8 +147,7 @@ def test_each_command_is_in_the_synopsis_and_has_an_entry(prog):
     synopsis = {line.split()[2] for line in man["SYNOPSIS"].splitlines() if line.startswith(f".B {prog} ")}
     assert synopsis == set(names), f"SYNOPSIS: missing {set(names) - synopsis}, gone {synopsis - set(names)}"
     documented = tags(man["COMMANDS"])
-    assert documented == set(names), \
-        f"COMMANDS: missing {set(names) - documented}, gone {documented - set(names)}"
+    assert documented == set(names), f"COMMANDS: missing {set(names) - documented}, gone {documented - set(names)}"
 
 
 @pytest.mark.parametrize("item", all_commands(), ids=command_id)
@@ -156,7 +163,7 @@ def test_each_option_is_in_the_man_page(item):
             wanted += values(parser)
             documented |= {word for _, text in entries(man.get("OPTIONS", "")) for word in text}
     else:
-        matching = [text for tag, text in entries(man["COMMANDS"]) if tuple(tag[:len(path)]) == path]
+        matching = [text for tag, text in entries(man["COMMANDS"]) if tuple(tag[: len(path)]) == path]
         assert matching, f"no entry for `{prog} {' '.join(path)}` under COMMANDS"
         documented = {word for text in matching for word in text}
         wanted = options(parser, with_help=False) + values(parser)
@@ -168,8 +175,7 @@ def test_exit_codes_are_the_same_in_help_the_man_page_and_the_cli():
     from gpukillctl.client import exits
 
     man = sections((MAN / "gpukillctl.1").read_text())
-    codes = {int(line.split()[0]) for line in exits.EXIT_CODES_HELP.splitlines()
-             if line.strip()[:2].strip().isdigit()}
+    codes = {int(line.split()[0]) for line in exits.EXIT_CODES_HELP.splitlines() if line.strip()[:2].strip().isdigit()}
     items = " ".join(man["EXIT STATUS"].split()).split(";")
     assert all(item.split()[0].isdigit() for item in items), items
     assert {int(item.split()[0]) for item in items} == codes
@@ -216,8 +222,12 @@ def test_gpukillctl_help_points_to_the_policy_page():
 def generated(tmp_path_factory) -> Path:
     """What the packages ship, made the way `make deb` and `make rpm` make it."""
     out = tmp_path_factory.mktemp("completions")
-    r = subprocess.run([sys.executable, str(REPO / "packaging" / "completions.py"), str(out)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "packaging" / "completions.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return out
 
@@ -242,8 +252,7 @@ def test_each_command_and_option_is_completed(generated, item):
     missing = [o for o in options(parser, with_help=True) if o not in bash_array("option_strings")]
     assert not missing, f"{prog}.bash lacks {missing} for `{command_id(item)}`"
     zsh_options = zsh_block("options")
-    missing = [o for o in options(parser, with_help=True)
-               if not re.search(rf"(?<![\w-]){o}(?![\w-])", zsh_options)]
+    missing = [o for o in options(parser, with_help=True) if not re.search(rf"(?<![\w-]){o}(?![\w-])", zsh_options)]
     assert not missing, f"_{prog} lacks {missing} for `{command_id(item)}`"
     if names := subcommands(parser):
         assert set(names) <= set(bash_array("subparsers")), f"{prog}.bash"
@@ -286,8 +295,7 @@ def test_policy_page_lists_each_condition_type_with_its_kind_operators_and_scope
         assert operators.split() == list(t.operators), name
         taken, _, selecting = scopes.partition("selects in")
         assert set(re.findall(r"per_\w+", scopes)) == set(t.roles), name
-        roles = {role: {s for s, r in t.roles.items() if r == role}
-                 for role in (rules.SUBJECT, rules.SELECTOR)}
+        roles = {role: {s for s, r in t.roles.items() if r == role} for role in (rules.SUBJECT, rules.SELECTOR)}
         assert set(re.findall(r"per_\w+", taken)) == roles[rules.SUBJECT], name
         assert set(re.findall(r"per_\w+", selecting)) == roles[rules.SELECTOR], name
 
@@ -314,10 +322,12 @@ def test_the_packages_install_every_page_and_completion():
         assert f"%{{_mandir}}/man{section}/{page.name}*\n" in rpm_files, page.name
     for prog in SCRIPTS:
         for made, debian_path, rpm_path in (
-            (f"{prog}.bash", f"/usr/share/bash-completion/completions/{prog}",
-             f"/usr/share/bash-completion/completions/{prog}"),
-            (f"_{prog}", f"/usr/share/zsh/vendor-completions/_{prog}",
-             f"/usr/share/zsh/site-functions/_{prog}"),
+            (
+                f"{prog}.bash",
+                f"/usr/share/bash-completion/completions/{prog}",
+                f"/usr/share/bash-completion/completions/{prog}",
+            ),
+            (f"_{prog}", f"/usr/share/zsh/vendor-completions/_{prog}", f"/usr/share/zsh/site-functions/_{prog}"),
         ):
             assert f"generated/completions/{made} debian/gpukill{debian_path}\n" in debian, made
             assert f"generated/completions/{made} %{{buildroot}}{rpm_path}\n" in rpm, made
@@ -332,6 +342,7 @@ def test_each_page_renders_without_warnings(page):
     groff = shutil.which("groff")
     if groff is None:
         pytest.skip("groff is not installed (Debian package groff-base)")
-    r = subprocess.run([groff, "-t", "-man", "-ww", "-z", "-rLL=78n", str(MAN / page)], capture_output=True,
-                       text=True, timeout=30)
+    r = subprocess.run(
+        [groff, "-t", "-man", "-ww", "-z", "-rLL=78n", str(MAN / page)], capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 0 and not r.stderr, r.stderr

@@ -34,12 +34,30 @@ from gpukilld import journal as audit
 mcp_client = pytest.importorskip("mcp.client.client", reason="the mcp SDK is not installed: pip install '.[serve]'")
 from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
-READ_ONLY_TOOLS = {"list_devices", "list_processes", "audit_rogue", "guard_status", "guard_test_policy",
-                   "list_policies", "usage"}
-DESTRUCTIVE_TOOLS = {"kill_process", "reset_device", "kill_processes_by_name", "create_user_policy",
-                     "remove_user_policy"}
-RESOURCES = {"gpukill://devices", "gpukill://processes", "gpukill://guard/status", "gpukill://guard/policies",
-             "gpukill://audit", "gpukill://usage"}
+READ_ONLY_TOOLS = {
+    "list_devices",
+    "list_processes",
+    "audit_rogue",
+    "guard_status",
+    "guard_test_policy",
+    "list_policies",
+    "usage",
+}
+DESTRUCTIVE_TOOLS = {
+    "kill_process",
+    "reset_device",
+    "kill_processes_by_name",
+    "create_user_policy",
+    "remove_user_policy",
+}
+RESOURCES = {
+    "gpukill://devices",
+    "gpukill://processes",
+    "gpukill://guard/status",
+    "gpukill://guard/policies",
+    "gpukill://audit",
+    "gpukill://usage",
+}
 POLKIT_POLICY = REPO / "polkit" / "org.gpukill.policy"
 
 
@@ -87,7 +105,12 @@ def test_tools_declare_hints_and_output_schemas(bed, users):
     kill_args = by_name["kill_process"].input_schema
     assert set(kill_args["required"]) == {"pid", "start_time"}  # the safe way: the start time as listed
     assert set(by_name["list_processes"].input_schema["properties"]) == {
-        "name", "name_regex", "user", "device", "memory_gt"}
+        "name",
+        "name_regex",
+        "user",
+        "device",
+        "memory_gt",
+    }
     assert {str(r.uri) for r in resources} == RESOURCES
     batch = by_name["kill_processes_by_name"]
     assert batch.input_schema["required"] == ["pattern"]  # no confirm: the preview
@@ -95,10 +118,24 @@ def test_tools_declare_hints_and_output_schemas(bed, users):
     assert confirm["maxItems"] == 32 and "32" in batch.description
     assert {"matches", "killed", "not_killed", "confirmed"} <= set(outputs["kill_processes_by_name"]["properties"])
     assert set(by_name["create_user_policy"].input_schema["properties"]) == {
-        "username", "memory_limit_gb", "utilization_limit_pct", "process_limit", "grace_seconds"}
+        "username",
+        "memory_limit_gb",
+        "utilization_limit_pct",
+        "process_limit",
+        "grace_seconds",
+    }
     assert all(t.input_schema.get("additionalProperties") is False for t in tools)
     assert set(by_name["usage"].input_schema["properties"]) == {
-        "hours", "by", "user", "name", "unit", "job", "pod", "device", "limit"}
+        "hours",
+        "by",
+        "user",
+        "name",
+        "unit",
+        "job",
+        "pod",
+        "device",
+        "limit",
+    }
     assert "UsageRow" in outputs["usage"]["$defs"]
 
 
@@ -128,7 +165,7 @@ def test_descriptions_say_what_polkit_decides():
 
 @needs_root
 def test_article_scenario_kills_the_big_python_processes(victims, users):
-    """"Scan and kill every python process using more than 12 GB", as gpkowner's assistant would."""
+    """ "Scan and kill every python process using more than 12 GB", as gpkowner's assistant would."""
     owner = users["owner"]
     v = start_article_victims(victims, owner)
 
@@ -146,14 +183,17 @@ def test_another_users_process_is_a_tool_error_and_audited(victims, users):
     listed = bed.wait_listed(victim.pid, comm="notyours")
 
     async def session(client):
-        kill = await client.call_tool("kill_process", {"pid": victim.pid, "start_time": listed["start_time"],
-                                                       "force": True})
+        kill = await client.call_tool(
+            "kill_process", {"pid": victim.pid, "start_time": listed["start_time"], "force": True}
+        )
         reset = await client.call_tool("reset_device", {"device": 3})
         gone = await client.call_tool("kill_process", {"pid": 4194000, "start_time": 1})
         return kill, reset, gone
 
     kill, reset, gone = run_mcp(bed, other, session)
-    assert error_text(kill).startswith("org.freedesktop.DBus.Error.AccessDenied: ") and "not authorized to kill" in error_text(kill)
+    assert error_text(kill).startswith(
+        "org.freedesktop.DBus.Error.AccessDenied: "
+    ) and "not authorized to kill" in error_text(kill)
     assert error_text(reset).startswith("org.freedesktop.DBus.Error.AccessDenied: ")
     assert error_text(gone).startswith("org.gpukill1.Error.NoSuchProcess: ")
     assert victim.poll() is None
@@ -163,14 +203,18 @@ def test_another_users_process_is_a_tool_error_and_audited(victims, users):
 
 @needs_root
 def test_guard_tools(bed, users):
-    policy = ("rules:\n  - name: mcp-test\n    action: log\n"
-              "    conditions: [{type: process_name, operator: ==, value: nothing-runs-this}]\n")
+    policy = (
+        "rules:\n  - name: mcp-test\n    action: log\n"
+        "    conditions: [{type: process_name, operator: ==, value: nothing-runs-this}]\n"
+    )
 
     async def session(client):
-        return (await client.call_tool("guard_status", {}),
-                await client.call_tool("guard_test_policy", {"policy": policy, "name": "mine.yaml"}),
-                await client.call_tool("guard_test_policy", {"policy": "rules: [", "name": "broken.yaml"}),
-                await client.read_resource("gpukill://guard/status"))
+        return (
+            await client.call_tool("guard_status", {}),
+            await client.call_tool("guard_test_policy", {"policy": policy, "name": "mine.yaml"}),
+            await client.call_tool("guard_test_policy", {"policy": "rules: [", "name": "broken.yaml"}),
+            await client.read_resource("gpukill://guard/status"),
+        )
 
     status, tested, broken, resource = run_mcp(bed, users["other"], session)
     guard = structured(status)["guard"]
@@ -191,8 +235,14 @@ def test_daemon_unreachable_is_a_tool_error(bed, users):
 
 def test_without_the_sdk_it_says_what_to_install():
     code = "import sys; sys.modules['mcp'] = None\nfrom gpukillctl.cli.main import main\nsys.exit(main(['mcp']))"
-    r = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [PYTHON, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("gpukillctl mcp: ") and "pip install 'gpukill[serve]'" in r.stderr
@@ -227,16 +277,24 @@ def test_kill_by_name_refusals(victims, users):
 
     async def session(client):
         preview = structured(await client.call_tool("kill_processes_by_name", {"pattern": "^batch"}))
-        bad = [await client.call_tool("kill_processes_by_name", args) for args in (
-            {"pattern": ".*"}, {"pattern": "a|"}, {"pattern": "("}, {"pattern": "^batch", "confirm": []},
-            {"pattern": "^batch", "confirm": refs(*((n, 1) for n in range(1, 34)))},
-            {"pattern": "^batch", "confirm": [{"pid": mine.pid, "start_time": 1, "force": True}]},
-            {"pattern": "^batch", "filter": "x"})]
+        bad = [
+            await client.call_tool("kill_processes_by_name", args)
+            for args in (
+                {"pattern": ".*"},
+                {"pattern": "a|"},
+                {"pattern": "("},
+                {"pattern": "^batch", "confirm": []},
+                {"pattern": "^batch", "confirm": refs(*((n, 1) for n in range(1, 34)))},
+                {"pattern": "^batch", "confirm": [{"pid": mine.pid, "start_time": 1, "force": True}]},
+                {"pattern": "^batch", "filter": "x"},
+            )
+        ]
         unknown = await client.call_tool("list_processes", {"filter": "batchmine"})
         alive = [mine.poll() is None, theirs.poll() is None]
         listed = [(m["pid"], m["start_time"]) for m in preview["matches"]]
-        confirmed = structured(await client.call_tool("kill_processes_by_name", {
-            "pattern": "^batch", "confirm": refs(*listed, (gone, 1))}))
+        confirmed = structured(
+            await client.call_tool("kill_processes_by_name", {"pattern": "^batch", "confirm": refs(*listed, (gone, 1))})
+        )
         return preview, bad, unknown, alive, confirmed
 
     preview, bad, unknown, alive, confirmed = run_mcp(bed, owner, session)
@@ -252,10 +310,14 @@ def test_kill_by_name_refusals(victims, users):
 
     assert [(k["pid"], k["outcome"]) for k in confirmed["killed"]] == [(mine.pid, "terminated")], confirmed
     assert sorted((n["pid"], n["reason"]) for n in confirmed["not_killed"]) == sorted(
-        [(theirs.pid, errors.AccessDenied.dbus_name), (gone, errors.NoSuchProcess.dbus_name)]), confirmed
+        [(theirs.pid, errors.AccessDenied.dbus_name), (gone, errors.NoSuchProcess.dbus_name)]
+    ), confirmed
     assert mine.wait(10) is not None and theirs.poll() is None
-    denied = bed.wait_journal(MESSAGE_ID=audit.KILL_DENIED.message_id, GPUKILL_TARGET_PID=str(theirs.pid),
-                              GPUKILL_TARGET_START_TIME=str(start_time_of(theirs.pid)))
+    denied = bed.wait_journal(
+        MESSAGE_ID=audit.KILL_DENIED.message_id,
+        GPUKILL_TARGET_PID=str(theirs.pid),
+        GPUKILL_TARGET_START_TIME=str(start_time_of(theirs.pid)),
+    )
     assert denied and denied[0]["GPUKILL_CALLER_UID"] == str(owner.uid)
 
 

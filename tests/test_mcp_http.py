@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra (pip install 'gpukill[serve]') is not installed")
-mcp_client = pytest.importorskip("mcp.client.client", reason="the serve extra (pip install 'gpukill[serve]') is not installed")
+mcp_client = pytest.importorskip(
+    "mcp.client.client", reason="the serve extra (pip install 'gpukill[serve]') is not installed"
+)
 
 import httpx2  # noqa: E402  (the SDK's HTTP client)
 from helpers.http_server import Server  # noqa: E402
@@ -58,8 +60,9 @@ def run_http(server: Server, session, headers: dict[str, str], statuses: list[in
         statuses.append(response.status_code)
 
     async def main() -> Any:
-        http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=60),
-                                  event_hooks={"response": [record]}, **uds)
+        http = httpx2.AsyncClient(
+            headers=headers, timeout=httpx2.Timeout(30, read=60), event_hooks={"response": [record]}, **uds
+        )
         transport = streamable_http_client(url, http_client=http)
         async with http, mcp_client.Client(transport, read_timeout_seconds=60, mode=mode) as client:
             return await session(client)
@@ -72,7 +75,7 @@ def run_http(server: Server, session, headers: dict[str, str], statuses: list[in
 
 @pytest.mark.parametrize("mode", ["auto", "legacy"])
 def test_article_scenario_over_streamable_http(server, victims, users, mode):
-    """"Scan and kill every python process using more than 12 GB", as gpkowner's assistant would, through
+    """ "Scan and kill every python process using more than 12 GB", as gpkowner's assistant would, through
     `gpukillctl serve` with its token."""
     owner = users["owner"]
     v = start_article_victims(victims, owner)
@@ -111,6 +114,7 @@ def admin_server(bed, users):
 def test_user_policy_over_streamable_http(server, admin_server, bed):
     """create_user_policy and remove_user_policy: made and removed through the administrator's server; the
     ordinary user's server (the module's, as gpkowner) gets polkit's AccessDenied and makes nothing."""
+
     async def session(client):
         return await policy_session(client, OTHER)
 

@@ -41,8 +41,11 @@ def test_admin_creates_and_removes_a_user_policy(bed, users, no_policy):
 
     check_policy_made(run_mcp(bed, admin, session), TARGET)
     # each change in the journal under the server's user: the administrator
-    changes = bed.wait_journal(MESSAGE_ID=audit.GUARD_MANAGED_POLICY.message_id, GPUKILL_POLICY_TARGET=TARGET,
-                               GPUKILL_CALLER_UID=str(admin.uid))
+    changes = bed.wait_journal(
+        MESSAGE_ID=audit.GUARD_MANAGED_POLICY.message_id,
+        GPUKILL_POLICY_TARGET=TARGET,
+        GPUKILL_CALLER_UID=str(admin.uid),
+    )
     assert {"set", "remove"} <= {e["GPUKILL_OPERATION"] for e in changes if e["GPUKILL_RESULT"] == "changed"}, changes
 
 
@@ -53,8 +56,12 @@ def test_ordinary_user_is_refused_by_polkit(bed, users, no_policy):
         return await policy_session(client, TARGET)
 
     check_policy_refused(run_mcp(bed, owner, session), TARGET)
-    denied = bed.wait_journal(MESSAGE_ID=audit.GUARD_MANAGED_POLICY.message_id, GPUKILL_POLICY_TARGET=TARGET,
-                              GPUKILL_CALLER_UID=str(owner.uid), GPUKILL_RESULT="denied")
+    denied = bed.wait_journal(
+        MESSAGE_ID=audit.GUARD_MANAGED_POLICY.message_id,
+        GPUKILL_POLICY_TARGET=TARGET,
+        GPUKILL_CALLER_UID=str(owner.uid),
+        GPUKILL_RESULT="denied",
+    )
     assert denied, "polkit's refusal is not in the journal under the user's uid"
 
 
@@ -64,11 +71,13 @@ def test_create_user_policy_takes_only_what_it_is_given(bed, users, no_policy):
     admin = users["admin"]
 
     async def session(client):
-        made = await client.call_tool("create_user_policy", {"username": TARGET, "utilization_limit_pct": 90,
-                                                             "grace_seconds": 60})
+        made = await client.call_tool(
+            "create_user_policy", {"username": TARGET, "utilization_limit_pct": 90, "grace_seconds": 60}
+        )
         none = await client.call_tool("create_user_policy", {"username": TARGET + "x"})
-        stray = await client.call_tool("create_user_policy", {"username": TARGET, "process_limit": 2,
-                                                              "memory_limit": 1})
+        stray = await client.call_tool(
+            "create_user_policy", {"username": TARGET, "process_limit": 2, "memory_limit": 1}
+        )
         listed = await client.call_tool("list_policies", {})
         removed = await client.call_tool("remove_user_policy", {"username": TARGET})
         return made, none, stray, listed, removed

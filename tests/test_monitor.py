@@ -41,8 +41,11 @@ ENVELOPE = ["format", "time", "interface", "signal"]
 def xml_signals() -> dict[str, tuple[str, list[tuple[str, str]]]]:
     """member -> (interface, [(argument name, type), ...]) from the interface XML."""
     root = ET.parse(REPO / "dbus" / "org.gpukill1.xml").getroot()
-    return {sig.get("name"): (iface.get("name"), [(a.get("name"), a.get("type")) for a in sig.iter("arg")])
-            for iface in root.iter("interface") for sig in iface.iter("signal")}
+    return {
+        sig.get("name"): (iface.get("name"), [(a.get("name"), a.get("type")) for a in sig.iter("arg")])
+        for iface in root.iter("interface")
+        for sig in iface.iter("signal")
+    }
 
 
 SIGNALS = xml_signals()
@@ -76,9 +79,16 @@ class Monitor:
     def __init__(self, bed: Testbed, user: User, *args: str, argv: list[str] | None = None) -> None:
         # as a user runs it: stdout block-buffered into a pipe, so each line is there only if monitor flushes it
         env = {k: v for k, v in bed.env().items() if k != "PYTHONUNBUFFERED"}
-        self.proc = subprocess.Popen(argv or [PYTHON, "-m", "gpukillctl", "monitor", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, cwd="/",
-                                     start_new_session=True, **user.popen_kwargs())
+        self.proc = subprocess.Popen(
+            argv or [PYTHON, "-m", "gpukillctl", "monitor", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd="/",
+            start_new_session=True,
+            **user.popen_kwargs(),
+        )
         bed.procs.append(self.proc)
         self.out: list[str] = []
         self.err: list[str] = []
@@ -99,11 +109,13 @@ class Monitor:
 def probe_until(bed: Testbed, cond, what: str) -> None:
     """Reset the probe device until cond() holds: a monitor is listening once it prints the reset (there is no
     other way to know when the bus has taken its match rule)."""
+
     def probed():
         if cond():
             return True
         assert bed.ctl(ROOT, "reset", PROBE_DEVICE).returncode == 0
         return wait_until(cond, 0.5, fail=False)
+
     wait_until(probed, 20, what, interval=0)
 
 
@@ -143,6 +155,7 @@ def test_every_signal_kind_as_json_and_human_lines(bed, users):
 
     def seen() -> set[str]:
         return {json.loads(line)["signal"] for line in as_json.out}
+
     wait_until(lambda: seen() >= wanted, 20, lambda: f"missing {wanted - seen()}: {as_json.out}")
     assert "SnapshotChanged" not in seen()  # the victim came and went: the listing changed
     set_device_state(bed, LOST_DEVICE, "ok")
@@ -159,17 +172,26 @@ def test_every_signal_kind_as_json_and_human_lines(bed, users):
         by_kind.setdefault(line["signal"], []).append(line)
     killed = next(k for k in by_kind["ProcessKilled"] if k["pid"] == victim.pid)
     assert (killed["comm"], killed["uid"], killed["initiator"], killed["caller_uid"]) == (
-        COMM, owner.uid, f"guard:{RULE}", 0)
+        COMM,
+        owner.uid,
+        f"guard:{RULE}",
+        0,
+    )
     assert killed["outcome"] in ("terminated", "killed") and victim.wait(5) is not None
     violated = next(v for v in by_kind["PolicyViolated"] if v["rule"] == RULE)
     assert violated["details"]["pids"] == [victim.pid] and violated["details"]["uid"] == owner.uid
     taken = next(t for t in by_kind["GuardActionTaken"] if t["pid"] == victim.pid)
-    assert (taken["rule"], taken["action"], taken["outcome"], taken["dry_run"]) == (RULE, "kill",
-                                                                                   killed["outcome"], False)
+    assert (taken["rule"], taken["action"], taken["outcome"], taken["dry_run"]) == (
+        RULE,
+        "kill",
+        killed["outcome"],
+        False,
+    )
     notice = next(n for n in by_kind["Notification"] if n["rule"] == RULE)
     assert notice["uid"] == owner.uid and notice["summary"]
     assert [(s["index"], s["state"], s["reason"]) for s in by_kind["DeviceStateChanged"]][:1] == [
-        (LOST_DEVICE, "lost", "fell off the bus")]
+        (LOST_DEVICE, "lost", "fell off the bus")
+    ]
     assert by_kind["DeviceStateChanged"][-1]["state"] == "ok"
     reset = by_kind["DeviceReset"][0]
     assert (reset["index"], reset["success"], reset["killed"]) == (int(PROBE_DEVICE), True, [])
@@ -178,7 +200,9 @@ def test_every_signal_kind_as_json_and_human_lines(bed, users):
     # probes' resets: one monitor may have heard a probe the other was not yet listening for.)
     text = "".join(human.out)
     kinds = [line.split()[2] for line in human.out]
-    assert [k for k in kinds if k != "DeviceReset"] == [line["signal"] for line in lines if line["signal"] != "DeviceReset"]
+    assert [k for k in kinds if k != "DeviceReset"] == [
+        line["signal"] for line in lines if line["signal"] != "DeviceReset"
+    ]
     assert len(kinds) == len(human.out) >= 7
     assert "\x1b" not in text and "gpkmon\\x1b[1m" in text
     assert f"PID {victim.pid} (gpkmon\\x1b[1m, uid {owner.uid})" in text and f"by guard:{RULE}" in text

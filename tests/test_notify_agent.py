@@ -91,8 +91,10 @@ def test_a_kill_of_the_users_process_is_one_notification_and_another_users_is_no
     n = shown[0]
     assert n.replaces_id == 0 and n.urgency == NORMAL
     assert n.summary == f"GPU process stopped: a<b>&c\\x1b[1m (PID {mine.pid})"  # plain text: only escapes
-    assert n.body == (f"a&lt;b&gt;&amp;c\\x1b[1m (PID {mine.pid}) on GPU-8f1c6a2e-0b7d-4c1e-9a55-3d2e7f10a001: "
-                      "terminated, asked by root.")  # the server reads body markup: <, >, & escaped
+    assert n.body == (
+        f"a&lt;b&gt;&amp;c\\x1b[1m (PID {mine.pid}) on GPU-8f1c6a2e-0b7d-4c1e-9a55-3d2e7f10a001: "
+        "terminated, asked by root."
+    )  # the server reads body markup: <, >, & escaped
     assert agent.poll() is None
 
 
@@ -106,8 +108,11 @@ def _hog_stopped(bed: Testbed, session: DesktopSession, owner: User, comm: str):
     try:
         hog = bed.victim(owner, gpu=2, comm=comm)
         wait_until(lambda: hog.poll() is not None, GRACE + 10, "the hog was not stopped")
-        final = wait_until(lambda: [n for n in _since(session, mark) if "terminated" in n.body], 10,
-                           lambda: f"no outcome notification: {_since(session, mark)}")
+        final = wait_until(
+            lambda: [n for n in _since(session, mark) if "terminated" in n.body],
+            10,
+            lambda: f"no outcome notification: {_since(session, mark)}",
+        )
     finally:
         assert bed.ctl(ROOT, "guard", "disable").returncode == 0
     return hog, mark, final
@@ -122,16 +127,22 @@ def test_a_guard_grace_is_a_critical_countdown_replaced_in_place_by_the_outcome(
     assert first.replaces_id == 0 and first.urgency == CRITICAL, shown
     subject = f"PID {hog.pid} (gpuhog, user gpkowner)"
     assert first.summary == f"{subject} will be stopped in {GRACE}s", shown
-    assert first.body == ("Guard rule no-hogs: process_name contains_any [gpuhog].\n"
-                          f"It gets SIGTERM in {GRACE}s unless it comes back within the rule.")
-    popup = sum(n.replaces_id == 0 for n in session.notifications()[:mark + 1])  # the server's ids count from 1
+    assert first.body == (
+        "Guard rule no-hogs: process_name contains_any [gpuhog].\n"
+        f"It gets SIGTERM in {GRACE}s unless it comes back within the rule."
+    )
+    popup = sum(n.replaces_id == 0 for n in session.notifications()[: mark + 1])  # the server's ids count from 1
     assert all(n.replaces_id == popup for n in rest), ("one pop-up, updated in place", shown)
     countdown = [n for n in rest if n.urgency == CRITICAL]
-    assert [n.summary for n in countdown][:2] == [f"{subject} will be stopped in {GRACE - 1}s",
-                                                  f"{subject} will be stopped in {GRACE - 2}s"]
+    assert [n.summary for n in countdown][:2] == [
+        f"{subject} will be stopped in {GRACE - 1}s",
+        f"{subject} will be stopped in {GRACE - 2}s",
+    ]
     assert rest[-1] == final[-1] and final[-1].urgency == NORMAL  # the ProcessKilled made no pop-up of its own
     assert final[-1].summary == f"Guard rule no-hogs: gpuhog (PID {hog.pid}) terminated"
-    assert final[-1].body == f"Guard rule no-hogs: process_name contains_any [gpuhog].\ngpuhog (PID {hog.pid}) terminated."
+    assert (
+        final[-1].body == f"Guard rule no-hogs: process_name contains_any [gpuhog].\ngpuhog (PID {hog.pid}) terminated."
+    )
     assert agent.poll() is None
 
 
@@ -142,11 +153,15 @@ def test_a_newline_in_a_process_name_adds_no_line_to_any_pop_up(desk, users):
     hog, mark, _final = _hog_stopped(bed, session, users["owner"], "gpuhog\nForged")
     mine = bed.victim(users["owner"], gpu=0, comm="mine\nForged")
     _kill(bed, mine.pid)
-    wait_until(lambda: [n for n in _since(session, mark) if f"PID {mine.pid}" in n.summary], 10,
-               lambda: f"no notification for the kill: {_since(session, mark)}")
+    wait_until(
+        lambda: [n for n in _since(session, mark) if f"PID {mine.pid}" in n.summary],
+        10,
+        lambda: f"no notification for the kill: {_since(session, mark)}",
+    )
     shown = _since(session, mark)
-    assert any(n.summary == f"PID {hog.pid} (gpuhog\\x0aForged, user gpkowner) will be stopped in {GRACE}s"
-               for n in shown), shown
+    assert any(
+        n.summary == f"PID {hog.pid} (gpuhog\\x0aForged, user gpkowner) will be stopped in {GRACE}s" for n in shown
+    ), shown
     assert any(n.body.endswith(f"gpuhog\\x0aForged (PID {hog.pid}) terminated.") for n in shown), shown
     assert any(n.summary == f"GPU process stopped: mine\\x0aForged (PID {mine.pid})" for n in shown), shown
     for n in shown:
@@ -158,8 +173,10 @@ def test_a_burst_of_100_kills_is_a_handful_of_notifications(desk, users):
     bed, session, agent = desk
     owner = users["owner"]
     env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "1", "GPUKILL_SIM_SCOPE": bed.scope}
-    sleepers = [subprocess.Popen(["sleep", "600"], env=env, start_new_session=True, **owner.popen_kwargs())
-                for _ in range(BURST)]
+    sleepers = [
+        subprocess.Popen(["sleep", "600"], env=env, start_new_session=True, **owner.popen_kwargs())
+        for _ in range(BURST)
+    ]
     bed.procs.extend(sleepers)
     wait_until(lambda: sum(p["device"] == 1 for p in bed.processes()) >= BURST, 15, "the sleepers are not listed")
     mark = len(session.notifications())
@@ -170,8 +187,11 @@ def test_a_burst_of_100_kills_is_a_handful_of_notifications(desk, users):
     assert time.monotonic() - t0 < 3, "not a burst"
     # On a loaded machine the burst's signals may reach the agent over more than one of its windows, and each
     # window then makes a summary of its own: wait until every kill is shown or counted, then count pop-ups.
-    wait_until(lambda: _accounted(_since(session, mark)) >= BURST, 20,
-               lambda: f"{_accounted(_since(session, mark))} of {BURST} kills shown or counted")
+    wait_until(
+        lambda: _accounted(_since(session, mark)) >= BURST,
+        20,
+        lambda: f"{_accounted(_since(session, mark))} of {BURST} kills shown or counted",
+    )
     time.sleep(1.0)
     shown = _since(session, mark)
     summaries = [n for n in shown if _held(n)]
@@ -210,10 +230,15 @@ def test_restarting_gpukilld_and_the_notification_server_loses_no_later_event(de
     wait_until(lambda: session.notifications(), 10, lambda: f"nothing shown after the restart:\n{session.agent_log()}")
     second = bed.victim(owner, gpu=0, comm="after")
     _kill(bed, second.pid)
-    shown = wait_until(lambda: len(session.notifications()) >= 2 and session.notifications(), 10,
-                       lambda: f"the second kill was not shown: {session.notifications()}")
-    assert [n.summary for n in shown] == [f"GPU process stopped: during (PID {first.pid})",
-                                          f"GPU process stopped: after (PID {second.pid})"]
+    shown = wait_until(
+        lambda: len(session.notifications()) >= 2 and session.notifications(),
+        10,
+        lambda: f"the second kill was not shown: {session.notifications()}",
+    )
+    assert [n.summary for n in shown] == [
+        f"GPU process stopped: during (PID {first.pid})",
+        f"GPU process stopped: after (PID {second.pid})",
+    ]
     assert all(n.replaces_id == 0 for n in shown)
     assert agent.poll() is None, session.agent_log()
 
@@ -223,16 +248,20 @@ def _new_server(session: DesktopSession, capabilities: str) -> None:
     runs this dbusmock code instead of the template's."""
     session.stop_server()
     session.start_server()
-    session._call(SERVER, SERVER_PATH, MOCK_IFACE, "AddMethod", "sssss",
-                  [SERVER, "GetCapabilities", "", "as", capabilities])
+    session._call(
+        SERVER, SERVER_PATH, MOCK_IFACE, "AddMethod", "sssss", [SERVER, "GetCapabilities", "", "as", capabilities]
+    )
 
 
 def _shown_kill(bed: Testbed, session: DesktopSession, owner: User, comm: str) -> tuple[int, Notify]:
     mark = len(session.notifications())
     victim = bed.victim(owner, gpu=0, comm=comm)
     _kill(bed, victim.pid)
-    shown = wait_until(lambda: [n for n in _since(session, mark) if f"(PID {victim.pid})" in n.summary], 10,
-                       lambda: f"the kill was not shown: {_since(session, mark)}\n{session.agent_log()}")
+    shown = wait_until(
+        lambda: [n for n in _since(session, mark) if f"(PID {victim.pid})" in n.summary],
+        10,
+        lambda: f"the kill was not shown: {_since(session, mark)}\n{session.agent_log()}",
+    )
     return victim.pid, shown[0]
 
 

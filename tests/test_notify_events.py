@@ -14,8 +14,9 @@ WALL = 1.7e9
 
 
 def violated(uid: int, grace: float = 30.0, subject: str = "user me") -> PolicyViolated:
-    return PolicyViolated("cap", subject, "kill", False, ViolationDetails("per_user", "9 GiB > 8 GiB", grace, uid,
-                                                                          (42,), WALL))
+    return PolicyViolated(
+        "cap", subject, "kill", False, ViolationDetails("per_user", "9 GiB > 8 GiB", grace, uid, (42,), WALL)
+    )
 
 
 def test_a_cancelled_grace_closes_the_users_countdown_in_place():
@@ -73,10 +74,11 @@ def test_a_newline_in_a_process_name_stays_inside_its_line_of_the_pop_up():
     """A process names itself "x\\nForged: yes": the agent's body is lines of its own, and the name must add none."""
     n = Narrator(Audience(ME))
     name = "x\nForged: yes"
-    toasts = [*n.on_event(ProcessKilled(7, 1, ME, name, ("GPU-0",), "terminated", 0, "user"), 0.0, WALL),
-              *n.on_event(violated(ME, subject=f"PID 8 ({name}, user me)"), 0.0, WALL),
-              *n.on_event(GuardActionTaken("cap", f"PID 8 ({name}, user me)", "kill", 8, 1, "terminated", False),
-                          1.0, WALL)]
+    toasts = [
+        *n.on_event(ProcessKilled(7, 1, ME, name, ("GPU-0",), "terminated", 0, "user"), 0.0, WALL),
+        *n.on_event(violated(ME, subject=f"PID 8 ({name}, user me)"), 0.0, WALL),
+        *n.on_event(GuardActionTaken("cap", f"PID 8 ({name}, user me)", "kill", 8, 1, "terminated", False), 1.0, WALL),
+    ]
     assert len(toasts) == 3
     for toast in toasts:
         lines = body_text(toast.body, markup=True).split("\n")

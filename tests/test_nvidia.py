@@ -23,8 +23,12 @@ GIB = 2**30
 MIB = 2**20
 PEER_VIEW = os.path.join(os.path.dirname(__file__), "clients", "nvml_peer_view.py")
 # Entry points that drivers after 550 added (in nvml.h of 12.5 to 12.8): the fake, claiming 550, must lack them
-LATER_THAN_550 = ["nvmlDeviceGetTemperatureV", "nvmlDeviceGetMarginTemperature", "nvmlDeviceGetEnforcedPowerLimit_v2",
-                  "nvmlDeviceGetDriverModel_v2"]
+LATER_THAN_550 = [
+    "nvmlDeviceGetTemperatureV",
+    "nvmlDeviceGetMarginTemperature",
+    "nvmlDeviceGetEnforcedPowerLimit_v2",
+    "nvmlDeviceGetDriverModel_v2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +56,42 @@ def test_eight_gpus_with_every_field_and_real_processes(nvbed, nvhost, users):
     nvhost.add_process(5, render.pid, 3 * GIB, kind="graphics")
     nvhost.add_process(5, train.pid, 1 * GIB, kind="mps")
     nvhost.write()
-    doc = wait_until(lambda: (d := bed.listing()) and len(d["processes"]) == 3 and d, 10,
-                     lambda: f"not 3 processes listed: {bed.listing()}")
+    doc = wait_until(
+        lambda: (d := bed.listing()) and len(d["processes"]) == 3 and d,
+        10,
+        lambda: f"not 3 processes listed: {bed.listing()}",
+    )
     assert len(doc["devices"]) == 8
     for i, dev in enumerate(doc["devices"]):
         fake = nvhost.device(i)
         assert dev == {
-            "index": i, "id": fake["uuid"], "backend": "nvidia", "vendor": "nvidia", "name": fake["name"],
-            "pci_bus_id": fake["pci_bus_id"], "utilization": float(fake["util_gpu"]),
-            "memory_used": fake["memory_allocated"], "memory_total": fake["memory_total"],
-            "temperature": float(fake["temperature"]), "power": fake["power_mw"] / 1000, "state": "ok",
-            "state_reason": None, "power_limit": 700.0, "mig_mode": False, "parent_id": None,
+            "index": i,
+            "id": fake["uuid"],
+            "backend": "nvidia",
+            "vendor": "nvidia",
+            "name": fake["name"],
+            "pci_bus_id": fake["pci_bus_id"],
+            "utilization": float(fake["util_gpu"]),
+            "memory_used": fake["memory_allocated"],
+            "memory_total": fake["memory_total"],
+            "temperature": float(fake["temperature"]),
+            "power": fake["power_mw"] / 1000,
+            "state": "ok",
+            "state_reason": None,
+            "power_limit": 700.0,
+            "mig_mode": False,
+            "parent_id": None,
             "clock_mhz": None,  # the nvidia backend does not read clocks
         }, (i, dev)
     procs = {(p["pid"], p["device"]): p for p in doc["processes"]}
     t = procs[(train.pid, 0)]
     assert (t["user"], t["uid"], t["comm"], t["gpu_memory"], t["gpu_utilization"]) == (
-        "gpkowner", users["owner"].uid, "train.py", 12 * GIB, 87.0)
+        "gpkowner",
+        users["owner"].uid,
+        "train.py",
+        12 * GIB,
+        87.0,
+    )
     r = procs[(render.pid, 5)]
     assert (r["user"], r["comm"], r["gpu_memory"], r["gpu_utilization"]) == ("gpkother", "blender", 3 * GIB, 0.0)
     assert procs[(train.pid, 5)]["gpu_memory"] == 1 * GIB  # MPS client listed on its device
@@ -81,15 +104,29 @@ def test_not_supported_is_null_and_mig_instances(nvbed, nvhost, users):
     job = bed.victim(users["owner"], comm="mig-job")
     dev = nvhost.device(2)
     dev["mig_mode"] = 1
-    dev["mig_devices"] = [{"uuid": "MIG-11111111-2222-3333-4444-555555555555", "gi": 1, "ci": 0,
-                           "memory_total": 10 * GIB, "memory_allocated": 2 * GIB,
-                           "compute": [{"pid": job.pid, "used_memory": 2 * GIB}]}]
+    dev["mig_devices"] = [
+        {
+            "uuid": "MIG-11111111-2222-3333-4444-555555555555",
+            "gi": 1,
+            "ci": 0,
+            "memory_total": 10 * GIB,
+            "memory_allocated": 2 * GIB,
+            "compute": [{"pid": job.pid, "used_memory": 2 * GIB}],
+        }
+    ]
     nvhost.fault(3, not_supported=["temperature", "power", "process_utilization"])
-    doc = wait_until(lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d, 10,
-                     "the MIG instance and its process were never listed")
+    doc = wait_until(
+        lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d,
+        10,
+        "the MIG instance and its process were never listed",
+    )
     by_id = {d["id"]: d for d in doc["devices"]}
     mig = by_id["MIG-11111111-2222-3333-4444-555555555555"]
-    assert (mig["parent_id"], mig["memory_total"], mig["name"]) == (dev["uuid"], 10 * GIB, "NVIDIA H100 80GB HBM3 MIG 1/0")
+    assert (mig["parent_id"], mig["memory_total"], mig["name"]) == (
+        dev["uuid"],
+        10 * GIB,
+        "NVIDIA H100 80GB HBM3 MIG 1/0",
+    )
     assert by_id[dev["uuid"]]["mig_mode"] is True
     (p,) = doc["processes"]
     assert (p["pid"], p["device_id"], p["gpu_memory"]) == (job.pid, mig["id"], 2 * GIB)
@@ -106,8 +143,11 @@ def test_wrong_struct_version_gives_no_garbage(nvbed, nvhost, users):
     nvhost.add_process(4, a.pid, 3 * GIB)
     nvhost.add_process(4, b.pid, 5 * GIB)
     nvhost.fault(4, process_struct="v1")
-    doc = wait_until(lambda: (d := bed.listing()) and len(d["processes"]) == 2 and d, 10,
-                     lambda: f"not 2 processes listed: {bed.listing()}")
+    doc = wait_until(
+        lambda: (d := bed.listing()) and len(d["processes"]) == 2 and d,
+        10,
+        lambda: f"not 2 processes listed: {bed.listing()}",
+    )
     got = sorted((p["pid"], p["gpu_memory"], p["device"]) for p in doc["processes"])
     assert got == sorted([(a.pid, 3 * GIB, 4), (b.pid, 5 * GIB, 4)])
     assert "struct-version mismatch" in bed.daemon.log()
@@ -132,8 +172,9 @@ def test_lost_gpu_is_signalled_while_others_keep_updating(nvbed, nvhost, users):
 def test_hung_nvml_call_marks_only_that_gpu_lost(nvbed, nvhost, users):
     bed = nvbed
     nvhost.fault(7, slow_ms=60000)
-    doc = wait_until(lambda: (d := bed.listing()) and d["devices"][7]["state"] == "lost" and d, 15,
-                     "GPU 7 was never marked lost")
+    doc = wait_until(
+        lambda: (d := bed.listing()) and d["devices"][7]["state"] == "lost" and d, 15, "GPU 7 was never marked lost"
+    )
     assert doc["devices"][7]["state_reason"] == "NVML did not answer within 2s"
     nvhost.device(0)["util_gpu"] = 55
     nvhost.write()
@@ -174,8 +215,13 @@ def test_force_reset_kills_then_calls_nvidia_smi(nvbed, nvhost, users, alive):
 def test_failed_nvidia_smi_reset_returns_its_text(fresh_bed, nvhost, users):
     bed = fresh_bed
     (bed.workdir / "gpukilld.conf").write_text("[daemon]\nbackends = nvidia\n")
-    bed.start_daemon(args=["--sample-interval", "0.3"], env={
-        **nvhost.env(), "GPUKILL_FAKE_SMI_FAIL": "Unable to reset this GPU because it's being used by some other process"})
+    bed.start_daemon(
+        args=["--sample-interval", "0.3"],
+        env={
+            **nvhost.env(),
+            "GPUKILL_FAKE_SMI_FAIL": "Unable to reset this GPU because it's being used by some other process",
+        },
+    )
     wait_until(lambda: len(bed.listing()["devices"]) == 8, 10, "the 8 GPUs were never listed")
     r = bed.ctl(ROOT, "reset", "0")
     assert r.returncode == 11, r
@@ -212,8 +258,14 @@ def peer_view(host, symbols=()) -> dict:
     """What nvitop and plain pynvml read from the host (tests/clients/nvml_peer_view.py, in its own process)."""
     if importlib.util.find_spec("nvitop") is None:
         pytest.skip("nvitop is not installed (pip install -e '.[test]')")
-    r = subprocess.run([sys.executable, PEER_VIEW], input=json.dumps(list(symbols)), capture_output=True, text=True,
-                       env={**os.environ, **host.env()}, timeout=60)
+    r = subprocess.run(
+        [sys.executable, PEER_VIEW],
+        input=json.dumps(list(symbols)),
+        capture_output=True,
+        text=True,
+        env={**os.environ, **host.env()},
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -223,8 +275,7 @@ def with_mig_instance(nvhost, job_pid: int) -> tuple[dict, dict]:
     job_pid with 2 GiB; the GPU itself keeps the 512 MiB reserved of every fake H100."""
     gpu = nvhost.device(2)
     gpu["mig_mode"] = 1
-    gpu["mig_devices"] = [mig_instance("MIG-11111111-2222-3333-4444-555555555555", 1, 0, 10 * GIB,
-                                       reserved=128 * MIB)]
+    gpu["mig_devices"] = [mig_instance("MIG-11111111-2222-3333-4444-555555555555", 1, 0, 10 * GIB, reserved=128 * MIB)]
     nvhost.add_process(2, job_pid, 2 * GIB, mig=0)
     nvhost.write()
     return gpu, gpu["mig_devices"][0]
@@ -236,8 +287,11 @@ def test_mig_instance_used_memory_is_allocated_only_as_the_parents_and_nvitops(n
     bed = nvbed
     job = bed.victim(users["owner"], comm="mig-job")
     gpu, mig = with_mig_instance(nvhost, job.pid)
-    doc = wait_until(lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d, 10,
-                     "the MIG instance and its process were never listed")
+    doc = wait_until(
+        lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d,
+        10,
+        "the MIG instance and its process were never listed",
+    )
     by_id = {d["id"]: d for d in doc["devices"]}
     listed_mig, listed_gpu = by_id[mig["uuid"]], by_id[gpu["uuid"]]
     assert listed_mig["memory_used"] == mig["memory_allocated"] == 2 * GIB
@@ -249,8 +303,12 @@ def test_mig_instance_used_memory_is_allocated_only_as_the_parents_and_nvitops(n
     (nvitop_gpu,) = [g for g in view["nvitop"] if g["uuid"] == gpu["uuid"]]
     (nvitop_mig,) = nvitop_gpu["mig"]
     assert nvitop_mig["uuid"] == mig["uuid"]
-    assert nvitop_mig["memory"] == {"total": listed_mig["memory_total"], "used": listed_mig["memory_used"],
-                                    "free": 10 * GIB - 128 * MIB - 2 * GIB, "reserved": 128 * MIB}
+    assert nvitop_mig["memory"] == {
+        "total": listed_mig["memory_total"],
+        "used": listed_mig["memory_used"],
+        "free": 10 * GIB - 128 * MIB - 2 * GIB,
+        "reserved": 128 * MIB,
+    }
     assert nvitop_gpu["memory"]["used"] == listed_gpu["memory_used"]
 
 
@@ -261,8 +319,11 @@ def test_without_memory_v2_instances_and_gpus_fall_back_to_v1_alike(nvbed, nvhos
     job = bed.victim(users["owner"], comm="mig-job")
     gpu, mig = with_mig_instance(nvhost, job.pid)
     nvhost.fault(2, not_supported=["memory_v2"])
-    doc = wait_until(lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d, 10,
-                     "the MIG instance and its process were never listed")
+    doc = wait_until(
+        lambda: (d := bed.listing()) and len(d["devices"]) == 9 and d["processes"] and d,
+        10,
+        "the MIG instance and its process were never listed",
+    )
     by_id = {d["id"]: d for d in doc["devices"]}
     assert by_id[mig["uuid"]]["memory_used"] == 2 * GIB + 128 * MIB
     assert by_id[gpu["uuid"]]["memory_used"] == 2 * GIB + 512 * MIB
@@ -278,8 +339,9 @@ def nvhost_o0(tmp_path_factory):
 def test_fake_follows_550s_nvml_h_and_nvitop_reads_temperatures(nvhost_o0):
     host = nvhost_o0
     host.device(1)["mig_mode"] = 1
-    host.device(1)["mig_devices"] = [mig_instance("MIG-aaaaaaaa-2222-3333-4444-555555555555", 1, 0, 10 * GIB,
-                                                  reserved=128 * MIB)]
+    host.device(1)["mig_devices"] = [
+        mig_instance("MIG-aaaaaaaa-2222-3333-4444-555555555555", 1, 0, 10 * GIB, reserved=128 * MIB)
+    ]
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         host.add_process(0, sleeper.pid, None)  # NVML does not know its memory: NVML_VALUE_NOT_AVAILABLE
@@ -298,4 +360,8 @@ def test_fake_follows_550s_nvml_h_and_nvitop_reads_temperatures(nvhost_o0):
         assert v1["used"] == v2["used"] + v2["reserved"] and v1["free"] == v2["free"], uuid
         assert v2["total"] == v2["reserved"] + v2["used"] + v2["free"], uuid
     assert view["pynvml"]["MIG-aaaaaaaa-2222-3333-4444-555555555555"]["v2"] == {
-        "total": 10 * GIB, "reserved": 128 * MIB, "used": 3 * GIB, "free": 10 * GIB - 128 * MIB - 3 * GIB}
+        "total": 10 * GIB,
+        "reserved": 128 * MIB,
+        "used": 3 * GIB,
+        "free": 10 * GIB - 128 * MIB - 3 * GIB,
+    }

@@ -26,13 +26,11 @@ from gpukillctl.client.usage import parse_when
 GIB = 1 << 30
 NOW = 1_800_000_000.0
 # Forms of one duration, 90 seconds, as systemd admins write it: each must mean 90 s wherever one is taken.
-NINETY_SECONDS = ("90", "90s", "90sec", "90 seconds", "1min 30s", "1m30s", "1.5min", "1.5 minutes", "90000ms",
-                  "1M30S")
+NINETY_SECONDS = ("90", "90s", "90sec", "90 seconds", "1min 30s", "1m30s", "1.5min", "1.5 minutes", "90000ms", "1M30S")
 # Forms of 90 minutes: the same outcome everywhere (the value, or the option's own range refusing it).
 NINETY_MINUTES = ("90min", "1h30m", "1h 30min", "5400s", "1.5h")
 NOT_DURATIONS = ("5 parsecs", "4GiB", "-5m", "5m3", "soon", "")
-SIZES = {"4GiB": 4 * GIB, "4 GiB": 4 * GIB, "4096MiB": 4 * GIB, "4G": 4 * GIB, "4gib": 4 * GIB,
-         "4294967296B": 4 * GIB}
+SIZES = {"4GiB": 4 * GIB, "4 GiB": 4 * GIB, "4096MiB": 4 * GIB, "4G": 4 * GIB, "4gib": 4 * GIB, "4294967296B": 4 * GIB}
 NOT_SIZES = ("8", "4294967296", "5 parsecs", "90min", "lots", "-4GiB")
 
 SIZE_METAVARS = ("SIZE",)
@@ -41,10 +39,43 @@ TIME_METAVARS = ("TIME",)
 # gpukill's gpu-kill flags, which keep the unit gpu-kill documents for a bare number (GB is GiB, seconds, hours).
 GPU_KILL_UNITS = {"GB": "size", "SECONDS": "duration", "HOURS": "hours"}
 # Metavars of options that take neither a size nor a duration. A new metavar must be added here or classified.
-NEITHER = {None, "PID", "ID", "UNIT", "TICKS", "DEVICE", "FILE", "KIND", "TARGET", "PCT", "N", "U[,U...]", "GROUP",
-           "PTS", "KEY=VALUE", "USER", "NAME", "JOB", "POD", "ADDR:PORT", "[USER@]HOST[:PORT]", "ADDR", "DIR",
-           "VENDOR", "REGEX", "GPU", "PERCENT", "COUNT", "MEMBERS", "GPU_INDEX", "USERS", "VALUE", "PATH", "PORT",
-           "HOST"}
+NEITHER = {
+    None,
+    "PID",
+    "ID",
+    "UNIT",
+    "TICKS",
+    "DEVICE",
+    "FILE",
+    "KIND",
+    "TARGET",
+    "PCT",
+    "N",
+    "U[,U...]",
+    "GROUP",
+    "PTS",
+    "KEY=VALUE",
+    "USER",
+    "NAME",
+    "JOB",
+    "POD",
+    "ADDR:PORT",
+    "[USER@]HOST[:PORT]",
+    "ADDR",
+    "DIR",
+    "VENDOR",
+    "REGEX",
+    "GPU",
+    "PERCENT",
+    "COUNT",
+    "MEMBERS",
+    "GPU_INDEX",
+    "USERS",
+    "VALUE",
+    "PATH",
+    "PORT",
+    "HOST",
+}
 
 
 def _options(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.Action]]:
@@ -86,11 +117,19 @@ def _convert(action: argparse.Action, text: str) -> Any:
 def test_every_option_is_classified_and_each_kind_is_found():
     kinds = {where: _kind(where, a) for where, a in OPTIONS}
     assert not [w for w, k in kinds.items() if k == "unclassified"], "a metavar neither known nor classified"
-    for where in ("gpukillctl list --min-memory", "gpukillctl guard policy add --memory-limit",
-                  "gpukillctl guard policy add --reserved-memory", "gpukillctl audit --idle-min-memory"):
+    for where in (
+        "gpukillctl list --min-memory",
+        "gpukillctl guard policy add --memory-limit",
+        "gpukillctl guard policy add --reserved-memory",
+        "gpukillctl audit --idle-min-memory",
+    ):
         assert kinds[where] == "size", where
-    for where in ("gpukillctl kill --grace", "gpukillctl guard policy add --grace", "gpukillctl audit --idle-after",
-                  "gpukillctl exporter --interval"):
+    for where in (
+        "gpukillctl kill --grace",
+        "gpukillctl guard policy add --grace",
+        "gpukillctl audit --idle-after",
+        "gpukillctl exporter --interval",
+    ):
         assert kinds[where] == "duration", where
     assert kinds["gpukillctl usage --since"] == kinds["gpukillctl usage --until"] == "time"
     assert kinds["gpukill --guard-memory-limit"] == "size" and kinds["gpukill --timeout-secs"] == "duration"
@@ -108,8 +147,9 @@ def test_every_size_option_takes_the_size_grammar(where, action):
         if gpu_kill and text in ("8", "4294967296"):
             continue  # gpu-kill's GB: a bare number is GiB, as gpu-kill documents (checked below)
         assert isinstance(value, Exception), (where, text, value)
-        assert "\n" not in str(value) and ("write a unit: 8GiB, 8GB, 512MiB, 4096B" in str(value)
-                                           or "not a size" in str(value)), (where, text, value)
+        assert "\n" not in str(value) and (
+            "write a unit: 8GiB, 8GB, 512MiB, 4096B" in str(value) or "not a size" in str(value)
+        ), (where, text, value)
     if gpu_kill:
         assert _convert(action, "8") == 8 * GIB and _convert(action, "1.5") == 3 * GIB // 2
     else:
@@ -146,30 +186,59 @@ DURATION_KEYS: dict[str, tuple[str, Callable[[Any], float]]] = {
     "sample_interval": ("sample_interval: VALUE\nrules: []\n", lambda p: p.settings.sample_interval),
     "cooldown": ("cooldown: VALUE\nrules: []\n", lambda p: p.settings.cooldown),
     "kill_grace": ("kill_grace: VALUE\nrules: []\n", lambda p: p.settings.kill_grace),
-    "rule grace_period": (KILL_RULE.format(extra="    grace_period: VALUE\n", conditions=NAME_CONDITION),
-                          lambda p: p.rules[0].grace_period),
-    "rule kill_grace": (KILL_RULE.format(extra="    kill_grace: VALUE\n", conditions=NAME_CONDITION),
-                        lambda p: p.rules[0].kill_grace),
-    "rule warn": (KILL_RULE.format(extra="    grace_period: 6h\n    warn: [VALUE]\n", conditions=NAME_CONDITION),
-                  lambda p: p.rules[0].warn[0]),
-    "rule cooldown": ("rules:\n  - name: r\n    action: reset\n    scope: per_device\n    cooldown: VALUE\n"
-                      "    conditions:\n      - {type: gpu_utilization, operator: '>', value: 95}\n",
-                      lambda p: p.rules[0].cooldown),
-    "condition duration": (KILL_RULE.format(extra="", conditions="      - {type: gpu_utilization, operator: '>', "
-                                                                 "value: 95, duration: VALUE}\n"),
-                           lambda p: p.rules[0].conditions[0].duration),
+    "rule grace_period": (
+        KILL_RULE.format(extra="    grace_period: VALUE\n", conditions=NAME_CONDITION),
+        lambda p: p.rules[0].grace_period,
+    ),
+    "rule kill_grace": (
+        KILL_RULE.format(extra="    kill_grace: VALUE\n", conditions=NAME_CONDITION),
+        lambda p: p.rules[0].kill_grace,
+    ),
+    "rule warn": (
+        KILL_RULE.format(extra="    grace_period: 6h\n    warn: [VALUE]\n", conditions=NAME_CONDITION),
+        lambda p: p.rules[0].warn[0],
+    ),
+    "rule cooldown": (
+        "rules:\n  - name: r\n    action: reset\n    scope: per_device\n    cooldown: VALUE\n"
+        "    conditions:\n      - {type: gpu_utilization, operator: '>', value: 95}\n",
+        lambda p: p.rules[0].cooldown,
+    ),
+    "condition duration": (
+        KILL_RULE.format(
+            extra="", conditions="      - {type: gpu_utilization, operator: '>', value: 95, duration: VALUE}\n"
+        ),
+        lambda p: p.rules[0].conditions[0].duration,
+    ),
 }
 # Every other key, so that a new key is classified here before it can take a duration or a size unseen.
-NOT_DURATION_KEYS = {"rules", "dry_run", "max_kills_per_cycle", "notify", "exemptions", "name", "description",
-                     "conditions", "match", "scope", "action", "force", "max_resets_per_hour", "kill_scope", "type",
-                     "operator", "over"}
+NOT_DURATION_KEYS = {
+    "rules",
+    "dry_run",
+    "max_kills_per_cycle",
+    "notify",
+    "exemptions",
+    "name",
+    "description",
+    "conditions",
+    "match",
+    "scope",
+    "action",
+    "force",
+    "max_resets_per_hour",
+    "kill_scope",
+    "type",
+    "operator",
+    "over",
+}
 # Rules a condition of any type can sit in, one of which takes it: its value is read back from the first condition.
 HOLDERS = (
     KILL_RULE.format(extra="", conditions="      - {COND}\n"),
     KILL_RULE.format(extra="    scope: per_user\n", conditions="      - {COND}\n"),
     KILL_RULE.format(extra="    scope: per_device\n", conditions="      - {COND}\n"),
-    KILL_RULE.format(extra="    scope: per_group\n", conditions="      - {COND}\n      - {type: group, operator: ==, "
-                                                                "value: research}\n"),
+    KILL_RULE.format(
+        extra="    scope: per_group\n",
+        conditions="      - {COND}\n      - {type: group, operator: ==, value: research}\n",
+    ),
 )
 
 
@@ -197,8 +266,10 @@ def _policy_keys() -> dict[str, tuple[str, Callable[[Any], Any]]]:
     keys = dict(DURATION_KEYS)
     for t in CONDITION_TYPES.values():
         if t.kind == DURATION:
-            keys[f"{t.name} value"] = (_holder(t.name, "90s").replace("{COND}", _condition_key(t.name, "VALUE")),
-                                       lambda p: p.rules[0].conditions[0].value)
+            keys[f"{t.name} value"] = (
+                _holder(t.name, "90s").replace("{COND}", _condition_key(t.name, "VALUE")),
+                lambda p: p.rules[0].conditions[0].value,
+            )
     return keys
 
 
@@ -206,8 +277,11 @@ def test_every_policy_key_is_classified():
     keys = set(TOP_KEYS) | set(RULE_KEYS) | set(CONDITION_KEYS)
     durations = {k.split()[-1] for k in DURATION_KEYS} | {"value"}
     assert keys <= durations | NOT_DURATION_KEYS, keys - durations - NOT_DURATION_KEYS
-    assert {t.name for t in CONDITION_TYPES.values() if t.kind == SIZE} >= {"gpu_memory", "user_memory",
-                                                                             "device_memory_free"}
+    assert {t.name for t in CONDITION_TYPES.values() if t.kind == SIZE} >= {
+        "gpu_memory",
+        "user_memory",
+        "device_memory_free",
+    }
 
 
 @pytest.mark.parametrize("key", sorted(_policy_keys()))
@@ -245,4 +319,3 @@ def test_every_policy_size_takes_the_size_grammar_and_refuses_a_bare_number(ctyp
     tiny = _load(holder.replace("{COND}", _condition_key(ctype, "0.5MiB")))
     assert "under 1 MiB, likely a mistake" in tiny.errors[0]
     assert _load(holder.replace("{COND}", _condition_key(ctype, "512KiB"))).rules[0].conditions[0].value == 512 << 10
-

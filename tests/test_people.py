@@ -56,10 +56,14 @@ def test_a_subordinate_uid_is_its_owners_person(tmp_path):
 
 
 def test_the_parse_is_bounded_and_skips_what_is_not_a_range():
-    text = ("# comment\n\nalice:100000:65536\nnobody-known:300000:10\nbob:x:10\nbob:10:\nbob:1:2:3\n"
-            "1002:200000:0\n1002:200000:10\nbob:\uff11:5\nalice:4294967290:100\n")
-    assert [(r.start, r.end, r.owner) for r in parse_subuid(text, resolve)] == [(100000, 165536, 1001),
-                                                                                (200000, 200010, 1002)]
+    text = (
+        "# comment\n\nalice:100000:65536\nnobody-known:300000:10\nbob:x:10\nbob:10:\nbob:1:2:3\n"
+        "1002:200000:0\n1002:200000:10\nbob:\uff11:5\nalice:4294967290:100\n"
+    )
+    assert [(r.start, r.end, r.owner) for r in parse_subuid(text, resolve)] == [
+        (100000, 165536, 1001),
+        (200000, 200010, 1002),
+    ]
     many = "".join(f"alice:{100000 + 10 * i}:10\n" for i in range(people.MAX_RANGES + 50))
     assert len(parse_subuid(many, resolve)) == people.MAX_RANGES
 
@@ -67,10 +71,15 @@ def test_the_parse_is_bounded_and_skips_what_is_not_a_range():
 def test_overlaps_go_to_the_first_range_and_an_owner_is_always_its_own_person(tmp_path):
     # bob's range overlaps alice's and holds carol's own uid: carol is a person, the overlap is alice's
     p = People(str(tmp_path / "none"), resolve=resolve)
-    ranges = parse_subuid("alice:100000:1000\nbob:100500:1000\ncarol:5000:1\n1500:100700:5\n",
-                          lambda n: {"carol": 100700, **OWNERS}.get(n))
-    assert [(r.start, r.end, r.owner) for r in ranges] == [(5000, 5001, 100700), (100000, 101000, 1001),
-                                                           (101000, 101500, 1002)]
+    ranges = parse_subuid(
+        "alice:100000:1000\nbob:100500:1000\ncarol:5000:1\n1500:100700:5\n",
+        lambda n: {"carol": 100700, **OWNERS}.get(n),
+    )
+    assert [(r.start, r.end, r.owner) for r in ranges] == [
+        (5000, 5001, 100700),
+        (100000, 101000, 1001),
+        (101000, 101500, 1002),
+    ]
     t = people.Table(ranges)
     assert t.person(100600) == 1001 and t.person(101200) == 1002
     assert t.person(100700) == 100700  # an account is itself, whoever's range it lies in
@@ -130,8 +139,11 @@ class KnownBouncer:
 
 
 def busy(answer) -> bool:
-    return isinstance(answer, Message) and answer.message_type is MessageType.ERROR and \
-        answer.error_name == TooBusy.dbus_name
+    return (
+        isinstance(answer, Message)
+        and answer.message_type is MessageType.ERROR
+        and answer.error_name == TooBusy.dbus_name
+    )
 
 
 def test_the_call_rate_is_one_bucket_per_person(tmp_path):
@@ -141,8 +153,16 @@ def test_the_call_rate_is_one_bucket_per_person(tmp_path):
     door.rate = callrate.CallRate(clock=lambda: 0.0)  # no refill: every token counts
 
     def call(sender: str) -> Message | bool | None:
-        return door(Message(destination="org.gpukill1", path=OBJECT_PATH, interface=MANAGER_INTERFACE,
-                            member="ListDevices", sender=sender, serial=1))
+        return door(
+            Message(
+                destination="org.gpukill1",
+                path=OBJECT_PATH,
+                interface=MANAGER_INTERFACE,
+                member="ListDevices",
+                sender=sender,
+                serial=1,
+            )
+        )
 
     answered = sum(not busy(call(s)) for s in list(uids)[:1000] for _ in range(3))
     assert answered == int(callrate.BURST)
@@ -177,9 +197,10 @@ def test_a_person_has_one_policy_test_at_a_time_from_any_of_its_uids(tmp_path, m
 
     outcomes = asyncio.run(run())
     # before: each uid had a slot of its own, and both of alice's ran beside the first
-    assert outcomes[:2] == ["uid 1001 (with its subordinate uids, 100005 among them) already has a policy test "
-                            "running; wait for it",
-                            "uid 1001 (with its subordinate uids) already has a policy test running; wait for it"]
+    assert outcomes[:2] == [
+        "uid 1001 (with its subordinate uids, 100005 among them) already has a policy test running; wait for it",
+        "uid 1001 (with its subordinate uids) already has a policy test running; wait for it",
+    ]
     assert outcomes[2] == [], outcomes  # bob is another person
 
 
@@ -286,8 +307,11 @@ def subordinate(users):
     uid = mine[0].start + SUBORDINATE
     made = subprocess.run(["getent", "passwd", str(uid)], capture_output=True).returncode != 0
     if made:
-        subprocess.run(["useradd", "--system", "-u", str(uid), "-M", "-N", "-s", "/usr/sbin/nologin",
-                        "gpksubuid"], check=True, capture_output=True)
+        subprocess.run(
+            ["useradd", "--system", "-u", str(uid), "-M", "-N", "-s", "/usr/sbin/nologin", "gpksubuid"],
+            check=True,
+            capture_output=True,
+        )
     try:
         yield uid
     finally:
@@ -304,8 +328,12 @@ def test_a_caller_in_a_user_namespace_is_charged_to_its_owner(bed, users, subord
     client.write_text(USERNS_CLIENT)
     os.chmod(client, 0o644)
     burst = int(callrate.BURST)
-    r = bed.run_as(owner, ["unshare", "--user", "--map-auto", "--map-root-user", "--", PYTHON, str(client),
-                           str(burst + 100), "300"], timeout=120, env={"PYTHONPATH": str(REPO)})
+    r = bed.run_as(
+        owner,
+        ["unshare", "--user", "--map-auto", "--map-root-user", "--", PYTHON, str(client), str(burst + 100), "300"],
+        timeout=120,
+        env={"PYTHONPATH": str(REPO)},
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["owner_uid"] == owner.uid and out["sub_uid"] == subordinate, out  # what the daemon is told

@@ -52,12 +52,14 @@ def place(template: str, value: str) -> tuple[str, str]:
     i = template.index("@")
     line = template.count("\n", 0, i) + 1
     col = i - (template.rfind("\n", 0, i) + 1) + 1
-    return template[:i] + value + template[i + 1:], f"{line}:{col}"
+    return template[:i] + value + template[i + 1 :], f"{line}:{col}"
 
 
 def cond(type_: str, op: str = ">", scope: str = "per_process", extra: str = "") -> str:
-    return (f"rules:\n  - name: r\n    action: log\n    scope: {scope}\n    conditions:\n"
-            f"      - type: {type_}\n        operator: '{op}'\n{extra}")
+    return (
+        f"rules:\n  - name: r\n    action: log\n    scope: {scope}\n    conditions:\n"
+        f"      - type: {type_}\n        operator: '{op}'\n{extra}"
+    )
 
 
 # Every numeric field of a policy: (field, template with '@' for the value, a valid value).
@@ -66,10 +68,18 @@ NUMERIC_FIELDS = [
     ("sample_interval", "sample_interval: @\nrules: []\n", "5s"),
     ("cooldown", "cooldown: @\nrules: []\n", "5m"),
     ("kill_grace", "kill_grace: @\nrules: []\n", "10"),
-    ("grace_period", "rules:\n  - name: r\n    action: kill\n    grace_period: @\n"
-                     "    conditions: [{type: exe, operator: ==, value: x}]\n", "30s"),
-    ("rule kill_grace", "rules:\n  - name: r\n    action: kill\n    kill_grace: @\n"
-                        "    conditions: [{type: exe, operator: ==, value: x}]\n", "5s"),
+    (
+        "grace_period",
+        "rules:\n  - name: r\n    action: kill\n    grace_period: @\n"
+        "    conditions: [{type: exe, operator: ==, value: x}]\n",
+        "30s",
+    ),
+    (
+        "rule kill_grace",
+        "rules:\n  - name: r\n    action: kill\n    kill_grace: @\n"
+        "    conditions: [{type: exe, operator: ==, value: x}]\n",
+        "5s",
+    ),
     ("condition duration", cond("gpu_utilization", extra="        value: 95\n        duration: @\n"), "5m"),
     ("gpu_memory", cond("gpu_memory", extra="        value: @\n"), "8GiB"),
     ("user_memory", cond("user_memory", scope="per_user", extra="        value: @\n"), "8589934592B"),
@@ -82,8 +92,12 @@ NUMERIC_FIELDS = [
     ("group gid", cond("group", "==", extra="        value: @\n"), "1000"),
     ("exempt uid", "exemptions:\n  users: [@]\nrules: []\n", "1000"),
     ("exempt gid", "exemptions:\n  groups: [@]\nrules: []\n", "1000"),
-    ("rule exempt uid", "rules:\n  - name: r\n    action: log\n    exemptions: {users: [@]}\n"
-                        "    conditions: [{type: exe, operator: ==, value: x}]\n", "0"),
+    (
+        "rule exempt uid",
+        "rules:\n  - name: r\n    action: log\n    exemptions: {users: [@]}\n"
+        "    conditions: [{type: exe, operator: ==, value: x}]\n",
+        "0",
+    ),
 ]
 
 NAME_FIELDS = {"user uid", "user uid list", "group gid", "exempt uid", "exempt gid", "rule exempt uid"}
@@ -137,22 +151,34 @@ def _first_condition(p):
     return p.rules[0].conditions[0]
 
 
-@pytest.mark.parametrize("template, zero, get, expected", [
-    ("cooldown: @\nrules: []\n", "-0", lambda p: p.settings.cooldown, 0.0),
-    ("cooldown: @\nrules: []\n", "-0.0", lambda p: p.settings.cooldown, 0.0),
-    (cond("gpu_utilization", extra="        value: @\n"), "-0.0", lambda p: _first_condition(p).text,
-     "gpu_utilization > 0%"),
-    (cond("temperature", scope="per_device", extra="        value: @\n"), "-0.0",
-     lambda p: _first_condition(p).text, "temperature > 0"),
-    (cond("user", "==", extra="        value: @\n"), "-0", lambda p: _first_condition(p).value, 0),
-])
+@pytest.mark.parametrize(
+    "template, zero, get, expected",
+    [
+        ("cooldown: @\nrules: []\n", "-0", lambda p: p.settings.cooldown, 0.0),
+        ("cooldown: @\nrules: []\n", "-0.0", lambda p: p.settings.cooldown, 0.0),
+        (
+            cond("gpu_utilization", extra="        value: @\n"),
+            "-0.0",
+            lambda p: _first_condition(p).text,
+            "gpu_utilization > 0%",
+        ),
+        (
+            cond("temperature", scope="per_device", extra="        value: @\n"),
+            "-0.0",
+            lambda p: _first_condition(p).text,
+            "temperature > 0",
+        ),
+        (cond("user", "==", extra="        value: @\n"), "-0", lambda p: _first_condition(p).value, 0),
+    ],
+)
 def test_minus_zero_is_zero(template, zero, get, expected):
     value = get(load_texts([("x.yaml", place(template, zero)[0])]))
     assert value == expected and str(value) == str(expected)  # 0.0, not -0.0
 
 
-@pytest.mark.parametrize("template", [cond("gpu_memory", extra="        value: @\n"),
-                                      cond("user", "==", extra="        value: @\n")])
+@pytest.mark.parametrize(
+    "template", [cond("gpu_memory", extra="        value: @\n"), cond("user", "==", extra="        value: @\n")]
+)
 def test_a_float_is_neither_a_size_nor_a_uid(template):
     text, where = place(template, "-0.0")
     assert reject(text).errors[0].startswith(f"x.yaml:{where}: ")
@@ -171,13 +197,45 @@ def test_sizes_and_durations_have_a_maximum():
 
 
 def test_parse_size_and_parse_duration_never_raise_anything_but_value_error():
-    for value in (10**5000, -(10**5000), float("inf"), float("-inf"), float("nan"), 1e400, "9" * 400,
-                  "9" * 400 + "GiB", "9" * 60 + "P", "1e400", "inf", "nan", "1" + " " * MiB + "x", None, [], {},
-                  b"8GiB", -0.0, True):
+    for value in (
+        10**5000,
+        -(10**5000),
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        1e400,
+        "9" * 400,
+        "9" * 400 + "GiB",
+        "9" * 60 + "P",
+        "1e400",
+        "inf",
+        "nan",
+        "1" + " " * MiB + "x",
+        None,
+        [],
+        {},
+        b"8GiB",
+        -0.0,
+        True,
+    ):
         with pytest.raises(ValueError):
             parse_size(value)
-    for value in (10**5000, -(10**5000), float("inf"), float("-inf"), float("nan"), "9" * 400 + "s",
-                  "9" * 60 + "s", "1e400s", "1" * MiB, "1s" * MiB, None, [], b"5m", True):
+    for value in (
+        10**5000,
+        -(10**5000),
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        "9" * 400 + "s",
+        "9" * 60 + "s",
+        "1e400s",
+        "1" * MiB,
+        "1s" * MiB,
+        None,
+        [],
+        b"5m",
+        True,
+    ):
         with pytest.raises(ValueError):
             parse_duration(value)
     assert parse_size(-0, bare=1) == 0 and parse_duration(-0.0) == 0.0 and str(parse_duration(-0.0)) == "0.0"
@@ -186,20 +244,27 @@ def test_parse_size_and_parse_duration_never_raise_anything_but_value_error():
 # -- YAML that makes PyYAML itself fail ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("what, text, where", [
-    ("100,000 [", "rules: " + "[" * 100_000, "1:71"),  # the 65th level: the root mapping is the first
-    ("100,000 [ closed", "rules: " + "[" * 100_000 + "]" * 100_000, "1:71"),
-    ("100,000 {", "rules: " + "{a: " * 100_000, "1:"),
-    ("block sequences 50,000 deep", "- " * 50_000 + "x\n", "1:"),
-    ("block mappings 200 deep", "".join(" " * i + "a:\n" for i in range(200)), ""),
-    ("a control character", "rules: []\n# \x01\n", "2:3"),
-    ("a lone surrogate", "rules: []\n#\ud800\n", "2:2"),
-    ("an escape beyond Unicode", 'rules: ["\\U00110000"]\n', "1:"),
-    ("an escaped surrogate", 'rules:\n  - name: r\n    action: log\n    description: "\\ud800"\n'
-                             "    conditions: [{type: exe, operator: ==, value: x}]\n", "4:18"),
-    ("an unknown tag", "dry_run: !!python/name:os.system ''\nrules: []\n", "1:10"),
-    ("a tagged scalar on a mapping", "rules: !!int {}\n", "1:8"),
-])
+@pytest.mark.parametrize(
+    "what, text, where",
+    [
+        ("100,000 [", "rules: " + "[" * 100_000, "1:71"),  # the 65th level: the root mapping is the first
+        ("100,000 [ closed", "rules: " + "[" * 100_000 + "]" * 100_000, "1:71"),
+        ("100,000 {", "rules: " + "{a: " * 100_000, "1:"),
+        ("block sequences 50,000 deep", "- " * 50_000 + "x\n", "1:"),
+        ("block mappings 200 deep", "".join(" " * i + "a:\n" for i in range(200)), ""),
+        ("a control character", "rules: []\n# \x01\n", "2:3"),
+        ("a lone surrogate", "rules: []\n#\ud800\n", "2:2"),
+        ("an escape beyond Unicode", 'rules: ["\\U00110000"]\n', "1:"),
+        (
+            "an escaped surrogate",
+            'rules:\n  - name: r\n    action: log\n    description: "\\ud800"\n'
+            "    conditions: [{type: exe, operator: ==, value: x}]\n",
+            "4:18",
+        ),
+        ("an unknown tag", "dry_run: !!python/name:os.system ''\nrules: []\n", "1:10"),
+        ("a tagged scalar on a mapping", "rules: !!int {}\n", "1:8"),
+    ],
+)
 def test_yaml_that_breaks_pyyaml_is_an_error_with_a_place(what, text, where):
     e = reject(text)
     assert e.errors[0].startswith(f"x.yaml:{where}"), (what, e.errors)
@@ -215,10 +280,14 @@ def test_nesting_under_the_limit_is_read_and_then_refused_for_what_it_is():
 
 def _alias_bomb(rules: int, items: int = 10_000) -> str:
     big = ", ".join(f"n{i}" for i in range(items))
-    head = ("rules:\n  - name: r0\n    action: log\n    conditions:\n"
-            f"      - {{type: process_name, operator: in, value: &big [{big}]}}\n")
-    return head + "".join(f"  - name: r{i}\n    action: log\n    conditions:\n"
-                          "      - {type: process_name, operator: in, value: *big}\n" for i in range(1, rules))
+    head = (
+        "rules:\n  - name: r0\n    action: log\n    conditions:\n"
+        f"      - {{type: process_name, operator: in, value: &big [{big}]}}\n"
+    )
+    return head + "".join(
+        f"  - name: r{i}\n    action: log\n    conditions:\n      - {{type: process_name, operator: in, value: *big}}\n"
+        for i in range(1, rules)
+    )
 
 
 def test_an_alias_bomb_is_refused_quickly_with_one_error():
@@ -252,21 +321,31 @@ def test_errors_are_capped():
 
 def test_aliased_bad_items_are_capped_too():
     bad = ", ".join(str(i) for i in range(1000))
-    text = ("exemptions: {users: [a]}\nrules:\n  - name: r0\n    action: log\n    conditions:\n"
-            f"      - {{type: process_name, operator: in, value: &bad [{bad}]}}\n" +
-            "".join(f"  - name: r{i}\n    action: log\n    conditions:\n"
-                    "      - {type: exe, operator: in, value: *bad}\n" for i in range(1, 1000)))
+    text = (
+        "exemptions: {users: [a]}\nrules:\n  - name: r0\n    action: log\n    conditions:\n"
+        f"      - {{type: process_name, operator: in, value: &bad [{bad}]}}\n"
+        + "".join(
+            f"  - name: r{i}\n    action: log\n    conditions:\n      - {{type: exe, operator: in, value: *bad}}\n"
+            for i in range(1, 1000)
+        )
+    )
     e = reject(text)
     assert len(e.errors) == MAX_ERRORS + 1 and e.errors[-1] == TOO_MANY_ERRORS
 
 
 def test_an_unreadable_aliased_value_is_reported_once():
-    text = ("rules:\n  - name: r0\n    action: log\n    conditions:\n"
-            f"      - {{type: gpu_memory, operator: '>', value: &huge {'9' * 5000}}}\n" +
-            "".join(f"  - name: r{i}\n    action: log\n    conditions:\n"
-                    "      - {type: gpu_memory, operator: '>', value: *huge}\n" for i in range(1, 50)))
-    assert reject(text).errors == ["x.yaml:5:50: a number written with more than 100 characters is too large "
-                                   "for any setting"]
+    text = (
+        "rules:\n  - name: r0\n    action: log\n    conditions:\n"
+        f"      - {{type: gpu_memory, operator: '>', value: &huge {'9' * 5000}}}\n"
+        + "".join(
+            f"  - name: r{i}\n    action: log\n    conditions:\n"
+            "      - {type: gpu_memory, operator: '>', value: *huge}\n"
+            for i in range(1, 50)
+        )
+    )
+    assert reject(text).errors == [
+        "x.yaml:5:50: a number written with more than 100 characters is too large for any setting"
+    ]
 
 
 def test_errors_of_several_files_are_capped_together():
@@ -281,33 +360,55 @@ def test_a_flood_of_unknown_keys_is_capped():
     assert len(e.errors) == MAX_ERRORS + 1
 
 
-@pytest.mark.parametrize("template", [
-    "@: 1\nrules: []\n",
-    "rules:\n  - name: @\n    action: log\n    conditions: [{type: exe, operator: ==, value: x}]\n",
-    "rules:\n  - name: r\n    action: @\n    conditions: [{type: exe, operator: ==, value: x}]\n",
-    "rules:\n  - name: r\n    action: log\n    description: @\n    conditions: [{type: exe, operator: ==, value: x}]\n",
-    "rules:\n  - name: r\n    action: log\n    conditions: [{type: @, operator: ==, value: x}]\n",
-    "rules:\n  - name: r\n    action: log\n    conditions: [{type: exe, operator: @, value: x}]\n",
-    "rules:\n  - name: r\n    action: log\n    conditions: [{type: exe, operator: ==, value: @}]\n",
-    "rules:\n  - name: r\n    action: log\n    conditions: [{type: exe, operator: matches, value: @}]\n",
-    "rules:\n  - name: r\n    action: log\n    conditions: [{type: user, operator: ==, value: @}]\n",
-    "notify: [@]\nrules: []\n",
-    "notify: ['webhook:http://@']\nrules: []\n",
-    "notify: ['a@@']\nrules: []\n",
-    "cooldown: @\nrules: []\n",
-    "exemptions: {units: [@]}\nrules: []\n",
-], ids=["key", "rule name", "action", "description", "type", "operator", "value", "pattern", "user", "notify",
-        "webhook", "e-mail", "duration", "unit pattern"])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "@: 1\nrules: []\n",
+        "rules:\n  - name: @\n    action: log\n    conditions: [{type: exe, operator: ==, value: x}]\n",
+        "rules:\n  - name: r\n    action: @\n    conditions: [{type: exe, operator: ==, value: x}]\n",
+        "rules:\n  - name: r\n    action: log\n    description: @\n"
+        "    conditions: [{type: exe, operator: ==, value: x}]\n",
+        "rules:\n  - name: r\n    action: log\n    conditions: [{type: @, operator: ==, value: x}]\n",
+        "rules:\n  - name: r\n    action: log\n    conditions: [{type: exe, operator: @, value: x}]\n",
+        "rules:\n  - name: r\n    action: log\n    conditions: [{type: exe, operator: ==, value: @}]\n",
+        "rules:\n  - name: r\n    action: log\n    conditions: [{type: exe, operator: matches, value: @}]\n",
+        "rules:\n  - name: r\n    action: log\n    conditions: [{type: user, operator: ==, value: @}]\n",
+        "notify: [@]\nrules: []\n",
+        "notify: ['webhook:http://@']\nrules: []\n",
+        "notify: ['a@@']\nrules: []\n",
+        "cooldown: @\nrules: []\n",
+        "exemptions: {units: [@]}\nrules: []\n",
+    ],
+    ids=[
+        "key",
+        "rule name",
+        "action",
+        "description",
+        "type",
+        "operator",
+        "value",
+        "pattern",
+        "user",
+        "notify",
+        "webhook",
+        "e-mail",
+        "duration",
+        "unit pattern",
+    ],
+)
 def test_a_megabyte_string_anywhere_is_refused_quickly_and_shortly(template):
     text, where = place(template, "a" * (MiB - 200))
     e = reject(text)
     assert sum(map(len, e.errors)) < 2000
 
 
-@pytest.mark.parametrize("value, fragment", [
-    ("'" + "x" * 4096 + "'", None),  # the longest string compared with a command line: accepted
-    ("'" + "x" * 4097 + "'", "at most 4096 characters"),
-])
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ("'" + "x" * 4096 + "'", None),  # the longest string compared with a command line: accepted
+        ("'" + "x" * 4097 + "'", "at most 4096 characters"),
+    ],
+)
 def test_string_values_are_bounded(value, fragment):
     text, where = place(cond("cmdline", "==", extra="        value: @\n"), value)
     if fragment is None:
@@ -318,8 +419,9 @@ def test_string_values_are_bounded(value, fragment):
 
 
 def test_control_characters_in_messages_are_escaped():
-    e = reject('rules:\n  - name: r\n    action: "kill\\nnow\\x1b[2J"\n'
-               "    conditions: [{type: exe, operator: ==, value: x}]\n")
+    e = reject(
+        'rules:\n  - name: r\n    action: "kill\\nnow\\x1b[2J"\n    conditions: [{type: exe, operator: ==, value: x}]\n'
+    )
     assert e.errors == ["x.yaml:3:13: unknown action 'kill\\nnow\\x1b[2J' (known: kill, notify, log, reset)"]
 
 
@@ -369,16 +471,19 @@ def test_long_notify_targets_are_refused():
 MATCHES = cond("cmdline", "matches", extra="        value: @\n")
 
 
-@pytest.mark.parametrize("pattern, fragment", [
-    (r"'(a)\1'", "backreferences"),
-    (r"'(?P<n>a)(?P=n)'", "backreferences"),
-    (r"'foo(?=bar)'", "lookahead and lookbehind"),
-    (r"'foo(?!bar)'", "lookahead and lookbehind"),
-    (r"'(?<=a)b'", "lookahead and lookbehind"),
-    (r"'(?<!a)b'", "lookahead and lookbehind"),
-    (r"'([a-z'", "missing ]"),
-    ("'" + "a" * 1025 + "'", "longer than 1024 characters"),
-])
+@pytest.mark.parametrize(
+    "pattern, fragment",
+    [
+        (r"'(a)\1'", "backreferences"),
+        (r"'(?P<n>a)(?P=n)'", "backreferences"),
+        (r"'foo(?=bar)'", "lookahead and lookbehind"),
+        (r"'foo(?!bar)'", "lookahead and lookbehind"),
+        (r"'(?<=a)b'", "lookahead and lookbehind"),
+        (r"'(?<!a)b'", "lookahead and lookbehind"),
+        (r"'([a-z'", "missing ]"),
+        ("'" + "a" * 1025 + "'", "longer than 1024 characters"),
+    ],
+)
 def test_re2_refusals_are_errors_at_the_pattern(pattern, fragment):
     text, where = place(MATCHES, pattern)
     e = reject(text)
@@ -389,10 +494,17 @@ def test_re2_refusals_are_errors_at_the_pattern(pattern, fragment):
         assert "RE2" in e.errors[0]
 
 
-@pytest.mark.parametrize("pattern, matching", [
-    ("(.*)*X", "xxX"), ("(x+)+y", "xxy"), ("(x|xx)+z", "xxz"), ("(x*)*(x*)*(x*)*z", "xz"),
-    ("^(([a-z])+.)+[A-Z]([a-z])+$", "xx.Xx"), ("(x+x+)+y", "xxxy"),
-])
+@pytest.mark.parametrize(
+    "pattern, matching",
+    [
+        ("(.*)*X", "xxX"),
+        ("(x+)+y", "xxy"),
+        ("(x|xx)+z", "xxz"),
+        ("(x*)*(x*)*(x*)*z", "xz"),
+        ("^(([a-z])+.)+[A-Z]([a-z])+$", "xx.Xx"),
+        ("(x+x+)+y", "xxxy"),
+    ],
+)
 def test_a_backtracking_bomb_runs_in_linear_time(pattern, matching):
     """What would run for hours with Python's re: RE2 answers in microseconds, on a 4 KiB command line."""
     text, _ = place(MATCHES, repr(pattern))
@@ -411,8 +523,10 @@ def test_a_backtracking_bomb_in_an_engine_evaluation():
 
     from gpukilld.guard.engine import Engine
 
-    text = ("rules:\n  - name: bomb\n    action: log\n"
-            "    conditions: [{type: cmdline, operator: matches, value: '(x+x+)+y'}]\n")
+    text = (
+        "rules:\n  - name: bomb\n    action: log\n"
+        "    conditions: [{type: cmdline, operator: matches, value: '(x+x+)+y'}]\n"
+    )
     t = FakeTime()
     engine = Engine(load_texts([("x.yaml", text)]), t.clock(), own_pid=OWN_PID)
     s = snap(*(proc(100 + i, cmdline="x" * 4096, start=100 + i) for i in range(50)))
@@ -435,8 +549,11 @@ def test_a_pattern_used_a_thousand_times_is_compiled_once(monkeypatch):
     calls = []
     real = values.compile_regex
     monkeypatch.setattr(values, "compile_regex", lambda p: calls.append(p) or real(p))
-    text = ("rules:\n" + "".join(f"  - name: r{i}\n    action: log\n    conditions: [{{type: cmdline, operator: "
-                                 f"matches, value: {'&p a+b' if i == 0 else '*p'}}}]\n" for i in range(1000)))
+    text = "rules:\n" + "".join(
+        f"  - name: r{i}\n    action: log\n    conditions: [{{type: cmdline, operator: "
+        f"matches, value: {'&p a+b' if i == 0 else '*p'}}}]\n"
+        for i in range(1000)
+    )
     assert len(load_texts([("x.yaml", text)]).rules) == 1000
     assert calls == ["a+b"]
 
@@ -462,8 +579,10 @@ def test_a_fifo_in_guard_d_does_not_block(tmp_path: Path):
     (tmp_path / "30-dir.yaml").mkdir()
     with pytest.raises(PolicyError) as info:
         P.load_directory(str(tmp_path))
-    assert info.value.errors == [f"{tmp_path}/20-fifo.yaml:1:1: cannot read: not a regular file",
-                                 f"{tmp_path}/30-dir.yaml:1:1: cannot read: Is a directory"]
+    assert info.value.errors == [
+        f"{tmp_path}/20-fifo.yaml:1:1: cannot read: not a regular file",
+        f"{tmp_path}/30-dir.yaml:1:1: cannot read: Is a directory",
+    ]
     # gpukillctl guard load /dev/stdin: a pipe is read where the caller asks for it
     r, w = os.pipe()
     try:
@@ -477,8 +596,10 @@ def test_a_fifo_in_guard_d_does_not_block(tmp_path: Path):
 # -- the runner: a broken guard.d never stops the daemon ------------------------------------------------------
 
 
-GOOD = ("rules:\n  - name: good\n    action: log\n    conditions:\n"
-        "      - {type: process_name, operator: ==, value: xmrig}\n")
+GOOD = (
+    "rules:\n  - name: good\n    action: log\n    conditions:\n"
+    "      - {type: process_name, operator: ==, value: xmrig}\n"
+)
 
 
 class Journal:
@@ -499,8 +620,9 @@ def _runner(tmp_path: Path, journal: Journal):
     async def kill(*args, **kwargs):
         raise AssertionError("no kill in these tests")
 
-    return GuardRunner(kill, journal, NotifyConfig(), str(tmp_path / "guard.d"), str(tmp_path / "state"),
-                       own_pid=4_000_000)
+    return GuardRunner(
+        kill, journal, NotifyConfig(), str(tmp_path / "guard.d"), str(tmp_path / "state"), own_pid=4_000_000
+    )
 
 
 def _good_start(tmp_path: Path) -> tuple[Path, Journal]:
@@ -514,13 +636,16 @@ def _good_start(tmp_path: Path) -> tuple[Path, Journal]:
 MORE = GOOD + "      - {type: gpu_memory, operator: '>', value: @}\n"
 
 
-@pytest.mark.parametrize("broken, where", [
-    place(MORE, "9" * 5000),  # PyYAML's int() raises ValueError: uncaught, the daemon crash-loops
-    place(MORE, "'" + "9" * 400 + "GiB'"),  # parse_size did int(float(...)) = int(inf): OverflowError
-    place(MORE, "1.0e+400"),
-    ("rules: " + "[" * 100_000, "1:71"),  # RecursionError in PyYAML's composer
-    ("rules: [\"\\U00110000\"]\n", "1:"),  # ValueError from chr() in PyYAML's scanner
-])
+@pytest.mark.parametrize(
+    "broken, where",
+    [
+        place(MORE, "9" * 5000),  # PyYAML's int() raises ValueError: uncaught, the daemon crash-loops
+        place(MORE, "'" + "9" * 400 + "GiB'"),  # parse_size did int(float(...)) = int(inf): OverflowError
+        place(MORE, "1.0e+400"),
+        ("rules: " + "[" * 100_000, "1:71"),  # RecursionError in PyYAML's composer
+        ('rules: ["\\U00110000"]\n', "1:"),  # ValueError from chr() in PyYAML's scanner
+    ],
+)
 def test_a_runner_with_a_broken_guard_d_starts_and_keeps_the_last_good_policy(tmp_path, broken, where):
     guard_d, journal = _good_start(tmp_path)
     runner = _runner(tmp_path, journal)
@@ -576,12 +701,12 @@ def test_a_runner_survives_an_unexpected_failure_of_the_parser(tmp_path, monkeyp
     runner.start()
     try:
         assert runner.policy.rules == ()  # the saved policy goes through the same broken function
-        assert runner.policy_error == (f"{guard_d}:1:1: the policy could not be read (RuntimeError: a bug with two "
-                                       "lines)")
+        assert runner.policy_error == (
+            f"{guard_d}:1:1: the policy could not be read (RuntimeError: a bug with two lines)"
+        )
         assert runner.reload_files() is False
         with pytest.raises(PolicyError) as info:
             runner.load_policy("new.yaml", GOOD, "uid 0")
-        assert info.value.errors == ["new.yaml:1:1: the policy could not be read (RuntimeError: a bug with two "
-                                     "lines)"]
+        assert info.value.errors == ["new.yaml:1:1: the policy could not be read (RuntimeError: a bug with two lines)"]
     finally:
         runner.stop()

@@ -18,8 +18,14 @@ from helpers.cpu_time import cpu_time
 from gpukill.policy import PolicyError, load_texts, yaml_safe
 
 ROOT = Path(__file__).resolve().parent.parent
-CORPUS = sorted([*ROOT.glob("examples/guard.d/*.yaml"), ROOT / "examples/guard.yaml",
-                 ROOT / "examples/simulate.yaml", *ROOT.glob("tests/guard_policies/*.yaml")])
+CORPUS = sorted(
+    [
+        *ROOT.glob("examples/guard.d/*.yaml"),
+        ROOT / "examples/guard.yaml",
+        ROOT / "examples/simulate.yaml",
+        *ROOT.glob("tests/guard_policies/*.yaml"),
+    ]
+)
 YAML_CHARACTERS = " \t\n:-[]{},'\"#&*!|>%@`?\\"
 needs_libyaml = pytest.mark.skipif(yaml_safe._CParser is None, reason="this PyYAML is built without libyaml")
 
@@ -100,12 +106,17 @@ def test_the_readings_differ_only_where_pyyaml_wrongly_refuses_yaml(path: Path, 
 
 
 @needs_libyaml
-@pytest.mark.parametrize("text", [
-    'rules:\n  - {name: "ünïcödé ☃ 𝄞", action: kil, conditions: [{type: exe, operator: ==, value: x}]}\n',
-    'rules:\n  - name: "日本語"\n    description: "𝄞𝄞𝄞"\n    action: kil\n    conditions: [{type: bogus, operator: ==, value: 1}]\n',
-    "\ufeffrules:\n  - {name: é, action: kil, conditions: []}\n",
-    "rules:\r\n  - {name: é, action: kil, conditions: []}\r\n",
-], ids=["astral and accented", "CJK lines", "byte-order mark", "CRLF"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        'rules:\n  - {name: "ünïcödé ☃ 𝄞", action: kil, conditions: [{type: exe, operator: ==, value: x}]}\n',
+        'rules:\n  - name: "日本語"\n    description: "𝄞𝄞𝄞"\n    action: kil\n'
+        "    conditions: [{type: bogus, operator: ==, value: 1}]\n",
+        "\ufeffrules:\n  - {name: é, action: kil, conditions: []}\n",
+        "rules:\r\n  - {name: é, action: kil, conditions: []}\r\n",
+    ],
+    ids=["astral and accented", "CJK lines", "byte-order mark", "CRLF"],
+)
 def test_lines_and_columns_agree_past_non_ascii_text(text: str, monkeypatch: pytest.MonkeyPatch):
     """libyaml counts columns in characters as PyYAML does: FILE:LINE:COL names the same place either way."""
     fast = outcome(text)

@@ -15,8 +15,10 @@ from helpers.testbed import ADMIN_RULES, ROOT
 
 pytestmark = needs_root
 
-WATCH = ("rules:\n  - {name: watch, action: log, conditions: [{type: gpu_utilization, operator: '>', value: 50,"
-         " duration: 1h}]}\n")
+WATCH = (
+    "rules:\n  - {name: watch, action: log, conditions: [{type: gpu_utilization, operator: '>', value: 50,"
+    " duration: 1h}]}\n"
+)
 
 
 @pytest.fixture(params=["invisible", "noaccess"])
@@ -25,8 +27,9 @@ def hidden(request, fresh_bed, users):
     proc = bed.workdir / "proc"
     proc.mkdir()
     # in the mount namespace the daemon runs in (the bed's journald's)
-    subprocess.run(bed.in_journal_ns(["mount", "-t", "proc", "-o", f"hidepid={request.param}", "proc", str(proc)]),
-                   check=True)
+    subprocess.run(
+        bed.in_journal_ns(["mount", "-t", "proc", "-o", f"hidepid={request.param}", "proc", str(proc)]), check=True
+    )
     try:
         bed.start_polkit([ADMIN_RULES])
         (bed.workdir / "guard.d").mkdir()
@@ -66,8 +69,9 @@ def test_hidepid_is_followed(hidden, users):
     assert any(f"PID {theirs.pid} " in w["subject"] for w in root_status["windows"])
     r = bed.guard_call(users["owner"], "TestPolicies", "ss", ["", ""])
     assert r.ok and all(theirs.pid not in d["pids"] for d in r.body[0]), r
-    probe = ("rules:\n  - {name: probe, action: log, conditions: [{type: process_name, operator: matches, "
-             "value: '.'}]}\n")
+    probe = (
+        "rules:\n  - {name: probe, action: log, conditions: [{type: process_name, operator: matches, value: '.'}]}\n"
+    )
     r = bed.guard_call(users["owner"], "TestPolicies", "ss", ["p", probe])
     assert r.ok and [d["pids"] for d in r.body[0]] == [[mine.pid]], r
 
@@ -82,10 +86,21 @@ def test_a_workload_kills_answer_names_hidden_processes_as_the_listing_would():
     from gpukilld.bus.manager import _workload_as_seen
 
     alice, bob = 1000, 1001
-    reply = WorkloadReply("unit train.service", (
-        WorkloadEntry(10, 1, alice, "trainer", "terminated"), WorkloadEntry(11, 2, bob, "bobs-secret", "access-denied"),
-    ), Reclaim("held", held=1 << 30, holders=(Holder(12, 3, bob, "bobs-holder", 0, 1 << 30, "unit"),
-                                              Holder(13, 4, alice, "loader", 0, 1 << 20, "unit"))))
+    reply = WorkloadReply(
+        "unit train.service",
+        (
+            WorkloadEntry(10, 1, alice, "trainer", "terminated"),
+            WorkloadEntry(11, 2, bob, "bobs-secret", "access-denied"),
+        ),
+        Reclaim(
+            "held",
+            held=1 << 30,
+            holders=(
+                Holder(12, 3, bob, "bobs-holder", 0, 1 << 30, "unit"),
+                Holder(13, 4, alice, "loader", 0, 1 << 20, "unit"),
+            ),
+        ),
+    )
     for others in (FULL, PROGRAM):
         assert _workload_as_seen(reply, Viewer(alice, others)) == reply
     anonymous = _workload_as_seen(reply, Viewer(alice, ANONYMOUS))

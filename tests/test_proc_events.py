@@ -58,8 +58,15 @@ def comm_of(pid: int) -> str | None:
 
 
 def child(code: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([SYSTEM_PYTHON, "-c", code], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            env=env or {"PATH": "/usr/bin:/bin"}, cwd="/", start_new_session=True, **kw)
+    return subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", code],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env or {"PATH": "/usr/bin:/bin"},
+        cwd="/",
+        start_new_session=True,
+        **kw,
+    )
 
 
 def ready(proc: subprocess.Popen) -> subprocess.Popen:
@@ -77,8 +84,14 @@ for line in sys.stdin:
 
 def renamer() -> subprocess.Popen:
     """A process that renames itself to each line it reads."""
-    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", RENAMES_ON_STDIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env={"PATH": "/usr/bin:/bin"}, cwd="/", start_new_session=True)
+    proc = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", RENAMES_ON_STDIN],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/",
+        start_new_session=True,
+    )
     return ready(proc)
 
 
@@ -114,18 +127,23 @@ def test_the_reader_is_told_of_a_rename_and_an_exec_as_they_happen():
 
 
 def _open_in(*unshare: str) -> tuple[bool, str]:
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from gpukilld.sampling.proc_events import ProcEvents; "
-            "e = ProcEvents(); print(e.open(), e.reason, sep='|')")
-    r = subprocess.run(["unshare", *unshare, "--", sys.executable, "-c", code, str(REPO)], capture_output=True,
-                       text=True, timeout=60)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from gpukilld.sampling.proc_events import ProcEvents; "
+        "e = ProcEvents(); print(e.open(), e.reason, sep='|')"
+    )
+    r = subprocess.run(
+        ["unshare", *unshare, "--", sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     ok, reason = r.stdout.strip().split("|", 1)
     return ok == "True", reason
 
 
 def test_in_a_network_namespace_of_its_own_the_connector_is_refused_and_says_why():
-    assert _open_in("--net") == (False, "the proc connector refused: Connection refused (not the host's network "
-                                        "namespace)")
+    assert _open_in("--net") == (
+        False,
+        "the proc connector refused: Connection refused (not the host's network namespace)",
+    )
 
 
 def test_in_a_pid_namespace_of_its_own_no_acknowledgement_means_no_events():
@@ -187,8 +205,9 @@ class OneGpu(Backend):
         return BackendStatus(self.name, True, "test")
 
     def sample(self) -> BackendSample:
-        return BackendSample(devices=[DeviceReading(id="GPU-T", vendor="test", name="test")],
-                             processes=list(self.usages))
+        return BackendSample(
+            devices=[DeviceReading(id="GPU-T", vendor="test", name="test")], processes=list(self.usages)
+        )
 
     def reset(self, device_id: str) -> str:
         raise NotImplementedError
@@ -261,7 +280,7 @@ def test_after_an_overrun_the_sampler_reads_every_process_again(old):
 def test_the_sampling_record_is_documented_with_its_property():
     xml = (REPO / "dbus" / "org.gpukill1.xml").read_text()
     at = xml.index('<property name="Sampling" type="a{sv}"')
-    doc = xml[xml.rindex("<!--", 0, at):at]
+    doc = xml[xml.rindex("<!--", 0, at) : at]
     assert all(re.search(rf"\b{name}\b", doc) for name, _ in specs(SamplingStatus))
     assert [f.name for f in dataclasses.fields(SamplingStatus)] == ["mode", "detail", "events", "overruns"]
 
@@ -298,8 +317,7 @@ def xmrig():
 
 
 def _on_gpu(bed: Testbed, user, code: str) -> subprocess.Popen:
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope,
-           "GPUKILL_SIM_UTIL": "99"}
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope, "GPUKILL_SIM_UTIL": "99"}
     proc = child(code, env, **user.popen_kwargs())
     bed.procs.append(proc)
     return ready(proc)
@@ -330,18 +348,25 @@ def _status(bed: Testbed) -> str:
     return r.stdout
 
 
-def test_a_process_that_becomes_a_miner_after_15s_is_killed_within_an_interval_and_the_duration(pbed, users,
-                                                                                                   xmrig):
+def test_a_process_that_becomes_a_miner_after_15s_is_killed_within_an_interval_and_the_duration(pbed, users, xmrig):
     bed = pbed
     before = len(bed.procs)
     try:
         line = next(x for x in _status(bed).splitlines() if x.startswith("process changes:"))
         assert line.startswith("process changes: events - the kernel's proc connector"), line
-        renamed = _on_gpu(bed, users["owner"], "import ctypes, time\nprint('ready', flush=True)\n"
-                          f"time.sleep({BECOMES_AFTER})\nctypes.CDLL(None).prctl(15, b'xmrig', 0, 0, 0)\n"
-                          "time.sleep(600)\n")
-        execd = _on_gpu(bed, users["owner"], "import os, time\nprint('ready', flush=True)\n"
-                        f"time.sleep({BECOMES_AFTER})\nos.execv({str(xmrig)!r}, ['xmrig', '600'])\n")
+        renamed = _on_gpu(
+            bed,
+            users["owner"],
+            "import ctypes, time\nprint('ready', flush=True)\n"
+            f"time.sleep({BECOMES_AFTER})\nctypes.CDLL(None).prctl(15, b'xmrig', 0, 0, 0)\n"
+            "time.sleep(600)\n",
+        )
+        execd = _on_gpu(
+            bed,
+            users["owner"],
+            "import os, time\nprint('ready', flush=True)\n"
+            f"time.sleep({BECOMES_AFTER})\nos.execv({str(xmrig)!r}, ['xmrig', '600'])\n",
+        )
         bystander = _on_gpu(bed, users["owner"], "import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
         bound = INTERVAL + DURATION + SLACK
         took = _killed_in_time(bed, {"renamed": renamed, "exec'd": execd}, bound)
@@ -372,11 +397,17 @@ def test_polling_is_the_fallback_says_so_and_still_kills(pbed, users):
     try:
         _restart(bed, env={proc_events.OFF_SWITCH: "off"})
         out = _status(bed)
-        assert "process changes: polling - the kernel's proc connector is unavailable: turned off by " \
-               "GPUKILLD_PROC_EVENTS=off; processes are re-read every 60 to 90 s" in out, out
+        assert (
+            "process changes: polling - the kernel's proc connector is unavailable: turned off by "
+            "GPUKILLD_PROC_EVENTS=off; processes are re-read every 60 to 90 s" in out
+        ), out
         # a young process is read every sample while polling: renamed at 2 s, it is killed as soon
-        young = _on_gpu(bed, users["owner"], "import ctypes, time\nprint('ready', flush=True)\ntime.sleep(2)\n"
-                        "ctypes.CDLL(None).prctl(15, b'xmrig', 0, 0, 0)\ntime.sleep(600)\n")
+        young = _on_gpu(
+            bed,
+            users["owner"],
+            "import ctypes, time\nprint('ready', flush=True)\ntime.sleep(2)\n"
+            "ctypes.CDLL(None).prctl(15, b'xmrig', 0, 0, 0)\ntime.sleep(600)\n",
+        )
         bound = INTERVAL + DURATION + SLACK
         took = _killed_in_time(bed, {"young": young}, bound)
         assert took["young"] <= bound, took
@@ -386,8 +417,10 @@ def test_polling_is_the_fallback_says_so_and_still_kills(pbed, users):
         assert bed.daemon is not None
         assert os.readlink(f"/proc/{bed.daemon.proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
         out = _status(bed)
-        assert "process changes: polling - the kernel's proc connector is unavailable: the proc connector " \
-               "refused: Connection refused (not the host's network namespace)" in out, out
+        assert (
+            "process changes: polling - the kernel's proc connector is unavailable: the proc connector "
+            "refused: Connection refused (not the host's network namespace)" in out
+        ), out
     finally:
         bed.kill_since(before)
         _restart(bed)

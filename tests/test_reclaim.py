@@ -103,9 +103,16 @@ def test_a_lone_process_is_reclaimed(victims, users):
     assert "terminated; GPU memory reclaimed (2.0 GiB)" in cli.stdout, cli.stdout
 
 
-@pytest.mark.parametrize("variant", [
-    {}, {"ignore_term": True}, {"helpers": 2}, {"stopped": True},
-], ids=["workers", "ignoring-sigterm", "non-gpu-helpers", "stopped"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"ignore_term": True},
+        {"helpers": 2},
+        {"stopped": True},
+    ],
+    ids=["workers", "ignoring-sigterm", "non-gpu-helpers", "stopped"],
+)
 def test_kill_tree_reclaims_the_workload(victims, users, workloads, variant):
     bed = victims
     stopped = variant.get("stopped", False)
@@ -169,8 +176,9 @@ def test_tree_of_a_reused_pid_signals_nothing(victims, users, workloads, alive):
     workloads.append(w)
     listed = bed.wait_listed(w.pid)
     for stale in (listed["start_time"] - 1, listed["start_time"] + 1):
-        r = bed.manager(users["root"], "KillWorkload", "a{sv}a{sv}",
-                        [{"tree": {"$variant": ["(ut)", [w.pid, stale]]}}, {}])
+        r = bed.manager(
+            users["root"], "KillWorkload", "a{sv}a{sv}", [{"tree": {"$variant": ["(ut)", [w.pid, stale]]}}, {}]
+        )
         assert r.error == "org.gpukill1.Error.ProcessChanged", r
     time.sleep(0.3)
     assert w.left() == [w.pid, *w.workers], "nothing may be signalled on a start-time mismatch"
@@ -193,13 +201,21 @@ def test_another_users_setuid_helper_in_ones_tree_is_refused_and_reported(victim
     owner its kill, and the answer lists it, not stopped, beside the owner's killed processes."""
     bed = victims
     helper = _python_as(bed, users["other"])
-    code = ("import os, subprocess, sys, time\n"
-            f"p = subprocess.Popen([{str(helper)!r}, '-c', 'import os, time; u = os.geteuid(); "
-            "os.setresuid(u, u, u); print(os.getuid(), flush=True); time.sleep(3600)'], stdout=subprocess.PIPE)\n"
-            "print(p.pid, p.stdout.readline().decode().strip(), flush=True)\ntime.sleep(3600)\n")
+    code = (
+        "import os, subprocess, sys, time\n"
+        f"p = subprocess.Popen([{str(helper)!r}, '-c', 'import os, time; u = os.geteuid(); "
+        "os.setresuid(u, u, u); print(os.getuid(), flush=True); time.sleep(3600)'], stdout=subprocess.PIPE)\n"
+        "print(p.pid, p.stdout.readline().decode().strip(), flush=True)\ntime.sleep(3600)\n"
+    )
     env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope, "GPUKILL_SIM_MEM": "1GiB"}
-    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", code], stdout=subprocess.PIPE, env=env, cwd="/",
-                            start_new_session=True, **users["owner"].popen_kwargs())
+    proc = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", code],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **users["owner"].popen_kwargs(),
+    )
     bed.procs.append(proc)
     child, child_uid = proc.stdout.readline().split()
     child = int(child)
@@ -215,8 +231,9 @@ def test_another_users_setuid_helper_in_ones_tree_is_refused_and_reported(victim
         assert os.path.exists(f"/proc/{child}"), "the other user's helper is never signalled"
         denied = bed.wait_journal(GPUKILL_TARGET_PID=str(child), MESSAGE_ID=audit.KILL_DENIED.message_id)
         assert denied, "polkit's refusal is audited"
-        r = bed.manager(users["root"], "KillWorkload", "a{sv}a{sv}",
-                        [{"tree": {"$variant": ["(ut)", [proc.pid, start]]}}, {}])
+        r = bed.manager(
+            users["root"], "KillWorkload", "a{sv}a{sv}", [{"tree": {"$variant": ["(ut)", [proc.pid, start]]}}, {}]
+        )
         assert r.error == "org.gpukill1.Error.NoSuchProcess", r
     finally:
         subprocess.run(["kill", "-9", str(child)], check=False)
@@ -230,8 +247,12 @@ def test_a_process_stuck_after_sigkill_gets_its_reason_and_the_reset(victims, us
     w = frozen(bed, users["owner"], mem="1GiB")
     workloads.append(w)
     listed = bed.wait_listed(w.pid)
-    r = bed.manager(users["owner"], "KillProcessReport", "uta{sv}",
-                    [w.pid, listed["start_time"], {"force": {"$variant": ["b", True]}, "grace": _grace(0.2)}])
+    r = bed.manager(
+        users["owner"],
+        "KillProcessReport",
+        "uta{sv}",
+        [w.pid, listed["start_time"], {"force": {"$variant": ["b", True]}, "grace": _grace(0.2)}],
+    )
     assert r.ok, r
     report = _v(r.body[0])
     assert report["outcome"] == "still-alive"
@@ -254,18 +275,23 @@ def test_a_process_stuck_after_sigkill_gets_its_reason_and_the_reset(victims, us
 def test_selection_errors_are_one_line(victims, users):
     bed = victims
     invalid = "org.freedesktop.DBus.Error.InvalidArgs"
-    for sel, err in [({}, invalid), ({"unit": {"$variant": ["s", "no unit"]}}, invalid),
-                     ({"container": {"$variant": ["s", "xyz"]}}, invalid),
-                     ({"tree": {"$variant": ["s", "1"]}}, invalid),
-                     ({"tree": {"$variant": ["(ut)", [1, 0]]}}, "org.gpukill1.Error.ProcessChanged"),
-                     ({"bogus": {"$variant": ["s", "x"]}}, invalid)]:
+    for sel, err in [
+        ({}, invalid),
+        ({"unit": {"$variant": ["s", "no unit"]}}, invalid),
+        ({"container": {"$variant": ["s", "xyz"]}}, invalid),
+        ({"tree": {"$variant": ["s", "1"]}}, invalid),
+        ({"tree": {"$variant": ["(ut)", [1, 0]]}}, "org.gpukill1.Error.ProcessChanged"),
+        ({"bogus": {"$variant": ["s", "x"]}}, invalid),
+    ]:
         r = bed.manager(users["owner"], "KillWorkload", "a{sv}a{sv}", [sel, {}])
         assert r.error == err and "\n" not in r.message, (sel, r)
     cli = bed.ctl(users["owner"], "kill", "--unit", "not a unit")
     assert cli.returncode == 2 and "Traceback" not in cli.stderr
     cli = bed.ctl(users["owner"], "kill", "--unit", "nothing-here.service")  # no such unit: a typo, not "none"
-    assert cli.returncode == 15 and cli.stderr == ("gpukillctl: no such unit 'nothing-here.service' on this host "
-                                                   "(systemd has no unit file and no running unit of that name)\n"), cli
+    assert cli.returncode == 15 and cli.stderr == (
+        "gpukillctl: no such unit 'nothing-here.service' on this host "
+        "(systemd has no unit file and no running unit of that name)\n"
+    ), cli
 
 
 GUARD_POLICY = """rules:
@@ -364,18 +390,30 @@ def test_guard_kill_scope_leaves_exempt_and_protected_members_running_and_names_
         bed.write_conf(guard={"protected_units": protect})
         bed.start_system(args=["--sample-interval", "0.3"])
         helper = _python_as(bed, users["other"])
-        env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope,
-               "GPUKILL_SIM_MEM": "1GiB"}
-        proc = subprocess.Popen([SYSTEM_PYTHON, "-c", SCOPED_TREE, str(helper)], stdout=subprocess.PIPE, env=env,
-                                cwd="/", start_new_session=True, **users["owner"].popen_kwargs())
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "GPUKILL_SIM_GPU": "0",
+            "GPUKILL_SIM_SCOPE": bed.scope,
+            "GPUKILL_SIM_MEM": "1GiB",
+        }
+        proc = subprocess.Popen(
+            [SYSTEM_PYTHON, "-c", SCOPED_TREE, str(helper)],
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd="/",
+            start_new_session=True,
+            **users["owner"].popen_kwargs(),
+        )
         bed.procs.append(proc)
         kids = json.loads(proc.stdout.readline())
         plain, named, in_keep, in_protect, others = kids
         for unit, pid in ((keep, in_keep), (protect, in_protect)):
             for root in systemd_roots():
                 (groups.make(root, f"system.slice/{unit}") / "cgroup.procs").write_text(str(pid))
-        assert wait_until(lambda: {p["pid"]: (p["comm"], p.get("unit")) for p in bed.processes()}.get(in_keep)
-                          == ("python3", keep), 10), "the unit is not listed"
+        assert wait_until(
+            lambda: {p["pid"]: (p["comm"], p.get("unit")) for p in bed.processes()}.get(in_keep) == ("python3", keep),
+            10,
+        ), "the unit is not listed"
         bed.wait_listed(named, comm="ckpt-writer")
         for pid in (proc.pid, plain, in_protect, others):
             bed.wait_listed(pid)
@@ -384,8 +422,13 @@ def test_guard_kill_scope_leaves_exempt_and_protected_members_running_and_names_
         policy.chmod(0o644)
         bed.enforce(policy)
         assert proc.wait(20) is not None, "the guard never killed the trainer"
-        assert wait_until(lambda: not os.path.exists(f"/proc/{plain}/stat") or
-                          Path(f"/proc/{plain}/stat").read_text().split(") ")[1][0] == "Z", 10)
+        assert wait_until(
+            lambda: (
+                not os.path.exists(f"/proc/{plain}/stat")
+                or Path(f"/proc/{plain}/stat").read_text().split(") ")[1][0] == "Z"
+            ),
+            10,
+        )
         for pid in (named, in_keep, in_protect, others):
             assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z", f"PID {pid} was killed"
         (done,) = bed.wait_journal(GPUKILL_TARGET_PID=str(proc.pid), MESSAGE_ID=audit.GUARD_ACTION.message_id)
@@ -393,10 +436,12 @@ def test_guard_kill_scope_leaves_exempt_and_protected_members_running_and_names_
         assert sorted(map(int, done["GPUKILL_LEFT_RUNNING"].split(","))) == sorted([named, in_keep, in_protect, others])
         text = done["MESSAGE"]
         assert f"with PID {plain} (python3) " in text, text
-        for why in (f"PID {named} (ckpt-writer, exempt: process name ckpt-writer)",
-                    f"PID {in_keep} (python3, exempt: unit {keep})",
-                    f"PID {in_protect} (python3, protected: system unit {protect})",
-                    f"PID {others} (python-as-other, exempt: user {users['other'].name})"):
+        for why in (
+            f"PID {named} (ckpt-writer, exempt: process name ckpt-writer)",
+            f"PID {in_keep} (python3, exempt: unit {keep})",
+            f"PID {in_protect} (python3, protected: system unit {protect})",
+            f"PID {others} (python-as-other, exempt: user {users['other'].name})",
+        ):
             assert why in text, (why, text)
         killed = bed.wait_journal(GPUKILL_TARGET_PID=str(plain), MESSAGE_ID=audit.KILL.message_id)
         assert killed and killed[0]["GPUKILL_INITIATOR"] == "guard:stop-trainers"
@@ -448,8 +493,16 @@ def test_kill_scope_is_validated():
     with pytest.raises(PolicyError, match="kill_scope must be one of process, tree, unit"):
         load_texts([("p.yaml", GUARD_POLICY % "everything")])
     with pytest.raises(PolicyError, match="kill_scope applies only to action kill"):
-        load_texts([("p.yaml", (GUARD_POLICY % "tree").replace("action: kill", "action: log")
-                     .replace("    force: true\n    kill_grace: 1s\n", ""))])
+        load_texts(
+            [
+                (
+                    "p.yaml",
+                    (GUARD_POLICY % "tree")
+                    .replace("action: kill", "action: log")
+                    .replace("    force: true\n    kill_grace: 1s\n", ""),
+                )
+            ]
+        )
 
 
 # -- the answer's logic on fixture /proc trees (no daemon) --------------------------------------------------
@@ -474,8 +527,15 @@ def test_the_reason_names_the_nvidia_driver_and_the_state(tmp_path):
     from gpukilld.acts.reclaim import stuck_reason
     from gpukilld.proc.procfs import ProcFS
 
-    _fixture_proc(tmp_path, [(10, "train", "D", 1, 5, "nvidia_ioctl"), (11, "train", "D", 1, 5, "os_acquire_mutex"),
-                             (12, "train", "D", 1, 5, "io_schedule"), (13, "train", "S", 1, 5, "do_sys_poll")])
+    _fixture_proc(
+        tmp_path,
+        [
+            (10, "train", "D", 1, 5, "nvidia_ioctl"),
+            (11, "train", "D", 1, 5, "os_acquire_mutex"),
+            (12, "train", "D", 1, 5, "io_schedule"),
+            (13, "train", "S", 1, 5, "do_sys_poll"),
+        ],
+    )
     procfs = ProcFS(str(tmp_path))
     assert stuck_reason(procfs, 10) == "uninterruptible (D) in the NVIDIA driver: nvidia_ioctl"
     assert stuck_reason(procfs, 11) == "uninterruptible (D) in the NVIDIA driver: os_acquire_mutex"
@@ -492,19 +552,50 @@ def test_holders_are_the_remembered_tree_and_the_workload_never_a_login_session(
     from gpukilld.proc.procfs import ProcFS
 
     def gpu(pid, start, unit, mem=1 << 30):
-        return GpuProcess(pid=pid, start_time=start, uid=1000, user="u", comm=f"p{pid}", cmdline="", exe=None,
-                          device=0, device_id="GPU-0", gpu_memory=mem, gpu_utilization=None, unit=unit)
+        return GpuProcess(
+            pid=pid,
+            start_time=start,
+            uid=1000,
+            user="u",
+            comm=f"p{pid}",
+            cmdline="",
+            exe=None,
+            device=0,
+            device_id="GPU-0",
+            gpu_memory=mem,
+            gpu_utilization=None,
+            unit=unit,
+        )
 
     # 100 the trainer, 101 its worker, 102 a worker's child; 200 same unit, 300 same login session, 400 a stranger
-    _fixture_proc(tmp_path, [(100, "trainer", "S", 1, 5, "0"), (101, "w", "S", 100, 6, "0"),
-                             (102, "w2", "S", 101, 7, "0"), (200, "u", "S", 1, 8, "0"), (300, "s", "S", 1, 9, "0"),
-                             (400, "x", "S", 1, 10, "0")])
+    _fixture_proc(
+        tmp_path,
+        [
+            (100, "trainer", "S", 1, 5, "0"),
+            (101, "w", "S", 100, 6, "0"),
+            (102, "w2", "S", 101, 7, "0"),
+            (200, "u", "S", 1, 8, "0"),
+            (300, "s", "S", 1, 9, "0"),
+            (400, "x", "S", 1, 10, "0"),
+        ],
+    )
     procfs = ProcFS(str(tmp_path))
     tree = remember_tree(procfs, [100])
     assert set(tree) == {(100, 5), (101, 6), (102, 7)}
-    before = Snapshot(1, 0.0, (), (gpu(100, 5, "train.service"), gpu(101, 6, "train.service"),
-                                   gpu(102, 7, "train.service"), gpu(200, 8, "train.service"),
-                                   gpu(300, 9, "session-3.scope"), gpu(400, 10, None)), ())
+    before = Snapshot(
+        1,
+        0.0,
+        (),
+        (
+            gpu(100, 5, "train.service"),
+            gpu(101, 6, "train.service"),
+            gpu(102, 7, "train.service"),
+            gpu(200, 8, "train.service"),
+            gpu(300, 9, "session-3.scope"),
+            gpu(400, 10, None),
+        ),
+        (),
+    )
     watch = Watch(procfs, before, [(100, 5)], tree)
     # the trainer died: 101 was reparented to init, 102's parent 101 lives
     (tmp_path / "101" / "stat").write_text(_stat_line(101, "w", "S", 1, 6))
@@ -531,10 +622,15 @@ def test_the_answers_names_are_escaped_in_its_line():
     from gpukill.records.reclaim import Holder, Reclaim
 
     esc = "\x1b]0;owned\x07"
-    held = Reclaim("held", held=1 << 30, holders=(Holder(7, 1, 1000, f"w{esc}", 0, 1 << 30, "unit", 0),),
-                   remedy=f"gpukillctl kill --unit a{esc}.service")
-    stuck = Reclaim("stuck", reason=f"uninterruptible (D), frozen by the cgroup freezer (/f{esc})",
-                    remedy="gpukillctl reset 0")
+    held = Reclaim(
+        "held",
+        held=1 << 30,
+        holders=(Holder(7, 1, 1000, f"w{esc}", 0, 1 << 30, "unit", 0),),
+        remedy=f"gpukillctl kill --unit a{esc}.service",
+    )
+    stuck = Reclaim(
+        "stuck", reason=f"uninterruptible (D), frozen by the cgroup freezer (/f{esc})", remedy="gpukillctl reset 0"
+    )
     for text in (reclaim_text(held), reclaim_text(stuck)):
         assert "\x1b" not in text and "\x07" not in text and "\\x1b" in text, text
 
@@ -548,9 +644,21 @@ def test_a_slurm_tasks_unit_relates_nobody_its_job_does(tmp_path):
     from gpukilld.proc.procfs import ProcFS
 
     def gpu(pid, job, mem=1 << 30):
-        return GpuProcess(pid=pid, start_time=pid, uid=1000, user="u", comm=f"p{pid}", cmdline="", exe=None,
-                          device=0, device_id="GPU-0", gpu_memory=mem, gpu_utilization=None,
-                          unit="slurmstepd.scope", slurm_job=job)
+        return GpuProcess(
+            pid=pid,
+            start_time=pid,
+            uid=1000,
+            user="u",
+            comm=f"p{pid}",
+            cmdline="",
+            exe=None,
+            device=0,
+            device_id="GPU-0",
+            gpu_memory=mem,
+            gpu_utilization=None,
+            unit="slurmstepd.scope",
+            slurm_job=job,
+        )
 
     _fixture_proc(tmp_path, [(pid, f"p{pid}", "S", 1, pid, "0") for pid in (10, 11, 12, 13)])
     before = Snapshot(1, 0.0, (), (gpu(10, "7"), gpu(11, "7"), gpu(12, "8"), gpu(13, "7", mem=0)), ())
@@ -560,8 +668,10 @@ def test_a_slurm_tasks_unit_relates_nobody_its_job_does(tmp_path):
     assert "--unit" not in watch.answer(holders, 3).remedy
 
     # a service running many users' processes (JupyterHub's): another user's is no holder of this kill
-    hub = [dataclasses.replace(p, unit="jupyterhub.service", slurm_job=None, uid=1000 + (p.pid == 12))
-           for p in before.processes]
+    hub = [
+        dataclasses.replace(p, unit="jupyterhub.service", slurm_job=None, uid=1000 + (p.pid == 12))
+        for p in before.processes
+    ]
     watch = Watch(ProcFS(str(tmp_path)), Snapshot(3, 2.0, (), tuple(hub), ()), [(10, 10)], {})
     holders = watch.holders(Snapshot(4, 3.0, (), tuple(hub[1:]), ()))
     assert [(h.pid, h.relation) for h in holders] == [(11, "unit")]

@@ -36,9 +36,17 @@ from gpukilld.sampling import sampler
 
 SCALARS = {"u": 7, "t": 1 << 40, "d": 1.5, "b": True, "as": ("a", "b"), "au": (1, 2)}
 # Every record a client meets, with the bus method whose comment in dbus/org.gpukill1.xml lists its keys.
-DOCUMENTED_IN = {Device: "ListDevices", Process: "ListProcesses", ResetReply: "ResetDevice",
-                 GuardStatus: "GetStatus", Decision: "TestPolicies", ViolationDetails: "PolicyViolated",
-                 PolicyLoaded: "LoadPolicy", Finding: "AuditRogue", ManagedPolicyEntry: "ListPolicies"}
+DOCUMENTED_IN = {
+    Device: "ListDevices",
+    Process: "ListProcesses",
+    ResetReply: "ResetDevice",
+    GuardStatus: "GetStatus",
+    Decision: "TestPolicies",
+    ViolationDetails: "PolicyViolated",
+    PolicyLoaded: "LoadPolicy",
+    Finding: "AuditRogue",
+    ManagedPolicyEntry: "ListPolicies",
+}
 
 
 def full(cls: type, tag: str = "x") -> object:
@@ -46,9 +54,10 @@ def full(cls: type, tag: str = "x") -> object:
     values = {}
     for name, spec in specs(cls):
         if spec.of is not None:
-            values[name] = tuple(dataclasses.replace(full(spec.of, f"{tag}{i}"),
-                                                     **({spec.key: f"{name}-{i}"} if spec.key else {}))
-                                 for i in range(2))
+            values[name] = tuple(
+                dataclasses.replace(full(spec.of, f"{tag}{i}"), **({spec.key: f"{name}-{i}"} if spec.key else {}))
+                for i in range(2)
+            )
         elif spec.sig == "s":
             values[name] = f"{name}-{tag}"
         else:
@@ -96,8 +105,17 @@ def test_left_out_values_come_back_as_defaults_and_json_nulls():
     assert list(plain) == list(DEVICE_KEYS)
     assert plain["temperature"] is None and plain["state_reason"] is None and plain["utilization"] == 0.0
 
-    proc = Process(pid=1, start_time=2, uid=3, user="u", comm="c", cmdline="c", device=0, device_id="GPU-0",
-                   memory_regions=(MemoryRegion("vram", 5, None),))
+    proc = Process(
+        pid=1,
+        start_time=2,
+        uid=3,
+        user="u",
+        comm="c",
+        cmdline="c",
+        device=0,
+        device_id="GPU-0",
+        memory_regions=(MemoryRegion("vram", 5, None),),
+    )
     sent = to_dbus(proc)
     assert "shared_usage" not in sent and "exe" not in sent
     assert sent["memory_regions"] == Variant("a{sa{st}}", {"vram": {"total": 5}})
@@ -105,8 +123,10 @@ def test_left_out_values_come_back_as_defaults_and_json_nulls():
     assert list(plain) == list(PROCESS_KEYS)
     assert plain["shared_usage"] is False and plain["exe"] is None  # a flag is false, unknown is null
     assert plain["memory_regions"] == {"vram": {"total": 5}}  # entries keep only what is known
-    assert to_plain(from_plain(Process, unwrap(to_dbus(dataclasses.replace(proc, memory_regions=())))))[
-        "memory_regions"] is None
+    assert (
+        to_plain(from_plain(Process, unwrap(to_dbus(dataclasses.replace(proc, memory_regions=())))))["memory_regions"]
+        is None
+    )
 
 
 def test_unknown_keys_and_wrong_types_from_the_daemon_are_ignored():
@@ -141,8 +161,14 @@ def test_a_reading_becomes_a_device_with_every_value():
 
 def test_the_sandbox_carries_every_field():
     process = dataclasses.replace(daemons(full(Process), system_unit="cron.service"), job_from_environ=True)
-    snapshot = Snapshot(generation=0, taken_at=0.0, devices=(full(Device),), processes=(process,),
-                        backends=(), findings=(full(Finding),))
+    snapshot = Snapshot(
+        generation=0,
+        taken_at=0.0,
+        devices=(full(Device),),
+        processes=(process,),
+        backends=(),
+        findings=(full(Finding),),
+    )
     assert snapshot_from_json(json.loads(json.dumps(snapshot_to_json(snapshot)))) == snapshot
 
 
@@ -151,7 +177,7 @@ def _xml_doc(method: str) -> str:
     xml = (REPO / "dbus" / "org.gpukill1.xml").read_text()
     at = re.search(rf'<(method|signal) name="{method}"', xml)
     assert at, method
-    return xml[xml.rindex("<!--", 0, at.start()):at.start()]
+    return xml[xml.rindex("<!--", 0, at.start()) : at.start()]
 
 
 def _mentions(text: str, key: str) -> bool:
@@ -161,8 +187,12 @@ def _mentions(text: str, key: str) -> bool:
 @pytest.mark.parametrize("cls", list(DOCUMENTED_IN), ids=lambda c: c.__name__)
 def test_every_field_is_documented_in_the_interface(cls):
     doc = _xml_doc(DOCUMENTED_IN[cls])
-    missing = [f"{t.__name__}.{name}" for t in nested(cls) for name, spec in specs(t)
-               if name != spec.key and not _mentions(doc, name)]
+    missing = [
+        f"{t.__name__}.{name}"
+        for t in nested(cls)
+        for name, spec in specs(t)
+        if name != spec.key and not _mentions(doc, name)
+    ]
     # keys of keyed maps are the map's keys, not fields: memory_regions' region names, notifications' channels
     missing = [m for m in missing if m not in ("MemoryRegion.name", "NotificationCounters.channel")]
     assert not missing, f"not in the documentation of {DOCUMENTED_IN[cls]}: {missing}"
@@ -170,8 +200,8 @@ def test_every_field_is_documented_in_the_interface(cls):
 
 def test_every_listed_key_is_documented_in_the_readme_json_section():
     readme = (REPO / "docs" / "using.md").read_text()
-    section = readme[readme.index("## JSON (`gpukillctl list --json`)"):]
-    section = section[:section.index("\n## ")]
+    section = readme[readme.index("## JSON (`gpukillctl list --json`)") :]
+    section = section[: section.index("\n## ")]
     missing = [key for key in DEVICE_KEYS + PROCESS_KEYS if f"`{key}`" not in section]
     assert not missing, missing
 
@@ -190,11 +220,17 @@ def test_each_daemon_error_is_a_typed_client_error():
     assert isinstance(error_for("org.freedesktop.DBus.Error.ServiceUnknown", ""), DaemonUnavailable)
 
 
-@pytest.mark.parametrize(("error", "code"), [
-    (errors.NoSuchProcess, exits.EXIT_NOT_FOUND), (errors.InvalidPolicy, exits.EXIT_INVALID_POLICY),
-    (errors.AccessDenied, exits.EXIT_DENIED), (errors.TooBusy, exits.EXIT_BUSY_TRY_AGAIN),
-    (errors.InvalidArgs, exits.EXIT_USAGE), (errors.GpukillError, exits.EXIT_FAILURE),
-])
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (errors.NoSuchProcess, exits.EXIT_NOT_FOUND),
+        (errors.InvalidPolicy, exits.EXIT_INVALID_POLICY),
+        (errors.AccessDenied, exits.EXIT_DENIED),
+        (errors.TooBusy, exits.EXIT_BUSY_TRY_AGAIN),
+        (errors.InvalidArgs, exits.EXIT_USAGE),
+        (errors.GpukillError, exits.EXIT_FAILURE),
+    ],
+)
 def test_exit_codes_follow_the_error_class(error, code):
     assert exits.exit_code(error_for(error.dbus_name, "")) == code
 

@@ -81,8 +81,11 @@ def sighup(daemon) -> None:
 
 
 def write_conf(bed, backends: str, proc: Path, smtp_port: int = 25) -> None:
-    bed.write_conf(daemon={"backends": backends, "sample_interval": INTERVAL}, paths={"proc": proc},
-                   notify={"smtp_port": smtp_port})
+    bed.write_conf(
+        daemon={"backends": backends, "sample_interval": INTERVAL},
+        paths={"proc": proc},
+        notify={"smtp_port": smtp_port},
+    )
 
 
 def proc_roots(bed) -> list[Path]:
@@ -96,8 +99,9 @@ def proc_roots(bed) -> list[Path]:
 
 def assert_flat(pid: int, warm: tuple[int, int, int], what: str) -> tuple[int, int, int]:
     # Equal, once the last reload's close has run: poll a little, since it runs ~2 samples after READY.
-    end = wait_until(lambda: (u := steady_usage(pid))[:2] == warm[:2] and u, 10, interval=POLL, fail=False) \
-        or steady_usage(pid)
+    end = wait_until(
+        lambda: (u := steady_usage(pid))[:2] == warm[:2] and u, 10, interval=POLL, fail=False
+    ) or steady_usage(pid)
     assert end[0] == warm[0], f"{what}: threads {warm[0]} after {WARM_UP} reloads, {end[0]} after {RELOADS}"
     assert end[1] == warm[1], f"{what}: fds {warm[1]} after {WARM_UP} reloads, {end[1]} after {RELOADS}"
     assert end[2] - warm[2] <= RSS_TOLERANCE_KIB, f"{what}: RSS {warm[2]} KiB -> {end[2]} KiB"
@@ -121,15 +125,20 @@ def test_fifty_reloads_on_nvidia_give_back_everything(fresh_bed, nvhost, users):
     daemon = bed.start_daemon(env=nvhost.env())
     pid = daemon.proc.pid
     assert daemon.notify.wait_for(f"MAINPID={pid}", 1) is not None  # the PID we measure is gpukilld's
-    wait_until(lambda: nvhost.counts()["init"] == 1, 10, lambda: f"NVML counts {nvhost.counts()}: not one init",
-               interval=POLL)
+    wait_until(
+        lambda: nvhost.counts()["init"] == 1, 10, lambda: f"NVML counts {nvhost.counts()}: not one init", interval=POLL
+    )
 
     # 1. A reload that changes nothing the backend is built from (here [notify], as for guard.d) keeps it: no
     #    second nvmlInit, and what only the running backend knows survives, e.g. an Xid reported once by NVML.
     nvhost.state["xid_events"] = [{"device": 1, "xid": 79, "seq": 1}]
     nvhost.write()
-    wait_until(lambda: device_states(bed) == ["ok", "error"] + ["ok"] * 6, 10,
-               lambda: f"GPU 1 not in error after its Xid: {device_states(bed)}", interval=POLL)
+    wait_until(
+        lambda: device_states(bed) == ["ok", "error"] + ["ok"] * 6,
+        10,
+        lambda: f"GPU 1 not in error after its Xid: {device_states(bed)}",
+        interval=POLL,
+    )
     for port in (26, 27, 25):
         write_conf(bed, "nvidia", proc_a, smtp_port=port)
         sighup(daemon)
@@ -188,8 +197,9 @@ def test_fifty_reloads_on_simulated_gpus_stay_flat_and_mixing_is_refused(fresh_b
     conf.write_text(f"[daemon]\nbackends = nvidia, simulated\n[guard]\npolicy_dir = {bed.workdir / 'guard.d'}\n")
     sighup(daemon)
     entries = bed.wait_journal(GPUKILL_RESULT="reload-failed")
-    assert entries and "backends = nvidia, simulated: the simulated backend cannot be combined" in \
-        entries[-1]["MESSAGE"], entries
+    assert (
+        entries and "backends = nvidia, simulated: the simulated backend cannot be combined" in entries[-1]["MESSAGE"]
+    ), entries
     assert bed.wait_listed(job.pid, comm="sim-after")["device"] == 1
     assert daemon.proc.poll() is None
     print(f"\nsimulated: threads/fds/RSS KiB after {WARM_UP} reloads {warm}, after {RELOADS} {end}")
@@ -206,12 +216,27 @@ def test_simulated_next_to_a_real_backend_never_starts(tmp_path, real):
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_SOCKET", "DBUS_"))}
         env.update(NOTIFY_SOCKET=listener.path, PYTHONPATH=str(REPO), DBUS_SYSTEM_BUS_ADDRESS="unix:path=/nonexistent")
-        r = subprocess.run([sys.executable, "-m", "gpukilld", "--config", str(conf), "--simulate",
-                            str(REPO / "examples" / "simulate.yaml")], capture_output=True, text=True, timeout=30,
-                           env=env, cwd=str(REPO))
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpukilld",
+                "--config",
+                str(conf),
+                "--simulate",
+                str(REPO / "examples" / "simulate.yaml"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+            cwd=str(REPO),
+        )
         assert r.returncode == 1 and r.stdout == "", r
-        assert r.stderr.startswith(f"gpukilld: {conf}:3: backends = {real}, simulated: the simulated backend "
-                                   "cannot be combined with real backends"), r.stderr
+        assert r.stderr.startswith(
+            f"gpukilld: {conf}:3: backends = {real}, simulated: the simulated backend "
+            "cannot be combined with real backends"
+        ), r.stderr
         assert r.stderr.count("\n") == 1, r.stderr  # one line, no traceback
         assert listener.messages == []  # never READY, not even STATUS
     finally:
@@ -256,8 +281,12 @@ def test_nvidia_close_gives_back_nvml_and_never_waits_for_a_hung_call(nvhost, mo
     before = set(threading.enumerate())  # another test's reader may still be in a hung call
     t = threading.Thread(target=lambda: sampled.update(s=b.sample()))
     t.start()
-    wait_until(lambda: any(th.name.startswith("nvml-") for th in set(threading.enumerate()) - before), 10,
-               "no nvml- reader thread ever ran", interval=POLL)
+    wait_until(
+        lambda: any(th.name.startswith("nvml-") for th in set(threading.enumerate()) - before),
+        10,
+        "no nvml- reader thread ever ran",
+        interval=POLL,
+    )
     started = time.monotonic()
     b.close()  # waits for the sample in progress (0.3 s deadline), not for GPU 2's hung call
     took = time.monotonic() - started
@@ -267,9 +296,12 @@ def test_nvidia_close_gives_back_nvml_and_never_waits_for_a_hung_call(nvhost, mo
     states = [d.state for d in sampled["s"].devices]  # the sample was not cut short by the close
     assert states == ["ok", "ok", "lost"] + ["ok"] * 5, states
     workers = [th for th in threading.enumerate() if th.name.startswith("nvml-")]
-    assert nvhost.counts() == {"init": base["init"] + 1, "shutdown": base["shutdown"] + 1,
-                               "event_set_create": base["event_set_create"] + 1,
-                               "event_set_free": base["event_set_free"] + 1}
+    assert nvhost.counts() == {
+        "init": base["init"] + 1,
+        "shutdown": base["shutdown"] + 1,
+        "event_set_create": base["event_set_create"] + 1,
+        "event_set_free": base["event_set_free"] + 1,
+    }
     for w in workers:  # the idle ones at once, GPU 2's when its call returns
         w.join(10)
         assert not w.is_alive(), w.name

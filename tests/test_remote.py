@@ -80,20 +80,46 @@ def test_forwardings_of_the_users_ssh_config_are_not_used(victims, users, server
     agent.bind(str(tmp_path / "agent"))  # an agent socket ssh would forward (none is used to log in)
     agent.listen(1)
     config = tmp_path / "ssh_config"
-    config.write_text(server.ssh_config.read_text().replace("Host localhost\n", "Host localhost\n" + "".join(
-        f"  {line}\n" for line in (f"ForwardAgent {tmp_path / 'agent'}", "ForwardX11 yes", "ExitOnForwardFailure yes",
-                                   f"LocalForward 127.0.0.1:{busy.getsockname()[1]} 127.0.0.1:9"))))
+    config.write_text(
+        server.ssh_config.read_text().replace(
+            "Host localhost\n",
+            "Host localhost\n"
+            + "".join(
+                f"  {line}\n"
+                for line in (
+                    f"ForwardAgent {tmp_path / 'agent'}",
+                    "ForwardX11 yes",
+                    "ExitOnForwardFailure yes",
+                    f"LocalForward 127.0.0.1:{busy.getsockname()[1]} 127.0.0.1:9",
+                )
+            ),
+        )
+    )
     debug = tmp_path / "ssh-debug.log"
     try:
-        env = {"GPUKILL_SSH": f"ssh -F {config} -v -E {debug}", "DISPLAY": ":0", "GPUKILL_REMOTE_BUS": bed.bus_address, "DBUS_SYSTEM_BUS_ADDRESS": NO_LOCAL_BUS}
-        r = bed.run_as(users["root"], [PYTHON, "-m", "gpukillctl", "-H", f"{users['owner'].name}@localhost",
-                                       "status"], env=env, timeout=60)
+        env = {
+            "GPUKILL_SSH": f"ssh -F {config} -v -E {debug}",
+            "DISPLAY": ":0",
+            "GPUKILL_REMOTE_BUS": bed.bus_address,
+            "DBUS_SYSTEM_BUS_ADDRESS": NO_LOCAL_BUS,
+        }
+        r = bed.run_as(
+            users["root"],
+            [PYTHON, "-m", "gpukillctl", "-H", f"{users['owner'].name}@localhost", "status"],
+            env=env,
+            timeout=60,
+        )
         log = debug.read_text(errors="replace")
         assert r.returncode == 0, (r.stderr, log[-3000:], server.log())
         assert "Authenticated to" in log, log[-3000:]  # the debug log is that of the connection made
         # what ssh logs as it asks for each (OpenSSH's clientloop.c, ssh.c, at -v)
-        asked = ("Requesting authentication agent forwarding", "Requesting X11 forwarding", "Local connections to",
-                 "Remote connections from", "Local forwarding listening")
+        asked = (
+            "Requesting authentication agent forwarding",
+            "Requesting X11 forwarding",
+            "Local connections to",
+            "Remote connections from",
+            "Local forwarding listening",
+        )
         requested = [ln for ln in log.splitlines() if ln.startswith("debug1: ") and ln.startswith(asked, 8)]
         assert not requested, requested
     finally:
@@ -109,31 +135,62 @@ def test_unreachable_host_is_one_line_naming_it(bed, users, server):
     assert "refused" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("node7", Host(None, "node7", None)),
-    ("gk@node7", Host("gk", "node7", None)),
-    ("gk@node7:2222", Host("gk", "node7", 2222)),
-    ("gk@[fe80::1]:22", Host("gk", "fe80::1", 22)),
-    ("fe80::1", Host(None, "fe80::1", None)),
-    ("gk@[fe80::1%eth0]:22", Host("gk", "fe80::1%eth0", 22)),
-    ("gpu_node-7.example.org", Host(None, "gpu_node-7.example.org", None)),
-    ("alice@corp.example@node7", Host("alice@corp.example", "node7", None)),  # a domain user
-    ("CORP\\alice@node7:22", Host("CORP\\alice", "node7", 22)),  # winbind's
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("node7", Host(None, "node7", None)),
+        ("gk@node7", Host("gk", "node7", None)),
+        ("gk@node7:2222", Host("gk", "node7", 2222)),
+        ("gk@[fe80::1]:22", Host("gk", "fe80::1", 22)),
+        ("fe80::1", Host(None, "fe80::1", None)),
+        ("gk@[fe80::1%eth0]:22", Host("gk", "fe80::1%eth0", 22)),
+        ("gpu_node-7.example.org", Host(None, "gpu_node-7.example.org", None)),
+        ("alice@corp.example@node7", Host("alice@corp.example", "node7", None)),  # a domain user
+        ("CORP\\alice@node7:22", Host("CORP\\alice", "node7", 22)),  # winbind's
+    ],
+)
 def test_host_syntax(text, expected):
     assert Host.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "@node", "gk@", "-oProxyCommand=x", "a b", "node:0", "node:x", "[fe80::1",
-                                  "$(reboot)", "gk@node`id`", "node;id", "[fe80::1|id]:22", "n'o"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "@node",
+        "gk@",
+        "-oProxyCommand=x",
+        "a b",
+        "node:0",
+        "node:x",
+        "[fe80::1",
+        "$(reboot)",
+        "gk@node`id`",
+        "node;id",
+        "[fe80::1|id]:22",
+        "n'o",
+    ],
+)
 def test_bad_host_is_refused_before_ssh_runs(text):
     with pytest.raises(ValueError):
         Host.parse(text)
 
 
 # ssh refuses these users itself, later and host by host; the dashboard would show them as a host's name
-@pytest.mark.parametrize("user", ["<img/src=x/onerror=alert(1)>", "</script><script>alert(1)</script>",
-                                  "$(reboot)", "gk;id", "`id`", "-oProxyCommand=x", "gk\\", "gk'", "a|b"])
+@pytest.mark.parametrize(
+    "user",
+    [
+        "<img/src=x/onerror=alert(1)>",
+        "</script><script>alert(1)</script>",
+        "$(reboot)",
+        "gk;id",
+        "`id`",
+        "-oProxyCommand=x",
+        "gk\\",
+        "gk'",
+        "a|b",
+    ],
+)
 def test_a_user_that_is_no_login_name_is_refused_before_ssh_runs(user):
     with pytest.raises(ValueError, match=r"^not a user name: .* in .*@node7:22['\"]$"):
         Host.parse(f"{user}@node7:22")
@@ -141,8 +198,19 @@ def test_a_user_that_is_no_login_name_is_refused_before_ssh_runs(user):
 
 def test_ssh_command_line():
     argv = Host("gk", "node7", 2222).ssh_argv(["ssh"], bridge_command(None))
-    assert argv == ["ssh", "-xTa", "-o", "ClearAllForwardings=yes", "-p", "2222", "-l", "gk", "--", "node7",
-                    "systemd-stdio-bridge"]
+    assert argv == [
+        "ssh",
+        "-xTa",
+        "-o",
+        "ClearAllForwardings=yes",
+        "-p",
+        "2222",
+        "-l",
+        "gk",
+        "--",
+        "node7",
+        "systemd-stdio-bridge",
+    ]
     assert bridge_command("unix:path=/x y") == "systemd-stdio-bridge '--bus-path=unix:path=/x y'"
 
 
@@ -159,8 +227,8 @@ def test_the_readmes_many_hosts_example_runs_no_host_name_as_code(tmp_path):
     listing and host names that a shell would run if they were part of its script."""
     readme = (REPO / "docs" / "using.md").read_text()
     start = readme.index("```sh\nprintf '%s\\n' node01 node02 node03 | xargs")
-    block = readme[start + len("```sh\n"):readme.index("```", start + 3)]
-    fan_out = block[:block.index("> fleet.jsonl") + len("> fleet.jsonl")]
+    block = readme[start + len("```sh\n") : readme.index("```", start + 3)]
+    fan_out = block[: block.index("> fleet.jsonl") + len("> fleet.jsonl")]
     names = ["node01", f"$(touch {tmp_path}/ran)", f"`touch {tmp_path}/ran`", "a;touch ran"]
     script = fan_out.replace("node01 node02 node03", " ".join(shlex.quote(n) for n in names), 1)
     assert script != fan_out
@@ -168,8 +236,14 @@ def test_the_readmes_many_hosts_example_runs_no_host_name_as_code(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "gpukillctl").write_text('#!/bin/sh\nprintf \'{"format": 1, "devices": [], "processes": []}\\n\'\n')
     (bin_dir / "gpukillctl").chmod(0o755)
-    r = subprocess.run(["sh", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                       env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    r = subprocess.run(
+        ["sh", "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+    )
     assert r.returncode == 0, r
     assert not (tmp_path / "ran").exists(), "a host name ran as a command"
     hosts = sorted(json.loads(line)["host"] for line in (tmp_path / "fleet.jsonl").read_text().splitlines())

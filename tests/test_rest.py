@@ -1,5 +1,6 @@
 """The REST API of `gpukillctl serve` against the real daemon on simulated GPUs, the server run as an
-unprivileged user on its Unix socket (the default): what it lists, that polkit decides as for gpukillctl (403 with the D-Bus error name, the
+unprivileged user on its Unix socket (the default): what it lists, that polkit decides as for gpukillctl (403 with the
+D-Bus error name, the
 denial and the kills in the journal under the server's user), each error's status, and schemathesis against
 its own /v1/openapi.json (over TCP, which schemathesis speaks)."""
 
@@ -73,14 +74,10 @@ def listed_process(bed: Testbed, user, pid: int) -> dict:
 def test_the_server_user_cannot_kill_another_users_process(server, victims, users, alive):
     victim = victims.victim(users["other"], gpu=0, comm="theirs")
     listed = victims.wait_listed(victim.pid)
-    r = server.call(
-        "POST", "/v1/kill", {"pid": victim.pid, "start_time": listed["start_time"], "force": True}
-    )
+    r = server.call("POST", "/v1/kill", {"pid": victim.pid, "start_time": listed["start_time"], "force": True})
     assert (r.status, r.error) == (403, "org.freedesktop.DBus.Error.AccessDenied"), r
     assert "not authorized" in r.body["message"], r
-    entries = victims.wait_journal(
-        GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL_DENIED.message_id
-    )
+    entries = victims.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL_DENIED.message_id)
     assert entries and entries[0]["GPUKILL_CALLER_UID"] == str(users["owner"].uid), entries
     time.sleep(0.3)
     assert alive(victim.pid)
@@ -103,7 +100,10 @@ def test_the_server_user_kills_their_own_process(server, victims, users):
     r = server.call("POST", "/v1/kill", {"pid": victim.pid, "start_time": listed["start_time"], "grace": 2})
     assert r.status == 200, r
     assert {k: r.body[k] for k in ("pid", "start_time", "outcome")} == {
-        "pid": victim.pid, "start_time": listed["start_time"], "outcome": "terminated"}
+        "pid": victim.pid,
+        "start_time": listed["start_time"],
+        "outcome": "terminated",
+    }
     assert r.body["reclaim"]["verdict"] == "reclaimed" and r.body["answer"] == "GPU memory reclaimed", r.body
     assert victim.wait(5) is not None
     entries = victims.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
@@ -200,9 +200,7 @@ def test_schemathesis_against_the_openapi_schema(bed, victims, users):
     st = shutil.which("schemathesis", path=str(Path(PYTHON).parent))
     if st is None:
         pytest.skip("schemathesis is not installed (the test extra)")
-    victims.wait_listed(
-        victims.victim(users["owner"], gpu=0, comm="target").pid
-    )  # something to list and kill
+    victims.wait_listed(victims.victim(users["owner"], gpu=0, comm="target").pid)  # something to list and kill
     server = Server(bed, users["owner"], tcp=True).wait_ready()
     try:
         _schemathesis(st, server, victims)
@@ -318,8 +316,11 @@ def test_the_readme_relay_resets_a_gpu(bed, users):
         device = next(d for d in s.call("GET", "/v1/devices").body["devices"] if d["index"] == 2)
         labels = {"alertname": "GpuXidErrors", "UUID": device["id"]}  # NVIDIA's UUID; the simulated GPU's id
         alert = {"alerts": [{"status": "firing", "labels": labels}]}
-        resets = {"MESSAGE_ID": audit.RESET.message_id, "GPUKILL_DEVICE": device["id"],
-                  "GPUKILL_CALLER_UID": str(admin.uid)}
+        resets = {
+            "MESSAGE_ID": audit.RESET.message_id,
+            "GPUKILL_DEVICE": device["id"],
+            "GPUKILL_CALLER_UID": str(admin.uid),
+        }
         before = len(bed.journal(**resets))  # another test may have reset it as this user already
         wait_until(lambda: relay.poll() is not None or _accepts(port), 10, "the relay does not start")
         assert relay.poll() is None, (bed.workdir / "relay.log").read_text()
@@ -331,8 +332,11 @@ def test_the_readme_relay_resets_a_gpu(bed, users):
         assert len(bed.journal(**resets)) == before
         r = request(port, "POST", "/alert", body=alert, headers={"Authorization": f"Bearer {secret}"})
         assert r.status == 200, (r, (bed.workdir / "relay.log").read_text())
-        wait_until(lambda: len(bed.journal(**resets)) > before, 10,
-                   lambda: f"no reset in the journal: {(bed.workdir / 'relay.log').read_text()}")
+        wait_until(
+            lambda: len(bed.journal(**resets)) > before,
+            10,
+            lambda: f"no reset in the journal: {(bed.workdir / 'relay.log').read_text()}",
+        )
         out = (bed.workdir / "relay.log").read_text()
         line = next(x for x in out.splitlines() if x.startswith(device["id"] + " "))
         _, status, reply = line.split(" ", 2)  # what the relay prints: the UUID, the status, the reply
@@ -363,8 +367,14 @@ def test_managed_policies_polkit_decides_for_the_servers_user(server, bed, users
             assert listed.status == 200 and OTHER not in [p["target"] for p in listed.body["policies"]], listed
             r = admin.call("PUT", path, settings)
             assert r.status == 200, r
-            assert (r.body["kind"], r.body["target"], r.body["memory_limit"], r.body["process_limit"],
-                    r.body["grace"], r.body["utilization_limit"]) == ("user", OTHER, 8 * GIB, 3, 10.0, None), r
+            assert (
+                r.body["kind"],
+                r.body["target"],
+                r.body["memory_limit"],
+                r.body["process_limit"],
+                r.body["grace"],
+                r.body["utilization_limit"],
+            ) == ("user", OTHER, 8 * GIB, 3, 10.0, None), r
             assert r.body["file"].endswith(".yaml") and r.body["edited"] is False, r
             # sizes and durations as the dashboard's form types them: the one grammar, read by the daemon
             r = admin.call("PUT", path, {"memory_limit": "8GiB", "grace": "2min"})
@@ -393,8 +403,11 @@ def test_managed_policies_polkit_decides_for_the_servers_user(server, bed, users
                 r = admin.call("PUT", where, body)
                 assert (r.status, r.error) == (422, "org.freedesktop.DBus.Error.InvalidArgs"), (where, body, r)
                 assert named in r.body["message"], (where, body, r)
-        changes = bed.wait_journal(MESSAGE_ID=audit.GUARD_MANAGED_POLICY.message_id, GPUKILL_POLICY_TARGET=OTHER,
-                                   GPUKILL_CALLER_UID=str(users["admin"].uid))
+        changes = bed.wait_journal(
+            MESSAGE_ID=audit.GUARD_MANAGED_POLICY.message_id,
+            GPUKILL_POLICY_TARGET=OTHER,
+            GPUKILL_CALLER_UID=str(users["admin"].uid),
+        )
         assert {"set", "remove"} <= {e["GPUKILL_OPERATION"] for e in changes if e["GPUKILL_RESULT"] == "changed"}
     finally:
         admin.stop()

@@ -35,8 +35,18 @@ WALLET_ETH = "0x" + "ab12" * 10
 
 
 def facts(**kw) -> ProcessFacts:
-    base = dict(pid=10, start_time=5, uid=1000, user="alice", comm="python3", cmdline="python3 train.py",
-                exe="/usr/bin/python3.11", home="/home/alice", devices=(0,), gpu_memory=GiB)
+    base = dict(
+        pid=10,
+        start_time=5,
+        uid=1000,
+        user="alice",
+        comm="python3",
+        cmdline="python3 train.py",
+        exe="/usr/bin/python3.11",
+        home="/home/alice",
+        devices=(0,),
+        gpu_memory=GiB,
+    )
     return ProcessFacts(**{**base, **kw})
 
 
@@ -51,28 +61,52 @@ CASES = [
     ("miner-name", facts(comm="T-Rex"), "T-Rex", facts(comm="python3")),
     ("miner-program", facts(cmdline="/opt/lolMiner --algo ETHASH"), "lolMiner", facts(cmdline="python3 lolminer.py")),
     ("miner-exe", facts(exe="/opt/x/nbminer-42.1"), "nbminer", facts(exe="/opt/x/nbminers")),
-    ("stratum-url", facts(cmdline="x -o stratum+ssl://eu.pool.example:443 -t 4"), "stratum+ssl://eu.pool.example:443",
-     facts(cmdline="x --docs https://example.com/stratum")),
+    (
+        "stratum-url",
+        facts(cmdline="x -o stratum+ssl://eu.pool.example:443 -t 4"),
+        "stratum+ssl://eu.pool.example:443",
+        facts(cmdline="x --docs https://example.com/stratum"),
+    ),
     ("stratum-url", facts(cmdline="x -o STRATUM2+TCP://p:1"), "STRATUM2+TCP://p:1", facts(cmdline="x stratum://p")),
-    ("pool-host", facts(cmdline="x --url xmr-eu1.nanopool.org:14433"), "xmr-eu1.nanopool.org",
-     facts(cmdline="x --url nanopool.org.example.com")),
+    (
+        "pool-host",
+        facts(cmdline="x --url xmr-eu1.nanopool.org:14433"),
+        "xmr-eu1.nanopool.org",
+        facts(cmdline="x --url nanopool.org.example.com"),
+    ),
     ("wallet", facts(cmdline=f"x --user {WALLET_XMR}.rig1"), "4Axxxx", facts(cmdline=f"x --hash {WALLET_XMR}z")),
     ("wallet", facts(cmdline=f"x -u={WALLET_ETH}"), "0xab12", facts(cmdline=f"x -u={WALLET_ETH}ff")),
     ("exe-deleted", facts(exe="/usr/bin/python3.11 (deleted)"), "(deleted)", facts(exe="/usr/bin/deleted")),
     # an upgrade (apt, conda) renamed a new interpreter over the running one: deleted, but replaced
-    ("exe-deleted", facts(exe="/tmp/x (deleted)"), "/tmp/x",
-     facts(exe="/usr/bin/python3.11 (deleted)", exe_replaced=True)),
+    (
+        "exe-deleted",
+        facts(exe="/tmp/x (deleted)"),
+        "/tmp/x",
+        facts(exe="/usr/bin/python3.11 (deleted)", exe_replaced=True),
+    ),
     # on a filesystem that was not looked up in (FUSE, NFS, overlay): not known, no evidence
-    ("exe-deleted", facts(exe="/tmp/x (deleted)", exe_replaced=False), "(deleted)",
-     facts(exe="/home/alice/.conda/envs/t/bin/python3.11 (deleted)", exe_replaced=None)),
+    (
+        "exe-deleted",
+        facts(exe="/tmp/x (deleted)", exe_replaced=False),
+        "(deleted)",
+        facts(exe="/home/alice/.conda/envs/t/bin/python3.11 (deleted)", exe_replaced=None),
+    ),
     ("exe-tmp", facts(exe="/dev/shm/.x/kworker"), "/dev/shm/.x/kworker", facts(exe="/usr/lib/tmp/x")),
     ("exe-hidden", facts(exe="/home/alice/.cache/.x/python3"), "/home/alice/.cache", facts(exe="/home/alice/bin/x")),
     ("exe-hidden", facts(exe="/srv/u/.cache/x", home="/srv/u"), "/srv/u/.cache", facts(exe="/srv/.x/bin")),
-    ("exe-hidden", facts(exe="/home/alice/.local/share/.x/python3"), ".local/share/.x",
-     facts(exe="/home/alice/.local/share/uv/python/cpython-3.12.7-linux-x86_64-gnu/bin/python3.12")),
+    (
+        "exe-hidden",
+        facts(exe="/home/alice/.local/share/.x/python3"),
+        ".local/share/.x",
+        facts(exe="/home/alice/.local/share/uv/python/cpython-3.12.7-linux-x86_64-gnu/bin/python3.12"),
+    ),
     ("pool-port", facts(pool_peers=(Peer("192.0.2.7", 3333),)), "192.0.2.7:3333", facts(pool_peers=())),
-    ("allowed-untrusted", facts(exe="/usr/bin/sleep", untrusted_allowed="it runs code from /home/b/x.so"), "x.so",
-     facts(exe="/usr/bin/sleep")),
+    (
+        "allowed-untrusted",
+        facts(exe="/usr/bin/sleep", untrusted_allowed="it runs code from /home/b/x.so"),
+        "x.so",
+        facts(exe="/usr/bin/sleep"),
+    ),
     ("idle-memory", facts(idle_for=61.0, gpu_memory=2 * GiB), "2.0 GiB", facts(idle_for=59.0)),
     ("memory-hog", user(memory_share=85.0), "85%", user(memory_share=85.0, users=1)),
     ("time-hog", user(time_share=99.0), "99%", user(time_share=79.0)),
@@ -90,8 +124,11 @@ def test_each_rule_one_by_one(name, hit, word, miss):
     assert detail is not None and word in detail
     assert rule.test(miss, SETTINGS) is None
     # the rule alone makes a finding of its kind, worth its points
-    found = [f for f in rogue.evaluate(*((hit,), ()) if isinstance(hit, ProcessFacts) else ((), (hit,)),
-                                       SETTINGS) if any(e.rule == name for e in f.evidence)]
+    found = [
+        f
+        for f in rogue.evaluate(*((hit,), ()) if isinstance(hit, ProcessFacts) else ((), (hit,)), SETTINGS)
+        if any(e.rule == name for e in f.evidence)
+    ]
     assert [(f.kind, f.score) for f in found] == [(rule.kind, min(100, sum(e.points for e in found[0].evidence)))]
 
 
@@ -157,18 +194,30 @@ def test_a_planted_score_stays_far_below_the_threshold():
     """alice's job on a uv interpreter that apt-style upgrade replaced, with bob's planted pool-port peer: of the
     20 + 20 + 30 = 70 of a scorer counting all three, the planted connection alone is left (and the socket
     reader drops even that)."""
-    alice = facts(exe="/home/alice/.local/share/uv/python/cpython-3.11.9-linux-x86_64-gnu/bin/python3.11 (deleted)",
-                  exe_replaced=True, pool_peers=(Peer("127.0.0.1", 3333),))
+    alice = facts(
+        exe="/home/alice/.local/share/uv/python/cpython-3.11.9-linux-x86_64-gnu/bin/python3.11 (deleted)",
+        exe_replaced=True,
+        pool_peers=(Peer("127.0.0.1", 3333),),
+    )
     assert score(alice) == 30
-    assert score(dataclasses.replace(alice, exe="/home/alice/.pyenv/versions/3.11.9/bin/python3.11 (deleted)",
-                                     exe_replaced=False)) == 50
+    assert (
+        score(
+            dataclasses.replace(
+                alice, exe="/home/alice/.pyenv/versions/3.11.9/bin/python3.11 (deleted)", exe_replaced=False
+            )
+        )
+        == 50
+    )
 
 
 def test_the_readme_tables_say_what_the_code_does():
     text = (Path(__file__).resolve().parents[1] / "docs" / "audit.md").read_text()
-    section = text[text.index("# Rogue-activity audit"):]  # the whole page, its settings too
-    rows = [[c.strip().strip("`") for c in line.strip("|").split("|")] for line in section.splitlines()
-            if line.startswith("| `") or re.match(r"\| [a-z-]+ \| \d+ \| (yes|no) \|", line)]
+    section = text[text.index("# Rogue-activity audit") :]  # the whole page, its settings too
+    rows = [
+        [c.strip().strip("`") for c in line.strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("| `") or re.match(r"\| [a-z-]+ \| \d+ \| (yes|no) \|", line)
+    ]
     rules = {r[0]: (r[1], r[2], int(r[3])) for r in rows if r[0] in RULE_BY_NAME}
     assert rules == {r.name: (r.kind, r.family.name, r.points) for r in RULES}
     families = {r[0]: (int(r[1]), r[2] == "yes") for r in rows if r[0] in {f.name for f in rogue.FAMILIES}}
@@ -176,19 +225,43 @@ def test_the_readme_tables_say_what_the_code_does():
 
 
 UNDER_HOME = [  # where installers put interpreters and toolchains: not hidden
-    ".local/share/uv/python/cpython-3.11.9-linux-x86_64-gnu/bin/python3.11", ".local/share/uv/tools/vllm/bin/python",
-    ".pyenv/versions/3.11.9/bin/python3.11", ".pyenv/versions/miniconda3-latest/envs/t/bin/python",
-    ".conda/envs/train/bin/python3.11", ".local/share/mamba/envs/t/bin/python", ".micromamba/envs/t/bin/python",
-    ".local/share/pipx/venvs/jupyterlab/bin/python", ".local/pipx/venvs/x/bin/python", ".local/bin/torchrun",
-    ".local/lib/python3.11/site-packages/triton/backends/nvidia/bin/ptxas", "proj/.venv/bin/python",
-    "w/proj/.pixi/envs/default/bin/python", "proj/.tox/py311/bin/python", ".cargo/bin/candle",
-    ".rustup/toolchains/stable-x86_64-unknown-linux-gnu/bin/rustc", ".nvm/versions/node/v20.11.0/bin/node",
-    ".local/share/mise/installs/python/3.12/bin/python3.12", ".asdf/installs/python/3.12.1/bin/python3.12",
-    ".julia/juliaup/julia-1.10.4+0.x64.linux.gnu/bin/julia", ".vscode-server/bin/abc123/node",
-    "miniconda3/envs/t/bin/python", "anaconda3/bin/python", ".local/share/virtualenvs/p-1a2b/bin/python",
+    ".local/share/uv/python/cpython-3.11.9-linux-x86_64-gnu/bin/python3.11",
+    ".local/share/uv/tools/vllm/bin/python",
+    ".pyenv/versions/3.11.9/bin/python3.11",
+    ".pyenv/versions/miniconda3-latest/envs/t/bin/python",
+    ".conda/envs/train/bin/python3.11",
+    ".local/share/mamba/envs/t/bin/python",
+    ".micromamba/envs/t/bin/python",
+    ".local/share/pipx/venvs/jupyterlab/bin/python",
+    ".local/pipx/venvs/x/bin/python",
+    ".local/bin/torchrun",
+    ".local/lib/python3.11/site-packages/triton/backends/nvidia/bin/ptxas",
+    "proj/.venv/bin/python",
+    "w/proj/.pixi/envs/default/bin/python",
+    "proj/.tox/py311/bin/python",
+    ".cargo/bin/candle",
+    ".rustup/toolchains/stable-x86_64-unknown-linux-gnu/bin/rustc",
+    ".nvm/versions/node/v20.11.0/bin/node",
+    ".local/share/mise/installs/python/3.12/bin/python3.12",
+    ".asdf/installs/python/3.12.1/bin/python3.12",
+    ".julia/juliaup/julia-1.10.4+0.x64.linux.gnu/bin/julia",
+    ".vscode-server/bin/abc123/node",
+    "miniconda3/envs/t/bin/python",
+    "anaconda3/bin/python",
+    ".local/share/virtualenvs/p-1a2b/bin/python",
 ]
-HIDDEN_PATHS = [".cache/x", ".config/.x/python3", ".local/share/.x/y", ".local/bin/.x/python3", ".pyenv/python3",
-          ".conda/x", "proj/.venv/.x/xmrig", ".ssh/python3", ".local/lib/../.x/y", ".x/.venv/bin/python"]
+HIDDEN_PATHS = [
+    ".cache/x",
+    ".config/.x/python3",
+    ".local/share/.x/y",
+    ".local/bin/.x/python3",
+    ".pyenv/python3",
+    ".conda/x",
+    "proj/.venv/.x/xmrig",
+    ".ssh/python3",
+    ".local/lib/../.x/y",
+    ".x/.venv/bin/python",
+]
 
 
 @pytest.mark.parametrize("path", UNDER_HOME)
@@ -208,15 +281,28 @@ def test_evidence_is_bounded():
 
 
 def _finding(uid: int = 1000) -> Finding:
-    f = facts(uid=uid, comm="xmrig", cmdline=f"xmrig -o stratum+tcp://p:1 {WALLET_ETH}", exe="/tmp/xmrig",
-              pool_peers=(Peer("192.0.2.1", 3333),), idle_for=99.0)
+    f = facts(
+        uid=uid,
+        comm="xmrig",
+        cmdline=f"xmrig -o stratum+tcp://p:1 {WALLET_ETH}",
+        exe="/tmp/xmrig",
+        pool_peers=(Peer("192.0.2.1", 3333),),
+        idle_for=99.0,
+    )
     return rogue.evaluate([f], [], SETTINGS)[0]
 
 
 def test_another_user_sees_only_the_evidence_the_listing_would_show_them():
     found = _finding()
-    assert {e.rule for e in found.evidence} == {"miner-name", "miner-program", "miner-exe", "stratum-url",
-                                                "wallet", "exe-tmp", "pool-port"}
+    assert {e.rule for e in found.evidence} == {
+        "miner-name",
+        "miner-program",
+        "miner-exe",
+        "stratum-url",
+        "wallet",
+        "exe-tmp",
+        "pool-port",
+    }
     assert rogue.as_seen_by(found, Viewer(1000, HIDDEN)) == found  # its owner
     assert rogue.as_seen_by(found, Viewer(2000, FULL)) == found  # root, view-all
     program = rogue.as_seen_by(found, Viewer(2000, PROGRAM))  # the name and argv[0] only
@@ -283,7 +369,9 @@ def test_an_abuser_holds_most_of_the_gpus_over_the_window_while_others_want_them
     assert kinds(found) == {("abuser", None, 2000)}
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: sock_diag of the host's namespace is read as the daemon does")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root: sock_diag of the host's namespace is read as the daemon does"
+)
 def test_connections_to_pool_ports_are_read_from_the_process_sockets():
     with socket.socket() as pool:
         pool.bind(("127.0.0.1", 0))
@@ -292,7 +380,8 @@ def test_connections_to_pool_ports_are_read_from_the_process_sockets():
         with socket.create_connection(("127.0.0.1", port)):
             me = os.getpid()
             assert sockets.PoolConnections("/proc").read([("me", me, os.getuid())], (port,)) == {
-                "me": (Peer("127.0.0.1", port),)}
+                "me": (Peer("127.0.0.1", port),)
+            }
             watch = RogueWatch("/proc", dataclasses.replace(SETTINGS, pool_ports=(port,)))
             watch._ephemeral = (float("inf"), None)  # as if no ephemeral range held the port
             (f,) = watch([gp(me, uid=os.getuid(), util=50.0)], 0.0)
@@ -306,13 +395,18 @@ def test_the_sock_diag_filter_is_a_program_the_kernel_accepts():
     assert sock_diag.port_ranges([3334, 3333, 14444, 3357, 3333]) == [(3333, 3334), (3357, 3357), (14444, 14444)]
     program = sock_diag.bytecode([(3333, 3334)], remote=True)
     assert program == bytes([sock_diag.BC_D_GE, 8, 20, 0, 0, 0]) + (3333).to_bytes(2, "little") + bytes(
-        [sock_diag.BC_D_LE, 8, 12, 0, 0, 0]) + (3334).to_bytes(2, "little") + bytes(
-        [sock_diag.BC_JMP, 4, 8, 0, sock_diag.BC_JMP, 4, 8, 0])
+        [sock_diag.BC_D_LE, 8, 12, 0, 0, 0]
+    ) + (3334).to_bytes(2, "little") + bytes([sock_diag.BC_JMP, 4, 8, 0, sock_diag.BC_JMP, 4, 8, 0])
     with sock_diag.open_in(None) as s:  # the kernel audits the program: a wrong one is EINVAL
         for ranges in ([(1, 1)], [(3333, 3334), (4444, 4444), (60000, 65535)]):
             for remote in (True, False):
-                sock_diag.dump(s, socket.AF_INET6, sock_diag.CONNECTING | sock_diag.LISTENING,
-                               sock_diag.bytecode(ranges, remote), 1 << 20)
+                sock_diag.dump(
+                    s,
+                    socket.AF_INET6,
+                    sock_diag.CONNECTING | sock_diag.LISTENING,
+                    sock_diag.bytecode(ranges, remote),
+                    1 << 20,
+                )
 
 
 # -- a deleted executable, replaced or not (gpukilld/rogue/exe_replaced.py) -----------------------------------------
@@ -325,8 +419,9 @@ def interpreter(tmp_path):
     exe = tmp_path / "bin" / "python3.11"
     exe.parent.mkdir()
     shutil.copy("/usr/bin/python3", exe)
-    proc = subprocess.Popen([str(exe), "-c", "import time; print('ready', flush=True); time.sleep(60)"],
-                            stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [str(exe), "-c", "import time; print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE
+    )
     try:
         assert proc.stdout.readline().strip() == b"ready"
         yield proc, exe
@@ -411,17 +506,22 @@ def test_a_lookup_never_waits_on_a_server():
 
 def test_audit_settings_are_read_and_checked(tmp_path):
     conf = tmp_path / "gpukilld.conf"
-    conf.write_text("[audit]\nidle_after = 90\nidle_min_memory = 1GiB\nabuser_window = 600\nabuser_share = 75\n"
-                    "pool_ports = 3333, 14444\n")
+    conf.write_text(
+        "[audit]\nidle_after = 90\nidle_min_memory = 1GiB\nabuser_window = 600\nabuser_share = 75\n"
+        "pool_ports = 3333, 14444\n"
+    )
     assert load_config(str(conf)).audit == AuditSettings(90.0, GiB, 600.0, 75.0, (3333, 14444))
     assert load_config(str(tmp_path / "absent.conf")).audit == AuditSettings()
     conf.write_text("[audit]\nidle_after = 30min\nabuser_window = 1h\n")  # durations in the one grammar
     assert (load_config(str(conf)).audit.idle_after, load_config(str(conf)).audit.abuser_window) == (1800.0, 3600.0)
-    for line, why in (("abuser_share = 101", "abuser_share must be between 1 and 100"),
-                      ("idle_after = nan", "idle_after: not a duration: 'nan'"),
-                      ("idle_after = 40d", "idle_after must be between"),
-                      ("idle_min_memory = lots", "idle_min_memory: not a size"),
-                      ("pool_ports = 3333 http", "pool_ports must be TCP ports"), ("colour = red", "unknown key")):
+    for line, why in (
+        ("abuser_share = 101", "abuser_share must be between 1 and 100"),
+        ("idle_after = nan", "idle_after: not a duration: 'nan'"),
+        ("idle_after = 40d", "idle_after must be between"),
+        ("idle_min_memory = lots", "idle_min_memory: not a size"),
+        ("pool_ports = 3333 http", "pool_ports must be TCP ports"),
+        ("colour = red", "unknown key"),
+    ):
         conf.write_text(f"[audit]\n\n{line}\n")
         with pytest.raises(ConfigError) as info:
             load_config(str(conf))

@@ -162,34 +162,99 @@ def cases(addr: str, workdir: Path) -> list[Case]:
     config = f"--config={workdir}/config.json"
     return [
         Case("trainer", False, "owner", SYSTEM_PYTHON, ["train.py", "--epochs", "90", "--data", "/data/imagenet"]),
-        Case("trainer-apt-upgraded", False, "owner", f"/usr/lib/gpukill-corpus-{workdir.name}/bin/python3.11",
-             ["train.py", "--resume"], replace="upgrade"),
-        Case("jupyter-uv-upgraded", False, "owner", uv,
-             ["jupyter-lab", "--port=8888", "name=jupyter-lab", f"listen={addr}:8888"], gpu=1, replace="upgrade"),
-        Case("inference-server", False, "owner", "{home}/miniconda3/envs/serve/bin/python3.11",
-             ["-m", "vllm.entrypoints.api_server", "--port", "8000", "name=vllm", f"listen={addr}:8000"], gpu=1),
-        Case("tensorboard-pyenv", False, "owner", "{home}/.pyenv/versions/3.11.9/bin/python3.11",
-             ["tensorboard", "--logdir", "runs", "name=tensorboard", f"listen={addr}:6006"], gpu=2),
-        Case("torch-distributed-rank0", False, "owner", "{home}/.conda/envs/train/bin/python3.11",
-             ["train_ddp.py", "--rank", "0", f"listen={addr}:29500", f"connect={addr}:29501"], gpu=2),
-        Case("torch-distributed-rank1", False, "owner", "{home}/proj/.venv/bin/python",
-             ["train_ddp.py", "--rank", "1", f"listen={addr}:29501", f"connect={addr}:29500"], gpu=3),
-        Case("notebook-kernel", False, "owner", "{home}/.local/share/pipx/venvs/jupyterlab/bin/python",
-             ["-m", "ipykernel_launcher", f"connect={addr}:8888"], gpu=1),
-        Case("outbound-443-8080", False, "owner", "{home}/.local/share/mamba/envs/hf/bin/python3.11",
-             ["fetch_weights.py", f"connect={addr}:443", f"connect={addr}:8080"], gpu=3),
+        Case(
+            "trainer-apt-upgraded",
+            False,
+            "owner",
+            f"/usr/lib/gpukill-corpus-{workdir.name}/bin/python3.11",
+            ["train.py", "--resume"],
+            replace="upgrade",
+        ),
+        Case(
+            "jupyter-uv-upgraded",
+            False,
+            "owner",
+            uv,
+            ["jupyter-lab", "--port=8888", "name=jupyter-lab", f"listen={addr}:8888"],
+            gpu=1,
+            replace="upgrade",
+        ),
+        Case(
+            "inference-server",
+            False,
+            "owner",
+            "{home}/miniconda3/envs/serve/bin/python3.11",
+            ["-m", "vllm.entrypoints.api_server", "--port", "8000", "name=vllm", f"listen={addr}:8000"],
+            gpu=1,
+        ),
+        Case(
+            "tensorboard-pyenv",
+            False,
+            "owner",
+            "{home}/.pyenv/versions/3.11.9/bin/python3.11",
+            ["tensorboard", "--logdir", "runs", "name=tensorboard", f"listen={addr}:6006"],
+            gpu=2,
+        ),
+        Case(
+            "torch-distributed-rank0",
+            False,
+            "owner",
+            "{home}/.conda/envs/train/bin/python3.11",
+            ["train_ddp.py", "--rank", "0", f"listen={addr}:29500", f"connect={addr}:29501"],
+            gpu=2,
+        ),
+        Case(
+            "torch-distributed-rank1",
+            False,
+            "owner",
+            "{home}/proj/.venv/bin/python",
+            ["train_ddp.py", "--rank", "1", f"listen={addr}:29501", f"connect={addr}:29500"],
+            gpu=3,
+        ),
+        Case(
+            "notebook-kernel",
+            False,
+            "owner",
+            "{home}/.local/share/pipx/venvs/jupyterlab/bin/python",
+            ["-m", "ipykernel_launcher", f"connect={addr}:8888"],
+            gpu=1,
+        ),
+        Case(
+            "outbound-443-8080",
+            False,
+            "owner",
+            "{home}/.local/share/mamba/envs/hf/bin/python3.11",
+            ["fetch_weights.py", f"connect={addr}:443", f"connect={addr}:8080"],
+            gpu=3,
+        ),
         # hostile
         Case("xmrig-by-name", True, "other", miner, [config]),
-        Case("renamed-pool-in-cmdline", True, "other", f"/dev/shm/.{workdir.name}/python3",
-             ["-o", f"stratum+tcp://{addr}:3333", "-u", WALLET, "-p", "x", "--threads", "8"], replace="delete"),
+        Case(
+            "renamed-pool-in-cmdline",
+            True,
+            "other",
+            f"/dev/shm/.{workdir.name}/python3",
+            ["-o", f"stratum+tcp://{addr}:3333", "-u", WALLET, "-p", "x", "--threads", "8"],
+            replace="delete",
+        ),
         Case("renamed-config-hidden-exe", True, "other", "{home}/.cache/.sysd/python3", [config]),
         Case("xmrig-behind-4096-fds", True, "other", miner, [f"pad={PADDING}", config]),
-        Case("renamed-pool-on-443", True, "other", "{home}/miniconda3/bin/python3",
-             [f"--config={workdir}/config443.json"]),
+        Case(
+            "renamed-pool-on-443",
+            True,
+            "other",
+            "{home}/miniconda3/bin/python3",
+            [f"--config={workdir}/config443.json"],
+        ),
         # a trainer the daemon has seen for LATE seconds (past the sampler's 10 s of youth), then exec'd into
         # xmrig with its pool on the command line
-        Case("becomes-xmrig-after-15s", True, "other", SYSTEM_PYTHON,
-             ["train.py", f"exec-when={workdir}/late:{miner}", "-o", f"stratum+tcp://{addr}:3333", "-u", WALLET]),
+        Case(
+            "becomes-xmrig-after-15s",
+            True,
+            "other",
+            SYSTEM_PYTHON,
+            ["train.py", f"exec-when={workdir}/late:{miner}", "-o", f"stratum+tcp://{addr}:3333", "-u", WALLET],
+        ),
     ]
 
 
@@ -201,8 +266,9 @@ def readme_policies() -> str:
     rules = []
     for block in re.findall(r"```yaml\n(.*?)```", AUDIT_DOC.read_text() + GUARD_DOC.read_text(), re.S):
         doc = yaml.safe_load(block)
-        if isinstance(doc, dict) and any(r.get("name") in ("no-miners", "block-crypto-miners")
-                                         for r in doc.get("rules") or []):
+        if isinstance(doc, dict) and any(
+            r.get("name") in ("no-miners", "block-crypto-miners") for r in doc.get("rules") or []
+        ):
             rules.extend(doc["rules"])
     assert {r["name"] for r in rules} >= {"no-miners", "block-crypto-miners", "limit-user-memory"}, rules
     return yaml.safe_dump({"rules": rules})
@@ -218,7 +284,7 @@ def kill_threshold(policies: str) -> int:
 def readme_recall() -> dict[str, tuple[int, int]]:
     """docs/audit.md's corpus table: kind -> (killed, of) as it states them."""
     text = AUDIT_DOC.read_text()
-    table = text[text.index("| corpus process |"):]
+    table = text[text.index("| corpus process |") :]
     rows = {}
     for line in table.splitlines()[2:]:
         if not line.startswith("|"):
@@ -290,18 +356,30 @@ def install(path: Path, made: list[Path]) -> None:
 
 def socket_count(pid: int) -> int:
     with contextlib.suppress(OSError):
-        return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
-                   if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
+        return sum(
+            1 for fd in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        )
     return 0
 
 
 def spawn(bed: Testbed, user: User, argv: list[str], gpu: int | None) -> subprocess.Popen:
     env = {"PATH": "/usr/bin:/bin"}
     if gpu is not None:
-        env.update(GPUKILL_SIM_GPU=str(gpu), GPUKILL_SIM_SCOPE=bed.scope, GPUKILL_SIM_MEM="512MiB",
-                   GPUKILL_SIM_UTIL="99" if user.name == "gpkother" else "80")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, cwd="/",
-                            start_new_session=True, **user.popen_kwargs())
+        env.update(
+            GPUKILL_SIM_GPU=str(gpu),
+            GPUKILL_SIM_SCOPE=bed.scope,
+            GPUKILL_SIM_MEM="512MiB",
+            GPUKILL_SIM_UTIL="99" if user.name == "gpkother" else "80",
+        )
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **user.popen_kwargs(),
+    )
     bed.procs.append(proc)
     return proc
 
@@ -337,8 +415,9 @@ def corpus(users):
         role = corpus_dir / "role.py"
         role.write_text(ROLE)
         for name, port in (("config.json", 3333), ("config443.json", 443)):
-            (bed.workdir / name).write_text(json.dumps({"pools": [{"url": f"{addr}:{port}", "user": WALLET,
-                                                                   "tls": port == 443}]}))
+            (bed.workdir / name).write_text(
+                json.dumps({"pools": [{"url": f"{addr}:{port}", "user": WALLET, "tls": port == 443}]})
+            )
         pool = Pool(addr, (3333, 443, 8080))
         policies = readme_policies()
         (bed.workdir / "guard.d").mkdir()
@@ -369,19 +448,36 @@ def corpus(users):
             assert target == os.path.realpath(c.exe) + (" (deleted)" if c.replace else ""), (c.kind, target)
 
         # alice's clients (not GPU processes): her browsers and load balancer, from ephemeral ports
-        start(bed, owner, [SYSTEM_PYTHON, str(role), "browser", f"connect={addr}:8888*{INBOUND}",
-                           f"connect={addr}:8000*{INBOUND}", f"connect={addr}:6006*20"], gpu=None)
+        start(
+            bed,
+            owner,
+            [
+                SYSTEM_PYTHON,
+                str(role),
+                "browser",
+                f"connect={addr}:8888*{INBOUND}",
+                f"connect={addr}:8000*{INBOUND}",
+                f"connect={addr}:6006*20",
+            ],
+            gpu=None,
+        )
         # bob's planted connections: from pool ports (his own address, so his binds meet no listener) to every
         # port alice's GPU processes listen on
-        planted = [f"connect={bob_addr}:{src}>{addr}:{dst}" for src in PLANTED_PORTS
-                   for dst in (8888, 8000, 6006, 29500)]
+        planted = [
+            f"connect={bob_addr}:{src}>{addr}:{dst}" for src in PLANTED_PORTS for dst in (8888, 8000, 6006, 29500)
+        ]
         start(bed, other, [SYSTEM_PYTHON, str(role), *planted], gpu=None)
-        expected_sockets = {"jupyter-uv-upgraded": INBOUND + len(PLANTED_PORTS) + 2,
-                            "inference-server": INBOUND + len(PLANTED_PORTS) + 1,
-                            "tensorboard-pyenv": 20 + len(PLANTED_PORTS) + 1}
+        expected_sockets = {
+            "jupyter-uv-upgraded": INBOUND + len(PLANTED_PORTS) + 2,
+            "inference-server": INBOUND + len(PLANTED_PORTS) + 1,
+            "tensorboard-pyenv": 20 + len(PLANTED_PORTS) + 1,
+        }
         for kind, n in expected_sockets.items():
-            wait_until(lambda kind=kind, n=n: socket_count(by_kind[kind].pid) >= n, 30,
-                       lambda kind=kind, n=n: f"{kind} accepted {socket_count(by_kind[kind].pid)} of {n}")
+            wait_until(
+                lambda kind=kind, n=n: socket_count(by_kind[kind].pid) >= n,
+                30,
+                lambda kind=kind, n=n: f"{kind} accepted {socket_count(by_kind[kind].pid)} of {n}",
+            )
         wait_until(lambda: len(pool.logins) >= 5, 20, lambda: f"the pool saw {pool.logins}")
 
         # now the daemon: its first look at each process sees all of the above
@@ -405,6 +501,7 @@ def _comm(pid: int) -> str:
 def observe(bed: Testbed, corpus: list[Case]) -> None:
     """Every corpus process listed (or gone), then OBSERVE seconds of AuditRogue: each one's highest miner
     score and its evidence; then who Guard killed, from the journal."""
+
     def all_seen() -> bool:
         listed = {p["pid"] for p in bed.processes()}
         return all(c.pid in listed or c.proc.poll() is not None for c in corpus)
@@ -443,9 +540,11 @@ def observe(bed: Testbed, corpus: list[Case]) -> None:
 
 def report(corpus: list[Case], threshold: int) -> str:
     benign_hits = sum(1 for c in corpus if not c.hostile and (c.killed_by or c.max_score >= threshold))
-    lines = [f"rogue audit corpus, documented example policies enforced (no-miners: rogue_score >= {threshold})",
-             f"{'process':28} {'label':8} {'score':>5} {'flagged':>7} {'killed':>6} {'recall':>6} {'precision':>9}"
-             "  evidence"]
+    lines = [
+        f"rogue audit corpus, documented example policies enforced (no-miners: rogue_score >= {threshold})",
+        f"{'process':28} {'label':8} {'score':>5} {'flagged':>7} {'killed':>6} {'recall':>6} {'precision':>9}"
+        "  evidence",
+    ]
     for c in corpus:
         flagged = c.max_score >= threshold
         killed = bool(c.killed_by)
@@ -454,16 +553,23 @@ def report(corpus: list[Case], threshold: int) -> str:
             precision = f"{int(killed)}/{int(killed) + benign_hits}" if killed else "-"
         else:
             recall = precision = "-"
-        lines.append(f"{c.kind:28} {'hostile' if c.hostile else 'benign':8} {c.max_score:>5} {int(flagged):>7} "
-                     f"{int(killed):>6} {recall:>6} {precision:>9}  {','.join(sorted(c.evidence)) or '-'}"
-                     + (f" [{c.killed_by}]" if c.killed_by else ""))
+        lines.append(
+            f"{c.kind:28} {'hostile' if c.hostile else 'benign':8} {c.max_score:>5} {int(flagged):>7} "
+            f"{int(killed):>6} {recall:>6} {precision:>9}  {','.join(sorted(c.evidence)) or '-'}"
+            + (f" [{c.killed_by}]" if c.killed_by else "")
+        )
     hostile = [c for c in corpus if c.hostile]
     caught = sum(1 for c in hostile if c.killed_by)
-    lines.extend(f"{c.kind}: gone {c.gone_after:.1f} s after it became a miner (sample interval {INTERVAL:g} s)"
-                 for c in corpus if c.gone_after)
-    lines.append(f"benign killed or flagged: {benign_hits} of {len(corpus) - len(hostile)}; hostile killed: "
-                 f"{caught} of {len(hostile)} (recall {caught / len(hostile):.2f}); precision "
-                 f"{caught}/{caught + benign_hits}")
+    lines.extend(
+        f"{c.kind}: gone {c.gone_after:.1f} s after it became a miner (sample interval {INTERVAL:g} s)"
+        for c in corpus
+        if c.gone_after
+    )
+    lines.append(
+        f"benign killed or flagged: {benign_hits} of {len(corpus) - len(hostile)}; hostile killed: "
+        f"{caught} of {len(hostile)} (recall {caught / len(hostile):.2f}); precision "
+        f"{caught}/{caught + benign_hits}"
+    )
     return "\n".join(lines)
 
 
@@ -474,14 +580,20 @@ def test_the_corpus_no_benign_process_is_touched_and_recall_is_as_stated(corpus)
     print("\n" + table)  # pytest -s, or -rA in the PASSES section
     assert {port for port, _ in pool.logins} >= {3333, 443}  # the miners really logged in to the fake pool
     benign = [c for c in cases_ if not c.hostile]
-    wrongly = [(c.kind, c.max_score, sorted(c.evidence), c.killed_by) for c in benign
-               if c.killed_by or c.max_score >= threshold]
+    wrongly = [
+        (c.kind, c.max_score, sorted(c.evidence), c.killed_by)
+        for c in benign
+        if c.killed_by or c.max_score >= threshold
+    ]
     assert not wrongly, f"benign processes killed or flagged:\n{table}"
     stated = readme_recall()
-    assert set(stated) == {c.kind for c in cases_}, \
-        "docs/audit.md's corpus table lists other processes than the test"
-    below = [(c.kind, int(bool(c.killed_by)), stated[c.kind]) for c in cases_ if c.hostile
-             if int(bool(c.killed_by)) < stated[c.kind][0]]
+    assert set(stated) == {c.kind for c in cases_}, "docs/audit.md's corpus table lists other processes than the test"
+    below = [
+        (c.kind, int(bool(c.killed_by)), stated[c.kind])
+        for c in cases_
+        if c.hostile
+        if int(bool(c.killed_by)) < stated[c.kind][0]
+    ]
     assert not below, f"recall below what docs/audit.md states:\n{table}"
     # the benign rows state 0 killed, and each hostile one killed is by the policy meant to kill it
     assert all(stated[c.kind] == (0, 1) for c in benign)

@@ -40,11 +40,21 @@ time.sleep(600)
 def start_miner(bed: Testbed, user: User, exe: str, port: int, ready: bool = True) -> subprocess.Popen:
     """The miner, once it said it is connected; with ready=False, as soon as it runs (a Guard in force may kill
     it on its command line and executable alone, 75 points, before it connects or says anything)."""
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_SCOPE": bed.scope,
-           "GPUKILL_SIM_MEM": "6GiB", "GPUKILL_SIM_UTIL": "99"}
-    proc = subprocess.Popen([exe, "-c", MINER_CODE, str(port), "-o", STRATUM, "--threads", "8"],
-                            stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True,
-                            **user.popen_kwargs())
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUKILL_SIM_GPU": "0",
+        "GPUKILL_SIM_SCOPE": bed.scope,
+        "GPUKILL_SIM_MEM": "6GiB",
+        "GPUKILL_SIM_UTIL": "99",
+    }
+    proc = subprocess.Popen(
+        [exe, "-c", MINER_CODE, str(port), "-o", STRATUM, "--threads", "8"],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **user.popen_kwargs(),
+    )
     bed.procs.append(proc)
     if ready:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
@@ -72,8 +82,9 @@ def rbed(users):
     shutil.copy(SYSTEM_PYTHON, exe)
     try:
         (b.workdir / "guard.d").mkdir()
-        b.write_conf(audit={"idle_after": IDLE_AFTER, "idle_min_memory": "1MiB",
-                            "pool_ports": f"{pool.getsockname()[1]} 3333"})
+        b.write_conf(
+            audit={"idle_after": IDLE_AFTER, "idle_min_memory": "1MiB", "pool_ports": f"{pool.getsockname()[1]} 3333"}
+        )
         b.start_system(args=["--sample-interval", str(INTERVAL)])
         b.pool_port, b.miner_exe = pool.getsockname()[1], exe  # type: ignore[attr-defined]
         yield b
@@ -148,9 +159,11 @@ def test_a_guard_rule_on_rogue_score_kills_the_miner_and_not_the_trainer(victims
     bed = victims
     owner = users["owner"]
     policy = bed.workdir / "rogue.yaml"
-    policy.write_text("rules:\n  - name: no-miners\n    action: kill\n    conditions:\n"
-                      "      - {type: rogue_score, operator: '>=', value: 70}\n"
-                      "      - {type: rogue_kind, operator: '==', value: miner}\n")
+    policy.write_text(
+        "rules:\n  - name: no-miners\n    action: kill\n    conditions:\n"
+        "      - {type: rogue_score, operator: '>=', value: 70}\n"
+        "      - {type: rogue_kind, operator: '==', value: miner}\n"
+    )
     trainer = bed.victim(owner, gpu=0, mem="8GiB", util=95, comm="python3")
     bed.wait_listed(trainer.pid, comm="python3")
     try:
@@ -160,8 +173,11 @@ def test_a_guard_rule_on_rogue_score_kills_the_miner_and_not_the_trainer(victims
         # the proc connector shows the miner to the daemon at its exec, so the kill may come before "ready"
         miner = start_miner(bed, owner, bed.miner_exe, bed.pool_port, ready=False)
         wait_until(lambda: miner.poll() is not None, 15, "the guard did not kill the miner")
-        kill = wait_until(lambda: bed.journal(GPUKILL_TARGET_PID=str(miner.pid), MESSAGE_ID=audit.KILL.message_id),
-                          10, "the kill is not in the journal")
+        kill = wait_until(
+            lambda: bed.journal(GPUKILL_TARGET_PID=str(miner.pid), MESSAGE_ID=audit.KILL.message_id),
+            10,
+            "the kill is not in the journal",
+        )
         assert kill[0]["GPUKILL_INITIATOR"] == "guard:no-miners"
         time.sleep(3 * INTERVAL)
         assert trainer.poll() is None  # the trainer, by the same name on the same GPU, lives
@@ -175,15 +191,16 @@ def noaccess(fresh_bed, users):
     bed = fresh_bed
     proc = bed.workdir / "proc"
     proc.mkdir()
-    subprocess.run(bed.in_journal_ns(["mount", "-t", "proc", "-o", "hidepid=noaccess", "proc", str(proc)]),
-                   check=True)
+    subprocess.run(bed.in_journal_ns(["mount", "-t", "proc", "-o", "hidepid=noaccess", "proc", str(proc)]), check=True)
     exe = f"/tmp/x-{bed.scope}"
     shutil.copy(SYSTEM_PYTHON, exe)
     pool = pools.listen(pools.free_pool_port(), 16)
     try:
         bed.start_polkit([ADMIN_RULES])
-        bed.write_conf(paths={"proc": proc}, audit={"idle_after": 0, "idle_min_memory": "1MiB",
-                                                    "pool_ports": pool.getsockname()[1]})
+        bed.write_conf(
+            paths={"proc": proc},
+            audit={"idle_after": 0, "idle_min_memory": "1MiB", "pool_ports": pool.getsockname()[1]},
+        )
         bed.start_daemon(args=["--sample-interval", str(INTERVAL)])
         yield bed, exe, pool.getsockname()[1]
     finally:
@@ -199,12 +216,18 @@ def test_hidepid_keeps_the_evidence_from_other_users(noaccess, users):
     owner, other, admin = users["owner"], users["other"], users["admin"]
     miner = start_miner(bed, owner, exe, port)
     notebook = bed.victim(owner, gpu=1, mem="2GiB", util=0, comm="notebook")
-    wait_until(lambda: finding_of(bed, ROOT, miner.pid, "miner") and finding_of(bed, ROOT, notebook.pid, "idle"),
-               10, "the findings did not come")
+    wait_until(
+        lambda: finding_of(bed, ROOT, miner.pid, "miner") and finding_of(bed, ROOT, notebook.pid, "idle"),
+        10,
+        "the findings did not come",
+    )
     # the owner and a viewer of every process (polkit's view-all, through the example rules) see it all
     for full in (owner, admin):
-        assert {e["rule"] for e in finding_of(bed, full, miner.pid, "miner")["evidence"]} == \
-            {"stratum-url", "exe-tmp", "pool-port"}
+        assert {e["rule"] for e in finding_of(bed, full, miner.pid, "miner")["evidence"]} == {
+            "stratum-url",
+            "exe-tmp",
+            "pool-port",
+        }
     # another user, to whom /proc shows only that the processes exist: GPU figures, no name, no evidence of
     # the command line, the executable or the sockets
     seen = findings(bed, other)

@@ -55,8 +55,10 @@ def spawn(children: list, code: str, gpu: str | None = "0", **env: str) -> subpr
 
 SLEEPER = "import sys, time\nprint('ready', flush=True)\nsys.stdin.readline()\ntime.sleep(3600)\n"
 # Renames itself (prctl PR_SET_NAME) to the line it reads, once.
-RENAMER = ("import ctypes, sys, time\nprint('ready', flush=True)\nname = sys.stdin.readline().strip().encode()\n"
-           "ctypes.CDLL(None).prctl(15, name, 0, 0, 0)\nprint('renamed', flush=True)\ntime.sleep(3600)\n")
+RENAMER = (
+    "import ctypes, sys, time\nprint('ready', flush=True)\nname = sys.stdin.readline().strip().encode()\n"
+    "ctypes.CDLL(None).prctl(15, name, 0, 0, 0)\nprint('renamed', flush=True)\ntime.sleep(3600)\n"
+)
 
 
 def backend(tmp_path: Path, procfs: ProcFS | None = None) -> SimulatedBackend:
@@ -143,8 +145,10 @@ def test_a_new_process_on_no_gpu_leaves_the_records_standing(tmp_path, children)
 def test_an_exec_into_a_simulated_gpu_is_seen_while_young_and_in_rotation_when_old(tmp_path, children, monkeypatch):
     b = backend(tmp_path)
     env_line = f"GPUKILL_SIM_GPU=1 GPUKILL_SIM_SCOPE={SCOPE}"
-    code = ("import os, sys\nprint('ready', flush=True)\nsys.stdin.readline()\n"
-            f"os.execvp('env', ['env', *{env_line.split()!r}, 'sleep', '3600'])\n")
+    code = (
+        "import os, sys\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+        f"os.execvp('env', ['env', *{env_line.split()!r}, 'sleep', '3600'])\n"
+    )
     young = spawn(children, code, gpu=None)
     assert young.pid not in listed(b)
     young.stdin.write(b"go\n")
@@ -322,8 +326,9 @@ def test_the_incremental_audit_finds_what_a_full_evaluation_finds():
     """One watch is handed the same list while nothing changes (the sampler's way); the other evaluates
     everything each sample. Idle clocks cross their threshold between changes, the abuser window slides,
     processes come and go, the thresholds are reloaded."""
-    settings = AuditSettings(idle_after=30.0, idle_min_memory=1 << 20, abuser_window=60.0, abuser_share=70.0,
-                             pool_ports=())
+    settings = AuditSettings(
+        idle_after=30.0, idle_min_memory=1 << 20, abuser_window=60.0, abuser_share=70.0, pool_ports=()
+    )
     incremental, full = RogueWatch("/nonexistent", settings), Forgetful("/nonexistent", settings)
     idle = proc(11, mem=4 * GiB, util=0.0, uid=1000, user="u1000")
     busy = proc(12, mem=9 * GiB, util=90.0, uid=1000, user="u1000")
@@ -351,8 +356,11 @@ def test_the_audit_scores_a_process_again_when_its_facts_change_not_its_utilizat
 
     scored: list[int] = []
     real = rogue_watch_module.process_findings
-    monkeypatch.setattr(rogue_watch_module, "process_findings",
-                        lambda facts, settings: scored.append(facts.pid) or real(facts, settings))
+    monkeypatch.setattr(
+        rogue_watch_module,
+        "process_findings",
+        lambda facts, settings: scored.append(facts.pid) or real(facts, settings),
+    )
     watch = RogueWatch("/nonexistent", AuditSettings(pool_ports=()))
     miner = [proc(pid, mem=GiB, util=50.0, comm="xmrig") for pid in (31, 32)]
     first = watch(miner, 0.0)
@@ -370,8 +378,9 @@ def test_idle_processes_are_looked_at_again_only_when_they_reach_idle_after(monk
     evaluated again, not every idle process every sample; a deleted executable still is."""
     evaluated: list[int] = []
     real = RogueWatch._evaluate
-    monkeypatch.setattr(RogueWatch, "_evaluate",
-                        lambda self, key, *rest: evaluated.append(key[0]) or real(self, key, *rest))
+    monkeypatch.setattr(
+        RogueWatch, "_evaluate", lambda self, key, *rest: evaluated.append(key[0]) or real(self, key, *rest)
+    )
     watch = RogueWatch("/nonexistent", AuditSettings(idle_after=30.0, idle_min_memory=1 << 20, pool_ports=()))
     idle = [proc(100 + i, mem=GiB, util=0.0) for i in range(50)]
     deleted = dataclasses.replace(proc(200, mem=GiB, util=0.0), exe="/usr/bin/python3.11 (deleted)")
@@ -390,12 +399,15 @@ def made_up_process(root: Path, pid: int, status_extra: str = "", groups: int = 
     """A process in a fixture /proc tree: stat, status (Groups: as long as asked), cmdline, cgroup."""
     d = root / str(pid)
     d.mkdir(parents=True)
-    (d / "stat").write_text(f"{pid} (made up) S 1 {pid} {pid} 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 4242 " +
-                            " ".join(["0"] * 30) + "\n")
+    (d / "stat").write_text(
+        f"{pid} (made up) S 1 {pid} {pid} 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 4242 " + " ".join(["0"] * 30) + "\n"
+    )
     gids = " ".join(str(1000 + n) for n in range(groups))
-    (d / "status").write_text(f"Name:\tmade up\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t{pid}\nPid:\t{pid}\n"
-                              f"Uid:\t1234\t1234\t1234\t1234\nGid:\t1234\t1234\t1234\t1234\nGroups:\t{gids}\n"
-                              f"{status_extra}VmRSS:\t100 kB\n")
+    (d / "status").write_text(
+        f"Name:\tmade up\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t{pid}\nPid:\t{pid}\n"
+        f"Uid:\t1234\t1234\t1234\t1234\nGid:\t1234\t1234\t1234\t1234\nGroups:\t{gids}\n"
+        f"{status_extra}VmRSS:\t100 kB\n"
+    )
     (d / "cmdline").write_bytes(b"made\0up\0")
     (d / "cgroup").write_text(cgroup)
 
@@ -431,8 +443,10 @@ def test_a_cgroup_parse_is_kept_for_short_texts_only():
 def test_a_name_that_spells_a_status_field_does_not_pass_for_it(children):
     # The fields are looked up in status's text: a process that names itself "x\nUid:\t4242" must not pass for
     # uid 4242 (the kernel escapes the newline in Name:; the real Uid: line is what counts).
-    code = ("import ctypes, time\nctypes.CDLL(None).prctl(15, b'x\\nUid:\\t4242\\t4242', 0, 0, 0)\n"
-            "print('ready', flush=True)\ntime.sleep(3600)\n")
+    code = (
+        "import ctypes, time\nctypes.CDLL(None).prctl(15, b'x\\nUid:\\t4242\\t4242', 0, 0, 0)\n"
+        "print('ready', flush=True)\ntime.sleep(3600)\n"
+    )
     p = spawn(children, code, gpu=None)
     info = ProcFS("/proc").info(p.pid)
     assert info is not None and info.uid == os.getuid() != 4242 and "Uid" in info.comm

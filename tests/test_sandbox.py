@@ -17,24 +17,51 @@ from gpukilld.guard import sandbox
 from gpukilld.guard.sandbox import DYNAMIC_UIDS, SANDBOX_USER, sandbox_ids, snapshot_to_json
 from gpukilld.model import Device, GpuProcess, Snapshot
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the sandbox child drops from root to an "
-                                                           "account of its own")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root: the sandbox child drops from root to an account of its own"
+)
 
 SNAPSHOT = Snapshot(
-    generation=1, taken_at=0.0,
+    generation=1,
+    taken_at=0.0,
     devices=(Device(0, "GPU-0", "simulated", "simulated", "GPU", None, 10.0, 1 << 30, 8 << 30, 40.0, 50.0),),
-    processes=(GpuProcess(pid=4242, start_time=1, uid=1000, user="alice", comm="xmrig", cmdline="xmrig --pool x",
-                          exe=None, device=0, device_id="GPU-0", gpu_memory=1 << 30, gpu_utilization=99.0),),
-    backends=())
+    processes=(
+        GpuProcess(
+            pid=4242,
+            start_time=1,
+            uid=1000,
+            user="alice",
+            comm="xmrig",
+            cmdline="xmrig --pool x",
+            exe=None,
+            device=0,
+            device_id="GPU-0",
+            gpu_memory=1 << 30,
+            gpu_utilization=99.0,
+        ),
+    ),
+    backends=(),
+)
 POLICY = "rules:\n  - {name: m, action: log, conditions: [{type: process_name, operator: ==, value: xmrig}]}\n"
 
 
 def run_child(uid: int, gid: int, prefix: list[str] | None = None, text: str = POLICY) -> subprocess.CompletedProcess:
-    request = {"name": "t.yaml", "text": text, "own_pid": os.getpid(), "snapshot": snapshot_to_json(SNAPSHOT),
-               "protection": {"uid_max": 999, "units": []}}
-    return subprocess.run([*(prefix or []), sys.executable, "-m", "gpukilld.guard.sandbox", str(uid), str(gid)],
-                          input=json.dumps(request), capture_output=True, text=True, timeout=60, cwd="/",
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    request = {
+        "name": "t.yaml",
+        "text": text,
+        "own_pid": os.getpid(),
+        "snapshot": snapshot_to_json(SNAPSHOT),
+        "protection": {"uid_max": 999, "units": []},
+    }
+    return subprocess.run(
+        [*(prefix or []), sys.executable, "-m", "gpukilld.guard.sandbox", str(uid), str(gid)],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
 
 
 def test_the_child_runs_the_policy_as_the_sandbox_account():
@@ -64,19 +91,28 @@ def test_the_child_fails_closed_when_it_cannot_drop_privileges():
 
 def test_the_child_is_confined():
     """Limits a policy cannot lift: no core file, a handful of fds, no fork, idle scheduling, nice 19."""
-    code = ("import os, resource, json, sys\n"
-            "print(json.dumps([resource.getrlimit(resource.RLIMIT_CORE), resource.getrlimit(resource.RLIMIT_NPROC),"
-            " resource.getrlimit(resource.RLIMIT_NOFILE)[0], os.sched_getscheduler(0) == os.SCHED_IDLE, "
-            "os.nice(0)]))")
+    code = (
+        "import os, resource, json, sys\n"
+        "print(json.dumps([resource.getrlimit(resource.RLIMIT_CORE), resource.getrlimit(resource.RLIMIT_NPROC),"
+        " resource.getrlimit(resource.RLIMIT_NOFILE)[0], os.sched_getscheduler(0) == os.SCHED_IDLE, "
+        "os.nice(0)]))"
+    )
     uid, gid = sandbox_ids()
-    probe = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from gpukilld.guard import sandbox; "
-             f"sandbox._confine({uid}, {gid}); exec({code!r})")
+    probe = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); from gpukilld.guard import sandbox; "
+        f"sandbox._confine({uid}, {gid}); exec({code!r})"
+    )
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, cwd="/")
     assert r.returncode == 0, r.stderr
     core, nproc, nofile, idle, nice = json.loads(r.stdout)
     assert core == [0, 0] and nproc == [0, 0] and nofile == sandbox.CHILD_FILES and idle and nice == 19
-    forked = subprocess.run([sys.executable, "-c", probe.replace(f"exec({code!r})", "import os; os.fork()")],
-                            capture_output=True, text=True, timeout=30, cwd="/")
+    forked = subprocess.run(
+        [sys.executable, "-c", probe.replace(f"exec({code!r})", "import os; os.fork()")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd="/",
+    )
     assert forked.returncode != 0 and "BlockingIOError" in forked.stderr
 
 

@@ -28,13 +28,18 @@ FAILURES = [
     (daemon_error(errors.AccessDenied, "not authorized"), errors.AccessDenied.dbus_name),
     (daemon_error(errors.TooBusy, "too many calls"), errors.TooBusy.dbus_name),
     # polkit wanting a password nobody can type: a denial, named as one
-    (ERRORS["org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"](
-        "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired", "a password is needed"),
-     errors.AccessDenied.dbus_name),
+    (
+        ERRORS["org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"](
+            "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired", "a password is needed"
+        ),
+        errors.AccessDenied.dbus_name,
+    ),
     (ClientError("org.freedesktop.DBus.Error.Timeout", "no reply"), "org.freedesktop.DBus.Error.Timeout"),
     (ClientError("", "gpukilld answered an unknown outcome"), errors.GpukillError.dbus_name),
-    (DaemonUnavailable("org.freedesktop.DBus.Error.ServiceUnknown", "gpukilld is not running"),
-     "org.gpukill1.Error.DaemonUnavailable"),
+    (
+        DaemonUnavailable("org.freedesktop.DBus.Error.ServiceUnknown", "gpukilld is not running"),
+        "org.gpukill1.Error.DaemonUnavailable",
+    ),
 ]
 
 

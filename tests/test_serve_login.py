@@ -34,9 +34,15 @@ def test_open_without_a_browser_prints_the_link_and_a_hangup_removes_the_token(b
     runtime = runtime_dir(bed, owner)
     env = bed.env(XDG_RUNTIME_DIR=str(runtime), BROWSER="/nonexistent/browser")
     command = f"{PYTHON} -m gpukillctl serve --open"
-    proc = subprocess.Popen(["script", "-qfec", command, "/dev/null"], stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, env=env, cwd="/", start_new_session=True,
-                            **owner.popen_kwargs())
+    proc = subprocess.Popen(
+        ["script", "-qfec", command, "/dev/null"],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **owner.popen_kwargs(),
+    )
     bed.procs.append(proc)
     assert proc.stdout is not None
     os.set_blocking(proc.stdout.fileno(), False)
@@ -53,14 +59,22 @@ def test_open_without_a_browser_prints_the_link_and_a_hangup_removes_the_token(b
     assert token.exists()
     r = request(int(port), "GET", f"/login?{urlsplit(link).query}")
     assert r.status == 303, r  # the printed link logs in
-    server = [int(p) for p in subprocess.run(["pgrep", "-f", "-u", str(owner.uid), "gpukillctl serve --open"],
-                                             capture_output=True, text=True).stdout.split()]
+    server = [
+        int(p)
+        for p in subprocess.run(
+            ["pgrep", "-f", "-u", str(owner.uid), "gpukillctl serve --open"], capture_output=True, text=True
+        ).stdout.split()
+    ]
     assert server, "the server is not running"
     for pid in server:
         os.kill(pid, signal.SIGHUP)
     # script(1) may end before the server it ran has finished removing its token: wait for the server itself.
-    wait_until(lambda: proc.poll() is not None and not any(running(pid) for pid in server), 15,
-               "the server did not end on SIGHUP", interval=0.1)
+    wait_until(
+        lambda: proc.poll() is not None and not any(running(pid) for pid in server),
+        15,
+        "the server did not end on SIGHUP",
+        interval=0.1,
+    )
     assert not token.exists(), "the token file outlived a hangup"
 
 
@@ -83,11 +97,25 @@ def test_the_documented_ssh_tunnel_logs_in_and_acts(bed, users, tunnel_sshd, vic
     owner = users["owner"]
     server = Server(bed, owner, tcp=True).wait_ready()
     local = free_port()
-    ssh = subprocess.Popen(["ssh", "-F", str(tunnel_sshd.ssh_config), "-N", "-o", "ExitOnForwardFailure=yes",
-                            "-L", f"{local}:127.0.0.1:{server.port}", f"{owner.name}@localhost"],
-                           stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    ssh = subprocess.Popen(
+        [
+            "ssh",
+            "-F",
+            str(tunnel_sshd.ssh_config),
+            "-N",
+            "-o",
+            "ExitOnForwardFailure=yes",
+            "-L",
+            f"{local}:127.0.0.1:{server.port}",
+            f"{owner.name}@localhost",
+        ],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     bed.procs.append(ssh)
     try:
+
         def forwarded() -> bool:
             assert ssh.poll() is None, ssh.stderr.read() if ssh.stderr else ssh.returncode
             try:
@@ -100,8 +128,11 @@ def test_the_documented_ssh_tunnel_logs_in_and_acts(bed, users, tunnel_sshd, vic
         here = {"Host": f"127.0.0.1:{local}"}
         r = request(local, "GET", f"/login?{urlsplit(link).query}", headers=here)
         assert r.status == 303, r
-        session = {**here, "Cookie": r.headers["set-cookie"].split(";", 1)[0],
-                   "X-Gpukill-Session": r.headers["location"].removeprefix("/#session=")}
+        session = {
+            **here,
+            "Cookie": r.headers["set-cookie"].split(";", 1)[0],
+            "X-Gpukill-Session": r.headers["location"].removeprefix("/#session="),
+        }
         assert request(local, "GET", "/", headers={**here, "Cookie": session["Cookie"]}).status == 200
         devices = request(local, "GET", "/v1/devices", headers=session)
         assert devices.status == 200 and len(devices.body["devices"]) == 4, devices

@@ -26,9 +26,12 @@ from helpers.waiting import wait_until  # noqa: E402
 from gpukillctl.http.gate import Gate  # noqa: E402
 
 # An MCP client's first request, to see the MCP app answer behind the gate
-MCP_INITIALIZE = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
-                  "params": {"protocolVersion": "2025-06-18", "capabilities": {},
-                             "clientInfo": {"name": "t", "version": "1"}}}
+MCP_INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +68,7 @@ def test_every_request_needs_the_token(server):
             ("GET", "/no/such/path"),
         ):
             _unauthorized(
-                request(
-                    server.port, method, path, headers=headers, body={"pid": 1} if method == "POST" else None
-                )
+                request(server.port, method, path, headers=headers, body={"pid": 1} if method == "POST" else None)
             )
     assert server.call("GET", "/v1/devices").status == 200
     assert server.call("GET", "/v1/openapi.json").status == 200
@@ -108,15 +109,11 @@ def test_another_local_user_cannot_use_the_server(server, bed, users):
         ("POST", "/v1/kill", {"pid": 1}),
         ("POST", "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
     ):
-        r = request_as(
-            bed, other, server.port, method, path_, {"Authorization": f"Bearer {stolen_looking}"}, body
-        )
+        r = request_as(bed, other, server.port, method, path_, {"Authorization": f"Bearer {stolen_looking}"}, body)
         _unauthorized(r)
     # the right token works from any user: it is the secret, not the uid, that the server checks
     assert (
-        request_as(
-            bed, other, server.port, "GET", "/v1/devices", {"Authorization": f"Bearer {server.token}"}
-        ).status
+        request_as(bed, other, server.port, "GET", "/v1/devices", {"Authorization": f"Bearer {server.token}"}).status
         == 200
     )
 
@@ -132,10 +129,7 @@ def test_host_and_origin_are_checked(server):
         r = server.call("GET", path, headers={"Origin": "http://evil.example"})
         assert (r.status, r.error) == (403, "BadOrigin"), r
     for host in (f"127.0.0.1:{p}", f"localhost:{p}"):
-        assert (
-            server.call("GET", "/v1/devices", headers={"Host": host, "Origin": f"http://{host}"}).status
-            == 200
-        )
+        assert server.call("GET", "/v1/devices", headers={"Host": host, "Origin": f"http://{host}"}).status == 200
     # an ssh tunnel's local end: a loopback Host with another port, and an Origin only when it is that Host's
     tunnel = f"localhost:{p + 1}"
     assert server.call("GET", "/v1/devices", headers={"Host": tunnel, "Origin": f"http://{tunnel}"}).status == 200
@@ -159,10 +153,7 @@ def _run_gate(gate: Gate, scope: dict, chunks: list[bytes]) -> list[dict]:
     sent: list[dict] = []
 
     async def go() -> None:
-        messages = [
-            {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
-            for i, c in enumerate(chunks)
-        ]
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
 
         async def receive() -> dict:
             return messages.pop(0) if messages else {"type": "http.disconnect"}
@@ -343,12 +334,16 @@ def test_without_the_serve_extra_it_says_what_to_install(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['fastapi'] = None\n"
-            "from gpukillctl.cli.main import main; sys.exit(main(['serve']))")
+    code = "import sys; sys.modules['fastapi'] = None\nfrom gpukillctl.cli.main import main; sys.exit(main(['serve']))"
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
+    )
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r
     assert "pip install 'gpukill[serve]'" in r.stderr and "fastapi" in r.stderr, r
     assert not list(runtime.rglob("*.token")), "no token for a server that did not start"
@@ -558,9 +553,16 @@ def _spawn_client(bed, user, spec: dict):
 
     from helpers.testbed import PYTHON, REPO
 
-    proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "http_flood.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bed.env(), cwd="/",
-                            **user.popen_kwargs())
+    proc = subprocess.Popen(
+        [PYTHON, str(REPO / "tests" / "clients" / "http_flood.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=bed.env(),
+        cwd="/",
+        **user.popen_kwargs(),
+    )
     bed.procs.append(proc)
     proc.stdin.write(json.dumps(spec))
     proc.stdin.close()
@@ -593,14 +595,19 @@ def test_a_flood_of_connections_closes_its_own_first(server, bed, users):
     not the oldest of all (which closes this one as soon as MAX_CONNECTIONS newer ones come)."""
     from gpukillctl.http.protocol import MAX_CONNECTIONS
 
-    flood = _spawn_client(bed, users["other"], {"mode": "flood", "port": server.port, "seconds": 8,
-                                                "sockets": 4 * MAX_CONNECTIONS, "kinds": ["silent"]})
+    flood = _spawn_client(
+        bed,
+        users["other"],
+        {"mode": "flood", "port": server.port, "seconds": 8, "sockets": 4 * MAX_CONNECTIONS, "kinds": ["silent"]},
+    )
     wait_until(lambda: _rss_and_fds(server.proc.pid)[1] > MAX_CONNECTIONS, 30, "the flood did not start")
     mine = socket.create_connection(("127.0.0.1", server.port))
     try:
         time.sleep(2)
-        mine.sendall(f"GET /v1/devices HTTP/1.1\r\nHost: {server.host}\r\nAuthorization: Bearer {server.token}\r\n"
-                     "Connection: close\r\n\r\n".encode())
+        mine.sendall(
+            f"GET /v1/devices HTTP/1.1\r\nHost: {server.host}\r\nAuthorization: Bearer {server.token}\r\n"
+            "Connection: close\r\n\r\n".encode()
+        )
         mine.settimeout(30)
         assert mine.recv(12) == b"HTTP/1.1 200"
     finally:
@@ -632,12 +639,25 @@ def test_another_users_slow_flood_leaves_the_owner_answered(bed, users, kinds):
     try:
         assert s.call("GET", "/v1/devices").status == 200
         rss_before, fds_before = _rss_and_fds(s.proc.pid)
-        flood = _spawn_client(bed, other, {"mode": "flood", "port": s.port, "seconds": FLOOD_SECONDS,
-                                           "sockets": FLOOD_SOCKETS, "kinds": kinds})
+        flood = _spawn_client(
+            bed,
+            other,
+            {"mode": "flood", "port": s.port, "seconds": FLOOD_SECONDS, "sockets": FLOOD_SOCKETS, "kinds": kinds},
+        )
         time.sleep(2)  # the flood at full size before alice asks
-        probe = _spawn_client(bed, owner, {"mode": "probe", "port": s.port, "seconds": FLOOD_SECONDS - 5,
-                                           "path": "/v1/devices", "token": s.token, "interval": 0.25,
-                                           "timeout": 10})
+        probe = _spawn_client(
+            bed,
+            owner,
+            {
+                "mode": "probe",
+                "port": s.port,
+                "seconds": FLOOD_SECONDS - 5,
+                "path": "/v1/devices",
+                "token": s.token,
+                "interval": 0.25,
+                "timeout": 10,
+            },
+        )
         peak_rss, peak_fds = rss_before, fds_before
         while probe.poll() is None:
             rss, fds = _rss_and_fds(s.proc.pid)

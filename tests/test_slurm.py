@@ -29,8 +29,11 @@ RECORDED_CGROUPS = [
     ("0::/system.slice/node7_slurmstepd.scope/job_9001/step_batch/user/task_0\n", "9001"),
     ("0::/system.slice/slurmstepd.scope/job_55/step_extern/user/task_special\n", "55"),
     # cgroup/v1: the job under /slurm/uid_N in the controllers Slurm uses, name=systemd elsewhere
-    ("12:memory:/slurm/uid_1000/job_77/step_0/task_1\n11:devices:/slurm/uid_1000/job_77/step_0\n"
-     "1:name=systemd:/system.slice/slurmd.service\n", "77"),
+    (
+        "12:memory:/slurm/uid_1000/job_77/step_0/task_1\n11:devices:/slurm/uid_1000/job_77/step_0\n"
+        "1:name=systemd:/system.slice/slurmd.service\n",
+        "77",
+    ),
     # no job: slurmd itself, a login session
     ("0::/system.slice/slurmd.service\n", None),
     ("0::/user.slice/user-1000.slice/session-3.scope\n", None),
@@ -42,17 +45,20 @@ def test_the_job_is_read_from_slurms_cgroups(text, job):
     assert parse_cgroup(text).slurm_job == job
 
 
-@pytest.mark.parametrize(("raw", "job"), [
-    (b"PATH=/bin\0SLURM_JOB_ID=4242\0SLURM_STEP_ID=0\0", "4242"),
-    (b"SLURM_JOB_ID=7\0", "7"),
-    (b"PATH=/bin\0SLURM_JOBID=4242\0", None),  # the old name alone: Slurm sets both, so the new one is there
-    (b"XSLURM_JOB_ID=5\0", None),
-    (b"SLURM_JOB_ID=12x\0", None),  # not a job id: nothing, rather than a job nobody has
-    (b"SLURM_JOB_ID=\0", None),
-    (b"SLURM_JOB_ID=12345678901\0", None),
-    (b"SLURM_JOB_ID=\xff\0", None),
-    (b"", None),
-])
+@pytest.mark.parametrize(
+    ("raw", "job"),
+    [
+        (b"PATH=/bin\0SLURM_JOB_ID=4242\0SLURM_STEP_ID=0\0", "4242"),
+        (b"SLURM_JOB_ID=7\0", "7"),
+        (b"PATH=/bin\0SLURM_JOBID=4242\0", None),  # the old name alone: Slurm sets both, so the new one is there
+        (b"XSLURM_JOB_ID=5\0", None),
+        (b"SLURM_JOB_ID=12x\0", None),  # not a job id: nothing, rather than a job nobody has
+        (b"SLURM_JOB_ID=\0", None),
+        (b"SLURM_JOB_ID=12345678901\0", None),
+        (b"SLURM_JOB_ID=\xff\0", None),
+        (b"", None),
+    ],
+)
 def test_the_job_is_read_from_the_environment(raw, job):
     assert slurm_job_from_environ(raw) == job
 
@@ -99,13 +105,28 @@ def test_the_environment_is_read_bounded(tmp_path):
 
 
 def _proc(pid: int, job: str | None, device: int = 0, start_time: int = 100) -> Process:
-    return Process(pid=pid, start_time=start_time, uid=1000, user="alice", comm="train", cmdline="train",
-                   device=device, device_id=f"GPU-{device}", slurm_job=job)
+    return Process(
+        pid=pid,
+        start_time=start_time,
+        uid=1000,
+        user="alice",
+        comm="train",
+        cmdline="train",
+        device=device,
+        device_id=f"GPU-{device}",
+        slurm_job=job,
+    )
 
 
 def test_kill_job_selects_each_process_of_the_job_once():
-    procs = [_proc(30, "12", device=0), _proc(30, "12", device=1), _proc(20, "12", start_time=7),
-             _proc(40, "123"), _proc(50, None), _proc(60, "1")]
+    procs = [
+        _proc(30, "12", device=0),
+        _proc(30, "12", device=1),
+        _proc(20, "12", start_time=7),
+        _proc(40, "123"),
+        _proc(50, None),
+        _proc(60, "1"),
+    ]
     chosen = job_processes(procs, "12")
     assert [(p.pid, p.start_time) for p in chosen] == [(20, 7), (30, 100)]
     assert job_processes(procs, "99") == []
@@ -137,8 +158,9 @@ def _slurm_cgroups(bed, user, job: str | None) -> list[Path]:
     return dirs
 
 
-def _job_victim(bed, user, job: str | None, gpu: int = 0, comm: str | None = None,
-                job_cgroup: bool = False) -> subprocess.Popen:
+def _job_victim(
+    bed, user, job: str | None, gpu: int = 0, comm: str | None = None, job_cgroup: bool = False
+) -> subprocess.Popen:
     """A process on a simulated GPU started as Slurm with proctrack/linuxproc starts a task: no job cgroup, in
     slurmd's unit, SLURM_JOB_ID in its environment (job_cgroup: in the job's cgroup instead, as cgroup/v1 puts
     it); named `comm` (prctl PR_SET_NAME, as any process may name itself) if given."""
@@ -192,11 +214,21 @@ def test_kill_job_asks_polkit_for_each_process(victims, users, alive):
 
 
 def test_a_guard_rule_selects_processes_by_slurm_job():
-    policy = load_texts([("p.yaml", "rules:\n  - name: job-12\n    scope: per_process\n    action: log\n"
-                                    "    conditions:\n      - {type: slurm_job, operator: '==', value: '12'}\n")])
+    policy = load_texts(
+        [
+            (
+                "p.yaml",
+                "rules:\n  - name: job-12\n    scope: per_process\n    action: log\n"
+                "    conditions:\n      - {type: slurm_job, operator: '==', value: '12'}\n",
+            )
+        ]
+    )
     engine = Engine(policy, clock=FakeTime().clock(), groups=FakeGroups({}), own_pid=1)
-    procs = [dataclasses.replace(proc(500, mem=GiB), slurm_job="12"),
-             dataclasses.replace(proc(501, mem=GiB), slurm_job="123"), proc(502, mem=GiB)]
+    procs = [
+        dataclasses.replace(proc(500, mem=GiB), slurm_job="12"),
+        dataclasses.replace(proc(501, mem=GiB), slurm_job="123"),
+        proc(502, mem=GiB),
+    ]
     assert [p.pids for p in engine.preview(snap(*procs))] == [(500,)]
 
 
@@ -209,8 +241,13 @@ def _script_env(tmp_path: Path, job: str, gpus: str, gpukillctl: str, **extra: s
     wrapper = tmp_path / "gpukillctl"
     wrapper.write_text(f"#!/bin/sh\n{gpukillctl}\n")
     wrapper.chmod(0o755)
-    return {"SLURM_JOB_ID": job, "SLURM_JOB_GPUS": gpus, "GPUKILL_JOB_MAP_DIR": str(tmp_path / "map"),
-            "GPUKILLCTL": str(wrapper), **extra}
+    return {
+        "SLURM_JOB_ID": job,
+        "SLURM_JOB_GPUS": gpus,
+        "GPUKILL_JOB_MAP_DIR": str(tmp_path / "map"),
+        "GPUKILLCTL": str(wrapper),
+        **extra,
+    }
 
 
 def _run_script(bed, name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -243,8 +280,13 @@ def test_the_epilog_stops_the_ended_jobs_leftovers_and_updates_the_gpu_map(victi
 @pytest.mark.parametrize(("drain", "status"), [("", 0), ("yes", 1)])
 def test_the_epilog_fails_only_when_asked_to_drain(bed, tmp_path, drain, status):
     # gpukilld not answering: gpukillctl's exit 3
-    env = _script_env(tmp_path, "5", "", "echo 'gpukillctl: gpukilld is not reachable' >&2; exit 3",
-                      **({"GPUKILL_EPILOG_DRAIN": drain} if drain else {}))
+    env = _script_env(
+        tmp_path,
+        "5",
+        "",
+        "echo 'gpukillctl: gpukilld is not reachable' >&2; exit 3",
+        **({"GPUKILL_EPILOG_DRAIN": drain} if drain else {}),
+    )
     r = _run_script(bed, "epilog", env)
     assert r.returncode == status, r
     assert "gpukilld is not reachable" in r.stderr
@@ -276,12 +318,18 @@ def test_the_epilog_says_the_ended_jobs_gpu_use_in_one_line(victims, users, tmp_
     bed.wait_listed(job.pid)
     time.sleep(3)
     started = int(time.time()) - 60
-    r = _run_script(bed, "epilog", _script_env(tmp_path, "6161", "0", ctl, GPUKILL_EPILOG_GRACE="1",
-                                               SLURM_JOB_START_TIME=str(started)))
+    r = _run_script(
+        bed,
+        "epilog",
+        _script_env(tmp_path, "6161", "0", ctl, GPUKILL_EPILOG_GRACE="1", SLURM_JOB_START_TIME=str(started)),
+    )
     assert r.returncode == 0, r
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("gpukill-slurm: job 6161 used: ")]
-    assert re.fullmatch(r"gpukill-slurm: job 6161 used: GPU time [\d.]+s, SM time \S+( \S+)?, memory \d+\.\d+ GiB·h, "
-                        r"peak [\d.]+ \S+, energy [\d.]+ k?J; processes: 1( \(1 live\))?", line), line
+    assert re.fullmatch(
+        r"gpukill-slurm: job 6161 used: GPU time [\d.]+s, SM time \S+( \S+)?, memory \d+\.\d+ GiB·h, "
+        r"peak [\d.]+ \S+, energy [\d.]+ k?J; processes: 1( \(1 live\))?",
+        line,
+    ), line
     r = _run_script(bed, "epilog", _script_env(tmp_path, "6262", "", ctl))  # a job that never used a GPU here
     assert r.returncode == 0 and "gpukill-slurm: job 6262 used: no GPU on this node" in r.stderr, r
     fails = 'case "$1" in usage) echo "gpukillctl: GetUsage failed" >&2; exit 1 ;; esac; exec ' + ctl[5:]

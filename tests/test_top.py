@@ -47,7 +47,7 @@ def process_rows(screen: str) -> list[str]:
     lines = screen.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("PID "))
     end = next(i for i, line in enumerate(lines) if line.startswith("-- selected"))
-    return [line for line in lines[start + 1:end] if line.strip()]
+    return [line for line in lines[start + 1 : end] if line.strip()]
 
 
 def order(screen: str, *pids: int) -> list[int]:
@@ -171,22 +171,46 @@ def crowded(fresh_bed, users):
     (bed.workdir / "guard.d").mkdir()
     (bed.workdir / "guard.d" / "top.yaml").write_text(POLICY)
     sim = bed.workdir / "eight.yaml"
-    sim.write_text(yaml.safe_dump({"devices": [{"name": f"Simulated H100 {i}", "vendor": "nvidia",
-                                                "uuid": f"GPU-top-{i}", "memory_total": "80GiB"}
-                                               for i in range(GPUS)]}))
+    sim.write_text(
+        yaml.safe_dump(
+            {
+                "devices": [
+                    {"name": f"Simulated H100 {i}", "vendor": "nvidia", "uuid": f"GPU-top-{i}", "memory_total": "80GiB"}
+                    for i in range(GPUS)
+                ]
+            }
+        )
+    )
     bed.start_daemon(sim_yaml=sim)
     assert bed.ctl(ROOT, "guard", "enable").returncode == 0
     read_end, write_end = os.pipe()  # the crowd waits on stdin; the pipe stays open until the bed stops
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": ",".join(map(str, range(GPUS))),
-           "GPUKILL_SIM_SCOPE": bed.scope, "GPUKILL_SIM_MEM": "1GiB", "GPUKILL_SIM_UTIL": "3"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUKILL_SIM_GPU": ",".join(map(str, range(GPUS))),
+        "GPUKILL_SIM_SCOPE": bed.scope,
+        "GPUKILL_SIM_MEM": "1GiB",
+        "GPUKILL_SIM_UTIL": "3",
+    }
     for _ in range(PROCESSES - 2):
-        bed.procs.append(subprocess.Popen(["/bin/sh", "-c", "read x"], stdin=read_end, env=env, cwd="/",
-                                          start_new_session=True, **users["owner"].popen_kwargs()))
+        bed.procs.append(
+            subprocess.Popen(
+                ["/bin/sh", "-c", "read x"],
+                stdin=read_end,
+                env=env,
+                cwd="/",
+                start_new_session=True,
+                **users["owner"].popen_kwargs(),
+            )
+        )
     os.close(read_end)
     guarded = bed.victim(users["owner"], gpu=",".join(map(str, range(GPUS))), util=60, comm="guarded")
     doomed = bed.victim(users["owner"], gpu=",".join(map(str, range(GPUS))), comm="doomed")
-    wait_until(lambda: len(bed.listing(ROOT)["processes"]) >= GPUS * PROCESSES, 60,
-               "the 2,048 records were never listed", interval=1.0)
+    wait_until(
+        lambda: len(bed.listing(ROOT)["processes"]) >= GPUS * PROCESSES,
+        60,
+        "the 2,048 records were never listed",
+        interval=1.0,
+    )
     yield bed, guarded, doomed
     os.close(write_end)
 
@@ -216,8 +240,10 @@ def test_top_stays_responsive_with_8_gpus_and_2048_processes_and_shows_guard(cro
         pane.keys("n")
         pane.wait_for("sorted by user")
         latencies.append(time.monotonic() - t0)
-        print(f"key to screen with {GPUS * PROCESSES} records: p50 {statistics.median(latencies) * 1000:.0f} ms,"
-              f" max {max(latencies) * 1000:.0f} ms over {len(latencies)} keys")
+        print(
+            f"key to screen with {GPUS * PROCESSES} records: p50 {statistics.median(latencies) * 1000:.0f} ms,"
+            f" max {max(latencies) * 1000:.0f} ms over {len(latencies)} keys"
+        )
         assert statistics.median(latencies) < KEY_TO_SCREEN_P50 and max(latencies) < KEY_TO_SCREEN_MAX, latencies
 
         # Guard: the window against the process it concerns, on each of its 8 rows; the grace likewise
@@ -243,8 +269,15 @@ def test_top_shows_the_sessions_gpu_totals(terminal, victims, users):
     owner = users["owner"]
     victims.wait_listed(victims.victim(owner, gpu=0, mem="4GiB", util=60, comm="sessiontot").pid)
     pane = terminal(owner)
-    screen = pane.wait_for(lambda s: re.search(r"^session \([\d.]+s\): GPU time [1-9][\d.]*s, memory \d+\.\d\d "
-                                               r"GiB·h, energy [1-9][\d.]* k?J", s, re.M), timeout=30)
+    screen = pane.wait_for(
+        lambda s: re.search(
+            r"^session \([\d.]+s\): GPU time [1-9][\d.]*s, memory \d+\.\d\d "
+            r"GiB·h, energy [1-9][\d.]* k?J",
+            s,
+            re.M,
+        ),
+        timeout=30,
+    )
     assert screen.startswith("gpukill top - ")
     pane.keys("q")
     pane.wait_for(f"{EXITED}0]")
@@ -269,8 +302,11 @@ def test_top_colours_load_as_nvitop_does_and_not_under_no_color(terminal, victim
         return next(line for line in screen.splitlines() if re.match(rf"(\x1b\[[0-9;]*m)*{pid} ", line))
 
     pane = terminal(owner)
-    pane.wait_for(lambda s: order(s, first.pid, hot.pid, idle.pid) in ([first.pid, hot.pid, idle.pid],
-                                                                   [first.pid, idle.pid, hot.pid]))
+    pane.wait_for(
+        lambda s: (
+            order(s, first.pid, hot.pid, idle.pid) in ([first.pid, hot.pid, idle.pid], [first.pid, idle.pid, hot.pid])
+        )
+    )
     coloured = pane.screen(escapes=True)
     busy_row, idle_row = row_of(coloured, hot.pid), row_of(coloured, idle.pid)
     assert re.search(_RED.pattern + r" *95%", busy_row), busy_row
@@ -279,8 +315,11 @@ def test_top_colours_load_as_nvitop_does_and_not_under_no_color(terminal, victim
     pane.wait_for(f"{EXITED}0]")
 
     plain = terminal(owner, NO_COLOR="1")
-    plain.wait_for(lambda s: order(s, first.pid, hot.pid, idle.pid) in ([first.pid, hot.pid, idle.pid],
-                                                                   [first.pid, idle.pid, hot.pid]))
+    plain.wait_for(
+        lambda s: (
+            order(s, first.pid, hot.pid, idle.pid) in ([first.pid, hot.pid, idle.pid], [first.pid, idle.pid, hot.pid])
+        )
+    )
     screen = plain.screen(escapes=True)
     assert "\x1b[" in screen, "attributes (bold, reverse) are still drawn"
     assert not _COLOUR.search(screen), screen

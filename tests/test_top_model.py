@@ -30,21 +30,54 @@ CLOCK_TICKS = 100
 BOOTTIME = 100_000.0
 
 
-def proc(pid: int, comm: str = "python", mem: int | None = GiB, util: float | None = 10.0, user: str = "alice",
-         uid: int = 1000, device: int = 0, age: float = 60.0, **more) -> Process:
-    return Process(pid=pid, start_time=int((BOOTTIME - age) * CLOCK_TICKS), uid=uid, user=user, comm=comm,
-                   cmdline=more.pop("cmdline", f"{comm} --run"), device=device, device_id=f"GPU-{device}",
-                   gpu_memory=mem, gpu_utilization=util, **more)
+def proc(
+    pid: int,
+    comm: str = "python",
+    mem: int | None = GiB,
+    util: float | None = 10.0,
+    user: str = "alice",
+    uid: int = 1000,
+    device: int = 0,
+    age: float = 60.0,
+    **more,
+) -> Process:
+    return Process(
+        pid=pid,
+        start_time=int((BOOTTIME - age) * CLOCK_TICKS),
+        uid=uid,
+        user=user,
+        comm=comm,
+        cmdline=more.pop("cmdline", f"{comm} --run"),
+        device=device,
+        device_id=f"GPU-{device}",
+        gpu_memory=mem,
+        gpu_utilization=util,
+        **more,
+    )
 
 
 def device(index: int) -> Device:
-    return Device(index=index, id=f"GPU-{index}", backend="simulated", vendor="nvidia", name=f"H100 #{index}",
-                  utilization=50.0, memory_used=40 * GiB, memory_total=80 * GiB)
+    return Device(
+        index=index,
+        id=f"GPU-{index}",
+        backend="simulated",
+        vendor="nvidia",
+        name=f"H100 #{index}",
+        utilization=50.0,
+        memory_used=40 * GiB,
+        memory_total=80 * GiB,
+    )
 
 
 def sample(*procs: Process, guard: GuardStatus | None = None, devices: int = 2) -> Sample:
-    return Sample(devices=tuple(device(i) for i in range(devices)), processes=procs, guard=guard, interval=1.0,
-                  boottime=BOOTTIME, clock_ticks=CLOCK_TICKS)
+    return Sample(
+        devices=tuple(device(i) for i in range(devices)),
+        processes=procs,
+        guard=guard,
+        interval=1.0,
+        boottime=BOOTTIME,
+        clock_ticks=CLOCK_TICKS,
+    )
 
 
 def state_of(*procs: Process, guard: GuardStatus | None = None) -> TopState:
@@ -58,16 +91,21 @@ def pids(state: TopState) -> list[int]:
 
 
 def guard(graces=(), windows=()) -> GuardStatus:
-    return GuardStatus(enabled=True, dry_run=False, policy_dry_run=False, source="files", graces=tuple(graces),
-                       windows=tuple(windows))
+    return GuardStatus(
+        enabled=True, dry_run=False, policy_dry_run=False, source="files", graces=tuple(graces), windows=tuple(windows)
+    )
 
 
 # -- sorting, filtering, selecting -------------------------------------------------------------------------
 
 
 def test_sorted_by_gpu_memory_then_by_each_key_and_reversed_by_pressing_it_again():
-    procs = [proc(1, mem=2 * GiB, util=90, user="carol", age=10), proc(2, mem=8 * GiB, util=5, user="alice", age=500),
-             proc(3, mem=None, util=50, user="bob", age=50), proc(4, mem=4 * GiB, util=None, user="dave", age=5000)]
+    procs = [
+        proc(1, mem=2 * GiB, util=90, user="carol", age=10),
+        proc(2, mem=8 * GiB, util=5, user="alice", age=500),
+        proc(3, mem=None, util=50, user="bob", age=50),
+        proc(4, mem=4 * GiB, util=None, user="dave", age=5000),
+    ]
     state = state_of(*procs)
     assert pids(state) == [2, 4, 1, 3]  # unknown memory last, never as if 0 were known
     expected = {"u": [1, 3, 2, 4], "n": [2, 3, 1, 4], "t": [4, 2, 3, 1], "m": [2, 4, 1, 3]}
@@ -90,8 +128,12 @@ def test_equal_rows_keep_their_order_across_refreshes():
 
 
 def test_filter_typed_after_slash_matches_names_users_command_lines_and_units():
-    procs = [proc(1, comm="train", cmdline="python train.py --lr 3e-4"), proc(2, comm="xmrig", user="mallory"),
-             proc(3, comm="python", unit="slurm-job.scope", slurm_job="4242"), proc(4, comm="Inference")]
+    procs = [
+        proc(1, comm="train", cmdline="python train.py --lr 3e-4"),
+        proc(2, comm="xmrig", user="mallory"),
+        proc(3, comm="python", unit="slurm-job.scope", slurm_job="4242"),
+        proc(4, comm="Inference"),
+    ]
     state = state_of(*procs)
     for text, expected in (("TRAIN.PY", [1]), ("mallory", [2]), ("4242", [3]), ("infer", [4]), ("nothing", [])):
         state.key("/")
@@ -170,8 +212,10 @@ def test_the_daemons_answer_is_the_message_line_escaped():
     request = state.key("y")
     state.killed(request, None, "not authorized to kill PID 7 (ev\x1b[2Jil): authentication required")
     assert state.message_is_error and state.pending is None
-    assert state.message == "PID 7 (ev\\x1b[2Jil) not stopped: not authorized to kill PID 7 (ev\\x1b[2Jil): " \
-                            "authentication required"
+    assert (
+        state.message == "PID 7 (ev\\x1b[2Jil) not stopped: not authorized to kill PID 7 (ev\\x1b[2Jil): "
+        "authentication required"
+    )
     state.killed(request, Outcome.TERMINATED)
     assert state.message == "PID 7 (ev\\x1b[2Jil) terminated" and not state.message_is_error
     state.killed(request, Outcome.STILL_ALIVE)
@@ -189,12 +233,22 @@ def test_k_with_nothing_selected_and_q():
 
 def test_guard_windows_and_graces_land_on_the_processes_they_concern():
     status = guard(
-        graces=[Grace(rule="miners", subject="PID 5 (xmrig, user bob)", uid=1001, remaining=12.4),
-                Grace(rule="hot", subject="GPU 1 (GPU-1)", remaining=100.0)],
-        windows=[Window(rule="hog", subject="user alice", uid=1000, condition="user_memory > 8GiB", elapsed=30,
-                        duration=60),
-                 Window(rule="busy", subject="PID 5 (xmrig, user bob)", uid=1001, condition="gpu_utilization > 95",
-                        elapsed=200, duration=300)])
+        graces=[
+            Grace(rule="miners", subject="PID 5 (xmrig, user bob)", uid=1001, remaining=12.4),
+            Grace(rule="hot", subject="GPU 1 (GPU-1)", remaining=100.0),
+        ],
+        windows=[
+            Window(rule="hog", subject="user alice", uid=1000, condition="user_memory > 8GiB", elapsed=30, duration=60),
+            Window(
+                rule="busy",
+                subject="PID 5 (xmrig, user bob)",
+                uid=1001,
+                condition="gpu_utilization > 95",
+                elapsed=200,
+                duration=300,
+            ),
+        ],
+    )
     marks = GuardMarks.of(status)
     bob = proc(5, comm="xmrig", user="bob", uid=1001, device=0)
     alice_on_1 = proc(6, user="alice", uid=1000, device=1)
@@ -232,8 +286,10 @@ HOSTILE = ["ev\x1b[2Jil", "\x1b]0;title\x07", "a\u202egnp.exe", "x\r\ny", "\x9b3
 
 
 def test_every_line_is_exactly_the_width_and_nothing_a_process_chose_reaches_the_terminal_raw():
-    procs = [proc(i, comm=name, user=f"u{name}", cmdline=f"run {name}", unit=f"{name}.scope")
-             for i, name in enumerate(HOSTILE, 1)] + [proc(20, comm="学習ジョブ", cmdline="訓練 " * 80)]
+    procs = [
+        proc(i, comm=name, user=f"u{name}", cmdline=f"run {name}", unit=f"{name}.scope")
+        for i, name in enumerate(HOSTILE, 1)
+    ] + [proc(20, comm="学習ジョブ", cmdline="訓練 " * 80)]
     state = state_of(*procs)
     for width, height in ((160, 50), (80, 24), (41, 12)):
         for pid in [p.pid for p in state.rows()]:
@@ -260,10 +316,21 @@ def test_fit_cuts_and_pads_by_terminal_cells():
 
 def test_a_key_redraws_2048_records_in_a_few_milliseconds():
     """8 GPUs x 256 processes: a sort is one pass over the records, a frame lays out only the rows shown."""
-    procs = [proc(pid, comm=f"job{pid}", mem=(pid * 7919 % 80) * GiB, util=pid % 100, user=f"user{pid % 40}",
-                  device=pid % 8, age=pid) for pid in range(1000, 1000 + 2048)]
+    procs = [
+        proc(
+            pid,
+            comm=f"job{pid}",
+            mem=(pid * 7919 % 80) * GiB,
+            util=pid % 100,
+            user=f"user{pid % 40}",
+            device=pid % 8,
+            age=pid,
+        )
+        for pid in range(1000, 1000 + 2048)
+    ]
     state = TopState()
     state.update(sample(*procs, devices=8))
+
     def frames(keys: list[str]) -> list[float]:
         took = []
         for key in keys:
@@ -288,8 +355,13 @@ def test_top_fetches_on_a_signalled_change_and_otherwise_only_redraws():
     assert must_fetch(quiet, 130.0, **heard), "the safety net"
     assert must_fetch(quiet, 101.0, **{**heard, "listening_since": None}), "no signals: poll"
     assert must_fetch(quiet, 101.0, **{**heard, "listening_since": 100.5}), "not subscribed for sure yet"
-    grace = GuardStatus(enabled=True, dry_run=False, policy_dry_run=False, source="files",
-                        graces=(Grace(rule="r", subject="PID 1 (python, user alice)", uid=1000, remaining=3.0),))
+    grace = GuardStatus(
+        enabled=True,
+        dry_run=False,
+        policy_dry_run=False,
+        source="files",
+        graces=(Grace(rule="r", subject="PID 1 (python, user alice)", uid=1000, remaining=3.0),),
+    )
     timed = Sample(devices=(), processes=(), guard=grace, interval=1.0, boottime=BOOTTIME)
     assert must_fetch(timed, 101.0, **heard), "a grace's seconds move with no signal"
     later = quiet.at(BOOTTIME + 5)
@@ -302,18 +374,53 @@ def _styles_of(line) -> dict[str, str]:
 
 
 def test_load_is_coloured_as_nvitop_does_and_unknown_is_a_dash_not_zero():
-    devices = (Device(index=0, id="GPU-0", backend="simulated", vendor="nvidia", name="hot", utilization=95.0,
-                      memory_used=76 * GiB, memory_total=80 * GiB, temperature=88.0, power=350.0),
-               Device(index=1, id="GPU-1", backend="simulated", vendor="nvidia", name="idle", utilization=3.0,
-                      memory_used=4 * GiB, memory_total=80 * GiB, temperature=40.0),
-               Device(index=2, id="GPU-2", backend="simulated", vendor="nvidia", name="half", utilization=50.0,
-                      memory_used=40 * GiB, memory_total=80 * GiB, temperature=78.0),
-               Device(index=3, id="GPU-3", backend="simulated", vendor="amd", name="blind"))
-    procs = (proc(1, util=90.0, mem=8 * GiB), proc(2, util=1.0, mem=4 * GiB), proc(3, util=None, mem=2 * GiB),
-             proc(4, util=30.0, mem=None))
+    devices = (
+        Device(
+            index=0,
+            id="GPU-0",
+            backend="simulated",
+            vendor="nvidia",
+            name="hot",
+            utilization=95.0,
+            memory_used=76 * GiB,
+            memory_total=80 * GiB,
+            temperature=88.0,
+            power=350.0,
+        ),
+        Device(
+            index=1,
+            id="GPU-1",
+            backend="simulated",
+            vendor="nvidia",
+            name="idle",
+            utilization=3.0,
+            memory_used=4 * GiB,
+            memory_total=80 * GiB,
+            temperature=40.0,
+        ),
+        Device(
+            index=2,
+            id="GPU-2",
+            backend="simulated",
+            vendor="nvidia",
+            name="half",
+            utilization=50.0,
+            memory_used=40 * GiB,
+            memory_total=80 * GiB,
+            temperature=78.0,
+        ),
+        Device(index=3, id="GPU-3", backend="simulated", vendor="amd", name="blind"),
+    )
+    procs = (
+        proc(1, util=90.0, mem=8 * GiB),
+        proc(2, util=1.0, mem=4 * GiB),
+        proc(3, util=None, mem=2 * GiB),
+        proc(4, util=30.0, mem=None),
+    )
     state = TopState()
-    state.update(Sample(devices=devices, processes=procs, guard=None, interval=1.0, boottime=BOOTTIME,
-                        clock_ticks=CLOCK_TICKS))
+    state.update(
+        Sample(devices=devices, processes=procs, guard=None, interval=1.0, boottime=BOOTTIME, clock_ticks=CLOCK_TICKS)
+    )
     lines = render(state, 160, 30)
     hot, idle, half, blind = (_styles_of(lines[i]) for i in range(1, 5))
     assert hot["95%"] == "heavy" and hot["88C"] == "heavy" and idle["3%"] == "light" and idle["40C"] == "normal"
@@ -324,7 +431,7 @@ def test_load_is_coloured_as_nvitop_does_and_unknown_is_a_dash_not_zero():
     assert "n/a" in blind_text and " 0%" not in blind_text and "– / –" in blind_text and "–  –" in blind_text
     assert set(blind.values()) == {"normal"}
     header = next(i for i, line in enumerate(lines) if text_of([line]).startswith("PID "))
-    rows = {int(text_of([line]).split()[0]): line for line in lines[header + 1:header + 5]}
+    rows = {int(text_of([line]).split()[0]): line for line in lines[header + 1 : header + 5]}
     # the first row is the selection (reversed, no colour); the others' UTIL cells are coloured by load
     assert _styles_of(rows[2])["1%"] == "light" and _styles_of(rows[3])["–"] == "normal"
     assert _styles_of(rows[4])["30%"] == "moderate"

@@ -28,16 +28,19 @@ from gpukilld.model import GpuProcess
 from gpukilld.proc.procfs import CUT_MARKER, MAX_CMDLINE, read_cmdline
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("python", "python"),
-    ("ev\x1b[2Jil", "ev\\x1b[2Jil"),
-    ("a\nb\r<0>", "a\\x0ab\\x0d<0>"),
-    ("\u202eevil", "\\u202eevil"),  # right-to-left override: reorders what the admin reads
-    ("x\u2028y\x85z", "x\\u2028y\\x85z"),  # line separator, NEL
-    ("zero\u200bwidth", "zero\\u200bwidth"),
-    ("°C µs ü 漢字 🙂", "°C µs ü 漢字 🙂"),  # printable text stays as it is
-    ("back\\slash", "back\\slash"),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("python", "python"),
+        ("ev\x1b[2Jil", "ev\\x1b[2Jil"),
+        ("a\nb\r<0>", "a\\x0ab\\x0d<0>"),
+        ("\u202eevil", "\\u202eevil"),  # right-to-left override: reorders what the admin reads
+        ("x\u2028y\x85z", "x\\u2028y\\x85z"),  # line separator, NEL
+        ("zero\u200bwidth", "zero\\u200bwidth"),
+        ("°C µs ü 漢字 🙂", "°C µs ü 漢字 🙂"),  # printable text stays as it is
+        ("back\\slash", "back\\slash"),
+    ],
+)
 def test_shown_escapes_what_a_terminal_would_act_on(text, expected):
     assert shown(text) == expected
     assert shown(shown(text)) == shown(text)  # idempotent: the daemon and a client may both escape
@@ -64,23 +67,40 @@ MOUNTINFO = """22 27 0:21 / /proc rw,relatime - proc proc rw{opts}
 """
 
 
-@pytest.mark.parametrize(("opts", "rules"), [
-    ("", ProcRules()),
-    (",hidepid=2,gid=27", ProcRules(HIDEPID_INVISIBLE, 27)),
-    (",hidepid=invisible", ProcRules(HIDEPID_INVISIBLE)),
-    (",hidepid=noaccess", ProcRules(HIDEPID_NOACCESS)),
-    (",hidepid=1", ProcRules(HIDEPID_NOACCESS)),
-    (",hidepid=ptraceable", ProcRules(HIDEPID_INVISIBLE)),
-    (",hidepid=somethingnew", ProcRules(HIDEPID_INVISIBLE)),  # unknown: read as the strictest
-])
+@pytest.mark.parametrize(
+    ("opts", "rules"),
+    [
+        ("", ProcRules()),
+        (",hidepid=2,gid=27", ProcRules(HIDEPID_INVISIBLE, 27)),
+        (",hidepid=invisible", ProcRules(HIDEPID_INVISIBLE)),
+        (",hidepid=noaccess", ProcRules(HIDEPID_NOACCESS)),
+        (",hidepid=1", ProcRules(HIDEPID_NOACCESS)),
+        (",hidepid=ptraceable", ProcRules(HIDEPID_INVISIBLE)),
+        (",hidepid=somethingnew", ProcRules(HIDEPID_INVISIBLE)),  # unknown: read as the strictest
+    ],
+)
 def test_proc_rules_from_mountinfo(opts, rules):
     assert parse_mountinfo(MOUNTINFO.format(opts=opts), "/proc") == rules
 
 
 def test_what_each_viewer_sees():
-    p = GpuProcess(pid=7, start_time=1, uid=1001, user="bob", comm="train", cmdline="python train.py --token=s3cret",
-                   exe="/usr/bin/python3.11", device=0, device_id="G", gpu_memory=1 << 30, gpu_utilization=50.0,
-                   unit="job.service", container_id="c" * 64, system_unit="job.service", container_pid=3)
+    p = GpuProcess(
+        pid=7,
+        start_time=1,
+        uid=1001,
+        user="bob",
+        comm="train",
+        cmdline="python train.py --token=s3cret",
+        exe="/usr/bin/python3.11",
+        device=0,
+        device_id="G",
+        gpu_memory=1 << 30,
+        gpu_utilization=50.0,
+        unit="job.service",
+        container_id="c" * 64,
+        system_unit="job.service",
+        container_pid=3,
+    )
     off, noaccess, invisible = ProcRules(), ProcRules(HIDEPID_NOACCESS), ProcRules(HIDEPID_INVISIBLE, gid=50)
     assert viewer_for(0, (), False, invisible).others == FULL  # root
     assert viewer_for(1002, (), True, invisible).others == FULL  # view-all-processes

@@ -33,10 +33,29 @@ def device(index: int, power: float | None = 100.0) -> Device:
     return Device(index=index, id=f"GPU-{index}", backend="simulated", vendor="nvidia", name="H100", power=power)
 
 
-def gp(pid: int, device_index: int = 0, util: float | None = 50.0, mem: int | None = 2 * GiB, start: int = 7,
-       uid: int = 1000, user: str = "alice", comm: str = "python3") -> GpuProcess:
-    return GpuProcess(pid=pid, start_time=start, uid=uid, user=user, comm=comm, cmdline=comm, exe=None,
-                      device=device_index, device_id=f"GPU-{device_index}", gpu_memory=mem, gpu_utilization=util)
+def gp(
+    pid: int,
+    device_index: int = 0,
+    util: float | None = 50.0,
+    mem: int | None = 2 * GiB,
+    start: int = 7,
+    uid: int = 1000,
+    user: str = "alice",
+    comm: str = "python3",
+) -> GpuProcess:
+    return GpuProcess(
+        pid=pid,
+        start_time=start,
+        uid=uid,
+        user=user,
+        comm=comm,
+        cmdline=comm,
+        exe=None,
+        device=device_index,
+        device_id=f"GPU-{device_index}",
+        gpu_memory=mem,
+        gpu_utilization=util,
+    )
 
 
 class Feed:
@@ -53,8 +72,9 @@ class Feed:
         if content != self.last:
             self.generation += 1
             self.last = content
-        return Snapshot(generation=self.generation, taken_at=WALL + t, devices=devs, processes=procs, backends=(),
-                        monotonic=t)
+        return Snapshot(
+            generation=self.generation, taken_at=WALL + t, devices=devs, processes=procs, backends=(), monotonic=t
+        )
 
 
 def dead(pid: int, start: int) -> bool:
@@ -81,8 +101,15 @@ def test_totals_of_a_process_at_known_utilization_memory_and_power_are_exact():
     closed = acc.observe(feed.at(11), dead)  # gone at 11 s
     assert len(closed) == 1
     r = closed[0]
-    assert (r.pid, r.start_time, r.device, r.device_id, r.uid, r.user, r.comm) == (10, 7, 0, "GPU-0", 1000,
-                                                                                   "alice", "python3")
+    assert (r.pid, r.start_time, r.device, r.device_id, r.uid, r.user, r.comm) == (
+        10,
+        7,
+        0,
+        "GPU-0",
+        1000,
+        "alice",
+        "python3",
+    )
     assert (r.first_seen, r.last_seen) == (WALL, WALL + 10)  # the last sample that saw it, not the one after
     assert r.gpu_seconds == 10
     assert (r.sm_seconds, r.sm_known_seconds) == (5, 10)  # 50 % for 10 s
@@ -101,8 +128,13 @@ def test_an_unchanged_generation_costs_nothing_per_process_and_totals_still_grow
     first = feed.at(0, gp(10))
     acc.observe(first, dead)
     for t in range(1, 21):  # as the sampler hands over an unchanged content: the same generation
-        same = replace(first, taken_at=WALL + t, monotonic=float(t), processes=Untouchable(first.processes),
-                       devices=Untouchable(first.devices))
+        same = replace(
+            first,
+            taken_at=WALL + t,
+            monotonic=float(t),
+            processes=Untouchable(first.processes),
+            devices=Untouchable(first.devices),
+        )
         assert acc.observe(same, dead) == []
     (live,) = acc.live()
     assert (live.gpu_seconds, live.sm_seconds, live.memory_byte_seconds) == (20, 10, 40 * GiB)
@@ -142,8 +174,9 @@ def test_energy_is_shared_by_utilization_else_memory_else_equally():
     assert power_shares(snap) == {(1, 7, "GPU-0"): pytest.approx(100.0), (2, 7, "GPU-0"): pytest.approx(200.0)}
     by_memory = Feed(devs).at(0, replace(a, gpu_utilization=None), b)  # not every one has a utilization
     assert power_shares(by_memory) == {(1, 7, "GPU-0"): 75.0, (2, 7, "GPU-0"): 225.0}
-    idle = Feed(devs).at(0, replace(a, gpu_utilization=0.0, gpu_memory=None), replace(b, gpu_utilization=0.0,
-                                                                                       gpu_memory=0))
+    idle = Feed(devs).at(
+        0, replace(a, gpu_utilization=0.0, gpu_memory=None), replace(b, gpu_utilization=0.0, gpu_memory=0)
+    )
     assert power_shares(idle) == {(1, 7, "GPU-0"): 150.0, (2, 7, "GPU-0"): 150.0}
     no_power = Feed((device(0, None),)).at(0, a, b)
     assert set(power_shares(no_power).values()) == {None}
@@ -181,8 +214,9 @@ def test_a_process_seen_once_has_no_time_on_the_gpu():
 # -- across a restart --------------------------------------------------------------------------------------
 
 
-def restarted(acc: Accountant, alive=living, boot: str = BOOT, now_wall: float = WALL + 1e6) -> tuple[
-        Accountant, list[UsageRecord]]:
+def restarted(
+    acc: Accountant, alive=living, boot: str = BOOT, now_wall: float = WALL + 1e6
+) -> tuple[Accountant, list[UsageRecord]]:
     """A new accountant given the old one's state through JSON, as the file carries it (same boot: the
     monotonic clock reads on; CLOCK_BOOTTIME is it plus 500 s of suspend, for both)."""
     saved = json.loads(json.dumps(acc.dump()))
@@ -262,7 +296,9 @@ def test_state_of_another_boot_or_of_processes_gone_is_closed_as_daemon_down():
     new, closed = restarted(acc, boot="another-boot")
     assert len(new) == 0 and "another boot" in new.load_note
     assert sorted((r.pid, r.ended, r.gpu_seconds, r.last_seen) for r in closed) == [
-        (10, "daemon-down", 7, WALL + 7), (11, "daemon-down", 7, WALL + 7)]
+        (10, "daemon-down", 7, WALL + 7),
+        (11, "daemon-down", 7, WALL + 7),
+    ]
     assert next(r for r in closed if r.pid == 11).sm_seconds is None
     new, closed = restarted(acc, alive=lambda pid, start: pid == 11)
     assert [r.pid for r in closed] == [10] and [r.pid for r in new.live()] == [11]
@@ -274,10 +310,18 @@ def test_a_malformed_state_drops_its_bad_entries_with_one_line_and_keeps_the_res
     run(acc, feed, range(3), gp(10))
     data = json.loads(json.dumps(acc.dump()))
     good = data["records"][0]
-    bad = [dict(good, pid=-1), dict(good, gpu_seconds=float("nan")), dict(good, user="x" * 5000),
-           dict(good, memory_rate="lots"), dict(good, device_id=""), dict(good, last_seen=good["first_seen"] - 1),
-           {k: v for k, v in good.items() if k != "at"}, "not an entry", dict(good, sm_rate=7.0),
-           dict(good, pid=11, at=good["at"] + 1e6)]  # an instant in the future
+    bad = [
+        dict(good, pid=-1),
+        dict(good, gpu_seconds=float("nan")),
+        dict(good, user="x" * 5000),
+        dict(good, memory_rate="lots"),
+        dict(good, device_id=""),
+        dict(good, last_seen=good["first_seen"] - 1),
+        {k: v for k, v in good.items() if k != "at"},
+        "not an entry",
+        dict(good, sm_rate=7.0),
+        dict(good, pid=11, at=good["at"] + 1e6),
+    ]  # an instant in the future
     data["records"] = [*bad, good]
     new = Accountant(BOOT, offset=lambda: 500.0)
     assert new.load(json.loads(json.dumps(data)), BOOT, living, WALL + 1e6) == []
@@ -330,27 +374,50 @@ def test_the_state_file_is_written_atomically_0600_and_a_broken_one_is_kept_asid
 # -- the journal entry ------------------------------------------------------------------------------------
 
 
-RECORD = UsageRecord(pid=4242, start_time=123456, uid=1000, user="alice", comm="python3", unit="job.service",
-                     slurm_job="77", device=0, device_id="GPU-0", first_seen=WALL, last_seen=WALL + 3720,
-                     gpu_seconds=3720.0, sm_seconds=2280.0, sm_known_seconds=3720.0,
-                     memory_byte_seconds=6.1 * GiB * 3600, peak_memory=4 * GiB, energy_joules=212_000.0,
-                     energy_known_seconds=3720.0, ended="exited", job_from_environ=True)
+RECORD = UsageRecord(
+    pid=4242,
+    start_time=123456,
+    uid=1000,
+    user="alice",
+    comm="python3",
+    unit="job.service",
+    slurm_job="77",
+    device=0,
+    device_id="GPU-0",
+    first_seen=WALL,
+    last_seen=WALL + 3720,
+    gpu_seconds=3720.0,
+    sm_seconds=2280.0,
+    sm_known_seconds=3720.0,
+    memory_byte_seconds=6.1 * GiB * 3600,
+    peak_memory=4 * GiB,
+    energy_joules=212_000.0,
+    energy_known_seconds=3720.0,
+    ended="exited",
+    job_from_environ=True,
+)
 
 
 def as_journal(rec: UsageRecord) -> dict[str, str]:
     """The entry as `journalctl -o json` gives it back: GPUKILL_-prefixed strings."""
     return {journal.field_name(k): str(v) for k, v in fields_of(rec).items() if v is not None} | {
-        "MESSAGE_ID": journal.USAGE.message_id, "_UID": "0"}
+        "MESSAGE_ID": journal.USAGE.message_id,
+        "_UID": "0",
+    }
 
 
 def test_the_message_reads_like_systemds_consumed_line():
-    assert message_of(RECORD) == ("PID 4242 (python3, user alice) on GPU 0: consumed 1h 2min GPU time (38min at "
-                                  "full SM), 6.1 GiB·h memory, peak 4.0 GiB, 212 kJ.")
+    assert message_of(RECORD) == (
+        "PID 4242 (python3, user alice) on GPU 0: consumed 1h 2min GPU time (38min at "
+        "full SM), 6.1 GiB·h memory, peak 4.0 GiB, 212 kJ."
+    )
     unknown = replace(RECORD, comm="a\x1b[31mb", sm_seconds=None, sm_known_seconds=0, energy_joules=None)
-    assert message_of(unknown) == ("PID 4242 (a\\x1b[31mb, user alice) on GPU 0: consumed 1h 2min GPU time, "
-                                   "6.1 GiB·h memory, peak 4.0 GiB.")
+    assert message_of(unknown) == (
+        "PID 4242 (a\\x1b[31mb, user alice) on GPU 0: consumed 1h 2min GPU time, 6.1 GiB·h memory, peak 4.0 GiB."
+    )
     assert message_of(replace(RECORD, pid=0, start_time=0, comm="", processes=40)).startswith(
-        "40 processes of user alice on GPU 0: consumed")
+        "40 processes of user alice on GPU 0: consumed"
+    )
 
 
 def test_fields_read_back_as_the_same_record():
@@ -363,20 +430,43 @@ def test_fields_read_back_as_the_same_record():
     assert record_from_journal(entry) == bare
 
 
-@pytest.mark.parametrize("change", [
-    {"GPUKILL_GPU_SECONDS": "-1"}, {"GPUKILL_GPU_SECONDS": "nan"}, {"GPUKILL_MEMORY_BYTE_SECONDS": "inf"},
-    {"GPUKILL_TARGET_PID": "12x"}, {"GPUKILL_TARGET_PID": str(1 << 32)}, {"GPUKILL_TARGET_USER": "u" * 4097},
-    {"GPUKILL_ENDED": "vanished"}, {"GPUKILL_ENDED": ""}, {"GPUKILL_TARGET_UID": ["1", "2"]},
-    {"GPUKILL_DEVICE": [104, 105]}, {"GPUKILL_LAST_SEEN": str(WALL - 1)}, {"GPUKILL_PROCESSES": "0"},
-    {"GPUKILL_JOB_FROM_ENVIRON": "yes"}, {"_UID": "1000"}, {"MESSAGE_ID": "0" * 32},
-    {"GPUKILL_ENERGY_JOULES": "1e999"}, {"GPUKILL_TARGET_PID": "²"},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"GPUKILL_GPU_SECONDS": "-1"},
+        {"GPUKILL_GPU_SECONDS": "nan"},
+        {"GPUKILL_MEMORY_BYTE_SECONDS": "inf"},
+        {"GPUKILL_TARGET_PID": "12x"},
+        {"GPUKILL_TARGET_PID": str(1 << 32)},
+        {"GPUKILL_TARGET_USER": "u" * 4097},
+        {"GPUKILL_ENDED": "vanished"},
+        {"GPUKILL_ENDED": ""},
+        {"GPUKILL_TARGET_UID": ["1", "2"]},
+        {"GPUKILL_DEVICE": [104, 105]},
+        {"GPUKILL_LAST_SEEN": str(WALL - 1)},
+        {"GPUKILL_PROCESSES": "0"},
+        {"GPUKILL_JOB_FROM_ENVIRON": "yes"},
+        {"_UID": "1000"},
+        {"MESSAGE_ID": "0" * 32},
+        {"GPUKILL_ENERGY_JOULES": "1e999"},
+        {"GPUKILL_TARGET_PID": "²"},
+    ],
+)
 def test_a_malformed_entry_is_not_read(change):
     assert record_from_journal(as_journal(RECORD) | change) is None
 
 
-@pytest.mark.parametrize("missing", ["GPUKILL_TARGET_PID", "GPUKILL_DEVICE", "GPUKILL_FIRST_SEEN", "GPUKILL_ENDED",
-                                     "GPUKILL_GPU_SECONDS", "GPUKILL_PEAK_MEMORY"])
+@pytest.mark.parametrize(
+    "missing",
+    [
+        "GPUKILL_TARGET_PID",
+        "GPUKILL_DEVICE",
+        "GPUKILL_FIRST_SEEN",
+        "GPUKILL_ENDED",
+        "GPUKILL_GPU_SECONDS",
+        "GPUKILL_PEAK_MEMORY",
+    ],
+)
 def test_an_entry_missing_a_field_is_not_read(missing):
     entry = as_journal(RECORD)
     del entry[missing]
@@ -430,8 +520,15 @@ class Clock:
 
 
 def keeper(tmp_path, store=None, alive=dead, clock=None, entries=lambda: iter(())) -> UsageKeeper:
-    k = UsageKeeper(FakeAudit(), store or FakeStore(), str(tmp_path), alive=alive, boot=BOOT, entries=entries,
-                    clock=clock or Clock())
+    k = UsageKeeper(
+        FakeAudit(),
+        store or FakeStore(),
+        str(tmp_path),
+        alive=alive,
+        boot=BOOT,
+        entries=entries,
+        clock=clock or Clock(),
+    )
     k.start()
     return k
 
@@ -537,9 +634,11 @@ def test_a_flood_of_short_processes_is_folded_past_the_journals_share(tmp_path):
     assert len(k.audit.entries) == keeper_mod.BURST  # the burst, one entry each
     assert len(k.store.added) == n  # the store has every one
     k.on_snapshot(feed.at(4 + keeper_mod.FOLD_WINDOW + 1))  # the minute is over: one record per user and GPU
-    folded = k.audit.entries[keeper_mod.BURST:]
-    assert sorted((f["TARGET_PID"], f["TARGET_UID"], f["PROCESSES"]) for _, f in folded) == [(0, 1000, 250),
-                                                                                            (0, 1001, 250)]
+    folded = k.audit.entries[keeper_mod.BURST :]
+    assert sorted((f["TARGET_PID"], f["TARGET_UID"], f["PROCESSES"]) for _, f in folded) == [
+        (0, 1000, 250),
+        (0, 1001, 250),
+    ]
     assert all(f["GPU_SECONDS"] == "500.000" and f["TARGET_COMM"] == "" for _, f in folded)
     assert folded[0][0].startswith("250 processes of user u")
     # the share refills at RATE a minute: 10 a second
@@ -556,7 +655,12 @@ def test_fold_sums_and_keeps_only_shared_labels():
     f = fold([a, b])
     assert (f.pid, f.start_time, f.comm, f.processes, f.unit, f.slurm_job) == (0, 0, "", 2, None, "77")
     assert (f.first_seen, f.last_seen, f.gpu_seconds, f.sm_seconds, f.peak_memory) == (
-        WALL - 5, WALL + 9000, 7440, 2280, 8 * GiB)
+        WALL - 5,
+        WALL + 9000,
+        7440,
+        2280,
+        8 * GiB,
+    )
 
 
 # -- [usage] in gpukilld.conf ---------------------------------------------------------------------------------
@@ -572,13 +676,16 @@ def test_usage_section_defaults_and_values(tmp_path):
     assert (c.usage_enabled, c.usage_keep_days) == (False, 30)
 
 
-@pytest.mark.parametrize("text, says", [
-    ("[usage]\nenabled = maybe\n", ":2: enabled must be yes or no"),
-    ("[usage]\n\nkeep_days = 0\n", ":3: keep_days must be a whole number of days between 1 and 36500"),
-    ("[usage]\nkeep_days = 1.5\n", ":2: keep_days must be"),
-    ("[usage]\nkeep_days = " + "9" * 5000 + "\n", ":2: keep_days must be"),
-    ("[usage]\nkeep = 3\n", ":2: unknown key 'keep' in [usage]"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("[usage]\nenabled = maybe\n", ":2: enabled must be yes or no"),
+        ("[usage]\n\nkeep_days = 0\n", ":3: keep_days must be a whole number of days between 1 and 36500"),
+        ("[usage]\nkeep_days = 1.5\n", ":2: keep_days must be"),
+        ("[usage]\nkeep_days = " + "9" * 5000 + "\n", ":2: keep_days must be"),
+        ("[usage]\nkeep = 3\n", ":2: unknown key 'keep' in [usage]"),
+    ],
+)
 def test_usage_section_errors_say_what_and_where(tmp_path, text, says):
     conf = tmp_path / "gpukilld.conf"
     conf.write_text(text)
@@ -600,8 +707,17 @@ def test_a_record_reads_back_from_its_journal_entry_with_the_same_store_key():
     acc = Accountant(BOOT)
     closed = []
     for i, wall in enumerate([WALL + 0.1234567, WALL + 1.9876543, WALL + 3.5]):
-        closed += acc.observe(Snapshot(generation=i + 1, taken_at=wall, devices=(device(0),),
-                                       processes=(gp(10),) if i < 2 else (), backends=(), monotonic=float(i)), dead)
+        closed += acc.observe(
+            Snapshot(
+                generation=i + 1,
+                taken_at=wall,
+                devices=(device(0),),
+                processes=(gp(10),) if i < 2 else (),
+                backends=(),
+                monotonic=float(i),
+            ),
+            dead,
+        )
     (rec,) = closed
     back = record_from_journal(as_journal(rec))
     assert (back.first_seen, back.last_seen) == (rec.first_seen, rec.last_seen) == (WALL + 0.123, WALL + 1.988)

@@ -88,14 +88,17 @@ def test_each_user_sees_their_own_usage_and_others_as_listed(victims, users):
 
 
 @needs_root
-@pytest.mark.parametrize(("query", "says"), [
-    ({"since2": 1.0}, "unknown usage query key 'since2'"),
-    ({"by": "week"}, "'by' must be one of"),
-    ({"since": 2e9, "until": 1e9}, "must be before"),
-    ({"limit": 0}, "'limit' must be from 1 to 1000"),
-    ({"since": ("s", "30d")}, "'since' has type 's'"),
-    ({"name": "x" * 5000}, "at most 4096"),
-])
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ({"since2": 1.0}, "unknown usage query key 'since2'"),
+        ({"by": "week"}, "'by' must be one of"),
+        ({"since": 2e9, "until": 1e9}, "must be before"),
+        ({"limit": 0}, "'limit' must be from 1 to 1000"),
+        ({"since": ("s", "30d")}, "'since' has type 's'"),
+        ({"name": "x" * 5000}, "at most 4096"),
+    ],
+)
 def test_bad_queries_are_one_line_errors_and_the_daemon_lives_on(bed, users, query, says):
     pid = bed.daemon.proc.pid
     r = usage(bed, users["other"], **query)
@@ -108,17 +111,24 @@ def test_bad_queries_are_one_line_errors_and_the_daemon_lives_on(bed, users, que
 def forge(bed, user, pid: int) -> None:
     """A usage entry written by an unprivileged user through logger --journald, with our MESSAGE_ID and
     fields: journald gives it the user's _UID."""
-    fields = (f"MESSAGE=forged\nMESSAGE_ID={journal.USAGE.message_id}\nGPUKILL_TARGET_PID={pid}\n"
-              "GPUKILL_TARGET_START_TIME=1\nGPUKILL_TARGET_UID=0\nGPUKILL_TARGET_USER=root\n"
-              "GPUKILL_TARGET_COMM=forged\nGPUKILL_DEVICE=GPU-x\nGPUKILL_DEVICE_INDEX=0\n"
-              f"GPUKILL_FIRST_SEEN={time.time() - 100:.3f}\nGPUKILL_LAST_SEEN={time.time() - 50:.3f}\n"
-              "GPUKILL_GPU_SECONDS=1000000\nGPUKILL_SM_KNOWN_SECONDS=0\nGPUKILL_MEMORY_BYTE_SECONDS=0\n"
-              "GPUKILL_PEAK_MEMORY=0\nGPUKILL_ENERGY_KNOWN_SECONDS=0\nGPUKILL_PROCESSES=1\nGPUKILL_ENDED=exited\n")
+    fields = (
+        f"MESSAGE=forged\nMESSAGE_ID={journal.USAGE.message_id}\nGPUKILL_TARGET_PID={pid}\n"
+        "GPUKILL_TARGET_START_TIME=1\nGPUKILL_TARGET_UID=0\nGPUKILL_TARGET_USER=root\n"
+        "GPUKILL_TARGET_COMM=forged\nGPUKILL_DEVICE=GPU-x\nGPUKILL_DEVICE_INDEX=0\n"
+        f"GPUKILL_FIRST_SEEN={time.time() - 100:.3f}\nGPUKILL_LAST_SEEN={time.time() - 50:.3f}\n"
+        "GPUKILL_GPU_SECONDS=1000000\nGPUKILL_SM_KNOWN_SECONDS=0\nGPUKILL_MEMORY_BYTE_SECONDS=0\n"
+        "GPUKILL_PEAK_MEMORY=0\nGPUKILL_ENERGY_KNOWN_SECONDS=0\nGPUKILL_PROCESSES=1\nGPUKILL_ENDED=exited\n"
+    )
     path = bed.workdir / "forged.txt"
     path.write_text(fields)
     os.chmod(path, 0o644)
-    subprocess.run(bed.in_journal_ns(["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups",
-                                      "logger", f"--journald={path}"]), check=True, timeout=30)
+    subprocess.run(
+        bed.in_journal_ns(
+            ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "logger", f"--journald={path}"]
+        ),
+        check=True,
+        timeout=30,
+    )
 
 
 @needs_root
@@ -172,17 +182,20 @@ def test_a_corrupt_store_does_not_stop_the_daemon(fresh_bed, users):
 
 # -- the method's own bounds, in-process ---------------------------------------------------------------------
 
+
 class BlockingStore:
     """A store whose queries wait until released, counting how many run at once (in worker threads)."""
 
     def __init__(self) -> None:
         import threading
+
         self.release = threading.Event()
         self.lock = threading.Lock()
         self.running = self.most = 0
 
     def query(self, q, viewer, live):
         from gpukill.records.usage import UsageReport
+
         with self.lock:
             self.running += 1
             self.most = max(self.most, self.running)
@@ -244,15 +257,29 @@ def _blocked_queries(tmp_path, per_client: list[int]):
             uids[c.unique_name] = 5000 + i
         bouncer = OrdinaryUsers(service, people=People("/nonexistent/subuid"))
         running: list[Keeper] = []  # the keeper the daemon runs: none, then one
-        manager = ManagerInterface(lambda: snap, None, bouncer, lambda: 1.0, bus=service,  # type: ignore[arg-type]
-                                   usage=lambda: running[0] if running else None)
+        manager = ManagerInterface(
+            lambda: snap,
+            None,
+            bouncer,
+            lambda: 1.0,
+            bus=service,  # type: ignore[arg-type]
+            usage=lambda: running[0] if running else None,
+        )
         service.add_message_handler(Door(service, bouncer, manager.early_answer))
         service.export(OBJECT_PATH, manager)
 
         def call(client, member="GetUsage"):
             signature, body = ("a{sv}", [{"by": Variant("s", "gpu")}]) if member == "GetUsage" else ("", [])
-            return client.call(Message(destination=service.unique_name, path=OBJECT_PATH,
-                                       interface=MANAGER_INTERFACE, member=member, signature=signature, body=body))
+            return client.call(
+                Message(
+                    destination=service.unique_name,
+                    path=OBJECT_PATH,
+                    interface=MANAGER_INTERFACE,
+                    member=member,
+                    signature=signature,
+                    body=body,
+                )
+            )
 
         async def until(cond, what: str) -> None:
             """Polled rather than slept for: on a loaded machine the calls may take seconds to arrive."""
@@ -275,8 +302,10 @@ def _blocked_queries(tmp_path, per_client: list[int]):
                 calls += [asyncio.ensure_future(call(client)) for _ in range(n)]
                 await until(arrived, "not every call arrived")  # in this order
             store = keeper.store
-            await until(lambda: store.running >= min(manager._usage_calls, USAGE_QUERIES_AT_ONCE),
-                        "the queries never took their turns")
+            await until(
+                lambda: store.running >= min(manager._usage_calls, USAGE_QUERIES_AT_ONCE),
+                "the queries never took their turns",
+            )
             busy = [c.result() for c in calls if c.done()]
             ping = await call(clients[0], "ListDevices")
             keeper.store.release.set()
@@ -327,8 +356,7 @@ def test_where_proc_hides_names_others_usage_is_uid_and_gpu_facts_only(fresh_bed
     proc = bed.workdir / "proc"
     proc.mkdir()
     # hidepid=noaccess in the daemon's mount namespace (the bed's journald's), as tests/test_privacy.py does
-    subprocess.run(bed.in_journal_ns(["mount", "-t", "proc", "-o", "hidepid=noaccess", "proc", str(proc)]),
-                   check=True)
+    subprocess.run(bed.in_journal_ns(["mount", "-t", "proc", "-o", "hidepid=noaccess", "proc", str(proc)]), check=True)
     try:
         bed.start_polkit([ADMIN_RULES])
         bed.write_conf(paths={"proc": proc})
@@ -350,8 +378,9 @@ def test_where_proc_hides_names_others_usage_is_uid_and_gpu_facts_only(fresh_bed
         assert units[("", True)]["processes"] == 1  # the other's record, its unit not shown
         assert report(bed, owner, since=since, name="theirs")["rows"] == []  # filters match only what is seen
         assert report(bed, ROOT, since=since, name="theirs")["rows"][0]["user"] == other.name
-        assert {row["pid"]: row for row in report(bed, users["admin"], since=since, by="process")["rows"]}[
-            theirs.pid]["comm"] == "theirs"  # view-all-processes (the example rules): everything
+        assert {row["pid"]: row for row in report(bed, users["admin"], since=since, by="process")["rows"]}[theirs.pid][
+            "comm"
+        ] == "theirs"  # view-all-processes (the example rules): everything
     finally:
         bed.stop_daemon()
         subprocess.run(bed.in_journal_ns(["umount", "-l", str(proc)]), check=False)

@@ -27,9 +27,21 @@ NOW = 1_780_000_000.0  # a fixed instant: 2026-05-28
 # -- the time forms ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,ago", [("30d", 30 * 86400), ("24h", 86400), ("90min", 5400), ("1h30m", 5400),
-                                      ("2d 4h", 2 * 86400 + 4 * 3600), ("45s", 45), ("1w", 7 * 86400),
-                                      ("1.5h", 5400), ("2days", 2 * 86400), ("now", 0)])
+@pytest.mark.parametrize(
+    "text,ago",
+    [
+        ("30d", 30 * 86400),
+        ("24h", 86400),
+        ("90min", 5400),
+        ("1h30m", 5400),
+        ("2d 4h", 2 * 86400 + 4 * 3600),
+        ("45s", 45),
+        ("1w", 7 * 86400),
+        ("1.5h", 5400),
+        ("2days", 2 * 86400),
+        ("now", 0),
+    ],
+)
 def test_a_duration_is_that_long_ago(text, ago):
     assert parse_when(text, NOW) == NOW - ago
 
@@ -46,9 +58,25 @@ def test_dates_are_local_time_unless_they_say_their_offset():
     assert parse_when("@1700000000", NOW) == 1_700_000_000.0
 
 
-@pytest.mark.parametrize("text", ["", "24", "1700000000", "24 hours ago", "2026-13-01", "2026-02-30",
-                                  "1969-12-31", "h", "h30", "2026-05-01 25:00", "x" * 100, "-1h", "200y",
-                                  "99999d"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "24",
+        "1700000000",
+        "24 hours ago",
+        "2026-13-01",
+        "2026-02-30",
+        "1969-12-31",
+        "h",
+        "h30",
+        "2026-05-01 25:00",
+        "x" * 100,
+        "-1h",
+        "200y",
+        "99999d",
+    ],
+)
 def test_what_is_not_a_time_is_one_line(text):
     with pytest.raises(ValueError) as e:
         parse_when(text, NOW)
@@ -71,26 +99,64 @@ def parse(*argv: str):
 
 def test_the_options_make_getusages_query():
     before = time.time()
-    args = parse("--since", "24h", "--until", "1h", "--by", "job", "--user", "alice", "--name", "py",
-                 "--unit", "x.service", "--job", "42", "--pod", "p", "--device", "1", "--limit", "5")
+    args = parse(
+        "--since",
+        "24h",
+        "--until",
+        "1h",
+        "--by",
+        "job",
+        "--user",
+        "alice",
+        "--name",
+        "py",
+        "--unit",
+        "x.service",
+        "--job",
+        "42",
+        "--pod",
+        "p",
+        "--device",
+        "1",
+        "--limit",
+        "5",
+    )
     q = query_of(args)
-    assert q.pop("since") == pytest.approx(before - 86400, abs=5) and q.pop("until") == pytest.approx(before - 3600, abs=5)
-    assert q == {"by": "job", "user": "alice", "name": "py", "unit": "x.service", "job": "42", "pod": "p",
-                 "device": "1", "limit": 5}
+    assert q.pop("since") == pytest.approx(before - 86400, abs=5) and q.pop("until") == pytest.approx(
+        before - 3600, abs=5
+    )
+    assert q == {
+        "by": "job",
+        "user": "alice",
+        "name": "py",
+        "unit": "x.service",
+        "job": "42",
+        "pod": "p",
+        "device": "1",
+        "limit": 5,
+    }
     assert query_of(parse()) == {"by": "user"}  # the rest is the daemon's default (the last 24 hours)
     variants = usage_variants({"since": 5, "until": 6.5, "by": "user", "limit": 5, "user": "1000", "pod": None})
-    assert variants == {"since": Var("d", 5.0), "until": Var("d", 6.5), "by": Var("s", "user"),
-                        "limit": Var("u", 5), "user": Var("s", "1000")}
+    assert variants == {
+        "since": Var("d", 5.0),
+        "until": Var("d", 6.5),
+        "by": Var("s", "user"),
+        "limit": Var("u", 5),
+        "user": Var("s", "1000"),
+    }
 
 
-@pytest.mark.parametrize("argv,text", [
-    (["--since", "last week"], "argument --since: 'last week' is not a time"),
-    (["--until", "2026-02-30"], "argument --until: '2026-02-30' is not a date"),
-    (["--by", "host"], "argument --by: invalid choice"),
-    (["--limit", "0"], "the limit must be between 1 and 1000"),
-    (["--limit", "ten"], "not a number"),
-    (["--since", "1h", "--until", "2h"], "--since must be before --until"),
-])
+@pytest.mark.parametrize(
+    "argv,text",
+    [
+        (["--since", "last week"], "argument --since: 'last week' is not a time"),
+        (["--until", "2026-02-30"], "argument --until: '2026-02-30' is not a date"),
+        (["--by", "host"], "argument --by: invalid choice"),
+        (["--limit", "0"], "the limit must be between 1 and 1000"),
+        (["--limit", "ten"], "not a number"),
+        (["--since", "1h", "--until", "2h"], "--since must be before --until"),
+    ],
+)
 def test_a_bad_option_is_one_line_and_exit_2(argv, text, capsys, monkeypatch):
     """Said before any connection (there is no bus here: a bad option that reached it would exit 3)."""
     monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", "unix:path=/nonexistent")
@@ -122,17 +188,38 @@ class UsageClient(ClientAPI):
 
 
 def row(key: str, **kw) -> UsageRow:
-    values = {"processes": 1, "gpu_seconds": 3720.0, "memory_byte_seconds": 6.1 * GIB * 3600,
-              "peak_memory": 4 * GIB, "first_seen": NOW - 7200, "last_seen": NOW - 60}
+    values = {
+        "processes": 1,
+        "gpu_seconds": 3720.0,
+        "memory_byte_seconds": 6.1 * GIB * 3600,
+        "peak_memory": 4 * GIB,
+        "first_seen": NOW - 7200,
+        "last_seen": NOW - 60,
+    }
     values.update(kw)
     return UsageRow(key=key, **values)
 
 
-REPORT = UsageReport(since=NOW - 86400, until=NOW, by="user", rows_total=3, rows=(
-    row("alice", uid=1000, user="alice", sm_seconds=2280.0, sm_known_seconds=3720.0, energy_joules=212_000.0,
-        energy_known_seconds=3720.0, live=1, processes=2),
-    row("bob\x1b[2J", uid=1001, user="bob", gpu_seconds=60.0, sm_known_seconds=30.0, sm_seconds=3.0),
-))
+REPORT = UsageReport(
+    since=NOW - 86400,
+    until=NOW,
+    by="user",
+    rows_total=3,
+    rows=(
+        row(
+            "alice",
+            uid=1000,
+            user="alice",
+            sm_seconds=2280.0,
+            sm_known_seconds=3720.0,
+            energy_joules=212_000.0,
+            energy_known_seconds=3720.0,
+            live=1,
+            processes=2,
+        ),
+        row("bob\x1b[2J", uid=1001, user="bob", gpu_seconds=60.0, sm_known_seconds=30.0, sm_seconds=3.0),
+    ),
+)
 
 
 def run_cmd(client: UsageClient, *argv: str) -> int:
@@ -143,14 +230,27 @@ def run_cmd(client: UsageClient, *argv: str) -> int:
 def test_the_table_says_each_total_and_unknown_where_unmeasured(capsys):
     client = UsageClient(to_plain(REPORT))
     assert run_cmd(client, "--since", "24h") == 0
-    (member, signature, (query,)), = client.sent
+    ((member, signature, (query,)),) = client.sent
     assert (member, signature) == ("GetUsage", "a{sv}") and query["by"] == Var("s", "user")
     assert query["since"].signature == "d"
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split() == ["USER", "PROCESSES", "GPU", "TIME", "SM", "TIME", "MEMORY", "PEAK", "ENERGY"]
-    assert lines[1].split() == ["alice", "2", "(1", "live)", "1h", "2min", "38min", "6.10", "GiB·h", "4.0", "GiB",
-                                "212", "kJ"]
+    assert lines[1].split() == [
+        "alice",
+        "2",
+        "(1",
+        "live)",
+        "1h",
+        "2min",
+        "38min",
+        "6.10",
+        "GiB·h",
+        "4.0",
+        "GiB",
+        "212",
+        "kJ",
+    ]
     # bob's name is escaped; his SM time known over half his GPU time says so; no energy measured: "–", not 0
     assert "bob\\x1b[2J" in lines[2] and "\x1b" not in out
     assert "3s (50% known)" in lines[2] and lines[2].rstrip().endswith(" \u2013")
@@ -191,9 +291,12 @@ def test_gib_hours():
 
 
 def test_rows_are_labelled_by_what_they_are_grouped_by():
-    procs = UsageReport(since=0, until=1, by="process", rows=(
-        row("4242:77", pid=4242, start_time=77, comm="python3", user="alice", uid=1000),
-        row("", hidden=True)))
+    procs = UsageReport(
+        since=0,
+        until=1,
+        by="process",
+        rows=(row("4242:77", pid=4242, start_time=77, comm="python3", user="alice", uid=1000), row("", hidden=True)),
+    )
     text = usage_table(procs)
     assert "4242 python3 (alice)" in text and "(hidden)" in text
     units = UsageReport(since=0, until=1, by="unit", rows=(row(""),))
@@ -248,8 +351,9 @@ def test_gpukill_audit_summary_is_top_users_then_top_processes(victims, users):
     v = victims.victim(owner, gpu=0, mem="1GiB", comm="auditme")
     victims.wait_listed(v.pid, comm="auditme")
     time.sleep(2)
-    r = victims.gpukill(owner, "--audit", "--audit-summary", "--audit-hours", "1", "--audit-process", "auditme",
-                        "--output", "json")
+    r = victims.gpukill(
+        owner, "--audit", "--audit-summary", "--audit-hours", "1", "--audit-process", "auditme", "--output", "json"
+    )
     assert r.returncode == 0, r
     by_user, by_process = (json.loads(line) for line in r.stdout.splitlines())
     assert by_user["by"] == "user" and [row["key"] for row in by_user["rows"]] == [owner.name]
@@ -260,4 +364,5 @@ def test_gpukill_audit_summary_is_top_users_then_top_processes(victims, users):
 def test_the_groupings_are_getusages():
     from gpukill.records.usage import USAGE_BY
     from gpukillctl.cli import usage as cli_usage
+
     assert tuple(USAGE_BY) == cli_usage.BY

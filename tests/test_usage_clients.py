@@ -22,8 +22,14 @@ NOW = 1_780_000_000.0
 
 
 def row(key: str, **kw) -> UsageRow:
-    values = {"processes": 1, "gpu_seconds": 100.0, "memory_byte_seconds": 100.0 * GIB, "peak_memory": GIB,
-              "first_seen": NOW - 600, "last_seen": NOW - 1}
+    values = {
+        "processes": 1,
+        "gpu_seconds": 100.0,
+        "memory_byte_seconds": 100.0 * GIB,
+        "peak_memory": GIB,
+        "first_seen": NOW - 600,
+        "last_seen": NOW - 1,
+    }
     values.update(kw)
     return UsageRow(key=key, **values)
 
@@ -55,14 +61,18 @@ def exposition(reading: Reading) -> str:
 def samples(reading: Reading) -> dict[tuple[str, frozenset], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, frozenset((k, v) for k, v in s.labels.items() if v)): s.value
-            for family in text_string_to_metric_families(exposition(reading)) for s in family.samples}
+    return {
+        (s.name, frozenset((k, v) for k, v in s.labels.items() if v)): s.value
+        for family in text_string_to_metric_families(exposition(reading))
+        for s in family.samples
+    }
 
 
 def test_counters_per_user_unit_and_job_from_getusage():
     counters = UsageCounters()
-    counters.update("user", report("user", row("alice", sm_seconds=40.0, energy_joules=7000.0),
-                                   row("bob", gpu_seconds=5.0)), NOW)
+    counters.update(
+        "user", report("user", row("alice", sm_seconds=40.0, energy_joules=7000.0), row("bob", gpu_seconds=5.0)), NOW
+    )
     counters.update("unit", report("unit", row("jupyter.service"), row(""), row("", hidden=True)), NOW)
     counters.update("slurm_job", report("job", row("4242", gpu_seconds=50.0)), NOW)
     got = samples(Reading(daemon_up=True, usage=counters))
@@ -124,9 +134,16 @@ class UsageDaemon:
         self.queries.append(query)
         if self.error is not None:
             raise self.error
-        return report(query["by"], row("alice" if query["by"] == "user" else "u.service" if query["by"] == "unit"
-                                      else "42", gpu_seconds=self.gpu_seconds, last_seen=time.time()),
-                      since=query["since"], until=query["until"])
+        return report(
+            query["by"],
+            row(
+                "alice" if query["by"] == "user" else "u.service" if query["by"] == "unit" else "42",
+                gpu_seconds=self.gpu_seconds,
+                last_seen=time.time(),
+            ),
+            since=query["since"],
+            until=query["until"],
+        )
 
 
 def test_the_exporter_asks_getusage_once_per_grouping_per_usage_interval(monkeypatch):
@@ -197,13 +214,22 @@ def rest_get(client: FakeClient, path: str) -> tuple[int, dict]:
 def test_rest_usage_takes_the_clis_forms_and_epoch_seconds():
     client = FakeClient()
     before = time.time()
-    status, body = rest_get(client, "/v1/usage?since=24h&by=job&user=alice&job=42&limit=10&device=0&name=py"
-                                    "&unit=x.service&pod=p")
+    status, body = rest_get(
+        client, "/v1/usage?since=24h&by=job&user=alice&job=42&limit=10&device=0&name=py&unit=x.service&pod=p"
+    )
     assert status == 200, body
     (q,) = client.queries
     assert q.pop("since") == pytest.approx(before - 86400, abs=5)
-    assert q == {"by": "job", "user": "alice", "name": "py", "unit": "x.service", "job": "42", "pod": "p",
-                 "device": "0", "limit": 10}
+    assert q == {
+        "by": "job",
+        "user": "alice",
+        "name": "py",
+        "unit": "x.service",
+        "job": "42",
+        "pod": "p",
+        "device": "0",
+        "limit": 10,
+    }
     assert body["rows"][0]["key"] == "alice" and body["rows"][0]["energy_joules"] == 5.0
     assert set(body) == {"since", "until", "by", "rows", "rows_total", "rebuilding"}
     status, _ = rest_get(client, "/v1/usage?since=1700000000&until=2026-05-01T00:00:00Z")
@@ -213,10 +239,18 @@ def test_rest_usage_takes_the_clis_forms_and_epoch_seconds():
     assert status == 200 and client.queries[-1] == {"by": "user"}  # the daemon's defaults
 
 
-@pytest.mark.parametrize("query,text", [
-    ("since=soon", "query.since"), ("by=host", "query.by"), ("limit=0", "query.limit"), ("limit=1001", "query.limit"),
-    ("hours=24", "unknown parameter"), ("by=user&by=job", "given more than once"), ("until=2026-02-30", "query.until"),
-])
+@pytest.mark.parametrize(
+    "query,text",
+    [
+        ("since=soon", "query.since"),
+        ("by=host", "query.by"),
+        ("limit=0", "query.limit"),
+        ("limit=1001", "query.limit"),
+        ("hours=24", "unknown parameter"),
+        ("by=user&by=job", "given more than once"),
+        ("until=2026-02-30", "query.until"),
+    ],
+)
 def test_rest_usage_refuses_what_it_does_not_take(query, text):
     client = FakeClient()
     status, body = rest_get(client, f"/v1/usage?{query}")
@@ -239,8 +273,18 @@ def test_rest_schema_documents_the_report_from_the_records():
 
     schema = build_rest(connect).openapi()
     op = schema["paths"]["/v1/usage"]["get"]
-    assert {p["name"] for p in op["parameters"]} == {"since", "until", "by", "user", "name", "unit", "job", "pod",
-                                                     "device", "limit"}
+    assert {p["name"] for p in op["parameters"]} == {
+        "since",
+        "until",
+        "by",
+        "user",
+        "name",
+        "unit",
+        "job",
+        "pod",
+        "device",
+        "limit",
+    }
     rows = schema["components"]["schemas"]["UsageRow"]["properties"]
     assert "utilization-weighted" in rows["sm_seconds"]["description"]
     assert {"gpu_seconds", "memory_byte_seconds", "energy_joules", "hidden"} <= set(rows)
@@ -281,8 +325,9 @@ def test_mcp_usage_refuses_unknown_arguments_and_says_daemon_errors():
     with pytest.raises(Exception) as e:  # the SDK's ToolError for an argument the tool does not declare
         mcp_session(client, lambda s: s.call_tool("usage", {"hours": 1, "filter": "x"}))
     assert "filter" in str(e.value) and not client.queries
-    off = FakeClient(ERRORS[errors.NotSupported.dbus_name](errors.NotSupported.dbus_name,
-                                                         "usage accounting is off in gpukilld.conf"))
+    off = FakeClient(
+        ERRORS[errors.NotSupported.dbus_name](errors.NotSupported.dbus_name, "usage accounting is off in gpukilld.conf")
+    )
     result = mcp_session(off, lambda s: s.call_tool("usage", {}))
     text = result.content[0].text if hasattr(result, "content") else result[0][0].text
     assert text.startswith("org.gpukill1.Error.NotSupported: usage accounting is off")
@@ -307,9 +352,13 @@ from gpukillctl.top.model import TopState, render, text_of  # noqa: E402
 def test_top_shows_the_sessions_totals_between_the_gpus_and_the_processes():
     state = TopState()
     state.update(sample(proc(1)))
-    state.usage = report("user", row("alice", gpu_seconds=3720.0, memory_byte_seconds=6.1 * GIB * 3600,
-                                     energy_joules=212_000.0), row("bob\x1b[2J", gpu_seconds=60.0),
-                         since=NOW - 720, until=NOW)
+    state.usage = report(
+        "user",
+        row("alice", gpu_seconds=3720.0, memory_byte_seconds=6.1 * GIB * 3600, energy_joules=212_000.0),
+        row("bob\x1b[2J", gpu_seconds=60.0),
+        since=NOW - 720,
+        until=NOW,
+    )
     screen = text_of(render(state, 120, 30))
     line = next(ln for ln in screen.splitlines() if ln.startswith("session"))
     assert line == "session (12min): GPU time 1h 3min, memory 6.13 GiB·h, energy 212 kJ"
@@ -384,8 +433,10 @@ def test_rest_and_mcp_answer_what_gpukillctl_usage_answers(victims, users):
         server.stop()
 
     async def session(client):
-        return (await client.call_tool("usage", {"hours": 1, "by": "process", "name": "restacct"}),
-                await client.read_resource("gpukill://usage"))
+        return (
+            await client.call_tool("usage", {"hours": 1, "by": "process", "name": "restacct"}),
+            await client.read_resource("gpukill://usage"),
+        )
 
     tool, resource = run_mcp(victims, owner, session)
     (row_,) = [x for x in structured(tool)["usage"]["rows"] if x["pid"] == v.pid]

@@ -57,8 +57,11 @@ def entries(bed: Testbed, pid: int) -> list[dict]:
 
 
 def wait_entries(bed: Testbed, pid: int, n: int = 1, timeout: float = 15.0) -> list[dict]:
-    return wait_until(lambda: e if len(e := entries(bed, pid)) >= n else None, timeout,
-                      lambda: f"PID {pid}: {len(entries(bed, pid))} usage entries, not {n}\n{bed.daemon.log()[-2000:]}")
+    return wait_until(
+        lambda: e if len(e := entries(bed, pid)) >= n else None,
+        timeout,
+        lambda: f"PID {pid}: {len(entries(bed, pid))} usage entries, not {n}\n{bed.daemon.log()[-2000:]}",
+    )
 
 
 def living(bed: Testbed, user: User, lifetime: float, **kw) -> tuple[subprocess.Popen, float]:
@@ -111,12 +114,32 @@ def test_totals_of_processes_at_known_utilization_and_memory_match_their_lives(u
     assert rb.gpu_seconds > 0 and rb.user == "root"
 
     # journalctl -o verbose shows the fields, the MESSAGE_ID and the message
-    out = subprocess.run(ubed.in_journal_ns(["journalctl", "--no-pager", "-o", "verbose",
-                                             f"MESSAGE_ID={journal.USAGE.message_id}", f"GPUKILL_TARGET_PID={one.pid}"]),
-                         capture_output=True, text=True, timeout=30).stdout
-    for field in ("GPUKILL_GPU_SECONDS=", "GPUKILL_SM_SECONDS=", "GPUKILL_MEMORY_BYTE_SECONDS=",
-                  "GPUKILL_PEAK_MEMORY=2147483648", "GPUKILL_ENERGY_JOULES=", "GPUKILL_ENDED=exited",
-                  f"MESSAGE_ID={journal.USAGE.message_id}", "GPUKILL_EVENT=usage", "at full SM"):
+    out = subprocess.run(
+        ubed.in_journal_ns(
+            [
+                "journalctl",
+                "--no-pager",
+                "-o",
+                "verbose",
+                f"MESSAGE_ID={journal.USAGE.message_id}",
+                f"GPUKILL_TARGET_PID={one.pid}",
+            ]
+        ),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    for field in (
+        "GPUKILL_GPU_SECONDS=",
+        "GPUKILL_SM_SECONDS=",
+        "GPUKILL_MEMORY_BYTE_SECONDS=",
+        "GPUKILL_PEAK_MEMORY=2147483648",
+        "GPUKILL_ENERGY_JOULES=",
+        "GPUKILL_ENDED=exited",
+        f"MESSAGE_ID={journal.USAGE.message_id}",
+        "GPUKILL_EVENT=usage",
+        "at full SM",
+    ):
         assert field in out, out
 
 
@@ -128,7 +151,7 @@ def test_a_restart_in_the_middle_loses_and_doubles_nothing(ubed, users):
     time.sleep(1.5)
     ubed.stop_daemon()  # SIGTERM: the totals saved at stop
     t_stop = time.time()
-    saved = (ubed.workdir / "state" / STATE_FILE)
+    saved = ubed.workdir / "state" / STATE_FILE
     assert saved.exists() and (saved.stat().st_mode & 0o777) == 0o600
     assert entries(ubed, through.pid) == [] and entries(ubed, during.pid) == []
     os.kill(during.pid, signal.SIGKILL)  # ends while gpukilld is down

@@ -28,13 +28,27 @@ ROOT_VIEW = Viewer(0, FULL)
 GiB = 1 << 30
 
 
-def rec(pid: int = 100, uid: int = ALICE, first: float = 1000.0, last: float = 2000.0, device: int = 0,
-        **kw) -> UsageRecord:
+def rec(
+    pid: int = 100, uid: int = ALICE, first: float = 1000.0, last: float = 2000.0, device: int = 0, **kw
+) -> UsageRecord:
     span = last - first
-    values = dict(pid=pid, start_time=pid * 10, uid=uid, user={ALICE: "alice", BOB: "bob"}.get(uid, f"u{uid}"),
-                  comm="python3", device=device, device_id=f"GPU-{device:04d}", first_seen=first, last_seen=last,
-                  gpu_seconds=span, sm_seconds=span / 2, sm_known_seconds=span, memory_byte_seconds=span * GiB,
-                  peak_memory=GiB, ended="exited")
+    values = dict(
+        pid=pid,
+        start_time=pid * 10,
+        uid=uid,
+        user={ALICE: "alice", BOB: "bob"}.get(uid, f"u{uid}"),
+        comm="python3",
+        device=device,
+        device_id=f"GPU-{device:04d}",
+        first_seen=first,
+        last_seen=last,
+        gpu_seconds=span,
+        sm_seconds=span / 2,
+        sm_known_seconds=span,
+        memory_byte_seconds=span * GiB,
+        peak_memory=GiB,
+        ended="exited",
+    )
     values.update(kw)
     return UsageRecord(**values)
 
@@ -64,6 +78,7 @@ def by_key(report) -> dict:
 
 # -- the range ------------------------------------------------------------------------------------------------
 
+
 def test_a_record_counts_for_the_part_of_its_life_in_the_range(store):
     put(store, rec(first=1000, last=2000, energy_joules=400.0, energy_known_seconds=1000.0))
     row = ask(store, since=1500, until=5000).rows[0]
@@ -92,8 +107,11 @@ def test_a_record_sampled_once_counts_whole_when_in_the_range(store):
 
 
 def test_unknown_stays_unknown_and_known_parts_add_up(store):
-    put(store, rec(pid=1, sm_seconds=None, sm_known_seconds=0.0),
-        rec(pid=2, uid=BOB, first=1000, last=1100, sm_seconds=None, sm_known_seconds=0.0))
+    put(
+        store,
+        rec(pid=1, sm_seconds=None, sm_known_seconds=0.0),
+        rec(pid=2, uid=BOB, first=1000, last=1100, sm_seconds=None, sm_known_seconds=0.0),
+    )
     rows = by_key(ask(store))
     assert rows[("alice", False)].sm_seconds is None and rows[("alice", False)].energy_joules is None
     put(store, rec(pid=3, first=1000, last=1100, sm_seconds=10.0, sm_known_seconds=100.0))
@@ -104,25 +122,47 @@ def test_unknown_stays_unknown_and_known_parts_add_up(store):
 
 # -- grouping -------------------------------------------------------------------------------------------------
 
+
 def sample_set() -> list[UsageRecord]:
     return [
         rec(pid=1, uid=ALICE, device=0, unit="train.service", slurm_job="77", pod_uid="pod-a", comm="trainer"),
-        rec(pid=1, uid=ALICE, device=1, unit="train.service", slurm_job="77", pod_uid="pod-a", comm="trainer",
-            first=1000, last=1500),  # the same process on a second GPU
-        rec(pid=2, uid=BOB, device=1, unit="bob.scope", slurm_job="88", comm="notebook", first=1000, last=1200,
-            job_from_environ=True),
+        rec(
+            pid=1,
+            uid=ALICE,
+            device=1,
+            unit="train.service",
+            slurm_job="77",
+            pod_uid="pod-a",
+            comm="trainer",
+            first=1000,
+            last=1500,
+        ),  # the same process on a second GPU
+        rec(
+            pid=2,
+            uid=BOB,
+            device=1,
+            unit="bob.scope",
+            slurm_job="88",
+            comm="notebook",
+            first=1000,
+            last=1200,
+            job_from_environ=True,
+        ),
         rec(pid=3, uid=BOB, device=0, comm="bench", first=1000, last=1100),  # no unit, job or pod
     ]
 
 
-@pytest.mark.parametrize(("by", "expected"), [
-    ("user", {"alice": (1500, 1), "bob": (300, 2)}),
-    ("unit", {"train.service": (1500, 1), "bob.scope": (200, 1), "": (100, 1)}),
-    ("job", {"77": (1500, 1), "88": (200, 1), "": (100, 1)}),
-    ("pod", {"pod-a": (1500, 1), "": (300, 2)}),
-    ("gpu", {"0": (1100, 2), "1": (700, 2)}),
-    ("process", {"1:10": (1500, 1), "2:20": (200, 1), "3:30": (100, 1)}),
-])
+@pytest.mark.parametrize(
+    ("by", "expected"),
+    [
+        ("user", {"alice": (1500, 1), "bob": (300, 2)}),
+        ("unit", {"train.service": (1500, 1), "bob.scope": (200, 1), "": (100, 1)}),
+        ("job", {"77": (1500, 1), "88": (200, 1), "": (100, 1)}),
+        ("pod", {"pod-a": (1500, 1), "": (300, 2)}),
+        ("gpu", {"0": (1100, 2), "1": (700, 2)}),
+        ("process", {"1:10": (1500, 1), "2:20": (200, 1), "3:30": (100, 1)}),
+    ],
+)
 def test_rows_are_grouped_by_each_key(store, by, expected):
     put(store, *sample_set())
     report = ask(store, by=by)
@@ -149,26 +189,31 @@ def test_limit_keeps_the_largest_and_rows_total_counts_all(store):
 
 # -- filters --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("filters", "keys"), [
-    ({"user": "bob"}, {"2:20", "3:30"}),
-    ({"user": str(BOB)}, {"2:20", "3:30"}),
-    ({"user": ALICE}, {"1:10"}),
-    ({"name": "note"}, {"2:20"}),
-    ({"unit": "train.service"}, {"1:10"}),
-    ({"job": "88"}, {"2:20"}),
-    ({"pod": "pod-a"}, {"1:10"}),
-    ({"device": 1}, {"1:10", "2:20"}),
-    ({"device": "gpu-0000"}, {"1:10", "3:30"}),  # a UUID in any case
-    ({"device": "0"}, {"1:10", "3:30"}),
-    ({"user": "bob", "device": 0}, {"3:30"}),
-    ({"unit": "nothing.service"}, set()),
-])
+
+@pytest.mark.parametrize(
+    ("filters", "keys"),
+    [
+        ({"user": "bob"}, {"2:20", "3:30"}),
+        ({"user": str(BOB)}, {"2:20", "3:30"}),
+        ({"user": ALICE}, {"1:10"}),
+        ({"name": "note"}, {"2:20"}),
+        ({"unit": "train.service"}, {"1:10"}),
+        ({"job": "88"}, {"2:20"}),
+        ({"pod": "pod-a"}, {"1:10"}),
+        ({"device": 1}, {"1:10", "2:20"}),
+        ({"device": "gpu-0000"}, {"1:10", "3:30"}),  # a UUID in any case
+        ({"device": "0"}, {"1:10", "3:30"}),
+        ({"user": "bob", "device": 0}, {"3:30"}),
+        ({"unit": "nothing.service"}, set()),
+    ],
+)
 def test_filters_select_records(store, filters, keys):
     put(store, *sample_set())
     assert {r.key for r in ask(store, by="process", **filters).rows} == keys
 
 
 # -- visibility -----------------------------------------------------------------------------------------------
+
 
 def test_a_full_viewer_sees_everything(store):
     put(store, *sample_set())
@@ -220,10 +265,13 @@ def test_hidden_viewers_count_only_their_own(store):
 
 # -- live records ---------------------------------------------------------------------------------------------
 
+
 def test_live_records_are_merged_and_a_process_counted_once(store):
     put(store, rec(pid=1, device=0, first=1000, last=2000))
-    live = [rec(pid=1, device=1, first=1500, last=3000, ended=""),  # the same process, now on GPU 1
-            rec(pid=9, uid=BOB, first=2500, last=3000, ended="")]
+    live = [
+        rec(pid=1, device=1, first=1500, last=3000, ended=""),  # the same process, now on GPU 1
+        rec(pid=9, uid=BOB, first=2500, last=3000, ended=""),
+    ]
     rows = by_key(ask(store, live=live))
     assert rows[("alice", False)].gpu_seconds == pytest.approx(2500)
     assert (rows[("alice", False)].processes, rows[("alice", False)].live) == (1, 1)
@@ -260,12 +308,17 @@ def test_a_record_closed_counts_before_it_is_committed_and_once_after(store, by)
 
 
 def test_folded_records_count_their_processes(store):
-    put(store, rec(pid=0, start_time=0, comm="", processes=40, first=1000, last=1060),
-        rec(pid=0, start_time=0, comm="", processes=25, first=1060, last=1120), rec(pid=5))
+    put(
+        store,
+        rec(pid=0, start_time=0, comm="", processes=40, first=1000, last=1060),
+        rec(pid=0, start_time=0, comm="", processes=25, first=1060, last=1120),
+        rec(pid=5),
+    )
     assert ask(store).rows[0].processes == 66
 
 
 # -- the file -------------------------------------------------------------------------------------------------
+
 
 def test_the_file_is_made_0600_and_reopened_without_a_rebuild(tmp_path):
     path = tmp_path / "usage.sqlite"
@@ -332,6 +385,7 @@ def test_the_rebuild_adds_each_record_once_and_says_it_is_rebuilding(store):
 
 def test_prune_deletes_what_ended_before_keep_days(store):
     import time
+
     now = time.time()
     put(store, rec(pid=1, first=now - 10 * 86400, last=now - 9 * 86400), rec(pid=2, first=now - 3600, last=now))
     store.prune(5)
@@ -340,8 +394,10 @@ def test_prune_deletes_what_ended_before_keep_days(store):
 
 
 def test_adds_from_many_threads_all_land(store):
-    threads = [threading.Thread(target=lambda base=b: store.add([rec(pid=base + i) for i in range(500)]))
-               for b in range(0, 4000, 1000)]
+    threads = [
+        threading.Thread(target=lambda base=b: store.add([rec(pid=base + i) for i in range(500)]))
+        for b in range(0, 4000, 1000)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -358,28 +414,40 @@ NOW = 1_800_000_000.0
 def test_the_query_has_defaults():
     q = parse_query({}, NOW)
     assert (q.since, q.until, q.by, q.limit) == (NOW - 86400, NOW, "user", MAX_LIMIT)
-    q = parse_query({"since": Variant("t", 5), "until": Variant("i", 10), "user": Variant("u", 7),
-                     "device": Variant("s", " GPU-1 "), "limit": Variant("u", 3), "by": Variant("s", "pod")}, NOW)
+    q = parse_query(
+        {
+            "since": Variant("t", 5),
+            "until": Variant("i", 10),
+            "user": Variant("u", 7),
+            "device": Variant("s", " GPU-1 "),
+            "limit": Variant("u", 3),
+            "by": Variant("s", "pod"),
+        },
+        NOW,
+    )
     assert (q.since, q.until, q.user, q.device, q.limit, q.by) == (5.0, 10.0, 7, "GPU-1", 3, "pod")
 
 
-@pytest.mark.parametrize(("raw", "says"), [
-    ({"since2": Variant("d", 1.0)}, "unknown usage query key 'since2'"),
-    ({"since": Variant("s", "30d")}, "'since' has type 's'"),
-    ({"since": Variant("d", float("nan"))}, "'since' must be seconds"),
-    ({"until": Variant("d", float("inf"))}, "'until' must be seconds"),
-    ({"since": Variant("i", -5)}, "'since' must be seconds"),
-    ({"since": Variant("d", NOW), "until": Variant("d", NOW)}, "must be before"),
-    ({"since": Variant("d", NOW + 10)}, "must be before"),
-    ({"by": Variant("s", "week")}, "'by' must be one of"),
-    ({"limit": Variant("u", 0)}, "'limit' must be from 1 to 1000"),
-    ({"limit": Variant("u", 1001)}, "'limit' must be from 1 to 1000"),
-    ({"user": Variant("d", 1.0)}, "'user' has type 'd'"),
-    ({"name": Variant("s", "x" * 5000)}, "'name' is 5000 characters long"),
-    ({"device": Variant("s", "x" * 5000)}, "'device' is 5000 characters long"),
-    ({"unit": Variant("as", ["a"])}, "'unit' has type 'as'"),
-    ({f"k{i}": Variant("u", i) for i in range(11)}, "has 11 keys"),
-])
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ({"since2": Variant("d", 1.0)}, "unknown usage query key 'since2'"),
+        ({"since": Variant("s", "30d")}, "'since' has type 's'"),
+        ({"since": Variant("d", float("nan"))}, "'since' must be seconds"),
+        ({"until": Variant("d", float("inf"))}, "'until' must be seconds"),
+        ({"since": Variant("i", -5)}, "'since' must be seconds"),
+        ({"since": Variant("d", NOW), "until": Variant("d", NOW)}, "must be before"),
+        ({"since": Variant("d", NOW + 10)}, "must be before"),
+        ({"by": Variant("s", "week")}, "'by' must be one of"),
+        ({"limit": Variant("u", 0)}, "'limit' must be from 1 to 1000"),
+        ({"limit": Variant("u", 1001)}, "'limit' must be from 1 to 1000"),
+        ({"user": Variant("d", 1.0)}, "'user' has type 'd'"),
+        ({"name": Variant("s", "x" * 5000)}, "'name' is 5000 characters long"),
+        ({"device": Variant("s", "x" * 5000)}, "'device' is 5000 characters long"),
+        ({"unit": Variant("as", ["a"])}, "'unit' has type 'as'"),
+        ({f"k{i}": Variant("u", i) for i in range(11)}, "has 11 keys"),
+    ],
+)
 def test_a_bad_query_is_one_line_naming_what(raw, says):
     with pytest.raises(InvalidArgs) as e:
         parse_query(raw, NOW)
@@ -387,6 +455,7 @@ def test_a_bad_query_is_one_line_naming_what(raw, says):
 
 
 # -- the journal reader ---------------------------------------------------------------------------------------
+
 
 def entry(r: UsageRecord, **over: object) -> dict:
     out = {journal.field_name(k): str(v) for k, v in fields_of(r).items() if v is not None}
@@ -397,16 +466,21 @@ def entry(r: UsageRecord, **over: object) -> dict:
 
 def test_the_journal_reader_takes_only_root_s_well_formed_entries(tmp_path):
     good, other = rec(pid=1), rec(pid=2, uid=BOB, unit="x.service", job_from_environ=True, slurm_job="9")
-    lines = [json.dumps(entry(good)), "not json", json.dumps(entry(rec(pid=3), _UID="2002")),  # forged by a user
-             json.dumps(entry(rec(pid=4), GPUKILL_TARGET_COMM="x" * 70_000)),  # over the line bound
-             json.dumps(entry(rec(pid=5), GPUKILL_GPU_SECONDS="-1")), json.dumps([1, 2]),
-             json.dumps(entry(rec(pid=6), GPUKILL_UNIT=[1, 2])),  # a binary or repeated field
-             json.dumps(entry(other))]
+    lines = [
+        json.dumps(entry(good)),
+        "not json",
+        json.dumps(entry(rec(pid=3), _UID="2002")),  # forged by a user
+        json.dumps(entry(rec(pid=4), GPUKILL_TARGET_COMM="x" * 70_000)),  # over the line bound
+        json.dumps(entry(rec(pid=5), GPUKILL_GPU_SECONDS="-1")),
+        json.dumps([1, 2]),
+        json.dumps(entry(rec(pid=6), GPUKILL_UNIT=[1, 2])),  # a binary or repeated field
+        json.dumps(entry(other)),
+    ]
     data = tmp_path / "entries.json"
     data.write_text("\n".join(lines) + "\n")
     fake = tmp_path / "journalctl"
     args = tmp_path / "args"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" > {args}\nexec cat {data}\n")
+    fake.write_text(f'#!/bin/sh\necho "$@" > {args}\nexec cat {data}\n')
     fake.chmod(0o755)
     got = list(journal_read.read_usage_entries(str(fake)))
     assert got == [good, other]
@@ -422,6 +496,7 @@ def test_a_record_stored_and_read_back_from_the_journal_is_stored_once(store):
     precise = rec(pid=7, first=1000.123456789, last=1999.987654321)
     put(store, precise)
     from gpukilld.usage.journal_form import record_from_journal
+
     again = record_from_journal(entry(precise))  # what the rebuild reads: the times to the millisecond
     assert again is not None and again.first_seen != precise.first_seen
     assert store.rebuild([again]) == 0
@@ -430,6 +505,7 @@ def test_a_record_stored_and_read_back_from_the_journal_is_stored_once(store):
 
 def test_the_rebuild_leaves_records_that_ended_after_the_store_opened_to_the_writer(store):
     import time
+
     later = time.time() + 5  # ended after open(): the keeper adds it, and its journal entry may be a fold
     assert store.rebuild([rec(pid=1), rec(pid=0, start_time=0, processes=9, first=later - 60, last=later)]) == 1
     assert ask(store, until=later + 10).rows[0].processes == 1
@@ -453,9 +529,16 @@ def random_records(rnd, n: int) -> list[UsageRecord]:
         first = T0 + rnd.random() * 10 * DAY
         life = rnd.choice([0.0, 5.0, 600.0, 5000.0, 0.7 * DAY, 2.5 * DAY])
         uid = rnd.choice([ALICE, BOB, 2003])
-        kw = dict(pid=1000 + i, uid=uid, first=first, last=first + life, device=rnd.randrange(3),
-                  sm_seconds=None if rnd.random() < 0.3 else life * rnd.random(),
-                  energy_joules=None if rnd.random() < 0.5 else life * 100, peak_memory=rnd.randrange(1, 100))
+        kw = dict(
+            pid=1000 + i,
+            uid=uid,
+            first=first,
+            last=first + life,
+            device=rnd.randrange(3),
+            sm_seconds=None if rnd.random() < 0.3 else life * rnd.random(),
+            energy_joules=None if rnd.random() < 0.5 else life * 100,
+            peak_memory=rnd.randrange(1, 100),
+        )
         if rnd.random() < 0.05:  # folded
             kw.update(pid=0, start_time=0, processes=rnd.randrange(2, 50), comm="")
         out.append(rec(**kw))
@@ -475,8 +558,10 @@ def test_the_daily_totals_answer_as_the_records_one_by_one(store, monkeypatch):
     put(store, *records[:700])
     assert store.rebuild(records[700:]) > 0
     stored = [r for r in records if r.pid]
-    live = [rec(pid=r.pid, uid=r.uid, device=(r.device + 2) % 3, first=r.last_seen, last=r.last_seen + 50,
-                ended="") for r in rnd.sample(stored, 40)]  # processes with records stored, live on another GPU
+    live = [
+        rec(pid=r.pid, uid=r.uid, device=(r.device + 2) % 3, first=r.last_seen, last=r.last_seen + 50, ended="")
+        for r in rnd.sample(stored, 40)
+    ]  # processes with records stored, live on another GPU
     live += [rec(pid=90_000 + i, uid=BOB, first=T0 + 9 * DAY, last=T0 + 10 * DAY, ended="") for i in range(5)]
 
     def both(viewer, **kw):
@@ -487,21 +572,40 @@ def test_the_daily_totals_answer_as_the_records_one_by_one(store, monkeypatch):
         return by_day, one_by_one
 
     checked = 0
-    for since, until in [(T0, T0 + 10 * DAY), (T0 + 1.5 * DAY, T0 + 7.2 * DAY), (T0 + 1000, T0 + 1000 + 3 * DAY),
-                         (T0 + 2.1 * DAY, T0 + 2.3 * DAY), (T0 - DAY, T0 + 20 * DAY), (T0 + 3 * DAY, T0 + 3 * DAY + 1)]:
+    for since, until in [
+        (T0, T0 + 10 * DAY),
+        (T0 + 1.5 * DAY, T0 + 7.2 * DAY),
+        (T0 + 1000, T0 + 1000 + 3 * DAY),
+        (T0 + 2.1 * DAY, T0 + 2.3 * DAY),
+        (T0 - DAY, T0 + 20 * DAY),
+        (T0 + 3 * DAY, T0 + 3 * DAY + 1),
+    ]:
         for by in ("user", "gpu"):
             for viewer in (ROOT_VIEW, Viewer(BOB, PROGRAM), Viewer(BOB, HIDDEN)):
                 for extra in ({}, {"user": "alice"}, {"device": 1}, {"device": "GPU-0002"}):
                     a, b = both(viewer, since=since, until=until, by=by, **extra)
                     assert a.rows_total == b.rows_total
                     for x, y in zip(a.rows, b.rows, strict=True):
-                        assert (x.key, x.processes, x.live, x.peak_memory) == (y.key, y.processes, y.live,
-                                                                               y.peak_memory), (since, until, by)
-                        for field in ("gpu_seconds", "sm_seconds", "sm_known_seconds", "memory_byte_seconds",
-                                      "energy_joules", "energy_known_seconds", "first_seen", "last_seen"):
+                        assert (x.key, x.processes, x.live, x.peak_memory) == (
+                            y.key,
+                            y.processes,
+                            y.live,
+                            y.peak_memory,
+                        ), (since, until, by)
+                        for field in (
+                            "gpu_seconds",
+                            "sm_seconds",
+                            "sm_known_seconds",
+                            "memory_byte_seconds",
+                            "energy_joules",
+                            "energy_known_seconds",
+                            "first_seen",
+                            "last_seen",
+                        ):
                             u, v = getattr(x, field), getattr(y, field)
-                            assert (u is None) == (v is None) and (u is None or u == pytest.approx(v, rel=1e-9,
-                                                                                                   abs=1e-6)), field
+                            assert (u is None) == (v is None) and (
+                                u is None or u == pytest.approx(v, rel=1e-9, abs=1e-6)
+                            ), field
                     checked += len(a.rows)
     assert checked > 200
     conn = sqlite3.connect(store.path)
@@ -511,6 +615,7 @@ def test_the_daily_totals_answer_as_the_records_one_by_one(store, monkeypatch):
 
 def test_pruning_keeps_the_daily_totals_with_their_records(store):
     import time
+
     now = time.time()
     put(store, *(rec(pid=p, first=now - p * DAY / 3, last=now - p * DAY / 3 + 100) for p in range(1, 40)))
     store.prune(5)

@@ -51,10 +51,12 @@ def main() -> None:
     everything = sock_diag.bytecode([(0, 65535)], remote=True)
     s = sock_diag.open_in(None)
     rows = {
-        "own reader, kernel filter on ports": lambda: sock_diag.dump(s, socket.AF_INET, sock_diag.CONNECTING,
-                                                                     program, 64 << 20),
-        "own reader, every connection": lambda: sock_diag.dump(s, socket.AF_INET, sock_diag.CONNECTING,
-                                                               everything, 64 << 20),
+        "own reader, kernel filter on ports": lambda: sock_diag.dump(
+            s, socket.AF_INET, sock_diag.CONNECTING, program, 64 << 20
+        ),
+        "own reader, every connection": lambda: sock_diag.dump(
+            s, socket.AF_INET, sock_diag.CONNECTING, everything, 64 << 20
+        ),
         "/proc/self/net/tcp read and split": lambda: read_table("/proc/self/net/tcp"),
     }
     try:
@@ -62,8 +64,9 @@ def main() -> None:
 
         ds = DiagSocket()
         ds.bind()
-        rows["pyroute2 DiagSocket (no filter)"] = lambda: ds.get_sock_stats(family=socket.AF_INET,
-                                                                            states=sock_diag.CONNECTING)
+        rows["pyroute2 DiagSocket (no filter)"] = lambda: ds.get_sock_stats(
+            family=socket.AF_INET, states=sock_diag.CONNECTING
+        )
     except ImportError:
         pass
     print(f"{2 * n + 3} connected sockets, 3 to a pool port")
@@ -74,6 +77,7 @@ def main() -> None:
 if __name__ == "__main__":
     if os.environ.get("_SOCK_DIAG_BENCH") is None and os.system("unshare -rn true 2>/dev/null") == 0:
         os.environ["_SOCK_DIAG_BENCH"] = "1"
-        os.execvp("unshare", ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"',
-                              sys.executable, *sys.argv])
+        os.execvp(
+            "unshare", ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv]
+        )
     main()

@@ -113,8 +113,9 @@ class DumpCut(Exception):
         self.sockets, self.received = sockets, received
 
 
-def dump(sock: socket.socket, family: int, states: int, program: bytes, max_bytes: int,
-         buffer: bytearray | None = None) -> tuple[list[TcpSocket], int]:
+def dump(
+    sock: socket.socket, family: int, states: int, program: bytes, max_bytes: int, buffer: bytearray | None = None
+) -> tuple[list[TcpSocket], int]:
     """The sockets of one family in the given states that the program accepts, and the bytes received.
     Past max_bytes the dump is abandoned (DumpCut; the caller closes the socket, which frees the kernel's side)."""
     buf = buffer if buffer is not None else bytearray(RECV_BUFFER)
@@ -140,7 +141,7 @@ def dump(sock: socket.socket, family: int, states: int, program: bytes, max_byte
                 fam, state = buf[m], buf[m + 1]
                 sport, dport = struct.unpack_from("!HH", buf, m + 4)
                 uid, inode = struct.unpack_from("=II", buf, m + 64)
-                found.append(TcpSocket(state, sport, _address(fam, bytes(view[m + 24:m + 40])), dport, uid, inode))
+                found.append(TcpSocket(state, sport, _address(fam, bytes(view[m + 24 : m + 40])), dport, uid, inode))
             offset += (length + 3) & ~3
         if received >= max_bytes:
             raise DumpCut(found, received)

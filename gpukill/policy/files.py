@@ -34,8 +34,10 @@ def parse_file_text(text: str, filename: str) -> PolicyFile:
     try:
         parsed = parser.parse()
     except Exception as e:  # a bug of ours or PyYAML's: still an invalid policy, never a crash
-        raise PolicyError(parser.errors[:MAX_ERRORS - 1] + [
-            f"{filename}:1:1: the policy could not be read ({type(e).__name__}: {e})"]) from e
+        raise PolicyError(
+            parser.errors[: MAX_ERRORS - 1]
+            + [f"{filename}:1:1: the policy could not be read ({type(e).__name__}: {e})"]
+        ) from e
     if parser.errors or parsed is None:
         raise PolicyError(parser.errors or [f"{filename}:1:1: the policy could not be read"])
     return parsed
@@ -68,12 +70,18 @@ def build_policy(files: list[PolicyFile]) -> Policy:
             names.setdefault((kind, name), where)
     for rule in rules:
         if rule.action == "notify" and not (rule.notify if rule.notify is not None else settings.notify):
-            errors.append(f"{rule.where}: rule {rule.name!r} has action notify but no notify targets "
-                          "(give 'notify:' in the rule or at the top of the policy)")
+            errors.append(
+                f"{rule.where}: rule {rule.name!r} has action notify but no notify targets "
+                "(give 'notify:' in the rule or at the top of the policy)"
+            )
     if errors:
         raise PolicyError(errors)
-    return Policy(settings, tuple(rules), tuple(f.name for f in files),
-                  tuple((kind, name, where) for (kind, name), where in names.items()))
+    return Policy(
+        settings,
+        tuple(rules),
+        tuple(f.name for f in files),
+        tuple((kind, name, where) for (kind, name), where in names.items()),
+    )
 
 
 def name_warnings(policy: Policy, limit: int = MAX_NAME_LOOKUPS) -> list[str]:

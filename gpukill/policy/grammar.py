@@ -46,12 +46,35 @@ from .readers import Fields, Stop, node_kind
 from .values import ValueReader
 from .yaml_safe import NotYaml, compose
 
-TOP_KEYS = ("rules", "sample_interval", "dry_run", "max_kills_per_cycle", "cooldown", "kill_grace", "notify",
-            "exemptions")
+TOP_KEYS = (
+    "rules",
+    "sample_interval",
+    "dry_run",
+    "max_kills_per_cycle",
+    "cooldown",
+    "kill_grace",
+    "notify",
+    "exemptions",
+)
 AT_START = "at_start"  # a warning when the grace period begins (with the violation)
 NUMERIC_KINDS = (PERCENT, CELSIUS, SIZE, DURATION, COUNT)  # what a mean can be taken of
-RULE_KEYS = ("name", "description", "conditions", "match", "scope", "action", "force", "grace_period",
-             "kill_grace", "notify", "exemptions", "cooldown", "max_resets_per_hour", "warn", "kill_scope")
+RULE_KEYS = (
+    "name",
+    "description",
+    "conditions",
+    "match",
+    "scope",
+    "action",
+    "force",
+    "grace_period",
+    "kill_grace",
+    "notify",
+    "exemptions",
+    "cooldown",
+    "max_resets_per_hour",
+    "warn",
+    "kill_scope",
+)
 RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
 CONDITION_KEYS = ("type", "operator", "value", "duration", "over", "scope", "description")
 
@@ -106,8 +129,10 @@ class _Parser(ValueReader):
             self.add(e.line)
             return None
         if root is None:
-            self.add(f"{self.file}:1:1: the policy is empty: expected a mapping with a 'rules:' list "
-                     "(write 'rules: []' for none)")
+            self.add(
+                f"{self.file}:1:1: the policy is empty: expected a mapping with a 'rules:' list "
+                "(write 'rules: []' for none)"
+            )
         return root
 
     def document(self, root: Node) -> PolicyFile | None:
@@ -134,13 +159,15 @@ class _Parser(ValueReader):
                     if rule is None:
                         continue
                     if rule.name in seen:
-                        self.add(f"{rule.where}: duplicate rule name {rule.name!r} "
-                                 f"(first defined at {seen[rule.name]})")
+                        self.add(
+                            f"{rule.where}: duplicate rule name {rule.name!r} (first defined at {seen[rule.name]})"
+                        )
                         continue
                     seen[rule.name] = rule.where
                     rules.append(rule)
-        return PolicyFile(self.file, settings, tuple(rules),
-                          tuple((kind, name, where) for (kind, name), where in self.names.items()))
+        return PolicyFile(
+            self.file, settings, tuple(rules), tuple((kind, name, where) for (kind, name), where in self.names.items())
+        )
 
     def settings(self, top: Fields) -> dict[str, tuple[Any, str]]:
         out: dict[str, tuple[Any, str]] = {}
@@ -155,8 +182,11 @@ class _Parser(ValueReader):
                 if ok and isinstance(raw, int) and not isinstance(raw, bool) and 1 <= raw <= 10_000:
                     value = raw
                 else:
-                    self.error(node, "max_kills_per_cycle must be a whole number from 1 to 10000, not "
-                                     f"{described(raw) if ok else node_kind(node)}")
+                    self.error(
+                        node,
+                        "max_kills_per_cycle must be a whole number from 1 to 10000, not "
+                        f"{described(raw) if ok else node_kind(node)}",
+                    )
             elif key == "cooldown":
                 value = self.duration(node, "cooldown", 0.0, 86400.0)
             elif key == "kill_grace":
@@ -180,8 +210,9 @@ class _Parser(ValueReader):
         label = f"rule {name!r}" if name else "the rule"
         description = ""
         if "description" in fields:
-            description = self.string(fields["description"][1], "description", allow_empty=True,
-                                      max_len=MAX_DESCRIPTION) or ""
+            description = (
+                self.string(fields["description"][1], "description", allow_empty=True, max_len=MAX_DESCRIPTION) or ""
+            )
         match = self.rule_match(fields)
         rule_scope = self.scope(fields["scope"][1]) if "scope" in fields else None
         action = self.rule_action(node, fields, label)
@@ -200,11 +231,24 @@ class _Parser(ValueReader):
         self.check_reset_scope(fields, label, scope, action, conditions)
         if self.failures > before or name is None or action is None:
             return None
-        return Rule(name=name, description=description, conditions=tuple(conditions), match=match, scope=scope,
-                    action=action, force=kill.force, grace_period=kill.grace_period,
-                    kill_grace=kill.kill_grace, notify=notify, exemptions=exemptions, where=self.where(node),
-                    cooldown=reset_cooldown, max_resets_per_hour=max_resets, warn=kill.warn,
-                    kill_scope=kill.kill_scope)
+        return Rule(
+            name=name,
+            description=description,
+            conditions=tuple(conditions),
+            match=match,
+            scope=scope,
+            action=action,
+            force=kill.force,
+            grace_period=kill.grace_period,
+            kill_grace=kill.kill_grace,
+            notify=notify,
+            exemptions=exemptions,
+            where=self.where(node),
+            cooldown=reset_cooldown,
+            max_resets_per_hour=max_resets,
+            warn=kill.warn,
+            kill_scope=kill.kill_scope,
+        )
 
     # -- a rule's fields, each read alone ----------------------------------------------------------------
 
@@ -214,8 +258,11 @@ class _Parser(ValueReader):
             return None
         name = self.string(fields["name"][1], "the rule name")
         if name is not None and (len(name) > MAX_NAME or not _NAME.match(name)):
-            self.error(fields["name"][1], f"rule name {quoted(name)} must be at most {MAX_NAME} letters, "
-                                          "digits, '.', '_' or '-', starting with a letter or digit")
+            self.error(
+                fields["name"][1],
+                f"rule name {quoted(name)} must be at most {MAX_NAME} letters, "
+                "digits, '.', '_' or '-', starting with a letter or digit",
+            )
             return None
         return name
 
@@ -249,8 +296,11 @@ class _Parser(ValueReader):
             kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_GRACE)
         kill_scope = self.rule_kill_scope(fields["kill_scope"][1]) if "kill_scope" in fields else KILL_PROCESS
         if action in ("notify", "log", RESET):
-            for key in (("grace_period", "kill_grace", "warn", "kill_scope") if action == RESET
-                        else ("force", "grace_period", "kill_grace", "warn", "kill_scope")):
+            for key in (
+                ("grace_period", "kill_grace", "warn", "kill_scope")
+                if action == RESET
+                else ("force", "grace_period", "kill_grace", "warn", "kill_scope")
+            ):
                 if key in fields:
                     self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
         warn: tuple[float, ...] = ()
@@ -275,8 +325,9 @@ class _Parser(ValueReader):
                     self.error(fields[key][0], f"{key} applies only to action reset, not {action}")
             return reset_cooldown, max_resets
         if "cooldown" in fields:
-            reset_cooldown = self.duration(fields["cooldown"][1], "cooldown", MIN_RESET_COOLDOWN, 86400.0) \
-                or RESET_COOLDOWN
+            reset_cooldown = (
+                self.duration(fields["cooldown"][1], "cooldown", MIN_RESET_COOLDOWN, 86400.0) or RESET_COOLDOWN
+            )
         if "max_resets_per_hour" in fields:
             node = fields["max_resets_per_hour"][1]
             ok, raw = self.scalar(node)
@@ -284,8 +335,10 @@ class _Parser(ValueReader):
                 max_resets = raw
             else:
                 shape = described(raw) if ok else node_kind(node)
-                self.error(node, "max_resets_per_hour must be a whole number from 1 to "
-                                 f"{MAX_RESETS_PER_HOUR_LIMIT}, not {shape}")
+                self.error(
+                    node,
+                    f"max_resets_per_hour must be a whole number from 1 to {MAX_RESETS_PER_HOUR_LIMIT}, not {shape}",
+                )
         return reset_cooldown, max_resets
 
     def condition_nodes(self, node: Node, fields: Fields, label: str) -> list[Node]:
@@ -324,47 +377,70 @@ class _Parser(ValueReader):
 
     # -- a rule's fields, checked together ---------------------------------------------------------------
 
-    def check_match_any(self, fields: Fields, match: str, scope: str,
-                        conditions: list[Condition]) -> None:
+    def check_match_any(self, fields: Fields, match: str, scope: str, conditions: list[Condition]) -> None:
         if match == "any" and any(c.role == SELECTOR for c in conditions):
             # selectors pick the processes a per_user/per_device rule counts; OR-ing them has no clear meaning
-            self.error(fields["match"][1], f"match any is not supported with process conditions in scope {scope}; "
-                                           "write one rule per alternative")
+            self.error(
+                fields["match"][1],
+                f"match any is not supported with process conditions in scope {scope}; write one rule per alternative",
+            )
 
-    def check_kill_selects_some(self, node: Node, label: str, scope: str, action: str | None,
-                                conditions: list[Condition]) -> None:
+    def check_kill_selects_some(
+        self, node: Node, label: str, scope: str, action: str | None, conditions: list[Condition]
+    ) -> None:
         if conditions and scope != PER_PROCESS and all(c.role == SELECTOR for c in conditions) and action == "kill":
-            self.error(node, f"{label} in scope {scope} has only process conditions: with action kill it would "
-                             f"kill every selected process; add a {scope.removeprefix('per_')} condition or use "
-                             "scope per_process")
+            self.error(
+                node,
+                f"{label} in scope {scope} has only process conditions: with action kill it would "
+                f"kill every selected process; add a {scope.removeprefix('per_')} condition or use "
+                "scope per_process",
+            )
 
-    def check_subjects_named(self, node: Node, fields: Fields, label: str, scope: str,
-                             match: str, conditions: list[Condition], valid: bool) -> None:
+    def check_subjects_named(
+        self, node: Node, fields: Fields, label: str, scope: str, match: str, conditions: list[Condition], valid: bool
+    ) -> None:
         """In a scope whose subjects a condition names (per_group: group), a rule has such a condition, with
         == or in; valid: no error was found in the rule so far."""
         naming = [t for t in CONDITION_TYPES.values() if scope in t.names]
-        if naming and conditions and valid and not any(
+        if (
+            naming
+            and conditions
+            and valid
+            and not any(
                 c.type in {t.name for t in naming} and c.role == SUBJECT and c.operator in ("==", "in")
-                for c in conditions):
+                for c in conditions
+            )
+        ):
             # Its subjects are what that condition names: a rule without one would look at every group of
             # every user (their primary groups, "users", ...), not at the group its author means.
             names = " or ".join(t.name for t in naming)
-            self.error(node, f"{label} in scope {scope} needs a {names} condition with == or in naming its "
-                             f"{scope.removeprefix('per_')}(s)")
+            self.error(
+                node,
+                f"{label} in scope {scope} needs a {names} condition with == or in naming its "
+                f"{scope.removeprefix('per_')}(s)",
+            )
         elif naming and match == "any":
             # The naming condition holds for every subject it names: with any, the rule would hold for all.
-            self.error(fields["match"][1], f"match any is not supported in scope {scope}: its "
-                                           f"{naming[0].name} condition holds for every subject it names")
+            self.error(
+                fields["match"][1],
+                f"match any is not supported in scope {scope}: its "
+                f"{naming[0].name} condition holds for every subject it names",
+            )
 
-    def check_reset_scope(self, fields: Fields, label: str, scope: str, action: str | None,
-                          conditions: list[Condition]) -> None:
+    def check_reset_scope(
+        self, fields: Fields, label: str, scope: str, action: str | None, conditions: list[Condition]
+    ) -> None:
         if action == RESET and scope != PER_DEVICE:
-            self.error(fields["action"][1], f"action reset resets a device: {label} needs scope per_device, "
-                                            f"not {scope}")
+            self.error(
+                fields["action"][1], f"action reset resets a device: {label} needs scope per_device, not {scope}"
+            )
         elif action == RESET and any(c.role == SELECTOR for c in conditions):
             # A reset stops everything on the device: which processes a rule counts cannot change that.
-            self.error(fields["action"][1], f"action reset acts on the whole device: {label} may have only device "
-                                            "conditions, no process conditions")
+            self.error(
+                fields["action"][1],
+                f"action reset acts on the whole device: {label} may have only device "
+                "conditions, no process conditions",
+            )
 
     def warn_schedule(self, node: Node, grace: float, no_grace: Node | None) -> tuple[float, ...]:
         """`warn: [at_start, 15m, 1m]`: when to warn during the grace period, each item `at_start` or a duration
@@ -374,8 +450,11 @@ class _Parser(ValueReader):
             return ()
         items = node.value if isinstance(node, SequenceNode) else None
         if not items:
-            self.error(node, "warn must be a list such as [at_start, 15m, 1m] (at_start, or a duration before the "
-                             f"grace period ends), not {'an empty list' if items == [] else node_kind(node)}")
+            self.error(
+                node,
+                "warn must be a list such as [at_start, 15m, 1m] (at_start, or a duration before the "
+                f"grace period ends), not {'an empty list' if items == [] else node_kind(node)}",
+            )
             return ()
         if len(items) > MAX_WARNINGS:
             self.error(node, f"warn has more than {MAX_WARNINGS} warnings")
@@ -389,9 +468,12 @@ class _Parser(ValueReader):
             else:
                 offset = self.duration(item, "a warning", 0.0, MAX_DURATION)
                 if offset is not None and not 0 < offset < grace:
-                    self.error(item, f"a warning {format_duration(offset)} before the end must fall within the "
-                                     f"grace period ({format_duration(grace)}): more than 0s and less than it "
-                                     "(at_start warns when it begins)")
+                    self.error(
+                        item,
+                        f"a warning {format_duration(offset)} before the end must fall within the "
+                        f"grace period ({format_duration(grace)}): more than 0s and less than it "
+                        "(at_start warns when it begins)",
+                    )
                     offset = None
             if offset is None:
                 continue
@@ -422,8 +504,10 @@ class _Parser(ValueReader):
         ctype = CONDITION_TYPES.get(type_name)
         if ctype is None:
             hint = close_match(type_name, tuple(CONDITION_TYPES))
-            self.error(fields["type"][1], f"unknown condition type {quoted(type_name)}{hint} "
-                                          f"(known: {', '.join(CONDITION_TYPES)})")
+            self.error(
+                fields["type"][1],
+                f"unknown condition type {quoted(type_name)}{hint} (known: {', '.join(CONDITION_TYPES)})",
+            )
             return None
         role = ctype.roles.get(scope)
         if role is None:
@@ -436,8 +520,10 @@ class _Parser(ValueReader):
             return None
         if op not in ctype.operators:
             what = "unknown operator" if op not in OPERATORS else "operator"
-            self.error(fields["operator"][1], f"{what} {quoted(op)} does not fit {type_name} "
-                                              f"(use one of: {', '.join(ctype.operators)})")
+            self.error(
+                fields["operator"][1],
+                f"{what} {quoted(op)} does not fit {type_name} (use one of: {', '.join(ctype.operators)})",
+            )
             return None
         if "value" not in fields:
             self.error(node, f"the {type_name} condition needs a 'value'")
@@ -447,9 +533,12 @@ class _Parser(ValueReader):
         if "duration" in fields:
             duration = self.duration(fields["duration"][1], "duration", 0.001)
             if duration is not None and role == SELECTOR:
-                self.error(fields["duration"][0], f"a duration on {type_name} is not supported in scope {scope}: "
-                                                  "process conditions select processes there; put the duration "
-                                                  "on a condition about the subject")
+                self.error(
+                    fields["duration"][0],
+                    f"a duration on {type_name} is not supported in scope {scope}: "
+                    "process conditions select processes there; put the duration "
+                    "on a condition about the subject",
+                )
         over = EVERY
         if "over" in fields:
             over = self.string(fields["over"][1], "over") or EVERY
@@ -465,6 +554,7 @@ class _Parser(ValueReader):
             return None
         text = f"{type_name} {op} {shown}"
         if duration:
-            text += (f" on average over {format_duration(duration)}" if over == MEAN
-                     else f" for {format_duration(duration)}")
+            text += (
+                f" on average over {format_duration(duration)}" if over == MEAN else f" for {format_duration(duration)}"
+            )
         return Condition(type_name, op, value, duration, percent, role, self.where(node), cut(text), over)

@@ -17,16 +17,22 @@ class PolicyError(InvalidPolicy):
     def __init__(self, errors: list[str]) -> None:
         self.errors = capped_errors(errors) or ["(no reason given)"]
         n = len(self.errors) - 1
-        more = "" if not n else (" (and many more; see gpukillctl guard validate)"
-                                 if self.errors[-1] == TOO_MANY_ERRORS else
-                                 f" (and {n} more; see gpukillctl guard validate)")
+        more = (
+            ""
+            if not n
+            else (
+                " (and many more; see gpukillctl guard validate)"
+                if self.errors[-1] == TOO_MANY_ERRORS
+                else f" (and {n} more; see gpukillctl guard validate)"
+            )
+        )
         super().__init__(f"{self.errors[0]}{more}")
 
 
 def one_line(line: str) -> str:
     """An error line as it is shown: one line (controls escaped), at most MAX_ERROR_LINE characters."""
     line = shown(line)
-    return line if len(line) <= MAX_ERROR_LINE else line[:MAX_ERROR_LINE - 1] + "…"
+    return line if len(line) <= MAX_ERROR_LINE else line[: MAX_ERROR_LINE - 1] + "…"
 
 
 def capped_errors(errors: list[str]) -> list[str]:
@@ -51,7 +57,7 @@ def quoted(text: str, limit: int = 60) -> str:
 
 
 def cut(text: str, limit: int = MAX_TEXT) -> str:
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def described(value: object) -> str:

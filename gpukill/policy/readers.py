@@ -97,8 +97,10 @@ class FieldReader:
         share nodes, so a list aliased into every rule costs its length at every use: this is what bounds it."""
         self.items += n
         if self.items > MAX_ITEMS:
-            self.add(f"{self.where(node)}: the policy is too large: more than {MAX_ITEMS} list items, fields, "
-                     "rules and conditions (an alias counts each time it is used)")
+            self.add(
+                f"{self.where(node)}: the policy is too large: more than {MAX_ITEMS} list items, fields, "
+                "rules and conditions (an alias counts each time it is used)"
+            )
             raise Stop(more=False)
 
     # -- values ----------------------------------------------------------------------------------------
@@ -143,8 +145,7 @@ class FieldReader:
                 continue
             if key not in known:
                 hint = close_match(key, known)
-                self.error(key_node, f"unknown field {quoted(key)} in {what}{hint} "
-                                     f"(known: {', '.join(known)})")
+                self.error(key_node, f"unknown field {quoted(key)} in {what}{hint} (known: {', '.join(known)})")
                 continue
             out[key] = (key_node, value_node)
         return out
@@ -182,13 +183,15 @@ class FieldReader:
             return None
         if not minimum <= seconds <= maximum:
             shown = value.strip() if isinstance(value, str) else short(value)  # parsed: short
-            self.error(node, f"{what} must be between {format_duration(minimum)} and {format_duration(maximum)}, "
-                             f"not {shown}")
+            self.error(
+                node, f"{what} must be between {format_duration(minimum)} and {format_duration(maximum)}, not {shown}"
+            )
             return None
         return seconds
 
-    def string_list(self, node: Node, what: str, allow_int: bool = False,
-                    max_len: int = MAX_STRING) -> tuple[Any, ...] | None:
+    def string_list(
+        self, node: Node, what: str, allow_int: bool = False, max_len: int = MAX_STRING
+    ) -> tuple[Any, ...] | None:
         """A list of strings (or a single string, for convenience); with allow_int, uids or gids too."""
         items = node.value if isinstance(node, SequenceNode) else [node]
         if isinstance(node, MappingNode):
@@ -208,8 +211,7 @@ class FieldReader:
             is_text = ok and isinstance(value, str) and value != ""
             is_id = ok and allow_int and isinstance(value, int) and not isinstance(value, bool)
             if is_id and not 0 <= value <= MAX_ID:
-                self.error(item, f"each item of {what}: a uid or gid is from 0 to {MAX_ID}, not "
-                                 f"{short(value)}")
+                self.error(item, f"each item of {what}: a uid or gid is from 0 to {MAX_ID}, not {short(value)}")
                 good = False
             elif is_text and len(value) > max_len:
                 self.error(item, f"each item of {what} must be at most {max_len} characters, not {len(value)}")
@@ -218,8 +220,9 @@ class FieldReader:
                 out.append(value)
             else:
                 kinds = "a string or a number" if allow_int else "a string"
-                self.error(item, f"each item of {what} must be {kinds}, not "
-                                 f"{described(value) if ok else node_kind(item)}")
+                self.error(
+                    item, f"each item of {what} must be {kinds}, not {described(value) if ok else node_kind(item)}"
+                )
                 good = False
         return tuple(out) if good else None
 
@@ -246,8 +249,7 @@ class FieldReader:
             return None
         values: dict[str, tuple[str, ...]] = {}
         for key, (_k, v) in fields.items():
-            items = self.string_list(v, f"exemptions.{key}", allow_int=key in ("users", "groups"),
-                                     max_len=MAX_ID_TEXT)
+            items = self.string_list(v, f"exemptions.{key}", allow_int=key in ("users", "groups"), max_len=MAX_ID_TEXT)
             if items is not None:
                 values[key] = tuple(str(i) for i in items)
                 if key in ("users", "groups"):
@@ -260,16 +262,14 @@ def notify_target_problem(target: str) -> str | None:
     if target in ("desktop", "journal", "owner"):
         return None
     if target.startswith("webhook:"):
-        url = target[len("webhook:"):]
+        url = target[len("webhook:") :]
         if len(url) > MAX_URL:
             return f"bad webhook URL {quoted(url, 80)}: longer than {MAX_URL} characters"
         if not _WEBHOOK.match(url):
-            return (f"bad webhook URL {quoted(url, 80)}: expected webhook:http://HOST[:PORT]/PATH or "
-                    "https://...")
+            return f"bad webhook URL {quoted(url, 80)}: expected webhook:http://HOST[:PORT]/PATH or https://..."
         return None
     if len(target) > MAX_EMAIL and "@" in target:
         return f"e-mail address {quoted(target, 80)} is longer than {MAX_EMAIL} characters"
     if len(target) <= MAX_EMAIL and _EMAIL.match(target):
         return None
-    return (f"not a notify target: {quoted(target, 80)} (an e-mail address, webhook:URL, owner, desktop or "
-            "journal)")
+    return f"not a notify target: {quoted(target, 80)} (an e-mail address, webhook:URL, owner, desktop or journal)"

@@ -110,8 +110,9 @@ class ValueReader(FieldReader):
         """The list of an `in` or `not in`: strings, or user names and uids, or group names and gids (as
         strings)."""
         kind = ctype.kind
-        values = self.string_list(node, what, allow_int=kind == USER,
-                                  max_len=MAX_ID_TEXT if kind in (USER, GROUP) else MAX_STRING)
+        values = self.string_list(
+            node, what, allow_int=kind == USER, max_len=MAX_ID_TEXT if kind in (USER, GROUP) else MAX_STRING
+        )
         if values is None:
             return _NO_VALUE
         if kind == GROUP:
@@ -136,8 +137,7 @@ class ValueReader(FieldReader):
         kind = ctype.kind
         is_id = isinstance(raw, int) and not isinstance(raw, bool) and kind in (GROUP, USER)
         if is_id and not 0 <= raw <= MAX_ID:
-            self.error(node, f"{what}: a {'uid' if kind == USER else 'gid'} is from 0 to {MAX_ID}, "
-                             f"not {short(raw)}")
+            self.error(node, f"{what}: a {'uid' if kind == USER else 'gid'} is from 0 to {MAX_ID}, not {short(raw)}")
             return _NO_VALUE
         if is_id:
             return (raw if kind == USER else str(raw)), False, str(raw)

@@ -45,8 +45,9 @@ class _Bounded(yaml.composer.Composer):
         try:
             if self._depth > MAX_DEPTH:
                 mark = cast(_Events, self).peek_event().start_mark
-                raise yaml.composer.ComposerError(None, None, f"lists and mappings nested more than {MAX_DEPTH} "
-                                                              "levels deep", mark)
+                raise yaml.composer.ComposerError(
+                    None, None, f"lists and mappings nested more than {MAX_DEPTH} levels deep", mark
+                )
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -114,8 +115,11 @@ def compose(text: str, filename: str) -> tuple[Node | None, SafeConstructor]:
         raise NotYaml(f"{where}: not valid YAML: {what}") from None
     except yaml.reader.ReaderError as e:  # a character YAML does not allow (controls, surrogates)
         where = _at(text, filename, e.position)
-        raise NotYaml(f"{where}: not valid YAML: character #x{e.character:04x} is not allowed ({e.reason})"
-                      if isinstance(e.character, int) else f"{where}: not valid YAML: {e.reason}") from None
+        raise NotYaml(
+            f"{where}: not valid YAML: character #x{e.character:04x} is not allowed ({e.reason})"
+            if isinstance(e.character, int)
+            else f"{where}: not valid YAML: {e.reason}"
+        ) from None
     except yaml.YAMLError as e:
         raise NotYaml(f"{filename}:1:1: not valid YAML: {e}") from None
     except (ValueError, OverflowError, TypeError, RecursionError, MemoryError) as e:
@@ -145,8 +149,7 @@ def scalar_value(loader: SafeConstructor, node: ScalarNode) -> tuple[Any, str | 
     if node.tag in (_INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG) and len(node.value) > MAX_NUMBER_TEXT:
         # Python refuses ints of more than 4300 digits (ValueError), and PyYAML's sexagesimal ints
         # (1:2:3:...) cost quadratic time: no number this long is valid anywhere in a policy.
-        return None, (f"a number written with more than {MAX_NUMBER_TEXT} characters is too large for any "
-                      "setting")
+        return None, (f"a number written with more than {MAX_NUMBER_TEXT} characters is too large for any setting")
     try:
         value = loader.construct_object(node)
     except yaml.YAMLError as e:  # e.g. an unknown tag

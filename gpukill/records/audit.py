@@ -34,8 +34,9 @@ class Finding:
     comm: str = wire("s", "the process name as the caller may see it", "", omit_empty=True)
     devices: tuple[int, ...] = wire("au", "the global indexes of the devices concerned", ())
     gpu_memory: int | None = wire("t", "bytes of GPU memory the process (or user) holds now", None)
-    evidence: tuple[Evidence, ...] = wire("aa{sv}", "why: the rules that matched, each with its points", (),
-                                          of=Evidence)
+    evidence: tuple[Evidence, ...] = wire(
+        "aa{sv}", "why: the rules that matched, each with its points", (), of=Evidence
+    )
 
 
 # Ports of mining pools' stratum endpoints (each pool publishes its own; these are the common ones). Not here:
@@ -52,17 +53,25 @@ class AuditSettings:
     """The rogue-activity audit's settings: gpukilld.conf's [audit] section, then gpukilld.conf.d/50-audit.conf
     (what SetAuditSettings and ImportAuditSettings write). The daemon's rules read this same record."""
 
-    idle_after: float = wire("d", "seconds of GPU memory held at 0% utilization before a process is an idle "
-                                  "holder", 1800.0)
+    idle_after: float = wire(
+        "d", "seconds of GPU memory held at 0% utilization before a process is an idle holder", 1800.0
+    )
     idle_min_memory: int = wire("t", "bytes: less GPU memory than this held idle is not reported", 256 << 20)
     abuser_window: float = wire("d", "seconds of history over which users' shares are compared", 3600.0)
     abuser_share: float = wire("d", "percent of all GPU memory (or time) in the window that makes an abuser", 80.0)
-    pool_ports: tuple[int, ...] = wire("aq", "TCP ports of mining pools (outside the ephemeral range)",
-                                       DEFAULT_POOL_PORTS)
-    min_score: float = wire("d", "AuditRogue reports findings of at least this score (0-100; Guard's "
-                                 "rogue_score is not affected)", 0.0)
-    allowed_users: tuple[str, ...] = wire("as", "user names never reported (Guard's rogue_score reads 0 for "
-                                                "their processes)", ())
-    allowed_processes: tuple[str, ...] = wire("as", "absolute paths of executables whose processes are never "
-                                                    "reported, when the process runs that very file, owned by "
-                                                    "root and writable by no one else", ())
+    pool_ports: tuple[int, ...] = wire(
+        "aq", "TCP ports of mining pools (outside the ephemeral range)", DEFAULT_POOL_PORTS
+    )
+    min_score: float = wire(
+        "d", "AuditRogue reports findings of at least this score (0-100; Guard's rogue_score is not affected)", 0.0
+    )
+    allowed_users: tuple[str, ...] = wire(
+        "as", "user names never reported (Guard's rogue_score reads 0 for their processes)", ()
+    )
+    allowed_processes: tuple[str, ...] = wire(
+        "as",
+        "absolute paths of executables whose processes are never "
+        "reported, when the process runs that very file, owned by "
+        "root and writable by no one else",
+        (),
+    )

@@ -25,8 +25,15 @@ class Wire(NamedTuple):
     key: str | None = None  # for a keyed map: the field of `of` whose value is the key
 
 
-def wire(sig: str, doc: str, default: Any = _REQUIRED, *, omit_empty: bool = False, of: type | None = None,
-         key: str | None = None) -> Any:
+def wire(
+    sig: str,
+    doc: str,
+    default: Any = _REQUIRED,
+    *,
+    omit_empty: bool = False,
+    of: type | None = None,
+    key: str | None = None,
+) -> Any:
     """A dataclass field that travels on the bus with this signature."""
     return field(default=default, metadata={"wire": Wire(sig, doc, omit_empty, of, key)})
 
@@ -81,8 +88,11 @@ def _plain_value(spec: Wire, value: Any) -> Any:
 def known_values(record: Any, key: str | None = None) -> dict[str, Any]:
     """A keyed map's entry: the record's values that are not left out, but its key."""
     cls: type = type(record)  # as in to_plain
-    return {name: _plain_value(spec, value) for name, spec in specs(cls)
-            if name != key and not left_out(spec, value := getattr(record, name))}
+    return {
+        name: _plain_value(spec, value)
+        for name, spec in specs(cls)
+        if name != key and not left_out(spec, value := getattr(record, name))
+    }
 
 
 def from_plain(cls: type, data: dict[str, Any]) -> Any:
@@ -104,8 +114,11 @@ def _from_plain_value(spec: Wire, value: Any) -> Any:
     if spec.key is not None:
         if not isinstance(value, dict):
             return None
-        return tuple(from_plain(spec.of, {**entry, spec.key: k}) for k, entry in value.items()
-                     if isinstance(k, str) and isinstance(entry, dict))
+        return tuple(
+            from_plain(spec.of, {**entry, spec.key: k})
+            for k, entry in value.items()
+            if isinstance(k, str) and isinstance(entry, dict)
+        )
     if spec.sig == "aa{sv}":
         if not isinstance(value, list | tuple):
             return None

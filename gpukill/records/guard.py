@@ -37,13 +37,17 @@ class RecentEvent:
     uid: int | None = wire("u", "the user concerned, where one is", None)
     event: str = wire("s", '"violation", "warning", "action", "cancelled" or "left" (a dry run\'s episode ended)', "")
     action: str = wire("s", "the rule's action", "")
-    outcome: str = wire("s", "the kill's outcome or refusal, \"\" for a violation", "")
+    outcome: str = wire("s", 'the kill\'s outcome or refusal, "" for a violation', "")
     pid: int | None = wire("u", "the process, where one is concerned", None)
     dry_run: bool = wire("b", "nothing was signalled", False)
     repeats: int | None = wire("u", "times it happened, folded into this entry (time: the last); absent: once", None)
     since: float | None = wire("d", "with repeats: when it first happened, seconds since the epoch", None)
-    detail: str = wire("s", "what the rule's kill_scope stopped with the process, and what it left running and why",
-                       "", omit_empty=True)
+    detail: str = wire(
+        "s",
+        "what the rule's kill_scope stopped with the process, and what it left running and why",
+        "",
+        omit_empty=True,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +80,9 @@ class NotificationCounters:
 
     channel: str = wire("s", "email, webhook, owner-mail, tty or desktop (the key of notifications)")
     queued: int = wire("t", "notices queued", 0)
-    delivered: int = wire("t", "notices written to a terminal, accepted by the mail server (250 after DATA) or "
-                               "by the webhook (2xx)", 0)
+    delivered: int = wire(
+        "t", "notices written to a terminal, accepted by the mail server (250 after DATA) or by the webhook (2xx)", 0
+    )
     failed: int = wire("t", "notices that could not be delivered: a write error, a timeout, a refusal", 0)
     dropped: int = wire("t", "notices dropped, the queue being full", 0)
     skipped: int = wire("t", "notices with nothing to deliver to: no terminal, mesg n, no address", 0)
@@ -96,15 +101,21 @@ class GuardStatus:
     loaded_by: str = wire("s", 'loaded: who loaded it, "alice (uid 1000)"; "" for guard.d\'s', "")
     loaded_at: float = wire("d", "loaded: when, seconds since the epoch; 0 for guard.d's", 0.0)
     dry_run_kept: str = wire("s", 'why a re-read of guard.d, not an admin, holds dry_run on; "" otherwise', "")
-    replaced: str = wire("s", 'the loaded policy the last re-read of guard.d replaced (name, by whom, when); '
-                              '"" none since the last LoadPolicy', "")
+    replaced: str = wire(
+        "s",
+        "the loaded policy the last re-read of guard.d replaced (name, by whom, when); "
+        '"" none since the last LoadPolicy',
+        "",
+    )
     replaced_at: float = wire("d", "when guard.d replaced it, seconds since the epoch; 0 none", 0.0)
     policy_error: str = wire("s", 'why the files were last rejected, or ""', "")
-    state_error: str = wire("s", 'why the state (switches, policy, clocks) could not be saved: in force, but a '
-                                 'restart resumes from the file as last written; "" when the last save succeeded',
-                            "")
-    rules: tuple[RuleStatus, ...] = wire("aa{sv}", "the rules in force, with their counters", (),
-                                         of=RuleStatus)
+    state_error: str = wire(
+        "s",
+        "why the state (switches, policy, clocks) could not be saved: in force, but a "
+        'restart resumes from the file as last written; "" when the last save succeeded',
+        "",
+    )
+    rules: tuple[RuleStatus, ...] = wire("aa{sv}", "the rules in force, with their counters", (), of=RuleStatus)
     recent: tuple[RecentEvent, ...] = wire("aa{sv}", "recent events, newest last", (), of=RecentEvent)
     windows: tuple[Window, ...] = wire("aa{sv}", "subjects inside a duration window", (), of=Window)
     graces: tuple[Grace, ...] = wire("aa{sv}", "subjects inside a grace period", (), of=Grace)
@@ -112,7 +123,8 @@ class GuardStatus:
     last_eval_ms: float = wire("d", "milliseconds the last evaluation took", 0.0)
     max_eval_ms: float = wire("d", "milliseconds the slowest evaluation took", 0.0)
     notifications: tuple[NotificationCounters, ...] = wire(
-        "a{sv}", "counters per notification channel", (), of=NotificationCounters, key="channel")
+        "a{sv}", "counters per notification channel", (), of=NotificationCounters, key="channel"
+    )
     recent_more: int | None = wire("u", "recent events left out past the first 200", None)
     windows_more: int | None = wire("u", "windows left out past the first 200", None)
     graces_more: int | None = wire("u", "graces left out past the first 200", None)
@@ -125,8 +137,11 @@ class Decision:
     rule: str = wire("s", "the rule's name")
     subject: str = wire("s", "the process, user or device")
     action: str = wire("s", "the rule's action")
-    status: str = wire("s", '"now", "waiting", "in-flight", "exempt", "not-met" (watched: a windowed condition does '
-                            'not hold now, nothing is done while so); "truncated": the count of the rest')
+    status: str = wire(
+        "s",
+        '"now", "waiting", "in-flight", "exempt", "not-met" (watched: a windowed condition does '
+        'not hold now, nothing is done while so); "truncated": the count of the rest',
+    )
     wait: float = wire("d", "seconds of duration, grace or cooldown still to run", 0.0)
     pids: tuple[int, ...] = wire("au", "what would be signalled", ())
     reason: str = wire("s", "why, at most 512 characters", "")
@@ -166,7 +181,8 @@ class ManagedPolicyEntry:
     memory_limit: int | None = wire("t", "bytes of GPU memory (user, group: summed over their processes)", None)
     utilization_limit: float | None = wire("d", "percent of GPU utilization", None)
     process_limit: int | None = wire("u", "GPU processes at once (user, group)", None)
-    allowed_users: tuple[str, ...] = wire("as", "gpu: only these users may hold it (none: everyone)", (),
-                                          omit_empty=True)
+    allowed_users: tuple[str, ...] = wire(
+        "as", "gpu: only these users may hold it (none: everyone)", (), omit_empty=True
+    )
     reserved_memory: int | None = wire("t", "gpu: bytes kept free on the device", None)
     grace: float = wire("d", "seconds over a limit before the kill", 30.0)

@@ -14,6 +14,7 @@ STATE_OK = "ok"
 STATE_LOST = "lost"  # the device stopped answering (fell off the bus, GPU_IS_LOST, a hung driver call)
 STATE_ERROR = "error"  # answering, but the driver reported a critical error (an Xid): it needs attention
 
+
 @dataclass(frozen=True, slots=True)
 class Device:
     """A GPU as ListDevices reports it. The daemon holds these in its snapshot (gpukilld/model.py)."""
@@ -29,8 +30,7 @@ class Device:
     memory_total: int | None = wire("t", "bytes", None)
     temperature: float | None = wire("d", "degrees Celsius", None)
     power: float | None = wire("d", "watts", None)
-    state: str = wire("s", '"ok"; "lost": not answering; "error": answering but with a critical driver error',
-                      STATE_OK)
+    state: str = wire("s", '"ok"; "lost": not answering; "error": answering but with a critical driver error', STATE_OK)
     state_reason: str = wire("s", "why it is not ok", "", omit_empty=True)
     power_limit: float | None = wire("d", "watts, the enforced limit", None)
     mig_mode: bool | None = wire("b", "NVIDIA Multi-Instance GPU mode; None where the device has none", None)
@@ -81,9 +81,13 @@ class Process:
     slurm_job: str | None = wire("s", "Slurm job id", None)
     container_pid: int | None = wire("u", "PID inside the innermost PID namespace, from NSpid", None)
     memory_regions: tuple[MemoryRegion, ...] = wire(
-        "a{sa{st}}", "GPU memory per region: region -> {total, resident}, each where known", (),
-        omit_empty=True, of=MemoryRegion, key="name")
+        "a{sa{st}}",
+        "GPU memory per region: region -> {total, resident}, each where known",
+        (),
+        omit_empty=True,
+        of=MemoryRegion,
+        key="name",
+    )
     # Some of its usage is through a GPU context that processes of other users hold too (a DRM fd passed
     # over a socket): that part is charged to no one, so gpu_memory and gpu_utilization cover only the rest.
-    shared_usage: bool = wire("b", "part of its usage is charged to no one (present when true)", False,
-                              omit_empty=True)
+    shared_usage: bool = wire("b", "part of its usage is charged to no one (present when true)", False, omit_empty=True)

@@ -59,13 +59,15 @@ class Reclaim:
     reclaimed: int = wire("t", "bytes freed on the devices watched, as the samples before and after say", 0)
     held: int = wire("t", "bytes the holders still hold", 0)
     devices: tuple[int, ...] = wire("au", "the devices watched (global indexes)", ())
-    holders: tuple[Holder, ...] = wire("aa{sv}", f"at most {MAX_HOLDERS}, largest first", (), omit_empty=True,
-                                       of=Holder)
+    holders: tuple[Holder, ...] = wire(
+        "aa{sv}", f"at most {MAX_HOLDERS}, largest first", (), omit_empty=True, of=Holder
+    )
     more: int = wire("u", "holders not listed", 0, omit_empty=True)
     samples: int = wire("u", "samples watched after the exit", 0)
     reason: str = wire("s", 'for "stuck": the state and wait channel read from /proc', "", omit_empty=True)
-    remedy: str = wire("s", 'for "stuck" and "held": what frees the GPU (gpukillctl reset N, kill --tree ...)', "",
-                       omit_empty=True)
+    remedy: str = wire(
+        "s", 'for "stuck" and "held": what frees the GPU (gpukillctl reset N, kill --tree ...)', "", omit_empty=True
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +78,11 @@ class WorkloadEntry:
     start_time: int = wire("t", "its start time")
     uid: int = wire("u", "its owner")
     comm: str = wire("s", "its name (the process chose it: escape before showing)")
-    result: str = wire("s", 'an outcome ("terminated", "killed", "still-alive") or the refusal ("access-denied", '
-                            '"protected", "process-changed", "no-such-process", "not-a-gpu-process")')
+    result: str = wire(
+        "s",
+        'an outcome ("terminated", "killed", "still-alive") or the refusal ("access-denied", '
+        '"protected", "process-changed", "no-such-process", "not-a-gpu-process")',
+    )
     error: str = wire("s", "why it was refused", "", omit_empty=True)
     on_gpu: bool = wire("b", "it used a GPU when selected", True)
 
@@ -89,8 +94,12 @@ class WorkloadReply:
     selection: str = wire("s", 'what was selected: "tree PID", "unit NAME" or "container ID"')
     entries: tuple[WorkloadEntry, ...] = wire("aa{sv}", "each process selected, by PID", (), of=WorkloadEntry)
     reclaim: Reclaim = wire("a{sv}", "the GPU's answer for the batch", Reclaim(UNWATCHED), of=Reclaim)
-    hidden: int = wire("u", "other users' processes selected that /proc hides from the caller (hidepid=invisible), "
-                            "not listed in entries", 0, omit_empty=True)
+    hidden: int = wire(
+        "u",
+        "other users' processes selected that /proc hides from the caller (hidepid=invisible), not listed in entries",
+        0,
+        omit_empty=True,
+    )
 
 
 @dataclass(frozen=True, slots=True)

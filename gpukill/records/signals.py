@@ -23,8 +23,9 @@ class ProcessKilled:
     caller_uid: int = wire("u", "who asked (0 for the daemon itself: a reset with force, a Guard rule)")
     initiator: str = wire("s", '"user" (a KillProcess call), "reset", or "guard:RULE"')
     # the last argument, added with the watch of the GPU: an older daemon's 8-argument signal has none
-    reclaim: Reclaim = wire("a{sv}", "the GPU's answer: memory reclaimed, held by whom, or stuck and why",
-                            Reclaim(UNWATCHED), of=Reclaim)
+    reclaim: Reclaim = wire(
+        "a{sv}", "the GPU's answer: memory reclaimed, held by whom, or stuck and why", Reclaim(UNWATCHED), of=Reclaim
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +105,15 @@ SIGNALS: dict[tuple[str, str], type] = {
 }
 # And the other way round: the (interface, member) a record was sent as.
 SIGNAL_OF: dict[type, tuple[str, str]] = {cls: key for key, cls in SIGNALS.items()}
-Event = (ProcessKilled | DeviceReset | DeviceStateChanged | SnapshotChanged | PolicyViolated | GuardActionTaken
-         | Notification)
+Event = (
+    ProcessKilled
+    | DeviceReset
+    | DeviceStateChanged
+    | SnapshotChanged
+    | PolicyViolated
+    | GuardActionTaken
+    | Notification
+)
 
 
 def signal_record(interface: str, member: str, args: list[Any]) -> Any:

@@ -37,7 +37,6 @@ class SamplingStatus:
     """The Sampling property: how the daemon learns what its processes become (gpukilld/sampling/proc_events.py)."""
 
     mode: str = wire("s", '"events" (the kernel\'s proc connector) or "polling" (its fallback)', "")
-    detail: str = wire("s", "with polling, why the connector is unavailable; with events, what the kernel sends",
-                       "")
+    detail: str = wire("s", "with polling, why the connector is unavailable; with events, what the kernel sends", "")
     events: int = wire("t", "proc connector events read since the daemon started", 0)
     overruns: int = wire("t", "samples that re-read every process: events were lost or over the per-sample cap", 0)

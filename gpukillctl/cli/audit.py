@@ -35,23 +35,39 @@ JSON_FORMAT = 1
 GPU_KILL_THRESHOLDS: dict[str, tuple[str | None, float | str]] = {
     "--rogue-confidence-threshold": ("min_score", 100.0),  # its confidence 0.0-1.0 is our score 0-100
     "--rogue-memory-threshold": (
-        None, "gpu-kill flags each process over N GB as a resource abuser; here an abuser is a user holding "
-              "abuser_share percent of the GPU memory used (gpukillctl audit settings set abuser_share=PCT), "
-              "and a memory limit is a Guard policy: gpukillctl guard policy add user USER --memory-limit SIZE"),
+        None,
+        "gpu-kill flags each process over N GB as a resource abuser; here an abuser is a user holding "
+        "abuser_share percent of the GPU memory used (gpukillctl audit settings set abuser_share=PCT), "
+        "and a memory limit is a Guard policy: gpukillctl guard policy add user USER --memory-limit SIZE",
+    ),
     "--rogue-utilization-threshold": (
-        None, "a busy GPU is no evidence of rogue activity here (a trainer is busy); users' GPU time is compared "
-              "by abuser_share (gpukillctl audit settings set abuser_share=PCT), and a utilization limit is a "
-              "Guard policy: gpukillctl guard policy add user USER --utilization-limit PCT"),
+        None,
+        "a busy GPU is no evidence of rogue activity here (a trainer is busy); users' GPU time is compared "
+        "by abuser_share (gpukillctl audit settings set abuser_share=PCT), and a utilization limit is a "
+        "Guard policy: gpukillctl guard policy add user USER --utilization-limit PCT",
+    ),
     "--rogue-duration-threshold": (
-        None, "a long run is no evidence of rogue activity here (a trainer runs for days); memory held at 0% "
-              "utilization is: gpukillctl audit settings set idle_after=DURATION"),
+        None,
+        "a long run is no evidence of rogue activity here (a trainer runs for days); memory held at 0% "
+        "utilization is: gpukillctl audit settings set idle_after=DURATION",
+    ),
 }
-PER_CALL = (("min_score", "--min-score", "PTS", "report only findings of at least this score (0-100)"),
-            ("idle_after", "--idle-after", "DURATION",
-             "idle holders: memory held unused (no utilization) this long, e.g. 30min"),
-            ("idle_min_memory", "--idle-min-memory", "SIZE",
-             "idle holders: at least this much memory (not below the configured value)"),
-            ("abuser_share", "--abuser-share", "PCT", "abusers: this share of the GPU memory or time"))
+PER_CALL = (
+    ("min_score", "--min-score", "PTS", "report only findings of at least this score (0-100)"),
+    (
+        "idle_after",
+        "--idle-after",
+        "DURATION",
+        "idle holders: memory held unused (no utilization) this long, e.g. 30min",
+    ),
+    (
+        "idle_min_memory",
+        "--idle-min-memory",
+        "SIZE",
+        "idle holders: at least this much memory (not below the configured value)",
+    ),
+    ("abuser_share", "--abuser-share", "PCT", "abusers: this share of the GPU memory or time"),
+)
 
 
 def gpu_kill_threshold(flag: str, value: str) -> tuple[str, float]:
@@ -69,6 +85,7 @@ def gpu_kill_threshold(flag: str, value: str) -> tuple[str, float]:
 
 def _setting_type(key: str) -> Any:
     """An argparse type for a per-scan setting: setting_value's, its one-line error naming the option."""
+
     def convert(text: str) -> Any:
         try:
             return setting_value(key, text)
@@ -80,27 +97,36 @@ def _setting_type(key: str) -> Any:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    audit = sub.add_parser("audit", help="rogue activity: crypto miners, GPU hogs, idle memory holders",
-                           description="The rogue-activity audit of gpukilld's last sample: each finding with "
-                                       "its score (0-100) and the evidence behind it. Of other users' processes "
-                                       "only what you may list is shown. Threshold options score the last "
-                                       "sample again for this one scan; `audit settings` changes them for good.")
+    audit = sub.add_parser(
+        "audit",
+        help="rogue activity: crypto miners, GPU hogs, idle memory holders",
+        description="The rogue-activity audit of gpukilld's last sample: each finding with "
+        "its score (0-100) and the evidence behind it. Of other users' processes "
+        "only what you may list is shown. Threshold options score the last "
+        "sample again for this one scan; `audit settings` changes them for good.",
+    )
     audit.add_argument("--json", action="store_true", help="machine-readable output (stable format)")
     for key, option, metavar, text in PER_CALL:
         audit.add_argument(option, dest=key, metavar=metavar, type=_setting_type(key), help=text + " (this scan only)")
     asub = audit.add_subparsers(dest="audit_command", metavar="settings")
-    settings = asub.add_parser("settings", help="the audit's thresholds and allow-lists (see man gpukilld.conf)",
-                               description="Show, change, export or import the rogue-activity audit's settings, "
-                                           "kept by gpukilld in gpukilld.conf.d/50-audit.conf. Changes need "
-                                           "polkit's org.gpukill.configure-audit.")
+    settings = asub.add_parser(
+        "settings",
+        help="the audit's thresholds and allow-lists (see man gpukilld.conf)",
+        description="Show, change, export or import the rogue-activity audit's settings, "
+        "kept by gpukilld in gpukilld.conf.d/50-audit.conf. Changes need "
+        "polkit's org.gpukill.configure-audit.",
+    )
     ssub = settings.add_subparsers(dest="settings_command", metavar="COMMAND")
     show = ssub.add_parser("show", help="the settings in force (the default)")
     show.add_argument("--json", action="store_true", help="machine-readable output")
     setp = ssub.add_parser("set", help="change settings: KEY=VALUE ... (lists: comma-separated; empty: none)")
     setp.add_argument("assignments", nargs="+", metavar="KEY=VALUE")
-    for name, what in (("allow-process", "an executable's absolute path (root's; never a name)"),
-                       ("disallow-process", "an executable's path"), ("allow-user", "a user name"),
-                       ("disallow-user", "a user name")):
+    for name, what in (
+        ("allow-process", "an executable's absolute path (root's; never a name)"),
+        ("disallow-process", "an executable's path"),
+        ("allow-user", "a user name"),
+        ("disallow-user", "a user name"),
+    ):
         ssub.add_parser(name, help=f"{name.split('-')[0]} {what}").add_argument("entry")
     export = ssub.add_parser("export", help="the settings as an [audit] section (to stdout or FILE)")
     export.add_argument("file", nargs="?")
@@ -118,8 +144,9 @@ def findings_text(findings: list[Finding]) -> str:
     """A table of findings, then each one's evidence."""
     if not findings:
         return "No rogue activity found."
-    rows = [[str(f.score), f.kind, _subject(f), ",".join(map(str, f.devices)) or "-", size(f.gpu_memory)]
-            for f in findings]
+    rows = [
+        [str(f.score), f.kind, _subject(f), ",".join(map(str, f.devices)) or "-", size(f.gpu_memory)] for f in findings
+    ]
     lines = [table(["SCORE", "KIND", "SUBJECT", "GPU", "MEMORY"], rows), ""]
     for f in findings:
         lines.append(shown(f"{f.kind} {_subject(f)}, score {f.score}:"))
@@ -188,14 +215,16 @@ def settings_text(s: AuditSettings) -> str:
     def listed(values: tuple) -> str:
         return ", ".join(map(str, values)) or "(none)"
 
-    rows = [["idle_after", f"{s.idle_after:g}", f"idle holder after {format_duration(s.idle_after)} at 0%"],
-            ["idle_min_memory", str(s.idle_min_memory), f"{format_size(s.idle_min_memory)} held at least"],
-            ["abuser_window", f"{s.abuser_window:g}", f"users compared over {format_duration(s.abuser_window)}"],
-            ["abuser_share", f"{s.abuser_share:g}", "percent of the GPU memory or time: an abuser"],
-            ["pool_ports", listed(s.pool_ports), "mining pools' ports"],
-            ["min_score", f"{s.min_score:g}", "AuditRogue reports findings of at least this score"],
-            ["allowed_users", listed(s.allowed_users), "never reported (rogue_score 0)"],
-            ["allowed_processes", listed(s.allowed_processes), "executables never reported (rogue_score 0)"]]
+    rows = [
+        ["idle_after", f"{s.idle_after:g}", f"idle holder after {format_duration(s.idle_after)} at 0%"],
+        ["idle_min_memory", str(s.idle_min_memory), f"{format_size(s.idle_min_memory)} held at least"],
+        ["abuser_window", f"{s.abuser_window:g}", f"users compared over {format_duration(s.abuser_window)}"],
+        ["abuser_share", f"{s.abuser_share:g}", "percent of the GPU memory or time: an abuser"],
+        ["pool_ports", listed(s.pool_ports), "mining pools' ports"],
+        ["min_score", f"{s.min_score:g}", "AuditRogue reports findings of at least this score"],
+        ["allowed_users", listed(s.allowed_users), "never reported (rogue_score 0)"],
+        ["allowed_processes", listed(s.allowed_processes), "executables never reported (rogue_score 0)"],
+    ]
     return table(["SETTING", "VALUE", "MEANING"], rows)  # every cell escaped (an entry is printable already)
 
 

@@ -56,8 +56,10 @@ EQUIVALENT = {
     "server": "gpukillctl serve",
 }
 
-_REGISTER_NODE = ("there is no coordinator: each host runs its own gpukilld; scrape each host with Prometheus "
-                  "(gpukillctl exporter), or ask one: gpukillctl -H HOST list")
+_REGISTER_NODE = (
+    "there is no coordinator: each host runs its own gpukilld; scrape each host with Prometheus "
+    "(gpukillctl exporter), or ask one: gpukillctl -H HOST list"
+)
 # ssh settings gpukillctl -H cannot pass: ssh reads them from the user's ssh configuration, where they belong
 # (-H passes no ssh options of its own; a password on a command line is readable by every user in ps).
 _SSH_CONFIG = "under Host HOST in ~/.ssh/config, then gpukillctl -H HOST list (ssh reads it there)"
@@ -67,12 +69,12 @@ _SSH_CONFIG = "under Host HOST in ~/.ssh/config, then gpukillctl -H HOST list (s
 UNSUPPORTED: dict[str, str] = {
     "--log-level": "gpukilld logs to the journal: journalctl -u gpukilld; its state: gpukillctl status",
     "--config": "gpukilld's settings are /etc/gpukill/gpukilld.conf (see gpukilld.conf(5)); its state: "
-                "gpukillctl status",
+    "gpukillctl status",
     "--register-node": _REGISTER_NODE,
     "--ssh-key": "put IdentityFile KEY " + _SSH_CONFIG,
     "--ssh-timeout": "put ConnectTimeout SECONDS " + _SSH_CONFIG,
     "--ssh-password": "ssh asks for the password itself: gpukillctl -H HOST list, and type it at ssh's prompt "
-                      "(or use a key); a password on the command line is visible to every user in ps",
+    "(or use a key); a password on the command line is visible to every user in ps",
 }
 
 # gpu-kill's usage audit (--audit alone or with --audit-*) is gpukillctl usage, gpukilld's accounting: each flag
@@ -118,18 +120,32 @@ POLICY_DEFAULTS: dict[str, dict[str, str]] = {
 }
 # Which --guard-* limit sets which setting, for each kind.
 POLICY_LIMITS: dict[str, dict[str, str]] = {
-    "user": {"guard_memory_limit": "memory_limit", "guard_utilization_limit": "utilization_limit",
-             "guard_process_limit": "process_limit"},
-    "group": {"guard_group_memory_limit": "memory_limit", "guard_group_utilization_limit": "utilization_limit",
-              "guard_group_process_limit": "process_limit"},
-    "gpu": {"guard_gpu_memory_limit": "memory_limit", "guard_gpu_utilization_limit": "utilization_limit",
-            "guard_gpu_reserved_memory": "reserved_memory", "guard_gpu_allowed_users": "allowed_users"},
+    "user": {
+        "guard_memory_limit": "memory_limit",
+        "guard_utilization_limit": "utilization_limit",
+        "guard_process_limit": "process_limit",
+    },
+    "group": {
+        "guard_group_memory_limit": "memory_limit",
+        "guard_group_utilization_limit": "utilization_limit",
+        "guard_group_process_limit": "process_limit",
+    },
+    "gpu": {
+        "guard_gpu_memory_limit": "memory_limit",
+        "guard_gpu_utilization_limit": "utilization_limit",
+        "guard_gpu_reserved_memory": "reserved_memory",
+        "guard_gpu_allowed_users": "allowed_users",
+    },
 }
 SIZE_SETTINGS = ("memory_limit", "reserved_memory")
 # gpukillctl guard policy add's option for each setting
-SETTING_OPTIONS = {"memory_limit": "--memory-limit", "utilization_limit": "--utilization-limit",
-                   "process_limit": "--process-limit", "reserved_memory": "--reserved-memory",
-                   "allowed_users": "--allowed-users"}
+SETTING_OPTIONS = {
+    "memory_limit": "--memory-limit",
+    "utilization_limit": "--utilization-limit",
+    "process_limit": "--process-limit",
+    "reserved_memory": "--reserved-memory",
+    "allowed_users": "--allowed-users",
+}
 
 
 def _help_defaults(kind: str) -> str:
@@ -137,8 +153,12 @@ def _help_defaults(kind: str) -> str:
 
 
 def _defaults(kind: str) -> str:
-    words = {"memory_limit": "{}GB memory", "utilization_limit": "{}% utilization",
-             "process_limit": "{} processes", "reserved_memory": "{}GB reserved"}
+    words = {
+        "memory_limit": "{}GB memory",
+        "utilization_limit": "{}% utilization",
+        "process_limit": "{} processes",
+        "reserved_memory": "{}GB reserved",
+    }
     return ", ".join(words[k].format(v) for k, v in POLICY_DEFAULTS[kind].items())
 
 
@@ -206,6 +226,7 @@ def vendor_name(text: str) -> str:
 
 def _threshold_type(flag: str) -> Callable[[str], str]:
     """gpu-kill's threshold as typed (a confidence: 0 to 1), converted by gpukillctl audit's table when used."""
+
     def threshold(text: str) -> str:
         if flag == "--rogue-confidence-threshold":
             _number(text, "a confidence", 0, 1)
@@ -253,199 +274,375 @@ class PrintVersion(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=PROG, allow_abbrev=False,  # `--kil` must not be taken for --kill
-               description="gpu-kill's command line, translated to gpukillctl: see, stop and reset GPU "
-                           "processes through gpukilld.",
-               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(
+        prog=PROG,
+        allow_abbrev=False,  # `--kil` must not be taken for --kill
+        description="gpu-kill's command line, translated to gpukillctl: see, stop and reset GPU "
+        "processes through gpukilld.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ops = p.add_argument_group("operations (exactly one)")
     ops.add_argument("--list", action="store_true", help="the GPUs and the processes on them (gpukillctl list)")
-    ops.add_argument("--kill", action="store_true",
-                     help="stop GPU processes: one with --pid, or with --batch every --filter match or every "
-                          "process on --gpu (gpukillctl kill)")
-    ops.add_argument("--reset", action="store_true",
-                     help="reset one GPU (--gpu) or every GPU (--all) (gpukillctl reset)")
-    ops.add_argument("--guard", action="store_true",
-                     help="Guard Mode: alone, its status (gpukillctl guard status); with one --guard-* option or "
-                          "--policy-file, that change")
-    ops.add_argument("--audit", action="store_true",
-                     help="with --rogue: the rogue-activity audit (gpukillctl audit); with a --rogue-* setting, "
-                          "that change (gpukillctl audit settings); alone or with --audit-*, gpu-kill's usage "
-                          "audit: GPU use per process over the last 24 hours (gpukillctl usage --by process)")
-    ops.add_argument("--server", action="store_true",
-                     help="the web dashboard, the REST API and MCP over HTTP, as you (gpukillctl serve): on its "
-                          "Unix socket, or with --server-port or --open on TCP on loopback")
+    ops.add_argument(
+        "--kill",
+        action="store_true",
+        help="stop GPU processes: one with --pid, or with --batch every --filter match or every "
+        "process on --gpu (gpukillctl kill)",
+    )
+    ops.add_argument(
+        "--reset", action="store_true", help="reset one GPU (--gpu) or every GPU (--all) (gpukillctl reset)"
+    )
+    ops.add_argument(
+        "--guard",
+        action="store_true",
+        help="Guard Mode: alone, its status (gpukillctl guard status); with one --guard-* option or "
+        "--policy-file, that change",
+    )
+    ops.add_argument(
+        "--audit",
+        action="store_true",
+        help="with --rogue: the rogue-activity audit (gpukillctl audit); with a --rogue-* setting, "
+        "that change (gpukillctl audit settings); alone or with --audit-*, gpu-kill's usage "
+        "audit: GPU use per process over the last 24 hours (gpukillctl usage --by process)",
+    )
+    ops.add_argument(
+        "--server",
+        action="store_true",
+        help="the web dashboard, the REST API and MCP over HTTP, as you (gpukillctl serve): on its "
+        "Unix socket, or with --server-port or --open on TCP on loopback",
+    )
 
     ls = p.add_argument_group("with --list")
-    ls.add_argument("--details", action="store_true",
-                    help="accepted for gpu-kill's sake: the list always has a row per process")
-    ls.add_argument("--watch", action="store_true",
-                    help=f"refresh the list every {WATCH_INTERVAL:g} seconds until interrupted (Ctrl-C ends it "
-                         "with exit status 0); with --output json, one JSON document per line")
-    ls.add_argument("--vendor", type=vendor_name, metavar="VENDOR",
-                    help="only that vendor's GPUs and the processes on them: nvidia, amd, intel, apple (or any "
-                         "vendor gpukillctl list shows), all for every GPU")
-    ls.add_argument("--containers", action="store_true",
-                    help="accepted for gpu-kill's sake: the list always shows each process's container, pod, "
-                         "Slurm job or unit (UNIT/CONTAINER; container_id, pod_uid in --output json)")
-    p.add_argument("--output", choices=["table", "json"], default="table",
-                   help="json: the stable format of gpukillctl list --json (with --list), or gpukillctl guard "
-                        "status/test --json (with --guard alone or --guard-test-policies); table: the default")
+    ls.add_argument(
+        "--details", action="store_true", help="accepted for gpu-kill's sake: the list always has a row per process"
+    )
+    ls.add_argument(
+        "--watch",
+        action="store_true",
+        help=f"refresh the list every {WATCH_INTERVAL:g} seconds until interrupted (Ctrl-C ends it "
+        "with exit status 0); with --output json, one JSON document per line",
+    )
+    ls.add_argument(
+        "--vendor",
+        type=vendor_name,
+        metavar="VENDOR",
+        help="only that vendor's GPUs and the processes on them: nvidia, amd, intel, apple (or any "
+        "vendor gpukillctl list shows), all for every GPU",
+    )
+    ls.add_argument(
+        "--containers",
+        action="store_true",
+        help="accepted for gpu-kill's sake: the list always shows each process's container, pod, "
+        "Slurm job or unit (UNIT/CONTAINER; container_id, pod_uid in --output json)",
+    )
+    p.add_argument(
+        "--output",
+        choices=["table", "json"],
+        default="table",
+        help="json: the stable format of gpukillctl list --json (with --list), or gpukillctl guard "
+        "status/test --json (with --guard alone or --guard-test-policies); table: the default",
+    )
 
     kill = p.add_argument_group("with --kill")
     kill.add_argument("--pid", type=positive_int, metavar="PID", help="the process to stop (gpukillctl kill PID)")
-    kill.add_argument("--filter", metavar="REGEX",
-                      help="processes whose name matches this RE2 regular expression: alone, lists them and kills "
-                           "nothing (gpukillctl list --name-regex REGEX); with --batch, kills them. With --batch "
-                           "a pattern that matches the empty string (so every name) is refused")
-    kill.add_argument("--batch", action="store_true",
-                      help="kill every process --filter matches or --gpu has, one after the other, each by the PID "
-                           "and start time listed (the first failure's exit status; the others are still tried)")
-    kill.add_argument("--dry-run", "--safe", action="store_true", dest="dry_run",
-                      help="preview: list the processes the kill would stop, by PID, and signal none (exit status "
-                           "0; 5 when there is none)")
-    kill.add_argument("--timeout-secs", type=seconds, metavar="SECONDS",
-                      help="wait this long after SIGTERM before --force sends SIGKILL (default 5; gpukillctl kill "
-                           "--grace)")
-    p.add_argument("--force", action="store_true",
-                   help="with --kill: SIGKILL a process that outlives the grace period; with --reset: kill the "
-                        "processes on the GPU first")
+    kill.add_argument(
+        "--filter",
+        metavar="REGEX",
+        help="processes whose name matches this RE2 regular expression: alone, lists them and kills "
+        "nothing (gpukillctl list --name-regex REGEX); with --batch, kills them. With --batch "
+        "a pattern that matches the empty string (so every name) is refused",
+    )
+    kill.add_argument(
+        "--batch",
+        action="store_true",
+        help="kill every process --filter matches or --gpu has, one after the other, each by the PID "
+        "and start time listed (the first failure's exit status; the others are still tried)",
+    )
+    kill.add_argument(
+        "--dry-run",
+        "--safe",
+        action="store_true",
+        dest="dry_run",
+        help="preview: list the processes the kill would stop, by PID, and signal none (exit status "
+        "0; 5 when there is none)",
+    )
+    kill.add_argument(
+        "--timeout-secs",
+        type=seconds,
+        metavar="SECONDS",
+        help="wait this long after SIGTERM before --force sends SIGKILL (default 5; gpukillctl kill --grace)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --kill: SIGKILL a process that outlives the grace period; with --reset: kill the "
+        "processes on the GPU first",
+    )
 
     reset = p.add_argument_group("with --reset (--gpu: with --kill too)")
-    reset.add_argument("--gpu", metavar="GPU",
-                       help="the GPU: index as --list shows it, UUID or PCI bus id (gpukillctl reset GPU); with "
-                            "--kill, its processes: alone, lists them and kills nothing (gpukillctl list --device "
-                            "GPU); with --batch, kills each")
-    reset.add_argument("--all", action="store_true",
-                       help="every GPU, in index order (the first failure's exit status; the others are still "
-                            "tried)")
+    reset.add_argument(
+        "--gpu",
+        metavar="GPU",
+        help="the GPU: index as --list shows it, UUID or PCI bus id (gpukillctl reset GPU); with "
+        "--kill, its processes: alone, lists them and kills nothing (gpukillctl list --device "
+        "GPU); with --batch, kills each",
+    )
+    reset.add_argument(
+        "--all",
+        action="store_true",
+        help="every GPU, in index order (the first failure's exit status; the others are still tried)",
+    )
 
     guard = p.add_argument_group("with --guard (one at a time)")
     guard.add_argument("--guard-config", action="store_true", help="the status, as --guard alone")
-    guard.add_argument("--guard-enable", action="store_true",
-                       help="evaluate the policy and act on it (gpukillctl guard enable)")
-    guard.add_argument("--guard-disable", action="store_true",
-                       help="stop evaluating (gpukillctl guard disable)")
-    guard.add_argument("--guard-dry-run", action="store_true",
-                       help="evaluate and report, never signal (gpukillctl guard dry-run on)")
-    guard.add_argument("--guard-enforce", action="store_true",
-                       help="end the dry run: act on the policy (gpukillctl guard dry-run off)")
-    guard.add_argument("--guard-test-policies", action="store_true",
-                       help="what the policy in force, or --policy-file FILE, would do now; acts on nothing "
-                            "(gpukillctl guard test)")
-    guard.add_argument("--policy-file", metavar="FILE",
-                       help="alone: validate FILE (gpukill-policy(5) format) and make it the policy in force "
-                            "(gpukillctl guard load FILE); with --guard-test-policies: test it instead")
+    guard.add_argument(
+        "--guard-enable", action="store_true", help="evaluate the policy and act on it (gpukillctl guard enable)"
+    )
+    guard.add_argument("--guard-disable", action="store_true", help="stop evaluating (gpukillctl guard disable)")
+    guard.add_argument(
+        "--guard-dry-run", action="store_true", help="evaluate and report, never signal (gpukillctl guard dry-run on)"
+    )
+    guard.add_argument(
+        "--guard-enforce", action="store_true", help="end the dry run: act on the policy (gpukillctl guard dry-run off)"
+    )
+    guard.add_argument(
+        "--guard-test-policies",
+        action="store_true",
+        help="what the policy in force, or --policy-file FILE, would do now; acts on nothing (gpukillctl guard test)",
+    )
+    guard.add_argument(
+        "--policy-file",
+        metavar="FILE",
+        help="alone: validate FILE (gpukill-policy(5) format) and make it the policy in force "
+        "(gpukillctl guard load FILE); with --guard-test-policies: test it instead",
+    )
 
     managed = p.add_argument_group(
         "with --guard: user, group and GPU policies (gpukillctl guard policy; sizes in GB as gpu-kill's are GiB, "
         "2^30 bytes; only the limits given are set: gpu-kill filled in defaults, gpukill makes no limit you did not "
-        "name)")
-    managed.add_argument("--guard-add-user", metavar="USER",
-                         help="create or replace USER's policy with the limits given (gpukillctl guard policy add "
-                              f"user USER); gpu-kill's defaults were {_help_defaults('user')}")
-    managed.add_argument("--guard-remove-user", metavar="USER",
-                         help="remove USER's policy (gpukillctl guard policy remove user USER)")
-    managed.add_argument("--guard-memory-limit", type=gigabytes, metavar="GB",
-                         help="with --guard-add-user: the user's GPU memory, summed over their processes")
-    managed.add_argument("--guard-utilization-limit", type=percent, metavar="PERCENT",
-                         help="with --guard-add-user: the user's GPU utilization")
-    managed.add_argument("--guard-process-limit", type=count, metavar="COUNT",
-                         help="with --guard-add-user: the user's GPU processes at once")
-    managed.add_argument("--guard-add-group", metavar="GROUP",
-                         help="create or replace the policy of GROUP, a system group (gpukillctl guard policy add "
-                              f"group GROUP), with the limits given; gpu-kill's defaults were {_help_defaults('group')}")
-    managed.add_argument("--guard-remove-group", metavar="GROUP",
-                         help="remove GROUP's policy (gpukillctl guard policy remove group GROUP)")
-    managed.add_argument("--guard-group-memory-limit", type=gigabytes, metavar="GB",
-                         help="with --guard-add-group: the members' GPU memory, summed")
-    managed.add_argument("--guard-group-utilization-limit", type=percent, metavar="PERCENT",
-                         help="with --guard-add-group: the members' GPU utilization")
-    managed.add_argument("--guard-group-process-limit", type=count, metavar="COUNT",
-                         help="with --guard-add-group: the members' GPU processes at once")
-    managed.add_argument("--guard-group-members", type=user_list, metavar="MEMBERS",
-                         help="refused, naming the commands to run: a group's members are the system's "
-                              "(gpasswd -a USER GROUP), as gpukilld reads them")
-    managed.add_argument("--guard-add-gpu", type=gpu_index, metavar="GPU_INDEX",
-                         help="create or replace the policy of that GPU with the limits given (gpukillctl guard "
-                              f"policy add gpu INDEX); gpu-kill's defaults were {_help_defaults('gpu')}")
-    managed.add_argument("--guard-remove-gpu", type=gpu_index, metavar="GPU_INDEX",
-                         help="remove that GPU's policy (gpukillctl guard policy remove gpu INDEX)")
-    managed.add_argument("--guard-gpu-memory-limit", type=gigabytes, metavar="GB",
-                         help="with --guard-add-gpu: the device's memory in use")
-    managed.add_argument("--guard-gpu-utilization-limit", type=percent, metavar="PERCENT",
-                         help="with --guard-add-gpu: the device's utilization")
-    managed.add_argument("--guard-gpu-reserved-memory", type=gigabytes, metavar="GB",
-                         help="with --guard-add-gpu: memory kept free on the device")
-    managed.add_argument("--guard-gpu-allowed-users", type=user_list, metavar="USERS",
-                         help="with --guard-add-gpu: only these users (comma-separated) may hold the GPU")
-    managed.add_argument("--guard-export-config", action="store_true",
-                         help="print every user, group and GPU policy (gpukillctl guard policy export): gpukill's "
-                              "YAML, not gpu-kill's JSON")
-    managed.add_argument("--guard-import-config", metavar="FILE",
-                         help="make FILE's policies the user, group and GPU policies, replacing the others, as "
-                              "gpu-kill's import does (gpukillctl guard policy import FILE --replace)")
-    managed.add_argument("--guard-toggle-dry-run", action="store_true",
-                         help="turn the dry run off if it is on, on if off (gpukillctl guard status, then "
-                              "gpukillctl guard dry-run on|off), and say which")
+        "name)"
+    )
+    managed.add_argument(
+        "--guard-add-user",
+        metavar="USER",
+        help="create or replace USER's policy with the limits given (gpukillctl guard policy add "
+        f"user USER); gpu-kill's defaults were {_help_defaults('user')}",
+    )
+    managed.add_argument(
+        "--guard-remove-user", metavar="USER", help="remove USER's policy (gpukillctl guard policy remove user USER)"
+    )
+    managed.add_argument(
+        "--guard-memory-limit",
+        type=gigabytes,
+        metavar="GB",
+        help="with --guard-add-user: the user's GPU memory, summed over their processes",
+    )
+    managed.add_argument(
+        "--guard-utilization-limit",
+        type=percent,
+        metavar="PERCENT",
+        help="with --guard-add-user: the user's GPU utilization",
+    )
+    managed.add_argument(
+        "--guard-process-limit",
+        type=count,
+        metavar="COUNT",
+        help="with --guard-add-user: the user's GPU processes at once",
+    )
+    managed.add_argument(
+        "--guard-add-group",
+        metavar="GROUP",
+        help="create or replace the policy of GROUP, a system group (gpukillctl guard policy add "
+        f"group GROUP), with the limits given; gpu-kill's defaults were {_help_defaults('group')}",
+    )
+    managed.add_argument(
+        "--guard-remove-group",
+        metavar="GROUP",
+        help="remove GROUP's policy (gpukillctl guard policy remove group GROUP)",
+    )
+    managed.add_argument(
+        "--guard-group-memory-limit",
+        type=gigabytes,
+        metavar="GB",
+        help="with --guard-add-group: the members' GPU memory, summed",
+    )
+    managed.add_argument(
+        "--guard-group-utilization-limit",
+        type=percent,
+        metavar="PERCENT",
+        help="with --guard-add-group: the members' GPU utilization",
+    )
+    managed.add_argument(
+        "--guard-group-process-limit",
+        type=count,
+        metavar="COUNT",
+        help="with --guard-add-group: the members' GPU processes at once",
+    )
+    managed.add_argument(
+        "--guard-group-members",
+        type=user_list,
+        metavar="MEMBERS",
+        help="refused, naming the commands to run: a group's members are the system's "
+        "(gpasswd -a USER GROUP), as gpukilld reads them",
+    )
+    managed.add_argument(
+        "--guard-add-gpu",
+        type=gpu_index,
+        metavar="GPU_INDEX",
+        help="create or replace the policy of that GPU with the limits given (gpukillctl guard "
+        f"policy add gpu INDEX); gpu-kill's defaults were {_help_defaults('gpu')}",
+    )
+    managed.add_argument(
+        "--guard-remove-gpu",
+        type=gpu_index,
+        metavar="GPU_INDEX",
+        help="remove that GPU's policy (gpukillctl guard policy remove gpu INDEX)",
+    )
+    managed.add_argument(
+        "--guard-gpu-memory-limit",
+        type=gigabytes,
+        metavar="GB",
+        help="with --guard-add-gpu: the device's memory in use",
+    )
+    managed.add_argument(
+        "--guard-gpu-utilization-limit",
+        type=percent,
+        metavar="PERCENT",
+        help="with --guard-add-gpu: the device's utilization",
+    )
+    managed.add_argument(
+        "--guard-gpu-reserved-memory",
+        type=gigabytes,
+        metavar="GB",
+        help="with --guard-add-gpu: memory kept free on the device",
+    )
+    managed.add_argument(
+        "--guard-gpu-allowed-users",
+        type=user_list,
+        metavar="USERS",
+        help="with --guard-add-gpu: only these users (comma-separated) may hold the GPU",
+    )
+    managed.add_argument(
+        "--guard-export-config",
+        action="store_true",
+        help="print every user, group and GPU policy (gpukillctl guard policy export): gpukill's "
+        "YAML, not gpu-kill's JSON",
+    )
+    managed.add_argument(
+        "--guard-import-config",
+        metavar="FILE",
+        help="make FILE's policies the user, group and GPU policies, replacing the others, as "
+        "gpu-kill's import does (gpukillctl guard policy import FILE --replace)",
+    )
+    managed.add_argument(
+        "--guard-toggle-dry-run",
+        action="store_true",
+        help="turn the dry run off if it is on, on if off (gpukillctl guard status, then "
+        "gpukillctl guard dry-run on|off), and say which",
+    )
 
     audit = p.add_argument_group("with --audit")
-    audit.add_argument("--audit-user", metavar="USER",
-                       help="only USER's GPU use (gpukillctl usage --user USER)")
-    audit.add_argument("--audit-process", metavar="NAME",
-                       help="only processes whose name contains NAME (gpukillctl usage --name NAME)")
-    audit.add_argument("--audit-hours", type=hours, metavar="HOURS",
-                       help=f"over the last HOURS hours (gpukillctl usage --since HOURSh; default "
-                            f"{GPU_KILL_AUDIT_HOURS})")
-    audit.add_argument("--audit-summary", action="store_true",
-                       help="the top users and the top processes (gpukillctl usage --by user, then --by process)")
-    audit.add_argument("--rogue", action="store_true",
-                       help="crypto miners, GPU hogs and idle memory holders, each with its score and evidence "
-                            "(gpukillctl audit; --output json: gpukillctl audit --json); with a --rogue-*-threshold, "
-                            "that threshold for this scan only")
-    audit.add_argument("--rogue-config", action="store_true",
-                       help="the audit's settings (gpukillctl audit settings show; --output json: --json)")
+    audit.add_argument("--audit-user", metavar="USER", help="only USER's GPU use (gpukillctl usage --user USER)")
+    audit.add_argument(
+        "--audit-process", metavar="NAME", help="only processes whose name contains NAME (gpukillctl usage --name NAME)"
+    )
+    audit.add_argument(
+        "--audit-hours",
+        type=hours,
+        metavar="HOURS",
+        help=f"over the last HOURS hours (gpukillctl usage --since HOURSh; default {GPU_KILL_AUDIT_HOURS})",
+    )
+    audit.add_argument(
+        "--audit-summary",
+        action="store_true",
+        help="the top users and the top processes (gpukillctl usage --by user, then --by process)",
+    )
+    audit.add_argument(
+        "--rogue",
+        action="store_true",
+        help="crypto miners, GPU hogs and idle memory holders, each with its score and evidence "
+        "(gpukillctl audit; --output json: gpukillctl audit --json); with a --rogue-*-threshold, "
+        "that threshold for this scan only",
+    )
+    audit.add_argument(
+        "--rogue-config",
+        action="store_true",
+        help="the audit's settings (gpukillctl audit settings show; --output json: --json)",
+    )
     for flag, key in ROGUE_THRESHOLDS.items():
-        audit.add_argument(flag, type=_threshold_type(flag), metavar="VALUE",
-                           help=f"keep gpu-kill's threshold as the audit setting {key} (gpukillctl audit settings "
-                                f"set {key}=...; a confidence 0 to 1 is a score 0 to 100); with --rogue, for this "
-                                "scan only (gpukillctl audit --min-score ...)")
-    audit.add_argument("--rogue-whitelist-process", metavar="PATH",
-                       help="never report the processes running the executable at PATH (gpukillctl audit settings "
-                            "allow-process PATH); a name, as gpu-kill took, is refused: a process chooses its name")
-    audit.add_argument("--rogue-unwhitelist-process", metavar="PATH",
-                       help="report them again (gpukillctl audit settings disallow-process PATH)")
-    audit.add_argument("--rogue-whitelist-user", metavar="USER",
-                       help="never report USER's processes (gpukillctl audit settings allow-user USER)")
-    audit.add_argument("--rogue-unwhitelist-user", metavar="USER",
-                       help="report USER's processes again (gpukillctl audit settings disallow-user USER)")
-    audit.add_argument("--rogue-export-config", action="store_true",
-                       help="print the audit's settings (gpukillctl audit settings export): an [audit] section, "
-                            "not gpu-kill's JSON")
-    audit.add_argument("--rogue-import-config", metavar="FILE",
-                       help="make FILE's [audit] section the audit's settings (gpukillctl audit settings import "
-                            "FILE)")
+        audit.add_argument(
+            flag,
+            type=_threshold_type(flag),
+            metavar="VALUE",
+            help=f"keep gpu-kill's threshold as the audit setting {key} (gpukillctl audit settings "
+            f"set {key}=...; a confidence 0 to 1 is a score 0 to 100); with --rogue, for this "
+            "scan only (gpukillctl audit --min-score ...)",
+        )
+    audit.add_argument(
+        "--rogue-whitelist-process",
+        metavar="PATH",
+        help="never report the processes running the executable at PATH (gpukillctl audit settings "
+        "allow-process PATH); a name, as gpu-kill took, is refused: a process chooses its name",
+    )
+    audit.add_argument(
+        "--rogue-unwhitelist-process",
+        metavar="PATH",
+        help="report them again (gpukillctl audit settings disallow-process PATH)",
+    )
+    audit.add_argument(
+        "--rogue-whitelist-user",
+        metavar="USER",
+        help="never report USER's processes (gpukillctl audit settings allow-user USER)",
+    )
+    audit.add_argument(
+        "--rogue-unwhitelist-user",
+        metavar="USER",
+        help="report USER's processes again (gpukillctl audit settings disallow-user USER)",
+    )
+    audit.add_argument(
+        "--rogue-export-config",
+        action="store_true",
+        help="print the audit's settings (gpukillctl audit settings export): an [audit] section, not gpu-kill's JSON",
+    )
+    audit.add_argument(
+        "--rogue-import-config",
+        metavar="FILE",
+        help="make FILE's [audit] section the audit's settings (gpukillctl audit settings import FILE)",
+    )
 
     server = p.add_argument_group("with --server")
-    server.add_argument("--server-port", type=port_number, metavar="PORT",
-                        help="listen on TCP PORT instead of the Unix socket (gpukillctl serve --tcp HOST:PORT; "
-                             "HOST 127.0.0.1 unless --server-host)")
-    server.add_argument("--open", action="store_true",
-                        help="open the dashboard in your browser, logged in by a one-time link (gpukillctl serve "
-                             "--tcp 127.0.0.1:8080 --open; the port: --server-port)")
-    server.add_argument("--server-host", metavar="HOST",
-                        help="with a loopback address (127.0.0.1, ::1, localhost): listen there, on --server-port "
-                             "or 8080; another address is refused (gpukillctl serve needs --token-file off "
-                             "loopback, which gpu-kill has no flag for)")
+    server.add_argument(
+        "--server-port",
+        type=port_number,
+        metavar="PORT",
+        help="listen on TCP PORT instead of the Unix socket (gpukillctl serve --tcp HOST:PORT; "
+        "HOST 127.0.0.1 unless --server-host)",
+    )
+    server.add_argument(
+        "--open",
+        action="store_true",
+        help="open the dashboard in your browser, logged in by a one-time link (gpukillctl serve "
+        "--tcp 127.0.0.1:8080 --open; the port: --server-port)",
+    )
+    server.add_argument(
+        "--server-host",
+        metavar="HOST",
+        help="with a loopback address (127.0.0.1, ::1, localhost): listen there, on --server-port "
+        "or 8080; another address is refused (gpukillctl serve needs --token-file off "
+        "loopback, which gpu-kill has no flag for)",
+    )
 
     remote = p.add_argument_group("on another host")
-    remote.add_argument("--remote", metavar="HOST",
-                        help="act on HOST's gpukilld over ssh (gpukillctl -H HOST): the host's polkit judges the "
-                             "ssh user and its journal records what is done")
+    remote.add_argument(
+        "--remote",
+        metavar="HOST",
+        help="act on HOST's gpukilld over ssh (gpukillctl -H HOST): the host's polkit judges the "
+        "ssh user and its journal records what is done",
+    )
     remote.add_argument("--ssh-user", metavar="USER", help="log in as USER (gpukillctl -H USER@HOST)")
-    remote.add_argument("--ssh-port", type=port_number, metavar="PORT",
-                        help="ssh to PORT (gpukillctl -H HOST:PORT)")
-    p.add_argument("--version", action=PrintVersion,
-                   help="print gpukill's version and exit")
+    remote.add_argument("--ssh-port", type=port_number, metavar="PORT", help="ssh to PORT (gpukillctl -H HOST:PORT)")
+    p.add_argument("--version", action=PrintVersion, help="print gpukill's version and exit")
     return p
 
 
@@ -476,16 +673,44 @@ OPTION_OWNERS: list[tuple[str, str, tuple[str, ...]]] = [
     *[(dest, _flag(dest), ("audit",)) for dest in USAGE_DESTS],
     ("vendor", "--vendor", ("list",)),
     ("containers", "--containers", ("list",)),
-    *[(flag[2:].replace("-", "_"), flag, ("guard",)) for flag in (
-        "--guard-add-user", "--guard-remove-user", "--guard-memory-limit", "--guard-utilization-limit",
-        "--guard-process-limit", "--guard-add-group", "--guard-remove-group", "--guard-group-memory-limit",
-        "--guard-group-utilization-limit", "--guard-group-process-limit", "--guard-group-members",
-        "--guard-add-gpu", "--guard-remove-gpu",
-        "--guard-gpu-memory-limit", "--guard-gpu-utilization-limit", "--guard-gpu-reserved-memory",
-        "--guard-gpu-allowed-users", "--guard-export-config", "--guard-import-config", "--guard-toggle-dry-run")],
-    *[(flag[2:].replace("-", "_"), flag, ("audit",)) for flag in (
-        "--rogue-config", *ROGUE_THRESHOLDS, "--rogue-whitelist-process", "--rogue-unwhitelist-process",
-        "--rogue-whitelist-user", "--rogue-unwhitelist-user", "--rogue-export-config", "--rogue-import-config")],
+    *[
+        (flag[2:].replace("-", "_"), flag, ("guard",))
+        for flag in (
+            "--guard-add-user",
+            "--guard-remove-user",
+            "--guard-memory-limit",
+            "--guard-utilization-limit",
+            "--guard-process-limit",
+            "--guard-add-group",
+            "--guard-remove-group",
+            "--guard-group-memory-limit",
+            "--guard-group-utilization-limit",
+            "--guard-group-process-limit",
+            "--guard-group-members",
+            "--guard-add-gpu",
+            "--guard-remove-gpu",
+            "--guard-gpu-memory-limit",
+            "--guard-gpu-utilization-limit",
+            "--guard-gpu-reserved-memory",
+            "--guard-gpu-allowed-users",
+            "--guard-export-config",
+            "--guard-import-config",
+            "--guard-toggle-dry-run",
+        )
+    ],
+    *[
+        (flag[2:].replace("-", "_"), flag, ("audit",))
+        for flag in (
+            "--rogue-config",
+            *ROGUE_THRESHOLDS,
+            "--rogue-whitelist-process",
+            "--rogue-unwhitelist-process",
+            "--rogue-whitelist-user",
+            "--rogue-unwhitelist-user",
+            "--rogue-export-config",
+            "--rogue-import-config",
+        )
+    ],
     ("server_port", "--server-port", ("server",)),
     ("server_host", "--server-host", ("server",)),
     ("open", "--open", ("server",)),
@@ -528,16 +753,15 @@ def shorthand(argv: list[str]) -> list[str]:
     `--reset ID` is --reset --gpu ID."""
     words = list(argv)
     if not any(w in ("--list", "--kill", "--reset", "--audit", "--server", "--guard") for w in words):
-        pid = next((i for i, w in enumerate(words) if w.isdigit() and (i == 0 or not _takes_value(words[i - 1]))),
-                   None)
+        pid = next((i for i, w in enumerate(words) if w.isdigit() and (i == 0 or not _takes_value(words[i - 1]))), None)
         if pid is not None:
-            words = ["--kill", "--pid", words[pid], *words[:pid], *words[pid + 1:]]
+            words = ["--kill", "--pid", words[pid], *words[:pid], *words[pid + 1 :]]
         elif "watch" in words:
             i = words.index("watch")
-            words = ["--list", "--watch", *words[:i], *words[i + 1:]]
+            words = ["--list", "--watch", *words[:i], *words[i + 1 :]]
         elif "up" in words:
             i = words.index("up")
-            words = ["--server", *words[:i], *words[i + 1:]]
+            words = ["--server", *words[:i], *words[i + 1 :]]
     if "--reset" in words and "--gpu" not in words:
         i = words.index("--reset")
         if i + 1 < len(words) and words[i + 1].isdigit():
@@ -564,24 +788,36 @@ def translate(args: argparse.Namespace) -> Plan:
         owned = [(flag, owners) for dest, flag, owners in OPTION_OWNERS if _given(args, dest)]
         if owned:  # gpu-kill requires the operation too (`--guard-enable` alone is an error there)
             flag, owners = owned[0]
-            raise Refused(f"{flag} without an operation: it is an option of {' or '.join('--' + o for o in owners)}",
-                          _on_host(host, _equivalent(owners[0], args)))
-        raise Refused("say what to do: one of --list, --kill, --reset, --guard, --audit --rogue, --server",
-                      "gpukill --help, or gpukillctl --help for every command")
+            raise Refused(
+                f"{flag} without an operation: it is an option of {' or '.join('--' + o for o in owners)}",
+                _on_host(host, _equivalent(owners[0], args)),
+            )
+        raise Refused(
+            "say what to do: one of --list, --kill, --reset, --guard, --audit --rogue, --server",
+            "gpukill --help, or gpukillctl --help for every command",
+        )
     if len(ops) > 1:
-        raise Refused(f"{' and '.join('--' + op for op in ops)} together: one operation at a time",
-                      "; ".join(_on_host(host, EQUIVALENT[op]) for op in ops))
+        raise Refused(
+            f"{' and '.join('--' + op for op in ops)} together: one operation at a time",
+            "; ".join(_on_host(host, EQUIVALENT[op]) for op in ops),
+        )
     op = ops[0]
     for dest, flag, owners in OPTION_OWNERS:
         if _given(args, dest) and op not in owners:
-            raise Refused(f"{flag} is an option of {' or '.join('--' + o for o in owners)}, not of --{op}",
-                          _on_host(host, _equivalent(op, args)))
+            raise Refused(
+                f"{flag} is an option of {' or '.join('--' + o for o in owners)}, not of --{op}",
+                _on_host(host, _equivalent(op, args)),
+            )
     if args.output == "json" and op not in ("list", "guard", "audit"):
-        raise Refused(f"--output json does not go with --{op}: it prints no JSON", _on_host(host, _equivalent(op, args)))
+        raise Refused(
+            f"--output json does not go with --{op}: it prints no JSON", _on_host(host, _equivalent(op, args))
+        )
     if op == "server":
         if host is not None:
-            raise Refused("--remote with --server: gpukillctl serve runs here, as you, and reaches this host's "
-                          "gpukilld", "ssh HOST gpukillctl serve, or gpukillctl serve here")
+            raise Refused(
+                "--remote with --server: gpukillctl serve runs here, as you, and reaches this host's gpukilld",
+                "ssh HOST gpukillctl serve, or gpukillctl serve here",
+            )
         return _server(args)
     args.host = host
     p = {"list": _list, "kill": _kill, "reset": _reset, "guard": _guard, "audit": _audit}[op](args)
@@ -634,8 +870,9 @@ def _equivalent(op: str, args: argparse.Namespace) -> str:
     return EQUIVALENT[op]
 
 
-def kill_args(pid: int, start_time: int | None, force: bool, grace: float | None,
-              host: str | None = None) -> argparse.Namespace:
+def kill_args(
+    pid: int, start_time: int | None, force: bool, grace: float | None, host: str | None = None
+) -> argparse.Namespace:
     """`gpukillctl [-H HOST] kill`'s arguments, parsed by gpukillctl's own parser, so they carry whatever it
     adds (with -H, a PID the host's daemon does not list is asked about with start time 0, not this host's)."""
     argv = (["-H", host] if host else []) + ["kill", str(pid)]
@@ -658,8 +895,7 @@ def fail(message: str, code: int) -> int:
 
 def list_args(json: bool = False, name_regex: str | None = None, device: str | None = None) -> argparse.Namespace:
     """The arguments of `gpukillctl list [--json] [--name-regex R] [--device GPU]`, as cmd_list reads them."""
-    return argparse.Namespace(json=json, device=device, user=None, name=None, name_regex=name_regex,
-                              min_memory=None)
+    return argparse.Namespace(json=json, device=device, user=None, name=None, name_regex=name_regex, min_memory=None)
 
 
 def _list(args: argparse.Namespace) -> Plan:
@@ -743,7 +979,7 @@ class Selection:
         return f
 
     def words(self, one: bool) -> str:
-        """" on GPU 0 match '^py'" (one: "... matches ...") for "N process(es)..." and "no GPU process..."."""
+        """ " on GPU 0 match '^py'" (one: "... matches ...") for "N process(es)..." and "no GPU process..."."""
         on_gpu = f" on GPU {self.gpu}" if self.gpu is not None else ""
         if self.pattern is None:
             return on_gpu
@@ -760,16 +996,20 @@ class Selection:
 
 def _kill(args: argparse.Namespace) -> Plan:
     if args.pid is not None and args.filter is not None:
-        raise Refused("--pid and --filter together: stop one PID, or every process --filter matches",
-                      f"gpukillctl kill {args.pid}")
+        raise Refused(
+            "--pid and --filter together: stop one PID, or every process --filter matches",
+            f"gpukillctl kill {args.pid}",
+        )
     if args.pid is not None and args.gpu is not None:
-        raise Refused("--pid and --gpu together: stop one PID, or every process on the GPU",
-                      f"gpukillctl kill {args.pid}")
+        raise Refused(
+            "--pid and --gpu together: stop one PID, or every process on the GPU", f"gpukillctl kill {args.pid}"
+        )
     if args.pid is None and args.filter is None and args.gpu is None:
         raise Refused("--kill needs --pid PID, or --filter REGEX or --gpu GPU with --batch", "gpukillctl kill PID")
     if args.batch and args.pid is not None:
-        raise Refused("--batch goes with --filter or --gpu (it kills every match), not with --pid",
-                      f"gpukillctl kill {args.pid}")
+        raise Refused(
+            "--batch goes with --filter or --gpu (it kills every match), not with --pid", f"gpukillctl kill {args.pid}"
+        )
     if args.pid is not None:
         if args.dry_run:
             return Plan(lambda client: preview_pid(client, args.pid, args.force, args.timeout_secs))
@@ -780,8 +1020,11 @@ def _kill(args: argparse.Namespace) -> Plan:
         # gpu-kill's --filter without --batch lists the matches and kills nothing: so does gpukill, and --gpu too.
         if args.force or args.timeout_secs is not None:
             stray = "--force" if args.force else "--timeout-secs"
-            raise Refused(f"{stray} without --batch: --kill {'--filter' if args.filter is not None else '--gpu'} "
-                          "alone only lists the matches", selection.gpukillctl_list())
+            raise Refused(
+                f"{stray} without --batch: --kill {'--filter' if args.filter is not None else '--gpu'} "
+                "alone only lists the matches",
+                selection.gpukillctl_list(),
+            )
         return Plan(lambda client: preview(client, selection))
     if args.filter is not None:
         _check_batch_pattern(args.filter)
@@ -797,8 +1040,10 @@ def _check_batch_pattern(pattern: str) -> None:
     except RegexError as e:
         raise Refused(f"--filter: {e}", "gpukillctl list --name-regex REGEX to try a pattern") from None
     except MatchesEveryName as e:
-        raise Refused(f"--filter {e}: refused with --batch", "name the processes, e.g. --filter '^python3$'; or "
-                      "gpukillctl list, then gpukillctl kill PID for each") from None
+        raise Refused(
+            f"--filter {e}: refused with --batch",
+            "name the processes, e.g. --filter '^python3$'; or gpukillctl list, then gpukillctl kill PID for each",
+        ) from None
 
 
 async def preview(client: ClientAPI, selection: Selection) -> int:
@@ -832,12 +1077,14 @@ async def no_targets(client: ClientAPI, selection: Selection, done: str) -> int:
 
 
 def _matched(selection: Selection, targets: list) -> str:
-    return shown(f"{len(targets)} process(es){selection.words(one=False)}: "
-                 + ", ".join(f"{p.pid} ({p.comm})" for p in targets))
+    return shown(
+        f"{len(targets)} process(es){selection.words(one=False)}: " + ", ".join(f"{p.pid} ({p.comm})" for p in targets)
+    )
 
 
-async def kill_matching(client: ClientAPI, selection: Selection, force: bool, grace: float | None,
-                        host: str | None = None) -> int:
+async def kill_matching(
+    client: ClientAPI, selection: Selection, force: bool, grace: float | None, host: str | None = None
+) -> int:
     """gpukillctl kill for every process the daemon lists as selected, each by the (PID, start time) listed, so
     a PID reused since the listing is refused, not killed. Every one is tried; the first failure's status."""
     targets = await targets_of(client, selection)
@@ -873,8 +1120,10 @@ async def preview_batch(client: ClientAPI, selection: Selection, force: bool, gr
 async def preview_pid(client: ClientAPI, pid: int, force: bool, grace: float | None) -> int:
     listed = next((p for p in await client.list_processes() if p.pid == pid), None)
     if listed is None:
-        return fail(f"PID {pid} is not a GPU process gpukilld lists: the kill would be refused; nothing was killed",
-                    EXIT_NOT_FOUND)
+        return fail(
+            f"PID {pid} is not a GPU process gpukilld lists: the kill would be refused; nothing was killed",
+            EXIT_NOT_FOUND,
+        )
     print(shown(f"would kill PID {pid} ({listed.comm}), start time {listed.start_time}: {_how(force, grace)}"))
     print(f"{PROG}: dry run: nothing was killed (polkit decides at the kill)", file=sys.stderr)
     return EXIT_OK
@@ -954,8 +1203,9 @@ def policy_settings(kind: str, args: argparse.Namespace, defaults: bool = False)
     for a message only)."""
     settings: dict = {}
     for key, text in POLICY_DEFAULTS[kind].items() if defaults else ():
-        settings[key] = gigabytes(text) if key in SIZE_SETTINGS else float(text) if key == "utilization_limit" \
-            else int(text)
+        settings[key] = (
+            gigabytes(text) if key in SIZE_SETTINGS else float(text) if key == "utilization_limit" else int(text)
+        )
     for dest, key in POLICY_LIMITS[kind].items():
         value = getattr(args, dest)
         if value is not None:
@@ -963,16 +1213,24 @@ def policy_settings(kind: str, args: argparse.Namespace, defaults: bool = False)
     return settings
 
 
-def policy_equivalent(verb: str, kind: str = "", target: str = "", settings: dict | None = None,
-                      file: str | None = None) -> str:
+def policy_equivalent(
+    verb: str, kind: str = "", target: str = "", settings: dict | None = None, file: str | None = None
+) -> str:
     if verb == "toggle":
         return "gpukillctl guard status, then gpukillctl guard dry-run on (or off)"
     words = ["gpukillctl", "guard", "policy", verb]
     if kind:
         words += [kind, target]
     for key, value in (settings or {}).items():
-        shown_value = gib_text(value) if key in SIZE_SETTINGS else ",".join(value) if key == "allowed_users" \
-            else number_text(value) if isinstance(value, float) else str(value)
+        shown_value = (
+            gib_text(value)
+            if key in SIZE_SETTINGS
+            else ",".join(value)
+            if key == "allowed_users"
+            else number_text(value)
+            if isinstance(value, float)
+            else str(value)
+        )
         words += [SETTING_OPTIONS[key], shown_value]
     if file is not None:
         words += [file, "--replace"]
@@ -987,35 +1245,46 @@ def _guard(args: argparse.Namespace) -> Plan:
         # gpu-kill did them all in its own order (enable before dry-run: enforcing for a moment): say the order.
         flags = [flag for flag, _ in chosen] + [flag for _, flag, _, _ in managed]
         steps = [guard_equivalent(command) for _, command in chosen] + [
-            policy_equivalent(verb, kind, str(getattr(args, dest)) if kind else "",
-                              policy_settings(kind, args) if verb == "add" else None)
-            for dest, _, kind, verb in managed]
-        raise Refused(f"{' and '.join(flags)} together: one Guard change at a time, in the order you mean",
-                      "; ".join(steps))
+            policy_equivalent(
+                verb,
+                kind,
+                str(getattr(args, dest)) if kind else "",
+                policy_settings(kind, args) if verb == "add" else None,
+            )
+            for dest, _, kind, verb in managed
+        ]
+        raise Refused(
+            f"{' and '.join(flags)} together: one Guard change at a time, in the order you mean", "; ".join(steps)
+        )
     if args.guard_group_members is not None and not any(v == "add" and k == "group" for _, _, k, v in managed):
         return _managed(args, "guard_add_group", "--guard-group-members", "group", "add", limits)
     if managed:
         if args.policy_file is not None:
-            raise Refused(f"--policy-file with {managed[0][1]}: two changes", "one at a time: "
-                          f"{guard_equivalent({'guard_command': 'load'}, args.policy_file)}")
+            raise Refused(
+                f"--policy-file with {managed[0][1]}: two changes",
+                f"one at a time: {guard_equivalent({'guard_command': 'load'}, args.policy_file)}",
+            )
         return _managed(args, *managed[0], limits)
     if limits:
         kind = next(k for k, dests in POLICY_LIMITS.items() if limits[0] in dests)
-        raise Refused(f"{_LIMIT_FLAGS[limits[0]]} goes with --guard-add-{kind}: alone it changes nothing (in gpu-kill "
-                      "too)", policy_equivalent("add", kind, kind.upper() if kind != "gpu" else "INDEX",
-                                                policy_settings(kind, args)))
+        raise Refused(
+            f"{_LIMIT_FLAGS[limits[0]]} goes with --guard-add-{kind}: alone it changes nothing (in gpu-kill too)",
+            policy_equivalent("add", kind, kind.upper() if kind != "gpu" else "INDEX", policy_settings(kind, args)),
+        )
     flag, command = chosen[0] if chosen else ("--guard", {"guard_command": "status"})
     if args.policy_file is not None:
         if not chosen:
             flag, command = "--policy-file", {"guard_command": "load", "file": args.policy_file}
         elif command["guard_command"] != "test":
-            raise Refused(f"--policy-file with {flag}: loading a policy and {flag} are two changes",
-                          f"{guard_equivalent({'guard_command': 'load'}, args.policy_file)}; "
-                          f"then {guard_equivalent(command)}")
+            raise Refused(
+                f"--policy-file with {flag}: loading a policy and {flag} are two changes",
+                f"{guard_equivalent({'guard_command': 'load'}, args.policy_file)}; then {guard_equivalent(command)}",
+            )
     json_out = args.output == "json"
     if json_out and command["guard_command"] not in ("status", "test"):
-        raise Refused(f"--output json does not go with {flag}: it prints no JSON",
-                      guard_equivalent(command, args.policy_file))
+        raise Refused(
+            f"--output json does not go with {flag}: it prints no JSON", guard_equivalent(command, args.policy_file)
+        )
     guard_ns = argparse.Namespace(**command, json=json_out, policy=args.policy_file)
     return Plan(lambda client: cmd_guard(client, guard_ns))
 
@@ -1025,27 +1294,34 @@ def _managed(args: argparse.Namespace, dest: str, flag: str, kind: str, verb: st
     stray = [d for d in limits if verb != "add" or d not in POLICY_LIMITS[kind]]
     if stray:
         owner = next(k for k, dests in POLICY_LIMITS.items() if stray[0] in dests)
-        raise Refused(f"{_LIMIT_FLAGS[stray[0]]} does not go with {flag}: it is a limit of --guard-add-{owner}",
-                      policy_equivalent(verb, kind, target,
-                                        policy_settings(kind, args) if verb == "add" else None))
+        raise Refused(
+            f"{_LIMIT_FLAGS[stray[0]]} does not go with {flag}: it is a limit of --guard-add-{owner}",
+            policy_equivalent(verb, kind, target, policy_settings(kind, args) if verb == "add" else None),
+        )
     if args.output == "json":
-        raise Refused(f"--output json does not go with {flag}: it prints no JSON",
-                      policy_equivalent(verb, kind, target, None, args.guard_import_config))
+        raise Refused(
+            f"--output json does not go with {flag}: it prints no JSON",
+            policy_equivalent(verb, kind, target, None, args.guard_import_config),
+        )
     if verb == "toggle":
         return Plan(toggle_dry_run)
     settings = policy_settings(kind, args) if verb == "add" else None
     if args.guard_group_members is not None:
         group = target if kind == "group" else "GROUP"
         joins = "; ".join(f"gpasswd -a {shlex.quote(u)} {shlex.quote(group)}" for u in args.guard_group_members)
-        raise Refused("--guard-group-members: a group's members are the system's, as gpukilld reads them (primary "
-                      "or supplementary), not a list in a policy",
-                      f"{joins + '; then ' if joins else ''}"
-                      f"{policy_equivalent('add', 'group', group, settings if kind == 'group' else None)}"
-                      f"{'' if kind == 'group' and settings else ' --memory-limit SIZE'}")
+        raise Refused(
+            "--guard-group-members: a group's members are the system's, as gpukilld reads them (primary "
+            "or supplementary), not a list in a policy",
+            f"{joins + '; then ' if joins else ''}"
+            f"{policy_equivalent('add', 'group', group, settings if kind == 'group' else None)}"
+            f"{'' if kind == 'group' and settings else ' --memory-limit SIZE'}",
+        )
     if verb == "add" and not settings:
-        raise Refused(f"{flag} {target} names no limit: gpu-kill filled in its defaults ({_defaults(kind)}); here a "
-                      "policy has the limits you name, so name them", policy_equivalent(
-                          "add", kind, target, policy_settings(kind, args, defaults=True)))
+        raise Refused(
+            f"{flag} {target} names no limit: gpu-kill filled in its defaults ({_defaults(kind)}); here a "
+            "policy has the limits you name, so name them",
+            policy_equivalent("add", kind, target, policy_settings(kind, args, defaults=True)),
+        )
     argv = shlex.split(policy_equivalent(verb, kind, target, settings, args.guard_import_config))[1:]
     if verb == "import":
         return gpu_kill_import(argv, args.guard_import_config, guard_import)
@@ -1093,8 +1369,7 @@ def steps(argvs: list[list[str]]) -> Plan:
     return Plan(run, commands=tuple(shlex.join(["gpukillctl", *argv]) for argv in argvs))
 
 
-def gpu_kill_import(argv: list[str], file: str,
-                    convert: Callable[[str, str], tuple[str | None, list[str]]]) -> Plan:
+def gpu_kill_import(argv: list[str], file: str, convert: Callable[[str, str], tuple[str | None, list[str]]]) -> Plan:
     """The gpukillctl import command `argv` for FILE in gpu-kill's format (gpu_kill_files.py: converted, each
     setting ignored said in a line) or in gpukill's own (imported as it is); refused in one line otherwise."""
     plain = steps([argv])
@@ -1116,13 +1391,26 @@ def gpu_kill_import(argv: list[str], file: str,
 
 # -- --audit: the scan with gpu-kill's thresholds, and the audit's settings ------------------------------------
 
-AUDIT_SETTING_DESTS = ("rogue_config", *(flag[2:].replace("-", "_") for flag in ROGUE_THRESHOLDS),
-                       "rogue_whitelist_process", "rogue_unwhitelist_process", "rogue_whitelist_user",
-                       "rogue_unwhitelist_user", "rogue_export_config", "rogue_import_config")
+AUDIT_SETTING_DESTS = (
+    "rogue_config",
+    *(flag[2:].replace("-", "_") for flag in ROGUE_THRESHOLDS),
+    "rogue_whitelist_process",
+    "rogue_unwhitelist_process",
+    "rogue_whitelist_user",
+    "rogue_unwhitelist_user",
+    "rogue_export_config",
+    "rogue_import_config",
+)
 _ALONE = ("rogue_config", "rogue_export_config", "rogue_import_config")  # requests, not changes: one at a time
-_SETTINGS_WORDS = {"rogue_config": "show", "rogue_export_config": "export", "rogue_import_config": "import",
-                   "rogue_whitelist_process": "allow-process", "rogue_unwhitelist_process": "disallow-process",
-                   "rogue_whitelist_user": "allow-user", "rogue_unwhitelist_user": "disallow-user"}
+_SETTINGS_WORDS = {
+    "rogue_config": "show",
+    "rogue_export_config": "export",
+    "rogue_import_config": "import",
+    "rogue_whitelist_process": "allow-process",
+    "rogue_unwhitelist_process": "disallow-process",
+    "rogue_whitelist_user": "allow-user",
+    "rogue_unwhitelist_user": "disallow-user",
+}
 
 
 def _threshold(dest: str, args: argparse.Namespace) -> str:
@@ -1163,35 +1451,49 @@ def _audit(args: argparse.Namespace) -> Plan:
     if usage and (args.rogue or given):
         other = "--rogue" if args.rogue else _flag(given[0])
         now = "gpukillctl audit" if args.rogue else shlex.join(["gpukillctl", *_audit_argv(given[0], args)])
-        raise Refused(f"{_flag(usage[0])} with {other}: the usage over time and "
-                      + ("the rogue-activity audit of the GPUs now" if args.rogue else "the audit's settings")
-                      + " are two requests", f"{shlex.join(['gpukillctl', *usage_argvs(args)[0]])}; then {now}")
+        raise Refused(
+            f"{_flag(usage[0])} with {other}: the usage over time and "
+            + ("the rogue-activity audit of the GPUs now" if args.rogue else "the audit's settings")
+            + " are two requests",
+            f"{shlex.join(['gpukillctl', *usage_argvs(args)[0]])}; then {now}",
+        )
     if not args.rogue and not given:
         return steps(usage_argvs(args))
     thresholds = [d for d in given if _flag(d) in ROGUE_THRESHOLDS]
     if args.rogue:
         others = [d for d in given if d not in thresholds]
         if others:
-            raise Refused(f"--rogue with {_flag(others[0])}: a scan and a change of settings are two requests",
-                          f"gpukillctl audit; then {shlex.join(['gpukillctl', *_audit_argv(others[0], args)])}")
+            raise Refused(
+                f"--rogue with {_flag(others[0])}: a scan and a change of settings are two requests",
+                f"gpukillctl audit; then {shlex.join(['gpukillctl', *_audit_argv(others[0], args)])}",
+            )
         # gpu-kill's thresholds for this scan only: gpukillctl audit --min-score ... (AuditRogueWith)
-        per_call = [word for d in thresholds for word in
-                    (f"--{_threshold(d, args).split('=')[0].replace('_', '-')}", _threshold(d, args).split("=")[1])]
+        per_call = [
+            word
+            for d in thresholds
+            for word in (f"--{_threshold(d, args).split('=')[0].replace('_', '-')}", _threshold(d, args).split("=")[1])
+        ]
         return steps([["audit", *json_out, *per_call]])
     alone = [d for d in given if d in _ALONE]
     if alone and len(given) > 1:
-        raise Refused(f"{' and '.join(_flag(d) for d in given)} together: one request at a time",
-                      "; ".join(shlex.join(["gpukillctl", *_audit_argv(d, args)]) for d in given))
+        raise Refused(
+            f"{' and '.join(_flag(d) for d in given)} together: one request at a time",
+            "; ".join(shlex.join(["gpukillctl", *_audit_argv(d, args)]) for d in given),
+        )
     if json_out and given[0] != "rogue_config":
-        raise Refused(f"--output json does not go with {_flag(given[0])}: it prints no JSON",
-                      shlex.join(["gpukillctl", *_audit_argv(given[0], args)]))
+        raise Refused(
+            f"--output json does not go with {_flag(given[0])}: it prints no JSON",
+            shlex.join(["gpukillctl", *_audit_argv(given[0], args)]),
+        )
     for dest in given:
         value = getattr(args, dest)
         if dest.endswith("whitelist_process") and not os.path.isabs(value):
-            raise Refused(f"{_flag(dest)} {value}: the audit allows an executable by its absolute path, not a "
-                          "process name (a process chooses its own name)",
-                          f"gpukillctl audit settings {_SETTINGS_WORDS[dest]} /PATH/OF/{shlex.quote(value)} "
-                          f"(command -v {shlex.quote(value)} finds it)")
+            raise Refused(
+                f"{_flag(dest)} {value}: the audit allows an executable by its absolute path, not a "
+                "process name (a process chooses its own name)",
+                f"gpukillctl audit settings {_SETTINGS_WORDS[dest]} /PATH/OF/{shlex.quote(value)} "
+                f"(command -v {shlex.quote(value)} finds it)",
+            )
     argvs = []
     if thresholds:  # every threshold in one change
         argvs.append(["audit", "settings", "set", *(_threshold(d, args) for d in thresholds)])
@@ -1210,15 +1512,21 @@ GPU_KILL_PORT = 8080  # gpu-kill's --server-port default
 def _server(args: argparse.Namespace) -> Plan:
     opening = ("--open",) if args.open else ()
     if args.server_host is None and args.server_port is None and not args.open:
-        return Plan(None, gpukillctl=("serve",),
-                    note="on gpukillctl serve's Unix socket (yours alone), not on gpu-kill's 0.0.0.0:8080; "
-                         "--server-port PORT for TCP on loopback")
+        return Plan(
+            None,
+            gpukillctl=("serve",),
+            note="on gpukillctl serve's Unix socket (yours alone), not on gpu-kill's 0.0.0.0:8080; "
+            "--server-port PORT for TCP on loopback",
+        )
     host = args.server_host or "127.0.0.1"
     port = args.server_port or GPU_KILL_PORT
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if host.lower() not in LOOPBACK:
-        raise Refused(f"--server-host {host}: off loopback gpukillctl serve needs a token file of yours, and "
-                      "gpu-kill has no flag for one", f"gpukillctl serve --tcp {address} --token-file FILE")
+        raise Refused(
+            f"--server-host {host}: off loopback gpukillctl serve needs a token file of yours, and "
+            "gpu-kill has no flag for one",
+            f"gpukillctl serve --tcp {address} --token-file FILE",
+        )
     note = None if args.server_host else f"on {address}, loopback only, not on gpu-kill's 0.0.0.0"
     return Plan(None, gpukillctl=("serve", "--tcp", address, *opening), note=note)
 
@@ -1279,4 +1587,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

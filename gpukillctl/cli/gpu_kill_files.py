@@ -24,24 +24,28 @@ GIB = 1 << 30  # gpu-kill's GB: NVML's bytes divided by 1024 three times (src/nv
 # The top-level keys that tell each file (both also have "metadata": not a setting, and not telling).
 GUARD_KEYS = ("global", "user_policies", "group_policies", "gpu_policies", "time_policies", "enforcement")
 ROGUE_KEYS = ("detection", "scoring", "patterns", "alerts")
-GUARD_FORMATS = ("gpu-kill's Guard Mode configuration (the JSON of gpu-kill --guard --guard-export-config, or "
-                 "its TOML file) or gpukill's managed policies (gpukillctl guard policy export)")
-ROGUE_FORMATS = ("gpu-kill's rogue detection configuration (the JSON of gpu-kill --audit --rogue-export-config, "
-                 "or its rogue_config.toml) or gpukill's [audit] section (gpukillctl audit settings export)")
+GUARD_FORMATS = (
+    "gpu-kill's Guard Mode configuration (the JSON of gpu-kill --guard --guard-export-config, or "
+    "its TOML file) or gpukill's managed policies (gpukillctl guard policy export)"
+)
+ROGUE_FORMATS = (
+    "gpu-kill's rogue detection configuration (the JSON of gpu-kill --audit --rogue-export-config, "
+    "or its rogue_config.toml) or gpukill's [audit] section (gpukillctl audit settings export)"
+)
 
 # Why each gpu-kill Guard Mode setting without a gpukill equivalent is ignored: (path, why).
 _GUARD_IGNORED = {
     "global.enabled": "Guard stays enabled or disabled as it is (gpukillctl guard status); it is switched by "
-                      "gpukillctl guard enable/disable (gpukill --guard-enable), not by a file",
+    "gpukillctl guard enable/disable (gpukill --guard-enable), not by a file",
     "global.dry_run": "Guard's dry run stays as it is (gpukillctl guard status); it is switched by gpukillctl "
-                      "guard dry-run on/off (gpukill --guard-dry-run), not by a file",
+    "guard dry-run on/off (gpukill --guard-dry-run), not by a file",
     "global.default_memory_limit_gb": "a policy here has only the limits it names: no default limit applies to "
-                                      "users without one",
+    "users without one",
     "global.default_utilization_limit_pct": "a policy here has only the limits it names",
     "global.default_duration_limit_hours": "a policy here has only the limits it names",
     "global.check_interval_seconds": "gpukilld evaluates Guard at every sample (sample_interval in a policy file)",
     "duration_limit_hours": "a run's length is not a managed limit here: a policy file's rule with a runtime "
-                            "condition (man gpukill-policy)",
+    "condition (man gpukill-policy)",
     "priority": "gpukill has no priorities: each limit holds for everyone it names",
     "allowed_gpus": "which users a GPU takes is the GPU's policy: --guard-add-gpu N --guard-gpu-allowed-users",
     "blocked_gpus": "which users a GPU takes is the GPU's policy: --guard-add-gpu N --guard-gpu-allowed-users",
@@ -51,34 +55,45 @@ _GUARD_IGNORED = {
     "maintenance_window": "gpukill has no maintenance windows",
     "time_policies": "limits do not change with the time of day here",
     "enforcement.soft_enforcement": "every managed policy warns and kills after its grace; gpukillctl guard "
-                                    "dry-run on makes Guard only report",
+    "dry-run on makes Guard only report",
     "enforcement.hard_enforcement": "every managed policy kills after its grace while Guard enforces, whatever "
-                                    "gpu-kill did; gpukillctl guard dry-run on makes Guard only report",
+    "gpu-kill did; gpukillctl guard dry-run on makes Guard only report",
     "enforcement.max_warnings": "warnings are sent during a rule's grace (warn: in a policy file)",
     "enforcement.notifications": "notices go where a policy file's notify: says (owner, e-mail, webhook, journal)",
 }
 # Each policy kind's settings that mean a gpukill one: gpu-kill's key -> (gpukill's, factor; None for a list).
 _GUARD_SETTINGS: dict[str, dict[str, tuple[str, float | None]]] = {
-    "user": {"memory_limit_gb": ("memory_limit", GIB), "utilization_limit_pct": ("utilization_limit", 1.0),
-             "max_concurrent_processes": ("process_limit", 1.0)},
-    "group": {"total_memory_limit_gb": ("memory_limit", GIB),
-              "total_utilization_limit_pct": ("utilization_limit", 1.0),
-              "max_concurrent_processes": ("process_limit", 1.0)},
-    "gpu": {"max_memory_gb": ("memory_limit", GIB), "max_utilization_pct": ("utilization_limit", 1.0),
-            "reserved_memory_gb": ("reserved_memory", GIB), "allowed_users": ("allowed_users", None)},
+    "user": {
+        "memory_limit_gb": ("memory_limit", GIB),
+        "utilization_limit_pct": ("utilization_limit", 1.0),
+        "max_concurrent_processes": ("process_limit", 1.0),
+    },
+    "group": {
+        "total_memory_limit_gb": ("memory_limit", GIB),
+        "total_utilization_limit_pct": ("utilization_limit", 1.0),
+        "max_concurrent_processes": ("process_limit", 1.0),
+    },
+    "gpu": {
+        "max_memory_gb": ("memory_limit", GIB),
+        "max_utilization_pct": ("utilization_limit", 1.0),
+        "reserved_memory_gb": ("reserved_memory", GIB),
+        "allowed_users": ("allowed_users", None),
+    },
 }
 _NAMED_BY = {"user": ("username",), "group": ("group_name",), "gpu": ("gpu_index",)}  # the target, repeated
 
 # gpu-kill's [detection] thresholds, as its --rogue-*-threshold flags (GPU_KILL_THRESHOLDS says what each is here).
-_DETECTION_FLAGS = {"min_confidence_threshold": "--rogue-confidence-threshold",
-                    "max_memory_usage_gb": "--rogue-memory-threshold",
-                    "max_utilization_pct": "--rogue-utilization-threshold",
-                    "max_duration_hours": "--rogue-duration-threshold"}
+_DETECTION_FLAGS = {
+    "min_confidence_threshold": "--rogue-confidence-threshold",
+    "max_memory_usage_gb": "--rogue-memory-threshold",
+    "max_utilization_pct": "--rogue-utilization-threshold",
+    "max_duration_hours": "--rogue-duration-threshold",
+}
 _ROGUE_IGNORED = {
     "detection.enabled_detections": "every rule of the audit runs; a finding's kind and score say which fired",
     "scoring": "scores are the audit's own rules (0-100), not weights (man gpukilld.conf, [audit])",
     "patterns.crypto_miner_patterns": "a process chooses its own name: the audit judges miners by what they do "
-                                      "(mining pool connections, the executable), not by name patterns",
+    "(mining pool connections, the executable), not by name patterns",
     "patterns.suspicious_process_names": "a process chooses its own name: the audit does not go by names",
     "patterns.custom_patterns": "the audit's rules are its own: no custom patterns",
     "alerts": "findings go to the journal and Guard's rogue_score condition; notices are Guard policies' notify:",
@@ -219,7 +234,8 @@ def _rogue_import(path: str, text: str) -> tuple[str | None, list[str]]:
             if len(paths) < len(words):
                 ignored["patterns.process_whitelist"] = (
                     f"{', '.join(w for w in words if not os.path.isabs(w))[:200]}: names, not executables' "
-                    "paths; a process chooses its own name (gpukillctl audit settings allow-process /PATH)")
+                    "paths; a process chooses its own name (gpukillctl audit settings allow-process /PATH)"
+                )
         elif f"patterns.{key}" in _ROGUE_IGNORED and _set(value):
             ignored[f"patterns.{key}"] = _ROGUE_IGNORED[f"patterns.{key}"]
     if _set(data.get("alerts")):

@@ -29,9 +29,12 @@ if TYPE_CHECKING:  # annotations only: the Guard's records load when `guard` run
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    guard = sub.add_parser("guard", help="Guard Mode: policies the daemon enforces (see man gpukill-policy)",
-                           description="Guard Mode: policies gpukilld enforces on its own samples. The policy "
-                                       "format, with every key and condition type: man gpukill-policy.")
+    guard = sub.add_parser(
+        "guard",
+        help="Guard Mode: policies the daemon enforces (see man gpukill-policy)",
+        description="Guard Mode: policies gpukilld enforces on its own samples. The policy "
+        "format, with every key and condition type: man gpukill-policy.",
+    )
     gsub = guard.add_subparsers(dest="guard_command", metavar="GUARD_COMMAND", parser_class=type(guard))
     gsub.required = True
     gsub.add_parser("enable", help="evaluate the policy and act on it")
@@ -52,25 +55,32 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_policy(gsub: argparse._SubParsersAction) -> None:
-    policy = gsub.add_parser("policy", help="user, group and GPU policies gpukilld keeps in guard.d (gpu-kill's)",
-                             description="Managed policies: per-user, per-group and per-GPU limits that gpukilld "
-                                         "writes as ordinary policy files into the Guard policy directory "
-                                         "(/etc/gpukill/guard.d) and applies at once. Changing them needs "
-                                         "polkit's org.gpukill.manage-policies.")
+    policy = gsub.add_parser(
+        "policy",
+        help="user, group and GPU policies gpukilld keeps in guard.d (gpu-kill's)",
+        description="Managed policies: per-user, per-group and per-GPU limits that gpukilld "
+        "writes as ordinary policy files into the Guard policy directory "
+        "(/etc/gpukill/guard.d) and applies at once. Changing them needs "
+        "polkit's org.gpukill.manage-policies.",
+    )
     psub = policy.add_subparsers(dest="policy_command", metavar="POLICY_COMMAND", parser_class=type(policy))
     psub.required = True
     add = psub.add_parser("add", help="create or replace the policy of a user, group or GPU")
     add.add_argument("kind", metavar="KIND", help="user, group or gpu")
     add.add_argument("target", metavar="TARGET", help="the user name, group name or GPU index")
-    add.add_argument("--memory-limit", metavar="SIZE", type=_size,
-                     help="GPU memory (user, group: summed over their processes), e.g. 8GiB")
+    add.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        type=_size,
+        help="GPU memory (user, group: summed over their processes), e.g. 8GiB",
+    )
     add.add_argument("--utilization-limit", metavar="PCT", type=_percent, help="GPU utilization, percent")
     add.add_argument("--process-limit", metavar="N", type=_count, help="GPU processes at once (user, group)")
-    add.add_argument("--allowed-users", metavar="U[,U...]", type=_names,
-                     help="gpu: only these users may hold the GPU")
+    add.add_argument("--allowed-users", metavar="U[,U...]", type=_names, help="gpu: only these users may hold the GPU")
     add.add_argument("--reserved-memory", metavar="SIZE", type=_size, help="gpu: memory kept free on the device")
-    add.add_argument("--grace", metavar="DURATION", type=_duration,
-                     help="time over a limit before the kill, e.g. 30s (default 30s)")
+    add.add_argument(
+        "--grace", metavar="DURATION", type=_duration, help="time over a limit before the kill, e.g. 30s (default 30s)"
+    )
     remove = psub.add_parser("remove", help="remove the policy of a user, group or GPU")
     remove.add_argument("kind", metavar="KIND", help="user, group or gpu")
     remove.add_argument("target", metavar="TARGET")
@@ -85,6 +95,7 @@ def _register_policy(gsub: argparse._SubParsersAction) -> None:
 
 def _argument(convert: Any) -> Any:
     """An argparse type from a converter raising ValueError: argparse's one line names the option."""
+
     def parse(text: str) -> Any:
         try:
             return convert(text)
@@ -232,16 +243,27 @@ async def _change(client: ClientAPI, args: argparse.Namespace) -> int:
         else:
             result = await client.guard_load_policy(os.path.abspath(args.file), text, interactive=agent.active)
             names = ", ".join(result.rules) or "none"
-            print(shown(f"policy {args.file} in force until the next reload of gpukilld (systemctl reload, "
-                        f"SIGHUP) or guard load: {len(policy.rules)} rule(s): {names}"))
+            print(
+                shown(
+                    f"policy {args.file} in force until the next reload of gpukilld (systemctl reload, "
+                    f"SIGHUP) or guard load: {len(policy.rules)} rule(s): {names}"
+                )
+            )
         st = await client.guard_status()
         if command == "dry-run" and args.state == "off" and st.policy_dry_run:
             # the switch is off, yet nothing is signalled: say why, and how to end it
-            print(shown(f"gpukillctl: dry run stays on: the policy in force ({', '.join(st.files)}) sets "
-                        "dry_run: true; remove it there and load or reload the policy to enforce"), file=sys.stderr)
+            print(
+                shown(
+                    f"gpukillctl: dry run stays on: the policy in force ({', '.join(st.files)}) sets "
+                    "dry_run: true; remove it there and load or reload the policy to enforce"
+                ),
+                file=sys.stderr,
+            )
         if st.state_error:  # in force now; a restart would go back to what was last saved
-            print(shown(f"gpukillctl: in force, but not kept across a restart of gpukilld: {st.state_error}"),
-                  file=sys.stderr)
+            print(
+                shown(f"gpukillctl: in force, but not kept across a restart of gpukilld: {st.state_error}"),
+                file=sys.stderr,
+            )
     finally:
         agent.close()
     return 0
@@ -264,15 +286,18 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     dry = st.dry_run or st.policy_dry_run
-    mode = "disabled" if not st.enabled else ("enabled, DRY RUN (nothing is signalled)" if dry else
-                                              "enabled, enforcing")
+    mode = (
+        "disabled" if not st.enabled else ("enabled, DRY RUN (nothing is signalled)" if dry else "enabled, enforcing")
+    )
     print(f"guard: {mode}")
     for why in _dry_run_reasons(st):
         print(shown(f"dry run: {why}"))
     source = "guard.d"
     if st.source == "loaded":
-        source = (f"loaded with gpukillctl guard load by {st.loaded_by or 'an unknown caller'} at "
-                  f"{_when(st.loaded_at)}, until the next reload of gpukilld or guard load")
+        source = (
+            f"loaded with gpukillctl guard load by {st.loaded_by or 'an unknown caller'} at "
+            f"{_when(st.loaded_at)}, until the next reload of gpukilld or guard load"
+        )
     print(shown(f"policy: {', '.join(st.files) or 'none'} ({source})"))
     if st.replaced:
         print(shown(f"replaced at {_when(st.replaced_at)} by a re-read of guard.d: {st.replaced}"))
@@ -283,22 +308,38 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
     print(f"evaluations: {st.evaluations}, last {st.last_eval_ms:.1f} ms, slowest {st.max_eval_ms:.1f} ms")
     if st.rules:
         print()
-        print(table(["RULE", "ACTION", "SCOPE", "TRIGGERS", "KILLS", "WOULD-KILL", "CANCELLED", "FAILED", "RESETS",
-                     "LAST"],
-                    [[r.name, r.action, r.scope, str(r.triggers), str(r.kills), str(r.would_kill),
-                      str(r.cancelled), str(r.failed), str(r.resets), _when(r.last_triggered)] for r in st.rules]))
+        print(
+            table(
+                ["RULE", "ACTION", "SCOPE", "TRIGGERS", "KILLS", "WOULD-KILL", "CANCELLED", "FAILED", "RESETS", "LAST"],
+                [
+                    [
+                        r.name,
+                        r.action,
+                        r.scope,
+                        str(r.triggers),
+                        str(r.kills),
+                        str(r.would_kill),
+                        str(r.cancelled),
+                        str(r.failed),
+                        str(r.resets),
+                        _when(r.last_triggered),
+                    ]
+                    for r in st.rules
+                ],
+            )
+        )
     if st.windows:
         print("\nin a duration window:")
         for w in st.windows:
-            print(shown(f"  {w.rule}: {w.subject}: {w.condition}: {_seconds(w.elapsed)} "
-                        f"of {_seconds(w.duration)}"))
+            print(shown(f"  {w.rule}: {w.subject}: {w.condition}: {_seconds(w.elapsed)} of {_seconds(w.duration)}"))
     if st.graces:
         print("\nin a grace period:")
         for g in st.graces:
             warned = ""
             if g.warnings_sent or g.next_warning is not None:
                 warned = f"; {g.warnings_sent} warning(s) sent" + (
-                    f", next in {_seconds(g.next_warning)}" if g.next_warning is not None else "")
+                    f", next in {_seconds(g.next_warning)}" if g.next_warning is not None else ""
+                )
             print(shown(f"  {g.rule}: {g.subject}: {_seconds(g.remaining)} left{warned}"))
     if st.recent:
         print("\nrecent:")
@@ -427,8 +468,12 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
         elif not entries:
             print("no managed policies (gpukillctl guard policy add KIND TARGET ... makes one)")
         else:
-            print(table(["KIND", "TARGET", "LIMITS", "FILE", "EDITED"],
-                        [[e.kind, e.target, _limits(e), e.file, "edited" if e.edited else "-"] for e in entries]))
+            print(
+                table(
+                    ["KIND", "TARGET", "LIMITS", "FILE", "EDITED"],
+                    [[e.kind, e.target, _limits(e), e.file, "edited" if e.edited else "-"] for e in entries],
+                )
+            )
         return 0
     if command == "export":
         text = await client.guard_export_policies()
@@ -451,8 +496,11 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
     elif command == "add":
         settings = {key: getattr(args, key) for key in SETTING_OPTIONS if getattr(args, key) is not None}
         if not settings or set(settings) == {"grace"}:
-            return _fail("guard policy add: give at least one limit (--memory-limit, --utilization-limit, "
-                         "--process-limit, --allowed-users, --reserved-memory)", EXIT_USAGE)
+            return _fail(
+                "guard policy add: give at least one limit (--memory-limit, --utilization-limit, "
+                "--process-limit, --allowed-users, --reserved-memory)",
+                EXIT_USAGE,
+            )
     from ..client.polkit_agent import PolkitAgent
 
     agent = PolkitAgent()
@@ -465,8 +513,9 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
             await client.guard_remove_policy(args.kind, args.target, interactive=agent.active)
             print(shown(f"{args.kind} policy for {args.target} removed"))
         else:
-            entries = await client.guard_import_policies(args.file, text, replace=args.replace,
-                                                         interactive=agent.active)
+            entries = await client.guard_import_policies(
+                args.file, text, replace=args.replace, interactive=agent.active
+            )
             names = ", ".join(f"{e.kind} {e.target}" for e in entries) or "none"
             print(shown(f"{len(entries)} policies from {args.file} in force: {names}"))
     finally:

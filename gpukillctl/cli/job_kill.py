@@ -43,8 +43,9 @@ async def _kill_one(client: ClientAPI, p: Process, args: argparse.Namespace, int
 
     what = f"PID {p.pid} ({shown(p.comm)})"
     try:
-        report = await client.kill_report(p.pid, p.start_time, force=args.force, grace=args.grace,
-                                          interactive=interactive)
+        report = await client.kill_report(
+            p.pid, p.start_time, force=args.force, grace=args.grace, interactive=interactive
+        )
     except (errors.NoSuchProcess, errors.ProcessChanged):
         print(f"{what} already gone")  # ended between the listing and the kill: what was asked is done
         return EXIT_OK

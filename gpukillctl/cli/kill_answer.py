@@ -26,8 +26,13 @@ from ..client.exits import (
     batch_exit,
 )
 
-_ENTRY_EXIT = {"denied": EXIT_DENIED, "protected": EXIT_REFUSED, "not-a-gpu-process": EXIT_REFUSED,
-               "still-alive": EXIT_STILL_ALIVE, "process-changed": EXIT_CHANGED}
+_ENTRY_EXIT = {
+    "denied": EXIT_DENIED,
+    "protected": EXIT_REFUSED,
+    "not-a-gpu-process": EXIT_REFUSED,
+    "still-alive": EXIT_STILL_ALIVE,
+    "process-changed": EXIT_CHANGED,
+}
 
 
 def unit_name(text: str) -> str:
@@ -75,8 +80,11 @@ def workload_answer(reply: Any) -> int:
         return EXIT_OK
     codes = []
     if reply.hidden:  # /proc hides them from the caller (hidepid): what became of them is not the caller's to see
-        print(f"gpukillctl: {reply.hidden} processes of other users in {shown(reply.selection)} are hidden from you "
-              "by /proc (hidepid): what became of them is not shown", file=sys.stderr)
+        print(
+            f"gpukillctl: {reply.hidden} processes of other users in {shown(reply.selection)} are hidden from you "
+            "by /proc (hidepid): what became of them is not shown",
+            file=sys.stderr,
+        )
     for e in reply.entries:
         what = f"PID {e.pid} ({shown(e.comm)})"
         if not e.on_gpu:

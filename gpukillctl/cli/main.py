@@ -106,10 +106,18 @@ def build_parser(full: bool = True, only: str | None = None) -> argparse.Argumen
     def wanted(name: str) -> bool:
         return only is None or name == only
 
-    p = Parser(prog="gpukillctl", description="See and stop GPU processes, reset GPUs, through gpukilld.",
-               epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-H", "--host", metavar="[USER@]HOST[:PORT]",
-                   help="act on this host's gpukilld, over ssh and its systemd-stdio-bridge (as systemctl -H)")
+    p = Parser(
+        prog="gpukillctl",
+        description="See and stop GPU processes, reset GPUs, through gpukilld.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "-H",
+        "--host",
+        metavar="[USER@]HOST[:PORT]",
+        help="act on this host's gpukilld, over ssh and its systemd-stdio-bridge (as systemctl -H)",
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
@@ -150,8 +158,9 @@ def _register_list(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--user", help="only processes of this user (name or uid)")
     ls.add_argument("--name", help="only processes whose name contains this")
     ls.add_argument("--name-regex", help="only processes whose name matches this regular expression")
-    ls.add_argument("--min-memory", type=byte_count, metavar="SIZE",
-                    help="only processes using at least SIZE (e.g. 4GiB, 512MiB)")
+    ls.add_argument(
+        "--min-memory", type=byte_count, metavar="SIZE", help="only processes using at least SIZE (e.g. 4GiB, 512MiB)"
+    )
 
 
 def _register_kill(sub: argparse._SubParsersAction) -> None:
@@ -161,19 +170,35 @@ def _register_kill(sub: argparse._SubParsersAction) -> None:
     kill = sub.add_parser("kill", help="stop a GPU process (or a workload's) and say whether its GPU memory is back")
     target = kill.add_mutually_exclusive_group(required=True)
     target.add_argument("pid", type=positive_int, metavar="PID", nargs="?")
-    target.add_argument("--job", type=slurm_job_id, metavar="ID",
-                        help="every GPU process of this Slurm job on this host, each as listed")
-    target.add_argument("--tree", type=positive_int, metavar="PID",
-                        help="PID and its descendants on a GPU (the others are left running)")
+    target.add_argument(
+        "--job",
+        type=slurm_job_id,
+        metavar="ID",
+        help="every GPU process of this Slurm job on this host, each as listed",
+    )
+    target.add_argument(
+        "--tree",
+        type=positive_int,
+        metavar="PID",
+        help="PID and its descendants on a GPU (the others are left running)",
+    )
     target.add_argument("--unit", type=unit_name, metavar="UNIT", help="every GPU process of this systemd unit")
-    target.add_argument("--container", type=container_id, metavar="ID",
-                        help="every GPU process of this container (an id or a prefix of 12 or more hex digits)")
+    target.add_argument(
+        "--container",
+        type=container_id,
+        metavar="ID",
+        help="every GPU process of this container (an id or a prefix of 12 or more hex digits)",
+    )
     kill.add_argument("--force", action="store_true", help="send SIGKILL if it outlives the grace period")
-    kill.add_argument("--grace", type=seconds, metavar="DURATION",
-                      help="wait this long after SIGTERM, e.g. 30s or 2min (default 5s)")
-    kill.add_argument("--start-time", type=int, metavar="TICKS",
-                      help="the start time from `list --json`: refuse if PID (or --tree PID) now names another "
-                           "process")
+    kill.add_argument(
+        "--grace", type=seconds, metavar="DURATION", help="wait this long after SIGTERM, e.g. 30s or 2min (default 5s)"
+    )
+    kill.add_argument(
+        "--start-time",
+        type=int,
+        metavar="TICKS",
+        help="the start time from `list --json`: refuse if PID (or --tree PID) now names another process",
+    )
 
 
 def _register_long_lived(sub: argparse._SubParsersAction) -> None:
@@ -258,8 +283,14 @@ def _named_selection(args: argparse.Namespace, devices: list) -> tuple[str, str 
         problem = no_such_device(devices, args.device)
     if problem is None and args.user is not None and not getattr(args, "host", None):
         problem = no_such_user(args.user)
-    subject = " on ".join(w for w in (f"user {args.user}" if args.user is not None else "",
-                                      f"GPU {args.device}" if args.device is not None else "") if w)
+    subject = " on ".join(
+        w
+        for w in (
+            f"user {args.user}" if args.user is not None else "",
+            f"GPU {args.device}" if args.device is not None else "",
+        )
+        if w
+    )
     return subject, problem
 
 
@@ -276,8 +307,16 @@ async def cmd_list(client: ClientAPI, args: argparse.Namespace) -> int:
     if args.json:
         # dumps, not dump: json.dump streams through the pure-Python encoder, dumps uses the C one (~10 ms less
         # for 256 processes)
-        sys.stdout.write(json.dumps({"format": JSON_FORMAT, "devices": [to_plain(d) for d in devices],
-                                     "processes": [to_plain(p) for p in procs]}) + "\n")
+        sys.stdout.write(
+            json.dumps(
+                {
+                    "format": JSON_FORMAT,
+                    "devices": [to_plain(d) for d in devices],
+                    "processes": [to_plain(p) for p in procs],
+                }
+            )
+            + "\n"
+        )
     else:
         print(devices_table(devices) if devices else "No GPUs.")
         print()
@@ -308,12 +347,16 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
         # this host's /proc says nothing of a PID on another host: 0 lets that daemon say why it refuses
         start_time = listed.start_time if listed else 0 if args.host else _start_time_from_proc(pid)
     if args.tree or args.unit or args.container:
-        selection = ({"tree": Var("(ut)", (args.tree, start_time))} if args.tree else
-                     {"unit": Var("s", args.unit)} if args.unit else {"container": Var("s", args.container)})
+        selection = (
+            {"tree": Var("(ut)", (args.tree, start_time))}
+            if args.tree
+            else {"unit": Var("s", args.unit)}
+            if args.unit
+            else {"container": Var("s", args.container)}
+        )
         agent = polkit_agent()
         try:
-            reply = await client.kill_workload(selection, force=args.force, grace=args.grace,
-                                               interactive=agent.active)
+            reply = await client.kill_workload(selection, force=args.force, grace=args.grace, interactive=agent.active)
         finally:
             agent.close()
         if not reply.entries and args.unit and not args.host:
@@ -325,8 +368,7 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
         return workload_answer(reply)
     agent = polkit_agent()
     try:
-        report = await client.kill_report(pid, start_time, force=args.force, grace=args.grace,
-                                          interactive=agent.active)
+        report = await client.kill_report(pid, start_time, force=args.force, grace=args.grace, interactive=agent.active)
     finally:
         agent.close()
     name = f" ({shown(listed.comm)})" if listed else ""
@@ -360,8 +402,11 @@ async def cmd_status(client: ClientAPI, args: argparse.Namespace) -> int:
     if not status.backends:
         print("  none configured")
     for b in status.backends:
-        print(shown(f"  {b.name}: {'available' if b.available else 'unavailable'}"
-                    + (f" - {b.detail}" if b.detail else "")))
+        print(
+            shown(
+                f"  {b.name}: {'available' if b.available else 'unavailable'}" + (f" - {b.detail}" if b.detail else "")
+            )
+        )
     for d in lost:
         print(shown(f"GPU {d.index} ({d.id}) lost" + (f": {d.state_reason}" if d.state_reason else "")))
     return EXIT_OK
@@ -386,8 +431,15 @@ async def cmd_usage(client: ClientAPI, args: argparse.Namespace) -> int:
     return await cmd_usage(client, args)
 
 
-COMMANDS = {"list": cmd_list, "kill": cmd_kill, "reset": cmd_reset, "status": cmd_status, "guard": cmd_guard,
-            "audit": cmd_audit, "usage": cmd_usage}
+COMMANDS = {
+    "list": cmd_list,
+    "kill": cmd_kill,
+    "reset": cmd_reset,
+    "status": cmd_status,
+    "guard": cmd_guard,
+    "audit": cmd_audit,
+    "usage": cmd_usage,
+}
 
 
 def command(name: str) -> Any:

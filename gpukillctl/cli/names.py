@@ -23,12 +23,26 @@ from collections.abc import Iterable
 from gpukill.text import shown
 
 # systemd.unit(5)'s unit search paths of the system and user managers, and Debian's /lib before merged /usr.
-UNIT_DIRS = ("/etc/systemd/system.control", "/run/systemd/system.control", "/run/systemd/transient",
-             "/run/systemd/generator.early", "/etc/systemd/system", "/etc/systemd/system.attached",
-             "/run/systemd/system", "/run/systemd/system.attached", "/run/systemd/generator",
-             "/usr/local/lib/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system",
-             "/run/systemd/generator.late", "/etc/systemd/user", "/run/systemd/user", "/usr/local/lib/systemd/user",
-             "/usr/lib/systemd/user", "/lib/systemd/user")
+UNIT_DIRS = (
+    "/etc/systemd/system.control",
+    "/run/systemd/system.control",
+    "/run/systemd/transient",
+    "/run/systemd/generator.early",
+    "/etc/systemd/system",
+    "/etc/systemd/system.attached",
+    "/run/systemd/system",
+    "/run/systemd/system.attached",
+    "/run/systemd/generator",
+    "/usr/local/lib/systemd/system",
+    "/usr/lib/systemd/system",
+    "/lib/systemd/system",
+    "/run/systemd/generator.late",
+    "/etc/systemd/user",
+    "/run/systemd/user",
+    "/usr/local/lib/systemd/user",
+    "/usr/lib/systemd/user",
+    "/lib/systemd/user",
+)
 CGROUP_ROOT = "/sys/fs/cgroup"
 MAX_CGROUP_DIRS = 100_000  # directories looked at for a running unit's cgroup: a big Kubernetes node has ~10,000
 

@@ -27,16 +27,19 @@ MAX_LIMIT = 1000  # GetUsage's own bound
 # command line does not build the usage records: `gpukillctl list` builds every subcommand's parser.
 BY = ("user", "unit", "job", "pod", "gpu", "process")
 # The filters, each a GetUsage key of the same name: (option, help).
-FILTERS = (("user", "only this user's records (name or uid)"),
-           ("name", "only processes whose name contains this"),
-           ("unit", "only this systemd unit's (e.g. jupyter.service)"),
-           ("job", "only this Slurm job's"),
-           ("pod", "only this Kubernetes pod's (its UID)"),
-           ("device", "only on this GPU (index, UUID or PCI bus id)"))
+FILTERS = (
+    ("user", "only this user's records (name or uid)"),
+    ("name", "only processes whose name contains this"),
+    ("unit", "only this systemd unit's (e.g. jupyter.service)"),
+    ("job", "only this Slurm job's"),
+    ("pod", "only this Kubernetes pod's (its UID)"),
+    ("device", "only on this GPU (index, UUID or PCI bus id)"),
+)
 
 
 def when(now: Callable[[], float] = time.time) -> Callable[[str], float]:
     """argparse's type for --since/--until: seconds since the epoch, a one-line error (exit 2) otherwise."""
+
     def parse(text: str) -> float:
         from ..client.usage import parse_when
 
@@ -60,14 +63,17 @@ def limit(text: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("usage", help="who used the GPUs: GPU time, memory, energy per user, unit, job, pod",
-                       description="GPU use recorded by gpukilld over a range (default: the last 24 hours), "
-                                   "grouped: GPU time, utilization-weighted (SM) time, memory over time in "
-                                   "GiB·h, peak memory and energy, with running processes counted so far. "
-                                   "\"unknown\" where the GPU could not measure it. Of other users' records "
-                                   "only what you may see is counted. TIME is a duration ago (30d, 24h, 90min, "
-                                   "1h30m), a date (YYYY-MM-DD, 'YYYY-MM-DD HH:MM[:SS]', ISO 8601 with an "
-                                   "offset; local time otherwise), today, yesterday, now or @SECONDS.")
+    p = sub.add_parser(
+        "usage",
+        help="who used the GPUs: GPU time, memory, energy per user, unit, job, pod",
+        description="GPU use recorded by gpukilld over a range (default: the last 24 hours), "
+        "grouped: GPU time, utilization-weighted (SM) time, memory over time in "
+        "GiB·h, peak memory and energy, with running processes counted so far. "
+        '"unknown" where the GPU could not measure it. Of other users\' records '
+        "only what you may see is counted. TIME is a duration ago (30d, 24h, 90min, "
+        "1h30m), a date (YYYY-MM-DD, 'YYYY-MM-DD HH:MM[:SS]', ISO 8601 with an "
+        "offset; local time otherwise), today, yesterday, now or @SECONDS.",
+    )
     p.add_argument("--since", type=when(), metavar="TIME", help="from this time (default: 24h before --until)")
     p.add_argument("--until", type=when(), metavar="TIME", help="up to this time (default: now)")
     p.add_argument("--by", choices=BY, default="user", help="group by this (default: user)")
@@ -123,10 +129,12 @@ async def cmd_usage(client: ClientAPI, args: argparse.Namespace) -> int:
         if problem:
             print(f"gpukillctl: usage: {problem}", file=sys.stderr)
             return EXIT_NO_SUCH_NAME
-        named = [f"{'GPU' if key == 'device' else key} {getattr(args, key)}" for key in ("user", "unit", "device")
-                 if getattr(args, key, None) is not None]
-        print(shown(f"gpukillctl: usage: {' on '.join(named)} has no GPU use recorded in this range"),
-              file=sys.stderr)
+        named = [
+            f"{'GPU' if key == 'device' else key} {getattr(args, key)}"
+            for key in ("user", "unit", "device")
+            if getattr(args, key, None) is not None
+        ]
+        print(shown(f"gpukillctl: usage: {' on '.join(named)} has no GPU use recorded in this range"), file=sys.stderr)
     if args.json:
         sys.stdout.write(json.dumps(to_plain(report)) + "\n")
         return EXIT_OK

@@ -71,13 +71,15 @@ class DaemonUnavailable(ClientError):
 
 def _daemon_error(shared: type[errors.GpukillError]) -> type[ClientError]:
     # __module__ stays gpukillctl.client.dbus, where these classes have always been found
-    return type(shared.__name__, (ClientError, shared), {"__module__": "gpukillctl.client.dbus",
-                                                         "__doc__": shared.__doc__})
+    return type(
+        shared.__name__, (ClientError, shared), {"__module__": "gpukillctl.client.dbus", "__doc__": shared.__doc__}
+    )
 
 
 # One class per error the daemon sends, each named by its shared class's dbus_name.
 ERRORS: dict[str, type[ClientError]] = {
-    cls.dbus_name: _daemon_error(cls) for cls in vars(errors).values()
+    cls.dbus_name: _daemon_error(cls)
+    for cls in vars(errors).values()
     if isinstance(cls, type) and issubclass(cls, errors.GpukillError)
 }
 # What the bus itself answers: polkit wanting a password where none may be asked is a denial.
@@ -138,8 +140,9 @@ def _typed(sig: str, value: Any) -> Any:
     return _WRONG
 
 
-def plain_variants(values: dict[str, Any], sigs: dict[str, str], what: str,
-                   text_too: tuple[str, ...] = ()) -> dict[str, Any]:
+def plain_variants(
+    values: dict[str, Any], sigs: dict[str, str], what: str, text_too: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """An a{sv} from plain values: each as a Var of its key's signature in sigs (an int where a d goes as a float,
     a tuple as a list), a Var or a dbus-fast Variant as it is, None left out; a key of text_too also takes a
     string, sent as one (a size or a duration, which gpukilld reads in gpukill.units' grammar).
@@ -160,8 +163,9 @@ def plain_variants(values: dict[str, Any], sigs: dict[str, str], what: str,
             continue
         typed = _typed(sigs[key], value)
         if typed is _WRONG:
-            raise invalid(errors.InvalidArgs.dbus_name,
-                          f"{what} {key}: {repr(value)[:64]} is not of its type ({sigs[key]})")
+            raise invalid(
+                errors.InvalidArgs.dbus_name, f"{what} {key}: {repr(value)[:64]} is not of its type ({sigs[key]})"
+            )
         out[key] = Var(sigs[key], typed)
     return out
 
@@ -176,8 +180,18 @@ def audit_variants(values: dict[str, Any]) -> dict[str, Any]:
 
 # GetUsage's query keys and the signature each goes as (the daemon takes more for some: these are the ones the
 # clients send).
-USAGE_QUERY = {"since": "d", "until": "d", "by": "s", "user": "s", "name": "s", "unit": "s", "job": "s", "pod": "s",
-               "device": "s", "limit": "u"}
+USAGE_QUERY = {
+    "since": "d",
+    "until": "d",
+    "by": "s",
+    "user": "s",
+    "name": "s",
+    "unit": "s",
+    "job": "s",
+    "pod": "s",
+    "device": "s",
+    "limit": "u",
+}
 
 
 def usage_variants(query: dict[str, Any]) -> dict[str, Any]:
@@ -205,8 +219,9 @@ def policy_settings(settings: dict[str, Any]) -> dict[str, Any]:
     from gpukill.records.base import specs
     from gpukill.records.guard import ManagedPolicyEntry
 
-    sigs = {name: spec.sig for name, spec in specs(ManagedPolicyEntry)
-            if name not in ("kind", "target", "file", "edited")}
+    sigs = {
+        name: spec.sig for name, spec in specs(ManagedPolicyEntry) if name not in ("kind", "target", "file", "edited")
+    }
     return plain_variants(settings, sigs, "policy setting", TEXT_SETTINGS)
 
 
@@ -223,8 +238,16 @@ class ClientAPI:
     def close(self) -> None:
         raise NotImplementedError
 
-    async def _call(self, member: str, signature: str = "", body: list | None = None, *,
-                    interface: str = INTERFACE, interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
+    async def _call(
+        self,
+        member: str,
+        signature: str = "",
+        body: list | None = None,
+        *,
+        interface: str = INTERFACE,
+        interactive: bool = False,
+        timeout: float = CALL_TIMEOUT,
+    ) -> list:
         raise NotImplementedError
 
     async def list_devices(self) -> list[Device]:
@@ -259,11 +282,13 @@ class ClientAPI:
                 return [form, rows]
             page_filter["after"] = Var("(uu)", (page[-1][ROW_DEVICE], page[-1][ROW_PID]))
 
-    async def kill(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
-                   interactive: bool = False) -> Outcome:
+    async def kill(
+        self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None, interactive: bool = False
+    ) -> Outcome:
         options, timeout = self._kill_options(force, grace, interactive)
-        (outcome,) = await self._call("KillProcess", "uta{sv}", [pid, start_time, options],
-                                      interactive=interactive, timeout=timeout)
+        (outcome,) = await self._call(
+            "KillProcess", "uta{sv}", [pid, start_time, options], interactive=interactive, timeout=timeout
+        )
         from gpukill.outcome import Outcome
 
         try:
@@ -281,30 +306,40 @@ class ClientAPI:
         waited = (grace if grace is not None else DEFAULT_GRACE) + KILL_REPLY_MARGIN
         return options, waited + (PROMPT_TIME if interactive else 0.0)
 
-    async def kill_report(self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None,
-                          interactive: bool = False) -> KillReport:
+    async def kill_report(
+        self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None, interactive: bool = False
+    ) -> KillReport:
         """kill() with the GPU's answer: the outcome and whether the memory came back (gpukill/records/reclaim.py)."""
         from gpukill.records.reclaim import KillReport
 
         options, timeout = self._kill_options(force, grace, interactive)
-        (report,) = await self._call("KillProcessReport", "uta{sv}", [pid, start_time, options],
-                                     interactive=interactive, timeout=timeout)
+        (report,) = await self._call(
+            "KillProcessReport", "uta{sv}", [pid, start_time, options], interactive=interactive, timeout=timeout
+        )
         return from_plain(KillReport, report)
 
-    async def kill_workload(self, selection: dict[str, Var], *, force: bool = False, grace: float | None = None,
-                            interactive: bool = False) -> WorkloadReply:
+    async def kill_workload(
+        self, selection: dict[str, Var], *, force: bool = False, grace: float | None = None, interactive: bool = False
+    ) -> WorkloadReply:
         """Every GPU process of a tree ({"tree": Var("(ut)", (pid, start))}), unit or container in one act."""
         from gpukill.records.reclaim import WorkloadReply
 
         options, timeout = self._kill_options(force, grace, interactive)
-        (reply,) = await self._call("KillWorkload", "a{sv}a{sv}", [selection, options], interactive=interactive,
-                                    timeout=timeout + 60.0)
+        (reply,) = await self._call(
+            "KillWorkload", "a{sv}a{sv}", [selection, options], interactive=interactive, timeout=timeout + 60.0
+        )
         return from_plain(WorkloadReply, reply)
 
     async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
         from gpukill.records.status import ResetReply
-        (result,) = await self._call("ResetDevice", "sa{sv}", [device, {"force": Var("b", force)}],
-                                     interactive=interactive, timeout=600.0 if interactive else 300.0)
+
+        (result,) = await self._call(
+            "ResetDevice",
+            "sa{sv}",
+            [device, {"force": Var("b", force)}],
+            interactive=interactive,
+            timeout=600.0 if interactive else 300.0,
+        )
         return from_plain(ResetReply, result)
 
     async def audit_rogue(self, thresholds: dict[str, Any] | None = None) -> list[Finding]:
@@ -313,6 +348,7 @@ class ClientAPI:
         this scan only (AuditRogueWith: min_score, idle_after, idle_min_memory, abuser_share, as plain values
         or Vars); None: the settings in force (AuditRogue)."""
         from gpukill.records.audit import Finding
+
         if thresholds is None:
             (findings,) = await self._call("AuditRogue")
         else:
@@ -322,6 +358,7 @@ class ClientAPI:
     async def audit_settings(self) -> AuditSettings:
         """The audit's settings in force (thresholds, allow-lists)."""
         from gpukill.records.audit import AuditSettings
+
         (settings,) = await self._call("GetAuditSettings")
         return from_plain(AuditSettings, settings)
 
@@ -329,8 +366,14 @@ class ClientAPI:
         """Change the given settings (plain values or Vars; the others stay); errors.InvalidArgs when one is
         invalid (nothing changes then), errors.AccessDenied when polkit says no."""
         from gpukill.records.audit import AuditSettings
-        (settings,) = await self._call("SetAuditSettings", "a{sv}", [audit_variants(changes)], interactive=interactive,
-                                       timeout=CALL_TIMEOUT + (PROMPT_TIME if interactive else 0.0))
+
+        (settings,) = await self._call(
+            "SetAuditSettings",
+            "a{sv}",
+            [audit_variants(changes)],
+            interactive=interactive,
+            timeout=CALL_TIMEOUT + (PROMPT_TIME if interactive else 0.0),
+        )
         return from_plain(AuditSettings, settings)
 
     async def export_audit_settings(self) -> str:
@@ -341,8 +384,14 @@ class ClientAPI:
     async def import_audit_settings(self, name: str, text: str, *, interactive: bool = False) -> AuditSettings:
         """Change the settings an [audit] text names; errors.InvalidArgs "NAME:LINE: ..." when it is invalid."""
         from gpukill.records.audit import AuditSettings
-        (settings,) = await self._call("ImportAuditSettings", "ss", [name, text], interactive=interactive,
-                                       timeout=CALL_TIMEOUT + (PROMPT_TIME if interactive else 0.0))
+
+        (settings,) = await self._call(
+            "ImportAuditSettings",
+            "ss",
+            [name, text],
+            interactive=interactive,
+            timeout=CALL_TIMEOUT + (PROMPT_TIME if interactive else 0.0),
+        )
         return from_plain(AuditSettings, settings)
 
     async def usage(self, query: dict[str, Any] | None = None) -> UsageReport:
@@ -350,12 +399,15 @@ class ClientAPI:
         device, limit as plain values, see usage_variants), filtered as the listings are: other users' records
         as the caller may see them. errors.NotSupported when gpukilld keeps no accounting ([usage] enabled = no)."""
         from gpukill.records.usage import UsageReport
-        (report,) = await self._call("GetUsage", "a{sv}", [usage_variants(query or {})],
-                                     timeout=CALL_TIMEOUT + 35.0)  # a month of records is read in a thread
+
+        (report,) = await self._call(
+            "GetUsage", "a{sv}", [usage_variants(query or {})], timeout=CALL_TIMEOUT + 35.0
+        )  # a month of records is read in a thread
         return from_plain(UsageReport, report)
 
     async def status(self) -> DaemonStatus:
         from gpukill.records.status import BackendStatus, SamplingStatus
+
         (props,) = await self._call("GetAll", "s", [INTERFACE], interface="org.freedesktop.DBus.Properties")
         sampling = props.get("Sampling")
         return DaemonStatus(
@@ -367,13 +419,27 @@ class ClientAPI:
 
     # -- Guard Mode (org.gpukill1.Guard) ---------------------------------------------------------------
 
-    async def _guard(self, member: str, signature: str = "", body: list | None = None, *,
-                     interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
-        return await self._call(member, signature, body, interface=GUARD_INTERFACE, interactive=interactive,
-                                timeout=timeout + (PROMPT_TIME if interactive else 0.0))
+    async def _guard(
+        self,
+        member: str,
+        signature: str = "",
+        body: list | None = None,
+        *,
+        interactive: bool = False,
+        timeout: float = CALL_TIMEOUT,
+    ) -> list:
+        return await self._call(
+            member,
+            signature,
+            body,
+            interface=GUARD_INTERFACE,
+            interactive=interactive,
+            timeout=timeout + (PROMPT_TIME if interactive else 0.0),
+        )
 
     async def guard_status(self) -> GuardStatus:
         from gpukill.records.guard import GuardStatus
+
         (status,) = await self._guard("GetStatus")
         return from_plain(GuardStatus, status)
 
@@ -386,12 +452,14 @@ class ClientAPI:
     async def guard_load_policy(self, name: str, text: str, *, interactive: bool = False) -> PolicyLoaded:
         """Make the policy the one in force; errors.InvalidPolicy when it is invalid."""
         from gpukill.records.guard import PolicyLoaded
+
         (result,) = await self._guard("LoadPolicy", "ss", [name, text], interactive=interactive)
         return from_plain(PolicyLoaded, result)
 
     async def guard_test(self, name: str = "", text: str = "") -> list[Decision]:
         """What a policy (text "": the one in force) would do with the current snapshot; never acts."""
         from gpukill.records.guard import Decision
+
         (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
         return [from_plain(Decision, d) for d in decisions]
 
@@ -399,17 +467,21 @@ class ClientAPI:
 
     async def guard_list_policies(self) -> list[ManagedPolicyEntry]:
         from gpukill.records.guard import ManagedPolicyEntry
+
         (policies,) = await self._guard("ListPolicies")
         return [from_plain(ManagedPolicyEntry, p) for p in policies]
 
-    async def guard_set_policy(self, kind: str, target: str, settings: dict[str, Any], *,
-                               interactive: bool = False) -> ManagedPolicyEntry:
+    async def guard_set_policy(
+        self, kind: str, target: str, settings: dict[str, Any], *, interactive: bool = False
+    ) -> ManagedPolicyEntry:
         """Create or replace the kind's policy for target (settings: memory_limit, utilization_limit,
         process_limit, allowed_users, reserved_memory, grace as plain values); errors.InvalidArgs for a setting
         the daemon cannot take, errors.InvalidPolicy when guard.d with it does not validate."""
         from gpukill.records.guard import ManagedPolicyEntry
-        (policy,) = await self._guard("SetPolicy", "ssa{sv}", [kind, target, policy_settings(settings)],
-                                      interactive=interactive)
+
+        (policy,) = await self._guard(
+            "SetPolicy", "ssa{sv}", [kind, target, policy_settings(settings)], interactive=interactive
+        )
         return from_plain(ManagedPolicyEntry, policy)
 
     async def guard_remove_policy(self, kind: str, target: str, *, interactive: bool = False) -> None:
@@ -419,9 +491,11 @@ class ClientAPI:
         (text,) = await self._guard("ExportPolicies")
         return text
 
-    async def guard_import_policies(self, name: str, text: str, *, replace: bool = False,
-                                    interactive: bool = False) -> list[ManagedPolicyEntry]:
+    async def guard_import_policies(
+        self, name: str, text: str, *, replace: bool = False, interactive: bool = False
+    ) -> list[ManagedPolicyEntry]:
         """All or nothing; replace: the managed policies the text does not name are removed."""
         from gpukill.records.guard import ManagedPolicyEntry
+
         (policies,) = await self._guard("ImportPolicies", "ssb", [name, text, replace], interactive=interactive)
         return [from_plain(ManagedPolicyEntry, p) for p in policies]

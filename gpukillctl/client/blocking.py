@@ -61,10 +61,17 @@ class BlockingClient(ClientAPI):
     def close(self) -> None:
         self.connection.close()
 
-    async def _call(self, member: str, signature: str = "", body: list | None = None, *,
-                    interface: str = INTERFACE, interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
-        msg = new_method_call(DBusAddress(OBJECT_PATH, BUS_NAME, interface), member, signature,
-                              tuple(body or ()))
+    async def _call(
+        self,
+        member: str,
+        signature: str = "",
+        body: list | None = None,
+        *,
+        interface: str = INTERFACE,
+        interactive: bool = False,
+        timeout: float = CALL_TIMEOUT,
+    ) -> list:
+        msg = new_method_call(DBusAddress(OBJECT_PATH, BUS_NAME, interface), member, signature, tuple(body or ()))
         if interactive:
             msg.header.flags |= MessageFlag.allow_interactive_authorization
         try:

@@ -112,11 +112,25 @@ class GpukillClient(ClientAPI):
     def close(self) -> None:
         self.bus.disconnect()
 
-    async def _call(self, member: str, signature: str = "", body: list | None = None, *,
-                    interface: str = INTERFACE, interactive: bool = False, timeout: float = CALL_TIMEOUT) -> list:
-        msg = Message(destination=BUS_NAME, path=OBJECT_PATH, interface=interface, member=member,
-                      signature=signature, body=wrap(body or []),
-                      flags=MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive else MessageFlag.NONE)
+    async def _call(
+        self,
+        member: str,
+        signature: str = "",
+        body: list | None = None,
+        *,
+        interface: str = INTERFACE,
+        interactive: bool = False,
+        timeout: float = CALL_TIMEOUT,
+    ) -> list:
+        msg = Message(
+            destination=BUS_NAME,
+            path=OBJECT_PATH,
+            interface=interface,
+            member=member,
+            signature=signature,
+            body=wrap(body or []),
+            flags=MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive else MessageFlag.NONE,
+        )
         reply = await self._send(msg, timeout, "gpukilld")
         if reply.message_type == MessageType.ERROR:
             name = reply.error_name or ""
@@ -126,8 +140,9 @@ class GpukillClient(ClientAPI):
 
     # -- signals -----------------------------------------------------------------------------------------
 
-    async def events(self, max_queued: int = MAX_QUEUED_EVENTS, *,
-                     on_absent: Callable[[], None] | None = None) -> AsyncIterator[Event]:
+    async def events(
+        self, max_queued: int = MAX_QUEUED_EVENTS, *, on_absent: Callable[[], None] | None = None
+    ) -> AsyncIterator[Event]:
         """Every signal gpukilld sends from now on, as its record of gpukill/records/, in order; the iteration
         ends when the bus connection closes. While gpukilld is not running the iteration waits for it, and a
         restart is followed: the new daemon's signals keep coming.
@@ -166,9 +181,11 @@ class GpukillClient(ClientAPI):
 
         # The daemon's own signals, and the name's changes of owner; the rules are in place before the owner is
         # asked for, so no change between the two is missed.
-        rules = [f"type='signal',sender='{BUS_NAME}',path='{OBJECT_PATH}'",
-                 f"type='signal',sender='{DBUS[0]}',path='{DBUS[1]}',interface='{DBUS[2]}',"
-                 f"member='NameOwnerChanged',arg0='{BUS_NAME}'"]
+        rules = [
+            f"type='signal',sender='{BUS_NAME}',path='{OBJECT_PATH}'",
+            f"type='signal',sender='{DBUS[0]}',path='{DBUS[1]}',interface='{DBUS[2]}',"
+            f"member='NameOwnerChanged',arg0='{BUS_NAME}'",
+        ]
         self.bus.add_message_handler(on_message)
         if self._disconnected is None:
             self._disconnected = asyncio.ensure_future(self.bus.wait_for_disconnect())

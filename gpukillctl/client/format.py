@@ -61,8 +61,15 @@ def processes_table(procs: list[Process]) -> str:
     if not procs:
         return "No GPU processes."
     rows = [
-        [str(p.device), str(p.pid), p.user, p.comm or UNKNOWN, size(p.gpu_memory), percent(p.gpu_utilization),
-         _owner(p)]
+        [
+            str(p.device),
+            str(p.pid),
+            p.user,
+            p.comm or UNKNOWN,
+            size(p.gpu_memory),
+            percent(p.gpu_utilization),
+            _owner(p),
+        ]
         for p in procs
     ]
     return table(["GPU", "PID", "USER", "COMMAND", "GPU MEMORY", "UTIL", "UNIT/CONTAINER"], rows)

@@ -17,8 +17,9 @@ class PolkitAgent:
         if not agent or not sys.stdin.isatty() or os.geteuid() == 0:
             return
         read_fd, write_fd = os.pipe()
-        self.proc = subprocess.Popen([agent, "--notify-fd", str(write_fd),
-                                      "--process", str(os.getpid())], pass_fds=(write_fd,))
+        self.proc = subprocess.Popen(
+            [agent, "--notify-fd", str(write_fd), "--process", str(os.getpid())], pass_fds=(write_fd,)
+        )
         os.close(write_fd)
         os.read(read_fd, 1)  # EOF once the agent is registered (or has died)
         os.close(read_fd)

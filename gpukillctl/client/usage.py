@@ -26,8 +26,10 @@ MAX_WHEN_TEXT = 64  # characters: "2026-12-01T10:00:00.000000+01:00" needs 32
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}([ T]\d{2}:\d{2}(:\d{2}(\.\d{1,6})?)?)?(Z|[+-]\d{2}:?\d{2})?")
 _EPOCH = re.compile(r"\d{1,12}(\.\d{1,9})?")
 WORDS = ("now", "today", "yesterday", "tomorrow")
-FORMS = "a duration ago (30d, 24h, 90min, 1h30m) or a date (YYYY-MM-DD, 'YYYY-MM-DD HH:MM[:SS]', ISO 8601, " \
-        "today, yesterday, now)"
+FORMS = (
+    "a duration ago (30d, 24h, 90min, 1h30m) or a date (YYYY-MM-DD, 'YYYY-MM-DD HH:MM[:SS]', ISO 8601, "
+    "today, yesterday, now)"
+)
 _BARE = re.compile(r"[0-9.]+")
 
 
@@ -75,8 +77,7 @@ def parse_when(text: str, now: float | None = None, *, epoch: bool = False) -> f
 
 # -- the report as text ----------------------------------------------------------------------------------
 
-KEY_HEADERS = {"user": "USER", "unit": "UNIT", "job": "SLURM JOB", "pod": "POD", "gpu": "GPU",
-               "process": "PROCESS"}
+KEY_HEADERS = {"user": "USER", "unit": "UNIT", "job": "SLURM JOB", "pod": "POD", "gpu": "GPU", "process": "PROCESS"}
 NO_KEY = {"unit": "(no unit)", "job": "(not in a job)", "pod": "(not in a pod)"}
 
 
@@ -121,13 +122,35 @@ def usage_table(report: UsageReport) -> str:
     rows = []
     for r in report.rows:
         processes = f"{r.processes}" + (f" ({r.live} live)" if r.live else "")
-        rows.append([row_label(report.by, r), processes, format_duration(r.gpu_seconds),
-                     _partly(format_duration(r.sm_seconds), r.sm_known_seconds, r.gpu_seconds),
-                     gib_hours(r.memory_byte_seconds), peak(r.peak_memory),
-                     _partly(format_energy(r.energy_joules), r.energy_known_seconds, r.gpu_seconds)])
-    lines = [table([KEY_HEADERS.get(report.by, report.by.upper()), "PROCESSES", "GPU TIME", "SM TIME", "MEMORY",
-                    "PEAK", "ENERGY"], rows), ""]
-    more = f", the first {len(report.rows)} of {report.rows_total} groups" if report.rows_total > len(report.rows) else ""
+        rows.append(
+            [
+                row_label(report.by, r),
+                processes,
+                format_duration(r.gpu_seconds),
+                _partly(format_duration(r.sm_seconds), r.sm_known_seconds, r.gpu_seconds),
+                gib_hours(r.memory_byte_seconds),
+                peak(r.peak_memory),
+                _partly(format_energy(r.energy_joules), r.energy_known_seconds, r.gpu_seconds),
+            ]
+        )
+    lines = [
+        table(
+            [
+                KEY_HEADERS.get(report.by, report.by.upper()),
+                "PROCESSES",
+                "GPU TIME",
+                "SM TIME",
+                "MEMORY",
+                "PEAK",
+                "ENERGY",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    more = (
+        f", the first {len(report.rows)} of {report.rows_total} groups" if report.rows_total > len(report.rows) else ""
+    )
     lines.append(f"GPU use from {span}, by {report.by}{more}.")
     if report.rebuilding:
         lines.append("gpukilld is rebuilding its usage store from the journal: older records may be missing.")
@@ -139,5 +162,7 @@ def totals_line(report: UsageReport) -> str:
     gpu = sum(r.gpu_seconds for r in report.rows)
     memory = sum(r.memory_byte_seconds for r in report.rows)
     joules = [r.energy_joules for r in report.rows if r.energy_joules is not None]
-    return (f"GPU time {format_duration(gpu)}, memory {gib_hours(memory)}, energy "
-            f"{format_energy(sum(joules) if joules else None)}")
+    return (
+        f"GPU time {format_duration(gpu)}, memory {gib_hours(memory)}, energy "
+        f"{format_energy(sum(joules) if joules else None)}"
+    )

@@ -29,8 +29,15 @@ HEAD_DEADLINE = 5.0  # seconds from connecting to the end of the request head
 WRITE_DEADLINE = 10.0  # seconds for the client to take the answer
 RENDER_THREADS = 2
 PATHS = ("/metrics", "/")
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+
 
 def gzip_wanted(accept_encoding: str) -> bool:
     for part in accept_encoding.split(","):
@@ -70,8 +77,7 @@ class MetricsServer:
         self.server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
-        self.server = await asyncio.start_server(self._connection, host, port, limit=MAX_HEAD,
-                                                 reuse_address=True)
+        self.server = await asyncio.start_server(self._connection, host, port, limit=MAX_HEAD, reuse_address=True)
 
     async def close(self) -> None:
         if self.server is not None:
@@ -126,10 +132,21 @@ class MetricsServer:
         await self._answer(writer, 200, body, extra, send_body=method == "GET")
 
     @staticmethod
-    async def _answer(writer: asyncio.StreamWriter, status: int, body: bytes,
-                      headers: list[tuple[str, str]] | None = None, send_body: bool = True) -> None:
+    async def _answer(
+        writer: asyncio.StreamWriter,
+        status: int,
+        body: bytes,
+        headers: list[tuple[str, str]] | None = None,
+        send_body: bool = True,
+    ) -> None:
         headers = headers or [("Content-Type", "text/plain; charset=utf-8")]
-        lines = [f"HTTP/1.1 {status} {REASONS[status]}", *(f"{k}: {v}" for k, v in headers),
-                 f"Content-Length: {len(body)}", "Connection: close", "", ""]
+        lines = [
+            f"HTTP/1.1 {status} {REASONS[status]}",
+            *(f"{k}: {v}" for k, v in headers),
+            f"Content-Length: {len(body)}",
+            "Connection: close",
+            "",
+            "",
+        ]
         writer.write("\r\n".join(lines).encode("latin-1") + (body if send_body else b""))
         await asyncio.wait_for(writer.drain(), WRITE_DEADLINE)

@@ -17,7 +17,8 @@ connections, deadlines, a fixed pool of rendering threads), or, with --textfile 
 DIR/gpukill.prom for node_exporter's textfile collector every --interval, from a reading made for it (written
 whole to a temporary file and renamed over, so node_exporter never reads half a file).
 
-Registered by gpukillctl/cli/main.py without importing prometheus_client: it is the optional extra `exporter`, and only this
+Registered by gpukillctl/cli/main.py without importing prometheus_client: it is the optional extra `exporter`, and only
+this
 command needs it (it says what to install, in one line, when it is missing).
 """
 
@@ -77,16 +78,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"node_exporter with --textfile. Needs prometheus_client ({INSTALL_HINT}). The system unit "
         "gpukill-exporter.service runs it. See gpukillctl(1).",
     )
-    p.add_argument("--listen", metavar="ADDR", default="127.0.0.1",
-                   help="the address to serve /metrics on (default 127.0.0.1)")
+    p.add_argument(
+        "--listen", metavar="ADDR", default="127.0.0.1", help="the address to serve /metrics on (default 127.0.0.1)"
+    )
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
-    p.add_argument("--textfile", metavar="DIR",
-                   help=f"write DIR/{TEXTFILE_NAME} (atomically) instead of serving HTTP")
-    p.add_argument("--interval", type=positive_seconds, default=15.0, metavar="DURATION",
-                   help="with --textfile: time between writes, e.g. 15s or 1min (default 15s)")
+    p.add_argument("--textfile", metavar="DIR", help=f"write DIR/{TEXTFILE_NAME} (atomically) instead of serving HTTP")
+    p.add_argument(
+        "--interval",
+        type=positive_seconds,
+        default=15.0,
+        metavar="DURATION",
+        help="with --textfile: time between writes, e.g. 15s or 1min (default 15s)",
+    )
     p.add_argument("--once", action="store_true", help="with --textfile: write once and exit")
-    p.add_argument("--per-process", action="store_true",
-                   help="also one series per GPU process (a new series for every PID: mind the cardinality)")
+    p.add_argument(
+        "--per-process",
+        action="store_true",
+        help="also one series per GPU process (a new series for every PID: mind the cardinality)",
+    )
     p.set_defaults(offline=cmd_exporter)
 
 
@@ -124,8 +133,9 @@ class DaemonReader:
             if self._in_flight is None:
                 self._in_flight = asyncio.ensure_future(self._renew())
             await asyncio.shield(self._in_flight)  # a scrape that gives up does not cancel the others' read
-        return dataclasses.replace(self._cached, signals=self._signal_counts(),
-                                   age=max(0.0, self.clock() - self._cached_at))
+        return dataclasses.replace(
+            self._cached, signals=self._signal_counts(), age=max(0.0, self.clock() - self._cached_at)
+        )
 
     async def _renew(self) -> None:
         from .metrics import Reading
@@ -185,7 +195,8 @@ class DaemonReader:
         try:
             client = await self._client()
             devices, processes, status = await asyncio.gather(
-                client.list_devices(), client.list_processes(), client.status())
+                client.list_devices(), client.list_processes(), client.status()
+            )
         except ClientError:
             return Reading()
         self.refresh = min(MAX_REFRESH, max(MIN_REFRESH, float(status.sample_interval)))
@@ -194,8 +205,15 @@ class DaemonReader:
         except ClientError:  # Guard's counters are left out; devices and attribution still count
             guard = None
         await self._read_usage(client)
-        return Reading(tuple(devices), tuple(processes), status.backends, guard, True, status.version,
-                       usage=None if self.usage is None else self.usage.copy())
+        return Reading(
+            tuple(devices),
+            tuple(processes),
+            status.backends,
+            guard,
+            True,
+            status.version,
+            usage=None if self.usage is None else self.usage.copy(),
+        )
 
     async def _read_usage(self, client: GpukillClient) -> None:
         """GetUsage per grouping, since the exporter started, when the last reading is USAGE_REFRESH old. A
@@ -209,8 +227,12 @@ class DaemonReader:
         self._usage_at = self.clock()
         now = self.wall()
         try:
-            reports = await asyncio.gather(*(client.usage({"since": self.started, "until": max(now, self.started + 1),
-                                                           "by": by}) for by, _ in USAGE_GROUPINGS))
+            reports = await asyncio.gather(
+                *(
+                    client.usage({"since": self.started, "until": max(now, self.started + 1), "by": by})
+                    for by, _ in USAGE_GROUPINGS
+                )
+            )
         except errors.NotSupported:
             self.usage = None
             return
@@ -331,4 +353,3 @@ async def _textfile(args: argparse.Namespace) -> int:
                 await task
         if reader.client is not None:
             reader.client.close()
-

@@ -29,12 +29,23 @@ DEVICE_LABELS = ["gpu", "uuid", "pci_bus_id", "vendor", "model"]
 MHZ = 1_000_000.0
 
 # Attribution dimensions: the label, the process field it comes from.
-GROUPINGS = (("user", "user"), ("unit", "unit"), ("slurm_job", "slurm_job"), ("pod_uid", "pod_uid"),
-             ("container", "container_id"))
+GROUPINGS = (
+    ("user", "user"),
+    ("unit", "unit"),
+    ("slurm_job", "slurm_job"),
+    ("pod_uid", "pod_uid"),
+    ("container", "container_id"),
+)
 
 # GuardStatus rule counters: the RuleStatus field, the outcome label its count is exposed under.
-GUARD_OUTCOMES = (("kills", "killed"), ("would_kill", "would_kill"), ("cancelled", "cancelled"),
-                  ("failed", "failed"), ("resets", "reset"), ("would_reset", "would_reset"))
+GUARD_OUTCOMES = (
+    ("kills", "killed"),
+    ("would_kill", "would_kill"),
+    ("cancelled", "cancelled"),
+    ("failed", "failed"),
+    ("resets", "reset"),
+    ("would_reset", "would_reset"),
+)
 
 
 @dataclass
@@ -55,12 +66,16 @@ class SignalCounts:
             self.resets[key] = self.resets.get(key, 0) + 1
 
     def families(self) -> list[Metric]:
-        kills = CounterMetricFamily("gpukill_kills", "kills finished, per outcome and initiator kind (user, "
-                                    "reset, guard), since the exporter started", labels=["outcome", "initiator"])
+        kills = CounterMetricFamily(
+            "gpukill_kills",
+            "kills finished, per outcome and initiator kind (user, reset, guard), since the exporter started",
+            labels=["outcome", "initiator"],
+        )
         for (outcome, initiator), n in sorted(self.kills.items()):
             kills.add_metric([outcome, initiator], float(n))
-        resets = CounterMetricFamily("gpukill_resets", "device resets attempted, per result, since the exporter "
-                                     "started", labels=["result"])
+        resets = CounterMetricFamily(
+            "gpukill_resets", "device resets attempted, per result, since the exporter started", labels=["result"]
+        )
         for result, n in sorted(self.resets.items()):
             resets.add_metric([result], float(n))
         return [kills, resets]
@@ -73,14 +88,27 @@ USAGE_LABELS = [label for _, label in USAGE_GROUPINGS]
 # The row's total, the counter (prometheus_client adds _total), its help. SM seconds and energy only for the
 # groups where some record measured them: an unknown total is left out, never 0.
 USAGE_COUNTERS = (
-    ("gpu_seconds", "gpukill_gpu_seconds", "seconds GPU processes were on a GPU (a process on two GPUs counts on "
-                                           "each), since the exporter started"),
-    ("memory_byte_seconds", "gpukill_memory_byte_seconds", "GPU memory held over time, bytes times seconds, "
-                                                           "since the exporter started"),
-    ("sm_seconds", "gpukill_sm_seconds", "utilization-weighted GPU seconds where the backend measures a "
-                                         "process's utilization, since the exporter started"),
-    ("energy_joules", "gpukill_energy_joules", "the processes' share of the GPUs' energy where the device reports "
-                                               "power, since the exporter started"),
+    (
+        "gpu_seconds",
+        "gpukill_gpu_seconds",
+        "seconds GPU processes were on a GPU (a process on two GPUs counts on each), since the exporter started",
+    ),
+    (
+        "memory_byte_seconds",
+        "gpukill_memory_byte_seconds",
+        "GPU memory held over time, bytes times seconds, since the exporter started",
+    ),
+    (
+        "sm_seconds",
+        "gpukill_sm_seconds",
+        "utilization-weighted GPU seconds where the backend measures a "
+        "process's utilization, since the exporter started",
+    ),
+    (
+        "energy_joules",
+        "gpukill_energy_joules",
+        "the processes' share of the GPUs' energy where the device reports power, since the exporter started",
+    ),
 )
 RECENT_USAGE = 15 * 60.0  # seconds: a group seen this recently keeps its series; older ones are dropped
 
@@ -115,8 +143,7 @@ class UsageCounters:
     def families(self) -> list[Metric]:
         out = []
         for field, name, doc in USAGE_COUNTERS:
-            family = CounterMetricFamily(name, doc + "; labelled by one of user, unit, slurm_job",
-                                         labels=USAGE_LABELS)
+            family = CounterMetricFamily(name, doc + "; labelled by one of user, unit, slurm_job", labels=USAGE_LABELS)
             for (total, label, key), value in sorted(self.values.items()):
                 if total == field:
                     family.add_metric([key if label == other else "" for other in USAGE_LABELS], value)
@@ -145,8 +172,9 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
 
 
 def device_families(devices: Iterable[Device]) -> list[Metric]:
-    up = _gauge("gpukill_device_up", "1 when the GPU answers without a critical error (state ok), else 0",
-                DEVICE_LABELS)
+    up = _gauge(
+        "gpukill_device_up", "1 when the GPU answers without a critical error (state ok), else 0", DEVICE_LABELS
+    )
     util = _gauge("gpukill_device_utilization_ratio", "GPU utilization, 0 to 1", DEVICE_LABELS)
     used = _gauge("gpukill_device_memory_used_bytes", "GPU memory in use", DEVICE_LABELS)
     total = _gauge("gpukill_device_memory_total_bytes", "GPU memory in all", DEVICE_LABELS)
@@ -158,10 +186,15 @@ def device_families(devices: Iterable[Device]) -> list[Metric]:
         labels = [str(d.index), d.id, d.pci_bus_id or "", d.vendor, d.name]
         up.add_metric(labels, 1.0 if d.state == STATE_OK else 0.0)
         # An unknown value is left out, never exposed as 0 (a missing sensor is not a cold GPU).
-        for family, value in ((util, None if d.utilization is None else d.utilization / 100.0),
-                              (used, d.memory_used), (total, d.memory_total), (temp, d.temperature),
-                              (power, d.power), (limit, d.power_limit),
-                              (clock, None if d.clock_mhz is None else d.clock_mhz * MHZ)):
+        for family, value in (
+            (util, None if d.utilization is None else d.utilization / 100.0),
+            (used, d.memory_used),
+            (total, d.memory_total),
+            (temp, d.temperature),
+            (power, d.power),
+            (limit, d.power_limit),
+            (clock, None if d.clock_mhz is None else d.clock_mhz * MHZ),
+        ):
             if value is not None:
                 family.add_metric(labels, float(value))
     return [up, util, used, total, temp, power, limit, clock]
@@ -180,8 +213,7 @@ def attribution_families(processes: Iterable[Process]) -> list[Metric]:
                 continue
             memory[key] = memory.get(key, 0.0) + float(p.gpu_memory or 0)
             pids.setdefault(key, set()).add(p.pid)
-        mem = _gauge(f"gpukill_{label}_gpu_memory_bytes", f"GPU memory held by the processes of each {label}",
-                     [label])
+        mem = _gauge(f"gpukill_{label}_gpu_memory_bytes", f"GPU memory held by the processes of each {label}", [label])
         count = _gauge(f"gpukill_{label}_gpu_processes", f"GPU processes of each {label}", [label])
         for key in sorted(memory):
             mem.add_metric([key], memory[key])
@@ -209,10 +241,16 @@ def guard_families(guard: GuardStatus) -> list[Metric]:
     enabled.add_metric([], 1.0 if guard.enabled else 0.0)
     dry = _gauge("gpukill_guard_dry_run", "1 when Guard signals nothing (SetDryRun or the policy)", [])
     dry.add_metric([], 1.0 if guard.dry_run or guard.policy_dry_run else 0.0)
-    violations = CounterMetricFamily("gpukill_guard_violations", "subjects starting to violate a rule, since "
-                                     "gpukilld started", labels=["rule", "action"])
-    actions = CounterMetricFamily("gpukill_guard_actions", "what Guard did about violations, per rule and "
-                                  "outcome, since gpukilld started", labels=["rule", "action", "outcome"])
+    violations = CounterMetricFamily(
+        "gpukill_guard_violations",
+        "subjects starting to violate a rule, since gpukilld started",
+        labels=["rule", "action"],
+    )
+    actions = CounterMetricFamily(
+        "gpukill_guard_actions",
+        "what Guard did about violations, per rule and outcome, since gpukilld started",
+        labels=["rule", "action", "outcome"],
+    )
     for rule in guard.rules:
         violations.add_metric([rule.name, rule.action], float(rule.triggers))
         for field, outcome in GUARD_OUTCOMES:
@@ -221,10 +259,13 @@ def guard_families(guard: GuardStatus) -> list[Metric]:
     evaluations.add_metric([], float(guard.evaluations))
     last = _gauge("gpukill_guard_last_evaluation_seconds", "how long the last Guard evaluation took", [])
     last.add_metric([], guard.last_eval_ms / 1000.0)
-    notices = CounterMetricFamily("gpukill_guard_notifications", "Guard notices per channel and result: queued; "
-                                  "delivered (written to a terminal, accepted by the mail server or webhook), "
-                                  "skipped (nothing to deliver to), failed, dropped; desktop: announced",
-                                  labels=["channel", "result"])
+    notices = CounterMetricFamily(
+        "gpukill_guard_notifications",
+        "Guard notices per channel and result: queued; "
+        "delivered (written to a terminal, accepted by the mail server or webhook), "
+        "skipped (nothing to deliver to), failed, dropped; desktop: announced",
+        labels=["channel", "result"],
+    )
     for n in guard.notifications:
         results = ("announced",) if n.channel == "desktop" else ("queued", "delivered", "skipped", "failed", "dropped")
         for result in results:
@@ -233,15 +274,22 @@ def guard_families(guard: GuardStatus) -> list[Metric]:
 
 
 def families(reading: Reading, per_process: bool) -> Iterator[Metric]:
-    up = _gauge("gpukill_up", "1 when gpukilld answered the exporter's latest reading on the system bus (one "
-                "reading serves the scrapes of a sample interval)", [])
+    up = _gauge(
+        "gpukill_up",
+        "1 when gpukilld answered the exporter's latest reading on the system bus (one "
+        "reading serves the scrapes of a sample interval)",
+        [],
+    )
     up.add_metric([], 1.0 if reading.daemon_up else 0.0)
     yield up
     duration = _gauge("gpukill_exporter_scrape_duration_seconds", "how long reading gpukilld took", [])
     duration.add_metric([], reading.seconds)
     yield duration
-    age = _gauge("gpukill_exporter_reading_age_seconds", "how long ago the reading served was started (one "
-                 "reading serves every scrape of a sample interval)", [])
+    age = _gauge(
+        "gpukill_exporter_reading_age_seconds",
+        "how long ago the reading served was started (one reading serves every scrape of a sample interval)",
+        [],
+    )
     age.add_metric([], reading.age)
     yield age
     if reading.signals is not None:

@@ -107,11 +107,11 @@ _HOW_TO_GET_IN = (
 )
 # No script, no style, nothing loaded: these pages are answered before anyone is known.
 LOGIN_NEEDED_PAGE = (
-    "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>gpukill: log in</title></head>\n"
+    '<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>gpukill: log in</title></head>\n'
     f"<body><h1>gpukill</h1><p>This dashboard needs you to log in: {_HOW_TO_GET_IN}.</p></body></html>\n"
 ).encode()
 LINK_USED_PAGE = (
-    "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>gpukill: link not valid</title>"
+    '<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>gpukill: link not valid</title>'
     "</head>\n<body><h1>gpukill</h1><p>This link was used or has expired: a one-time link logs in once, "
     f"within 10 minutes. For a new one, {_HOW_TO_GET_IN}.</p></body></html>\n"
 ).encode()
@@ -214,11 +214,19 @@ class Gate:
         host = headers.get("host", "").lower()
         tunnel = self.tunnel_ports and _TUNNEL_HOST.fullmatch(host) is not None
         if host not in self.allowed_hosts and not tunnel:
-            return (421, "BadHost", "the Host header does not name this server (through a tunnel: ssh -L "
-                    "LOCAL:127.0.0.1:PORT, then open the link on 127.0.0.1:LOCAL; another name: --allow-host)", {})
+            return (
+                421,
+                "BadHost",
+                "the Host header does not name this server (through a tunnel: ssh -L "
+                "LOCAL:127.0.0.1:PORT, then open the link on 127.0.0.1:LOCAL; another name: --allow-host)",
+                {},
+            )
         origin = headers.get("origin")
-        if origin is not None and origin.lower() not in self.allowed_origins and not (
-                tunnel and origin.lower() == f"http://{host}"):
+        if (
+            origin is not None
+            and origin.lower() not in self.allowed_origins
+            and not (tunnel and origin.lower() == f"http://{host}")
+        ):
             return 403, "BadOrigin", "requests from this Origin are not allowed", {}
         return None
 
@@ -227,15 +235,18 @@ class Gate:
         if method in SAFE_METHODS:
             return None
         if path == LINK_PATH:  # the cookie does not mint logins: the token's holder does
-            return 401, "Unauthorized", "a new login link needs the token: Authorization: Bearer TOKEN", {
-                "www-authenticate": "Bearer"}
+            return (
+                401,
+                "Unauthorized",
+                "a new login link needs the token: Authorization: Bearer TOKEN",
+                {"www-authenticate": "Bearer"},
+            )
         content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if headers.get("origin") is None or content_type != "application/json":
             return (
                 403,
                 "CrossSite",
-                "a change made with the session cookie needs this server's Origin and Content-Type: "
-                "application/json",
+                "a change made with the session cookie needs this server's Origin and Content-Type: application/json",
                 {},
             )
         return None
@@ -251,8 +262,9 @@ class Gate:
         if self.sessions is None or not header:
             return False
         page = headers.get(PAGE_HEADER)
-        values = [v.strip() for name, _, v in (p.partition("=") for p in header.split(";"))
-                  if name.strip() == self.cookie]
+        values = [
+            v.strip() for name, _, v in (p.partition("=") for p in header.split(";")) if name.strip() == self.cookie
+        ]
         return any([self.sessions.valid(v, page, page_files=page_files) for v in values])
 
     def peer_refusal(self, scope: Scope) -> tuple[int, str, str, dict[str, str]] | None:
@@ -264,8 +276,12 @@ class Gate:
         uid = self.peer_owner((str(client[0]), int(client[1])), (str(server[0]), int(server[1])))
         if uid is not None and uid in self.owners:
             return None
-        return (403, "NotYourSession",
-                "this session belongs to the server's user: the request came from another user's process", {})
+        return (
+            403,
+            "NotYourSession",
+            "this session belongs to the server's user: the request came from another user's process",
+            {},
+        )
 
     def is_long_lived(self, path: str) -> bool:
         return any(path == p or path.startswith(p + "/") for p in self.long_lived)
@@ -345,9 +361,7 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {k: v for k, v in seen.items() if v is not None}
 
 
-async def _respond(
-    send: Send, status: int, name: str, message: str, headers: dict[str, str] | None = None
-) -> None:
+async def _respond(send: Send, status: int, name: str, message: str, headers: dict[str, str] | None = None) -> None:
     body = json.dumps({"error": name, "message": message}).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]

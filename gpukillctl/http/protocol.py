@@ -108,8 +108,9 @@ class DeadlineProtocol(H11Protocol):
             return
         open_ = [c for c in self.connections if isinstance(c, DeadlineProtocol) and not c.transport.is_closing()]
         held = Counter(c.peer for c in open_)
-        waiting = [c for c in open_ if c is not self and c.owing_since is not None
-                   and held[c.peer] >= held[self.peer]]  # never one of a peer holding fewer than the newcomer's
+        waiting = [
+            c for c in open_ if c is not self and c.owing_since is not None and held[c.peer] >= held[self.peer]
+        ]  # never one of a peer holding fewer than the newcomer's
         if waiting:
             victim = min(waiting, key=lambda c: (-held[c.peer], c.peer != self.peer, c.owing_since))
             victim._stop_deadline()

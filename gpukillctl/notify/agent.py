@@ -35,16 +35,25 @@ RECONNECT_FIRST, RECONNECT_MAX = 1.0, 30.0  # seconds between tries to reach the
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "notify-agent", help="show gpukilld's events about your GPU processes as desktop notifications",
+        "notify-agent",
+        help="show gpukilld's events about your GPU processes as desktop notifications",
         description="Run in a desktop session (the user unit gpukill-notify.service or the XDG autostart entry "
-                    "gpukill-notify.desktop start it): follows gpukilld on the system bus and shows the kills of "
-                    "your GPU processes, Guard warnings with the time left, and Guard notices for you through "
-                    "org.freedesktop.Notifications. Bursts become one summary. Runs until the session ends; "
-                    "gpukilld or the notification server restarting is followed. See gpukillctl(1).")
-    p.add_argument("--all", action="store_true",
-                   help="show every user's events and device events too (members of the admin group only)")
-    p.add_argument("--admin-group", metavar="GROUP", default=ADMIN_GROUP,
-                   help=f"the group whose members may use --all (default: {ADMIN_GROUP})")
+        "gpukill-notify.desktop start it): follows gpukilld on the system bus and shows the kills of "
+        "your GPU processes, Guard warnings with the time left, and Guard notices for you through "
+        "org.freedesktop.Notifications. Bursts become one summary. Runs until the session ends; "
+        "gpukilld or the notification server restarting is followed. See gpukillctl(1).",
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="show every user's events and device events too (members of the admin group only)",
+    )
+    p.add_argument(
+        "--admin-group",
+        metavar="GROUP",
+        default=ADMIN_GROUP,
+        help=f"the group whose members may use --all (default: {ADMIN_GROUP})",
+    )
     p.set_defaults(offline=cmd_notify_agent)
 
 
@@ -85,8 +94,9 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.ensure_future(c) for c in (self.follow_system(), self.narrate(desktop), desktop.run(),
-                                                   stop.wait())]
+        tasks = [
+            asyncio.ensure_future(c) for c in (self.follow_system(), self.narrate(desktop), desktop.run(), stop.wait())
+        ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if tasks[2] in done:

@@ -42,9 +42,14 @@ MAX_QUEUED = 100  # notifications kept while no server is there; the oldest go f
 RETRY = 30.0  # seconds between tries while no server owns the name (one may be D-Bus activatable)
 CALL_TIMEOUT = 10.0
 # Errors that say no server is there (rather than that this notification was refused): wait and send it again.
-UNAVAILABLE = ("org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner",
-               "org.freedesktop.DBus.Error.NoReply", "org.freedesktop.DBus.Error.Disconnected",
-               "org.freedesktop.DBus.Error.Spawn", "org.freedesktop.DBus.Error.TimedOut")
+UNAVAILABLE = (
+    "org.freedesktop.DBus.Error.ServiceUnknown",
+    "org.freedesktop.DBus.Error.NameHasNoOwner",
+    "org.freedesktop.DBus.Error.NoReply",
+    "org.freedesktop.DBus.Error.Disconnected",
+    "org.freedesktop.DBus.Error.Spawn",
+    "org.freedesktop.DBus.Error.TimedOut",
+)
 ICONS = {0: "dialog-information", 1: "dialog-information", 2: "dialog-warning"}
 
 
@@ -96,8 +101,14 @@ class Desktop:
         if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             raise SessionError("another notify agent already runs in this session")
         self.bus.add_message_handler(self._on_message)
-        await self._bus_call("AddMatch", "s", [f"type='signal',sender='{DBUS[0]}',path='{DBUS[1]}',"
-                                               f"interface='{DBUS[2]}',member='NameOwnerChanged',arg0='{SERVER}'"])
+        await self._bus_call(
+            "AddMatch",
+            "s",
+            [
+                f"type='signal',sender='{DBUS[0]}',path='{DBUS[1]}',"
+                f"interface='{DBUS[2]}',member='NameOwnerChanged',arg0='{SERVER}'"
+            ],
+        )
         owner = await self._bus_call("GetNameOwner", "s", [SERVER])
         self._new_owner(owner[0] if owner else None)
 
@@ -107,13 +118,19 @@ class Desktop:
 
     async def _bus_call(self, member: str, signature: str, body: list) -> list | None:
         assert self.bus is not None
-        reply = await self.bus.call(Message(destination=DBUS[0], path=DBUS[1], interface=DBUS[2], member=member,
-                                            signature=signature, body=body))
+        reply = await self.bus.call(
+            Message(destination=DBUS[0], path=DBUS[1], interface=DBUS[2], member=member, signature=signature, body=body)
+        )
         return None if reply is None or reply.message_type == MessageType.ERROR else reply.body
 
     def _on_message(self, msg: Message) -> None:
-        if (msg.message_type is MessageType.SIGNAL and msg.sender == DBUS[0] and msg.member == "NameOwnerChanged"
-                and msg.body and msg.body[0] == SERVER):
+        if (
+            msg.message_type is MessageType.SIGNAL
+            and msg.sender == DBUS[0]
+            and msg.member == "NameOwnerChanged"
+            and msg.body
+            and msg.body[0] == SERVER
+        ):
             self._new_owner(msg.body[2] or None)
 
     def _new_owner(self, owner: str | None) -> None:
@@ -169,10 +186,23 @@ class Desktop:
             await self._capabilities()
         replaces = self.ids.get(toast.key, 0) if toast.key else 0
         hints = {"urgency": Variant("y", toast.urgency), "category": Variant("s", "device")}
-        msg = Message(destination=SERVER, path=SERVER_PATH, interface=SERVER, member="Notify",
-                      signature="susssasa{sv}i",
-                      body=[APP_NAME, replaces, ICONS.get(toast.urgency, ""), plain(toast.summary),
-                            body_text(toast.body, self.markup), [], hints, -1])
+        msg = Message(
+            destination=SERVER,
+            path=SERVER_PATH,
+            interface=SERVER,
+            member="Notify",
+            signature="susssasa{sv}i",
+            body=[
+                APP_NAME,
+                replaces,
+                ICONS.get(toast.urgency, ""),
+                plain(toast.summary),
+                body_text(toast.body, self.markup),
+                [],
+                hints,
+                -1,
+            ],
+        )
         try:
             reply = await asyncio.wait_for(self.bus.call(msg), CALL_TIMEOUT)
         except (TimeoutError, OSError, EOFError):

@@ -177,8 +177,10 @@ class Narrator:
         alive = k.outcome == Outcome.STILL_ALIVE
         summary = f"GPU process {'still running' if alive else 'stopped'}: {_process(k.comm, k.pid)}"
         whose = "" if k.uid == self.audience.uid else f" of {user_name(k.uid)}"
-        body = (f"{_process(k.comm, k.pid)}{whose} on {', '.join(k.devices) or 'a GPU'}: "
-                f"{result_text(k.outcome)}, asked by {by}.")
+        body = (
+            f"{_process(k.comm, k.pid)}{whose} on {', '.join(k.devices) or 'a GPU'}: "
+            f"{result_text(k.outcome)}, asked by {by}."
+        )
         return Toast(summary, body, CRITICAL if alive else NORMAL)
 
     def _violated(self, v: PolicyViolated, now: float, wall: float) -> list[Toast]:
@@ -196,9 +198,15 @@ class Narrator:
         if waits:
             return [self._countdown(slot, now, Step.OPEN)]
         if v.action == KILL:  # a dry run: nothing will be signalled
-            return [Toast(f"Dry run: Guard would stop {v.subject}",
-                          f"Guard rule {v.rule}: {d.reason}. The rule is in dry run: nothing is signalled.",
-                          NORMAL, key, Step.OPEN)]
+            return [
+                Toast(
+                    f"Dry run: Guard would stop {v.subject}",
+                    f"Guard rule {v.rule}: {d.reason}. The rule is in dry run: nothing is signalled.",
+                    NORMAL,
+                    key,
+                    Step.OPEN,
+                )
+            ]
         return [Toast(f"Guard rule {v.rule}: {v.subject}", f"{d.reason}.", NORMAL, key, Step.OPEN)]
 
     def _countdown(self, slot: Slot, now: float, step: Step) -> Toast:
@@ -211,8 +219,13 @@ class Narrator:
         else:
             summary = f"{slot.subject} is being stopped"
             then = "Its grace period is over: it is being stopped now."
-        return Toast(summary, f"Guard rule {slot.rule}: {slot.reason}.\n{then}", CRITICAL,
-                     _slot_key(slot.rule, slot.subject), step)
+        return Toast(
+            summary,
+            f"Guard rule {slot.rule}: {slot.reason}.\n{then}",
+            CRITICAL,
+            _slot_key(slot.rule, slot.subject),
+            step,
+        )
 
     def _action(self, a: GuardActionTaken, now: float) -> list[Toast]:
         key = _slot_key(a.rule, a.subject)
@@ -228,8 +241,11 @@ class Narrator:
         else:
             what = _process(comm, a.pid) if comm else f"PID {a.pid}"
             line = f"{what} {result_text(a.outcome)}" + (" (dry run)" if a.dry_run else "") + "."
-            summary = (f"Guard rule {a.rule}: {what} {result_text(a.outcome)}" if slot is None or not slot.outcomes
-                       else f"Guard rule {a.rule}: {len(slot.outcomes) + 1} processes of {a.subject}")
+            summary = (
+                f"Guard rule {a.rule}: {what} {result_text(a.outcome)}"
+                if slot is None or not slot.outcomes
+                else f"Guard rule {a.rule}: {len(slot.outcomes) + 1} processes of {a.subject}"
+            )
         if slot is None:
             return [Toast(summary, f"Guard rule {a.rule}, {a.subject}: {line}", NORMAL)]
         slot.outcomes.append(line)
@@ -250,11 +266,21 @@ class Narrator:
     def _device(self, e: DeviceStateChanged | DeviceReset) -> list[Toast]:
         if isinstance(e, DeviceReset):
             killed = f" {len(e.killed)} process(es) were stopped first." if e.killed else ""
-            return [Toast(f"GPU {e.index} {'reset' if e.success else 'reset failed'}",
-                          f"GPU {e.index} ({e.id}): {e.message}.{killed}", NORMAL if e.success else CRITICAL)]
+            return [
+                Toast(
+                    f"GPU {e.index} {'reset' if e.success else 'reset failed'}",
+                    f"GPU {e.index} ({e.id}): {e.message}.{killed}",
+                    NORMAL if e.success else CRITICAL,
+                )
+            ]
         bad = e.state != STATE_OK
-        return [Toast(f"GPU {e.index} is {e.state}", f"GPU {e.index} ({e.id}) is {e.state}"
-                      + (f": {e.reason}." if e.reason else "."), CRITICAL if bad else NORMAL)]
+        return [
+            Toast(
+                f"GPU {e.index} is {e.state}",
+                f"GPU {e.index} ({e.id}) is {e.state}" + (f": {e.reason}." if e.reason else "."),
+                CRITICAL if bad else NORMAL,
+            )
+        ]
 
     # -- time -----------------------------------------------------------------------------------------
 
@@ -262,8 +288,11 @@ class Narrator:
         """The countdowns whose shown time changed, and the Guard kills no GuardActionTaken claimed."""
         toasts = []
         for key, slot in list(self.slots.items()):
-            if slot.deadline is not None and slot.shown_seconds > 0 and \
-                    math.ceil(slot.deadline - now - 1e-6) != slot.shown_seconds:
+            if (
+                slot.deadline is not None
+                and slot.shown_seconds > 0
+                and math.ceil(slot.deadline - now - 1e-6) != slot.shown_seconds
+            ):
                 toasts.append(self._countdown(slot, now, Step.UPDATE))
             if slot.closed_at is not None and now - slot.closed_at > CLOSED_KEPT:
                 del self.slots[key]

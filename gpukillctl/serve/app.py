@@ -136,8 +136,11 @@ def build_app(
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
     """A path no app takes (Mount("/") does not match a path holding a newline) in the JSON of every error."""
     names = {404: "NotFound", 405: "MethodNotAllowed"}
-    return JSONResponse({"error": names.get(e.status_code, "HTTPError"), "message": str(e.detail)},
-                        status_code=e.status_code, headers=e.headers)
+    return JSONResponse(
+        {"error": names.get(e.status_code, "HTTPError"), "message": str(e.detail)},
+        status_code=e.status_code,
+        headers=e.headers,
+    )
 
 
 class Server(uvicorn.Server):
@@ -153,8 +156,7 @@ class Server(uvicorn.Server):
         """SIGTERM, SIGINT and SIGHUP (the terminal or the ssh session that ran it went away) end the server
         gracefully and then `run` returns, so that the command can clean up (its token file): uvicorn's own
         version raises the signal again once the server stopped, which would end the process first."""
-        previous = {sig: signal.signal(sig, self.handle_exit)
-                    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             yield
         finally:

@@ -32,7 +32,8 @@ kill them all (the REST API refuses unknown parameters for the same reason). str
 Errors: a daemon error becomes an MCP tool error (isError) whose text starts with the full D-Bus error name, as
 the REST API's "error" gives it (client.api.error_name: `org.freedesktop.DBus.Error.AccessDenied: ...`,
 `org.gpukill1.Error.NoSuchProcess: ...`, `org.gpukill1.Error.DaemonUnavailable: ...` when gpukilld or the bus is
-absent), the daemon's message escaped by gpukill.text.shown. Results are typed (structured content with an output schema):
+absent), the daemon's message escaped by gpukill.text.shown. Results are typed (structured content with an output
+schema):
 the records of gpukill/records/, whose text from processes (comm, cmdline, evidence) stays data inside JSON,
 never part of the server's instructions or descriptions.
 """
@@ -106,7 +107,8 @@ class DeviceList(BaseModel):
 class ProcessList(BaseModel):
     processes: list[Process] = Field(
         description="one record per (process, device) matching the filters; other users' processes as "
-                    "the caller may see them")
+        "the caller may see them"
+    )
 
 
 class KillResult(BaseModel):
@@ -114,11 +116,16 @@ class KillResult(BaseModel):
     start_time: int
     outcome: Literal["terminated", "killed", "still-alive"] = Field(
         description="terminated: exited after SIGTERM; killed: needed SIGKILL (force); still-alive: outlived "
-                    "the grace without force")
-    reclaim: Reclaim | None = Field(None, description=(
-        "kill_process's GPU answer: verdict reclaimed (memory back), held (exited, but its orphaned workers or "
-        "its unit's processes hold memory: holders), stuck (alive after SIGKILL: reason, remedy gpukillctl "
-        "reset N)"))
+        "the grace without force"
+    )
+    reclaim: Reclaim | None = Field(
+        None,
+        description=(
+            "kill_process's GPU answer: verdict reclaimed (memory back), held (exited, but its orphaned workers or "
+            "its unit's processes hold memory: holders), stuck (alive after SIGKILL: reason, remedy gpukillctl "
+            "reset N)"
+        ),
+    )
     answer: str = Field("", description="the GPU's answer in words (process names escaped)")
 
 
@@ -144,7 +151,8 @@ class PolicyTestResult(BaseModel):
 
 class PolicyList(BaseModel):
     policies: list[ManagedPolicyEntry] = Field(
-        description="the user, group and GPU policies gpukilld keeps as files in the Guard policy directory")
+        description="the user, group and GPU policies gpukilld keeps as files in the Guard policy directory"
+    )
 
 
 class PolicyResult(BaseModel):
@@ -183,11 +191,13 @@ class BatchMatch(BaseModel):
 class NotKilled(BaseModel):
     pid: int
     start_time: int
-    reason: str = Field(description="NotMatching (the process no longer matches the selection), "
-                                    "org.gpukill1.Error.ProcessChanged (the PID is another process now), "
-                                    "org.gpukill1.Error.NoSuchProcess (not a GPU process gpukilld lists now), or the "
-                                    "D-Bus error name of the kill's refusal (org.freedesktop.DBus.Error.AccessDenied, "
-                                    "org.gpukill1.Error.Protected, ...)")
+    reason: str = Field(
+        description="NotMatching (the process no longer matches the selection), "
+        "org.gpukill1.Error.ProcessChanged (the PID is another process now), "
+        "org.gpukill1.Error.NoSuchProcess (not a GPU process gpukilld lists now), or the "
+        "D-Bus error name of the kill's refusal (org.freedesktop.DBus.Error.AccessDenied, "
+        "org.gpukill1.Error.Protected, ...)"
+    )
     message: str
 
 
@@ -195,8 +205,9 @@ class BatchKillResult(BaseModel):
     pattern: str
     memory_gt: int | None
     confirmed: bool = Field(description="false: a preview, nothing was signalled")
-    matches: list[BatchMatch] = Field(description="preview: what the selection matches now, at most "
-                                                  f"{MAX_BATCH}, by pid; confirmed: empty")
+    matches: list[BatchMatch] = Field(
+        description=f"preview: what the selection matches now, at most {MAX_BATCH}, by pid; confirmed: empty"
+    )
     more: int = Field(description=f"matching processes beyond those listed (at most {MAX_BATCH} a call)")
     killed: list[KillResult] = Field(description="confirmed: each process signalled, with its outcome")
     not_killed: list[NotKilled] = Field(description="confirmed: each confirmed process left alone, and why")
@@ -210,8 +221,9 @@ def batch_pattern(pattern: str) -> None:
     except RegexError as e:
         raise errors.InvalidArgs(f"pattern: {e}") from None
     except MatchesEveryName as e:
-        raise errors.InvalidArgs(f"pattern {e}: name the processes (e.g. '^python3$'), or use list_processes "
-                                 "and kill_process") from None
+        raise errors.InvalidArgs(
+            f"pattern {e}: name the processes (e.g. '^python3$'), or use list_processes and kill_process"
+        ) from None
 
 
 def batch_matches(procs: Iterable[Process]) -> list[BatchMatch]:
@@ -220,8 +232,17 @@ def batch_matches(procs: Iterable[Process]) -> list[BatchMatch]:
     for (pid, start_time), records in by_process(procs).items():
         memory = [p.gpu_memory for p in records if p.gpu_memory is not None]
         first = records[0]
-        found.append(BatchMatch(pid=pid, start_time=start_time, name=first.comm, user=first.user, uid=first.uid,
-                                gpus=[p.device for p in records], gpu_memory=sum(memory) if memory else None))
+        found.append(
+            BatchMatch(
+                pid=pid,
+                start_time=start_time,
+                name=first.comm,
+                user=first.user,
+                uid=first.uid,
+                gpus=[p.device for p in records],
+                gpu_memory=sum(memory) if memory else None,
+            )
+        )
     return sorted(found, key=lambda m: (m.pid, m.start_time))
 
 
@@ -235,14 +256,25 @@ def unmatched(ref: ProcessRef, everything: list[BatchMatch], selection: str) -> 
     if any(m.start_time == ref.start_time for m in same_pid):
         return refuse(ref, "NotMatching", f"PID {ref.pid} no longer matches {selection}: not killed")
     if same_pid:
-        return refuse(ref, errors.ProcessChanged.dbus_name, f"PID {ref.pid} is another process now (started at "
-                      f"{same_pid[0].start_time}, not {ref.start_time}): not killed")
-    return refuse(ref, errors.NoSuchProcess.dbus_name,
-                  f"PID {ref.pid} is not a GPU process gpukilld lists now: not killed")
+        return refuse(
+            ref,
+            errors.ProcessChanged.dbus_name,
+            f"PID {ref.pid} is another process now (started at "
+            f"{same_pid[0].start_time}, not {ref.start_time}): not killed",
+        )
+    return refuse(
+        ref, errors.NoSuchProcess.dbus_name, f"PID {ref.pid} is not a GPU process gpukilld lists now: not killed"
+    )
 
 
-async def kill_confirmed(client: GpukillClient, flt: dict[str, Variant], selection: str, confirm: list[ProcessRef],
-                         force: bool, grace: float | None) -> tuple[list[KillResult], list[NotKilled]]:
+async def kill_confirmed(
+    client: GpukillClient,
+    flt: dict[str, Variant],
+    selection: str,
+    confirm: list[ProcessRef],
+    force: bool,
+    grace: float | None,
+) -> tuple[list[KillResult], list[NotKilled]]:
     """Kill each confirmed (pid, start_time) that the daemon lists now under the selection, all together (each
     through KillProcess: polkit per process, the start time checked at the kill); the rest is refused with the
     reason. "Matches now" is the daemon's listing made by this call (at most one sample old); a process is
@@ -285,8 +317,9 @@ def tool_error(e: ClientError | errors.GpukillError) -> CallToolResult:
     return CallToolResult(content=[TextContent(type="text", text=error_text(e))], is_error=True)
 
 
-def process_filter(name: str | None, name_regex: str | None, user: str | int | None, device: str | int | None,
-                   memory_gt: int | None) -> dict[str, Variant]:
+def process_filter(
+    name: str | None, name_regex: str | None, user: str | int | None, device: str | int | None, memory_gt: int | None
+) -> dict[str, Variant]:
     """ListProcesses' filter. memory_gt is strictly greater: the daemon's min_memory is "at least", so it gets
     memory_gt + 1 (bytes are whole numbers, so nothing is lost); a process whose memory is unknown never
     matches."""
@@ -307,8 +340,7 @@ def process_filter(name: str | None, name_regex: str | None, user: str | int | N
 # -- the server ------------------------------------------------------------------------------------------
 
 READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, idempotentHint=True, openWorldHint=False)
-DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=False,
-                              openWorldHint=False)
+DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=False, openWorldHint=False)
 # A policy change replaces or removes what was there (destructive), and the same call twice leaves the same
 # policy (idempotent).
 WRITES = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True, openWorldHint=False)
@@ -322,8 +354,9 @@ def strict_arguments(tool: Tool) -> Tool:
     tool reads the model it holds at each call (FuncMetadata's fields are read live), so one forbidding extras
     replaces it."""
     loose = tool.fn_metadata.arg_model
-    forbidding = type(loose.__name__, (loose,), {"model_config": ConfigDict(extra="forbid"),
-                                                 "__module__": loose.__module__})
+    forbidding = type(
+        loose.__name__, (loose,), {"model_config": ConfigDict(extra="forbid"), "__module__": loose.__module__}
+    )
     tool.fn_metadata.arg_model = forbidding
     tool.parameters = forbidding.model_json_schema(by_alias=True)
     return tool
@@ -337,12 +370,15 @@ class Toolbox:
         self.connect = connect
         self.tools: list[Tool] = []
 
-    def register(self, title: str, annotations: ToolAnnotations) -> Callable[[Callable[..., Awaitable[R]]],
-                                                                              Callable[..., Awaitable[R]]]:
+    def register(
+        self, title: str, annotations: ToolAnnotations
+    ) -> Callable[[Callable[..., Awaitable[R]]], Callable[..., Awaitable[R]]]:
         """What mcp.tool() does, with strict_arguments."""
+
         def add(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
             self.tools.append(strict_arguments(Tool.from_function(fn, title=title, annotations=annotations)))
             return fn
+
         return add
 
     async def call(self, act: Callable[[GpukillClient], Awaitable[T]], result: Callable[[T], R]) -> R:
@@ -376,13 +412,21 @@ def _process_tools(box: Toolbox) -> None:
     @box.register(title="List GPU processes", annotations=READ_ONLY)
     async def list_processes(
         name: Annotated[str | None, Field(description="only processes whose name (comm) contains this")] = None,
-        name_regex: Annotated[str | None, Field(
-            description="only processes whose name matches this regular expression (RE2)")] = None,
+        name_regex: Annotated[
+            str | None, Field(description="only processes whose name matches this regular expression (RE2)")
+        ] = None,
         user: Annotated[str | int | None, Field(description="only processes of this user (name or uid)")] = None,
-        device: Annotated[str | int | None, Field(description="only processes on this GPU (index, UUID or PCI "
-                                                               "bus id)")] = None,
-        memory_gt: Annotated[int | None, Field(ge=0, lt=MAX_UINT64, description=(
-            "only processes using strictly more than this many bytes of GPU memory"))] = None,
+        device: Annotated[
+            str | int | None, Field(description="only processes on this GPU (index, UUID or PCI bus id)")
+        ] = None,
+        memory_gt: Annotated[
+            int | None,
+            Field(
+                ge=0,
+                lt=MAX_UINT64,
+                description=("only processes using strictly more than this many bytes of GPU memory"),
+            ),
+        ] = None,
     ) -> ProcessList:
         """The processes on the GPUs, with the pid and start_time that kill_process needs. Filters combine.
         Needs no authorization; other users' processes are shown as far as polkit's
@@ -393,19 +437,33 @@ def _process_tools(box: Toolbox) -> None:
     @box.register(title="Stop a GPU process", annotations=DESTRUCTIVE)
     async def kill_process(
         pid: Annotated[int, Field(gt=0, lt=MAX_PID, description="the process id, from list_processes")],
-        start_time: Annotated[int, Field(ge=0, le=MAX_UINT64, description=(
-            "the start_time of the same list_processes record: a PID reused since is refused"))],
+        start_time: Annotated[
+            int,
+            Field(
+                ge=0,
+                le=MAX_UINT64,
+                description=("the start_time of the same list_processes record: a PID reused since is refused"),
+            ),
+        ],
         force: Annotated[bool, Field(description="SIGKILL if it outlives the grace period")] = False,
-        grace: Annotated[float | None, Field(ge=0, le=MAX_GRACE, description=(
-            "seconds to wait after SIGTERM (default 5)"))] = None,
+        grace: Annotated[
+            float | None, Field(ge=0, le=MAX_GRACE, description=("seconds to wait after SIGTERM (default 5)"))
+        ] = None,
     ) -> KillResult:
         """SIGTERM a GPU process, then with force SIGKILL after the grace period. Your own processes need
         polkit's org.gpukill.kill-own-process, which the default policy grants; another user's need
         org.gpukill.kill-any-process, which it gives only to administrators (AccessDenied otherwise: no
         password can be asked here)."""
-        return await box.call(lambda c: c.kill_report(pid, start_time, force=force, grace=grace),
-                          lambda report: KillResult(pid=pid, start_time=start_time, outcome=report.outcome,
-                                                    reclaim=report.reclaim, answer=reclaim_text(report.reclaim)))
+        return await box.call(
+            lambda c: c.kill_report(pid, start_time, force=force, grace=grace),
+            lambda report: KillResult(
+                pid=pid,
+                start_time=start_time,
+                outcome=report.outcome,
+                reclaim=report.reclaim,
+                answer=reclaim_text(report.reclaim),
+            ),
+        )
 
     @box.register(title="Reset a GPU", annotations=DESTRUCTIVE)
     async def reset_device(
@@ -430,27 +488,49 @@ def _report_tools(box: Toolbox) -> None:
 
     @box.register(title="GPU usage", annotations=READ_ONLY)
     async def usage(
-        hours: Annotated[float, Field(gt=0, le=MAX_USAGE_HOURS, description=(
-            "the last this many hours, up to now (gpu-kill's scan_rogue_activity hours)"))] = 24,
-        by: Annotated[Literal[tuple(USAGE_BY)], Field(  # type: ignore[valid-type]
-            description="group by user, unit (systemd), job (Slurm), pod, gpu or process")] = "user",
+        hours: Annotated[
+            float,
+            Field(
+                gt=0,
+                le=MAX_USAGE_HOURS,
+                description=("the last this many hours, up to now (gpu-kill's scan_rogue_activity hours)"),
+            ),
+        ] = 24,
+        by: Annotated[
+            Literal[tuple(USAGE_BY)],
+            Field(  # type: ignore[valid-type]
+                description="group by user, unit (systemd), job (Slurm), pod, gpu or process"
+            ),
+        ] = "user",
         user: Annotated[str | int | None, Field(description="only this user's records (name or uid)")] = None,
-        name: Annotated[str | None, Field(max_length=256, description=(
-            "only processes whose name contains this"))] = None,
+        name: Annotated[
+            str | None, Field(max_length=256, description=("only processes whose name contains this"))
+        ] = None,
         unit: Annotated[str | None, Field(max_length=256, description="only this systemd unit's")] = None,
         job: Annotated[str | None, Field(max_length=256, description="only this Slurm job's")] = None,
         pod: Annotated[str | None, Field(max_length=256, description="only this Kubernetes pod's (UID)")] = None,
         device: Annotated[str | int | None, Field(description="only on this GPU (index, UUID or PCI bus id)")] = None,
-        limit: Annotated[int | None, Field(ge=1, le=MAX_USAGE_LIMIT, description=(
-            "at most this many groups, largest GPU time first"))] = None,
+        limit: Annotated[
+            int | None,
+            Field(ge=1, le=MAX_USAGE_LIMIT, description=("at most this many groups, largest GPU time first")),
+        ] = None,
     ) -> UsageResult:
         """Who used the GPUs, how much and for how long: per group, the processes counted (and how many still
         run), gpu_seconds (time on a GPU), sm_seconds (weighted by utilization; null where unknown),
         memory_byte_seconds, peak_memory and energy_joules (null where the GPU reports no power), from
         gpukilld's accounting of every GPU process. Needs no authorization; other users' records count as
         far as polkit's org.gpukill.view-all-processes lets you see them."""
-        query = {"since": time.time() - hours * 3600.0, "by": by, "user": user, "name": name, "unit": unit,
-                 "job": job, "pod": pod, "device": device, "limit": limit}
+        query = {
+            "since": time.time() - hours * 3600.0,
+            "by": by,
+            "user": user,
+            "name": name,
+            "unit": unit,
+            "job": job,
+            "pod": pod,
+            "device": device,
+            "limit": limit,
+        }
         query = {k: str(v) if k in ("user", "device") else v for k, v in query.items() if v is not None}
         return await box.call(lambda c: c.usage(query), lambda report: UsageResult(usage=report))
 
@@ -467,8 +547,10 @@ def _report_tools(box: Toolbox) -> None:
     ) -> PolicyTestResult:
         """What a Guard policy would do with the GPUs' current processes. Never acts; needs no
         authorization."""
-        return await box.call(lambda c: c.guard_test(name if policy else "", policy),
-                          lambda decisions: PolicyTestResult(decisions=decisions))
+        return await box.call(
+            lambda c: c.guard_test(name if policy else "", policy),
+            lambda decisions: PolicyTestResult(decisions=decisions),
+        )
 
 
 def _batch_tool(box: Toolbox) -> None:
@@ -476,17 +558,40 @@ def _batch_tool(box: Toolbox) -> None:
 
     @box.register(title="Stop GPU processes by name", annotations=DESTRUCTIVE)
     async def kill_processes_by_name(
-        pattern: Annotated[str, Field(min_length=1, max_length=MAX_PATTERN, description=(
-            "gpu-kill's name pattern: a regular expression (RE2) searched in the process name, e.g. 'python' "
-            "or '^python3$'; one that matches the empty string (every name) is refused"))],
-        confirm: Annotated[list[ProcessRef] | None, Field(min_length=1, max_length=MAX_BATCH, description=(
-            "leave out for the preview; then the pid and start_time of each previewed process to kill, with "
-            "the same pattern and memory_gt"))] = None,
-        memory_gt: Annotated[int | None, Field(ge=0, lt=MAX_UINT64, description=(
-            "only processes using strictly more than this many bytes of GPU memory on a GPU"))] = None,
+        pattern: Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=MAX_PATTERN,
+                description=(
+                    "gpu-kill's name pattern: a regular expression (RE2) searched in the process name, e.g. 'python' "
+                    "or '^python3$'; one that matches the empty string (every name) is refused"
+                ),
+            ),
+        ],
+        confirm: Annotated[
+            list[ProcessRef] | None,
+            Field(
+                min_length=1,
+                max_length=MAX_BATCH,
+                description=(
+                    "leave out for the preview; then the pid and start_time of each previewed process to kill, with "
+                    "the same pattern and memory_gt"
+                ),
+            ),
+        ] = None,
+        memory_gt: Annotated[
+            int | None,
+            Field(
+                ge=0,
+                lt=MAX_UINT64,
+                description=("only processes using strictly more than this many bytes of GPU memory on a GPU"),
+            ),
+        ] = None,
         force: Annotated[bool, Field(description="SIGKILL what outlives the grace period")] = False,
-        grace: Annotated[float | None, Field(ge=0, le=MAX_GRACE, description=(
-            "seconds to wait after SIGTERM (default 5)"))] = None,
+        grace: Annotated[
+            float | None, Field(ge=0, le=MAX_GRACE, description=("seconds to wait after SIGTERM (default 5)"))
+        ] = None,
     ) -> BatchKillResult:
         """Stop the GPU processes whose name matches a pattern, in two calls. Without confirm: a preview that
         kills nothing and lists the matching processes (pid, start_time, name, user, GPUs, memory), at most
@@ -506,20 +611,38 @@ def _batch_tool(box: Toolbox) -> None:
             if not found:
                 step = f"No GPU process matches {selection}; nothing was killed."
             else:
-                step = (f"Nothing was killed. To stop these {len(listed)}, call kill_processes_by_name again with "
-                        "the same pattern and memory_gt, and confirm: the pid and start_time of each to stop.")
+                step = (
+                    f"Nothing was killed. To stop these {len(listed)}, call kill_processes_by_name again with "
+                    "the same pattern and memory_gt, and confirm: the pid and start_time of each to stop."
+                )
             if len(found) > MAX_BATCH:
                 step += f" {len(found) - MAX_BATCH} more match: at most {MAX_BATCH} a call."
-            return BatchKillResult(pattern=pattern, memory_gt=memory_gt, confirmed=False, matches=listed,
-                                   more=len(found) - len(listed), killed=[], not_killed=[], next_step=step)
+            return BatchKillResult(
+                pattern=pattern,
+                memory_gt=memory_gt,
+                confirmed=False,
+                matches=listed,
+                more=len(found) - len(listed),
+                killed=[],
+                not_killed=[],
+                next_step=step,
+            )
 
         async def confirmed(client: GpukillClient) -> BatchKillResult:
             assert confirm is not None
             batch_pattern(pattern)
             killed, not_killed = await kill_confirmed(client, flt, selection, confirm, force, grace)
             step = "Done." if not not_killed else "Done; see not_killed for what was left alone and why."
-            return BatchKillResult(pattern=pattern, memory_gt=memory_gt, confirmed=True, matches=[], more=0,
-                                   killed=killed, not_killed=not_killed, next_step=step)
+            return BatchKillResult(
+                pattern=pattern,
+                memory_gt=memory_gt,
+                confirmed=True,
+                matches=[],
+                more=0,
+                killed=killed,
+                not_killed=not_killed,
+                next_step=step,
+            )
 
         return await box.call(preview if confirm is None else confirmed, lambda result: result)
 
@@ -537,15 +660,38 @@ def _policy_tools(box: Toolbox) -> None:
     @box.register(title="Create a user's Guard policy", annotations=WRITES)
     async def create_user_policy(
         username: Annotated[str, Field(min_length=1, max_length=256, description="the user it limits")],
-        memory_limit_gb: Annotated[float | None, Field(gt=0, le=1 << 20, description=(
-            "GPU memory the user's processes may hold together, in GB as gpu-kill counts them (GiB: 1 GB = "
-            "1073741824 bytes)"))] = None,
-        utilization_limit_pct: Annotated[float | None, Field(gt=0, le=100, description=(
-            "GPU utilization, percent"))] = None,
-        process_limit: Annotated[int | None, Field(ge=1, le=1 << 16, description=(
-            "GPU processes the user may run at once (beyond it the largest are stopped)"))] = None,
-        grace_seconds: Annotated[float | None, Field(ge=0, le=MAX_GRACE, description=(
-            "seconds over a limit before Guard stops processes (default 30; the user is warned at once)"))] = None,
+        memory_limit_gb: Annotated[
+            float | None,
+            Field(
+                gt=0,
+                le=1 << 20,
+                description=(
+                    "GPU memory the user's processes may hold together, in GB as gpu-kill counts them (GiB: 1 GB = "
+                    "1073741824 bytes)"
+                ),
+            ),
+        ] = None,
+        utilization_limit_pct: Annotated[
+            float | None, Field(gt=0, le=100, description=("GPU utilization, percent"))
+        ] = None,
+        process_limit: Annotated[
+            int | None,
+            Field(
+                ge=1,
+                le=1 << 16,
+                description=("GPU processes the user may run at once (beyond it the largest are stopped)"),
+            ),
+        ] = None,
+        grace_seconds: Annotated[
+            float | None,
+            Field(
+                ge=0,
+                le=MAX_GRACE,
+                description=(
+                    "seconds over a limit before Guard stops processes (default 30; the user is warned at once)"
+                ),
+            ),
+        ] = None,
     ) -> PolicyResult:
         """Create or replace a Guard Mode policy for one user, as gpu-kill's create_user_policy: gpukilld writes
         it as a policy file into its policy directory and enforces it at once, while Guard Mode is enabled and
@@ -562,8 +708,9 @@ def _policy_tools(box: Toolbox) -> None:
             settings["process_limit"] = process_limit
         if grace_seconds is not None:
             settings["grace"] = float(grace_seconds)
-        return await box.call(lambda c: c.guard_set_policy("user", username, settings),
-                          lambda entry: PolicyResult(policy=entry))
+        return await box.call(
+            lambda c: c.guard_set_policy("user", username, settings), lambda entry: PolicyResult(policy=entry)
+        )
 
     @box.register(title="Remove a user's Guard policy", annotations=WRITES)
     async def remove_user_policy(
@@ -572,8 +719,9 @@ def _policy_tools(box: Toolbox) -> None:
         """Remove the Guard Mode policy of one user (its file in gpukilld's policy directory); InvalidArgs when
         the user has none. Needs polkit's org.gpukill.manage-policies, which the default policy gives only
         to administrators (AccessDenied otherwise: no password can be asked here)."""
-        return await box.call(lambda c: c.guard_remove_policy("user", username),
-                          lambda _: PolicyRemoved(target=username))
+        return await box.call(
+            lambda c: c.guard_remove_policy("user", username), lambda _: PolicyRemoved(target=username)
+        )
 
 
 def _resources(mcp: MCPServer, connect: Connect) -> None:

@@ -149,11 +149,21 @@ class StrictRoute(APIRoute):
             for key, _ in request.query_params.multi_items():
                 if key not in declared:
                     takes = ", ".join(sorted(declared)) or "none"
-                    problems.append({"loc": ("query", key), "type": "extra_forbidden",
-                                     "msg": f"unknown parameter (this operation takes: {takes})"})
+                    problems.append(
+                        {
+                            "loc": ("query", key),
+                            "type": "extra_forbidden",
+                            "msg": f"unknown parameter (this operation takes: {takes})",
+                        }
+                    )
                 elif key in seen and key not in lists:
-                    problems.append({"loc": ("query", key), "type": "extra_forbidden",
-                                     "msg": "given more than once (it takes one value)"})
+                    problems.append(
+                        {
+                            "loc": ("query", key),
+                            "type": "extra_forbidden",
+                            "msg": "given more than once (it takes one value)",
+                        }
+                    )
                 seen.add(key)
             if problems:
                 raise RequestValidationError(_unique(problems))
@@ -168,6 +178,7 @@ def _unique(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if p not in out:
             out.append(p)
     return out
+
 
 # The HTTP status of each daemon error, by the shared error class the client's exception is (client.ERRORS).
 STATUS_FOR_ERROR: dict[type[Exception], int] = {
@@ -286,9 +297,7 @@ class ProcessList(BaseModel):
 
 class FindingList(BaseModel):
     findings: list[FindingModel] = Field(  # type: ignore[valid-type]
-        description="miners, resource abusers and idle holders, highest score first, as the server's user "
-        "may "
-        "see them"
+        description="miners, resource abusers and idle holders, highest score first, as the server's user may see them"
     )
 
 
@@ -333,12 +342,8 @@ class KillResult(BaseModel):
 class ResetRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    device: BusText = Field(
-        min_length=1, max_length=256, pattern=NO_NUL, description="index, UUID or PCI bus id"
-    )
-    force: bool = Field(
-        False, description="kill the processes on the GPU first (through the kill path, audited)"
-    )
+    device: BusText = Field(min_length=1, max_length=256, pattern=NO_NUL, description="index, UUID or PCI bus id")
+    force: bool = Field(False, description="kill the processes on the GPU first (through the kill path, audited)")
 
 
 class PolicyTestRequest(BaseModel):
@@ -381,10 +386,13 @@ def _duration_value(value: float | str) -> float | str:
 
 
 SIZE_DOC = f"; or text with a unit ({SIZE_FORMS}; a bare number as text is refused)"
-SizeValue = Annotated[Annotated[int, Strict()] | Annotated[str, Strict(), Field(max_length=MAX_SIZE_TEXT)],
-                      AfterValidator(_size_value)]
-DurationValue = Annotated[Annotated[float, Strict()] | Annotated[str, Strict(), Field(max_length=MAX_DURATION_TEXT)],
-                          AfterValidator(_duration_value)]
+SizeValue = Annotated[
+    Annotated[int, Strict()] | Annotated[str, Strict(), Field(max_length=MAX_SIZE_TEXT)], AfterValidator(_size_value)
+]
+DurationValue = Annotated[
+    Annotated[float, Strict()] | Annotated[str, Strict(), Field(max_length=MAX_DURATION_TEXT)],
+    AfterValidator(_duration_value),
+]
 
 
 class PolicySettings(BaseModel):
@@ -402,9 +410,7 @@ class PolicySettings(BaseModel):
     allowed_users: list[BusText] | None = Field(
         None, max_length=MAX_ALLOWED_USERS, description="gpu: only these users may hold it"
     )
-    reserved_memory: SizeValue | None = Field(
-        None, description="gpu: bytes kept free on the device" + SIZE_DOC
-    )
+    reserved_memory: SizeValue | None = Field(None, description="gpu: bytes kept free on the device" + SIZE_DOC)
     grace: DurationValue | None = Field(
         None, description=f"seconds over a limit before the kill (default 30); or text ({DURATION_FORMS})"
     )
@@ -427,8 +433,7 @@ _ERROR_STATUSES = {
 }
 _ACTION_STATUSES = {
     404: "no such process or GPU",
-    409: "the PID now names another process, the GPU is busy, the process is not on a GPU, or the GPU "
-    "cannot do it",
+    409: "the PID now names another process, the GPU is busy, the process is not on a GPU, or the GPU cannot do it",
     502: "gpukilld or the driver failed",
     504: "gpukilld did not answer in time",
 }
@@ -442,9 +447,7 @@ def _responses(extra: dict[int, str] | None = None) -> dict[int | str, dict[str,
 # -- the app -------------------------------------------------------------------------------------------
 
 
-def error_response(
-    status: int, name: str, message: str, headers: dict[str, str] | None = None
-) -> JSONResponse:
+def error_response(status: int, name: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": name, "message": message}, status_code=status, headers=headers)
 
 
@@ -533,10 +536,15 @@ def build_rest(connect: Connect) -> FastAPI:
         ] = None,
     ) -> dict:
         if filter is not None and name_regex is not None:
-            raise RequestValidationError([{
-                "loc": ("query", "filter"), "type": "value_error",
-                "msg": "filter is name_regex by gpu-kill's name: give one of filter and name_regex, not both",
-            }])
+            raise RequestValidationError(
+                [
+                    {
+                        "loc": ("query", "filter"),
+                        "type": "value_error",
+                        "msg": "filter is name_regex by gpu-kill's name: give one of filter and name_regex, not both",
+                    }
+                ]
+            )
         pattern = name_regex if filter is None else filter
         wanted: dict[str, Variant] = {}
         for key, value in (("name", name), ("name_regex", pattern), ("user", user), ("device", device)):
@@ -560,11 +568,14 @@ def build_rest(connect: Connect) -> FastAPI:
             if start_time is None:
                 listed = next((p for p in await client.list_processes() if p.pid == request.pid), None)
                 start_time = listed.start_time if listed else _start_time_now(request.pid)
-            report = await client.kill_report(
-                request.pid, start_time, force=request.force, grace=request.grace
-            )
-            return {"pid": request.pid, "start_time": start_time, "outcome": report.outcome,
-                    "reclaim": to_plain(report.reclaim), "answer": reclaim_text(report.reclaim)}
+            report = await client.kill_report(request.pid, start_time, force=request.force, grace=request.grace)
+            return {
+                "pid": request.pid,
+                "start_time": start_time,
+                "outcome": report.outcome,
+                "reclaim": to_plain(report.reclaim),
+                "answer": reclaim_text(report.reclaim),
+            }
 
         return await with_daemon(act)
 
@@ -617,10 +628,24 @@ def build_rest(connect: Connect) -> FastAPI:
         operation_id="get_usage",
     )
     async def usage(
-        since: Annotated[str, Query(min_length=1, max_length=MAX_WHEN_TEXT, pattern=NO_NUL, description=(
-            "the range's start: " + WHEN_DOC + " (default: 24 hours before until)"))] = None,
-        until: Annotated[str, Query(min_length=1, max_length=MAX_WHEN_TEXT, pattern=NO_NUL, description=(
-            "the range's end, as since (default: now)"))] = None,
+        since: Annotated[
+            str,
+            Query(
+                min_length=1,
+                max_length=MAX_WHEN_TEXT,
+                pattern=NO_NUL,
+                description=("the range's start: " + WHEN_DOC + " (default: 24 hours before until)"),
+            ),
+        ] = None,
+        until: Annotated[
+            str,
+            Query(
+                min_length=1,
+                max_length=MAX_WHEN_TEXT,
+                pattern=NO_NUL,
+                description=("the range's end, as since (default: now)"),
+            ),
+        ] = None,
         by: Annotated[UsageBy, Query(description="what the rows are grouped by (default: user)")] = "user",
         user: Annotated[BusText, usage_filter("only this user's records (name or uid)")] = None,
         name: Annotated[BusText, usage_filter("only processes whose name contains this")] = None,
@@ -628,14 +653,29 @@ def build_rest(connect: Connect) -> FastAPI:
         job: Annotated[BusText, usage_filter("only this Slurm job's")] = None,
         pod: Annotated[BusText, usage_filter("only this Kubernetes pod's (its UID)")] = None,
         device: Annotated[BusText, usage_filter("only on this GPU (index, UUID or PCI bus id)")] = None,
-        limit: Annotated[int, Query(ge=1, le=MAX_USAGE_LIMIT, description=(
-            "at most this many rows, largest GPU time first (default and most: 1000)"))] = None,
+        limit: Annotated[
+            int,
+            Query(
+                ge=1,
+                le=MAX_USAGE_LIMIT,
+                description=("at most this many rows, largest GPU time first (default and most: 1000)"),
+            ),
+        ] = None,
     ) -> dict:
         """The records' totals over the range, grouped; processes still running count with their totals so
         far. Other users' records count as the server's user may see them."""
-        query: dict[str, Any] = {"since": usage_instant("since", since), "until": usage_instant("until", until), "by": by,
-                                 "user": user, "name": name, "unit": unit, "job": job, "pod": pod,
-                                 "device": device, "limit": limit}
+        query: dict[str, Any] = {
+            "since": usage_instant("since", since),
+            "until": usage_instant("until", until),
+            "by": by,
+            "user": user,
+            "name": name,
+            "unit": unit,
+            "job": job,
+            "pod": pod,
+            "device": device,
+            "limit": limit,
+        }
         report = await with_daemon(lambda c: c.usage({k: v for k, v in query.items() if v is not None}))
         return to_plain(report)
 
@@ -654,9 +694,7 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        problems = [
-            f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', '')}" for err in e.errors()
-        ]
+        problems = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', '')}" for err in e.errors()]
         return error_response(422, INVALID_ARGS, "; ".join(problems)[:1024] or "invalid arguments")
 
     @app.exception_handler(HTTPException)
@@ -674,8 +712,7 @@ def _error_handlers(app: FastAPI) -> None:
 
 _POLICY_PATH = f"{API_PREFIX}/guard/policies/{{kind}}/{{target}}"
 _POLICY_CHANGE_STATUSES = {
-    403: "polkit denied it (org.gpukill.manage-policies: administrators only by default), or the Origin is "
-    "not allowed",
+    403: "polkit denied it (org.gpukill.manage-policies: administrators only by default), or the Origin is not allowed",
     404: "the kind or the target holds a / (no such route)",
     504: _ACTION_STATUSES[504],
 }
@@ -733,9 +770,11 @@ def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
     return sorted(methods)
 
 
-WHEN_DOC = ("seconds since the epoch, or gpukillctl usage's TIME: a duration ago (30d, 24h, 90min, 1h30m), a date "
-            "(YYYY-MM-DD, 'YYYY-MM-DD HH:MM[:SS]', ISO 8601; the server's local time without an offset), today, "
-            "yesterday, now")
+WHEN_DOC = (
+    "seconds since the epoch, or gpukillctl usage's TIME: a duration ago (30d, 24h, 90min, 1h30m), a date "
+    "(YYYY-MM-DD, 'YYYY-MM-DD HH:MM[:SS]', ISO 8601; the server's local time without an offset), today, "
+    "yesterday, now"
+)
 
 
 def usage_instant(name: str, text: str | None) -> float | None:

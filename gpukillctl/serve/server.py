@@ -31,7 +31,8 @@ The HTTP surface, and why:
 - `--host [USER@]HOST[:PORT]` (repeatable) and `--hosts-file FILE` add machines to the dashboard, each read
   over ssh as `gpukillctl -H` does (gpukillctl/web/hosts.py parses them before anything starts).
 
-Registered by gpukillctl/cli/main.py without importing FastAPI, uvicorn or the MCP SDK: they are the optional extra `serve`,
+Registered by gpukillctl/cli/main.py without importing FastAPI, uvicorn or the MCP SDK: they are the optional extra
+`serve`,
 and only this command needs them (it says what to install, in one line, when they are missing).
 """
 
@@ -201,8 +202,7 @@ def read_token_file(path: str) -> str:
             raise ServeError(f"--token-file {path}: not yours (owned by uid {st.st_uid})", EXIT_USAGE)
         if st.st_mode & 0o077:
             raise ServeError(
-                f"--token-file {path}: readable or writable by others (mode {st.st_mode & 0o777:o}): "
-                f"chmod 600 it",
+                f"--token-file {path}: readable or writable by others (mode {st.st_mode & 0o777:o}): chmod 600 it",
                 EXIT_USAGE,
             )
         raw = f.read(MAX_TOKEN_CHARS + 1)
@@ -388,9 +388,7 @@ def serve(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in SDK_MODULES:
             raise
-        raise ServeError(
-            f"the HTTP server needs the optional packages ({e.name} is missing): {INSTALL_HINT}"
-        ) from None
+        raise ServeError(f"the HTTP server needs the optional packages ({e.name} is missing): {INSTALL_HINT}") from None
     from gpukill.kernel import sock_diag
 
     from ..web.session import Sessions, cookie_name
@@ -460,7 +458,9 @@ def open_browser(link: str) -> None:
             say(f"no browser could be started (set $BROWSER); log in to the dashboard once with: {link}")
         else:
             base = link.split("/login?", 1)[0]
-            say(f"no browser could be started (set $BROWSER): POST {base}/login/link with the token answers "
-                "a one-time login link")
+            say(
+                f"no browser could be started (set $BROWSER): POST {base}/login/link with the token answers "
+                "a one-time login link"
+            )
 
     threading.Thread(target=opening, name="open-browser", daemon=True).start()

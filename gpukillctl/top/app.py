@@ -58,39 +58,55 @@ from .model import (
     render,
 )
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2  # as gpukillctl/client/exits.py; gpukillctl/cli/main.py imports us, so not from there
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = (
+    0,
+    1,
+    2,
+)  # as gpukillctl/client/exits.py; gpukillctl/cli/main.py imports us, so not from there
 USAGE_EVERY = 10.0  # seconds between GetUsage calls for the session's totals line
 ESCAPE_DELAY_MS = 25  # Esc alone is told from an escape sequence after this long (ncurses' default: 1 s)
 STDIN = 0
 
 _KEY_NAMES = {
-    curses.KEY_UP: "UP", curses.KEY_DOWN: "DOWN", curses.KEY_PPAGE: "PGUP", curses.KEY_NPAGE: "PGDN",
-    curses.KEY_HOME: "HOME", curses.KEY_END: "END", curses.KEY_ENTER: "ENTER", curses.KEY_BACKSPACE: "BACKSPACE",
+    curses.KEY_UP: "UP",
+    curses.KEY_DOWN: "DOWN",
+    curses.KEY_PPAGE: "PGUP",
+    curses.KEY_NPAGE: "PGDN",
+    curses.KEY_HOME: "HOME",
+    curses.KEY_END: "END",
+    curses.KEY_ENTER: "ENTER",
+    curses.KEY_BACKSPACE: "BACKSPACE",
 }
-_CHAR_NAMES = {"\n": "ENTER", "\r": "ENTER", "\x1b": "ESC", "\x7f": "BACKSPACE", "\b": "BACKSPACE",
-               "\x15": "CLEAR"}
+_CHAR_NAMES = {"\n": "ENTER", "\r": "ENTER", "\x1b": "ESC", "\x7f": "BACKSPACE", "\b": "BACKSPACE", "\x15": "CLEAR"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    sub.add_parser("top", help="live view of GPUs and processes: sort, filter (/), kill (k), quit (q)",
-                   description="A live view refreshed at gpukilld's sample interval. Keys: Up/Down/PgUp/PgDn "
-                               "select; m, u, n, t sort by GPU memory, utilization, user, runtime (again: "
-                               "reverse); / filter; Esc clears it; k kills the selected process after a "
-                               "confirmation (polkit decides); q quits.")
+    sub.add_parser(
+        "top",
+        help="live view of GPUs and processes: sort, filter (/), kill (k), quit (q)",
+        description="A live view refreshed at gpukilld's sample interval. Keys: Up/Down/PgUp/PgDn "
+        "select; m, u, n, t sort by GPU memory, utilization, user, runtime (again: "
+        "reverse); / filter; Esc clears it; k kills the selected process after a "
+        "confirmation (polkit decides); q quits.",
+    )
 
 
 async def fetch(client: GpukillClient) -> tuple[Sample, str]:
     """One sample through the client library, and why Guard's part is missing ("" when it is there)."""
     status, devices, processes, guard = await asyncio.gather(
-        client.status(), client.list_devices(), client.list_processes(), client.guard_status(),
-        return_exceptions=True)
+        client.status(), client.list_devices(), client.list_processes(), client.guard_status(), return_exceptions=True
+    )
     for result in (status, devices, processes):
         if isinstance(result, BaseException):
             raise result
-    sample = Sample(devices=tuple(devices), processes=tuple(processes),  # type: ignore[arg-type]
-                    guard=None if isinstance(guard, BaseException) else guard,
-                    interval=status.sample_interval,  # type: ignore[union-attr]
-                    boottime=time.clock_gettime(time.CLOCK_BOOTTIME), clock_ticks=CLK_TCK)
+    sample = Sample(
+        devices=tuple(devices),
+        processes=tuple(processes),  # type: ignore[arg-type]
+        guard=None if isinstance(guard, BaseException) else guard,
+        interval=status.sample_interval,  # type: ignore[union-attr]
+        boottime=time.clock_gettime(time.CLOCK_BOOTTIME),
+        clock_ticks=CLK_TCK,
+    )
     if isinstance(guard, ClientError):
         return sample, f"guard status unavailable: {guard}"
     if isinstance(guard, BaseException):
@@ -107,19 +123,36 @@ def colour_wanted(environ: Mapping[str, str]) -> bool:
 def _styles(colour: bool) -> dict[str, int]:
     """Attributes by style: bold, reverse and underline always; colours only where wanted and the terminal has
     them (red for errors and graces, yellow for windows, green/yellow/red for a load)."""
-    styles = {TITLE: curses.A_REVERSE | curses.A_BOLD, HEADER: curses.A_BOLD | curses.A_UNDERLINE,
-              SELECTED: curses.A_REVERSE, ERROR: curses.A_BOLD, GRACE: curses.A_BOLD, WINDOW: curses.A_NORMAL,
-              DIM: curses.A_NORMAL, BAR: curses.A_NORMAL, LIGHT: curses.A_NORMAL, MODERATE: curses.A_NORMAL,
-              HEAVY: curses.A_BOLD}
+    styles = {
+        TITLE: curses.A_REVERSE | curses.A_BOLD,
+        HEADER: curses.A_BOLD | curses.A_UNDERLINE,
+        SELECTED: curses.A_REVERSE,
+        ERROR: curses.A_BOLD,
+        GRACE: curses.A_BOLD,
+        WINDOW: curses.A_NORMAL,
+        DIM: curses.A_NORMAL,
+        BAR: curses.A_NORMAL,
+        LIGHT: curses.A_NORMAL,
+        MODERATE: curses.A_NORMAL,
+        HEAVY: curses.A_BOLD,
+    }
     if colour and curses.has_colors():
         curses.start_color()
         with contextlib.suppress(curses.error):
             curses.use_default_colors()
         background = -1 if curses.COLORS else curses.COLOR_BLACK
-        for pair, (style, color) in enumerate(((ERROR, curses.COLOR_RED), (GRACE, curses.COLOR_RED),
-                                               (WINDOW, curses.COLOR_YELLOW), (DIM, curses.COLOR_CYAN),
-                                               (LIGHT, curses.COLOR_GREEN), (MODERATE, curses.COLOR_YELLOW),
-                                               (HEAVY, curses.COLOR_RED)), 1):
+        for pair, (style, color) in enumerate(
+            (
+                (ERROR, curses.COLOR_RED),
+                (GRACE, curses.COLOR_RED),
+                (WINDOW, curses.COLOR_YELLOW),
+                (DIM, curses.COLOR_CYAN),
+                (LIGHT, curses.COLOR_GREEN),
+                (MODERATE, curses.COLOR_YELLOW),
+                (HEAVY, curses.COLOR_RED),
+            ),
+            1,
+        ):
             with contextlib.suppress(curses.error):
                 curses.init_pair(pair, color, background)
                 styles[style] |= curses.color_pair(pair)
@@ -230,8 +263,9 @@ class TopView:
         self.usage_at = now
         wall = time.time()
         try:
-            self.state.usage = await self.client.usage({"since": self.started, "until": max(wall, self.started + 1),
-                                                        "by": "user"})
+            self.state.usage = await self.client.usage(
+                {"since": self.started, "until": max(wall, self.started + 1), "by": "user"}
+            )
             self.state.usage_note = ""
         except errors.NotSupported as e:
             self.usage_off = True
@@ -244,8 +278,13 @@ class TopView:
             interval = max(self.state.sample.interval, 0.1)
             await asyncio.sleep(max(interval - (time.monotonic() - self.fetched), 0.0))
             self.fetched = now = time.monotonic()
-            if not must_fetch(self.state.sample, now, listening_since=self.listening_since,
-                              changed=self.changed.is_set(), fetched_at=self.full_at):
+            if not must_fetch(
+                self.state.sample,
+                now,
+                listening_since=self.listening_since,
+                changed=self.changed.is_set(),
+                fetched_at=self.full_at,
+            ):
                 self.state.update(self.state.sample.at(time.clock_gettime(time.CLOCK_BOOTTIME)))
                 self.draw()
                 continue
@@ -313,8 +352,9 @@ class TopView:
             agent = PolkitAgent()
             if not agent.active:  # no prompt can come: back to the view while the daemon works
                 self.resume()
-            outcome = await self.client.kill(request.pid, request.start_time, force=request.force,
-                                             interactive=agent.active)
+            outcome = await self.client.kill(
+                request.pid, request.start_time, force=request.force, interactive=agent.active
+            )
             self.state.killed(request, outcome)
         except ClientError as e:
             self.state.killed(request, None, str(e))
@@ -360,8 +400,11 @@ class TopView:
         for text, style in line:
             if x >= width:
                 break
-            shown_text = text if self.utf8 or text.isascii() else text.replace(UNKNOWN, "-").encode(
-                self.encoding, "replace").decode(self.encoding)
+            shown_text = (
+                text
+                if self.utf8 or text.isascii()
+                else text.replace(UNKNOWN, "-").encode(self.encoding, "replace").decode(self.encoding)
+            )
             with contextlib.suppress(curses.error):  # the bottom-right cell: the cursor cannot move past it
                 self.stdscr.addstr(y, x, shown_text, self.styles.get(style, curses.A_NORMAL))
             x += len(text) if text.isascii() else sum(map(cells, text))
@@ -381,6 +424,5 @@ async def cmd_top(client: GpukillClient, args: argparse.Namespace) -> int:
         with terminal() as stdscr:
             return await TopView(client, stdscr, state, fetched).run()
     except curses.error as e:
-        print(f"gpukillctl: top cannot use this terminal (TERM={os.environ.get('TERM', '')}): {e}",
-              file=sys.stderr)
+        print(f"gpukillctl: top cannot use this terminal (TERM={os.environ.get('TERM', '')}): {e}", file=sys.stderr)
         return EXIT_FAILURE

@@ -68,15 +68,14 @@ class Sample:
 FULL_REFRESH = 30.0
 
 
-def must_fetch(sample: Sample, now: float, *, listening_since: float | None, changed: bool,
-               fetched_at: float) -> bool:
+def must_fetch(sample: Sample, now: float, *, listening_since: float | None, changed: bool, fetched_at: float) -> bool:
     """Whether top's refresh tick at `now` (monotonic seconds) fetches from gpukilld, or only redraws the sample
     it holds. It fetches when gpukilld signalled something since the last fetch (SnapshotChanged or any other
     signal), while Guard has windows or graces running (their seconds move with every sample, unsignalled),
     every FULL_REFRESH seconds, and at every tick while signals are not heard: no listener, or one started
     less than an interval ago (it may not be subscribed yet: a change then would be missed)."""
     trusted = listening_since is not None and now - listening_since > sample.interval + 1.0
-    return (not trusted or changed or sample.guard_counts_time or now - fetched_at >= FULL_REFRESH)
+    return not trusted or changed or sample.guard_counts_time or now - fetched_at >= FULL_REFRESH
 
 
 EMPTY = Sample(devices=(), processes=(), guard=None, interval=1.0, boottime=0.0)
@@ -111,10 +110,14 @@ class GuardMark:
     @property
     def long(self) -> str:
         if self.kind == "grace":
-            return shown(f"grace: rule {self.rule} kills {self.subject} in {format_duration(self.seconds)} unless it comes "
-                         "back under")
-        return shown(f"window: rule {self.rule}, {self.condition} has held "
-                     f"{format_duration(self.seconds)} of {format_duration(self.duration)} for {self.subject}")
+            return shown(
+                f"grace: rule {self.rule} kills {self.subject} in {format_duration(self.seconds)} unless it comes "
+                "back under"
+            )
+        return shown(
+            f"window: rule {self.rule}, {self.condition} has held "
+            f"{format_duration(self.seconds)} of {format_duration(self.duration)} for {self.subject}"
+        )
 
 
 @dataclass(slots=True)
@@ -132,8 +135,7 @@ class GuardMarks:
         if status is None:
             return marks
         found = [GuardMark("grace", g.rule, g.subject, g.remaining) for g in status.graces]
-        found += [GuardMark("window", w.rule, w.subject, w.elapsed, w.duration, w.condition)
-                  for w in status.windows]
+        found += [GuardMark("window", w.rule, w.subject, w.elapsed, w.duration, w.condition) for w in status.windows]
         uids = [g.uid for g in status.graces] + [w.uid for w in status.windows]
         for mark, uid in zip(found, uids, strict=True):
             if m := _PROCESS_SUBJECT.match(mark.subject):
@@ -165,19 +167,25 @@ def _number(v: float | None) -> float:
     return -1.0 if v is None else float(v)  # unknown sorts below every known value
 
 
-SORTS: dict[str, SortOrder] = {s.key: s for s in (
-    SortOrder("m", "GPU memory", "GPU MEM", lambda s, p: _number(p.gpu_memory), True),
-    SortOrder("u", "utilization", "UTIL", lambda s, p: _number(p.gpu_utilization), True),
-    SortOrder("n", "user", "USER", lambda s, p: p.user, False),
-    SortOrder("t", "runtime", "RUNTIME", lambda s, p: _number(s.runtime(p)), True),
-)}
+SORTS: dict[str, SortOrder] = {
+    s.key: s
+    for s in (
+        SortOrder("m", "GPU memory", "GPU MEM", lambda s, p: _number(p.gpu_memory), True),
+        SortOrder("u", "utilization", "UTIL", lambda s, p: _number(p.gpu_utilization), True),
+        SortOrder("n", "user", "USER", lambda s, p: p.user, False),
+        SortOrder("t", "runtime", "RUNTIME", lambda s, p: _number(s.runtime(p)), True),
+    )
+}
 DEFAULT_SORT = "m"
 
 
 def haystack(p: Process) -> str:
     """What the filter looks in: names, command line, user, PID and where the process runs, lower case."""
-    return " ".join(str(v) for v in (p.pid, p.user, p.comm, p.cmdline, p.unit, p.container_id, p.pod_uid,
-                                      p.slurm_job) if v is not None).casefold()
+    return " ".join(
+        str(v)
+        for v in (p.pid, p.user, p.comm, p.cmdline, p.unit, p.container_id, p.pod_uid, p.slurm_job)
+        if v is not None
+    ).casefold()
 
 
 # -- the state of the view, and keys ---------------------------------------------------------------------
@@ -360,7 +368,16 @@ class TopState:
 Segment = tuple[str, str]
 Line = tuple[Segment, ...]
 NORMAL, TITLE, HEADER, SELECTED, ERROR, GRACE, WINDOW, BAR, DIM = (
-    "normal", "title", "header", "selected", "error", "grace", "window", "bar", "dim")
+    "normal",
+    "title",
+    "header",
+    "selected",
+    "error",
+    "grace",
+    "window",
+    "bar",
+    "dim",
+)
 LIGHT, MODERATE, HEAVY = "light", "moderate", "heavy"  # a load: green, yellow, red
 
 
@@ -378,7 +395,7 @@ def fit(text: str, width: int) -> str:
     if width <= 0:
         return ""
     if text.isascii():
-        return text.ljust(width) if len(text) <= width else text[:width - 1] + "~"
+        return text.ljust(width) if len(text) <= width else text[: width - 1] + "~"
     total = sum(map(cells, text))
     if total <= width:
         return text + " " * (width - total)
@@ -443,7 +460,7 @@ def clip(segments: list[Segment], width: int) -> Line:
 def _device_line(d: Device, width: int) -> Line:
     name = fit(shown(d.name), 26)
     util = d.utilization / 100 if d.utilization is not None else None
-    mem = (d.memory_used / d.memory_total if d.memory_used is not None and d.memory_total else None)
+    mem = d.memory_used / d.memory_total if d.memory_used is not None and d.memory_total else None
     util_style = load(d.utilization, UTIL_LEVELS)
     mem_style = load(None if mem is None else mem * 100, MEMORY_LEVELS)
     temp = UNKNOWN if d.temperature is None else f"{d.temperature:.0f}C"
@@ -451,10 +468,16 @@ def _device_line(d: Device, width: int) -> Line:
     state = "" if d.state == STATE_OK else shown(f"  {d.state.upper()} {d.state_reason}")
     bar_width = min(max((width - 82) // 2, 10), 32)
     used = f"{size(d.memory_used)} / {size(d.memory_total)}"
-    segments = [(f"{d.index:<3} {name} util ", NORMAL), (bar(util, bar_width), util_style),
-                (f" {percent(d.utilization):>4}", util_style), ("  mem ", NORMAL), (bar(mem, bar_width), mem_style),
-                (f" {used:<21} ", NORMAL), (temp, load(d.temperature, TEMPERATURE_LEVELS, low=NORMAL)),
-                (f"  {power}", NORMAL)]
+    segments = [
+        (f"{d.index:<3} {name} util ", NORMAL),
+        (bar(util, bar_width), util_style),
+        (f" {percent(d.utilization):>4}", util_style),
+        ("  mem ", NORMAL),
+        (bar(mem, bar_width), mem_style),
+        (f" {used:<21} ", NORMAL),
+        (temp, load(d.temperature, TEMPERATURE_LEVELS, low=NORMAL)),
+        (f"  {power}", NORMAL),
+    ]
     if state:
         return (*clip(segments, width - len(state)), (state, ERROR))
     return clip(segments, width)
@@ -475,8 +498,14 @@ def _process_header(state: TopState, width: int) -> Line:
 
 
 def _process_line(state: TopState, p: Process, width: int, selected: bool) -> Line:
-    cols = [str(p.pid), shown(p.user), str(p.device), size(p.gpu_memory), percent(p.gpu_utilization),
-            format_duration(state.sample.runtime(p))]
+    cols = [
+        str(p.pid),
+        shown(p.user),
+        str(p.device),
+        size(p.gpu_memory),
+        percent(p.gpu_utilization),
+        format_duration(state.sample.runtime(p)),
+    ]
     laid = [fit(c, w - 1) + " " for c, (_, w) in zip(cols, _COLUMNS, strict=True)]
     text = "".join(laid)
     rest = width - len(text)
@@ -489,20 +518,25 @@ def _process_line(state: TopState, p: Process, width: int, selected: bool) -> Li
         return ((fit(text + fit(name, command - 1) + " " + guard, width), SELECTED),)
     style = GRACE if marks and marks[0].kind == "grace" else WINDOW
     # the UTIL cell (the fifth column) coloured by the process's own utilization
-    return (("".join(laid[:4]), NORMAL), (laid[4], load(p.gpu_utilization, UTIL_LEVELS)), ("".join(laid[5:]), NORMAL),
-            (fit(name, command - 1) + " ", DIM),
-            (fit(guard, guard_width), style if marks else NORMAL))
+    return (
+        ("".join(laid[:4]), NORMAL),
+        (laid[4], load(p.gpu_utilization, UTIL_LEVELS)),
+        ("".join(laid[5:]), NORMAL),
+        (fit(name, command - 1) + " ", DIM),
+        (fit(guard, guard_width), style if marks else NORMAL),
+    )
 
 
 def _details(state: TopState, p: Process | None, width: int) -> list[Line]:
     if p is None:
-        return [((fit("no process selected" if not state.filter else "no process matches the filter", width),
-                  DIM),)]
-    where = [f"unit {p.unit}" if p.unit else "no unit",
-             f"container {p.container_id}" if p.container_id else "",
-             f"pod {p.pod_uid}" if p.pod_uid else "",
-             f"Slurm job {p.slurm_job}" if p.slurm_job else "",
-             f"PID {p.container_pid} in its namespace" if p.container_pid not in (None, p.pid) else ""]
+        return [((fit("no process selected" if not state.filter else "no process matches the filter", width), DIM),)]
+    where = [
+        f"unit {p.unit}" if p.unit else "no unit",
+        f"container {p.container_id}" if p.container_id else "",
+        f"pod {p.pod_uid}" if p.pod_uid else "",
+        f"Slurm job {p.slurm_job}" if p.slurm_job else "",
+        f"PID {p.container_pid} in its namespace" if p.container_pid not in (None, p.pid) else "",
+    ]
     lines = [
         f"PID {p.pid} ({p.comm}) of {p.user} (uid {p.uid}) on GPU {p.device} ({p.device_id})"
         + ("; shares a GPU context with other users" if p.shared_usage else ""),
@@ -517,28 +551,50 @@ def _details(state: TopState, p: Process | None, width: int) -> list[Line]:
 
 def _title(state: TopState, width: int) -> Line:
     s = state.sample
-    guard = "guard: ?" if s.guard is None else (
-        "guard: off" if not s.guard.enabled else
-        "guard: on (dry run)" if s.guard.dry_run or s.guard.policy_dry_run else "guard: on")
+    guard = (
+        "guard: ?"
+        if s.guard is None
+        else (
+            "guard: off"
+            if not s.guard.enabled
+            else "guard: on (dry run)"
+            if s.guard.dry_run or s.guard.policy_dry_run
+            else "guard: on"
+        )
+    )
     if s.guard is not None and s.guard.policy_error:
         guard += ", policy files rejected (gpukillctl guard status says why)"
     shown_rows = len(state.rows())
     count = f"{len(s.processes)} processes" + (f", {shown_rows} match /{state.filter}" if state.filter else "")
     order = SORTS[state.sort]
-    text = (f"gpukill top - {len(s.devices)} GPUs, {count} - sorted by {order.name}"
-            f"{' (reversed)' if state.reverse else ''} - every {format_duration(s.interval)} - {guard}")
+    text = (
+        f"gpukill top - {len(s.devices)} GPUs, {count} - sorted by {order.name}"
+        f"{' (reversed)' if state.reverse else ''} - every {format_duration(s.interval)} - {guard}"
+    )
     return ((fit(shown(text), width), TITLE),)
 
 
 def _bottom(state: TopState, width: int) -> list[Line]:
     if state.mode is Mode.FILTER:
-        prompt = ((fit(shown(f"filter: {state.typed}_") + "   (Enter: apply, Esc: cancel, ^U: erase, empty: all)",
-                       width),
-                   HEADER),)
+        prompt = (
+            (
+                fit(shown(f"filter: {state.typed}_") + "   (Enter: apply, Esc: cancel, ^U: erase, empty: all)", width),
+                HEADER,
+            ),
+        )
     elif state.mode is Mode.CONFIRM and (p := state.target) is not None:
-        prompt = ((fit(shown(f"Kill PID {p.pid} ({p.comm}) of {p.user} on GPU {p.device}? "
-                             "y: SIGTERM, f: SIGTERM then SIGKILL after the grace, any other key: no"), width),
-                   ERROR),)
+        prompt = (
+            (
+                fit(
+                    shown(
+                        f"Kill PID {p.pid} ({p.comm}) of {p.user} on GPU {p.device}? "
+                        "y: SIGTERM, f: SIGTERM then SIGKILL after the grace, any other key: no"
+                    ),
+                    width,
+                ),
+                ERROR,
+            ),
+        )
     else:
         prompt = ((fit(state.message, width), ERROR if state.message_is_error else NORMAL),)
     return [prompt, ((fit(KEYS_HELP, width), DIM),)]
@@ -550,8 +606,9 @@ def _usage_line(state: TopState, width: int) -> Line:
         text = f"session: {state.usage_note}" if state.usage_note else ""
     else:
         u = state.usage
-        text = (f"session ({format_duration(u.until - u.since)}): {totals_line(u)}"
-                + (" (usage store rebuilding)" if u.rebuilding else ""))
+        text = f"session ({format_duration(u.until - u.since)}): {totals_line(u)}" + (
+            " (usage store rebuilding)" if u.rebuilding else ""
+        )
     return ((fit(shown(text), width), DIM),)
 
 
@@ -590,4 +647,3 @@ def render(state: TopState, width: int, height: int) -> list[Line]:
 def text_of(lines: list[Line]) -> str:
     """The screen as plain text (what a terminal shows, without attributes)."""
     return "\n".join("".join(text for text, _ in line).rstrip() for line in lines)
-

@@ -97,7 +97,9 @@ def describe(record: Any) -> str:
             killed = f"; killed first: {', '.join(map(str, record.killed))}" if record.killed else ""
             return f"GPU {record.index} ({record.id}) {result}: {record.message}{killed}"
         case DeviceStateChanged():
-            return f"GPU {record.index} ({record.id}) is {record.state}" + (f": {record.reason}" if record.reason else "")
+            return f"GPU {record.index} ({record.id}) is {record.state}" + (
+                f": {record.reason}" if record.reason else ""
+            )
         case PolicyViolated():
             d = record.details
             grace = f"; grace {format_duration(d.grace)}" if d.grace else ""

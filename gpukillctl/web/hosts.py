@@ -47,8 +47,10 @@ def host_specs(hosts: list[str], hosts_file: str | None) -> list[HostSpec]:
     if hosts_file is not None:
         named += [(f"{hosts_file}:{n}", text) for n, text in _file_lines(hosts_file)]
     if len(named) > MAX_HOSTS:
-        raise ValueError(f"{len(named)} hosts given: at most {MAX_HOSTS} (past a few dozen, use the exporter "
-                         f"with Prometheus and the shipped Grafana dashboard)")
+        raise ValueError(
+            f"{len(named)} hosts given: at most {MAX_HOSTS} (past a few dozen, use the exporter "
+            f"with Prometheus and the shipped Grafana dashboard)"
+        )
     specs, seen = [local_host()], {}
     for where, text in named:
         try:

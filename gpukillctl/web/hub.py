@@ -49,8 +49,14 @@ MAX_SIGNALS = 256  # per subscriber; a page slower than that loses the oldest (i
 LINGER = 30.0  # seconds a feed outlives its last subscriber: a page reloaded does not cost a new connection
 PING = 15.0  # seconds between comment lines on a quiet stream: proxies and browsers keep it open
 BACKOFF_FIRST, BACKOFF_MAX = 2.0, 60.0  # retrying a host that is down: doubling from the first to the last
-SIGNAL_TYPES = ("ProcessKilled", "DeviceReset", "DeviceStateChanged", "PolicyViolated", "GuardActionTaken",
-                "Notification")
+SIGNAL_TYPES = (
+    "ProcessKilled",
+    "DeviceReset",
+    "DeviceStateChanged",
+    "PolicyViolated",
+    "GuardActionTaken",
+    "Notification",
+)
 
 
 def sse(event: str, data: Any) -> bytes:
@@ -126,9 +132,20 @@ class Feed:
         if (state, error) == self.shown:  # a host still down for the same reason: nothing new to show
             return
         self.shown = (state, error)
-        self._publish({"id": self.host.id, "name": self.host.name, "state": state, "error": error,
-                       "generation": None, "at": time.time(), "interval": self.interval,
-                       "devices": [], "processes": []}, publish)
+        self._publish(
+            {
+                "id": self.host.id,
+                "name": self.host.name,
+                "state": state,
+                "error": error,
+                "generation": None,
+                "at": time.time(),
+                "interval": self.interval,
+                "devices": [],
+                "processes": [],
+            },
+            publish,
+        )
 
     def _publish(self, view: dict[str, Any], publish: bool = True) -> None:
         self.view = sse("host", view)
@@ -211,8 +228,9 @@ class Feed:
         self.on_view(self)
         self.listed = True
 
-    def view_of(self, devices: list[Device], processes: list[Process], generation: int | None,
-                at: float) -> dict[str, Any]:
+    def view_of(
+        self, devices: list[Device], processes: list[Process], generation: int | None, at: float
+    ) -> dict[str, Any]:
         # runtime from this machine's boot clock: a remote host's start times count from its own boot
         boot = time.clock_gettime(time.CLOCK_BOOTTIME) if self.host.id == 0 else None
         idle = self.idle.update(processes, time.monotonic())
@@ -222,8 +240,17 @@ class Feed:
             row["runtime"] = max(0.0, seconds_since_start(p.start_time, boot)) if boot is not None else None
             row["idle_seconds"] = idle_seconds
             rows.append(row)
-        return {"id": self.host.id, "name": self.host.name, "state": "up", "error": "", "generation": generation,
-                "at": at, "interval": self.interval, "devices": [to_plain(d) for d in devices], "processes": rows}
+        return {
+            "id": self.host.id,
+            "name": self.host.name,
+            "state": "up",
+            "error": "",
+            "generation": generation,
+            "at": at,
+            "interval": self.interval,
+            "devices": [to_plain(d) for d in devices],
+            "processes": rows,
+        }
 
     async def _forward_signals(self, client: GpukillClient, on_absent: Callable[[], None]) -> None:
         async for record in client.events(on_absent=on_absent):
@@ -231,8 +258,9 @@ class Feed:
                 continue
             kind = type(record).__name__
             if kind in SIGNAL_TYPES:
-                self.on_signal(sse("signal", {"host": self.host.id, "type": kind, "record": to_plain(record),
-                                              "at": time.time()}))
+                self.on_signal(
+                    sse("signal", {"host": self.host.id, "type": kind, "record": to_plain(record), "at": time.time()})
+                )
 
 
 class Subscriber:
@@ -263,16 +291,24 @@ class Subscriber:
 
 
 class Hub:
-    def __init__(self, hosts: list[HostSpec], *, linger: float = LINGER, ping: float = PING,
-                 max_subscribers: int = MAX_SUBSCRIBERS) -> None:
+    def __init__(
+        self,
+        hosts: list[HostSpec],
+        *,
+        linger: float = LINGER,
+        ping: float = PING,
+        max_subscribers: int = MAX_SUBSCRIBERS,
+    ) -> None:
         self.hosts = hosts
         self.linger, self.ping, self.max_subscribers = linger, ping, max_subscribers
         self.subscribers: set[Subscriber] = set()  # before the feeds, which publish their first view at once
         self.feeds = [Feed(h, self._on_view, self._on_signal) for h in hosts]
         self._stop_timer: asyncio.TimerHandle | None = None
         self._stopping: asyncio.Task | None = None
-        self.routes = [Route("/ui/hosts", self._list_hosts, methods=["GET"]),
-                       Route("/ui/stream", self._stream, methods=["GET"])]
+        self.routes = [
+            Route("/ui/hosts", self._list_hosts, methods=["GET"]),
+            Route("/ui/stream", self._stream, methods=["GET"]),
+        ]
 
     # -- subscribers -----------------------------------------------------------------------------------
 
@@ -325,9 +361,14 @@ class Hub:
     async def _stream(self, request: Request) -> Response:
         sub = self.subscribe()
         if sub is None:
-            return JSONResponse({"error": "ServiceUnavailable",
-                                 "message": f"{self.max_subscribers} pages follow this server already: close one"},
-                                status_code=503, headers={"retry-after": "5"})
+            return JSONResponse(
+                {
+                    "error": "ServiceUnavailable",
+                    "message": f"{self.max_subscribers} pages follow this server already: close one",
+                },
+                status_code=503,
+                headers={"retry-after": "5"},
+            )
         return EventStream(self, sub)
 
 
@@ -336,8 +377,11 @@ class EventStream(Response):
     the next write, which may be a ping away)."""
 
     # Not Response's headers: with no body given it would declare content-length: 0 and end the stream at once.
-    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store"),
-               (b"x-accel-buffering", b"no")]  # a proxy (nginx) in front must not hold the events back
+    HEADERS = [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-store"),
+        (b"x-accel-buffering", b"no"),
+    ]  # a proxy (nginx) in front must not hold the events back
 
     def __init__(self, hub: Hub, sub: Subscriber) -> None:
         self.hub, self.sub = hub, sub

@@ -65,15 +65,15 @@ def page_routes(directory: Path = STATIC_DIR) -> list[Route]:
     async def index(request: Request) -> Response:
         asset = assets.get(INDEX)
         if asset is None:
-            return JSONResponse({"error": "NotFound", "message": f"the dashboard's {INDEX} is not installed"},
-                                status_code=404)
+            return JSONResponse(
+                {"error": "NotFound", "message": f"the dashboard's {INDEX} is not installed"}, status_code=404
+            )
         return Response(asset.body, media_type=asset.content_type)
 
     async def static(request: Request) -> Response:
         asset = assets.get(request.path_params["name"])
         if asset is None:
-            return JSONResponse({"error": "NotFound", "message": "no such file of the dashboard"},
-                                status_code=404)
+            return JSONResponse({"error": "NotFound", "message": "no such file of the dashboard"}, status_code=404)
         cache = {"cache-control": "no-cache", "etag": asset.etag}
         if request.headers.get("if-none-match") == asset.etag:
             return Response(status_code=304, headers=cache)

@@ -88,6 +88,10 @@ class Sessions:
             return False
         given = cookie.encode("utf-8", "replace")
         given_page = (page or "").encode("utf-8", "replace")
-        return any([hmac.compare_digest(known.encode(), given)
-                    & (page_files | hmac.compare_digest(half.encode(), given_page))
-                    for known, half in self.secrets.items()])
+        return any(
+            [
+                hmac.compare_digest(known.encode(), given)
+                & (page_files | hmac.compare_digest(half.encode(), given_page))
+                for known, half in self.secrets.items()
+            ]
+        )

@@ -150,11 +150,17 @@ def action_for(interface: str | None, member: str) -> str | None:
 
 
 class Bouncer:
-    def __init__(self, bus: MessageBus, refusals: RefusalLog | None = None,
-                 clock: Callable[[], float] = time.monotonic, timeout: float = POLKIT_TIMEOUT,
-                 interactive_timeout: float = POLKIT_INTERACTIVE_TIMEOUT,
-                 proc_rules: Callable[[], ProcRules] = ProcRules, people: People | None = None,
-                 queue: PolkitQueue | None = None) -> None:
+    def __init__(
+        self,
+        bus: MessageBus,
+        refusals: RefusalLog | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        timeout: float = POLKIT_TIMEOUT,
+        interactive_timeout: float = POLKIT_INTERACTIVE_TIMEOUT,
+        proc_rules: Callable[[], ProcRules] = ProcRules,
+        people: People | None = None,
+        queue: PolkitQueue | None = None,
+    ) -> None:
         self.bus = bus
         # Refused requests, folded per person (people.py): the bouncer writes its denials there, Actions its other
         # refusals.
@@ -197,8 +203,11 @@ class Bouncer:
             # Unique names are never reused on a bus; bound the cache anyway.
             if len(self._creds) > 4096:
                 self._creds.clear()
-            self._creds[sender] = (int(info["UnixUserID"].value), int(pid_v.value) if pid_v else None,
-                                   tuple(int(g) for g in gids_v.value) if gids_v else ())
+            self._creds[sender] = (
+                int(info["UnixUserID"].value),
+                int(pid_v.value) if pid_v else None,
+                tuple(int(g) for g in gids_v.value) if gids_v else (),
+            )
         caller = self.known(msg)
         assert caller is not None
         return caller
@@ -236,8 +245,15 @@ class Bouncer:
         sees_all = self.cached_sees_all(caller)
         return None if sees_all is None else viewer_for(caller.uid, caller.gids, sees_all, self._proc_rules())
 
-    async def check(self, caller: Caller, method: Method, details: dict[str, str], target_uid: int | None = None,
-                    *, request: Request) -> str:
+    async def check(
+        self,
+        caller: Caller,
+        method: Method,
+        details: dict[str, str],
+        target_uid: int | None = None,
+        *,
+        request: Request,
+    ) -> str:
         """The action from the table that allows `caller` to call `method`, on a target of uid target_uid where
         there is one (an own/any entry asks its own action when that is the caller's uid). details are shown by
         polkit. A denial is audited here, as `request` tells it, and raised: AccessDenied, or TooBusy when too
@@ -254,11 +270,19 @@ class Bouncer:
                 allowed, why, busy = False, str(e), e
         if allowed:
             return action
-        self.refusals.log(self.people.person(caller.uid), request.kind,  # folded per person, as callrate.py counts
-                          f"{request.text} {'refused' if busy else 'denied'} to {caller.who}: {why}",
-                          **{**request.fields, "caller_uid": caller.uid, "caller_pid": caller.pid,
-                             "result": "busy" if busy else "denied", "polkit_action": action or None,
-                             "reason": why})
+        self.refusals.log(
+            self.people.person(caller.uid),
+            request.kind,  # folded per person, as callrate.py counts
+            f"{request.text} {'refused' if busy else 'denied'} to {caller.who}: {why}",
+            **{
+                **request.fields,
+                "caller_uid": caller.uid,
+                "caller_pid": caller.pid,
+                "result": "busy" if busy else "denied",
+                "polkit_action": action or None,
+                "reason": why,
+            },
+        )
         if busy is not None:
             raise busy
         raise AccessDenied(f"not authorized to {request.purpose}: {why}")
@@ -287,8 +311,9 @@ class Bouncer:
         finally:
             self.queue.give_back(person, caller.interactive)
 
-    async def _check(self, caller: Caller, action: str, details: dict[str, str],
-                     left: float | None = None) -> tuple[bool, str]:
+    async def _check(
+        self, caller: Caller, action: str, details: dict[str, str], left: float | None = None
+    ) -> tuple[bool, str]:
         """Ask polkit; left: what the check's timeout has left after its wait for a turn (all of it when None)."""
         flags = POLKIT_ALLOW_USER_INTERACTION if caller.interactive else 0
         timeout = self.interactive_timeout if caller.interactive else self.timeout
@@ -301,8 +326,13 @@ class Bouncer:
                 interface=POLKIT_AUTHORITY,
                 member="CheckAuthorization",
                 signature="(sa{sv})sa{ss}us",
-                body=[["system-bus-name", {"name": Variant("s", caller.sender)}], action, details, flags,
-                      cancellation_id],
+                body=[
+                    ["system-bus-name", {"name": Variant("s", caller.sender)}],
+                    action,
+                    details,
+                    flags,
+                    cancellation_id,
+                ],
             ),
         )
         try:
@@ -325,9 +355,15 @@ class Bouncer:
 
     def _cancel(self, cancellation_id: str) -> None:
         """Tell polkit to drop a check we stopped waiting for (it closes the password dialog, if any)."""
-        msg = Message(destination=POLKIT_NAME, path=POLKIT_PATH, interface=POLKIT_AUTHORITY,
-                      member="CancelCheckAuthorization", signature="s", body=[cancellation_id],
-                      flags=MessageFlag.NO_REPLY_EXPECTED)
+        msg = Message(
+            destination=POLKIT_NAME,
+            path=POLKIT_PATH,
+            interface=POLKIT_AUTHORITY,
+            member="CancelCheckAuthorization",
+            signature="s",
+            body=[cancellation_id],
+            flags=MessageFlag.NO_REPLY_EXPECTED,
+        )
         try:
             self.bus.send(msg)
         except Exception as e:  # the bus is going away: nothing left to cancel

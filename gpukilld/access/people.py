@@ -132,8 +132,12 @@ class Table:
 class People:
     """person(uid) from the current /etc/subuid (see the module's docstring)."""
 
-    def __init__(self, path: str = SUBUID, clock: Callable[[], float] = time.monotonic,
-                 resolve: Callable[[str], int | None] = _uid_of) -> None:
+    def __init__(
+        self,
+        path: str = SUBUID,
+        clock: Callable[[], float] = time.monotonic,
+        resolve: Callable[[str], int | None] = _uid_of,
+    ) -> None:
         self.path = path
         self._clock = clock
         self._resolve = resolve
@@ -193,9 +197,12 @@ class People:
                     log.warning("cannot read %s: %s; uids are charged each to itself", self.path, e)
                     data = b""
                 if len(data) > MAX_BYTES:
-                    log.warning("%s is larger than %d bytes; ranges past that are not charged to their owners",
-                                self.path, MAX_BYTES)
-                    data = data[:data.rfind(b"\n", 0, MAX_BYTES) + 1]
+                    log.warning(
+                        "%s is larger than %d bytes; ranges past that are not charged to their owners",
+                        self.path,
+                        MAX_BYTES,
+                    )
+                    data = data[: data.rfind(b"\n", 0, MAX_BYTES) + 1]
                 text = data.decode("utf-8", errors="replace")
             table = Table(parse_subuid(text, self._resolve))
             with self._lock:

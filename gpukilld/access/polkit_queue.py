@@ -31,8 +31,13 @@ Lane = tuple[int, bool]  # (person, interactive)
 
 
 class PolkitQueue:
-    def __init__(self, in_flight: int = IN_FLIGHT, in_flight_per_lane: dict[bool, int] | None = None,
-                 queue_per_lane: int = QUEUE_PER_LANE, queue_total: int = QUEUE_TOTAL) -> None:
+    def __init__(
+        self,
+        in_flight: int = IN_FLIGHT,
+        in_flight_per_lane: dict[bool, int] | None = None,
+        queue_per_lane: int = QUEUE_PER_LANE,
+        queue_total: int = QUEUE_TOTAL,
+    ) -> None:
         self.in_flight_max = in_flight
         self.in_flight_per_lane = in_flight_per_lane or IN_FLIGHT_PER_LANE
         self.queue_per_lane = queue_per_lane
@@ -60,8 +65,10 @@ class PolkitQueue:
             return
         if self.queued(person, interactive) >= self.queue_per_lane:
             kind = "interactive authorizations (password prompts?)" if interactive else "authorizations"
-            raise TooBusy(f"{who} already has {self.queue_per_lane} {kind} waiting for polkit; "
-                          + ("answer or cancel those first" if interactive else "try again when they are answered"))
+            raise TooBusy(
+                f"{who} already has {self.queue_per_lane} {kind} waiting for polkit; "
+                + ("answer or cancel those first" if interactive else "try again when they are answered")
+            )
         if self.waiting >= self.queue_total:
             raise TooBusy("too many authorizations are waiting for polkit; try again in a moment")
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -66,6 +66,12 @@ class RefusalLog:
         for uid in [u for u, w in self._windows.items() if now - w.start >= WINDOW]:
             window = self._windows.pop(uid)
             for kind, count in window.folded.items():
-                self.audit.log(kind, f"{count} more refused request(s) of uid {uid} ({kind.name}) in "
-                                     f"{format_duration(now - window.start)} were not audited one by one",
-                               result="folded", folded=count, caller_uid=uid, action=kind.name.split("-")[0])
+                self.audit.log(
+                    kind,
+                    f"{count} more refused request(s) of uid {uid} ({kind.name}) in "
+                    f"{format_duration(now - window.start)} were not audited one by one",
+                    result="folded",
+                    folded=count,
+                    caller_uid=uid,
+                    action=kind.name.split("-")[0],
+                )

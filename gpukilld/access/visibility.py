@@ -24,9 +24,16 @@ from dataclasses import dataclass
 from ..model import GpuProcess
 
 HIDEPID_OFF, HIDEPID_NOACCESS, HIDEPID_INVISIBLE = 0, 1, 2
-_HIDEPID = {"0": HIDEPID_OFF, "off": HIDEPID_OFF, "1": HIDEPID_NOACCESS, "noaccess": HIDEPID_NOACCESS,
-            "2": HIDEPID_INVISIBLE, "invisible": HIDEPID_INVISIBLE, "4": HIDEPID_INVISIBLE,
-            "ptraceable": HIDEPID_INVISIBLE}
+_HIDEPID = {
+    "0": HIDEPID_OFF,
+    "off": HIDEPID_OFF,
+    "1": HIDEPID_NOACCESS,
+    "noaccess": HIDEPID_NOACCESS,
+    "2": HIDEPID_INVISIBLE,
+    "invisible": HIDEPID_INVISIBLE,
+    "4": HIDEPID_INVISIBLE,
+    "ptraceable": HIDEPID_INVISIBLE,
+}
 
 # How a viewer sees other users' processes.
 FULL = "full"  # everything (root, view-all)
@@ -112,10 +119,20 @@ def seen_as(p: GpuProcess, others: str) -> GpuProcess | None:
         return p
     if others == PROGRAM:
         # a job id read from SLURM_JOB_ID goes where /proc/PID/environ goes: to the owner and root only
-        return dataclasses.replace(p, cmdline=first_word(p.cmdline), exe=None,
-                                   slurm_job=None if p.job_from_environ else p.slurm_job)
+        return dataclasses.replace(
+            p, cmdline=first_word(p.cmdline), exe=None, slurm_job=None if p.job_from_environ else p.slurm_job
+        )
     if others == ANONYMOUS:
         # the system unit stays: systemd tells anyone a PID's unit (GetUnitByPID), and Guard's protection uses it
-        return dataclasses.replace(p, comm="", cmdline="", exe=None, container_pid=None, unit=None,
-                                   container_id=None, pod_uid=None, slurm_job=None)
+        return dataclasses.replace(
+            p,
+            comm="",
+            cmdline="",
+            exe=None,
+            container_pid=None,
+            unit=None,
+            container_id=None,
+            pod_uid=None,
+            slurm_job=None,
+        )
     return None

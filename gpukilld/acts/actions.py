@@ -98,8 +98,15 @@ class Actions:
         self.refusals.log(self.bouncer.people.person(caller.uid) if caller else None, kind, message, **fields)
 
     async def kill(
-        self, caller: Caller | None, pid: int, start_time: int, grace: float, force: bool, initiator: str,
-        watch: bool = True, method: Method = KILL_METHOD,
+        self,
+        caller: Caller | None,
+        pid: int,
+        start_time: int,
+        grace: float,
+        force: bool,
+        initiator: str,
+        watch: bool = True,
+        method: Method = KILL_METHOD,
     ) -> KillResult:
         """Kill (pid, start_time). caller None means the daemon itself acts (a reset with force, Guard).
         initiator (gpukill.outcome's) goes into the journal and ProcessKilled as it is. watch: after the exit,
@@ -112,8 +119,14 @@ class Actions:
             snapshot = self._snapshot()
             target = self.killer.open(pid, start_time, snapshot)
         except GpukillError as e:
-            self._refused(caller, journal.KILL_FAILED, f"Kill of PID {pid} requested by {who} refused: {e}",
-                          result=e.result, error=str(e), **base)
+            self._refused(
+                caller,
+                journal.KILL_FAILED,
+                f"Kill of PID {pid} requested by {who} refused: {e}",
+                result=e.result,
+                error=str(e),
+                **base,
+            )
             raise
         try:
             fields = self._fields(target, base)
@@ -128,8 +141,14 @@ class Actions:
 
     @staticmethod
     def _base(caller: Caller | None, pid: int, start_time: int, force: bool, initiator: str) -> dict[str, object]:
-        return {"action": KILL, "target_pid": pid, "target_start_time": start_time, "initiator": initiator,
-                "force": int(force), **Actions._caller_fields(caller)}
+        return {
+            "action": KILL,
+            "target_pid": pid,
+            "target_start_time": start_time,
+            "initiator": initiator,
+            "force": int(force),
+            **Actions._caller_fields(caller),
+        }
 
     @staticmethod
     def _who(caller: Caller | None, initiator: str) -> str:
@@ -143,14 +162,18 @@ class Actions:
     def _label(target: PinnedProcess) -> str:
         return f"PID {target.pid} ({shown(target.comm)}, user {shown(target.user)})"
 
-    async def _authorize(self, caller: Caller, target: PinnedProcess, fields: dict[str, object],
-                         method: Method) -> str:
+    async def _authorize(self, caller: Caller, target: PinnedProcess, fields: dict[str, object], method: Method) -> str:
         return await self.bouncer.check(
-            caller, method,
+            caller,
+            method,
             {"pid": str(target.pid), "target_user": target.user, "device": ",".join(target.device_ids)},
             target.uid,
-            request=Request(journal.KILL_DENIED, f"Kill of {self._label(target)}",
-                            f"kill PID {target.pid} ({shown(target.comm)}) of user {shown(target.user)}", fields),
+            request=Request(
+                journal.KILL_DENIED,
+                f"Kill of {self._label(target)}",
+                f"kill PID {target.pid} ({shown(target.comm)}) of user {shown(target.user)}",
+                fields,
+            ),
         )
 
     async def _watch(self, snapshot: Snapshot, targets: list[PinnedProcess]) -> Watch:
@@ -159,8 +182,9 @@ class Actions:
         tree = await asyncio.to_thread(remember_tree, procfs, [t.pid for t in targets])
         return Watch(procfs, snapshot, [(t.pid, t.start_time) for t in targets], tree)
 
-    async def _answer(self, the_watch: Watch | None, ended: list[tuple[PinnedProcess, Outcome]],
-                      force: bool) -> Reclaim:
+    async def _answer(
+        self, the_watch: Watch | None, ended: list[tuple[PinnedProcess, Outcome]], force: bool
+    ) -> Reclaim:
         if the_watch is None:
             return Reclaim(UNWATCHED)
         alive = [t for t, outcome in ended if outcome == Outcome.STILL_ALIVE]
@@ -170,18 +194,40 @@ class Actions:
             return Reclaim(ALIVE, devices=the_watch.devices, remedy="kill --force sends SIGKILL")
         return await the_watch.after_exit(self._resample)
 
-    def _done(self, caller: Caller | None, target: PinnedProcess, outcome: Outcome, reclaim: Reclaim, grace: float,
-              fields: dict[str, object], who: str, initiator: str) -> KillResult:
-        self.audit.log(journal.KILL, f"{self._label(target)} {outcome.text}; {reclaim_text(reclaim)}; "
-                                     f"requested by {who}",
-                       result=outcome, grace=grace, **fields, **reclaim_fields(reclaim))
-        result = KillResult(target.pid, target.start_time, target.uid, target.comm, target.device_ids, outcome,
-                            initiator, reclaim)
+    def _done(
+        self,
+        caller: Caller | None,
+        target: PinnedProcess,
+        outcome: Outcome,
+        reclaim: Reclaim,
+        grace: float,
+        fields: dict[str, object],
+        who: str,
+        initiator: str,
+    ) -> KillResult:
+        self.audit.log(
+            journal.KILL,
+            f"{self._label(target)} {outcome.text}; {reclaim_text(reclaim)}; requested by {who}",
+            result=outcome,
+            grace=grace,
+            **fields,
+            **reclaim_fields(reclaim),
+        )
+        result = KillResult(
+            target.pid, target.start_time, target.uid, target.comm, target.device_ids, outcome, initiator, reclaim
+        )
         self._on_killed(result, caller)
         return result
 
-    async def kill_workload(self, caller: Caller | None, selection: Selection, grace: float, force: bool,
-                            initiator: str, method: Method = WORKLOAD_METHOD) -> WorkloadReply:
+    async def kill_workload(
+        self,
+        caller: Caller | None,
+        selection: Selection,
+        grace: float,
+        force: bool,
+        initiator: str,
+        method: Method = WORKLOAD_METHOD,
+    ) -> WorkloadReply:
         """Kill every GPU process a selection names (a tree, a unit, a container), each as kill() kills one:
         pinned by pidfd and start time before any signal, each authorized by polkit (one after the other, so
         a prompt's auth_admin_keep covers the rest), refusals reported per process (when polkit refuses every
@@ -195,9 +241,15 @@ class Actions:
             chosen, not_on_gpu = await asyncio.to_thread(selection.resolve, procfs, snapshot)
         except GpukillError as e:  # gone, a reused PID, nothing of it on a GPU: audited as a single kill's
             pid = int(selection.value) if selection.value.isdigit() else 0
-            self._refused(caller, journal.KILL_FAILED, f"Kill of the {selection.text} requested by {who} refused: "
-                          f"{e}", result=e.result, error=str(e), selection=selection.text,
-                          **self._base(caller, pid, selection.start_time, force, initiator))
+            self._refused(
+                caller,
+                journal.KILL_FAILED,
+                f"Kill of the {selection.text} requested by {who} refused: {e}",
+                result=e.result,
+                error=str(e),
+                selection=selection.text,
+                **self._base(caller, pid, selection.start_time, force, initiator),
+            )
             raise
         # Guard's: what its rule decided to leave running (exempt, protected), with why; then the subject's
         # owner's processes alone; then what the rule decided to stop, nothing that started since
@@ -211,11 +263,13 @@ class Actions:
             left += [(k, GUARD_ONLY) for k in chosen if k not in selection.only]
             chosen = [k for k in chosen if k in selection.only]
         if len(chosen) > MAX_WORKLOAD:
-            raise InvalidArgs(f"{selection.text} selects {len(chosen)} GPU processes; at most {MAX_WORKLOAD} "
-                              "are killed in one act")
+            raise InvalidArgs(
+                f"{selection.text} selects {len(chosen)} GPU processes; at most {MAX_WORKLOAD} are killed in one act"
+            )
         entries: dict[int, WorkloadEntry] = {
             pid: _entry_of(snapshot, pid, start_time, Protected.result, why)
-            for (pid, start_time), why in left[:MAX_WORKLOAD]}
+            for (pid, start_time), why in left[:MAX_WORKLOAD]
+        }
         pinned: list[tuple[PinnedProcess, dict[str, object]]] = []
         try:
             for pid, start_time in chosen:
@@ -223,8 +277,14 @@ class Actions:
                 try:
                     target = self.killer.open(pid, start_time, snapshot)
                 except GpukillError as e:
-                    self._refused(caller, journal.KILL_FAILED, f"Kill of PID {pid} requested by {who} "
-                                  f"({selection.text}) refused: {e}", result=e.result, error=str(e), **base)
+                    self._refused(
+                        caller,
+                        journal.KILL_FAILED,
+                        f"Kill of PID {pid} requested by {who} ({selection.text}) refused: {e}",
+                        result=e.result,
+                        error=str(e),
+                        **base,
+                    )
                     entries[pid] = _entry_of(snapshot, pid, start_time, e.result, str(e))
                     continue
                 pinned.append((target, self._fields(target, base) | {"selection": selection.text}))
@@ -235,8 +295,9 @@ class Actions:
                     try:
                         fields["polkit_action"] = await self._authorize(caller, target, fields, method)
                     except GpukillError as e:  # another user's process in one's tree: refused, and said so
-                        entries[target.pid] = WorkloadEntry(target.pid, target.start_time, target.uid, target.comm,
-                                                            e.result, str(e))
+                        entries[target.pid] = WorkloadEntry(
+                            target.pid, target.start_time, target.uid, target.comm, e.result, str(e)
+                        )
                         denied = denied or e
                         continue
                 allowed.append((target, fields))
@@ -253,8 +314,12 @@ class Actions:
             self._done(caller, target, outcome, reclaim, grace, fields, who, initiator)
             entries[target.pid] = WorkloadEntry(target.pid, target.start_time, target.uid, target.comm, outcome)
         for pid, start_time, uid, comm in not_on_gpu[:MAX_WORKLOAD]:
-            entries.setdefault(pid, WorkloadEntry(pid, start_time, uid, comm, NotAGpuProcess.result,
-                                                  "not on a GPU: left running", on_gpu=False))
+            entries.setdefault(
+                pid,
+                WorkloadEntry(
+                    pid, start_time, uid, comm, NotAGpuProcess.result, "not on a GPU: left running", on_gpu=False
+                ),
+            )
         return WorkloadReply(selection.text, tuple(entries[pid] for pid in sorted(entries)), reclaim)
 
     async def reset(self, caller: Caller | None, device_key: str, force: bool, rule: str = "") -> ResetReply:
@@ -262,39 +327,64 @@ class Actions:
         keeps every check but polkit's (the device resettable, nothing on it or, with force, its holders killed
         first through the kill path) and is audited with the rule."""
         who = f"uid {caller.uid}" if caller else guard_initiator(rule)
-        base = {"action": "reset", "force": int(force), **self._caller_fields(caller),
-                **({"initiator": guard_initiator(rule), "rule": rule} if caller is None else {})}
+        base = {
+            "action": "reset",
+            "force": int(force),
+            **self._caller_fields(caller),
+            **({"initiator": guard_initiator(rule), "rule": rule} if caller is None else {}),
+        }
         snapshot = self._snapshot()
         device = snapshot.find_device(device_key) if len(device_key) <= 256 else None
         if device is None:
             key = shown(device_key[:64])
             err = NoSuchDevice(f"no GPU '{key}' (give an index, UUID or PCI bus id)")
-            self._refused(caller, journal.RESET_FAILED, f"Reset of '{key}' requested by {who}: {err}",
-                          result=err.result, device=device_key[:256], **base)
+            self._refused(
+                caller,
+                journal.RESET_FAILED,
+                f"Reset of '{key}' requested by {who}: {err}",
+                result=err.result,
+                device=device_key[:256],
+                **base,
+            )
             raise err
         fields = {**base, "device": device.id, "device_index": device.index}
         if caller is not None:
             await self.bouncer.check(
-                caller, RESET_METHOD, {"device": device.id, "device_index": str(device.index)},
-                request=Request(journal.RESET_DENIED, f"Reset of GPU {device.index} ({device.id})",
-                                f"reset GPU {device.index}", fields),
+                caller,
+                RESET_METHOD,
+                {"device": device.id, "device_index": str(device.index)},
+                request=Request(
+                    journal.RESET_DENIED,
+                    f"Reset of GPU {device.index} ({device.id})",
+                    f"reset GPU {device.index}",
+                    fields,
+                ),
             )
         try:
             backend = self.backends.get(device.backend)
             if backend is None:
                 raise NotSupported(f"the {device.backend} backend is no longer configured")
             backend.check_reset(device.id)  # never kill to clear a device that cannot be reset anyway
-            killed = await self._clear_device(device.id, force,
-                                              INITIATOR_RESET if caller else guard_initiator(rule))
+            killed = await self._clear_device(device.id, force, INITIATOR_RESET if caller else guard_initiator(rule))
             message = await asyncio.to_thread(backend.reset, device.id)
         except GpukillError as e:
-            self.audit.log(journal.RESET_FAILED, f"Reset of GPU {device.index} ({device.id}) failed: {e}",
-                           result=e.result, error=str(e), **fields)
+            self.audit.log(
+                journal.RESET_FAILED,
+                f"Reset of GPU {device.index} ({device.id}) failed: {e}",
+                result=e.result,
+                error=str(e),
+                **fields,
+            )
             self._on_reset(ResetReply(device.index, device.id, str(e), ()), False)
             raise
         result = ResetReply(device.index, device.id, message, tuple(killed))
-        self.audit.log(journal.RESET, f"GPU {device.index} ({device.id}) reset by {who}: {message}",
-                       result="reset", killed=",".join(map(str, killed)) or None, **fields)
+        self.audit.log(
+            journal.RESET,
+            f"GPU {device.index} ({device.id}) reset by {who}: {message}",
+            result="reset",
+            killed=",".join(map(str, killed)) or None,
+            **fields,
+        )
         self._on_reset(result, True)
         return result
 

@@ -86,8 +86,13 @@ class Killer:
                 raise NotAGpuProcess(f"PID {pid} is not using a GPU")
             first = on_gpu[0]
             return PinnedProcess(
-                pid=pid, start_time=start_time, uid=first.uid, user=first.user or user_name(first.uid),
-                comm=stat.comm, device_ids=tuple(p.device_id for p in on_gpu), pidfd=pidfd,
+                pid=pid,
+                start_time=start_time,
+                uid=first.uid,
+                user=first.user or user_name(first.uid),
+                comm=stat.comm,
+                device_ids=tuple(p.device_id for p in on_gpu),
+                pidfd=pidfd,
             )
         except BaseException:
             os.close(pidfd)

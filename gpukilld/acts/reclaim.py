@@ -6,7 +6,8 @@ time, read from /proc in a worker thread), and after the exit it watches the dev
 samples. A holder is a process on those devices that was in the remembered tree (a descendant, or an orphan once
 its parent is gone) or shares the target's systemd unit, container, pod or Slurm job. Login sessions
 (session-N.scope), user@UID.service and init.scope are no workload: sharing one says nothing, so they relate
-nobody; nor does a Slurm task's unit (slurmstepd's scope holds every job's steps): its job relates it. A target still alive after SIGKILL is "stuck": the reason is read from its /proc state and wait channel,
+nobody; nor does a Slurm task's unit (slurmstepd's scope holds every job's steps): its job relates it. A target still
+alive after SIGKILL is "stuck": the reason is read from its /proc state and wait channel,
 and the remedy is a reset of its devices.
 """
 
@@ -126,8 +127,11 @@ class Watch:
         self._units: set[str | None] = set()  # of the last holders found
         self._containers: set[str | None] = set()
         # what the targets and everything related to them held before: what a full reclaim gives back
-        self.before = sum(p.gpu_memory or 0 for p in before.processes
-                          if p.device_id in self.device_ids and (self._key(p) in self.targets or self._related(p)))
+        self.before = sum(
+            p.gpu_memory or 0
+            for p in before.processes
+            if p.device_id in self.device_ids and (self._key(p) in self.targets or self._related(p))
+        )
 
     @staticmethod
     def _key(p: GpuProcess) -> Key:
@@ -142,9 +146,14 @@ class Watch:
         """The related processes holding memory on the watched devices, largest first. Reads the stat of at most
         MAX_HOLDERS + 1 processes' parents: a bounded read, fine on the loop."""
         # a process known to hold no memory there holds nothing back (one whose memory is unknown might)
-        found = [(p, rel) for p in snap.processes
-                 if p.device_id in self.device_ids and self._key(p) not in self.targets and p.gpu_memory != 0
-                 and (rel := self._related(p)) is not None]
+        found = [
+            (p, rel)
+            for p in snap.processes
+            if p.device_id in self.device_ids
+            and self._key(p) not in self.targets
+            and p.gpu_memory != 0
+            and (rel := self._related(p)) is not None
+        ]
         found.sort(key=lambda pr: (-(pr[0].gpu_memory or 0), pr[0].pid, pr[0].device))
         out = []
         self._units = {p.unit for p, _ in found}
@@ -174,9 +183,16 @@ class Watch:
         held = sum(h.memory for h in holders)
         if not holders:
             return Reclaim(RECLAIMED, reclaimed=self.before, devices=self.devices, samples=samples)
-        return Reclaim(HELD, reclaimed=max(0, self.before - held), held=held, devices=self.devices,
-                       holders=tuple(holders[:MAX_HOLDERS]), more=max(0, len(holders) - MAX_HOLDERS),
-                       samples=samples, remedy=self._held_remedy(holders, self._units, self._containers))
+        return Reclaim(
+            HELD,
+            reclaimed=max(0, self.before - held),
+            held=held,
+            devices=self.devices,
+            holders=tuple(holders[:MAX_HOLDERS]),
+            more=max(0, len(holders) - MAX_HOLDERS),
+            samples=samples,
+            remedy=self._held_remedy(holders, self._units, self._containers),
+        )
 
     def _held_remedy(self, holders: list[Holder], units: set[str | None], containers: set[str | None]) -> str:
         """The one act that stops every holder: their unit's (or container's) kill when they all share the
@@ -190,8 +206,12 @@ class Watch:
 
     def stuck(self, pid: int) -> Reclaim:
         """The target outlived SIGKILL: why, from /proc, and what frees the GPU."""
-        return Reclaim(STUCK, devices=self.devices, reason=stuck_reason(self.procfs, pid),
-                       remedy=" or ".join(f"gpukillctl reset {d}" for d in self.devices) or "gpukillctl reset GPU")
+        return Reclaim(
+            STUCK,
+            devices=self.devices,
+            reason=stuck_reason(self.procfs, pid),
+            remedy=" or ".join(f"gpukillctl reset {d}" for d in self.devices) or "gpukillctl reset GPU",
+        )
 
 
 def stuck_reason(procfs: ProcFS, pid: int) -> str:

@@ -60,8 +60,15 @@ PROCESS_INFO = struct.Struct("@IQII")
 PROCESS_KINDS = ("Compute", "Graphics", "MPSCompute")  # the three process lists, merged by PID
 XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
 FI_GPU_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
-RECOVERY_ACTIONS = {1: "GPU reset", 2: "node reboot", 3: "drain peer-to-peer", 4: "drain and reset",
-                    5: "recover IMEX domain", 6: "bus reset", 7: "system reboot"}
+RECOVERY_ACTIONS = {
+    1: "GPU reset",
+    2: "node reboot",
+    3: "drain peer-to-peer",
+    4: "drain and reset",
+    5: "recover IMEX domain",
+    6: "bus reset",
+    7: "system reboot",
+}
 
 
 class _ProcessInfoV1(ctypes.Structure):
@@ -143,8 +150,9 @@ class _DeviceRead:
 class NvidiaBackend(Backend):
     name = "nvidia"
 
-    def __init__(self, procfs: ProcFS | None = None, nvidia_smi: str = "nvidia-smi",
-                 device_deadline: float = DEVICE_DEADLINE) -> None:
+    def __init__(
+        self, procfs: ProcFS | None = None, nvidia_smi: str = "nvidia-smi", device_deadline: float = DEVICE_DEADLINE
+    ) -> None:
         self.procfs = procfs or ProcFS()
         self.nvidia_smi = nvidia_smi
         self.device_deadline = device_deadline
@@ -334,8 +342,11 @@ class NvidiaBackend(Backend):
             if start is None:
                 continue
             last = records.get(item)
-            out.append(last if last is not None and last.start_time == start else
-                       ProcessUsage(pid, start, device_id, memory, util))
+            out.append(
+                last
+                if last is not None and last.start_time == start
+                else ProcessUsage(pid, start, device_id, memory, util)
+            )
         if watch is not None:
             for pid in due | (known.keys() - {p.pid for p in out}):  # ended and not listed, or no longer listed
                 self._forget(pid)
@@ -369,8 +380,14 @@ class NvidiaBackend(Backend):
             self._watch.forget((pid, old))
 
     def _lost(self, state: _DeviceState, reason: str) -> DeviceReading:
-        return DeviceReading(id=state.device_id, vendor="nvidia",
-                             name=state.name, pci_bus_id=state.pci_bus_id, state=STATE_LOST, state_reason=reason)
+        return DeviceReading(
+            id=state.device_id,
+            vendor="nvidia",
+            name=state.name,
+            pci_bus_id=state.pci_bus_id,
+            state=STATE_LOST,
+            state_reason=reason,
+        )
 
     def _get(self, fn, *args, default=None):
         """One NVML getter: NOT_SUPPORTED and friends give `default` (None: unknown, never 0)."""
@@ -411,14 +428,19 @@ class NvidiaBackend(Backend):
         mig_on = None if mig is None else bool(mig[0])
         total = memory.total if memory is not None else None
         device = DeviceReading(
-            id=state.device_id, vendor="nvidia", name=state.name, pci_bus_id=state.pci_bus_id,
+            id=state.device_id,
+            vendor="nvidia",
+            name=state.name,
+            pci_bus_id=state.pci_bus_id,
             utilization=float(util.gpu) if util is not None else None,
-            memory_used=memory.used if memory is not None else None, memory_total=total,
+            memory_used=memory.used if memory is not None else None,
+            memory_total=total,
             temperature=float(temperature) if temperature is not None else None,
             power=power_mw / 1000 if power_mw is not None else None,
             power_limit=limit_mw / 1000 if limit_mw is not None else None,
             mig_mode=mig_on,
-            state=STATE_ERROR if state.error else STATE_OK, state_reason=state.error,
+            state=STATE_ERROR if state.error else STATE_OK,
+            state_reason=state.error,
         )
         instances = self._mig_instances(state, handle) if mig_on else {}
         usage = self._process_util(state, handle)
@@ -468,12 +490,18 @@ class NvidiaBackend(Backend):
                 continue
             memory = self._memory(mig)
             state.mig_names[uuid] = f"{state.name} MIG {gi}/{ci}"
-            found[(gi, ci)] = (uuid, DeviceReading(
-                id=uuid, vendor="nvidia", name=f"{state.name} MIG {gi}/{ci}", pci_bus_id=state.pci_bus_id,
-                memory_used=memory.used if memory is not None else None,
-                memory_total=memory.total if memory is not None else None,
-                parent_id=state.uuid,
-            ))
+            found[(gi, ci)] = (
+                uuid,
+                DeviceReading(
+                    id=uuid,
+                    vendor="nvidia",
+                    name=f"{state.name} MIG {gi}/{ci}",
+                    pci_bus_id=state.pci_bus_id,
+                    memory_used=memory.used if memory is not None else None,
+                    memory_total=memory.total if memory is not None else None,
+                    parent_id=state.uuid,
+                ),
+            )
         return found
 
     def _process_util(self, state: _DeviceState, handle) -> dict[int, int] | None:
@@ -494,12 +522,15 @@ class NvidiaBackend(Backend):
             state.last_util_ts = max(state.last_util_ts, s.timeStamp)
         return {pid: min(100, sm) for pid, (_, sm) in latest.items()}
 
-    def _running_processes(self, state: _DeviceState, handle,
-                           total: int | None) -> dict[int, tuple[int | None, int, int]]:
+    def _running_processes(
+        self, state: _DeviceState, handle, total: int | None
+    ) -> dict[int, tuple[int | None, int, int]]:
         """Compute, graphics and MPS lists merged by PID: {pid: (memory, gpu instance, compute instance)}; the
         last sample's dict itself when NVML wrote the same bytes."""
-        raws = tuple(self._get(self._process_list, state, handle, f"nvmlDeviceGet{kind}RunningProcesses_v3",
-                               default=b"") for kind in PROCESS_KINDS)
+        raws = tuple(
+            self._get(self._process_list, state, handle, f"nvmlDeviceGet{kind}RunningProcesses_v3", default=b"")
+            for kind in PROCESS_KINDS
+        )
         key = (raws, total)
         if state.merged is not None and state.merged[0] == key:
             return state.merged[1]
@@ -507,8 +538,10 @@ class NvidiaBackend(Backend):
         reusable = True
         for kind, raw in zip(PROCESS_KINDS, raws, strict=True):
             if isinstance(raw, bytes):
-                records = [(pid, None if memory == VALUE_NOT_AVAILABLE else memory, gi, ci)
-                           for pid, memory, gi, ci in PROCESS_INFO.iter_unpack(raw)]
+                records = [
+                    (pid, None if memory == VALUE_NOT_AVAILABLE else memory, gi, ci)
+                    for pid, memory, gi, ci in PROCESS_INFO.iter_unpack(raw)
+                ]
             else:  # read through pynvml or the v1 call: no bytes to compare next time
                 records, reusable = raw, False
             if not self._plausible(records, total):
@@ -529,8 +562,7 @@ class NvidiaBackend(Backend):
         it is read through pynvml or the v1 call."""
         nv = self._nvml
         if ctypes.sizeof(nv.c_nvmlProcessInfo_v3_t) != PROCESS_INFO.size:  # a pynvml whose record differs from ours
-            return [(p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId)
-                    for p in getattr(nv, symbol)(handle)]
+            return [(p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId) for p in getattr(nv, symbol)(handle)]
         try:
             fn = nv._nvmlGetFunctionPointer(symbol)
         except nv.NVMLError_FunctionNotFound:  # a driver older than the _v3 calls (before 510)

@@ -39,8 +39,9 @@ def _nvidia(config: Config) -> Backend:
 def _drm(config: Config) -> Backend:
     from .drm import DrmBackend  # AMD, Intel, Arm and Apple GPUs through sysfs, DRM fdinfo and KFD
 
-    return DrmBackend(config.sys_root, config.proc_root, config.debugfs_root,
-                      system_uid_max=config.sys_uid_max)  # login.defs as the configuration read it
+    return DrmBackend(
+        config.sys_root, config.proc_root, config.debugfs_root, system_uid_max=config.sys_uid_max
+    )  # login.defs as the configuration read it
 
 
 def _procfs(config: Config):

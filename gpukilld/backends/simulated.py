@@ -33,8 +33,18 @@ from . import Backend, BackendSample
 log = logging.getLogger(__name__)
 
 _DEVICE_KEYS = {
-    "name", "vendor", "uuid", "pci_bus_id", "memory_total", "memory_used", "utilization",
-    "temperature", "power", "state", "state_reason", "reset",
+    "name",
+    "vendor",
+    "uuid",
+    "pci_bus_id",
+    "memory_total",
+    "memory_used",
+    "utilization",
+    "temperature",
+    "power",
+    "state",
+    "state_reason",
+    "reset",
 }
 _TOP_KEYS = {"devices", "faults", "scope"}
 _FAULT_KEYS = {"hang_sampling"}
@@ -151,8 +161,9 @@ def _sim_device(i: int, raw: object, where: str) -> SimDevice:
         memory_total=memory_total,
         memory_used=memory_used,
         utilization=_number(raw.get("utilization", 0), f"{where}.utilization", 0.0, 100.0),
-        temperature=(_number(raw["temperature"], f"{where}.temperature", *_TEMPERATURE)
-                     if "temperature" in raw else None),
+        temperature=(
+            _number(raw["temperature"], f"{where}.temperature", *_TEMPERATURE) if "temperature" in raw else None
+        ),
         power=_number(raw["power"], f"{where}.power", 0.0, _MAX_POWER) if "power" in raw else None,
         state=state,
         state_reason=str(raw.get("state_reason", "")),
@@ -179,8 +190,10 @@ def load_sim_config(path: str) -> SimConfig:
     if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
         raise ConfigError(f"{path}: expected a mapping with a 'devices:' list")
     if unknown := set(data) - _TOP_KEYS:
-        raise ConfigError(f"{path}: unknown key {short(sorted(unknown, key=lambda k: short(k, 60))[0], 60)} "
-                          f"(known: {', '.join(sorted(_TOP_KEYS))})")
+        raise ConfigError(
+            f"{path}: unknown key {short(sorted(unknown, key=lambda k: short(k, 60))[0], 60)} "
+            f"(known: {', '.join(sorted(_TOP_KEYS))})"
+        )
     faults = data.get("faults") or {}
     if not isinstance(faults, dict) or (set(faults) - _FAULT_KEYS):
         raise ConfigError(f"{path}: 'faults' takes only: {', '.join(sorted(_FAULT_KEYS))}")
@@ -315,8 +328,9 @@ class SimulatedBackend(Backend):
         for pid in due:
             self._read(pid, scan[pid], now)
         if self._found is None:
-            self._found = {pid: (seen.start_time, seen.usage) for pid, seen in self._seen.items()
-                           if seen.usage is not None}
+            self._found = {
+                pid: (seen.start_time, seen.usage) for pid, seen in self._seen.items() if seen.usage is not None
+            }
             self._cycling = any(u.cycle for _, u in self._found.values())  # once per change, not per sample
         return self._found
 
@@ -351,8 +365,11 @@ class SimulatedBackend(Backend):
             elif not self._watch.follow(pid, stat.start_time):
                 again = True  # its end would go unseen: read it every sample instead
         # A young process is read every sample: fork then exec (a new name and environment) happens early.
-        again = again or self._watch is None or \
-            seconds_since_start(stat.start_time, time.clock_gettime(time.CLOCK_BOOTTIME)) < YOUNG
+        again = (
+            again
+            or self._watch is None
+            or seconds_since_start(stat.start_time, time.clock_gettime(time.CLOCK_BOOTTIME)) < YOUNG
+        )
         if again:
             self._young.add(pid)
             recheck_at = math.inf
@@ -413,8 +430,12 @@ class SimulatedBackend(Backend):
             if dev.state == STATE_LOST:
                 sample.devices.append(
                     DeviceReading(
-                        id=dev.uuid, vendor=dev.vendor, name=dev.name, pci_bus_id=dev.pci_bus_id,
-                        memory_total=dev.memory_total, state=dev.state,
+                        id=dev.uuid,
+                        vendor=dev.vendor,
+                        name=dev.name,
+                        pci_bus_id=dev.pci_bus_id,
+                        memory_total=dev.memory_total,
+                        state=dev.state,
                         state_reason=dev.state_reason or "simulated device lost",
                     )
                 )
@@ -423,11 +444,18 @@ class SimulatedBackend(Backend):
             util = min(100.0, dev.utilization + sum(p.gpu_utilization or 0 for p in procs))
             sample.devices.append(
                 DeviceReading(
-                    id=dev.uuid, vendor=dev.vendor, name=dev.name, pci_bus_id=dev.pci_bus_id,
-                    utilization=util, memory_used=used, memory_total=dev.memory_total,
-                    temperature=dev.temperature, power=dev.power,
+                    id=dev.uuid,
+                    vendor=dev.vendor,
+                    name=dev.name,
+                    pci_bus_id=dev.pci_bus_id,
+                    utilization=util,
+                    memory_used=used,
+                    memory_total=dev.memory_total,
+                    temperature=dev.temperature,
+                    power=dev.power,
                     # in error (an Xid, say): readings and processes as before, and the driver's reason
-                    state=dev.state, state_reason=dev.state_reason if dev.state == STATE_ERROR else "",
+                    state=dev.state,
+                    state_reason=dev.state_reason if dev.state == STATE_ERROR else "",
                 )
             )
         self._last_sample = (config, usage, sample)

@@ -4,7 +4,8 @@ bus are in gpukilld/names.py).
 
 dbus-fast hands method bodies their arguments but not the message, and we need the sender (for polkit and
 the audit) and its flags (interactive authorization). The Door sees every message first: it holds each person
-(a uid and its subordinate uids, gpukilld/access/people.py) to its call rate, denies any member of our interfaces the bouncer's
+(a uid and its subordinate uids, gpukilld/access/people.py) to its call rate, denies any member of our interfaces the
+bouncer's
 table does not map, and otherwise remembers the message in a context variable that current_caller() reads.
 dbus-fast starts each async method as a Task, which copies the context at that moment. Whether a mapped call is
 then allowed is the bouncer's check, made by the act itself (Actions, the Guard interface).
@@ -71,22 +72,39 @@ class Door:
         caller = self.bouncer.known(msg)  # a connection's first call is looked up by the method, then known
         if caller is None:
             if not self._let_unidentified(msg):
-                return True if no_reply else Message.new_error(
-                    msg, TooBusy.dbus_name, "gpukilld has not identified this connection yet; wait for a reply")
+                return (
+                    True
+                    if no_reply
+                    else Message.new_error(
+                        msg, TooBusy.dbus_name, "gpukilld has not identified this connection yet; wait for a reply"
+                    )
+                )
         else:
             person = self._person(caller.uid)
             if self._unidentified:
                 self.rate.charge(person, self._identified(msg.sender))
             if not self.rate.allow(person):
-                return True if no_reply else Message.new_error(
-                    msg, TooBusy.dbus_name, f"{self.bouncer.people.charged(caller.uid)} calls gpukilld more than "
-                                            f"{RATE:g} times a second; slow down")
+                return (
+                    True
+                    if no_reply
+                    else Message.new_error(
+                        msg,
+                        TooBusy.dbus_name,
+                        f"{self.bouncer.people.charged(caller.uid)} calls gpukilld more than "
+                        f"{RATE:g} times a second; slow down",
+                    )
+                )
         if iface in INTERFACES or iface is None:
             action = action_for(iface, msg.member)
             if action is None:
-                return True if no_reply else Message.new_error(
-                    msg, "org.freedesktop.DBus.Error.AccessDenied",
-                    f"{iface or '(no interface)'}.{msg.member} is not a method gpukilld allows",
+                return (
+                    True
+                    if no_reply
+                    else Message.new_error(
+                        msg,
+                        "org.freedesktop.DBus.Error.AccessDenied",
+                        f"{iface or '(no interface)'}.{msg.member} is not a method gpukilld allows",
+                    )
                 )
             if no_reply and action == READ_ONLY:
                 return True  # a question nobody waits to hear answered: nothing to do
@@ -99,8 +117,9 @@ class Door:
             # with a traceback for a call nobody waits on (any user could fill the journal with those).
             return True
         elif iface == "org.freedesktop.DBus.Properties" and msg.member == "Set":
-            return Message.new_error(msg, "org.freedesktop.DBus.Error.PropertyReadOnly",
-                                     "gpukilld properties are read-only")
+            return Message.new_error(
+                msg, "org.freedesktop.DBus.Error.PropertyReadOnly", "gpukilld properties are read-only"
+            )
         return None
 
     def _person(self, uid: int) -> int:

@@ -1,7 +1,8 @@
 """org.gpukill1.Guard on the system bus: a thin layer from D-Bus calls to the GuardRunner.
 
 GetStatus and TestPolicies are read-only (TestPolicies never acts; a policy a caller sends is evaluated in a
-child process against what the caller may list, see gpukilld/guard/sandbox.py and gpukilld/access/visibility.py; one test per caller at a
+child process against what the caller may list, see gpukilld/guard/sandbox.py and gpukilld/access/visibility.py; one
+test per caller at a
 time). Enable, Disable, SetDryRun and LoadPolicy are allowed by the bouncer's check, with the action its
 table gives them (manage-guard); the bouncer audits a denial, the runner what it does. The managed user, group
 and GPU policies (ListPolicies, ExportPolicies: read-only; SetPolicy, RemovePolicy, ImportPolicies:
@@ -12,7 +13,8 @@ MAX_REPORT entries per list, MAX_PREVIEWS decisions.
 
 Reasons follow the viewer as listings do: about another user's process or user, a caller who may not see all
 gets the reason as the engine words it for others (reason_for_others: a condition type that reads what
-gpukilld/access/visibility.py and AuditRogue withhold is named, "rogue_score withheld", not described), in TestPolicies of the
+gpukilld/access/visibility.py and AuditRogue withhold is named, "rogue_score withheld", not described), in TestPolicies
+of the
 policy in force, in GetStatus's windows and in PolicyViolated, which every listener on the bus receives.
 """
 
@@ -89,8 +91,7 @@ def visible_decisions(previews: list[dict[str, Any]], snapshot: Snapshot, viewer
     AuditRogue withhold from them); where /proc hides other users' processes (hidepid), a decision about only
     hidden processes is left out and hidden PIDs are taken out of the rest; so is one about another user's
     subject that names no process (a subject watched but not met: its label names the process)."""
-    previews = [{**d, "reason": d["reason_for_others"]} if _theirs(d.get("uid"), viewer) else d
-                for d in previews]
+    previews = [{**d, "reason": d["reason_for_others"]} if _theirs(d.get("uid"), viewer) else d for d in previews]
     if viewer.others in (FULL, PROGRAM):
         return previews
     mine = {p.pid for p in snapshot.processes if p.uid == viewer.uid}
@@ -125,8 +126,10 @@ def status_as_seen(status: GuardStatus, viewer: Viewer) -> GuardStatus:
             if key == "recent":
                 entries = tuple(dataclasses.replace(e, detail="") if e.detail else e for e in entries)
         if key == "windows":
-            entries = tuple(dataclasses.replace(e, condition=_condition_for_others(e.condition))
-                            if _theirs(e.uid, viewer) else e for e in entries)
+            entries = tuple(
+                dataclasses.replace(e, condition=_condition_for_others(e.condition)) if _theirs(e.uid, viewer) else e
+                for e in entries
+            )
         if len(entries) > MAX_REPORT:
             bounded[f"{key}_more"] = len(entries) - MAX_REPORT
             entries = entries[:MAX_REPORT]
@@ -135,8 +138,9 @@ def status_as_seen(status: GuardStatus, viewer: Viewer) -> GuardStatus:
 
 
 class GuardInterface(ServiceInterface):
-    def __init__(self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot],
-                 bus: MessageBus | None = None) -> None:
+    def __init__(
+        self, runner: GuardRunner, bouncer: Bouncer, snapshot: Callable[[], Snapshot], bus: MessageBus | None = None
+    ) -> None:
         super().__init__(GUARD_INTERFACE)
         self._runner = runner
         self._bouncer = bouncer
@@ -153,18 +157,22 @@ class GuardInterface(ServiceInterface):
         """Who asked (caller.who: as the runner's audit names them), once the bouncer allows it; the bouncer
         audits a denial and raises it (AccessDenied or TooBusy)."""
         caller = await current_caller(self._bouncer)
-        request = Request(journal.GUARD_POLICY, f"Guard request {member}", what,
-                          {"action": "guard", "requested_by": caller.who})
-        await self._bouncer.check(caller, (GUARD_INTERFACE, member), {"operation": member, **details},
-                                  request=request)
+        request = Request(
+            journal.GUARD_POLICY, f"Guard request {member}", what, {"action": "guard", "requested_by": caller.who}
+        )
+        await self._bouncer.check(caller, (GUARD_INTERFACE, member), {"operation": member, **details}, request=request)
         return caller
 
     async def _authorize_policies(self, member: str, operation: str, about: dict[str, str]) -> Caller:
         """As _authorize, for the managed policies (manage-policies): a denial is audited as their change would
         be. about: kind and target, or the import's name as policy (bounded already), shown by polkit too."""
         caller = await current_caller(self._bouncer)
-        fields = {"action": "guard", "operation": operation, "requested_by": caller.who,
-                  **{("policy_" + k if k in ("kind", "target") else k): v for k, v in about.items()}}
+        fields = {
+            "action": "guard",
+            "operation": operation,
+            "requested_by": caller.who,
+            **{("policy_" + k if k in ("kind", "target") else k): v for k, v in about.items()},
+        }
         request = Request(journal.GUARD_MANAGED_POLICY, f"Guard request {member}", "change guard policies", fields)
         await self._bouncer.check(caller, (GUARD_INTERFACE, member), {"operation": member, **about}, request=request)
         return caller
@@ -213,11 +221,13 @@ class GuardInterface(ServiceInterface):
         if text:
             name = _clean_name(name)
             check_text(text, name)  # no child for what cannot be a policy
-            previews = await self._sandbox.preview(name, text, view_snapshot(snapshot, viewer), os.getpid(),
-                                                   caller.uid, self._runner.engine.protection)
+            previews = await self._sandbox.preview(
+                name, text, view_snapshot(snapshot, viewer), os.getpid(), caller.uid, self._runner.engine.protection
+            )
         else:
-            previews = bounded_previews(visible_decisions(
-                [dataclasses.asdict(p) for p in self._runner.preview(snapshot)], snapshot, viewer))
+            previews = bounded_previews(
+                visible_decisions([dataclasses.asdict(p) for p in self._runner.preview(snapshot)], snapshot, viewer)
+            )
         return [to_dbus(from_plain(Decision, p)) for p in previews]
 
     @method()
@@ -260,8 +270,10 @@ class GuardInterface(ServiceInterface):
     def _listing_budget(self, caller: Caller, member: str) -> None:
         """TooBusy past the person's budget of policy listings (LISTING_RATE a second)."""
         if not self._listing_rate.allow(self._bouncer.people.person(caller.uid) if caller.uid else 0):
-            raise TooBusy(f"{self._bouncer.people.charged(caller.uid)} asks {member} more than "
-                          f"{LISTING_RATE:g} times a second; slow down")
+            raise TooBusy(
+                f"{self._bouncer.people.charged(caller.uid)} asks {member} more than "
+                f"{LISTING_RATE:g} times a second; slow down"
+            )
 
     def early_answer(self, msg: Message) -> Message | bool | None:
         """The Door's EarlyAnswer for ListPolicies and ExportPolicies: the reply from a body marshalled once per
@@ -289,14 +301,22 @@ class GuardInterface(ServiceInterface):
     @signal()
     def PolicyViolated(self, event: Violation, dry_run: bool) -> "sssba{sv}":
         # every listener on the bus gets it: the reason as other users may read it (the journal has it whole)
-        details = to_dbus(ViolationDetails(scope=event.rule.scope, reason=event.reason_for_others,
-                                           grace=event.rule.grace_period, uid=event.uid,
-                                           pids=tuple(t.pid for t in event.targets), time=event.at))
+        details = to_dbus(
+            ViolationDetails(
+                scope=event.rule.scope,
+                reason=event.reason_for_others,
+                grace=event.rule.grace_period,
+                uid=event.uid,
+                pids=tuple(t.pid for t in event.targets),
+                time=event.at,
+            )
+        )
         return [event.rule.name, event.subject, event.rule.action, dry_run, details]
 
     @signal()
-    def GuardActionTaken(self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str,
-                         dry_run: bool) -> "sssutsb":
+    def GuardActionTaken(
+        self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str, dry_run: bool
+    ) -> "sssutsb":
         return [rule, subject, action, pid, start_time, outcome, dry_run]
 
     @signal()
@@ -306,11 +326,16 @@ class GuardInterface(ServiceInterface):
 
 # Names for return values and signal arguments, as in dbus/org.gpukill1.xml.
 OUTPUT_NAMES = {
-    "Enable": [], "Disable": [], "SetDryRun": [],
+    "Enable": [],
+    "Disable": [],
+    "SetDryRun": [],
     "LoadPolicy": ["result"],
     "GetStatus": ["status"],
     "TestPolicies": ["decisions"],
-    "ListPolicies": ["policies"], "SetPolicy": ["policy"], "RemovePolicy": [], "ExportPolicies": ["text"],
+    "ListPolicies": ["policies"],
+    "SetPolicy": ["policy"],
+    "RemovePolicy": [],
+    "ExportPolicies": ["text"],
     "ImportPolicies": ["policies"],
     "PolicyViolated": ["rule", "subject", "action", "dry_run", "details"],
     "GuardActionTaken": ["rule", "subject", "action", "pid", "start_time", "outcome", "dry_run"],

@@ -95,7 +95,8 @@ def _plain(values: dict[str, Variant]) -> dict[str, Any]:
 
 
 async def _check_new_executables(values: dict[str, Any], current: AuditSettings, where: str = "") -> None:
-    """An executable added to allowed_processes must be one a process could be allowed for (gpukilld/rogue/trusted_exe.py);
+    """An executable added to allowed_processes must be one a process could be allowed for
+    (gpukilld/rogue/trusted_exe.py);
     looked at in a worker thread (a path may lie on a network filesystem)."""
     added = [p for p in values.get("allowed_processes", ()) if p not in current.allowed_processes]
     for path in added:
@@ -127,10 +128,17 @@ def _workload_as_seen(reply: WorkloadReply, viewer: Viewer) -> WorkloadReply:
     """KillWorkload's answer as the caller's listing would show its processes: another user's named only where
     /proc names it, and left out (counted in `hidden`) where /proc hides it."""
     mine_or_seen = viewer.others in (FULL, PROGRAM)
-    entries = tuple(e if e.uid == viewer.uid or mine_or_seen else dataclasses.replace(e, comm="")
-                    for e in reply.entries if e.uid == viewer.uid or viewer.others != HIDDEN)
-    return dataclasses.replace(reply, entries=entries, hidden=len(reply.entries) - len(entries),
-                               reclaim=_reclaim_as_seen(reply.reclaim, viewer))
+    entries = tuple(
+        e if e.uid == viewer.uid or mine_or_seen else dataclasses.replace(e, comm="")
+        for e in reply.entries
+        if e.uid == viewer.uid or viewer.others != HIDDEN
+    )
+    return dataclasses.replace(
+        reply,
+        entries=entries,
+        hidden=len(reply.entries) - len(entries),
+        reclaim=_reclaim_as_seen(reply.reclaim, viewer),
+    )
 
 
 ProcessFilter = Callable[[GpuProcess], bool]
@@ -222,14 +230,23 @@ def _check_size(records: list[Record], what: str) -> None:
     if size > MAX_REPLY:
         raise ReplyTooLarge(
             f"{what} ({len(records)} records, up to {size / (1 << 20):.1f} MiB) does not fit in one reply "
-            f"({MAX_REPLY >> 20} MiB); ask for pages with the filter keys 'limit' (at most {PAGE_MAX}) and 'after'")
+            f"({MAX_REPLY >> 20} MiB); ask for pages with the filter keys 'limit' (at most {PAGE_MAX}) and 'after'"
+        )
 
 
 class ManagerInterface(ServiceInterface):
-    def __init__(self, snapshot: Callable[[], Snapshot], actions: Actions, bouncer: Bouncer,
-                 sample_interval: Callable[[], float],
-                 sampling: Callable[[], SamplingStatus] | None = None, *, bus: MessageBus | None = None,
-                 audit_settings: AuditSettingsKeeper | None = None, usage: Callable[[], Any] = lambda: None) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot],
+        actions: Actions,
+        bouncer: Bouncer,
+        sample_interval: Callable[[], float],
+        sampling: Callable[[], SamplingStatus] | None = None,
+        *,
+        bus: MessageBus | None = None,
+        audit_settings: AuditSettingsKeeper | None = None,
+        usage: Callable[[], Any] = lambda: None,
+    ) -> None:
         super().__init__(MANAGER_INTERFACE)
         self._sampling = sampling  # the sampler's: the proc connector, or polling and why
         self._snapshot = snapshot
@@ -281,10 +298,13 @@ class ManagerInterface(ServiceInterface):
             reduced = self._reduced.get(viewer.others)
             if reduced is None:
                 reduced = self._reduced[viewer.others] = [
-                    None if (q := seen_as(p, viewer.others)) is None else _record(q) for p, *_ in self._full]
-            view = [full if full[0].uid == viewer.uid else other
-                    for full, other in zip(self._full, reduced, strict=True)
-                    if full[0].uid == viewer.uid or other is not None]
+                    None if (q := seen_as(p, viewer.others)) is None else _record(q) for p, *_ in self._full
+                ]
+            view = [
+                full if full[0].uid == viewer.uid else other
+                for full, other in zip(self._full, reduced, strict=True)
+                if full[0].uid == viewer.uid or other is not None
+            ]
             if len(self._views) > 256:  # distinct callers in one sample interval: bound the cache
                 self._views.clear()
                 self._bodies.clear()
@@ -310,7 +330,8 @@ class ManagerInterface(ServiceInterface):
         if body is None:
             _check_size(view, "the listing")
             body = self._compact_bodies[viewer.key] = busio.marshal_body(
-                listing.OUT_SIGNATURE, listing.reply_body([r[3] for r in view]))
+                listing.OUT_SIGNATURE, listing.reply_body([r[3] for r in view])
+            )
         self._check_backlog()
         return body
 
@@ -405,7 +426,7 @@ class ManagerInterface(ServiceInterface):
             after = query.after
             selected = [r for r in selected if (r[0].device, r[0].pid) > after]
         if query.limit is not None:
-            selected = selected[:query.limit]
+            selected = selected[: query.limit]
         _check_size(selected, "the page" if query.limit else "the listing")
         self._check_backlog()
         return selected
@@ -436,9 +457,11 @@ class ManagerInterface(ServiceInterface):
         values = audit_settings.checked(_plain(thresholds), audit_settings.PER_CALL_KEYS, where="threshold")
         base = keeper.current
         if values.get("idle_min_memory", base.idle_min_memory) < base.idle_min_memory:
-            raise InvalidArgs(f"idle_min_memory below the configured {base.idle_min_memory} bytes cannot be used "
-                              "for one scan: idle clocks run only for holders of at least that (lower it with "
-                              "SetAuditSettings)")
+            raise InvalidArgs(
+                f"idle_min_memory below the configured {base.idle_min_memory} bytes cannot be used "
+                "for one scan: idle clocks run only for holders of at least that (lower it with "
+                "SetAuditSettings)"
+            )
         basis = keeper.watch.basis
         if basis is None:
             raise NotSupported("the audit has not run yet: try again after the first sample")
@@ -495,8 +518,7 @@ class ManagerInterface(ServiceInterface):
             raise InvalidArgs(str(e)) from None
         await _check_new_executables(values, keeper.current, f"{name}: ")
         caller = await self._authorize_settings("ImportAuditSettings", "import", name)
-        new = await keeper.change(values, operation="import", caller_uid=caller.uid, caller_pid=caller.pid,
-                                  source=name)
+        new = await keeper.change(values, operation="import", caller_uid=caller.uid, caller_pid=caller.pid, source=name)
         return to_dbus(new)
 
     @method()
@@ -514,8 +536,10 @@ class ManagerInterface(ServiceInterface):
         viewer = await self._bouncer.viewer(caller)
         person = self._bouncer.people.person(caller.uid)
         if self._usage_calls_of.get(person, 0) >= USAGE_QUERIES_PER_PERSON:
-            raise TooBusy(f"{USAGE_QUERIES_PER_PERSON} usage queries of yours are still running or waiting; "
-                          "try again when they are answered")
+            raise TooBusy(
+                f"{USAGE_QUERIES_PER_PERSON} usage queries of yours are still running or waiting; "
+                "try again when they are answered"
+            )
         if self._usage_calls >= USAGE_QUERIES_AT_ONCE + USAGE_QUERIES_WAITING:
             raise TooBusy("too many usage queries at once; try again shortly")
         self._usage_calls += 1
@@ -539,8 +563,12 @@ class ManagerInterface(ServiceInterface):
 
     async def _authorize_settings(self, member: str, operation: str, what: str) -> Any:
         caller = await current_caller(self._bouncer)
-        request = Request(journal.AUDIT_SETTINGS, "Change of the audit settings",
-                          "change the rogue-activity audit's settings", {"operation": operation})
+        request = Request(
+            journal.AUDIT_SETTINGS,
+            "Change of the audit settings",
+            "change the rogue-activity audit's settings",
+            {"operation": operation},
+        )
         await self._bouncer.check(caller, (MANAGER_INTERFACE, member), {"settings": what[:256]}, request=request)
         return caller
 
@@ -566,8 +594,9 @@ class ManagerInterface(ServiceInterface):
     async def KillProcessReport(self, pid: "u", start_time: "t", options: "a{sv}") -> "a{sv}":
         caller = await current_caller(self._bouncer)
         grace, force = self._kill_options(options)
-        result = await self._actions.kill(caller, pid, start_time, grace, force, INITIATOR_USER,
-                                          method=KILL_REPORT_METHOD)
+        result = await self._actions.kill(
+            caller, pid, start_time, grace, force, INITIATOR_USER, method=KILL_REPORT_METHOD
+        )
         viewer = await self._bouncer.viewer(caller)
         return to_dbus(KillReport(result.outcome, _reclaim_as_seen(result.reclaim, viewer)))
 
@@ -614,8 +643,17 @@ class ManagerInterface(ServiceInterface):
 
     @signal()
     def ProcessKilled(self, result: KillResult, caller_uid: int) -> "utusassusa{sv}":
-        return [result.pid, result.start_time, result.uid, result.comm, list(result.device_ids),
-                result.outcome, caller_uid, result.initiator, to_dbus(result.reclaim)]
+        return [
+            result.pid,
+            result.start_time,
+            result.uid,
+            result.comm,
+            list(result.device_ids),
+            result.outcome,
+            caller_uid,
+            result.initiator,
+            to_dbus(result.reclaim),
+        ]
 
     @signal()
     def DeviceReset(self, result: ResetReply, success: bool) -> "usbsau":
@@ -646,8 +684,7 @@ OUTPUT_NAMES = {
     "KillProcessReport": ["report"],
     "KillWorkload": ["reply"],
     "ResetDevice": ["result"],
-    "ProcessKilled": ["pid", "start_time", "uid", "comm", "devices", "outcome", "caller_uid", "initiator",
-                      "reclaim"],
+    "ProcessKilled": ["pid", "start_time", "uid", "comm", "devices", "outcome", "caller_uid", "initiator", "reclaim"],
     "DeviceReset": ["index", "id", "success", "message", "killed"],
     "DeviceStateChanged": ["index", "id", "state", "reason"],
     "SnapshotChanged": ["generation"],

@@ -51,4 +51,3 @@ def _value(spec: Wire, value: Any) -> Any:
 def to_dbus_without(record: Any, key: str) -> dict[str, Variant]:
     """A keyed map's entry as an a{sv}: the record but its key."""
     return {k: v for k, v in to_dbus(record).items() if k != key}
-

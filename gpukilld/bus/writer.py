@@ -92,9 +92,14 @@ def _reply_header(call: Message, signature: str, body_len: int, serial: int) -> 
     dest = call.sender.encode()
     sig = signature.encode()
     destination = _FIELD_HEAD.pack(HEADER_DESTINATION, 1, b"s", len(dest)) + dest + b"\0"
-    fields = (_FIELD_HEAD.pack(HEADER_REPLY_SERIAL, 1, b"u", call.serial)
-              + destination + b"\0" * (-len(destination) % 8)  # each field starts on an 8-byte boundary
-              + _SIGNATURE_FIELD_HEAD.pack(HEADER_SIGNATURE, 1, b"g", len(sig)) + sig + b"\0")
+    fields = (
+        _FIELD_HEAD.pack(HEADER_REPLY_SERIAL, 1, b"u", call.serial)
+        + destination
+        + b"\0" * (-len(destination) % 8)  # each field starts on an 8-byte boundary
+        + _SIGNATURE_FIELD_HEAD.pack(HEADER_SIGNATURE, 1, b"g", len(sig))
+        + sig
+        + b"\0"
+    )
     raw = _FIXED_HEAD.pack(LITTLE_ENDIAN, METHOD_RETURN, 0, PROTOCOL_VERSION, body_len, serial, len(fields)) + fields
     return raw + b"\0" * (-len(raw) % 8)  # the body starts on an 8-byte boundary
 

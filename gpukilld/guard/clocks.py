@@ -56,9 +56,11 @@ def boot_id(path: str = BOOT_ID) -> str:
 
 def process_alive(root: str = "/proc") -> Callable[[int, int], bool]:
     """Whether (pid, start time) is still the process it was, read from root (gpukilld.conf's proc root)."""
+
     def alive(pid: int, start_time: int) -> bool:
         stat = read_stat(pid, root)
         return stat is not None and stat.start_time == start_time
+
     return alive
 
 
@@ -91,19 +93,40 @@ def save(engine: Engine, boot: str) -> dict[str, Any]:
     offset = engine.clock.boottime() - engine.clock.monotonic()
     rules = []
     for st in engine.states:
-        rules.append({
-            "name": st.rule.name, "mark": rule_mark(st),
-            "windows": [[index, _key_out(key, st.rule.scope), since + offset]
-                        for index, window in st.windows.items() for key, since in window.items()],
-            "episodes": [[_key_out(key, st.rule.scope), ep.since + offset, ep.grace_until + offset, ep.label, ep.uid,
-                          ep.acted, ep.warned]
-                         for key, ep in st.episodes.items()],
-            "cooldown": [[_key_out(key, st.rule.scope), until + offset] for key, until in st.cooldown.items()],
-            "dry_cooldown": [[_key_out(key, st.rule.scope), until + offset] for key, until in st.dry_cooldown.items()],
-        })
-    return {"format": FORMAT, "boot_id": boot, "rules": rules,
-            "resets": {d: [t + offset for t in ts] for d, ts in engine.resets.items() if ts},
-            "dry_resets": {d: [t + offset for t in ts] for d, ts in engine.dry_resets.items() if ts}}
+        rules.append(
+            {
+                "name": st.rule.name,
+                "mark": rule_mark(st),
+                "windows": [
+                    [index, _key_out(key, st.rule.scope), since + offset]
+                    for index, window in st.windows.items()
+                    for key, since in window.items()
+                ],
+                "episodes": [
+                    [
+                        _key_out(key, st.rule.scope),
+                        ep.since + offset,
+                        ep.grace_until + offset,
+                        ep.label,
+                        ep.uid,
+                        ep.acted,
+                        ep.warned,
+                    ]
+                    for key, ep in st.episodes.items()
+                ],
+                "cooldown": [[_key_out(key, st.rule.scope), until + offset] for key, until in st.cooldown.items()],
+                "dry_cooldown": [
+                    [_key_out(key, st.rule.scope), until + offset] for key, until in st.dry_cooldown.items()
+                ],
+            }
+        )
+    return {
+        "format": FORMAT,
+        "boot_id": boot,
+        "rules": rules,
+        "resets": {d: [t + offset for t in ts] for d, ts in engine.resets.items() if ts},
+        "dry_resets": {d: [t + offset for t in ts] for d, ts in engine.dry_resets.items() if ts},
+    }
 
 
 class _Reader:
@@ -145,7 +168,7 @@ class _Reader:
         self.bad += len(raw) - len(good)
         if len(good) > self.budget:
             self.bad += len(good) - self.budget
-            good = good[:self.budget]
+            good = good[: self.budget]
         self.budget -= len(good)
         return good
 
@@ -181,9 +204,13 @@ class _Reader:
             key, t, until = self.key(rkey, scope), self.past(since), self.any_time(grace_until)
             if key is None or t is None or until is None:
                 continue
-            if (not isinstance(label, str) or len(label) > MAX_LABEL or not isinstance(acted, bool)
-                    or not (uid is None or (_int(uid) and uid < 1 << 32))
-                    or not (_int(warned) and warned <= len(st.rule.warn))):
+            if (
+                not isinstance(label, str)
+                or len(label) > MAX_LABEL
+                or not isinstance(acted, bool)
+                or not (uid is None or (_int(uid) and uid < 1 << 32))
+                or not (_int(warned) and warned <= len(st.rule.warn))
+            ):
                 self.bad += 1
                 continue
             st.episodes[key] = Episode(t, until, label, uid, acted, warned)
@@ -200,12 +227,13 @@ class _Reader:
         if not isinstance(raw, dict):
             return
         hour_ago = self.boot_now - HOUR
-        for device, times in list(raw.items())[:self.budget]:
+        for device, times in list(raw.items())[: self.budget]:
             if not isinstance(device, str) or not 0 < len(device) <= MAX_DEVICE_ID or not isinstance(times, list):
                 self.bad += 1
                 continue
-            kept = sorted(t - self.offset for t in times[:self.budget]
-                          if _instant(t) and hour_ago < t <= self.boot_now + SLACK)
+            kept = sorted(
+                t - self.offset for t in times[: self.budget] if _instant(t) and hour_ago < t <= self.boot_now + SLACK
+            )
             self.budget -= len(kept)
             if kept:
                 history[device] = kept
@@ -220,12 +248,11 @@ def restore(engine: Engine, data: Any, boot: str, alive: Callable[[int, int], bo
     if not boot or data.get("boot_id") != boot:
         saved = data.get("boot_id")
         shown = saved[:40] if isinstance(saved, str) else "none"
-        return 0, (f"the guard's saved clocks are from another boot (boot id {shown}): "
-                   "windows and graces start afresh")
+        return 0, (f"the guard's saved clocks are from another boot (boot id {shown}): windows and graces start afresh")
     reader = _Reader(engine, alive)
     by_name = {st.rule.name: st for st in engine.states}
     changed = []
-    for raw in data["rules"][:len(by_name) + 1]:  # one entry per rule: more is not ours
+    for raw in data["rules"][: len(by_name) + 1]:  # one entry per rule: more is not ours
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             reader.bad += 1
             continue

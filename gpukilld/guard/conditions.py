@@ -146,8 +146,9 @@ class PeopleView:
         """The figures as if proc were gone. Only the sums change (what conditions on a user or group read);
         the process list stays, so choosing victims among thousands costs no copies."""
         memory = None if self.memory is None else max(0, self.memory - (proc.gpu_memory or 0))
-        return PeopleView(self.name, self.uid, self.procs, memory, self.partial, max(0, self.count - 1),
-                          _less(self.by_device, proc))
+        return PeopleView(
+            self.name, self.uid, self.procs, memory, self.partial, max(0, self.count - 1), _less(self.by_device, proc)
+        )
 
 
 @dataclass(slots=True)
@@ -170,7 +171,8 @@ class DeviceView:
         as for PeopleView.without)."""
         mem, util = proc.per_device.get(self.device.index, (None, None))
         return DeviceView(
-            self.device, self.procs,
+            self.device,
+            self.procs,
             None if self.memory_used is None else max(0, self.memory_used - (mem or 0)),
             None if self.utilization is None else max(0.0, self.utilization - (util or 0.0)),
         )
@@ -192,8 +194,9 @@ def boot_seconds() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
-def process_views(snapshot: Snapshot, boot_now: float,
-                  reuse: dict[ProcKey, ProcView] | None = None) -> dict[ProcKey, ProcView]:
+def process_views(
+    snapshot: Snapshot, boot_now: float, reuse: dict[ProcKey, ProcView] | None = None
+) -> dict[ProcKey, ProcView]:
     """One view per process: a process on two GPUs is one subject, with its memory added up. Views of the
     last cycle (reuse) are updated in place rather than made anew: every cycle would otherwise allocate
     thousands of objects, and the garbage collector's pauses would show in the evaluation time."""
@@ -215,9 +218,24 @@ def process_views(snapshot: Snapshot, boot_now: float,
         runtime = max(0.0, boot_now - p.start_time / tck)
         v = old.get(key)
         if v is None:
-            v = ProcView(key, p.pid, p.start_time, p.uid, p.user, p.comm, p.cmdline, p.exe, p.unit or "",
-                         p.container_id or "", p.gpu_memory, p.gpu_utilization, runtime,
-                         partial=p.shared_usage, system_unit=p.system_unit or "", slurm_job=p.slurm_job or "")
+            v = ProcView(
+                key,
+                p.pid,
+                p.start_time,
+                p.uid,
+                p.user,
+                p.comm,
+                p.cmdline,
+                p.exe,
+                p.unit or "",
+                p.container_id or "",
+                p.gpu_memory,
+                p.gpu_utilization,
+                runtime,
+                partial=p.shared_usage,
+                system_unit=p.system_unit or "",
+                slurm_job=p.slurm_job or "",
+            )
         else:  # names change with exec and prctl, units with cgroup moves: every field is refreshed
             v.uid, v.user, v.comm, v.cmdline, v.exe = p.uid, p.user, p.comm, p.cmdline, p.exe
             v.unit, v.container, v.system_unit = p.unit or "", p.container_id or "", p.system_unit or ""
@@ -235,9 +253,18 @@ def user_views(procs: list[ProcView]) -> list[PeopleView]:
     by_uid: dict[int, list[ProcView]] = {}
     for p in procs:
         by_uid.setdefault(p.uid, []).append(p)
-    return [PeopleView(ps[0].user, uid, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps), len(ps),
-                     _utilization_by_device(ps))
-            for uid, ps in by_uid.items()]
+    return [
+        PeopleView(
+            ps[0].user,
+            uid,
+            ps,
+            _sum(p.gpu_memory for p in ps),
+            any(p.partial for p in ps),
+            len(ps),
+            _utilization_by_device(ps),
+        )
+        for uid, ps in by_uid.items()
+    ]
 
 
 def group_views(procs: list[ProcView], names: Iterable[str], groups: Groups) -> list[PeopleView]:
@@ -250,8 +277,17 @@ def group_views(procs: list[ProcView], names: Iterable[str], groups: Groups) -> 
     for name in dict.fromkeys(names):
         ps = [p for p in procs if name in members[p.uid]]
         if ps:
-            out.append(PeopleView(name, None, ps, _sum(p.gpu_memory for p in ps), any(p.partial for p in ps),
-                                  len(ps), _utilization_by_device(ps)))
+            out.append(
+                PeopleView(
+                    name,
+                    None,
+                    ps,
+                    _sum(p.gpu_memory for p in ps),
+                    any(p.partial for p in ps),
+                    len(ps),
+                    _utilization_by_device(ps),
+                )
+            )
     return out
 
 
@@ -364,8 +400,14 @@ def _unit_protected(patterns: tuple[str, ...], unit: str) -> bool:
     return any(fnmatch.fnmatchcase(unit, pat) for pat in patterns)
 
 
-_COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq,
-            "!=": operator.ne}
+_COMPARE = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
 
 
 def string_test(op: str, value: Any) -> Callable[[str], bool]:
@@ -393,8 +435,20 @@ class CompiledCondition:
     and remembered: names and command lines repeat every cycle, so a regular expression runs once per value.
     """
 
-    __slots__ = ("cond", "index", "attr", "decide", "test", "filter", "cheap", "ctype", "read", "_memo", "number",
-                 "holds_for")
+    __slots__ = (
+        "cond",
+        "index",
+        "attr",
+        "decide",
+        "test",
+        "filter",
+        "cheap",
+        "ctype",
+        "read",
+        "_memo",
+        "number",
+        "holds_for",
+    )
 
     def __init__(self, cond: Condition, index: int, scope: str, groups: Groups) -> None:
         self.cond = cond
@@ -418,17 +472,18 @@ class CompiledCondition:
                 self._keyed(ctype.indexed, "uid", lambda k: name_test(k[1]), _uid_and_name)
             else:
                 want = op not in ("!=", "not_in")
-                self._keyed(ctype.indexed, "uid", lambda k: (k[1] in names or k[0] in uids) is want,
-                            _uid_and_name)
+                self._keyed(ctype.indexed, "uid", lambda k: (k[1] in names or k[0] in uids) is want, _uid_and_name)
         elif ctype.kind == GROUP and view == ON_GROUP:  # the subject is the group: decided on its name
             name_test = string_test(op, value)
             self._keyed(False, None, name_test, operator.attrgetter("name"))
         elif ctype.kind == GROUP:
+
             def member(k: tuple[int, str]) -> bool:
                 groups_of = groups.of(k[0], k[1])
                 if listed:
                     return groups_of.isdisjoint(value) is (op == "not_in")
                 return (value in groups_of) is (op == "==")
+
             self._keyed(ctype.indexed, "uid", member, _uid_and_name)
         elif ctype.kind == INDEX:  # the subject's GPUs (a process's: those of its records) hold the index or not
             want = op == "=="
@@ -494,8 +549,9 @@ class Cycle:
     """What one evaluation computes once and every rule shares: the processes a set of exemptions leaves
     visible, those grouped by an attribute, and user and device views of them."""
 
-    def __init__(self, procs: list[ProcView], devices: tuple[Device, ...], own_pid: int,
-                 protection: Protection | None = None) -> None:
+    def __init__(
+        self, procs: list[ProcView], devices: tuple[Device, ...], own_pid: int, protection: Protection | None = None
+    ) -> None:
         self.procs = procs
         self.devices = devices
         self.own_pid = own_pid
@@ -560,9 +616,11 @@ class CompiledRule:
         self.groups = groups
         # per_group: the groups the rule's naming condition names (== or in): its subjects.
         self.named: tuple[str, ...] = tuple(
-            v for c in rule.conditions
+            v
+            for c in rule.conditions
             if c.role == SUBJECT and rule.scope in CONDITION_TYPES[c.type].names and c.operator in ("==", "in")
-            for v in (c.value if c.operator == "in" else (c.value,)))
+            for v in (c.value if c.operator == "in" else (c.value,))
+        )
         exemptions = global_exemptions.merged(rule.exemptions)
         self.exempt = Exempt(exemptions, groups) if exemptions else None
         self.exemptions_key = exemptions
@@ -586,10 +644,7 @@ class CompiledRule:
     def _filter_first(self, conds: list[CompiledCondition], procs: list[ProcView], cycle: Cycle) -> list[ProcView]:
         """AND of conditions on processes; the first, if it looks at a name or a user, once per value."""
         first = conds[0]
-        if first.attr is not None:
-            out = first.filter_indexed(cycle.index(procs, first.attr))
-        else:
-            out = first.filter(procs)
+        out = first.filter_indexed(cycle.index(procs, first.attr)) if first.attr is not None else first.filter(procs)
         for c in conds[1:]:
             if not out:
                 break
@@ -631,8 +686,9 @@ class CompiledRule:
             return any(c.test(subject) for c in conditions)
         return all(c.test(subject) for c in conditions)
 
-    def victims(self, subject: Subject, going: Callable[[ProcView], bool],
-                refused: Callable[[ProcView], bool]) -> list[ProcView]:
+    def victims(
+        self, subject: Subject, going: Callable[[ProcView], bool], refused: Callable[[ProcView], bool]
+    ) -> list[ProcView]:
         """Which processes to stop for a subject that violates the rule. A process subject is itself; for a
         user or a device, the largest first, only until the rest would no longer violate the rule. Processes
         `going` (a kill in flight) count as gone; `refused` ones (the kill path said protected) stay."""

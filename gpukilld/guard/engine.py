@@ -151,6 +151,7 @@ def scoped_text(scoped: Scoped, results: dict[ProcKey, tuple[str, str]] | None =
     with the kill path's results ((pid, start time) -> (outcome or refusal, error)), what became of each."""
     parts = []
     if scoped.members:
+
         def done(m: Target) -> str:
             if results is None:
                 return ""
@@ -164,8 +165,10 @@ def scoped_text(scoped: Scoped, results: dict[ProcKey, tuple[str, str]] | None =
 
 def too_large_text(rule: Rule, needed: int, cap: int) -> str:
     """Why a victim whose kill_scope is larger than the per-cycle cap is never stopped."""
-    return (f"its kill_scope {rule.kill_scope} takes {needed} processes, more than max_kills_per_cycle ({cap}): "
-            "none is stopped until the cap is raised")
+    return (
+        f"its kill_scope {rule.kill_scope} takes {needed} processes, more than max_kills_per_cycle ({cap}): "
+        "none is stopped until the cap is raised"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +248,16 @@ class RuleStats:
     would_reset: int = 0  # resets a dry run would have made
 
     def to_dict(self) -> dict[str, float]:
-        return {"triggers": self.triggers, "kills": self.kills, "would_kill": self.would_kill,
-                "cancelled": self.cancelled, "failed": self.failed, "last_triggered": self.last_triggered,
-                "resets": self.resets, "would_reset": self.would_reset}
+        return {
+            "triggers": self.triggers,
+            "kills": self.kills,
+            "would_kill": self.would_kill,
+            "cancelled": self.cancelled,
+            "failed": self.failed,
+            "last_triggered": self.last_triggered,
+            "resets": self.resets,
+            "would_reset": self.would_reset,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RuleStats:
@@ -312,8 +322,9 @@ def grace_of(rule: Rule) -> float:
     return rule.grace_period if rule.action == KILL else 0.0
 
 
-def act_wait(rule: Rule, grace_until: float | None, cooldown_until: float, now: float,
-             windows_left: float = 0.0) -> float:
+def act_wait(
+    rule: Rule, grace_until: float | None, cooldown_until: float, now: float, windows_left: float = 0.0
+) -> float:
     """Seconds until the rule acts on a subject (0: now), as evaluate decides and preview reports it: the grace
     period of its violation (grace_until; None: not violating yet, so its windows still to run, then the whole
     grace), and after that the cooldown that follows a kill of it."""
@@ -331,8 +342,15 @@ def _uid_of(s: Subject) -> int | None:
 
 
 class Engine:
-    def __init__(self, policy: Policy = EMPTY_POLICY, clock: Clock | None = None, groups: Groups | None = None,
-                 own_pid: int | None = None, protection: Protection | None = None, tree: Tree = proc_tree) -> None:
+    def __init__(
+        self,
+        policy: Policy = EMPTY_POLICY,
+        clock: Clock | None = None,
+        groups: Groups | None = None,
+        own_pid: int | None = None,
+        protection: Protection | None = None,
+        tree: Tree = proc_tree,
+    ) -> None:
         self.clock = clock or Clock()
         self.tree = tree
         self.groups = groups or Groups(self.clock.monotonic)
@@ -370,8 +388,11 @@ class Engine:
         for rule in policy.rules:
             compiled = self._compile(rule, policy)
             prev = old.get(rule.name)
-            if (prev is not None and prev.rule.fingerprint == rule.fingerprint
-                    and prev.compiled.exemptions_key == compiled.exemptions_key):
+            if (
+                prev is not None
+                and prev.rule.fingerprint == rule.fingerprint
+                and prev.compiled.exemptions_key == compiled.exemptions_key
+            ):
                 prev.rule, prev.compiled = rule, compiled
                 states.append(prev)
             else:
@@ -470,12 +491,20 @@ class Engine:
         """Each condition that holds with the subject's value; for_others: as a caller who may not see all reads
         it about another user's subject (a withheld type named, not described)."""
         c = st.compiled
-        parts = [self._mean_reason(st, cc, s) if cc.cond.over == MEAN else
-                 cc.ctype.describe_for_others(cc.cond, cc.read(s)) if for_others else cc.describe(s)
-                 for cc in c.conditions if cc.cond.over == MEAN or cc.test(s)]
+        parts = [
+            self._mean_reason(st, cc, s)
+            if cc.cond.over == MEAN
+            else cc.ctype.describe_for_others(cc.cond, cc.read(s))
+            if for_others
+            else cc.describe(s)
+            for cc in c.conditions
+            if cc.cond.over == MEAN or cc.test(s)
+        ]
         if c.selectors:
-            parts.append(f"counting {len(s.procs)} process(es) with "  # type: ignore[union-attr]
-                         + " and ".join(cc.cond.text for cc in c.selectors))
+            parts.append(
+                f"counting {len(s.procs)} process(es) with "  # type: ignore[union-attr]
+                + " and ".join(cc.cond.text for cc in c.selectors)
+            )
         return "; ".join(parts)
 
     @staticmethod
@@ -535,8 +564,18 @@ class Engine:
     def _refused(self, p: ProcView) -> bool:
         return p.key in self.refused
 
-    def _act(self, st: RuleState, holding: list[Subject], now: float, wall: float, dry_run: bool,
-             kills_left: int, events: list[Event], cycle: Cycle, subjects: list[Subject]) -> int:
+    def _act(
+        self,
+        st: RuleState,
+        holding: list[Subject],
+        now: float,
+        wall: float,
+        dry_run: bool,
+        kills_left: int,
+        events: list[Event],
+        cycle: Cycle,
+        subjects: list[Subject],
+    ) -> int:
         rule = st.rule
         settings = self.policy.settings
         stats = self.stats[rule.name]
@@ -556,8 +595,18 @@ class Engine:
                     concerned = st.compiled.victims(s, self._going, self._refused)
                 else:
                     concerned = [s] if isinstance(s, ProcView) else list(s.procs)
-                events.append(Violation(rule, s.label, key, ep.uid, tuple(Target.of(p) for p in concerned),
-                                        self._reason(st, s), wall, self._reason(st, s, for_others=True)))
+                events.append(
+                    Violation(
+                        rule,
+                        s.label,
+                        key,
+                        ep.uid,
+                        tuple(Target.of(p) for p in concerned),
+                        self._reason(st, s),
+                        wall,
+                        self._reason(st, s, for_others=True),
+                    )
+                )
             if rule.action == RESET:
                 self._reset(st, s, now, dry_run, cycle, events)  # type: ignore[arg-type]  # per_device only
                 continue
@@ -575,14 +624,34 @@ class Engine:
             if not plan:
                 if victims and not ep.over_cap and (needed := self.scope_too_large(st, victims[0], cycle)):
                     ep.over_cap = True
-                    events.append(KillOverCap(rule, s.label, key, ep.uid, Target.of(victims[0]), needed,
-                                              settings.max_kills_per_cycle, self._reason(st, s),
-                                              self._reason(st, s, for_others=True)))
+                    events.append(
+                        KillOverCap(
+                            rule,
+                            s.label,
+                            key,
+                            ep.uid,
+                            Target.of(victims[0]),
+                            needed,
+                            settings.max_kills_per_cycle,
+                            self._reason(st, s),
+                            self._reason(st, s, for_others=True),
+                        )
+                    )
                 continue
             kill_grace = rule.kill_grace if rule.kill_grace is not None else settings.kill_grace
-            order = KillOrder(rule, s.label, key, ep.uid, tuple(Target.of(v) for v, _ in plan), rule.force,
-                              kill_grace, dry_run, self._reason(st, s), self._reason(st, s, for_others=True),
-                              tuple(sc for _, sc in plan) if rule.kill_scope != KILL_PROCESS else ())
+            order = KillOrder(
+                rule,
+                s.label,
+                key,
+                ep.uid,
+                tuple(Target.of(v) for v, _ in plan),
+                rule.force,
+                kill_grace,
+                dry_run,
+                self._reason(st, s),
+                self._reason(st, s, for_others=True),
+                tuple(sc for _, sc in plan) if rule.kill_scope != KILL_PROCESS else (),
+            )
             kills_left -= order.count
             ep.acted = True
             self.clocks_changed = True
@@ -611,8 +680,7 @@ class Engine:
                 self.clocks_changed = True
         return kills_left
 
-    def _plan(self, st: RuleState, victims: list[ProcView], room: int,
-              cycle: Cycle) -> list[tuple[ProcView, Scoped]]:
+    def _plan(self, st: RuleState, victims: list[ProcView], room: int, cycle: Cycle) -> list[tuple[ProcView, Scoped]]:
         """The victims to stop now, each with what the rule's kill_scope adds to it, within `room` kills (the
         per-cycle cap left). Every process a scope adds is a kill toward the cap, and a victim is stopped with
         its whole scope or waits for a later cycle with it: a workload is never half-killed by the cap."""
@@ -652,10 +720,14 @@ class Engine:
         for m in mates:
             if m.key == v.key or m.key in taken or self._going(m):
                 continue
-            why = ("protected: PID 1 and gpukilld are never touched" if m.pid in (1, self.own_pid)
-                   else (exempt.why(m) if exempt is not None else "") or cycle.protection.why(m)
-                   or ("protected: the kill path refused it" if self._refused(m) else "")
-                   or (OTHER_USERS if m.uid != v.uid else ""))
+            why = (
+                "protected: PID 1 and gpukilld are never touched"
+                if m.pid in (1, self.own_pid)
+                else (exempt.why(m) if exempt is not None else "")
+                or cycle.protection.why(m)
+                or ("protected: the kill path refused it" if self._refused(m) else "")
+                or (OTHER_USERS if m.uid != v.uid else "")
+            )
             if why:
                 left.append((Target.of(m), why))
             else:
@@ -681,9 +753,19 @@ class Engine:
         ep.warned = due
         self.clocks_changed = True
         victims = st.compiled.victims(s, self._going, self._refused)
-        events.append(GraceWarning(st.rule, s.label, s.key, ep.uid, tuple(Target.of(p) for p in victims),
-                                   ep.grace_until - now, due, self._reason(st, s),
-                                   self._reason(st, s, for_others=True)))
+        events.append(
+            GraceWarning(
+                st.rule,
+                s.label,
+                s.key,
+                ep.uid,
+                tuple(Target.of(p) for p in victims),
+                ep.grace_until - now,
+                due,
+                self._reason(st, s),
+                self._reason(st, s, for_others=True),
+            )
+        )
 
     # -- resets ----------------------------------------------------------------------------------------
 
@@ -704,8 +786,9 @@ class Engine:
             wait = max(wait, recent[len(recent) - rule.max_resets_per_hour] + HOUR - now)
         return max(0.0, wait)
 
-    def _reset(self, st: RuleState, device: DeviceView, now: float, dry_run: bool, cycle: Cycle,
-               events: list[Event]) -> None:
+    def _reset(
+        self, st: RuleState, device: DeviceView, now: float, dry_run: bool, cycle: Cycle, events: list[Event]
+    ) -> None:
         rule, key = st.rule, device.key
         if key in self.resetting or self.reset_wait(rule, key, now, dry_run) > 0:
             return
@@ -720,9 +803,18 @@ class Engine:
             self.stats[rule.name].would_reset += 1
         else:
             self.resetting.add(key)
-        events.append(ResetOrder(rule, device.label, key, device.device.index,
-                                 tuple(Target.of(p) for p in holders), rule.force, dry_run,
-                                 self._reason(st, device)))
+        events.append(
+            ResetOrder(
+                rule,
+                device.label,
+                key,
+                device.device.index,
+                tuple(Target.of(p) for p in holders),
+                rule.force,
+                dry_run,
+                self._reason(st, device),
+            )
+        )
 
     def reset_finished(self, order: ResetOrder, outcome: str) -> None:
         """The reset path's answer for an order: "reset", or its refusal's or failure's result."""
@@ -774,20 +866,37 @@ class Engine:
                     if toward is not None and key not in toward:
                         continue
                     subject = st.seen.get(key)
-                    out.append({"rule": st.rule.name, "subject": subject.label if subject else str(key),
-                                "uid": _uid_of(subject) if subject else None, "condition": cond.text,
-                                "elapsed": now - since, "duration": cond.duration})
+                    out.append(
+                        {
+                            "rule": st.rule.name,
+                            "subject": subject.label if subject else str(key),
+                            "uid": _uid_of(subject) if subject else None,
+                            "condition": cond.text,
+                            "elapsed": now - since,
+                            "duration": cond.duration,
+                        }
+                    )
         return out
 
     def grace_report(self) -> list[dict[str, Any]]:
         """Subjects violating a kill rule and still inside its grace period."""
         now = self.clock.monotonic()
-        return [{"rule": st.rule.name, "subject": ep.label, "uid": ep.uid, "remaining": ep.grace_until - now,
-                 "warnings_sent": ep.warned,
-                 "next_warning": (ep.grace_until - st.rule.warn[ep.warned] - now
-                                  if ep.warned < len(st.rule.warn) else None)}
-                for st in self.states if st.rule.action == KILL
-                for ep in st.episodes.values() if not ep.acted and now < ep.grace_until]
+        return [
+            {
+                "rule": st.rule.name,
+                "subject": ep.label,
+                "uid": ep.uid,
+                "remaining": ep.grace_until - now,
+                "warnings_sent": ep.warned,
+                "next_warning": (
+                    ep.grace_until - st.rule.warn[ep.warned] - now if ep.warned < len(st.rule.warn) else None
+                ),
+            }
+            for st in self.states
+            if st.rule.action == KILL
+            for ep in st.episodes.values()
+            if not ep.acted and now < ep.grace_until
+        ]
 
     def preview(self, snapshot: Snapshot) -> list[Preview]:
         """What the policy would do with this snapshot, given the windows and grace periods running now.
@@ -810,22 +919,34 @@ class Engine:
                 if held == len(c.timed):
                     out.append(self._preview_one(st, s, now, cycle))
                 elif held:  # watched, but a windowed condition does not hold now: nothing happens while so
-                    out.append(Preview(rule.name, s.label, rule.action, "not-met", 0.0, (),
-                                       "not met: " + self._unmet(st, s), _uid_of(s),
-                                       "not met: " + self._unmet(st, s, for_others=True)))
+                    out.append(
+                        Preview(
+                            rule.name,
+                            s.label,
+                            rule.action,
+                            "not-met",
+                            0.0,
+                            (),
+                            "not met: " + self._unmet(st, s),
+                            _uid_of(s),
+                            "not met: " + self._unmet(st, s, for_others=True),
+                        )
+                    )
             if c.scope == "per_process":  # what the rule would match but may not touch: say so, not nothing
                 shown = {p.key for p in visible}
                 for p in procs:
                     if p.key not in shown and all(sel.test(p) for sel in c.selectors) and c.holds_now(p):
                         why = PROTECTED if cycle.protection.covers(p) else "exempt or protected: never touched"
-                        out.append(Preview(rule.name, p.label, rule.action, "exempt", 0.0, (p.pid,), why, p.uid,
-                                           why))
+                        out.append(Preview(rule.name, p.label, rule.action, "exempt", 0.0, (p.pid,), why, p.uid, why))
         return out
 
     def _preview_one(self, st: RuleState, s: Subject, now: float, cycle: Cycle) -> Preview:
         c, rule, key = st.compiled, st.rule, s.key
-        waits = [max(0.0, cc.cond.duration - (now - self._window_start(st, cc, key, now)))
-                 for cc in c.timed if self._holds(st, cc, s)]
+        waits = [
+            max(0.0, cc.cond.duration - (now - self._window_start(st, cc, key, now)))
+            for cc in c.timed
+            if self._holds(st, cc, s)
+        ]
         if rule.match == "all":
             duration_left = max(waits, default=0.0)
         else:
@@ -834,8 +955,12 @@ class Engine:
         # Previews show what enforcing would do: its cooldowns, not a dry run's.
         wait = act_wait(rule, ep.grace_until if ep else None, st.cooldown.get(key, 0.0), now, duration_left)
         if rule.action == RESET:
-            return self._preview_reset(st, s, max(wait, self.reset_wait(rule, key, now, False)),  # type: ignore[arg-type]
-                                       cycle)
+            return self._preview_reset(
+                st,
+                s,
+                max(wait, self.reset_wait(rule, key, now, False)),  # type: ignore[arg-type]
+                cycle,
+            )
         reason, for_others = self._reason(st, s), self._reason(st, s, for_others=True)
         if rule.action == KILL:
             victims = c.victims(s, self._going, self._refused)
@@ -850,13 +975,13 @@ class Engine:
                 reason = f"{reason}; {scope}"
                 added = sum(len(sc.members) for _, sc in plan)
                 left = sum(len(sc.left) for _, sc in plan)
-                for_others += (f"; {scope}" if not plan else
-                               f"; its kill_scope adds {added} process(es), leaves {left} running")
+                for_others += (
+                    f"; {scope}" if not plan else f"; its kill_scope adds {added} process(es), leaves {left} running"
+                )
         else:
             pids = (s.pid,) if isinstance(s, ProcView) else tuple(p.pid for p in s.procs)
             status = "now" if wait <= 0 else "waiting"
-        return Preview(rule.name, s.label, rule.action, status, max(0.0, wait), pids, reason, _uid_of(s),
-                       for_others)
+        return Preview(rule.name, s.label, rule.action, status, max(0.0, wait), pids, reason, _uid_of(s), for_others)
 
     @staticmethod
     def _window_start(st: RuleState, cc: CompiledCondition, key: Any, now: float) -> float:

@@ -172,8 +172,13 @@ class ManagedPolicies:
         return texts
 
     def entry(self, m: Managed) -> ManagedPolicyEntry:
-        plain = {"kind": m.policy.kind, "target": m.policy.target, "file": os.path.join(self.directory, m.name),
-                 "edited": managed_policy.edited(m.policy, m.text), **managed_policy.as_settings(m.policy)}
+        plain = {
+            "kind": m.policy.kind,
+            "target": m.policy.target,
+            "file": os.path.join(self.directory, m.name),
+            "edited": managed_policy.edited(m.policy, m.text),
+            **managed_policy.as_settings(m.policy),
+        }
         return from_plain(ManagedPolicyEntry, plain)
 
     def entries(self) -> list[ManagedPolicyEntry]:
@@ -194,8 +199,11 @@ class ManagedPolicies:
         if self._listed is None or self._listed[0] != state:
             found = self.found()
             keys = sorted(found)[:MAX_MANAGED]
-            self._listed = (state, [self.entry(found[key]) for key in keys],
-                            managed_policy.export_text([found[key].policy for key in keys]))
+            self._listed = (
+                state,
+                [self.entry(found[key]) for key in keys],
+                managed_policy.export_text([found[key].policy for key in keys]),
+            )
         self._listed_at, self._listed_with = now, in_force
         return self._listed
 
@@ -223,8 +231,9 @@ class ManagedPolicies:
         does not name) in one change."""
         return self.import_parsed(name, parse_import(name, text), replace, uid, who)
 
-    def import_parsed(self, name: str, policies: list[ManagedPolicy], replace: bool, uid: int,
-                      who: str) -> list[ManagedPolicyEntry]:
+    def import_parsed(
+        self, name: str, policies: list[ManagedPolicy], replace: bool, uid: int, who: str
+    ) -> list[ManagedPolicyEntry]:
         """import_ of a text parse_import() read (the service parses it off the main loop)."""
         keys = [(p.kind, p.target) for p in policies]
         if len(set(keys)) != len(keys):
@@ -242,8 +251,13 @@ class ManagedPolicies:
         after = self.found()
         return [self.entry(after[key]) for key in sorted(keys)]
 
-    def _place(self, policies: list[ManagedPolicy], found: dict[tuple[str, str], Managed], operation: str,
-               replace: bool = False) -> tuple[dict[str, str | None], list[Operation]]:
+    def _place(
+        self,
+        policies: list[ManagedPolicy],
+        found: dict[tuple[str, str], Managed],
+        operation: str,
+        replace: bool = False,
+    ) -> tuple[dict[str, str | None], list[Operation]]:
         """Each policy's file and text: the file it already has, or file_name()'s, which must not be an
         admin's own file or another managed policy's. A policy whose file already says the same is left out."""
         taken = {m.name: m for m in found.values()}
@@ -255,8 +269,10 @@ class ManagedPolicies:
             key = (policy.kind, policy.target)
             text = managed_policy.render(policy)
             if len(text.encode()) > MAX_POLICY_BYTES:
-                raise InvalidArgs(f"the {policy.kind} policy for {shown(policy.target)} would be larger than "
-                                  f"{MAX_POLICY_BYTES // 1024} KiB")
+                raise InvalidArgs(
+                    f"the {policy.kind} policy for {shown(policy.target)} would be larger than "
+                    f"{MAX_POLICY_BYTES // 1024} KiB"
+                )
             if key in found:
                 name = found[key].name
                 if found[key].text == text:
@@ -266,11 +282,14 @@ class ManagedPolicies:
                 self._path(name)
                 if name in taken:
                     other = taken[name].policy
-                    raise InvalidArgs(f"{self._path(name)} holds the {other.kind} policy for "
-                                      f"{shown(other.target)}; remove it first")
+                    raise InvalidArgs(
+                        f"{self._path(name)} holds the {other.kind} policy for {shown(other.target)}; remove it first"
+                    )
                 if name in existing:
-                    raise InvalidArgs(f"{self._path(name)} exists and is not a managed policy: gpukilld leaves "
-                                      "it alone (rename it, or remove it)")
+                    raise InvalidArgs(
+                        f"{self._path(name)} exists and is not a managed policy: gpukilld leaves "
+                        "it alone (rename it, or remove it)"
+                    )
                 kept += 1
                 if kept > MAX_MANAGED:
                     raise InvalidArgs(f"at most {MAX_MANAGED} managed policies")
@@ -361,8 +380,21 @@ class ManagedPolicies:
             p = op.policy
             done = {"set": "set", "remove": "removed", "import": "imported", "import-remove": "removed by an import"}
             what = f"the {p.kind} policy for {p.target}"
-            message = (f"Guard managed policy: {what} {done[op.operation]} by {who}" if result == "changed" else
-                       f"Guard managed policy: {op.operation} of {what} by {who} rejected; nothing changed: {error}")
-            self.audit.log(journal.GUARD_MANAGED_POLICY, message, action="guard", operation=op.operation,
-                           policy_kind=p.kind, policy_target=p.target, file=os.path.join(self.directory, op.name),
-                           caller_uid=uid, requested_by=who, result=result, error=error)
+            message = (
+                f"Guard managed policy: {what} {done[op.operation]} by {who}"
+                if result == "changed"
+                else f"Guard managed policy: {op.operation} of {what} by {who} rejected; nothing changed: {error}"
+            )
+            self.audit.log(
+                journal.GUARD_MANAGED_POLICY,
+                message,
+                action="guard",
+                operation=op.operation,
+                policy_kind=p.kind,
+                policy_target=p.target,
+                file=os.path.join(self.directory, op.name),
+                caller_uid=uid,
+                requested_by=who,
+                result=result,
+                error=error,
+            )

@@ -153,9 +153,15 @@ class _Channel:
 
     _WAKE = None  # what close() puts in the queue to end the thread's wait
 
-    def __init__(self, name: str, deliver: Callable[[Any, Notice], str], config: NotifyConfig,
-                 on_failure: Callable[[str, Notice, str], None], stop: threading.Event,
-                 per_owner: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        deliver: Callable[[Any, Notice], str],
+        config: NotifyConfig,
+        on_failure: Callable[[str, Notice, str], None],
+        stop: threading.Event,
+        per_owner: int = 0,
+    ) -> None:
         """per_owner: the targets are owners (a uid, an address), served fairly (FairQueue), at most this many
         of one owner's notices waiting."""
         self.name = name
@@ -164,7 +170,8 @@ class _Channel:
         self.on_failure = on_failure
         self.stop = stop
         self.queue: queue.Queue[tuple[Any, Notice] | None] = (
-            FairQueue(config.queue_size, per_owner) if per_owner else queue.Queue(config.queue_size))
+            FairQueue(config.queue_size, per_owner) if per_owner else queue.Queue(config.queue_size)
+        )
         self.stats = ChannelStats()
         self.thread = threading.Thread(target=self._run, name=f"notify-{name}", daemon=True)
         self.thread.start()
@@ -175,8 +182,11 @@ class _Channel:
             self.stats.count("queued")
         except queue.Full:
             self.stats.count("dropped")
-            full = (f"{PER_OWNER} notices of this owner are waiting" if isinstance(self.queue, FairQueue)
-                    and self.queue.qsize() < self.config.queue_size else f"the queue is full ({self.config.queue_size})")
+            full = (
+                f"{PER_OWNER} notices of this owner are waiting"
+                if isinstance(self.queue, FairQueue) and self.queue.qsize() < self.config.queue_size
+                else f"the queue is full ({self.config.queue_size})"
+            )
             self.on_failure(str(target), notice, f"the {self.name} channel: {full}; notice dropped")
 
     def wake(self) -> None:
@@ -213,8 +223,14 @@ class _Channel:
                 break
             except Exception as e:  # any failure of a relay or endpoint: retry, then report
                 error = _one_line(e)
-                log.warning("%s delivery to %s failed (attempt %d of %d): %s", self.name, target, attempt,
-                            self.config.retries, error)
+                log.warning(
+                    "%s delivery to %s failed (attempt %d of %d): %s",
+                    self.name,
+                    target,
+                    attempt,
+                    self.config.retries,
+                    error,
+                )
                 if attempt < self.config.retries and self.stop.wait(delay):
                     break
                 delay *= 2
@@ -231,9 +247,14 @@ def _one_line(e: BaseException) -> str:
 
 
 class Notifier:
-    def __init__(self, config: NotifyConfig, on_failure: Callable[[str, Notice, str], None],
-                 journal: Callable[[Notice], None], desktop: Callable[[Notice], None],
-                 warned: Callable[[str, str, Notice, str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: NotifyConfig,
+        on_failure: Callable[[str, Notice, str], None],
+        journal: Callable[[Notice], None],
+        desktop: Callable[[Notice], None],
+        warned: Callable[[str, str, Notice, str, str], None] | None = None,
+    ) -> None:
         """warned(channel, target, notice, outcome, detail): each delivery to an owner, for the audit trail;
         called from the channel threads."""
         self.config = config
@@ -244,11 +265,18 @@ class Notifier:
         self.mail = _Channel("e-mail", self._send_mail, config, on_failure, self._stop)
         self.webhook = _Channel("webhook", self._post, config, on_failure, self._stop)
         owner_failed = lambda target, notice, error: self._warned("mail", target, notice, "failed", error)  # noqa: E731
-        self.owner_mail = _Channel("owner-mail", self._send_owner_mail, config, owner_failed, self._stop,
-                                   per_owner=PER_OWNER)
+        self.owner_mail = _Channel(
+            "owner-mail", self._send_owner_mail, config, owner_failed, self._stop, per_owner=PER_OWNER
+        )
         tty_config = NotifyConfig(retries=1, queue_size=config.queue_size)  # a terminal is written once or not
-        self.tty = _Channel("tty", self._write_ttys, tty_config, lambda t, n, e: self._warned("tty", t, n, "failed", e),
-                            self._stop, per_owner=PER_OWNER)
+        self.tty = _Channel(
+            "tty",
+            self._write_ttys,
+            tty_config,
+            lambda t, n, e: self._warned("tty", t, n, "failed", e),
+            self._stop,
+            per_owner=PER_OWNER,
+        )
         self.desktop = ChannelStats()  # announced only: the signal goes out, no agent answers
 
     def keep_counts(self, old: Notifier) -> None:
@@ -273,7 +301,7 @@ class Notifier:
             elif target == OWNER:
                 self._to_owner(notice, desktop="desktop" not in targets)  # one Notification signal, not two
             elif target.startswith("webhook:"):
-                self.webhook.put(target[len("webhook:"):], notice)
+                self.webhook.put(target[len("webhook:") :], notice)
             else:
                 addresses.append(target)
         if addresses:  # one message to all the rule's addresses, as a relay would fan it out
@@ -292,8 +320,9 @@ class Notifier:
         if self.config.owner_mail:
             address = owner_address(self.config.owner_mail, uid)
             if address is None:
-                self._warned("mail", f"uid {uid}", notice, "skipped",
-                             "owner_mail does not give a plain address for this user")
+                self._warned(
+                    "mail", f"uid {uid}", notice, "skipped", "owner_mail does not give a plain address for this user"
+                )
                 self.owner_mail.stats.count(SKIPPED)
             else:
                 self.owner_mail.put(address, notice)
@@ -302,8 +331,13 @@ class Notifier:
         self._warned("desktop", f"uid {uid}", notice, "signalled", "")
 
     def stats(self) -> dict[str, ChannelStats]:
-        return {"email": self.mail.stats, "webhook": self.webhook.stats, "owner-mail": self.owner_mail.stats,
-                "tty": self.tty.stats, "desktop": self.desktop}
+        return {
+            "email": self.mail.stats,
+            "webhook": self.webhook.stats,
+            "owner-mail": self.owner_mail.stats,
+            "tty": self.tty.stats,
+            "desktop": self.desktop,
+        }
 
     def wait_idle(self, timeout: float) -> bool:
         """For tests and shutdown: True once every queue is drained."""
@@ -337,9 +371,14 @@ class Notifier:
         with smtplib.SMTP(c.smtp_host, c.smtp_port, timeout=c.timeout) as smtp:
             refused = smtp.send_message(msg)
         if refused:
-            self.mail.on_failure(", ".join(refused), notice, "refused by the mail server: " + "; ".join(
-                f"{to}: {code} {shown(reply.decode('utf-8', 'replace'))}"
-                for to, (code, reply) in refused.items()))
+            self.mail.on_failure(
+                ", ".join(refused),
+                notice,
+                "refused by the mail server: "
+                + "; ".join(
+                    f"{to}: {code} {shown(reply.decode('utf-8', 'replace'))}" for to, (code, reply) in refused.items()
+                ),
+            )
         return DELIVERED
 
     def _send_owner_mail(self, address: str, notice: Notice) -> str:
@@ -351,9 +390,10 @@ class Notifier:
         """DELIVERED when at least one terminal took the message (whole or its first part), FAILED when a write
         to a terminal failed and none took it, SKIPPED when there was none to write to."""
         # The bell and the leading newline are ours, as write(1) rings; every line of the notice is escaped.
-        text = "\a\n" + "\n".join(shown(line) for line in
-                                    [f"Message from gpukilld@{socket.gethostname()}: {notice.summary}",
-                                     *notice.body.split("\n")])
+        text = "\a\n" + "\n".join(
+            shown(line)
+            for line in [f"Message from gpukilld@{socket.gethostname()}: {notice.summary}", *notice.body.split("\n")]
+        )
         deliveries = owner_tty.warn_user(uid, text, self.config.owner_mesg, self.config.utmp, self.config.logind_bus)
         if not deliveries:
             self._warned("tty", f"uid {uid}", notice, "skipped", "no login session with a terminal")
@@ -370,8 +410,9 @@ class Notifier:
         if isinstance(data.get("summary"), str):
             data = {**data, "summary": shown(data["summary"])}
         body = json.dumps(data).encode()
-        req = urllib.request.Request(url, data=body, method="POST", headers={
-            "Content-Type": "application/json", "User-Agent": "gpukilld"})
+        req = urllib.request.Request(
+            url, data=body, method="POST", headers={"Content-Type": "application/json", "User-Agent": "gpukilld"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.config.timeout) as resp:
                 resp.read(65536)

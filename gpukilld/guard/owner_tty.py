@@ -7,7 +7,8 @@ or /dev/tty*, owned by the owner's uid (never another user's terminal, whatever 
 confused or hostile login program could fill), its group-write bit set (`mesg y`) unless the policy ignores mesg.
 It is checked by lstat before it is opened (O_WRONLY|O_NOCTTY|O_NONBLOCK|O_NOFOLLOW) and by fstat after, and
 gets one bounded write: what does not fit in the tty's buffer now
-is dropped (EAGAIN), so a full or hung terminal costs nothing. At most MAX_TTYS terminals an owner are written. This runs in the notifier's tty channel thread,
+is dropped (EAGAIN), so a full or hung terminal costs nothing. At most MAX_TTYS terminals an owner are written. This
+runs in the notifier's tty channel thread,
 never on the daemon's main loop.
 """
 
@@ -142,20 +143,29 @@ def write_tty(path: str, uid: int, text: str, respect_mesg: bool = True) -> Deli
             if e.errno in (errno.EIO, errno.ENXIO):
                 return Delivery(path, "failed", "the terminal is hung up")
             return Delivery(path, "failed", os.strerror(e.errno or 0))
-        return Delivery(path, "written" if n == len(data) else "partial",
-                        "" if n == len(data) else f"{n} of {len(data)} bytes fitted; the rest dropped")
+        return Delivery(
+            path,
+            "written" if n == len(data) else "partial",
+            "" if n == len(data) else f"{n} of {len(data)} bytes fitted; the rest dropped",
+        )
     finally:
         os.close(fd)
 
 
-def warn_user(uid: int, text: str, respect_mesg: bool = True, utmp: str = UTMP,
-              logind_bus: str | None = "SYSTEM") -> tuple[Delivery, ...]:
+def warn_user(
+    uid: int, text: str, respect_mesg: bool = True, utmp: str = UTMP, logind_bus: str | None = "SYSTEM"
+) -> tuple[Delivery, ...]:
     """logind_bus: where to ask logind (None: never; utmp only)."""
     ttys = logind_ttys(uid, logind_bus) if logind_bus is not None else None
     if ttys is None:
         ttys = user_ttys(uid, utmp)
     written = tuple(write_tty(tty, uid, text, respect_mesg) for tty in ttys[:MAX_TTYS])
     if len(ttys) > MAX_TTYS:
-        written += (Delivery(f"{len(ttys) - MAX_TTYS} more terminals", "skipped",
-                             f"at most {MAX_TTYS} terminals are written per warning"),)
+        written += (
+            Delivery(
+                f"{len(ttys) - MAX_TTYS} more terminals",
+                "skipped",
+                f"at most {MAX_TTYS} terminals are written per warning",
+            ),
+        )
     return written

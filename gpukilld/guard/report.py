@@ -7,7 +7,8 @@ grace period that ended without a kill, a dry run's kill order, one process of a
 path has answered, a dry run's kill order and the end of its episode (Left), a dry run's reset order, or a
 reset order once the reset path has answered (its
 GuardActionTaken has pid 0 and the device as subject; the reset path writes its own `reset` entry and
-DeviceReset signal, with the rule). Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the recent
+DeviceReset signal, with the rule). Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the
+recent
 events and the notices say the same.
 """
 
@@ -85,8 +86,9 @@ class Report:
 
 
 def _pids(targets: tuple[Target, ...]) -> str:
-    return ", ".join(f"{t.pid} ({t.comm}" + (f", {format_size(t.gpu_memory)}" if t.gpu_memory else "") + ")"
-                     for t in targets)
+    return ", ".join(
+        f"{t.pid} ({t.comm}" + (f", {format_size(t.gpu_memory)}" if t.gpu_memory else "") + ")" for t in targets
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +99,17 @@ class GuardNotice(Notice):
     body_for_others: str = ""
 
 
-def _notice(rule: Rule, event: str, summary: str, lines: list[str], data: dict[str, Any], host: str,
-            now: float, reason_for_others: str | None = None, private: tuple[str, ...] = ()) -> GuardNotice:
+def _notice(
+    rule: Rule,
+    event: str,
+    summary: str,
+    lines: list[str],
+    data: dict[str, Any],
+    host: str,
+    now: float,
+    reason_for_others: str | None = None,
+    private: tuple[str, ...] = (),
+) -> GuardNotice:
     """reason_for_others: the Why line as others may read it (engine: reason_for_others); None: as it is.
     private: lines left out of the body as others read it (other processes' names and why they were spared).
     Each line and the summary are escaped here (shown()), before any channel sees them: a process's name,
@@ -106,37 +117,78 @@ def _notice(rule: Rule, event: str, summary: str, lines: list[str], data: dict[s
     terminal, in the mail (its Subject too), on the desktop and in the journal. The webhook's JSON keeps the
     exact values."""
     reason = str(data.get("reason", ""))
-    shared = [f"Why: {reason_for_others}" if reason_for_others is not None and line == f"Why: {reason}" else line
-              for line in lines if line not in private]
-    return GuardNotice(event, rule.name, str(data.get("subject", "")), shown(summary),
-                       "\n".join(map(shown, lines)) + "\n",
-                       {"event": event, "rule": rule.name, "host": host, "time": now, "summary": summary, **data},
-                       "\n".join(map(shown, shared)) + "\n")
+    shared = [
+        f"Why: {reason_for_others}" if reason_for_others is not None and line == f"Why: {reason}" else line
+        for line in lines
+        if line not in private
+    ]
+    return GuardNotice(
+        event,
+        rule.name,
+        str(data.get("subject", "")),
+        shown(summary),
+        "\n".join(map(shown, lines)) + "\n",
+        {"event": event, "rule": rule.name, "host": host, "time": now, "summary": summary, **data},
+        "\n".join(map(shown, shared)) + "\n",
+    )
 
 
 def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
     rule = ev.rule
     dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == KILL else ""
     if rule.action == KILL:
-        what = (f"its process(es) {_pids(ev.targets)} get SIGTERM in {format_duration(rule.grace_period)} "
-                "unless it comes back under" if rule.grace_period else f"stopping {_pids(ev.targets)} now")
+        what = (
+            f"its process(es) {_pids(ev.targets)} get SIGTERM in {format_duration(rule.grace_period)} "
+            "unless it comes back under"
+            if rule.grace_period
+            else f"stopping {_pids(ev.targets)} now"
+        )
     elif rule.action == RESET:
         dry = " (dry run: nothing will be reset)" if dry_run else ""
         what = _reset_plan(rule, ev.targets)
     else:
         what = "notifying" if rule.action == "notify" else "logged"
     journal = AuditEntry(
-        audit.GUARD_VIOLATION, f"Guard rule {rule.name}: {ev.subject} violates it ({ev.reason}); {what}{dry}",
-        {"action": "guard", "result": "violation", "rule": rule.name, "rule_action": rule.action,
-         "subject": ev.subject, "reason": ev.reason, "grace": rule.grace_period, "dry_run": int(dry_run),
-         "target_pids": ",".join(str(t.pid) for t in ev.targets) or None, "target_uid": ev.uid})
+        audit.GUARD_VIOLATION,
+        f"Guard rule {rule.name}: {ev.subject} violates it ({ev.reason}); {what}{dry}",
+        {
+            "action": "guard",
+            "result": "violation",
+            "rule": rule.name,
+            "rule_action": rule.action,
+            "subject": ev.subject,
+            "reason": ev.reason,
+            "grace": rule.grace_period,
+            "dry_run": int(dry_run),
+            "target_pids": ",".join(str(t.pid) for t in ev.targets) or None,
+            "target_uid": ev.uid,
+        },
+    )
     recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "violation", rule.action, "", None, dry_run)
-    notice = _notice(rule, "violation", f"{rule.name}: {ev.subject} violates the rule",
-                     [f"Host: {host}", f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
-                      f"Subject: {ev.subject}", f"Why: {ev.reason}", f"What happens: {what}{dry}"],
-                     {"subject": ev.subject, "reason": ev.reason, "action": rule.action, "dry_run": dry_run,
-                      "grace": rule.grace_period, "pids": [t.pid for t in ev.targets], "uid": ev.uid}, host, now,
-                     ev.reason_for_others)
+    notice = _notice(
+        rule,
+        "violation",
+        f"{rule.name}: {ev.subject} violates the rule",
+        [
+            f"Host: {host}",
+            f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
+            f"Subject: {ev.subject}",
+            f"Why: {ev.reason}",
+            f"What happens: {what}{dry}",
+        ],
+        {
+            "subject": ev.subject,
+            "reason": ev.reason,
+            "action": rule.action,
+            "dry_run": dry_run,
+            "grace": rule.grace_period,
+            "pids": [t.pid for t in ev.targets],
+            "uid": ev.uid,
+        },
+        host,
+        now,
+        ev.reason_for_others,
+    )
     # With a warn schedule the violation's notice is its at_start warning: sent only if the schedule says so.
     warned_at_start = not rule.warn or rule.action != KILL or rule.warn[0] >= rule.grace_period
     return Report((Entry(journal, Violated(ev, dry_run), recent),), notice if warned_at_start else None)
@@ -149,20 +201,49 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
     dry = " (dry run: nothing will be signalled)" if dry_run else ""
     what = f"{_pids(ev.targets)} get SIGTERM in {left} unless it comes back under{dry}"
     journal = AuditEntry(
-        audit.GUARD_WARNING, f"Guard rule {rule.name}: warning {ev.number} of {len(rule.warn)} to {ev.subject}: "
-                             f"{what} ({ev.reason})",
-        {"action": "guard", "result": "warning", "rule": rule.name, "subject": ev.subject, "reason": ev.reason,
-         "remaining": round(ev.remaining, 1), "warning": ev.number, "dry_run": int(dry_run),
-         "target_pids": ",".join(str(t.pid) for t in ev.targets) or None, "target_uid": ev.uid})
+        audit.GUARD_WARNING,
+        f"Guard rule {rule.name}: warning {ev.number} of {len(rule.warn)} to {ev.subject}: {what} ({ev.reason})",
+        {
+            "action": "guard",
+            "result": "warning",
+            "rule": rule.name,
+            "subject": ev.subject,
+            "reason": ev.reason,
+            "remaining": round(ev.remaining, 1),
+            "warning": ev.number,
+            "dry_run": int(dry_run),
+            "target_pids": ",".join(str(t.pid) for t in ev.targets) or None,
+            "target_uid": ev.uid,
+        },
+    )
     recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "warning", KILL, "", None, dry_run)
-    notice = _notice(rule, "warning", f"{rule.name}: {ev.subject} will be stopped in {left}",
-                     [f"Host: {host}", f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
-                      f"Subject: {ev.subject}", f"Why: {ev.reason}", f"What happens: {what}",
-                      "What to do: end the process or bring it back under the rule before then; ask the "
-                      "administrators for an exemption if it must run"],
-                     {"subject": ev.subject, "reason": ev.reason, "action": KILL, "dry_run": dry_run,
-                      "remaining": ev.remaining, "warning": ev.number, "pids": [t.pid for t in ev.targets],
-                      "uid": ev.uid}, host, now, ev.reason_for_others)
+    notice = _notice(
+        rule,
+        "warning",
+        f"{rule.name}: {ev.subject} will be stopped in {left}",
+        [
+            f"Host: {host}",
+            f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
+            f"Subject: {ev.subject}",
+            f"Why: {ev.reason}",
+            f"What happens: {what}",
+            "What to do: end the process or bring it back under the rule before then; ask the "
+            "administrators for an exemption if it must run",
+        ],
+        {
+            "subject": ev.subject,
+            "reason": ev.reason,
+            "action": KILL,
+            "dry_run": dry_run,
+            "remaining": ev.remaining,
+            "warning": ev.number,
+            "pids": [t.pid for t in ev.targets],
+            "uid": ev.uid,
+        },
+        host,
+        now,
+        ev.reason_for_others,
+    )
     return Report((Entry(journal, None, recent),), notice)
 
 
@@ -170,9 +251,17 @@ def cancelled(ev: GraceCancelled, dry_run: bool, now: float) -> Report:
     """Not notified: the violation was, and nothing happened since."""
     outcome = Outcome.CANCELLED
     journal = AuditEntry(
-        audit.GUARD_ACTION, f"Guard rule {ev.rule.name}: {ev.subject} {outcome.text}; nothing was signalled",
-        {"action": "guard", "result": outcome, "rule": ev.rule.name, "subject": ev.subject, "target_uid": ev.uid,
-         "dry_run": int(dry_run)})
+        audit.GUARD_ACTION,
+        f"Guard rule {ev.rule.name}: {ev.subject} {outcome.text}; nothing was signalled",
+        {
+            "action": "guard",
+            "result": outcome,
+            "rule": ev.rule.name,
+            "subject": ev.subject,
+            "target_uid": ev.uid,
+            "dry_run": int(dry_run),
+        },
+    )
     signal = ActionTaken(ev.rule.name, ev.subject, KILL, 0, 0, outcome, dry_run)
     recent = RecentEvent(now, ev.rule.name, ev.subject, ev.uid, "cancelled", KILL, outcome, None, dry_run)
     return Report((Entry(journal, signal, recent),), None)
@@ -186,22 +275,52 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
         scoped = order.scoped[i] if i < len(order.scoped) else None
         detail = scoped_text(scoped) if scoped is not None else ""
         journal = AuditEntry(
-            audit.GUARD_DRY_RUN, f"Dry run: guard rule {rule.name} {outcome.text} PID {t.pid} ({t.comm}, user "
-                                 f"{t.user}) for {order.subject}{f'; {detail}' if detail else ''}; nothing was "
-                                 "signalled",
-            {"action": "guard", "result": outcome, "rule": rule.name, "subject": order.subject, "target_pid": t.pid,
-             "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm,
-             "force": int(order.force), "reason": order.reason, "dry_run": 1, **_scope_fields(scoped)})
+            audit.GUARD_DRY_RUN,
+            f"Dry run: guard rule {rule.name} {outcome.text} PID {t.pid} ({t.comm}, user "
+            f"{t.user}) for {order.subject}{f'; {detail}' if detail else ''}; nothing was "
+            "signalled",
+            {
+                "action": "guard",
+                "result": outcome,
+                "rule": rule.name,
+                "subject": order.subject,
+                "target_pid": t.pid,
+                "target_start_time": t.start_time,
+                "target_uid": t.uid,
+                "target_comm": t.comm,
+                "force": int(order.force),
+                "reason": order.reason,
+                "dry_run": 1,
+                **_scope_fields(scoped),
+            },
+        )
         signal = ActionTaken(rule.name, order.subject, KILL, t.pid, t.start_time, outcome, True)
-        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", KILL, outcome, t.pid, True,
-                             detail=detail)
+        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", KILL, outcome, t.pid, True, detail=detail)
         entries.append(Entry(journal, signal, recent))
-    notice = _notice(rule, "action", f"{rule.name}: {outcome.text} {_pids(order.targets)} (dry run)",
-                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
-                      f"Dry run: would have stopped {_pids(order.targets)}; nothing was signalled"],
-                     {"subject": order.subject, "reason": order.reason, "action": KILL, "dry_run": True,
-                      "outcome": outcome, "pids": [t.pid for t in order.targets], "uid": order.uid}, host, now,
-                     order.reason_for_others)
+    notice = _notice(
+        rule,
+        "action",
+        f"{rule.name}: {outcome.text} {_pids(order.targets)} (dry run)",
+        [
+            f"Host: {host}",
+            f"Rule: {rule.name}",
+            f"Subject: {order.subject}",
+            f"Why: {order.reason}",
+            f"Dry run: would have stopped {_pids(order.targets)}; nothing was signalled",
+        ],
+        {
+            "subject": order.subject,
+            "reason": order.reason,
+            "action": KILL,
+            "dry_run": True,
+            "outcome": outcome,
+            "pids": [t.pid for t in order.targets],
+            "uid": order.uid,
+        },
+        host,
+        now,
+        order.reason_for_others,
+    )
     return Report(tuple(entries), notice)
 
 
@@ -209,10 +328,18 @@ def left(ev: Left, now: float) -> Report:
     """A subject a dry run announced no longer violates the rule. Not notified: nothing happened to it."""
     rule = ev.rule
     journal = AuditEntry(
-        audit.GUARD_DRY_RUN, f"Dry run: guard rule {rule.name}: {ev.subject} no longer violates it ({ev.why}); "
-                             "its would-kill episode ended",
-        {"action": "guard", "result": LEFT, "rule": rule.name, "subject": ev.subject, "reason": ev.why,
-         "target_uid": ev.uid, "dry_run": 1})
+        audit.GUARD_DRY_RUN,
+        f"Dry run: guard rule {rule.name}: {ev.subject} no longer violates it ({ev.why}); its would-kill episode ended",
+        {
+            "action": "guard",
+            "result": LEFT,
+            "rule": rule.name,
+            "subject": ev.subject,
+            "reason": ev.why,
+            "target_uid": ev.uid,
+            "dry_run": 1,
+        },
+    )
     recent = RecentEvent(now, rule.name, ev.subject, ev.uid, LEFT, KILL, "", None, True)
     return Report((Entry(journal, None, recent),), None)
 
@@ -221,43 +348,107 @@ def _scope_fields(scoped: Scoped | None) -> dict[str, Any]:
     """GPUKILL_SCOPE_PIDS (what the kill_scope stopped with the target) and GPUKILL_LEFT_RUNNING (what it left)."""
     if scoped is None:
         return {}
-    return {"scope_pids": ",".join(str(m.pid) for m in scoped.members) or None,
-            "left_running": ",".join(str(t.pid) for t, _ in scoped.left) or None}
+    return {
+        "scope_pids": ",".join(str(m.pid) for m in scoped.members) or None,
+        "left_running": ",".join(str(t.pid) for t, _ in scoped.left) or None,
+    }
 
 
-def kill_done(order: KillOrder, t: Target, outcome: str, error: str, host: str, now: float,
-              scoped: Scoped | None = None, results: dict[tuple[int, int], tuple[str, str]] | None = None) -> Report:
+def kill_done(
+    order: KillOrder,
+    t: Target,
+    outcome: str,
+    error: str,
+    host: str,
+    now: float,
+    scoped: Scoped | None = None,
+    results: dict[tuple[int, int], tuple[str, str]] | None = None,
+) -> Report:
     """One process of a kill order once the kill path answered: an Outcome, or its refusal's result with the
     error's message (the kill path audited the refusal itself; this entry says what became of the rule's act).
     scoped: what the rule's kill_scope added to it, with the kill path's results for those (each process's own
     kill entry has the details)."""
     text = result_text(outcome, error)
     detail = scoped_text(scoped, results or {}) if scoped is not None else ""
-    return _kill_result(order.rule, order.subject, order.reason, order.reason_for_others, t, outcome, text, detail,
-                        {"force": int(order.force), "error": error or None, **_scope_fields(scoped)}, False,
-                        host, now)
+    return _kill_result(
+        order.rule,
+        order.subject,
+        order.reason,
+        order.reason_for_others,
+        t,
+        outcome,
+        text,
+        detail,
+        {"force": int(order.force), "error": error or None, **_scope_fields(scoped)},
+        False,
+        host,
+        now,
+    )
 
 
-def _kill_result(rule: Rule, subject: str, reason: str, reason_for_others: str, t: Target, outcome: str, text: str,
-                 detail: str, fields: dict[str, Any], dry_run: bool, host: str, now: float) -> Report:
+def _kill_result(
+    rule: Rule,
+    subject: str,
+    reason: str,
+    reason_for_others: str,
+    t: Target,
+    outcome: str,
+    text: str,
+    detail: str,
+    fields: dict[str, Any],
+    dry_run: bool,
+    host: str,
+    now: float,
+) -> Report:
     """What became of a kill rule's act on one process, `text` after its name, `detail` (the kill_scope's) after
     that: the journal entry, GuardActionTaken, the recent event and the notice."""
     whose = "" if subject.startswith(f"PID {t.pid} ") else f" for {subject}"
     also = f"; {detail}" if detail else ""
     scope_line = (f"Scope: {detail}",) if detail else ()
     journal = AuditEntry(
-        audit.GUARD_ACTION, f"Guard rule {rule.name}: PID {t.pid} ({t.comm}, user {t.user}) {text}{whose}{also} "
-                            f"({reason})",
-        {"action": "guard", "result": outcome, "rule": rule.name, "subject": subject, "target_pid": t.pid,
-         "target_start_time": t.start_time, "target_uid": t.uid, "target_comm": t.comm, **fields,
-         "dry_run": int(dry_run)})
+        audit.GUARD_ACTION,
+        f"Guard rule {rule.name}: PID {t.pid} ({t.comm}, user {t.user}) {text}{whose}{also} ({reason})",
+        {
+            "action": "guard",
+            "result": outcome,
+            "rule": rule.name,
+            "subject": subject,
+            "target_pid": t.pid,
+            "target_start_time": t.start_time,
+            "target_uid": t.uid,
+            "target_comm": t.comm,
+            **fields,
+            "dry_run": int(dry_run),
+        },
+    )
     signal = ActionTaken(rule.name, subject, KILL, t.pid, t.start_time, outcome, dry_run)
     recent = RecentEvent(now, rule.name, subject, t.uid, "action", KILL, outcome, t.pid, dry_run, detail=detail)
-    notice = _notice(rule, "action", f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
-                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {subject}", f"Why: {reason}",
-                      f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}", *scope_line],
-                     {"subject": subject, "reason": reason, "action": KILL, "dry_run": dry_run,
-                      "outcome": outcome, "pids": [t.pid], "uid": t.uid}, host, now, reason_for_others, scope_line)
+    notice = _notice(
+        rule,
+        "action",
+        f"{rule.name}: PID {t.pid} ({t.comm}) {text}",
+        [
+            f"Host: {host}",
+            f"Rule: {rule.name}",
+            f"Subject: {subject}",
+            f"Why: {reason}",
+            f"Result: PID {t.pid} ({t.comm}, user {t.user}) {text}",
+            *scope_line,
+        ],
+        {
+            "subject": subject,
+            "reason": reason,
+            "action": KILL,
+            "dry_run": dry_run,
+            "outcome": outcome,
+            "pids": [t.pid],
+            "uid": t.uid,
+        },
+        host,
+        now,
+        reason_for_others,
+        scope_line,
+    )
     return Report((Entry(journal, signal, recent),), notice)
 
 
@@ -265,13 +456,24 @@ def over_cap(ev: KillOverCap, dry_run: bool, host: str, now: float) -> Report:
     """A due kill whose kill_scope is larger than the per-cycle cap: nothing is stopped, and the admin is told
     why (once per episode) and what lets it happen."""
     why = too_large_text(ev.rule, ev.needed, ev.cap)
-    return _kill_result(ev.rule, ev.subject, ev.reason, ev.reason_for_others, ev.target, Outcome.OVER_CAP,
-                        f"not stopped: {why}", "", {"error": why}, dry_run, host, now)
+    return _kill_result(
+        ev.rule,
+        ev.subject,
+        ev.reason,
+        ev.reason_for_others,
+        ev.target,
+        Outcome.OVER_CAP,
+        f"not stopped: {why}",
+        "",
+        {"error": why},
+        dry_run,
+        host,
+        now,
+    )
 
 
 def _reset_plan(rule: Rule, holders: tuple[Target, ...]) -> str:
-    cap = (f"at most once per {format_duration(rule.cooldown)} and {rule.max_resets_per_hour} time(s) an hour per "
-           "device")
+    cap = f"at most once per {format_duration(rule.cooldown)} and {rule.max_resets_per_hour} time(s) an hour per device"
     if not holders:
         return f"resetting the device ({cap})"
     if rule.force:
@@ -284,38 +486,94 @@ def would_reset(order: ResetOrder, host: str, now: float) -> Report:
     rule, outcome = order.rule, Outcome.WOULD_RESET
     killed = f"; its process(es) {_pids(order.holders)} would be killed first" if order.holders else ""
     journal = AuditEntry(
-        audit.GUARD_DRY_RUN, f"Dry run: guard rule {rule.name}: {order.subject} {outcome.text}{killed}; nothing was "
-                             "done",
-        {"action": "guard", "result": outcome, "rule": rule.name, "rule_action": RESET, "subject": order.subject,
-         "device": order.subject_key, "force": int(order.force), "reason": order.reason, "dry_run": 1,
-         "target_pids": ",".join(str(t.pid) for t in order.holders) or None})
+        audit.GUARD_DRY_RUN,
+        f"Dry run: guard rule {rule.name}: {order.subject} {outcome.text}{killed}; nothing was done",
+        {
+            "action": "guard",
+            "result": outcome,
+            "rule": rule.name,
+            "rule_action": RESET,
+            "subject": order.subject,
+            "device": order.subject_key,
+            "force": int(order.force),
+            "reason": order.reason,
+            "dry_run": 1,
+            "target_pids": ",".join(str(t.pid) for t in order.holders) or None,
+        },
+    )
     signal = ActionTaken(rule.name, order.subject, RESET, 0, 0, outcome, True)
     recent = RecentEvent(now, rule.name, order.subject, None, "action", RESET, outcome, None, True)
-    notice = _notice(rule, "action", f"{rule.name}: {order.subject} {outcome.text} (dry run)",
-                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
-                      f"Dry run: {order.subject} {outcome.text}{killed}; nothing was done"],
-                     {"subject": order.subject, "reason": order.reason, "action": RESET, "dry_run": True,
-                      "outcome": outcome, "pids": [t.pid for t in order.holders], "uid": None}, host, now)
+    notice = _notice(
+        rule,
+        "action",
+        f"{rule.name}: {order.subject} {outcome.text} (dry run)",
+        [
+            f"Host: {host}",
+            f"Rule: {rule.name}",
+            f"Subject: {order.subject}",
+            f"Why: {order.reason}",
+            f"Dry run: {order.subject} {outcome.text}{killed}; nothing was done",
+        ],
+        {
+            "subject": order.subject,
+            "reason": order.reason,
+            "action": RESET,
+            "dry_run": True,
+            "outcome": outcome,
+            "pids": [t.pid for t in order.holders],
+            "uid": None,
+        },
+        host,
+        now,
+    )
     return Report((Entry(journal, signal, recent),), notice)
 
 
-def reset_done(order: ResetOrder, outcome: str, detail: str, killed: tuple[int, ...], host: str,
-               now: float) -> Report:
+def reset_done(order: ResetOrder, outcome: str, detail: str, killed: tuple[int, ...], host: str, now: float) -> Report:
     """A reset order once the reset path answered: Outcome.RESET with the backend's message, or the result of
     its refusal or failure with the error's message (the reset path audited the reset itself)."""
     rule = order.rule
-    text = (f"{Outcome.RESET.text}: {detail}" if outcome == Outcome.RESET else f"not reset: {detail or outcome}")
+    text = f"{Outcome.RESET.text}: {detail}" if outcome == Outcome.RESET else f"not reset: {detail or outcome}"
     after = f" after killing {', '.join(map(str, killed))}" if killed else ""
     journal = AuditEntry(
-        audit.GUARD_ACTION, f"Guard rule {rule.name}: {order.subject} {text}{after} ({order.reason})",
-        {"action": "guard", "result": outcome, "rule": rule.name, "rule_action": RESET, "subject": order.subject,
-         "device": order.subject_key, "force": int(order.force), "killed": ",".join(map(str, killed)) or None,
-         "error": None if outcome == Outcome.RESET else detail or None, "dry_run": 0})
+        audit.GUARD_ACTION,
+        f"Guard rule {rule.name}: {order.subject} {text}{after} ({order.reason})",
+        {
+            "action": "guard",
+            "result": outcome,
+            "rule": rule.name,
+            "rule_action": RESET,
+            "subject": order.subject,
+            "device": order.subject_key,
+            "force": int(order.force),
+            "killed": ",".join(map(str, killed)) or None,
+            "error": None if outcome == Outcome.RESET else detail or None,
+            "dry_run": 0,
+        },
+    )
     signal = ActionTaken(rule.name, order.subject, RESET, 0, 0, outcome, False)
     recent = RecentEvent(now, rule.name, order.subject, None, "action", RESET, outcome, None, False)
-    notice = _notice(rule, "action", f"{rule.name}: {order.subject} {text}",
-                     [f"Host: {host}", f"Rule: {rule.name}", f"Subject: {order.subject}", f"Why: {order.reason}",
-                      f"Result: {order.subject} {text}{after}"],
-                     {"subject": order.subject, "reason": order.reason, "action": RESET, "dry_run": False,
-                      "outcome": outcome, "pids": list(killed), "uid": None}, host, now)
+    notice = _notice(
+        rule,
+        "action",
+        f"{rule.name}: {order.subject} {text}",
+        [
+            f"Host: {host}",
+            f"Rule: {rule.name}",
+            f"Subject: {order.subject}",
+            f"Why: {order.reason}",
+            f"Result: {order.subject} {text}{after}",
+        ],
+        {
+            "subject": order.subject,
+            "reason": order.reason,
+            "action": RESET,
+            "dry_run": False,
+            "outcome": outcome,
+            "pids": list(killed),
+            "uid": None,
+        },
+        host,
+        now,
+    )
     return Report((Entry(journal, signal, recent),), notice)

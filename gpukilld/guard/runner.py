@@ -71,9 +71,14 @@ def _stamp(t: float) -> str:
 
 
 def notify_config(config: Config) -> NotifyConfig:
-    return NotifyConfig(smtp_host=config.smtp_host, smtp_port=config.smtp_port, mail_from=config.mail_from,
-                        timeout=config.notify_timeout, owner_mail=config.owner_mail,
-                        owner_mesg=config.owner_mesg)
+    return NotifyConfig(
+        smtp_host=config.smtp_host,
+        smtp_port=config.smtp_port,
+        mail_from=config.mail_from,
+        timeout=config.notify_timeout,
+        owner_mail=config.owner_mail,
+        owner_mesg=config.owner_mesg,
+    )
 
 
 def protection_of(config: Config) -> Protection:
@@ -84,8 +89,9 @@ def protection_of(config: Config) -> Protection:
 class GuardSignals(Protocol):
     def violated(self, event: Violation, dry_run: bool) -> None: ...
 
-    def action_taken(self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str,
-                     dry_run: bool) -> None: ...
+    def action_taken(
+        self, rule: str, subject: str, action: str, pid: int, start_time: int, outcome: str, dry_run: bool
+    ) -> None: ...
 
     def notification(self, notice: Notice, uid: int | None) -> None: ...
 
@@ -102,11 +108,21 @@ class _NoSignals:
 
 
 class GuardRunner:
-    def __init__(self, kill: KillPath, auditor: journal.Audit, notify_config: NotifyConfig, policy_dir: str,
-                 state_dir: str, clock: Clock | None = None, own_pid: int | None = None,
-                 protection: Protection | None = None, signals: GuardSignals | None = None,
-                 reset: ResetPath | None = None, proc_root: str = "/proc",
-                 kill_workload: WorkloadPath | None = None) -> None:
+    def __init__(
+        self,
+        kill: KillPath,
+        auditor: journal.Audit,
+        notify_config: NotifyConfig,
+        policy_dir: str,
+        state_dir: str,
+        clock: Clock | None = None,
+        own_pid: int | None = None,
+        protection: Protection | None = None,
+        signals: GuardSignals | None = None,
+        reset: ResetPath | None = None,
+        proc_root: str = "/proc",
+        kill_workload: WorkloadPath | None = None,
+    ) -> None:
         self.kill = kill
         # Actions.kill_workload, for rules with kill_scope tree or unit; None: such a rule kills its target alone
         self.kill_workload = kill_workload
@@ -118,8 +134,9 @@ class GuardRunner:
         self.engine = Engine(clock=self.clock, own_pid=own_pid, protection=protection)
         self.state = GuardState()
         self._save_watch = self._watch_for(state_dir)
-        self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice,
-                                 self._owner_warned)
+        self.notifier = Notifier(
+            notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice, self._owner_warned
+        )
         self.signals: GuardSignals = signals if signals is not None else _NoSignals()
         self.started = False
         self.policy_error = ""  # why the last attempt to read the policy files failed ("" when it did not)
@@ -149,8 +166,13 @@ class GuardRunner:
         state, warning = load_state(self.state_dir)
         if warning:
             log.error("%s", warning)
-            self.audit.log(journal.GUARD_POLICY, f"Guard state unreadable: {warning}", action="guard",
-                           result="state-unreadable", error=warning)
+            self.audit.log(
+                journal.GUARD_POLICY,
+                f"Guard state unreadable: {warning}",
+                action="guard",
+                result="state-unreadable",
+                error=warning,
+            )
         self.state = state
         for name, d in state.stats.items():
             self.engine.stats[name] = RuleStats.from_dict(d)
@@ -160,11 +182,16 @@ class GuardRunner:
         if state.clocks is not None and state.enabled:  # disabled: enabling starts every window afresh anyway
             self._restore_clocks(state.clocks)
         self.started = True
-        self.audit.log(journal.GUARD_POLICY,
-                       f"Guard {'enabled' if state.enabled else 'disabled'}{', dry run' if self.dry_run else ''}: "
-                       f"{len(policy.rules)} rule(s) from {policy.source}",
-                       action="guard", result="started", enabled=int(state.enabled), dry_run=int(self.dry_run),
-                       rules=",".join(r.name for r in policy.rules) or None)
+        self.audit.log(
+            journal.GUARD_POLICY,
+            f"Guard {'enabled' if state.enabled else 'disabled'}{', dry run' if self.dry_run else ''}: "
+            f"{len(policy.rules)} rule(s) from {policy.source}",
+            action="guard",
+            result="started",
+            enabled=int(state.enabled),
+            dry_run=int(self.dry_run),
+            rules=",".join(r.name for r in policy.rules) or None,
+        )
 
     def _initial_policy(self) -> Policy:
         """The policy to enforce at start: guard.d's, or (it is broken) the last good one saved in the state,
@@ -189,8 +216,11 @@ class GuardRunner:
                 log.warning("enforcing the last good policy (%s) until the files are fixed", policy.source)
                 return policy
             return EMPTY_POLICY
-        if (self.state.policy_source, self.state.policy_files, self.state.files_dry_run) != \
-                ("files", texts, policy.settings.dry_run):
+        if (self.state.policy_source, self.state.policy_files, self.state.files_dry_run) != (
+            "files",
+            texts,
+            policy.settings.dry_run,
+        ):
             self.state.policy_source, self.state.policy_files = "files", texts
             self.state.files_dry_run, self.state.loaded_by, self.state.loaded_at = policy.settings.dry_run, "", 0.0
             self._save_now()
@@ -217,8 +247,7 @@ class GuardRunner:
             self._save_now()
         self.notifier.close()
 
-    def configure(self, notify_config: NotifyConfig, policy_dir: str, state_dir: str,
-                  protection: Protection) -> None:
+    def configure(self, notify_config: NotifyConfig, policy_dir: str, state_dir: str, protection: Protection) -> None:
         """After a reload of gpukilld.conf; a queued notice already in a channel keeps its old relay."""
         self.engine.protection = protection
         self.policy_dir = policy_dir
@@ -227,8 +256,9 @@ class GuardRunner:
             self._save_now()
         if notify_config != self.notifier.config:
             old = self.notifier
-            self.notifier = Notifier(notify_config, self._delivery_failed, self._journal_notice,
-                                     self._desktop_notice, self._owner_warned)
+            self.notifier = Notifier(
+                notify_config, self._delivery_failed, self._journal_notice, self._desktop_notice, self._owner_warned
+            )
             self.notifier.keep_counts(old)
             old.close()
 
@@ -245,8 +275,14 @@ class GuardRunner:
         self.policy_error = str(e)  # one line: the first error and how many more (PolicyError caps them)
         for line in e.errors:
             log.error("%s", line)
-        self.audit.log(journal.GUARD_POLICY, f"Guard policy rejected ({who}); the policy in force stays: {e}",
-                       action="guard", result="rejected", error=str(e), requested_by=who)
+        self.audit.log(
+            journal.GUARD_POLICY,
+            f"Guard policy rejected ({who}); the policy in force stays: {e}",
+            action="guard",
+            result="rejected",
+            error=str(e),
+            requested_by=who,
+        )
         return e
 
     @staticmethod
@@ -266,8 +302,9 @@ class GuardRunner:
 
         threading.Thread(target=warn, name="policy-names", daemon=True).start()
 
-    def _install(self, policy: Policy, source: str, texts: list[tuple[str, str]], who: str,
-                 loaded_by: str = "") -> None:
+    def _install(
+        self, policy: Policy, source: str, texts: list[tuple[str, str]], who: str, loaded_by: str = ""
+    ) -> None:
         """Swap the policy in force. Loaded (LoadPolicy): who loaded it and when are kept for the status and a
         later reload. From guard.d over a loaded policy: what it replaces is journaled and kept for the status,
         and dry run stays as it was unless guard.d's own dry_run changed since it was last read (_keep_dry_run)."""
@@ -290,20 +327,31 @@ class GuardRunner:
                 self.state.replaced, self.state.replaced_at = replaced[:MAX_NOTE], now
         self._save_now()
         names = ", ".join(r.name for r in policy.rules) or "none"
-        self.audit.log(journal.GUARD_POLICY, f"Guard policy from {policy.source} in force ({who}): rules {names}"
-                                             + (f"; it replaces {replaced}" if replaced else ""),
-                       action="guard", result="loaded", source=policy.source, rules=names, requested_by=who,
-                       replaced=replaced or None)
+        self.audit.log(
+            journal.GUARD_POLICY,
+            f"Guard policy from {policy.source} in force ({who}): rules {names}"
+            + (f"; it replaces {replaced}" if replaced else ""),
+            action="guard",
+            result="loaded",
+            source=policy.source,
+            rules=names,
+            requested_by=who,
+            replaced=replaced or None,
+        )
         if source == "files" and was_dry and not self.dry_run and not files_turned_off:
-            self._keep_dry_run(f"kept on when guard.d was re-read ({who}) at {_stamp(now)}: the policy it "
-                               f"replaced, {old}, had dry_run: true; `gpukillctl guard dry-run off` enforces", who)
+            self._keep_dry_run(
+                f"kept on when guard.d was re-read ({who}) at {_stamp(now)}: the policy it "
+                f"replaced, {old}, had dry_run: true; `gpukillctl guard dry-run off` enforces",
+                who,
+            )
 
     def _keep_dry_run(self, why: str, who: str) -> None:
         """A re-read of guard.d that would have ended a dry run the admin did not end: the switch holds it."""
         self.state.dry_run, self.state.dry_run_kept = True, why[:MAX_NOTE]
         self._save_now()
-        self.audit.log(journal.GUARD_POLICY, f"Guard dry run {why}", action="guard", result="dry-run-kept",
-                       requested_by=who)
+        self.audit.log(
+            journal.GUARD_POLICY, f"Guard dry run {why}", action="guard", result="dry-run-kept", requested_by=who
+        )
 
     def _loaded_text(self) -> str:
         """The loaded policy in force, as the journal and the status name it."""
@@ -333,8 +381,9 @@ class GuardRunner:
             if error is e:
                 raise
             raise error from e
-        self._install(policy, "loaded", [(name, text)], who,
-                      loaded_by=f"{user_name(uid)} (uid {uid})" if uid is not None else who)
+        self._install(
+            policy, "loaded", [(name, text)], who, loaded_by=f"{user_name(uid)} (uid {uid})" if uid is not None else who
+        )
         return policy
 
     def set_enabled(self, enabled: bool, who: str) -> None:
@@ -342,8 +391,13 @@ class GuardRunner:
             self.engine.restart_windows()  # time spent disabled must not count towards a duration
         self.state.enabled = enabled
         self._save_now()
-        self.audit.log(journal.GUARD_POLICY, f"Guard {'enabled' if enabled else 'disabled'} by {who}",
-                       action="guard", result="enabled" if enabled else "disabled", requested_by=who)
+        self.audit.log(
+            journal.GUARD_POLICY,
+            f"Guard {'enabled' if enabled else 'disabled'} by {who}",
+            action="guard",
+            result="enabled" if enabled else "disabled",
+            requested_by=who,
+        )
 
     def set_dry_run(self, dry_run: bool, who: str) -> None:
         """The admin's switch; a policy in force with dry_run: true keeps every rule dry whatever it says, and
@@ -353,9 +407,14 @@ class GuardRunner:
         held = ""
         if not dry_run and self.policy.settings.dry_run:
             held = f"; dry run stays on: the policy in force ({self.policy.source}) sets dry_run: true"
-        self.audit.log(journal.GUARD_POLICY, f"Guard dry run {'on' if dry_run else 'off'}, set by {who}{held}",
-                       action="guard", result="dry-run-on" if dry_run else "dry-run-off", requested_by=who,
-                       dry_run=int(self.dry_run))
+        self.audit.log(
+            journal.GUARD_POLICY,
+            f"Guard dry run {'on' if dry_run else 'off'}, set by {who}{held}",
+            action="guard",
+            result="dry-run-on" if dry_run else "dry-run-off",
+            requested_by=who,
+            dry_run=int(self.dry_run),
+        )
 
     # -- evaluation ------------------------------------------------------------------------------------
 
@@ -425,16 +484,22 @@ class GuardRunner:
                 # the target and what the engine decided its tree (or unit) adds, each checked as the target
                 # was; those it left running are named with why, and anything that started since is left too
                 selection = Selection(
-                    "tree" if scope == KILL_TREE else "unit_of", str(t.pid), t.start_time, t.uid,
+                    "tree" if scope == KILL_TREE else "unit_of",
+                    str(t.pid),
+                    t.start_time,
+                    t.uid,
                     only=frozenset((m.pid, m.start_time) for m in (t, *scoped.members)),
-                    spare=tuple((p.pid, p.start_time, why) for p, why in scoped.left))
-                reply = await self.kill_workload(None, selection, order.kill_grace, order.force,
-                                                 guard_initiator(order.rule.name))
+                    spare=tuple((p.pid, p.start_time, why) for p, why in scoped.left),
+                )
+                reply = await self.kill_workload(
+                    None, selection, order.kill_grace, order.force, guard_initiator(order.rule.name)
+                )
                 results = {(e.pid, e.start_time): (e.result, e.error) for e in reply.entries}
                 outcome, error = results.get((t.pid, t.start_time), (NoSuchProcess.result, "gone before the kill"))
             else:
-                result = await self.kill(None, t.pid, t.start_time, order.kill_grace, order.force,
-                                         guard_initiator(order.rule.name))
+                result = await self.kill(
+                    None, t.pid, t.start_time, order.kill_grace, order.force, guard_initiator(order.rule.name)
+                )
                 outcome = result.outcome
         except GpukillError as e:  # protected, gone, PID reused: the kill path audited it already
             outcome, error = e.result, str(e)
@@ -451,8 +516,9 @@ class GuardRunner:
             for m in scoped.members if scoped is not None else ():
                 self.engine.kill_finished(order, m, results[(m.pid, m.start_time)][0])
             self.engine.kill_finished(order, t, outcome)
-            self._publish(order.rule, report.kill_done(order, t, outcome, error, self._host, self.clock.wall(),
-                                                       scoped, results))
+            self._publish(
+                order.rule, report.kill_done(order, t, outcome, error, self._host, self.clock.wall(), scoped, results)
+            )
             self._save_soon()
         except Exception:
             log.exception("guard could not report the kill of PID %d", t.pid)
@@ -471,8 +537,7 @@ class GuardRunner:
             outcome, detail = GpukillError.result, f"{type(e).__name__}: {e}"
         try:
             self.engine.reset_finished(order, outcome)
-            self._publish(order.rule, report.reset_done(order, outcome, detail, killed, self._host,
-                                                        self.clock.wall()))
+            self._publish(order.rule, report.reset_done(order, outcome, detail, killed, self._host, self.clock.wall()))
             self._save_soon()
         except Exception:
             log.exception("guard could not report the reset of %s", order.subject)
@@ -485,8 +550,15 @@ class GuardRunner:
             if isinstance(signal, report.Violated):
                 self.signals.violated(signal.event, signal.dry_run)
             elif signal is not None:
-                self.signals.action_taken(signal.rule, signal.subject, signal.action, signal.pid, signal.start_time,
-                                          signal.outcome, signal.dry_run)
+                self.signals.action_taken(
+                    signal.rule,
+                    signal.subject,
+                    signal.action,
+                    signal.pid,
+                    signal.start_time,
+                    signal.outcome,
+                    signal.dry_run,
+                )
             add_recent(self.state.recent, to_plain(entry.recent))
         targets = self._targets(rule)
         if done.notice is not None and targets:
@@ -500,8 +572,14 @@ class GuardRunner:
     # -- notifications ---------------------------------------------------------------------------------
 
     def _journal_notice(self, notice: Notice) -> None:
-        self.audit.log(journal.GUARD_NOTICE, f"gpukill guard: {notice.summary}", action="guard", result=notice.event,
-                       rule=notice.rule, subject=notice.subject)
+        self.audit.log(
+            journal.GUARD_NOTICE,
+            f"gpukill guard: {notice.summary}",
+            action="guard",
+            result=notice.event,
+            rule=notice.rule,
+            subject=notice.subject,
+        )
 
     def _desktop_notice(self, notice: Notice) -> None:
         """Notification goes to every listener on the bus, not only the user it is for: its body says why only
@@ -512,16 +590,31 @@ class GuardRunner:
 
     def _owner_warned(self, channel: str, target: str, notice: Notice, outcome: str, detail: str) -> None:
         """From a channel thread: each delivery to the subject's owner, whatever became of it."""
-        self.audit.log(journal.GUARD_WARNING, f"Guard warning for rule {notice.rule} to the owner by {channel} "
-                                              f"({target or 'nobody'}): {outcome}" + (f", {detail}" if detail else ""),
-                       action="guard", result="owner-warned", rule=notice.rule, subject=notice.subject,
-                       channel=channel, target=target or None, outcome=outcome, error=detail or None)
+        self.audit.log(
+            journal.GUARD_WARNING,
+            f"Guard warning for rule {notice.rule} to the owner by {channel} "
+            f"({target or 'nobody'}): {outcome}" + (f", {detail}" if detail else ""),
+            action="guard",
+            result="owner-warned",
+            rule=notice.rule,
+            subject=notice.subject,
+            channel=channel,
+            target=target or None,
+            outcome=outcome,
+            error=detail or None,
+        )
 
     def _delivery_failed(self, target: str, notice: Notice, error: str) -> None:
         """From a channel thread: the audit trail is thread-safe."""
-        self.audit.log(journal.GUARD_NOTIFY_FAILED, f"Guard notification to {target} for rule {notice.rule} failed: "
-                                                  f"{error}",
-                       action="guard", result="notify-failed", rule=notice.rule, target=target, error=error)
+        self.audit.log(
+            journal.GUARD_NOTIFY_FAILED,
+            f"Guard notification to {target} for rule {notice.rule} failed: {error}",
+            action="guard",
+            result="notify-failed",
+            rule=notice.rule,
+            target=target,
+            error=error,
+        )
 
     # -- reports ---------------------------------------------------------------------------------------
 
@@ -529,10 +622,17 @@ class GuardRunner:
         """The switches, the policy in force with each rule's counters, what is running now; recent events as
         the state keeps them (plain dicts, possibly from an older daemon: read leniently)."""
         rules = tuple(
-            RuleStatus(name=rule.name, description=rule.description, action=rule.action, scope=rule.scope,
-                       match=rule.match, conditions=tuple(c.text for c in rule.conditions),
-                       **self.engine.stats.get(rule.name, RuleStats()).to_dict())
-            for rule in self.policy.rules)
+            RuleStatus(
+                name=rule.name,
+                description=rule.description,
+                action=rule.action,
+                scope=rule.scope,
+                match=rule.match,
+                conditions=tuple(c.text for c in rule.conditions),
+                **self.engine.stats.get(rule.name, RuleStats()).to_dict(),
+            )
+            for rule in self.policy.rules
+        )
         return GuardStatus(
             enabled=self.state.enabled,
             dry_run=self.state.dry_run,
@@ -553,10 +653,18 @@ class GuardRunner:
             evaluations=self.evaluations,
             last_eval_ms=self.engine.last_eval_seconds * 1000,
             max_eval_ms=self.max_eval_seconds * 1000,
-            notifications=tuple(NotificationCounters(channel=channel, queued=s.queued, delivered=s.delivered,
-                                                     skipped=s.skipped, failed=s.failed, dropped=s.dropped,
-                                                     announced=s.announced)
-                                for channel, s in self.notifier.stats().items()),
+            notifications=tuple(
+                NotificationCounters(
+                    channel=channel,
+                    queued=s.queued,
+                    delivered=s.delivered,
+                    skipped=s.skipped,
+                    failed=s.failed,
+                    dropped=s.dropped,
+                    announced=s.announced,
+                )
+                for channel, s in self.notifier.stats().items()
+            ),
         )
 
     def preview(self, snapshot: Snapshot) -> list[Preview]:
@@ -584,9 +692,12 @@ class GuardRunner:
             self._save_watch.written()
 
     def _watch_for(self, state_dir: str) -> WriteWatch:
-        return WriteWatch(self.audit, state_path(state_dir), "Guard's state",
-                          "Guard enforces what is in force; a restart before the next save resumes from the file "
-                          "as last written")
+        return WriteWatch(
+            self.audit,
+            state_path(state_dir),
+            "Guard's state",
+            "Guard enforces what is in force; a restart before the next save resumes from the file as last written",
+        )
 
     def _save_soon(self) -> None:
         if self._save_handle is not None:

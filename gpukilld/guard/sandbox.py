@@ -2,12 +2,14 @@
 
 Anyone may ask what a policy would do (it never acts), so the text is untrusted: a huge document or a costly
 condition must not stall the daemon's event loop, which also carries every kill. The child gets the policy text
-and the caller's view of the snapshot (what the caller may list, see gpukilld/access/visibility.py: a policy must not become an
+and the caller's view of the snapshot (what the caller may list, see gpukilld/access/visibility.py: a policy must not
+become an
 oracle for other users' command lines) as JSON on stdin, parses and previews it, and prints a bounded result
 as JSON. It runs confined, and fails closed: it exits before reading anything unless it dropped every
 privilege (setgroups, setgid, setuid to a dedicated account, checked afterwards), under CPU, memory, core, file
 and process limits, at the lowest CPU priority. The daemon runs at most one test per person (a uid and its
-subordinate uids, gpukilld/access/people.py) and MAX_CONCURRENT in all, reads at most MAX_OUTPUT bytes back, and kills a child
+subordinate uids, gpukilld/access/people.py) and MAX_CONCURRENT in all, reads at most MAX_OUTPUT bytes back, and kills a
+child
 that runs over CHILD_TIMEOUT.
 """
 
@@ -81,20 +83,24 @@ def snapshot_to_json(snapshot: Snapshot) -> dict[str, Any]:
     holds beside it: its system unit (conditions read it) and where its Slurm job came from."""
     return {
         "devices": [to_plain(d) for d in snapshot.devices],
-        "processes": [{**to_plain(p), "system_unit": p.system_unit, "job_from_environ": p.job_from_environ}
-                      for p in snapshot.processes],
+        "processes": [
+            {**to_plain(p), "system_unit": p.system_unit, "job_from_environ": p.job_from_environ}
+            for p in snapshot.processes
+        ],
         "findings": [to_plain(f) for f in snapshot.findings],  # what rogue_score and rogue_kind read
     }
 
 
 def snapshot_from_json(data: dict[str, Any]) -> Snapshot:
     devices = tuple(from_plain(Device, d) for d in data["devices"])
-    processes = tuple(dataclasses.replace(from_plain(GpuProcess, p), system_unit=p["system_unit"],
-                                          job_from_environ=bool(p.get("job_from_environ")))
-                      for p in data["processes"])
+    processes = tuple(
+        dataclasses.replace(
+            from_plain(GpuProcess, p), system_unit=p["system_unit"], job_from_environ=bool(p.get("job_from_environ"))
+        )
+        for p in data["processes"]
+    )
     findings = tuple(from_plain(Finding, f) for f in data.get("findings", ()))
-    return Snapshot(generation=0, taken_at=0.0, devices=devices, processes=processes, backends=(),
-                    findings=findings)
+    return Snapshot(generation=0, taken_at=0.0, devices=devices, processes=processes, backends=(), findings=findings)
 
 
 class Sandbox:
@@ -103,8 +109,9 @@ class Sandbox:
         self._running: set[int] = set()  # persons with a test in a child now
         self._ids: tuple[int, int] | None = None
 
-    async def preview(self, name: str, text: str, snapshot: Snapshot, own_pid: int, uid: int,
-                      protection: Protection) -> list[dict[str, Any]]:
+    async def preview(
+        self, name: str, text: str, snapshot: Snapshot, own_pid: int, uid: int, protection: Protection
+    ) -> list[dict[str, Any]]:
         """The previews as dicts (see engine.Preview); PolicyError when the policy is invalid, TooBusy when
         the caller's person already has a test running or all children are busy."""
         person = self._people.person(uid)
@@ -118,30 +125,47 @@ class Sandbox:
         finally:
             self._running.discard(person)
 
-    async def _run(self, name: str, text: str, snapshot: Snapshot, own_pid: int,
-                   protection: Protection) -> list[dict[str, Any]]:
+    async def _run(
+        self, name: str, text: str, snapshot: Snapshot, own_pid: int, protection: Protection
+    ) -> list[dict[str, Any]]:
         if self._ids is None:
             self._ids = sandbox_ids()
         uid, gid = self._ids
-        request = json.dumps({"name": name, "text": text, "own_pid": own_pid, "snapshot": snapshot_to_json(snapshot),
-                              "protection": {"uid_max": protection.uid_max, "units": list(protection.units)}}).encode()
+        request = json.dumps(
+            {
+                "name": name,
+                "text": text,
+                "own_pid": own_pid,
+                "snapshot": snapshot_to_json(snapshot),
+                "protection": {"uid_max": protection.uid_max, "units": list(protection.units)},
+            }
+        ).encode()
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         # the package root and what of sys.path lies under it: the packages' bundled libraries
         # (/usr/lib/gpukill/vendor: re2, PyYAML where not Debian's) that the policy code imports
         paths = [root] + [p for p in sys.path if p != root and p.startswith(root + os.sep)]
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(paths), "LANG": "C.UTF-8"}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gpukilld.guard.sandbox", str(uid), str(gid), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd="/")
+            sys.executable,
+            "-m",
+            "gpukilld.guard.sandbox",
+            str(uid),
+            str(gid),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            cwd="/",
+        )
         pidfd = _pidfd(proc.pid)  # before anything can end it: the child takes tens of ms to start Python
         try:
             out, err = await asyncio.wait_for(_exchange(proc, request), CHILD_TIMEOUT)
         except TimeoutError:
-            raise GpukillError(f"evaluating the policy took longer than {CHILD_TIMEOUT:g}s; nothing was "
-                               "done") from None
+            raise GpukillError(f"evaluating the policy took longer than {CHILD_TIMEOUT:g}s; nothing was done") from None
         except OverflowError:
-            raise GpukillError(f"evaluating the policy gave more than {MAX_OUTPUT >> 20} MiB of results; "
-                               "nothing was done") from None
+            raise GpukillError(
+                f"evaluating the policy gave more than {MAX_OUTPUT >> 20} MiB of results; nothing was done"
+            ) from None
         finally:
             _stop(proc, pidfd)
             await proc.wait()
@@ -221,8 +245,7 @@ def _confine(uid: int, gid: int) -> None:
     os.setgid(gid)
     os.setuid(uid)
     # Fail closed: whatever the calls above returned, go on only as that account and nothing more.
-    if (os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or os.getgroups()
-            or os.geteuid() == 0):
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or os.getgroups() or os.geteuid() == 0:
         raise PermissionError("the sandbox could not drop its privileges")
 
 
@@ -246,11 +269,13 @@ def main() -> int:
         json.dump({"ok": False, "errors": e.errors[:100]}, sys.stdout)
         return 0
     protection = request["protection"]
-    engine = Engine(policy, own_pid=int(request["own_pid"]),
-                    protection=Protection(protection["uid_max"], tuple(protection["units"])))
+    engine = Engine(
+        policy,
+        own_pid=int(request["own_pid"]),
+        protection=Protection(protection["uid_max"], tuple(protection["units"])),
+    )
     previews = [dataclasses.asdict(p) for p in engine.preview(snapshot_from_json(request["snapshot"]))]
-    json.dump({"ok": True, "previews": bounded_previews(previews), "ran_as": [os.getuid(), os.getgid()]},
-              sys.stdout)
+    json.dump({"ok": True, "previews": bounded_previews(previews), "ran_as": [os.getuid(), os.getgid()]}, sys.stdout)
     return 0
 
 
@@ -258,12 +283,23 @@ def bounded_previews(previews: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """At most MAX_PREVIEWS decisions with reasons of at most MAX_REASON characters; when some were left out,
     a last record with status "truncated" says how many. The engine's reason_for_others is not sent: where it
     applies, gpukilld/bus/guard.py has put it in place of the reason already."""
-    out = [{**{k: v for k, v in p.items() if k != "reason_for_others"}, "reason": p["reason"][:MAX_REASON]}
-           for p in previews[:MAX_PREVIEWS]]
+    out = [
+        {**{k: v for k, v in p.items() if k != "reason_for_others"}, "reason": p["reason"][:MAX_REASON]}
+        for p in previews[:MAX_PREVIEWS]
+    ]
     if len(previews) > MAX_PREVIEWS:
-        out.append({"rule": "", "subject": "", "action": "", "status": "truncated", "wait": 0.0, "pids": [],
-                    "reason": f"{len(previews) - MAX_PREVIEWS} more decisions not shown", "more":
-                    len(previews) - MAX_PREVIEWS})
+        out.append(
+            {
+                "rule": "",
+                "subject": "",
+                "action": "",
+                "status": "truncated",
+                "wait": 0.0,
+                "pids": [],
+                "reason": f"{len(previews) - MAX_PREVIEWS} more decisions not shown",
+                "more": len(previews) - MAX_PREVIEWS,
+            }
+        )
     return out
 
 

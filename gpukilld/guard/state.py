@@ -4,7 +4,8 @@ Kept: enabled, dry run (and why the daemon keeps it on, where a re-read of guard
 recent violations, and the policy in force with its source (the guard.d files, or a policy loaded with LoadPolicy,
 by whom and when), guard.d's dry_run as last read, what the last re-read of guard.d replaced, and the engine's
 clocks (windows, grace periods,
-cooldowns: the "clocks" section, written and read by clocks.py, which checks it). Keeping the policy text means a restart enforces
+cooldowns: the "clocks" section, written and read by clocks.py, which checks it). Keeping the policy text means a
+restart enforces
 what was in force before even if a file in guard.d was broken meanwhile. Written atomically (a temporary
 file in the same directory, fsync, rename, fsync of the directory): a crash leaves the old file or the new
 one, never half of one. The file is 0600: webhook URLs can carry tokens.
@@ -47,12 +48,22 @@ class GuardState:
     replaced_at: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "enabled": self.enabled, "dry_run": self.dry_run, "stats": self.stats,
-                "recent": self.recent[-MAX_RECENT:], "policy_source": self.policy_source,
-                "policy_files": [list(f) for f in self.policy_files],
-                "loaded_by": self.loaded_by, "loaded_at": self.loaded_at, "files_dry_run": self.files_dry_run,
-                "dry_run_kept": self.dry_run_kept, "replaced": self.replaced, "replaced_at": self.replaced_at,
-                **({"clocks": self.clocks} if self.clocks is not None else {})}
+        return {
+            "format": FORMAT,
+            "enabled": self.enabled,
+            "dry_run": self.dry_run,
+            "stats": self.stats,
+            "recent": self.recent[-MAX_RECENT:],
+            "policy_source": self.policy_source,
+            "policy_files": [list(f) for f in self.policy_files],
+            "loaded_by": self.loaded_by,
+            "loaded_at": self.loaded_at,
+            "files_dry_run": self.files_dry_run,
+            "dry_run_kept": self.dry_run_kept,
+            "replaced": self.replaced,
+            "replaced_at": self.replaced_at,
+            **({"clocks": self.clocks} if self.clocks is not None else {}),
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> GuardState:
@@ -72,8 +83,11 @@ class GuardState:
             s.policy_source = data["policy_source"]
         files = data.get("policy_files")
         if isinstance(files, list):
-            s.policy_files = [(f[0], f[1]) for f in files
-                              if isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)]
+            s.policy_files = [
+                (f[0], f[1])
+                for f in files
+                if isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f)
+            ]
         for key in ("loaded_by", "dry_run_kept", "replaced"):
             if isinstance(data.get(key), str):
                 setattr(s, key, data[key][:MAX_NOTE])

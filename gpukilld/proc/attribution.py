@@ -134,16 +134,23 @@ def _parse(text: str) -> Attribution:
     # the innermost unit: a user's own (user@UID.service/app.slice/x.service) is theirs to name, and says so
     unit = next((c for c in reversed(path.split("/")) if _UNIT.fullmatch(c)), None)
     pod_uid = _first(_POD_PATTERNS, paths)
-    return Attribution(unit=unit, container_id=_first(_CONTAINER_PATTERNS, paths),
-                       pod_uid=pod_uid.replace("_", "-") if pod_uid else None,
-                       slurm_job=_first(_SLURM_PATTERNS, paths), system_unit=_system_unit(text))
+    return Attribution(
+        unit=unit,
+        container_id=_first(_CONTAINER_PATTERNS, paths),
+        pod_uid=pod_uid.replace("_", "-") if pod_uid else None,
+        slurm_job=_first(_SLURM_PATTERNS, paths),
+        system_unit=_system_unit(text),
+    )
 
 
 def trusts_environment(attribution: Attribution) -> bool:
     """Whether the process's SLURM_JOB_ID may name its job: it runs in slurmd's own unit, which no user can
     put a process in, and no job cgroup names one already."""
-    return (attribution.slurm_job is None and attribution.system_unit is not None
-            and _SLURM_UNITS.fullmatch(attribution.system_unit) is not None)
+    return (
+        attribution.slurm_job is None
+        and attribution.system_unit is not None
+        and _SLURM_UNITS.fullmatch(attribution.system_unit) is not None
+    )
 
 
 def slurm_job_from_environ(raw: bytes) -> str | None:
@@ -152,6 +159,6 @@ def slurm_job_from_environ(raw: bytes) -> str | None:
     only slurmd places it in a job's cgroup."""
     for item in raw.split(b"\0"):
         if item.startswith(_SLURM_JOB_VAR):
-            value = item[len(_SLURM_JOB_VAR):]
+            value = item[len(_SLURM_JOB_VAR) :]
             return value.decode() if _SLURM_JOB_ID.fullmatch(value) else None
     return None

@@ -104,8 +104,10 @@ class ProcFS:
         """Whether the root is this PID namespace's procfs (not a copy or a fixture tree): only then do its PIDs
         name processes a pidfd can hold, and its inodes mean what pid_inodes() says."""
         try:
-            return os.path.samestat(os.stat(f"{self.root}/self"), os.stat("/proc/self")) and \
-                os.stat(self.root).st_ino == _PROC_ROOT_INO
+            return (
+                os.path.samestat(os.stat(f"{self.root}/self"), os.stat("/proc/self"))
+                and os.stat(self.root).st_ino == _PROC_ROOT_INO
+            )
         except OSError:
             return False
 
@@ -180,7 +182,7 @@ class ProcFS:
             if at >= 0:
                 start = at + len(key) + 2
                 end = text.find("\n", start)
-                fields[key] = text[start:end if end >= 0 else len(text)].strip()
+                fields[key] = text[start : end if end >= 0 else len(text)].strip()
         return fields
 
     def uid(self, pid: int) -> int | None:
@@ -210,8 +212,7 @@ class ProcFS:
             cmdline = ""
         try:
             # bytes: a path need not be UTF-8, and a str with surrogates cannot be sent on the bus
-            exe: str | None = bounded(os.readlink(self._path(pid, "exe").encode()).decode("utf-8", "replace"),
-                                      MAX_EXE)
+            exe: str | None = bounded(os.readlink(self._path(pid, "exe").encode()).decode("utf-8", "replace"), MAX_EXE)
         except OSError:
             exe = None
         try:

@@ -20,9 +20,28 @@ DELETED = " (deleted)"  # what the kernel appends to /proc/PID/exe's target once
 MAX_MOUNTINFO = 1 << 20  # bytes of /proc/PID/mountinfo: a user namespace may hold thousands of mounts
 # Filesystems whose lookups the kernel answers itself (block devices, memory). overlay is left out: its lower
 # layers may be any filesystem, FUSE included, and a user namespace may mount one.
-LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "jfs",
-                               "reiserfs", "tmpfs", "devtmpfs", "ramfs", "squashfs", "erofs", "vfat", "exfat",
-                               "iso9660"})
+LOCAL_FILESYSTEMS = frozenset(
+    {
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "zfs",
+        "f2fs",
+        "bcachefs",
+        "jfs",
+        "reiserfs",
+        "tmpfs",
+        "devtmpfs",
+        "ramfs",
+        "squashfs",
+        "erofs",
+        "vfat",
+        "exfat",
+        "iso9660",
+    }
+)
 
 
 def _unescape(field: str) -> str:
@@ -31,8 +50,8 @@ def _unescape(field: str) -> str:
         return field
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and field[i + 1:i + 4].isdigit() and len(field[i + 1:i + 4]) == 3:
-            out.append(chr(int(field[i + 1:i + 4], 8)))
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and len(field[i + 1 : i + 4]) == 3:
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field[i])

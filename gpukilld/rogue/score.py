@@ -8,7 +8,8 @@ Rules come in families (FAMILIES): the rules of a family read one fact told seve
 gives itself is its comm, its argv[0] and its executable's file name), or facts an ordinary workload can show
 (where its executable lives, which ports it talks to). A family adds at most its cap, whatever matched in it:
 each rule adds its points until its family's cap is reached, in the table's order. No process family's cap
-reaches 70, the example kill threshold of docs/audit.md, and the weak families (executable location, sockets, allow-list)
+reaches 70, the example kill threshold of docs/audit.md, and the weak families (executable location, sockets,
+allow-list)
 together stay below it too: a kill at 70 needs a strong family (the name, the command line) and one more. So a process
 whose only oddity is an executable under /tmp scores 25, a program named xmrig (name, argv[0] and executable
 all say so) 60, the same with a connection to a pool port 90, and a renamed miner (comm python3) with a
@@ -47,8 +48,12 @@ MAX_DETAIL = 256  # bytes of an evidence's text
 # What a rule reads of its subject, for the privacy rule above.
 COMM, ARGV0, CMDLINE, EXE, SOCKETS, GPU = "comm", "argv0", "cmdline", "exe", "sockets", "gpu"
 # What a viewer who is not the owner may see of another user's process, by how it sees others.
-_SEEN_BY = {FULL: {COMM, ARGV0, CMDLINE, EXE, SOCKETS, GPU}, PROGRAM: {COMM, ARGV0, GPU}, ANONYMOUS: {GPU},
-            HIDDEN: set()}
+_SEEN_BY = {
+    FULL: {COMM, ARGV0, CMDLINE, EXE, SOCKETS, GPU},
+    PROGRAM: {COMM, ARGV0, GPU},
+    ANONYMOUS: {GPU},
+    HIDDEN: set(),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,25 +132,82 @@ class RogueRule:
 
 # -- patterns -------------------------------------------------------------------------------------------------
 
-MINER_NAMES = ("xmrig", "xmr-stak", "ethminer", "cpuminer", "minerd", "t-rex", "lolminer", "nbminer", "gminer",
-               "ccminer", "phoenixminer", "nanominer", "teamredminer", "srbminer", "bminer", "cgminer",
-               "bfgminer", "kawpowminer", "wildrig", "nheqminer", "excavator", "miniz", "rigel", "bzminer",
-               "onezerominer", "ethdcrminer64", "z-enemy", "xmrig-cuda", "srbminer-multi")
+MINER_NAMES = (
+    "xmrig",
+    "xmr-stak",
+    "ethminer",
+    "cpuminer",
+    "minerd",
+    "t-rex",
+    "lolminer",
+    "nbminer",
+    "gminer",
+    "ccminer",
+    "phoenixminer",
+    "nanominer",
+    "teamredminer",
+    "srbminer",
+    "bminer",
+    "cgminer",
+    "bfgminer",
+    "kawpowminer",
+    "wildrig",
+    "nheqminer",
+    "excavator",
+    "miniz",
+    "rigel",
+    "bzminer",
+    "onezerominer",
+    "ethdcrminer64",
+    "z-enemy",
+    "xmrig-cuda",
+    "srbminer-multi",
+)
 # A known name, alone or with a version or variant after a separator (xmrig-6.21.0, cpuminer-opt, t-rex.exe).
-_MINER_NAME = compile_regex(r"(?i)^(?:" + "|".join(n.replace(".", r"\.") for n in MINER_NAMES)
-                            + r")(?:[-_.][A-Za-z0-9._-]*)?$")
+_MINER_NAME = compile_regex(
+    r"(?i)^(?:" + "|".join(n.replace(".", r"\.") for n in MINER_NAMES) + r")(?:[-_.][A-Za-z0-9._-]*)?$"
+)
 _STRATUM = compile_regex(r"(?i)stratum2?\+(?:tcp|ssl|tls)://[^\s\"']+")
-POOL_DOMAINS = ("nanopool.org", "2miners.com", "f2pool.com", "ethermine.org", "supportxmr.com", "minexmr.com",
-                "hashvault.pro", "herominers.com", "unmineable.com", "nicehash.com", "moneroocean.stream",
-                "c3pool.com", "flexpool.io", "hiveon.net", "viabtc.com", "antpool.com", "poolin.com",
-                "slushpool.com", "braiins.com", "xmrpool.eu", "kryptex.network", "woolypooly.com",
-                "zergpool.com", "mining-dutch.nl", "prohashing.com", "miningpoolhub.com", "zpool.ca")
-_POOL_HOST = compile_regex(r"(?i)(?:^|[^A-Za-z0-9.-])((?:[a-z0-9-]+\.)*(?:"
-                           + "|".join(d.replace(".", r"\.") for d in POOL_DOMAINS) + r"))(?:$|[^A-Za-z0-9.-])")
+POOL_DOMAINS = (
+    "nanopool.org",
+    "2miners.com",
+    "f2pool.com",
+    "ethermine.org",
+    "supportxmr.com",
+    "minexmr.com",
+    "hashvault.pro",
+    "herominers.com",
+    "unmineable.com",
+    "nicehash.com",
+    "moneroocean.stream",
+    "c3pool.com",
+    "flexpool.io",
+    "hiveon.net",
+    "viabtc.com",
+    "antpool.com",
+    "poolin.com",
+    "slushpool.com",
+    "braiins.com",
+    "xmrpool.eu",
+    "kryptex.network",
+    "woolypooly.com",
+    "zergpool.com",
+    "mining-dutch.nl",
+    "prohashing.com",
+    "miningpoolhub.com",
+    "zpool.ca",
+)
+_POOL_HOST = compile_regex(
+    r"(?i)(?:^|[^A-Za-z0-9.-])((?:[a-z0-9-]+\.)*(?:"
+    + "|".join(d.replace(".", r"\.") for d in POOL_DOMAINS)
+    + r"))(?:$|[^A-Za-z0-9.-])"
+)
 # Wallet-shaped words: Monero (95 base58 characters from 4 or 8), Ethereum-style (0x and 40 hex digits),
 # Bitcoin bech32 (bc1...). Whole words only: a hash inside a longer token is not one.
-_WALLET = compile_regex(r"(?:^|[\s=:/,.])([48][0-9AB][1-9A-HJ-NP-Za-km-z]{93}|0x[0-9a-fA-F]{40}"
-                        r"|bc1[ac-hj-np-z02-9]{25,87})(?:$|[\s,.])")
+_WALLET = compile_regex(
+    r"(?:^|[\s=:/,.])([48][0-9AB][1-9A-HJ-NP-Za-km-z]{93}|0x[0-9a-fA-F]{40}"
+    r"|bc1[ac-hj-np-z02-9]{25,87})(?:$|[\s,.])"
+)
 _TMP_DIRS = ("/tmp/", "/var/tmp/", "/dev/shm/")
 _DELETED = " (deleted)"
 
@@ -220,19 +282,44 @@ def _exe_tmp(facts: Facts, _: AuditSettings) -> str | None:
 # --user scripts and packages (nvidia-*, triton ship binaries there), cargo/rustup, nvm, mise/asdf, juliaup and
 # Julia's artifacts, SDKMAN, pixi, the VS Code server. ~/miniconda3, ~/anaconda3 and ~/miniforge3 are not hidden
 # to begin with. A hidden folder below one of these (~/.local/bin/.x/) is hidden again.
-_INSTALLED = tuple(tuple(p.split("/")) for p in (
-    ".local/bin", ".local/lib", ".local/share/uv", ".local/share/pipx", ".local/pipx", ".local/share/mamba",
-    ".local/share/virtualenvs", ".local/share/hatch", ".local/share/pdm", ".local/share/mise", ".pyenv/versions",
-    ".conda/envs", ".mamba/envs", ".micromamba/envs", ".pixi/envs", ".cargo/bin", ".rustup/toolchains",
-    ".nvm/versions", ".asdf/installs", ".julia/juliaup", ".julia/artifacts", ".juliaup/bin", ".sdkman/candidates",
-    ".vscode-server/bin", ".vscode-server/cli"))
+_INSTALLED = tuple(
+    tuple(p.split("/"))
+    for p in (
+        ".local/bin",
+        ".local/lib",
+        ".local/share/uv",
+        ".local/share/pipx",
+        ".local/pipx",
+        ".local/share/mamba",
+        ".local/share/virtualenvs",
+        ".local/share/hatch",
+        ".local/share/pdm",
+        ".local/share/mise",
+        ".pyenv/versions",
+        ".conda/envs",
+        ".mamba/envs",
+        ".micromamba/envs",
+        ".pixi/envs",
+        ".cargo/bin",
+        ".rustup/toolchains",
+        ".nvm/versions",
+        ".asdf/installs",
+        ".julia/juliaup",
+        ".julia/artifacts",
+        ".juliaup/bin",
+        ".sdkman/candidates",
+        ".vscode-server/bin",
+        ".vscode-server/cli",
+    )
+)
 # The same for a project's own environment, at any depth below the home directory: ~/proj/.venv/bin/python.
 _PROJECT_ENVS = tuple(tuple(p.split("/")) for p in (".venv/bin", ".pixi/envs", ".tox/*/bin", ".nox/*/bin"))
 
 
 def _starts_with(folders: list[str], at: int, pattern: tuple[str, ...]) -> bool:
     return len(folders) - at >= len(pattern) and all(
-        want in ("*", got) for want, got in zip(pattern, folders[at:at + len(pattern)], strict=False))
+        want in ("*", got) for want, got in zip(pattern, folders[at : at + len(pattern)], strict=False)
+    )
 
 
 def _hidden_folder(folders: list[str]) -> str | None:
@@ -259,7 +346,7 @@ def _exe_hidden(facts: Facts, _: AuditSettings) -> str | None:
     if path.startswith("/home/"):
         homes.add("/".join(path.split("/", 3)[:3]))
     for home in homes:
-        if path.startswith(home + "/") and _hidden_folder(path[len(home) + 1:].split("/")[:-1]) is not None:
+        if path.startswith(home + "/") and _hidden_folder(path[len(home) + 1 :].split("/")[:-1]) is not None:
             return f"executable in a hidden folder of a home directory: {_cut(path)}"
     return None
 
@@ -282,8 +369,10 @@ def _idle(facts: Facts, settings: AuditSettings) -> str | None:
     assert isinstance(facts, ProcessFacts)
     if facts.idle_for is None or facts.idle_for < settings.idle_after:
         return None
-    return (f"held {format_size(facts.gpu_memory or 0)} of GPU memory at 0% utilization for over "
-            f"{format_duration(settings.idle_after)}")
+    return (
+        f"held {format_size(facts.gpu_memory or 0)} of GPU memory at 0% utilization for over "
+        f"{format_duration(settings.idle_after)}"
+    )
 
 
 def _hog(facts: Facts, settings: AuditSettings, share: float | None, had: str, what: str) -> str | None:
@@ -291,8 +380,10 @@ def _hog(facts: Facts, settings: AuditSettings, share: float | None, had: str, w
     assert isinstance(facts, UserFacts)
     if facts.users < 2 or share is None or share < settings.abuser_share:
         return None
-    return (f"{had} {share:.0f}% of the GPU {what} used by {facts.users} users over the last "
-            f"{format_duration(settings.abuser_window)}")
+    return (
+        f"{had} {share:.0f}% of the GPU {what} used by {facts.users} users over the last "
+        f"{format_duration(settings.abuser_window)}"
+    )
 
 
 def _memory_hog(facts: Facts, settings: AuditSettings) -> str | None:
@@ -304,50 +395,152 @@ def _time_hog(facts: Facts, settings: AuditSettings) -> str | None:
 
 
 RULES: tuple[RogueRule, ...] = (
-    RogueRule("miner-name", FINDING_MINER, 60, NAME_FAMILY, COMM, "the process name is a known miner's (xmrig, t-rex, ...)",
-              "none seen: a program named like a miner, which its owner chose", _miner_name),
-    RogueRule("miner-program", FINDING_MINER, 60, NAME_FAMILY, ARGV0, "the command line's program is a known miner's",
-              "as miner-name", _miner_program),
-    RogueRule("miner-exe", FINDING_MINER, 60, NAME_FAMILY, EXE, "the executable's file name is a known miner's",
-              "as miner-name", _miner_exe),
-    RogueRule("stratum-url", FINDING_MINER, 50, CMDLINE_FAMILY, CMDLINE,
-              "a stratum+tcp://, stratum+ssl:// or stratum2+tcp:// URL in the command line",
-              "low: a tool about mining (a pool monitor, a test of one) given a pool's URL", _stratum_url),
-    RogueRule("pool-host", FINDING_MINER, 40, CMDLINE_FAMILY, CMDLINE, "a known mining pool's host name in the command line",
-              "low: a script that queries a pool's API by its host name", _pool_host),
-    RogueRule("wallet", FINDING_MINER, 30, CMDLINE_FAMILY, CMDLINE,
-              "a wallet-shaped argument (Monero, 0x and 40 hex digits, bc1...)",
-              "medium: any 0x and 40 hex digits (an Ethereum address or contract of a non-mining tool)", _wallet),
-    RogueRule("exe-deleted", FINDING_MINER, 20, EXE_FAMILY, EXE,
-              "the executable was deleted after it started, and nothing stands at its path now (looked up where "
-              "that waits on no server)",
-              "medium: a build that removes its output while it runs; an upgrade that replaced the file is not one",
-              _exe_deleted),
-    RogueRule("exe-tmp", FINDING_MINER, 25, EXE_FAMILY, EXE, "the executable lives under /tmp, /var/tmp or /dev/shm",
-              "medium: test binaries, PyInstaller one-file apps and JIT launchers unpack there", _exe_tmp),
-    RogueRule("exe-hidden", FINDING_MINER, 20, EXE_FAMILY, EXE,
-              "the executable lives in a hidden folder of a home directory (~/.cache/x), but for where "
-              "installers put interpreters and toolchains (~/.local/share/uv, ~/.pyenv/versions, ~/.conda/envs, "
-              "...)", "medium: a tool installed by hand into a dot-folder (~/.cache/bazel test binaries)",
-              _exe_hidden),
-    RogueRule("pool-port", FINDING_MINER, 30, SOCKET_FAMILY, SOCKETS,
-              "a TCP connection the process made (established or being made) to a port in pool_ports (sock_diag, "
-              "by socket inode; accepted connections and ports in the ephemeral range never count)",
-              "high: 3333, 4444, 5555, 7777, 9999 are also ports of ordinary services a job may talk to", _pool_port),
-    RogueRule("allowed-untrusted", FINDING_MINER, 10, TRUST_FAMILY, EXE,
-              "the process runs an executable of allowed_processes, but also a file mapped executable that is not "
-              "a root-only file of the host (LD_PRELOAD of a user's library), or it is traced: scored as any "
-              "process, this rule saying why", "low: a profiler or allocator preloaded from a home directory "
-              "into an allowed program", _allowed_untrusted),
-    RogueRule("idle-memory", FINDING_IDLE, 50, IDLE_FAMILY, GPU,
-              "GPU memory (at least idle_min_memory) held at 0% utilization for idle_after",
-              "it is what it says: a notebook waiting for its user is idle", _idle),
-    RogueRule("memory-hog", FINDING_ABUSER, 50, SHARE_FAMILY, GPU,
-              "a user held abuser_share of the GPU memory in use over abuser_window, with other users",
-              "it is what it says: one big job among small ones", _memory_hog),
-    RogueRule("time-hog", FINDING_ABUSER, 50, SHARE_FAMILY, GPU,
-              "a user had abuser_share of the GPU time used over abuser_window, with other users",
-              "as memory-hog", _time_hog),
+    RogueRule(
+        "miner-name",
+        FINDING_MINER,
+        60,
+        NAME_FAMILY,
+        COMM,
+        "the process name is a known miner's (xmrig, t-rex, ...)",
+        "none seen: a program named like a miner, which its owner chose",
+        _miner_name,
+    ),
+    RogueRule(
+        "miner-program",
+        FINDING_MINER,
+        60,
+        NAME_FAMILY,
+        ARGV0,
+        "the command line's program is a known miner's",
+        "as miner-name",
+        _miner_program,
+    ),
+    RogueRule(
+        "miner-exe",
+        FINDING_MINER,
+        60,
+        NAME_FAMILY,
+        EXE,
+        "the executable's file name is a known miner's",
+        "as miner-name",
+        _miner_exe,
+    ),
+    RogueRule(
+        "stratum-url",
+        FINDING_MINER,
+        50,
+        CMDLINE_FAMILY,
+        CMDLINE,
+        "a stratum+tcp://, stratum+ssl:// or stratum2+tcp:// URL in the command line",
+        "low: a tool about mining (a pool monitor, a test of one) given a pool's URL",
+        _stratum_url,
+    ),
+    RogueRule(
+        "pool-host",
+        FINDING_MINER,
+        40,
+        CMDLINE_FAMILY,
+        CMDLINE,
+        "a known mining pool's host name in the command line",
+        "low: a script that queries a pool's API by its host name",
+        _pool_host,
+    ),
+    RogueRule(
+        "wallet",
+        FINDING_MINER,
+        30,
+        CMDLINE_FAMILY,
+        CMDLINE,
+        "a wallet-shaped argument (Monero, 0x and 40 hex digits, bc1...)",
+        "medium: any 0x and 40 hex digits (an Ethereum address or contract of a non-mining tool)",
+        _wallet,
+    ),
+    RogueRule(
+        "exe-deleted",
+        FINDING_MINER,
+        20,
+        EXE_FAMILY,
+        EXE,
+        "the executable was deleted after it started, and nothing stands at its path now (looked up where "
+        "that waits on no server)",
+        "medium: a build that removes its output while it runs; an upgrade that replaced the file is not one",
+        _exe_deleted,
+    ),
+    RogueRule(
+        "exe-tmp",
+        FINDING_MINER,
+        25,
+        EXE_FAMILY,
+        EXE,
+        "the executable lives under /tmp, /var/tmp or /dev/shm",
+        "medium: test binaries, PyInstaller one-file apps and JIT launchers unpack there",
+        _exe_tmp,
+    ),
+    RogueRule(
+        "exe-hidden",
+        FINDING_MINER,
+        20,
+        EXE_FAMILY,
+        EXE,
+        "the executable lives in a hidden folder of a home directory (~/.cache/x), but for where "
+        "installers put interpreters and toolchains (~/.local/share/uv, ~/.pyenv/versions, ~/.conda/envs, "
+        "...)",
+        "medium: a tool installed by hand into a dot-folder (~/.cache/bazel test binaries)",
+        _exe_hidden,
+    ),
+    RogueRule(
+        "pool-port",
+        FINDING_MINER,
+        30,
+        SOCKET_FAMILY,
+        SOCKETS,
+        "a TCP connection the process made (established or being made) to a port in pool_ports (sock_diag, "
+        "by socket inode; accepted connections and ports in the ephemeral range never count)",
+        "high: 3333, 4444, 5555, 7777, 9999 are also ports of ordinary services a job may talk to",
+        _pool_port,
+    ),
+    RogueRule(
+        "allowed-untrusted",
+        FINDING_MINER,
+        10,
+        TRUST_FAMILY,
+        EXE,
+        "the process runs an executable of allowed_processes, but also a file mapped executable that is not "
+        "a root-only file of the host (LD_PRELOAD of a user's library), or it is traced: scored as any "
+        "process, this rule saying why",
+        "low: a profiler or allocator preloaded from a home directory into an allowed program",
+        _allowed_untrusted,
+    ),
+    RogueRule(
+        "idle-memory",
+        FINDING_IDLE,
+        50,
+        IDLE_FAMILY,
+        GPU,
+        "GPU memory (at least idle_min_memory) held at 0% utilization for idle_after",
+        "it is what it says: a notebook waiting for its user is idle",
+        _idle,
+    ),
+    RogueRule(
+        "memory-hog",
+        FINDING_ABUSER,
+        50,
+        SHARE_FAMILY,
+        GPU,
+        "a user held abuser_share of the GPU memory in use over abuser_window, with other users",
+        "it is what it says: one big job among small ones",
+        _memory_hog,
+    ),
+    RogueRule(
+        "time-hog",
+        FINDING_ABUSER,
+        50,
+        SHARE_FAMILY,
+        GPU,
+        "a user had abuser_share of the GPU time used over abuser_window, with other users",
+        "as memory-hog",
+        _time_hog,
+    ),
 )
 RULE_BY_NAME = {r.name: r for r in RULES}
 _ORDER = {r.name: i for i, r in enumerate(RULES)}
@@ -379,12 +572,21 @@ def _findings(facts: Facts, rules: tuple[RogueRule, ...], settings: AuditSetting
             matched.setdefault(rule.kind, []).append((rule, _cut(detail)))
     by_kind = {kind: scored(m) for kind, m in matched.items()}
     is_process = isinstance(facts, ProcessFacts)
-    return [Finding(kind=kind, score=score_of(evidence), uid=facts.uid, user=facts.user,
-                    pid=facts.pid if isinstance(facts, ProcessFacts) else None,
-                    start_time=facts.start_time if isinstance(facts, ProcessFacts) else None,
-                    comm=facts.comm if is_process else "", devices=facts.devices, gpu_memory=facts.gpu_memory,
-                    evidence=tuple(evidence))
-            for kind, evidence in by_kind.items()]
+    return [
+        Finding(
+            kind=kind,
+            score=score_of(evidence),
+            uid=facts.uid,
+            user=facts.user,
+            pid=facts.pid if isinstance(facts, ProcessFacts) else None,
+            start_time=facts.start_time if isinstance(facts, ProcessFacts) else None,
+            comm=facts.comm if is_process else "",
+            devices=facts.devices,
+            gpu_memory=facts.gpu_memory,
+            evidence=tuple(evidence),
+        )
+        for kind, evidence in by_kind.items()
+    ]
 
 
 def process_findings(facts: ProcessFacts, settings: AuditSettings) -> list[Finding]:
@@ -401,8 +603,9 @@ def ranked(processes: Iterable[Finding], users: Iterable[UserFacts], settings: A
     return tuple(sorted(found, key=lambda f: (-f.score, f.kind, f.uid, f.pid or 0)))
 
 
-def evaluate(processes: Iterable[ProcessFacts], users: Iterable[UserFacts],
-             settings: AuditSettings) -> tuple[Finding, ...]:
+def evaluate(
+    processes: Iterable[ProcessFacts], users: Iterable[UserFacts], settings: AuditSettings
+) -> tuple[Finding, ...]:
     """Every finding, highest score first (then by kind, user, process)."""
     return ranked((f for p in processes for f in process_findings(p, settings)), users, settings)
 
@@ -414,12 +617,16 @@ def as_seen_by(finding: Finding, viewer: Viewer) -> Finding | None:
     allowed = _SEEN_BY[viewer.others]
     # What is left is worth what it adds without the rest: a rule that added 0 behind a hidden one of its
     # family adds its points again.
-    evidence = scored((RULE_BY_NAME[e.rule], e.detail) for e in finding.evidence
-                      if e.rule in RULE_BY_NAME and RULE_BY_NAME[e.rule].reads in allowed)
+    evidence = scored(
+        (RULE_BY_NAME[e.rule], e.detail)
+        for e in finding.evidence
+        if e.rule in RULE_BY_NAME and RULE_BY_NAME[e.rule].reads in allowed
+    )
     if not evidence:
         return None
-    return dataclasses.replace(finding, evidence=evidence, score=score_of(evidence),
-                               comm=finding.comm if COMM in allowed else "")
+    return dataclasses.replace(
+        finding, evidence=evidence, score=score_of(evidence), comm=finding.comm if COMM in allowed else ""
+    )
 
 
 def findings_as_seen(findings: Iterable[Finding], viewer: Viewer) -> list[Finding]:

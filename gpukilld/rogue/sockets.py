@@ -119,8 +119,7 @@ class _Spent:
     deadline: float = 0.0
 
     def dumps_over(self, budget: RoundBudget) -> bool:
-        return (self.namespaces >= budget.namespaces or self.bytes >= budget.bytes
-                or time.monotonic() >= self.deadline)
+        return self.namespaces >= budget.namespaces or self.bytes >= budget.bytes or time.monotonic() >= self.deadline
 
     def scans_over(self, budget: RoundBudget) -> bool:
         return self.fds >= budget.fds or time.monotonic() >= self.deadline
@@ -151,15 +150,16 @@ class PoolConnections:
         for key in self._scans.keys() - keep:
             del self._scans[key]
 
-    def read(self, due: list[tuple[object, int, int]], ports: Iterable[int],
-             new: Iterable[object] = ()) -> dict[object, tuple[Peer, ...]]:
+    def read(
+        self, due: list[tuple[object, int, int]], ports: Iterable[int], new: Iterable[object] = ()
+    ) -> dict[object, tuple[Peer, ...]]:
         """due: (key, pid, uid) in the order they wait; new: those never read (for them the host's namespace is
         dumped again, not served from the last HOST_TTL seconds: a process connects when it starts). The
         connections to `ports` of the processes finished this round, by key; the others are deferred (asked
         about again next round)."""
         started = time.monotonic()
         spent = _Spent(deadline=started + self.budget.seconds)
-        ranges = sock_diag.port_ranges(ports)[:sock_diag.MAX_RANGES]
+        ranges = sock_diag.port_ranges(ports)[: sock_diag.MAX_RANGES]
         done: dict[object, tuple[Peer, ...]] = {}
         if not ranges:
             return {key: () for key, _, _ in due}
@@ -167,13 +167,19 @@ class PoolConnections:
         by_netns = self._by_netns(due, host, done)
         candidates = self._read_namespaces(by_netns, host, ranges, set(new), started, spent)
         self._match(by_netns, candidates, host, spent, done)
-        self.last_round = {"seconds": time.monotonic() - started, "namespaces": spent.namespaces,
-                           "bytes": spent.bytes, "fds": spent.fds, "finished": len(done),
-                           "deferred": len(due) - len(done)}
+        self.last_round = {
+            "seconds": time.monotonic() - started,
+            "namespaces": spent.namespaces,
+            "bytes": spent.bytes,
+            "fds": spent.fds,
+            "finished": len(done),
+            "deferred": len(due) - len(done),
+        }
         return done
 
-    def _by_netns(self, due: list[tuple[object, int, int]], host: int | None,
-                  done: dict[object, tuple[Peer, ...]]) -> dict[int, list[tuple[object, int, int]]]:
+    def _by_netns(
+        self, due: list[tuple[object, int, int]], host: int | None, done: dict[object, tuple[Peer, ...]]
+    ) -> dict[int, list[tuple[object, int, int]]]:
         """The due processes by namespace, in order of waiting, as far as the budget goes; those gone are done
         (with nothing)."""
         budget = self.budget
@@ -190,9 +196,15 @@ class PoolConnections:
             by_netns.setdefault(netns, []).append((key, pid, uid))
         return by_netns
 
-    def _read_namespaces(self, by_netns: dict[int, list[tuple[object, int, int]]], host: int | None,
-                         ranges: list[tuple[int, int]], new: set[object], started: float,
-                         spent: _Spent) -> dict[int, list[TcpSocket]]:
+    def _read_namespaces(
+        self,
+        by_netns: dict[int, list[tuple[object, int, int]]],
+        host: int | None,
+        ranges: list[tuple[int, int]],
+        new: set[object],
+        started: float,
+        spent: _Spent,
+    ) -> dict[int, list[TcpSocket]]:
         """Each namespace's candidate connections: the host's first (sockets made there before a process
         moved), then the others; their sock_diag sockets made in one go (sock_diag.open_many), dumped as far as
         the budget goes. A namespace missing from the answer is deferred."""
@@ -202,9 +214,15 @@ class PoolConnections:
         try:
             reading = self._open_namespaces(order, by_netns, host, ns_fds)
             cached = self._host
-            if (cached is not None and reading and reading[0][1] is None and cached[1] == tuple(ranges)
-                    and cached[2] == host and started - cached[0] < HOST_TTL
-                    and not any(key in new for members in by_netns.values() for key, _, _ in members)):
+            if (
+                cached is not None
+                and reading
+                and reading[0][1] is None
+                and cached[1] == tuple(ranges)
+                and cached[2] == host
+                and started - cached[0] < HOST_TTL
+                and not any(key in new for members in by_netns.values() for key, _, _ in members)
+            ):
                 candidates[host] = cached[3]
                 reading = reading[1:]
             diag = sock_diag.open_many([fd for _, fd in reading])
@@ -229,8 +247,9 @@ class PoolConnections:
                 os.close(fd)
         return candidates
 
-    def _open_namespaces(self, order: list[int], by_netns: dict[int, list[tuple[object, int, int]]],
-                         host: int | None, ns_fds: list[int]) -> list[tuple[int, int | None]]:
+    def _open_namespaces(
+        self, order: list[int], by_netns: dict[int, list[tuple[object, int, int]]], host: int | None, ns_fds: list[int]
+    ) -> list[tuple[int, int | None]]:
         """(namespace, its fd; None: the host's, ours) for each namespace still there; every fd opened is added
         to ns_fds, for the caller to close."""
         reading: list[tuple[int, int | None]] = []
@@ -247,8 +266,14 @@ class PoolConnections:
                 reading.append((netns, fd))
         return reading
 
-    def _match(self, by_netns: dict[int, list[tuple[object, int, int]]], candidates: dict[int, list[TcpSocket]],
-               host: int | None, spent: _Spent, done: dict[object, tuple[Peer, ...]]) -> None:
+    def _match(
+        self,
+        by_netns: dict[int, list[tuple[object, int, int]]],
+        candidates: dict[int, list[TcpSocket]],
+        host: int | None,
+        spent: _Spent,
+        done: dict[object, tuple[Peer, ...]],
+    ) -> None:
         """Processes of the namespaces read: their descriptors, where a candidate of their uid is, as far as
         the budget goes."""
         host_candidates = candidates.get(host, []) if host is not None else []
@@ -268,11 +293,16 @@ class PoolConnections:
                 scanned = True
                 held = self._scan_fds(key, pid, mine.keys(), spent)
                 if held is not None:
-                    done[key] = tuple(sorted({Peer(mine[i].remote_address, mine[i].remote_port) for i in held},
-                                             key=lambda peer: (peer.address, peer.port)))
+                    done[key] = tuple(
+                        sorted(
+                            {Peer(mine[i].remote_address, mine[i].remote_port) for i in held},
+                            key=lambda peer: (peer.address, peer.port),
+                        )
+                    )
 
-    def _candidates(self, s: socket.socket, ns_fd: int | None, ranges: list[tuple[int, int]],
-                    families: list[int], spent: _Spent) -> list[TcpSocket]:
+    def _candidates(
+        self, s: socket.socket, ns_fd: int | None, ranges: list[tuple[int, int]], families: list[int], spent: _Spent
+    ) -> list[TcpSocket]:
         """The namespace's connections to pool ports that were not accepted on a listening port (a namespace
         that cannot be read has none: setns refused, or the kernel without sock_diag)."""
         spent.namespaces += 1
@@ -300,13 +330,14 @@ class PoolConnections:
         except OSError:
             return []
 
-    def _not_accepted(self, s: socket.socket, found: list[TcpSocket], families: list[int],
-                      spent: _Spent) -> list[TcpSocket]:
+    def _not_accepted(
+        self, s: socket.socket, found: list[TcpSocket], families: list[int], spent: _Spent
+    ) -> list[TcpSocket]:
         """Leave out the sockets whose local port a LISTEN socket of their namespace holds: accepted ones."""
         listening: set[int] = set()
         ranges = sock_diag.port_ranges(c.local_port for c in found)
         for i in range(0, len(ranges), LISTEN_CHUNK):
-            program = sock_diag.bytecode(ranges[i:i + LISTEN_CHUNK], remote=False)
+            program = sock_diag.bytecode(ranges[i : i + LISTEN_CHUNK], remote=False)
             for family in families:
                 try:
                     got, n = sock_diag.dump(s, family, sock_diag.LISTENING, program, 1 << 20, self._buffer)

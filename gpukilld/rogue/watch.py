@@ -74,20 +74,25 @@ class Basis:
         found = []
         for facts in self.processes:
             since = self.idle_since.get((facts.pid, facts.start_time))
-            idle_for = (self.now - since if since is not None and (facts.gpu_memory or 0) >= settings.idle_min_memory
-                        else None)
+            idle_for = (
+                self.now - since if since is not None and (facts.gpu_memory or 0) >= settings.idle_min_memory else None
+            )
             found.extend(process_findings(replace(facts, idle_for=idle_for), settings))
         return allowed_out(ranked(found, self.users, settings), self.settings, self.allowed)
 
 
-def allowed_out(findings: tuple[Finding, ...], settings: AuditSettings,
-                allowed: frozenset[tuple[int, int]]) -> tuple[Finding, ...]:
+def allowed_out(
+    findings: tuple[Finding, ...], settings: AuditSettings, allowed: frozenset[tuple[int, int]]
+) -> tuple[Finding, ...]:
     """The findings but those of allowed users and of processes that run an allowed executable."""
     users = settings.allowed_users
     if not users and not allowed:
         return findings
-    return tuple(f for f in findings if f.user not in users
-                 and (f.pid is None or f.start_time is None or (f.pid, f.start_time) not in allowed))
+    return tuple(
+        f
+        for f in findings
+        if f.user not in users and (f.pid is None or f.start_time is None or (f.pid, f.start_time) not in allowed)
+    )
 
 
 @dataclass(slots=True)
@@ -112,8 +117,9 @@ class RogueWatch:
     only the processes whose connections are due for a re-read, or that hold memory idle, are looked at again.
     The findings are the same as evaluating every process every sample (rogue.evaluate)."""
 
-    def __init__(self, proc_root: str, settings: AuditSettings | None = None,
-                 budget: RoundBudget | None = None) -> None:
+    def __init__(
+        self, proc_root: str, settings: AuditSettings | None = None, budget: RoundBudget | None = None
+    ) -> None:
         self.proc_root = proc_root
         self.settings = settings or AuditSettings()  # replaced on reload
         self._idle_since: dict[tuple[int, int], float] = {}
@@ -195,8 +201,9 @@ class RogueWatch:
         self.made_with.append((found, settings))
         return found
 
-    def _allowed_processes(self, usages: dict[tuple[int, int], _Usage], settings: AuditSettings,
-                           now: float) -> frozenset[tuple[int, int]]:
+    def _allowed_processes(
+        self, usages: dict[tuple[int, int], _Usage], settings: AuditSettings, now: float
+    ) -> frozenset[tuple[int, int]]:
         """The processes that run an executable of allowed_processes and only their own code: the file checked
         once per process and path, the code every TRUST_TTL."""
         paths = settings.allowed_processes
@@ -233,15 +240,38 @@ class RogueWatch:
         replaced = self._exe_lookups(key, p.exe, now)
         trust = self._trusted.get(key)
         untrusted = trust[2] if trust is not None and trust[1] else None
-        inputs = (p.uid, p.user, p.comm, p.cmdline, p.exe, replaced, u.devices, u.memory, peers,
-                  idle_for is not None and idle_for >= settings.idle_after, untrusted)
+        inputs = (
+            p.uid,
+            p.user,
+            p.comm,
+            p.cmdline,
+            p.exe,
+            replaced,
+            u.devices,
+            u.memory,
+            peers,
+            idle_for is not None and idle_for >= settings.idle_after,
+            untrusted,
+        )
         last = self._found.get(key)
         if last is not None and last[0] == inputs:
             return False
-        facts = ProcessFacts(pid=u.p.pid, start_time=u.p.start_time, uid=u.p.uid, user=u.p.user, comm=u.p.comm,
-                             cmdline=u.p.cmdline, exe=u.p.exe, home=home_of(u.p.uid), devices=tuple(u.devices),
-                             gpu_memory=u.memory, pool_peers=peers, exe_replaced=replaced, idle_for=idle_for,
-                             untrusted_allowed=untrusted)
+        facts = ProcessFacts(
+            pid=u.p.pid,
+            start_time=u.p.start_time,
+            uid=u.p.uid,
+            user=u.p.user,
+            comm=u.p.comm,
+            cmdline=u.p.cmdline,
+            exe=u.p.exe,
+            home=home_of(u.p.uid),
+            devices=tuple(u.devices),
+            gpu_memory=u.memory,
+            pool_peers=peers,
+            exe_replaced=replaced,
+            idle_for=idle_for,
+            untrusted_allowed=untrusted,
+        )
         found = process_findings(facts, settings)
         self._found[key] = (inputs, found, facts)
         self._facts_stale = True
@@ -274,7 +304,9 @@ class RogueWatch:
             if u.memory is not None:
                 held = (held or 0) + u.memory
             now_by_uid[u.p.uid] = (name, devices, held)
-        return per_user, {uid: (name, tuple(sorted(devices)), held) for uid, (name, devices, held) in now_by_uid.items()}
+        return per_user, {
+            uid: (name, tuple(sorted(devices)), held) for uid, (name, devices, held) in now_by_uid.items()
+        }
 
     def _track_idle(self, usages: dict[tuple[int, int], _Usage], now: float) -> None:
         floor = max(1, self.settings.idle_min_memory)
@@ -319,16 +351,25 @@ class RogueWatch:
         enough = covered >= self.settings.abuser_window / 2  # too short a history compares nothing
         total_memory = sum(max(0.0, v) for v in self._memory_seconds.values())
         total_util = sum(max(0.0, v) for v in self._util_seconds.values())
-        users = sum(1 for uid in self._memory_seconds
-                    if self._memory_seconds[uid] > 0.5 or self._util_seconds[uid] > 1e-6)
+        users = sum(
+            1 for uid in self._memory_seconds if self._memory_seconds[uid] > 0.5 or self._util_seconds[uid] > 1e-6
+        )
 
         def share(part: float, total: float) -> float | None:
             return part * 100.0 / total if enough and total > 0 else None
 
-        return [UserFacts(uid=uid, user=name, devices=devices, gpu_memory=memory, users=users,
-                          memory_share=share(max(0.0, self._memory_seconds.get(uid, 0.0)), total_memory),
-                          time_share=share(max(0.0, self._util_seconds.get(uid, 0.0)), total_util))
-                for uid, (name, devices, memory) in self._now_by_uid.items()]
+        return [
+            UserFacts(
+                uid=uid,
+                user=name,
+                devices=devices,
+                gpu_memory=memory,
+                users=users,
+                memory_share=share(max(0.0, self._memory_seconds.get(uid, 0.0)), total_memory),
+                time_share=share(max(0.0, self._util_seconds.get(uid, 0.0)), total_util),
+            )
+            for uid, (name, devices, memory) in self._now_by_uid.items()
+        ]
 
     def _refresh_peers(self, usages: dict[tuple[int, int], _Usage], now: float, fresh: bool) -> set[tuple[int, int]]:
         """Outbound connections to pool ports of the processes read SOCKETS_TTL ago or more (or never), as far as
@@ -352,9 +393,15 @@ class RogueWatch:
             return set()
         ports = audit_settings.outside_range(self.settings.pool_ports, self._ephemeral_range(now))
         # "new" for the socket layer: never read, or read as another program (a fresh dump of the host's namespace)
-        read = self._connections.read([(key, key[0], usages[key].p.uid) for key in self._waiting], ports,
-                                      new=(key for key in self._waiting
-                                           if key not in self._peers or self._read_as.get(key) != _program(usages[key])))
+        read = self._connections.read(
+            [(key, key[0], usages[key].p.uid) for key in self._waiting],
+            ports,
+            new=(
+                key
+                for key in self._waiting
+                if key not in self._peers or self._read_as.get(key) != _program(usages[key])
+            ),
+        )
         for key, peers in read.items():
             del self._waiting[key]
             self._peers[key] = (peers, now)

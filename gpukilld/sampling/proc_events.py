@@ -175,8 +175,9 @@ class ProcEvents:
                 filtered = False
         except OSError as e:  # ECONNREFUSED: a network namespace other than the initial one
             sock.close()
-            self.reason = f"the proc connector refused: {e.strerror or e}" + \
-                (" (not the host's network namespace)" if e.errno == errno.ECONNREFUSED else "")
+            self.reason = f"the proc connector refused: {e.strerror or e}" + (
+                " (not the host's network namespace)" if e.errno == errno.ECONNREFUSED else ""
+            )
             return False
         if err is None:
             sock.close()

@@ -92,7 +92,8 @@ class Sampler:
         self.interval = interval
         self.procfs = procfs
         self._publish = publish
-        # The rogue-activity audit (gpukilld/rogue/watch.py, RogueWatch): it sees every sample's processes, here in this thread.
+        # The rogue-activity audit (gpukilld/rogue/watch.py, RogueWatch): it sees every sample's processes, here in this
+        # thread.
         self.audit = audit
         self._watchdog = watchdog
         # The kernel's proc connector, listening (else None: polling, and _polling_reason says why).
@@ -190,13 +191,22 @@ class Sampler:
         """How what processes become is learnt (the Sampling property); read by the main loop."""
         events = self._events
         if events is None:
-            return SamplingStatus(SAMPLING_POLLING, f"the kernel's proc connector is unavailable: "
-                                  f"{self._polling_reason}; processes are re-read every {STAT_TTL:g} to "
-                                  f"{STAT_TTL * 1.5:g} s", self._events_read, self._overruns)
-        told = "exec, comm and uid events only (filtered by the kernel)" if events.filtered else \
-            "every event (this kernel does not filter by kind); exec, comm and uid ones are acted on"
-        return SamplingStatus(SAMPLING_EVENTS, f"the kernel's proc connector: {told}", self._events_read,
-                              self._overruns)
+            return SamplingStatus(
+                SAMPLING_POLLING,
+                f"the kernel's proc connector is unavailable: "
+                f"{self._polling_reason}; processes are re-read every {STAT_TTL:g} to "
+                f"{STAT_TTL * 1.5:g} s",
+                self._events_read,
+                self._overruns,
+            )
+        told = (
+            "exec, comm and uid events only (filtered by the kernel)"
+            if events.filtered
+            else "every event (this kernel does not filter by kind); exec, comm and uid ones are acted on"
+        )
+        return SamplingStatus(
+            SAMPLING_EVENTS, f"the kernel's proc connector: {told}", self._events_read, self._overruns
+        )
 
     def _drain_events(self) -> set[tuple[int, int]] | None:
         """The followed processes the proc connector named since the last sample (to read again in full); None
@@ -219,8 +229,9 @@ class Sampler:
         key_of = self._key_of
         return {key for pid in drained.pids if (key := key_of.get(pid)) is not None}
 
-    def _read_info(self, pid: int, start_time: int, now: float, known: _Known | None,
-                   changed: bool = False) -> ProcInfo | None:
+    def _read_info(
+        self, pid: int, start_time: int, now: float, known: _Known | None, changed: bool = False
+    ) -> ProcInfo | None:
         """Read the process's stat, and its other facts when new, told `changed`, renamed or due; remember when to
         look again."""
         key = (pid, start_time)
@@ -230,8 +241,13 @@ class Sampler:
             return None
         events = self._events is not None
         young = not events and seconds_since_start(start_time, time.clock_gettime(time.CLOCK_BOOTTIME)) < YOUNG
-        if known is not None and not changed and known.info.comm == stat.comm and now < known.info_due \
-                and not (key in self._young and not young):  # no longer young: read it all once more
+        if (
+            known is not None
+            and not changed
+            and known.info.comm == stat.comm
+            and now < known.info_due
+            and not (key in self._young and not young)
+        ):  # no longer young: read it all once more
             info = known.info
             info_due = known.info_due
         else:
@@ -304,8 +320,14 @@ class Sampler:
         for dev_id, old in self._last_devices.items():
             if dev_id not in devices:
                 devices[dev_id] = dataclasses.replace(
-                    old, state=STATE_LOST, state_reason="no longer reported by its backend",
-                    utilization=None, memory_used=None, temperature=None, power=None, clock_mhz=None,
+                    old,
+                    state=STATE_LOST,
+                    state_reason="no longer reported by its backend",
+                    utilization=None,
+                    memory_used=None,
+                    temperature=None,
+                    power=None,
+                    clock_mhz=None,
                 )
 
         changes = [
@@ -319,8 +341,7 @@ class Sampler:
         now = time.monotonic()
         processes = self._processes(devices, usages, now)
         findings = self._audit(processes, now)
-        content = (tuple(sorted(devices.values(), key=lambda d: d.index)), tuple(processes), tuple(statuses),
-                   findings)
+        content = (tuple(sorted(devices.values(), key=lambda d: d.index)), tuple(processes), tuple(statuses), findings)
         # The generation is the content's version: readers rebuild their replies only when it changes.
         if self._last_content != content:
             self._generation += 1

@@ -124,15 +124,31 @@ class _Open:
                 energy += self.power_rate * dt
                 energy_known += dt
         return UsageRecord(
-            pid=self.pid, start_time=self.start_time, uid=self.uid, user=self.user, comm=self.comm, unit=self.unit,
-            slurm_job=self.slurm_job, pod_uid=self.pod_uid, container_id=self.container_id, device=self.device,
+            pid=self.pid,
+            start_time=self.start_time,
+            uid=self.uid,
+            user=self.user,
+            comm=self.comm,
+            unit=self.unit,
+            slurm_job=self.slurm_job,
+            pod_uid=self.pod_uid,
+            container_id=self.container_id,
+            device=self.device,
             # to the millisecond, as the journal writes them: the store's key (with the first sample) is then
             # the same for a record added by the keeper and for the one a rebuild reads back from the journal
-            device_id=self.device_id, first_seen=round(self.first_seen, 3),
+            device_id=self.device_id,
+            first_seen=round(self.first_seen, 3),
             last_seen=round(max(last_seen, self.first_seen), 3),
-            gpu_seconds=gpu, sm_seconds=sm if sm_known > 0 else None, sm_known_seconds=sm_known,
-            memory_byte_seconds=memory, peak_memory=self.peak, energy_joules=energy if energy_known > 0 else None,
-            energy_known_seconds=energy_known, ended=ended, job_from_environ=self.job_from_environ)
+            gpu_seconds=gpu,
+            sm_seconds=sm if sm_known > 0 else None,
+            sm_known_seconds=sm_known,
+            memory_byte_seconds=memory,
+            peak_memory=self.peak,
+            energy_joules=energy if energy_known > 0 else None,
+            energy_known_seconds=energy_known,
+            ended=ended,
+            job_from_environ=self.job_from_environ,
+        )
 
 
 def _fraction(utilization: float | None) -> float | None:
@@ -224,9 +240,23 @@ class Accountant:
                 closed.append(rec.record(last_wall, ENDED_LEFT if on_gpu else ENDED_EXITED))
         for key, p in seen.items():
             if key not in self._open:
-                rec = _Open(pid=p.pid, start_time=p.start_time, device_id=p.device_id, device=p.device, uid=p.uid,
-                            user=p.user, comm=p.comm, unit=None, slurm_job=None, pod_uid=None, container_id=None,
-                            job_from_environ=False, first_seen=wall, since=now, since_wall=wall)
+                rec = _Open(
+                    pid=p.pid,
+                    start_time=p.start_time,
+                    device_id=p.device_id,
+                    device=p.device,
+                    uid=p.uid,
+                    user=p.user,
+                    comm=p.comm,
+                    unit=None,
+                    slurm_job=None,
+                    pod_uid=None,
+                    container_id=None,
+                    job_from_environ=False,
+                    first_seen=wall,
+                    since=now,
+                    since_wall=wall,
+                )
                 rec.take(p, shares.get(key))
                 self._open[key] = rec
         self._generation, self._monotonic, self._wall = snap.generation, now, wall
@@ -249,14 +279,16 @@ class Accountant:
         held until the latest snapshot; it does not change while its segment runs."""
         pending = rec.saved_last_seen is not None
         record = rec.record(rec.saved_last_seen if pending else rec.since_wall, ENDED_LIVE)  # type: ignore[arg-type]
-        return state.entry_of(state.SavedRecord(record, rec.since, not pending, rec.sm_rate, rec.memory_rate,
-                                                rec.power_rate))
+        return state.entry_of(
+            state.SavedRecord(record, rec.since, not pending, rec.sm_rate, rec.memory_rate, rec.power_rate)
+        )
 
     def dump(self) -> dict[str, Any]:
         """The state to save: the open records and the latest snapshot's instant, with this boot's id and the
         offset that puts the instants on CLOCK_BOOTTIME."""
         return state.header(self.boot, self._offset(), self._monotonic, self._wall) | {
-            "records": [self._entry(rec) for rec in self._open.values()]}
+            "records": [self._entry(rec) for rec in self._open.values()]
+        }
 
     def dump_json(self) -> bytes:
         """dump() as the file's bytes. Each record's entry is encoded again only when its segment changed: an
@@ -266,8 +298,9 @@ class Accountant:
             if rec.encoded is None:
                 rec.encoded = state.encode_records(self._entry(rec))
             parts.append(rec.encoded)
-        return state.encode(state.header(self.boot, self._offset(), self._monotonic, self._wall),
-                            b"[" + b",".join(parts) + b"]")
+        return state.encode(
+            state.header(self.boot, self._offset(), self._monotonic, self._wall), b"[" + b",".join(parts) + b"]"
+        )
 
     def load(self, data: Any, boot: str, alive: Callable[[int, int], bool], now_wall: float) -> list[UsageRecord]:
         """Take back the open records saved by the daemon before (the state file's JSON). Returns the records
@@ -289,18 +322,41 @@ class Accountant:
         for saved in parsed.entries:
             rec = saved.record
             key = (rec.pid, rec.start_time, rec.device_id)
-            if key in self._open or in_future or rec.last_seen > now_wall + state.SLACK or (
-                    saved.held and saved.at > parsed.until + state.SLACK):
+            if (
+                key in self._open
+                or in_future
+                or rec.last_seen > now_wall + state.SLACK
+                or (saved.held and saved.at > parsed.until + state.SLACK)
+            ):
                 dropped += 1
                 continue
             open_ = _Open(
-                pid=rec.pid, start_time=rec.start_time, device_id=rec.device_id, device=rec.device, uid=rec.uid,
-                user=rec.user, comm=rec.comm, unit=rec.unit, slurm_job=rec.slurm_job, pod_uid=rec.pod_uid,
-                container_id=rec.container_id, job_from_environ=rec.job_from_environ, first_seen=rec.first_seen,
-                since=saved.at + shift, since_wall=rec.last_seen, gpu=rec.gpu_seconds, sm=rec.sm_seconds or 0.0,
-                sm_known=rec.sm_known_seconds, memory=rec.memory_byte_seconds, peak=rec.peak_memory,
-                energy=rec.energy_joules or 0.0, energy_known=rec.energy_known_seconds, sm_rate=saved.sm_rate,
-                memory_rate=saved.memory_rate, power_rate=saved.power_rate)
+                pid=rec.pid,
+                start_time=rec.start_time,
+                device_id=rec.device_id,
+                device=rec.device,
+                uid=rec.uid,
+                user=rec.user,
+                comm=rec.comm,
+                unit=rec.unit,
+                slurm_job=rec.slurm_job,
+                pod_uid=rec.pod_uid,
+                container_id=rec.container_id,
+                job_from_environ=rec.job_from_environ,
+                first_seen=rec.first_seen,
+                since=saved.at + shift,
+                since_wall=rec.last_seen,
+                gpu=rec.gpu_seconds,
+                sm=rec.sm_seconds or 0.0,
+                sm_known=rec.sm_known_seconds,
+                memory=rec.memory_byte_seconds,
+                peak=rec.peak_memory,
+                energy=rec.energy_joules or 0.0,
+                energy_known=rec.energy_known_seconds,
+                sm_rate=saved.sm_rate,
+                memory_rate=saved.memory_rate,
+                power_rate=saved.power_rate,
+            )
             last_seen = rec.last_seen
             if saved.held:  # seen by every sample up to the latest one saved, at these rates
                 open_.advance(until)
@@ -315,8 +371,7 @@ class Accountant:
             restored += 1
         notes = []
         if not parsed.this_boot and parsed.entries:
-            notes.append(f"saved in another boot (boot id {parsed.boot_id}): {gone} record(s) closed as "
-                         "daemon-down")
+            notes.append(f"saved in another boot (boot id {parsed.boot_id}): {gone} record(s) closed as daemon-down")
         elif gone:
             notes.append(f"{gone} record(s) of processes gone meanwhile closed as daemon-down")
         if in_future:

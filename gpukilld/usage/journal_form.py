@@ -30,17 +30,29 @@ def _seconds(v: float) -> str:
 def fields_of(rec: UsageRecord) -> dict[str, object]:
     """Audit.log's keyword fields for the record (Audit.log prefixes GPUKILL_; None values are left out)."""
     return {
-        "TARGET_PID": rec.pid, "TARGET_START_TIME": rec.start_time, "TARGET_UID": rec.uid, "TARGET_USER": rec.user,
-        "TARGET_COMM": rec.comm, "UNIT": rec.unit, "SLURM_JOB": rec.slurm_job, "POD_UID": rec.pod_uid,
-        "CONTAINER_ID": rec.container_id, "DEVICE": rec.device_id, "DEVICE_INDEX": rec.device,
-        "FIRST_SEEN": _seconds(rec.first_seen), "LAST_SEEN": _seconds(rec.last_seen),
+        "TARGET_PID": rec.pid,
+        "TARGET_START_TIME": rec.start_time,
+        "TARGET_UID": rec.uid,
+        "TARGET_USER": rec.user,
+        "TARGET_COMM": rec.comm,
+        "UNIT": rec.unit,
+        "SLURM_JOB": rec.slurm_job,
+        "POD_UID": rec.pod_uid,
+        "CONTAINER_ID": rec.container_id,
+        "DEVICE": rec.device_id,
+        "DEVICE_INDEX": rec.device,
+        "FIRST_SEEN": _seconds(rec.first_seen),
+        "LAST_SEEN": _seconds(rec.last_seen),
         "GPU_SECONDS": _seconds(rec.gpu_seconds),
         "SM_SECONDS": None if rec.sm_seconds is None else _seconds(rec.sm_seconds),
         "SM_KNOWN_SECONDS": _seconds(rec.sm_known_seconds),
-        "MEMORY_BYTE_SECONDS": _seconds(rec.memory_byte_seconds), "PEAK_MEMORY": rec.peak_memory,
+        "MEMORY_BYTE_SECONDS": _seconds(rec.memory_byte_seconds),
+        "PEAK_MEMORY": rec.peak_memory,
         "ENERGY_JOULES": None if rec.energy_joules is None else _seconds(rec.energy_joules),
-        "ENERGY_KNOWN_SECONDS": _seconds(rec.energy_known_seconds), "PROCESSES": rec.processes,
-        "ENDED": rec.ended, "JOB_FROM_ENVIRON": "1" if rec.job_from_environ else None,
+        "ENERGY_KNOWN_SECONDS": _seconds(rec.energy_known_seconds),
+        "PROCESSES": rec.processes,
+        "ENDED": rec.ended,
+        "JOB_FROM_ENVIRON": "1" if rec.job_from_environ else None,
     }
 
 
@@ -48,8 +60,11 @@ def message_of(rec: UsageRecord) -> str:
     """The entry's MESSAGE, in systemd's style: "PID 4242 (python3, user alice) on GPU 0: consumed 1h 2min GPU
     time (38min at full SM), 6.1 GiB·h memory, peak 4.0 GiB, 212 kJ." Process text is escaped."""
     user = shown(rec.user)
-    who = (f"{rec.processes} processes of user {user}" if rec.processes > 1 or rec.pid == 0
-           else f"PID {rec.pid} ({shown(rec.comm)}, user {user})")
+    who = (
+        f"{rec.processes} processes of user {user}"
+        if rec.processes > 1 or rec.pid == 0
+        else f"PID {rec.pid} ({shown(rec.comm)}, user {user})"
+    )
     text = f"{who} on GPU {rec.device}: consumed {format_duration(rec.gpu_seconds)} GPU time"
     if rec.sm_seconds is not None:
         text += f" ({format_duration(rec.sm_seconds)} at full SM)"
@@ -112,12 +127,19 @@ def record_from_journal(entry: Mapping[str, object]) -> UsageRecord | None:
         if processes < 1:
             return None
         return UsageRecord(
-            pid=_int(entry, "TARGET_PID", _U32), start_time=_int(entry, "TARGET_START_TIME", _U64),
-            uid=_int(entry, "TARGET_UID", _U32), user=_text(entry, "TARGET_USER") or "",
-            comm=_text(entry, "TARGET_COMM", required=False) or "", unit=_text(entry, "UNIT", False),
-            slurm_job=_text(entry, "SLURM_JOB", False), pod_uid=_text(entry, "POD_UID", False),
-            container_id=_text(entry, "CONTAINER_ID", False), device=_int(entry, "DEVICE_INDEX", _U32),
-            device_id=device_id, first_seen=first, last_seen=last,
+            pid=_int(entry, "TARGET_PID", _U32),
+            start_time=_int(entry, "TARGET_START_TIME", _U64),
+            uid=_int(entry, "TARGET_UID", _U32),
+            user=_text(entry, "TARGET_USER") or "",
+            comm=_text(entry, "TARGET_COMM", required=False) or "",
+            unit=_text(entry, "UNIT", False),
+            slurm_job=_text(entry, "SLURM_JOB", False),
+            pod_uid=_text(entry, "POD_UID", False),
+            container_id=_text(entry, "CONTAINER_ID", False),
+            device=_int(entry, "DEVICE_INDEX", _U32),
+            device_id=device_id,
+            first_seen=first,
+            last_seen=last,
             gpu_seconds=_num(entry, "GPU_SECONDS"),  # type: ignore[arg-type]
             sm_seconds=_num(entry, "SM_SECONDS", False),
             sm_known_seconds=_num(entry, "SM_KNOWN_SECONDS"),  # type: ignore[arg-type]
@@ -125,6 +147,9 @@ def record_from_journal(entry: Mapping[str, object]) -> UsageRecord | None:
             peak_memory=_int(entry, "PEAK_MEMORY", _U64),
             energy_joules=_num(entry, "ENERGY_JOULES", False),
             energy_known_seconds=_num(entry, "ENERGY_KNOWN_SECONDS"),  # type: ignore[arg-type]
-            processes=processes, ended=ended, job_from_environ=jfe == "1")
+            processes=processes,
+            ended=ended,
+            job_from_environ=jfe == "1",
+        )
     except (ValueError, OverflowError):
         return None

@@ -25,9 +25,28 @@ MAX_LINE = 64 * 1024  # bytes of one entry's JSON: ours are ~1.5 KiB, with every
 _CHUNK = 64 * 1024
 # What journalctl is asked to print: the record's fields and the two record_from_journal checks, not the message
 # and the trusted fields it does not read (a third of the bytes to parse)
-_FIELDS = ("MESSAGE_ID", "_UID", *(journal.field_name(name) for name in fields_of(UsageRecord(
-    pid=0, start_time=0, uid=0, user="", device=0, device_id="", first_seen=0.0, last_seen=0.0, sm_seconds=0.0,
-    energy_joules=0.0, job_from_environ=True))))
+_FIELDS = (
+    "MESSAGE_ID",
+    "_UID",
+    *(
+        journal.field_name(name)
+        for name in fields_of(
+            UsageRecord(
+                pid=0,
+                start_time=0,
+                uid=0,
+                user="",
+                device=0,
+                device_id="",
+                first_seen=0.0,
+                last_seen=0.0,
+                sm_seconds=0.0,
+                energy_joules=0.0,
+                job_from_environ=True,
+            )
+        )
+    ),
+)
 
 
 def _lines(stream) -> Iterator[bytes | None]:
@@ -46,8 +65,15 @@ def _lines(stream) -> Iterator[bytes | None]:
 
 def read_usage_entries(journalctl: str = "journalctl") -> Iterator[UsageRecord]:
     """Every usage record in the journal, oldest first; what is malformed is skipped (and counted in the log)."""
-    argv = [journalctl, "-o", "json", "--no-pager", "--output-fields=" + ",".join(_FIELDS),
-            f"MESSAGE_ID={journal.USAGE.message_id}", "_UID=0"]
+    argv = [
+        journalctl,
+        "-o",
+        "json",
+        "--no-pager",
+        "--output-fields=" + ",".join(_FIELDS),
+        f"MESSAGE_ID={journal.USAGE.message_id}",
+        "_UID=0",
+    ]
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     except OSError as e:

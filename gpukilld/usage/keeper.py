@@ -56,22 +56,33 @@ def still_running(root: str = "/proc") -> Callable[[int, int], bool]:
     """Whether (pid, start time) still runs, read from root: what tells "left" (it runs on, off that GPU) from
     "exited". A zombie has exited: a backend that follows processes by pidfd drops one the moment it dies,
     before its parent reaps it, and its /proc stat still shows the same start time until then."""
+
     def running(pid: int, start_time: int) -> bool:
         stat = read_stat(pid, root)
         return stat is not None and stat.start_time == start_time and stat.state not in ("Z", "X", "x")
+
     return running
 
 
 def _journal_entries() -> Iterable[UsageRecord]:
     from .journal_read import read_usage_entries  # the store's half (part of the same folder)
+
     return read_usage_entries()
 
 
 class UsageKeeper:
-    def __init__(self, audit: journal.Audit, store: Any, state_dir: str, *, keep_days: int = 400,
-                 alive: Callable[[int, int], bool] | None = None, boot: str | None = None,
-                 entries: Callable[[], Iterable[UsageRecord]] = _journal_entries,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        audit: journal.Audit,
+        store: Any,
+        state_dir: str,
+        *,
+        keep_days: int = 400,
+        alive: Callable[[int, int], bool] | None = None,
+        boot: str | None = None,
+        entries: Callable[[], Iterable[UsageRecord]] = _journal_entries,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.audit = audit
         self.store = store
         self.state_dir = state_dir
@@ -92,9 +103,13 @@ class UsageKeeper:
         self._next_open = 0.0
         self.written = 0  # journal entries written (folded ones count once)
         self.folded = 0  # records folded into them
-        self._save_watch = WriteWatch(audit, state_path(state_dir), "the usage totals of the open processes",
-                                      "it is removed, so that a restart cannot count a record twice; the totals "
-                                      "go on in memory and the closed records to the journal and the usage store")
+        self._save_watch = WriteWatch(
+            audit,
+            state_path(state_dir),
+            "the usage totals of the open processes",
+            "it is removed, so that a restart cannot count a record twice; the totals "
+            "go on in memory and the closed records to the journal and the usage store",
+        )
 
     # -- life cycle ------------------------------------------------------------------------------------
 
@@ -258,14 +273,24 @@ def fold(records: list[UsageRecord]) -> UsageRecord:
     energy = [r.energy_joules for r in records if r.energy_joules is not None]
     job = _same([r.slurm_job for r in records])
     return replace(
-        head, pid=0, start_time=0, comm="", unit=_same([r.unit for r in records]),
-        slurm_job=job, pod_uid=_same([r.pod_uid for r in records]),
+        head,
+        pid=0,
+        start_time=0,
+        comm="",
+        unit=_same([r.unit for r in records]),
+        slurm_job=job,
+        pod_uid=_same([r.pod_uid for r in records]),
         container_id=_same([r.container_id for r in records]),
-        first_seen=min(r.first_seen for r in records), last_seen=max(r.last_seen for r in records),
-        gpu_seconds=sum(r.gpu_seconds for r in records), sm_seconds=sum(sm) if sm else None,
+        first_seen=min(r.first_seen for r in records),
+        last_seen=max(r.last_seen for r in records),
+        gpu_seconds=sum(r.gpu_seconds for r in records),
+        sm_seconds=sum(sm) if sm else None,
         sm_known_seconds=sum(r.sm_known_seconds for r in records),
         memory_byte_seconds=sum(r.memory_byte_seconds for r in records),
-        peak_memory=max(r.peak_memory for r in records), energy_joules=sum(energy) if energy else None,
+        peak_memory=max(r.peak_memory for r in records),
+        energy_joules=sum(energy) if energy else None,
         energy_known_seconds=sum(r.energy_known_seconds for r in records),
-        processes=sum(r.processes for r in records), ended=_same([r.ended for r in records]) or ENDED_EXITED,
-        job_from_environ=job is not None and any(r.job_from_environ for r in records))
+        processes=sum(r.processes for r in records),
+        ended=_same([r.ended for r in records]) or ENDED_EXITED,
+        job_from_environ=job is not None and any(r.job_from_environ for r in records),
+    )

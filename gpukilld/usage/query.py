@@ -52,8 +52,9 @@ def _time(raw: dict[str, Variant], key: str) -> float | None:
         return None
     value = float(_value(raw, key, _TIME_TYPES))
     if not math.isfinite(value) or not 0 <= value <= MAX_TIME:
-        raise InvalidArgs(f"usage query {key!r} must be seconds since the epoch from 0 to {MAX_TIME:.0f}, "
-                          f"not {value!r}"[:200])
+        raise InvalidArgs(
+            f"usage query {key!r} must be seconds since the epoch from 0 to {MAX_TIME:.0f}, not {value!r}"[:200]
+        )
     return value
 
 
@@ -103,5 +104,15 @@ def parse_query(raw: dict[str, Variant], now: float) -> UsageQuery:
         limit = _value(raw, "limit", "uqy")
         if not 1 <= limit <= MAX_LIMIT:
             raise InvalidArgs(f"usage query 'limit' must be from 1 to {MAX_LIMIT}, not {limit}")
-    return UsageQuery(since=since, until=until, by=by, user=user, name=_text(raw, "name"), unit=_text(raw, "unit"),
-                      job=_text(raw, "job"), pod=_text(raw, "pod"), device=device, limit=limit)
+    return UsageQuery(
+        since=since,
+        until=until,
+        by=by,
+        user=user,
+        name=_text(raw, "name"),
+        unit=_text(raw, "unit"),
+        job=_text(raw, "job"),
+        pod=_text(raw, "pod"),
+        device=device,
+        limit=limit,
+    )

@@ -68,14 +68,35 @@ class SavedRecord:
 # What an entry holds, and how each value is checked: "u32"/"u64" an int in range, "text" a str (≤ MAX_TEXT),
 # "opt" a str or null, "num" a finite float ≥ 0, "optnum" that or null, "bool".
 _RECORD_FIELDS = (
-    ("pid", "u32"), ("start_time", "u64"), ("uid", "u32"), ("user", "text"), ("comm", "text"), ("unit", "opt"),
-    ("slurm_job", "opt"), ("pod_uid", "opt"), ("container_id", "opt"), ("device", "u32"), ("device_id", "text"),
-    ("first_seen", "num"), ("last_seen", "num"), ("gpu_seconds", "num"), ("sm_seconds", "optnum"),
-    ("sm_known_seconds", "num"), ("memory_byte_seconds", "num"), ("peak_memory", "u64"),
-    ("energy_joules", "optnum"), ("energy_known_seconds", "num"), ("job_from_environ", "bool"),
+    ("pid", "u32"),
+    ("start_time", "u64"),
+    ("uid", "u32"),
+    ("user", "text"),
+    ("comm", "text"),
+    ("unit", "opt"),
+    ("slurm_job", "opt"),
+    ("pod_uid", "opt"),
+    ("container_id", "opt"),
+    ("device", "u32"),
+    ("device_id", "text"),
+    ("first_seen", "num"),
+    ("last_seen", "num"),
+    ("gpu_seconds", "num"),
+    ("sm_seconds", "optnum"),
+    ("sm_known_seconds", "num"),
+    ("memory_byte_seconds", "num"),
+    ("peak_memory", "u64"),
+    ("energy_joules", "optnum"),
+    ("energy_known_seconds", "num"),
+    ("job_from_environ", "bool"),
 )
-_RATE_FIELDS = (("at", "num"), ("held", "bool"), ("sm_rate", "optnum"), ("memory_rate", "num"),
-                ("power_rate", "optnum"))
+_RATE_FIELDS = (
+    ("at", "num"),
+    ("held", "bool"),
+    ("sm_rate", "optnum"),
+    ("memory_rate", "num"),
+    ("power_rate", "optnum"),
+)
 
 
 def _ok(kind: str, v: Any) -> bool:
@@ -95,8 +116,9 @@ def _ok(kind: str, v: Any) -> bool:
 def entry_of(saved: SavedRecord) -> dict[str, Any]:
     rec = saved.record
     out: dict[str, Any] = {name: getattr(rec, name) for name, _ in _RECORD_FIELDS}
-    out.update(at=saved.at, held=saved.held, sm_rate=saved.sm_rate, memory_rate=saved.memory_rate,
-               power_rate=saved.power_rate)
+    out.update(
+        at=saved.at, held=saved.held, sm_rate=saved.sm_rate, memory_rate=saved.memory_rate, power_rate=saved.power_rate
+    )
     return out
 
 
@@ -113,14 +135,26 @@ def parse_entry(raw: Any) -> SavedRecord | None:
     sm_rate, power_rate = raw["sm_rate"], raw["power_rate"]
     if sm_rate is not None and sm_rate > 1:
         return None
-    return SavedRecord(rec, float(raw["at"]), raw["held"], None if sm_rate is None else float(sm_rate),
-                       float(raw["memory_rate"]), None if power_rate is None else float(power_rate))
+    return SavedRecord(
+        rec,
+        float(raw["at"]),
+        raw["held"],
+        None if sm_rate is None else float(sm_rate),
+        float(raw["memory_rate"]),
+        None if power_rate is None else float(power_rate),
+    )
 
 
 def header(boot: str, offset: float, until: float, until_wall: float) -> dict[str, Any]:
     """The state's fields but its records: this boot, CLOCK_BOOTTIME - CLOCK_MONOTONIC, the latest sample."""
-    return {"format": FORMAT, "boot_id": boot, "saved_at": boottime(), "offset": offset, "until": until,
-            "until_wall": until_wall}
+    return {
+        "format": FORMAT,
+        "boot_id": boot,
+        "saved_at": boottime(),
+        "offset": offset,
+        "until": until,
+        "until_wall": until_wall,
+    }
 
 
 def encode_records(entries: list[dict[str, Any]] | dict[str, Any]) -> bytes:
@@ -156,14 +190,22 @@ def parse_state(data: Any, boot: str) -> Parsed | None:
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("records"), list):
         return None
     if not all(_finite(data.get(k)) and data[k] >= 0 for k in ("until", "until_wall")) or not _finite(
-            data.get("offset")):
+        data.get("offset")
+    ):
         return None
     saved_boot = data.get("boot_id")
     shown = saved_boot[:40] if isinstance(saved_boot, str) else "none"
     raw = data["records"]
     entries = [e for e in (parse_entry(r) for r in raw[:MAX_ENTRIES]) if e is not None]
-    return Parsed(entries, len(raw) - len(entries), bool(boot) and saved_boot == boot, shown,
-                  float(data["offset"]), float(data["until"]), float(data["until_wall"]))
+    return Parsed(
+        entries,
+        len(raw) - len(entries),
+        bool(boot) and saved_boot == boot,
+        shown,
+        float(data["offset"]),
+        float(data["until"]),
+        float(data["until_wall"]),
+    )
 
 
 def state_path(directory: str) -> str:

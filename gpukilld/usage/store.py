@@ -54,21 +54,65 @@ QUERY_DEADLINE = 20.0  # seconds a query may run before it is interrupted
 BUSY_TIMEOUT_MS = 30_000  # a writer waits this long for another (rebuild and writer thread)
 
 # The columns, in UsageRecord's field order; job_from_environ as 0/1.
-COLUMNS = ("pid", "start_time", "uid", "user", "comm", "unit", "slurm_job", "pod_uid", "container_id", "device",
-           "device_id", "first_seen", "last_seen", "gpu_seconds", "sm_seconds", "sm_known_seconds",
-           "memory_byte_seconds", "peak_memory", "energy_joules", "energy_known_seconds", "processes", "ended",
-           "job_from_environ")
-_TYPES = {"pid": "INTEGER NOT NULL", "start_time": "INTEGER NOT NULL", "uid": "INTEGER NOT NULL",
-          "user": "TEXT NOT NULL", "comm": "TEXT NOT NULL", "unit": "TEXT", "slurm_job": "TEXT", "pod_uid": "TEXT",
-          "container_id": "TEXT", "device": "INTEGER NOT NULL", "device_id": "TEXT NOT NULL",
-          "first_seen": "REAL NOT NULL", "last_seen": "REAL NOT NULL", "gpu_seconds": "REAL NOT NULL",
-          "sm_seconds": "REAL", "sm_known_seconds": "REAL NOT NULL", "memory_byte_seconds": "REAL NOT NULL",
-          "peak_memory": "INTEGER NOT NULL", "energy_joules": "REAL", "energy_known_seconds": "REAL NOT NULL",
-          "processes": "INTEGER NOT NULL", "ended": "TEXT NOT NULL", "job_from_environ": "INTEGER NOT NULL"}
+COLUMNS = (
+    "pid",
+    "start_time",
+    "uid",
+    "user",
+    "comm",
+    "unit",
+    "slurm_job",
+    "pod_uid",
+    "container_id",
+    "device",
+    "device_id",
+    "first_seen",
+    "last_seen",
+    "gpu_seconds",
+    "sm_seconds",
+    "sm_known_seconds",
+    "memory_byte_seconds",
+    "peak_memory",
+    "energy_joules",
+    "energy_known_seconds",
+    "processes",
+    "ended",
+    "job_from_environ",
+)
+_TYPES = {
+    "pid": "INTEGER NOT NULL",
+    "start_time": "INTEGER NOT NULL",
+    "uid": "INTEGER NOT NULL",
+    "user": "TEXT NOT NULL",
+    "comm": "TEXT NOT NULL",
+    "unit": "TEXT",
+    "slurm_job": "TEXT",
+    "pod_uid": "TEXT",
+    "container_id": "TEXT",
+    "device": "INTEGER NOT NULL",
+    "device_id": "TEXT NOT NULL",
+    "first_seen": "REAL NOT NULL",
+    "last_seen": "REAL NOT NULL",
+    "gpu_seconds": "REAL NOT NULL",
+    "sm_seconds": "REAL",
+    "sm_known_seconds": "REAL NOT NULL",
+    "memory_byte_seconds": "REAL NOT NULL",
+    "peak_memory": "INTEGER NOT NULL",
+    "energy_joules": "REAL",
+    "energy_known_seconds": "REAL NOT NULL",
+    "processes": "INTEGER NOT NULL",
+    "ended": "TEXT NOT NULL",
+    "job_from_environ": "INTEGER NOT NULL",
+}
 _COLUMN_DEFS = ", ".join(f"{c} {_TYPES[c]}" for c in COLUMNS)
 _DAY = "CAST({}.{} / 86400 AS INTEGER)"  # a record's UTC day (first or last), the same expression everywhere
-_BUCKET = ("first_day = " + _DAY.format("OLD", "first_seen") + " AND last_day = " + _DAY.format("OLD", "last_seen")
-           + " AND uid = OLD.uid AND user = OLD.user AND device_id = OLD.device_id AND device = OLD.device")
+_BUCKET = (
+    "first_day = "
+    + _DAY.format("OLD", "first_seen")
+    + " AND last_day = "
+    + _DAY.format("OLD", "last_seen")
+    + " AND uid = OLD.uid AND user = OLD.user AND device_id = OLD.device_id AND device = OLD.device"
+)
 # Take OLD (a record) out of its day's totals: it became part of a process with several records, or was pruned.
 _SUBTRACT = f"""UPDATE usage_day SET n = n - 1, processes = processes - OLD.processes,
     gpu_seconds = gpu_seconds - OLD.gpu_seconds, sm_seconds = sm_seconds - IFNULL(OLD.sm_seconds, 0),
@@ -114,7 +158,8 @@ CREATE TRIGGER IF NOT EXISTS usage_added AFTER INSERT ON usage BEGIN
         sm_known_seconds = sm_known_seconds + excluded.sm_known_seconds,
         memory_byte_seconds = memory_byte_seconds + excluded.memory_byte_seconds,
         peak_memory = MAX(peak_memory, excluded.peak_memory), energy_joules = energy_joules + excluded.energy_joules,
-        energy_n = energy_n + excluded.energy_n, energy_known_seconds = energy_known_seconds + excluded.energy_known_seconds,
+        energy_n = energy_n + excluded.energy_n,
+        energy_known_seconds = energy_known_seconds + excluded.energy_known_seconds,
         first_seen = MIN(first_seen, excluded.first_seen), last_seen = MAX(last_seen, excluded.last_seen);
     INSERT INTO usage_meta VALUES ('max_life', NEW.last_seen - NEW.first_seen)
     ON CONFLICT (name) DO UPDATE SET value = MAX(value, excluded.value);
@@ -134,19 +179,44 @@ _INSERT = f"INSERT OR IGNORE INTO usage ({', '.join(COLUMNS)}) VALUES ({', '.joi
 def _row(r: UsageRecord) -> tuple:
     # first and last_seen to the millisecond, as the journal has them ("%.3f"): a record the writer stored and the
     # rebuild reads back from the journal then has the same key, and is stored once
-    return (r.pid, r.start_time, r.uid, r.user, r.comm, r.unit, r.slurm_job, r.pod_uid, r.container_id, r.device,
-            r.device_id, round(r.first_seen, 3), round(r.last_seen, 3), r.gpu_seconds, r.sm_seconds, r.sm_known_seconds,
-            r.memory_byte_seconds, r.peak_memory, r.energy_joules, r.energy_known_seconds, r.processes, r.ended,
-            1 if r.job_from_environ else 0)
+    return (
+        r.pid,
+        r.start_time,
+        r.uid,
+        r.user,
+        r.comm,
+        r.unit,
+        r.slurm_job,
+        r.pod_uid,
+        r.container_id,
+        r.device,
+        r.device_id,
+        round(r.first_seen, 3),
+        round(r.last_seen, 3),
+        r.gpu_seconds,
+        r.sm_seconds,
+        r.sm_known_seconds,
+        r.memory_byte_seconds,
+        r.peak_memory,
+        r.energy_joules,
+        r.energy_known_seconds,
+        r.processes,
+        r.ended,
+        1 if r.job_from_environ else 0,
+    )
 
 
 class UsageStore:
     def __init__(self, path: str, audit: journal.Audit | None = None) -> None:
         self.path = path
-        self._watch = WriteWatch(audit, path, "the usage store",
-                                 f"the records not stored are kept in memory (at most {MAX_PENDING}), counted by "
-                                 f"usage queries and tried again every {RETRY:.0f} s, or, where the store cannot be "
-                                 "opened, read back from the journal once it can; the journal has them all")
+        self._watch = WriteWatch(
+            audit,
+            path,
+            "the usage store",
+            f"the records not stored are kept in memory (at most {MAX_PENDING}), counted by "
+            f"usage queries and tried again every {RETRY:.0f} s, or, where the store cannot be "
+            "opened, read back from the journal once it can; the journal has them all",
+        )
         self.rebuilding = False
         self.unavailable: str | None = "the usage store is not open yet"  # why queries cannot be answered
         self._pending: deque[tuple] = deque()  # rows and ("prune", cutoff) for the writer
@@ -219,16 +289,19 @@ class UsageStore:
         return fresh
 
     def _move_aside(self, why: str) -> None:
-        log.warning("usage store %s unreadable (%s): moved aside as %s.broken, to be rebuilt from the journal",
-                    self.path, why, self.path)
+        log.warning(
+            "usage store %s unreadable (%s): moved aside as %s.broken, to be rebuilt from the journal",
+            self.path,
+            why,
+            self.path,
+        )
         os.replace(self.path, self.path + ".broken")
         for suffix in ("-wal", "-shm", "-journal"):  # a stale WAL must not be applied to the new file
             with contextlib.suppress(FileNotFoundError):
                 os.replace(self.path + suffix, self.path + ".broken" + suffix)
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False,
-                               isolation_level=None)
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable up to the last checkpoint on power loss
         # the GROUP BY's sorter is faster with SQLite's default temp_store (0.57 s against 0.85 s for 300,000
@@ -246,7 +319,7 @@ class UsageStore:
             room = MAX_PENDING - len(self._pending) - len(self._writing)  # a batch being tried may come back
             if room < len(records):
                 self._dropped += len(records) - max(room, 0)
-                records = records[:max(room, 0)]
+                records = records[: max(room, 0)]
             self._pending.extend(_row(r) for r in records)
             self._cond.notify_all()  # the writer, whoever else waits (flush)
 
@@ -303,8 +376,11 @@ class UsageStore:
                         dropped, self._dropped = self._dropped, 0
                         self._dropped_told = time.monotonic() + WriteWatch.REPORT_EVERY
                 if dropped:
-                    log.warning("usage store: %d records dropped (the writer is behind, or its writes fail); the "
-                                "journal has them", dropped)
+                    log.warning(
+                        "usage store: %d records dropped (the writer is behind, or its writes fail); the "
+                        "journal has them",
+                        dropped,
+                    )
                 retry = False
                 try:
                     self._write(conn, batch)
@@ -312,8 +388,9 @@ class UsageStore:
                     self._watch.failed(e)
                     retry = not self._stopping
                     if not retry:
-                        log.warning("usage store: %d records not stored at stop: %s; the journal has them",
-                                    len(batch), e)
+                        log.warning(
+                            "usage store: %d records not stored at stop: %s; the journal has them", len(batch), e
+                        )
                 except sqlite3.Error as e:  # a file gone bad: the journal still has the records
                     log.warning("usage store: %d records not stored: %s", len(batch), e)
                 except Exception:  # a value SQLite cannot take (a bug upstream): the writer must live on
@@ -353,7 +430,9 @@ class UsageStore:
                         log.warning("usage store: a record of PID %s not stored: %s", row[0], e)
             for cutoff in cutoffs:
                 # whole days, so that usage_day's totals go with their records
-                conn.execute(f"DELETE FROM usage WHERE {_DAY.format('usage', 'last_seen')} < ?", (int(cutoff // 86400),))
+                conn.execute(
+                    f"DELETE FROM usage WHERE {_DAY.format('usage', 'last_seen')} < ?", (int(cutoff // 86400),)
+                )
                 conn.execute("DELETE FROM usage_day WHERE n <= 0")
             conn.execute("COMMIT")
         except BaseException:
@@ -414,8 +493,10 @@ class UsageStore:
         writer.join(timeout=30)
         self._writer = None
         if self._dropped:  # those since the last line about them
-            log.warning("usage store: %d records dropped (the writer is behind, or its writes fail); the journal "
-                        "has them", self._dropped)
+            log.warning(
+                "usage store: %d records dropped (the writer is behind, or its writes fail); the journal has them",
+                self._dropped,
+            )
             self._dropped = 0
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -434,8 +515,10 @@ class UsageStore:
             with contextlib.closing(self._connect()) as conn:
                 conn.set_progress_handler(lambda: time.monotonic() > deadline, 100_000)
                 conn.execute(f"CREATE TEMP TABLE live ({_COLUMN_DEFS})")
-                conn.executemany(_INSERT.replace("INTO usage", "INTO temp.live"),
-                                 [r for r in current if r[_LAST] >= q.since and r[_FIRST] <= q.until])
+                conn.executemany(
+                    _INSERT.replace("INTO usage", "INTO temp.live"),
+                    [r for r in current if r[_LAST] >= q.since and r[_FIRST] <= q.until],
+                )
                 # One read of the file from here on; a record committed since `current` was taken is in both,
                 # and counts once: the file's
                 conn.execute("BEGIN")
@@ -448,21 +531,30 @@ class UsageStore:
                 conn.execute("ROLLBACK")
         except sqlite3.OperationalError as e:
             if time.monotonic() > deadline:
-                raise GpukillError(f"the usage query took over {QUERY_DEADLINE:.0f} s; ask for a shorter range "
-                                   "or a narrower filter") from None
+                raise GpukillError(
+                    f"the usage query took over {QUERY_DEADLINE:.0f} s; ask for a shorter range or a narrower filter"
+                ) from None
             raise GpukillError(f"the usage store could not be read: {e}") from None
         except sqlite3.DatabaseError as e:
             raise GpukillError(f"the usage store could not be read: {e}") from None
         rows = tuple(_usage_row(r, q.since, q.until) for r in found)
-        return UsageReport(since=q.since, until=q.until, by=q.by, rows=rows,
-                           rows_total=found[0][-1] if found else 0, rebuilding=rebuilding)
+        return UsageReport(
+            since=q.since,
+            until=q.until,
+            by=q.by,
+            rows=rows,
+            rows_total=found[0][-1] if found else 0,
+            rebuilding=rebuilding,
+        )
 
 
 _FIRST, _LAST, _ENDED = COLUMNS.index("first_seen"), COLUMNS.index("last_seen"), COLUMNS.index("ended")
 _IDENTITY = tuple(COLUMNS.index(c) for c in ("pid", "start_time", "device_id", "first_seen", "uid"))  # usage_record
-_UNSAVED_ONLY = ("DELETE FROM temp.live WHERE ended != '' AND EXISTS (SELECT 1 FROM main.usage u WHERE "
-                 + " AND ".join(f"u.{c} = live.{c}" for c in ("pid", "start_time", "device_id", "first_seen", "uid"))
-                 + ")")
+_UNSAVED_ONLY = (
+    "DELETE FROM temp.live WHERE ended != '' AND EXISTS (SELECT 1 FROM main.usage u WHERE "
+    + " AND ".join(f"u.{c} = live.{c}" for c in ("pid", "start_time", "device_id", "first_seen", "uid"))
+    + ")"
+)
 
 
 def _unique(rows: list[tuple]) -> list[tuple]:
@@ -513,8 +605,10 @@ _PROCESS = "(start_time * 4194304 + pid)"
 # Above this share of the store in the range, scanning the table beats the index on last_seen (300,000 records,
 # all in the range: 0.15 s scanned, 0.67 s through the index)
 SCAN_SHARE = 0.25
-_NUMBERS = ("pid, start_time, uid, user, device, device_id, first_seen, last_seen, gpu_seconds, sm_seconds, "
-            "sm_known_seconds, memory_byte_seconds, peak_memory, energy_joules, energy_known_seconds, processes")
+_NUMBERS = (
+    "pid, start_time, uid, user, device, device_id, first_seen, last_seen, gpu_seconds, sm_seconds, "
+    "sm_known_seconds, memory_byte_seconds, peak_memory, energy_joules, energy_known_seconds, processes"
+)
 
 
 # Each row's grouping: (GROUP BY, its key, the row's uid, user, device, device_id, pid, start_time, comm); by
@@ -522,7 +616,11 @@ _NUMBERS = ("pid, start_time, uid, user, device, device_id, first_seen, last_see
 _GROUPS = {
     "user": ("uid", "MAX(user)", "uid, MAX(user), NULL, NULL, NULL, NULL, NULL"),
     "gpu": ("device_id", "CAST(MAX(device) AS TEXT)", "NULL, NULL, MAX(device), device_id, NULL, NULL, NULL"),
-    "process": ("uid, pid, start_time", "pid || ':' || start_time", "uid, MAX(user), NULL, NULL, pid, start_time, MAX(k)"),
+    "process": (
+        "uid, pid, start_time",
+        "pid || ':' || start_time",
+        "uid, MAX(user), NULL, NULL, pid, start_time, MAX(k)",
+    ),
 }
 _BY_KEY = ("h, k", "k", "NULL, NULL, NULL, NULL, NULL, NULL, NULL")
 # The columns after the processes count, the same in both statements: the live processes, the prorated sums,
@@ -535,12 +633,16 @@ _TOTALS = f"""COUNT(DISTINCT CASE WHEN is_live AND pid != 0 THEN {_PROCESS} END)
        COUNT(*) OVER ()"""
 
 # A record in the range [since, until]: overlapping it, or sampled once (last_seen == first_seen) inside it.
-_OVERLAP = ("last_seen >= :since AND first_seen <= :until AND "
-            "(last_seen <= first_seen OR (last_seen > :since AND first_seen < :until))")
+_OVERLAP = (
+    "last_seen >= :since AND first_seen <= :until AND "
+    "(last_seen <= first_seen OR (last_seen > :since AND first_seen < :until))"
+)
 # The part of a record's life in the range: most records lie wholly in a long range, so that is tested first
 # with two comparisons, before MIN and MAX (300,000 records: 0.21 s against 0.51 s).
-_FRACTION = ("(CASE WHEN (first_seen >= :since AND last_seen <= :until) OR last_seen <= first_seen THEN 1.0 "
-             "ELSE (MIN(last_seen, :until) - MAX(first_seen, :since)) / (last_seen - first_seen) END)")
+_FRACTION = (
+    "(CASE WHEN (first_seen >= :since AND last_seen <= :until) OR last_seen <= first_seen THEN 1.0 "
+    "ELSE (MIN(last_seen, :until) - MAX(first_seen, :since)) / (last_seen - first_seen) END)"
+)
 
 
 def _whose(q: UsageQuery, viewer: Viewer, params: dict) -> list[str]:
@@ -591,9 +693,11 @@ def _statement(q: UsageQuery, viewer: Viewer, scan: bool) -> tuple[str, dict]:
         grouped = "0 AS h, NULL AS k"
     fraction = f"{_FRACTION} AS f"
     conditions = " AND ".join(where)
-    records = (f"SELECT {_NUMBERS}, {grouped}, {fraction}, 0 AS is_live FROM main.usage{' NOT INDEXED' if scan else ''}"
-               f" WHERE {conditions} UNION ALL "
-               f"SELECT {_NUMBERS}, {grouped}, {fraction}, ended = '' AS is_live FROM temp.live WHERE {conditions}")
+    records = (
+        f"SELECT {_NUMBERS}, {grouped}, {fraction}, 0 AS is_live FROM main.usage{' NOT INDEXED' if scan else ''}"
+        f" WHERE {conditions} UNION ALL "
+        f"SELECT {_NUMBERS}, {grouped}, {fraction}, ended = '' AS is_live FROM temp.live WHERE {conditions}"
+    )
     group, key, extra = _GROUPS.get(q.by, _BY_KEY)
     sql = f"""
 SELECT {key} AS key, MAX(h), {extra},
@@ -612,9 +716,11 @@ def _by_day(q: UsageQuery) -> bool:
     return q.by in ("user", "gpu") and q.name is None and q.unit is None and q.job is None and q.pod is None
 
 
-_COMMON = ("uid, user, device_id, device, pid, start_time, {raw} AS raw, {live} AS is_live, {processes} AS processes, "
-           "gpu_seconds, sm_seconds, sm_known_seconds, memory_byte_seconds, {peak} AS peak_memory, energy_joules, "
-           "energy_known_seconds, {first} AS first_seen, {last} AS last_seen, {f} AS f")
+_COMMON = (
+    "uid, user, device_id, device, pid, start_time, {raw} AS raw, {live} AS is_live, {processes} AS processes, "
+    "gpu_seconds, sm_seconds, sm_known_seconds, memory_byte_seconds, {peak} AS peak_memory, energy_joules, "
+    "energy_known_seconds, {first} AS first_seen, {last} AS last_seen, {f} AS f"
+)
 
 
 def _day_statement(q: UsageQuery, viewer: Viewer, conn: sqlite3.Connection) -> tuple[str, dict]:
@@ -627,13 +733,23 @@ def _day_statement(q: UsageQuery, viewer: Viewer, conn: sqlite3.Connection) -> t
     du = math.floor(q.until / 86400)
     du -= du * 86400 > q.until
     max_life = conn.execute("SELECT IFNULL(MAX(value), 0) FROM usage_meta WHERE name = 'max_life'").fetchone()[0]
-    params: dict = {"since": q.since, "until": q.until, "viewer": viewer.uid, "limit": q.limit, "ds": ds, "du": du,
-                    "ds_t": ds * 86400.0, "du_t": du * 86400.0, "earliest": q.since - max_life - 1}
+    params: dict = {
+        "since": q.since,
+        "until": q.until,
+        "viewer": viewer.uid,
+        "limit": q.limit,
+        "ds": ds,
+        "du": du,
+        "ds_t": ds * 86400.0,
+        "du_t": du * 86400.0,
+        "earliest": q.since - max_life - 1,
+    }
     filters = [*_whose(q, viewer, params), *_on_device(q, params)]
     first_day, last_day = _DAY.format("usage", "first_seen"), _DAY.format("usage", "last_seen")
     in_days = f"{first_day} >= :ds AND {last_day} < :du"
-    one = _COMMON.format(raw=1, live=0, processes="processes", peak="peak_memory", first="first_seen",
-                         last="last_seen", f=_FRACTION)
+    one = _COMMON.format(
+        raw=1, live=0, processes="processes", peak="peak_memory", first="first_seen", last="last_seen", f=_FRACTION
+    )
     live_keys = "(pid, start_time) IN (SELECT pid, start_time FROM temp.live WHERE pid != 0)"
     where = " AND ".join([_OVERLAP, *filters])
     plain = " AND ".join(filters) or "1"
@@ -644,10 +760,20 @@ def _day_statement(q: UsageQuery, viewer: Viewer, conn: sqlite3.Connection) -> t
         f" AND first_seen < :ds_t + 1 AND {first_day} < :ds AND {last_day} < :du AND {where}",
         f"SELECT {one} FROM main.usage INDEXED BY usage_multi WHERE multi = 1 AND {in_days} AND {where}",
         f"SELECT {one} FROM main.usage WHERE multi = 0 AND {in_days} AND {live_keys} AND {where}",
-        "SELECT " + _COMMON.format(raw=0, live=0, processes="-processes", peak=0, first="NULL", last="NULL", f=-1.0)
+        "SELECT "
+        + _COMMON.format(raw=0, live=0, processes="-processes", peak=0, first="NULL", last="NULL", f=-1.0)
         + f" FROM main.usage WHERE multi = 0 AND {in_days} AND {live_keys} AND {plain}",
-        "SELECT " + _COMMON.format(raw=1, live="ended = ''", processes="processes", peak="peak_memory", first="first_seen",
-                                   last="last_seen", f=_FRACTION) + f" FROM temp.live WHERE {where}",
+        "SELECT "
+        + _COMMON.format(
+            raw=1,
+            live="ended = ''",
+            processes="processes",
+            peak="peak_memory",
+            first="first_seen",
+            last="last_seen",
+            f=_FRACTION,
+        )
+        + f" FROM temp.live WHERE {where}",
         "SELECT uid, user, device_id, device, NULL, NULL, 0, 0, processes, gpu_seconds, "
         "CASE WHEN sm_n > 0 THEN sm_seconds END, sm_known_seconds, memory_byte_seconds, peak_memory, "
         "CASE WHEN energy_n > 0 THEN energy_joules END, energy_known_seconds, first_seen, last_seen, 1.0 "
@@ -670,11 +796,48 @@ LIMIT :limit
 def _usage_row(r: tuple, since: float, until: float) -> UsageRow:
     """A row of the statement; first_seen and last_seen clamped to the range here (MIN(MAX(first_seen, since))
     per record in SQL cost 0.1 s over 300,000 records)."""
-    (key, hidden, uid, user, device, device_id, pid, start_time, comm, processes, live, gpu_seconds, sm_seconds,
-     sm_known, memory, peak, energy, energy_known, first, last, _total) = r
-    return UsageRow(key=key or "", hidden=bool(hidden), uid=uid, user=user, device=device, device_id=device_id,
-                    pid=pid, start_time=start_time, comm=comm, processes=processes or 0, live=live or 0,
-                    gpu_seconds=gpu_seconds or 0.0, sm_seconds=sm_seconds, sm_known_seconds=sm_known or 0.0,
-                    memory_byte_seconds=memory or 0.0, peak_memory=peak or 0, energy_joules=energy,
-                    energy_known_seconds=energy_known or 0.0, first_seen=max(first, since),
-                    last_seen=min(last, until))
+    (
+        key,
+        hidden,
+        uid,
+        user,
+        device,
+        device_id,
+        pid,
+        start_time,
+        comm,
+        processes,
+        live,
+        gpu_seconds,
+        sm_seconds,
+        sm_known,
+        memory,
+        peak,
+        energy,
+        energy_known,
+        first,
+        last,
+        _total,
+    ) = r
+    return UsageRow(
+        key=key or "",
+        hidden=bool(hidden),
+        uid=uid,
+        user=user,
+        device=device,
+        device_id=device_id,
+        pid=pid,
+        start_time=start_time,
+        comm=comm,
+        processes=processes or 0,
+        live=live or 0,
+        gpu_seconds=gpu_seconds or 0.0,
+        sm_seconds=sm_seconds,
+        sm_known_seconds=sm_known or 0.0,
+        memory_byte_seconds=memory or 0.0,
+        peak_memory=peak or 0,
+        energy_joules=energy,
+        energy_known_seconds=energy_known or 0.0,
+        first_seen=max(first, since),
+        last_seen=min(last, until),
+    )

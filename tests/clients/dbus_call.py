@@ -1,6 +1,7 @@
 """Make one D-Bus method call on the system bus and print the outcome as JSON (run as any user by tests).
 
-Standard input: a JSON object {dest, path, iface, member, signature, body} (stdin, as bodies can be huge). Variants in the body are written as
+Standard input: a JSON object {dest, path, iface, member, signature, body} (stdin, as bodies can be huge). Variants in
+the body are written as
 {"$variant": [signature, value]}. Output: {"ok", "body", "error", "message"}.
 """
 
@@ -38,8 +39,14 @@ def from_dbus(value):
 async def call(spec):
     bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
     reply = await bus.call(
-        Message(destination=spec["dest"], path=spec["path"], interface=spec["iface"], member=spec["member"],
-                signature=spec["signature"], body=to_dbus(spec["body"]))
+        Message(
+            destination=spec["dest"],
+            path=spec["path"],
+            interface=spec["iface"],
+            member=spec["member"],
+            signature=spec["signature"],
+            body=to_dbus(spec["body"]),
+        )
     )
     bus.disconnect()
     if reply.message_type == MessageType.ERROR:

@@ -14,9 +14,16 @@ INTERFACES = ("org.gpukill1.Manager", "org.gpukill1.Guard")
 async def main():
     bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
     for iface in INTERFACES:
-        await bus.call(Message(destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-                               interface="org.freedesktop.DBus", member="AddMatch", signature="s",
-                               body=[f"type='signal',interface='{iface}'"]))
+        await bus.call(
+            Message(
+                destination="org.freedesktop.DBus",
+                path="/org/freedesktop/DBus",
+                interface="org.freedesktop.DBus",
+                member="AddMatch",
+                signature="s",
+                body=[f"type='signal',interface='{iface}'"],
+            )
+        )
 
     def on_message(msg):
         if msg.message_type == MessageType.SIGNAL and msg.interface in INTERFACES:

@@ -16,11 +16,25 @@ from dbus_fast.aio import MessageBus
 
 async def emit(spec):
     bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
-    await bus.send(Message(message_type=MessageType.SIGNAL, path=spec["path"], interface=spec["iface"],
-                           member=spec["member"], signature=spec["signature"], body=to_dbus(spec["body"])))
+    await bus.send(
+        Message(
+            message_type=MessageType.SIGNAL,
+            path=spec["path"],
+            interface=spec["iface"],
+            member=spec["member"],
+            signature=spec["signature"],
+            body=to_dbus(spec["body"]),
+        )
+    )
     # a round trip to the bus: it has read the signal before it answers this
-    await bus.call(Message(destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-                           interface="org.freedesktop.DBus", member="GetId"))
+    await bus.call(
+        Message(
+            destination="org.freedesktop.DBus",
+            path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus",
+            member="GetId",
+        )
+    )
     sender = bus.unique_name
     bus.disconnect()
     return {"sender": sender}

@@ -100,10 +100,15 @@ def plain(value: Any) -> Any:
 
 async def one_call(bus: MessageBus, spec: dict) -> dict:
     try:
-        msg = Message(destination=spec.get("dest", "org.gpukill1"), path=spec["path"], interface=spec.get("iface"),
-                      member=spec["member"], signature=spec.get("signature", ""),
-                      body=decode_body(spec.get("signature", ""), spec.get("body", [])),
-                      flags=spec.get("flags", 0))
+        msg = Message(
+            destination=spec.get("dest", "org.gpukill1"),
+            path=spec["path"],
+            interface=spec.get("iface"),
+            member=spec["member"],
+            signature=spec.get("signature", ""),
+            body=decode_body(spec.get("signature", ""), spec.get("body", [])),
+            flags=spec.get("flags", 0),
+        )
         msg._marshall(False)  # fail here, as a client error, on a body that does not fit its signature
     except Exception as e:
         return {"client_error": f"{type(e).__name__}: {e}"}
@@ -111,9 +116,12 @@ async def one_call(bus: MessageBus, spec: dict) -> dict:
     if msg.flags.value & NO_REPLY_EXPECTED:
         try:
             await bus.send(msg)
-            ping = await asyncio.wait_for(bus.call(Message(destination=msg.destination, path="/",
-                                                           interface="org.freedesktop.DBus.Peer",
-                                                           member="Ping")), TIMEOUT)
+            ping = await asyncio.wait_for(
+                bus.call(
+                    Message(destination=msg.destination, path="/", interface="org.freedesktop.DBus.Peer", member="Ping")
+                ),
+                TIMEOUT,
+            )
         except TimeoutError:
             return {"timeout": True, "after": "noreply"}
         except Exception as e:
@@ -132,8 +140,15 @@ async def one_call(bus: MessageBus, spec: dict) -> dict:
     if reply is None:
         return {"client_error": "no reply object"}
     size = len(Marshaller(reply.signature, reply.body).marshall()) if reply.signature else 0
-    out = {"ok": reply.message_type != MessageType.ERROR, "signature": reply.signature, "size": size,
-           "elapsed": elapsed, "error": "", "message": "", "message_len": 0}
+    out = {
+        "ok": reply.message_type != MessageType.ERROR,
+        "signature": reply.signature,
+        "size": size,
+        "elapsed": elapsed,
+        "error": "",
+        "message": "",
+        "message_len": 0,
+    }
     if reply.message_type == MessageType.ERROR:
         text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else ""
         out.update(error=reply.error_name or "", message=text[:MAX_MESSAGE], message_len=len(text))

@@ -41,13 +41,14 @@ class NeverAnswers(ServiceInterface):
         super().__init__("org.freedesktop.PolicyKit1.AuthenticationAgent")
 
     @method()
-    async def BeginAuthentication(self, action_id: "s", message: "s", icon_name: "s",  # noqa: F821
-                                  details: "a{ss}", cookie: "s", identities: "a(sa{sv})"):  # noqa: F821, F722
+    async def BeginAuthentication(
+        self, action_id: "s", message: "s", icon_name: "s", details: "a{ss}", cookie: "s", identities: "a(sa{sv})"
+    ):
         say({"begin": cookie})
         await asyncio.Event().wait()  # the password that never comes
 
     @method()
-    def CancelAuthentication(self, cookie: "s"):  # noqa: F821
+    def CancelAuthentication(self, cookie: "s"):
         say({"cancel": cookie})
 
 
@@ -63,11 +64,22 @@ async def flood(bus: MessageBus, spec: dict) -> dict:
     outcome: dict[str, int] = {"pending": 0}
     left, batch = spec["flood"], spec.get("batch", 100)
     while left > 0:
-        calls = [asyncio.ensure_future(bus.call(Message(
-            destination="org.gpukill1", path="/org/gpukill1",
-            interface=spec.get("interface", "org.gpukill1.Manager"), member=spec["member"],
-            signature=spec["signature"], body=to_dbus(spec["body"]), flags=flags)))
-            for _ in range(min(left, batch))]
+        calls = [
+            asyncio.ensure_future(
+                bus.call(
+                    Message(
+                        destination="org.gpukill1",
+                        path="/org/gpukill1",
+                        interface=spec.get("interface", "org.gpukill1.Manager"),
+                        member=spec["member"],
+                        signature=spec["signature"],
+                        body=to_dbus(spec["body"]),
+                        flags=flags,
+                    )
+                )
+            )
+            for _ in range(min(left, batch))
+        ]
         left -= len(calls)
         done, pending = await asyncio.wait(calls, timeout=spec.get("wait", 5.0))
         outcome["pending"] += len(pending)
@@ -83,12 +95,20 @@ async def main() -> None:
     bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
     busio.tolerate_full_socket(bus)  # a thousand calls at once fill the socket: dbus-fast would drop the bus
     bus.export(AGENT_PATH, NeverAnswers())
-    subject = ["unix-process", {"pid": Variant("u", os.getpid()), "start-time": Variant("t", start_time()),
-                                "uid": Variant("i", os.getuid())}]
-    reply = await bus.call(Message(
-        destination="org.freedesktop.PolicyKit1", path="/org/freedesktop/PolicyKit1/Authority",
-        interface="org.freedesktop.PolicyKit1.Authority", member="RegisterAuthenticationAgent",
-        signature="(sa{sv})ss", body=[subject, "C", AGENT_PATH]))
+    subject = [
+        "unix-process",
+        {"pid": Variant("u", os.getpid()), "start-time": Variant("t", start_time()), "uid": Variant("i", os.getuid())},
+    ]
+    reply = await bus.call(
+        Message(
+            destination="org.freedesktop.PolicyKit1",
+            path="/org/freedesktop/PolicyKit1/Authority",
+            interface="org.freedesktop.PolicyKit1.Authority",
+            member="RegisterAuthenticationAgent",
+            signature="(sa{sv})ss",
+            body=[subject, "C", AGENT_PATH],
+        )
+    )
     if reply.message_type == MessageType.ERROR:
         say({"error": f"{reply.error_name}: {reply.body}"})
         return

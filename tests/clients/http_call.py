@@ -39,8 +39,10 @@ def main() -> None:
         parsed = json.loads(raw)
     except ValueError:
         parsed = raw.decode("utf-8", "replace")
-    json.dump({"status": response.status, "headers": {k.lower(): v for k, v in response.getheaders()},
-               "body": parsed}, sys.stdout)
+    json.dump(
+        {"status": response.status, "headers": {k.lower(): v for k, v in response.getheaders()}, "body": parsed},
+        sys.stdout,
+    )
 
 
 if __name__ == "__main__":

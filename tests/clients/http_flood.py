@@ -8,7 +8,8 @@ Standard input: a JSON object {mode, port, seconds, ...}:
   nothing sent). A connection the server closes is replaced at once, so the server sees new connections as
   fast as it closes old ones. Output: {"opened", "answered", "closed_by_server", "peak_open"}.
 - mode "probe": for `seconds`, GET `path` with `Authorization: Bearer token` every `interval` seconds, each on
-  a new connection, each given `timeout` seconds. Output: {"results": [[status or error, seconds, seconds to connect or null], ...]}.
+  a new connection, each given `timeout` seconds. Output: {"results": [[status or error, seconds, seconds to connect or
+  null], ...]}.
 """
 
 import http.client

@@ -19,9 +19,16 @@ from gpukill.records.manager import Process
 
 
 async def call(bus, member, signature, filter_):
-    reply = await bus.call(Message(destination="org.gpukill1", path="/org/gpukill1",
-                                   interface="org.gpukill1.Manager", member=member, signature="a{sv}",
-                                   body=[to_dbus(filter_)]))
+    reply = await bus.call(
+        Message(
+            destination="org.gpukill1",
+            path="/org/gpukill1",
+            interface="org.gpukill1.Manager",
+            member=member,
+            signature="a{sv}",
+            body=[to_dbus(filter_)],
+        )
+    )
     if reply.message_type == MessageType.ERROR:
         return {"error": reply.error_name}
     assert reply.signature == signature, reply.signature
@@ -32,8 +39,13 @@ async def call(bus, member, signature, filter_):
 
 async def main(filters):
     bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
-    out = [{"records": await call(bus, "ListProcesses", "aa{sv}", f),
-            "compact": await call(bus, listing.METHOD, listing.OUT_SIGNATURE, f)} for f in filters]
+    out = [
+        {
+            "records": await call(bus, "ListProcesses", "aa{sv}", f),
+            "compact": await call(bus, listing.METHOD, listing.OUT_SIGNATURE, f),
+        }
+        for f in filters
+    ]
     bus.disconnect()
     return out
 

@@ -23,8 +23,12 @@ def value(v):
 
 def nvitop_memory(device) -> dict:
     info = device.memory_info()
-    return {"total": value(info.total), "used": value(info.used), "free": value(info.free),
-            "reserved": value(info.reserved)}
+    return {
+        "total": value(info.total),
+        "used": value(info.used),
+        "free": value(info.free),
+        "reserved": value(info.reserved),
+    }
 
 
 def raw_memory(handle) -> dict:
@@ -58,16 +62,19 @@ def main() -> None:
     devices = Device.all()  # initialises NVML through nvitop's own wrapper around pynvml
     view = {"nvitop": [], "pynvml": {}, "processes": {}}
     for device in devices:
-        view["nvitop"].append({
-            "uuid": device.uuid(), "temperature": value(device.temperature()), "memory": nvitop_memory(device),
-            "mig": [{"uuid": mig.uuid(), "memory": nvitop_memory(mig)} for mig in device.mig_devices()],
-        })
+        view["nvitop"].append(
+            {
+                "uuid": device.uuid(),
+                "temperature": value(device.temperature()),
+                "memory": nvitop_memory(device),
+                "mig": [{"uuid": mig.uuid(), "memory": nvitop_memory(mig)} for mig in device.mig_devices()],
+            }
+        )
         handle = pynvml.nvmlDeviceGetHandleByIndex(device.index)
         for h in [handle, *mig_handles(handle)]:
             uuid = pynvml.nvmlDeviceGetUUID(h)
             view["pynvml"][uuid] = raw_memory(h)
-            view["processes"][uuid] = [[p.pid, p.usedGpuMemory]
-                                       for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+            view["processes"][uuid] = [[p.pid, p.usedGpuMemory] for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
     library = ctypes.CDLL("libnvidia-ml.so.1")  # the copy already loaded: dlopen finds it by its soname
     view["exports"] = {name: hasattr(library, name) for name in symbols}
     json.dump(view, sys.stdout)

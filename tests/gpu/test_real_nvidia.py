@@ -27,8 +27,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def smi(query: str, what: str = "--query-gpu") -> list[list[str]]:
-    out = subprocess.run([SMI, f"{what}={query}", "--format=csv,noheader,nounits"], capture_output=True,
-                         text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [SMI, f"{what}={query}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     return [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
@@ -54,7 +59,9 @@ def real_bed():
 def test_devices_match_nvidia_smi(real_bed):
     time.sleep(2)  # two samples, so process utilization has a baseline
     doc = real_bed.listing()
-    rows = smi("index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,temperature.gpu,power.draw,power.limit")
+    rows = smi(
+        "index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu,temperature.gpu,power.draw,power.limit"
+    )
     physical = [d for d in doc["devices"] if d["parent_id"] is None]
     assert len(physical) == len(rows)
     for d, (index, uuid, name, bus, mem_total, mem_used, util, temp, power, limit) in zip(physical, rows, strict=True):
@@ -62,8 +69,12 @@ def test_devices_match_nvidia_smi(real_bed):
         assert d["pci_bus_id"].lower() == bus.lower()
         assert d["memory_total"] == pytest.approx(float(mem_total) * 2**20, rel=0.01)
         assert d["memory_used"] == pytest.approx(float(mem_used) * 2**20, abs=512 * 2**20)
-        for ours, theirs, tolerance in ((d["utilization"], util, 30), (d["temperature"], temp, 5),
-                                        (d["power"], power, 100), (d["power_limit"], limit, 1)):
+        for ours, theirs, tolerance in (
+            (d["utilization"], util, 30),
+            (d["temperature"], temp, 5),
+            (d["power"], power, 100),
+            (d["power_limit"], limit, 1),
+        ):
             if number(theirs) is None:
                 assert ours is None, (d, theirs)
             else:

@@ -22,9 +22,20 @@ from .http_server import Server, request
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 # As root (the test suite's user) chromium needs --no-sandbox; no GPU and no /dev/shm on this kind of machine.
-FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--disable-background-networking",
-         "--disable-sync", "--disable-component-update", "--metrics-recording-only", "--password-store=basic")
+FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-extensions",
+    "--disable-background-networking",
+    "--disable-sync",
+    "--disable-component-update",
+    "--metrics-recording-only",
+    "--password-store=basic",
+)
 WINDOW = (1400, 900)  # the screenshots' size
 SCREENSHOTS_ENV = "GPUKILL_SCREENSHOTS"
 
@@ -103,8 +114,9 @@ class Browser:
         found = self.css(selector)
         return found[0].text if found else ""
 
-    def wait(self, condition: Callable[[], Any], timeout: float, what: str | Callable[[], str],
-             interval: float = 0.05) -> Any:
+    def wait(
+        self, condition: Callable[[], Any], timeout: float, what: str | Callable[[], str], interval: float = 0.05
+    ) -> Any:
         """condition() until it is truthy (its value returned); an AssertionError naming `what` past timeout."""
         from selenium.common.exceptions import StaleElementReferenceException
 

@@ -98,12 +98,18 @@ def start_in(user: User, dirs: list[Path], env: dict[str, str], code: str) -> su
     sample taken before the move (a process's facts are read again only every few minutes after that)."""
     groups = ",".join(map(str, user.groups)) or None
     assignments = [f"{k}={v}" for k, v in env.items()]
-    argv = [SYSTEM_PYTHON, "-c", enter(dirs) + "os.execv('/usr/bin/setpriv', ['setpriv', '--reuid', "
-            f"'{user.uid}', '--regid', '{user.gid}', " + (f"'--groups', '{groups}'" if groups else
-            "'--clear-groups'") + f", '--', '/usr/bin/env', '-i', *{assignments!r}, {SYSTEM_PYTHON!r}, '-c', "
-            f"{code!r}])\n"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env={"PATH": "/usr/bin:/bin"}, cwd="/",
-                            start_new_session=True)
+    argv = [
+        SYSTEM_PYTHON,
+        "-c",
+        enter(dirs) + "os.execv('/usr/bin/setpriv', ['setpriv', '--reuid', "
+        f"'{user.uid}', '--regid', '{user.gid}', "
+        + (f"'--groups', '{groups}'" if groups else "'--clear-groups'")
+        + f", '--', '/usr/bin/env', '-i', *{assignments!r}, {SYSTEM_PYTHON!r}, '-c', "
+        f"{code!r}])\n",
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, env={"PATH": "/usr/bin:/bin"}, cwd="/", start_new_session=True
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     if line != b"ready":

@@ -75,14 +75,23 @@ class DesktopSession:
     def start_bus(self) -> None:
         conf = self.dir / "session.conf"
         conf.write_text(SESSION_CONFIG.format(socket=self.dir / "bus"))
-        self.bed._spawn(["dbus-daemon", f"--config-file={conf}", "--nofork", "--nopidfile"], "session-bus.log",
-                        cwd="/", **self.user.popen_kwargs())
+        self.bed._spawn(
+            ["dbus-daemon", f"--config-file={conf}", "--nofork", "--nopidfile"],
+            "session-bus.log",
+            cwd="/",
+            **self.user.popen_kwargs(),
+        )
         wait_until(lambda: (self.dir / "bus").exists(), 10, "the session bus did not create its socket")
 
     def start_server(self) -> None:
         """The notification server, as the session's user; returns once it owns its name."""
-        self.server = self.bed._spawn([SYSTEM_PYTHON, "-m", "dbusmock", "--template", "notification_daemon"],
-                                      "notification-server.log", env=self.env(), cwd="/", **self.user.popen_kwargs())
+        self.server = self.bed._spawn(
+            [SYSTEM_PYTHON, "-m", "dbusmock", "--template", "notification_daemon"],
+            "notification-server.log",
+            env=self.env(),
+            cwd="/",
+            **self.user.popen_kwargs(),
+        )
         wait_until(lambda: self.has_owner(SERVER), 15, "the notification server did not take its name")
 
     def stop_server(self) -> None:
@@ -94,8 +103,13 @@ class DesktopSession:
 
     def start_agent(self, *args: str) -> subprocess.Popen:
         """`gpukillctl notify-agent ARGS` as the session's user, its stderr in notify-agent.log."""
-        return self.bed._spawn([PYTHON, "-m", "gpukillctl", "notify-agent", *args], "notify-agent.log",
-                               env=self.env(), cwd="/", **self.user.popen_kwargs())
+        return self.bed._spawn(
+            [PYTHON, "-m", "gpukillctl", "notify-agent", *args],
+            "notify-agent.log",
+            env=self.env(),
+            cwd="/",
+            **self.user.popen_kwargs(),
+        )
 
     def agent_log(self) -> str:
         path: Path = self.bed.workdir / "notify-agent.log"
@@ -107,9 +121,19 @@ class DesktopSession:
         async def call():
             bus = await MessageBus(bus_address=self.address).connect()
             try:
-                reply = await asyncio.wait_for(bus.call(Message(destination=dest, path=path, interface=iface,
-                                                                member=member, signature=signature,
-                                                                body=body or [])), 10)
+                reply = await asyncio.wait_for(
+                    bus.call(
+                        Message(
+                            destination=dest,
+                            path=path,
+                            interface=iface,
+                            member=member,
+                            signature=signature,
+                            body=body or [],
+                        )
+                    ),
+                    10,
+                )
             finally:
                 bus.disconnect()
             if reply.message_type == MessageType.ERROR:
@@ -119,8 +143,11 @@ class DesktopSession:
         return asyncio.run(call())
 
     def has_owner(self, name: str) -> bool:
-        return bool(self._call("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
-                               "NameHasOwner", "s", [name])[0])
+        return bool(
+            self._call(
+                "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "NameHasOwner", "s", [name]
+            )[0]
+        )
 
     def notifications(self) -> list[Notify]:
         """Every Notify the running server received, in order."""

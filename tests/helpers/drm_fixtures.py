@@ -29,8 +29,9 @@ def print_size(kind: str, region: str, size: int) -> str:
     return f"drm-{kind}-{region}:\t{size}{units[u]}\n"
 
 
-def memory_stats(region: str, total: int, resident: int, shared: int = 0, active: int = 0,
-                 purgeable: int | None = 0) -> str:
+def memory_stats(
+    region: str, total: int, resident: int, shared: int = 0, active: int = 0, purgeable: int | None = 0
+) -> str:
     text = print_size("total", region, total) + print_size("shared", region, shared)
     text += print_size("active", region, active) + print_size("resident", region, resident)
     if purgeable is not None:
@@ -44,9 +45,19 @@ def drm_header(driver: str, client_id: int, pdev: str | None) -> str:
     return text + (f"drm-pdev:\t{pdev}\n" if pdev else "")
 
 
-def amdgpu_fdinfo(client_id: int, pdev: str, *, vram: int = 0, gtt: int = 0, cpu: int = 0,
-                  vram_resident: int | None = None, gfx_ns: int = 0, compute_ns: int = 0, dma_ns: int = 0,
-                  pasid: int = 32770) -> str:
+def amdgpu_fdinfo(
+    client_id: int,
+    pdev: str,
+    *,
+    vram: int = 0,
+    gtt: int = 0,
+    cpu: int = 0,
+    vram_resident: int | None = None,
+    gfx_ns: int = 0,
+    compute_ns: int = 0,
+    dma_ns: int = 0,
+    pasid: int = 32770,
+) -> str:
     """amdgpu_show_fdinfo (6.11+): drm_print_memory_stats per placement, the legacy drm-memory-* aliases (note
     the space before the tab, as amdgpu prints it), amd-* keys, and drm-engine-* only for engines used."""
     resident = vram if vram_resident is None else vram_resident
@@ -54,7 +65,9 @@ def amdgpu_fdinfo(client_id: int, pdev: str, *, vram: int = 0, gtt: int = 0, cpu
     text += memory_stats("cpu", cpu, cpu) + memory_stats("gtt", gtt, gtt) + memory_stats("vram", vram, resident)
     text += f"drm-memory-vram:\t{resident // 1024} KiB\ndrm-memory-gtt: \t{gtt // 1024} KiB\n"
     text += f"drm-memory-cpu: \t{cpu // 1024} KiB\n"
-    text += f"amd-evicted-vram:\t0 KiB\namd-requested-vram:\t{vram // 1024} KiB\namd-requested-gtt:\t{gtt // 1024} KiB\n"
+    text += (
+        f"amd-evicted-vram:\t0 KiB\namd-requested-vram:\t{vram // 1024} KiB\namd-requested-gtt:\t{gtt // 1024} KiB\n"
+    )
     for name, ns in (("gfx", gfx_ns), ("compute", compute_ns), ("dma", dma_ns)):
         if ns:
             text += f"drm-engine-{name}:\t{ns} ns\n"
@@ -63,15 +76,26 @@ def amdgpu_fdinfo(client_id: int, pdev: str, *, vram: int = 0, gtt: int = 0, cpu
 
 def amdgpu_fdinfo_legacy(client_id: int, pdev: str, *, vram: int, gtt: int, gfx_ns: int) -> str:
     """amdgpu before 6.11 (amdgpu_fdinfo.c printing the whole record itself): drm-memory-* only."""
-    return (f"pasid:\t32769\ndrm-driver:\tamdgpu\ndrm-pdev:\t{pdev}\ndrm-client-id:\t{client_id}\n"
-            f"drm-memory-vram:\t{vram // 1024} KiB\ndrm-memory-gtt: \t{gtt // 1024} KiB\ndrm-memory-cpu: \t0 KiB\n"
-            f"amd-memory-visible-vram:\t0 KiB\namd-evicted-vram:\t0 KiB\namd-evicted-visible-vram:\t0 KiB\n"
-            f"amd-requested-vram:\t{vram // 1024} KiB\namd-requested-visible-vram:\t0 KiB\n"
-            f"amd-requested-gtt:\t{gtt // 1024} KiB\ndrm-engine-gfx:\t{gfx_ns} ns\n")
+    return (
+        f"pasid:\t32769\ndrm-driver:\tamdgpu\ndrm-pdev:\t{pdev}\ndrm-client-id:\t{client_id}\n"
+        f"drm-memory-vram:\t{vram // 1024} KiB\ndrm-memory-gtt: \t{gtt // 1024} KiB\ndrm-memory-cpu: \t0 KiB\n"
+        f"amd-memory-visible-vram:\t0 KiB\namd-evicted-vram:\t0 KiB\namd-evicted-visible-vram:\t0 KiB\n"
+        f"amd-requested-vram:\t{vram // 1024} KiB\namd-requested-visible-vram:\t0 KiB\n"
+        f"amd-requested-gtt:\t{gtt // 1024} KiB\ndrm-engine-gfx:\t{gfx_ns} ns\n"
+    )
 
 
-def i915_fdinfo(client_id: int, pdev: str, *, render_ns: int, copy_ns: int = 0, video_ns: int = 0,
-                enhance_ns: int = 0, system0: int = 0, local0: int | None = None) -> str:
+def i915_fdinfo(
+    client_id: int,
+    pdev: str,
+    *,
+    render_ns: int,
+    copy_ns: int = 0,
+    video_ns: int = 0,
+    enhance_ns: int = 0,
+    system0: int = 0,
+    local0: int | None = None,
+) -> str:
     """i915_drm_client_fdinfo: memory per region (system0, local0 on discrete cards, stolen-*), then engines;
     drm-engine-capacity-video because this part has two video engines."""
     text = drm_header("i915", client_id, pdev)
@@ -79,13 +103,14 @@ def i915_fdinfo(client_id: int, pdev: str, *, render_ns: int, copy_ns: int = 0, 
     if local0 is not None:
         text += memory_stats("local0", local0, local0)
     text += memory_stats("stolen-system0", 0, 0)
-    text += (f"drm-engine-render:\t{render_ns} ns\ndrm-engine-copy:\t{copy_ns} ns\ndrm-engine-video:\t{video_ns} ns\n"
-             f"drm-engine-capacity-video:\t2\ndrm-engine-video-enhance:\t{enhance_ns} ns\n")
+    text += (
+        f"drm-engine-render:\t{render_ns} ns\ndrm-engine-copy:\t{copy_ns} ns\ndrm-engine-video:\t{video_ns} ns\n"
+        f"drm-engine-capacity-video:\t2\ndrm-engine-video-enhance:\t{enhance_ns} ns\n"
+    )
     return text
 
 
-def xe_fdinfo(client_id: int, pdev: str, *, rcs: int, ccs: int, total_cycles: int, vram0: int = 0,
-              gtt: int = 0) -> str:
+def xe_fdinfo(client_id: int, pdev: str, *, rcs: int, ccs: int, total_cycles: int, vram0: int = 0, gtt: int = 0) -> str:
     """xe_drm_client_fdinfo: memory regions (purgeable for system only), then per engine class the busy and
     total GPU timestamp cycles, with drm-engine-capacity-<class> where the class has more than one engine."""
     text = drm_header("xe", client_id, pdev)
@@ -98,19 +123,31 @@ def xe_fdinfo(client_id: int, pdev: str, *, rcs: int, ccs: int, total_cycles: in
     return text
 
 
-def panfrost_fdinfo(client_id: int, *, fragment_ns: int, fragment_cycles: int, vertex_ns: int,
-                    vertex_cycles: int, maxfreq_hz: int = 799999987, total: int = 0, resident: int = 0) -> str:
+def panfrost_fdinfo(
+    client_id: int,
+    *,
+    fragment_ns: int,
+    fragment_cycles: int,
+    vertex_ns: int,
+    vertex_cycles: int,
+    maxfreq_hz: int = 799999987,
+    total: int = 0,
+    resident: int = 0,
+) -> str:
     """Documentation/gpu/panfrost.rst: ns, cycles, maxfreq and curfreq per engine, memory in region "memory";
     a platform device, so no drm-pdev."""
     text = drm_header("panfrost", client_id, None)
     for name, ns, cycles in (("fragment", fragment_ns, fragment_cycles), ("vertex-tiler", vertex_ns, vertex_cycles)):
-        text += (f"drm-engine-{name}:\t{ns} ns\ndrm-cycles-{name}:\t{cycles}\ndrm-maxfreq-{name}:\t{maxfreq_hz} Hz\n"
-                 f"drm-curfreq-{name}:\t{maxfreq_hz} Hz\n")
+        text += (
+            f"drm-engine-{name}:\t{ns} ns\ndrm-cycles-{name}:\t{cycles}\ndrm-maxfreq-{name}:\t{maxfreq_hz} Hz\n"
+            f"drm-curfreq-{name}:\t{maxfreq_hz} Hz\n"
+        )
     return text + memory_stats("memory", total, resident)
 
 
-def msm_fdinfo(client_id: int, *, elapsed_ns: int, cycles: int, maxfreq_hz: int, total: int = 0,
-               resident: int = 0) -> str:
+def msm_fdinfo(
+    client_id: int, *, elapsed_ns: int, cycles: int, maxfreq_hz: int, total: int = 0, resident: int = 0
+) -> str:
     """msm_gpu_show_fdinfo after drm_show_fdinfo; memory from drm_show_memory_stats (region "memory")."""
     text = drm_header("msm", client_id, None)
     text += f"drm-engine-gpu:\t{elapsed_ns} ns\ndrm-cycles-gpu:\t{cycles}\ndrm-maxfreq-gpu:\t{maxfreq_hz} Hz\n"
@@ -119,10 +156,12 @@ def msm_fdinfo(client_id: int, *, elapsed_ns: int, cycles: int, maxfreq_hz: int,
 
 def stat_line(pid: int, comm: str, start_time: int, ppid: int = 1, flags: int = 4194304) -> str:
     """/proc/PID/stat as fs/proc/array.c prints it (52 fields)."""
-    return (f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 {flags} 2048 0 0 0 12 4 0 0 20 0 1 0 {start_time} "
-            "10485760 2560 18446744073709551615 94000000000000 94000000020000 140700000000000 0 0 0 0 0 0 0 0 0 17 "
-            "1 0 0 0 0 0 94000000030000 94000000031000 94000010000000 140700000001000 140700000001020 "
-            "140700000001020 140700000002000 0\n")
+    return (
+        f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1 {flags} 2048 0 0 0 12 4 0 0 20 0 1 0 {start_time} "
+        "10485760 2560 18446744073709551615 94000000000000 94000000020000 140700000000000 0 0 0 0 0 0 0 0 0 17 "
+        "1 0 0 0 0 0 94000000030000 94000000031000 94000010000000 140700000001000 140700000001020 "
+        "140700000001020 140700000002000 0\n"
+    )
 
 
 def clients_header(name_column: bool = True) -> str:
@@ -131,8 +170,9 @@ def clients_header(name_column: bool = True) -> str:
     return text + (f" {'name':>{CLIENT_NAME_WIDTH}}\n" if name_column else "\n")
 
 
-def clients_row(comm: str, tgid: int, minor: int, uid: int, master: bool = False, name: str | None = None,
-                name_column: bool = True) -> str:
+def clients_row(
+    comm: str, tgid: int, minor: int, uid: int, master: bool = False, name: str | None = None, name_column: bool = True
+) -> str:
     """One drm_file as drm_clients_info prints it: "%20s %5d %3d   %c    %c %5d %10u %*s"."""
     text = f"{comm:>20} {tgid:>5} {minor:>3}   {'y' if master else 'n'}    y {uid:>5} {0:>10}"
     return text + (f" {name or '<unset>':>{CLIENT_NAME_WIDTH}}\n" if name_column else "\n")
@@ -209,8 +249,16 @@ class DrmHost:
         self._write(path, text)
         return path
 
-    def pci_device(self, address: str, vendor: int, device_id: int, driver: str, card: int,
-                   render: int | None, files: dict[str, str] | None = None) -> Path:
+    def pci_device(
+        self,
+        address: str,
+        vendor: int,
+        device_id: int,
+        driver: str,
+        card: int,
+        render: int | None,
+        files: dict[str, str] | None = None,
+    ) -> Path:
         device = self.sys / "devices" / f"pci{address[:4]}:00" / address
         device.mkdir(parents=True)
         self._write(device / "vendor", f"0x{vendor:04x}\n")
@@ -223,8 +271,15 @@ class DrmHost:
         link.symlink_to(os.path.relpath(device, link.parent))
         return self._drm_device(device, "pci", driver, card, render)
 
-    def platform_device(self, name: str, driver: str, card: int, render: int | None, compatible: list[str],
-                        files: dict[str, str] | None = None) -> Path:
+    def platform_device(
+        self,
+        name: str,
+        driver: str,
+        card: int,
+        render: int | None,
+        compatible: list[str],
+        files: dict[str, str] | None = None,
+    ) -> Path:
         device = self.sys / "devices" / "platform" / name
         device.mkdir(parents=True)
         (device / "of_node").mkdir()
@@ -240,43 +295,92 @@ class DrmHost:
             self._write(hw / attr, f"{value}\n")
         return hw
 
-    def amdgpu(self, address: str = "0000:03:00.0", card: int = 0, render: int = 128, *, busy: int = 0,
-               vram_used: int = 0, vram_total: int = 24 << 30, edge_mc: int = 45000, junction_mc: int = 52000,
-               power_uw: int | None = 98_000_000, sclk_hz: int = 2_100_000_000, unique_id: str | None = None,
-               device_id: int = 0x744C, product_name: str = "") -> Path:
-        files = {"gpu_busy_percent": f"{busy}\n", "mem_info_vram_used": f"{vram_used}\n",
-                 "mem_info_vram_total": f"{vram_total}\n", "product_name": f"{product_name}\n",
-                 "reset_method": "flr bus\n", "reset": ""}
+    def amdgpu(
+        self,
+        address: str = "0000:03:00.0",
+        card: int = 0,
+        render: int = 128,
+        *,
+        busy: int = 0,
+        vram_used: int = 0,
+        vram_total: int = 24 << 30,
+        edge_mc: int = 45000,
+        junction_mc: int = 52000,
+        power_uw: int | None = 98_000_000,
+        sclk_hz: int = 2_100_000_000,
+        unique_id: str | None = None,
+        device_id: int = 0x744C,
+        product_name: str = "",
+    ) -> Path:
+        files = {
+            "gpu_busy_percent": f"{busy}\n",
+            "mem_info_vram_used": f"{vram_used}\n",
+            "mem_info_vram_total": f"{vram_total}\n",
+            "product_name": f"{product_name}\n",
+            "reset_method": "flr bus\n",
+            "reset": "",
+        }
         if unique_id is not None:
             files["unique_id"] = f"{unique_id}\n"
         dev = self.pci_device(address, 0x1002, device_id, "amdgpu", card, render, files)
-        attrs: dict[str, str | int] = {"temp1_input": edge_mc, "temp1_label": "edge", "temp2_input": junction_mc,
-                                       "temp2_label": "junction", "freq1_input": sclk_hz, "freq1_label": "sclk"}
+        attrs: dict[str, str | int] = {
+            "temp1_input": edge_mc,
+            "temp1_label": "edge",
+            "temp2_input": junction_mc,
+            "temp2_label": "junction",
+            "freq1_input": sclk_hz,
+            "freq1_label": "sclk",
+        }
         if power_uw is not None:
             attrs["power1_average"] = power_uw
         self.hwmon(dev, "amdgpu", attrs)
         return dev
 
-    def i915(self, address: str = "0000:00:02.0", card: int = 1, render: int = 129, *, act_freq_mhz: int = 1300,
-             energy_uj: int | None = None, device_id: int = 0x56A0, reset_method: str = "flr bus\n") -> Path:
-        dev = self.pci_device(address, 0x8086, device_id, "i915", card, render,
-                              {"reset_method": reset_method, "reset": ""})
+    def i915(
+        self,
+        address: str = "0000:00:02.0",
+        card: int = 1,
+        render: int = 129,
+        *,
+        act_freq_mhz: int = 1300,
+        energy_uj: int | None = None,
+        device_id: int = 0x56A0,
+        reset_method: str = "flr bus\n",
+    ) -> Path:
+        dev = self.pci_device(
+            address, 0x8086, device_id, "i915", card, render, {"reset_method": reset_method, "reset": ""}
+        )
         self._write(dev / "drm" / f"card{card}" / "gt_act_freq_mhz", f"{act_freq_mhz}\n")
         if energy_uj is not None:  # discrete cards only; i915's hwmon has no temperature
             self.hwmon(dev, "i915", {"energy1_input": energy_uj, "power1_max": 190_000_000})
         return dev
 
-    def xe(self, address: str = "0000:04:00.0", card: int = 2, render: int = 130, *, act_freq_mhz: int = 2000,
-           pkg_mc: int = 48000, energy_uj: int = 0) -> Path:
+    def xe(
+        self,
+        address: str = "0000:04:00.0",
+        card: int = 2,
+        render: int = 130,
+        *,
+        act_freq_mhz: int = 2000,
+        pkg_mc: int = 48000,
+        energy_uj: int = 0,
+    ) -> Path:
         dev = self.pci_device(address, 0x8086, 0xE20B, "xe", card, render, {"reset_method": "flr\n", "reset": ""})
         self._write(dev / "tile0" / "gt0" / "freq0" / "act_freq", f"{act_freq_mhz}\n")
         self.hwmon(dev, "xe", {"temp2_input": pkg_mc, "temp2_label": "pkg", "energy1_input": energy_uj})
         return dev
 
-    def panfrost(self, name: str = "fde60000.gpu", card: int = 0, render: int = 128, *,
-                 cur_freq_hz: int = 800_000_000) -> Path:
-        return self.platform_device(name, "panfrost", card, render, ["rockchip,rk3568-mali", "arm,mali-bifrost"],
-                                    {f"devfreq/{name}/cur_freq": f"{cur_freq_hz}\n"})
+    def panfrost(
+        self, name: str = "fde60000.gpu", card: int = 0, render: int = 128, *, cur_freq_hz: int = 800_000_000
+    ) -> Path:
+        return self.platform_device(
+            name,
+            "panfrost",
+            card,
+            render,
+            ["rockchip,rk3568-mali", "arm,mali-bifrost"],
+            {f"devfreq/{name}/cur_freq": f"{cur_freq_hz}\n"},
+        )
 
     def asahi(self, name: str = "206400000.gpu", card: int = 1, render: int = 128) -> Path:
         return self.platform_device(name, "asahi", card, render, ["apple,agx-t8103", "apple,agx-g13g"])
@@ -317,20 +421,23 @@ class DrmHost:
         if not (base / "0").exists():
             self._write(base / "0" / "gpu_id", "0\n")
             self._write(base / "0" / "properties", "cpu_cores_count 64\nsimd_count 0\nmem_banks_count 1\n")
-        props = (f"cpu_cores_count 0\nsimd_count {simd_count}\nmem_banks_count 1\ncaches_count 262\nio_links_count 1\n"
-                 f"p2p_links_count 0\ncpu_core_id_base 0\nsimd_id_base 2147487744\nmax_waves_per_simd 8\n"
-                 f"lds_size_in_kb 64\ngds_size_in_kb 0\nnum_gws 64\nwave_front_size 64\narray_count 8\n"
-                 f"simd_arrays_per_engine 1\ncu_per_simd_array 13\nsimd_per_cu {simd_per_cu}\n"
-                 f"max_slots_scratch_cu 32\ngfx_target_version 90010\nvendor_id 4098\ndevice_id 29711\n"
-                 f"location_id 768\ndomain 0\ndrm_render_minor {render_minor}\nhive_id 0\nnum_sdma_engines 2\n"
-                 f"num_sdma_xgmi_engines 6\nnum_sdma_queues_per_engine 8\nnum_cp_queues 24\nmax_engine_clk_fcompute 1700\n"
-                 f"local_mem_size 0\nfw_version 78\ncapability 746586752\ndebug_prop 1495\nsdma_fw_version 9\n"
-                 f"unique_id 12345678901234567890\nnum_xcc 1\nmax_engine_clk_ccompute 3100\n")
+        props = (
+            f"cpu_cores_count 0\nsimd_count {simd_count}\nmem_banks_count 1\ncaches_count 262\nio_links_count 1\n"
+            f"p2p_links_count 0\ncpu_core_id_base 0\nsimd_id_base 2147487744\nmax_waves_per_simd 8\n"
+            f"lds_size_in_kb 64\ngds_size_in_kb 0\nnum_gws 64\nwave_front_size 64\narray_count 8\n"
+            f"simd_arrays_per_engine 1\ncu_per_simd_array 13\nsimd_per_cu {simd_per_cu}\n"
+            f"max_slots_scratch_cu 32\ngfx_target_version 90010\nvendor_id 4098\ndevice_id 29711\n"
+            f"location_id 768\ndomain 0\ndrm_render_minor {render_minor}\nhive_id 0\nnum_sdma_engines 2\n"
+            f"num_sdma_xgmi_engines 6\nnum_sdma_queues_per_engine 8\nnum_cp_queues 24\nmax_engine_clk_fcompute 1700\n"
+            f"local_mem_size 0\nfw_version 78\ncapability 746586752\ndebug_prop 1495\nsdma_fw_version 9\n"
+            f"unique_id 12345678901234567890\nnum_xcc 1\nmax_engine_clk_ccompute 3100\n"
+        )
         self._write(base / str(node) / "gpu_id", f"{gpu_id}\n")
         self._write(base / str(node) / "properties", props)
 
-    def kfd_process(self, pid: int, gpu_id: int, vram: int, sdma_us: int = 0, cu_occupancy: int = 0,
-                    pasid: int = 32771) -> None:
+    def kfd_process(
+        self, pid: int, gpu_id: int, vram: int, sdma_us: int = 0, cu_occupancy: int = 0, pasid: int = 32771
+    ) -> None:
         base = self.sys / "class" / "kfd" / "kfd" / "proc" / str(pid)
         self._write(base / "pasid", f"{pasid}\n")
         self._write(base / f"vram_{gpu_id}", f"{vram}\n")
@@ -347,9 +454,11 @@ class DrmHost:
         (p / "fd").mkdir(parents=True)
         (p / "fdinfo").mkdir()
         (p / "stat").write_text(stat_line(pid, comm, start_time))
-        (p / "status").write_text(f"Name:\t{comm}\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t{pid}\nNgid:\t0\n"
-                                  f"Pid:\t{pid}\nPPid:\t1\nTracerPid:\t0\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
-                                  f"Gid:\t{uid}\t{uid}\t{uid}\t{uid}\nFDSize:\t64\nGroups:\t{uid}\nNSpid:\t{pid}\n")
+        (p / "status").write_text(
+            f"Name:\t{comm}\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t{pid}\nNgid:\t0\n"
+            f"Pid:\t{pid}\nPPid:\t1\nTracerPid:\t0\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
+            f"Gid:\t{uid}\t{uid}\t{uid}\t{uid}\nFDSize:\t64\nGroups:\t{uid}\nNSpid:\t{pid}\n"
+        )
         (p / "cmdline").write_bytes(comm.encode() + b"\0")
         (p / "comm").write_text(f"{comm[:15]}\n")
         self.uids[pid] = uid
@@ -414,6 +523,8 @@ class DrmHost:
             self._unlist(lambda r: r[0] == pid)
 
     def config(self, path: Path, backends: str = "drm", interval: float = 0.2) -> Path:
-        path.write_text(f"[daemon]\nbackends = {backends}\nsample_interval = {interval}\n"
-                        f"[paths]\nproc = {self.proc}\nsys = {self.sys}\ndebugfs = {self.debugfs}\n")
+        path.write_text(
+            f"[daemon]\nbackends = {backends}\nsample_interval = {interval}\n"
+            f"[paths]\nproc = {self.proc}\nsys = {self.sys}\ndebugfs = {self.debugfs}\n"
+        )
         return path

@@ -34,14 +34,38 @@ def dev(index: int, temperature: float | None = 40.0, util: float | None = 0.0, 
     return Device(index, f"GPU-{index}", "simulated", "nvidia", "H100", None, util, used, 80 * GiB, temperature, 100.0)
 
 
-def proc(pid: int, comm: str = "python", mem: int | None = None, util: float | None = None, uid: int = 1000,
-         user: str = "alice", device: int = 0, start: int = 100, unit: str | None = None,
-         cmdline: str | None = None, system_unit: str | None = None, container: str | None = None,
-         shared: bool = False) -> GpuProcess:
-    return GpuProcess(pid=pid, start_time=start, uid=uid, user=user, comm=comm, cmdline=cmdline or comm,
-                      exe=f"/usr/bin/{comm}", device=device, device_id=f"GPU-{device}", gpu_memory=mem,
-                      gpu_utilization=util, unit=unit, system_unit=system_unit, container_id=container,
-                      shared_usage=shared)
+def proc(
+    pid: int,
+    comm: str = "python",
+    mem: int | None = None,
+    util: float | None = None,
+    uid: int = 1000,
+    user: str = "alice",
+    device: int = 0,
+    start: int = 100,
+    unit: str | None = None,
+    cmdline: str | None = None,
+    system_unit: str | None = None,
+    container: str | None = None,
+    shared: bool = False,
+) -> GpuProcess:
+    return GpuProcess(
+        pid=pid,
+        start_time=start,
+        uid=uid,
+        user=user,
+        comm=comm,
+        cmdline=cmdline or comm,
+        exe=f"/usr/bin/{comm}",
+        device=device,
+        device_id=f"GPU-{device}",
+        gpu_memory=mem,
+        gpu_utilization=util,
+        unit=unit,
+        system_unit=system_unit,
+        container_id=container,
+        shared_usage=shared,
+    )
 
 
 def snap(*processes: GpuProcess, devices: tuple[Device, ...] | None = None) -> Snapshot:

@@ -11,9 +11,16 @@ from .testbed import PYTHON, REPO, Testbed
 
 def start_hostile_agent(bed: Testbed, user) -> tuple[subprocess.Popen, str, list[dict]]:
     """The agent, its bus name and its event log (one dict a line it prints, appended as they come)."""
-    proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "hostile_agent.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=bed.env(), cwd="/", start_new_session=True,
-                            **user.popen_kwargs())
+    proc = subprocess.Popen(
+        [PYTHON, str(REPO / "tests" / "clients" / "hostile_agent.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=bed.env(),
+        cwd="/",
+        start_new_session=True,
+        **user.popen_kwargs(),
+    )
     bed.procs.append(proc)
     assert proc.stdout is not None
     first = json.loads(proc.stdout.readline())

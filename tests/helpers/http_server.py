@@ -107,7 +107,12 @@ def request(
 
 
 def request_as(
-    bed: Testbed, user: User, target: Target, method: str, path: str, headers: dict[str, str],
+    bed: Testbed,
+    user: User,
+    target: Target,
+    method: str,
+    path: str,
+    headers: dict[str, str],
     body: object = None,
 ) -> Response:
     """The same request made by a process of `user` (tests/clients/http_call.py)."""
@@ -182,17 +187,13 @@ class Server:
         """Until the server answers (a request without the token: 401)."""
 
         def answering() -> bool:
-            assert self.proc.poll() is None, (
-                f"gpukillctl serve exited {self.proc.returncode}: {self.output()}"
-            )
+            assert self.proc.poll() is None, f"gpukillctl serve exited {self.proc.returncode}: {self.output()}"
             try:
                 return request(self.target, "GET", "/v1/devices").status == 401
             except OSError:
                 return False
 
-        wait_until(
-            answering, timeout, lambda: f"gpukillctl serve did not answer: {self.output()}", interval=0.2
-        )
+        wait_until(answering, timeout, lambda: f"gpukillctl serve did not answer: {self.output()}", interval=0.2)
         return self
 
     @property

@@ -76,8 +76,11 @@ class Lab:
             shutil.copy(self.server.dir / "client_key", key)
             os.chmod(key, 0o600)
             config = home / "ssh_config"
-            config.write_text(self.server.ssh_config.read_text().replace(
-                f"IdentityFile {self.server.dir / 'client_key'}", f"IdentityFile {key}"))
+            config.write_text(
+                self.server.ssh_config.read_text().replace(
+                    f"IdentityFile {self.server.dir / 'client_key'}", f"IdentityFile {key}"
+                )
+            )
             for path in (home, key, config):
                 os.chown(path, user.uid, user.gid)
             self.configs[user.name] = str(config)
@@ -105,9 +108,19 @@ class BusMonitor:
     def __init__(self, bed: Testbed) -> None:
         self.bed = bed
         self.proc = subprocess.Popen(
-            ["dbus-monitor", "--address", bed.bus_address, "--profile",
-             "type='method_call',destination='org.gpukill1'", "type='signal',member='SnapshotChanged'"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+            [
+                "dbus-monitor",
+                "--address",
+                bed.bus_address,
+                "--profile",
+                "type='method_call',destination='org.gpukill1'",
+                "type='signal',member='SnapshotChanged'",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         bed.procs.append(self.proc)
         self.seen: list[tuple[str, str]] = []  # (sender, member)
         self.lock = threading.Lock()
@@ -131,8 +144,15 @@ class BusMonitor:
         return seen
 
     def pid_of(self, sender: str) -> int | None:
-        r = self.bed.call_as(ROOT, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
-                             "GetConnectionUnixProcessID", "s", [sender])
+        r = self.bed.call_as(
+            ROOT,
+            "org.freedesktop.DBus",
+            "/org/freedesktop/DBus",
+            "org.freedesktop.DBus",
+            "GetConnectionUnixProcessID",
+            "s",
+            [sender],
+        )
         return r.body[0] if r.ok else None
 
     def close(self) -> None:
@@ -165,8 +185,15 @@ class EventReader:
         self._buffer = bytearray()
 
     @classmethod
-    async def open(cls, port: int, token: str | None, path: str = "/ui/stream", *,
-                   headers: dict[str, str] | None = None, rcvbuf: int | None = None) -> EventReader:
+    async def open(
+        cls,
+        port: int,
+        token: str | None,
+        path: str = "/ui/stream",
+        *,
+        headers: dict[str, str] | None = None,
+        rcvbuf: int | None = None,
+    ) -> EventReader:
         """rcvbuf: a receive buffer this small (SO_RCVBUF, set before connecting), for a reader that is slow."""
         sock = socket.socket()
         if rcvbuf is not None:
@@ -178,8 +205,7 @@ class EventReader:
         sent = {"Host": f"127.0.0.1:{port}", "Accept": "text/event-stream", **(headers or {})}
         if token is not None:
             sent.setdefault("Authorization", f"Bearer {token}")
-        writer.write((f"GET {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in sent.items())
-                      + "\r\n").encode())
+        writer.write((f"GET {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in sent.items()) + "\r\n").encode())
         await writer.drain()
         status_line = await reader.readline()
         self.status = int(status_line.split()[1])
@@ -221,7 +247,7 @@ class EventReader:
                 data = await self._chunk()
                 self._buffer += data
         block = bytes(self._buffer[:end])
-        del self._buffer[:end + 2]
+        del self._buffer[: end + 2]
         event, data = "", []
         for line in block.decode().split("\n"):
             name, _, value = line.partition(":")

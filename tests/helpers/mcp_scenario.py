@@ -73,8 +73,10 @@ async def article_session(client: Any, v: ArticleVictims) -> ArticleResults:
     devices = structured(await client.call_tool("list_devices", {}))["devices"]
     found = structured(await client.call_tool("list_processes", {"name": "python", "memory_gt": TWELVE_GB}))
     stale = await client.call_tool("kill_process", {"pid": v.big[0].pid, "start_time": 1})
-    kills = [structured(await client.call_tool("kill_process", {"pid": p["pid"], "start_time": p["start_time"]}))
-             for p in found["processes"]]
+    kills = [
+        structured(await client.call_tool("kill_process", {"pid": p["pid"], "start_time": p["start_time"]}))
+        for p in found["processes"]
+    ]
     audit_result = await client.call_tool("audit_rogue", {})
     left = json.loads((await client.read_resource("gpukill://processes")).contents[0].text)
     return ArticleResults(devices, found["processes"], stale, kills, audit_result, left)
@@ -90,8 +92,9 @@ def check_article(bed: Testbed, owner: User, v: ArticleVictims, r: ArticleResult
     assert [k["outcome"] for k in r.kills] == ["terminated", "terminated"]
     # each kill ends with the GPU's answer: nothing related to it holds its memory
     assert [k["reclaim"]["verdict"] for k in r.kills] == ["reclaimed", "reclaimed"], r.kills
-    assert all(k["reclaim"]["reclaimed"] > TWELVE_GB and k["answer"].startswith("GPU memory reclaimed (")
-               for k in r.kills), r.kills
+    assert all(
+        k["reclaim"]["reclaimed"] > TWELVE_GB and k["answer"].startswith("GPU memory reclaimed (") for k in r.kills
+    ), r.kills
     for p in v.big:
         assert p.wait(10) is not None
     assert {v.exactly.pid, v.trainer.pid} <= {p["pid"] for p in r.left["processes"]}
@@ -132,12 +135,18 @@ async def batch_session(client: Any, v: ArticleVictims) -> BatchResults:
     alive = [p.poll() is None for p in v.big]
     listed = {m["pid"]: m["start_time"] for m in preview["matches"]}
     big0 = v.big[0].pid
-    stale = structured(await client.call_tool("kill_processes_by_name", {
-        **selection, "confirm": refs((big0, listed.get(big0, 0) + 1))}))
+    stale = structured(
+        await client.call_tool(
+            "kill_processes_by_name", {**selection, "confirm": refs((big0, listed.get(big0, 0) + 1))}
+        )
+    )
     big0_alive = v.big[0].poll() is None
     extra = {p.pid: start_time_of(p.pid) for p in (v.exactly, v.trainer)}
-    confirmed = structured(await client.call_tool("kill_processes_by_name", {
-        **selection, "confirm": refs(*listed.items(), *extra.items())}))
+    confirmed = structured(
+        await client.call_tool(
+            "kill_processes_by_name", {**selection, "confirm": refs(*listed.items(), *extra.items())}
+        )
+    )
     audit_resource = json.loads((await client.read_resource("gpukill://audit")).contents[0].text)
     return BatchResults(preview, alive, stale, big0_alive, confirmed, audit_resource)
 
@@ -166,17 +175,27 @@ def check_batch(bed: Testbed, owner: User, v: ArticleVictims, r: BatchResults) -
     assert sorted(k["pid"] for k in c["killed"]) == sorted(x.pid for x in v.big), c
     assert {k["outcome"] for k in c["killed"]} == {"terminated"}, c
     assert sorted((n["pid"], n["reason"]) for n in c["not_killed"]) == sorted(
-        [(v.exactly.pid, "NotMatching"), (v.trainer.pid, "NotMatching")]), c
+        [(v.exactly.pid, "NotMatching"), (v.trainer.pid, "NotMatching")]
+    ), c
     for x in v.big:
         assert x.wait(10) is not None
     assert v.exactly.poll() is None and v.trainer.poll() is None and v.miner.poll() is None
     for m in p["matches"]:  # by pid and start time: PIDs are reused within a session (pid_max may be 32768)
-        entry = bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(m["pid"]),
-                                 GPUKILL_TARGET_START_TIME=str(m["start_time"]))
+        entry = bed.wait_journal(
+            MESSAGE_ID=audit.KILL.message_id,
+            GPUKILL_TARGET_PID=str(m["pid"]),
+            GPUKILL_TARGET_START_TIME=str(m["start_time"]),
+        )
         assert entry and entry[0]["GPUKILL_CALLER_UID"] == str(owner.uid), entry
     for x in (v.exactly, v.trainer):  # refused before any kill was asked: nothing in the journal
-        assert bed.journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(x.pid),
-                           GPUKILL_TARGET_START_TIME=str(start_time_of(x.pid))) == []
+        assert (
+            bed.journal(
+                MESSAGE_ID=audit.KILL.message_id,
+                GPUKILL_TARGET_PID=str(x.pid),
+                GPUKILL_TARGET_START_TIME=str(start_time_of(x.pid)),
+            )
+            == []
+        )
     mined = [f for f in r.audit_resource["findings"] if f["pid"] == v.miner.pid]
     assert [(f["kind"], f["user"]) for f in mined] == [("miner", owner.name)], r.audit_resource
 
@@ -208,8 +227,9 @@ def no_user_policy(bed: Testbed, target: str) -> Iterator[None]:
 async def policy_session(client: Any, target: str) -> PolicyResults:
     """Create a user policy as gpu-kill's tool takes it (memory in GB, a process limit), list it (tool and
     resource), remove it, list again, remove again."""
-    created = await client.call_tool("create_user_policy", {"username": target, "memory_limit_gb": 8,
-                                                            "process_limit": 3})
+    created = await client.call_tool(
+        "create_user_policy", {"username": target, "memory_limit_gb": 8, "process_limit": 3}
+    )
     listed = await client.call_tool("list_policies", {})
     resource = json.loads((await client.read_resource("gpukill://guard/policies")).contents[0].text)
     removed = await client.call_tool("remove_user_policy", {"username": target})
@@ -234,7 +254,9 @@ def check_policy_made(r: PolicyResults, target: str) -> None:
     assert [p for p in r.resource["policies"] if p["target"] == target] == [policy], r.resource
     assert structured(r.removed) == {"kind": "user", "target": target, "removed": True}
     assert target not in user_policies(r.listed_after)
-    assert error_text(r.removed_again).startswith("org.freedesktop.DBus.Error.InvalidArgs: ") and target in error_text(r.removed_again)
+    assert error_text(r.removed_again).startswith("org.freedesktop.DBus.Error.InvalidArgs: ") and target in error_text(
+        r.removed_again
+    )
 
 
 def check_policy_refused(r: PolicyResults, target: str) -> None:

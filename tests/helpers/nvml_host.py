@@ -26,26 +26,60 @@ def build_fake_nvml(outdir: Path, optimize: str = "-O2") -> Path:
         raise RuntimeError("no C compiler (cc) to build the fake libnvidia-ml")
     outdir.mkdir(parents=True, exist_ok=True)
     lib = outdir / "libnvidia-ml.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", optimize, "-Wall", "-Werror", "-Wno-unused-parameter",
-                    "-Wl,-soname,libnvidia-ml.so.1", "-o", str(lib), str(SOURCE), "-lpthread"], check=True)
+    subprocess.run(
+        [
+            cc,
+            "-shared",
+            "-fPIC",
+            optimize,
+            "-Wall",
+            "-Werror",
+            "-Wno-unused-parameter",
+            "-Wl,-soname,libnvidia-ml.so.1",
+            "-o",
+            str(lib),
+            str(SOURCE),
+            "-lpthread",
+        ],
+        check=True,
+    )
     os.chmod(outdir, 0o755)
     return lib
 
 
 def h100(i: int) -> dict:
     return {
-        "name": "NVIDIA H100 80GB HBM3", "uuid": f"GPU-4b1d6c2e-0000-4000-8000-{i:012x}",
-        "pci_bus_id": f"00000000:{0x18 + i * 0x10:02X}:00.0", "memory_total": 85520809984,
-        "memory_reserved": 536870912, "memory_allocated": 0, "util_gpu": 10 + i, "util_memory": 3 + i,
-        "temperature": 40 + i, "power_mw": 70000 + i * 1000, "power_limit_mw": 700000,
-        "compute": [], "graphics": [], "mps": [], "process_util": [],
+        "name": "NVIDIA H100 80GB HBM3",
+        "uuid": f"GPU-4b1d6c2e-0000-4000-8000-{i:012x}",
+        "pci_bus_id": f"00000000:{0x18 + i * 0x10:02X}:00.0",
+        "memory_total": 85520809984,
+        "memory_reserved": 536870912,
+        "memory_allocated": 0,
+        "util_gpu": 10 + i,
+        "util_memory": 3 + i,
+        "temperature": 40 + i,
+        "power_mw": 70000 + i * 1000,
+        "power_limit_mw": 700000,
+        "compute": [],
+        "graphics": [],
+        "mps": [],
+        "process_util": [],
     }
 
 
 def mig_instance(uuid: str, gi: int, ci: int, total: int, reserved: int = 0) -> dict:
     """A MIG device for a GPU's "mig_devices"; its memory follows nvml.h as a GPU's does (see fake_nvml.c)."""
-    return {"uuid": uuid, "gi": gi, "ci": ci, "memory_total": total, "memory_reserved": reserved,
-            "memory_allocated": 0, "compute": [], "graphics": [], "mps": []}
+    return {
+        "uuid": uuid,
+        "gi": gi,
+        "ci": ci,
+        "memory_total": total,
+        "memory_reserved": reserved,
+        "memory_allocated": 0,
+        "compute": [],
+        "graphics": [],
+        "mps": [],
+    }
 
 
 def _allocated(device: dict) -> int:
@@ -66,8 +100,11 @@ class FakeNvidiaHost:
         self.smi_log = self.dir / "nvidia-smi.log"
         self.counts_path = self.dir / "nvml-counts"  # the library's own totals of init/shutdown and event sets
         self.calls_path = self.dir / "nvml-calls"  # every NVML call, counted by the library (see calls())
-        self.state: dict = {"driver_version": "550.54.15", "devices": [h100(i) for i in range(devices)],
-                            "xid_events": []}
+        self.state: dict = {
+            "driver_version": "550.54.15",
+            "devices": [h100(i) for i in range(devices)],
+            "xid_events": [],
+        }
         self.write()
 
     def write(self) -> None:
@@ -81,8 +118,16 @@ class FakeNvidiaHost:
     def device(self, i: int) -> dict:
         return self.state["devices"][i]
 
-    def add_process(self, i: int, pid: int, memory: int | None, kind: str = "compute", sm: int | None = None,
-                    timestamp: int = 1, mig: int | None = None) -> None:
+    def add_process(
+        self,
+        i: int,
+        pid: int,
+        memory: int | None,
+        kind: str = "compute",
+        sm: int | None = None,
+        timestamp: int = 1,
+        mig: int | None = None,
+    ) -> None:
         """A process on GPU i (or on its MIG device number `mig`); memory None: NVML does not know it. The
         device's allocated memory, and the parent's with it, follow the processes' (as on a driver)."""
         entry: dict = {"pid": pid}
@@ -105,9 +150,13 @@ class FakeNvidiaHost:
         self.write()
 
     def env(self, with_library: bool = True) -> dict[str, str]:
-        env = {"GPUKILL_FAKE_NVML_STATE": str(self.state_path), "GPUKILL_FAKE_SMI_LOG": str(self.smi_log),
-               "GPUKILL_FAKE_NVML_COUNTS": str(self.counts_path), "GPUKILL_FAKE_NVML_CALLS": str(self.calls_path),
-               "PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin"}
+        env = {
+            "GPUKILL_FAKE_NVML_STATE": str(self.state_path),
+            "GPUKILL_FAKE_SMI_LOG": str(self.smi_log),
+            "GPUKILL_FAKE_NVML_COUNTS": str(self.counts_path),
+            "GPUKILL_FAKE_NVML_CALLS": str(self.calls_path),
+            "PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin",
+        }
         if with_library:
             env["LD_LIBRARY_PATH"] = str(self.lib.parent)
         return env

@@ -32,8 +32,11 @@ def open_bus(where: Path) -> Iterator[str]:
         pytest.skip("dbus-daemon is not installed")
     socket = where / "bus.sock"
     (where / "bus.conf").write_text(BUS_CONFIG.format(socket=socket))
-    daemon = subprocess.Popen(["dbus-daemon", f"--config-file={where / 'bus.conf'}", "--nofork", "--nopidfile"],
-                              stdin=subprocess.DEVNULL, start_new_session=True)
+    daemon = subprocess.Popen(
+        ["dbus-daemon", f"--config-file={where / 'bus.conf'}", "--nofork", "--nopidfile"],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 10
         while not socket.exists():

@@ -20,9 +20,15 @@ def pid_alive(pid: int) -> bool:
 def spawn(bed, user) -> subprocess.Popen:
     """A real process of `user` doing nothing, as a GPU job would between kernels; bed kills it on stop."""
     kwargs = user.popen_kwargs()
-    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
-                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"},
-                            cwd="/", start_new_session=True, **kwargs)
+    proc = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/",
+        start_new_session=True,
+        **kwargs,
+    )
     bed.procs.append(proc)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
     return proc

@@ -76,23 +76,60 @@ class Sshd:
         authorized.write_text((self.dir / "client_key.pub").read_text())
         os.chmod(authorized, 0o644)
         config = self.dir / "sshd_config"
-        config.write_text("\n".join([
-            f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {host_key}", "PidFile none",
-            f"AuthorizedKeysFile {authorized}", "StrictModes no", "UsePAM no", "PubkeyAuthentication yes",
-            "PasswordAuthentication no", "KbdInteractiveAuthentication no", f"AllowUsers {' '.join(self.users)}",
-            "X11Forwarding no", f"AllowTcpForwarding {'local' if self.forwarding else 'no'}", "PermitTTY no", "PrintMotd no", "LogLevel VERBOSE", ""]))
+        config.write_text(
+            "\n".join(
+                [
+                    f"Port {self.port}",
+                    "ListenAddress 127.0.0.1",
+                    f"HostKey {host_key}",
+                    "PidFile none",
+                    f"AuthorizedKeysFile {authorized}",
+                    "StrictModes no",
+                    "UsePAM no",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    f"AllowUsers {' '.join(self.users)}",
+                    "X11Forwarding no",
+                    f"AllowTcpForwarding {'local' if self.forwarding else 'no'}",
+                    "PermitTTY no",
+                    "PrintMotd no",
+                    "LogLevel VERBOSE",
+                    "",
+                ]
+            )
+        )
         known_hosts = self.dir / "known_hosts"
-        known_hosts.write_text(f"[localhost]:{self.port},[127.0.0.1]:{self.port} "
-                               + (self.dir / "host_key.pub").read_text())
+        known_hosts.write_text(
+            f"[localhost]:{self.port},[127.0.0.1]:{self.port} " + (self.dir / "host_key.pub").read_text()
+        )
         # the client: this key, this server's host key and nothing else (no agent, no user or global config)
-        self.ssh_config.write_text("\n".join([
-            "Host localhost", f"  Port {self.port}", f"  IdentityFile {client_key}", "  IdentitiesOnly yes",
-            "  IdentityAgent none", f"  UserKnownHostsFile {known_hosts}", "  GlobalKnownHostsFile /dev/null",
-            "  StrictHostKeyChecking yes", "  BatchMode yes", "  ConnectTimeout 10", ""]))
+        self.ssh_config.write_text(
+            "\n".join(
+                [
+                    "Host localhost",
+                    f"  Port {self.port}",
+                    f"  IdentityFile {client_key}",
+                    "  IdentitiesOnly yes",
+                    "  IdentityAgent none",
+                    f"  UserKnownHostsFile {known_hosts}",
+                    "  GlobalKnownHostsFile /dev/null",
+                    "  StrictHostKeyChecking yes",
+                    "  BatchMode yes",
+                    "  ConnectTimeout 10",
+                    "",
+                ]
+            )
+        )
         PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
         with open(self.dir / "sshd.log", "ab") as log:
-            self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [SSHD, "-D", "-e", "-f", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 10
         while True:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):

@@ -78,9 +78,14 @@ def is_root() -> bool:
 
 
 def missing_tools() -> list[str]:
-    tools = [shutil.which("dbus-daemon"), shutil.which("unshare"), shutil.which("nsenter"),
-             shutil.which("journalctl"), POLKITD if os.path.exists(POLKITD) else None,
-             JOURNALD if os.path.exists(JOURNALD) else None]
+    tools = [
+        shutil.which("dbus-daemon"),
+        shutil.which("unshare"),
+        shutil.which("nsenter"),
+        shutil.which("journalctl"),
+        POLKITD if os.path.exists(POLKITD) else None,
+        JOURNALD if os.path.exists(JOURNALD) else None,
+    ]
     names = ["dbus-daemon", "unshare", "nsenter", "journalctl", POLKITD, JOURNALD]
     return [n for n, t in zip(names, tools, strict=True) if t is None]
 
@@ -244,6 +249,7 @@ class SignalRecorder:
 
 class Testbed:
     __test__ = False  # not a test class, whatever pytest thinks of the name
+
     def __init__(self, workdir: Path | None = None) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="gpukill-bed-"))
         os.chmod(self.workdir, 0o755)
@@ -267,8 +273,15 @@ class Testbed:
 
     def _spawn(self, argv: list[str], log_name: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
         with open(self.workdir / log_name, "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=env, **kw)
+            proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+                **kw,
+            )
         self.procs.append(proc)
         return proc
 
@@ -281,8 +294,9 @@ class Testbed:
     def start_bus(self) -> str:
         sock = self.workdir / "system_bus_socket"
         conf = self.workdir / "bus.conf"
-        conf.write_text(BUS_CONFIG.format(socket=sock, polkit_conf=POLKIT_BUS_CONF,
-                                          our_conf=REPO / "dbus" / "org.gpukill1.conf"))
+        conf.write_text(
+            BUS_CONFIG.format(socket=sock, polkit_conf=POLKIT_BUS_CONF, our_conf=REPO / "dbus" / "org.gpukill1.conf")
+        )
         self._spawn(["dbus-daemon", f"--config-file={conf}", "--nofork", "--nopidfile"], "dbus.log")
         self.bus_address = f"unix:path={sock}"
         _wait(lambda: sock.exists(), 10, "dbus-daemon did not create its socket")
@@ -305,8 +319,9 @@ class Testbed:
             "mount -t tmpfs tmpfs /usr/share/polkit-1/rules.d && "
             f"exec {POLKITD} --no-debug"
         )
-        self.polkit = self._spawn(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                                  "polkitd.log", env=self.env())
+        self.polkit = self._spawn(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script], "polkitd.log", env=self.env()
+        )
         _wait(lambda: self.name_has_owner("org.freedesktop.PolicyKit1"), 15, "polkitd did not take its bus name")
 
     def stop_polkit(self) -> None:
@@ -330,8 +345,11 @@ class Testbed:
         script = " && ".join([*mounts, f"exec {JOURNALD}"])
         proc = self._spawn(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], "journald.log")
         self.journal_pid = proc.pid
-        _wait(lambda: os.path.exists(f"/proc/{proc.pid}/root/run/systemd/journal/socket"), 15,
-              "journald did not create its socket")
+        _wait(
+            lambda: os.path.exists(f"/proc/{proc.pid}/root/run/systemd/journal/socket"),
+            15,
+            "journald did not create its socket",
+        )
 
     def in_journal_ns(self, argv: list[str]) -> list[str]:
         if self.journal_pid is None:
@@ -353,8 +371,14 @@ class Testbed:
         self.cgroups.extend(dirs)
         return dirs
 
-    def start_daemon(self, sim_yaml: str | Path | None = None, args: list[str] | None = None,
-                     env: dict[str, str] | None = None, wait_ready: bool = True, as_unit: bool = False) -> DaemonProcess:
+    def start_daemon(
+        self,
+        sim_yaml: str | Path | None = None,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        wait_ready: bool = True,
+        as_unit: bool = False,
+    ) -> DaemonProcess:
         """gpukilld on the bed's simulated GPUs; as_unit: in cgroups named like a system unit (_unit_cgroups)."""
         sim_path = self.workdir / "simulate.yaml"
         sim = yaml.safe_load(Path(sim_yaml or REPO / "examples" / "simulate.yaml").read_text())
@@ -362,8 +386,16 @@ class Testbed:
         sim_path.write_text(yaml.safe_dump(sim))
         notify_path = self.workdir / f"notify-{len(self.procs)}.sock"
         listener = NotifyListener(notify_path)
-        command = [PYTHON, "-m", "gpukilld", "--simulate", str(sim_path),
-                   "--config", str(self.workdir / "gpukilld.conf"), *(args or [])]
+        command = [
+            PYTHON,
+            "-m",
+            "gpukilld",
+            "--simulate",
+            str(sim_path),
+            "--config",
+            str(self.workdir / "gpukilld.conf"),
+            *(args or []),
+        ]
         if as_unit and (cgroups := self._unit_cgroups(f"gpukilld-test-{self.scope}.service")):
             enter = "".join(f"echo $$ > {d}/cgroup.procs && " for d in cgroups)
             command = ["sh", "-c", enter + 'exec "$@"', "sh", *command]
@@ -371,8 +403,7 @@ class Testbed:
         if not (self.workdir / "gpukilld.conf").exists():
             self.write_conf()
         log_name = f"gpukilld-{len(self.procs)}.log"
-        proc = self._spawn(argv, log_name, env=self.env(NOTIFY_SOCKET=str(notify_path), **(env or {})),
-                           cwd=str(REPO))
+        proc = self._spawn(argv, log_name, env=self.env(NOTIFY_SOCKET=str(notify_path), **(env or {})), cwd=str(REPO))
         daemon = DaemonProcess(proc, listener, self.workdir / log_name, sim_path)
         self.daemon = daemon
         if wait_ready and listener.wait_for("READY=1", 20) is None:
@@ -383,11 +414,18 @@ class Testbed:
         """The gpukilld.conf that start_daemon passes to --config, from sections: write_conf(daemon={"backends":
         "nvidia"}) writes [daemon] backends = nvidia. [guard] has the bed's policy_dir and state_dir unless they
         are given, so that the machine's /etc/gpukill/guard.d and /var/lib/gpukill are never used."""
-        sections["guard"] = {"policy_dir": self.workdir / "guard.d", "state_dir": self.workdir / "state",
-                             **sections.get("guard", {})}
+        sections["guard"] = {
+            "policy_dir": self.workdir / "guard.d",
+            "state_dir": self.workdir / "state",
+            **sections.get("guard", {}),
+        }
         conf = self.workdir / "gpukilld.conf"
-        conf.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {value}\n" for key, value in items.items())
-                                for name, items in sections.items()))
+        conf.write_text(
+            "".join(
+                f"[{name}]\n" + "".join(f"{key} = {value}\n" for key, value in items.items())
+                for name, items in sections.items()
+            )
+        )
         return conf
 
     def stop_daemon(self) -> None:
@@ -418,14 +456,19 @@ class Testbed:
     # -- observation -----------------------------------------------------------------------------------
 
     def name_has_owner(self, name: str) -> bool:
-        r = self.call_as(ROOT, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
-                         "NameHasOwner", "s", [name])
+        r = self.call_as(
+            ROOT, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "NameHasOwner", "s", [name]
+        )
         return r.ok and bool(r.body[0])
 
     def journal(self, **match: str) -> list[dict]:
         matches = [f"{k}={v}" for k, v in match.items()]
-        out = subprocess.run(self.in_journal_ns(["journalctl", "--no-pager", "-o", "json", *matches]),
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            self.in_journal_ns(["journalctl", "--no-pager", "-o", "json", *matches]),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
     def wait_journal(self, timeout: float = 10.0, **match: str) -> list[dict]:
@@ -438,13 +481,15 @@ class Testbed:
 
     # -- clients ---------------------------------------------------------------------------------------
 
-    def run_as(self, user: User, argv: list[str], timeout: float = 60, env: dict[str, str] | None = None,
-               **kw) -> subprocess.CompletedProcess:
+    def run_as(
+        self, user: User, argv: list[str], timeout: float = 60, env: dict[str, str] | None = None, **kw
+    ) -> subprocess.CompletedProcess:
         kwargs = user.popen_kwargs()
         if "input" not in kw:
             kw["stdin"] = subprocess.DEVNULL  # not our terminal: no password prompt from pkttyagent
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(**(env or {})),
-                              cwd="/", **kwargs, **kw)
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, env=self.env(**(env or {})), cwd="/", **kwargs, **kw
+        )
 
     def ctl(self, user: User, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return self.run_as(user, [PYTHON, "-m", "gpukillctl", *args], timeout=timeout)
@@ -459,26 +504,40 @@ class Testbed:
             r = self.ctl(ROOT, "guard", *args)
             assert r.returncode == 0, r
 
-    def call_as(self, user: User, dest: str, path: str, iface: str, member: str, signature: str = "",
-                body: list | None = None, timeout: float = 60) -> CallResult:
+    def call_as(
+        self,
+        user: User,
+        dest: str,
+        path: str,
+        iface: str,
+        member: str,
+        signature: str = "",
+        body: list | None = None,
+        timeout: float = 60,
+    ) -> CallResult:
         """One raw D-Bus method call made by a real process running as `user`."""
-        spec = json.dumps({"dest": dest, "path": path, "iface": iface, "member": member,
-                           "signature": signature, "body": body or []})
+        spec = json.dumps(
+            {"dest": dest, "path": path, "iface": iface, "member": member, "signature": signature, "body": body or []}
+        )
         r = self.run_as(user, [PYTHON, str(REPO / "tests" / "clients" / "dbus_call.py")], timeout=timeout, input=spec)
         if r.returncode != 0:
             raise RuntimeError(f"dbus_call failed: {r.stderr}")
         return CallResult(**json.loads(r.stdout))
 
-    def manager(self, user: User, member: str, signature: str = "", body: list | None = None,
-                timeout: float = 60) -> CallResult:
-        return self.call_as(user, "org.gpukill1", "/org/gpukill1", "org.gpukill1.Manager", member, signature,
-                            body, timeout)
+    def manager(
+        self, user: User, member: str, signature: str = "", body: list | None = None, timeout: float = 60
+    ) -> CallResult:
+        return self.call_as(
+            user, "org.gpukill1", "/org/gpukill1", "org.gpukill1.Manager", member, signature, body, timeout
+        )
 
-    def guard_call(self, user: User, member: str, signature: str = "", body: list | None = None,
-                   timeout: float = 60) -> CallResult:
+    def guard_call(
+        self, user: User, member: str, signature: str = "", body: list | None = None, timeout: float = 60
+    ) -> CallResult:
         """One raw call of org.gpukill1.Guard, as `user` (see call_as)."""
-        return self.call_as(user, "org.gpukill1", "/org/gpukill1", "org.gpukill1.Guard", member, signature,
-                            body, timeout)
+        return self.call_as(
+            user, "org.gpukill1", "/org/gpukill1", "org.gpukill1.Guard", member, signature, body, timeout
+        )
 
     def guard_status(self, user: User = ROOT) -> dict:
         """Guard's GetStatus as `user` sees it; asserts it succeeded."""
@@ -501,7 +560,9 @@ class Testbed:
         assert r.ok, r
         return r.body[0]
 
-    def wait_listed(self, pid: int, timeout: float = 10.0, present: bool = True, comm: str | None = None) -> dict | None:
+    def wait_listed(
+        self, pid: int, timeout: float = 10.0, present: bool = True, comm: str | None = None
+    ) -> dict | None:
         """Wait until pid is listed (with this comm: a victim may be sampled before it renames itself)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -513,8 +574,15 @@ class Testbed:
 
     def record_signals(self, user: User = ROOT) -> SignalRecorder:
         kwargs = user.popen_kwargs()
-        proc = subprocess.Popen([PYTHON, str(REPO / "tests" / "clients" / "dbus_signals.py")], stdout=subprocess.PIPE,
-                                env=self.env(), cwd="/", start_new_session=True, text=True, **kwargs)
+        proc = subprocess.Popen(
+            [PYTHON, str(REPO / "tests" / "clients" / "dbus_signals.py")],
+            stdout=subprocess.PIPE,
+            env=self.env(),
+            cwd="/",
+            start_new_session=True,
+            text=True,
+            **kwargs,
+        )
         self.procs.append(proc)
         rec = SignalRecorder(proc)
         if rec.wait_for("_ready", 15) is None:
@@ -523,9 +591,18 @@ class Testbed:
 
     # -- victims ---------------------------------------------------------------------------------------
 
-    def victim(self, user: User, gpu: int | str = 0, mem: str | None = None, util: float | None = None,
-               comm: str | None = None, ignore_term: bool = False, padding: int = 0,
-               lifetime: float = 3600, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def victim(
+        self,
+        user: User,
+        gpu: int | str = 0,
+        mem: str | None = None,
+        util: float | None = None,
+        comm: str | None = None,
+        ignore_term: bool = False,
+        padding: int = 0,
+        lifetime: float = 3600,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
         """A real process "on" a simulated GPU, owned by `user`, that exits by itself after `lifetime` seconds;
         returns once it is set up. env: more of its environment (GPUKILL_SIM_UTIL_CYCLE, ...)."""
         env = {**sim_env(self.scope, gpu, mem, util), **(env or {})}
@@ -537,8 +614,7 @@ class Testbed:
         code += f"print('ready', flush=True)\ntime.sleep({lifetime})\n"
         kwargs = user.popen_kwargs()
         argv = [SYSTEM_PYTHON, "-c", code] + (["x" * padding] if padding else [])  # a long cmdline, if asked
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd="/",
-                                start_new_session=True, **kwargs)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, cwd="/", start_new_session=True, **kwargs)
         self.procs.append(proc)
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != b"ready":
@@ -569,4 +645,3 @@ def _wait(cond, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(what)
         time.sleep(0.05)
-

@@ -37,8 +37,15 @@ class TmuxPane:
         self.env = bed.env(LC_ALL="C.UTF-8", HOME=str(self.dir), TERM="xterm-256color", SHELL="/bin/sh")
 
     def tmux(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        r = subprocess.run(["tmux", "-f", "/dev/null", "-S", str(self.socket), *args], env=self.env, cwd=self.dir,
-                           capture_output=True, text=True, timeout=15, **self.user.popen_kwargs())
+        r = subprocess.run(
+            ["tmux", "-f", "/dev/null", "-S", str(self.socket), *args],
+            env=self.env,
+            cwd=self.dir,
+            capture_output=True,
+            text=True,
+            timeout=15,
+            **self.user.popen_kwargs(),
+        )
         if check and r.returncode != 0:
             raise RuntimeError(f"tmux {' '.join(args)}: {r.stderr.strip()}")
         return r

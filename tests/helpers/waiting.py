@@ -9,8 +9,14 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(cond: Callable[[], T], timeout: float = 10.0, what: str | Callable[[], str] = "the condition never held",
-               *, interval: float = 0.1, fail: bool = True) -> T:
+def wait_until(
+    cond: Callable[[], T],
+    timeout: float = 10.0,
+    what: str | Callable[[], str] = "the condition never held",
+    *,
+    interval: float = 0.1,
+    fail: bool = True,
+) -> T:
     """Call cond() every `interval` seconds until it returns something truthy, and return that value.
 
     cond() is called at least once, and once more after the timeout. If it is still falsy then: raise

@@ -68,7 +68,7 @@ def _start_time(pid: int) -> int | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(raw[raw.rindex(")") + 2:].split()[19])
+    return int(raw[raw.rindex(")") + 2 :].split()[19])
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Workload:
             raw = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             return False
-        rest = raw[raw.rindex(")") + 2:].split()
+        rest = raw[raw.rindex(")") + 2 :].split()
         return rest[0] != "Z" and int(rest[19]) == self.starts.get(pid)
 
     def left(self) -> list[int]:
@@ -111,14 +111,33 @@ class Workload:
                 time.sleep(0.1)
 
 
-def trainer(bed: Testbed, user: User, workers: int = 4, mem: str = "1GiB", ignore_term: bool = False,
-            double_fork: bool = False, helpers: int = 0, gpu: int = 0, comm: str = "") -> Workload:
-    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope,
-           "GPUKILL_SIM_MEM": mem}
-    spec = {"workers": workers, "ignore_term": ignore_term, "double_fork": double_fork, "helpers": helpers,
-            "comm": comm}
-    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", TRAINER, json.dumps(spec)], stdout=subprocess.PIPE, env=env,
-                            cwd="/", start_new_session=True, **user.popen_kwargs())
+def trainer(
+    bed: Testbed,
+    user: User,
+    workers: int = 4,
+    mem: str = "1GiB",
+    ignore_term: bool = False,
+    double_fork: bool = False,
+    helpers: int = 0,
+    gpu: int = 0,
+    comm: str = "",
+) -> Workload:
+    env = {"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": str(gpu), "GPUKILL_SIM_SCOPE": bed.scope, "GPUKILL_SIM_MEM": mem}
+    spec = {
+        "workers": workers,
+        "ignore_term": ignore_term,
+        "double_fork": double_fork,
+        "helpers": helpers,
+        "comm": comm,
+    }
+    proc = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", TRAINER, json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **user.popen_kwargs(),
+    )
     assert proc.stdout is not None
     pids = json.loads(proc.stdout.readline())
     w = Workload(proc.pid, pids["workers"], pids["helpers"], proc)

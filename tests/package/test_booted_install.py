@@ -56,8 +56,11 @@ def cached_bookworm() -> Path:
     fresh = CACHE / "bookworm.new"
     shutil.rmtree(fresh, ignore_errors=True)
     t0 = time.monotonic()
-    subprocess.run(["debootstrap", "--variant=minbase", f"--include={INCLUDE}", "bookworm", str(fresh), MIRROR],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["debootstrap", "--variant=minbase", f"--include={INCLUDE}", "bookworm", str(fresh), MIRROR],
+        check=True,
+        capture_output=True,
+    )
     subprocess.run(["chroot", str(fresh), *CLEAN_ENV, "apt-get", "update", "-qq"], check=True, capture_output=True)
     (fresh / ".gpukill-complete").touch()
     shutil.rmtree(root, ignore_errors=True)
@@ -75,9 +78,22 @@ class Machine:
         self.proc = subprocess.Popen(
             # --capability=CAP_NET_ADMIN: a host's PID 1 has every capability, nspawn's container not this one
             # (it leaves it out without a private network); the unit's bounding set must be seen as on a host
-            ["systemd-nspawn", "--register=no", "--keep-unit", "-q", "--capability=CAP_NET_ADMIN", "-D", str(root),
-             "-b", "--console=pipe"],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                "systemd-nspawn",
+                "--register=no",
+                "--keep-unit",
+                "-q",
+                "--capability=CAP_NET_ADMIN",
+                "-D",
+                str(root),
+                "-b",
+                "--console=pipe",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.leader = self._find_leader()
 
     def _find_leader(self) -> int:
@@ -95,8 +111,9 @@ class Machine:
             time.sleep(0.1)
         raise RuntimeError("the container's systemd did not start")
 
-    def run(self, *argv: str, check: bool = True, user: str | None = None, timeout: float = 120,
-            env: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    def run(
+        self, *argv: str, check: bool = True, user: str | None = None, timeout: float = 120, env: tuple[str, ...] = ()
+    ) -> subprocess.CompletedProcess:
         cmd = ["nsenter", "-t", str(self.leader), "-a", *CLEAN_ENV, *env]
         if user:
             cmd += ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups"]
@@ -137,8 +154,9 @@ def machine():
     finally:
         m.stop()
         shutil.rmtree(work, ignore_errors=True)
-        print("\nbooted install test timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()),
-              file=sys.stderr)
+        print(
+            "\nbooted install test timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()), file=sys.stderr
+        )
 
 
 def pid_of(m: Machine, unit: str) -> int:
@@ -183,8 +201,9 @@ def test_the_unit_runs_hardened(machine):
     assert score, report
     assert float(score[1]) <= EXPOSURE_MAX + 0.0, report
     pid = pid_of(machine, "gpukilld")
-    status = dict(line.split(":\t", 1) for line in machine.run("cat", f"/proc/{pid}/status").stdout.splitlines()
-                  if ":\t" in line)
+    status = dict(
+        line.split(":\t", 1) for line in machine.run("cat", f"/proc/{pid}/status").stdout.splitlines() if ":\t" in line
+    )
     assert (status["NoNewPrivs"], status["Seccomp"]) == ("1", "2"), status
     assert int(status["CapBnd"], 16) == CAP_BOUNDING, status["CapBnd"]
     assert int(status["CapAmb"], 16) == 0
@@ -196,16 +215,31 @@ def test_the_unit_runs_hardened(machine):
     assert "/sys/devices" in mounts, mounts  # ReadWritePaths=: its own mount, so the PCI reset stays writable
     limits = machine.run("cat", f"/proc/{pid}/limits").stdout
     assert re.search(r"Max core file size\s+0\s+0", limits), limits  # LimitCORE=0
-    shown = machine.run("systemctl", "show", "gpukilld", "-p", "DevicePolicy", "-p", "TasksMax", "-p", "MemoryMax",
-                        "-p", "PrivateIPC", "-p", "OOMPolicy").stdout.split()
-    assert sorted(shown) == sorted(["DevicePolicy=closed", "TasksMax=256", f"MemoryMax={1 << 30}",
-                                    "PrivateIPC=yes", "OOMPolicy=continue"]), shown
+    shown = machine.run(
+        "systemctl",
+        "show",
+        "gpukilld",
+        "-p",
+        "DevicePolicy",
+        "-p",
+        "TasksMax",
+        "-p",
+        "MemoryMax",
+        "-p",
+        "PrivateIPC",
+        "-p",
+        "OOMPolicy",
+    ).stdout.split()
+    assert sorted(shown) == sorted(
+        ["DevicePolicy=closed", "TasksMax=256", f"MemoryMax={1 << 30}", "PrivateIPC=yes", "OOMPolicy=continue"]
+    ), shown
 
 
 def test_simulated_gpus_through_etc_and_reload(machine):
     (machine.root / "etc/gpukill/simulate.yaml").write_text((REPO / "examples/simulate.yaml").read_text())
     (machine.root / "etc/gpukill/gpukilld.conf").write_text(
-        "[daemon]\nsample_interval = 0.5\nsimulate = /etc/gpukill/simulate.yaml\n")
+        "[daemon]\nsample_interval = 0.5\nsimulate = /etc/gpukill/simulate.yaml\n"
+    )
     pid = pid_of(machine, "gpukilld")
     machine.run("systemctl", "reload", "gpukilld")
     assert pid_of(machine, "gpukilld") == pid, "reload must not restart"
@@ -214,12 +248,22 @@ def test_simulated_gpus_through_etc_and_reload(machine):
 
 
 def test_owner_kill_is_audited_with_catalog_text(machine):
-    machine.run("systemd-run", "--uid=alice", "--unit=victim", "--setenv=GPUKILL_SIM_GPU=0",
-                "--setenv=GPUKILL_SIM_MEM=2GiB", "/bin/sleep", "600")
+    machine.run(
+        "systemd-run",
+        "--uid=alice",
+        "--unit=victim",
+        "--setenv=GPUKILL_SIM_GPU=0",
+        "--setenv=GPUKILL_SIM_MEM=2GiB",
+        "/bin/sleep",
+        "600",
+    )
     victim = pid_of(machine, "victim")
     listed = wait_until(lambda: str(victim) in machine.run("gpukillctl", "list", user="alice").stdout)
-    assert listed, (victim, machine.run("gpukillctl", "list").stdout,
-                    machine.run("journalctl", "-u", "gpukilld", "--no-pager", "-n", "30").stdout)
+    assert listed, (
+        victim,
+        machine.run("gpukillctl", "list").stdout,
+        machine.run("journalctl", "-u", "gpukilld", "--no-pager", "-n", "30").stdout,
+    )
     r = machine.run("gpukillctl", "kill", str(victim), user="alice")
     assert f"PID {victim} (sleep) terminated" in r.stdout
     journal = machine.run("journalctl", "-u", "gpukilld", "-x", "--no-pager", f"GPUKILL_TARGET_PID={victim}").stdout
@@ -254,14 +298,23 @@ def test_policy_test_in_the_sandbox_under_the_hardened_unit(machine):
     """An unprivileged caller's `guard test --policy`: the daemon evaluates it in a child that must drop to
     gpukill-sandbox (setgroups/setgid/setuid, nice, SCHED_IDLE) or refuse, so the unit's capabilities and system
     call filter must leave it all of that."""
-    machine.run("systemd-run", "--uid=alice", "--unit=sandbox-probe", "--setenv=GPUKILL_SIM_GPU=1",
-                "--setenv=GPUKILL_SIM_MEM=1GiB", "/bin/sleep", "600")
+    machine.run(
+        "systemd-run",
+        "--uid=alice",
+        "--unit=sandbox-probe",
+        "--setenv=GPUKILL_SIM_GPU=1",
+        "--setenv=GPUKILL_SIM_MEM=1GiB",
+        "/bin/sleep",
+        "600",
+    )
     pid = pid_of(machine, "sandbox-probe")
     try:
         assert wait_until(lambda: str(pid) in machine.run("gpukillctl", "list", user="alice").stdout)
         policy = machine.root / "srv/sandbox-probe.yaml"  # the container's /tmp is a tmpfs of its own
-        policy.write_text('rules:\n  - name: "sleepers"\n    conditions:\n      - type: "process_name"\n'
-                          '        operator: "=="\n        value: "sleep"\n    action: "log"\n')
+        policy.write_text(
+            'rules:\n  - name: "sleepers"\n    conditions:\n      - type: "process_name"\n'
+            '        operator: "=="\n        value: "sleep"\n    action: "log"\n'
+        )
         policy.chmod(0o644)
         r = machine.run("gpukillctl", "guard", "test", "--policy", "/srv/sandbox-probe.yaml", "--json", user="alice")
         decisions = json.loads(r.stdout)["decisions"]
@@ -293,8 +346,12 @@ def test_the_desktop_agent_and_the_gpu_kill_command(machine):
     assert "usage:" in machine.run("gpukillctl", "notify-agent", "--help", user="alice").stdout
     listed = json.loads(machine.run("gpukill", "--list", "--output", "json", user="alice").stdout)
     assert listed["format"] == 1 and listed["devices"], listed
-    for page in ("man1/gpukill.1.gz", "man5/gpukill-policy.5.gz", "man5/gpukilld.conf.5.gz",
-                 "man8/gpukill-notify.service.8.gz"):
+    for page in (
+        "man1/gpukill.1.gz",
+        "man5/gpukill-policy.5.gz",
+        "man5/gpukilld.conf.5.gz",
+        "man8/gpukill-notify.service.8.gz",
+    ):
         assert (machine.root / "usr/share/man" / page).exists(), page
 
 
@@ -319,8 +376,11 @@ def apt_install(m: Machine, *what: str, timeout: float = 600) -> subprocess.Comp
 def test_the_optional_parts_say_which_package_then_install(machine):
     """Without gpukill-serve and gpukill-exporter, serve, mcp and exporter say in one line which package brings
     them (from the main package alone they cannot run); then both packages install beside it."""
-    for argv, package in ((("serve",), "gpukill-serve"), (("mcp",), "gpukill-serve"),
-                          (("exporter",), "gpukill-exporter")):
+    for argv, package in (
+        (("serve",), "gpukill-serve"),
+        (("mcp",), "gpukill-serve"),
+        (("exporter",), "gpukill-exporter"),
+    ):
         r = machine.run("gpukillctl", *argv, user="alice", check=False, env=("XDG_RUNTIME_DIR=/tmp",))
         assert r.returncode == 1 and f"the package {package}" in r.stderr and len(r.stderr.splitlines()) == 1, r
     assert SERVE_DEB and EXPORTER_DEB, "make deb builds gpukill-serve and gpukill-exporter too"
@@ -371,8 +431,9 @@ def test_the_exporter_unit_is_scraped_by_prometheus(machine):
     """gpukill-exporter's unit, enabled and started by its postinst, as its own account; a real Prometheus
     (Debian's, in the container) scrapes it and has every simulated GPU, and a GPU process by its user."""
     assert machine.run("systemctl", "is-enabled", "gpukill-exporter").stdout.strip() == "enabled"
-    assert wait_until(lambda: machine.run("systemctl", "is-active", "gpukill-exporter",
-                                          check=False).stdout.strip() == "active")
+    assert wait_until(
+        lambda: machine.run("systemctl", "is-active", "gpukill-exporter", check=False).stdout.strip() == "active"
+    )
     pid = pid_of(machine, "gpukill-exporter")
     uid = machine.run("stat", "-c", "%u", f"/proc/{pid}").stdout.strip()
     # its own system account, made by the postinst from sysusers.d (a DynamicUser= uid dbus-daemon refuses)
@@ -385,22 +446,32 @@ def test_the_exporter_unit_is_scraped_by_prometheus(machine):
     (machine.root / "etc/prometheus/prometheus.yml").write_text(PROMETHEUS_CONFIG)
     machine.run("systemctl", "restart", "prometheus")
     timings["Prometheus install and start"] = time.monotonic() - t0
-    machine.run("systemd-run", "--uid=alice", "--unit=exported", "--setenv=GPUKILL_SIM_GPU=2",
-                "--setenv=GPUKILL_SIM_MEM=3GiB", "/bin/sleep", "600")
+    machine.run(
+        "systemd-run",
+        "--uid=alice",
+        "--unit=exported",
+        "--setenv=GPUKILL_SIM_GPU=2",
+        "--setenv=GPUKILL_SIM_MEM=3GiB",
+        "/bin/sleep",
+        "600",
+    )
     try:
         up = 'up{job="gpukill"} == 1'
         assert wait_until(lambda: promql(machine, up), timeout=90), (
             promql(machine, 'up{job="gpukill"}'),
-            machine.run("journalctl", "-u", "prometheus", "-u", "gpukill-exporter", "--no-pager", "-n", "30").stdout)
+            machine.run("journalctl", "-u", "prometheus", "-u", "gpukill-exporter", "--no-pager", "-n", "30").stdout,
+        )
         # gpukill_up: the exporter reached gpukilld on the system bus
         assert wait_until(lambda: promql(machine, 'gpukill_up{job="gpukill"} == 1'), timeout=30), (
-            promql(machine, 'gpukill_up'),
-            machine.run("journalctl", "-u", "gpukill-exporter", "-u", "dbus", "--no-pager", "-n", "30").stdout)
+            promql(machine, "gpukill_up"),
+            machine.run("journalctl", "-u", "gpukill-exporter", "-u", "dbus", "--no-pager", "-n", "30").stdout,
+        )
         devices = promql(machine, 'count(gpukill_device_up{job="gpukill"} == 1)')
         assert devices and devices[0]["value"][1] == "4", devices  # examples/simulate.yaml's four GPUs
         by_user = 'gpukill_user_gpu_memory_bytes{job="gpukill", user="alice"}'
-        assert wait_until(lambda: any(float(s["value"][1]) >= 3 << 30 for s in promql(machine, by_user)),
-                          timeout=60), promql(machine, '{job="gpukill", user="alice"}')
+        assert wait_until(lambda: any(float(s["value"][1]) >= 3 << 30 for s in promql(machine, by_user)), timeout=60), (
+            promql(machine, '{job="gpukill", user="alice"}')
+        )
     finally:
         machine.run("systemctl", "stop", "exported", check=False)
 
@@ -462,13 +533,16 @@ def serving(machine):
     uid = int(machine.run("id", "-u", "alice").stdout)
     runtime = f"/run/user/{uid}"
     machine.run("loginctl", "enable-linger", "alice")
-    assert wait_until(lambda: machine.run("systemctl", "is-active", f"user@{uid}.service",
-                                          check=False).stdout.strip() == "active", timeout=60)
+    assert wait_until(
+        lambda: machine.run("systemctl", "is-active", f"user@{uid}.service", check=False).stdout.strip() == "active",
+        timeout=60,
+    )
     env = (f"XDG_RUNTIME_DIR={runtime}", f"DBUS_SESSION_BUS_ADDRESS=unix:path={runtime}/bus", "HOME=/home/alice")
     machine.run("systemctl", "--user", "enable", "--now", "gpukill-serve.service", user="alice", env=env)
     sock = f"{runtime}/gpukill/serve.sock"  # /run/user/UID is a tmpfs of the container's: looked at from inside
     assert wait_until(lambda: machine.run("test", "-S", sock, check=False).returncode == 0, timeout=60), machine.run(
-        "journalctl", f"_UID={uid}", "--no-pager", "-n", "30").stdout
+        "journalctl", f"_UID={uid}", "--no-pager", "-n", "30"
+    ).stdout
     return uid, env
 
 
@@ -476,8 +550,15 @@ def test_the_serve_user_unit_answers_rest_and_the_dashboard_and_kills(machine, s
     """The REST API and the dashboard through the user unit's socket with its token (refused without), and a
     kill through REST that the daemon's audit records as requested by that user."""
     uid, env = serving
-    machine.run("systemd-run", "--uid=alice", "--unit=served-victim", "--setenv=GPUKILL_SIM_GPU=3",
-                "--setenv=GPUKILL_SIM_MEM=1GiB", "/bin/sleep", "600")
+    machine.run(
+        "systemd-run",
+        "--uid=alice",
+        "--unit=served-victim",
+        "--setenv=GPUKILL_SIM_GPU=3",
+        "--setenv=GPUKILL_SIM_MEM=1GiB",
+        "/bin/sleep",
+        "600",
+    )
     victim = pid_of(machine, "served-victim")
     assert wait_until(lambda: str(victim) in machine.run("gpukillctl", "list", user="alice").stdout)
     out = json.loads(machine.run("python3", "-c", SERVE_CLIENT, str(victim), user="alice", env=env).stdout)
@@ -487,13 +568,15 @@ def test_the_serve_user_unit_answers_rest_and_the_dashboard_and_kills(machine, s
     assert "<title>gpukill</title>" in out["page"]["body"]
     assert out["script"]["status"] == 200 and "javascript" in out["script"]["type"], out["script"]
     assert out["kill"]["status"] == 200 and json.loads(out["kill"]["body"])["outcome"] == "terminated", out["kill"]
-    audit = machine.run("journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager",
-                        f"GPUKILL_TARGET_PID={victim}").stdout
+    audit = machine.run(
+        "journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager", f"GPUKILL_TARGET_PID={victim}"
+    ).stdout
     assert f"PID {victim} (sleep, user alice) terminated; GPU memory reclaimed" in audit, audit
     assert f"; requested by uid {uid}" in audit, audit
     # the server ran as alice, under her user manager (not root's, not a system unit)
-    main = int(machine.run("systemctl", "--user", "show", "-P", "MainPID", "gpukill-serve", user="alice",
-                           env=env).stdout)
+    main = int(
+        machine.run("systemctl", "--user", "show", "-P", "MainPID", "gpukill-serve", user="alice", env=env).stdout
+    )
     assert machine.run("stat", "-c", "%u", f"/proc/{main}").stdout.strip() == str(uid)
     said = machine.run("journalctl", f"_UID={uid}", "_SYSTEMD_USER_UNIT=gpukill-serve.service", "--no-pager").stdout
     assert "gpukillctl serve: serving as alice" in said, said
@@ -530,20 +613,26 @@ def slurm(machine):
         "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nSelectType=select/cons_tres\n"
         "StateSaveLocation=/var/lib/slurm/slurmctld\nSlurmdSpoolDir=/var/lib/slurm/slurmd\nReturnToService=2\n"
         "Epilog=/usr/share/gpukill/slurm/epilog\nPrologEpilogTimeout=120\n"
-        f"NodeName={host} CPUs=2 RealMemory=1000\nPartitionName=debug Nodes=ALL Default=YES State=UP\n")
+        f"NodeName={host} CPUs=2 RealMemory=1000\nPartitionName=debug Nodes=ALL Default=YES State=UP\n"
+    )
     (machine.root / "etc/slurm/cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
     machine.run("systemctl", "restart", "munge", "slurmctld", "slurmd")
     idle = wait_until(lambda: machine.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle")
-    assert idle, (machine.run("sinfo", check=False).stdout,
-                  machine.run("journalctl", "-u", "slurmctld", "-u", "slurmd", "--no-pager", "-n", "30").stdout)
+    assert idle, (
+        machine.run("sinfo", check=False).stdout,
+        machine.run("journalctl", "-u", "slurmctld", "-u", "slurmd", "--no-pager", "-n", "30").stdout,
+    )
     timings["Slurm install and start"] = time.monotonic() - t0
     return host
 
 
 def sbatch(m: Machine, script: str) -> str:
     """Submit `script` as alice; the job id."""
-    return m.run("sbatch", "--parsable", "--chdir=/tmp", "-o", "/tmp/slurm-%j.out", "--wrap", script,
-                 user="alice").stdout.strip().split(";")[0]
+    return (
+        m.run("sbatch", "--parsable", "--chdir=/tmp", "-o", "/tmp/slurm-%j.out", "--wrap", script, user="alice")
+        .stdout.strip()
+        .split(";")[0]
+    )
 
 
 def job_gpu_pids(m: Machine, job: str) -> set[int]:
@@ -560,14 +649,17 @@ def test_slurm_job_listed_and_killed_by_job(machine, slurm):
     and `gpukillctl kill --job` run by the job's owner stops it."""
     t0 = time.monotonic()
     job = sbatch(machine, "env GPUKILL_SIM_GPU=0 GPUKILL_SIM_MEM=1GiB sleep 300")
-    assert wait_until(lambda: job_gpu_pids(machine, job)), (job_state(machine, job),
-                                                            machine.run("gpukillctl", "list", "--json").stdout)
+    assert wait_until(lambda: job_gpu_pids(machine, job)), (
+        job_state(machine, job),
+        machine.run("gpukillctl", "list", "--json").stdout,
+    )
     (pid,) = job_gpu_pids(machine, job)
     assert machine.run("cat", f"/proc/{pid}/comm").stdout.strip() == "sleep"
     r = machine.run("gpukillctl", "kill", "--job", job, user="alice")
     assert f"PID {pid} (sleep) terminated" in r.stdout, r.stdout
-    assert wait_until(lambda: "JobState=COMPLETED" in job_state(machine, job) or
-                      "JobState=FAILED" in job_state(machine, job)), job_state(machine, job)
+    assert wait_until(
+        lambda: "JobState=COMPLETED" in job_state(machine, job) or "JobState=FAILED" in job_state(machine, job)
+    ), job_state(machine, job)
     assert wait_until(lambda: not job_gpu_pids(machine, job))  # gone from the next sample
     timings["Slurm kill --job"] = time.monotonic() - t0
 
@@ -576,23 +668,36 @@ def test_slurm_epilog_cleans_up_a_leftover(machine, slurm):
     """A GPU process that escaped its job (setsid, the batch script exits) is stopped by the shipped epilog when the
     job ends, through gpukilld (audited as a user kill by uid 0), and the epilog says so in syslog."""
     t0 = time.monotonic()
-    job = sbatch(machine, "setsid env GPUKILL_SIM_GPU=1 GPUKILL_SIM_MEM=1GiB sleep 300 </dev/null >/dev/null 2>&1 & "
-                          "while [ ! -e /tmp/go-$SLURM_JOB_ID ]; do sleep 0.2; done")
-    assert wait_until(lambda: job_gpu_pids(machine, job)), (job_state(machine, job),
-                                                            machine.run("gpukillctl", "list", "--json").stdout)
+    job = sbatch(
+        machine,
+        "setsid env GPUKILL_SIM_GPU=1 GPUKILL_SIM_MEM=1GiB sleep 300 </dev/null >/dev/null 2>&1 & "
+        "while [ ! -e /tmp/go-$SLURM_JOB_ID ]; do sleep 0.2; done",
+    )
+    assert wait_until(lambda: job_gpu_pids(machine, job)), (
+        job_state(machine, job),
+        machine.run("gpukillctl", "list", "--json").stdout,
+    )
     (pid,) = job_gpu_pids(machine, job)
     machine.run("touch", f"/tmp/go-{job}")  # the batch script ends: the job ends with the process left behind
-    assert wait_until(lambda: not job_gpu_pids(machine, job)), (job_state(machine, job),
-                                                                machine.run("gpukillctl", "list").stdout)
+    assert wait_until(lambda: not job_gpu_pids(machine, job)), (
+        job_state(machine, job),
+        machine.run("gpukillctl", "list").stdout,
+    )
     # the epilog's kill makes the process vanish before the epilog itself returns: COMPLETING until then
     assert wait_until(lambda: "JobState=COMPLETED" in job_state(machine, job)), job_state(machine, job)
-    audit = machine.run("journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager", f"GPUKILL_TARGET_PID={pid}").stdout
+    audit = machine.run(
+        "journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager", f"GPUKILL_TARGET_PID={pid}"
+    ).stdout
     assert f"PID {pid} (sleep, user alice) terminated; GPU memory reclaimed" in audit, audit
     assert "; requested by uid 0" in audit and "GPUKILL_RECLAIM=reclaimed" in audit, audit
     assert "GPUKILL_INITIATOR=user" in audit, audit
-    assert wait_until(lambda: f"job {job}: PID {pid} (sleep) terminated" in
-                      machine.run("journalctl", "-t", "gpukill-slurm", "--no-pager").stdout, timeout=10), \
-        machine.run("journalctl", "-t", "gpukill-slurm", "--no-pager").stdout
+    assert wait_until(
+        lambda: (
+            f"job {job}: PID {pid} (sleep) terminated"
+            in machine.run("journalctl", "-t", "gpukill-slurm", "--no-pager").stdout
+        ),
+        timeout=10,
+    ), machine.run("journalctl", "-t", "gpukill-slurm", "--no-pager").stdout
     timings["Slurm epilog"] = time.monotonic() - t0
 
 
@@ -609,13 +714,20 @@ OWNER_POLICY = """rules:
 
 
 def test_the_owner_is_warned_on_the_terminal_of_their_logind_session(machine):
-    """The owner's terminal warning through the real logind: su's PAM stack (pam_systemd) opens a session for alice on script's
+    """The owner's terminal warning through the real logind: su's PAM stack (pam_systemd) opens a session for alice on
+    script's
     pty, which no utmp record names (neither su nor script writes one); Guard's warning reaches that terminal
     through the unit's device policy (DeviceAllow=char-pts w), and the kill still comes at the end of the grace.
     Before it is given to her the pty is root's, and the warning is refused there (owned by another uid)."""
     # the terminal given to alice as sshd and login give it (hers, group tty, mesg y), then her session on it
-    machine.run("systemd-run", "--unit=alice-login", "script", "-qfc",
-                "t=$(tty); chown alice:tty $t; chmod 620 $t; exec su - alice -c 'sleep 600'", "/run/alice-terminal")
+    machine.run(
+        "systemd-run",
+        "--unit=alice-login",
+        "script",
+        "-qfc",
+        "t=$(tty); chown alice:tty $t; chmod 620 $t; exec su - alice -c 'sleep 600'",
+        "/run/alice-terminal",
+    )
     sessions = []
 
     def alice_tty() -> str:
@@ -636,21 +748,42 @@ def test_the_owner_is_warned_on_the_terminal_of_their_logind_session(machine):
     for args in (["enable"], ["dry-run", "off"], ["load", "/root/owner-policy.yaml"]):
         machine.run("gpukillctl", "guard", *args)
     try:
-        machine.run("systemd-run", "--uid=alice", "--unit=idle-holder", "--setenv=GPUKILL_SIM_GPU=0",
-                    "--setenv=GPUKILL_SIM_MEM=2GiB", "--setenv=GPUKILL_SIM_UTIL=0", "/bin/sleep", "600")
+        machine.run(
+            "systemd-run",
+            "--uid=alice",
+            "--unit=idle-holder",
+            "--setenv=GPUKILL_SIM_GPU=0",
+            "--setenv=GPUKILL_SIM_MEM=2GiB",
+            "--setenv=GPUKILL_SIM_UTIL=0",
+            "/bin/sleep",
+            "600",
+        )
         holder = pid_of(machine, "idle-holder")
-        assert wait_until(lambda: machine.run("systemctl", "is-active", "idle-holder", check=False).stdout.strip()
-                          != "active", 30), machine.run("gpukillctl", "guard", "status").stdout
-        written = machine.run("journalctl", "--no-pager", "-o", "cat", "GPUKILL_RESULT=owner-warned",
-                              "GPUKILL_CHANNEL=tty", f"GPUKILL_TARGET=/dev/{tty}", "GPUKILL_OUTCOME=written").stdout
+        assert wait_until(
+            lambda: machine.run("systemctl", "is-active", "idle-holder", check=False).stdout.strip() != "active", 30
+        ), machine.run("gpukillctl", "guard", "status").stdout
+        written = machine.run(
+            "journalctl",
+            "--no-pager",
+            "-o",
+            "cat",
+            "GPUKILL_RESULT=owner-warned",
+            "GPUKILL_CHANNEL=tty",
+            f"GPUKILL_TARGET=/dev/{tty}",
+            "GPUKILL_OUTCOME=written",
+        ).stdout
         assert written.count("by tty") >= 2, machine.run(  # at_start (the violation's notice) and the 1 s warning
-            "journalctl", "--no-pager", "-o", "cat", "GPUKILL_RESULT=owner-warned").stdout
+            "journalctl", "--no-pager", "-o", "cat", "GPUKILL_RESULT=owner-warned"
+        ).stdout
         seen = machine.run("cat", "/run/alice-terminal").stdout  # what script read off alice's terminal
         assert "Message from gpukilld@" in seen and f"PID {holder} (sleep" in seen, seen[-2000:]
         # the kill's entry comes with the GPU's answer: a few samples after the process exited
-        assert wait_until(lambda: machine.run("journalctl", "--no-pager", "-o", "cat", f"GPUKILL_TARGET_PID={holder}",
-                                              "GPUKILL_RESULT=terminated").stdout.strip(), 20), \
-            "the idle holder's kill is not in the journal"
+        assert wait_until(
+            lambda: machine.run(
+                "journalctl", "--no-pager", "-o", "cat", f"GPUKILL_TARGET_PID={holder}", "GPUKILL_RESULT=terminated"
+            ).stdout.strip(),
+            20,
+        ), "the idle holder's kill is not in the journal"
     finally:
         machine.run("gpukillctl", "guard", "disable", check=False)  # the policy stays loaded, and does nothing
         machine.run("systemctl", "stop", "alice-login", "idle-holder", check=False)
@@ -658,21 +791,39 @@ def test_the_owner_is_warned_on_the_terminal_of_their_logind_session(machine):
 
 def test_purge_leaves_nothing_of_ours(machine):
     machine.run("apt-get", "purge", "-y", "-q", "gpukill", "gpukill-serve", "gpukill-exporter", timeout=300)
-    ours = ["usr/lib/gpukill", "usr/sbin/gpukilld", "usr/bin/gpukillctl", "lib/systemd/system/gpukilld.service",
-            "etc/systemd/system/dbus-org.gpukill1.service", "etc/systemd/system/multi-user.target.wants/gpukilld.service",
-            "usr/share/dbus-1/system.d/org.gpukill1.conf", "usr/share/dbus-1/system-services/org.gpukill1.service",
-            "usr/share/dbus-1/interfaces/org.gpukill1.xml", "usr/share/polkit-1/actions/org.gpukill.policy",
-            "usr/lib/systemd/catalog/gpukill.catalog", "usr/lib/sysusers.d/gpukill.conf", "etc/gpukill/gpukilld.conf",
-            "etc/gpukill/guard.d", "var/lib/gpukill", "usr/share/man/man8/gpukilld.8.gz",
-            "usr/share/bash-completion/completions/gpukillctl", "usr/share/doc/gpukill", "usr/bin/gpukill",
-            "usr/lib/systemd/user/gpukill-notify.service", "etc/xdg/autostart/gpukill-notify.desktop",
-            "etc/systemd/user/graphical-session.target.wants/gpukill-notify.service",
-            "usr/share/man/man5/gpukill-policy.5.gz",
-            # gpukill-serve and gpukill-exporter (the bytecode py3compile made is py3clean's to remove)
-            "usr/lib/gpukill/vendor-serve", "usr/lib/systemd/user/gpukill-serve.service",
-            "lib/systemd/system/gpukill-exporter.service", "usr/lib/sysusers.d/gpukill-exporter.conf",
-            "etc/systemd/system/multi-user.target.wants/gpukill-exporter.service",
-            "usr/share/doc/gpukill-serve", "usr/share/doc/gpukill-exporter"]
+    ours = [
+        "usr/lib/gpukill",
+        "usr/sbin/gpukilld",
+        "usr/bin/gpukillctl",
+        "lib/systemd/system/gpukilld.service",
+        "etc/systemd/system/dbus-org.gpukill1.service",
+        "etc/systemd/system/multi-user.target.wants/gpukilld.service",
+        "usr/share/dbus-1/system.d/org.gpukill1.conf",
+        "usr/share/dbus-1/system-services/org.gpukill1.service",
+        "usr/share/dbus-1/interfaces/org.gpukill1.xml",
+        "usr/share/polkit-1/actions/org.gpukill.policy",
+        "usr/lib/systemd/catalog/gpukill.catalog",
+        "usr/lib/sysusers.d/gpukill.conf",
+        "etc/gpukill/gpukilld.conf",
+        "etc/gpukill/guard.d",
+        "var/lib/gpukill",
+        "usr/share/man/man8/gpukilld.8.gz",
+        "usr/share/bash-completion/completions/gpukillctl",
+        "usr/share/doc/gpukill",
+        "usr/bin/gpukill",
+        "usr/lib/systemd/user/gpukill-notify.service",
+        "etc/xdg/autostart/gpukill-notify.desktop",
+        "etc/systemd/user/graphical-session.target.wants/gpukill-notify.service",
+        "usr/share/man/man5/gpukill-policy.5.gz",
+        # gpukill-serve and gpukill-exporter (the bytecode py3compile made is py3clean's to remove)
+        "usr/lib/gpukill/vendor-serve",
+        "usr/lib/systemd/user/gpukill-serve.service",
+        "lib/systemd/system/gpukill-exporter.service",
+        "usr/lib/sysusers.d/gpukill-exporter.conf",
+        "etc/systemd/system/multi-user.target.wants/gpukill-exporter.service",
+        "usr/share/doc/gpukill-serve",
+        "usr/share/doc/gpukill-exporter",
+    ]
     left = [p for p in ours if (machine.root / p).exists() or (machine.root / p).is_symlink()]
     assert left == [], left
     # what is left under /etc/gpukill is what the admin wrote there (simulate.yaml above): policy keeps it

@@ -145,9 +145,24 @@ def image():
     t0 = time.monotonic()
     base = base_image()
     before = sh("podman", "image", "inspect", "-f", "{{.Id}}", IMAGE, check=False).stdout.strip()
-    r = sh("buildah", "bud", *RUNTIME, *ULIMITS, "--layers", "--network=host", *pip_ca(),
-           "--build-arg", f"BASE={base}",
-           "-f", str(REPO / "deploy/container/Containerfile"), "-t", IMAGE, str(REPO), timeout=1500, check=False)
+    r = sh(
+        "buildah",
+        "bud",
+        *RUNTIME,
+        *ULIMITS,
+        "--layers",
+        "--network=host",
+        *pip_ca(),
+        "--build-arg",
+        f"BASE={base}",
+        "-f",
+        str(REPO / "deploy/container/Containerfile"),
+        "-t",
+        IMAGE,
+        str(REPO),
+        timeout=1500,
+        check=False,
+    )
     assert r.returncode == 0, f"buildah bud failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     print(f"\nimage built in {time.monotonic() - t0:.0f}s")
     if before and before != sh("podman", "image", "inspect", "-f", "{{.Id}}", IMAGE).stdout.strip():
@@ -171,34 +186,76 @@ def test_the_image_runs_gpukilld_as_the_daemonset_does(image, tmp_path):
     sim["scope"] = SCOPE
     (configmap / "simulate.yaml").write_text(yaml.safe_dump(sim))
     name = f"gpukill-image-test-{os.getpid()}"
-    run = ["podman", *RUNTIME, "run", *ULIMITS, "-d", "--name", name, "--pid=host", "--privileged", "--user", "0",
-           "-v", f"{configmap}:{mounts['config']}:ro", "-v", f"{bus}:{mounts['bus']}",
-           "-v", f"{state}:{mounts['state']}", "-v", f"/dev:{mounts['dev']}", "-v", f"/sys:{mounts['sys']}:ro",
-           *[f"--env={e['name']}={e['value']}" for e in pod.get("env", [])],
-           image, *pod["args"], "--simulate", f"{mounts['config']}/simulate.yaml"]
+    run = [
+        "podman",
+        *RUNTIME,
+        "run",
+        *ULIMITS,
+        "-d",
+        "--name",
+        name,
+        "--pid=host",
+        "--privileged",
+        "--user",
+        "0",
+        "-v",
+        f"{configmap}:{mounts['config']}:ro",
+        "-v",
+        f"{bus}:{mounts['bus']}",
+        "-v",
+        f"{state}:{mounts['state']}",
+        "-v",
+        f"/dev:{mounts['dev']}",
+        "-v",
+        f"/sys:{mounts['sys']}:ro",
+        *[f"--env={e['name']}={e['value']}" for e in pod.get("env", [])],
+        image,
+        *pod["args"],
+        "--simulate",
+        f"{mounts['config']}/simulate.yaml",
+    ]
     started = sh(*run, check=False)
-    if started.returncode != 0 and re.search(r"operation not permitted|permission denied|not supported",
-                                              started.stderr, re.I):
+    if started.returncode != 0 and re.search(
+        r"operation not permitted|permission denied|not supported", started.stderr, re.I
+    ):
         pytest.skip(f"podman cannot run a container on this kernel: {started.stderr.strip()[-400:]}")
     assert started.returncode == 0, started
     victim = exported = None
     try:
+
         def kubectl_exec(*args: str) -> subprocess.CompletedProcess:
             return sh("podman", "exec", name, "gpukillctl", *args, check=False, timeout=60)
 
-        up = wait_until(lambda: kubectl_exec("status").returncode == 0 or
-                        sh("podman", "inspect", "-f", "{{.State.Running}}", name).stdout.strip() != "true", 90)
+        up = wait_until(
+            lambda: (
+                kubectl_exec("status").returncode == 0
+                or sh("podman", "inspect", "-f", "{{.State.Running}}", name).stdout.strip() != "true"
+            ),
+            90,
+        )
         logs = sh("podman", "logs", name, check=False)
         assert up and kubectl_exec("status").returncode == 0, logs.stdout + logs.stderr
         assert "gpukilld 0.1.0" in kubectl_exec("status").stdout
         # the pod's bus is the pod's: its socket in the emptyDir, its config nowhere on the host
         assert (bus / "system_bus_socket").is_socket() and not Path("/run/dbus/pod-bus.conf").exists()
         # a GPU process of the node (hostPID), seen by the daemon in the image
-        victim = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "sleep", "300"],
-                                  env={"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "1", "GPUKILL_SIM_MEM": "2GiB",
-                                       "GPUKILL_SIM_SCOPE": SCOPE})
-        listed = wait_until(lambda: (r := kubectl_exec("list", "--json")).returncode == 0 and
-                            victim.pid in {p["pid"] for p in json.loads(r.stdout)["processes"]} and r, 60)
+        victim = subprocess.Popen(
+            ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "sleep", "300"],
+            env={
+                "PATH": "/usr/bin:/bin",
+                "GPUKILL_SIM_GPU": "1",
+                "GPUKILL_SIM_MEM": "2GiB",
+                "GPUKILL_SIM_SCOPE": SCOPE,
+            },
+        )
+        listed = wait_until(
+            lambda: (
+                (r := kubectl_exec("list", "--json")).returncode == 0
+                and victim.pid in {p["pid"] for p in json.loads(r.stdout)["processes"]}
+                and r
+            ),
+            60,
+        )
         assert listed, kubectl_exec("list").stdout
         devices = json.loads(listed.stdout)["devices"]
         assert [d["name"] for d in devices] == [d["name"] for d in sim["devices"]]
@@ -206,10 +263,15 @@ def test_the_image_runs_gpukilld_as_the_daemonset_does(image, tmp_path):
         assert [r["name"] for r in status["rules"]] == ["block-crypto-miners"], status  # the ConfigMap's policy
         # ... in force on the node's processes: one named like a miner is stopped, the other process stays
         shutil.copy("/bin/sleep", programs / "xmrig")
-        miner = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                                  str(programs / "xmrig"), "300"],
-                                 env={"PATH": "/usr/bin:/bin", "GPUKILL_SIM_GPU": "0", "GPUKILL_SIM_MEM": "1GiB",
-                                      "GPUKILL_SIM_SCOPE": SCOPE})
+        miner = subprocess.Popen(
+            ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", str(programs / "xmrig"), "300"],
+            env={
+                "PATH": "/usr/bin:/bin",
+                "GPUKILL_SIM_GPU": "0",
+                "GPUKILL_SIM_MEM": "1GiB",
+                "GPUKILL_SIM_SCOPE": SCOPE,
+            },
+        )
         try:
             miner.wait(timeout=90)
         except subprocess.TimeoutExpired:
@@ -228,9 +290,26 @@ def test_the_image_runs_gpukilld_as_the_daemonset_does(image, tmp_path):
         command = ["127.0.0.1" if a == "0.0.0.0" else a for a in command]
         ctx = exporter["securityContext"]
         exported = f"{name}-exporter"
-        sh("podman", *RUNTIME, "run", *ULIMITS, "-d", "--name", exported, "--pid=host", "--network=host", "--read-only",
-           "--cap-drop=all", f"--user={ctx['runAsUser']}:{ctx['runAsGroup']}", "-v", f"{bus}:{mounts['bus']}:ro",
-           "--entrypoint", command[0], image, *command[1:])
+        sh(
+            "podman",
+            *RUNTIME,
+            "run",
+            *ULIMITS,
+            "-d",
+            "--name",
+            exported,
+            "--pid=host",
+            "--network=host",
+            "--read-only",
+            "--cap-drop=all",
+            f"--user={ctx['runAsUser']}:{ctx['runAsGroup']}",
+            "-v",
+            f"{bus}:{mounts['bus']}:ro",
+            "--entrypoint",
+            command[0],
+            image,
+            *command[1:],
+        )
         url = f"http://127.0.0.1:{port}/metrics"
         metrics = wait_until(lambda: (m := scrape(url)) and "\ngpukill_up 1" in m and m, 90)
         assert metrics, sh("podman", "logs", exported, check=False).stderr
@@ -255,7 +334,17 @@ def test_the_image_holds_what_the_daemonset_needs(image):
     config = json.loads(sh("podman", "image", "inspect", image).stdout)[0]["Config"]
     assert config["Entrypoint"] == ["/usr/local/bin/gpukill-entrypoint"], config
     assert any(e.startswith("PATH=/opt/gpukill/bin:") for e in config["Env"]), config["Env"]
-    r = sh("podman", *RUNTIME, "run", *ULIMITS, "--rm", "--entrypoint", "sh", image, "-c",
-           "getent passwd gpukill-exporter; test -r /usr/share/dbus-1/system.d/org.gpukill1.conf && echo policy; "
-           "gpukillctl exporter --help >/dev/null && echo exporter")
+    r = sh(
+        "podman",
+        *RUNTIME,
+        "run",
+        *ULIMITS,
+        "--rm",
+        "--entrypoint",
+        "sh",
+        image,
+        "-c",
+        "getent passwd gpukill-exporter; test -r /usr/share/dbus-1/system.d/org.gpukill1.conf && echo policy; "
+        "gpukillctl exporter --help >/dev/null && echo exporter",
+    )
     assert "gpukill-exporter:x:9835:9835:" in r.stdout and "policy" in r.stdout and "exporter" in r.stdout, r.stdout

@@ -14,8 +14,16 @@ DIST = Path(__file__).resolve().parents[2] / "dist"
 PACKAGES = ("gpukill", "gpukill-serve", "gpukill-exporter")
 # what both must carry in the same place (the rest, docs, completions and the like, follows each distribution's
 # layout); /lib/systemd is the .deb's (bookworm), /usr/lib/systemd the rpm's
-COMPARED = ("usr/lib/gpukill/", "usr/lib/systemd/", "usr/lib/sysusers.d/", "usr/bin/", "usr/sbin/",
-            "usr/share/dbus-1/", "usr/share/polkit-1/", "etc/gpukill/")
+COMPARED = (
+    "usr/lib/gpukill/",
+    "usr/lib/systemd/",
+    "usr/lib/sysusers.d/",
+    "usr/bin/",
+    "usr/sbin/",
+    "usr/share/dbus-1/",
+    "usr/share/polkit-1/",
+    "etc/gpukill/",
+)
 
 
 def _one(pattern: str) -> Path:
@@ -41,10 +49,16 @@ def test_the_rpm_holds_what_the_deb_holds(package):
     listed = subprocess.run(["tar", "-t"], input=deb_files, capture_output=True, check=True).stdout.decode()
     from_deb = _compared([p for p in listed.splitlines() if not p.endswith("/")])
     rpm_files = subprocess.run(["rpm", "-qlp", "--noartifact", str(rpm)], capture_output=True, text=True, check=True)
-    dirs = subprocess.run(["rpm", "-qp", "--qf", "[%{FILEMODES:perms} %{FILENAMES}\n]", str(rpm)],
-                          capture_output=True, text=True, check=True).stdout
+    dirs = subprocess.run(
+        ["rpm", "-qp", "--qf", "[%{FILEMODES:perms} %{FILENAMES}\n]", str(rpm)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     directories = {line.split(" ", 1)[1] for line in dirs.splitlines() if line.startswith("d")}
     from_rpm = _compared([p for p in rpm_files.stdout.splitlines() if p not in directories])
     assert from_deb, deb
-    assert from_rpm == from_deb, {"only in the .deb": sorted(from_deb - from_rpm)[:20],
-                                  "only in the .rpm": sorted(from_rpm - from_deb)[:20]}
+    assert from_rpm == from_deb, {
+        "only in the .deb": sorted(from_deb - from_rpm)[:20],
+        "only in the .rpm": sorted(from_rpm - from_deb)[:20],
+    }

@@ -51,9 +51,16 @@ WHY_UNAVAILABLE = {
 class DrmBackend(Backend):
     name = "drm"
 
-    def __init__(self, sys_root: str = "/sys", proc_root: str = "/proc", debugfs_root: str = "/sys/kernel/debug",
-                 clock: Callable[[], float] = time.monotonic, use_rsmi: bool = True,
-                 revalidate_every: int = 100, system_uid_max: int | None = None) -> None:
+    def __init__(
+        self,
+        sys_root: str = "/sys",
+        proc_root: str = "/proc",
+        debugfs_root: str = "/sys/kernel/debug",
+        clock: Callable[[], float] = time.monotonic,
+        use_rsmi: bool = True,
+        revalidate_every: int = 100,
+        system_uid_max: int | None = None,
+    ) -> None:
         self.sys_root = sys_root
         self.proc_root = proc_root
         self.debugfs_root = debugfs_root
@@ -77,8 +84,12 @@ class DrmBackend(Backend):
         cards = discover(self.sys_root)
         self._discovered = cards  # the sampler asks status() right before sample(): one sysfs walk serves both
         if not cards:
-            return BackendStatus(self.name, False, f"no DRM GPU under {self.sys_root}/class/drm "
-                                 "(display-only devices and cards on NVIDIA's driver are not counted)")
+            return BackendStatus(
+                self.name,
+                False,
+                f"no DRM GPU under {self.sys_root}/class/drm "
+                "(display-only devices and cards on NVIDIA's driver are not counted)",
+            )
         listed = ", ".join(f"{c.driver} {c.pci_address or c.id}" for c in cards)
         parts = [f"{len(cards)} GPU{'s' if len(cards) > 1 else ''}: {listed}"]
         if self._rsmi is not None and any(c.driver == "amdgpu" for c in cards):
@@ -94,8 +105,14 @@ class DrmBackend(Backend):
             self._rsmi = RsmiSource()  # only on hosts with an AMD GPU; imports pyrsmi if installed
         return self._rsmi
 
-    def _fdinfo_clients(self, reads: list[ClientRead], by_minor: dict[int, DrmCard], now: float,
-                        clients: dict[tuple, Client], incomplete: set[str]) -> None:
+    def _fdinfo_clients(
+        self,
+        reads: list[ClientRead],
+        by_minor: dict[int, DrmCard],
+        now: float,
+        clients: dict[tuple, Client],
+        incomplete: set[str],
+    ) -> None:
         for r in reads:
             card = by_minor.get(r.minor)
             if card is None:
@@ -116,8 +133,15 @@ class DrmBackend(Backend):
                 continue
             has_usage_keys = bool(info.engines or info.regions)  # asahi prints neither: usage unknown
             engines = self.tracker.update(key, info.engines, now) if has_usage_keys else None
-            clients[key] = Client(key, card.id, {holder}, engines, info.regions, has_usage_keys=has_usage_keys,
-                                  region_key=info.region_lines)
+            clients[key] = Client(
+                key,
+                card.id,
+                {holder},
+                engines,
+                info.regions,
+                has_usage_keys=has_usage_keys,
+                region_key=info.region_lines,
+            )
 
     def _listed_clients(self, cards: list[DrmCard], kfd: list[KfdUsage]) -> dict[int, tuple] | None:
         """Every process the kernel names as a client of these cards, with its entry (rows per card, KFD), or
@@ -131,8 +155,9 @@ class DrmBackend(Backend):
                 listed[tgid] = listed.get(tgid, ()) + ((card.card_minor, count),)
         return listed
 
-    def _kfd_clients(self, kfd: list[KfdUsage], by_minor: dict[int, DrmCard], now: float,
-                     clients: dict[tuple, Client]) -> None:
+    def _kfd_clients(
+        self, kfd: list[KfdUsage], by_minor: dict[int, DrmCard], now: float, clients: dict[tuple, Client]
+    ) -> None:
         for k in kfd:
             card = by_minor.get(k.render_minor)
             start_time = read_start_time(self.proc_root, k.pid)
@@ -145,8 +170,9 @@ class DrmBackend(Backend):
             occupancy = None
             if k.cu_occupancy is not None and k.compute_units:
                 occupancy = min(1.0, k.cu_occupancy / k.compute_units)
-            clients[key] = Client(key, card.id, {(start_time, k.pid)}, sdma, has_usage_keys=True,
-                                  occupancy=occupancy, kfd_vram=k.vram)
+            clients[key] = Client(
+                key, card.id, {(start_time, k.pid)}, sdma, has_usage_keys=True, occupancy=occupancy, kfd_vram=k.vram
+            )
 
     def _holder_uids(self) -> UidOf:
         """uid_of for process_usages, asked only about clients with several holders; one read per holder."""
@@ -203,11 +229,20 @@ class DrmBackend(Backend):
                 utilization = device_utilization(on_card, card.id not in incomplete)
             if (note := self._note(card, t, utilization)) is not None:
                 notes[card.id] = note
-            sample.devices.append(DeviceReading(
-                id=card.id, vendor=card.vendor, name=card.name, pci_bus_id=card.pci_address,
-                utilization=utilization, memory_used=t.memory_used, memory_total=t.memory_total,
-                temperature=t.temperature, power=t.power, clock_mhz=t.clock_mhz,
-            ))
+            sample.devices.append(
+                DeviceReading(
+                    id=card.id,
+                    vendor=card.vendor,
+                    name=card.name,
+                    pci_bus_id=card.pci_address,
+                    utilization=utilization,
+                    memory_used=t.memory_used,
+                    memory_total=t.memory_total,
+                    temperature=t.temperature,
+                    power=t.power,
+                    clock_mhz=t.clock_mhz,
+                )
+            )
         self.telemetry.forget({c.id for c in cards})
         with self._lock:
             self._notes = notes
@@ -234,8 +269,9 @@ class DrmBackend(Backend):
         cards = [plan.card] + [c for c in discover(self.sys_root) if (c.pci_address or c.id) in plan.peers]
         minors = {m for c in cards for m in (c.card_minor, c.render_minor)}
         pids = set(holders(self.proc_root, minors))
-        pids.update(k.pid for k in read_kfd(self.sys_root) if k.render_minor in minors
-                    and is_running(self.proc_root, k.pid))
+        pids.update(
+            k.pid for k in read_kfd(self.sys_root) if k.render_minor in minors and is_running(self.proc_root, k.pid)
+        )
         if pids:
             where = f"{plan.card.pci_address or plan.card.id}" + (" or its XGMI peers" if plan.peers else "")
             listed = ", ".join(map(str, sorted(pids)[:8]))

@@ -51,7 +51,8 @@ def parse_clients(text: str) -> dict[int, int] | None:
             return None
         tgid = fields[tgid_at]
         if not tgid.isdigit() or not all(
-                fields[at] in FLAGS if name in ("master", "a") else fields[at].isdigit() for at, name in checks):
+            fields[at] in FLAGS if name in ("master", "a") else fields[at].isdigit() for at, name in checks
+        ):
             return None
         if tgid != "0":
             number = int(tgid)
@@ -60,7 +61,8 @@ def parse_clients(text: str) -> dict[int, int] | None:
 
 
 def read_clients(debugfs_root: str, card_minor: int, pci_address: str | None) -> dict[int, int] | None:
-    """The tgids of one device's clients with their number of rows, or None where its list cannot be read or trusted (no debugfs, not
+    """The tgids of one device's clients with their number of rows, or None where its list cannot be read or trusted (no
+    debugfs, not
     root, a kernel without the file, a malformed or oversized file)."""
     paths = [f"{debugfs_root}/dri/{card_minor}/clients"]
     if pci_address:

@@ -19,15 +19,38 @@ DRM_MAJOR = 226  # include/uapi/drm/drm.h: every DRM card and render node is cha
 PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 PCI_VENDORS = {
-    0x1002: "amd", 0x1022: "amd", 0x8086: "intel", 0x10DE: "nvidia", 0x1AF4: "virtio", 0x15AD: "vmware",
-    0x1A03: "aspeed", 0x5143: "qualcomm", 0x1234: "qemu",
+    0x1002: "amd",
+    0x1022: "amd",
+    0x8086: "intel",
+    0x10DE: "nvidia",
+    0x1AF4: "virtio",
+    0x15AD: "vmware",
+    0x1A03: "aspeed",
+    0x5143: "qualcomm",
+    0x1234: "qemu",
 }
 PLATFORM_VENDORS = {  # platform devices have no vendor file: the driver says whose GPU it is
-    "asahi": "apple", "panfrost": "arm", "panthor": "arm", "lima": "arm", "msm": "qualcomm", "v3d": "broadcom",
-    "vc4": "broadcom", "etnaviv": "vivante", "powervr": "imagination", "tegra": "nvidia", "rocket": "rockchip",
+    "asahi": "apple",
+    "panfrost": "arm",
+    "panthor": "arm",
+    "lima": "arm",
+    "msm": "qualcomm",
+    "v3d": "broadcom",
+    "vc4": "broadcom",
+    "etnaviv": "vivante",
+    "powervr": "imagination",
+    "tegra": "nvidia",
+    "rocket": "rockchip",
 }
-VENDOR_TITLES = {"amd": "AMD", "intel": "Intel", "apple": "Apple", "arm": "Arm Mali", "qualcomm": "Qualcomm Adreno",
-                 "broadcom": "Broadcom VideoCore", "nvidia": "NVIDIA"}
+VENDOR_TITLES = {
+    "amd": "AMD",
+    "intel": "Intel",
+    "apple": "Apple",
+    "arm": "Arm Mali",
+    "qualcomm": "Qualcomm Adreno",
+    "broadcom": "Broadcom VideoCore",
+    "nvidia": "NVIDIA",
+}
 NVML_DRIVERS = {"nvidia"}  # the proprietary driver: the nvidia backend reports these GPUs
 
 
@@ -90,16 +113,26 @@ def _card(sys_root: str, card: str) -> DrmCard | None:
         vendor_id, device_id = read_hex(f"{device_path}/vendor"), read_hex(f"{device_path}/device")
         vendor = PCI_VENDORS.get(vendor_id or -1, f"pci-{vendor_id or 0:04x}")
         name = read_text(f"{device_path}/product_name") or (  # amdgpu reads it from the board's FRU
-            f"{VENDOR_TITLES.get(vendor, vendor)} GPU [{vendor_id or 0:04x}:{device_id or 0:04x}] ({driver})")
+            f"{VENDOR_TITLES.get(vendor, vendor)} GPU [{vendor_id or 0:04x}:{device_id or 0:04x}] ({driver})"
+        )
     else:
         vendor = PLATFORM_VENDORS.get(driver, driver)
         compatible = _compatible(device_path)
         name = f"{VENDOR_TITLES.get(vendor, vendor)} GPU ({driver}{', ' + compatible if compatible else ''})"
     unique_id = read_text(f"{device_path}/unique_id")  # amdgpu, where the ASIC has a serial
     stable = f"GPU-{unique_id.lower()}" if unique_id else base
-    return DrmCard(id=stable, card=card, card_minor=card_minor, render_minor=render_minor, driver=driver,
-                   vendor=vendor, name=name, pci_address=base if is_pci else None, device_path=device_path,
-                   card_path=card_path)
+    return DrmCard(
+        id=stable,
+        card=card,
+        card_minor=card_minor,
+        render_minor=render_minor,
+        driver=driver,
+        vendor=vendor,
+        name=name,
+        pci_address=base if is_pci else None,
+        device_path=device_path,
+        card_path=card_path,
+    )
 
 
 # What _card made of each card directory, with what it was made from: the inodes of the card and of its device
@@ -114,8 +147,13 @@ def _identity(card_path: str) -> tuple[int, int, int, int, str] | None:
     try:
         card, device = os.stat(card_path), os.stat(f"{card_path}/device")
         # with change times: a file system that reuses inode numbers at once (a fixture tree) still shows it
-        return (card.st_ino, card.st_ctime_ns, device.st_ino, device.st_ctime_ns,
-                os.readlink(f"{card_path}/device/driver"))
+        return (
+            card.st_ino,
+            card.st_ctime_ns,
+            device.st_ino,
+            device.st_ctime_ns,
+            os.readlink(f"{card_path}/device/driver"),
+        )
     except OSError:
         return None  # no device, or no driver bound: _card says what that means, every time
 

@@ -62,15 +62,41 @@ _NS = {"ns": 1}
 _KINDS: dict[str, tuple[int, str]] = {}
 _KINDS_MAX = 4096
 # In this order: parse_fdinfo tells engine keys (_CAPACITY.._MAXFREQ) and sizes (_TOTAL.._MEMORY) by range.
-(_IGNORED, _DRIVER, _PDEV, _CLIENT_ID, _CLIENT_NAME, _INO, _CAPACITY, _BUSY, _TOTAL_CYCLES, _CYCLES, _MAXFREQ,
- _TOTAL, _RESIDENT, _MEMORY) = range(14)
-_EXACT = {"drm-driver": _DRIVER, "drm-pdev": _PDEV, "drm-client-id": _CLIENT_ID, "drm-client-name": _CLIENT_NAME,
-          "ino": _INO}
+(
+    _IGNORED,
+    _DRIVER,
+    _PDEV,
+    _CLIENT_ID,
+    _CLIENT_NAME,
+    _INO,
+    _CAPACITY,
+    _BUSY,
+    _TOTAL_CYCLES,
+    _CYCLES,
+    _MAXFREQ,
+    _TOTAL,
+    _RESIDENT,
+    _MEMORY,
+) = range(14)
+_EXACT = {
+    "drm-driver": _DRIVER,
+    "drm-pdev": _PDEV,
+    "drm-client-id": _CLIENT_ID,
+    "drm-client-name": _CLIENT_NAME,
+    "ino": _INO,
+}
 # Longest first where one prefix starts another: "drm-engine-capacity-" before "drm-engine-", "drm-total-cycles-"
 # (an engine key) before the memory key "drm-total-".
-_PREFIXES = (("drm-engine-capacity-", _CAPACITY), ("drm-engine-", _BUSY), ("drm-total-cycles-", _TOTAL_CYCLES),
-             ("drm-cycles-", _CYCLES), ("drm-maxfreq-", _MAXFREQ), ("drm-total-", _TOTAL),
-             ("drm-resident-", _RESIDENT), ("drm-memory-", _MEMORY))
+_PREFIXES = (
+    ("drm-engine-capacity-", _CAPACITY),
+    ("drm-engine-", _BUSY),
+    ("drm-total-cycles-", _TOTAL_CYCLES),
+    ("drm-cycles-", _CYCLES),
+    ("drm-maxfreq-", _MAXFREQ),
+    ("drm-total-", _TOTAL),
+    ("drm-resident-", _RESIDENT),
+    ("drm-memory-", _MEMORY),
+)
 _SIZE_KINDS = frozenset((_TOTAL, _RESIDENT, _MEMORY))
 
 
@@ -80,7 +106,7 @@ def _classify(raw_key: str) -> tuple[int, str]:
     if kind[0] == _IGNORED and key.startswith("drm-"):
         for prefix, what in _PREFIXES:
             if key.startswith(prefix):
-                kind = (what, key[len(prefix):])
+                kind = (what, key[len(prefix) :])
                 break
     if len(_KINDS) < _KINDS_MAX:
         _KINDS[raw_key] = kind
@@ -212,15 +238,23 @@ def parse_fdinfo(text: str) -> FdInfo:
     if cycles >= 0 and (at < 0 or cycles < at):
         at = cycles
     if 0 <= at < _HEAD_CHARS:
-        head_text = text[:at + 1]
+        head_text = text[: at + 1]
         head = _HEADS.get(head_text)
         if head is None:
             head = _head(head_text)
         if not head.engines:
-            engines = _tail_engines(text[at + 1:])
+            engines = _tail_engines(text[at + 1 :])
             if engines is not None:
-                return FdInfo(head.driver, head.pdev, head.client_id, head.client_name, head.ino, engines,
-                              head.regions, head.region_lines)
+                return FdInfo(
+                    head.driver,
+                    head.pdev,
+                    head.client_id,
+                    head.client_name,
+                    head.ino,
+                    engines,
+                    head.regions,
+                    head.region_lines,
+                )
     return _parse_all(text)
 
 

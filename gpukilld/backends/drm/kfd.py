@@ -1,11 +1,11 @@
 """ROCm compute processes from /sys/class/kfd/kfd: their queues are not DRM clients, so fdinfo misses them.
 
-    kfd/topology/nodes/N/gpu_id        the id KFD uses for a GPU (0 on CPU nodes)
-    kfd/topology/nodes/N/properties    "name value" lines: drm_render_minor ties the node to a render node,
-                                       simd_count / simd_per_cu gives the number of compute units
-    kfd/proc/PID/vram_<gpu_id>         bytes of VRAM the process allocated through /dev/kfd
-    kfd/proc/PID/sdma_<gpu_id>         microseconds its SDMA (copy) queues were busy
-    kfd/proc/PID/stats_<gpu_id>/cu_occupancy   compute units its waves occupy right now
+kfd/topology/nodes/N/gpu_id        the id KFD uses for a GPU (0 on CPU nodes)
+kfd/topology/nodes/N/properties    "name value" lines: drm_render_minor ties the node to a render node,
+                                   simd_count / simd_per_cu gives the number of compute units
+kfd/proc/PID/vram_<gpu_id>         bytes of VRAM the process allocated through /dev/kfd
+kfd/proc/PID/sdma_<gpu_id>         microseconds its SDMA (copy) queues were busy
+kfd/proc/PID/stats_<gpu_id>/cu_occupancy   compute units its waves occupy right now
 """
 
 from __future__ import annotations
@@ -73,11 +73,14 @@ def read_kfd(sys_root: str) -> list[KfdUsage]:
             gpu = gpus.get(gpu_id)
             if gpu is None:
                 continue
-            usages.append(KfdUsage(
-                pid=int(pid), render_minor=gpu.render_minor,
-                vram=read_int(f"{base}/{pid}/vram_{gpu_id}"),
-                sdma_us=read_int(f"{base}/{pid}/sdma_{gpu_id}"),
-                cu_occupancy=read_int(f"{base}/{pid}/stats_{gpu_id}/cu_occupancy"),
-                compute_units=gpu.compute_units,
-            ))
+            usages.append(
+                KfdUsage(
+                    pid=int(pid),
+                    render_minor=gpu.render_minor,
+                    vram=read_int(f"{base}/{pid}/vram_{gpu_id}"),
+                    sdma_us=read_int(f"{base}/{pid}/sdma_{gpu_id}"),
+                    cu_occupancy=read_int(f"{base}/{pid}/stats_{gpu_id}/cu_occupancy"),
+                    compute_units=gpu.compute_units,
+                )
+            )
     return usages

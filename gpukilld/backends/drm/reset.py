@@ -46,8 +46,7 @@ def xgmi_hive(card: DrmCard, cards: list[DrmCard]) -> tuple[str | None, tuple[st
     hive_id = read_text(f"{hive_dir}/xgmi_hive_id")
     if not hive_id:
         return None, ()
-    members = {os.path.basename(os.path.realpath(f"{hive_dir}/{n}")) for n in listdir(hive_dir)
-               if n.startswith("node")}
+    members = {os.path.basename(os.path.realpath(f"{hive_dir}/{n}")) for n in listdir(hive_dir) if n.startswith("node")}
     for other in cards:  # members whose node link is missing still share the hive id
         if other.driver == "amdgpu" and read_text(f"{other.device_path}/xgmi_hive_info/xgmi_hive_id") == hive_id:
             members.add(other.pci_address or other.id)
@@ -64,21 +63,28 @@ def plan_reset(card: DrmCard, cards: list[DrmCard], sys_root: str, debugfs_root:
             candidates.append(f"{debugfs_root}/dri/{card.pci_address}/{AMDGPU_RECOVER}")
         path = next((p for p in candidates if os.path.exists(p)), None)
         if path is None:
-            raise NotSupported(f"reset of {where} needs debugfs: {candidates[0]} not found "
-                               f"(mount debugfs at {debugfs_root}, or set [paths] debugfs)")
+            raise NotSupported(
+                f"reset of {where} needs debugfs: {candidates[0]} not found "
+                f"(mount debugfs at {debugfs_root}, or set [paths] debugfs)"
+            )
         hive_id, peers = xgmi_hive(card, cards)
         return ResetPlan(card, AMDGPU_RECOVER, path, hive_id=hive_id, peers=peers)
     if card.pci_address is None:
-        raise NotSupported(f"reset is not supported on {where}: the {card.driver} driver of this platform "
-                           "device has no reset interface")
+        raise NotSupported(
+            f"reset is not supported on {where}: the {card.driver} driver of this platform "
+            "device has no reset interface"
+        )
     pci = f"{sys_root}/bus/pci/devices/{card.pci_address}"
     if not os.path.exists(f"{pci}/reset"):
-        raise NotSupported(f"reset is not supported on {where}: the kernel offers no reset for PCI device "
-                           f"{card.pci_address} (no {pci}/reset)")
+        raise NotSupported(
+            f"reset is not supported on {where}: the kernel offers no reset for PCI device "
+            f"{card.pci_address} (no {pci}/reset)"
+        )
     methods = read_text(f"{pci}/reset_method")
     if methods is not None and not methods:
-        raise NotSupported(f"reset is not supported on {where}: resets are disabled for {card.pci_address} "
-                           "(its reset_method is empty)")
+        raise NotSupported(
+            f"reset is not supported on {where}: resets are disabled for {card.pci_address} (its reset_method is empty)"
+        )
     return ResetPlan(card, "pci", f"{pci}/reset", pci_methods=methods or "")
 
 
@@ -96,13 +102,15 @@ def execute(plan: ResetPlan) -> str:
             with open(plan.path, encoding="ascii", errors="replace") as f:
                 answer = f.read().strip()  # blocks until the recovery has run
         except OSError as e:
-            raise ResetFailed(f"amdgpu recovery of {where} could not start: {plan.path}: {e.strerror}"
-                              f"{plan.peers_note}") from None
+            raise ResetFailed(
+                f"amdgpu recovery of {where} could not start: {plan.path}: {e.strerror}{plan.peers_note}"
+            ) from None
         try:
             result = int(answer)
         except ValueError:
-            raise ResetFailed(f"amdgpu recovery of {where}: unexpected answer {answer[:40]!r} from "
-                              f"{plan.path}{plan.peers_note}") from None
+            raise ResetFailed(
+                f"amdgpu recovery of {where}: unexpected answer {answer[:40]!r} from {plan.path}{plan.peers_note}"
+            ) from None
         if result != 0:
             raise ResetFailed(f"amdgpu recovery of {where} failed: {_errno_text(-result)}{plan.peers_note}")
         return f"amdgpu GPU recovery of {where} done{plan.peers_note}"

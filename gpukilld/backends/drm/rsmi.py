@@ -81,7 +81,9 @@ def merge(first: Telemetry | None, fallback: Telemetry) -> Telemetry:
     """pyrsmi's values first, sysfs for whatever pyrsmi did not give."""
     if first is None:
         return fallback
-    return Telemetry(**{
-        name: getattr(first, name) if getattr(first, name) is not None else getattr(fallback, name)
-        for name in Telemetry.__slots__
-    })
+    return Telemetry(
+        **{
+            name: getattr(first, name) if getattr(first, name) is not None else getattr(fallback, name)
+            for name in Telemetry.__slots__
+        }
+    )

@@ -273,8 +273,9 @@ class FdScanner:
                 return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def _fdinfo_of(self, base: int, path: str, pid: str, fd: int,
-                   seen: dict[tuple[str, int], tuple[bytes, FdInfo]]) -> FdInfo | None:
+    def _fdinfo_of(
+        self, base: int, path: str, pid: str, fd: int, seen: dict[tuple[str, int], tuple[bytes, FdInfo]]
+    ) -> FdInfo | None:
         """One DRM fd's fdinfo (path under base: /proc or the process's pinned directory), parsed only when its
         bytes differ from the last sample's; None: unreadable."""
         try:
@@ -293,8 +294,14 @@ class FdScanner:
         seen[key] = (raw, info)
         return info
 
-    def _read_clients(self, root_fd: int, pid: str, proc: _Proc, out: list[ClientRead],
-                      seen: dict[tuple[str, int], tuple[bytes, FdInfo]]) -> bool:
+    def _read_clients(
+        self,
+        root_fd: int,
+        pid: str,
+        proc: _Proc,
+        out: list[ClientRead],
+        seen: dict[tuple[str, int], tuple[bytes, FdInfo]],
+    ) -> bool:
         """Read the fdinfo of each known DRM fd; False when the fd table changed under us, or the process it was
         read for is gone (scan again)."""
         reads = []
@@ -328,8 +335,9 @@ class FdScanner:
         self._listing = current
         return new
 
-    def _candidates(self, names: list[str] | None, walk: bool, listed: Mapping[str, object],
-                    pinned: set[str]) -> tuple[list[str], set[str]]:
+    def _candidates(
+        self, names: list[str] | None, walk: bool, listed: Mapping[str, object], pinned: set[str]
+    ) -> tuple[list[str], set[str]]:
         """The pids to stat this sample: all of them on a walk; else the listed ones, the known holders, the
         safety net's slice of this sample (none in the one that lists /proc) and, when /proc was listed
         (names), its new pids; but not
@@ -413,8 +421,16 @@ class FdScanner:
                 del procs[gone]
         return procs
 
-    def _look(self, root_fd: int, candidates: list[str], unstatted: set[str], kept: dict[str, _Proc],
-              changed: set[str], walk: bool, listed_now: Mapping[str, object]) -> list[str]:
+    def _look(
+        self,
+        root_fd: int,
+        candidates: list[str],
+        unstatted: set[str],
+        kept: dict[str, _Proc],
+        changed: set[str],
+        walk: bool,
+        listed_now: Mapping[str, object],
+    ) -> list[str]:
         """Stat each candidate's fd directory and read its table again where it moved, is due, or the kernel's
         entry for it changed; the pinned holders (unstatted) are taken as they are. The pids that hold DRM fds."""
         procs = self._procs
@@ -463,8 +479,7 @@ class FdScanner:
         self.stats.processes = looked
         return with_drm
 
-    def _read_holders(self, root_fd: int, with_drm: list[str], kept: dict[str, _Proc],
-                      out: list[ClientRead]) -> None:
+    def _read_holders(self, root_fd: int, with_drm: list[str], kept: dict[str, _Proc], out: list[ClientRead]) -> None:
         """Each holder's DRM fds' fdinfo into out; a holder whose table moved meanwhile is looked at again (then
         next sample, if it is still moving). The holders and their pins follow."""
         seen: dict[tuple[str, int], tuple[bytes, FdInfo]] = {}
@@ -484,4 +499,3 @@ class FdScanner:
         self._holding = holding
         self._repin(root_fd, holding, kept)
         self._fdinfo = seen  # fds not read this sample are forgotten
-

@@ -75,8 +75,11 @@ def _devfreq_clock(device_path: str) -> float | None:
 
 
 def _intel_clock(card: DrmCard) -> float | None:
-    for path in (f"{card.card_path}/gt_act_freq_mhz", f"{card.card_path}/gt/gt0/rps_act_freq_mhz",
-                 f"{card.device_path}/tile0/gt0/freq0/act_freq"):
+    for path in (
+        f"{card.card_path}/gt_act_freq_mhz",
+        f"{card.card_path}/gt/gt0/rps_act_freq_mhz",
+        f"{card.device_path}/tile0/gt0/freq0/act_freq",
+    ):
         mhz = read_int(path)
         if mhz is not None:
             return float(mhz)

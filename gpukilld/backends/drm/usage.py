@@ -98,8 +98,14 @@ class UtilizationTracker:
         marks: dict[str, Marks] = {}
         for name, engine in engines.items():
             old = old_marks.get(name)
-            if old is not None and old[0] == engine.busy_ns and engine.cycles is None and old[1] is None \
-                    and engine.total_cycles is None and old[2] is None:  # an ns counter that did not move
+            if (
+                old is not None
+                and old[0] == engine.busy_ns
+                and engine.cycles is None
+                and old[1] is None
+                and engine.total_cycles is None
+                and old[2] is None
+            ):  # an ns counter that did not move
                 marks[name] = old
                 if old[0] is not None and dt > 0:
                     fractions[name] = 0.0
@@ -196,15 +202,34 @@ class UsageRecords:
             memory[c.key] = (key, *figures)
         return figures
 
-    def _record(self, last: dict, key: tuple[int, int, str], memory: int | None, utilization: float | None,
-                regions: tuple[MemoryRegion, ...], shared: bool) -> ProcessUsage:
+    def _record(
+        self,
+        last: dict,
+        key: tuple[int, int, str],
+        memory: int | None,
+        utilization: float | None,
+        regions: tuple[MemoryRegion, ...],
+        shared: bool,
+    ) -> ProcessUsage:
         known = self._last.get(key)
-        if known is not None and known.gpu_utilization == utilization and known.gpu_memory == memory \
-                and known.shared_usage == shared and known.memory_regions == regions:
+        if (
+            known is not None
+            and known.gpu_utilization == utilization
+            and known.gpu_memory == memory
+            and known.shared_usage == shared
+            and known.memory_regions == regions
+        ):
             record = known
         else:
-            record = ProcessUsage(pid=key[0], start_time=key[1], device_id=key[2], gpu_memory=memory,
-                                  gpu_utilization=utilization, memory_regions=regions, shared_usage=shared)
+            record = ProcessUsage(
+                pid=key[0],
+                start_time=key[1],
+                device_id=key[2],
+                gpu_memory=memory,
+                gpu_utilization=utilization,
+                memory_regions=regions,
+                shared_usage=shared,
+            )
         last[key] = record
         return record
 
@@ -288,4 +313,3 @@ def device_utilization(clients: list[Client], complete: bool) -> float | None:
         for name, value in (c.engines or {}).items():
             per_engine[name] = per_engine.get(name, 0.0) + value
     return _busiest(per_engine) if per_engine else 0.0
-
