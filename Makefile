@@ -54,7 +54,7 @@ check: $(VENV)/.stamp
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/vulture
-	GPUKILL_PURE=1 $(PY) -m pytest -q -n 4 -p no:cacheprovider
+	GPUKILL_PURE=1 $(PY) -m pytest -q -n 4 -p no:cacheprovider -rfE
 
 demo: venv
 	$(PY) examples/demo.py
