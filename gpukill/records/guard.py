@@ -130,6 +130,9 @@ class GuardStatus:
     graces_more: int | None = wire("u", "graces left out past the first 200", None)
 
 
+NOT_MET = "not-met"  # a Decision's status: watched, but a windowed condition does not hold now
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """What TestPolicies reports for one rule and subject; nothing is ever done for it."""

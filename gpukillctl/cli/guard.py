@@ -374,9 +374,6 @@ def _notification_counts(c: NotificationCounters) -> str:
     return f"{c.channel}: {c.delivered} delivered, {c.skipped} skipped, {c.failed} failed, {c.dropped} dropped"
 
 
-NOT_MET = "not-met"  # a decision's status: watched, but a windowed condition does not hold now
-
-
 def _decision_row(d: Decision) -> list[str]:
     from gpukill.rules import KILL, RESET  # here: the listing path imports this module, and not the rules
 
@@ -413,6 +410,8 @@ async def _test(client: ClientAPI, args: argparse.Namespace) -> int:
         json.dump({"decisions": [to_plain(d) for d in decisions]}, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
+    from gpukill.records.guard import NOT_MET
+
     acting = [d for d in decisions if d.status != NOT_MET]
     watched = [d for d in decisions if d.status == NOT_MET]
     if acting:

@@ -46,6 +46,7 @@ from typing import Any
 
 from gpukill.errors import Protected
 from gpukill.outcome import SIGNALLED, Outcome, result_text
+from gpukill.records.guard import NOT_MET
 from gpukill.records.reclaim import KILL_PROCESS, KILL_TREE
 from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, Policy, Rule
 
@@ -924,7 +925,7 @@ class Engine:
                             rule.name,
                             s.label,
                             rule.action,
-                            "not-met",
+                            NOT_MET,
                             0.0,
                             (),
                             "not met: " + self._unmet(st, s),
