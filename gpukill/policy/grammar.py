@@ -16,6 +16,7 @@ from ..records.reclaim import KILL_PROCESS, KILL_SCOPES
 from ..rules import (
     ACTIONS,
     EVERY,
+    KILL,
     MATCHES,
     MAX_RESETS_PER_HOUR,
     MEAN,
@@ -304,7 +305,7 @@ class _Parser(ValueReader):
                 if key in fields:
                     self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
         warn: tuple[float, ...] = ()
-        if "warn" in fields and action == "kill":
+        if "warn" in fields and action == KILL:
             warn = self.warn_schedule(fields["warn"][1], grace, fields["warn"][0] if not grace else None)
         return _KillSettings(force, grace, kill_grace, kill_scope, warn)
 
@@ -388,7 +389,7 @@ class _Parser(ValueReader):
     def check_kill_selects_some(
         self, node: Node, label: str, scope: str, action: str | None, conditions: list[Condition]
     ) -> None:
-        if conditions and scope != PER_PROCESS and all(c.role == SELECTOR for c in conditions) and action == "kill":
+        if conditions and scope != PER_PROCESS and all(c.role == SELECTOR for c in conditions) and action == KILL:
             self.error(
                 node,
                 f"{label} in scope {scope} has only process conditions: with action kill it would "
