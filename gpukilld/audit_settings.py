@@ -103,8 +103,8 @@ def check_value(key: str, value: Any) -> Any:
         if any(isinstance(p, bool) or not 1 <= p <= 65535 for p in ports):
             raise ValueError("pool_ports must be TCP ports (1 to 65535)")
         span = ephemeral_range()
-        inside = [p for p in ports if span is not None and span[0] <= p <= span[1]]
-        if inside:
+        inside = [p for p in ports if span[0] <= p <= span[1]] if span is not None else []
+        if span is not None and inside:
             raise ValueError(
                 f"pool_ports: {inside[0]} lies inside the ephemeral port range {span[0]}-{span[1]} "
                 "(net.ipv4.ip_local_port_range), where any client's source port may lie"

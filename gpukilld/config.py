@@ -177,7 +177,7 @@ def load_config(path: str, required: bool = False) -> Config:
     audit = _audit(conf, AuditSettings()) if conf.parser.has_section("audit") else AuditSettings()
     values["audit"] = _audit_dropin(path, audit)
     values.update(_notify(conf))
-    return Config(**values)  # type: ignore[arg-type]
+    return Config(**values)  # type: ignore[arg-type]  # each value parsed to its field's type
 
 
 def _read(path: str, required: bool) -> IniText | None:
@@ -348,7 +348,7 @@ def _audit(conf: IniText, base: AuditSettings) -> AuditSettings:
         except ValueError as e:
             raise ConfigError(f"{conf.where('audit', key)}: {e}") from None
     if "pool_ports" in values:
-        ports = tuple(dict.fromkeys(values["pool_ports"]))  # type: ignore[call-overload]
+        ports = tuple(dict.fromkeys(values["pool_ports"]))  # type: ignore[call-overload]  # ints, as parsed
         if not all(1 <= p <= 65535 for p in ports):
             raise ConfigError(f"{conf.where('audit', 'pool_ports')}: pool_ports must be TCP ports (1 to 65535)")
         span = ephemeral_range()
@@ -363,7 +363,7 @@ def _audit(conf: IniText, base: AuditSettings) -> AuditSettings:
                 *span,
             )
         values["pool_ports"] = usable
-    return dataclasses.replace(base, **values)  # type: ignore[arg-type]
+    return dataclasses.replace(base, **values)  # type: ignore[arg-type]  # each parsed to its field's type
 
 
 def _audit_dropin(path: str, base: AuditSettings) -> AuditSettings:

@@ -200,13 +200,13 @@ class Audit:
             except OSError as e:
                 if e.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
                     raise
-                self._send_memfd(payload, flags)
+                self._send_memfd(self._sock, payload, flags)
         except OSError as e:
             self._stalled = e.errno == errno.EAGAIN
             raise
         self._stalled = False
 
-    def _send_memfd(self, payload: bytes, flags: int) -> None:
+    def _send_memfd(self, sock: socket.socket, payload: bytes, flags: int) -> None:
         """Too large for a datagram: the documented fallback passes the entry in a memfd, sealed so that
         journald can trust what it reads (it refuses unsealed ones from senders other than root)."""
         fd = os.memfd_create("gpukilld-audit", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -218,6 +218,6 @@ class Audit:
                 fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
             )
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
-            self._sock.sendmsg([], rights, flags, JOURNAL_SOCKET)  # empty payload: the fd is the entry
+            sock.sendmsg([], rights, flags, JOURNAL_SOCKET)  # empty payload: the fd is the entry
         finally:
             os.close(fd)

@@ -10,7 +10,7 @@ A value a backend cannot read is None, never 0: "0 %" and "unknown" are differen
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Devices and memory regions are the records the bus carries, declared once in the shared package.
 from gpukill.records.audit import Finding  # noqa: F401
@@ -29,16 +29,19 @@ _NUMBERED = ("index", "backend")  # what the sampler gives a device; the backend
 
 # What a backend reports for one device: a Device's fields but index and backend, with the same types and
 # defaults. The sampler turns it into a Device (numbered()); a field added to Device comes with it.
-DeviceReading = make_dataclass(
-    "DeviceReading",
-    [
-        (f.name, f.type, field(default=f.default)) if f.default is not MISSING else (f.name, f.type)
-        for f in fields(Device)
-        if f.name not in _NUMBERED
-    ],
-    frozen=True,
-    slots=True,
-)
+if TYPE_CHECKING:
+    DeviceReading = Any  # a class made at run time has no static type: to mypy, any reading
+else:
+    DeviceReading = make_dataclass(
+        "DeviceReading",
+        [
+            (f.name, f.type, field(default=f.default)) if f.default is not MISSING else (f.name, f.type)
+            for f in fields(Device)
+            if f.name not in _NUMBERED
+        ],
+        frozen=True,
+        slots=True,
+    )
 
 
 def numbered(reading: Any, index: int, backend: str) -> Device:

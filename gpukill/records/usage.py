@@ -13,11 +13,17 @@ gpu_seconds it was measured, so "12 SM seconds out of 3600 known" and "unknown" 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from .base import wire
 
 # GetUsage's groupings (its query's "by"): the record field each groups on.
 USAGE_BY = {"user": "uid", "unit": "unit", "job": "slurm_job", "pod": "pod_uid", "gpu": "device_id", "process": "pid"}
+# Its names as a Literal, for the REST and MCP schemas' enums; built at run time: to mypy, a str
+if TYPE_CHECKING:
+    UsageBy = str
+else:
+    UsageBy = Literal[tuple(USAGE_BY)]
 
 # How a record ended (UsageRecord.ended).
 ENDED_LIVE = ""  # still on the GPU: partial totals

@@ -16,9 +16,9 @@ import importlib.metadata
 import os
 import shlex
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from gpukill.regex import RegexError
 
@@ -268,7 +268,13 @@ class PrintVersion(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
         super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
 
-    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> NoReturn:
         print(f"{PROG} {version()}")
         parser.exit()
 
@@ -728,7 +734,7 @@ class Plan:
     the client is that host's gpukilld over ssh (--remote). A plan with `gpukillctl` instead of `run` is a
     gpukillctl command that runs on its own (serve): run as it is, by gpukillctl."""
 
-    run: Callable[[ClientAPI], Awaitable[int]] | None
+    run: Callable[[ClientAPI], Coroutine[Any, Any, int]] | None
     endless: bool = False
     host: str | None = None
     gpukillctl: tuple[str, ...] = ()
@@ -905,6 +911,7 @@ def _list(args: argparse.Namespace) -> Plan:
     vendor = None if args.vendor in (None, "all") else args.vendor
 
     def seen(client: ClientAPI) -> ClientAPI:
+        # VendorView answers the listings it is used for, and hands the rest to the client (__getattr__)
         return client if vendor is None else VendorView(client, vendor)  # type: ignore[return-value]
 
     if args.watch:
@@ -1381,7 +1388,7 @@ def gpu_kill_import(argv: list[str], file: str, convert: Callable[[str, str], tu
         except ValueError as e:  # WrongFormat too: the formats taken, named
             return fail(str(e), EXIT_USAGE)
         if converted is None:
-            return await plain.run(client)  # type: ignore[misc]
+            return await plain.run(client)  # type: ignore[misc]  # steps' plan always has its run
         for note in notes:
             print(f"{PROG}: {shown(note)}", file=sys.stderr)
         return await COMMANDS[args.command](client, argparse.Namespace(**vars(args), text=converted))

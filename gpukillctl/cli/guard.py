@@ -487,9 +487,9 @@ async def _policy(client: ClientAPI, args: argparse.Namespace) -> int:
         return 0
     text = ""
     if command == "import":
-        text = getattr(args, "text", None)  # given: the file read and converted already (gpukill: gpu-kill's)
+        given = getattr(args, "text", None)  # given: the file read and converted already (gpukill: gpu-kill's)
         try:
-            text = read_text(args.file) if text is None else text
+            text = read_text(args.file) if given is None else given
         except PolicyError as e:
             return _fail(str(e), EXIT_INVALID_POLICY)
     elif command == "add":

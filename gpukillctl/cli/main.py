@@ -45,7 +45,8 @@ class Parser(argparse.ArgumentParser):
     def _get_formatter(self) -> argparse.HelpFormatter:
         # argparse makes a formatter for every add_argument (to check its metavar), and a formatter given no width
         # imports shutil (with bz2, lzma, zlib: ~1.5 ms of every start) to ask the terminal's: give it the same width
-        return self.formatter_class(prog=self.prog, width=help_width())
+        # every HelpFormatter takes width; typeshed's protocol for formatter_class names prog only
+        return self.formatter_class(prog=self.prog, width=help_width())  # type: ignore[call-arg]
 
 
 @functools.cache
@@ -58,7 +59,8 @@ def help_width() -> int:
         columns = 0
     if columns <= 0:
         try:
-            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
+            # no stdout (None): the AttributeError below
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80  # type: ignore[union-attr]
         except (AttributeError, ValueError, OSError):
             columns = 80
     return columns - 2

@@ -14,7 +14,7 @@ import collections
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
 from dbus_fast import BusType, Message, MessageType, Variant
@@ -142,7 +142,7 @@ class GpukillClient(ClientAPI):
 
     async def events(
         self, max_queued: int = MAX_QUEUED_EVENTS, *, on_absent: Callable[[], None] | None = None
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """Every signal gpukilld sends from now on, as its record of gpukill/records/, in order; the iteration
         ends when the bus connection closes. While gpukilld is not running the iteration waits for it, and a
         restart is followed: the new daemon's signals keep coming.

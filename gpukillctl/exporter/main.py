@@ -34,11 +34,15 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..client.dbus import ClientError, GpukillClient
 from ..client.exits import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from ..client.ports import port_number
 from ..http.listen import ServeError
+
+if TYPE_CHECKING:  # imported where first used: prometheus_client is loaded only then
+    from .metrics import UsageCounters
 
 PROG = "gpukillctl exporter"
 INSTALL_HINT = "pip install 'gpukill[exporter]', or the package gpukill-exporter"
@@ -116,7 +120,9 @@ class DaemonReader:
         self.clock = clock
         self.wall = wall
         self.started = wall()  # GetUsage's since: the counters count from the exporter's start
-        self.usage = None  # UsageCounters once GetUsage answered; None while the daemon keeps no accounting
+        self.usage: UsageCounters | None = (
+            None  # UsageCounters once GetUsage answered; None while the daemon keeps no accounting
+        )
         self._usage_at: float | None = None  # when the usage was last read, on self.clock
         self.client: GpukillClient | None = None
         self.signals = SignalCounts()
@@ -307,8 +313,10 @@ async def _http(args: argparse.Namespace) -> int:
     try:
         await server.start(args.listen, args.port)
     except OSError as e:  # asyncio's message repeats the address: the error's own words suffice
-        plain = e.errno and e.errno > 0 and not isinstance(e, socket.gaierror)
-        reason = os.strerror(e.errno) if plain else (e.strerror or str(e))
+        if e.errno is not None and e.errno > 0 and not isinstance(e, socket.gaierror):
+            reason = os.strerror(e.errno)
+        else:
+            reason = e.strerror or str(e)
         raise ServeError(f"cannot listen on {args.listen} port {args.port}: {reason}") from None
     say(f"serving /metrics on {args.listen} port {args.port}")
     counting = asyncio.ensure_future(reader.count_signals())

@@ -62,8 +62,8 @@ class SignalCounts:
             key = (event.outcome, event.initiator.split(":", 1)[0])
             self.kills[key] = self.kills.get(key, 0) + 1
         elif isinstance(event, DeviceReset):
-            key = "ok" if event.success else "failed"
-            self.resets[key] = self.resets.get(key, 0) + 1
+            result = "ok" if event.success else "failed"
+            self.resets[result] = self.resets.get(result, 0) + 1
 
     def families(self) -> list[Metric]:
         kills = CounterMetricFamily(
@@ -141,7 +141,7 @@ class UsageCounters:
         return UsageCounters(dict(self.values))
 
     def families(self) -> list[Metric]:
-        out = []
+        out: list[Metric] = []
         for field, name, doc in USAGE_COUNTERS:
             family = CounterMetricFamily(name, doc + "; labelled by one of user, unit, slurm_job", labels=USAGE_LABELS)
             for (total, label, key), value in sorted(self.values.items()):

@@ -72,9 +72,11 @@ class Sessions(Protocol):
     def valid(self, cookie: str | None, page: str | None = None, *, page_files: bool = False) -> bool: ...
 
 
-class Login(Protocol):
-    cookie: str
-    page: str
+class Login(Protocol):  # read-only: a login's secrets never change
+    @property
+    def cookie(self) -> str: ...
+    @property
+    def page(self) -> str: ...
 
 
 PeerOwner = Callable[[tuple[str, int], tuple[str, int]], "int | None"]

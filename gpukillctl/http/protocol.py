@@ -57,6 +57,7 @@ class DeadlineProtocol(H11Protocol):
     request_timeout = REQUEST_TIMEOUT
     max_connections = MAX_CONNECTIONS
 
+    # uvicorn's h11 protocol is a stream's: its transport is a Transport, where asyncio's type says BaseTransport
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.owing_since: float | None = None
         self.deadline: asyncio.TimerHandle | None = None

@@ -102,8 +102,8 @@ class Agent:
             if tasks[2] in done:
                 say("the session bus is gone: the session ended")
             for t in done:
-                if not t.cancelled() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
+                if not t.cancelled() and (error := t.exception()) is not None:
+                    raise error
         finally:
             for t in tasks:
                 t.cancel()

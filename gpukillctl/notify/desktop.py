@@ -212,7 +212,7 @@ class Desktop:
         if reply is None:
             return False
         if reply.message_type == MessageType.ERROR:
-            return not reply.error_name.startswith(UNAVAILABLE)
+            return not (reply.error_name or "").startswith(UNAVAILABLE)  # an error always has its name
         if toast.key:
             self.ids[toast.key] = reply.body[0]
         return True

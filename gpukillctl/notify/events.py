@@ -108,6 +108,7 @@ def _one_line_texts(record: Any, keep: tuple[str, ...] = ()) -> Any:
         value = getattr(record, f.name)
         if f.name in keep:
             continue
+        new: object  # the value escaped: a text, texts, or a record
         if isinstance(value, str):
             new = shown(value)
         elif isinstance(value, tuple) and all(isinstance(v, str) for v in value):

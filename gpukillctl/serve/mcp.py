@@ -49,6 +49,7 @@ from dbus_fast import Variant
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.server.mcpserver.tools import Tool
+from mcp.server.mcpserver.utilities.func_metadata import ArgModelBase
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,7 +61,7 @@ from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry
 from gpukill.records.manager import Device, Process
 from gpukill.records.reclaim import Reclaim
 from gpukill.records.status import ResetReply
-from gpukill.records.usage import USAGE_BY, UsageReport
+from gpukill.records.usage import UsageBy, UsageReport
 from gpukill.regex import MAX_PATTERN, RegexError
 from gpukill.text import shown
 
@@ -119,14 +120,14 @@ class KillResult(BaseModel):
         "the grace without force"
     )
     reclaim: Reclaim | None = Field(
-        None,
+        default=None,
         description=(
             "kill_process's GPU answer: verdict reclaimed (memory back), held (exited, but its orphaned workers or "
             "its unit's processes hold memory: holders), stuck (alive after SIGKILL: reason, remedy gpukillctl "
             "reset N)"
         ),
     )
-    answer: str = Field("", description="the GPU's answer in words (process names escaped)")
+    answer: str = Field(default="", description="the GPU's answer in words (process names escaped)")
 
 
 class ResetResult(BaseModel):
@@ -296,7 +297,8 @@ async def kill_confirmed(
             outcome = await client.kill(r.pid, r.start_time, force=force, grace=grace)
         except ClientError as e:
             return refuse(r, error_name(e), shown(str(e)))
-        return KillResult(pid=r.pid, start_time=r.start_time, outcome=outcome.value)
+        # an Outcome's value, a str to mypy: one of the three, as pydantic checks
+        return KillResult(pid=r.pid, start_time=r.start_time, outcome=outcome.value)  # type: ignore[arg-type]
 
     done = await asyncio.gather(*(kill_one(r) for r in chosen))
     killed = [d for d in done if isinstance(d, KillResult)]
@@ -339,11 +341,11 @@ def process_filter(
 
 # -- the server ------------------------------------------------------------------------------------------
 
-READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, idempotentHint=True, openWorldHint=False)
-DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=False, openWorldHint=False)
+READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+DESTRUCTIVE = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
 # A policy change replaces or removes what was there (destructive), and the same call twice leaves the same
 # policy (idempotent).
-WRITES = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=True, openWorldHint=False)
+WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
 
 DeviceArg = Annotated[str | int, Field(description="GPU index, UUID or PCI bus id")]
 
@@ -354,7 +356,7 @@ def strict_arguments(tool: Tool) -> Tool:
     tool reads the model it holds at each call (FuncMetadata's fields are read live), so one forbidding extras
     replaces it."""
     loose = tool.fn_metadata.arg_model
-    forbidding = type(
+    forbidding: type[ArgModelBase] = type(
         loose.__name__, (loose,), {"model_config": ConfigDict(extra="forbid"), "__module__": loose.__module__}
     )
     tool.fn_metadata.arg_model = forbidding
@@ -387,7 +389,7 @@ class Toolbox:
         try:
             value = await using(self.connect, act)
         except (ClientError, errors.GpukillError) as e:  # the daemon's refusal, or ours of an argument
-            return tool_error(e)  # type: ignore[return-value]
+            return tool_error(e)  # type: ignore[return-value]  # an error result in place of R, as said above
         return result(value)
 
 
@@ -459,7 +461,7 @@ def _process_tools(box: Toolbox) -> None:
             lambda report: KillResult(
                 pid=pid,
                 start_time=start_time,
-                outcome=report.outcome,
+                outcome=report.outcome,  # type: ignore[arg-type]  # one of the three (a str on the wire)
                 reclaim=report.reclaim,
                 answer=reclaim_text(report.reclaim),
             ),
@@ -497,10 +499,8 @@ def _report_tools(box: Toolbox) -> None:
             ),
         ] = 24,
         by: Annotated[
-            Literal[tuple(USAGE_BY)],
-            Field(  # type: ignore[valid-type]
-                description="group by user, unit (systemd), job (Slurm), pod, gpu or process"
-            ),
+            UsageBy,
+            Field(description="group by user, unit (systemd), job (Slurm), pod, gpu or process"),
         ] = "user",
         user: Annotated[str | int | None, Field(description="only this user's records (name or uid)")] = None,
         name: Annotated[

@@ -27,8 +27,8 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Literal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from dbus_fast import Variant
 from fastapi import Body, FastAPI, Path, Query, Request
@@ -52,7 +52,7 @@ from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry
 from gpukill.records.manager import Device, Process
 from gpukill.records.reclaim import Reclaim
 from gpukill.records.status import ResetReply
-from gpukill.records.usage import USAGE_BY, UsageReport
+from gpukill.records.usage import UsageBy, UsageReport
 from gpukill.regex import RegexError, compile_regex
 from gpukill.units import (
     DURATION_FORMS,
@@ -139,7 +139,7 @@ class StrictRoute(APIRoute):
     second's last value, as if the client had not asked for what it asked. The declared names are the
     route's own (its dependant), so the OpenAPI schema, which lists them, says exactly what is accepted."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handle = super().get_route_handler()
         declared, lists = _declared_query(self.dependant)
 
@@ -253,12 +253,13 @@ def _type_of(wire: Wire) -> Any:
     if wire.of is None:
         return _SCALARS[wire.sig]
     if wire.key is not None:
-        return dict[str, model_of(wire.of, wire.key, True)]
+        return dict[str, model_of(wire.of, wire.key, True)]  # type: ignore[misc]  # a model made at run time
     if wire.sig == "aa{sv}":
-        return list[model_of(wire.of)]
+        return list[model_of(wire.of)]  # type: ignore[misc]  # a model made at run time
     return model_of(wire.of)
 
 
+# The records' pydantic models, made at run time (model_of): mypy cannot take them as types (hence the ignores below)
 DeviceModel = model_of(Device)
 ProcessModel = model_of(Process)
 ResetReplyModel = model_of(ResetReply)
@@ -267,9 +268,12 @@ GuardStatusModel = model_of(GuardStatus)
 DecisionModel = model_of(Decision)
 UsageReportModel = model_of(UsageReport)
 PolicyEntryModel = model_of(ManagedPolicyEntry)
-PolicyKind = Literal[KINDS]  # type: ignore[valid-type]
 MAX_USAGE_LIMIT = 1000  # GetUsage's own bound
-UsageBy = Literal[tuple(USAGE_BY)]  # type: ignore[valid-type]
+# A Literal built at run time from the shared table, for the OpenAPI schema's enum: to mypy, a str
+if TYPE_CHECKING:
+    PolicyKind = str
+else:
+    PolicyKind = Literal[KINDS]
 
 
 class ErrorBody(BaseModel):
@@ -289,20 +293,20 @@ class DeviceList(BaseModel):
 
 
 class ProcessList(BaseModel):
-    processes: list[ProcessModel] = Field(  # type: ignore[valid-type]
+    processes: list[ProcessModel] = Field(  # type: ignore[valid-type]  # a model made at run time
         description="one record per (process, device) matching the filters; other users' processes as the "
         "server's user may see them"
     )
 
 
 class FindingList(BaseModel):
-    findings: list[FindingModel] = Field(  # type: ignore[valid-type]
+    findings: list[FindingModel] = Field(  # type: ignore[valid-type]  # a model made at run time
         description="miners, resource abusers and idle holders, highest score first, as the server's user may see them"
     )
 
 
 class DecisionList(BaseModel):
-    decisions: list[DecisionModel] = Field(  # type: ignore[valid-type]
+    decisions: list[DecisionModel] = Field(  # type: ignore[valid-type]  # a model made at run time
         description="what the policy would do with the current snapshot; nothing was done"
     )
 
@@ -333,7 +337,7 @@ class KillResult(BaseModel):
         description="terminated: exited after SIGTERM; killed: needed SIGKILL (force); still-alive: outlived "
         "the grace without force (or SIGKILL: reclaim says stuck, why and the reset)"
     )
-    reclaim: model_of(Reclaim) = Field(  # type: ignore[valid-type]
+    reclaim: model_of(Reclaim) = Field(  # type: ignore[valid-type]  # a model made at run time
         description="the GPU's answer: its memory reclaimed, still held by whom, or the process stuck and why"
     )
     answer: str = Field(description="the answer in words, as gpukillctl kill says it")
@@ -361,7 +365,7 @@ class PolicyTestRequest(BaseModel):
 
 
 class PolicyEntryList(BaseModel):
-    policies: list[PolicyEntryModel] = Field(  # type: ignore[valid-type]
+    policies: list[PolicyEntryModel] = Field(  # type: ignore[valid-type]  # a model made at run time
         description="the user, group and GPU policies gpukilld keeps as files in the Guard policy directory"
     )
 
@@ -817,4 +821,4 @@ def _declare_token(app: FastAPI) -> None:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema

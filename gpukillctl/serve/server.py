@@ -152,7 +152,8 @@ def is_loopback(address: str) -> bool:
         infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    # an inet address's host is a str (typeshed's sockaddr allows the int of other families)
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
 def allowed_hosts(tcp: TcpAddress | None, extra: list[str]) -> list[str]:
@@ -378,7 +379,7 @@ def serve(args: argparse.Namespace) -> int:
             EXIT_USAGE,
         )
     token = read_token_file(args.token_file) if args.token_file is not None else None
-    directory = None
+    directory: Path | None = None  # set whenever a socket or a token file goes there
     if tcp is None:
         directory = runtime_dir("it is where the socket goes; or give --tcp ADDR:PORT --token-file FILE")
     elif token is None:
@@ -393,16 +394,24 @@ def serve(args: argparse.Namespace) -> int:
 
     from ..web.session import Sessions, cookie_name
 
-    listener = bind_unix(directory) if tcp is None else bind_tcp(tcp)
+    if tcp is None:
+        assert directory is not None  # the runtime directory, above
+        listener = bind_unix(directory)
+    else:
+        listener = bind_tcp(tcp)
     if tcp is not None and tcp.port == 0:
         tcp = TcpAddress(tcp.host, listener.sock.getsockname()[1])  # the port the kernel gave
-    made = TokenFile.create(directory, token_name(tcp)) if token is None else None
+    made = None
+    if token is None:
+        assert directory is not None  # the runtime directory, above
+        made = TokenFile.create(directory, token_name(tcp))
+        token = made.token
     try:
         hosts = allowed_hosts(tcp, args.allow_host)
         sessions = Sessions()
         app = serve_app.build_app(
             GpukillClient.connect,
-            token=token or made.token,
+            token=token,
             allowed_hosts=hosts,
             allowed_origins=allowed_origins(hosts),
             hosts=shown_hosts,

@@ -100,7 +100,8 @@ async def fetch(client: GpukillClient) -> tuple[Sample, str]:
         if isinstance(result, BaseException):
             raise result
     sample = Sample(
-        devices=tuple(devices),
+        # an exception among them was raised above: mypy does not narrow through the loop (the ignores)
+        devices=tuple(devices),  # type: ignore[arg-type]
         processes=tuple(processes),  # type: ignore[arg-type]
         guard=None if isinstance(guard, BaseException) else guard,
         interval=status.sample_interval,  # type: ignore[union-attr]
@@ -333,7 +334,7 @@ class TopView:
 
     def on_resize(self) -> None:
         with contextlib.suppress(OSError, curses.error):
-            size = os.get_terminal_size(sys.__stdout__.fileno())
+            size = os.get_terminal_size(sys.__stdout__.fileno())  # type: ignore[union-attr]  # curses: a terminal
             curses.resizeterm(size.lines, size.columns)
         self.draw()
 

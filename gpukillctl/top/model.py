@@ -159,7 +159,7 @@ class SortOrder:
     key: str  # the key that selects it
     name: str  # as the title line says it
     column: str  # the header it marks
-    value: Callable[[Sample, Process], object]
+    value: Callable[[Sample, Process], float | str]
     descending: bool  # the natural order: biggest users first, names A to Z
 
 

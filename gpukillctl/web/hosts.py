@@ -51,7 +51,8 @@ def host_specs(hosts: list[str], hosts_file: str | None) -> list[HostSpec]:
             f"{len(named)} hosts given: at most {MAX_HOSTS} (past a few dozen, use the exporter "
             f"with Prometheus and the shipped Grafana dashboard)"
         )
-    specs, seen = [local_host()], {}
+    specs = [local_host()]
+    seen: dict[Host, str] = {}  # where each was given
     for where, text in named:
         try:
             host = Host.parse(text)
@@ -76,8 +77,8 @@ def _file_lines(path: str) -> list[tuple[int, str]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text") from None
+        number = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{number}: not UTF-8 text") from None
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         entry = line.split("#", 1)[0].strip()  # no host name holds a "#"

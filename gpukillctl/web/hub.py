@@ -304,7 +304,7 @@ class Hub:
         self.subscribers: set[Subscriber] = set()  # before the feeds, which publish their first view at once
         self.feeds = [Feed(h, self._on_view, self._on_signal) for h in hosts]
         self._stop_timer: asyncio.TimerHandle | None = None
-        self._stopping: asyncio.Task | None = None
+        self._stopping: asyncio.Future | None = None  # the feeds' stops, gathered
         self.routes = [
             Route("/ui/hosts", self._list_hosts, methods=["GET"]),
             Route("/ui/stream", self._stream, methods=["GET"]),

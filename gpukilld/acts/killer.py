@@ -112,7 +112,12 @@ class Killer:
             return True
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
-        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(True))
+
+        def wake() -> None:
+            if not exited.done():
+                exited.set_result(True)
+
+        loop.add_reader(pidfd, wake)
         try:
             await asyncio.wait_for(exited, timeout)
             return True

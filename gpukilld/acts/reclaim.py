@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from gpukill.records.reclaim import (
     DESCENDANT,
@@ -69,9 +70,9 @@ def remember_tree(procfs: ProcFS, roots: Iterable[int]) -> dict[Key, int]:
     return tree
 
 
-def workload_unit(unit: str | None) -> bool:
+def workload_unit(unit: str | None) -> TypeGuard[str]:
     """Whether a unit is a workload of its own: not a login session, user@UID.service or init.scope."""
-    return bool(unit) and not _NO_WORKLOAD.fullmatch(unit)  # type: ignore[arg-type]
+    return bool(unit and not _NO_WORKLOAD.fullmatch(unit))
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +156,7 @@ class Watch:
             and (rel := self._related(p)) is not None
         ]
         found.sort(key=lambda pr: (-(pr[0].gpu_memory or 0), pr[0].pid, pr[0].device))
-        out = []
+        out: list[Holder] = []
         self._units = {p.unit for p, _ in found}
         self._containers = {p.container_id for p, _ in found}
         for p, rel in found:

@@ -36,6 +36,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpukill.device_faults import xid_reason
 from gpukill.errors import NotSupported, ResetFailed
@@ -93,7 +94,7 @@ class _Worker:
 
     def submit_all(self, calls: list[tuple]) -> list[Future]:
         """Each (fn, args) as a future of its own, all in one hand-over: the thread is woken once for them."""
-        batch = [(Future(), fn, args) for fn, args in calls]
+        batch: list[tuple[Future, Any, tuple]] = [(Future(), fn, args) for fn, args in calls]
         self._calls.put(batch)
         return [fut for fut, _, _ in batch]
 
@@ -156,7 +157,7 @@ class NvidiaBackend(Backend):
         self.procfs = procfs or ProcFS()
         self.nvidia_smi = nvidia_smi
         self.device_deadline = device_deadline
-        self._nvml = None  # the pynvml module once NVML is initialised
+        self._nvml: Any = None  # the pynvml module (untyped) once NVML is initialised
         self._status = BackendStatus(self.name, False, "not initialised yet")
         self._next_attempt = 0.0
         self._retry = RETRY_MIN
@@ -315,6 +316,7 @@ class NvidiaBackend(Backend):
         known = self._start_times
         watch = self._watch
         due: set[int] = set()
+        start: int | None
         if watch is not None:
             for pid, start in watch.ended():
                 if known.get(pid) == start:
@@ -368,7 +370,7 @@ class NvidiaBackend(Backend):
         start = self.procfs.start_time(pid)
         if old is not None and old != start:
             self._forget(pid)
-        if start is None or not self._watch.follow(pid, start):
+        if start is None or self._watch is None or not self._watch.follow(pid, start):
             self._start_times.pop(pid, None)  # gone, or cannot be followed: read it each sample instead
             return start
         self._start_times[pid] = start
@@ -376,7 +378,7 @@ class NvidiaBackend(Backend):
 
     def _forget(self, pid: int) -> None:
         old = self._start_times.pop(pid, None)
-        if old is not None:
+        if old is not None and self._watch is not None:  # start times are kept only while a watch follows them
             self._watch.forget((pid, old))
 
     def _lost(self, state: _DeviceState, reason: str) -> DeviceReading:
@@ -576,7 +578,7 @@ class NvidiaBackend(Backend):
             ret = fn(handle, ctypes.byref(count), buf)
         if ret != nv.NVML_SUCCESS:
             raise nv.NVMLError(ret)
-        if count.value == 0:
+        if count.value == 0 or buf is None:  # none listed (a buffer is grown whenever one is)
             return b""
         return ctypes.string_at(buf, min(count.value, len(buf)) * PROCESS_INFO.size)
 

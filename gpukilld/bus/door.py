@@ -95,7 +95,7 @@ class Door:
                     )
                 )
         if iface in INTERFACES or iface is None:
-            action = action_for(iface, msg.member)
+            action = action_for(iface, msg.member or "")  # a method call always names its member
             if action is None:
                 return (
                     True

@@ -34,7 +34,7 @@ from gpukill.condition_types import CONDITION_TYPES
 from gpukill.errors import InvalidArgs, TooBusy
 from gpukill.policy import check_text
 from gpukill.records.base import from_plain
-from gpukill.records.guard import Decision, GuardStatus, PolicyLoaded, ViolationDetails
+from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry, PolicyLoaded, ViolationDetails
 
 from .. import journal
 from ..access.bouncer import Bouncer, Caller, Request
@@ -167,7 +167,7 @@ class GuardInterface(ServiceInterface):
         """As _authorize, for the managed policies (manage-policies): a denial is audited as their change would
         be. about: kind and target, or the import's name as policy (bounded already), shown by polkit too."""
         caller = await current_caller(self._bouncer)
-        fields = {
+        fields: dict[str, object] = {
             "action": "guard",
             "operation": operation,
             "requested_by": caller.who,
@@ -288,6 +288,7 @@ class GuardInterface(ServiceInterface):
             self._listing_budget(caller, msg.member)
         except TooBusy as e:
             return Message.new_error(msg, e.dbus_name, str(e))
+        made: list[ManagedPolicyEntry] | str
         if msg.member == "ListPolicies":
             made, signature = self._managed.entries(), "aa{sv}"
         else:

@@ -194,7 +194,7 @@ def build_query(raw: dict[str, Variant], snapshot: Snapshot) -> Query:
     after = None
     if "after" in raw:
         after = tuple(_option(raw, "after", ("(uu)",), "filter"))
-    return Query(tests, limit, after)  # type: ignore[arg-type]
+    return Query(tests, limit, after)
 
 
 def _value_size(sig: str, value: Any) -> int:
@@ -301,16 +301,16 @@ class ManagerInterface(ServiceInterface):
                     None if (q := seen_as(p, viewer.others)) is None else _record(q) for p, *_ in self._full
                 ]
             view = [
-                full if full[0].uid == viewer.uid else other
+                row
                 for full, other in zip(self._full, reduced, strict=True)
-                if full[0].uid == viewer.uid or other is not None
+                if (row := full if full[0].uid == viewer.uid else other) is not None
             ]
             if len(self._views) > 256:  # distinct callers in one sample interval: bound the cache
                 self._views.clear()
                 self._bodies.clear()
                 self._compact_bodies.clear()
-            self._views[viewer.key] = view  # type: ignore[assignment]
-        return view  # type: ignore[return-value]
+            self._views[viewer.key] = view
+        return view
 
     def all_processes_body(self, viewer: Viewer) -> bytes:
         """The marshalled body of an unfiltered ListProcesses reply for this viewer, built once per snapshot;
@@ -394,7 +394,7 @@ class ManagerInterface(ServiceInterface):
             body = body_of(viewer)
         except GpukillError as e:
             return Message.new_error(msg, e.dbus_name, str(e))
-        if busio.send_premarshalled_reply(self.bus, msg, signature, body):
+        if self.bus is not None and busio.send_premarshalled_reply(self.bus, msg, signature, body):
             return True
         return None
 

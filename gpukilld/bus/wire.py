@@ -18,7 +18,8 @@ from gpukill.records.base import Wire, known_values, specs
 def to_dbus(record: Any) -> dict[str, Variant]:
     """The record as an a{sv}, in the order of its fields."""
     out = {}
-    for name, spec, plain in _fields(type(record)):
+    # A class is Hashable, but mypy checks type[...] against Hashable by its unbound __hash__ (the ignore)
+    for name, spec, plain in _fields(type(record)):  # type: ignore[arg-type]
         value = getattr(record, name)
         if value is None or (spec.omit_empty and not value):  # records.left_out, inlined: the hot path
             continue

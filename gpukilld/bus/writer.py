@@ -70,7 +70,7 @@ def tolerate_full_socket(bus: MessageBus) -> bool:
 def backlog_bytes(bus: MessageBus, give_up_after: int = 4096) -> int:
     """Bytes of messages queued on the connection and not yet taken by dbus-daemon (a large number when more
     than give_up_after messages wait: counting them would itself cost)."""
-    writer = getattr(bus, "_writer", None)
+    writer: Any = getattr(bus, "_writer", None)  # dbus-fast's private writer: untyped
     messages = getattr(writer, "messages", None)
     if messages is None:
         return 0
@@ -117,7 +117,7 @@ def send_premarshalled_reply(bus: MessageBus, call: Message, signature: str, bod
     is queued for the writer. Going through the queue every time costs an event-loop round (add_writer, a
     writable event, remove_writer): for 32 observers each listing once a second, about half of gpukilld's CPU
     per call (bench/README.md, list_latency)."""
-    writer = getattr(bus, "_writer", None)
+    writer: Any = getattr(bus, "_writer", None)  # dbus-fast's private writer: untyped
     messages = getattr(writer, "messages", None)
     if messages is None or not hasattr(writer, "schedule_write") or not hasattr(writer, "buf"):
         return False

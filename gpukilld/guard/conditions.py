@@ -462,6 +462,7 @@ class CompiledCondition:
         # (a window's mean, over: mean) satisfies the condition. None for the other kinds.
         self.number: Callable[[Any], Any] | None = None
         self.holds_for: Callable[[float], bool] | None = None
+        self.decide: Callable[[Any], bool] | None  # set by each kind below: None where no answer is per value
         op, value = cond.operator, cond.value
         listed = op in ("in", "not_in")
         if ctype.kind == USER:
@@ -535,7 +536,7 @@ class CompiledCondition:
                 k = (k, procs[0].user)
             r = memo.get(k)
             if r is None:
-                r = memo[k] = decide(k)  # type: ignore[misc]
+                r = memo[k] = decide(k)  # type: ignore[misc]  # set wherever attr is
             if r:
                 out.extend(procs)
         return out
@@ -657,20 +658,22 @@ class CompiledRule:
         visible = self.visible(cycle)
         selected = self._filter_first(self.selectors, visible, cycle) if self.selectors else visible
         if self.scope == PER_PROCESS:
+            # per_process: the subjects are the processes (list is invariant: list[ProcView] is no list[Subject])
             return selected  # type: ignore[return-value]
         shared = not self.selectors  # views of the visible processes are the same for every such rule
         if self.scope == PER_USER:
-            return cycle.users(selected, shared)  # type: ignore[return-value]
+            return cycle.users(selected, shared)  # type: ignore[return-value]  # as above, of PeopleView
         if self.scope == PER_GROUP:
-            return group_views(selected, self.named, self.groups)  # type: ignore[return-value]
-        return cycle.device_views(selected, shared, self.every_device)  # type: ignore[return-value]
+            return group_views(selected, self.named, self.groups)  # type: ignore[return-value]  # as above
+        return cycle.device_views(selected, shared, self.every_device)  # type: ignore[return-value]  # as above
 
     def narrow(self, subjects: list[Subject], cycle: Cycle) -> list[Subject]:
         """Subjects for which every condition without a duration holds (match all)."""
         if not self.instant or not subjects:
             return subjects
         if self.scope == PER_PROCESS:
-            return self._filter_first(self.instant, subjects, cycle)  # type: ignore[arg-type]
+            # per_process: the subjects are processes (list is invariant: list[Subject] is no list[ProcView])
+            return self._filter_first(self.instant, subjects, cycle)  # type: ignore[arg-type, return-value]
         for c in self.instant:
             subjects = c.filter(subjects)
         return subjects

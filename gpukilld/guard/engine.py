@@ -248,7 +248,7 @@ class RuleStats:
     resets: int = 0  # devices reset
     would_reset: int = 0  # resets a dry run would have made
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, Any]:  # the counts (int) and last_triggered (float)
         return {
             "triggers": self.triggers,
             "kills": self.kills,
@@ -457,7 +457,7 @@ class Engine:
             if window.keys() != old.keys():  # a window started or ended (the rest keep their start)
                 self.clocks_changed = True
             seen.update((s.key, s) for s in true_now)
-            limit = now - cc.cond.duration  # type: ignore[operator]
+            limit = now - cc.cond.duration  # type: ignore[operator]  # a timed condition has a duration
             held.append({k for k, since in window.items() if since <= limit})
         st.windows = windows
         st.seen = seen
@@ -477,13 +477,13 @@ class Engine:
         kept: dict[Any, WindowMean] = {}
         holding = []
         for s in cands:
-            value = cc.number(s)  # type: ignore[misc]
+            value = cc.number(s)  # type: ignore[misc]  # over: mean is on numbers, which set number
             if value is None:
                 continue
             mean = means.get(s.key) or WindowMean(now, span)
             mean.add(now, float(value))
             kept[s.key] = mean
-            if cc.holds_for(mean.value()):  # type: ignore[misc]
+            if cc.holds_for(mean.value()):  # type: ignore[misc]  # set with number
                 holding.append(s)
         st.means[cc.index] = kept
         return holding
@@ -503,7 +503,7 @@ class Engine:
         ]
         if c.selectors:
             parts.append(
-                f"counting {len(s.procs)} process(es) with "  # type: ignore[union-attr]
+                f"counting {len(s.procs)} process(es) with "  # type: ignore[union-attr]  # selectors: users, groups
                 + " and ".join(cc.cond.text for cc in c.selectors)
             )
         return "; ".join(parts)
@@ -522,14 +522,14 @@ class Engine:
         mean = st.means.get(cc.index, {}).get(s.key)
         if mean is not None and mean.count:
             return mean.value()
-        value = cc.number(s)  # type: ignore[misc]
+        value = cc.number(s)  # type: ignore[misc]  # over: mean is on numbers, which set number
         return None if value is None else float(value)
 
     def _holds(self, st: RuleState, cc: CompiledCondition, s: Subject) -> bool:
         """Whether a condition holds for the subject now, its duration set aside; over: mean by its mean."""
         if cc.cond.over == MEAN:
             value = self._mean_now(st, cc, s)
-            return value is not None and cc.holds_for(value)  # type: ignore[misc]
+            return value is not None and cc.holds_for(value)  # type: ignore[misc]  # set with number
         return cc.test(s)
 
     def _unmet(self, st: RuleState, s: Subject, for_others: bool = False) -> str:
@@ -944,7 +944,8 @@ class Engine:
     def _preview_one(self, st: RuleState, s: Subject, now: float, cycle: Cycle) -> Preview:
         c, rule, key = st.compiled, st.rule, s.key
         waits = [
-            max(0.0, cc.cond.duration - (now - self._window_start(st, cc, key, now)))
+            # a timed condition has a duration
+            max(0.0, cc.cond.duration - (now - self._window_start(st, cc, key, now)))  # type: ignore[operator]
             for cc in c.timed
             if self._holds(st, cc, s)
         ]
@@ -958,15 +959,15 @@ class Engine:
         if rule.action == RESET:
             return self._preview_reset(
                 st,
-                s,
-                max(wait, self.reset_wait(rule, key, now, False)),  # type: ignore[arg-type]
+                s,  # type: ignore[arg-type]  # a reset rule's subjects are devices (per_device)
+                max(wait, self.reset_wait(rule, key, now, False)),  # type: ignore[arg-type]  # a device's id
                 cycle,
             )
         reason, for_others = self._reason(st, s), self._reason(st, s, for_others=True)
         if rule.action == KILL:
             victims = c.victims(s, self._going, self._refused)
             plan = self._plan(st, victims, self.policy.settings.max_kills_per_cycle, cycle)
-            pids = tuple(p.pid for v, sc in plan for p in (v, *sc.members))
+            pids = tuple(pid for v, sc in plan for pid in (v.pid, *(m.pid for m in sc.members)))
             status = "in-flight" if st.in_flight.get(key) else ("now" if wait <= 0 else "waiting")
             scope = "; ".join(filter(None, (scoped_text(sc) for _, sc in plan)))
             if victims and not plan and (needed := self.scope_too_large(st, victims[0], cycle)):

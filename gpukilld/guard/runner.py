@@ -525,6 +525,7 @@ class GuardRunner:
 
     async def _reset(self, order: ResetOrder) -> None:
         killed: tuple[int, ...] = ()
+        outcome: str  # Outcome.RESET, or the error's result
         try:
             if self.reset is None:
                 raise NotSupported("this daemon has no reset path for Guard")

@@ -88,7 +88,7 @@ class ExitWatch:
             return
         del self._keys[fd]
         with contextlib.suppress(OSError):
-            self._epoll.unregister(fd)  # type: ignore[union-attr]
+            self._epoll.unregister(fd)  # type: ignore[union-attr]  # open since the fd was registered
         os.close(fd)
 
     def close(self) -> None:

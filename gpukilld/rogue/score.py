@@ -571,16 +571,19 @@ def _findings(facts: Facts, rules: tuple[RogueRule, ...], settings: AuditSetting
         if detail is not None:
             matched.setdefault(rule.kind, []).append((rule, _cut(detail)))
     by_kind = {kind: scored(m) for kind, m in matched.items()}
-    is_process = isinstance(facts, ProcessFacts)
+    if isinstance(facts, ProcessFacts):
+        pid, start_time, comm = facts.pid, facts.start_time, facts.comm
+    else:  # a user's findings: no process
+        pid, start_time, comm = None, None, ""
     return [
         Finding(
             kind=kind,
             score=score_of(evidence),
             uid=facts.uid,
             user=facts.user,
-            pid=facts.pid if isinstance(facts, ProcessFacts) else None,
-            start_time=facts.start_time if isinstance(facts, ProcessFacts) else None,
-            comm=facts.comm if is_process else "",
+            pid=pid,
+            start_time=start_time,
+            comm=comm,
             devices=facts.devices,
             gpu_memory=facts.gpu_memory,
             evidence=tuple(evidence),

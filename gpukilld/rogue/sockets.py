@@ -29,8 +29,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from gpukill.kernel import sock_diag
 from gpukill.kernel.sock_diag import TcpSocket
@@ -83,7 +84,7 @@ def tcp_families(net_dir: str) -> list[int]:
     """The address families with TCP sockets in use in a namespace, from its sockstat counters (kept by the
     kernel per namespace: no walk). A dump walks the whole host's TCP hash table, every namespace's sockets,
     whatever the namespace asked about: one not needed is the cheapest. Unreadable: both."""
-    families = []
+    families: list[int] = []
     for name, family, key in (("sockstat", socket.AF_INET, "TCP:"), ("sockstat6", socket.AF_INET6, "TCP6:")):
         try:
             with open(f"{net_dir}/{name}", encoding="ascii", errors="replace") as f:
@@ -125,13 +126,16 @@ class _Spent:
         return self.fds >= budget.fds or time.monotonic() >= self.deadline
 
 
-class PoolConnections:
+Key = TypeVar("Key", bound=Hashable)  # what the caller knows a process by
+
+
+class PoolConnections(Generic[Key]):
     """Reads, round by round, the pool-port connections of the processes handed to it."""
 
     def __init__(self, proc_root: str, budget: RoundBudget | None = None) -> None:
         self.proc_root = proc_root
         self.budget = budget or RoundBudget()
-        self._scans: dict[object, _Scan] = {}  # processes whose descriptors are being looked at over rounds
+        self._scans: dict[Key, _Scan] = {}  # processes whose descriptors are being looked at over rounds
         self._buffer = bytearray(sock_diag.RECV_BUFFER)
         self.last_round: dict[str, float] = {}  # what the last round spent and deferred (tests, bench)
         self._host: tuple[float, tuple, int | None, list[TcpSocket]] | None = None  # (when, ports, netns, found)
@@ -144,15 +148,15 @@ class PoolConnections:
             self._said.add(reason)
             log.warning("the audit cannot read the sockets of a network namespace: %s", reason)
 
-    def forget(self, keep: Iterable[object]) -> None:
+    def forget(self, keep: Iterable[Key]) -> None:
         """Drop what is kept for processes no longer asked about."""
         keep = set(keep)
         for key in self._scans.keys() - keep:
             del self._scans[key]
 
     def read(
-        self, due: list[tuple[object, int, int]], ports: Iterable[int], new: Iterable[object] = ()
-    ) -> dict[object, tuple[Peer, ...]]:
+        self, due: list[tuple[Key, int, int]], ports: Iterable[int], new: Iterable[Key] = ()
+    ) -> dict[Key, tuple[Peer, ...]]:
         """due: (key, pid, uid) in the order they wait; new: those never read (for them the host's namespace is
         dumped again, not served from the last HOST_TTL seconds: a process connects when it starts). The
         connections to `ports` of the processes finished this round, by key; the others are deferred (asked
@@ -160,7 +164,7 @@ class PoolConnections:
         started = time.monotonic()
         spent = _Spent(deadline=started + self.budget.seconds)
         ranges = sock_diag.port_ranges(ports)[: sock_diag.MAX_RANGES]
-        done: dict[object, tuple[Peer, ...]] = {}
+        done: dict[Key, tuple[Peer, ...]] = {}
         if not ranges:
             return {key: () for key, _, _ in due}
         host = _own_netns()
@@ -178,12 +182,12 @@ class PoolConnections:
         return done
 
     def _by_netns(
-        self, due: list[tuple[object, int, int]], host: int | None, done: dict[object, tuple[Peer, ...]]
-    ) -> dict[int, list[tuple[object, int, int]]]:
+        self, due: list[tuple[Key, int, int]], host: int | None, done: dict[Key, tuple[Peer, ...]]
+    ) -> dict[int, list[tuple[Key, int, int]]]:
         """The due processes by namespace, in order of waiting, as far as the budget goes; those gone are done
         (with nothing)."""
         budget = self.budget
-        by_netns: dict[int, list[tuple[object, int, int]]] = {}
+        by_netns: dict[int, list[tuple[Key, int, int]]] = {}
         for n, (key, pid, uid) in enumerate(due):
             if n >= budget.processes:
                 break
@@ -198,10 +202,10 @@ class PoolConnections:
 
     def _read_namespaces(
         self,
-        by_netns: dict[int, list[tuple[object, int, int]]],
+        by_netns: dict[int, list[tuple[Key, int, int]]],
         host: int | None,
         ranges: list[tuple[int, int]],
-        new: set[object],
+        new: set[Key],
         started: float,
         spent: _Spent,
     ) -> dict[int, list[TcpSocket]]:
@@ -216,6 +220,7 @@ class PoolConnections:
             cached = self._host
             if (
                 cached is not None
+                and host is not None
                 and reading
                 and reading[0][1] is None
                 and cached[1] == tuple(ranges)
@@ -248,7 +253,7 @@ class PoolConnections:
         return candidates
 
     def _open_namespaces(
-        self, order: list[int], by_netns: dict[int, list[tuple[object, int, int]]], host: int | None, ns_fds: list[int]
+        self, order: list[int], by_netns: dict[int, list[tuple[Key, int, int]]], host: int | None, ns_fds: list[int]
     ) -> list[tuple[int, int | None]]:
         """(namespace, its fd; None: the host's, ours) for each namespace still there; every fd opened is added
         to ns_fds, for the caller to close."""
@@ -268,11 +273,11 @@ class PoolConnections:
 
     def _match(
         self,
-        by_netns: dict[int, list[tuple[object, int, int]]],
+        by_netns: dict[int, list[tuple[Key, int, int]]],
         candidates: dict[int, list[TcpSocket]],
         host: int | None,
         spent: _Spent,
-        done: dict[object, tuple[Peer, ...]],
+        done: dict[Key, tuple[Peer, ...]],
     ) -> None:
         """Processes of the namespaces read: their descriptors, where a candidate of their uid is, as far as
         the budget goes."""
@@ -347,7 +352,7 @@ class PoolConnections:
                 listening.update(c.local_port for c in got)
         return [c for c in found if c.local_port not in listening]
 
-    def _scan_fds(self, key: object, pid: int, wanted: Iterable[int], spent: _Spent) -> set[int] | None:
+    def _scan_fds(self, key: Key, pid: int, wanted: Iterable[int], spent: _Spent) -> set[int] | None:
         """Which of the wanted socket inodes the process holds; None: not all its descriptors were looked at in
         this round's budget (it goes on next round from where it stopped)."""
         wanted = set(wanted)

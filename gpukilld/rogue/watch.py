@@ -134,7 +134,7 @@ class RogueWatch:
         # another program is read again in that sample, not a TTL later (the proc connector shows the exec at once).
         self._read_as: dict[tuple[int, int], tuple[str | None, str]] = {}
         self._peers_due: list[tuple[float, tuple[int, int]]] = []  # heap of (when, key): the next re-reads
-        self._connections = PoolConnections(proc_root, budget)
+        self._connections: PoolConnections[tuple[int, int]] = PoolConnections(proc_root, budget)
         self._exe_lookups = ExeLookups(proc_root)  # deleted executables: replaced by an upgrade, or not
         # Processes due for a read that a round's budget did not reach, in the order they became due (a dict
         # for its order): the next round starts with them.

@@ -251,10 +251,11 @@ class Sampler:
             info = known.info
             info_due = known.info_due
         else:
-            info = self.procfs.info(pid, stat)
-            if info is None:
+            read = self.procfs.info(pid, stat)
+            if read is None:
                 self._forget(key)
                 return None
+            info = read
             if known is not None and info == known.info:
                 info = known.info  # read again and found the same: the same object, so nothing counts as changed
             info_due = now + INFO_TTL * (1 + (pid % 64) / 128)  # spread: not every process in one sample
@@ -376,7 +377,7 @@ class Sampler:
             rkey = (u.pid, u.start_time, u.device_id)
             last = self._records.get(rkey)
             host = last[4] if last is not None and last[0] is info else None
-            if host is not None and last[2] == dev.index and last[1] == u:
+            if host is not None and last is not None and last[2] == dev.index and last[1] == u:
                 record = last[3]  # equal inputs: the same immutable record
             else:
                 if host is None:  # new host facts; else a busy client's figures: only the backend's part is new

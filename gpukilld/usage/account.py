@@ -173,8 +173,10 @@ def power_shares(snap: Snapshot) -> dict[Key, float | None]:
                 shares[(p.pid, p.start_time, device_id)] = None
             continue
         utils = [_fraction(p.gpu_utilization) for p in procs]
-        if all(u is not None for u in utils) and (total := sum(utils)) > 0:  # type: ignore[arg-type]
-            weights: list[float] = utils  # type: ignore[assignment]
+        known = [u for u in utils if u is not None]
+        total: float
+        if len(known) == len(utils) and (total := sum(known)) > 0:
+            weights = known
         else:
             weights = [float(p.gpu_memory) if p.gpu_memory and p.gpu_memory > 0 else 0.0 for p in procs]
             total = sum(weights)
@@ -278,7 +280,7 @@ class Accountant:
         """The record as state.py writes it: totals as of its segment's start (CLOCK_MONOTONIC), "held": its rates
         held until the latest snapshot; it does not change while its segment runs."""
         pending = rec.saved_last_seen is not None
-        record = rec.record(rec.saved_last_seen if pending else rec.since_wall, ENDED_LIVE)  # type: ignore[arg-type]
+        record = rec.record(rec.saved_last_seen if rec.saved_last_seen is not None else rec.since_wall, ENDED_LIVE)
         return state.entry_of(
             state.SavedRecord(record, rec.since, not pending, rec.sm_rate, rec.memory_rate, rec.power_rate)
         )

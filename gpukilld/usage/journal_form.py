@@ -126,6 +126,7 @@ def record_from_journal(entry: Mapping[str, object]) -> UsageRecord | None:
         processes = _int(entry, "PROCESSES", _U32)
         if processes < 1:
             return None
+        # the ignores below: a required number is never None (_num raises ValueError where it is missing)
         return UsageRecord(
             pid=_int(entry, "TARGET_PID", _U32),
             start_time=_int(entry, "TARGET_START_TIME", _U64),

@@ -228,7 +228,7 @@ def _tail_engines(text: str) -> dict[str, EngineCounters] | None:
             continue
         if what not in _ENGINE_KINDS:
             return None
-        _count(engines, what, name, value)
+        _count(engines, what, name, value)  # type: ignore[arg-type]  # an engine counter's value is an int
     return engines
 
 
@@ -269,6 +269,8 @@ def _parse_all(text: str) -> FdInfo:
         parsed = known.get(line)
         if parsed is None:
             parsed = _missed(line)
+        # The value's type follows what (_parse_line: an int for sizes, counters and ids, a str for names), which
+        # mypy cannot narrow by: hence the ignores below
         what, name, value = parsed
         if what == _IGNORED:
             continue
@@ -285,7 +287,7 @@ def _parse_all(text: str) -> FdInfo:
             else:
                 region.resident = value  # type: ignore[assignment]
         elif what >= _CAPACITY:  # an engine's counter
-            _count(engines, what, name, value)
+            _count(engines, what, name, value)  # type: ignore[arg-type]
         elif what == _INO:
             info.ino = value  # type: ignore[assignment]
         elif what == _DRIVER:

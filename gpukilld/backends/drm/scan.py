@@ -445,13 +445,14 @@ class FdScanner:
                 kept.pop(pid, None)
                 continue  # exited, or not ours to read
             if fd_counts:
-                fingerprint: Fingerprint | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+                fingerprint: Fingerprint = (st.st_ino, st.st_mtime_ns, st.st_size)
             else:
-                fingerprint = self._fingerprint(pid, st)
+                read = self._fingerprint(pid, st)
                 fd_counts = self.fd_counts is True
-                if fingerprint is None:
+                if read is None:
                     kept.pop(pid, None)
                     continue
+                fingerprint = read
             proc = procs.get(pid)
             if proc is None or proc.fingerprint != fingerprint or pid in changed:
                 fresh = True
@@ -460,7 +461,7 @@ class FdScanner:
                 fresh = proc.looks_left <= 0
             else:
                 fresh = False
-            if fresh:
+            if fresh or proc is None:  # (never known is always fresh)
                 proc = self._scan_process(pid, fingerprint, proc)
                 if proc is None:
                     kept.pop(pid, None)
