@@ -259,7 +259,10 @@ class GpukillClient(ClientAPI):
         """The reply to msg (an error reply included); a ClientError when `who` does not answer within timeout,
         DaemonUnavailable when the bus connection is lost."""
         try:
-            return await asyncio.wait_for(self.bus.call(msg), timeout)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the reply when it arrives in the same
+            # turn of the loop as a cancel (Ctrl-C of --watch), and the cancel is lost; timeout() keeps it.
+            async with asyncio.timeout(timeout):
+                return await self.bus.call(msg)
         except TimeoutError:
             raise ClientError(TIMEOUT, f"{who} did not answer within {timeout:g}s") from None
         except Exception as e:
