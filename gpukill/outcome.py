@@ -79,15 +79,21 @@ def holder_text(h: Any) -> str:
 
 
 def reclaim_text(r: Any) -> str:
-    """One clause: 'GPU memory reclaimed (2.0 GiB)', 'exited, but GPU memory is still held by ...', ..."""
+    """One clause: 'GPU memory reclaimed (2.0 GiB) 1.3s after SIGTERM', 'exited, but GPU memory is still held by
+    ...', ...; every verdict but "reclaimed" says the memory is not back."""
     from .text import shown
-    from .units import format_size  # here: the outcomes above are imported by every kill's client
+    from .units import format_duration, format_size  # here: the outcomes above are imported by every kill's client
 
     # the remedy names a unit or container and the reason a cgroup: names a user can choose, escaped as a
     # process name is
     if r.verdict == "reclaimed":
         # a backend that reads no per-process memory (0): nothing related is on the devices, no size to say
-        return f"GPU memory reclaimed ({format_size(r.reclaimed)})" if r.reclaimed else "GPU memory reclaimed"
+        size = f" ({format_size(r.reclaimed)})" if r.reclaimed else ""
+        # an older gpukilld says no seconds
+        after = (
+            f" {format_duration(r.seconds)} after {shown(r.first_signal or 'SIGTERM')}" if r.seconds is not None else ""
+        )
+        return f"GPU memory reclaimed{size}{after}"
     if r.verdict == "held":
         named = list(r.holders[:HOLDERS_SHOWN])
         rest = len(r.holders) - len(named) + r.more
@@ -97,7 +103,7 @@ def reclaim_text(r: Any) -> str:
             f"{', '.join(holder_text(h) for h in named)}{more}; {shown(r.remedy)}"
         )
     if r.verdict == "stuck":
-        return f"still alive after SIGKILL: {shown(r.reason)}; {shown(r.remedy)}"
+        return f"still alive after SIGKILL: {shown(r.reason)}; its GPU memory is not back until {shown(r.remedy)}"
     if r.verdict == "alive":
         return "GPU memory not reclaimed: it still runs"
     return "GPU memory not watched"

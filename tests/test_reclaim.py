@@ -17,6 +17,7 @@ from helpers.marks import needs_root
 from helpers.testbed import SYSTEM_PYTHON
 from helpers.workloads import frozen, trainer, why_no_freezer
 
+from gpukill.units import format_duration
 from gpukilld import journal as audit
 
 pytestmark = needs_root
@@ -101,6 +102,40 @@ def test_a_lone_process_is_reclaimed(victims, users):
     cli = bed.ctl(users["owner"], "kill", str(victim.pid))
     assert cli.returncode == 0, cli
     assert "terminated; GPU memory reclaimed (2.0 GiB)" in cli.stdout, cli.stdout
+
+
+def test_the_answer_says_how_long_after_sigterm_the_memory_was_back(victims, users):
+    """The seconds from SIGTERM to the sample that showed the memory back, in the bus reply, ProcessKilled and
+    the journal, the same figure in each; none while the memory is still held."""
+    bed = victims
+    rec = bed.record_signals(users["owner"])
+    victim = bed.victim(users["owner"], gpu=0, mem="2GiB")
+    start = bed.wait_listed(victim.pid)["start_time"]
+    t0 = time.monotonic()
+    r = bed.manager(users["owner"], "KillProcessReport", "uta{sv}", [victim.pid, start, {"grace": _grace(2.0)}])
+    took = time.monotonic() - t0
+    assert r.ok, r
+    rc = _v(r.body[0])["reclaim"]
+    assert rc["verdict"] == "reclaimed" and rc["reclaimed"] == 2 << 30 and rc["first_signal"] == "SIGTERM", rc
+    # the victim dies of SIGTERM at once: the figure is the wait for the sample that no longer lists it
+    assert 0 < rc["seconds"] <= took, (rc, took)
+    sig = rec.wait_for("ProcessKilled", where=lambda b: b[0] == victim.pid)
+    assert sig is not None and _v(sig["body"][8])["seconds"] == rc["seconds"]
+    e = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)[0]
+    assert e["GPUKILL_RECLAIM_SECONDS"] == f"{rc['seconds']:.3f}" and e["GPUKILL_RECLAIM_FIRST_SIGNAL"] == "SIGTERM"
+    assert f"GPU memory reclaimed (2.0 GiB) {format_duration(rc['seconds'])} after SIGTERM" in e["MESSAGE"], e
+    # memory still held: no figure anywhere
+    w = trainer(bed, users["owner"], workers=1, mem="512MiB")
+    try:
+        _listed_all(bed, [w.pid, *w.workers])
+        start = bed.wait_listed(w.pid)["start_time"]
+        r = bed.manager(users["owner"], "KillProcessReport", "uta{sv}", [w.pid, start, {"grace": _grace(2.0)}])
+        rc = _v(r.body[0])["reclaim"]
+        assert rc["verdict"] == "held" and "seconds" not in rc and "first_signal" not in rc, rc
+        e = bed.wait_journal(GPUKILL_TARGET_PID=str(w.pid), MESSAGE_ID=audit.KILL.message_id)[0]
+        assert "GPUKILL_RECLAIM_SECONDS" not in e, e
+    finally:
+        w.cleanup()
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from helpers.waiting import wait_until  # noqa: E402
 
 from gpukill.records.base import names  # noqa: E402
 from gpukill.records.manager import Device, Process  # noqa: E402
+from gpukill.units import format_duration  # noqa: E402
 from gpukilld import journal as audit  # noqa: E402
 
 pytestmark = needs_root
@@ -104,7 +105,8 @@ def test_the_server_user_kills_their_own_process(server, victims, users):
         "start_time": listed["start_time"],
         "outcome": "terminated",
     }
-    assert r.body["reclaim"]["verdict"] == "reclaimed" and r.body["answer"] == "GPU memory reclaimed", r.body
+    assert r.body["reclaim"]["verdict"] == "reclaimed" and r.body["reclaim"]["first_signal"] == "SIGTERM", r.body
+    assert r.body["answer"] == f"GPU memory reclaimed {format_duration(r.body['reclaim']['seconds'])} after SIGTERM"
     assert victim.wait(5) is not None
     entries = victims.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
     assert entries, "the kill is not in the journal"

@@ -4,7 +4,7 @@ A kill is done when the memory is back, not when the signal is sent: after the t
 the devices it used for a few samples (gpukilld/acts/reclaim.py) and says one of the verdicts below. The same
 record is in the reply of KillProcessReport and KillWorkload, in ProcessKilled's last argument and, field by
 field, in the kill's journal entry (GPUKILL_RECLAIM, GPUKILL_RECLAIMED_BYTES, GPUKILL_HELD_BYTES,
-GPUKILL_HOLDERS, GPUKILL_STUCK_REASON).
+GPUKILL_HOLDERS, GPUKILL_STUCK_REASON, GPUKILL_RECLAIM_SECONDS).
 """
 
 from __future__ import annotations
@@ -64,6 +64,15 @@ class Reclaim:
     )
     more: int = wire("u", "holders not listed", 0, omit_empty=True)
     samples: int = wire("u", "samples watched after the exit", 0)
+    seconds: float | None = wire(
+        "d",
+        'for "reclaimed": seconds from the first signal (first_signal) to the sample that showed the memory back; '
+        "the daemon's own samples, so up to one sample interval late",
+        None,
+    )
+    first_signal: str = wire(
+        "s", 'what seconds counts from: "SIGTERM", or a checkpoint signal sent before it', "", omit_empty=True
+    )
     reason: str = wire("s", 'for "stuck": the state and wait channel read from /proc', "", omit_empty=True)
     remedy: str = wire(
         "s", 'for "stuck" and "held": what frees the GPU (gpukillctl reset N, kill --tree ...)', "", omit_empty=True

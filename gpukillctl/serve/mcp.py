@@ -122,9 +122,9 @@ class KillResult(BaseModel):
     reclaim: Reclaim | None = Field(
         default=None,
         description=(
-            "kill_process's GPU answer: verdict reclaimed (memory back), held (exited, but its orphaned workers or "
-            "its unit's processes hold memory: holders), stuck (alive after SIGKILL: reason, remedy gpukillctl "
-            "reset N)"
+            "kill_process's GPU answer: verdict reclaimed (memory back, seconds after first_signal), held (exited, "
+            "but its orphaned workers or its unit's processes hold memory: holders), stuck (alive after SIGKILL: "
+            "reason, remedy gpukillctl reset N)"
         ),
     )
     answer: str = Field(default="", description="the GPU's answer in words (process names escaped)")

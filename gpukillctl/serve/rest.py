@@ -338,7 +338,8 @@ class KillResult(BaseModel):
         "the grace without force (or SIGKILL: reclaim says stuck, why and the reset)"
     )
     reclaim: model_of(Reclaim) = Field(  # type: ignore[valid-type]  # a model made at run time
-        description="the GPU's answer: its memory reclaimed, still held by whom, or the process stuck and why"
+        description="the GPU's answer: its memory reclaimed (seconds after first_signal), still held by whom, or the "
+        "process stuck and why"
     )
     answer: str = Field(description="the answer in words, as gpukillctl kill says it")
 

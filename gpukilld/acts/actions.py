@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from ..access.bouncer import KILL_METHOD, RESET_METHOD, WORKLOAD_METHOD, Bouncer
 from ..backends import Backend
 from ..model import Snapshot
 from .killer import Killer, PinnedProcess, check_grace
-from .reclaim import Watch, reclaim_fields, remember_tree
+from .reclaim import FirstSignal, Watch, reclaim_fields, remember_tree
 from .selection import GUARD_ONLY, MAX_WORKLOAD, OTHER_USERS, Selection
 
 log = logging.getLogger(__name__)
@@ -133,8 +134,9 @@ class Actions:
             if caller is not None:
                 fields["polkit_action"] = await self._authorize(caller, target, fields, method)
             the_watch = await self._watch(snapshot, [target]) if watch else None
+            first = FirstSignal("SIGTERM", time.monotonic())  # what the answer's seconds count from
             outcome = await self.killer.terminate(target, grace, force)
-            reclaim = await self._answer(the_watch, [(target, outcome)], force)
+            reclaim = await self._answer(the_watch, [(target, outcome)], force, first)
         finally:
             target.close()
         return self._done(caller, target, outcome, reclaim, grace, fields, who, initiator)
@@ -183,8 +185,10 @@ class Actions:
         return Watch(procfs, snapshot, [(t.pid, t.start_time) for t in targets], tree)
 
     async def _answer(
-        self, the_watch: Watch | None, ended: list[tuple[PinnedProcess, Outcome]], force: bool
+        self, the_watch: Watch | None, ended: list[tuple[PinnedProcess, Outcome]], force: bool, first: FirstSignal
     ) -> Reclaim:
+        """The GPU's answer once every target ended (or outlived its signals); reclaimed, it says how long after
+        the first signal the memory was back."""
         if the_watch is None:
             return Reclaim(UNWATCHED)
         alive = [t for t, outcome in ended if outcome == Outcome.STILL_ALIVE]
@@ -192,7 +196,7 @@ class Actions:
             return the_watch.stuck(alive[0].pid)
         if alive:
             return Reclaim(ALIVE, devices=the_watch.devices, remedy="kill --force sends SIGKILL")
-        return await the_watch.after_exit(self._resample)
+        return await the_watch.after_exit(self._resample, first)
 
     def _done(
         self,
@@ -304,9 +308,10 @@ class Actions:
             if denied is not None and not allowed:
                 raise denied
             the_watch = await self._watch(snapshot, [t for t, _ in allowed]) if allowed else None
+            first = FirstSignal("SIGTERM", time.monotonic())  # what the answer's seconds count from
             outcomes = await asyncio.gather(*(self.killer.terminate(t, grace, force) for t, _ in allowed))
             ended = [(t, o) for (t, _), o in zip(allowed, outcomes, strict=True)]
-            reclaim = await self._answer(the_watch, ended, force)
+            reclaim = await self._answer(the_watch, ended, force, first)
         finally:
             for target, _ in pinned:
                 target.close()

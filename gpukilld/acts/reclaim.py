@@ -4,7 +4,8 @@ A trainer's workers outlive it: killed alone, it exits and they, reparented to i
 So before the signal the kill path remembers the target's tree (every descendant by ppid, each by pid and start
 time, read from /proc in a worker thread), and after the exit it watches the devices the target used for a few
 samples. A holder is a process on those devices that was in the remembered tree (a descendant, or an orphan once
-its parent is gone) or shares the target's systemd unit, container, pod or Slurm job. Login sessions
+its parent is gone) or shares the target's systemd unit, container, pod or Slurm job. The answer says how long the
+memory took to come back: from the kill's first signal to the sample that showed it back. Login sessions
 (session-N.scope), user@UID.service and init.scope are no workload: sharing one says nothing, so they relate
 nobody; nor does a Slurm task's unit (slurmstepd's scope holds every job's steps): its job relates it. A target still
 alive after SIGKILL is "stuck": the reason is read from its /proc state and wait channel,
@@ -14,6 +15,7 @@ and the remedy is a reset of its devices.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeGuard
@@ -113,11 +115,29 @@ class Workload:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class FirstSignal:
+    """The kill's first signal and when it was sent: what the answer's seconds count from. The caller of
+    Killer.terminate records it just before that call (SIGTERM); a step that signals before the TERM (a
+    checkpoint signal) records its own instead, with its earlier time."""
+
+    name: str  # "SIGTERM", "SIGUSR1"
+    at: float  # CLOCK_MONOTONIC (Watch's clock)
+
+
 class Watch:
     """One kill's (or batch's) watch: made before the signal, asked after the exit."""
 
-    def __init__(self, procfs: ProcFS, before: Snapshot, targets: Iterable[Key], tree: dict[Key, int]) -> None:
+    def __init__(
+        self,
+        procfs: ProcFS,
+        before: Snapshot,
+        targets: Iterable[Key],
+        tree: dict[Key, int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.procfs = procfs
+        self.clock = clock
         self.targets = set(targets)
         self.tree = tree
         target_procs = [p for p in before.processes if (p.pid, p.start_time) in self.targets]
@@ -169,8 +189,13 @@ class Watch:
             out.append(Holder(p.pid, p.start_time, p.uid, p.comm, p.device, p.gpu_memory or 0, rel, parent))
         return out
 
-    async def after_exit(self, resample: Callable[[], Awaitable[Snapshot]], samples: int = WATCH_SAMPLES) -> Reclaim:
-        """Watch the next samples until nothing related holds memory there, at most `samples` of them."""
+    async def after_exit(
+        self, resample: Callable[[], Awaitable[Snapshot]], first: FirstSignal, samples: int = WATCH_SAMPLES
+    ) -> Reclaim:
+        """Watch the next samples until nothing related holds memory there, at most `samples` of them. Reclaimed,
+        the answer's seconds run from the first signal to the arrival of the sample that showed the memory back.
+        resample is the daemon's sampler (the next sample it takes), so the figure's resolution is one sample
+        interval: the memory came back at most that much earlier than it says."""
         holders: list[Holder] = []
         seen = 0
         while seen < samples:
@@ -178,12 +203,21 @@ class Watch:
             seen += 1
             if not holders:
                 break
-        return self.answer(holders, seen)
+        return self.answer(holders, seen, first)
 
-    def answer(self, holders: list[Holder], samples: int) -> Reclaim:
+    def answer(self, holders: list[Holder], samples: int, first: FirstSignal | None = None) -> Reclaim:
+        """The verdict on the sample just taken (its holders); reclaimed, with the seconds since the first signal
+        (when given) as the clock reads now."""
         held = sum(h.memory for h in holders)
         if not holders:
-            return Reclaim(RECLAIMED, reclaimed=self.before, devices=self.devices, samples=samples)
+            return Reclaim(
+                RECLAIMED,
+                reclaimed=self.before,
+                devices=self.devices,
+                samples=samples,
+                seconds=max(0.0, self.clock() - first.at) if first is not None else None,
+                first_signal=first.name if first is not None else "",
+            )
         return Reclaim(
             HELD,
             reclaimed=max(0, self.before - held),
@@ -247,9 +281,13 @@ def frozen_by(procfs: ProcFS, pid: int, cgroup_root: str = CGROUP_ROOT) -> str |
 
 def reclaim_fields(r: Reclaim) -> dict[str, object]:
     """The journal's fields for the answer: GPUKILL_RECLAIM, _RECLAIMED_BYTES, _HELD_BYTES, _HOLDERS (each holder as
-    PID:START:RELATION:DEVICE:BYTES, space-separated), _HOLDERS_MORE, _STUCK_REASON, _REMEDY."""
+    PID:START:RELATION:DEVICE:BYTES, space-separated), _HOLDERS_MORE, _STUCK_REASON, _REMEDY; for "reclaimed",
+    _RECLAIM_SECONDS (from the first signal until the memory was back, to the millisecond) and
+    _RECLAIM_FIRST_SIGNAL (what they count from)."""
     return {
         "reclaim": r.verdict,
+        "reclaim_seconds": f"{r.seconds:.3f}" if r.seconds is not None else None,
+        "reclaim_first_signal": r.first_signal or None,
         "reclaimed_bytes": r.reclaimed if r.verdict in (RECLAIMED, HELD) else None,
         "held_bytes": r.held if r.verdict == HELD else None,
         "holders": " ".join(f"{h.pid}:{h.start_time}:{h.relation}:{h.device}:{h.memory}" for h in r.holders) or None,
