@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import time
 
 from helpers.marks import needs_root
+from helpers.procs import received, signal_recorder
 from helpers.testbed import SYSTEM_PYTHON, start_time_of
 
 from gpukilld import journal as audit
@@ -52,6 +54,28 @@ def test_sigterm_ignoring_victim_is_killed_by_force(victims, users, alive):
     assert entry and entry[0]["GPUKILL_RESULT"] == "killed" and entry[0]["GPUKILL_FORCE"] == "1"
     # the journal names who asked as the bus does; the caller's uid stands beside it in both
     assert (entry[0]["GPUKILL_INITIATOR"], entry[0]["GPUKILL_CALLER_UID"]) == (initiator, str(caller_uid))
+
+
+def test_force_sends_sigterm_before_sigkill_and_the_memory_is_timed_from_sigterm(victims, users):
+    """kill --force never sends SIGKILL without SIGTERM first: a process that handles every signal it can names
+    each it got (SIGTERM alone: SIGKILL ended it, after the grace), and the seconds until its memory was back
+    count from that SIGTERM, the grace included. (Grace 0, where SIGKILL follows at once: test_memory_back.py.)"""
+    bed = victims
+    victim = signal_recorder(bed, users["owner"], mem="1GiB")
+    bed.wait_listed(victim.pid)
+    cli = bed.ctl(users["owner"], "kill", str(victim.pid), "--force", "--grace", "1")
+    assert cli.returncode == 0, cli
+    assert victim.wait(5) == -signal.SIGKILL
+    assert received(victim) == ["SIGTERM"]
+    said = re.fullmatch(
+        rf"PID {victim.pid} \(python3\) killed with SIGKILL after the grace period; "
+        r"GPU memory reclaimed \(1\.0 GiB\) (\d+(?:\.\d)?)s after SIGTERM\n",
+        cli.stdout,
+    )
+    assert said and float(said.group(1)) >= 1.0, cli.stdout
+    entry = bed.wait_journal(GPUKILL_TARGET_PID=str(victim.pid), MESSAGE_ID=audit.KILL.message_id)
+    assert entry and entry[0]["GPUKILL_RESULT"] == "killed", entry
+    assert float(entry[0]["GPUKILL_RECLAIM_SECONDS"]) >= 1.0 and entry[0]["GPUKILL_RECLAIM_FIRST_SIGNAL"] == "SIGTERM"
 
 
 def test_without_force_it_is_reported_still_alive(victims, users, alive):
