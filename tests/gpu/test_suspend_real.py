@@ -165,6 +165,8 @@ def test_suspend_frees_the_gpu_and_resume_gives_it_back(suspend_bed, workload, t
         stopped = counts(count_file)
         time.sleep(1.5)  # fifteen of its ticks
         assert counts(count_file) == stopped, "the count went on while suspended"
+        table = bed.ctl(ROOT, "list").stdout
+        assert any(str(pid) in line.split() and "suspended" in line for line in table.splitlines()), table
         free_after = free_mib(uuid)
         assert free_after - free_before >= gib * 1024 * 0.9, (free_before, free_after)
 
