@@ -8,6 +8,10 @@ process frozen in a cgroup v1 freezer - the D-state fixture: a frozen task sleep
 __refrigerator and outlives SIGKILL until it is thawed, as a process stuck in the NVIDIA driver outlives it
 until the GPU is reset. Everything started here is killed by cleanup(), orphans included (they are not the
 Testbed's children, so its own cleanup would miss them).
+
+A stepper is a training job whose work can be counted: it does steps at a steady rate, saves a checkpoint every N
+steps, and saves at once and exits 0 on the signal its environment declares (GPUKILL_CHECKPOINT=USR1:120s), as
+Lightning and Transformers do on theirs. Steps lost to a reclaim = the last step done - the last step saved.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .testbed import SYSTEM_PYTHON, Testbed, User
+from .testbed import SYSTEM_PYTHON, Testbed, User, sim_env
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
@@ -167,3 +171,127 @@ def why_no_freezer() -> str | None:
     if not (FREEZER / "tasks").exists():
         return f"no cgroup v1 freezer at {FREEZER}"
     return None
+
+
+# argv[1]: JSON {dir, step, every, save, comm}. Writes DIR/progress (the last step done) after each step and
+# DIR/checkpoint (the last step saved) when a save ends, each atomically; prints "ready" once both hold 0. A save
+# takes `save` seconds. Every `every` steps it saves, then exits 0 if DIR/stop exists (the owner asked it to stop
+# at the end of its epoch). With GPUKILL_CHECKPOINT=SIG:... in its environment, SIG saves at once and exits 0;
+# without, Python's default action for that signal applies (USR1 ends the process).
+STEPPER = r"""
+import json, os, signal, sys, time
+spec = json.loads(sys.argv[1])
+d = spec["dir"]
+def put(name, step):
+    tmp = os.path.join(d, name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(step))
+    os.replace(tmp, os.path.join(d, name))
+def save(step):
+    time.sleep(spec["save"])
+    put("checkpoint", step)
+if spec["comm"]:
+    import ctypes
+    ctypes.CDLL(None).prctl(15, spec["comm"].encode(), 0, 0, 0)  # PR_SET_NAME
+done = 0
+declared = os.environ.get("GPUKILL_CHECKPOINT", "").split(":")[0].upper()
+if declared:
+    def on_checkpoint(signum, frame):
+        put("progress", done)  # the step in hand when the signal came is the one saved
+        save(done)
+        os._exit(0)
+    signal.signal(getattr(signal, declared if declared.startswith("SIG") else "SIG" + declared), on_checkpoint)
+put("checkpoint", 0)
+put("progress", 0)
+print("ready", flush=True)
+while True:
+    time.sleep(spec["step"])
+    done += 1
+    put("progress", done)
+    if done % spec["every"] == 0:
+        save(done)
+        if os.path.exists(os.path.join(d, "stop")):
+            os._exit(0)
+"""
+
+
+@dataclass
+class Stepper:
+    proc: subprocess.Popen
+    dir: Path  # progress, checkpoint and stop: the job's files
+    start_time: int
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self, name: str) -> int:
+        return int((self.dir / name).read_text())
+
+    def progress(self) -> int:
+        """The last step done."""
+        return self._read("progress")
+
+    def checkpoint(self) -> int:
+        """The step of the last checkpoint saved."""
+        return self._read("checkpoint")
+
+    def lost(self) -> int:
+        return self.progress() - self.checkpoint()
+
+    def wait_progress(self, step: int, timeout: float = 60.0) -> int:
+        """Wait until `step` is done; the last step done then."""
+        deadline = time.monotonic() + timeout
+        while (done := self.progress()) < step:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"stepper {self.pid} stopped at step {done} of {step} (exit {self.proc.poll()})")
+            time.sleep(0.01)
+        return done
+
+    def stop_at_epoch_end(self) -> None:
+        """What the owner does to have it save and exit at its next checkpoint."""
+        (self.dir / "stop").touch()
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+
+
+def stepper(
+    scope: str,
+    directory: Path,
+    user: User | None = None,
+    step: float = 0.05,
+    every: int = 100,
+    save: float = 0.0,
+    declare: str | None = None,
+    mem: str = "1GiB",
+    gpu: int = 0,
+    comm: str = "",
+) -> Stepper:
+    """A stepper on simulated GPU `gpu` of the bed whose scope is `scope`, run as `user` (None: as we are), its
+    files in `directory` (made, and given to the user); declare: its GPUKILL_CHECKPOINT ("USR1:120s"), or none."""
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if user is not None:
+        os.chown(directory, user.uid, user.gid)
+    env = sim_env(scope, gpu, mem)
+    if declare is not None:
+        env["GPUKILL_CHECKPOINT"] = declare
+    spec = {"dir": str(directory), "step": step, "every": every, "save": save, "comm": comm}
+    proc = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", STEPPER, json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **(user.popen_kwargs() if user is not None else {}),
+    )
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != b"ready":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError("stepper failed to start")
+    return Stepper(proc, directory, _start_time(proc.pid) or 0)
