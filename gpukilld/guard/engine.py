@@ -97,10 +97,11 @@ class Target:
     comm: str
     gpu_memory: int | None
     gpu_utilization: float | None
+    unit: str = ""  # its systemd unit, "" where none is known
 
     @classmethod
     def of(cls, p: ProcView) -> Target:
-        return cls(p.pid, p.start_time, p.uid, p.user, p.comm, p.gpu_memory, p.gpu_utilization)
+        return cls(p.pid, p.start_time, p.uid, p.user, p.comm, p.gpu_memory, p.gpu_utilization, p.unit or "")
 
 
 @dataclass(frozen=True, slots=True)
