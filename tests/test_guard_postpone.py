@@ -210,3 +210,18 @@ def test_saved_postponements_of_the_wrong_shape_are_dropped():
     again = Engine(e.policy, t.clock(), own_pid=OWN_PID)
     restored, note = clocks.restore(again, saved, "boot", lambda pid, start: True)
     assert again.grace_report() == [] and "1 malformed" in note
+
+
+def test_the_owners_warnings_say_how_to_ask_with_the_caps():
+    from gpukilld.guard import report
+
+    t0 = FakeTime().now
+    e, t = engine(rule("postpone: {max: 1h, times: 2}\n    warn: [at_start, 15m]"))
+    (v,) = at(e, t, t0, IDLE)
+    ask = "To ask for more time: gpukillctl postpone 10 20min --reason '...' (rule idle-gpu allows up to 1h more in 2"
+    assert ask in report.violation(v, False, "host", 0.0).notice.body
+    (w,) = at(e, t, t0 + 900, IDLE)
+    assert ask in report.warning(w, False, "host", 0.0).notice.body
+    plain, t = engine(rule("warn: [at_start]"))
+    (v,) = at(plain, t, t0, IDLE)
+    assert "To ask for more time" not in report.violation(v, False, "host", 0.0).notice.body
