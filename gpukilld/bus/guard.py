@@ -357,7 +357,7 @@ class GuardInterface(ServiceInterface):
         return to_dbus(self._runner.postpone(pid, start_time, seconds, reason, caller.uid, who))
 
     @signal()
-    def ReclaimPending(self, target: Target, rule: str, deadline: float) -> "uttsst":
+    def ReclaimPending(self, target: Target, rule: str, deadline: float) -> "utusst":
         return [target.pid, target.start_time, target.uid, target.unit, rule, max(0, int(deadline))]
 
     @signal()
