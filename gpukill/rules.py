@@ -76,6 +76,16 @@ class Exemptions:
 
 
 @dataclass(frozen=True, slots=True)
+class Postpone:
+    """How much more time a kill rule lets a subject's owner ask for, per episode (`postpone: {max: 1h,
+    times: 2}`): at most `max` seconds in all, in at most `times` postponements. A postponement moves the end
+    of the episode's grace period later; it ends with the episode."""
+
+    max: float
+    times: int
+
+
+@dataclass(frozen=True, slots=True)
 class Rule:
     name: str
     description: str
@@ -100,6 +110,8 @@ class Rule:
     # too (a trainer's workers); "unit": the GPU processes of its systemd unit. Only the subject's owner's
     # processes: Guard acts for no caller, and a setuid helper of another user in the tree is not the rule's.
     kill_scope: str = KILL_PROCESS
+    # Action kill with a grace period only: how long an owner may postpone the kill (None: never).
+    postpone: Postpone | None = None
 
     @property
     def fingerprint(self) -> tuple:
@@ -118,6 +130,7 @@ class Rule:
             self.max_resets_per_hour,
             self.warn,
             self.kill_scope,
+            self.postpone,
             tuple(
                 (c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total, c.over)
                 for c in self.conditions

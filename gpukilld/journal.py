@@ -66,6 +66,11 @@ GUARD_NOTIFY_FAILED = EventKind("guard-notify-failed", "8cbf9129bbea4b40a09c797f
 GUARD_NOTICE = EventKind("guard-notice", "96738fcc40704013a2c74c51bcff18f8", syslog.LOG_WARNING)
 # A warning of a kill rule's `warn:` schedule sent to its notify targets (GPUKILL_REMAINING: seconds left).
 GUARD_WARNING = EventKind("guard-warning", "d5df35b8c04443b084bf229937149750", syslog.LOG_WARNING)
+# An owner's request for more time before a kill rule's kill (Postpone), granted, granted in part or refused:
+# GPUKILL_RULE, GPUKILL_TARGET_PID, GPUKILL_TARGET_START_TIME, GPUKILL_CALLER_UID, GPUKILL_ASKED and
+# GPUKILL_GRANTED (seconds), GPUKILL_DEADLINE (seconds since the epoch), GPUKILL_POSTPONE_REASON (the caller's
+# text, bounded).
+GUARD_POSTPONE = EventKind("guard-postpone", "2118e4eff5d5458e8990b54efa3d9bf7", syslog.LOG_NOTICE)
 # A managed user, group or GPU policy (a file in guard.d) set, removed or imported, or a change refused:
 # GPUKILL_OPERATION, GPUKILL_POLICY_KIND, GPUKILL_POLICY_TARGET, GPUKILL_FILE, GPUKILL_CALLER_UID.
 GUARD_MANAGED_POLICY = EventKind("guard-managed-policy", "783a2a0d13b04cf29e6839828e63aeca", syslog.LOG_NOTICE)
@@ -103,6 +108,7 @@ ALL_KINDS = (
     GUARD_NOTIFY_FAILED,
     GUARD_NOTICE,
     GUARD_MANAGED_POLICY,
+    GUARD_POSTPONE,
     AUDIT_SETTINGS,
     USAGE,
     WRITE_FAILED,

@@ -1,8 +1,9 @@
 """gpukilld start-up and life cycle: config, backends, sampler, bus, sd_notify, signals.
 
 The one place where the parts are wired: Actions and the GuardRunner report what they did through
-callbacks of the Daemon (_on_killed, _on_reset, and the GuardSignals violated, action_taken, notification),
-which emit the interfaces' D-Bus signals; neither interface reaches into the runner or Actions for that.
+callbacks of the Daemon (_on_killed, _on_reset, and the GuardSignals violated, action_taken, notification,
+reclaim_pending), which emit the interfaces' D-Bus signals; neither interface reaches into the runner or Actions
+for that.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .bus.door import Door
 from .bus.guard import GuardInterface
 from .bus.manager import ManagerInterface
 from .config import DEFAULT_PATH, Config, check_interval, load_config
-from .guard.engine import Violation
+from .guard.engine import Target, Violation
 from .guard.notify import Notice
 from .guard.runner import GuardRunner, notify_config, protection_of
 from .model import EMPTY_SNAPSHOT, STATE_OK, Snapshot
@@ -187,6 +188,9 @@ class Daemon:
 
     def notification(self, notice: Notice, uid: int | None) -> None:
         self.guard_interface.Notification(notice, uid)
+
+    def reclaim_pending(self, target: Target, rule: str, deadline: float) -> None:
+        self.guard_interface.ReclaimPending(target, rule, deadline)
 
     # -- reload ----------------------------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ CALLS = {
     (GUARD_INTERFACE, "Disable"): ("", []),
     (GUARD_INTERFACE, "SetDryRun"): ("b", [True]),
     (GUARD_INTERFACE, "LoadPolicy"): ("ss", ["edited.yaml", "rules: []\n"]),
+    (GUARD_INTERFACE, "Postpone"): ("utds", ["$PID", "$START", 60.0, "saving"]),
     (MANAGER_INTERFACE, "SetAuditSettings"): ("a{sv}", [{"min_score": Variant("d", 50.0)}]),
     (MANAGER_INTERFACE, "ImportAuditSettings"): ("ss", ["edited.conf", "[audit]\nmin_score = 50\n"]),
     # the managed policies: "$MANAGED" is the user policy that serve() has written into guard.d already
@@ -267,6 +268,11 @@ def acted(served: Served, method: tuple[str, str]) -> bool:
     if method[1] in ("SetAuditSettings", "ImportAuditSettings"):
         return any(
             kind is audit.AUDIT_SETTINGS and fields.get("result") == "changed"
+            for kind, _, fields in served.journal.entries
+        )
+    if method[1] == "Postpone":  # answered (no grace runs on the victim: refused by the runner, not polkit)
+        return any(
+            kind is audit.GUARD_POSTPONE and fields.get("result") != "denied"
             for kind, _, fields in served.journal.entries
         )
     if method[1] in ("SetPolicy", "RemovePolicy", "ImportPolicies"):  # a file of guard.d written or removed

@@ -66,6 +66,8 @@ def test_polkit_defaults_are_as_specified():
         "org.gpukill.manage-policies": "no",  # auth_admin_keep for an active session only
         "org.gpukill.configure-audit": "no",  # auth_admin_keep for an active session only
         "org.gpukill.view-all-processes": "no",
+        "org.gpukill.postpone-own": "yes",
+        "org.gpukill.postpone-any": "auth_admin_keep",
     }
 
 

@@ -112,6 +112,7 @@ assert set(METHODS) == {
     (MANAGER, "GetUsage"),
     (MANAGER, "KillProcessReport"),
     (MANAGER, "KillWorkload"),
+    (GUARD, "Postpone"),
 }, f"the XML's methods changed: update this fuzz ({sorted(METHODS)})"
 MEMBER_IFACE = {member: iface for iface, member in METHODS}  # every member name is unique to one interface
 assert len(MEMBER_IFACE) == len(METHODS)
@@ -446,6 +447,8 @@ ARGS = {  # per method, the values of its arguments when it is called with its o
     "SetAuditSettings": st.tuples(options(AUDIT_SETTING_TYPES)).map(list),
     "ImportAuditSettings": st.tuples(texts, st.one_of(st.sampled_from(AUDIT_TEXTS), texts)).map(list),
     "GetUsage": st.tuples(options(USAGE_QUERY_TYPES)).map(list),
+    # a real process or not, any number of seconds (nan, inf, negative, huge), any reason
+    "Postpone": st.tuples(kill_targets, st.floats(), texts).map(lambda t: [*t[0], t[1], t[2]]),
 }
 assert set(ARGS) == {m for _, m in METHODS}
 
@@ -599,6 +602,7 @@ MINIMAL_ARGS = {
     "SetAuditSettings": [[]],
     "ImportAuditSettings": ["explicit", "{"],
     "GetUsage": [[]],
+    "Postpone": [2**32 - 1, 2**64 - 1, 60.0, ""],
 }
 SET_VALUES = {"s": "9.9", "d": 0.001, "a(sbs)": [["fake", True, ""]], "a{sv}": {}}  # one of each property's type
 EXPLICIT = [

@@ -75,6 +75,7 @@ NEITHER = {
     "PATH",
     "PORT",
     "HOST",
+    "TEXT",  # free text: gpukillctl postpone --reason
 }
 
 
@@ -197,6 +198,12 @@ DURATION_KEYS: dict[str, tuple[str, Callable[[Any], float]]] = {
     "rule warn": (
         KILL_RULE.format(extra="    grace_period: 6h\n    warn: [VALUE]\n", conditions=NAME_CONDITION),
         lambda p: p.rules[0].warn[0],
+    ),
+    "rule postpone": (
+        KILL_RULE.format(
+            extra="    grace_period: 6h\n    postpone: {max: VALUE, times: 2}\n", conditions=NAME_CONDITION
+        ),
+        lambda p: p.rules[0].postpone.max,
     ),
     "rule cooldown": (
         "rules:\n  - name: r\n    action: reset\n    scope: per_device\n    cooldown: VALUE\n"

@@ -16,7 +16,14 @@ from helpers.testbed import REPO
 from gpukill import errors
 from gpukill.records.audit import Finding
 from gpukill.records.base import from_plain, names, specs, to_plain
-from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry, PolicyLoaded, ViolationDetails
+from gpukill.records.guard import (
+    Decision,
+    GuardStatus,
+    ManagedPolicyEntry,
+    PolicyLoaded,
+    PostponeAnswer,
+    ViolationDetails,
+)
 from gpukill.records.manager import Device, MemoryRegion, Process
 from gpukill.records.status import ResetReply
 from gpukillctl.client import exits
@@ -46,6 +53,7 @@ DOCUMENTED_IN = {
     PolicyLoaded: "LoadPolicy",
     Finding: "AuditRogue",
     ManagedPolicyEntry: "ListPolicies",
+    PostponeAnswer: "Postpone",
 }
 
 

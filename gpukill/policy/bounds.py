@@ -28,3 +28,4 @@ MAX_ID = 2**32 - 2  # uids and gids are 32 bits; (uid_t)-1 means "no uid"
 MIN_TEMPERATURE, MAX_TEMPERATURE = -273.15, 1000.0  # °C
 MAX_WARNINGS = 8  # warnings per rule: enough for any schedule, a bound on what one episode sends
 MIN_RESET_COOLDOWN, MAX_RESETS_PER_HOUR_LIMIT = 10.0, 60  # a reset takes seconds; a device reset every minute is plenty
+MAX_POSTPONE, MAX_POSTPONEMENTS = 7 * 86400.0, 100  # a rule's postpone: max and times; a week of grace is plenty

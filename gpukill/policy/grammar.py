@@ -30,6 +30,7 @@ from ..rules import (
     SUBJECT,
     Condition,
     Exemptions,
+    Postpone,
     Rule,
 )
 from ..units import format_duration
@@ -37,6 +38,8 @@ from .bounds import (
     MAX_DESCRIPTION,
     MAX_DURATION,
     MAX_NAME,
+    MAX_POSTPONE,
+    MAX_POSTPONEMENTS,
     MAX_RESETS_PER_HOUR_LIMIT,
     MAX_RULES,
     MAX_WARNINGS,
@@ -75,7 +78,9 @@ RULE_KEYS = (
     "max_resets_per_hour",
     "warn",
     "kill_scope",
+    "postpone",
 )
+POSTPONE_KEYS = ("max", "times")
 RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
 CONDITION_KEYS = ("type", "operator", "value", "duration", "over", "scope", "description")
 
@@ -92,6 +97,7 @@ class _KillSettings(NamedTuple):
     kill_grace: float | None
     kill_scope: str
     warn: tuple[float, ...]
+    postpone: Postpone | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +255,7 @@ class _Parser(ValueReader):
             max_resets_per_hour=max_resets,
             warn=kill.warn,
             kill_scope=kill.kill_scope,
+            postpone=kill.postpone,
         )
 
     # -- a rule's fields, each read alone ----------------------------------------------------------------
@@ -298,16 +305,44 @@ class _Parser(ValueReader):
         kill_scope = self.rule_kill_scope(fields["kill_scope"][1]) if "kill_scope" in fields else KILL_PROCESS
         if action in ("notify", "log", RESET):
             for key in (
-                ("grace_period", "kill_grace", "warn", "kill_scope")
+                ("grace_period", "kill_grace", "warn", "kill_scope", "postpone")
                 if action == RESET
-                else ("force", "grace_period", "kill_grace", "warn", "kill_scope")
+                else ("force", "grace_period", "kill_grace", "warn", "kill_scope", "postpone")
             ):
                 if key in fields:
                     self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
         warn: tuple[float, ...] = ()
         if "warn" in fields and action == KILL:
             warn = self.warn_schedule(fields["warn"][1], grace, fields["warn"][0] if not grace else None)
-        return _KillSettings(force, grace, kill_grace, kill_scope, warn)
+        postpone = None
+        if "postpone" in fields and action == KILL:
+            postpone = self.postpone(fields["postpone"][1], fields["postpone"][0] if not grace else None)
+        return _KillSettings(force, grace, kill_grace, kill_scope, warn, postpone)
+
+    def postpone(self, node: Node, no_grace: Node | None) -> Postpone | None:
+        """`postpone: {max: 1h, times: 2}`: how much more time an owner may ask for in one episode, in all
+        (max, a duration) and in how many postponements (times)."""
+        if no_grace is not None:
+            self.error(no_grace, "postpone needs a grace_period: a postponement moves the end of the grace period")
+            return None
+        fields = self.mapping(node, "postpone", POSTPONE_KEYS)
+        if fields is None:
+            return None
+        for key in POSTPONE_KEYS:
+            if key not in fields:
+                self.error(node, f"postpone needs '{key}' (e.g. postpone: {{max: 1h, times: 2}})")
+        if len(fields) < len(POSTPONE_KEYS):
+            return None
+        most = self.duration(fields["max"][1], "postpone's max", 1.0, MAX_POSTPONE)
+        times_node = fields["times"][1]
+        ok, times = self.scalar(times_node)
+        if not (ok and isinstance(times, int) and not isinstance(times, bool) and 1 <= times <= MAX_POSTPONEMENTS):
+            shape = described(times) if ok else node_kind(times_node)
+            self.error(
+                times_node, f"postpone's times must be a whole number from 1 to {MAX_POSTPONEMENTS}, not {shape}"
+            )
+            return None
+        return None if most is None else Postpone(most, times)
 
     def rule_kill_scope(self, node: Node) -> str:
         ks = self.string(node, "kill_scope")

@@ -72,6 +72,10 @@ class Grace:
     remaining: float = wire("d", "seconds left", 0.0)
     warnings_sent: int = wire("u", "warnings of the rule's warn schedule sent so far (at_start counts)", 0)
     next_warning: float | None = wire("d", "seconds until the next scheduled warning; absent: none is left", None)
+    postponed: float = wire("d", "seconds its owner's postponements added to the grace in all", 0.0)
+    postponements: int = wire("u", "postponements granted in this episode", 0)
+    postponed_by: str = wire("s", "who asked the last postponement", "", omit_empty=True)
+    postpone_reason: str = wire("s", "the reason given with the last postponement", "", omit_empty=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,3 +193,32 @@ class ManagedPolicyEntry:
     )
     reserved_memory: int | None = wire("t", "gpu: bytes kept free on the device", None)
     grace: float = wire("d", "seconds over a limit before the kill", 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Postponement:
+    """What one kill rule's episode got of a Postpone request (PostponeAnswer rules)."""
+
+    rule: str = wire("s", "the kill rule's name")
+    subject: str = wire("s", "the rule's subject: the process, its user, device or group")
+    granted: float = wire("d", "seconds granted; 0: refused", 0.0)
+    deadline: float = wire("d", "when the grace now ends, seconds since the epoch; 0: refused", 0.0)
+    left: int = wire("u", "postponements the episode has left", 0)
+    text: str = wire("s", "one line: what was granted and why not more, or why none", "")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PostponeAnswer:
+    """What Postpone returns: per kill rule whose grace is running on the process, what was granted."""
+
+    pid: int = wire("u", "the process named")
+    start_time: int = wire("t", "its start time")
+    asked: float = wire("d", "seconds asked")
+    rules: tuple[Postponement, ...] = wire(
+        "aa{sv}", "one per kill rule with a grace running on the process", (), of=Postponement
+    )
+    text: str = wire("s", "one line: what was granted, or why nothing was", "")
+
+    @property
+    def granted(self) -> bool:
+        return any(r.granted > 0 for r in self.rules)

@@ -80,6 +80,19 @@ class SnapshotChanged:
     generation: int = wire("t", "the sample's number, growing while the daemon runs (a restart starts again)")
 
 
+@dataclass(frozen=True, slots=True)
+class ReclaimPending:
+    """org.gpukill1.Guard.ReclaimPending: a kill rule's grace began, or was postponed; the process is stopped at
+    the deadline unless its subject comes back under the rule (or its owner asks for more time: Postpone)."""
+
+    pid: int = wire("u", "the process")
+    start_time: int = wire("t", "its start time, clock ticks since boot")
+    uid: int = wire("u", "its owner")
+    unit: str = wire("s", 'its systemd unit, "" where none is known')
+    rule: str = wire("s", "the kill rule's name")
+    deadline: int = wire("t", "when the grace ends, seconds since the epoch")
+
+
 NO_UID = 0xFFFFFFFF  # Notification's uid when the notice concerns no one user (a device)
 
 
@@ -102,6 +115,7 @@ SIGNALS: dict[tuple[str, str], type] = {
     ("org.gpukill1.Guard", "PolicyViolated"): PolicyViolated,
     ("org.gpukill1.Guard", "GuardActionTaken"): GuardActionTaken,
     ("org.gpukill1.Guard", "Notification"): Notification,
+    ("org.gpukill1.Guard", "ReclaimPending"): ReclaimPending,
 }
 # And the other way round: the (interface, member) a record was sent as.
 SIGNAL_OF: dict[type, tuple[str, str]] = {cls: key for key, cls in SIGNALS.items()}
@@ -113,6 +127,7 @@ Event = (
     | PolicyViolated
     | GuardActionTaken
     | Notification
+    | ReclaimPending
 )
 
 

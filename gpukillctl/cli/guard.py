@@ -340,7 +340,14 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
                 warned = f"; {g.warnings_sent} warning(s) sent" + (
                     f", next in {_seconds(g.next_warning)}" if g.next_warning is not None else ""
                 )
-            print(shown(f"  {g.rule}: {g.subject}: {_seconds(g.remaining)} left{warned}"))
+            postponed = ""
+            if g.postponements:  # "postponed 20min by alice: saving"
+                times = "" if g.postponements == 1 else f" in {g.postponements} postponements"
+                postponed = f"; postponed {_seconds(g.postponed)}{times}" + (
+                    f" by {g.postponed_by}" if g.postponed_by else ""
+                )
+                postponed += f": {g.postpone_reason}" if g.postpone_reason else ""
+            print(shown(f"  {g.rule}: {g.subject}: {_seconds(g.remaining)} left{warned}{postponed}"))
     if st.recent:
         print("\nrecent:")
         for r in st.recent[-10:]:

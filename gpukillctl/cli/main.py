@@ -3,10 +3,10 @@
 Errors are one line on stderr with a distinct exit code (listed in --help); never a traceback.
 
 Start-up time is most of a one-shot command's time, so this module and what it imports for the one-shot
-commands (list, kill PID, reset, status, guard, audit, usage) load neither asyncio nor dbus-fast: those commands run
-on the blocking transport (gpukillctl/client/blocking.py). The long-lived commands (top, monitor, notify-agent, mcp,
-serve, exporter), `kill --job` (its kills run together) and -H (ssh's start dwarfs any import) run on asyncio;
-their modules are imported only when one of them is asked for (tests/test_imports.py checks it).
+commands (list, kill PID, reset, status, guard, postpone, audit, usage) load neither asyncio nor dbus-fast: those
+commands run on the blocking transport (gpukillctl/client/blocking.py). The long-lived commands (top, monitor,
+notify-agent, mcp, serve, exporter), `kill --job` (its kills run together) and -H (ssh's start dwarfs any import)
+run on asyncio; their modules are imported only when one of them is asked for (tests/test_imports.py checks it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ..client.format import devices_table, processes_table, shown
 JSON_FORMAT = 1
 # The commands that run on the blocking transport and whose parsers need no asyncio module: for these
 # alone the parser is built without the others (each of the others imports asyncio and dbus-fast to register).
-ONE_SHOT = ("list", "kill", "reset", "status", "guard", "audit", "usage")
+ONE_SHOT = ("list", "kill", "reset", "status", "guard", "postpone", "audit", "usage")
 
 
 class Parser(argparse.ArgumentParser):
@@ -138,6 +138,10 @@ def build_parser(full: bool = True, only: str | None = None) -> argparse.Argumen
         from .guard import register as register_guard
 
         register_guard(sub)
+    if wanted("postpone"):
+        from .postpone import register as register_postpone
+
+        register_postpone(sub)
     if full and only is None:
         _register_long_lived(sub)
     if wanted("audit"):
@@ -421,6 +425,12 @@ async def cmd_guard(client: ClientAPI, args: argparse.Namespace) -> int:
     return await cmd_guard(client, args)
 
 
+async def cmd_postpone(client: ClientAPI, args: argparse.Namespace) -> int:
+    from .postpone import cmd_postpone
+
+    return await cmd_postpone(client, args)
+
+
 async def cmd_audit(client: ClientAPI, args: argparse.Namespace) -> int:
     from .audit import cmd_audit
 
@@ -439,6 +449,7 @@ COMMANDS = {
     "reset": cmd_reset,
     "status": cmd_status,
     "guard": cmd_guard,
+    "postpone": cmd_postpone,
     "audit": cmd_audit,
     "usage": cmd_usage,
 }

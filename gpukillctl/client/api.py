@@ -34,7 +34,7 @@ from gpukill.records.manager import Device, Process
 if TYPE_CHECKING:
     from gpukill.outcome import Outcome
     from gpukill.records.audit import AuditSettings, Finding
-    from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry, PolicyLoaded
+    from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry, PolicyLoaded, PostponeAnswer
     from gpukill.records.reclaim import KillReport, WorkloadReply
     from gpukill.records.status import BackendStatus, ResetReply, SamplingStatus
     from gpukill.records.usage import UsageReport
@@ -462,6 +462,18 @@ class ClientAPI:
 
         (decisions,) = await self._guard("TestPolicies", "ss", [name, text], timeout=CALL_TIMEOUT + 15.0)
         return [from_plain(Decision, d) for d in decisions]
+
+    async def guard_postpone(
+        self, pid: int, start_time: int, seconds: float, reason: str = "", *, interactive: bool = False
+    ) -> PostponeAnswer:
+        """Ask for `seconds` more before a Guard kill rule stops (pid, start_time): per kill rule whose grace
+        runs on it, what was granted within its caps, or why nothing was."""
+        from gpukill.records.guard import PostponeAnswer
+
+        (result,) = await self._guard(
+            "Postpone", "utds", [pid, start_time, float(seconds), reason], interactive=interactive
+        )
+        return from_plain(PostponeAnswer, result)
 
     # -- the managed user, group and GPU policies (files gpukilld keeps in guard.d) -----------------------
 

@@ -30,6 +30,7 @@ from gpukill.records.signals import (
     Notification,
     PolicyViolated,
     ProcessKilled,
+    ReclaimPending,
     SnapshotChanged,
 )
 from gpukill.text import shown
@@ -110,6 +111,10 @@ def describe(record: Any) -> str:
         case Notification():
             to = "no one user" if record.uid == NO_UID else f"uid {record.uid}"
             return f"rule {record.rule} to {to}: {record.summary}"  # the body is in --json
+        case ReclaimPending():
+            until = time.strftime("%H:%M:%S", time.localtime(record.deadline))
+            unit = f", {record.unit}" if record.unit else ""
+            return f"rule {record.rule}: PID {record.pid} (uid {record.uid}{unit}) is stopped at {until}"
     raise TypeError(f"not a signal record: {type(record).__name__}")
 
 

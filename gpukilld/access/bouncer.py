@@ -1,7 +1,7 @@
 """Who may do what: one table maps every method to a polkit action, and check() is the one decision.
 
 Read-only methods map to READ_ONLY and need no authorization; anything unmapped is denied. An entry may be an
-own/any pair (KillProcess): the action for the caller's own target, or the stricter one for anyone else's.
+own/any pair (KillProcess, Postpone): the action for the caller's own target, or the stricter one for anyone else's.
 Every privileged act (Actions.kill and .reset, the Guard interface's switches) calls check(), which picks the
 action from the table, asks polkit, writes a denial's audit entry (through the RefusalLog, folded per person)
 and raises it. Root callers skip polkit. Everyone else is judged by polkitd, asked with the caller's bus name
@@ -44,6 +44,8 @@ RESET_DEVICE = "org.gpukill.reset-device"
 MANAGE_GUARD = "org.gpukill.manage-guard"
 MANAGE_POLICIES = "org.gpukill.manage-policies"  # the managed user, group and GPU policies in guard.d
 CONFIGURE_AUDIT = "org.gpukill.configure-audit"  # the rogue-activity audit's thresholds and allow-lists
+POSTPONE_OWN = "org.gpukill.postpone-own"  # more time before a Guard kill of one's own process
+POSTPONE_ANY = "org.gpukill.postpone-any"
 
 Method = tuple[str, str]  # (interface, member), as called on the bus
 KILL_METHOD: Method = (MANAGER_INTERFACE, "KillProcess")
@@ -92,6 +94,9 @@ METHOD_ACTIONS: dict[Method, str] = {
     (GUARD_INTERFACE, "Disable"): MANAGE_GUARD,
     (GUARD_INTERFACE, "SetDryRun"): MANAGE_GUARD,
     (GUARD_INTERFACE, "LoadPolicy"): MANAGE_GUARD,
+    # More time before a kill rule's kill, within the rule's caps: an owner for their own process without a
+    # password; for another user's, an admin.
+    (GUARD_INTERFACE, "Postpone"): OwnOrAny(own=POSTPONE_OWN, others=POSTPONE_ANY),
     # Managed policies (files gpukilld writes into guard.d): reading them is open to everyone, as GetStatus's
     # rules are; whatever writes a file needs manage-policies.
     (GUARD_INTERFACE, "ListPolicies"): READ_ONLY,

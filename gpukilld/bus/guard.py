@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -31,22 +32,25 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, method, signal
 
 from gpukill.condition_types import CONDITION_TYPES
-from gpukill.errors import InvalidArgs, TooBusy
+from gpukill.errors import InvalidArgs, NoSuchProcess, TooBusy
 from gpukill.policy import check_text
+from gpukill.policy.bounds import MAX_POSTPONE
 from gpukill.records.base import from_plain
 from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry, PolicyLoaded, ViolationDetails
+from gpukill.text import shown
 
 from .. import journal
 from ..access.bouncer import Bouncer, Caller, Request
 from ..access.callrate import LISTING_BURST, LISTING_RATE, CallRate
 from ..access.visibility import FULL, PROGRAM, Viewer, as_seen_by
-from ..guard.engine import Violation
+from ..guard.engine import Target, Violation
 from ..guard.managed import ManagedPolicies, check_settings, check_target, parse_import
 from ..guard.notify import Notice
 from ..guard.runner import GuardRunner
 from ..guard.sandbox import Sandbox, bounded_previews
 from ..model import Snapshot
 from ..names import GUARD_INTERFACE
+from ..proc.procfs import user_name
 from ..rogue.score import findings_as_seen
 from . import writer as busio
 from .door import current_caller, dbus_errors, name_outputs
@@ -55,7 +59,18 @@ from .wire import to_dbus
 NO_UID = 0xFFFFFFFF  # a notice about a device concerns no one user
 MAX_NAME = 4096
 POLICY_LISTINGS = ("ListPolicies", "ExportPolicies")
+MAX_REASON = 200  # characters of a Postpone's reason: a line for the journal and `guard status`
 MAX_REPORT = 200  # entries of each list in GetStatus (windows, graces: one per subject, as many as processes)
+
+
+def check_postpone(seconds: float, reason: str) -> tuple[float, str]:
+    """Postpone's arguments, bounded: a duration of more than 0 and at most MAX_POSTPONE (a rule's max caps it
+    further), a reason of at most MAX_REASON characters with its control characters escaped."""
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_POSTPONE:
+        raise InvalidArgs(f"seconds must be more than 0 and at most {MAX_POSTPONE:g}, not {seconds:g}")
+    if len(reason) > MAX_REASON:
+        raise InvalidArgs(f"the reason is longer than {MAX_REASON} characters")
+    return seconds, shown(reason)
 
 
 def _clean_name(name: str) -> str:
@@ -299,6 +314,52 @@ class GuardInterface(ServiceInterface):
             cached = self._policy_bodies[msg.member] = (made, busio.marshal_body(signature, [value]))
         return True if busio.send_premarshalled_reply(self.bus, msg, signature, cached[1]) else None
 
+    @method()
+    @dbus_errors
+    async def Postpone(self, pid: "u", start_time: "t", seconds: "d", reason: "s") -> "a{sv}":
+        seconds, reason = check_postpone(seconds, reason)  # bounded before polkit shows anything
+        caller = await current_caller(self._bouncer)
+        listed = next(iter(self._snapshot().processes_of(pid, start_time)), None)
+        fields: dict[str, object] = {
+            "action": "guard",
+            "target_pid": pid,
+            "target_start_time": start_time,
+            "caller_uid": caller.uid,
+            "requested_by": caller.who,
+            "asked": seconds,
+            "postpone_reason": reason or None,
+        }
+        if listed is None:
+            error = NoSuchProcess(f"PID {pid} (start time {start_time}) is not a GPU process gpukilld lists")
+            self._bouncer.refusals.log(
+                self._bouncer.people.person(caller.uid),
+                journal.GUARD_POSTPONE,
+                f"Postponement for PID {pid} asked by {caller.who} refused: {error}",
+                **fields,
+                result=error.result,
+                error=str(error),
+            )
+            raise error
+        user = shown(listed.user)
+        await self._bouncer.check(
+            caller,
+            (GUARD_INTERFACE, "Postpone"),
+            {"pid": str(pid), "target_user": listed.user, "seconds": f"{seconds:g}"},
+            listed.uid,
+            request=Request(
+                journal.GUARD_POSTPONE,
+                f"Postponement of the kill of PID {pid} ({shown(listed.comm)}, user {user})",
+                f"postpone the kill of PID {pid} of user {user}",
+                {**fields, "target_uid": listed.uid},
+            ),
+        )
+        who = await asyncio.to_thread(user_name, caller.uid)  # NSS may ask a directory server: not on the loop
+        return to_dbus(self._runner.postpone(pid, start_time, seconds, reason, caller.uid, who))
+
+    @signal()
+    def ReclaimPending(self, target: Target, rule: str, deadline: float) -> "utusst":
+        return [target.pid, target.start_time, target.uid, target.unit, rule, max(0, int(deadline))]
+
     @signal()
     def PolicyViolated(self, event: Violation, dry_run: bool) -> "sssba{sv}":
         # every listener on the bus gets it: the reason as other users may read it (the journal has it whole)
@@ -338,6 +399,8 @@ OUTPUT_NAMES = {
     "RemovePolicy": [],
     "ExportPolicies": ["text"],
     "ImportPolicies": ["policies"],
+    "Postpone": ["result"],
+    "ReclaimPending": ["pid", "start_time", "uid", "unit", "rule", "deadline"],
     "PolicyViolated": ["rule", "subject", "action", "dry_run", "details"],
     "GuardActionTaken": ["rule", "subject", "action", "pid", "start_time", "outcome", "dry_run"],
     "Notification": ["uid", "rule", "summary", "body"],

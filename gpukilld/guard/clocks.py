@@ -5,9 +5,9 @@ its violation twice. So what the engine times is kept in the guard's state file 
 section) and given back to the engine at start:
 
 - duration windows (rule, condition, subject -> since), the episodes (a subject violating a rule: when it
-  began, when its grace ends, whether a kill was ordered; an episode also says its violation was counted in
-  `triggers`, so it is not counted again), the cooldowns after a kill, and each device's resets of the last
-  hour (max_resets_per_hour).
+  began, when its grace ends, whether a kill was ordered, the owner's postponements; an episode also says
+  its violation was counted in `triggers`, so it is not counted again), the cooldowns after a kill, and each
+  device's resets of the last hour (max_resets_per_hour).
 - The engine measures on CLOCK_MONOTONIC, which does not count a suspend; on disk each instant is written on
   CLOCK_BOOTTIME, which counts from the boot whatever the daemon does, with the boot id
   (/proc/sys/kernel/random/boot_id). At load an instant is put back on the monotonic clock as it is then, so
@@ -88,6 +88,37 @@ def _instant(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _postponed_out(ep: Episode) -> dict[str, Any]:
+    """An episode's postponements ({} for none): seconds granted, how many, the last reason and who asked."""
+    if not ep.postponements:
+        return {}
+    return {"seconds": ep.postponed, "times": ep.postponements, "reason": ep.postpone_reason, "by": ep.postponed_by}
+
+
+def _postponed_in(raw: Any, ep: Episode, times: int) -> bool:
+    """Puts saved postponements back into the episode; False when they are not of the shape written."""
+    if raw == {}:
+        return True
+    if not isinstance(raw, dict):
+        return False
+    seconds, count, reason, by = raw.get("seconds"), raw.get("times"), raw.get("reason"), raw.get("by")
+    if not (
+        isinstance(seconds, int | float)
+        and _instant(seconds)
+        and seconds >= 0
+        and isinstance(count, int)
+        and _int(count)
+        and count <= times
+        and isinstance(reason, str)
+        and isinstance(by, str)
+        and len(reason) <= MAX_LABEL
+        and len(by) <= MAX_LABEL
+    ):
+        return False
+    ep.postponed, ep.postponements, ep.postpone_reason, ep.postponed_by = float(seconds), count, reason, by
+    return True
+
+
 def save(engine: Engine, boot: str) -> dict[str, Any]:
     """The engine's clocks as JSON, on CLOCK_BOOTTIME."""
     offset = engine.clock.boottime() - engine.clock.monotonic()
@@ -111,6 +142,7 @@ def save(engine: Engine, boot: str) -> dict[str, Any]:
                         ep.uid,
                         ep.acted,
                         ep.warned,
+                        _postponed_out(ep),
                     ]
                     for key, ep in st.episodes.items()
                 ],
@@ -198,9 +230,11 @@ class _Reader:
                 window[key] = t
                 self.restored += 1
         episodes = raw.get("episodes")
-        if isinstance(episodes, list):  # an older daemon's entries have no count of warnings sent: none were
+        if isinstance(episodes, list):  # an older daemon's entries have no count of warnings sent (none were)
             episodes = [e + [0] if isinstance(e, list) and len(e) == 6 else e for e in episodes]
-        for rkey, since, grace_until, label, uid, acted, warned in self.entries(episodes, 7):
+            # nor postponements (none were granted)
+            episodes = [e + [{}] if isinstance(e, list) and len(e) == 7 else e for e in episodes]
+        for rkey, since, grace_until, label, uid, acted, warned, postponed in self.entries(episodes, 8):
             key, t, until = self.key(rkey, scope), self.past(since), self.any_time(grace_until)
             if key is None or t is None or until is None:
                 continue
@@ -213,7 +247,14 @@ class _Reader:
             ):
                 self.bad += 1
                 continue
-            st.episodes[key] = Episode(t, until, label, uid, acted, warned)
+            ep = Episode(t, until, label, uid, acted, warned)
+            caps = st.rule.postpone
+            if not _postponed_in(postponed, ep, caps.times if caps is not None else 0):
+                self.bad += 1
+                continue
+            if isinstance(key, tuple):  # a process's own episode names it before the next evaluation does
+                ep.members = frozenset((key,))
+            st.episodes[key] = ep
             self.restored += 1
         for name in ("cooldown", "dry_cooldown"):
             cooldowns = getattr(st, name)

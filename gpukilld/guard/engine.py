@@ -49,6 +49,7 @@ from gpukill.outcome import SIGNALLED, Outcome, result_text
 from gpukill.records.guard import NOT_MET
 from gpukill.records.reclaim import KILL_PROCESS, KILL_TREE
 from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, Policy, Rule
+from gpukill.units import format_duration
 
 from ..acts.reclaim import remember_tree
 from ..acts.selection import OTHER_USERS, unit_mates
@@ -96,10 +97,11 @@ class Target:
     comm: str
     gpu_memory: int | None
     gpu_utilization: float | None
+    unit: str = ""  # its systemd unit, "" where none is known
 
     @classmethod
     def of(cls, p: ProcView) -> Target:
-        return cls(p.pid, p.start_time, p.uid, p.user, p.comm, p.gpu_memory, p.gpu_utilization)
+        return cls(p.pid, p.start_time, p.uid, p.user, p.comm, p.gpu_memory, p.gpu_utilization, p.unit or "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +236,26 @@ class Left:
     why: str  # the conditions that no longer hold, with their values; or that the subject is gone
 
 
+@dataclass(frozen=True, slots=True)
+class Postponed:
+    """The answer to an owner's request for more time for one episode of one kill rule: granted (in part, or
+    all of it), or refused with why. deadline: when the grace now ends, seconds since the epoch (0: refused)."""
+
+    rule: Rule
+    subject: str
+    uid: int | None
+    asked: float
+    granted: float
+    deadline: float
+    left: int  # postponements the episode has left
+    text: str  # one line: what was granted and why not more, or why none
+    targets: tuple[Target, ...] = ()  # the processes the kill would stop (ReclaimPending goes to each)
+
+    @property
+    def refused(self) -> bool:
+        return self.granted <= 0
+
+
 Event = Violation | GraceWarning | GraceCancelled | KillOrder | KillOverCap | ResetOrder | Left
 
 
@@ -284,6 +306,16 @@ class Episode:
     acted: bool = False  # a kill (or a dry run's would-kill) was ordered in this episode: a dry run orders no other
     warned: int = 0  # the rule's warn schedule sent so far: its first `warned` items (at_start with the violation)
     over_cap: bool = False  # a KillOverCap was reported in this episode
+    # The owner's postponements (a kill rule's `postpone:`): seconds granted in all, how many, the last one's
+    # reason and who asked it. grace_until already counts what was granted.
+    postponed: float = 0.0
+    postponements: int = 0
+    postpone_reason: str = ""
+    postponed_by: str = ""
+    # The processes of the subject as last evaluated (a process's, a user's, a device's or a group's): which
+    # episodes a process names when its owner asks for time. Not saved: the next evaluation sets it again.
+    members: frozenset[ProcKey] = frozenset()
+    targets: tuple[Target, ...] = ()  # those a kill would stop, as last decided: whom ReclaimPending names
 
 
 @dataclass(slots=True)
@@ -594,6 +626,7 @@ class Engine:
                 stats.last_triggered = wall
                 if rule.action == KILL:
                     concerned = st.compiled.victims(s, self._going, self._refused)
+                    ep.targets = tuple(Target.of(p) for p in concerned)
                 else:
                     concerned = [s] if isinstance(s, ProcView) else list(s.procs)
                 events.append(
@@ -611,6 +644,8 @@ class Engine:
             if rule.action == RESET:
                 self._reset(st, s, now, dry_run, cycle, events)  # type: ignore[arg-type]  # per_device only
                 continue
+            if rule.action == KILL and not ep.acted and now < ep.grace_until:
+                ep.members = frozenset((s.key,) if isinstance(s, ProcView) else (p.key for p in s.procs))
             if rule.action == KILL and rule.warn and not ep.acted and now < ep.grace_until:
                 self._warn(st, s, ep, now, events)
             if rule.action != KILL or st.in_flight.get(key):
@@ -754,6 +789,7 @@ class Engine:
         ep.warned = due
         self.clocks_changed = True
         victims = st.compiled.victims(s, self._going, self._refused)
+        ep.targets = tuple(Target.of(p) for p in victims)
         events.append(
             GraceWarning(
                 st.rule,
@@ -767,6 +803,72 @@ class Engine:
                 self._reason(st, s, for_others=True),
             )
         )
+
+    # -- postponements ---------------------------------------------------------------------------------
+
+    def pending_graces(self, pid: int, start_time: int) -> list[tuple[str, Any]]:
+        """(rule name, subject key) of each kill rule's episode whose grace is still running and whose subject
+        holds the process: its own for per_process, the user, device or group it is counted in otherwise."""
+        now, key = self.clock.monotonic(), (pid, start_time)
+        return [
+            (st.rule.name, subject)
+            for st in self.states
+            if st.rule.action == KILL
+            for subject, ep in st.episodes.items()
+            if not ep.acted and now < ep.grace_until and (key in ep.members or subject == key)
+        ]
+
+    def postpone(self, rule_name: str, subject_key: Any, seconds: float, reason: str, who: str) -> Postponed | None:
+        """Move the end of an episode's grace later by `seconds`, within the rule's postpone caps: at most what
+        is left of its max, refused past its times. The warnings of the rule's schedule follow the new end:
+        those whose time before it has not come yet are sent again when it does. None: no such episode (it
+        ended, or the rule changed)."""
+        st = next((x for x in self.states if x.rule.name == rule_name), None)
+        ep = st.episodes.get(subject_key) if st is not None else None
+        now = self.clock.monotonic()
+        if st is None or ep is None or ep.acted or now >= ep.grace_until:
+            return None
+        rule, caps = st.rule, st.rule.postpone
+
+        def answer(granted: float, left: int, text: str) -> Postponed:
+            deadline = self.clock.wall() + (ep.grace_until - now)
+            return Postponed(
+                rule, ep.label, ep.uid, seconds, granted, deadline if granted > 0 else 0.0, left, text, ep.targets
+            )
+
+        asked = format_duration(seconds)
+        if caps is None:
+            return answer(0.0, 0, f"rule {rule.name} allows no postponement")
+        if ep.postponements >= caps.times:
+            used = "it was used" if caps.times == 1 else "both used" if caps.times == 2 else f"all {caps.times} used"
+            many = "1 postponement" if caps.times == 1 else f"{caps.times} postponements"
+            return answer(0.0, 0, f"rule {rule.name} allows {many} per episode; {used}")
+        room = caps.max - ep.postponed
+        left = caps.times - ep.postponements
+        if room <= 0:
+            return answer(
+                0.0, left, f"rule {rule.name}'s max of {format_duration(caps.max)} per episode was granted before"
+            )
+        granted = min(seconds, room)
+        ep.grace_until += granted
+        ep.postponed += granted
+        ep.postponements += 1
+        ep.postpone_reason, ep.postponed_by = reason, who
+        remaining = ep.grace_until - now
+        # the schedule's warnings not yet due before the new end come again, re-timed; at_start was the start's
+        at_start = 1 if rule.warn and rule.warn[0] >= rule.grace_period else 0
+        ep.warned = max(at_start, sum(1 for offset in rule.warn if offset >= remaining))
+        self.clocks_changed = True
+        if granted < seconds:
+            before = ep.postponed - granted
+            text = (
+                f"granted {format_duration(granted)} of {asked} asked: the rule's max is "
+                f"{format_duration(caps.max)}"
+                + (f" and {format_duration(before)} were granted before" if before else "")
+            )
+        else:
+            text = f"granted {asked}"
+        return answer(granted, left - 1, text)
 
     # -- resets ----------------------------------------------------------------------------------------
 
@@ -892,6 +994,10 @@ class Engine:
                 "next_warning": (
                     ep.grace_until - st.rule.warn[ep.warned] - now if ep.warned < len(st.rule.warn) else None
                 ),
+                "postponed": ep.postponed,
+                "postponements": ep.postponements,
+                "postponed_by": ep.postponed_by,
+                "postpone_reason": ep.postpone_reason,
             }
             for st in self.states
             if st.rule.action == KILL

@@ -133,6 +133,19 @@ def _notice(
     )
 
 
+def ask_for_time(rule: Rule, targets: tuple[Target, ...]) -> list[str]:
+    """How the owner asks for more time, where the rule allows it (`postpone:`), with its caps; [] otherwise."""
+    caps = rule.postpone
+    if caps is None or rule.action != KILL or not rule.grace_period:
+        return []
+    pid = str(targets[0].pid) if targets else "PID"
+    times = "1 postponement" if caps.times == 1 else f"{caps.times} postponements"
+    return [
+        f"To ask for more time: gpukillctl postpone {pid} 20min --reason '...' "
+        f"(rule {rule.name} allows up to {format_duration(caps.max)} more in {times})"
+    ]
+
+
 def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
     rule = ev.rule
     dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == KILL else ""
@@ -175,6 +188,7 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
             f"Subject: {ev.subject}",
             f"Why: {ev.reason}",
             f"What happens: {what}{dry}",
+            *ask_for_time(rule, ev.targets),
         ],
         {
             "subject": ev.subject,
@@ -229,6 +243,7 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
             f"What happens: {what}",
             "What to do: end the process or bring it back under the rule before then; ask the "
             "administrators for an exemption if it must run",
+            *ask_for_time(rule, ev.targets),
         ],
         {
             "subject": ev.subject,

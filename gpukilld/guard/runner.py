@@ -26,9 +26,20 @@ from gpukill.errors import GpukillError, NoSuchProcess, NotSupported
 from gpukill.outcome import Outcome, guard_initiator
 from gpukill.policy import PolicyError, directory_texts, load_texts, name_warnings
 from gpukill.records.base import from_plain, to_plain
-from gpukill.records.guard import Grace, GuardStatus, NotificationCounters, RecentEvent, RuleStatus, Window
+from gpukill.records.guard import (
+    Grace,
+    GuardStatus,
+    NotificationCounters,
+    PostponeAnswer,
+    Postponement,
+    RecentEvent,
+    RuleStatus,
+    Window,
+)
 from gpukill.records.reclaim import KILL_TREE
-from gpukill.rules import EMPTY_POLICY, Policy, Rule
+from gpukill.rules import EMPTY_POLICY, KILL, Policy, Rule
+from gpukill.text import shown
+from gpukill.units import format_duration
 
 from .. import journal
 from ..acts.selection import Selection
@@ -47,6 +58,7 @@ from .engine import (
     KillOrder,
     KillOverCap,
     Left,
+    Postponed,
     Preview,
     ResetOrder,
     RuleStats,
@@ -95,6 +107,8 @@ class GuardSignals(Protocol):
 
     def notification(self, notice: Notice, uid: int | None) -> None: ...
 
+    def reclaim_pending(self, target: Target, rule: str, deadline: float) -> None: ...
+
 
 class _NoSignals:
     def violated(self, event: Violation, dry_run: bool) -> None:
@@ -104,6 +118,9 @@ class _NoSignals:
         pass
 
     def notification(self, notice: Notice, uid: int | None) -> None:
+        pass
+
+    def reclaim_pending(self, target: Target, rule: str, deadline: float) -> None:
         pass
 
 
@@ -449,6 +466,8 @@ class GuardRunner:
         host, now = self._host, self.clock.wall()
         if isinstance(event, Violation):
             self._publish(event.rule, report.violation(event, dry_run, host, now))
+            if event.rule.action == KILL and event.rule.grace_period and not dry_run:
+                self._reclaim_pending(event.rule, event.targets, event.at + event.rule.grace_period)
         elif isinstance(event, GraceWarning):
             self._publish(event.rule, report.warning(event, dry_run, host, now))
         elif isinstance(event, GraceCancelled):
@@ -569,6 +588,78 @@ class GuardRunner:
         if rule.notify is not None:
             return rule.notify
         return () if rule.action == "log" else self.policy.settings.notify  # log: the journal entry only
+
+    # -- postponements ---------------------------------------------------------------------------------
+
+    def _reclaim_pending(self, rule: Rule, targets: tuple[Target, ...], deadline: float) -> None:
+        """ReclaimPending for each process a kill rule's grace will end: when it starts, and again with the new
+        deadline after a postponement. Never in a dry run (nothing is reclaimed)."""
+        for t in targets:
+            self.signals.reclaim_pending(t, rule.name, deadline)
+
+    def postpone(
+        self, pid: int, start_time: int, seconds: float, reason: str, caller_uid: int, who: str
+    ) -> PostponeAnswer:
+        """An owner's request for `seconds` more before the kill of (pid, start_time), already authorized: each
+        kill rule's episode whose grace runs on the process (engine.pending_graces) is postponed within its
+        caps. Each answer, granted or refused, is journaled; one granted is signalled (ReclaimPending with the
+        new deadline) and saved at once, as a grace that begins is."""
+        dry_run = self.dry_run
+        answers: list[Postponement] = []
+        for rule_name, key in self.engine.pending_graces(pid, start_time):
+            got = self.engine.postpone(rule_name, key, seconds, reason, who)
+            if got is None:
+                continue
+            answers.append(Postponement(rule_name, got.subject, got.granted, got.deadline, got.left, got.text))
+            self._journal_postponement(pid, start_time, seconds, reason, caller_uid, who, got.text, got)
+            if not got.refused and not dry_run:
+                self._reclaim_pending(got.rule, got.targets, got.deadline)
+        if not answers:
+            text = f"no grace is running on PID {pid}: no kill rule is counting down to it"
+            self._journal_postponement(pid, start_time, seconds, reason, caller_uid, who, text, None)
+        elif any(a.granted for a in answers):
+            text = "; ".join(f"rule {a.rule}: {a.text}" for a in answers)
+        else:
+            text = "; ".join(a.text for a in answers)
+        if self.engine.clocks_changed:
+            self._save_now()
+        return PostponeAnswer(pid=pid, start_time=start_time, asked=seconds, rules=tuple(answers), text=text)
+
+    def _journal_postponement(
+        self,
+        pid: int,
+        start_time: int,
+        seconds: float,
+        reason: str,
+        caller_uid: int,
+        who: str,
+        text: str,
+        got: Postponed | None,
+    ) -> None:
+        granted = got.granted if got is not None else 0.0
+        result = "refused" if granted <= 0 else "partly-granted" if granted < seconds else "granted"
+        rule = got.rule.name if got is not None else None
+        when = f"; the grace now ends at {_stamp(got.deadline)}" if got is not None and granted > 0 else ""
+        self.audit.log(
+            journal.GUARD_POSTPONE,
+            f"Guard: {who} asked for {format_duration(seconds)} more before "
+            + (f"rule {rule} stops PID {pid}" if rule else f"a kill of PID {pid}")
+            + f" ({shown(reason) or 'no reason given'}): {text}{when}",
+            action="guard",
+            result=result,
+            rule=rule,
+            subject=got.subject if got is not None else None,
+            target_pid=pid,
+            target_start_time=start_time,
+            target_uid=got.uid if got is not None else None,
+            caller_uid=caller_uid,
+            requested_by=who,
+            asked=seconds,
+            granted=granted,
+            deadline=got.deadline if got is not None and granted > 0 else None,
+            postpone_reason=reason or None,
+            error=text if granted <= 0 else None,
+        )
 
     # -- notifications ---------------------------------------------------------------------------------
 

@@ -40,10 +40,16 @@ function renderStatus(status) {
   const notices = table("guard-notifications", ["channel", "delivered", "skipped", "failed", "dropped", "announced"],
     Object.entries(status.notifications).map(([channel, c]) => [channel, ...counts({...c, channel})]));
   // Graces are red as in `gpukillctl top`: a kill is counting down; windows are conditions holding, not yet long enough.
+  // An owner's postponements (gpukillctl postpone): "20m by alice: saving"
+  const postponed = (g) => g.postponements
+    ? `${fmt.duration(g.postponed)}${g.postponements > 1 ? ` in ${g.postponements}` : ""}`
+      + (g.postponed_by ? ` by ${g.postponed_by}` : "") + (g.postpone_reason ? `: ${g.postpone_reason}` : "")
+    : "–";
   const graces = el("table", {id: "guard-graces"},
-    el("thead", null, el("tr", null, ["rule", "subject", "left", "warnings"].map((h) => el("th", null, h)))),
+    el("thead", null, el("tr", null, ["rule", "subject", "left", "warnings", "postponed"].map((h) => el("th", null, h)))),
     el("tbody", null, status.graces.map((g) => el("tr", {class: "grace"}, el("td", null, g.rule), el("td", null, g.subject),
-      el("td", {class: "num"}, fmt.duration(g.remaining)), el("td", {class: "num"}, String(g.warnings_sent))))));
+      el("td", {class: "num"}, fmt.duration(g.remaining)), el("td", {class: "num"}, String(g.warnings_sent)),
+      el("td", null, postponed(g))))));
   const windows = table("guard-windows", ["rule", "subject", "condition", "held", "of"],
     status.windows.map((w) => [w.rule, w.subject, w.condition, fmt.duration(w.elapsed), fmt.duration(w.duration)]));
   replace($("#guard-status"), switches, el("h3", null, "Rules in force"), rules,
