@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from ..checkpoint import POLICY_PREFIX, BadDeclaration, Declaration, parse_signal
 from ..condition_types import CELSIUS, CONDITION_TYPES, COUNT, DURATION, OPERATORS, PERCENT, SIZE
 from ..limits import MAX_GRACE
 from ..records.reclaim import KILL_PROCESS, KILL_SCOPES
@@ -54,6 +55,7 @@ TOP_KEYS = (
     "max_kills_per_cycle",
     "cooldown",
     "kill_grace",
+    "max_checkpoint_wait",
     "notify",
     "exemptions",
 )
@@ -75,7 +77,9 @@ RULE_KEYS = (
     "max_resets_per_hour",
     "warn",
     "kill_scope",
+    "checkpoint",
 )
+CHECKPOINT_KEYS = ("signal", "wait", "each")
 RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
 CONDITION_KEYS = ("type", "operator", "value", "duration", "over", "scope", "description")
 
@@ -92,6 +96,7 @@ class _KillSettings(NamedTuple):
     kill_grace: float | None
     kill_scope: str
     warn: tuple[float, ...]
+    checkpoint: Declaration | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +197,8 @@ class _Parser(ValueReader):
                 value = self.duration(node, "cooldown", 0.0, 86400.0)
             elif key == "kill_grace":
                 value = self.duration(node, "kill_grace", 0.0, MAX_GRACE)
+            elif key == "max_checkpoint_wait":
+                value = self.duration(node, "max_checkpoint_wait", 0.0, MAX_DURATION)
             elif key == "notify":
                 value = self.notify_targets(node)
             elif key == "exemptions":
@@ -249,6 +256,7 @@ class _Parser(ValueReader):
             max_resets_per_hour=max_resets,
             warn=kill.warn,
             kill_scope=kill.kill_scope,
+            checkpoint=kill.checkpoint,
         )
 
     # -- a rule's fields, each read alone ----------------------------------------------------------------
@@ -298,16 +306,45 @@ class _Parser(ValueReader):
         kill_scope = self.rule_kill_scope(fields["kill_scope"][1]) if "kill_scope" in fields else KILL_PROCESS
         if action in ("notify", "log", RESET):
             for key in (
-                ("grace_period", "kill_grace", "warn", "kill_scope")
+                ("grace_period", "kill_grace", "warn", "kill_scope", "checkpoint")
                 if action == RESET
-                else ("force", "grace_period", "kill_grace", "warn", "kill_scope")
+                else ("force", "grace_period", "kill_grace", "warn", "kill_scope", "checkpoint")
             ):
                 if key in fields:
                     self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
         warn: tuple[float, ...] = ()
         if "warn" in fields and action == KILL:
             warn = self.warn_schedule(fields["warn"][1], grace, fields["warn"][0] if not grace else None)
-        return _KillSettings(force, grace, kill_grace, kill_scope, warn)
+        checkpoint = None
+        if "checkpoint" in fields and action == KILL:
+            checkpoint = self.checkpoint(fields["checkpoint"][1])
+        return _KillSettings(force, grace, kill_grace, kill_scope, warn, checkpoint)
+
+    def checkpoint(self, node: Node) -> Declaration | None:
+        """`checkpoint: {signal: USR1, wait: 2m, each: false}`: the signal the rule's victims that declare none
+        get before SIGTERM, and how long their exit is awaited (gpukill.checkpoint)."""
+        fields = self.mapping(node, "checkpoint", CHECKPOINT_KEYS)
+        if fields is None:
+            return None
+        before = self.failures
+        for key in ("signal", "wait"):
+            if key not in fields:
+                self.error(node, f"checkpoint needs a '{key}' (e.g. checkpoint: {{signal: USR1, wait: 2m}})")
+        number = 0
+        if "signal" in fields:
+            name = self.string(fields["signal"][1], "the checkpoint signal")
+            if name is not None:
+                try:
+                    number = parse_signal(name)
+                except BadDeclaration as e:
+                    self.error(fields["signal"][1], str(e))
+        wait = None
+        if "wait" in fields:
+            wait = self.duration(fields["wait"][1], "the checkpoint wait", 0.001, MAX_DURATION)
+        each = bool(self.boolean(fields["each"][1], "each")) if "each" in fields else False
+        if self.failures > before or wait is None:
+            return None
+        return Declaration(number, wait, each, POLICY_PREFIX + self.where(node))
 
     def rule_kill_scope(self, node: Node) -> str:
         ks = self.string(node, "kill_scope")
