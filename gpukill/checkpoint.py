@@ -22,6 +22,7 @@ FROM_ENVIRONMENT = "environment"
 POLICY_PREFIX = "policy "  # the source of a rule's declaration: "policy FILE:LINE:COL"
 EACH = "each"
 DEFAULT_MAX_WAIT = 600.0  # the policy's max_checkpoint_wait when it says none
+MAX_CHECKPOINT_WAIT = 3600.0  # the largest max_checkpoint_wait a policy may set: a kill's reply comes within it
 MAX_DECLARATION = 64 + MAX_DURATION_TEXT  # characters of GPUKILL_CHECKPOINT read; a longer value is malformed
 # Signals a process cannot catch, or that stop rather than ask: never a checkpoint signal.
 _REFUSED = frozenset({signal.SIGKILL, signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})

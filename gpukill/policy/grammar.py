@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from ..checkpoint import POLICY_PREFIX, BadDeclaration, Declaration, parse_signal
+from ..checkpoint import MAX_CHECKPOINT_WAIT, POLICY_PREFIX, BadDeclaration, Declaration, parse_signal
 from ..condition_types import CELSIUS, CONDITION_TYPES, COUNT, DURATION, OPERATORS, PERCENT, SIZE
 from ..limits import MAX_GRACE
 from ..records.reclaim import KILL_PROCESS, KILL_SCOPES
@@ -198,7 +198,7 @@ class _Parser(ValueReader):
             elif key == "kill_grace":
                 value = self.duration(node, "kill_grace", 0.0, MAX_GRACE)
             elif key == "max_checkpoint_wait":
-                value = self.duration(node, "max_checkpoint_wait", 0.0, MAX_DURATION)
+                value = self.duration(node, "max_checkpoint_wait", 0.0, MAX_CHECKPOINT_WAIT)
             elif key == "notify":
                 value = self.notify_targets(node)
             elif key == "exemptions":
