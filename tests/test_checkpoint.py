@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers.marks import needs_root
-from helpers.testbed import SYSTEM_PYTHON, Testbed, User, sim_env
+from helpers.testbed import ROOT, SYSTEM_PYTHON, Testbed, User, sim_env
 from helpers.waiting import wait_until
 
 from gpukilld import journal as audit
@@ -271,7 +271,7 @@ def test_guard_asks_at_the_grace_start_and_an_undeclared_job_lives_until_term(jo
     assert sent and sent[0]["GPUKILL_RULE"] == "ckpt-guard" and sent[0]["GPUKILL_INITIATOR"] == "guard:ckpt-guard"
     violation = bed.journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_RULE="ckpt-guard")
     said = [e["MESSAGE"] for e in violation if e.get("GPUKILL_TARGET_PIDS") == str(saver_pid)]
-    assert f"sent SIGUSR1 to PID {saver_pid}, waiting up to 2s" in said[0], said
+    assert f"sent SIGUSR1 to PID {saver_pid} to save, waiting up to 2s" in said[0], said
     # the job without a declaration gets nothing until the grace ends, then SIGTERM
     assert plain.wait(GRACE + 15) == -signal.SIGTERM
     assert what(bed, plain_pid) == ["TERM"]
@@ -311,3 +311,20 @@ def test_the_answer_travels_as_json(jobs, users):
     step = r.body[0]["checkpoint"]
     assert step["result"] == "saved" and step["signal"] == "SIGUSR1" and step["pids"] == [pid], json.dumps(step)
     assert step["wait"] == CAP and 0 < step["waited"] < CAP
+
+
+def test_a_dry_run_says_what_it_would_send_and_sends_nothing(jobs, users):
+    bed = jobs
+    assert bed.ctl(ROOT, "guard", "dry-run", "on").returncode == 0
+    try:
+        proc, (pid,) = start(bed, users["owner"], "USR1:5s", "none", comm="ckpt-guard")  # USR1 would kill it
+        began = _violation_time(bed, "ckpt-guard", pid)
+        violation = bed.journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_RULE="ckpt-guard")
+        said = [e["MESSAGE"] for e in violation if e.get("GPUKILL_TARGET_PIDS") == str(pid)]
+        assert f"would send SIGUSR1 to PID {pid} and wait up to 2s" in said[0], said
+        while time.time() < began + GRACE + 1.0:  # the whole grace and the would-be kill
+            time.sleep(0.2)
+        assert proc.poll() is None and what(bed, pid) == []
+        assert steps(bed, pid) == ["would-send"]
+    finally:
+        assert bed.ctl(ROOT, "guard", "dry-run", "off").returncode == 0

@@ -56,10 +56,15 @@ class Asked:
     def left(self, now: float) -> float:
         return max(0.0, self.wait - (now - self.sent_at))
 
-    @property
-    def text(self) -> str:
-        """What was asked, in words: "SIGUSR1 to PID 12, waiting up to 2min"."""
-        return f"{self.declaration.name} to PID {self.pid}, waiting up to {format_duration(self.wait)}"
+
+def asked_text(asked: list[Asked], dry_run: bool) -> str:
+    """Checkpoint signals sent (or, in a dry run, that would be) in words: "sent SIGUSR1 to PID 12 to save its
+    work, waiting up to 2min", "would send SIGUSR1 to PID 12 and wait up to 2min"; "" for none."""
+    if not asked:
+        return ""
+    sent = ", ".join(f"{a.declaration.name} to PID {a.pid}" for a in asked)
+    wait = format_duration(max(a.wait for a in asked))
+    return f"would send {sent} and wait up to {wait}" if dry_run else f"sent {sent} to save, waiting up to {wait}"
 
 
 def _seconds(s: float) -> str:

@@ -134,8 +134,8 @@ def _notice(
 
 
 def violation(ev: Violation, dry_run: bool, host: str, now: float, saving: str = "") -> Report:
-    """saving: the checkpoint signals sent when the grace began, in words ("sent SIGUSR1 to PID 12 to save its
-    work, waiting up to 2min"; in a dry run "would send ..."); "" when none was."""
+    """saving: the checkpoint signals sent when the grace began, in words (acts/checkpoint.py's asked_text:
+    "sent SIGUSR1 to PID 12 to save, waiting up to 2min"; in a dry run "would send ..."); "" when none was."""
     rule = ev.rule
     dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == KILL else ""
     if rule.action == KILL:
@@ -180,7 +180,7 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float, saving: str =
             f"Why: {ev.reason}",
             f"What happens: {what}{dry}",
             *(
-                [f"Checkpoint: the job was asked to save its work now ({saving}); it may exit by itself"]
+                [f"Checkpoint: the job was asked to save its work now ({saving}); it may exit by itself before"]
                 if saving and not dry_run
                 else []
             ),

@@ -31,7 +31,7 @@ from gpukill.records.reclaim import KILL_TREE
 from gpukill.rules import EMPTY_POLICY, KILL, Policy, Rule
 
 from .. import journal
-from ..acts.checkpoint import Asked
+from ..acts.checkpoint import Asked, asked_text
 from ..acts.selection import Selection
 from ..config import Config
 from ..files import WriteWatch
@@ -515,10 +515,8 @@ class GuardRunner:
                 del self._asked[key]
             while len(self._asked) > MAX_ASKED:
                 del self._asked[next(iter(self._asked))]
-        texts = "; ".join(a.text for a in asked)
-        saving = ("would send " if dry_run else "sent ") + texts if asked else ""
         try:
-            self._publish(event.rule, report.violation(event, dry_run, host, now, saving))
+            self._publish(event.rule, report.violation(event, dry_run, host, now, asked_text(asked, dry_run)))
         except Exception:
             log.exception("guard could not report the violation of rule %s", event.rule.name)
 
