@@ -42,6 +42,10 @@ rules:
     checkpoint: {{signal: USR1, wait: 1s}}
     conditions:
       - {{type: process_name, operator: '==', value: ckpt-rule}}
+  - name: ckpt-now
+    action: kill
+    conditions:
+      - {{type: process_name, operator: '==', value: ckpt-now}}
 """
 
 # argv: LOGDIR WORKERS ON_USR1 COMM; ON_USR1 "save" (log, save 0.3 s, exit 0), "ignore" (log, keep running) or
@@ -292,6 +296,15 @@ def test_a_rules_checkpoint_counts_for_a_job_that_declares_nothing(jobs, users):
     assert wait_until(lambda: steps(bed, pid) == ["sent", "still-running"], 10, "the steps were not journaled")
     sent = bed.journal(MESSAGE_ID=audit.CHECKPOINT.message_id, GPUKILL_TARGET_PID=str(pid), GPUKILL_CHECKPOINT="sent")
     assert sent[0]["GPUKILL_SOURCE"].startswith("policy ") and sent[0]["GPUKILL_WAIT"] == "1"
+
+
+def test_a_guard_kill_without_grace_has_the_kill_paths_own_checkpoint_step(jobs, users):
+    bed = jobs
+    proc, (pid,) = start(bed, users["owner"], "USR1:5s", "save", comm="ckpt-now")
+    assert proc.wait(15) == 0 and what(bed, pid) == ["USR1", "saved"]  # never SIGTERM
+    kill = bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(pid))
+    assert kill and kill[0]["GPUKILL_INITIATOR"] == "guard:ckpt-now" and kill[0]["GPUKILL_CHECKPOINT"] == "saved"
+    assert steps(bed, pid) == ["sent", "saved"]
 
 
 def test_the_answer_travels_as_json(jobs, users):

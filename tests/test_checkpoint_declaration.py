@@ -1,5 +1,6 @@
-"""The checkpoint declaration's grammar (GPUKILL_CHECKPOINT, gpukill/checkpoint.py) and the policy's keys for it
-(a kill rule's `checkpoint:`, the settings' `max_checkpoint_wait`): pure, no daemon."""
+"""The checkpoint declaration's grammar (GPUKILL_CHECKPOINT, gpukill/checkpoint.py), the policy's keys for it
+(a kill rule's `checkpoint:`, the settings' `max_checkpoint_wait`) and how a violation words the signals sent
+at its grace's start: pure, no daemon."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from gpukill.checkpoint import (
     parse_declaration,
 )
 from gpukill.policy import PolicyError, load_texts
+from gpukilld.acts.checkpoint import Asked, asked_text
+from gpukilld.guard import report
+from gpukilld.guard.engine import Target, Violation
 
 
 @pytest.mark.parametrize(
@@ -116,3 +120,19 @@ def test_a_bad_checkpoint_key_is_reported_where_it_is(action, checkpoint, cap, w
         load_texts([("p.yaml", RULE.format(cap=cap, action=action, checkpoint=checkpoint))])
     errors = info.value.errors
     assert any(e.startswith(f"p.yaml:{where}: ") and fragment in e and "\n" not in e for e in errors), errors
+
+
+def test_the_violation_and_the_owners_warning_say_the_job_was_asked_to_save():
+    rule = load_texts([("p.yaml", RULE.format(cap="2m", action="kill", checkpoint="{signal: USR1, wait: 5m}"))]).rules[
+        0
+    ]
+    target = Target(42, 7, 1000, "alice", "train", 1 << 30, 0.0)
+    ev = Violation(rule, "PID 42 (train, user alice)", ("k",), 1000, (target,), "gpu_memory > 1 GiB", 0.0)
+    asked = [Asked(42, 7, "train", rule.checkpoint, 120.0, 0.0)]
+    sent = report.violation(ev, False, "host", 0.0, asked_text(asked, False))
+    assert "sent SIGUSR1 to PID 42 to save, waiting up to 2min" in sent.entries[0].journal.message
+    assert "Checkpoint: the job was asked to save its work now" in sent.notice.body
+    dry = report.violation(ev, True, "host", 0.0, asked_text(asked, True))
+    assert "would send SIGUSR1 to PID 42 and wait up to 2min" in dry.entries[0].journal.message
+    assert "Checkpoint:" not in dry.notice.body
+    assert asked_text([], False) == ""
