@@ -234,6 +234,18 @@ def test_a_trees_leader_gets_the_signal_once_and_its_workers_none(jobs, users):
     assert steps(bed, leader) == ["sent", "saved"]
 
 
+def test_a_worker_killed_alone_is_left_to_its_leader(jobs, users):
+    bed = jobs
+    _, pids = start(bed, users["owner"], "USR1:5s", "none", workers=1)  # USR1 would kill the worker
+    leader, worker = pids
+    r = bed.ctl(users["owner"], "kill", str(worker), "--checkpoint")
+    assert r.returncode == 0, r
+    assert f"PID {worker} inherits its checkpoint from PID {leader}, which leads it" in r.stdout, r.stdout
+    wait_until(lambda: gone(worker), 10, "the worker is still running")
+    assert what(bed, worker) == ["TERM"] and what(bed, leader) == []
+    assert steps(bed, worker) == [] and steps(bed, leader) == []
+
+
 def test_each_gives_every_declaring_member_the_signal(jobs, users):
     bed = jobs
     proc, pids = start(bed, users["owner"], "USR1:5s:each", "save", workers=2)

@@ -75,6 +75,7 @@ SAVED = "saved"  # the checkpoint signal was sent and every process it went to e
 STILL_RUNNING = "still-running"  # sent, but some were still running after the wait: SIGTERM followed
 UNDECLARED = "undeclared"  # no process of the kill declared a checkpoint signal: none was sent
 MALFORMED = "malformed"  # a declaration could not be followed (the error says why): no signal was sent to it
+LED = "led"  # the target inherits its declaration from a declaring GPU process, its parent: that one is asked
 CHECKPOINTS_OFF = "off"  # the policy's max_checkpoint_wait is 0: no checkpoint signal is sent
 
 
@@ -82,7 +83,7 @@ CHECKPOINTS_OFF = "off"  # the policy's max_checkpoint_wait is 0: no checkpoint 
 class CheckpointStep:
     """What a kill asked with the option checkpoint did before SIGTERM (gpukill/checkpoint.py)."""
 
-    result: str = wire("s", '"saved", "still-running", "undeclared", "malformed" or "off"')
+    result: str = wire("s", '"saved", "still-running", "undeclared", "malformed", "led" or "off"')
     text: str = wire("s", 'in words: "SIGUSR1 sent to PID 12; it exited after saving (3.1 s)"')
     signal: str = wire("s", 'the signal sent ("SIGUSR1"); "" when none was', "", omit_empty=True)
     pids: tuple[int, ...] = wire("au", "the processes it was sent to", (), omit_empty=True)

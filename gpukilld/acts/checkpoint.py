@@ -4,8 +4,9 @@ max_checkpoint_wait. A process that declared nothing gets no signal here; one wh
 neither (it asked for something that cannot be done), and the journal says why once.
 
 Of a batch (a tree, a unit), the leaders get the signal: the declaring processes whose parent is not a declaring
-member (children inherit the environment, so a trainer's workers declare what it declared). With `:each`, every
-declaring member gets it. All are awaited together, for the largest of their capped waits.
+GPU process (children inherit the environment, so a trainer's workers declare what it declared, and the trainer
+saves for them). With `:each`, every declaring member gets it. All are awaited together, for the largest of
+their capped waits.
 
 Guard sends the signal earlier, when a kill rule's grace begins (ask()); its kill then awaits what is left of
 the wait (await_asked()). The waits run on the loop (a pidfd is readable once its process exits); /proc is read
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from gpukill.checkpoint import DEFAULT_MAX_WAIT, BadDeclaration, Declaration
 from gpukill.records.reclaim import (
     CHECKPOINTS_OFF,
+    LED,
     MALFORMED,
     SAVED,
     STILL_RUNNING,
@@ -71,15 +73,22 @@ def _seconds(s: float) -> str:
     return f"{s:.1f} s"
 
 
-def leaders(procfs: ProcFS, found: dict[int, Declaration]) -> list[int]:
+def leaders(procfs: ProcFS, found: dict[int, Declaration], on_gpu: frozenset[int]) -> tuple[list[int], dict[int, int]]:
     """Which declaring processes get the signal: each one whose declaration says `each`, and the others whose
-    parent does not declare (the topmost of the batch). Reads /proc: in a worker thread."""
-    chosen = []
+    parent is no declaring GPU process (the batch's or any other: a worker inherits its trainer's environment,
+    and the trainer is the one asked; a shell that exported the variable is no GPU process, so its job still
+    is). Returns them, and the others with the parent that leads them. Reads /proc: in a worker thread."""
+    chosen, led = [], {}
     for pid, d in found.items():
         st = procfs.stat(pid)
-        if d.each or st is None or st.ppid not in found:
+        parent = st.ppid if st is not None else 0
+        if not d.each and (
+            parent in found or (parent in on_gpu and isinstance(procfs.checkpoint(parent), Declaration))
+        ):
+            led[pid] = parent
+        else:
             chosen.append(pid)
-    return chosen
+    return chosen, led
 
 
 class Checkpoints:
@@ -127,9 +136,9 @@ class Checkpoints:
         policy: Declaration | None,
         fields: dict[int, dict[str, object]],
         dry_run: bool = False,
-    ) -> tuple[list[tuple[PinnedProcess, Declaration]], dict[int, BadDeclaration]]:
-        """Send each chosen target its declared signal (none in a dry run): what went to whom, and the
-        malformed declarations."""
+    ) -> tuple[list[tuple[PinnedProcess, Declaration]], dict[int, BadDeclaration], dict[int, int]]:
+        """Send each chosen target its declared signal (none in a dry run): what went to whom, the malformed
+        declarations, and the declaring targets left to their leader (by PID: the leader's PID)."""
         found = await asyncio.to_thread(self._declarations, targets, snapshot, policy)
         bad = {pid: d for pid, d in found.items() if isinstance(d, BadDeclaration)}
         good = {pid: d for pid, d in found.items() if isinstance(d, Declaration)}
@@ -142,7 +151,9 @@ class Checkpoints:
                     fields.get(t.pid, {}),
                     error=str(bad[t.pid]),
                 )
-        chosen = set(await asyncio.to_thread(leaders, self.killer.procfs, good)) if good else set()
+        on_gpu = frozenset(p.pid for p in snapshot.processes)
+        chosen_list, led = await asyncio.to_thread(leaders, self.killer.procfs, good, on_gpu) if good else ([], {})
+        chosen = set(chosen_list)
         cap = self.cap()
         sent = []
         for t in targets:
@@ -169,7 +180,7 @@ class Checkpoints:
                     **how,
                 )
                 sent.append((t, d))
-        return sent, bad
+        return sent, bad, led
 
     async def _await(
         self,
@@ -226,8 +237,12 @@ class Checkpoints:
         if cap <= 0:
             return CheckpointStep(CHECKPOINTS_OFF, OFF_TEXT)
         started = time.monotonic()
-        sent, bad = await self._send(targets, snapshot, policy, fields)
+        sent, bad, led = await self._send(targets, snapshot, policy, fields)
         if not sent:
+            if led:
+                pid, parent = next(iter(led.items()))
+                text = f"PID {pid} inherits its checkpoint from PID {parent}, which leads it: none sent to PID {pid}"
+                return CheckpointStep(LED, text)
             if bad:
                 pid, error = next(iter(bad.items()))
                 text = f"PID {pid} declared a checkpoint that cannot be followed ({error}): no signal sent"
@@ -260,6 +275,6 @@ class Checkpoints:
         cap = self.cap()
         if cap <= 0:
             return []
-        sent, _ = await self._send(targets, snapshot, policy, fields, dry_run=dry_run)
+        sent, _, _ = await self._send(targets, snapshot, policy, fields, dry_run=dry_run)
         now = time.monotonic()
         return [Asked(t.pid, t.start_time, t.comm, d, d.capped(cap), now) for t, d in sent]
