@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checkpoint import DEFAULT_MAX_WAIT, Declaration
 from .records.reclaim import KILL_PROCESS
 from .regex import compile_regex
 
@@ -112,6 +113,9 @@ class Rule:
     kill_scope: str = KILL_PROCESS
     # Action kill with a grace period only: how long an owner may postpone the kill (None: never).
     postpone: Postpone | None = None
+    # Action kill only: the checkpoint signal its victims that declare none themselves get before SIGTERM
+    # (gpukill.checkpoint; source "policy FILE:LINE:COL"). None: only what a process declares itself.
+    checkpoint: Declaration | None = None
 
     @property
     def fingerprint(self) -> tuple:
@@ -131,6 +135,7 @@ class Rule:
             self.warn,
             self.kill_scope,
             self.postpone,
+            None if self.checkpoint is None else (self.checkpoint.signal, self.checkpoint.wait, self.checkpoint.each),
             tuple(
                 (c.type, c.operator, _fingerprint_value(c.value), c.duration, c.percent_of_total, c.over)
                 for c in self.conditions
@@ -151,6 +156,9 @@ class Settings:
     max_kills_per_cycle: int = 10
     cooldown: float = 10.0
     kill_grace: float = 5.0
+    # The longest a kill waits for a job to exit after its checkpoint signal, whatever it declared; 0: no
+    # checkpoint signal is ever sent.
+    max_checkpoint_wait: float = DEFAULT_MAX_WAIT
     notify: tuple[str, ...] = ()
     exemptions: Exemptions = field(default_factory=Exemptions)
 

@@ -56,6 +56,10 @@ RESET_DENIED = EventKind("reset-denied", "7554fa061ba44f08bee3f42a49b17581", sys
 RESET_FAILED = EventKind("reset-failed", "10b89340a75f437880f4a156e1283296", syslog.LOG_ERR)
 DEVICE_STATE = EventKind("device-state", "ede32fe6bbd54d1f984f08e124554019", syslog.LOG_WARNING)
 DAEMON = EventKind("daemon", "e2a7c366d5844cac91f70e462072e14d", syslog.LOG_INFO)
+# A kill's checkpoint step (gpukill/checkpoint.py), one entry per step and process: GPUKILL_CHECKPOINT is "sent",
+# "saved" (exited within the wait), "still-running" (SIGTERM follows), "malformed" or "would-send" (a dry run);
+# GPUKILL_SIGNAL, GPUKILL_WAIT, GPUKILL_WAITED, GPUKILL_SOURCE, GPUKILL_TARGET_*, GPUKILL_INITIATOR, GPUKILL_RULE.
+CHECKPOINT = EventKind("checkpoint", "1f8644802e5947d2b2097cb3f9b9fa28", syslog.LOG_NOTICE)
 
 # Guard Mode: every entry carries GPUKILL_RULE (the rule's name) where a rule is concerned.
 GUARD_VIOLATION = EventKind("guard-violation", "cf5243f6102f4795829414419a215b48", syslog.LOG_WARNING)
@@ -101,6 +105,7 @@ ALL_KINDS = (
     RESET_FAILED,
     DEVICE_STATE,
     DAEMON,
+    CHECKPOINT,
     GUARD_VIOLATION,
     GUARD_ACTION,
     GUARD_DRY_RUN,

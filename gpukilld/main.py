@@ -338,7 +338,10 @@ class Daemon:
             reset=self.actions.reset,
             proc_root=self.config.proc_root,
             kill_workload=self.actions.kill_workload,
+            ask_to_save=self.actions.ask_to_save,
         )
+        # a kill's checkpoint wait is capped by the policy in force (max_checkpoint_wait), Guard's or a manual one
+        self.actions.checkpoints.cap = lambda: self.guard.policy.settings.max_checkpoint_wait
         self.guard_interface = GuardInterface(self.guard, self.bouncer, lambda: self.snapshot, bus=bus)
 
     async def run(self) -> int:

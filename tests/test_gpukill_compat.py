@@ -134,7 +134,7 @@ class RecordingClient:
         self._record("kill", pid, start_time, force=force, grace=grace)
         return Outcome.TERMINATED
 
-    async def kill_report(self, pid, start_time, *, force=False, grace=None, interactive=False):
+    async def kill_report(self, pid, start_time, *, force=False, grace=None, interactive=False, checkpoint=False):
         # gpukillctl kill's call (KillProcessReport): the same kill, recorded as one, with the GPU's answer
         self._record("kill", pid, start_time, force=force, grace=grace)
         return KillReport(Outcome.TERMINATED, Reclaim("reclaimed", reclaimed=GIB))

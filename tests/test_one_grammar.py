@@ -187,6 +187,11 @@ DURATION_KEYS: dict[str, tuple[str, Callable[[Any], float]]] = {
     "sample_interval": ("sample_interval: VALUE\nrules: []\n", lambda p: p.settings.sample_interval),
     "cooldown": ("cooldown: VALUE\nrules: []\n", lambda p: p.settings.cooldown),
     "kill_grace": ("kill_grace: VALUE\nrules: []\n", lambda p: p.settings.kill_grace),
+    "max_checkpoint_wait": ("max_checkpoint_wait: VALUE\nrules: []\n", lambda p: p.settings.max_checkpoint_wait),
+    "rule checkpoint wait": (
+        KILL_RULE.format(extra="    checkpoint: {signal: USR1, wait: VALUE}\n", conditions=NAME_CONDITION),
+        lambda p: p.rules[0].checkpoint.wait,
+    ),
     "rule grace_period": (
         KILL_RULE.format(extra="    grace_period: VALUE\n", conditions=NAME_CONDITION),
         lambda p: p.rules[0].grace_period,
@@ -233,6 +238,7 @@ NOT_DURATION_KEYS = {
     "force",
     "max_resets_per_hour",
     "kill_scope",
+    "checkpoint",
     "type",
     "operator",
     "over",

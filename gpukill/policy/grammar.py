@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from ..checkpoint import MAX_CHECKPOINT_WAIT, POLICY_PREFIX, BadDeclaration, Declaration, parse_signal
 from ..condition_types import CELSIUS, CONDITION_TYPES, COUNT, DURATION, OPERATORS, PERCENT, SIZE
 from ..limits import MAX_GRACE
 from ..records.reclaim import KILL_PROCESS, KILL_SCOPES
@@ -57,6 +58,7 @@ TOP_KEYS = (
     "max_kills_per_cycle",
     "cooldown",
     "kill_grace",
+    "max_checkpoint_wait",
     "notify",
     "exemptions",
 )
@@ -79,8 +81,10 @@ RULE_KEYS = (
     "warn",
     "kill_scope",
     "postpone",
+    "checkpoint",
 )
 POSTPONE_KEYS = ("max", "times")
+CHECKPOINT_KEYS = ("signal", "wait", "each")
 RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
 CONDITION_KEYS = ("type", "operator", "value", "duration", "over", "scope", "description")
 
@@ -98,6 +102,7 @@ class _KillSettings(NamedTuple):
     kill_scope: str
     warn: tuple[float, ...]
     postpone: Postpone | None
+    checkpoint: Declaration | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +203,8 @@ class _Parser(ValueReader):
                 value = self.duration(node, "cooldown", 0.0, 86400.0)
             elif key == "kill_grace":
                 value = self.duration(node, "kill_grace", 0.0, MAX_GRACE)
+            elif key == "max_checkpoint_wait":
+                value = self.duration(node, "max_checkpoint_wait", 0.0, MAX_CHECKPOINT_WAIT)
             elif key == "notify":
                 value = self.notify_targets(node)
             elif key == "exemptions":
@@ -256,6 +263,7 @@ class _Parser(ValueReader):
             warn=kill.warn,
             kill_scope=kill.kill_scope,
             postpone=kill.postpone,
+            checkpoint=kill.checkpoint,
         )
 
     # -- a rule's fields, each read alone ----------------------------------------------------------------
@@ -305,9 +313,9 @@ class _Parser(ValueReader):
         kill_scope = self.rule_kill_scope(fields["kill_scope"][1]) if "kill_scope" in fields else KILL_PROCESS
         if action in ("notify", "log", RESET):
             for key in (
-                ("grace_period", "kill_grace", "warn", "kill_scope", "postpone")
+                ("grace_period", "kill_grace", "warn", "kill_scope", "postpone", "checkpoint")
                 if action == RESET
-                else ("force", "grace_period", "kill_grace", "warn", "kill_scope", "postpone")
+                else ("force", "grace_period", "kill_grace", "warn", "kill_scope", "postpone", "checkpoint")
             ):
                 if key in fields:
                     self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
@@ -317,7 +325,10 @@ class _Parser(ValueReader):
         postpone = None
         if "postpone" in fields and action == KILL:
             postpone = self.postpone(fields["postpone"][1], fields["postpone"][0] if not grace else None)
-        return _KillSettings(force, grace, kill_grace, kill_scope, warn, postpone)
+        checkpoint = None
+        if "checkpoint" in fields and action == KILL:
+            checkpoint = self.checkpoint(fields["checkpoint"][1])
+        return _KillSettings(force, grace, kill_grace, kill_scope, warn, postpone, checkpoint)
 
     def postpone(self, node: Node, no_grace: Node | None) -> Postpone | None:
         """`postpone: {max: 1h, times: 2}`: how much more time an owner may ask for in one episode, in all
@@ -343,6 +354,32 @@ class _Parser(ValueReader):
             )
             return None
         return None if most is None else Postpone(most, times)
+
+    def checkpoint(self, node: Node) -> Declaration | None:
+        """`checkpoint: {signal: USR1, wait: 2m, each: false}`: the signal the rule's victims that declare none
+        get before SIGTERM, and how long their exit is awaited (gpukill.checkpoint)."""
+        fields = self.mapping(node, "checkpoint", CHECKPOINT_KEYS)
+        if fields is None:
+            return None
+        before = self.failures
+        for key in ("signal", "wait"):
+            if key not in fields:
+                self.error(node, f"checkpoint needs a '{key}' (e.g. checkpoint: {{signal: USR1, wait: 2m}})")
+        number = 0
+        if "signal" in fields:
+            name = self.string(fields["signal"][1], "the checkpoint signal")
+            if name is not None:
+                try:
+                    number = parse_signal(name)
+                except BadDeclaration as e:
+                    self.error(fields["signal"][1], str(e))
+        wait = None
+        if "wait" in fields:
+            wait = self.duration(fields["wait"][1], "the checkpoint wait", 0.001, MAX_DURATION)
+        each = bool(self.boolean(fields["each"][1], "each")) if "each" in fields else False
+        if self.failures > before or wait is None:
+            return None
+        return Declaration(number, wait, each, POLICY_PREFIX + self.where(node))
 
     def rule_kill_scope(self, node: Node) -> str:
         ks = self.string(node, "kill_scope")

@@ -79,6 +79,29 @@ class Reclaim:
     )
 
 
+# What a kill's checkpoint step did (CheckpointStep.result).
+SAVED = "saved"  # the checkpoint signal was sent and every process it went to exited within the wait
+STILL_RUNNING = "still-running"  # sent, but some were still running after the wait: SIGTERM followed
+UNDECLARED = "undeclared"  # no process of the kill declared a checkpoint signal: none was sent
+MALFORMED = "malformed"  # a declaration could not be followed (the error says why): no signal was sent to it
+LED = "led"  # the target inherits its declaration from a declaring GPU process, its parent: that one is asked
+CHECKPOINTS_OFF = "off"  # the policy's max_checkpoint_wait is 0: no checkpoint signal is sent
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointStep:
+    """What a kill asked with the option checkpoint did before SIGTERM (gpukill/checkpoint.py)."""
+
+    result: str = wire("s", '"saved", "still-running", "undeclared", "malformed", "led" or "off"')
+    text: str = wire("s", 'in words: "SIGUSR1 sent to PID 12; it exited after saving (3.1 s)"')
+    signal: str = wire("s", 'the signal sent ("SIGUSR1"); "" when none was', "", omit_empty=True)
+    pids: tuple[int, ...] = wire("au", "the processes it was sent to", (), omit_empty=True)
+    wait: float = wire("d", "seconds the exit was awaited at most: the declared wait, capped by the policy", 0.0)
+    waited: float = wire("d", "seconds waited", 0.0)
+    source: str = wire("s", '"environment", "slurm" or "policy FILE:LINE:COL"', "", omit_empty=True)
+    error: str = wire("s", 'for "malformed": why the declaration cannot be followed', "", omit_empty=True)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadEntry:
     """One process of a KillWorkload: what became of it, or why it was not signalled."""
@@ -109,6 +132,9 @@ class WorkloadReply:
         0,
         omit_empty=True,
     )
+    checkpoint: CheckpointStep | None = wire(
+        "a{sv}", "with the option checkpoint: what its step did before SIGTERM", None, of=CheckpointStep
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +143,6 @@ class KillReport:
 
     outcome: str = wire("s", '"terminated", "killed" or "still-alive" (gpukill.outcome)')
     reclaim: Reclaim = wire("a{sv}", "whether the memory came back, and who holds it", Reclaim(UNWATCHED), of=Reclaim)
+    checkpoint: CheckpointStep | None = wire(
+        "a{sv}", "with the option checkpoint: what its step did before SIGTERM", None, of=CheckpointStep
+    )

@@ -44,7 +44,7 @@ async def _kill_one(client: ClientAPI, p: Process, args: argparse.Namespace, int
     what = f"PID {p.pid} ({shown(p.comm)})"
     try:
         report = await client.kill_report(
-            p.pid, p.start_time, force=args.force, grace=args.grace, interactive=interactive
+            p.pid, p.start_time, force=args.force, grace=args.grace, interactive=interactive, checkpoint=args.checkpoint
         )
     except (errors.NoSuchProcess, errors.ProcessChanged):
         print(f"{what} already gone")  # ended between the listing and the kill: what was asked is done
@@ -52,7 +52,7 @@ async def _kill_one(client: ClientAPI, p: Process, args: argparse.Namespace, int
     except ClientError as e:
         print(f"gpukillctl: {what}: {shown(str(e))}", file=sys.stderr)
         return exit_code(e)
-    return answer(what, report.outcome, report.reclaim)
+    return answer(what, report.outcome, report.reclaim, report.checkpoint)
 
 
 async def kill_job(client: ClientAPI, args: argparse.Namespace, interactive: bool) -> int:

@@ -54,10 +54,17 @@ def outcome_line(what: str, outcome: str) -> str:
     return f"{what} {out.text}{' after the grace period' if out == Outcome.KILLED else ''}"
 
 
-def answer(what: str, outcome: str, reclaim: Any) -> int:
-    """Print a single kill's line; its exit status."""
+def checkpoint_line(what: str, step: Any) -> None:
+    """What a kill's checkpoint step did (--checkpoint), on its own line before the outcome's."""
+    if step is not None:
+        print(f"{what} checkpoint: {shown(step.text)}")
+
+
+def answer(what: str, outcome: str, reclaim: Any, checkpoint: Any = None) -> int:
+    """Print a single kill's lines (the checkpoint step's, where there was one); its exit status."""
     from gpukill.outcome import Outcome
 
+    checkpoint_line(what, checkpoint)
     if outcome == Outcome.STILL_ALIVE and reclaim.verdict != "stuck":
         print(f"gpukillctl: {what} is {Outcome.STILL_ALIVE.text}; use --force to send SIGKILL", file=sys.stderr)
         return EXIT_STILL_ALIVE
@@ -79,6 +86,7 @@ def workload_answer(reply: Any) -> int:
         print(f"no GPU processes of {shown(reply.selection)} on this host")
         return EXIT_OK
     codes = []
+    checkpoint_line(shown(reply.selection), reply.checkpoint)
     if reply.hidden:  # /proc hides them from the caller (hidepid): what became of them is not the caller's to see
         print(
             f"gpukillctl: {reply.hidden} processes of other users in {shown(reply.selection)} are hidden from you "

@@ -200,6 +200,11 @@ def _register_kill(sub: argparse._SubParsersAction) -> None:
         "--grace", type=seconds, metavar="DURATION", help="wait this long after SIGTERM, e.g. 30s or 2min (default 5s)"
     )
     kill.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="before SIGTERM, send the signal the job declared (GPUKILL_CHECKPOINT=USR1:2m) and wait for it to save",
+    )
+    kill.add_argument(
         "--start-time",
         type=int,
         metavar="TICKS",
@@ -362,7 +367,9 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
         )
         agent = polkit_agent()
         try:
-            reply = await client.kill_workload(selection, force=args.force, grace=args.grace, interactive=agent.active)
+            reply = await client.kill_workload(
+                selection, force=args.force, grace=args.grace, interactive=agent.active, checkpoint=args.checkpoint
+            )
         finally:
             agent.close()
         if not reply.entries and args.unit and not args.host:
@@ -374,11 +381,13 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
         return workload_answer(reply)
     agent = polkit_agent()
     try:
-        report = await client.kill_report(pid, start_time, force=args.force, grace=args.grace, interactive=agent.active)
+        report = await client.kill_report(
+            pid, start_time, force=args.force, grace=args.grace, interactive=agent.active, checkpoint=args.checkpoint
+        )
     finally:
         agent.close()
     name = f" ({shown(listed.comm)})" if listed else ""
-    return answer(f"PID {pid}{name}", report.outcome, report.reclaim)
+    return answer(f"PID {pid}{name}", report.outcome, report.reclaim, report.checkpoint)
 
 
 async def cmd_reset(client: ClientAPI, args: argparse.Namespace) -> int:

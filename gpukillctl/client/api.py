@@ -283,9 +283,16 @@ class ClientAPI:
             page_filter["after"] = Var("(uu)", (page[-1][ROW_DEVICE], page[-1][ROW_PID]))
 
     async def kill(
-        self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None, interactive: bool = False
+        self,
+        pid: int,
+        start_time: int,
+        *,
+        force: bool = False,
+        grace: float | None = None,
+        interactive: bool = False,
+        checkpoint: bool = False,
     ) -> Outcome:
-        options, timeout = self._kill_options(force, grace, interactive)
+        options, timeout = self._kill_options(force, grace, interactive, checkpoint)
         (outcome,) = await self._call(
             "KillProcess", "uta{sv}", [pid, start_time, options], interactive=interactive, timeout=timeout
         )
@@ -297,34 +304,55 @@ class ClientAPI:
             raise ClientError("", f"gpukilld answered an unknown outcome: {outcome!r}") from None
 
     @staticmethod
-    def _kill_options(force: bool, grace: float | None, interactive: bool) -> tuple[dict[str, Var], float]:
+    def _kill_options(
+        force: bool, grace: float | None, interactive: bool, checkpoint: bool = False
+    ) -> tuple[dict[str, Var], float]:
         """A kill's options and how long to wait for its reply: the grace, then KILL_REPLY_MARGIN (SIGKILL's wait,
-        the watch of the GPU), and a password prompt's time when one may be asked."""
+        the watch of the GPU), the longest checkpoint wait a policy allows when the kill has that step, and a
+        password prompt's time when one may be asked."""
         options: dict[str, Var] = {"force": Var("b", force)}
         if grace is not None:
             options["grace"] = Var("d", float(grace))
         waited = (grace if grace is not None else DEFAULT_GRACE) + KILL_REPLY_MARGIN
+        if checkpoint:
+            from gpukill.checkpoint import MAX_CHECKPOINT_WAIT
+
+            options["checkpoint"] = Var("b", True)
+            waited += MAX_CHECKPOINT_WAIT
         return options, waited + (PROMPT_TIME if interactive else 0.0)
 
     async def kill_report(
-        self, pid: int, start_time: int, *, force: bool = False, grace: float | None = None, interactive: bool = False
+        self,
+        pid: int,
+        start_time: int,
+        *,
+        force: bool = False,
+        grace: float | None = None,
+        interactive: bool = False,
+        checkpoint: bool = False,
     ) -> KillReport:
         """kill() with the GPU's answer: the outcome and whether the memory came back (gpukill/records/reclaim.py)."""
         from gpukill.records.reclaim import KillReport
 
-        options, timeout = self._kill_options(force, grace, interactive)
+        options, timeout = self._kill_options(force, grace, interactive, checkpoint)
         (report,) = await self._call(
             "KillProcessReport", "uta{sv}", [pid, start_time, options], interactive=interactive, timeout=timeout
         )
         return from_plain(KillReport, report)
 
     async def kill_workload(
-        self, selection: dict[str, Var], *, force: bool = False, grace: float | None = None, interactive: bool = False
+        self,
+        selection: dict[str, Var],
+        *,
+        force: bool = False,
+        grace: float | None = None,
+        interactive: bool = False,
+        checkpoint: bool = False,
     ) -> WorkloadReply:
         """Every GPU process of a tree ({"tree": Var("(ut)", (pid, start))}), unit or container in one act."""
         from gpukill.records.reclaim import WorkloadReply
 
-        options, timeout = self._kill_options(force, grace, interactive)
+        options, timeout = self._kill_options(force, grace, interactive, checkpoint)
         (reply,) = await self._call(
             "KillWorkload", "a{sv}a{sv}", [selection, options], interactive=interactive, timeout=timeout + 60.0
         )

@@ -59,7 +59,7 @@ from gpukill.outcome import reclaim_text
 from gpukill.records.audit import Finding
 from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry
 from gpukill.records.manager import Device, Process
-from gpukill.records.reclaim import Reclaim
+from gpukill.records.reclaim import CheckpointStep, Reclaim
 from gpukill.records.status import ResetReply
 from gpukill.records.usage import UsageBy, UsageReport
 from gpukill.regex import MAX_PATTERN, RegexError
@@ -128,6 +128,9 @@ class KillResult(BaseModel):
         ),
     )
     answer: str = Field(default="", description="the GPU's answer in words (process names escaped)")
+    checkpoint: CheckpointStep | None = Field(
+        default=None, description="with checkpoint: what the checkpoint step did before SIGTERM (signal, wait, exit)"
+    )
 
 
 class ResetResult(BaseModel):
@@ -451,19 +454,24 @@ def _process_tools(box: Toolbox) -> None:
         grace: Annotated[
             float | None, Field(ge=0, le=MAX_GRACE, description=("seconds to wait after SIGTERM (default 5)"))
         ] = None,
+        checkpoint: Annotated[
+            bool,
+            Field(description="first send the checkpoint signal the process declared and wait for it to save"),
+        ] = False,
     ) -> KillResult:
         """SIGTERM a GPU process, then with force SIGKILL after the grace period. Your own processes need
         polkit's org.gpukill.kill-own-process, which the default policy grants; another user's need
         org.gpukill.kill-any-process, which it gives only to administrators (AccessDenied otherwise: no
         password can be asked here)."""
         return await box.call(
-            lambda c: c.kill_report(pid, start_time, force=force, grace=grace),
+            lambda c: c.kill_report(pid, start_time, force=force, grace=grace, checkpoint=checkpoint),
             lambda report: KillResult(
                 pid=pid,
                 start_time=start_time,
                 outcome=report.outcome,  # type: ignore[arg-type]  # one of the three (a str on the wire)
                 reclaim=report.reclaim,
                 answer=reclaim_text(report.reclaim),
+                checkpoint=report.checkpoint,
             ),
         )
 

@@ -50,7 +50,7 @@ from gpukill.records.audit import Finding
 from gpukill.records.base import Wire, specs, to_plain
 from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry
 from gpukill.records.manager import Device, Process
-from gpukill.records.reclaim import Reclaim
+from gpukill.records.reclaim import CheckpointStep, Reclaim
 from gpukill.records.status import ResetReply
 from gpukill.records.usage import UsageBy, UsageReport
 from gpukill.regex import RegexError, compile_regex
@@ -328,6 +328,10 @@ class KillRequest(BaseModel):
     grace: float | None = Field(
         None, ge=0, le=MAX_GRACE, description="seconds to wait after SIGTERM (the daemon's default: 5)"
     )
+    checkpoint: bool = Field(
+        False,
+        description="before SIGTERM, send the checkpoint signal the process declared and wait for it to save",
+    )
 
 
 class KillResult(BaseModel):
@@ -342,6 +346,9 @@ class KillResult(BaseModel):
         "process stuck and why"
     )
     answer: str = Field(description="the answer in words, as gpukillctl kill says it")
+    checkpoint: model_of(CheckpointStep) | None = Field(  # type: ignore[valid-type]  # a model made at run time
+        None, description="with checkpoint: what the checkpoint step did before SIGTERM"
+    )
 
 
 class ResetRequest(BaseModel):
@@ -573,13 +580,16 @@ def build_rest(connect: Connect) -> FastAPI:
             if start_time is None:
                 listed = next((p for p in await client.list_processes() if p.pid == request.pid), None)
                 start_time = listed.start_time if listed else _start_time_now(request.pid)
-            report = await client.kill_report(request.pid, start_time, force=request.force, grace=request.grace)
+            report = await client.kill_report(
+                request.pid, start_time, force=request.force, grace=request.grace, checkpoint=request.checkpoint
+            )
             return {
                 "pid": request.pid,
                 "start_time": start_time,
                 "outcome": report.outcome,
                 "reclaim": to_plain(report.reclaim),
                 "answer": reclaim_text(report.reclaim),
+                "checkpoint": None if report.checkpoint is None else to_plain(report.checkpoint),
             }
 
         return await with_daemon(act)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from gpukill.checkpoint import Declaration
 from gpukill.errors import (
     DeviceBusy,
     GpukillError,
@@ -25,7 +26,7 @@ from gpukill.errors import (
     ResetFailed,
 )
 from gpukill.outcome import INITIATOR_RESET, Outcome, guard_initiator, reclaim_text
-from gpukill.records.reclaim import ALIVE, UNWATCHED, Reclaim, WorkloadEntry, WorkloadReply
+from gpukill.records.reclaim import ALIVE, UNWATCHED, CheckpointStep, Reclaim, WorkloadEntry, WorkloadReply
 from gpukill.records.status import ResetReply
 from gpukill.rules import KILL
 from gpukill.text import shown
@@ -34,6 +35,7 @@ from .. import journal
 from ..access.bouncer import KILL_METHOD, RESET_METHOD, WORKLOAD_METHOD, Bouncer, Caller, Method, Request
 from ..backends import Backend
 from ..model import Snapshot
+from .checkpoint import Asked, Checkpoints
 from .killer import Killer, PinnedProcess, check_grace
 from .reclaim import FirstSignal, Watch, reclaim_fields, remember_tree
 from .selection import GUARD_ONLY, MAX_WORKLOAD, OTHER_USERS, Selection
@@ -53,11 +55,21 @@ class KillResult:
     outcome: Outcome
     initiator: str  # gpukill.outcome's: INITIATOR_USER, INITIATOR_RESET or guard_initiator(RULE)
     reclaim: Reclaim = Reclaim(UNWATCHED)  # the GPU's answer (reclaim.py)
+    checkpoint: CheckpointStep | None = None  # what the checkpoint step did, where the kill had one
 
 
 def _owner(snapshot: Snapshot, key: tuple[int, int]) -> int | None:
     listed = snapshot.processes_of(*key)
     return listed[0].uid if listed else None
+
+
+def _first_signal(step: CheckpointStep | None) -> FirstSignal:
+    """The first signal of a kill, for the seconds until its memory is back: the checkpoint signal when one was
+    sent (its wait, Guard's grace included, counts), else the SIGTERM about to be sent."""
+    now = time.monotonic()
+    if step is not None and step.signal and step.pids:
+        return FirstSignal(step.signal, now - step.waited)
+    return FirstSignal("SIGTERM", now)
 
 
 def _entry_of(snapshot: Snapshot, pid: int, start_time: int, result: str, error: str) -> WorkloadEntry:
@@ -87,6 +99,7 @@ class Actions:
         self._on_reset = on_reset
         self._resample = resample
         self.refusals = bouncer.refusals  # the bouncer's: all refusals of a caller are folded together
+        self.checkpoints = Checkpoints(killer, auditor)
 
     @staticmethod
     def _caller_fields(caller: Caller | None) -> dict[str, object]:
@@ -108,11 +121,16 @@ class Actions:
         initiator: str,
         watch: bool = True,
         method: Method = KILL_METHOD,
+        checkpoint: bool = False,
+        rule_checkpoint: Declaration | None = None,
+        asked: dict[tuple[int, int], Asked] | None = None,
     ) -> KillResult:
         """Kill (pid, start_time). caller None means the daemon itself acts (a reset with force, Guard).
         initiator (gpukill.outcome's) goes into the journal and ProcessKilled as it is. watch: after the exit,
         watch its devices for the GPU's answer (reclaim.py); a reset clearing its device does not. method: the
-        bus method called (KillProcess, KillProcessReport): its row of the bouncer's table decides."""
+        bus method called (KillProcess, KillProcessReport): its row of the bouncer's table decides.
+        checkpoint: before SIGTERM, the checkpoint step (checkpoint.py), with rule_checkpoint for a process that
+        declares none; asked: checkpoint signals Guard sent already, whose waits the kill finishes first."""
         base = self._base(caller, pid, start_time, force, initiator)
         who = self._who(caller, initiator)
         try:
@@ -134,12 +152,68 @@ class Actions:
             if caller is not None:
                 fields["polkit_action"] = await self._authorize(caller, target, fields, method)
             the_watch = await self._watch(snapshot, [target]) if watch else None
-            first = FirstSignal("SIGTERM", time.monotonic())  # what the answer's seconds count from
-            outcome = await self.killer.terminate(target, grace, force)
+            step = await self._checkpoint([(target, fields)], snapshot, checkpoint, rule_checkpoint, asked)
+            first = _first_signal(step)  # what the answer's seconds count from
+            outcome = await self._terminate(target, grace, force, step)
             reclaim = await self._answer(the_watch, [(target, outcome)], force, first)
         finally:
             target.close()
-        return self._done(caller, target, outcome, reclaim, grace, fields, who, initiator)
+        return self._done(caller, target, outcome, reclaim, grace, fields, who, initiator, step)
+
+    async def _checkpoint(
+        self,
+        pinned: list[tuple[PinnedProcess, dict[str, object]]],
+        snapshot: Snapshot,
+        checkpoint: bool,
+        rule_checkpoint: Declaration | None,
+        asked: dict[tuple[int, int], Asked] | None,
+    ) -> CheckpointStep | None:
+        """The checkpoint step before SIGTERM: Guard's signals sent earlier awaited, or (asked for) the whole
+        step; None when there is none."""
+        targets = [t for t, _ in pinned]
+        fields = {t.pid: f for t, f in pinned}
+        if asked:
+            step = await self.checkpoints.await_asked(targets, asked, fields)
+            if step is not None:
+                return step
+        if checkpoint:
+            return await self.checkpoints.before_term(targets, snapshot, fields, rule_checkpoint)
+        return None
+
+    async def _terminate(
+        self, target: PinnedProcess, grace: float, force: bool, step: CheckpointStep | None
+    ) -> Outcome:
+        """SIGTERM as today, unless the checkpoint step saw the process exit already: no TERM then."""
+        if step is not None and self.killer.exited(target):
+            return Outcome.TERMINATED
+        return await self.killer.terminate(target, grace, force)
+
+    async def ask_to_save(
+        self,
+        targets: list[tuple[int, int]],
+        initiator: str,
+        rule: str,
+        rule_checkpoint: Declaration | None,
+        dry_run: bool,
+    ) -> list[Asked]:
+        """Guard, when a kill rule's grace begins: send the targets that declare a checkpoint signal their
+        signal now, each pinned and checked as the kill path pins and checks it (what it refuses gets nothing);
+        in a dry run nothing is sent, and what would be is returned."""
+        snapshot = self._snapshot()
+        pinned: list[PinnedProcess] = []
+        try:
+            for pid, start_time in targets:
+                try:
+                    pinned.append(self.killer.open(pid, start_time, snapshot))
+                except GpukillError:
+                    continue  # gone or refused: its kill, if it comes, is refused and audited there
+            fields: dict[str, object] = {"initiator": initiator, "rule": rule}
+            return await self.checkpoints.ask(
+                pinned, snapshot, {t.pid: fields for t in pinned}, rule_checkpoint, dry_run
+            )
+        finally:
+            for t in pinned:
+                t.close()
 
     @staticmethod
     def _base(caller: Caller | None, pid: int, start_time: int, force: bool, initiator: str) -> dict[str, object]:
@@ -208,17 +282,28 @@ class Actions:
         fields: dict[str, object],
         who: str,
         initiator: str,
+        step: CheckpointStep | None = None,
     ) -> KillResult:
+        saved = f"; checkpoint: {step.text}" if step is not None else ""
         self.audit.log(
             journal.KILL,
-            f"{self._label(target)} {outcome.text}; {reclaim_text(reclaim)}; requested by {who}",
+            f"{self._label(target)} {outcome.text}{saved}; {reclaim_text(reclaim)}; requested by {who}",
             result=outcome,
             grace=grace,
+            checkpoint=step.result if step is not None else None,
             **fields,
             **reclaim_fields(reclaim),
         )
         result = KillResult(
-            target.pid, target.start_time, target.uid, target.comm, target.device_ids, outcome, initiator, reclaim
+            target.pid,
+            target.start_time,
+            target.uid,
+            target.comm,
+            target.device_ids,
+            outcome,
+            initiator,
+            reclaim,
+            step,
         )
         self._on_killed(result, caller)
         return result
@@ -231,12 +316,16 @@ class Actions:
         force: bool,
         initiator: str,
         method: Method = WORKLOAD_METHOD,
+        checkpoint: bool = False,
+        rule_checkpoint: Declaration | None = None,
+        asked: dict[tuple[int, int], Asked] | None = None,
     ) -> WorkloadReply:
         """Kill every GPU process a selection names (a tree, a unit, a container), each as kill() kills one:
         pinned by pidfd and start time before any signal, each authorized by polkit (one after the other, so
         a prompt's auth_admin_keep covers the rest), refusals reported per process (when polkit refuses every
         one, the call is refused as a single kill would be); then all are signalled together and the GPU's
-        answer is watched once for the batch."""
+        answer is watched once for the batch. checkpoint, rule_checkpoint, asked: as kill()'s, for the batch
+        (its leaders get the signal, all are awaited together)."""
         check_grace(grace)
         snapshot = await self._resample()  # a worker started since the last sample is in the batch too
         procfs = self.killer.procfs
@@ -308,15 +397,16 @@ class Actions:
             if denied is not None and not allowed:
                 raise denied
             the_watch = await self._watch(snapshot, [t for t, _ in allowed]) if allowed else None
-            first = FirstSignal("SIGTERM", time.monotonic())  # what the answer's seconds count from
-            outcomes = await asyncio.gather(*(self.killer.terminate(t, grace, force) for t, _ in allowed))
+            step = await self._checkpoint(allowed, snapshot, checkpoint, rule_checkpoint, asked) if allowed else None
+            first = _first_signal(step)  # what the answer's seconds count from
+            outcomes = await asyncio.gather(*(self._terminate(t, grace, force, step) for t, _ in allowed))
             ended = [(t, o) for (t, _), o in zip(allowed, outcomes, strict=True)]
             reclaim = await self._answer(the_watch, ended, force, first)
         finally:
             for target, _ in pinned:
                 target.close()
         for (target, fields), outcome in zip(allowed, outcomes, strict=True):
-            self._done(caller, target, outcome, reclaim, grace, fields, who, initiator)
+            self._done(caller, target, outcome, reclaim, grace, fields, who, initiator, step)
             entries[target.pid] = WorkloadEntry(target.pid, target.start_time, target.uid, target.comm, outcome)
         for pid, start_time, uid, comm in not_on_gpu[:MAX_WORKLOAD]:
             entries.setdefault(
@@ -325,7 +415,12 @@ class Actions:
                     pid, start_time, uid, comm, NotAGpuProcess.result, "not on a GPU: left running", on_gpu=False
                 ),
             )
-        return WorkloadReply(selection.text, tuple(entries[pid] for pid in sorted(entries)), reclaim)
+        return WorkloadReply(
+            selection.text,
+            tuple(entries[pid] for pid in sorted(entries)),
+            reclaim,
+            checkpoint=step if allowed else None,
+        )
 
     async def reset(self, caller: Caller | None, device_key: str, force: bool, rule: str = "") -> ResetReply:
         """Reset a device. caller None means the daemon itself acts: a Guard reset rule (`rule`), whose reset

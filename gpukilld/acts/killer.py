@@ -126,6 +126,26 @@ class Killer:
         finally:
             loop.remove_reader(pidfd)
 
+    @staticmethod
+    def send(target: PinnedProcess, signum: int) -> bool:
+        """Send a signal the target declared it handles (its checkpoint signal) through its pidfd: False when
+        it has exited already. TERM and KILL go through terminate()."""
+        try:
+            signal.pidfd_send_signal(target.pidfd, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
+    @staticmethod
+    def exited(target: PinnedProcess) -> bool:
+        return Killer._exited(target.pidfd)
+
+    @staticmethod
+    async def wait_all(targets: list[PinnedProcess], timeout: float) -> list[bool]:
+        """Whether each target exited within timeout, all awaited together (on the loop: pidfds are readable
+        when their process exits)."""
+        return list(await asyncio.gather(*(Killer._wait_exit(t.pidfd, timeout) for t in targets)))
+
     async def terminate(self, target: PinnedProcess, grace: float, force: bool) -> Outcome:
         """SIGTERM, wait up to grace; with force, SIGKILL after the grace. Returns the outcome. Grace 0 without
         force waits up to TERM_SETTLE for the exit SIGTERM causes; with force, SIGKILL follows at once."""

@@ -573,42 +573,44 @@ class ManagerInterface(ServiceInterface):
         return caller
 
     @staticmethod
-    def _kill_options(options: dict[str, Variant]) -> tuple[float, bool]:
-        _check_keys(options, ("force", "grace"), "option")
+    def _kill_options(options: dict[str, Variant]) -> tuple[float, bool, bool]:
+        """(grace, force, checkpoint) from a kill's options."""
+        _check_keys(options, ("force", "grace", "checkpoint"), "option")
         force = bool(_option(options, "force", "b", "option")) if "force" in options else False
         grace = float(_option(options, "grace", "duiyqxt", "option")) if "grace" in options else DEFAULT_GRACE
         if math.isnan(grace):
             raise InvalidArgs("option 'grace' is not a number")
-        return grace, force
+        checkpoint = bool(_option(options, "checkpoint", "b", "option")) if "checkpoint" in options else False
+        return grace, force, checkpoint
 
     @method()
     @dbus_errors
     async def KillProcess(self, pid: "u", start_time: "t", options: "a{sv}") -> "s":
         caller = await current_caller(self._bouncer)
-        grace, force = self._kill_options(options)
-        result = await self._actions.kill(caller, pid, start_time, grace, force, INITIATOR_USER)
+        grace, force, checkpoint = self._kill_options(options)
+        result = await self._actions.kill(caller, pid, start_time, grace, force, INITIATOR_USER, checkpoint=checkpoint)
         return result.outcome
 
     @method()
     @dbus_errors
     async def KillProcessReport(self, pid: "u", start_time: "t", options: "a{sv}") -> "a{sv}":
         caller = await current_caller(self._bouncer)
-        grace, force = self._kill_options(options)
+        grace, force, checkpoint = self._kill_options(options)
         result = await self._actions.kill(
-            caller, pid, start_time, grace, force, INITIATOR_USER, method=KILL_REPORT_METHOD
+            caller, pid, start_time, grace, force, INITIATOR_USER, method=KILL_REPORT_METHOD, checkpoint=checkpoint
         )
         viewer = await self._bouncer.viewer(caller)
-        return to_dbus(KillReport(result.outcome, _reclaim_as_seen(result.reclaim, viewer)))
+        return to_dbus(KillReport(result.outcome, _reclaim_as_seen(result.reclaim, viewer), result.checkpoint))
 
     @method()
     @dbus_errors
     async def KillWorkload(self, selection: "a{sv}", options: "a{sv}") -> "a{sv}":
         caller = await current_caller(self._bouncer)
-        grace, force = self._kill_options(options)
+        grace, force, checkpoint = self._kill_options(options)
         if len(selection) > 3:
             raise InvalidArgs("give exactly one of the selection keys tree, unit, container")
         chosen = Selection.parse({k: v.value for k, v in selection.items()})
-        reply = await self._actions.kill_workload(caller, chosen, grace, force, INITIATOR_USER)
+        reply = await self._actions.kill_workload(caller, chosen, grace, force, INITIATOR_USER, checkpoint=checkpoint)
         return to_dbus(_workload_as_seen(reply, await self._bouncer.viewer(caller)))
 
     @method()

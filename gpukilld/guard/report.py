@@ -146,7 +146,9 @@ def ask_for_time(rule: Rule, targets: tuple[Target, ...]) -> list[str]:
     ]
 
 
-def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
+def violation(ev: Violation, dry_run: bool, host: str, now: float, saving: str = "") -> Report:
+    """saving: the checkpoint signals sent when the grace began, in words (acts/checkpoint.py's asked_text:
+    "sent SIGUSR1 to PID 12 to save, waiting up to 2min"; in a dry run "would send ..."); "" when none was."""
     rule = ev.rule
     dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == KILL else ""
     if rule.action == KILL:
@@ -161,6 +163,8 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
         what = _reset_plan(rule, ev.targets)
     else:
         what = "notifying" if rule.action == "notify" else "logged"
+    if saving:
+        what += f"; {saving}"
     journal = AuditEntry(
         audit.GUARD_VIOLATION,
         f"Guard rule {rule.name}: {ev.subject} violates it ({ev.reason}); {what}{dry}",
@@ -188,6 +192,11 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
             f"Subject: {ev.subject}",
             f"Why: {ev.reason}",
             f"What happens: {what}{dry}",
+            *(
+                [f"Checkpoint: the job was asked to save its work now ({saving}); it may exit by itself before"]
+                if saving and not dry_run
+                else []
+            ),
             *ask_for_time(rule, ev.targets),
         ],
         {

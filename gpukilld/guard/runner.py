@@ -19,7 +19,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from gpukill.errors import GpukillError, NoSuchProcess, NotSupported
@@ -42,6 +42,7 @@ from gpukill.text import shown
 from gpukill.units import format_duration
 
 from .. import journal
+from ..acts.checkpoint import Asked, asked_text
 from ..acts.selection import Selection
 from ..config import Config
 from ..files import WriteWatch
@@ -75,6 +76,9 @@ SAVE_DELAY = 1.0  # counters are written at most once a second; switches and pol
 KillPath = Callable[..., Awaitable[Any]]  # Actions.kill(caller, pid, start_time, grace, force, initiator)
 WorkloadPath = Callable[..., Awaitable[Any]]  # Actions.kill_workload(caller, selection, grace, force, initiator)
 ResetPath = Callable[..., Awaitable[Any]]  # Actions.reset(caller, device, force, rule) -> ResetReply
+# Actions.ask_to_save(targets, initiator, rule, rule_checkpoint, dry_run) -> list[Asked]: checkpoint signals
+AskPath = Callable[..., Awaitable[list[Asked]]]
+MAX_ASKED = 4096  # checkpoint signals remembered until their kill; the oldest are forgotten past this
 
 
 def _stamp(t: float) -> str:
@@ -139,8 +143,13 @@ class GuardRunner:
         reset: ResetPath | None = None,
         proc_root: str = "/proc",
         kill_workload: WorkloadPath | None = None,
+        ask_to_save: AskPath | None = None,
     ) -> None:
         self.kill = kill
+        # Actions.ask_to_save: a kill rule's checkpoint signals at the start of its grace, and its kills' checkpoint
+        # step; None: a runner without them (its kills are called as before, with no checkpoint option)
+        self.ask_to_save = ask_to_save
+        self._asked: dict[tuple[int, int], Asked] = {}  # sent at a grace's start, awaited by its kill
         # Actions.kill_workload, for rules with kill_scope tree or unit; None: such a rule kills its target alone
         self.kill_workload = kill_workload
         self.reset = reset  # None: resets are refused as not supported (a runner without a reset path)
@@ -465,7 +474,10 @@ class GuardRunner:
     def _handle(self, event: Event, dry_run: bool) -> None:
         host, now = self._host, self.clock.wall()
         if isinstance(event, Violation):
-            self._publish(event.rule, report.violation(event, dry_run, host, now))
+            if self.ask_to_save is not None and event.rule.action == KILL and event.rule.grace_period > 0:
+                self._start(self._violation_asking(event, dry_run, host, now))
+            else:
+                self._publish(event.rule, report.violation(event, dry_run, host, now))
             if event.rule.action == KILL and event.rule.grace_period and not dry_run:
                 self._reclaim_pending(event.rule, event.targets, event.at + event.rule.grace_period)
         elif isinstance(event, GraceWarning):
@@ -493,6 +505,52 @@ class GuardRunner:
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
 
+    def _start(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _violation_asking(self, event: Violation, dry_run: bool, host: str, now: float) -> None:
+        """A kill rule's grace begins: the targets that declare a checkpoint signal (or all, by the rule's
+        checkpoint:) get it now, through the kill path's pinning and checks (in a dry run: none, said as
+        "would send"); then the violation is reported, saying so."""
+        asked: list[Asked] = []
+        assert self.ask_to_save is not None
+        try:
+            asked = await self.ask_to_save(
+                [(t.pid, t.start_time) for t in event.targets],
+                guard_initiator(event.rule.name),
+                event.rule.name,
+                event.rule.checkpoint,
+                dry_run,
+            )
+        except Exception:
+            log.exception("guard could not send the checkpoint signals of rule %s", event.rule.name)
+        if not dry_run:
+            for a in asked:
+                self._asked[(a.pid, a.start_time)] = a
+            stale = time.monotonic() - 86400.0  # a grace lasts at most a day: its kill never comes after that
+            for key in [k for k, a in self._asked.items() if a.sent_at < stale]:
+                del self._asked[key]
+            while len(self._asked) > MAX_ASKED:
+                del self._asked[next(iter(self._asked))]
+        try:
+            self._publish(event.rule, report.violation(event, dry_run, host, now, asked_text(asked, dry_run)))
+        except Exception:
+            log.exception("guard could not report the violation of rule %s", event.rule.name)
+
+    def _checkpoint_options(self, order: KillOrder, keys: list[tuple[int, int]]) -> dict[str, Any]:
+        """The kill path's checkpoint options for an order's kill: the waits of the signals sent when its grace
+        began, or (grace 0) the whole checkpoint step; {} for a runner without checkpoints."""
+        if self.ask_to_save is None:
+            return {}
+        asked = {k: self._asked.pop(k) for k in keys if k in self._asked}
+        return {
+            "checkpoint": order.rule.grace_period == 0,
+            "rule_checkpoint": order.rule.checkpoint,
+            "asked": asked,
+        }
+
     async def _kill(self, order: KillOrder, t: Target, scoped: Scoped | None = None) -> None:
         error = ""
         results: dict[tuple[int, int], tuple[str, str]] = {}
@@ -510,14 +568,26 @@ class GuardRunner:
                     only=frozenset((m.pid, m.start_time) for m in (t, *scoped.members)),
                     spare=tuple((p.pid, p.start_time, why) for p, why in scoped.left),
                 )
+                keys = [(m.pid, m.start_time) for m in (t, *scoped.members)]
                 reply = await self.kill_workload(
-                    None, selection, order.kill_grace, order.force, guard_initiator(order.rule.name)
+                    None,
+                    selection,
+                    order.kill_grace,
+                    order.force,
+                    guard_initiator(order.rule.name),
+                    **self._checkpoint_options(order, keys),
                 )
                 results = {(e.pid, e.start_time): (e.result, e.error) for e in reply.entries}
                 outcome, error = results.get((t.pid, t.start_time), (NoSuchProcess.result, "gone before the kill"))
             else:
                 result = await self.kill(
-                    None, t.pid, t.start_time, order.kill_grace, order.force, guard_initiator(order.rule.name)
+                    None,
+                    t.pid,
+                    t.start_time,
+                    order.kill_grace,
+                    order.force,
+                    guard_initiator(order.rule.name),
+                    **self._checkpoint_options(order, [(t.pid, t.start_time)]),
                 )
                 outcome = result.outcome
         except GpukillError as e:  # protected, gone, PID reused: the kill path audited it already

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import BinaryIO
 
+from gpukill.checkpoint import BadDeclaration, Declaration, from_environ
 from gpukill.procstat import ProcStat, read_stat
 from gpukill.text import bounded
 
@@ -154,6 +155,19 @@ class ProcFS:
                 return slurm_job_from_environ(f.read(MAX_ENVIRON))
         except OSError:
             return None
+
+    def checkpoint(self, pid: int) -> Declaration | BadDeclaration | None:
+        """The checkpoint the process declares in GPUKILL_CHECKPOINT (gpukill.checkpoint), read bounded as
+        SLURM_JOB_ID is: None when it declares none (or cannot be read), the error when its value is malformed.
+        A variable the bound cuts is left out rather than read half."""
+        try:
+            with open(self._path(pid, "environ"), "rb") as f:
+                raw = f.read(MAX_ENVIRON + 1)
+        except OSError:
+            return None
+        if len(raw) > MAX_ENVIRON:
+            raw = raw[:MAX_ENVIRON].rpartition(b"\0")[0]
+        return from_environ(raw)
 
     def _status_fields(self, pid: int, keys: tuple[str, ...]) -> dict[str, str]:
         """These fields of /proc/PID/status (those present), each value stripped; {} when unreadable.
