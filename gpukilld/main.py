@@ -35,6 +35,7 @@ from .access.refusals import RefusalLog
 from .access.visibility import ProcRules, read_proc_rules
 from .acts.actions import Actions, KillResult
 from .acts.killer import Killer
+from .acts.slurm import Slurm
 from .audit_settings import AuditSettingsKeeper, dropin_path
 from .backends import Backend
 from .backends.registry import build_backends
@@ -334,6 +335,7 @@ class Daemon:
             reset=self.actions.reset,
             proc_root=self.config.proc_root,
             kill_workload=self.actions.kill_workload,
+            slurm=Slurm(),
         )
         self.guard_interface = GuardInterface(self.guard, self.bouncer, lambda: self.snapshot, bus=bus)
 

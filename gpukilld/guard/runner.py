@@ -5,8 +5,10 @@ Also where the policy in force is swapped.
 The guard never signals by itself: every kill goes through Actions.kill with initiator "guard:RULE", which
 pins the process with a pidfd, refuses protected processes and audits; every reset (action reset) through
 Actions.reset with the rule, which checks the device can be reset, refuses while processes hold it unless
-the rule says force (then kills them through the kill path first) and audits. Kills run as asyncio tasks, so the
-evaluation of the next snapshot never waits for a grace period; a dry run never calls the kill path at all.
+the rule says force (then kills them through the kill path first) and audits; every requeue or cancel of a
+Slurm job through acts/slurm.py (Slurm's own scontrol requeue and scancel), once per job. Kills and Slurm's
+commands run as asyncio tasks, so the evaluation of the next snapshot never waits for a grace period or for
+Slurm; a dry run never calls the kill path, nor Slurm, at all.
 Nothing here may raise into the daemon: a failure is logged and audited, and the daemon goes on.
 """
 
@@ -28,10 +30,11 @@ from gpukill.policy import PolicyError, directory_texts, load_texts, name_warnin
 from gpukill.records.base import from_plain, to_plain
 from gpukill.records.guard import Grace, GuardStatus, NotificationCounters, RecentEvent, RuleStatus, Window
 from gpukill.records.reclaim import KILL_TREE
-from gpukill.rules import EMPTY_POLICY, Policy, Rule
+from gpukill.rules import EMPTY_POLICY, REQUEUE, Policy, Rule
 
 from .. import journal
 from ..acts.selection import Selection
+from ..acts.slurm import FAILED, NOT_INSTALLED, NOT_THE_OWNER, Slurm, SlurmError
 from ..config import Config
 from ..files import WriteWatch
 from ..model import Snapshot
@@ -44,6 +47,7 @@ from .engine import (
     Event,
     GraceCancelled,
     GraceWarning,
+    JobOrder,
     KillOrder,
     KillOverCap,
     Left,
@@ -122,8 +126,10 @@ class GuardRunner:
         reset: ResetPath | None = None,
         proc_root: str = "/proc",
         kill_workload: WorkloadPath | None = None,
+        slurm: Slurm | None = None,
     ) -> None:
         self.kill = kill
+        self.slurm = slurm  # Slurm's commands, for rules with action requeue or cancel; None: such acts are refused
         # Actions.kill_workload, for rules with kill_scope tree or unit; None: such a rule kills its target alone
         self.kill_workload = kill_workload
         self.reset = reset  # None: resets are refused as not supported (a runner without a reset path)
@@ -464,6 +470,16 @@ class GuardRunner:
                 task = asyncio.get_running_loop().create_task(self._reset(event))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+        elif isinstance(event, JobOrder):
+            if event.dry_run:
+                self._publish(event.rule, report.would_act_on_jobs(event, host, now))
+                return
+            if event.unattached:
+                self._publish(event.rule, report.unattached(event, host, now))
+            for job, _ in event.jobs:
+                task = asyncio.get_running_loop().create_task(self._act_on_job(event, job))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         elif isinstance(event, KillOrder):
             if event.dry_run:
                 self._publish(event.rule, report.would_kill(event, host, now))
@@ -522,6 +538,36 @@ class GuardRunner:
             self._save_soon()
         except Exception:
             log.exception("guard could not report the kill of PID %d", t.pid)
+
+    async def _act_on_job(self, order: JobOrder, job: str) -> None:
+        """Ask Slurm to requeue or cancel one job of the order, as the job of its processes' owner."""
+        targets = dict(order.jobs)[job]
+        message = error = ""
+        outcome: str  # Outcome.REQUEUED or JOB_CANCELLED, or the SlurmError's result
+        verb = "requeued" if order.rule.action == REQUEUE else "cancelled"
+        try:
+            uids = {t.uid for t in targets}
+            if self.slurm is None:
+                raise SlurmError(NOT_INSTALLED, f"this daemon has no Slurm path for Guard: job {job} not {verb}")
+            if len(uids) != 1:
+                raise SlurmError(NOT_THE_OWNER, f"job {job}'s processes belong to several users: not {verb}")
+            if order.rule.action == REQUEUE:
+                message, outcome = await self.slurm.requeue(job, uids.pop()), Outcome.REQUEUED
+            else:
+                message, outcome = await self.slurm.cancel(job, uids.pop()), Outcome.JOB_CANCELLED
+        except SlurmError as e:
+            outcome, error = e.result, str(e)
+        except Exception as e:
+            log.exception("guard %s of Slurm job %s failed", order.rule.action, job)
+            outcome, error = FAILED, f"{type(e).__name__}: {e}"
+        try:
+            self.engine.job_finished(order, job, outcome in (Outcome.REQUEUED, Outcome.JOB_CANCELLED))
+            self._publish(
+                order.rule, report.job_done(order, job, outcome, message, error, self._host, self.clock.wall())
+            )
+            self._save_soon()
+        except Exception:
+            log.exception("guard could not report the %s of Slurm job %s", order.rule.action, job)
 
     async def _reset(self, order: ResetOrder) -> None:
         killed: tuple[int, ...] = ()
