@@ -21,18 +21,20 @@ from gpukilld.guard.engine import Engine, JobOrder, Violation
 from gpukilld.guard.notify import NotifyConfig
 from gpukilld.guard.runner import GuardRunner
 
-# `scontrol show job -o` of Slurm 22.05 (Debian bookworm), one job running on one node
+# `scontrol show job -o` of Slurm 22.05.8 (Debian bookworm, recorded in the booted test's container): a job
+# submitted with --wrap, running on node vm
 RUNNING = (
-    "JobId=42 JobName=wrap UserId=alice(1001) GroupId=alice(1001) MCS_label=N/A Priority=4294901757 Nice=0 "
-    "Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
-    "Reboot=0 ExitCode=0:0 RunTime=00:00:05 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-12-07T11:40:01 "
-    "EligibleTime=2026-12-07T11:40:01 AccrueTime=Unknown StartTime=2026-12-07T11:40:01 EndTime=Unknown "
-    "Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-12-07T11:40:01 Scheduler=Main "
-    "Partition=debug AllocNode:Sid=node1:2345 ReqNodeList=(null) ExcNodeList=(null) NodeList=node1 "
-    "BatchHost=node1 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,node=1,billing=1 "
-    "Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 "
-    "Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) "
-    "Command=(null) WorkDir=/tmp StdErr=/tmp/slurm-42.out StdIn=/dev/null StdOut=/tmp/slurm-42.out Power="
+    "JobId=42 JobName=wrap UserId=alice(1000) GroupId=alice(1000) MCS_label=N/A Priority=4294901754 "
+    "Nice=0 Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 "
+    "Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:03 TimeLimit=UNLIMITED TimeMin=N/A "
+    "SubmitTime=2026-12-07T11:18:04 EligibleTime=2026-12-07T11:18:04 AccrueTime=2026-12-07T11:18:04 "
+    "StartTime=2026-12-07T11:18:04 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 "
+    "LastSchedEval=2026-12-07T11:18:04 Scheduler=Main Partition=debug AllocNode:Sid=vm:0 "
+    "ReqNodeList=(null) ExcNodeList=(null) NodeList=vm BatchHost=vm NumNodes=1 NumCPUs=1 NumTasks=1 "
+    "CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=1000M,node=1,billing=1 Socks/Node=* "
+    "NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) "
+    "DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=(null) "
+    "WorkDir=/tmp StdErr=/tmp/slurm-42.out StdIn=/dev/null StdOut=/tmp/slurm-42.out Power="
 )
 NO_REQUEUE = RUNNING.replace("Requeue=1", "Requeue=0")
 
@@ -82,9 +84,9 @@ def run(coro):
 
 def test_a_job_line_is_read_into_state_requeue_owner_and_host():
     info = slurm.parse_job("42", RUNNING)
-    assert info == JobInfo("42", "RUNNING", True, "alice", 1001, "node1", 0) and info.batch_host == "node1"
+    assert info == JobInfo("42", "RUNNING", True, "alice", 1000, "vm", 0) and info.batch_host == "vm"
     assert not slurm.parse_job("42", NO_REQUEUE).requeue
-    fields = slurm.parse_fields("JobId=7 JobName=with spaces in it UserId=bob(1002) Command=/a b/c.sh")
+    fields = slurm.parse_fields("JobId=7 JobName=with spaces in it UserId=bob(1001) Command=/a b/c.sh")
     assert fields["JobName"] == "with spaces in it" and fields["Command"] == "/a b/c.sh"
 
 
@@ -100,7 +102,7 @@ def test_an_array_task_is_found_by_its_own_line():
 def test_a_job_id_is_checked_before_any_command_sees_it(bad):
     fake = FakeSlurm({})
     with pytest.raises(SlurmError) as e:
-        run(Slurm(fake).requeue(bad, 1001))
+        run(Slurm(fake).requeue(bad, 1000))
     assert e.value.result == slurm.NOT_A_JOB_ID and fake.asked == []
 
 
@@ -140,8 +142,8 @@ def test_a_batch_scripts_signal_directive_is_read_as_sbatch_reads_it():
 
 def test_a_requeueable_job_is_requeued_and_a_job_is_cancelled_by_scancel():
     fake = FakeSlurm({"42": RUNNING})
-    run(Slurm(fake).requeue("42", 1001))
-    run(Slurm(fake).cancel("42", 1001))
+    run(Slurm(fake).requeue("42", 1000))
+    run(Slurm(fake).cancel("42", 1000))
     show = ("scontrol", "show", "job", "-o", "42")
     assert fake.asked == [show, ("scontrol", "requeue", "42"), show, ("scancel", "42")]
 
@@ -149,7 +151,7 @@ def test_a_requeueable_job_is_requeued_and_a_job_is_cancelled_by_scancel():
 def test_a_job_that_is_not_requeueable_is_refused_with_the_reason_and_slurm_is_not_asked():
     fake = FakeSlurm({"42": NO_REQUEUE})
     with pytest.raises(SlurmError) as e:
-        run(Slurm(fake).requeue("42", 1001))
+        run(Slurm(fake).requeue("42", 1000))
     assert e.value.result == slurm.NOT_REQUEUEABLE
     assert str(e.value) == "job 42 is not requeueable (sbatch --no-requeue or JobRequeue=0): not requeued"
     assert ("scontrol", "requeue", "42") not in fake.asked
@@ -160,8 +162,8 @@ def test_another_users_job_is_never_acted_on(act):
     """A task of one user's job can start a process with any SLURM_JOB_ID: the job's owner must be the process's."""
     fake = FakeSlurm({"42": RUNNING})
     with pytest.raises(SlurmError) as e:
-        run(getattr(Slurm(fake), act)("42", 1002))
-    assert e.value.result == slurm.NOT_THE_OWNER and "belongs to uid 1001" in str(e.value)
+        run(getattr(Slurm(fake), act)("42", 1001))
+    assert e.value.result == slurm.NOT_THE_OWNER and "belongs to uid 1000" in str(e.value)
     assert fake.asked == [("scontrol", "show", "job", "-o", "42")]
 
 
@@ -171,11 +173,11 @@ def test_slurms_failure_says_what_slurm_said():
         fail={"scontrol 42": Ran(1, "", "Requested operation is presently disabled for job 42\n")},
     )
     with pytest.raises(SlurmError) as e:
-        run(Slurm(fake).requeue("42", 1001))
+        run(Slurm(fake).requeue("42", 1000))
     assert e.value.result == slurm.FAILED
     assert str(e.value) == "scontrol requeue: Requested operation is presently disabled for job 42"
     with pytest.raises(SlurmError, match="Invalid job id specified"):
-        run(Slurm(fake).cancel("43", 1001))
+        run(Slurm(fake).cancel("43", 1000))
 
 
 def fake_command(tmp_path, name: str, body: str) -> None:
@@ -187,7 +189,7 @@ def fake_command(tmp_path, name: str, body: str) -> None:
 def test_a_host_without_slurm_gets_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setattr(slurm, "SLURM_PATH", str(tmp_path))
     with pytest.raises(SlurmError) as e:
-        run(Slurm().cancel("42", 1001))
+        run(Slurm().cancel("42", 1000))
     assert e.value.result == slurm.NOT_INSTALLED and "scontrol not found" in str(e.value)
 
 
@@ -351,7 +353,7 @@ def carry_out(r: GuardRunner, events, dry_run: bool = False) -> None:
 def test_the_runner_asks_slurm_once_and_journals_what_became_of_the_job(tmp_path, action, line, kind, result, said):
     fake = FakeSlurm({"42": line})
     r, journal = runner_with(tmp_path, fake, action)
-    s = snap(proc(10, "sleep", mem=2 << 30, uid=1001, slurm_job="42"), proc(11, "sleep", mem=2 << 30, uid=1001))
+    s = snap(proc(10, "sleep", mem=2 << 30, uid=1000, slurm_job="42"), proc(11, "sleep", mem=2 << 30, uid=1000))
     carry_out(r, r.engine.evaluate(s, False))
     acts = [a for a in fake.asked if a[:2] == ("scontrol", "requeue") or a[0] == "scancel"]
     assert acts == (
@@ -376,7 +378,7 @@ def test_the_runner_asks_slurm_once_and_journals_what_became_of_the_job(tmp_path
 def test_a_dry_run_never_calls_slurm(tmp_path):
     fake = FakeSlurm({"42": RUNNING})
     r, journal = runner_with(tmp_path, fake)
-    carry_out(r, r.engine.evaluate(snap(proc(10, "sleep", mem=2 << 30, uid=1001, slurm_job="42")), True), True)
+    carry_out(r, r.engine.evaluate(snap(proc(10, "sleep", mem=2 << 30, uid=1000, slurm_job="42")), True), True)
     assert fake.asked == []
     (entry,) = [e for e in journal.entries if e[2].get("slurm_job") == "42"]
     assert entry[0] == audit.GUARD_DRY_RUN and entry[2]["result"] == Outcome.WOULD_REQUEUE
@@ -398,8 +400,8 @@ def test_a_job_whose_processes_are_of_two_users_is_not_acted_on(tmp_path):
         )
     )
     s = snap(
-        proc(10, mem=2 << 30, uid=1001, slurm_job="42"),
-        proc(11, mem=2 << 30, uid=1002, user="bob", slurm_job="42"),
+        proc(10, mem=2 << 30, uid=1000, slurm_job="42"),
+        proc(11, mem=2 << 30, uid=1001, user="bob", slurm_job="42"),
     )
     carry_out(r, r.engine.evaluate(s, False))
     assert not [a for a in fake.asked if a[:2] == ("scontrol", "requeue")]
@@ -410,6 +412,6 @@ def test_a_job_whose_processes_are_of_two_users_is_not_acted_on(tmp_path):
 def test_a_runner_without_slurm_refuses_and_says_so(tmp_path):
     r, journal = runner_with(tmp_path, FakeSlurm({}))
     r.slurm = None
-    carry_out(r, r.engine.evaluate(snap(proc(10, mem=2 << 30, uid=1001, slurm_job="42")), False))
+    carry_out(r, r.engine.evaluate(snap(proc(10, mem=2 << 30, uid=1000, slurm_job="42")), False))
     (entry,) = [e for e in journal.entries if e[2].get("slurm_job") == "42"]
     assert entry[2]["result"] == slurm.NOT_INSTALLED and "no Slurm path" in entry[1]

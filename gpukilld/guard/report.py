@@ -620,9 +620,10 @@ def _job_report(
     rule's name ("requeued job 42", "would requeue job 42", "not requeued: ..."); the journal entry, the
     GuardActionTaken (the job's first process), the recent event and the notice."""
     rule, first = order.rule, targets[0]
+    whose = "" if order.subject in text else f" for {order.subject}"
     journal = AuditEntry(
         kind,
-        f"Guard rule {rule.name}: {text} for {order.subject} ({order.reason})",
+        f"Guard rule {rule.name}: {text}{whose} ({order.reason})",
         {
             "action": "guard",
             "result": outcome,
