@@ -31,6 +31,7 @@ RESET = "reset"  # reset the device (scope per_device): its holders are killed f
 REQUEUE, CANCEL = "requeue", "cancel"
 ACTIONS = (KILL, "notify", "log", RESET, REQUEUE, CANCEL)
 SLURM_ACTIONS = (REQUEUE, CANCEL)
+JOB_DONE = {REQUEUE: "requeued", CANCEL: "cancelled"}  # what a requeue or cancel rule did to a job, in words
 STOPPING_ACTIONS = (KILL, *SLURM_ACTIONS)
 
 

@@ -415,3 +415,27 @@ def test_a_runner_without_slurm_refuses_and_says_so(tmp_path):
     carry_out(r, r.engine.evaluate(snap(proc(10, mem=2 << 30, uid=1000, slurm_job="42")), False))
     (entry,) = [e for e in journal.entries if e[2].get("slurm_job") == "42"]
     assert entry[2]["result"] == slurm.NOT_INSTALLED and "no Slurm path" in entry[1]
+
+
+def test_the_violation_and_its_warnings_say_slurm_acts_on_the_job_and_what_is_left_running():
+    from gpukilld.guard import report
+    from gpukilld.guard.engine import GraceWarning
+
+    t = FakeTime()
+    rule = (
+        "rules:\n  - name: r\n    action: requeue\n    scope: per_user\n    grace_period: 2m\n"
+        "    warn: [at_start, 1m]\n    conditions: [{type: user_memory, operator: '>', value: 1GiB}]\n"
+    )
+    e = Engine(load_texts([("p.yaml", rule)]), t.clock(), own_pid=OWN_PID)
+    s = snap(proc(10, "sleep", mem=3 << 30, slurm_job="42"), proc(11, mem=2 << 30))
+    (v,) = [ev for ev in e.evaluate(s, False) if isinstance(ev, Violation)]
+    said = report.violation(v, False, "h", 0.0).entries[0].journal.message
+    assert (
+        "job 42 (PID 10 (sleep, 3.0 GiB)) is requeued through Slurm in 2min unless it comes back under; "
+        "not a Slurm job's process: action requeue does nothing to PID 11 (python), left running" in said
+    ), said
+    t.now += 61
+    (w,) = [ev for ev in e.evaluate(s, False) if isinstance(ev, GraceWarning)]
+    warned = report.warning(w, True, "h", 0.0)
+    assert "is requeued through Slurm in 59s unless it comes back under" in warned.entries[0].journal.message
+    assert warned.entries[0].recent.action == "requeue"

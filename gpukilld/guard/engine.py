@@ -754,9 +754,9 @@ class Engine:
         if not jobs and not unattached:
             return room
         st.unattached.update((t.pid, t.start_time) for t in unattached)
+        ep.acted = True  # decided: no cancelled grace is reported when the subject leaves
+        self.clocks_changed = True
         if jobs:
-            ep.acted = True
-            self.clocks_changed = True
             for job, _ in jobs:
                 busy[job] = now + settings.cooldown if dry_run else math.inf
             if dry_run:

@@ -19,7 +19,7 @@ from typing import Any
 
 from gpukill.outcome import Outcome, result_text
 from gpukill.records.guard import RecentEvent
-from gpukill.rules import KILL, RESET, Rule, stops_subject, through_slurm
+from gpukill.rules import JOB_DONE, KILL, REQUEUE, RESET, Rule, stops_subject, through_slurm
 from gpukill.text import shown
 from gpukill.units import format_duration, format_size
 
@@ -135,18 +135,17 @@ def _notice(
     )
 
 
-def _fate(rule: Rule, targets: tuple[Target, ...]) -> str:
-    """What a kill, requeue or cancel rule does to the processes when its grace ends: "PID 11 (python3) get
-    SIGTERM", "job 42 (PID 11 (python3)) is requeued through Slurm"."""
+def _fate(rule: Rule, targets: tuple[Target, ...], when: str) -> str:
+    """What a kill, requeue or cancel rule does to the processes `when` ("in 2m unless it comes back under",
+    "now"): "PID 11 (python3) get SIGTERM in 2m ...", "job 42 (PID 11 (python3)) is requeued through Slurm in 2m
+    ...", with the processes of no Slurm job that a requeue or cancel leaves running."""
     if not through_slurm(rule.action):
-        return f"{_pids(targets)} get SIGTERM"
+        return f"{_pids(targets)} get SIGTERM {when}"
     jobs = sorted({t.slurm_job for t in targets if t.slurm_job}, key=lambda j: (len(j), j))
     parts = []
     if jobs:
-        done = "requeued" if rule.action == "requeue" else "cancelled"
-        parts.append(
-            f"job {', '.join(jobs)} ({_pids(tuple(t for t in targets if t.slurm_job))}) is {done} through Slurm"
-        )
+        of_jobs = _pids(tuple(t for t in targets if t.slurm_job))
+        parts.append(f"job {', '.join(jobs)} (PID {of_jobs}) is {JOB_DONE[rule.action]} through Slurm {when}")
     strays = tuple(t for t in targets if not t.slurm_job)
     if strays:
         parts.append(unattached_text(rule.action, strays))
@@ -159,13 +158,14 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
     if dry_run and stops_subject(rule.action):
         dry = " (dry run: nothing will be signalled)" if rule.action == KILL else " (dry run: Slurm will not be asked)"
     if stops_subject(rule.action):
-        what = (
-            f"{_fate(rule, ev.targets)} in {format_duration(rule.grace_period)} unless it comes back under"
-            if rule.grace_period
-            else f"{'stopping' if rule.action == KILL else rule.action + 'ing'} {_pids(ev.targets)} now"
-        )
-        if rule.action == KILL and rule.grace_period:
-            what = f"its process(es) {what}"
+        if rule.action != KILL:
+            when = f"in {format_duration(rule.grace_period)} unless it comes back under" if rule.grace_period else "now"
+            what = _fate(rule, ev.targets, when)
+        elif rule.grace_period:
+            what = f"its process(es) {_fate(rule, ev.targets, 'in ' + format_duration(rule.grace_period))}"
+            what += " unless it comes back under"
+        else:
+            what = f"stopping {_pids(ev.targets)} now"
     elif rule.action == RESET:
         dry = " (dry run: nothing will be reset)" if dry_run else ""
         what = _reset_plan(rule, ev.targets)
@@ -222,7 +222,7 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
     rule = ev.rule
     left = format_duration(max(1.0, round(ev.remaining)))
     dry = "" if not dry_run else " (dry run: nothing will be signalled)" if rule.action == KILL else " (dry run)"
-    what = f"{_fate(rule, ev.targets)} in {left} unless it comes back under{dry}"
+    what = f"{_fate(rule, ev.targets, f'in {left} unless it comes back under')}{dry}"
     journal = AuditEntry(
         audit.GUARD_WARNING,
         f"Guard rule {rule.name}: warning {ev.number} of {len(rule.warn)} to {ev.subject}: {what} ({ev.reason})",
@@ -724,7 +724,7 @@ def _joined(order: JobOrder, parts: list[tuple[Entry, GuardNotice]]) -> Report:
 def would_act_on_jobs(order: JobOrder, host: str, now: float) -> Report:
     """A dry run's requeue or cancel order: "would requeue job 42" for each job (Slurm is not asked), and each
     process of no job left running."""
-    outcome = Outcome.WOULD_REQUEUE if order.rule.action == "requeue" else Outcome.WOULD_CANCEL
+    outcome = Outcome.WOULD_REQUEUE if order.rule.action == REQUEUE else Outcome.WOULD_CANCEL
     parts = [
         _job_report(
             order,
@@ -754,7 +754,7 @@ def job_done(order: JobOrder, job: str, outcome: str, message: str, error: str, 
     if outcome in (Outcome.REQUEUED, Outcome.JOB_CANCELLED):
         text, kind = f"{Outcome(outcome).text} job {job}", audit.GUARD_SLURM
     else:
-        verb = "requeued" if order.rule.action == "requeue" else "cancelled"
+        verb = JOB_DONE[order.rule.action]
         text, kind = f"job {job} not {verb}: {error or outcome}", audit.GUARD_SLURM_REFUSED
         if error.startswith(f"job {job} "):  # Slurm's refusal already says which job and what was not done
             text = error

@@ -30,7 +30,7 @@ from gpukill.policy import PolicyError, directory_texts, load_texts, name_warnin
 from gpukill.records.base import from_plain, to_plain
 from gpukill.records.guard import Grace, GuardStatus, NotificationCounters, RecentEvent, RuleStatus, Window
 from gpukill.records.reclaim import KILL_TREE
-from gpukill.rules import EMPTY_POLICY, REQUEUE, Policy, Rule
+from gpukill.rules import EMPTY_POLICY, JOB_DONE, REQUEUE, Policy, Rule
 
 from .. import journal
 from ..acts.selection import Selection
@@ -544,7 +544,7 @@ class GuardRunner:
         targets = dict(order.jobs)[job]
         message = error = ""
         outcome: str  # Outcome.REQUEUED or JOB_CANCELLED, or the SlurmError's result
-        verb = "requeued" if order.rule.action == REQUEUE else "cancelled"
+        verb = JOB_DONE[order.rule.action]
         try:
             uids = {t.uid for t in targets}
             if self.slurm is None:
