@@ -17,11 +17,16 @@ the reset path kills the holders first), at most once per device within the rule
 reset and at most max_resets_per_hour per device in the last hour, counting the resets of every rule; one
 reset of a device at a time. A dry run counts its would-be resets the same way, apart from the real ones.
 
+A rule with action requeue or cancel decides as a kill rule does (grace period, warnings, cooldown) but orders
+Slurm's act on the jobs of its victims instead (JobOrder): each job once, whichever of its processes or rules
+ask, each job one act toward max_kills_per_cycle, none again within the cooldown after Slurm answered; its
+victims of no Slurm job are left running and reported once while they live.
+
 A dry run decides the same, with one would-kill per episode: a subject that goes on violating is not announced
 again every cooldown; when it stops (the process ended, or a condition no longer holds), a Left event says so
 and why. Enforcing is unchanged: after a kill's cooldown a subject still violating is killed again.
 
-This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder,
+This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder, JobOrder,
 ResetOrder, Left) that
 the runner (runner.py) carries out, and the clock is injected, so all of it is tested without waiting. With match: all
 the duration windows are kept only while the rule's conditions without a duration hold, so a window measures

@@ -5,11 +5,11 @@ Pure: no audit trail, no bus, no clock. The runner hands in the event with the h
 writes, emits, remembers and sends what comes back as it is. One Report per engine event: a violation, a
 grace period that ended without a kill, a dry run's kill order, one process of a kill order once the kill
 path has answered, a dry run's kill order and the end of its episode (Left), a dry run's reset order, or a
-reset order once the reset path has answered (its
-GuardActionTaken has pid 0 and the device as subject; the reset path writes its own `reset` entry and
-DeviceReset signal, with the rule). Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the
-recent
-events and the notices say the same.
+reset order once the reset path has answered (its GuardActionTaken has pid 0 and the device as subject; the
+reset path writes its own `reset` entry and DeviceReset signal, with the rule); a dry run's requeue or cancel
+order, one job of such an order once Slurm has answered (guard-slurm, guard-slurm-refused), or its processes of
+no Slurm job. Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the recent events
+and the notices say the same.
 """
 
 from __future__ import annotations
