@@ -21,6 +21,11 @@ class Outcome(StrEnum):
     RESET = "reset"  # a Guard reset rule's device was reset (a refusal is the reset path's result instead)
     WOULD_RESET = "would-reset"  # a dry run's reset: nothing was done
     OVER_CAP = "over-cap"  # a Guard kill whose kill_scope takes more processes than max_kills_per_cycle: none
+    REQUEUED = "requeued"  # a Guard requeue rule's Slurm job was requeued (scontrol requeue)
+    JOB_CANCELLED = "job-cancelled"  # a Guard cancel rule's Slurm job was cancelled (scancel)
+    WOULD_REQUEUE = "would-requeue"  # a dry run's requeue: Slurm was not asked
+    WOULD_CANCEL = "would-cancel"  # a dry run's cancel: Slurm was not asked
+    NOT_A_JOB = "not-a-slurm-job"  # a requeue or cancel rule's process belongs to no Slurm job: left running
 
     @property
     def text(self) -> str:
@@ -42,6 +47,11 @@ _TEXT = {
     Outcome.RESET: "reset",
     Outcome.WOULD_RESET: "would be reset",
     Outcome.OVER_CAP: "not stopped: its kill_scope takes more processes than max_kills_per_cycle",
+    Outcome.REQUEUED: "requeued",
+    Outcome.JOB_CANCELLED: "cancelled",
+    Outcome.WOULD_REQUEUE: "would requeue",
+    Outcome.WOULD_CANCEL: "would cancel",
+    Outcome.NOT_A_JOB: "left running: not a Slurm job's process",
 }
 SIGNALLED = frozenset({Outcome.TERMINATED, Outcome.KILLED, Outcome.STILL_ALIVE})
 

@@ -5,7 +5,8 @@ A rule looks at subjects of its scope: each process (per_process), each user wit
 its members' processes (per_group). Its conditions combine with AND unless it says `match: any`. A condition
 is about the subject (SUBJECT), or, in per_user, per_device and per_group scopes, about a process (SELECTOR):
 then it picks which of the subject's processes the rule counts and may kill. When the
-rule holds for a subject, its action is taken: kill, notify, log or (per_device only) reset the device.
+rule holds for a subject, its action is taken: kill, notify, log, (per_device only) reset the device, or requeue
+or cancel the Slurm job of the subject's processes.
 Descriptions are prose for humans and never change what a rule does.
 
 Which condition types exist, and what each means in each scope, is gpukill.condition_types; reading these
@@ -26,7 +27,26 @@ PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP = "per_process", "per_user", "per_d
 SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP)
 KILL = "kill"  # stop the subject's processes through the kill path, after the rule's grace period
 RESET = "reset"  # reset the device (scope per_device): its holders are killed first only with force
-ACTIONS = (KILL, "notify", "log", RESET)
+# Ask Slurm to requeue (scontrol requeue) or cancel (scancel) the job of the subject's processes, after the
+# rule's grace period; a process of no Slurm job is left running
+REQUEUE, CANCEL = "requeue", "cancel"
+ACTIONS = (KILL, "notify", "log", RESET, REQUEUE, CANCEL)
+SLURM_ACTIONS = (REQUEUE, CANCEL)
+JOB_DONE = {REQUEUE: "requeued", CANCEL: "cancelled"}  # what a requeue or cancel rule did to a job, in words
+STOPPING_ACTIONS = (KILL, *SLURM_ACTIONS)
+
+
+def stops_subject(action: str) -> bool:
+    """Whether the action ends the subject's processes (kill, requeue, cancel): such a rule gives the subject its
+    grace period and warnings, counts toward max_kills_per_cycle and cools down after it acts."""
+    return action in STOPPING_ACTIONS
+
+
+def through_slurm(action: str) -> bool:
+    """Whether the action is carried out by Slurm on the process's job rather than by signalling processes."""
+    return action in SLURM_ACTIONS
+
+
 # A reset rule's defaults: at most one reset of a device per cooldown, and a few per hour, whatever the rule says
 # of its conditions: a device that a reset does not heal must not be reset over and over.
 RESET_COOLDOWN = 600.0
@@ -95,7 +115,7 @@ class Rule:
     scope: str  # one of SCOPES
     action: str  # one of ACTIONS
     force: bool  # kill: SIGKILL after kill_grace if SIGTERM did not do it; reset: kill the device's holders first
-    grace_period: float  # seconds a violating subject has to come back under before a kill
+    grace_period: float  # seconds a violating subject has to come back under before a kill (requeue, cancel)
     kill_grace: float | None  # None: the policy's kill_grace
     notify: tuple[str, ...] | None  # None: the policy's default targets
     exemptions: Exemptions
@@ -103,8 +123,8 @@ class Rule:
     # Action reset only: no second reset of the device within the cooldown after one, at most so many an hour.
     cooldown: float = RESET_COOLDOWN
     max_resets_per_hour: int = MAX_RESETS_PER_HOUR
-    # Action kill with a grace period only: when to warn, as seconds before the grace ends, largest first
-    # (`at_start` is the grace period itself). Empty: the violation's notice is the one warning.
+    # Actions kill, requeue and cancel with a grace period only: when to warn, as seconds before the grace ends,
+    # largest first (`at_start` is the grace period itself). Empty: the violation's notice is the one warning.
     warn: tuple[float, ...] = ()
     # Action kill only: what one kill of a process takes with it (records.reclaim.KILL_SCOPES). "tree": its descendants
     # on a GPU

@@ -75,6 +75,12 @@ GUARD_WARNING = EventKind("guard-warning", "d5df35b8c04443b084bf229937149750", s
 # GPUKILL_GRANTED (seconds), GPUKILL_DEADLINE (seconds since the epoch), GPUKILL_POSTPONE_REASON (the caller's
 # text, bounded).
 GUARD_POSTPONE = EventKind("guard-postpone", "2118e4eff5d5458e8990b54efa3d9bf7", syslog.LOG_NOTICE)
+# A requeue or cancel rule's act on a Slurm job, through Slurm's own commands: GPUKILL_SLURM_JOB, GPUKILL_RESULT
+# ("requeued", "job-cancelled"), GPUKILL_SLURM_MESSAGE (what Slurm said), GPUKILL_TARGET_PIDS, GPUKILL_RULE.
+GUARD_SLURM = EventKind("guard-slurm", "2d8d077fea2a49819ce4d701cc8ca928", syslog.LOG_NOTICE)
+# The same act not done: refused before Slurm was asked (not requeueable, another user's job), Slurm failed or is
+# absent, or the process belongs to no Slurm job and is left running (GPUKILL_RESULT, GPUKILL_ERROR).
+GUARD_SLURM_REFUSED = EventKind("guard-slurm-refused", "2090ee9e97784f7f9aba2c79755f1c6b", syslog.LOG_WARNING)
 # A managed user, group or GPU policy (a file in guard.d) set, removed or imported, or a change refused:
 # GPUKILL_OPERATION, GPUKILL_POLICY_KIND, GPUKILL_POLICY_TARGET, GPUKILL_FILE, GPUKILL_CALLER_UID.
 GUARD_MANAGED_POLICY = EventKind("guard-managed-policy", "783a2a0d13b04cf29e6839828e63aeca", syslog.LOG_NOTICE)
@@ -114,6 +120,8 @@ ALL_KINDS = (
     GUARD_NOTICE,
     GUARD_MANAGED_POLICY,
     GUARD_POSTPONE,
+    GUARD_SLURM,
+    GUARD_SLURM_REFUSED,
     AUDIT_SETTINGS,
     USAGE,
     WRITE_FAILED,

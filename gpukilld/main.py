@@ -36,6 +36,7 @@ from .access.refusals import RefusalLog
 from .access.visibility import ProcRules, read_proc_rules
 from .acts.actions import Actions, KillResult
 from .acts.killer import Killer
+from .acts.slurm import Slurm
 from .audit_settings import AuditSettingsKeeper, dropin_path
 from .backends import Backend
 from .backends.registry import build_backends
@@ -339,6 +340,7 @@ class Daemon:
             proc_root=self.config.proc_root,
             kill_workload=self.actions.kill_workload,
             ask_to_save=self.actions.ask_to_save,
+            slurm=Slurm(),
         )
         # a kill's checkpoint wait is capped by the policy in force (max_checkpoint_wait), Guard's or a manual one
         self.actions.checkpoints.cap = lambda: self.guard.policy.settings.max_checkpoint_wait

@@ -270,7 +270,7 @@ BROKEN = [
             "type: exe\noperator: '=='\nvalue: x", action="notify", rule_extra="notify: [journal]\ngrace_period: 30s"
         ),
         "5:5",
-        "grace_period applies only to action kill",
+        "grace_period applies only to actions kill, requeue and cancel",
     ),
     (
         "user_memory without per_user",
@@ -349,7 +349,7 @@ BROKEN = [
         "rules:\n  - name: r\n    action: kill\n    scope: per_user\n    conditions:\n"
         "      - {type: process_name, operator: '==', value: x}\n",
         "2:5",
-        "would kill every selected process",
+        "with action kill it would stop every selected process",
     ),
 ]
 

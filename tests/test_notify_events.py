@@ -29,6 +29,17 @@ def test_a_cancelled_grace_closes_the_users_countdown_in_place():
     assert "nothing was stopped" in closed.body and n.tick(3.0) == []
 
 
+def test_a_requeue_rules_grace_counts_down_to_slurms_act_and_closes_with_the_job():
+    n = Narrator(Audience(ME))
+    requeue = PolicyViolated(
+        "idle", "PID 42 (x)", "requeue", False, ViolationDetails("per_process", "idle", 30.0, ME, (42,), WALL)
+    )
+    (opened,) = n.on_event(requeue, 0.0, WALL)
+    assert opened.urgency == CRITICAL and "Slurm is asked to requeue its job in 30s" in opened.body
+    (done,) = n.on_event(GuardActionTaken("idle", "PID 42 (x)", "requeue", 42, 5, "requeued", False), 1.0, WALL)
+    assert done.key == opened.key and done.step is Step.CLOSE and "PID 42 requeued." in done.body
+
+
 def test_other_users_events_are_not_shown_unless_everything_is_asked():
     kill = ProcessKilled(7, 1, THEM, "x", ("GPU-0",), "terminated", 0, "user")
     for event in (kill, violated(THEM), Notification(THEM, "cap", "s", "b")):

@@ -33,6 +33,8 @@ from ..rules import (
     Exemptions,
     Postpone,
     Rule,
+    stops_subject,
+    through_slurm,
 )
 from ..units import format_duration
 from .bounds import (
@@ -293,7 +295,7 @@ class _Parser(ValueReader):
 
     def rule_action(self, node: Node, fields: Fields, label: str) -> str | None:
         if "action" not in fields:
-            self.error(node, f"{label} needs an 'action': kill, notify, log or reset")
+            self.error(node, f"{label} needs an 'action': {', '.join(ACTIONS[:-1])} or {ACTIONS[-1]}")
             return None
         action = self.string(fields["action"][1], "action")
         if action is not None and action not in ACTIONS:
@@ -302,7 +304,9 @@ class _Parser(ValueReader):
         return action
 
     def kill_settings(self, fields: Fields, action: str | None) -> _KillSettings:
-        """The keys of action kill; any of them on another action is an error."""
+        """The keys of action kill; grace_period and warn also of requeue and cancel (Slurm's own TERM, KillWait
+        and KILL stop a job: force, kill_grace and kill_scope are not theirs); any other on another action is an
+        error."""
         force = bool(self.boolean(fields["force"][1], "force")) if "force" in fields else False
         grace = 0.0
         if "grace_period" in fields:
@@ -318,9 +322,20 @@ class _Parser(ValueReader):
                 else ("force", "grace_period", "kill_grace", "warn", "kill_scope", "postpone", "checkpoint")
             ):
                 if key in fields:
-                    self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
+                    where = "actions kill, requeue and cancel" if key in ("grace_period", "warn") else "action kill"
+                    self.error(fields[key][0], f"{key} applies only to {where}, not {action}")
+        elif action is not None and through_slurm(action):
+            for key in ("force", "kill_grace", "kill_scope", "checkpoint"):
+                if key in fields:
+                    self.error(
+                        fields[key][0],
+                        f"{key} applies only to action kill, not {action}: Slurm stops the job its own way "
+                        "(TERM, KillWait, KILL)",
+                    )
+            if "postpone" in fields:
+                self.error(fields["postpone"][0], f"postpone applies only to action kill, not {action}")
         warn: tuple[float, ...] = ()
-        if "warn" in fields and action == KILL:
+        if "warn" in fields and action is not None and stops_subject(action):
             warn = self.warn_schedule(fields["warn"][1], grace, fields["warn"][0] if not grace else None)
         postpone = None
         if "postpone" in fields and action == KILL:
@@ -461,11 +476,17 @@ class _Parser(ValueReader):
     def check_kill_selects_some(
         self, node: Node, label: str, scope: str, action: str | None, conditions: list[Condition]
     ) -> None:
-        if conditions and scope != PER_PROCESS and all(c.role == SELECTOR for c in conditions) and action == KILL:
+        if (
+            conditions
+            and scope != PER_PROCESS
+            and all(c.role == SELECTOR for c in conditions)
+            and action is not None
+            and stops_subject(action)
+        ):
             self.error(
                 node,
-                f"{label} in scope {scope} has only process conditions: with action kill it would "
-                f"kill every selected process; add a {scope.removeprefix('per_')} condition or use "
+                f"{label} in scope {scope} has only process conditions: with action {action} it would "
+                f"stop every selected process; add a {scope.removeprefix('per_')} condition or use "
                 "scope per_process",
             )
 

@@ -382,7 +382,7 @@ def _notification_counts(c: NotificationCounters) -> str:
 
 
 def _decision_row(d: Decision) -> list[str]:
-    from gpukill.rules import KILL, RESET  # here: the listing path imports this module, and not the rules
+    from gpukill.rules import RESET, stops_subject  # here: the listing path imports this module, and not the rules
 
     if d.status == "now":
         when = "now"
@@ -391,7 +391,7 @@ def _decision_row(d: Decision) -> list[str]:
     else:
         when = d.status
     pids = ", ".join(map(str, d.pids)) or "-"
-    if d.action == KILL:
+    if stops_subject(d.action):  # kill, requeue or cancel: the processes concerned (the reason names the jobs)
         what = f"{d.action} {pids}"
     elif d.action == RESET and d.pids:  # force: its holders are killed first
         what = f"kill {pids}, reset"

@@ -36,7 +36,7 @@ from gpukill.records.signals import (
     PolicyViolated,
     ProcessKilled,
 )
-from gpukill.rules import KILL
+from gpukill.rules import KILL, stops_subject, through_slurm
 from gpukill.text import shown
 from gpukill.units import format_duration
 
@@ -88,6 +88,7 @@ class Slot:
     subject: str
     reason: str
     deadline: float | None  # monotonic time the grace ends, for a kill that waits; None: no countdown
+    action: str = KILL  # the rule's: kill, or requeue or cancel (Slurm acts on the job)
     shown_seconds: int = -1  # the time left the notification says now
     outcomes: list[str] = field(default_factory=list)  # one line per process the rule's kill ended
     closed_at: float | None = None
@@ -189,16 +190,16 @@ class Narrator:
         if not self.audience.concerns(d.uid) or v.action == "log":  # a log rule is meant to be quiet
             return []
         key = _slot_key(v.rule, v.subject)
-        waits = v.action == KILL and not v.dry_run
+        waits = stops_subject(v.action) and not v.dry_run
         left = max(0.0, d.grace - max(0.0, wall - d.time)) if d.time else d.grace
-        slot = Slot(v.rule, v.subject, d.reason, now + left if waits else None)
+        slot = Slot(v.rule, v.subject, d.reason, now + left if waits else None, v.action)
         self.slots[key] = slot
         self.slots.move_to_end(key)
         _trim(self.slots)
         self.rule_shown[v.rule] = now
         if waits:
             return [self._countdown(slot, now, Step.OPEN)]
-        if v.action == KILL:  # a dry run: nothing will be signalled
+        if stops_subject(v.action):  # a dry run: nothing will be signalled
             return [
                 Toast(
                     f"Dry run: Guard would stop {v.subject}",
@@ -217,6 +218,11 @@ class Narrator:
         if seconds:
             summary = f"{slot.subject} will be stopped in {format_duration(seconds)}"
             then = f"It gets SIGTERM in {format_duration(seconds)} unless it comes back within the rule."
+            if through_slurm(slot.action):
+                then = (
+                    f"Slurm is asked to {slot.action} its job in {format_duration(seconds)} unless it comes back "
+                    "within the rule."
+                )
         else:
             summary = f"{slot.subject} is being stopped"
             then = "Its grace period is over: it is being stopped now."

@@ -17,11 +17,16 @@ the reset path kills the holders first), at most once per device within the rule
 reset and at most max_resets_per_hour per device in the last hour, counting the resets of every rule; one
 reset of a device at a time. A dry run counts its would-be resets the same way, apart from the real ones.
 
+A rule with action requeue or cancel decides as a kill rule does (grace period, warnings, cooldown) but orders
+Slurm's act on the jobs of its victims instead (JobOrder): each job once, whichever of its processes or rules
+ask, each job one act toward max_kills_per_cycle, none again within the cooldown after Slurm answered; its
+victims of no Slurm job are left running and reported once while they live.
+
 A dry run decides the same, with one would-kill per episode: a subject that goes on violating is not announced
 again every cooldown; when it stops (the process ended, or a condition no longer holds), a Left event says so
 and why. Enforcing is unchanged: after a kill's cooldown a subject still violating is killed again.
 
-This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder,
+This module decides and never acts: evaluate() returns events (Violation, GraceCancelled, KillOrder, JobOrder,
 ResetOrder, Left) that
 the runner (runner.py) carries out, and the clock is injected, so all of it is tested without waiting. With match: all
 the duration windows are kept only while the rule's conditions without a duration hold, so a window measures
@@ -38,6 +43,7 @@ they are never chosen as victims and never counted in a user's, a group's or a d
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -48,7 +54,7 @@ from gpukill.errors import Protected
 from gpukill.outcome import SIGNALLED, Outcome, result_text
 from gpukill.records.guard import NOT_MET
 from gpukill.records.reclaim import KILL_PROCESS, KILL_TREE
-from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, Policy, Rule
+from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, Policy, Rule, stops_subject, through_slurm
 from gpukill.units import format_duration
 
 from ..acts.reclaim import remember_tree
@@ -98,10 +104,13 @@ class Target:
     gpu_memory: int | None
     gpu_utilization: float | None
     unit: str = ""  # its systemd unit, "" where none is known
+    slurm_job: str = ""  # its Slurm job's id, "" if none
 
     @classmethod
     def of(cls, p: ProcView) -> Target:
-        return cls(p.pid, p.start_time, p.uid, p.user, p.comm, p.gpu_memory, p.gpu_utilization, p.unit or "")
+        return cls(
+            p.pid, p.start_time, p.uid, p.user, p.comm, p.gpu_memory, p.gpu_utilization, p.unit or "", p.slurm_job
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +175,17 @@ def scoped_text(scoped: Scoped, results: dict[ProcKey, tuple[str, str]] | None =
     return "; ".join(parts)
 
 
+def job_verb(action: str) -> str:
+    """What a requeue or cancel rule does to a job, as a verb: "requeues", "cancels"."""
+    return f"{action}s"
+
+
+def unattached_text(action: str, targets: Iterable[Target]) -> str:
+    """Why a requeue or cancel rule leaves processes running: they belong to no Slurm job."""
+    pids = ", ".join(f"PID {t.pid} ({t.comm})" for t in targets)
+    return f"not a Slurm job's process: action {action} does nothing to {pids}, left running"
+
+
 def too_large_text(rule: Rule, needed: int, cap: int) -> str:
     """Why a victim whose kill_scope is larger than the per-cycle cap is never stopped."""
     return (
@@ -206,6 +226,23 @@ class KillOverCap:
     target: Target
     needed: int
     cap: int
+    reason: str
+    reason_for_others: str = ""  # as Violation's
+
+
+@dataclass(frozen=True, slots=True)
+class JobOrder:
+    """Ask Slurm to requeue or cancel jobs (actions requeue and cancel): each job once, with the subject's
+    processes of it that the rule stops; and the subject's processes of no Slurm job, which the action leaves
+    running (reported once while they live)."""
+
+    rule: Rule
+    subject: str
+    subject_key: Any
+    uid: int | None
+    jobs: tuple[tuple[str, tuple[Target, ...]], ...]  # (job id, its processes), one act each toward the cap
+    unattached: tuple[Target, ...]
+    dry_run: bool
     reason: str
     reason_for_others: str = ""  # as Violation's
 
@@ -256,16 +293,16 @@ class Postponed:
         return self.granted <= 0
 
 
-Event = Violation | GraceWarning | GraceCancelled | KillOrder | KillOverCap | ResetOrder | Left
+Event = Violation | GraceWarning | GraceCancelled | KillOrder | KillOverCap | JobOrder | ResetOrder | Left
 
 
 @dataclass(slots=True)
 class RuleStats:
     triggers: int = 0  # violations (a subject starting to violate the rule)
-    kills: int = 0  # processes signalled
-    would_kill: int = 0  # processes a dry run would have signalled
+    kills: int = 0  # processes signalled, and jobs requeued or cancelled through Slurm
+    would_kill: int = 0  # processes a dry run would have signalled, jobs it would have requeued or cancelled
     cancelled: int = 0  # violations that ended within the grace period
-    failed: int = 0  # kills the kill path refused (protected, gone, PID reused); resets refused or failed
+    failed: int = 0  # kills the kill path refused (protected, gone, PID reused); resets and job acts refused or failed
     last_triggered: float = 0.0  # wall clock
     resets: int = 0  # devices reset
     would_reset: int = 0  # resets a dry run would have made
@@ -331,6 +368,8 @@ class RuleState:
     # over: mean conditions: condition index -> key -> the mean of its window. Not saved across a restart: a
     # restored window of such a condition starts again (a mean of samples the new daemon did not see is none).
     means: dict[int, dict[Any, WindowMean]] = field(default_factory=dict)
+    # Actions requeue and cancel: processes of no Slurm job already reported as left running (once while they live)
+    unattached: set[ProcKey] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,8 +390,9 @@ class Preview:
 
 
 def grace_of(rule: Rule) -> float:
-    """The grace period a violation of the rule starts: a kill rule's; no other action waits for one."""
-    return rule.grace_period if rule.action == KILL else 0.0
+    """The grace period a violation of the rule starts: a kill, requeue or cancel rule's; no other action waits
+    for one."""
+    return rule.grace_period if stops_subject(rule.action) else 0.0
 
 
 def act_wait(
@@ -399,6 +439,11 @@ class Engine:
         self.resets: dict[str, list[float]] = {}
         self.dry_resets: dict[str, list[float]] = {}
         self.resetting: set[str] = set()
+        # Slurm job id -> monotonic time until which no rule acts on the job again (requeue, cancel): infinite
+        # while Slurm is being asked, then the cooldown; a dry run's apart. One act per job, whichever process
+        # or rule asked for it.
+        self.jobs: dict[str, float] = {}
+        self.dry_jobs: dict[str, float] = {}
         self.policy = EMPTY_POLICY
         self.states: list[RuleState] = []
         self.last_eval_seconds = 0.0
@@ -455,6 +500,9 @@ class Engine:
         procs = list(self._views.values())
         if self.refused:
             self.refused &= self._views.keys()
+        for jobs in (self.jobs, self.dry_jobs):
+            for job in [j for j, until in jobs.items() if until <= now]:
+                del jobs[job]
         cycle = Cycle(procs, snapshot.devices, self.own_pid, self.protection)
         events: list[Event] = []
         kills_left = self.policy.settings.max_kills_per_cycle
@@ -624,7 +672,7 @@ class Engine:
                 self.clocks_changed = True
                 stats.triggers += 1
                 stats.last_triggered = wall
-                if rule.action == KILL:
+                if stops_subject(rule.action):
                     concerned = st.compiled.victims(s, self._going, self._refused)
                     ep.targets = tuple(Target.of(p) for p in concerned)
                 else:
@@ -644,11 +692,11 @@ class Engine:
             if rule.action == RESET:
                 self._reset(st, s, now, dry_run, cycle, events)  # type: ignore[arg-type]  # per_device only
                 continue
-            if rule.action == KILL and not ep.acted and now < ep.grace_until:
+            if stops_subject(rule.action) and not ep.acted and now < ep.grace_until:
                 ep.members = frozenset((s.key,) if isinstance(s, ProcView) else (p.key for p in s.procs))
-            if rule.action == KILL and rule.warn and not ep.acted and now < ep.grace_until:
+            if stops_subject(rule.action) and rule.warn and not ep.acted and now < ep.grace_until:
                 self._warn(st, s, ep, now, events)
-            if rule.action != KILL or st.in_flight.get(key):
+            if not stops_subject(rule.action) or st.in_flight.get(key):
                 continue
             if dry_run and ep.acted:
                 continue  # one would-kill per episode: the journal hears again when the subject leaves
@@ -656,6 +704,9 @@ class Engine:
             if act_wait(rule, ep.grace_until, cooldown.get(key, 0.0), now) > 0:
                 continue
             victims = st.compiled.victims(s, self._going, self._refused)
+            if through_slurm(rule.action):
+                kills_left = self._order_jobs(st, s, ep, victims, kills_left, now, dry_run, events)
+                continue
             plan = self._plan(st, victims, kills_left, cycle)  # the cap holds the rest for the next cycle
             if not plan:
                 if victims and not ep.over_cap and (needed := self.scope_too_large(st, victims[0], cycle)):
@@ -705,16 +756,72 @@ class Engine:
         for key in ended:
             ep = st.episodes.pop(key)
             self.clocks_changed = True
-            if rule.action == KILL and not ep.acted:
+            if stops_subject(rule.action) and not ep.acted:
                 stats.cancelled += 1
                 events.append(GraceCancelled(rule, ep.label, key, ep.uid))
-            elif rule.action == KILL and dry_run:
+            elif stops_subject(rule.action) and dry_run:
                 events.append(Left(rule, ep.label, key, ep.uid, self._left_why(st, by_key.get(key), now)))
         for cooldowns in (st.cooldown, st.dry_cooldown):
             for key in [k for k, until in cooldowns.items() if until <= now]:
                 del cooldowns[key]
                 self.clocks_changed = True
         return kills_left
+
+    def _order_jobs(
+        self,
+        st: RuleState,
+        s: Subject,
+        ep: Episode,
+        victims: list[ProcView],
+        room: int,
+        now: float,
+        dry_run: bool,
+        events: list[Event],
+    ) -> int:
+        """A requeue or cancel rule's act on a subject: the Slurm jobs of its victims, each once and each one act
+        toward the per-cycle cap (`room`; a job acted on lately, or one over the cap, waits), and its victims of
+        no Slurm job, reported once as left running. The cap left after it."""
+        rule, settings = st.rule, self.policy.settings
+        st.unattached &= self._views.keys()
+        busy = self.dry_jobs if dry_run else self.jobs
+        by_job: dict[str, list[Target]] = {}
+        unattached = []
+        for v in victims:
+            if not v.slurm_job:
+                if v.key not in st.unattached:
+                    unattached.append(Target.of(v))
+            elif v.slurm_job not in busy:
+                by_job.setdefault(v.slurm_job, []).append(Target.of(v))
+        jobs = tuple((job, tuple(targets)) for job, targets in by_job.items())[: max(room, 0)]
+        if not jobs and not unattached:
+            return room
+        st.unattached.update((t.pid, t.start_time) for t in unattached)
+        ep.acted = True  # decided: no cancelled grace is reported when the subject leaves
+        self.clocks_changed = True
+        if jobs:
+            for job, _ in jobs:
+                busy[job] = now + settings.cooldown if dry_run else math.inf
+            if dry_run:
+                self.stats[rule.name].would_kill += len(jobs)
+                st.dry_cooldown[s.key] = now + settings.cooldown
+            else:
+                keys = {(t.pid, t.start_time) for _, targets in jobs for t in targets}
+                st.in_flight[s.key] = keys
+                self.busy |= keys
+        events.append(
+            JobOrder(
+                rule,
+                s.label,
+                s.key,
+                ep.uid,
+                jobs,
+                tuple(unattached),
+                dry_run,
+                self._reason(st, s),
+                self._reason(st, s, for_others=True),
+            )
+        )
+        return room - len(jobs)
 
     def _plan(self, st: RuleState, victims: list[ProcView], room: int, cycle: Cycle) -> list[tuple[ProcView, Scoped]]:
         """The victims to stop now, each with what the rule's kill_scope adds to it, within `room` kills (the
@@ -928,6 +1035,27 @@ class Engine:
         else:
             stats.failed += 1
 
+    def job_finished(self, order: JobOrder, job: str, acted: bool) -> None:
+        """Slurm's answer for one job of an order (acted: requeued or cancelled; else refused or failed): frees
+        its processes, starts the job's cooldown and, with the order's last job, the subject's."""
+        now = self.clock.monotonic()
+        self.jobs[job] = now + self.policy.settings.cooldown
+        stats = self.stats.setdefault(order.rule.name, RuleStats())
+        if acted:
+            stats.kills += 1
+        else:
+            stats.failed += 1
+        keys = {(t.pid, t.start_time) for j, targets in order.jobs if j == job for t in targets}
+        self.busy -= keys
+        st = next((s for s in self.states if s.rule.name == order.rule.name), None)
+        pending = st.in_flight.get(order.subject_key) if st is not None else None
+        if st is not None and pending is not None:
+            pending -= keys
+            if not pending:
+                del st.in_flight[order.subject_key]
+                st.cooldown[order.subject_key] = now + self.policy.settings.cooldown
+                self.clocks_changed = True
+
     def kill_finished(self, order: KillOrder, target: Target, outcome: str) -> None:
         """The kill path's answer for one target of an order (an Outcome, or the result of its refusal): frees
         the subject, starts its cooldown."""
@@ -1000,7 +1128,7 @@ class Engine:
                 "postpone_reason": ep.postpone_reason,
             }
             for st in self.states
-            if st.rule.action == KILL
+            if stops_subject(st.rule.action)
             for ep in st.episodes.values()
             if not ep.acted and now < ep.grace_until
         ]
@@ -1070,7 +1198,19 @@ class Engine:
                 cycle,
             )
         reason, for_others = self._reason(st, s), self._reason(st, s, for_others=True)
-        if rule.action == KILL:
+        if through_slurm(rule.action):
+            victims = c.victims(s, self._going, self._refused)
+            pids = tuple(v.pid for v in victims)
+            status = "in-flight" if st.in_flight.get(key) else ("now" if wait <= 0 else "waiting")
+            jobs = sorted({v.slurm_job for v in victims if v.slurm_job}, key=lambda j: (len(j), j))
+            strays = [v for v in victims if not v.slurm_job]
+            if jobs:
+                reason += f"; {job_verb(rule.action)} job {', '.join(jobs)} through Slurm"
+                for_others += f"; {job_verb(rule.action)} {len(jobs)} Slurm job(s)"
+            if strays:
+                reason += "; " + unattached_text(rule.action, [Target.of(v) for v in strays])
+                for_others += f"; {len(strays)} process(es) of no Slurm job left running"
+        elif stops_subject(rule.action):
             victims = c.victims(s, self._going, self._refused)
             plan = self._plan(st, victims, self.policy.settings.max_kills_per_cycle, cycle)
             pids = tuple(pid for v, sc in plan for pid in (v.pid, *(m.pid for m in sc.members)))

@@ -5,11 +5,11 @@ Pure: no audit trail, no bus, no clock. The runner hands in the event with the h
 writes, emits, remembers and sends what comes back as it is. One Report per engine event: a violation, a
 grace period that ended without a kill, a dry run's kill order, one process of a kill order once the kill
 path has answered, a dry run's kill order and the end of its episode (Left), a dry run's reset order, or a
-reset order once the reset path has answered (its
-GuardActionTaken has pid 0 and the device as subject; the reset path writes its own `reset` entry and
-DeviceReset signal, with the rule). Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the
-recent
-events and the notices say the same.
+reset order once the reset path has answered (its GuardActionTaken has pid 0 and the device as subject; the
+reset path writes its own `reset` entry and DeviceReset signal, with the rule); a dry run's requeue or cancel
+order, one job of such an order once Slurm has answered (guard-slurm, guard-slurm-refused), or its processes of
+no Slurm job. Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the recent events
+and the notices say the same.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from gpukill.outcome import Outcome, result_text
 from gpukill.records.guard import RecentEvent
-from gpukill.rules import KILL, RESET, Rule
+from gpukill.rules import JOB_DONE, KILL, REQUEUE, RESET, Rule, stops_subject, through_slurm
 from gpukill.text import shown
 from gpukill.units import format_duration, format_size
 
@@ -27,6 +27,7 @@ from .. import journal as audit  # the event kinds (a local `journal` is an entr
 from .engine import (
     GraceCancelled,
     GraceWarning,
+    JobOrder,
     KillOrder,
     KillOverCap,
     Left,
@@ -36,6 +37,7 @@ from .engine import (
     Violation,
     scoped_text,
     too_large_text,
+    unattached_text,
 )
 from .notify import Notice
 
@@ -146,18 +148,39 @@ def ask_for_time(rule: Rule, targets: tuple[Target, ...]) -> list[str]:
     ]
 
 
+def _fate(rule: Rule, targets: tuple[Target, ...], when: str) -> str:
+    """What a kill, requeue or cancel rule does to the processes `when` ("in 2m unless it comes back under",
+    "now"): "PID 11 (python3) get SIGTERM in 2m ...", "job 42 (PID 11 (python3)) is requeued through Slurm in 2m
+    ...", with the processes of no Slurm job that a requeue or cancel leaves running."""
+    if not through_slurm(rule.action):
+        return f"{_pids(targets)} get SIGTERM {when}"
+    jobs = sorted({t.slurm_job for t in targets if t.slurm_job}, key=lambda j: (len(j), j))
+    parts = []
+    if jobs:
+        of_jobs = _pids(tuple(t for t in targets if t.slurm_job))
+        parts.append(f"job {', '.join(jobs)} (PID {of_jobs}) is {JOB_DONE[rule.action]} through Slurm {when}")
+    strays = tuple(t for t in targets if not t.slurm_job)
+    if strays:
+        parts.append(unattached_text(rule.action, strays))
+    return "; ".join(parts) or "nothing"
+
+
 def violation(ev: Violation, dry_run: bool, host: str, now: float, saving: str = "") -> Report:
     """saving: the checkpoint signals sent when the grace began, in words (acts/checkpoint.py's asked_text:
     "sent SIGUSR1 to PID 12 to save, waiting up to 2min"; in a dry run "would send ..."); "" when none was."""
     rule = ev.rule
-    dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == KILL else ""
-    if rule.action == KILL:
-        what = (
-            f"its process(es) {_pids(ev.targets)} get SIGTERM in {format_duration(rule.grace_period)} "
-            "unless it comes back under"
-            if rule.grace_period
-            else f"stopping {_pids(ev.targets)} now"
-        )
+    dry = ""
+    if dry_run and stops_subject(rule.action):
+        dry = " (dry run: nothing will be signalled)" if rule.action == KILL else " (dry run: Slurm will not be asked)"
+    if stops_subject(rule.action):
+        if rule.action != KILL:
+            when = f"in {format_duration(rule.grace_period)} unless it comes back under" if rule.grace_period else "now"
+            what = _fate(rule, ev.targets, when)
+        elif rule.grace_period:
+            what = f"its process(es) {_fate(rule, ev.targets, 'in ' + format_duration(rule.grace_period))}"
+            what += " unless it comes back under"
+        else:
+            what = f"stopping {_pids(ev.targets)} now"
     elif rule.action == RESET:
         dry = " (dry run: nothing will be reset)" if dry_run else ""
         what = _reset_plan(rule, ev.targets)
@@ -213,7 +236,7 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float, saving: str =
         ev.reason_for_others,
     )
     # With a warn schedule the violation's notice is its at_start warning: sent only if the schedule says so.
-    warned_at_start = not rule.warn or rule.action != KILL or rule.warn[0] >= rule.grace_period
+    warned_at_start = not rule.warn or not stops_subject(rule.action) or rule.warn[0] >= rule.grace_period
     return Report((Entry(journal, Violated(ev, dry_run), recent),), notice if warned_at_start else None)
 
 
@@ -221,8 +244,8 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
     """A warning of the rule's schedule: what will be stopped, when, why, and what the owner can do."""
     rule = ev.rule
     left = format_duration(max(1.0, round(ev.remaining)))
-    dry = " (dry run: nothing will be signalled)" if dry_run else ""
-    what = f"{_pids(ev.targets)} get SIGTERM in {left} unless it comes back under{dry}"
+    dry = "" if not dry_run else " (dry run: nothing will be signalled)" if rule.action == KILL else " (dry run)"
+    what = f"{_fate(rule, ev.targets, f'in {left} unless it comes back under')}{dry}"
     journal = AuditEntry(
         audit.GUARD_WARNING,
         f"Guard rule {rule.name}: warning {ev.number} of {len(rule.warn)} to {ev.subject}: {what} ({ev.reason})",
@@ -239,7 +262,7 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
             "target_uid": ev.uid,
         },
     )
-    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "warning", KILL, "", None, dry_run)
+    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "warning", rule.action, "", None, dry_run)
     notice = _notice(
         rule,
         "warning",
@@ -257,7 +280,7 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
         {
             "subject": ev.subject,
             "reason": ev.reason,
-            "action": KILL,
+            "action": rule.action,
             "dry_run": dry_run,
             "remaining": ev.remaining,
             "warning": ev.number,
@@ -286,8 +309,8 @@ def cancelled(ev: GraceCancelled, dry_run: bool, now: float) -> Report:
             "dry_run": int(dry_run),
         },
     )
-    signal = ActionTaken(ev.rule.name, ev.subject, KILL, 0, 0, outcome, dry_run)
-    recent = RecentEvent(now, ev.rule.name, ev.subject, ev.uid, "cancelled", KILL, outcome, None, dry_run)
+    signal = ActionTaken(ev.rule.name, ev.subject, ev.rule.action, 0, 0, outcome, dry_run)
+    recent = RecentEvent(now, ev.rule.name, ev.subject, ev.uid, "cancelled", ev.rule.action, outcome, None, dry_run)
     return Report((Entry(journal, signal, recent),), None)
 
 
@@ -364,7 +387,7 @@ def left(ev: Left, now: float) -> Report:
             "dry_run": 1,
         },
     )
-    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, LEFT, KILL, "", None, True)
+    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, LEFT, rule.action, "", None, True)
     return Report((Entry(journal, None, recent),), None)
 
 
@@ -601,3 +624,163 @@ def reset_done(order: ResetOrder, outcome: str, detail: str, killed: tuple[int, 
         now,
     )
     return Report((Entry(journal, signal, recent),), notice)
+
+
+# -- requeue and cancel: Slurm's acts on jobs ---------------------------------------------------------------------
+
+
+def _job_report(
+    order: JobOrder,
+    kind: audit.EventKind,
+    outcome: str,
+    job: str,
+    targets: tuple[Target, ...],
+    text: str,
+    fields: dict[str, Any],
+    host: str,
+    now: float,
+) -> tuple[Entry, GuardNotice]:
+    """One job of a requeue or cancel order (or one process of no job): `text` says what became of it, after the
+    rule's name ("requeued job 42", "would requeue job 42", "not requeued: ..."); the journal entry, the
+    GuardActionTaken (the job's first process), the recent event and the notice."""
+    rule, first = order.rule, targets[0]
+    whose = "" if order.subject in text else f" for {order.subject}"
+    journal = AuditEntry(
+        kind,
+        f"Guard rule {rule.name}: {text}{whose} ({order.reason})",
+        {
+            "action": "guard",
+            "result": outcome,
+            "rule": rule.name,
+            "rule_action": rule.action,
+            "subject": order.subject,
+            "slurm_job": job or None,
+            "target_pid": first.pid,
+            "target_start_time": first.start_time,
+            "target_pids": ",".join(str(t.pid) for t in targets),
+            "target_uid": first.uid,
+            "target_comm": first.comm,
+            "reason": order.reason,
+            **fields,
+            "dry_run": int(order.dry_run),
+        },
+    )
+    detail = f"job {job}" if job else ""
+    signal = ActionTaken(rule.name, order.subject, rule.action, first.pid, first.start_time, outcome, order.dry_run)
+    recent = RecentEvent(
+        now,
+        rule.name,
+        order.subject,
+        first.uid,
+        "action",
+        rule.action,
+        outcome,
+        first.pid,
+        order.dry_run,
+        detail=detail,
+    )
+    notice = _notice(
+        rule,
+        "action",
+        f"{rule.name}: {text}",
+        [
+            f"Host: {host}",
+            f"Rule: {rule.name}",
+            f"Subject: {order.subject}",
+            f"Why: {order.reason}",
+            f"Result: {text} ({_pids(targets)})",
+        ],
+        {
+            "subject": order.subject,
+            "reason": order.reason,
+            "action": rule.action,
+            "dry_run": order.dry_run,
+            "outcome": outcome,
+            "job": job,
+            "pids": [t.pid for t in targets],
+            "uid": first.uid,
+        },
+        host,
+        now,
+        order.reason_for_others,
+    )
+    return Entry(journal, signal, recent), notice
+
+
+def _unattached(order: JobOrder, host: str, now: float) -> list[tuple[Entry, GuardNotice]]:
+    """The order's processes of no Slurm job: left running, each said once while it lives."""
+    return [
+        _job_report(
+            order,
+            audit.GUARD_SLURM_REFUSED,
+            Outcome.NOT_A_JOB,
+            "",
+            (t,),
+            f"PID {t.pid} ({t.comm}, user {t.user}) {Outcome.NOT_A_JOB.text}",
+            {"error": unattached_text(order.rule.action, (t,))},
+            host,
+            now,
+        )
+        for t in order.unattached
+    ]
+
+
+def _joined(order: JobOrder, parts: list[tuple[Entry, GuardNotice]]) -> Report:
+    """One report for an order's entries, with one notice: the first's, or theirs together."""
+    if not parts:
+        return Report((), None)
+    notice = parts[0][1]
+    if len(parts) > 1:
+        lines = "".join("Result: " + n.body.split("Result: ", 1)[1] for _, n in parts[1:])
+        others = "".join("Result: " + n.body_for_others.split("Result: ", 1)[1] for _, n in parts[1:])
+        notice = GuardNotice(
+            notice.event,
+            notice.rule,
+            notice.subject,
+            f"{order.rule.name}: {len(parts)} results for {shown(order.subject)}",
+            notice.body + lines,
+            notice.data,
+            notice.body_for_others + others,
+        )
+    return Report(tuple(e for e, _ in parts), notice)
+
+
+def would_act_on_jobs(order: JobOrder, host: str, now: float) -> Report:
+    """A dry run's requeue or cancel order: "would requeue job 42" for each job (Slurm is not asked), and each
+    process of no job left running."""
+    outcome = Outcome.WOULD_REQUEUE if order.rule.action == REQUEUE else Outcome.WOULD_CANCEL
+    parts = [
+        _job_report(
+            order,
+            audit.GUARD_DRY_RUN,
+            outcome,
+            job,
+            targets,
+            f"{outcome.text} job {job} (dry run: Slurm was not asked)",
+            {},
+            host,
+            now,
+        )
+        for job, targets in order.jobs
+    ]
+    return _joined(order, parts + _unattached(order, host, now))
+
+
+def unattached(order: JobOrder, host: str, now: float) -> Report:
+    """An enforcing order's processes of no Slurm job, reported when the order is taken."""
+    return _joined(order, _unattached(order, host, now))
+
+
+def job_done(order: JobOrder, job: str, outcome: str, message: str, error: str, host: str, now: float) -> Report:
+    """One job of an order once Slurm answered: Outcome.REQUEUED or JOB_CANCELLED with what Slurm said, or a
+    refusal's or failure's result (slurm.SlurmError's) with its message."""
+    targets = next(t for j, t in order.jobs if j == job)
+    if outcome in (Outcome.REQUEUED, Outcome.JOB_CANCELLED):
+        text, kind = f"{Outcome(outcome).text} job {job}", audit.GUARD_SLURM
+    else:
+        verb = JOB_DONE[order.rule.action]
+        text, kind = f"job {job} not {verb}: {error or outcome}", audit.GUARD_SLURM_REFUSED
+        if error.startswith(f"job {job} "):  # Slurm's refusal already says which job and what was not done
+            text = error
+    fields = {"slurm_message": message or None, "error": error or None}
+    return _joined(order, [_job_report(order, kind, outcome, job, targets, text, fields, host, now)])

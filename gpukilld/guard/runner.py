@@ -5,8 +5,10 @@ Also where the policy in force is swapped.
 The guard never signals by itself: every kill goes through Actions.kill with initiator "guard:RULE", which
 pins the process with a pidfd, refuses protected processes and audits; every reset (action reset) through
 Actions.reset with the rule, which checks the device can be reset, refuses while processes hold it unless
-the rule says force (then kills them through the kill path first) and audits. Kills run as asyncio tasks, so the
-evaluation of the next snapshot never waits for a grace period; a dry run never calls the kill path at all.
+the rule says force (then kills them through the kill path first) and audits; every requeue or cancel of a
+Slurm job through acts/slurm.py (Slurm's own scontrol requeue and scancel), once per job. Kills and Slurm's
+commands run as asyncio tasks, so the evaluation of the next snapshot never waits for a grace period or for
+Slurm; a dry run never calls the kill path, nor Slurm, at all.
 Nothing here may raise into the daemon: a failure is logged and audited, and the daemon goes on.
 """
 
@@ -37,13 +39,14 @@ from gpukill.records.guard import (
     Window,
 )
 from gpukill.records.reclaim import KILL_TREE
-from gpukill.rules import EMPTY_POLICY, KILL, Policy, Rule
+from gpukill.rules import EMPTY_POLICY, JOB_DONE, KILL, REQUEUE, Policy, Rule, stops_subject
 from gpukill.text import shown
 from gpukill.units import format_duration
 
 from .. import journal
 from ..acts.checkpoint import Asked, asked_text
 from ..acts.selection import Selection
+from ..acts.slurm import FAILED, NOT_INSTALLED, NOT_THE_OWNER, Slurm, SlurmError
 from ..config import Config
 from ..files import WriteWatch
 from ..model import Snapshot
@@ -56,6 +59,7 @@ from .engine import (
     Event,
     GraceCancelled,
     GraceWarning,
+    JobOrder,
     KillOrder,
     KillOverCap,
     Left,
@@ -144,12 +148,14 @@ class GuardRunner:
         proc_root: str = "/proc",
         kill_workload: WorkloadPath | None = None,
         ask_to_save: AskPath | None = None,
+        slurm: Slurm | None = None,
     ) -> None:
         self.kill = kill
         # Actions.ask_to_save: a kill rule's checkpoint signals at the start of its grace, and its kills' checkpoint
         # step; None: a runner without them (its kills are called as before, with no checkpoint option)
         self.ask_to_save = ask_to_save
         self._asked: dict[tuple[int, int], Asked] = {}  # sent at a grace's start, awaited by its kill
+        self.slurm = slurm  # Slurm's commands, for rules with action requeue or cancel; None: such acts are refused
         # Actions.kill_workload, for rules with kill_scope tree or unit; None: such a rule kills its target alone
         self.kill_workload = kill_workload
         self.reset = reset  # None: resets are refused as not supported (a runner without a reset path)
@@ -478,7 +484,7 @@ class GuardRunner:
                 self._start(self._violation_asking(event, dry_run, host, now))
             else:
                 self._publish(event.rule, report.violation(event, dry_run, host, now))
-            if event.rule.action == KILL and event.rule.grace_period and not dry_run:
+            if stops_subject(event.rule.action) and event.rule.grace_period and not dry_run:
                 self._reclaim_pending(event.rule, event.targets, event.at + event.rule.grace_period)
         elif isinstance(event, GraceWarning):
             self._publish(event.rule, report.warning(event, dry_run, host, now))
@@ -493,6 +499,16 @@ class GuardRunner:
                 self._publish(event.rule, report.would_reset(event, host, now))
             else:
                 task = asyncio.get_running_loop().create_task(self._reset(event))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        elif isinstance(event, JobOrder):
+            if event.dry_run:
+                self._publish(event.rule, report.would_act_on_jobs(event, host, now))
+                return
+            if event.unattached:
+                self._publish(event.rule, report.unattached(event, host, now))
+            for job, _ in event.jobs:
+                task = asyncio.get_running_loop().create_task(self._act_on_job(event, job))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         elif isinstance(event, KillOrder):
@@ -611,6 +627,36 @@ class GuardRunner:
             self._save_soon()
         except Exception:
             log.exception("guard could not report the kill of PID %d", t.pid)
+
+    async def _act_on_job(self, order: JobOrder, job: str) -> None:
+        """Ask Slurm to requeue or cancel one job of the order, as the job of its processes' owner."""
+        targets = dict(order.jobs)[job]
+        message = error = ""
+        outcome: str  # Outcome.REQUEUED or JOB_CANCELLED, or the SlurmError's result
+        verb = JOB_DONE[order.rule.action]
+        try:
+            uids = {t.uid for t in targets}
+            if self.slurm is None:
+                raise SlurmError(NOT_INSTALLED, f"this daemon has no Slurm path for Guard: job {job} not {verb}")
+            if len(uids) != 1:
+                raise SlurmError(NOT_THE_OWNER, f"job {job}'s processes belong to several users: not {verb}")
+            if order.rule.action == REQUEUE:
+                message, outcome = await self.slurm.requeue(job, uids.pop()), Outcome.REQUEUED
+            else:
+                message, outcome = await self.slurm.cancel(job, uids.pop()), Outcome.JOB_CANCELLED
+        except SlurmError as e:
+            outcome, error = e.result, str(e)
+        except Exception as e:
+            log.exception("guard %s of Slurm job %s failed", order.rule.action, job)
+            outcome, error = FAILED, f"{type(e).__name__}: {e}"
+        try:
+            self.engine.job_finished(order, job, outcome in (Outcome.REQUEUED, Outcome.JOB_CANCELLED))
+            self._publish(
+                order.rule, report.job_done(order, job, outcome, message, error, self._host, self.clock.wall())
+            )
+            self._save_soon()
+        except Exception:
+            log.exception("guard could not report the %s of Slurm job %s", order.rule.action, job)
 
     async def _reset(self, order: ResetOrder) -> None:
         killed: tuple[int, ...] = ()

@@ -48,6 +48,7 @@ def proc(
     system_unit: str | None = None,
     container: str | None = None,
     shared: bool = False,
+    slurm_job: str | None = None,
 ) -> GpuProcess:
     return GpuProcess(
         pid=pid,
@@ -65,6 +66,7 @@ def proc(
         system_unit=system_unit,
         container_id=container,
         shared_usage=shared,
+        slurm_job=slurm_job,
     )
 
 

@@ -626,13 +626,10 @@ def slurm(machine):
     return host
 
 
-def sbatch(m: Machine, script: str) -> str:
-    """Submit `script` as alice; the job id."""
-    return (
-        m.run("sbatch", "--parsable", "--chdir=/tmp", "-o", "/tmp/slurm-%j.out", "--wrap", script, user="alice")
-        .stdout.strip()
-        .split(";")[0]
-    )
+def sbatch(m: Machine, script: str, *options: str) -> str:
+    """Submit `script` as alice, with sbatch's `options`; the job id."""
+    argv = ("sbatch", "--parsable", "--chdir=/tmp", "-o", "/tmp/slurm-%j.out", *options, "--wrap", script)
+    return m.run(*argv, user="alice").stdout.strip().split(";")[0]
 
 
 def job_gpu_pids(m: Machine, job: str) -> set[int]:
@@ -699,6 +696,134 @@ def test_slurm_epilog_cleans_up_a_leftover(machine, slurm):
         timeout=10,
     ), machine.run("journalctl", "-t", "gpukill-slurm", "--no-pager").stdout
     timings["Slurm epilog"] = time.monotonic() - t0
+
+
+SLURM_POLICY = """rules:
+  - name: slurm-{action}
+    action: {action}
+    grace_period: 2s
+    conditions:
+      - {{type: gpu_memory, operator: '>', value: 1GiB}}
+      - {{type: cmdline, operator: matches, value: '^(/bin/)?sleep {seconds}$'}}
+"""
+
+
+def guard_slurm_entry(m: Machine, result: str, field: str = "", **fields: str) -> str:
+    """The messages (or one field) of gpukilld's journal entries with GPUKILL_RESULT=result and the fields given."""
+    match = [f"GPUKILL_{k.upper()}={v}" for k, v in fields.items()]
+    shown = ["--output-fields", f"GPUKILL_{field}"] if field else []
+    argv = ("journalctl", "-u", "gpukilld", "--no-pager", "-o", "cat", *shown, f"GPUKILL_RESULT={result}", *match)
+    return m.run(*argv).stdout
+
+
+def load_slurm_policy(m: Machine, action: str, seconds: int) -> None:
+    (m.root / "root/slurm-policy.yaml").write_text(SLURM_POLICY.format(action=action, seconds=seconds))
+    for args in (["enable"], ["dry-run", "off"], ["load", "/root/slurm-policy.yaml"]):
+        m.run("gpukillctl", "guard", *args)
+
+
+def test_slurm_guard_requeues_a_requeueable_job_and_leaves_others_running(machine, slurm):
+    """Guard's `action: requeue` asks Slurm: a job submitted with --requeue whose GPU process violates the rule is
+    requeued (PENDING again, its process gone: Slurm ended it), journaled with Slurm's job id; one submitted with
+    --no-requeue is refused with the reason and runs on; a process of no Slurm job is left running."""
+    t0 = time.monotonic()
+    load_slurm_policy(machine, "requeue", 311)
+    jobs = []
+    try:
+        requeueable = sbatch(machine, "env GPUKILL_SIM_GPU=0 GPUKILL_SIM_MEM=2GiB sleep 311", "--requeue")
+        pinned = sbatch(machine, "env GPUKILL_SIM_GPU=1 GPUKILL_SIM_MEM=2GiB sleep 311", "--no-requeue")
+        jobs += [requeueable, pinned]
+        machine.run(
+            "systemd-run",
+            "--uid=alice",
+            "--unit=no-job-holder",
+            "--setenv=GPUKILL_SIM_GPU=2",
+            "--setenv=GPUKILL_SIM_MEM=2GiB",
+            "/bin/sleep",
+            "311",
+        )
+        assert wait_until(lambda: guard_slurm_entry(machine, "requeued", slurm_job=requeueable), 40), (
+            job_state(machine, requeueable),
+            machine.run("journalctl", "-u", "gpukilld", "--no-pager", "-n", "40").stdout,
+            machine.run("gpukillctl", "guard", "status").stdout,
+        )
+        pid = int(guard_slurm_entry(machine, "requeued", "TARGET_PID", slurm_job=requeueable))
+        said = guard_slurm_entry(machine, "requeued", slurm_job=requeueable)
+        assert f"Guard rule slurm-requeue: requeued job {requeueable} for PID {pid} (sleep, user alice)" in said, said
+        assert wait_until(lambda: "JobState=PENDING" in job_state(machine, requeueable), 60), job_state(
+            machine, requeueable
+        )
+        assert wait_until(lambda: machine.run("test", "-e", f"/proc/{pid}", check=False).returncode != 0, 60)
+        assert "Restarts=1" in job_state(machine, requeueable)  # Slurm's own count of its requeues
+        assert wait_until(lambda: guard_slurm_entry(machine, "not-requeueable", slurm_job=pinned), 40)
+        (pinned_pid,) = job_gpu_pids(machine, pinned)
+        refused = guard_slurm_entry(machine, "not-requeueable", slurm_job=pinned)
+        assert (
+            f"job {pinned} is not requeueable (sbatch --no-requeue or JobRequeue=0): not requeued for PID {pinned_pid}"
+            in refused
+        ), refused
+        stray = guard_slurm_entry(machine, "not-a-slurm-job", rule="slurm-requeue")
+        holder = pid_of(machine, "no-job-holder")
+        assert f"PID {holder} (sleep, user alice) left running: not a Slurm job's process" in stray, stray
+        assert "JobState=RUNNING" in job_state(machine, pinned), job_state(machine, pinned)
+        assert pinned_pid in job_gpu_pids(machine, pinned)
+        assert machine.run("systemctl", "is-active", "no-job-holder", check=False).stdout.strip() == "active"
+    finally:
+        machine.run("gpukillctl", "guard", "disable", check=False)
+        machine.run("systemctl", "stop", "no-job-holder", check=False)
+        for job in jobs:
+            machine.run("scancel", job, check=False)
+    timings["Slurm requeue through Guard"] = time.monotonic() - t0
+
+
+def test_slurm_guard_cancels_a_job_through_scancel(machine, slurm):
+    """`action: cancel`: the job is cancelled by Slurm (CANCELLED, its epilog run), journaled as job-cancelled."""
+    t0 = time.monotonic()
+    load_slurm_policy(machine, "cancel", 312)
+    job = ""
+    try:
+        job = sbatch(machine, "env GPUKILL_SIM_GPU=0 GPUKILL_SIM_MEM=2GiB sleep 312")
+        assert wait_until(lambda: guard_slurm_entry(machine, "job-cancelled", slurm_job=job), 40), (
+            job_state(machine, job),
+            machine.run("journalctl", "-u", "gpukilld", "--no-pager", "-n", "40").stdout,
+        )
+        assert "Guard rule slurm-cancel: cancelled job" in guard_slurm_entry(machine, "job-cancelled", slurm_job=job)
+        assert wait_until(lambda: "JobState=CANCELLED" in job_state(machine, job), 60), job_state(machine, job)
+        assert wait_until(lambda: not job_gpu_pids(machine, job))
+    finally:
+        machine.run("gpukillctl", "guard", "disable", check=False)
+        if job:
+            machine.run("scancel", job, check=False)
+    timings["Slurm cancel through Guard"] = time.monotonic() - t0
+
+
+def test_slurm_signal_is_read_back_from_the_batch_script_only(machine, slurm):
+    """Where root can read a job's `--signal=[B:]SIG@SECONDS` in Slurm 22.05: not in `scontrol show job` (which has
+    no --json there), not in squeue's fields, not in the job's SLURM_* environment; a `#SBATCH --signal` line of its
+    batch script is (`scontrol write batch_script`), and slurm_checkpoint reads it from there."""
+    wrapped = sbatch(machine, "env GPUKILL_SIM_GPU=3 GPUKILL_SIM_MEM=1GiB sleep 313", "--signal=B:USR1@120")
+    (machine.root / "srv/ckpt.sh").write_text("#!/bin/sh\n#SBATCH --signal=B:USR2@90\nsleep 314\n")
+    scripted = machine.run(
+        "sbatch", "--parsable", "--chdir=/tmp", "-o", "/tmp/slurm-%j.out", "/srv/ckpt.sh", user="alice"
+    ).stdout.strip()
+    try:
+        assert wait_until(lambda: job_gpu_pids(machine, wrapped)), job_state(machine, wrapped)
+        (pid,) = job_gpu_pids(machine, wrapped)
+        shown = machine.run("scontrol", "show", "job", "-dd", wrapped).stdout
+        assert "USR1" not in shown and "Signal" not in shown and "Warn" not in shown, shown
+        assert machine.run("scontrol", "show", "job", "--json", wrapped, check=False).returncode != 0
+        assert "USR1" not in machine.run("squeue", "-j", wrapped, "-o", "%all").stdout
+        environ = machine.run("cat", f"/proc/{pid}/environ").stdout.split("\0")
+        slurm_vars = [v for v in environ if v.startswith(("SLURM", "SBATCH"))]
+        assert "SLURM_JOB_ID=" + wrapped in slurm_vars and not [v for v in slurm_vars if "USR1" in v], slurm_vars
+        read = (
+            "import asyncio, sys; sys.path.insert(0, '/usr/lib/gpukill'); from gpukilld.acts.slurm import Slurm; "
+            "print([asyncio.run(Slurm().slurm_checkpoint(j)) for j in sys.argv[1:]])"
+        )
+        said = machine.run("python3", "-c", read, wrapped, scripted).stdout.strip()
+        assert said == f"[None, ({int(signal.SIGUSR2)}, 90.0)]", said
+    finally:
+        machine.run("scancel", wrapped, scripted, check=False)
 
 
 OWNER_POLICY = """rules:
