@@ -19,6 +19,7 @@ from .units import DURATION_FORMS, MAX_DURATION_TEXT, format_duration, parse_dur
 
 ENVIRONMENT_VARIABLE = "GPUKILL_CHECKPOINT"
 FROM_ENVIRONMENT = "environment"
+FROM_SLURM = "slurm"  # the source of a Slurm job's `#SBATCH --signal`
 POLICY_PREFIX = "policy "  # the source of a rule's declaration: "policy FILE:LINE:COL"
 EACH = "each"
 DEFAULT_MAX_WAIT = 600.0  # the policy's max_checkpoint_wait when it says none
@@ -40,7 +41,7 @@ class Declaration:
     signal: int  # a signal number (signal.Signals)
     wait: float  # seconds, as declared (the policy's cap applies when it is used)
     each: bool = False  # every declaring member of a batch, not its leader alone
-    source: str = FROM_ENVIRONMENT  # FROM_ENVIRONMENT, "slurm" (its job's --signal) or "policy FILE:LINE:COL"
+    source: str = FROM_ENVIRONMENT  # FROM_ENVIRONMENT, FROM_SLURM (its job's --signal) or "policy FILE:LINE:COL"
 
     @property
     def name(self) -> str:

@@ -328,6 +328,7 @@ class Daemon:
             audit_settings=self.audit_settings,
             usage=lambda: self.usage,
         )
+        slurm = Slurm()  # Slurm's commands: Guard's requeue and cancel, a job's declared checkpoint signal
         self.guard = GuardRunner(
             self.actions.kill,
             self.audit,
@@ -340,8 +341,10 @@ class Daemon:
             proc_root=self.config.proc_root,
             kill_workload=self.actions.kill_workload,
             ask_to_save=self.actions.ask_to_save,
-            slurm=Slurm(),
+            slurm=slurm,
         )
+        # a Slurm job's `#SBATCH --signal` declares the checkpoint signal of its processes that declare none
+        self.actions.checkpoints.job_signal = slurm.declared_signal
         # a kill's checkpoint wait is capped by the policy in force (max_checkpoint_wait), Guard's or a manual one
         self.actions.checkpoints.cap = lambda: self.guard.policy.settings.max_checkpoint_wait
         self.guard_interface = GuardInterface(self.guard, self.bouncer, lambda: self.snapshot, bus=bus)

@@ -167,6 +167,18 @@ def test_another_users_job_is_never_acted_on(act):
     assert fake.asked == [("scontrol", "show", "job", "-o", "42")]
 
 
+def test_a_jobs_declared_signal_is_read_only_for_a_process_of_its_owner():
+    """A process names its job in its environment: the signal of another user's job is never read for it."""
+    script = "#!/bin/sh\n#SBATCH --signal=B:USR1@120\nsleep 300\n"
+    fake = FakeSlurm({"42": RUNNING, "script 42": script})
+    assert run(Slurm(fake).declared_signal("42", 1000)) == (signal.SIGUSR1, 120.0)
+    fake.asked.clear()
+    with pytest.raises(SlurmError) as e:
+        run(Slurm(fake).declared_signal("42", 1001))
+    assert e.value.result == slurm.NOT_THE_OWNER
+    assert fake.asked == [("scontrol", "show", "job", "-o", "42")]
+
+
 def test_slurms_failure_says_what_slurm_said():
     fake = FakeSlurm(
         {"42": RUNNING},

@@ -16,11 +16,12 @@ in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from gpukill.checkpoint import DEFAULT_MAX_WAIT, BadDeclaration, Declaration
+from gpukill.checkpoint import DEFAULT_MAX_WAIT, FROM_SLURM, BadDeclaration, Declaration
 from gpukill.records.reclaim import (
     CHECKPOINTS_OFF,
     LED,
@@ -38,10 +39,13 @@ from ..model import Snapshot
 from ..proc.checkpoint import declared
 from ..proc.procfs import ProcFS
 from .killer import Killer, PinnedProcess
+from .slurm import SlurmError
 
 SENT, WOULD_SEND = "sent", "would-send"  # GPUKILL_CHECKPOINT of the entry written when the signal goes (or would)
 UNDECLARED_TEXT = "declared no checkpoint signal"
 OFF_TEXT = "checkpoint signals are off (max_checkpoint_wait is 0)"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,20 +101,51 @@ class Checkpoints:
         self.audit = auditor
         # The policy in force's max_checkpoint_wait; the daemon points it at Guard's policy.
         self.cap: Callable[[], float] = lambda: DEFAULT_MAX_WAIT
+        # A Slurm job's declared warning signal, (signal, seconds) for the job of that uid (acts/slurm.py); None:
+        # no Slurm here, only environments and rules declare.
+        self.job_signal: Callable[[str, int], Awaitable[tuple[int, float] | None]] | None = None
 
-    def _declarations(
-        self, targets: list[PinnedProcess], snapshot: Snapshot, policy: Declaration | None
-    ) -> dict[int, Declaration | BadDeclaration]:
-        """Each target's declaration: its own (environment, Slurm job), else the rule's; a malformed one stays
-        the error (no rule's declaration replaces what the process asked for). Worker thread."""
+    def _declarations(self, targets: list[PinnedProcess]) -> dict[int, Declaration | BadDeclaration]:
+        """Each target's own declaration (its environment), where it makes one. Worker thread."""
         out: dict[int, Declaration | BadDeclaration] = {}
         for t in targets:
-            listed = snapshot.processes_of(t.pid, t.start_time)
-            own = declared(self.killer.procfs, t.pid, listed[0].slurm_job if listed else None)
-            found = own if own is not None else policy
-            if found is not None:
-                out[t.pid] = found
+            own = declared(self.killer.procfs, t.pid)
+            if own is not None:
+                out[t.pid] = own
         return out
+
+    async def _found(
+        self, targets: list[PinnedProcess], snapshot: Snapshot, policy: Declaration | None
+    ) -> dict[int, Declaration | BadDeclaration]:
+        """Each target's declaration, the first source found: its environment, its Slurm job's batch script (a job
+        of the process's own owner), the rule's; a malformed one stays the error (nothing replaces what the
+        process asked for)."""
+        found = await asyncio.to_thread(self._declarations, targets)
+        jobs: dict[tuple[str, int], Declaration | None] = {}
+        for t in targets:
+            if t.pid in found:
+                continue
+            listed = snapshot.processes_of(t.pid, t.start_time)
+            job = listed[0].slurm_job if listed else None
+            if job and self.job_signal is not None:
+                if (job, t.uid) not in jobs:
+                    jobs[(job, t.uid)] = await self._job_declaration(job, t.uid)
+                if (from_job := jobs[(job, t.uid)]) is not None:
+                    found[t.pid] = from_job
+                    continue
+            if policy is not None:
+                found[t.pid] = policy
+        return found
+
+    async def _job_declaration(self, job: str, uid: int) -> Declaration | None:
+        """The job's `#SBATCH --signal` as a declaration; None where it declares none or Slurm cannot say."""
+        assert self.job_signal is not None
+        try:
+            said = await self.job_signal(job, uid)
+        except SlurmError as e:  # Slurm absent, failed, another user's job: as if it declared nothing
+            log.info("no checkpoint signal read for Slurm job %s: %s", job, e)
+            return None
+        return None if said is None else Declaration(said[0], said[1], False, FROM_SLURM)
 
     def _log(self, step: str, target: PinnedProcess, message: str, fields: dict[str, object], **more: object) -> None:
         self.audit.log(
@@ -139,7 +174,7 @@ class Checkpoints:
     ) -> tuple[list[tuple[PinnedProcess, Declaration]], dict[int, BadDeclaration], dict[int, int]]:
         """Send each chosen target its declared signal (none in a dry run): what went to whom, the malformed
         declarations, and the declaring targets left to their leader (by PID: the leader's PID)."""
-        found = await asyncio.to_thread(self._declarations, targets, snapshot, policy)
+        found = await self._found(targets, snapshot, policy)
         bad = {pid: d for pid, d in found.items() if isinstance(d, BadDeclaration)}
         good = {pid: d for pid, d in found.items() if isinstance(d, Declaration)}
         for t in targets:

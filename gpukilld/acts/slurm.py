@@ -250,6 +250,12 @@ class Slurm:
         info = await self._owned(job, uid, "cancelled")
         return (await self._ok("scancel", info.job)).message
 
+    async def declared_signal(self, job: str, uid: int) -> tuple[int, float] | None:
+        """The checkpoint signal uid's job declares (slurm_checkpoint), for a process of uid: a process names its
+        job in its environment, so another user's job is never read for it (SlurmError NOT_THE_OWNER)."""
+        info = await self._owned(job, uid, "read")
+        return await self.slurm_checkpoint(info.job)
+
     async def slurm_checkpoint(self, job: str) -> tuple[int, float] | None:
         """The warning signal and its seconds that the job's batch script declares (`#SBATCH --signal=...`), None
         where it declares none (see the module's note on what Slurm lets root read back)."""

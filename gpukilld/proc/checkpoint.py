@@ -1,7 +1,8 @@
 """Where a process's checkpoint declaration comes from (gpukill.checkpoint): the first source found wins.
 
 1. the process's own environment, GPUKILL_CHECKPOINT (ProcFS.checkpoint);
-2. its Slurm job's `--signal=B:SIG@SECS`, for a process of a job (read from the job: the seam below);
+2. its Slurm job's `#SBATCH --signal=B:SIG@SECS`, for a process of a job of its own owner (read through Slurm's
+   commands by gpukilld/acts/slurm.py, on the loop: Checkpoints.job_signal);
 3. the policy rule's `checkpoint:` (applied by the kill path, gpukilld/acts/checkpoint.py, to a process that
    declares nothing itself).
 
@@ -15,11 +16,7 @@ from gpukill.checkpoint import BadDeclaration, Declaration
 from .procfs import ProcFS
 
 
-def declared(procfs: ProcFS, pid: int, slurm_job: str | None) -> Declaration | BadDeclaration | None:
-    """What the process declares itself: its environment's declaration, else its Slurm job's (a job's
-    `--signal` becomes Declaration(signal, seconds, source="slurm") here); None when neither says any,
-    the error when its own declaration is malformed (then it gets no signal at all)."""
-    own = procfs.checkpoint(pid)
-    if own is not None or slurm_job is None:
-        return own
-    return None  # the Slurm job's --signal=B:SIG@SECS is read here: slurm_checkpoint(slurm_job)
+def declared(procfs: ProcFS, pid: int) -> Declaration | BadDeclaration | None:
+    """What the process declares in its own environment (GPUKILL_CHECKPOINT): None when it says nothing, the
+    error when its declaration is malformed (then it gets no signal at all, whatever its job or rule says)."""
+    return procfs.checkpoint(pid)

@@ -826,6 +826,41 @@ def test_slurm_signal_is_read_back_from_the_batch_script_only(machine, slurm):
         machine.run("scancel", wrapped, scripted, check=False)
 
 
+SAVER = """import os, signal, sys, time
+def save(number, frame):
+    open("/tmp/saved-" + os.environ["SLURM_JOB_ID"], "w").write("saved on " + signal.Signals(number).name)
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, save)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_batch_scripts_signal_is_the_jobs_checkpoint_signal(machine, slurm):
+    """A job that declares `#SBATCH --signal=B:USR1@30` in its batch script and nothing in its environment: its
+    owner's `gpukillctl kill --checkpoint` sends SIGUSR1 first (read from the job through Slurm), the job saves
+    and exits, and no SIGTERM is needed."""
+    (machine.root / "srv/saver.py").write_text(SAVER)
+    (machine.root / "srv/saving-job.sh").write_text(
+        "#!/bin/sh\n#SBATCH --signal=B:USR1@30\nexec env GPUKILL_SIM_GPU=2 GPUKILL_SIM_MEM=1GiB python3 /srv/saver.py\n"
+    )
+    job = machine.run(
+        "sbatch", "--parsable", "--chdir=/tmp", "-o", "/tmp/slurm-%j.out", "/srv/saving-job.sh", user="alice"
+    ).stdout.strip()
+    try:
+        assert wait_until(lambda: job_gpu_pids(machine, job)), job_state(machine, job)
+        (pid,) = job_gpu_pids(machine, job)
+        r = machine.run("gpukillctl", "kill", "--checkpoint", str(pid), user="alice")
+        assert f"SIGUSR1 sent to PID {pid}" in r.stdout and "exited after saving" in r.stdout, r.stdout
+        assert machine.run("cat", f"/tmp/saved-{job}").stdout == "saved on SIGUSR1"
+        entry = machine.run(
+            "journalctl", "-u", "gpukilld", "-o", "verbose", "--no-pager", f"GPUKILL_TARGET_PID={pid}"
+        ).stdout
+        assert "GPUKILL_SOURCE=slurm" in entry, entry
+    finally:
+        machine.run("scancel", job, check=False)
+
+
 OWNER_POLICY = """rules:
   - name: idle-owner
     action: kill
