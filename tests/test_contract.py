@@ -66,6 +66,10 @@ def test_polkit_defaults_are_as_specified():
         "org.gpukill.manage-policies": "no",  # auth_admin_keep for an active session only
         "org.gpukill.configure-audit": "no",  # auth_admin_keep for an active session only
         "org.gpukill.view-all-processes": "no",
+        "org.gpukill.suspend-own-process": "yes",  # as kill-own: a suspend is gentler than the kill one may do
+        "org.gpukill.suspend-any-process": "auth_admin_keep",
+        "org.gpukill.resume-own-process": "yes",
+        "org.gpukill.resume-any-process": "auth_admin_keep",
     }
 
 

@@ -112,6 +112,9 @@ assert set(METHODS) == {
     (MANAGER, "GetUsage"),
     (MANAGER, "KillProcessReport"),
     (MANAGER, "KillWorkload"),
+    (MANAGER, "SuspendWorkload"),
+    (MANAGER, "ResumeWorkload"),
+    (MANAGER, "ListSuspended"),
 }, f"the XML's methods changed: update this fuzz ({sorted(METHODS)})"
 MEMBER_IFACE = {member: iface for iface, member in METHODS}  # every member name is unique to one interface
 assert len(MEMBER_IFACE) == len(METHODS)
@@ -368,6 +371,8 @@ FILTER_TYPES = {
 }
 KILL_TYPES = {"force": ("b",), "grace": ("d", "u", "y", "t", "x")}
 SELECTION_TYPES = {"tree": ("(ut)", "(uu)", "s"), "unit": ("s", "u"), "container": ("s",)}
+# SuspendWorkload's and ResumeWorkload's (the testbed's GPUs are simulated: every suspend is refused)
+WORKLOAD_TYPES = {"pid": ("(ut)", "(uu)", "s"), "tree": ("(ut)", "s"), "unit": ("s", "u"), "job": ("s", "u")}
 RESET_TYPES = {"force": ("b",)}
 AUDIT_SETTING_TYPES = {
     "min_score": ("d", "u"),
@@ -446,6 +451,15 @@ ARGS = {  # per method, the values of its arguments when it is called with its o
     "SetAuditSettings": st.tuples(options(AUDIT_SETTING_TYPES)).map(list),
     "ImportAuditSettings": st.tuples(texts, st.one_of(st.sampled_from(AUDIT_TEXTS), texts)).map(list),
     "GetUsage": st.tuples(options(USAGE_QUERY_TYPES)).map(list),
+    "SuspendWorkload": st.tuples(
+        st.one_of(options(WORKLOAD_TYPES), kill_targets.map(lambda t: [["pid", ["(ut)", list(t)]]])),
+        options(KILL_TYPES),
+    ).map(list),
+    "ResumeWorkload": st.tuples(
+        st.one_of(options(WORKLOAD_TYPES), kill_targets.map(lambda t: [["pid", ["(ut)", list(t)]]])),
+        options(KILL_TYPES),
+    ).map(list),
+    "ListSuspended": st.just([]),
 }
 assert set(ARGS) == {m for _, m in METHODS}
 
@@ -599,6 +613,9 @@ MINIMAL_ARGS = {
     "SetAuditSettings": [[]],
     "ImportAuditSettings": ["explicit", "{"],
     "GetUsage": [[]],
+    "SuspendWorkload": [[], []],
+    "ResumeWorkload": [[], []],
+    "ListSuspended": [],
 }
 SET_VALUES = {"s": "9.9", "d": 0.001, "a(sbs)": [["fake", True, ""]], "a{sv}": {}}  # one of each property's type
 EXPLICIT = [

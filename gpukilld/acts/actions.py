@@ -36,6 +36,7 @@ from ..model import Snapshot
 from .killer import Killer, PinnedProcess, check_grace
 from .reclaim import Watch, reclaim_fields, remember_tree
 from .selection import GUARD_ONLY, MAX_WORKLOAD, OTHER_USERS, Selection
+from .suspend import Suspender
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,11 @@ class Actions:
         on_killed: Callable[[KillResult, Caller | None], None],
         on_reset: Callable[[ResetReply, bool], None],
         resample: Callable[[], Awaitable[Snapshot]],
+        suspender: Suspender | None = None,
     ) -> None:
         self._snapshot = snapshot
+        # The suspended processes: they left the GPU's lists, and a kill of one goes through its own path.
+        self.suspender = suspender
         self.backends = backends
         self.bouncer = bouncer
         self.killer = killer
@@ -114,6 +118,9 @@ class Actions:
         bus method called (KillProcess, KillProcessReport): its row of the bouncer's table decides."""
         base = self._base(caller, pid, start_time, force, initiator)
         who = self._who(caller, initiator)
+        suspended = self.suspender.pin_suspended(pid, start_time) if self.suspender else None
+        if suspended is not None:
+            return await self._kill_suspended(caller, suspended, grace, base, method, who, initiator)
         try:
             check_grace(grace)
             snapshot = self._snapshot()
@@ -138,6 +145,28 @@ class Actions:
         finally:
             target.close()
         return self._done(caller, target, outcome, reclaim, grace, fields, who, initiator)
+
+    async def _kill_suspended(
+        self,
+        caller: Caller | None,
+        target: PinnedProcess,
+        grace: float,
+        base: dict[str, object],
+        method: Method,
+        who: str,
+        initiator: str,
+    ) -> KillResult:
+        """A suspended process: not on a GPU's list any more, killed by the suspend path (SIGKILL to the
+        checkpointed process, never while its resume runs), authorized and audited as any kill."""
+        assert self.suspender is not None
+        try:
+            fields = self._fields(target, base)
+            if caller is not None:
+                fields["polkit_action"] = await self._authorize(caller, target, fields, method)
+            outcome = await self.suspender.kill_suspended(target, who)
+        finally:
+            target.close()
+        return self._done(caller, target, outcome, Reclaim(UNWATCHED), grace, fields, who, initiator)
 
     @staticmethod
     def _base(caller: Caller | None, pid: int, start_time: int, force: bool, initiator: str) -> dict[str, object]:
