@@ -227,6 +227,7 @@ def sus(fresh_bed, nvhost, users):
 
 def test_suspend_frees_the_gpu_and_resume_gives_it_back_while_the_count_waits(sus):
     sus.start()
+    heard = sus.bed.record_signals(sus.users["owner"])
     ((pid, path),) = sus.counting(memory=2 * GIB)
     assert sus.used() == 2 * GIB
     r = sus.ctl("owner", "suspend", str(pid))
@@ -252,6 +253,11 @@ def test_suspend_frees_the_gpu_and_resume_gives_it_back_while_the_count_waits(su
     assert counting_on(path)  # the count continues where it stopped
     assert sus.suspended() == []
     assert [c[0] for c in sus.driver()["calls"]] == ["lock", "checkpoint", "restore", "unlock"]
+    for member, state in (("ProcessSuspended", "suspended"), ("ProcessResumed", "running")):
+        signal = heard.wait_for(member)
+        assert signal is not None, f"no {member} signal"
+        process, caller_uid = signal["body"]
+        assert (process["pid"], process["state"], caller_uid) == (pid, state, sus.users["owner"].uid), signal
 
 
 def test_resume_waits_for_the_memory_and_says_the_figures(sus):
