@@ -240,6 +240,8 @@ def test_suspend_frees_the_gpu_and_resume_gives_it_back_while_the_count_waits(su
     (held,) = doc["suspended"]
     assert (held["pid"], held["state"], held["memory"], held["frozen"]) == (pid, "suspended", 2 * GIB, "sigstop")
     assert "suspended" in sus.ctl("owner", "list").stdout
+    assert sus.bed.listing(ROOT, "--user", "gpkowner", "--device", "0")["suspended"] == doc["suspended"]
+    assert sus.bed.listing(ROOT, "--device", "1")["suspended"] == []  # list's filters select these too
     assert not counting_on(path)  # frozen while suspended
     (entry,) = sus.bed.wait_journal(MESSAGE_ID=audit.SUSPEND.message_id, GPUKILL_ACTION="suspend")
     assert entry["GPUKILL_TARGET_PID"] == str(pid) and entry["GPUKILL_MEMORY"] == str(2 * GIB)

@@ -325,10 +325,39 @@ async def _suspended(client: ClientAPI) -> list:
         raise
 
 
+def _suspended_selected(args: argparse.Namespace, records: list) -> list:
+    """The suspended processes (gpukill.records.suspend.SuspendedProcess) that list's filters select, as the
+    daemon selects the processes on a GPU: a GPU by index or UUID, a user by name or uid."""
+    if args.name_regex is not None:
+        from gpukill.regex import compile_regex
+
+        rx = compile_regex(args.name_regex)
+    out = []
+    for r in records:
+        if args.device is not None and args.device not in (*map(str, r.devices), *r.device_ids):
+            continue
+        if args.user is not None and args.user != str(r.uid):
+            import pwd
+
+            try:
+                if pwd.getpwuid(r.uid).pw_name != args.user:
+                    continue
+            except KeyError:
+                continue
+        if args.name is not None and args.name not in r.comm:
+            continue
+        if args.name_regex is not None and rx.search(r.comm) is None:
+            continue
+        if args.min_memory is not None and r.memory < args.min_memory:
+            continue
+        out.append(r)
+    return out
+
+
 async def cmd_list(client: ClientAPI, args: argparse.Namespace) -> int:
     devices = await client.list_devices()
     procs = await client.list_processes(_filter(args))
-    suspended = await _suspended(client)
+    suspended = _suspended_selected(args, await _suspended(client))
     if not procs and (args.device is not None or args.user is not None):
         subject, problem = _named_selection(args, devices)
         if problem:
