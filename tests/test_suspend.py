@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers.marks import needs_root
 from helpers.nvml_host import fake_nvidia_host, mig_instance
-from helpers.testbed import ROOT, SYSTEM_PYTHON
+from helpers.testbed import PYTHON, ROOT, SYSTEM_PYTHON
 from helpers.waiting import wait_until
 
 from gpukilld import journal as audit
@@ -29,7 +29,7 @@ GIB = 2**30
 
 # cuda-checkpoint's command line, as the daemon runs it; the driver's states per PID in $..._STATE.
 STAND_IN = r"""
-import fcntl, json, os, sys
+import fcntl, json, os, sys, time
 
 def load(path, default):
     try:
@@ -53,6 +53,8 @@ args = sys.argv[1:]
 pid = args[args.index("--pid") + 1]
 mine = os.environ["GPUKILL_FAKE_CUDA_CHECKPOINT_STATE"]
 nvml = os.environ["GPUKILL_FAKE_NVML_STATE"]
+if "--action" in args and load(mine, {}).get("fail", {}).get(pid) == "slow-" + args[args.index("--action") + 1]:
+    time.sleep(3)  # a slow step: the driver copying a large process's memory
 with open(mine + ".lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     me = load(mine, {})
@@ -327,6 +329,27 @@ def test_kill_of_a_suspended_process_sends_sigkill_and_forgets_it(sus, alive):
     wait_until(lambda: not alive(pid), 5, "the suspended process was not killed")
     assert sus.suspended() == []
     assert sus.bed.wait_journal(MESSAGE_ID=audit.SUSPEND.message_id, GPUKILL_ACTION="kill")
+
+
+def test_no_kill_meets_a_process_mid_suspend(sus, alive):
+    sus.start()
+    ((pid, _),) = sus.counting()
+    sus.inject(pid, "slow-checkpoint")
+    suspending = subprocess.Popen(
+        [PYTHON, "-m", "gpukillctl", "suspend", str(pid)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=sus.bed.env(),
+    )
+    wait_until(lambda: sus.driver()["procs"].get(str(pid), {}).get("state") == "locked", 10, "never locked")
+    r = sus.ctl("root", "kill", "--force", str(pid))
+    assert r.returncode == 13, r  # busy: try again
+    assert "is being suspended; kill it once the suspend is done" in r.stderr, r.stderr
+    out, _ = suspending.communicate(timeout=30)
+    assert suspending.returncode == 0 and "suspended" in out, out
+    assert sus.ctl("root", "kill", str(pid)).returncode == 0  # now through the suspended path: SIGKILL
+    wait_until(lambda: not alive(pid), 5, "the suspended process was not killed")
 
 
 def test_refusals_are_one_line_and_touch_nothing(sus):

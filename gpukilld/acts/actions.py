@@ -123,6 +123,8 @@ class Actions:
             return await self._kill_suspended(caller, suspended, grace, base, method, who, initiator)
         try:
             check_grace(grace)
+            if self.suspender is not None:
+                self.suspender.check_not_suspending(pid, start_time)
             snapshot = self._snapshot()
             target = self.killer.open(pid, start_time, snapshot)
         except GpukillError as e:
@@ -304,6 +306,8 @@ class Actions:
             for pid, start_time in chosen:
                 base = self._base(caller, pid, start_time, force, initiator)
                 try:
+                    if self.suspender is not None:
+                        self.suspender.check_not_suspending(pid, start_time)
                     target = self.killer.open(pid, start_time, snapshot)
                 except GpukillError as e:
                     self._refused(

@@ -133,12 +133,12 @@ class Selection:
             raise NoSuchProcess(f"no process with PID {pid}")
         if st.start_time != self.start_time:
             raise ProcessChanged(f"PID {pid} now belongs to another process than the one listed; list again")
-        if pid == 1 or st.is_kernel_thread:
-            raise Protected(f"the tree of PID {pid} is the whole system: name a workload's own root")
         if self.kind == "pid":
             if (pid, st.start_time) not in on_gpu:
                 raise NotAGpuProcess(f"PID {pid} is not using a GPU")
             return [(pid, st.start_time)], []
+        if pid == 1 or st.is_kernel_thread:
+            raise Protected(f"the tree of PID {pid} is the whole system: name a workload's own root")
         tree = remember_tree(procfs, [pid])
         chosen = sorted(k for k in tree if k in on_gpu)
         if not chosen:

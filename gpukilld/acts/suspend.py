@@ -129,6 +129,11 @@ class Suspender:
     def records(self) -> list[SuspendedProcess]:
         return self.kept.records()
 
+    def check_not_suspending(self, pid: int, start_time: int) -> None:
+        """TooBusy while a suspend works on the process: no signal meets it mid-checkpoint."""
+        if (pid, start_time) in self._busy:
+            raise TooBusy(f"PID {pid} is being suspended; kill it once the suspend is done")
+
     # -- refusals, before anything is touched -------------------------------------------------------------
 
     def _refusal(self, snapshot: Snapshot, procs: dict[tuple[int, int], list[GpuProcess]]) -> str | None:
