@@ -279,6 +279,21 @@ def test_resume_waits_for_the_memory_and_says_the_figures(sus):
     wait_until(lambda: sus.ctl("owner", "resume", str(pid)).returncode == 0, 10, "resume never went through")
 
 
+def test_a_process_on_two_gpus_needs_its_memory_back_on_each(sus):
+    sus.start()
+    ((pid, _),) = sus.counting(memory=2 * GIB)
+    sus.nvml(lambda state: state["devices"][1]["compute"].append({"pid": pid, "used_memory": GIB}))
+    wait_until(lambda: sus.used(1) == GIB, 5, "not listed on GPU 1")
+    assert sus.ctl("owner", "suspend", str(pid)).returncode == 0
+    (held,) = sus.suspended()
+    assert (held["devices"], held["memory"], held["device_memory"]) == ([0, 1], 3 * GIB, [2 * GIB, GIB])
+    hog = sus.bed.victim(sus.users["other"])
+    sus.nvml(lambda state: state["devices"][1]["compute"].append({"pid": hog.pid, "used_memory": 79 * GIB}))
+    sus.bed.wait_listed(hog.pid)
+    r = sus.ctl("owner", "resume", str(pid))
+    assert r.returncode == 8 and "GPU 1 has 663.0 MiB free; the workload needs 1.0 GiB" in r.stderr, r
+
+
 @pytest.mark.parametrize("step", ["lock", "checkpoint"])
 def test_a_failure_on_one_of_two_leaves_both_running(sus, step):
     sus.start(driver="610.43")

@@ -105,7 +105,9 @@ def test_a_cgroup_shared_with_another_process_is_never_frozen(tmp_path):
 
 
 def record(pid: int, state: str = SUSPENDED) -> SuspendedProcess:
-    return SuspendedProcess(pid, 7, 1000, "train", state, (0,), ("GPU-0",), 2 << 30, f"tree of PID {pid}", 1.0)
+    return SuspendedProcess(
+        pid, 7, 1000, "train", state, (0,), ("GPU-0",), 2 << 30, (2 << 30,), f"tree of PID {pid}", 1.0
+    )
 
 
 class Journal:
@@ -122,7 +124,7 @@ def test_kept_workloads_survive_a_restart_and_a_gone_process_is_dropped_and_said
     assert alive is not None
     log = Journal()
     kept = SuspendedWorkloads(str(tmp_path / "state"), log, ProcFS())  # type: ignore[arg-type]
-    mine = SuspendedProcess(me, alive, 0, "pytest", SUSPENDED, (0,), ("GPU-0",), 1 << 30, "PID", 1.0)
+    mine = SuspendedProcess(me, alive, 0, "pytest", SUSPENDED, (0,), ("GPU-0",), 1 << 30, (1 << 30,), "PID", 1.0)
     kept.add(Workload("PID", [mine], Frozen(FROZEN_SIGSTOP, "", ((me, alive),)), ("a.service",), ("12",)))
     kept.add(Workload("tree of PID 1", [record(NOBODY), record(NOBODY + 1, STUCK)], Frozen("", "", ())))
     assert json.loads((tmp_path / "state" / "suspended.json").read_text())["version"] == 1

@@ -39,6 +39,7 @@ class SuspendedProcess:
     devices: tuple[int, ...] = wire("au", "the GPUs it held memory on (global indexes when suspended)", ())
     device_ids: tuple[str, ...] = wire("as", "the same GPUs by UUID", ())
     memory: int = wire("t", "bytes of GPU memory set aside in host memory (what a resume needs free)", 0)
+    device_memory: tuple[int, ...] = wire("at", "the same per GPU, in the order of device_ids", ())
     workload: str = wire("s", 'the workload it was suspended with: "tree of PID 42", "unit x.service", ...', "")
     suspended_at: float = wire("d", "when it was suspended, seconds since the epoch", 0.0)
     frozen: str = wire("s", '"cgroup" (its cgroup\'s freezer) or "sigstop"', "", omit_empty=True)

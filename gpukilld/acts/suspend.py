@@ -312,6 +312,9 @@ class Suspender:
 
         def record(t: PinnedProcess, state: str, error: str = "", remedy: str = "") -> SuspendedProcess:
             listed = procs[(t.pid, t.start_time)]
+            per_device: dict[str, int] = {}
+            for p in listed:
+                per_device[p.device_id] = per_device.get(p.device_id, 0) + (p.gpu_memory or 0)
             return SuspendedProcess(
                 t.pid,
                 t.start_time,
@@ -319,8 +322,9 @@ class Suspender:
                 t.comm,
                 state,
                 tuple(sorted({p.device for p in listed})),
-                tuple(dict.fromkeys(p.device_id for p in listed)),
-                sum(p.gpu_memory or 0 for p in listed),
+                tuple(per_device),
+                sum(per_device.values()),
+                tuple(per_device.values()),
                 selection.text,
                 now,
                 frozen.kind if frozen and state == SUSPENDED else "",
@@ -444,8 +448,8 @@ class Suspender:
         """DeviceBusy with the figures unless each device has the memory its records need free now."""
         needed: dict[str, int] = {}
         for r in records:
-            for device_id in r.device_ids:  # a process on several GPUs: its memory split evenly, as recorded
-                needed[device_id] = needed.get(device_id, 0) + r.memory // max(len(r.device_ids), 1)
+            for device_id, memory in zip(r.device_ids, r.device_memory, strict=False):
+                needed[device_id] = needed.get(device_id, 0) + memory
         for device_id, need in needed.items():
             device = snapshot.find_device(device_id)
             if device is None:
