@@ -80,6 +80,9 @@ with open(mine + ".lock", "w") as lock:
         sys.exit(1)
     if proc["state"] != want:
         fail_with("CUDA_ERROR_ILLEGAL_STATE")
+    with open(f"/proc/{pid}/stat") as f:  # the driver acts through a thread of the process: never a stopped one
+        if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+            fail_with("CUDA_ERROR_TIMEOUT (the process is stopped: its restore thread never ran)")
     if fail.get(pid) == action:
         fail_with({"lock": "CUDA_ERROR_TIMEOUT (lock timed out)", "checkpoint": "CUDA_ERROR_UNKNOWN",
                    "restore": "CUDA_ERROR_OUT_OF_MEMORY"}[action], "failed" if action == "restore" else None)

@@ -8,8 +8,9 @@ all are locked, all checkpointed, the next samples must show their memory gone f
 is frozen (freezer.py). A step that fails undoes what was done: restore and unlock what was checkpointed, unlock
 what was locked, thaw; a process that cannot be brought back is recorded `stuck` with its remedy, never retried.
 
-Resume: only when each device has the recorded memory free now; restore all, unlock all, thaw. A failed restore
-leaves the process `stuck` with its remedy. One act at a time per workload; a kill of a suspended process
+Resume: only when each device has the recorded memory free now; thaw (the driver restores a process through a
+thread of its own, which a stopped process never runs; its CUDA calls stay locked), restore all, unlock all. A
+failed restore leaves the process `stuck` with its remedy. One act at a time per workload; a kill of a suspended process
 (kill_suspended) is refused while a resume of its workload runs, so no signal ever meets a process mid-restore.
 The driver is reached through the cuda-checkpoint utility (checkpoint.py); records are kept in the state
 directory (suspended.py).
@@ -511,12 +512,15 @@ class Suspender:
     ) -> SuspendReply:
         tool = self._tool()
         targets = [t for _, _, t in pinned]
-        restore_errors = await self._step(tool, "restore", targets)
-        restored = [t for t in targets if t.pid not in restore_errors]
-        unlock_errors = await self._step(tool, "unlock", restored)
+        # Thawed first: the driver restores a process through a thread of its own (its restore thread, as
+        # cuCheckpointProcessGetRestoreThreadId names it), which a stopped or frozen process never runs. Its CUDA
+        # calls stay locked until the unlock below.
         for w in workloads:
             if w.frozen.members:
                 await asyncio.to_thread(thaw, self.procfs, w.frozen)
+        restore_errors = await self._step(tool, "restore", targets)
+        restored = [t for t in targets if t.pid not in restore_errors]
+        unlock_errors = await self._step(tool, "unlock", restored)
         entries: list[SuspendedProcess] = []
         for _, p, t in pinned:
             if t.pid in restore_errors:
