@@ -19,17 +19,22 @@ from ..client.exits import EXIT_FAILURE, EXIT_OK
 from ..client.format import shown
 
 
-def _selection(args: argparse.Namespace) -> dict[str, Var]:
-    from gpukill.procstat import read_stat
-
+async def _selection(client: ClientAPI, args: argparse.Namespace) -> dict[str, Var]:
+    """The bus selection: a PID (or tree root) with its start time as gpukilld lists it (on a GPU, or suspended),
+    else as this host's /proc says; 0 lets another host's daemon say what it finds."""
     if args.unit:
         return {"unit": Var("s", args.unit)}
     if args.job:
         return {"job": Var("s", args.job)}
     pid = args.tree or args.pid
-    stat = None if args.host else read_stat(pid)
-    # this host's /proc names the process; on another host 0 lets that daemon say what it finds
-    return {"tree" if args.tree else "pid": Var("(ut)", (pid, stat.start_time if stat else 0))}
+    listed = await (client.list_processes() if args.command == "suspend" else client.list_suspended())
+    start_time = next((p.start_time for p in listed if p.pid == pid), None)
+    if start_time is None and not args.host:
+        from gpukill.procstat import read_stat
+
+        stat = read_stat(pid)
+        start_time = stat.start_time if stat else 0
+    return {"tree" if args.tree else "pid": Var("(ut)", (pid, start_time or 0))}
 
 
 def answer(reply: SuspendReply) -> int:
@@ -52,10 +57,11 @@ async def cmd_suspend(client: ClientAPI, args: argparse.Namespace) -> int:
 
     agent = PolkitAgent()
     try:
+        selection = await _selection(client, args)
         if args.command == "suspend":
-            reply = await client.suspend_workload(_selection(args), interactive=agent.active)
+            reply = await client.suspend_workload(selection, interactive=agent.active)
         else:
-            reply = await client.resume_workload(_selection(args), interactive=agent.active)
+            reply = await client.resume_workload(selection, interactive=agent.active)
     finally:
         agent.close()
     return answer(reply)

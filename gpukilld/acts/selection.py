@@ -77,6 +77,8 @@ class Selection:
             raise InvalidArgs(f"give exactly one of the selection keys {', '.join(keys)}")
         ((kind, value),) = options.items()
         if kind == "pid":
+            if not (isinstance(value, list | tuple) and len(value) == 2 and all(type(v) is int for v in value)):
+                raise InvalidArgs("selection 'pid' is (pid, start_time)")
             return dataclasses.replace(cls.parse({"tree": value}), kind="pid")
         if kind == "job":
             if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 10):
