@@ -255,7 +255,10 @@ class Suspender:
             if caller is not None:
                 for target in pinned:  # one after the other: a prompt's auth_admin_keep covers the rest
                     await self._authorize(caller, target, "suspend", SUSPEND_METHOD, selection.text)
-            members = sorted(set(chosen) | {(pid, start) for pid, start, _uid, _comm in left})
+            # frozen with them: the tree's other processes of the same owners (another user's helper in one's
+            # tree was not asked about, and gets no signal)
+            owners = {t.uid for t in pinned}
+            members = sorted(set(chosen) | {(pid, start) for pid, start, uid, _comm in left if uid in owners})
             return await self._suspend_pinned(caller, selection, snapshot, procs, pinned, members)
         finally:
             for target in pinned:
@@ -464,7 +467,7 @@ class Suspender:
     async def resume(self, caller: Caller | None, selection: Selection) -> SuspendReply:
         """Give a suspended workload its GPU memory back (see the module's docstring)."""
         try:
-            await asyncio.to_thread(self.kept.drop_gone)
+            self.kept.drop_gone()  # a few reads of /proc/PID/stat
             if (
                 selection.kind in ("pid", "tree")
                 and selection.start_time
