@@ -148,3 +148,22 @@ def test_a_workload_selection_is_one_key_of_four():
     for bad in ({}, {"pid": (1, 2), "unit": "a.service"}, {"container": "0" * 12}, {"job": "12_3"}):
         with pytest.raises(InvalidArgs):
             Selection.parse_workload(bad)
+
+
+def test_the_configuration_keys_are_read_and_bad_values_are_one_line(tmp_path):
+    from gpukill.errors import ConfigError
+    from gpukilld.config import load_config
+
+    conf = tmp_path / "gpukilld.conf"
+    conf.write_text("[daemon]\ncuda_checkpoint = /opt/nvidia/cuda-checkpoint\nsuspend_host_memory_max = 64GiB\n")
+    config = load_config(str(conf))
+    assert (config.cuda_checkpoint, config.suspend_host_memory_max) == ("/opt/nvidia/cuda-checkpoint", 64 << 30)
+    assert load_config(str(tmp_path / "absent")).suspend_host_memory_max is None  # half of MemTotal
+    for text, why in (
+        ("cuda_checkpoint = cuda-checkpoint", ":2: cuda_checkpoint must be an absolute path"),
+        ("suspend_host_memory_max = lots", ":2: suspend_host_memory_max: not a size: 'lots'"),
+    ):
+        conf.write_text(f"[daemon]\n{text}\n")
+        with pytest.raises(ConfigError) as e:
+            load_config(str(conf))
+        assert why in str(e.value) and "\n" not in str(e.value), e.value
