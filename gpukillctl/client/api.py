@@ -49,9 +49,10 @@ DEFAULT_GRACE = 5.0  # seconds: gpukilld's grace after SIGTERM when a kill names
 # Seconds a kill's reply may take beyond its grace: SIGKILL's wait and the watch of the GPU's memory (3 samples)
 KILL_REPLY_MARGIN = 60.0
 PROMPT_TIME = 300.0  # seconds for a password prompt, where one may be asked
-# Seconds a suspend or resume may take: each driver call has 120 s in gpukilld (a checkpoint copies the memory),
-# the lock's wait and the samples that must show the memory gone come on top
-SUSPEND_REPLY_TIME = 600.0
+# Seconds a suspend or resume may take: each driver call has 120 s in gpukilld and a checkpoint or restore 4 s more
+# per GiB it copies (gpukilld/acts/checkpoint.py: 140 GiB, an H200's, ~11 min); the samples that must show the
+# memory gone come on top
+SUSPEND_REPLY_TIME = 1200.0
 PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
 DBUS = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
 ALLOW_INTERACTIVE_AUTHORIZATION = 0x4  # the message flag, as the D-Bus specification numbers it

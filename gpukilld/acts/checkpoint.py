@@ -18,7 +18,8 @@ from gpukill.errors import GpukillError
 
 SEARCH_PATH = ("/usr/bin", "/usr/local/bin", "/usr/local/cuda/bin")
 MAX_OUTPUT = 4096
-CALL_TIMEOUT = 120.0  # seconds one call may take (a checkpoint copies the process's GPU memory to host memory)
+CALL_TIMEOUT = 120.0  # seconds one call may take, and for a checkpoint or restore SECONDS_PER_GIB more per GiB moved
+SECONDS_PER_GIB = 4.0  # a copy well under 1 GiB/s is a hang, not a slow bus (PCIe moves 10-50 GiB/s)
 LOCK_TIMEOUT_MS = 10_000  # what `lock` waits for the process's submitted work before it fails
 
 # The driver's states of a process (CU_PROCESS_STATE_*), as --get-state prints them.
@@ -63,9 +64,10 @@ class CudaCheckpoint:
         self.path = path
         self.timeout = timeout
 
-    async def _run(self, *args: str) -> tuple[int, str, str]:
+    async def _run(self, *args: str, moved: int = 0) -> tuple[int, str, str]:
         """(exit status, stdout, stderr) of one call; CheckpointError when it cannot start or outlives the timeout
-        (it is killed then, and waited for)."""
+        (it is killed then, and waited for). moved: bytes the call copies, which give it more time."""
+        timeout = self.timeout + SECONDS_PER_GIB * moved / (1 << 30)
         try:
             child = await asyncio.create_subprocess_exec(
                 self.path,
@@ -79,13 +81,13 @@ class CudaCheckpoint:
             raise CheckpointError(f"cannot run {self.path}: {e.strerror or e}") from None
         try:
             out, err, _ = await asyncio.wait_for(
-                asyncio.gather(_bounded(child.stdout), _bounded(child.stderr), child.wait()), self.timeout
+                asyncio.gather(_bounded(child.stdout), _bounded(child.stderr), child.wait()), timeout
             )
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 child.kill()
             await child.wait()
-            raise CheckpointError(f"cuda-checkpoint {' '.join(args)} did not finish within {self.timeout:g}s") from None
+            raise CheckpointError(f"cuda-checkpoint {' '.join(args)} did not finish within {timeout:g}s") from None
         except asyncio.CancelledError:
             with contextlib.suppress(ProcessLookupError):
                 child.kill()
@@ -99,11 +101,12 @@ class CudaCheckpoint:
             raise CheckpointError(f"cuda-checkpoint --get-state failed for PID {pid}: {err or out or f'exit {code}'}")
         return out.split()[0] if out else ""
 
-    async def act(self, action: str, pid: int, lock_timeout_ms: int = LOCK_TIMEOUT_MS) -> None:
-        """One step (lock, checkpoint, restore, unlock); CheckpointError with the utility's message if it fails."""
+    async def act(self, action: str, pid: int, lock_timeout_ms: int = LOCK_TIMEOUT_MS, moved: int = 0) -> None:
+        """One step (lock, checkpoint, restore, unlock); CheckpointError with the utility's message if it fails.
+        moved: the bytes a checkpoint or restore copies (its timeout grows with them)."""
         args = ["--action", action, "--pid", str(pid)]
         if action == "lock":
             args += ["--timeout", str(lock_timeout_ms)]
-        code, out, err = await self._run(*args)
+        code, out, err = await self._run(*args, moved=moved)
         if code != 0:
             raise CheckpointError(f"{action} of PID {pid} failed: {err or out or f'exit {code}'}")

@@ -271,9 +271,13 @@ class Suspender:
             raise NotSupported("NVIDIA's cuda-checkpoint utility is no longer installed")
         return CudaCheckpoint(path)
 
-    async def _step(self, tool: CudaCheckpoint, action: str, targets: list[PinnedProcess]) -> dict[int, str]:
-        """One step for every target at once; the errors by PID."""
-        results = await asyncio.gather(*(tool.act(action, t.pid) for t in targets), return_exceptions=True)
+    async def _step(
+        self, tool: CudaCheckpoint, action: str, targets: list[PinnedProcess], moved: dict[int, int] | None = None
+    ) -> dict[int, str]:
+        """One step for every target at once (moved: the bytes each copies, by PID); the errors by PID."""
+        results = await asyncio.gather(
+            *(tool.act(action, t.pid, moved=(moved or {}).get(t.pid, 0)) for t in targets), return_exceptions=True
+        )
         return {t.pid: str(r) or type(r).__name__ for t, r in zip(targets, results, strict=True) if r is not None}
 
     async def _memory_gone(self, targets: list[PinnedProcess]) -> list[PinnedProcess]:
@@ -298,7 +302,8 @@ class Suspender:
         tool = self._tool()
         errors = await self._step(tool, "lock", pinned)
         if not errors:
-            errors = await self._step(tool, "checkpoint", pinned)
+            moved = {t.pid: sum(p.gpu_memory or 0 for p in procs[(t.pid, t.start_time)]) for t in pinned}
+            errors = await self._step(tool, "checkpoint", pinned, moved)
         if not errors:
             still = await self._memory_gone(pinned)
             errors = {
@@ -389,7 +394,7 @@ class Suspender:
                 state = await tool.state(t.pid)
                 if state == CHECKPOINTED:
                     try:
-                        await tool.act("restore", t.pid)
+                        await tool.act("restore", t.pid, moved=record(t, RUNNING).memory)
                     except CheckpointError as e:
                         entries.append(record(t, STUCK, f"{error}; {e}".lstrip("; "), _remedy(REMEDY_RESTORE, t.pid)))
                         continue
@@ -521,7 +526,7 @@ class Suspender:
         for w in workloads:
             if w.frozen.members:
                 await asyncio.to_thread(thaw, self.procfs, w.frozen)
-        restore_errors = await self._step(tool, "restore", targets)
+        restore_errors = await self._step(tool, "restore", targets, {p.pid: p.memory for _, p, _ in pinned})
         restored = [t for t in targets if t.pid not in restore_errors]
         unlock_errors = await self._step(tool, "unlock", restored)
         entries: list[SuspendedProcess] = []
