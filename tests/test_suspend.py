@@ -468,3 +468,15 @@ def test_selection_errors_are_one_line(sus):
     assert r.returncode == 5 and r.stderr.count("\n") == 1 and "is suspended" in r.stderr, r
     r = sus.bed.manager(ROOT, "SuspendWorkload", "a{sv}a{sv}", [{"container": {"$variant": ["s", "0" * 12]}}, {}])
     assert not r.ok and "unknown selection key" in r.message, r
+
+
+def test_a_gpu_without_a_checkpoint_api_is_refused_in_one_line(victims, users):
+    """The session's bed: simulated GPUs, which (as AMD's and Intel's) no driver API can set aside."""
+    victim = victims.victim(users["owner"], mem="1GiB")
+    victims.wait_listed(victim.pid)
+    r = victims.ctl(users["owner"], "suspend", str(victim.pid))
+    assert r.returncode == 9, r
+    assert r.stderr == (
+        "gpukillctl: GPU 0 is simulated: no driver API sets a process's GPU memory aside today; kill or wait\n"
+    )
+    assert victim.poll() is None
