@@ -4,6 +4,9 @@
     sample_interval = 1.0            # seconds between samples
     backends = auto                  # or a list: nvidia, drm, simulated
     simulate = /etc/gpukill/simulate.yaml   # simulated GPUs (hosts without any, demos, tests)
+    cuda_checkpoint = /usr/bin/cuda-checkpoint   # NVIDIA's utility that suspends a process's GPU state
+                                     # (default: looked up in /usr/bin, /usr/local/bin, /usr/local/cuda/bin)
+    suspend_host_memory_max = 64GiB  # host memory suspended workloads may hold in all (default: half of it)
 
     [paths]                          # where the kernel's trees are: for containers and test fixtures
     proc = /proc
@@ -60,7 +63,7 @@ from gpukill.records.audit import (  # noqa: F401  (the daemon's names for them)
     DEFAULT_POOL_PORTS,
     AuditSettings,
 )
-from gpukill.units import parse_duration
+from gpukill.units import parse_duration, parse_size
 
 from . import audit_settings
 from .audit_settings import ephemeral_range, outside_range
@@ -114,6 +117,8 @@ class Config:
     audit: AuditSettings = AuditSettings()
     usage_enabled: bool = True
     usage_keep_days: int = 400
+    cuda_checkpoint: str | None = None  # [daemon] cuda_checkpoint; None: looked up (gpukilld/acts/cuda_checkpoint.py)
+    suspend_host_memory_max: int | None = None  # bytes; None: half of MemTotal
 
     @property
     def guard_protected_uid_max(self) -> int | None:
@@ -122,7 +127,7 @@ class Config:
 
 
 _KNOWN = {
-    "daemon": {"sample_interval", "simulate", "backends"},
+    "daemon": {"sample_interval", "simulate", "backends", "cuda_checkpoint", "suspend_host_memory_max"},
     "paths": {"proc", "sys", "debugfs"},
     "guard": {"policy_dir", "state_dir", "protect_system_users", "protected_units"},
     "notify": {"smtp_host", "smtp_port", "from", "timeout", "owner_mail", "owner_mesg"},
@@ -209,7 +214,7 @@ def _check_known(conf: IniText) -> None:
 
 
 def _daemon(conf: IniText) -> dict[str, object]:
-    """[daemon] sample_interval, simulate and backends."""
+    """[daemon] sample_interval, simulate, backends, cuda_checkpoint and suspend_host_memory_max."""
     values: dict[str, object] = {}
     if conf.has("daemon", "sample_interval"):
         where = conf.where("daemon", "sample_interval")
@@ -226,6 +231,18 @@ def _daemon(conf: IniText) -> dict[str, object]:
             if (why := backends_problem(names)) is not None:
                 raise ConfigError(f"{conf.where('daemon', 'backends')}: {why}")
             values["backends"] = names
+    if conf.has("daemon", "cuda_checkpoint"):
+        path = conf.get("daemon", "cuda_checkpoint").strip()
+        if path and not path.startswith("/"):
+            raise ConfigError(f"{conf.where('daemon', 'cuda_checkpoint')}: cuda_checkpoint must be an absolute path")
+        values["cuda_checkpoint"] = path or None
+    if conf.has("daemon", "suspend_host_memory_max"):
+        try:  # gpukill.units' size grammar: 64GiB, 512MiB
+            values["suspend_host_memory_max"] = parse_size(conf.get("daemon", "suspend_host_memory_max"))
+        except ValueError as e:
+            raise ConfigError(
+                f"{conf.where('daemon', 'suspend_host_memory_max')}: suspend_host_memory_max: {e}"
+            ) from None
     return values
 
 

@@ -102,6 +102,13 @@ USAGE = EventKind("usage", "98e32adeb63e433194c9884c760b9489", syslog.LOG_DEBUG)
 WRITE_FAILED = EventKind("write-failed", "0434aa3a59cf40b8b8f40bb844f194ed", syslog.LOG_ERR)
 WRITE_RECOVERED = EventKind("write-recovered", "795a05cbe3b448f19e23a47e60cfab12", syslog.LOG_NOTICE)
 
+# Suspend and resume (gpukilld/acts/suspend.py): a workload suspended, resumed, or a suspended process killed
+# or found gone (GPUKILL_ACTION: suspend, resume, kill, gone; GPUKILL_RESULT), one entry per process; a refusal
+# or a step that failed (what was undone, a process left stuck with GPUKILL_REMEDY); polkit's denial.
+SUSPEND = EventKind("suspend", "bf3798ae26d648a58ae29a69e6419ed3", syslog.LOG_NOTICE)
+SUSPEND_FAILED = EventKind("suspend-failed", "6a6c455765c147a6993283c00d570aaa", syslog.LOG_WARNING)
+SUSPEND_DENIED = EventKind("suspend-denied", "0b3f15ec2b4b40d4a62486c15586033e", syslog.LOG_WARNING)
+
 ALL_KINDS = (
     KILL,
     KILL_DENIED,
@@ -126,6 +133,9 @@ ALL_KINDS = (
     USAGE,
     WRITE_FAILED,
     WRITE_RECOVERED,
+    SUSPEND,
+    SUSPEND_FAILED,
+    SUSPEND_DENIED,
 )
 
 

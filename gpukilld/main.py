@@ -28,6 +28,7 @@ from dbus_fast.constants import NameFlag
 
 from gpukill.errors import ConfigError, ResetFailed
 from gpukill.records.status import ResetReply
+from gpukill.records.suspend import SuspendedProcess
 from gpukill.units import parse_duration
 
 from . import __version__, journal
@@ -37,6 +38,8 @@ from .access.visibility import ProcRules, read_proc_rules
 from .acts.actions import Actions, KillResult
 from .acts.killer import Killer
 from .acts.slurm import Slurm
+from .acts.suspend import Suspender, SuspendSettings
+from .acts.suspended import SuspendedWorkloads
 from .audit_settings import AuditSettingsKeeper, dropin_path
 from .backends import Backend
 from .backends.registry import build_backends
@@ -95,6 +98,7 @@ class Daemon:
         self.proc_events: ProcEvents  # the kernel's proc connector, where it can listen
         self.rogue: RogueWatch  # the rogue-activity audit, run by the sampler
         self.sampler: Sampler
+        self.suspender: Suspender  # suspend and resume, with the suspended workloads it keeps
         self.actions: Actions  # the kill and reset paths
         self.audit_settings: AuditSettingsKeeper  # the audit's settings as admins change them
         self.manager: ManagerInterface
@@ -178,6 +182,15 @@ class Daemon:
 
     def _on_reset(self, result: ResetReply, success: bool) -> None:
         self.manager.DeviceReset(result, success)
+
+    def _on_suspended(self, record: SuspendedProcess, caller: Caller | None) -> None:
+        self.manager.ProcessSuspended(record, caller.uid if caller else 0)
+
+    def _on_resumed(self, record: SuspendedProcess, caller: Caller | None) -> None:
+        self.manager.ProcessResumed(record, caller.uid if caller else 0)
+
+    def _suspend_settings(self) -> SuspendSettings:
+        return SuspendSettings(self.config.cuda_checkpoint, self.config.suspend_host_memory_max, self.config.sys_root)
 
     def violated(self, event: Violation, dry_run: bool) -> None:
         self.guard_interface.PolicyViolated(event, dry_run)
@@ -303,15 +316,30 @@ class Daemon:
             audit=self.rogue,
             events=self.proc_events,
         )
+        killer = Killer()
+        # Suspended workloads are kept beside Guard's state; read once the bus name is ours (run).
+        self.suspender = Suspender(
+            snapshot=lambda: self.snapshot,
+            resample=self.next_snapshot,
+            backends=lambda: self.actions.backends,
+            bouncer=self.bouncer,
+            killer=killer,
+            auditor=self.audit,
+            kept=SuspendedWorkloads(self.config.guard_state_dir, self.audit, killer.procfs),
+            settings=self._suspend_settings,
+            on_suspended=self._on_suspended,
+            on_resumed=self._on_resumed,
+        )
         self.actions = Actions(
             snapshot=lambda: self.snapshot,
             backends={b.name: b for b in self.backends},
             bouncer=self.bouncer,
-            killer=Killer(),
+            killer=killer,
             auditor=self.audit,
             on_killed=self._on_killed,
             on_reset=self._on_reset,
             resample=self.next_snapshot,
+            suspender=self.suspender,
         )
         # The audit's settings as admins change them (SetAuditSettings): kept beside the configuration file.
         self.audit_settings = AuditSettingsKeeper(
@@ -327,6 +355,7 @@ class Daemon:
             bus=bus,
             audit_settings=self.audit_settings,
             usage=lambda: self.usage,
+            suspender=self.suspender,
         )
         slurm = Slurm()  # Slurm's commands: Guard's requeue and cancel, a job's declared checkpoint signal
         self.guard = GuardRunner(
@@ -385,6 +414,8 @@ class Daemon:
         self.guard.start()
         # Usage accounting too: a second daemon must not write the first one's records, nor its state file.
         self._configure_usage()
+        # The workloads suspended before a restart: kept suspended (never resumed by themselves), those gone dropped.
+        self.suspender.kept.load()
         # Observers that list on SnapshotChanged (clients check a signal's sender against the name's owner, so
         # the first sample's signal, sent before the name was ours, reached no one): list now, a new daemon.
         self.manager.SnapshotChanged(self.snapshot.generation)

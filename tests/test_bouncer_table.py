@@ -27,6 +27,7 @@ from helpers.testbed import PYTHON
 
 from gpukill import managed_policy
 from gpukill.errors import AccessDenied
+from gpukill.records.suspend import SUSPENDED, SuspendedProcess
 from gpukilld import journal as audit
 from gpukilld.access import bouncer
 from gpukilld.access.bouncer import (
@@ -42,7 +43,10 @@ from gpukilld.access.bouncer import (
 )
 from gpukilld.access.refusals import RefusalLog
 from gpukilld.acts.actions import Actions
+from gpukilld.acts.freezer import Frozen
 from gpukilld.acts.killer import Killer
+from gpukilld.acts.suspend import Suspender, SuspendSettings
+from gpukilld.acts.suspended import SuspendedWorkloads, Workload
 from gpukilld.audit_settings import AuditSettingsKeeper
 from gpukilld.bus.door import Door
 from gpukilld.bus.guard import GuardInterface
@@ -67,6 +71,9 @@ CALLS = {
     (MANAGER_INTERFACE, "KillProcessReport"): ("uta{sv}", ["$PID", "$START", {}]),
     (MANAGER_INTERFACE, "KillWorkload"): ("a{sv}a{sv}", ["$TREE", {}]),  # the victim's tree: itself
     (MANAGER_INTERFACE, "ResetDevice"): ("sa{sv}", ["1", {}]),
+    # the victim alone; for a resume, serve() holds it suspended first (Served.call)
+    (MANAGER_INTERFACE, "SuspendWorkload"): ("a{sv}a{sv}", ["$PIDSEL", {}]),
+    (MANAGER_INTERFACE, "ResumeWorkload"): ("a{sv}a{sv}", ["$PIDSEL", {}]),
     (GUARD_INTERFACE, "Enable"): ("", []),
     (GUARD_INTERFACE, "Disable"): ("", []),
     (GUARD_INTERFACE, "SetDryRun"): ("b", [True]),
@@ -87,6 +94,8 @@ CALLS = {
     ),
 }
 MANAGED = managed_policy.ManagedPolicy("user", "daemon", memory_limit=1 << 30)
+# cuda-checkpoint's command line answered as for a process that is running and whose every step succeeds
+STAND_IN = '#!/bin/sh\ncase "$1" in --get-state) echo running ;; esac\nexit 0\n'
 
 
 class Journal:
@@ -124,9 +133,11 @@ class TablePolkit(Bouncer):
 
 
 class Backend:
-    """A backend whose device resets, recording each reset."""
+    """A backend whose device resets, recording each reset; NVIDIA's by name and driver, so that a suspend of a
+    process on it passes the refusals (the stand-in cuda-checkpoint, STAND_IN, answers every step)."""
 
-    name = "fake"
+    name = "nvidia"
+    driver_version = "610.43"
 
     def __init__(self) -> None:
         self.resets: list[str] = []
@@ -148,10 +159,17 @@ class Served:
     service: str
     victim: subprocess.Popen
     start_time: int
+    suspender: Suspender
 
     async def call(self, method: tuple[str, str]) -> Message:
         signature, body = CALLS[method]
         tree = {"tree": Variant("(ut)", [self.victim.pid, self.start_time])}
+        if method[1] == "ResumeWorkload":
+            held = SuspendedProcess(
+                self.victim.pid, self.start_time, SOMEONE_ELSE, "victim", SUSPENDED, (0,), ("dev0",)
+            )
+            self.suspender.kept.add(Workload("PID victim", [held], Frozen("", "", ())))
+        body = [{"pid": Variant("(ut)", [self.victim.pid, self.start_time])} if v == "$PIDSEL" else v for v in body]
         body = [
             self.victim.pid
             if v == "$PID"
@@ -224,15 +242,32 @@ async def serve(
     async def resample() -> Snapshot:
         return snapshot
 
+    stand_in = tmp_path / "cuda-checkpoint"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    killer = Killer()
+    suspender = Suspender(
+        snapshot=lambda: snapshot,
+        resample=resample,
+        backends=lambda: {Backend.name: backend},  # type: ignore[dict-item]
+        bouncer=table_polkit,
+        killer=killer,
+        auditor=journal,  # type: ignore[arg-type]
+        kept=SuspendedWorkloads(str(tmp_path / "state"), journal, killer.procfs),  # type: ignore[arg-type]
+        settings=lambda: SuspendSettings(str(stand_in)),
+        on_suspended=lambda *_: None,
+        on_resumed=lambda *_: None,
+    )
     actions = Actions(
         snapshot=lambda: snapshot,
         backends={Backend.name: backend},
         bouncer=table_polkit,
-        killer=Killer(),
+        killer=killer,
         auditor=journal,
         on_killed=lambda *_: None,  # type: ignore[arg-type]
         on_reset=lambda *_: None,
         resample=resample,
+        suspender=suspender,
     )
     (tmp_path / "guard.d").mkdir(exist_ok=True)
     (tmp_path / "guard.d" / managed_policy.file_name(MANAGED)).write_text(managed_policy.render(MANAGED))
@@ -247,13 +282,19 @@ async def serve(
         str(tmp_path / "gpukilld.conf.d" / "50-audit.conf"), RogueWatch("/nonexistent"), journal
     )
     manager = ManagerInterface(
-        lambda: snapshot, actions, table_polkit, lambda: 1.0, bus=service, audit_settings=settings
+        lambda: snapshot,
+        actions,
+        table_polkit,
+        lambda: 1.0,
+        bus=service,
+        audit_settings=settings,
+        suspender=suspender,
     )
     service.add_message_handler(Door(service, table_polkit, manager.early_answer))
     service.export(OBJECT_PATH, manager)
     service.export(OBJECT_PATH, GuardInterface(runner, table_polkit, lambda: snapshot))
     try:
-        yield Served(table_polkit, journal, backend, client, service.unique_name, victim, start_time)
+        yield Served(table_polkit, journal, backend, client, service.unique_name, victim, start_time, suspender)
     finally:
         client.disconnect()
         service.disconnect()
@@ -265,6 +306,16 @@ def acted(served: Served, method: tuple[str, str]) -> bool:
         return served.victim.poll() is not None  # the kill path waits for the exit before it answers
     if method == RESET_METHOD:
         return served.backend.resets == ["dev1"]
+    if method[1] in ("SuspendWorkload", "ResumeWorkload"):  # the driver's steps ran (an undone suspend too)
+        act = "suspend" if method[1] == "SuspendWorkload" else "resume"
+        return any(
+            kind in (audit.SUSPEND, audit.SUSPEND_FAILED)
+            and fields.get("action") == act
+            and not fields.get("error")
+            or kind is audit.SUSPEND_FAILED
+            and fields.get("result") == "undone"
+            for kind, _, fields in served.journal.entries
+        )
     if method[1] in ("SetAuditSettings", "ImportAuditSettings"):
         return any(
             kind is audit.AUDIT_SETTINGS and fields.get("result") == "changed"

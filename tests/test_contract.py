@@ -68,6 +68,10 @@ def test_polkit_defaults_are_as_specified():
         "org.gpukill.view-all-processes": "no",
         "org.gpukill.postpone-own": "yes",
         "org.gpukill.postpone-any": "auth_admin_keep",
+        "org.gpukill.suspend-own-process": "yes",  # as kill-own: a suspend is gentler than the kill one may do
+        "org.gpukill.suspend-any-process": "auth_admin_keep",
+        "org.gpukill.resume-own-process": "yes",
+        "org.gpukill.resume-any-process": "auth_admin_keep",
     }
 
 

@@ -113,6 +113,9 @@ assert set(METHODS) == {
     (MANAGER, "KillProcessReport"),
     (MANAGER, "KillWorkload"),
     (GUARD, "Postpone"),
+    (MANAGER, "SuspendWorkload"),
+    (MANAGER, "ResumeWorkload"),
+    (MANAGER, "ListSuspended"),
 }, f"the XML's methods changed: update this fuzz ({sorted(METHODS)})"
 MEMBER_IFACE = {member: iface for iface, member in METHODS}  # every member name is unique to one interface
 assert len(MEMBER_IFACE) == len(METHODS)
@@ -369,6 +372,8 @@ FILTER_TYPES = {
 }
 KILL_TYPES = {"force": ("b",), "grace": ("d", "u", "y", "t", "x")}
 SELECTION_TYPES = {"tree": ("(ut)", "(uu)", "s"), "unit": ("s", "u"), "container": ("s",)}
+# SuspendWorkload's and ResumeWorkload's (the testbed's GPUs are simulated: every suspend is refused)
+WORKLOAD_TYPES = {"pid": ("(ut)", "(uu)", "s"), "tree": ("(ut)", "s"), "unit": ("s", "u"), "job": ("s", "u")}
 RESET_TYPES = {"force": ("b",)}
 AUDIT_SETTING_TYPES = {
     "min_score": ("d", "u"),
@@ -449,6 +454,15 @@ ARGS = {  # per method, the values of its arguments when it is called with its o
     "GetUsage": st.tuples(options(USAGE_QUERY_TYPES)).map(list),
     # a real process or not, any number of seconds (nan, inf, negative, huge), any reason
     "Postpone": st.tuples(kill_targets, st.floats(), texts).map(lambda t: [*t[0], t[1], t[2]]),
+    "SuspendWorkload": st.tuples(
+        st.one_of(options(WORKLOAD_TYPES), kill_targets.map(lambda t: [["pid", ["(ut)", list(t)]]])),
+        options(KILL_TYPES),
+    ).map(list),
+    "ResumeWorkload": st.tuples(
+        st.one_of(options(WORKLOAD_TYPES), kill_targets.map(lambda t: [["pid", ["(ut)", list(t)]]])),
+        options(KILL_TYPES),
+    ).map(list),
+    "ListSuspended": st.just([]),
 }
 assert set(ARGS) == {m for _, m in METHODS}
 
@@ -603,6 +617,9 @@ MINIMAL_ARGS = {
     "ImportAuditSettings": ["explicit", "{"],
     "GetUsage": [[]],
     "Postpone": [2**32 - 1, 2**64 - 1, 60.0, ""],
+    "SuspendWorkload": [[], []],
+    "ResumeWorkload": [[], []],
+    "ListSuspended": [],
 }
 SET_VALUES = {"s": "9.9", "d": 0.001, "a(sbs)": [["fake", True, ""]], "a{sv}": {}}  # one of each property's type
 EXPLICIT = [

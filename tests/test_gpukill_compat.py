@@ -130,6 +130,9 @@ class RecordingClient:
         self._record("list_processes", unwrap(filter or {}))
         return self.processes
 
+    async def list_suspended(self):
+        return []  # `list` shows what gpukilld holds suspended too; gpu-kill's flags translate to nothing of it
+
     async def kill(self, pid, start_time, *, force=False, grace=None, interactive=False):
         self._record("kill", pid, start_time, force=force, grace=grace)
         return Outcome.TERMINATED

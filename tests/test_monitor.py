@@ -151,7 +151,9 @@ def test_every_signal_kind_as_json_and_human_lines(bed, users):
 
     victim = bed.victim(owner, gpu=0, comm=COMM)  # the Guard rule kills it at once, with a desktop notice
     set_device_state(bed, LOST_DEVICE, "lost", "fell off the bus")
-    wanted = set(SIGNALS) - {"SnapshotChanged"}  # "list again" is for observers: monitor leaves it out
+    # "list again" is for observers: monitor leaves it out; a suspend needs the NVIDIA backend, which this
+    # bed's simulated GPUs are not (tests/test_suspend.py hears those signals on the fake NVIDIA host)
+    wanted = set(SIGNALS) - {"SnapshotChanged", "ProcessSuspended", "ProcessResumed"}
 
     def seen() -> set[str]:
         return {json.loads(line)["signal"] for line in as_json.out}

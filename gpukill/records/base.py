@@ -131,7 +131,7 @@ _INT_RANGE = {"q": 1 << 16, "u": 1 << 32, "t": 1 << 64}
 
 def _scalar(sig: str, value: Any) -> Any:
     """The value as its signature's Python type, or None when it is not one."""
-    if sig in ("as", "au", "aq"):
+    if sig in ("as", "au", "aq", "at"):
         if not isinstance(value, list | tuple):
             return None
         items = [_scalar(sig[1], v) for v in value]

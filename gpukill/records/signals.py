@@ -8,6 +8,7 @@ from typing import Any
 from .base import from_plain, names, wire
 from .guard import ViolationDetails
 from .reclaim import UNWATCHED, Reclaim
+from .suspend import SuspendedProcess
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,24 @@ class ReclaimPending:
     deadline: int = wire("t", "when the grace ends, seconds since the epoch")
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessSuspended:
+    """org.gpukill1.Manager.ProcessSuspended: a process of a workload was suspended (its GPU memory set aside)."""
+
+    process: SuspendedProcess = wire("a{sv}", "the process as ListSuspended lists it", of=SuspendedProcess)
+    caller_uid: int = wire("u", "who asked (0 for the daemon itself)")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessResumed:
+    """org.gpukill1.Manager.ProcessResumed: a resume of a process ended: state "running", or "stuck" and why."""
+
+    process: SuspendedProcess = wire(
+        "a{sv}", "the process, its state and, when stuck, error and remedy", of=SuspendedProcess
+    )
+    caller_uid: int = wire("u", "who asked (0 for the daemon itself)")
+
+
 NO_UID = 0xFFFFFFFF  # Notification's uid when the notice concerns no one user (a device)
 
 
@@ -112,6 +131,8 @@ SIGNALS: dict[tuple[str, str], type] = {
     ("org.gpukill1.Manager", "DeviceReset"): DeviceReset,
     ("org.gpukill1.Manager", "DeviceStateChanged"): DeviceStateChanged,
     ("org.gpukill1.Manager", "SnapshotChanged"): SnapshotChanged,
+    ("org.gpukill1.Manager", "ProcessSuspended"): ProcessSuspended,
+    ("org.gpukill1.Manager", "ProcessResumed"): ProcessResumed,
     ("org.gpukill1.Guard", "PolicyViolated"): PolicyViolated,
     ("org.gpukill1.Guard", "GuardActionTaken"): GuardActionTaken,
     ("org.gpukill1.Guard", "Notification"): Notification,
@@ -124,6 +145,8 @@ Event = (
     | DeviceReset
     | DeviceStateChanged
     | SnapshotChanged
+    | ProcessSuspended
+    | ProcessResumed
     | PolicyViolated
     | GuardActionTaken
     | Notification

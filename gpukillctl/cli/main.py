@@ -35,7 +35,7 @@ from ..client.format import devices_table, processes_table, shown
 JSON_FORMAT = 1
 # The commands that run on the blocking transport and whose parsers need no asyncio module: for these
 # alone the parser is built without the others (each of the others imports asyncio and dbus-fast to register).
-ONE_SHOT = ("list", "kill", "reset", "status", "guard", "postpone", "audit", "usage")
+ONE_SHOT = ("list", "kill", "suspend", "resume", "reset", "status", "guard", "postpone", "audit", "usage")
 
 
 class Parser(argparse.ArgumentParser):
@@ -127,6 +127,9 @@ def build_parser(full: bool = True, only: str | None = None) -> argparse.Argumen
         _register_list(sub)
     if wanted("kill"):
         _register_kill(sub)
+    for name in ("suspend", "resume"):
+        if wanted(name):
+            _register_suspend(sub, name)
     if wanted("reset"):
         reset = sub.add_parser("reset", help="reset a GPU (refused while processes use it unless --force)")
         reset.add_argument("device", metavar="DEVICE", help="index, UUID or PCI bus id")
@@ -210,6 +213,22 @@ def _register_kill(sub: argparse._SubParsersAction) -> None:
         metavar="TICKS",
         help="the start time from `list --json`: refuse if PID (or --tree PID) now names another process",
     )
+
+
+def _register_suspend(sub: argparse._SubParsersAction, name: str) -> None:
+    from .job_kill import slurm_job_id
+    from .kill_answer import unit_name
+
+    what = {
+        "suspend": "set a workload's GPU memory aside in host memory and free the GPU, without ending it (NVIDIA)",
+        "resume": "give a suspended workload its GPU memory back",
+    }[name]
+    cmd = sub.add_parser(name, help=what)
+    target = cmd.add_mutually_exclusive_group(required=True)
+    target.add_argument("pid", type=positive_int, metavar="PID", nargs="?")
+    target.add_argument("--tree", type=positive_int, metavar="PID", help="PID and its descendants on a GPU, together")
+    target.add_argument("--unit", type=unit_name, metavar="UNIT", help="every GPU process of this systemd unit")
+    target.add_argument("--job", type=slurm_job_id, metavar="ID", help="every GPU process of this Slurm job here")
 
 
 def _register_long_lived(sub: argparse._SubParsersAction) -> None:
@@ -305,9 +324,49 @@ def _named_selection(args: argparse.Namespace, devices: list) -> tuple[str, str 
     return subject, problem
 
 
+async def _suspended(client: ClientAPI) -> list:
+    """What gpukilld holds suspended; [] from a gpukilld that suspends nothing (one older than ListSuspended)."""
+    try:
+        return await client.list_suspended()
+    except ClientError as e:
+        if e.name in ("org.freedesktop.DBus.Error.UnknownMethod", "org.gpukill1.Error.NotSupported"):
+            return []
+        raise
+
+
+def _suspended_selected(args: argparse.Namespace, records: list) -> list:
+    """The suspended processes (gpukill.records.suspend.SuspendedProcess) that list's filters select, as the
+    daemon selects the processes on a GPU: a GPU by index or UUID, a user by name or uid."""
+    if args.name_regex is not None:
+        from gpukill.regex import compile_regex
+
+        rx = compile_regex(args.name_regex)
+    out = []
+    for r in records:
+        if args.device is not None and args.device not in (*map(str, r.devices), *r.device_ids):
+            continue
+        if args.user is not None and args.user != str(r.uid):
+            import pwd
+
+            try:
+                if pwd.getpwuid(r.uid).pw_name != args.user:
+                    continue
+            except KeyError:
+                continue
+        if args.name is not None and args.name not in r.comm:
+            continue
+        if args.name_regex is not None and rx.search(r.comm) is None:
+            continue
+        if args.min_memory is not None and r.memory < args.min_memory:
+            continue
+        out.append(r)
+    return out
+
+
 async def cmd_list(client: ClientAPI, args: argparse.Namespace) -> int:
     devices = await client.list_devices()
     procs = await client.list_processes(_filter(args))
+    suspended = _suspended_selected(args, await _suspended(client))
     if not procs and (args.device is not None or args.user is not None):
         subject, problem = _named_selection(args, devices)
         if problem:
@@ -324,6 +383,7 @@ async def cmd_list(client: ClientAPI, args: argparse.Namespace) -> int:
                     "format": JSON_FORMAT,
                     "devices": [to_plain(d) for d in devices],
                     "processes": [to_plain(p) for p in procs],
+                    "suspended": [to_plain(p) for p in suspended],
                 }
             )
             + "\n"
@@ -332,6 +392,11 @@ async def cmd_list(client: ClientAPI, args: argparse.Namespace) -> int:
         print(devices_table(devices) if devices else "No GPUs.")
         print()
         print(processes_table(procs))
+        if suspended:
+            from ..client.format import suspended_table
+
+            print()
+            print(suspended_table(suspended))
     return EXIT_OK
 
 
@@ -388,6 +453,12 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
         agent.close()
     name = f" ({shown(listed.comm)})" if listed else ""
     return answer(f"PID {pid}{name}", report.outcome, report.reclaim, report.checkpoint)
+
+
+async def cmd_suspend(client: ClientAPI, args: argparse.Namespace) -> int:
+    from .suspend import cmd_suspend
+
+    return await cmd_suspend(client, args)
 
 
 async def cmd_reset(client: ClientAPI, args: argparse.Namespace) -> int:
@@ -455,6 +526,8 @@ async def cmd_usage(client: ClientAPI, args: argparse.Namespace) -> int:
 COMMANDS = {
     "list": cmd_list,
     "kill": cmd_kill,
+    "suspend": cmd_suspend,
+    "resume": cmd_suspend,
     "reset": cmd_reset,
     "status": cmd_status,
     "guard": cmd_guard,

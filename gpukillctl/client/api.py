@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry, PolicyLoaded, PostponeAnswer
     from gpukill.records.reclaim import KillReport, WorkloadReply
     from gpukill.records.status import BackendStatus, ResetReply, SamplingStatus
+    from gpukill.records.suspend import SuspendedProcess, SuspendReply
     from gpukill.records.usage import UsageReport
 
 BUS_NAME = "org.gpukill1"
@@ -48,6 +49,10 @@ DEFAULT_GRACE = 5.0  # seconds: gpukilld's grace after SIGTERM when a kill names
 # Seconds a kill's reply may take beyond its grace: SIGKILL's wait and the watch of the GPU's memory (3 samples)
 KILL_REPLY_MARGIN = 60.0
 PROMPT_TIME = 300.0  # seconds for a password prompt, where one may be asked
+# Seconds a suspend or resume may take: each driver call has 120 s in gpukilld and a checkpoint or restore 4 s more
+# per GiB it copies (gpukilld/acts/cuda_checkpoint.py: 140 GiB, an H200's, ~11 min); the samples that must show the
+# memory gone come on top
+SUSPEND_REPLY_TIME = 1200.0
 PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
 DBUS = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
 ALLOW_INTERACTIVE_AUTHORIZATION = 0x4  # the message flag, as the D-Bus specification numbers it
@@ -357,6 +362,34 @@ class ClientAPI:
             "KillWorkload", "a{sv}a{sv}", [selection, options], interactive=interactive, timeout=timeout + 60.0
         )
         return from_plain(WorkloadReply, reply)
+
+    async def suspend_workload(self, selection: dict[str, Var], *, interactive: bool = False) -> SuspendReply:
+        """SuspendWorkload: a workload's GPU memory set aside in host memory (selection: exactly one of pid or tree,
+        Var("(ut)", (pid, start)), unit or job, Var("s", name))."""
+        return await self._suspend_call("SuspendWorkload", selection, interactive)
+
+    async def resume_workload(self, selection: dict[str, Var], *, interactive: bool = False) -> SuspendReply:
+        """ResumeWorkload: a suspended workload's GPU memory given back (selection as suspend_workload's)."""
+        return await self._suspend_call("ResumeWorkload", selection, interactive)
+
+    async def _suspend_call(self, member: str, selection: dict[str, Var], interactive: bool) -> SuspendReply:
+        from gpukill.records.suspend import SuspendReply
+
+        (reply,) = await self._call(
+            member,
+            "a{sv}a{sv}",
+            [selection, {}],
+            interactive=interactive,
+            timeout=SUSPEND_REPLY_TIME + (PROMPT_TIME if interactive else 0.0),
+        )
+        return from_plain(SuspendReply, reply)
+
+    async def list_suspended(self) -> list[SuspendedProcess]:
+        """The processes gpukilld holds suspended (or stuck), as the caller may see them."""
+        from gpukill.records.suspend import SuspendedProcess
+
+        (records,) = await self._call("ListSuspended")
+        return [from_plain(SuspendedProcess, r) for r in records]
 
     async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
         from gpukill.records.status import ResetReply

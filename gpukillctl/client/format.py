@@ -73,3 +73,31 @@ def processes_table(procs: list[Process]) -> str:
         for p in procs
     ]
     return table(["GPU", "PID", "USER", "COMMAND", "GPU MEMORY", "UTIL", "UNIT/CONTAINER"], rows)
+
+
+def suspended_table(records: list) -> str:
+    """The processes gpukilld holds suspended (gpukill.records.suspend.SuspendedProcess): state "suspended", or
+    "stuck" with its remedy; HOST MEMORY is the GPU memory set aside in host memory."""
+    import pwd
+    import time
+
+    def user(uid: int) -> str:
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return str(uid)
+
+    rows = [
+        [
+            ",".join(map(str, r.devices)) or UNKNOWN,
+            str(r.pid),
+            user(r.uid),
+            r.comm or UNKNOWN,
+            r.state,
+            size(r.memory),
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(r.suspended_at)) if r.suspended_at else UNKNOWN,
+            r.remedy or r.workload,
+        ]
+        for r in records
+    ]
+    return table(["GPU", "PID", "USER", "COMMAND", "STATE", "HOST MEMORY", "SINCE", "WORKLOAD / REMEDY"], rows)

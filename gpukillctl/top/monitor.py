@@ -30,6 +30,8 @@ from gpukill.records.signals import (
     Notification,
     PolicyViolated,
     ProcessKilled,
+    ProcessResumed,
+    ProcessSuspended,
     ReclaimPending,
     SnapshotChanged,
 )
@@ -97,6 +99,12 @@ def describe(record: Any) -> str:
             result = "reset" if record.success else "reset failed"
             killed = f"; killed first: {', '.join(map(str, record.killed))}" if record.killed else ""
             return f"GPU {record.index} ({record.id}) {result}: {record.message}{killed}"
+        case ProcessSuspended() | ProcessResumed():
+            p = record.process
+            act = "suspended" if isinstance(record, ProcessSuspended) else "resumed"
+            state = "" if p.state in ("suspended", "running") else f": {p.state} ({p.error}); {p.remedy}"
+            on = ",".join(map(str, p.devices)) or "no GPU"
+            return f"PID {p.pid} ({p.comm}, uid {p.uid}) on GPU {on} {act}{state}; by uid {record.caller_uid}"
         case DeviceStateChanged():
             return f"GPU {record.index} ({record.id}) is {record.state}" + (
                 f": {record.reason}" if record.reason else ""

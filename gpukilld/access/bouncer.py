@@ -46,12 +46,18 @@ MANAGE_POLICIES = "org.gpukill.manage-policies"  # the managed user, group and G
 CONFIGURE_AUDIT = "org.gpukill.configure-audit"  # the rogue-activity audit's thresholds and allow-lists
 POSTPONE_OWN = "org.gpukill.postpone-own"  # more time before a Guard kill of one's own process
 POSTPONE_ANY = "org.gpukill.postpone-any"
+SUSPEND_OWN = "org.gpukill.suspend-own-process"
+SUSPEND_ANY = "org.gpukill.suspend-any-process"
+RESUME_OWN = "org.gpukill.resume-own-process"
+RESUME_ANY = "org.gpukill.resume-any-process"
 
 Method = tuple[str, str]  # (interface, member), as called on the bus
 KILL_METHOD: Method = (MANAGER_INTERFACE, "KillProcess")
 RESET_METHOD: Method = (MANAGER_INTERFACE, "ResetDevice")
 KILL_REPORT_METHOD: Method = (MANAGER_INTERFACE, "KillProcessReport")
 WORKLOAD_METHOD: Method = (MANAGER_INTERFACE, "KillWorkload")
+SUSPEND_METHOD: Method = (MANAGER_INTERFACE, "SuspendWorkload")
+RESUME_METHOD: Method = (MANAGER_INTERFACE, "ResumeWorkload")
 
 
 class OwnOrAny(str):
@@ -86,6 +92,11 @@ METHOD_ACTIONS: dict[Method, str] = {
     KILL_REPORT_METHOD: OwnOrAny(own=KILL_OWN, others=KILL_ANY),
     WORKLOAD_METHOD: OwnOrAny(own=KILL_OWN, others=KILL_ANY),
     RESET_METHOD: RESET_DEVICE,
+    # Suspend and resume: each process of the workload asked as one, by whose process it is; the list of what is
+    # suspended is filtered per caller as the listings are
+    SUSPEND_METHOD: OwnOrAny(own=SUSPEND_OWN, others=SUSPEND_ANY),
+    RESUME_METHOD: OwnOrAny(own=RESUME_OWN, others=RESUME_ANY),
+    (MANAGER_INTERFACE, "ListSuspended"): READ_ONLY,
     # Guard Mode: reading the state and asking what a policy would do (TestPolicies never acts) are open to
     # everyone; whatever changes what the guard enforces needs manage-guard.
     (GUARD_INTERFACE, "GetStatus"): READ_ONLY,

@@ -39,6 +39,7 @@ from .checkpoint import Asked, Checkpoints
 from .killer import Killer, PinnedProcess, check_grace
 from .reclaim import FirstSignal, Watch, reclaim_fields, remember_tree
 from .selection import GUARD_ONLY, MAX_WORKLOAD, OTHER_USERS, Selection
+from .suspend import Suspender
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,11 @@ class Actions:
         on_killed: Callable[[KillResult, Caller | None], None],
         on_reset: Callable[[ResetReply, bool], None],
         resample: Callable[[], Awaitable[Snapshot]],
+        suspender: Suspender | None = None,
     ) -> None:
         self._snapshot = snapshot
+        # The suspended processes: they left the GPU's lists, and a kill of one goes through its own path.
+        self.suspender = suspender
         self.backends = backends
         self.bouncer = bouncer
         self.killer = killer
@@ -133,8 +137,13 @@ class Actions:
         declares none; asked: checkpoint signals Guard sent already, whose waits the kill finishes first."""
         base = self._base(caller, pid, start_time, force, initiator)
         who = self._who(caller, initiator)
+        suspended = self.suspender.pin_suspended(pid, start_time) if self.suspender else None
+        if suspended is not None:
+            return await self._kill_suspended(caller, suspended, grace, base, method, who, initiator)
         try:
             check_grace(grace)
+            if self.suspender is not None:
+                self.suspender.check_not_suspending(pid, start_time)
             snapshot = self._snapshot()
             target = self.killer.open(pid, start_time, snapshot)
         except GpukillError as e:
@@ -214,6 +223,28 @@ class Actions:
         finally:
             for t in pinned:
                 t.close()
+
+    async def _kill_suspended(
+        self,
+        caller: Caller | None,
+        target: PinnedProcess,
+        grace: float,
+        base: dict[str, object],
+        method: Method,
+        who: str,
+        initiator: str,
+    ) -> KillResult:
+        """A suspended process: not on a GPU's list any more, killed by the suspend path (SIGKILL to the
+        checkpointed process, never while its resume runs), authorized and audited as any kill."""
+        assert self.suspender is not None
+        try:
+            fields = self._fields(target, base)
+            if caller is not None:
+                fields["polkit_action"] = await self._authorize(caller, target, fields, method)
+            outcome = await self.suspender.kill_suspended(target, who)
+        finally:
+            target.close()
+        return self._done(caller, target, outcome, Reclaim(UNWATCHED), grace, fields, who, initiator)
 
     @staticmethod
     def _base(caller: Caller | None, pid: int, start_time: int, force: bool, initiator: str) -> dict[str, object]:
@@ -368,6 +399,8 @@ class Actions:
             for pid, start_time in chosen:
                 base = self._base(caller, pid, start_time, force, initiator)
                 try:
+                    if self.suspender is not None:
+                        self.suspender.check_not_suspending(pid, start_time)
                     target = self.killer.open(pid, start_time, snapshot)
                 except GpukillError as e:
                     self._refused(

@@ -9,6 +9,7 @@ named by pid and start time as listed, so a PID reused since the listing selects
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,8 +45,10 @@ def unit_mates(me: Any, procs: Iterable[Any]) -> list[Any]:
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    kind: str  # "tree", "unit", "container"; or "unit_of" (a Guard rule's kill_scope unit: the process's unit)
-    value: str  # the unit's or container's name; for a tree or unit_of, the process's PID
+    # "tree", "unit", "container"; "pid" and "job" (a Slurm job's, on this host: suspend and resume); or "unit_of"
+    # (a Guard rule's kill_scope unit: the process's unit)
+    kind: str
+    value: str  # the unit's, container's or job's name; for a pid, tree or unit_of, the process's PID
     start_time: int = 0  # a tree's root (unit_of's process), as listed
     owner: int | None = None  # only this uid's processes (Guard's scoped kills: the subject's owner's alone)
     # Guard's scoped kills: the processes its rule decided to stop (None: every one selected), and those it
@@ -58,7 +61,30 @@ class Selection:
     def text(self) -> str:
         if self.kind == "unit_of":
             return f"unit of PID {self.value}"
+        if self.kind == "pid":
+            return f"PID {self.value}"
         return f"tree of PID {self.value}" if self.kind == "tree" else f"{self.kind} {self.value}"
+
+    @classmethod
+    def parse_workload(cls, options: dict[str, object]) -> Selection:
+        """From SuspendWorkload's or ResumeWorkload's selection a{sv}: exactly one of pid (ut), tree (ut), unit (s)
+        or job (s, a Slurm job id)."""
+        keys = ("pid", "tree", "unit", "job")
+        unknown = [k for k in options if k not in keys]
+        if unknown:
+            raise InvalidArgs(f"unknown selection key {str(unknown[0])[:64]!r} (known: {', '.join(keys)})")
+        if len(options) != 1:
+            raise InvalidArgs(f"give exactly one of the selection keys {', '.join(keys)}")
+        ((kind, value),) = options.items()
+        if kind == "pid":
+            if not (isinstance(value, list | tuple) and len(value) == 2 and all(type(v) is int for v in value)):
+                raise InvalidArgs("selection 'pid' is (pid, start_time)")
+            return dataclasses.replace(cls.parse({"tree": value}), kind="pid")
+        if kind == "job":
+            if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 10):
+                raise InvalidArgs(f"selection 'job' is a Slurm job id (decimal digits), not {str(value)[:64]!r}")
+            return cls("job", str(int(value)))
+        return cls.parse({kind: value})
 
     @classmethod
     def parse(cls, options: dict[str, object]) -> Selection:
@@ -96,6 +122,8 @@ class Selection:
             return sorted({(p.pid, p.start_time) for p in unit_mates(me, on_gpu.values())}), []
         if self.kind == "unit":
             return sorted(k for k, p in on_gpu.items() if p.unit == self.value), []
+        if self.kind == "job":
+            return sorted(k for k, p in on_gpu.items() if p.slurm_job == self.value), []
         if self.kind == "container":
             ids = {p.container_id for p in on_gpu.values() if p.container_id and p.container_id.startswith(self.value)}
             if len(ids) > 1:
@@ -107,6 +135,10 @@ class Selection:
             raise NoSuchProcess(f"no process with PID {pid}")
         if st.start_time != self.start_time:
             raise ProcessChanged(f"PID {pid} now belongs to another process than the one listed; list again")
+        if self.kind == "pid":
+            if (pid, st.start_time) not in on_gpu:
+                raise NotAGpuProcess(f"PID {pid} is not using a GPU")
+            return [(pid, st.start_time)], []
         if pid == 1 or st.is_kernel_thread:
             raise Protected(f"the tree of PID {pid} is the whole system: name a workload's own root")
         tree = remember_tree(procfs, [pid])

@@ -159,6 +159,7 @@ class NvidiaBackend(Backend):
         self.device_deadline = device_deadline
         self._nvml: Any = None  # the pynvml module (untyped) once NVML is initialised
         self._status = BackendStatus(self.name, False, "not initialised yet")
+        self.driver_version: str | None = None  # NVML's, once initialised: what suspend's refusals read
         self._next_attempt = 0.0
         self._retry = RETRY_MIN
         self._devices: dict[int, _DeviceState] = {}
@@ -212,6 +213,7 @@ class NvidiaBackend(Backend):
             self._fail(f"NVML could not start: {e}")
             return
         self._nvml = pynvml
+        self.driver_version = driver.decode() if isinstance(driver, bytes) else str(driver)
         self._retry = RETRY_MIN
         self._events = self._register_events(pynvml, count)
         self._status = BackendStatus(self.name, True, f"NVML, driver {driver}, {count} GPUs")

@@ -25,6 +25,7 @@ from gpukill.outcome import INITIATOR_USER
 from gpukill.records.audit import AuditSettings
 from gpukill.records.reclaim import KillReport, Reclaim, WorkloadReply
 from gpukill.records.status import ResetReply, SamplingStatus
+from gpukill.records.suspend import SuspendedProcess, SuspendReply
 from gpukill.regex import RegexError, compile_regex
 
 from .. import __version__, audit_settings, journal
@@ -32,6 +33,7 @@ from ..access.bouncer import KILL_REPORT_METHOD, Bouncer, Request
 from ..access.visibility import FULL, HIDDEN, PROGRAM, Viewer, seen_as
 from ..acts.actions import Actions, KillResult
 from ..acts.selection import Selection
+from ..acts.suspend import Suspender
 from ..audit_settings import AuditSettingsKeeper
 from ..model import Device, GpuProcess, Snapshot
 from ..names import MANAGER_INTERFACE
@@ -141,6 +143,21 @@ def _workload_as_seen(reply: WorkloadReply, viewer: Viewer) -> WorkloadReply:
     )
 
 
+def _suspended_as_seen(records: list[SuspendedProcess], viewer: Viewer) -> list[SuspendedProcess]:
+    """Suspended processes as the caller's listing would show them: another user's named only where /proc names
+    it, and left out where /proc hides it."""
+    mine_or_seen = viewer.others in (FULL, PROGRAM)
+    return [
+        r if r.uid == viewer.uid or mine_or_seen else dataclasses.replace(r, comm="")
+        for r in records
+        if r.uid == viewer.uid or viewer.others != HIDDEN
+    ]
+
+
+def _suspend_reply_as_seen(reply: SuspendReply, viewer: Viewer) -> SuspendReply:
+    return dataclasses.replace(reply, entries=tuple(_suspended_as_seen(list(reply.entries), viewer)))
+
+
 ProcessFilter = Callable[[GpuProcess], bool]
 
 
@@ -246,8 +263,10 @@ class ManagerInterface(ServiceInterface):
         bus: MessageBus | None = None,
         audit_settings: AuditSettingsKeeper | None = None,
         usage: Callable[[], Any] = lambda: None,
+        suspender: Suspender | None = None,
     ) -> None:
         super().__init__(MANAGER_INTERFACE)
+        self._suspender = suspender  # suspend and resume; None: NotSupported
         self._sampling = sampling  # the sampler's: the proc connector, or polling and why
         self._snapshot = snapshot
         self._actions = actions
@@ -622,6 +641,41 @@ class ManagerInterface(ServiceInterface):
         result = await self._actions.reset(caller, device, force)
         return to_dbus(result)
 
+    def _suspend_side(self) -> Suspender:
+        if self._suspender is None:
+            raise NotSupported("this gpukilld does not suspend workloads")
+        return self._suspender
+
+    @staticmethod
+    def _workload_selection(selection: dict[str, Variant], options: dict[str, Variant]) -> Selection:
+        _check_keys(options, (), "option")
+        if len(selection) > 4:
+            raise InvalidArgs("give exactly one of the selection keys pid, tree, unit, job")
+        return Selection.parse_workload({k: v.value for k, v in selection.items()})
+
+    @method()
+    @dbus_errors
+    async def SuspendWorkload(self, selection: "a{sv}", options: "a{sv}") -> "a{sv}":
+        caller = await current_caller(self._bouncer)
+        chosen = self._workload_selection(selection, options)
+        reply = await self._suspend_side().suspend(caller, chosen)
+        return to_dbus(_suspend_reply_as_seen(reply, await self._bouncer.viewer(caller)))
+
+    @method()
+    @dbus_errors
+    async def ResumeWorkload(self, selection: "a{sv}", options: "a{sv}") -> "a{sv}":
+        caller = await current_caller(self._bouncer)
+        chosen = self._workload_selection(selection, options)
+        reply = await self._suspend_side().resume(caller, chosen)
+        return to_dbus(_suspend_reply_as_seen(reply, await self._bouncer.viewer(caller)))
+
+    @method()
+    @dbus_errors
+    async def ListSuspended(self) -> "aa{sv}":
+        records = self._suspender.records() if self._suspender is not None else []
+        viewer = await self._bouncer.viewer(await current_caller(self._bouncer))
+        return [to_dbus(r) for r in _suspended_as_seen(records, viewer)]
+
     # -- properties ------------------------------------------------------------------------------------
 
     @dbus_property(access=PropertyAccess.READ)
@@ -669,6 +723,14 @@ class ManagerInterface(ServiceInterface):
     def SnapshotChanged(self, generation: int) -> "t":
         return generation
 
+    @signal()
+    def ProcessSuspended(self, record: SuspendedProcess, caller_uid: int) -> "a{sv}u":
+        return [to_dbus(record), caller_uid]
+
+    @signal()
+    def ProcessResumed(self, record: SuspendedProcess, caller_uid: int) -> "a{sv}u":
+        return [to_dbus(record), caller_uid]
+
 
 # Names for return values and signal arguments, as in dbus/org.gpukill1.xml.
 OUTPUT_NAMES = {
@@ -686,10 +748,15 @@ OUTPUT_NAMES = {
     "KillProcessReport": ["report"],
     "KillWorkload": ["reply"],
     "ResetDevice": ["result"],
+    "SuspendWorkload": ["reply"],
+    "ResumeWorkload": ["reply"],
+    "ListSuspended": ["processes"],
     "ProcessKilled": ["pid", "start_time", "uid", "comm", "devices", "outcome", "caller_uid", "initiator", "reclaim"],
     "DeviceReset": ["index", "id", "success", "message", "killed"],
     "DeviceStateChanged": ["index", "id", "state", "reason"],
     "SnapshotChanged": ["generation"],
+    "ProcessSuspended": ["process", "caller_uid"],
+    "ProcessResumed": ["process", "caller_uid"],
 }
 
 

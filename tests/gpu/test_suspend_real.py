@@ -32,7 +32,7 @@ from helpers.waiting import wait_until  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SMI = shutil.which("nvidia-smi")
-CHECKPOINT_DIRS = ("/usr/bin", "/usr/local/bin", "/usr/local/cuda/bin")  # gpukilld/acts/checkpoint.py's search
+CHECKPOINT_DIRS = ("/usr/bin", "/usr/local/bin", "/usr/local/cuda/bin")  # gpukilld/acts/cuda_checkpoint.py's search
 MIB = 2**20
 GIB = 2**30
 MARGIN_MIB = 1024  # left free by the other process's allocation: its own context, and the driver's slack
