@@ -5,7 +5,8 @@ A rule looks at subjects of its scope: each process (per_process), each user wit
 its members' processes (per_group). Its conditions combine with AND unless it says `match: any`. A condition
 is about the subject (SUBJECT), or, in per_user, per_device and per_group scopes, about a process (SELECTOR):
 then it picks which of the subject's processes the rule counts and may kill. When the
-rule holds for a subject, its action is taken: kill, notify, log or (per_device only) reset the device.
+rule holds for a subject, its action is taken: kill, suspend (its GPU memory set aside in host memory until the
+owner resumes it), notify, log or (per_device only) reset the device.
 Descriptions are prose for humans and never change what a rule does.
 
 Which condition types exist, and what each means in each scope, is gpukill.condition_types; reading these
@@ -24,8 +25,12 @@ from .regex import compile_regex
 PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP = "per_process", "per_user", "per_device", "per_group"
 SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP)
 KILL = "kill"  # stop the subject's processes through the kill path, after the rule's grace period
+# Suspend the subject's processes through the suspend path, after the rule's grace period: their GPU memory is set
+# aside in host memory and they are frozen until the owner or an admin resumes them (Guard never resumes).
+SUSPEND = "suspend"
 RESET = "reset"  # reset the device (scope per_device): its holders are killed first only with force
-ACTIONS = (KILL, "notify", "log", RESET)
+ACTIONS = (KILL, SUSPEND, "notify", "log", RESET)
+STOPS = (KILL, SUSPEND)  # the actions that stop their subject's processes (Rule.stops)
 # A reset rule's defaults: at most one reset of a device per cooldown, and a few per hour, whatever the rule says
 # of its conditions: a device that a reset does not heal must not be reset over and over.
 RESET_COOLDOWN = 600.0
@@ -84,7 +89,7 @@ class Rule:
     scope: str  # one of SCOPES
     action: str  # one of ACTIONS
     force: bool  # kill: SIGKILL after kill_grace if SIGTERM did not do it; reset: kill the device's holders first
-    grace_period: float  # seconds a violating subject has to come back under before a kill
+    grace_period: float  # seconds a violating subject has to come back under before a kill (or suspend)
     kill_grace: float | None  # None: the policy's kill_grace
     notify: tuple[str, ...] | None  # None: the policy's default targets
     exemptions: Exemptions
@@ -92,14 +97,20 @@ class Rule:
     # Action reset only: no second reset of the device within the cooldown after one, at most so many an hour.
     cooldown: float = RESET_COOLDOWN
     max_resets_per_hour: int = MAX_RESETS_PER_HOUR
-    # Action kill with a grace period only: when to warn, as seconds before the grace ends, largest first
+    # Action kill or suspend with a grace period only: when to warn, as seconds before the grace ends, largest first
     # (`at_start` is the grace period itself). Empty: the violation's notice is the one warning.
     warn: tuple[float, ...] = ()
-    # Action kill only: what one kill of a process takes with it (records.reclaim.KILL_SCOPES). "tree": its descendants
-    # on a GPU
-    # too (a trainer's workers); "unit": the GPU processes of its systemd unit. Only the subject's owner's
-    # processes: Guard acts for no caller, and a setuid helper of another user in the tree is not the rule's.
+    # Action kill or suspend only: what one kill (or suspend) of a process takes with it (records.reclaim's
+    # KILL_SCOPES). "tree": its descendants on a GPU too (a trainer's workers); "unit": the GPU processes of its
+    # systemd unit. Only the subject's owner's processes: Guard acts for no caller, and a setuid helper of another
+    # user in the tree is not the rule's. A suspend takes its whole scope or nothing.
     kill_scope: str = KILL_PROCESS
+
+    @property
+    def stops(self) -> bool:
+        """Its action stops the subject's processes (kill or suspend): a grace period, warnings, victims chosen
+        and counted toward max_kills_per_cycle, a cooldown after; what stops them is the action's path."""
+        return self.action in STOPS
 
     @property
     def fingerprint(self) -> tuple:

@@ -363,6 +363,7 @@ class Daemon:
             reset=self.actions.reset,
             proc_root=self.config.proc_root,
             kill_workload=self.actions.kill_workload,
+            suspend=self.suspender.suspend,
         )
         self.guard_interface = GuardInterface(self.guard, self.bouncer, lambda: self.snapshot, bus=bus)
 

@@ -16,7 +16,6 @@ from ..records.reclaim import KILL_PROCESS, KILL_SCOPES
 from ..rules import (
     ACTIONS,
     EVERY,
-    KILL,
     MATCHES,
     MAX_RESETS_PER_HOUR,
     MEAN,
@@ -27,7 +26,9 @@ from ..rules import (
     RESET_COOLDOWN,
     SCOPES,
     SELECTOR,
+    STOPS,
     SUBJECT,
+    SUSPEND,
     Condition,
     Exemptions,
     Rule,
@@ -77,6 +78,7 @@ RULE_KEYS = (
     "kill_scope",
 )
 RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
+_SHARED = ("grace_period", "warn", "kill_scope")  # keys of action kill that action suspend has too
 CONDITION_KEYS = ("type", "operator", "value", "duration", "over", "scope", "description")
 
 # Python's `re`, on a name whose length is bounded before matching (MAX_NAME); linear in it anyway
@@ -230,6 +232,7 @@ class _Parser(ValueReader):
         self.check_kill_selects_some(node, label, scope, action, conditions)
         self.check_subjects_named(node, fields, label, scope, match, conditions, self.failures == before)
         self.check_reset_scope(fields, label, scope, action, conditions)
+        self.check_suspend_scope(fields, label, scope, action)
         if self.failures > before or name is None or action is None:
             return None
         return Rule(
@@ -278,7 +281,7 @@ class _Parser(ValueReader):
 
     def rule_action(self, node: Node, fields: Fields, label: str) -> str | None:
         if "action" not in fields:
-            self.error(node, f"{label} needs an 'action': kill, notify, log or reset")
+            self.error(node, f"{label} needs an 'action': {', '.join(ACTIONS[:-1])} or {ACTIONS[-1]}")
             return None
         action = self.string(fields["action"][1], "action")
         if action is not None and action not in ACTIONS:
@@ -287,7 +290,8 @@ class _Parser(ValueReader):
         return action
 
     def kill_settings(self, fields: Fields, action: str | None) -> _KillSettings:
-        """The keys of action kill; any of them on another action is an error."""
+        """The keys of action kill, and those of them action suspend shares (grace_period, warn, kill_scope: the
+        keys of when and what, not of signals); any of them on another action is an error."""
         force = bool(self.boolean(fields["force"][1], "force")) if "force" in fields else False
         grace = 0.0
         if "grace_period" in fields:
@@ -296,16 +300,14 @@ class _Parser(ValueReader):
         if "kill_grace" in fields:
             kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_GRACE)
         kill_scope = self.rule_kill_scope(fields["kill_scope"][1]) if "kill_scope" in fields else KILL_PROCESS
-        if action in ("notify", "log", RESET):
-            for key in (
-                ("grace_period", "kill_grace", "warn", "kill_scope")
-                if action == RESET
-                else ("force", "grace_period", "kill_grace", "warn", "kill_scope")
-            ):
-                if key in fields:
-                    self.error(fields[key][0], f"{key} applies only to action kill, not {action}")
+        if action in ("notify", "log", RESET, SUSPEND):
+            for key in ("force", "grace_period", "kill_grace", "warn", "kill_scope"):
+                if key not in fields or (key == "force" and action == RESET) or (action == SUSPEND and key in _SHARED):
+                    continue
+                also = " or suspend" if key in _SHARED else ""
+                self.error(fields[key][0], f"{key} applies only to action kill{also}, not {action}")
         warn: tuple[float, ...] = ()
-        if "warn" in fields and action == KILL:
+        if "warn" in fields and action in STOPS:
             warn = self.warn_schedule(fields["warn"][1], grace, fields["warn"][0] if not grace else None)
         return _KillSettings(force, grace, kill_grace, kill_scope, warn)
 
@@ -389,11 +391,11 @@ class _Parser(ValueReader):
     def check_kill_selects_some(
         self, node: Node, label: str, scope: str, action: str | None, conditions: list[Condition]
     ) -> None:
-        if conditions and scope != PER_PROCESS and all(c.role == SELECTOR for c in conditions) and action == KILL:
+        if conditions and scope != PER_PROCESS and all(c.role == SELECTOR for c in conditions) and action in STOPS:
             self.error(
                 node,
-                f"{label} in scope {scope} has only process conditions: with action kill it would "
-                f"kill every selected process; add a {scope.removeprefix('per_')} condition or use "
+                f"{label} in scope {scope} has only process conditions: with action {action} it would "
+                f"{action} every selected process; add a {scope.removeprefix('per_')} condition or use "
                 "scope per_process",
             )
 
@@ -441,6 +443,16 @@ class _Parser(ValueReader):
                 fields["action"][1],
                 f"action reset acts on the whole device: {label} may have only device "
                 "conditions, no process conditions",
+            )
+
+    def check_suspend_scope(self, fields: Fields, label: str, scope: str, action: str | None) -> None:
+        if action == SUSPEND and scope == PER_DEVICE:
+            # A device's processes are several owners' workloads: each is set aside for its owner to resume, and
+            # a rule that frees a device for whoever comes next kills (or resets) instead.
+            self.error(
+                fields["action"][1],
+                f"action suspend sets an owner's workload aside until they resume it: {label} needs scope "
+                f"per_process, per_user or per_group, not {scope} (to free a device, use action kill)",
             )
 
     def warn_schedule(self, node: Node, grace: float, no_grace: Node | None) -> tuple[float, ...]:

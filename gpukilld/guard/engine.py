@@ -17,6 +17,11 @@ the reset path kills the holders first), at most once per device within the rule
 reset and at most max_resets_per_hour per device in the last hour, counting the resets of every rule; one
 reset of a device at a time. A dry run counts its would-be resets the same way, apart from the real ones.
 
+A rule with action suspend (Rule.stops, as kill) decides the same way, with the same grace, warnings, cap and
+cooldown: its KillOrder is carried out by the suspend path instead of the kill path. A suspended process leaves
+the snapshot, so its episode ends with the order; Guard never resumes it (its owner or an admin does). A suspend
+this host cannot do (gpukilld/acts/suspend.py's refusals) is not ordered again while the process lives.
+
 A dry run decides the same, with one would-kill per episode: a subject that goes on violating is not announced
 again every cooldown; when it stops (the process ended, or a condition no longer holds), a Left event says so
 and why. Enforcing is unchanged: after a kill's cooldown a subject still violating is killed again.
@@ -44,11 +49,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpukill.errors import Protected
+from gpukill.errors import NotSupported, Protected
 from gpukill.outcome import SIGNALLED, Outcome, result_text
 from gpukill.records.guard import NOT_MET
 from gpukill.records.reclaim import KILL_PROCESS, KILL_TREE
-from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, Policy, Rule
+from gpukill.records.suspend import STUCK
+from gpukill.rules import EMPTY_POLICY, MEAN, RESET, SUSPEND, Policy, Rule
 
 from ..acts.reclaim import remember_tree
 from ..acts.selection import OTHER_USERS, unit_mates
@@ -71,6 +77,10 @@ from .conditions import (
 from .window_mean import WindowMean
 
 PROTECTED = "protected (a system account or system unit): never touched"
+# Refusals that the same process would meet again: protected, a suspend this host or its driver cannot do
+# (gpukilld/acts/suspend.py's refusals, or its host memory cap), and a process a suspend left stuck (its remedy
+# is an admin's): it is not ordered again while it lives.
+UNTRIED = frozenset({Protected.result, NotSupported.result, STUCK})
 HOUR = 3600.0  # the window of a reset rule's max_resets_per_hour
 Tree = Callable[[int], Iterable[ProcKey]]  # a process and its descendants, by PID: for kill_scope tree
 
@@ -174,6 +184,8 @@ def too_large_text(rule: Rule, needed: int, cap: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class KillOrder:
+    """Stop a subject's processes: by the kill path, or by the suspend path for a rule with action suspend."""
+
     rule: Rule
     subject: str
     subject_key: Any
@@ -247,6 +259,8 @@ class RuleStats:
     last_triggered: float = 0.0  # wall clock
     resets: int = 0  # devices reset
     would_reset: int = 0  # resets a dry run would have made
+    suspends: int = 0  # processes suspended (action suspend)
+    would_suspend: int = 0  # processes a dry run would have suspended
 
     def to_dict(self) -> dict[str, Any]:  # the counts (int) and last_triggered (float)
         return {
@@ -258,12 +272,24 @@ class RuleStats:
             "last_triggered": self.last_triggered,
             "resets": self.resets,
             "would_reset": self.would_reset,
+            "suspends": self.suspends,
+            "would_suspend": self.would_suspend,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RuleStats:
         s = cls()
-        for k in ("triggers", "kills", "would_kill", "cancelled", "failed", "resets", "would_reset"):
+        for k in (
+            "triggers",
+            "kills",
+            "would_kill",
+            "cancelled",
+            "failed",
+            "resets",
+            "would_reset",
+            "suspends",
+            "would_suspend",
+        ):
             v = d.get(k)
             if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                 setattr(s, k, v)
@@ -319,8 +345,8 @@ class Preview:
 
 
 def grace_of(rule: Rule) -> float:
-    """The grace period a violation of the rule starts: a kill rule's; no other action waits for one."""
-    return rule.grace_period if rule.action == KILL else 0.0
+    """The grace period a violation of the rule starts: a kill or suspend rule's; no other action waits for one."""
+    return rule.grace_period if rule.stops else 0.0
 
 
 def act_wait(
@@ -592,7 +618,7 @@ class Engine:
                 self.clocks_changed = True
                 stats.triggers += 1
                 stats.last_triggered = wall
-                if rule.action == KILL:
+                if rule.stops:
                     concerned = st.compiled.victims(s, self._going, self._refused)
                 else:
                     concerned = [s] if isinstance(s, ProcView) else list(s.procs)
@@ -611,9 +637,9 @@ class Engine:
             if rule.action == RESET:
                 self._reset(st, s, now, dry_run, cycle, events)  # type: ignore[arg-type]  # per_device only
                 continue
-            if rule.action == KILL and rule.warn and not ep.acted and now < ep.grace_until:
+            if rule.stops and rule.warn and not ep.acted and now < ep.grace_until:
                 self._warn(st, s, ep, now, events)
-            if rule.action != KILL or st.in_flight.get(key):
+            if not rule.stops or st.in_flight.get(key):
                 continue
             if dry_run and ep.acted:
                 continue  # one would-kill per episode: the journal hears again when the subject leaves
@@ -656,7 +682,10 @@ class Engine:
             kills_left -= order.count
             ep.acted = True
             self.clocks_changed = True
-            if dry_run:
+            if dry_run and rule.action == SUSPEND:
+                stats.would_suspend += order.count
+                st.dry_cooldown[key] = now + settings.cooldown
+            elif dry_run:
                 stats.would_kill += order.count
                 st.dry_cooldown[key] = now + settings.cooldown  # as if killed: decide again after the cooldown
             else:
@@ -670,10 +699,10 @@ class Engine:
         for key in ended:
             ep = st.episodes.pop(key)
             self.clocks_changed = True
-            if rule.action == KILL and not ep.acted:
+            if rule.stops and not ep.acted:
                 stats.cancelled += 1
                 events.append(GraceCancelled(rule, ep.label, key, ep.uid))
-            elif rule.action == KILL and dry_run:
+            elif rule.stops and dry_run:
                 events.append(Left(rule, ep.label, key, ep.uid, self._left_why(st, by_key.get(key), now)))
         for cooldowns in (st.cooldown, st.dry_cooldown):
             for key in [k for k, until in cooldowns.items() if until <= now]:
@@ -827,16 +856,19 @@ class Engine:
             stats.failed += 1
 
     def kill_finished(self, order: KillOrder, target: Target, outcome: str) -> None:
-        """The kill path's answer for one target of an order (an Outcome, or the result of its refusal): frees
-        the subject, starts its cooldown."""
+        """The kill (or suspend) path's answer for one target of an order (an Outcome, or the result of its
+        refusal): frees the subject, starts its cooldown. A process refused for good (protected; a suspend this
+        host cannot do) is not tried again while it lives."""
         pkey = (target.pid, target.start_time)
         self.busy.discard(pkey)
         stats = self.stats.setdefault(order.rule.name, RuleStats())
         if outcome in SIGNALLED:
             stats.kills += 1
+        elif outcome == Outcome.SUSPENDED:
+            stats.suspends += 1
         else:
             stats.failed += 1
-            if outcome == Protected.result:
+            if outcome in UNTRIED:
                 self.refused.add(pkey)
         st = next((s for s in self.states if s.rule.name == order.rule.name), None)
         if st is None:
@@ -894,7 +926,7 @@ class Engine:
                 ),
             }
             for st in self.states
-            if st.rule.action == KILL
+            if st.rule.stops
             for ep in st.episodes.values()
             if not ep.acted and now < ep.grace_until
         ]
@@ -964,7 +996,7 @@ class Engine:
                 cycle,
             )
         reason, for_others = self._reason(st, s), self._reason(st, s, for_others=True)
-        if rule.action == KILL:
+        if rule.stops:
             victims = c.victims(s, self._going, self._refused)
             plan = self._plan(st, victims, self.policy.settings.max_kills_per_cycle, cycle)
             pids = tuple(pid for v, sc in plan for pid in (v.pid, *(m.pid for m in sc.members)))

@@ -3,13 +3,12 @@ and its notice (e-mail, webhook, desktop, journal), worded here and nowhere else
 
 Pure: no audit trail, no bus, no clock. The runner hands in the event with the host name and the time, and
 writes, emits, remembers and sends what comes back as it is. One Report per engine event: a violation, a
-grace period that ended without a kill, a dry run's kill order, one process of a kill order once the kill
-path has answered, a dry run's kill order and the end of its episode (Left), a dry run's reset order, or a
-reset order once the reset path has answered (its
-GuardActionTaken has pid 0 and the device as subject; the reset path writes its own `reset` entry and
-DeviceReset signal, with the rule). Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the
-recent
-events and the notices say the same.
+grace period that ended without a kill, a dry run's kill order, one process of a kill order once the kill path
+(the suspend path, for a rule with action suspend) has answered, the end of a dry run's episode (Left), a dry
+run's reset order, or a reset order once the reset path has answered (its GuardActionTaken has pid 0 and the
+device as subject; the reset path writes its own `reset` entry and DeviceReset signal, with the rule). Every
+wording of an outcome comes from gpukill.outcome, so the journal, the bus, the recent events and the notices say
+the same; a suspended process's notice says how its owner resumes it.
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpukill.outcome import Outcome, result_text
+from gpukill.outcome import Outcome, result_text, resume_hint
 from gpukill.records.guard import RecentEvent
-from gpukill.rules import KILL, RESET, Rule
+from gpukill.rules import RESET, SUSPEND, Rule
 from gpukill.text import shown
 from gpukill.units import format_duration, format_size
 
@@ -85,6 +84,23 @@ class Report:
     notice: Notice | None  # sent to the rule's notify targets; None: the event is not notified
 
 
+def _nothing(rule: Rule) -> str:
+    """What a dry run or a cancelled grace did not do, for a kill or suspend rule."""
+    return "nothing was suspended" if rule.action == SUSPEND else "nothing was signalled"
+
+
+def _stop_plan(rule: Rule, targets: tuple[Target, ...], left: str) -> str:
+    """What happens to the targets when `left` (a duration; "" for now) is over: SIGTERM, or a suspend."""
+    if rule.action == SUSPEND:
+        aside = "their GPU memory set aside in host memory until resumed (gpukillctl resume PID)"
+        if not left:
+            return f"suspending {_pids(targets)} now: {aside}"
+        return f"{_pids(targets)} are suspended in {left} unless it comes back under: {aside}"
+    if not left:
+        return f"stopping {_pids(targets)} now"
+    return f"{_pids(targets)} get SIGTERM in {left} unless it comes back under"
+
+
 def _pids(targets: tuple[Target, ...]) -> str:
     return ", ".join(
         f"{t.pid} ({t.comm}" + (f", {format_size(t.gpu_memory)}" if t.gpu_memory else "") + ")" for t in targets
@@ -135,14 +151,10 @@ def _notice(
 
 def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
     rule = ev.rule
-    dry = " (dry run: nothing will be signalled)" if dry_run and rule.action == KILL else ""
-    if rule.action == KILL:
-        what = (
-            f"its process(es) {_pids(ev.targets)} get SIGTERM in {format_duration(rule.grace_period)} "
-            "unless it comes back under"
-            if rule.grace_period
-            else f"stopping {_pids(ev.targets)} now"
-        )
+    dry = f" (dry run: {_nothing(rule).replace('was', 'will be')})" if dry_run and rule.stops else ""
+    if rule.stops:
+        plan = _stop_plan(rule, ev.targets, format_duration(rule.grace_period) if rule.grace_period else "")
+        what = f"its process(es) {plan}" if rule.grace_period else plan
     elif rule.action == RESET:
         dry = " (dry run: nothing will be reset)" if dry_run else ""
         what = _reset_plan(rule, ev.targets)
@@ -190,16 +202,17 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float) -> Report:
         ev.reason_for_others,
     )
     # With a warn schedule the violation's notice is its at_start warning: sent only if the schedule says so.
-    warned_at_start = not rule.warn or rule.action != KILL or rule.warn[0] >= rule.grace_period
+    warned_at_start = not rule.warn or not rule.stops or rule.warn[0] >= rule.grace_period
     return Report((Entry(journal, Violated(ev, dry_run), recent),), notice if warned_at_start else None)
 
 
 def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
-    """A warning of the rule's schedule: what will be stopped, when, why, and what the owner can do."""
+    """A warning of the rule's schedule: what will be stopped (or suspended), when, why, and what the owner can
+    do."""
     rule = ev.rule
     left = format_duration(max(1.0, round(ev.remaining)))
-    dry = " (dry run: nothing will be signalled)" if dry_run else ""
-    what = f"{_pids(ev.targets)} get SIGTERM in {left} unless it comes back under{dry}"
+    dry = f" (dry run: {_nothing(rule).replace('was', 'will be')})" if dry_run else ""
+    what = f"{_stop_plan(rule, ev.targets, left)}{dry}"
     journal = AuditEntry(
         audit.GUARD_WARNING,
         f"Guard rule {rule.name}: warning {ev.number} of {len(rule.warn)} to {ev.subject}: {what} ({ev.reason})",
@@ -216,11 +229,12 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
             "target_uid": ev.uid,
         },
     )
-    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "warning", KILL, "", None, dry_run)
+    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "warning", rule.action, "", None, dry_run)
+    stopped = "suspended" if rule.action == SUSPEND else "stopped"
     notice = _notice(
         rule,
         "warning",
-        f"{rule.name}: {ev.subject} will be stopped in {left}",
+        f"{rule.name}: {ev.subject} will be {stopped} in {left}",
         [
             f"Host: {host}",
             f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
@@ -233,7 +247,7 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
         {
             "subject": ev.subject,
             "reason": ev.reason,
-            "action": KILL,
+            "action": rule.action,
             "dry_run": dry_run,
             "remaining": ev.remaining,
             "warning": ev.number,
@@ -252,7 +266,7 @@ def cancelled(ev: GraceCancelled, dry_run: bool, now: float) -> Report:
     outcome = Outcome.CANCELLED
     journal = AuditEntry(
         audit.GUARD_ACTION,
-        f"Guard rule {ev.rule.name}: {ev.subject} {outcome.text}; nothing was signalled",
+        f"Guard rule {ev.rule.name}: {ev.subject} {outcome.text}; {_nothing(ev.rule)}",
         {
             "action": "guard",
             "result": outcome,
@@ -262,23 +276,24 @@ def cancelled(ev: GraceCancelled, dry_run: bool, now: float) -> Report:
             "dry_run": int(dry_run),
         },
     )
-    signal = ActionTaken(ev.rule.name, ev.subject, KILL, 0, 0, outcome, dry_run)
-    recent = RecentEvent(now, ev.rule.name, ev.subject, ev.uid, "cancelled", KILL, outcome, None, dry_run)
+    signal = ActionTaken(ev.rule.name, ev.subject, ev.rule.action, 0, 0, outcome, dry_run)
+    recent = RecentEvent(now, ev.rule.name, ev.subject, ev.uid, "cancelled", ev.rule.action, outcome, None, dry_run)
     return Report((Entry(journal, signal, recent),), None)
 
 
 def would_kill(order: KillOrder, host: str, now: float) -> Report:
-    """A dry run's kill order: one entry per process it names, one notice for them all."""
-    rule, outcome = order.rule, Outcome.WOULD_KILL
+    """A dry run's kill (or suspend) order: one entry per process it names, one notice for them all."""
+    rule = order.rule
+    outcome = Outcome.WOULD_SUSPEND if rule.action == SUSPEND else Outcome.WOULD_KILL
     entries = []
     for i, t in enumerate(order.targets):
         scoped = order.scoped[i] if i < len(order.scoped) else None
         detail = scoped_text(scoped) if scoped is not None else ""
+        held = f", {format_size(t.gpu_memory)}" if t.gpu_memory and rule.action == SUSPEND else ""
         journal = AuditEntry(
             audit.GUARD_DRY_RUN,
-            f"Dry run: guard rule {rule.name} {outcome.text} PID {t.pid} ({t.comm}, user "
-            f"{t.user}) for {order.subject}{f'; {detail}' if detail else ''}; nothing was "
-            "signalled",
+            f"Dry run: guard rule {rule.name} {outcome.text} PID {t.pid} ({t.comm}{held}, user "
+            f"{t.user}) for {order.subject}{f'; {detail}' if detail else ''}; {_nothing(rule)}",
             {
                 "action": "guard",
                 "result": outcome,
@@ -294,9 +309,12 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
                 **_scope_fields(scoped),
             },
         )
-        signal = ActionTaken(rule.name, order.subject, KILL, t.pid, t.start_time, outcome, True)
-        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", KILL, outcome, t.pid, True, detail=detail)
+        signal = ActionTaken(rule.name, order.subject, rule.action, t.pid, t.start_time, outcome, True)
+        recent = RecentEvent(
+            now, rule.name, order.subject, t.uid, "action", rule.action, outcome, t.pid, True, detail=detail
+        )
         entries.append(Entry(journal, signal, recent))
+    would = "would have suspended" if rule.action == SUSPEND else "would have stopped"
     notice = _notice(
         rule,
         "action",
@@ -306,12 +324,12 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
             f"Rule: {rule.name}",
             f"Subject: {order.subject}",
             f"Why: {order.reason}",
-            f"Dry run: would have stopped {_pids(order.targets)}; nothing was signalled",
+            f"Dry run: {would} {_pids(order.targets)}; {_nothing(rule)}",
         ],
         {
             "subject": order.subject,
             "reason": order.reason,
-            "action": KILL,
+            "action": rule.action,
             "dry_run": True,
             "outcome": outcome,
             "pids": [t.pid for t in order.targets],
@@ -329,7 +347,8 @@ def left(ev: Left, now: float) -> Report:
     rule = ev.rule
     journal = AuditEntry(
         audit.GUARD_DRY_RUN,
-        f"Dry run: guard rule {rule.name}: {ev.subject} no longer violates it ({ev.why}); its would-kill episode ended",
+        f"Dry run: guard rule {rule.name}: {ev.subject} no longer violates it ({ev.why}); its "
+        f"{Outcome.WOULD_SUSPEND if rule.action == SUSPEND else Outcome.WOULD_KILL} episode ended",
         {
             "action": "guard",
             "result": LEFT,
@@ -340,7 +359,7 @@ def left(ev: Left, now: float) -> Report:
             "dry_run": 1,
         },
     )
-    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, LEFT, KILL, "", None, True)
+    recent = RecentEvent(now, rule.name, ev.subject, ev.uid, LEFT, rule.action, "", None, True)
     return Report((Entry(journal, None, recent),), None)
 
 
@@ -364,11 +383,11 @@ def kill_done(
     scoped: Scoped | None = None,
     results: dict[tuple[int, int], tuple[str, str]] | None = None,
 ) -> Report:
-    """One process of a kill order once the kill path answered: an Outcome, or its refusal's result with the
-    error's message (the kill path audited the refusal itself; this entry says what became of the rule's act).
-    scoped: what the rule's kill_scope added to it, with the kill path's results for those (each process's own
-    kill entry has the details)."""
-    text = result_text(outcome, error)
+    """One process of a kill (or suspend) order once the kill (suspend) path answered: an Outcome, or its
+    refusal's result with the error's message (the path audited the refusal itself; this entry says what became
+    of the rule's act). scoped: what the rule's kill_scope added to it, with the path's results for those (each
+    process's own entry has the details). A suspended process's owner reads how to resume it."""
+    text = resume_hint(t.pid) if outcome == Outcome.SUSPENDED else result_text(outcome, error, order.rule.action)
     detail = scoped_text(scoped, results or {}) if scoped is not None else ""
     return _kill_result(
         order.rule,
@@ -421,8 +440,8 @@ def _kill_result(
             "dry_run": int(dry_run),
         },
     )
-    signal = ActionTaken(rule.name, subject, KILL, t.pid, t.start_time, outcome, dry_run)
-    recent = RecentEvent(now, rule.name, subject, t.uid, "action", KILL, outcome, t.pid, dry_run, detail=detail)
+    signal = ActionTaken(rule.name, subject, rule.action, t.pid, t.start_time, outcome, dry_run)
+    recent = RecentEvent(now, rule.name, subject, t.uid, "action", rule.action, outcome, t.pid, dry_run, detail=detail)
     notice = _notice(
         rule,
         "action",
@@ -438,7 +457,7 @@ def _kill_result(
         {
             "subject": subject,
             "reason": reason,
-            "action": KILL,
+            "action": rule.action,
             "dry_run": dry_run,
             "outcome": outcome,
             "pids": [t.pid],
