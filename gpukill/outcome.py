@@ -26,6 +26,8 @@ class Outcome(StrEnum):
     WOULD_REQUEUE = "would-requeue"  # a dry run's requeue: Slurm was not asked
     WOULD_CANCEL = "would-cancel"  # a dry run's cancel: Slurm was not asked
     NOT_A_JOB = "not-a-slurm-job"  # a requeue or cancel rule's process belongs to no Slurm job: left running
+    SUSPENDED = "suspended"  # a Guard suspend rule's process was suspended (its GPU memory set aside in host memory)
+    WOULD_SUSPEND = "would-suspend"  # a dry run's suspend: nothing was touched
 
     @property
     def text(self) -> str:
@@ -52,15 +54,24 @@ _TEXT = {
     Outcome.WOULD_REQUEUE: "would requeue",
     Outcome.WOULD_CANCEL: "would cancel",
     Outcome.NOT_A_JOB: "left running: not a Slurm job's process",
+    Outcome.SUSPENDED: "suspended",
+    Outcome.WOULD_SUSPEND: "would suspend",
 }
 SIGNALLED = frozenset({Outcome.TERMINATED, Outcome.KILLED, Outcome.STILL_ALIVE})
 
 
-def result_text(result: str, error: str = "") -> str:
-    """A kill path's result as a message words it: an outcome's text, else why nothing was stopped (the
-    error's message where there is one, its result otherwise)."""
+def result_text(result: str, error: str = "", action: str = "kill") -> str:
+    """A kill (or suspend) path's result as a message words it: an outcome's text, else why nothing was stopped
+    (suspended: action "suspend") with the error's message where there is one, its result otherwise."""
     text = _TEXT.get(result)  # type: ignore[call-overload]  # a str finds the Outcome it equals
-    return text if text is not None else f"not stopped: {error or result}"
+    if text is not None:
+        return text
+    return f"not {'suspended' if action == 'suspend' else 'stopped'}: {error or result}"
+
+
+def resume_hint(pid: int) -> str:
+    """What the owner of a process Guard (or an admin) suspended reads: how to have it back."""
+    return f"suspended; resume with: gpukillctl resume {pid}"
 
 
 # Who asked for a kill: ProcessKilled's `initiator` on the bus and GPUKILL_INITIATOR in the journal, the same

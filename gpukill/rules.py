@@ -5,8 +5,9 @@ A rule looks at subjects of its scope: each process (per_process), each user wit
 its members' processes (per_group). Its conditions combine with AND unless it says `match: any`. A condition
 is about the subject (SUBJECT), or, in per_user, per_device and per_group scopes, about a process (SELECTOR):
 then it picks which of the subject's processes the rule counts and may kill. When the
-rule holds for a subject, its action is taken: kill, notify, log, (per_device only) reset the device, or requeue
-or cancel the Slurm job of the subject's processes.
+rule holds for a subject, its action is taken: kill, suspend (its GPU memory set aside in host memory until the
+owner resumes it), notify, log, (per_device only) reset the device, or requeue or cancel the Slurm job of the
+subject's processes.
 Descriptions are prose for humans and never change what a rule does.
 
 Which condition types exist, and what each means in each scope, is gpukill.condition_types; reading these
@@ -26,19 +27,22 @@ from .regex import compile_regex
 PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP = "per_process", "per_user", "per_device", "per_group"
 SCOPES = (PER_PROCESS, PER_USER, PER_DEVICE, PER_GROUP)
 KILL = "kill"  # stop the subject's processes through the kill path, after the rule's grace period
+# Suspend the subject's processes through the suspend path, after the rule's grace period: their GPU memory is set
+# aside in host memory and they are frozen until the owner or an admin resumes them (Guard never resumes).
+SUSPEND = "suspend"
 RESET = "reset"  # reset the device (scope per_device): its holders are killed first only with force
 # Ask Slurm to requeue (scontrol requeue) or cancel (scancel) the job of the subject's processes, after the
 # rule's grace period; a process of no Slurm job is left running
 REQUEUE, CANCEL = "requeue", "cancel"
-ACTIONS = (KILL, "notify", "log", RESET, REQUEUE, CANCEL)
+ACTIONS = (KILL, SUSPEND, "notify", "log", RESET, REQUEUE, CANCEL)
 SLURM_ACTIONS = (REQUEUE, CANCEL)
 JOB_DONE = {REQUEUE: "requeued", CANCEL: "cancelled"}  # what a requeue or cancel rule did to a job, in words
-STOPPING_ACTIONS = (KILL, *SLURM_ACTIONS)
+STOPPING_ACTIONS = (KILL, SUSPEND, *SLURM_ACTIONS)
 
 
 def stops_subject(action: str) -> bool:
-    """Whether the action ends the subject's processes (kill, requeue, cancel): such a rule gives the subject its
-    grace period and warnings, counts toward max_kills_per_cycle and cools down after it acts."""
+    """Whether the action stops the subject's processes (kill, suspend, requeue, cancel): such a rule gives the
+    subject its grace period and warnings, counts toward max_kills_per_cycle and cools down after it acts."""
     return action in STOPPING_ACTIONS
 
 
@@ -115,7 +119,7 @@ class Rule:
     scope: str  # one of SCOPES
     action: str  # one of ACTIONS
     force: bool  # kill: SIGKILL after kill_grace if SIGTERM did not do it; reset: kill the device's holders first
-    grace_period: float  # seconds a violating subject has to come back under before a kill (requeue, cancel)
+    grace_period: float  # seconds a violating subject has to come back under before a kill (suspend, requeue, cancel)
     kill_grace: float | None  # None: the policy's kill_grace
     notify: tuple[str, ...] | None  # None: the policy's default targets
     exemptions: Exemptions
@@ -123,19 +127,25 @@ class Rule:
     # Action reset only: no second reset of the device within the cooldown after one, at most so many an hour.
     cooldown: float = RESET_COOLDOWN
     max_resets_per_hour: int = MAX_RESETS_PER_HOUR
-    # Actions kill, requeue and cancel with a grace period only: when to warn, as seconds before the grace ends,
-    # largest first (`at_start` is the grace period itself). Empty: the violation's notice is the one warning.
+    # Actions kill, suspend, requeue and cancel with a grace period only: when to warn, as seconds before the grace
+    # ends, largest first (`at_start` is the grace period itself). Empty: the violation's notice is the one warning.
     warn: tuple[float, ...] = ()
-    # Action kill only: what one kill of a process takes with it (records.reclaim.KILL_SCOPES). "tree": its descendants
-    # on a GPU
-    # too (a trainer's workers); "unit": the GPU processes of its systemd unit. Only the subject's owner's
-    # processes: Guard acts for no caller, and a setuid helper of another user in the tree is not the rule's.
+    # Action kill or suspend only: what one kill (or suspend) of a process takes with it (records.reclaim's
+    # KILL_SCOPES). "tree": its descendants on a GPU too (a trainer's workers); "unit": the GPU processes of its
+    # systemd unit. Only the subject's owner's processes: Guard acts for no caller, and a setuid helper of another
+    # user in the tree is not the rule's. A suspend takes its whole scope or nothing.
     kill_scope: str = KILL_PROCESS
     # Action kill with a grace period only: how long an owner may postpone the kill (None: never).
     postpone: Postpone | None = None
     # Action kill only: the checkpoint signal its victims that declare none themselves get before SIGTERM
     # (gpukill.checkpoint; source "policy FILE:LINE:COL"). None: only what a process declares itself.
     checkpoint: Declaration | None = None
+
+    @property
+    def stops(self) -> bool:
+        """Its action stops the subject's processes (stops_subject): a grace period, warnings, victims chosen and
+        counted toward max_kills_per_cycle, a cooldown after; what stops them is the action's path."""
+        return stops_subject(self.action)
 
     @property
     def fingerprint(self) -> tuple:

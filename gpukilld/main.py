@@ -371,6 +371,7 @@ class Daemon:
             kill_workload=self.actions.kill_workload,
             ask_to_save=self.actions.ask_to_save,
             slurm=slurm,
+            suspend=self.suspender.suspend,
         )
         # a Slurm job's `#SBATCH --signal` declares the checkpoint signal of its processes that declare none
         self.actions.checkpoints.job_signal = slurm.declared_signal

@@ -423,7 +423,7 @@ def test_control_characters_in_messages_are_escaped():
         'rules:\n  - name: r\n    action: "kill\\nnow\\x1b[2J"\n    conditions: [{type: exe, operator: ==, value: x}]\n'
     )
     assert e.errors == [
-        "x.yaml:3:13: unknown action 'kill\\nnow\\x1b[2J' (known: kill, notify, log, reset, requeue, cancel)"
+        "x.yaml:3:13: unknown action 'kill\\nnow\\x1b[2J' (known: kill, suspend, notify, log, reset, requeue, cancel)"
     ]
 
 

@@ -16,6 +16,7 @@ from ..limits import MAX_GRACE
 from ..records.reclaim import KILL_PROCESS, KILL_SCOPES
 from ..rules import (
     ACTIONS,
+    CANCEL,
     EVERY,
     KILL,
     MATCHES,
@@ -24,11 +25,13 @@ from ..rules import (
     OVERS,
     PER_DEVICE,
     PER_PROCESS,
+    REQUEUE,
     RESET,
     RESET_COOLDOWN,
     SCOPES,
     SELECTOR,
     SUBJECT,
+    SUSPEND,
     Condition,
     Exemptions,
     Postpone,
@@ -88,6 +91,23 @@ RULE_KEYS = (
 POSTPONE_KEYS = ("max", "times")
 CHECKPOINT_KEYS = ("signal", "wait", "each")
 RESET_KEYS = ("cooldown", "max_resets_per_hour")  # rule keys of action reset only
+# The keys of action kill, and which stopping actions take each (the first named is kill).
+KILL_KEY_ACTIONS: dict[str, tuple[str, ...]] = {
+    "force": (KILL, RESET),  # a reset rule's force kills the device's holders first
+    "grace_period": (KILL, SUSPEND, REQUEUE, CANCEL),
+    "kill_grace": (KILL,),
+    "warn": (KILL, SUSPEND, REQUEUE, CANCEL),
+    "kill_scope": (KILL, SUSPEND),
+    "postpone": (KILL,),
+    "checkpoint": (KILL,),
+}
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    """ "kill and suspend", "kill, suspend, requeue and cancel"."""
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
 CONDITION_KEYS = ("type", "operator", "value", "duration", "over", "scope", "description")
 
 # Python's `re`, on a name whose length is bounded before matching (MAX_NAME); linear in it anyway
@@ -245,6 +265,7 @@ class _Parser(ValueReader):
         self.check_kill_selects_some(node, label, scope, action, conditions)
         self.check_subjects_named(node, fields, label, scope, match, conditions, self.failures == before)
         self.check_reset_scope(fields, label, scope, action, conditions)
+        self.check_suspend_scope(fields, label, scope, action)
         if self.failures > before or name is None or action is None:
             return None
         return Rule(
@@ -304,9 +325,9 @@ class _Parser(ValueReader):
         return action
 
     def kill_settings(self, fields: Fields, action: str | None) -> _KillSettings:
-        """The keys of action kill; grace_period and warn also of requeue and cancel (Slurm's own TERM, KillWait
-        and KILL stop a job: force, kill_grace and kill_scope are not theirs); any other on another action is an
-        error."""
+        """The keys of action kill, and those of them that other stopping actions share: suspend has grace_period,
+        warn and kill_scope (the keys of when and what, not of signals); requeue and cancel have grace_period and
+        warn (Slurm's own TERM, KillWait and KILL stop a job). Any of them on another action is an error."""
         force = bool(self.boolean(fields["force"][1], "force")) if "force" in fields else False
         grace = 0.0
         if "grace_period" in fields:
@@ -315,25 +336,11 @@ class _Parser(ValueReader):
         if "kill_grace" in fields:
             kill_grace = self.duration(fields["kill_grace"][1], "kill_grace", 0.0, MAX_GRACE)
         kill_scope = self.rule_kill_scope(fields["kill_scope"][1]) if "kill_scope" in fields else KILL_PROCESS
-        if action in ("notify", "log", RESET):
-            for key in (
-                ("grace_period", "kill_grace", "warn", "kill_scope", "postpone", "checkpoint")
-                if action == RESET
-                else ("force", "grace_period", "kill_grace", "warn", "kill_scope", "postpone", "checkpoint")
-            ):
-                if key in fields:
-                    where = "actions kill, requeue and cancel" if key in ("grace_period", "warn") else "action kill"
-                    self.error(fields[key][0], f"{key} applies only to {where}, not {action}")
-        elif action is not None and through_slurm(action):
-            for key in ("force", "kill_grace", "kill_scope", "checkpoint"):
-                if key in fields:
-                    self.error(
-                        fields[key][0],
-                        f"{key} applies only to action kill, not {action}: Slurm stops the job its own way "
-                        "(TERM, KillWait, KILL)",
-                    )
-            if "postpone" in fields:
-                self.error(fields["postpone"][0], f"postpone applies only to action kill, not {action}")
+        for key, allowed in KILL_KEY_ACTIONS.items():
+            if key in fields and action is not None and action in ACTIONS and action not in allowed:
+                where = f"action {allowed[0]}" if len(allowed) == 1 else f"actions {_listed(allowed)}"
+                why = ": Slurm stops the job its own way (TERM, KillWait, KILL)" if through_slurm(action) else ""
+                self.error(fields[key][0], f"{key} applies only to {where}, not {action}{why}")
         warn: tuple[float, ...] = ()
         if "warn" in fields and action is not None and stops_subject(action):
             warn = self.warn_schedule(fields["warn"][1], grace, fields["warn"][0] if not grace else None)
@@ -486,8 +493,8 @@ class _Parser(ValueReader):
             self.error(
                 node,
                 f"{label} in scope {scope} has only process conditions: with action {action} it would "
-                f"stop every selected process; add a {scope.removeprefix('per_')} condition or use "
-                "scope per_process",
+                f"{'stop' if action == KILL else action} every selected process; add a "
+                f"{scope.removeprefix('per_')} condition or use scope per_process",
             )
 
     def check_subjects_named(
@@ -534,6 +541,16 @@ class _Parser(ValueReader):
                 fields["action"][1],
                 f"action reset acts on the whole device: {label} may have only device "
                 "conditions, no process conditions",
+            )
+
+    def check_suspend_scope(self, fields: Fields, label: str, scope: str, action: str | None) -> None:
+        if action == SUSPEND and scope == PER_DEVICE:
+            # A device's processes are several owners' workloads: each is set aside for its owner to resume, and
+            # a rule that frees a device for whoever comes next kills (or resets) instead.
+            self.error(
+                fields["action"][1],
+                f"action suspend sets an owner's workload aside until they resume it: {label} needs scope "
+                f"per_process, per_user or per_group, not {scope} (to free a device, use action kill)",
             )
 
     def warn_schedule(self, node: Node, grace: float, no_grace: Node | None) -> tuple[float, ...]:

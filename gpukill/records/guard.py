@@ -13,7 +13,7 @@ class RuleStatus:
 
     name: str = wire("s", "the rule's name")
     description: str = wire("s", "the rule's description", "")
-    action: str = wire("s", "kill, notify, log or reset")
+    action: str = wire("s", "kill, suspend, notify, log or reset")
     scope: str = wire("s", "per_process, per_user, per_device or per_group")
     match: str = wire("s", "all or any of the conditions", "all")
     conditions: tuple[str, ...] = wire("as", "each condition as text", ())
@@ -24,6 +24,8 @@ class RuleStatus:
     failed: int = wire("t", "kills the kill path refused, resets the reset path refused or that failed", 0)
     resets: int = wire("t", "devices reset (action reset)", 0)
     would_reset: int = wire("t", "device resets a dry run would have made", 0)
+    suspends: int = wire("t", "processes suspended (action suspend)", 0)
+    would_suspend: int = wire("t", "processes a dry run would have suspended", 0)
     last_triggered: float = wire("d", "seconds since the epoch, 0 never", 0.0)
 
 

@@ -56,7 +56,7 @@ class PolicyViolated:
 
     rule: str = wire("s", "the rule's name")
     subject: str = wire("s", "the process, user or device it holds for")
-    action: str = wire("s", '"kill", "notify" or "log"')
+    action: str = wire("s", '"kill", "suspend", "notify" or "log"')
     dry_run: bool = wire("b", "nothing will be signalled")
     details: ViolationDetails = wire("a{sv}", "scope, reason, grace, uid, pids, time", of=ViolationDetails)
 
@@ -67,7 +67,7 @@ class GuardActionTaken:
 
     rule: str = wire("s", "the rule's name")
     subject: str = wire("s", "the process, user or device")
-    action: str = wire("s", '"kill"')
+    action: str = wire("s", '"kill" or "suspend" (its outcome "suspended", "would-suspend" or a refusal)')
     pid: int = wire("u", "the process (0 for a cancelled grace)")
     start_time: int = wire("t", "its start time")
     outcome: str = wire("s", 'an outcome, "would-kill", "cancelled", or the refusal ("protected", ...)')

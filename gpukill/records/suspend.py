@@ -45,6 +45,9 @@ class SuspendedProcess:
     frozen: str = wire("s", '"cgroup" (its cgroup\'s freezer) or "sigstop"', "", omit_empty=True)
     error: str = wire("s", "what failed, for a process not suspended or stuck", "", omit_empty=True)
     remedy: str = wire("s", 'for "stuck": what frees the GPU or brings the process back', "", omit_empty=True)
+    initiator: str = wire(
+        "s", 'who had it suspended: "user" (a SuspendWorkload call) or "guard:RULE" (a Guard rule)', "", omit_empty=True
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -310,7 +310,19 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
         print()
         print(
             table(
-                ["RULE", "ACTION", "SCOPE", "TRIGGERS", "KILLS", "WOULD-KILL", "CANCELLED", "FAILED", "RESETS", "LAST"],
+                [
+                    "RULE",
+                    "ACTION",
+                    "SCOPE",
+                    "TRIGGERS",
+                    "KILLS",
+                    "WOULD-KILL",
+                    "SUSPENDS",
+                    "CANCELLED",
+                    "FAILED",
+                    "RESETS",
+                    "LAST",
+                ],
                 [
                     [
                         r.name,
@@ -319,6 +331,7 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
                         str(r.triggers),
                         str(r.kills),
                         str(r.would_kill),
+                        f"{r.suspends} ({r.would_suspend} would)" if r.would_suspend else str(r.suspends),
                         str(r.cancelled),
                         str(r.failed),
                         str(r.resets),
@@ -352,7 +365,11 @@ async def _status(client: ClientAPI, args: argparse.Namespace) -> int:
         print("\nrecent:")
         for r in st.recent[-10:]:
             outcome = r.outcome or r.event
-            dry_tag = " (dry run)" if r.dry_run and outcome not in (Outcome.WOULD_KILL, Outcome.WOULD_RESET) else ""
+            dry_tag = (
+                " (dry run)"
+                if r.dry_run and outcome not in (Outcome.WOULD_KILL, Outcome.WOULD_RESET, Outcome.WOULD_SUSPEND)
+                else ""
+            )
             folded = f" (×{r.repeats} since {_when(r.since or 0)})" if r.repeats else ""
             detail = f"; {r.detail}" if r.detail else ""  # what its kill_scope stopped with it, or left running
             print(shown(f"  {_when(r.time)}  {r.rule}: {r.subject}: {outcome}{dry_tag}{folded}{detail}"))
@@ -391,7 +408,7 @@ def _decision_row(d: Decision) -> list[str]:
     else:
         when = d.status
     pids = ", ".join(map(str, d.pids)) or "-"
-    if stops_subject(d.action):  # kill, requeue or cancel: the processes concerned (the reason names the jobs)
+    if stops_subject(d.action):  # kill, suspend, requeue or cancel: the processes concerned (the reason names jobs)
         what = f"{d.action} {pids}"
     elif d.action == RESET and d.pids:  # force: its holders are killed first
         what = f"kill {pids}, reset"

@@ -9,10 +9,12 @@ chooses its name, and a newline in it must not become a line of the body, which 
 of its own. A Notification's body is lines already, each escaped by the daemon; the desktop end escapes each
 line again and the markup (desktop.py).
 
-Whom an event concerns (Audience): ProcessKilled by its uid, PolicyViolated by details.uid, Notification by
-its uid; GuardActionTaken carries no uid, so it concerns the user when it ends a violation of theirs (same
-rule and subject) or stops a process of theirs (the kill path's ProcessKilled, which comes just before it,
-said whose the process was). Device events concern no one user: they are shown with `--all` only.
+Whom an event concerns (Audience): ProcessKilled by its uid, ProcessSuspended and ProcessResumed by their
+process's uid, PolicyViolated by details.uid, Notification by its uid; GuardActionTaken carries no uid, so it
+concerns the user when it ends a violation of theirs (same rule and subject) or stops a process of theirs (the
+kill path's ProcessKilled, or the suspend path's ProcessSuspended, which comes just before it, said whose the
+process was). A suspend says how to resume: `gpukillctl resume PID`. Device events concern no one user: they
+are shown with `--all` only.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from typing import Any
 
-from gpukill.outcome import INITIATOR_RESET, INITIATOR_USER, Outcome, result_text
+from gpukill.outcome import INITIATOR_RESET, INITIATOR_USER, Outcome, result_text, resume_hint
 from gpukill.records.manager import STATE_OK
 from gpukill.records.signals import (
     NO_UID,
@@ -35,15 +37,19 @@ from gpukill.records.signals import (
     Notification,
     PolicyViolated,
     ProcessKilled,
+    ProcessResumed,
+    ProcessSuspended,
 )
-from gpukill.rules import KILL, stops_subject, through_slurm
+from gpukill.records.suspend import STUCK
+from gpukill.rules import KILL, SUSPEND, stops_subject, through_slurm
 from gpukill.text import shown
-from gpukill.units import format_duration
+from gpukill.units import format_duration, format_size
 
 LOW, NORMAL, CRITICAL = 0, 1, 2  # the urgency hint of the notification spec
 GUARD_PREFIX = "guard:"
-# A Guard kill's ProcessKilled waits this long for its GuardActionTaken, which says the same with the rule's
-# context; without one (a daemon stopped between the two) it is shown by itself.
+# A Guard kill's ProcessKilled (a Guard suspend's ProcessSuspended) waits this long for its GuardActionTaken,
+# which says the same with the rule's context; without one (a daemon stopped between the two) it is shown by
+# itself.
 CLAIM_WAIT = 2.0
 # An ended violation's notification takes the outcomes of the rest of its kill (a per_user rule stops
 # several processes) for this long.
@@ -88,7 +94,7 @@ class Slot:
     subject: str
     reason: str
     deadline: float | None  # monotonic time the grace ends, for a kill that waits; None: no countdown
-    action: str = KILL  # the rule's: kill, or requeue or cancel (Slurm acts on the job)
+    action: str = KILL  # the rule's: kill, suspend, or requeue or cancel (Slurm acts on the job)
     shown_seconds: int = -1  # the time left the notification says now
     outcomes: list[str] = field(default_factory=list)  # one line per process the rule's kill ended
     closed_at: float | None = None
@@ -131,13 +137,29 @@ def _process(comm: str, pid: int) -> str:
     return f"{comm} (PID {pid})"
 
 
+Stopped = ProcessKilled | ProcessSuspended  # what the kill or suspend path said of a Guard rule's process
+
+
+def _key_of(e: Stopped) -> tuple[int, int]:
+    p = e.process if isinstance(e, ProcessSuspended) else e
+    return (p.pid, p.start_time)
+
+
+def _comm_of(e: Stopped) -> str:
+    return e.process.comm if isinstance(e, ProcessSuspended) else e.comm
+
+
+def _gpus(devices: tuple[int, ...]) -> str:
+    return ", ".join(f"GPU {d}" for d in devices) or "a GPU"
+
+
 class Narrator:
     """Signals in, Toasts out; tick() for what time changes (countdowns, Guard kills left unclaimed)."""
 
     def __init__(self, audience: Audience) -> None:
         self.audience = audience
         self.slots: OrderedDict[str, Slot] = OrderedDict()
-        self.unclaimed: OrderedDict[tuple[int, int], tuple[ProcessKilled, float]] = OrderedDict()
+        self.unclaimed: OrderedDict[tuple[int, int], tuple[Stopped, float]] = OrderedDict()
         self.rule_shown: dict[str, float] = {}
 
     # -- signals --------------------------------------------------------------------------------------
@@ -148,6 +170,10 @@ class Narrator:
         event = _one_line_texts(event, keep=("body",) if isinstance(event, Notification) else ())
         if isinstance(event, ProcessKilled):
             return self._killed(event, now)
+        if isinstance(event, ProcessSuspended):
+            return self._suspended(event, now)
+        if isinstance(event, ProcessResumed):
+            return self._resumed(event)
         if isinstance(event, PolicyViolated):
             return self._violated(event, now, wall)
         if isinstance(event, GuardActionTaken):
@@ -162,20 +188,70 @@ class Narrator:
         if not self.audience.concerns(k.uid):
             return []
         if k.initiator.startswith(GUARD_PREFIX):  # GuardActionTaken follows and says it with its context
-            self.unclaimed[(k.pid, k.start_time)] = (k, now + CLAIM_WAIT)
+            self.unclaimed[_key_of(k)] = (k, now + CLAIM_WAIT)
             _trim(self.unclaimed)
             return []
         return [self._kill_toast(k)]
 
+    def _suspended(self, e: ProcessSuspended, now: float) -> list[Toast]:
+        if not self.audience.concerns(e.process.uid):
+            return []
+        if e.process.initiator.startswith(GUARD_PREFIX):  # GuardActionTaken follows, as for a Guard kill
+            self.unclaimed[_key_of(e)] = (e, now + CLAIM_WAIT)
+            _trim(self.unclaimed)
+            return []
+        return [self._suspend_toast(e)]
+
+    def _by(self, initiator: str, caller_uid: int) -> str:
+        """Who asked, as the user reads it."""
+        if initiator.startswith(GUARD_PREFIX):
+            return f"Guard rule {initiator.removeprefix(GUARD_PREFIX)}"
+        if initiator == INITIATOR_RESET:
+            return "a reset of its GPU"
+        if initiator in (INITIATOR_USER, ""):
+            return "you" if caller_uid == self.audience.uid else user_name(caller_uid)
+        return initiator
+
+    def _suspend_toast(self, e: ProcessSuspended) -> Toast:
+        p = e.process
+        whose = "" if p.uid == self.audience.uid else f" of {user_name(p.uid)}"
+        return Toast(
+            f"GPU process suspended: {_process(p.comm, p.pid)}",
+            f"{_process(p.comm, p.pid)}{whose} on {_gpus(p.devices)}: {format_size(p.memory)} of GPU memory set "
+            f"aside in host memory, asked by {self._by(p.initiator, e.caller_uid)}.\n"
+            f"It waits, frozen: {resume_hint(p.pid).removeprefix('suspended; ')}.",
+            NORMAL,
+        )
+
+    def _resumed(self, e: ProcessResumed) -> list[Toast]:
+        p = e.process
+        if not self.audience.concerns(p.uid):
+            return []
+        whose = "" if p.uid == self.audience.uid else f" of {user_name(p.uid)}"
+        by = self._by(INITIATOR_USER, e.caller_uid)
+        if p.state == STUCK:
+            return [
+                Toast(
+                    f"GPU process stuck: {_process(p.comm, p.pid)}",
+                    f"{_process(p.comm, p.pid)}{whose} could not be resumed ({p.error}), asked by {by}.\n{p.remedy}",
+                    CRITICAL,
+                )
+            ]
+        return [
+            Toast(
+                f"GPU process resumed: {_process(p.comm, p.pid)}",
+                f"{_process(p.comm, p.pid)}{whose} on {_gpus(p.devices)}: its {format_size(p.memory)} of GPU "
+                f"memory is back, asked by {by}.",
+                NORMAL,
+            )
+        ]
+
+    def _alone(self, e: Stopped) -> Toast:
+        """A Guard kill's or suspend's own notification, when no GuardActionTaken claimed it."""
+        return self._suspend_toast(e) if isinstance(e, ProcessSuspended) else self._kill_toast(e)
+
     def _kill_toast(self, k: ProcessKilled) -> Toast:
-        if k.initiator == INITIATOR_USER:
-            by = "you" if k.caller_uid == self.audience.uid else user_name(k.caller_uid)
-        elif k.initiator == INITIATOR_RESET:
-            by = "a reset of its GPU"
-        elif k.initiator.startswith(GUARD_PREFIX):
-            by = f"Guard rule {k.initiator.removeprefix(GUARD_PREFIX)}"
-        else:
-            by = k.initiator
+        by = self._by(k.initiator, k.caller_uid)
         alive = k.outcome == Outcome.STILL_ALIVE
         summary = f"GPU process {'still running' if alive else 'stopped'}: {_process(k.comm, k.pid)}"
         whose = "" if k.uid == self.audience.uid else f" of {user_name(k.uid)}"
@@ -199,11 +275,13 @@ class Narrator:
         self.rule_shown[v.rule] = now
         if waits:
             return [self._countdown(slot, now, Step.OPEN)]
-        if stops_subject(v.action):  # a dry run: nothing will be signalled
+        if stops_subject(v.action):  # a dry run: nothing will be signalled (suspended)
+            suspend = v.action == SUSPEND
             return [
                 Toast(
-                    f"Dry run: Guard would stop {v.subject}",
-                    f"Guard rule {v.rule}: {d.reason}. The rule is in dry run: nothing is signalled.",
+                    f"Dry run: Guard would {'suspend' if suspend else 'stop'} {v.subject}",
+                    f"Guard rule {v.rule}: {d.reason}. The rule is in dry run: nothing is "
+                    f"{'suspended' if suspend else 'signalled'}.",
                     NORMAL,
                     key,
                     Step.OPEN,
@@ -215,7 +293,14 @@ class Narrator:
         assert slot.deadline is not None
         seconds = max(0, math.ceil(slot.deadline - now - 1e-6))
         slot.shown_seconds = seconds
-        if seconds:
+        stopped = "suspended" if slot.action == SUSPEND else "stopped"
+        if seconds and slot.action == SUSPEND:
+            summary = f"{slot.subject} will be suspended in {format_duration(seconds)}"
+            then = (
+                f"It is suspended in {format_duration(seconds)} unless it comes back within the rule: its GPU "
+                "memory set aside in host memory until you resume it (gpukillctl resume PID)."
+            )
+        elif seconds:
             summary = f"{slot.subject} will be stopped in {format_duration(seconds)}"
             then = f"It gets SIGTERM in {format_duration(seconds)} unless it comes back within the rule."
             if through_slurm(slot.action):
@@ -224,8 +309,8 @@ class Narrator:
                     "within the rule."
                 )
         else:
-            summary = f"{slot.subject} is being stopped"
-            then = "Its grace period is over: it is being stopped now."
+            summary = f"{slot.subject} is being {stopped}"
+            then = f"Its grace period is over: it is being {stopped} now."
         return Toast(
             summary,
             f"Guard rule {slot.rule}: {slot.reason}.\n{then}",
@@ -241,15 +326,21 @@ class Narrator:
         if slot is None and claimed is None and not self.audience.everything:
             return []
         self.rule_shown[a.rule] = now
-        comm = claimed[0].comm if claimed else ""
+        comm = _comm_of(claimed[0]) if claimed else ""
         if a.outcome == Outcome.CANCELLED:
-            line = f"{a.subject} {Outcome.CANCELLED.text}: nothing was stopped."
+            undone = "suspended" if a.action == SUSPEND else "stopped"
+            line = f"{a.subject} {Outcome.CANCELLED.text}: nothing was {undone}."
             summary = f"Guard warning over: {a.subject}"
         else:
             what = _process(comm, a.pid) if comm else f"PID {a.pid}"
-            line = f"{what} {result_text(a.outcome)}" + (" (dry run)" if a.dry_run else "") + "."
+            done = result_text(a.outcome, action=a.action)
+            line = (
+                f"{what} {resume_hint(a.pid) if a.outcome == Outcome.SUSPENDED else done}"
+                + (" (dry run)" if a.dry_run else "")
+                + "."
+            )
             summary = (
-                f"Guard rule {a.rule}: {what} {result_text(a.outcome)}"
+                f"Guard rule {a.rule}: {what} {done}"
                 if slot is None or not slot.outcomes
                 else f"Guard rule {a.rule}: {len(slot.outcomes) + 1} processes of {a.subject}"
             )
@@ -306,7 +397,7 @@ class Narrator:
         for pid_start, (k, until) in list(self.unclaimed.items()):
             if now >= until:
                 del self.unclaimed[pid_start]
-                toasts.append(self._kill_toast(k))
+                toasts.append(self._alone(k))
         self.rule_shown = {r: t for r, t in self.rule_shown.items() if now - t < FOLD_WINDOW}
         return toasts
 

@@ -38,7 +38,7 @@ from ..model import Snapshot
 from .checkpoint import Asked, Checkpoints
 from .killer import Killer, PinnedProcess, check_grace
 from .reclaim import FirstSignal, Watch, reclaim_fields, remember_tree
-from .selection import GUARD_ONLY, MAX_WORKLOAD, OTHER_USERS, Selection
+from .selection import MAX_WORKLOAD, Selection
 from .suspend import Suspender
 
 log = logging.getLogger(__name__)
@@ -377,15 +377,9 @@ class Actions:
             raise
         # Guard's: what its rule decided to leave running (exempt, protected), with why; then the subject's
         # owner's processes alone; then what the rule decided to stop, nothing that started since
-        spare = {(pid, start_time): why for pid, start_time, why in selection.spare}
-        left = [(k, spare[k]) for k in chosen if k in spare]
-        chosen = [k for k in chosen if k not in spare]
-        if selection.owner is not None:
-            left += [(k, OTHER_USERS) for k in chosen if _owner(snapshot, k) != selection.owner]
-            chosen = [k for k in chosen if _owner(snapshot, k) == selection.owner]
-        if selection.only is not None:
-            left += [(k, GUARD_ONLY) for k in chosen if k not in selection.only]
-            chosen = [k for k in chosen if k in selection.only]
+        left = selection.guard_left(chosen, lambda k: _owner(snapshot, k))
+        spared = {k for k, _ in left}
+        chosen = [k for k in chosen if k not in spared]
         if len(chosen) > MAX_WORKLOAD:
             raise InvalidArgs(
                 f"{selection.text} selects {len(chosen)} GPU processes; at most {MAX_WORKLOAD} are killed in one act"

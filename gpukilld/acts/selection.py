@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,20 @@ class Selection:
         if self.kind == "pid":
             return f"PID {self.value}"
         return f"tree of PID {self.value}" if self.kind == "tree" else f"{self.kind} {self.value}"
+
+    def guard_left(self, chosen: list[Key], owner_of: Callable[[Key], int | None]) -> list[tuple[Key, str]]:
+        """Of the processes selected, those Guard's rule leaves running, with why: what it decided to spare,
+        another user's (owner), and any that started since its decision (only). [] for a caller's selection."""
+        spare = {(pid, start_time): why for pid, start_time, why in self.spare}
+        left = []
+        for key in chosen:
+            if key in spare:
+                left.append((key, spare[key]))
+            elif self.owner is not None and owner_of(key) != self.owner:
+                left.append((key, OTHER_USERS))
+            elif self.only is not None and key not in self.only:
+                left.append((key, GUARD_ONLY))
+        return left
 
     @classmethod
     def parse_workload(cls, options: dict[str, object]) -> Selection:

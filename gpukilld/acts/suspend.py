@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gpukill.errors import DeviceBusy, GpukillError, InvalidArgs, NoSuchProcess, NotSupported, TooBusy
-from gpukill.outcome import Outcome
+from gpukill.outcome import INITIATOR_USER, Outcome
 from gpukill.records.suspend import (
     DONE,
     FROZEN_CGROUP,
@@ -52,7 +52,7 @@ from .cuda_checkpoint import CHECKPOINTED, LOCKED, CheckpointError, CudaCheckpoi
 from .cuda_checkpoint import RUNNING as DRIVER_RUNNING
 from .freezer import Frozen, freeze, thaw
 from .killer import KILL_WAIT, Killer, PinnedProcess
-from .selection import MAX_WORKLOAD, Selection
+from .selection import GUARD_ONLY, MAX_WORKLOAD, Selection
 from .suspended import SuspendedWorkloads, Workload
 
 MIN_DRIVER = 550  # the driver's checkpoint API
@@ -189,8 +189,10 @@ class Suspender:
     def _caller_fields(caller: Caller | None) -> dict[str, object]:
         return {"caller_uid": caller.uid if caller else None, "caller_pid": caller.pid if caller else None}
 
-    def _refused(self, caller: Caller | None, act: str, selection: Selection, e: GpukillError) -> None:
-        who = caller.who if caller else "gpukilld"
+    def _refused(
+        self, caller: Caller | None, act: str, selection: Selection, e: GpukillError, initiator: str = INITIATOR_USER
+    ) -> None:
+        who = caller.who if caller else initiator
         self.bouncer.refusals.log(
             self.bouncer.people.person(caller.uid) if caller else None,
             journal.SUSPEND_FAILED,
@@ -199,6 +201,7 @@ class Suspender:
             selection=selection.text,
             result=e.result,
             error=str(e),
+            initiator=initiator,
             **self._caller_fields(caller),
         )
 
@@ -225,11 +228,22 @@ class Suspender:
             ),
         )
 
-    async def suspend(self, caller: Caller | None, selection: Selection) -> SuspendReply:
-        """Suspend every GPU process of the selection together, or none (see the module's docstring)."""
+    async def suspend(
+        self, caller: Caller | None, selection: Selection, initiator: str = INITIATOR_USER
+    ) -> SuspendReply:
+        """Suspend every GPU process of the selection together, or none (see the module's docstring). caller None:
+        the daemon itself (a Guard rule, initiator "guard:RULE"), with every check but polkit's; a process its
+        selection leaves running (Guard's spare, owner, only) refuses the whole: never half a workload."""
         try:
             snapshot = await self._resample()
             chosen, left = await asyncio.to_thread(selection.resolve, self.procfs, snapshot)
+            if spared := selection.guard_left(chosen, lambda k: next((p.uid for p in snapshot.processes_of(*k)), None)):
+                (pid, _), spared_why = spared[0]
+                error = TooBusy if spared_why == GUARD_ONLY else NotSupported
+                raise error(
+                    f"PID {pid} of the {selection.text} would be left running ({spared_why}): a workload is "
+                    "suspended whole or not at all"
+                )
             if len(chosen) > MAX_WORKLOAD:
                 raise InvalidArgs(f"{selection.text} selects {len(chosen)} GPU processes; at most {MAX_WORKLOAD}")
             if any(k in self._busy for k in chosen):
@@ -241,7 +255,7 @@ class Suspender:
             if why is not None:
                 raise NotSupported(why)
         except GpukillError as e:
-            self._refused(caller, "suspend", selection, e)
+            self._refused(caller, "suspend", selection, e, initiator)
             raise
         self._busy.update(chosen)
         pinned: list[PinnedProcess] = []
@@ -250,7 +264,7 @@ class Suspender:
                 for pid, start_time in chosen:
                     pinned.append(self.killer.open(pid, start_time, snapshot))
             except GpukillError as e:
-                self._refused(caller, "suspend", selection, e)
+                self._refused(caller, "suspend", selection, e, initiator)
                 raise
             if caller is not None:
                 for target in pinned:  # one after the other: a prompt's auth_admin_keep covers the rest
@@ -259,7 +273,7 @@ class Suspender:
             # tree was not asked about, and gets no signal)
             owners = {t.uid for t in pinned}
             members = sorted(set(chosen) | {(pid, start) for pid, start, uid, _comm in left if uid in owners})
-            return await self._suspend_pinned(caller, selection, snapshot, procs, pinned, members)
+            return await self._suspend_pinned(caller, selection, snapshot, procs, pinned, members, initiator)
         finally:
             for target in pinned:
                 target.close()
@@ -298,7 +312,9 @@ class Suspender:
         procs: dict[tuple[int, int], list[GpuProcess]],
         pinned: list[PinnedProcess],
         members: list[tuple[int, int]],
+        initiator: str,
     ) -> SuspendReply:
+        who = caller.who if caller else initiator
         tool = self._tool()
         errors = await self._step(tool, "lock", pinned)
         if not errors:
@@ -339,13 +355,14 @@ class Suspender:
                 frozen.kind if frozen and state == SUSPENDED else "",
                 error,
                 remedy,
+                initiator,
             )
 
         listed = [p for k in procs for p in procs[k]]
         units = tuple(sorted({p.unit for p in listed if p.unit}))
         jobs = tuple(sorted({p.slurm_job for p in listed if p.slurm_job}))
         if errors:
-            return await self._undo(caller, selection, tool, pinned, errors, record, units, jobs)
+            return await self._undo(caller, selection, tool, pinned, errors, record, units, jobs, initiator)
         assert frozen is not None
         records = [record(t, SUSPENDED) for t in pinned]
         self.kept.add(Workload(selection.text, records, frozen, units, jobs))
@@ -354,7 +371,7 @@ class Suspender:
             self.audit.log(
                 journal.SUSPEND,
                 f"PID {r.pid} ({shown(r.comm)}) of {selection.text} suspended: {format_size(r.memory)} of GPU memory "
-                f"set aside in host memory, {frozen.text}; requested by {caller.who if caller else 'gpukilld'}",
+                f"set aside in host memory, {frozen.text}; requested by {who}",
                 action="suspend",
                 result=SUSPENDED,
                 selection=selection.text,
@@ -365,6 +382,7 @@ class Suspender:
                 device=",".join(r.device_ids),
                 memory=r.memory,
                 frozen=frozen.kind,
+                initiator=initiator,
                 **self._caller_fields(caller),
             )
             self._on_suspended(r, caller)
@@ -384,6 +402,7 @@ class Suspender:
         record: Callable[..., SuspendedProcess],
         units: tuple[str, ...],
         jobs: tuple[str, ...],
+        initiator: str,
     ) -> SuspendReply:
         """Bring every process back after a step failed: restore and unlock what was checkpointed, unlock what
         was locked (the driver says which); what cannot be brought back is recorded stuck."""
@@ -429,13 +448,14 @@ class Suspender:
             message = f"suspend failed ({first}); every process is running again"
         self.audit.log(
             journal.SUSPEND_FAILED,
-            f"Suspend of the {selection.text} requested by {caller.who if caller else 'gpukilld'}: {message}",
+            f"Suspend of the {selection.text} requested by {caller.who if caller else initiator}: {message}",
             action="suspend",
             selection=selection.text,
             result="partial" if stuck else "undone",
             error=first,
             stuck=",".join(str(e.pid) for e in stuck) or None,
             remedy=stuck[0].remedy if stuck else None,
+            initiator=initiator,
             **self._caller_fields(caller),
         )
         return SuspendReply(selection.text, "suspend", PARTIAL if stuck else UNDONE, message, tuple(entries), 0, "")

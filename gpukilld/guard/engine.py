@@ -22,6 +22,11 @@ Slurm's act on the jobs of its victims instead (JobOrder): each job once, whiche
 ask, each job one act toward max_kills_per_cycle, none again within the cooldown after Slurm answered; its
 victims of no Slurm job are left running and reported once while they live.
 
+A rule with action suspend (Rule.stops, as kill) decides the same way, with the same grace, warnings, cap and
+cooldown: its KillOrder is carried out by the suspend path instead of the kill path. A suspended process leaves
+the snapshot, so its episode ends with the order; Guard never resumes it (its owner or an admin does). A suspend
+this host cannot do (gpukilld/acts/suspend.py's refusals) is not ordered again while the process lives.
+
 A dry run decides the same, with one would-kill per episode: a subject that goes on violating is not announced
 again every cooldown; when it stops (the process ended, or a condition no longer holds), a Left event says so
 and why. Enforcing is unchanged: after a kill's cooldown a subject still violating is killed again.
@@ -50,11 +55,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpukill.errors import Protected
+from gpukill.errors import NotSupported, Protected
 from gpukill.outcome import SIGNALLED, Outcome, result_text
 from gpukill.records.guard import NOT_MET
 from gpukill.records.reclaim import KILL_PROCESS, KILL_TREE
-from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, Policy, Rule, stops_subject, through_slurm
+from gpukill.records.suspend import STUCK
+from gpukill.rules import EMPTY_POLICY, KILL, MEAN, RESET, SUSPEND, Policy, Rule, stops_subject, through_slurm
 from gpukill.units import format_duration
 
 from ..acts.reclaim import remember_tree
@@ -78,6 +84,10 @@ from .conditions import (
 from .window_mean import WindowMean
 
 PROTECTED = "protected (a system account or system unit): never touched"
+# Refusals that the same process would meet again: protected, a suspend this host or its driver cannot do
+# (gpukilld/acts/suspend.py's refusals, or its host memory cap), and a process a suspend left stuck (its remedy
+# is an admin's): it is not ordered again while it lives.
+UNTRIED = frozenset({Protected.result, NotSupported.result, STUCK})
 HOUR = 3600.0  # the window of a reset rule's max_resets_per_hour
 Tree = Callable[[int], Iterable[ProcKey]]  # a process and its descendants, by PID: for kill_scope tree
 
@@ -196,6 +206,8 @@ def too_large_text(rule: Rule, needed: int, cap: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class KillOrder:
+    """Stop a subject's processes: by the kill path, or by the suspend path for a rule with action suspend."""
+
     rule: Rule
     subject: str
     subject_key: Any
@@ -306,6 +318,8 @@ class RuleStats:
     last_triggered: float = 0.0  # wall clock
     resets: int = 0  # devices reset
     would_reset: int = 0  # resets a dry run would have made
+    suspends: int = 0  # processes suspended (action suspend)
+    would_suspend: int = 0  # processes a dry run would have suspended
 
     def to_dict(self) -> dict[str, Any]:  # the counts (int) and last_triggered (float)
         return {
@@ -317,12 +331,24 @@ class RuleStats:
             "last_triggered": self.last_triggered,
             "resets": self.resets,
             "would_reset": self.would_reset,
+            "suspends": self.suspends,
+            "would_suspend": self.would_suspend,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RuleStats:
         s = cls()
-        for k in ("triggers", "kills", "would_kill", "cancelled", "failed", "resets", "would_reset"):
+        for k in (
+            "triggers",
+            "kills",
+            "would_kill",
+            "cancelled",
+            "failed",
+            "resets",
+            "would_reset",
+            "suspends",
+            "would_suspend",
+        ):
             v = d.get(k)
             if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                 setattr(s, k, v)
@@ -390,8 +416,8 @@ class Preview:
 
 
 def grace_of(rule: Rule) -> float:
-    """The grace period a violation of the rule starts: a kill, requeue or cancel rule's; no other action waits
-    for one."""
+    """The grace period a violation of the rule starts: a kill, suspend, requeue or cancel rule's; no other
+    action waits for one."""
     return rule.grace_period if stops_subject(rule.action) else 0.0
 
 
@@ -742,7 +768,10 @@ class Engine:
             kills_left -= order.count
             ep.acted = True
             self.clocks_changed = True
-            if dry_run:
+            if dry_run and rule.action == SUSPEND:
+                stats.would_suspend += order.count
+                st.dry_cooldown[key] = now + settings.cooldown
+            elif dry_run:
                 stats.would_kill += order.count
                 st.dry_cooldown[key] = now + settings.cooldown  # as if killed: decide again after the cooldown
             else:
@@ -1057,16 +1086,19 @@ class Engine:
                 self.clocks_changed = True
 
     def kill_finished(self, order: KillOrder, target: Target, outcome: str) -> None:
-        """The kill path's answer for one target of an order (an Outcome, or the result of its refusal): frees
-        the subject, starts its cooldown."""
+        """The kill (or suspend) path's answer for one target of an order (an Outcome, or the result of its
+        refusal): frees the subject, starts its cooldown. A process refused for good (protected; a suspend this
+        host cannot do) is not tried again while it lives."""
         pkey = (target.pid, target.start_time)
         self.busy.discard(pkey)
         stats = self.stats.setdefault(order.rule.name, RuleStats())
         if outcome in SIGNALLED:
             stats.kills += 1
+        elif outcome == Outcome.SUSPENDED:
+            stats.suspends += 1
         else:
             stats.failed += 1
-            if outcome == Protected.result:
+            if outcome in UNTRIED:
                 self.refused.add(pkey)
         st = next((s for s in self.states if s.rule.name == order.rule.name), None)
         if st is None:

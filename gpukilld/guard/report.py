@@ -3,13 +3,13 @@ and its notice (e-mail, webhook, desktop, journal), worded here and nowhere else
 
 Pure: no audit trail, no bus, no clock. The runner hands in the event with the host name and the time, and
 writes, emits, remembers and sends what comes back as it is. One Report per engine event: a violation, a
-grace period that ended without a kill, a dry run's kill order, one process of a kill order once the kill
-path has answered, a dry run's kill order and the end of its episode (Left), a dry run's reset order, or a
-reset order once the reset path has answered (its GuardActionTaken has pid 0 and the device as subject; the
-reset path writes its own `reset` entry and DeviceReset signal, with the rule); a dry run's requeue or cancel
-order, one job of such an order once Slurm has answered (guard-slurm, guard-slurm-refused), or its processes of
-no Slurm job. Every wording of an outcome comes from gpukill.outcome, so the journal, the bus, the recent events
-and the notices say the same.
+grace period that ended without a kill, a dry run's kill order, one process of a kill order once the kill path
+(the suspend path, for a rule with action suspend) has answered, the end of a dry run's episode (Left), a dry
+run's reset order, or a reset order once the reset path has answered (its GuardActionTaken has pid 0 and the
+device as subject; the reset path writes its own `reset` entry and DeviceReset signal, with the rule); a dry run's
+requeue or cancel order, one job of such an order once Slurm has answered (guard-slurm, guard-slurm-refused), or
+its processes of no Slurm job. Every wording of an outcome comes from gpukill.outcome, so the journal, the bus,
+the recent events and the notices say the same; a suspended process's notice says how its owner resumes it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpukill.outcome import Outcome, result_text
+from gpukill.outcome import Outcome, result_text, resume_hint
 from gpukill.records.guard import RecentEvent
-from gpukill.rules import JOB_DONE, KILL, REQUEUE, RESET, Rule, stops_subject, through_slurm
+from gpukill.rules import JOB_DONE, KILL, REQUEUE, RESET, SUSPEND, Rule, stops_subject, through_slurm
 from gpukill.text import shown
 from gpukill.units import format_duration, format_size
 
@@ -87,6 +87,29 @@ class Report:
     notice: Notice | None  # sent to the rule's notify targets; None: the event is not notified
 
 
+def _nothing(rule: Rule, future: bool = False) -> str:
+    """What a dry run or a cancelled grace did not do (future: will not do), for a rule that stops its subject."""
+    if through_slurm(rule.action):
+        return "Slurm will not be asked" if future else "Slurm was not asked"
+    was = "will be" if future else "was"
+    return f"nothing {was} suspended" if rule.action == SUSPEND else f"nothing {was} signalled"
+
+
+def _stop_plan(rule: Rule, targets: tuple[Target, ...], left: str) -> str:
+    """What happens to the targets when `left` (a duration; "" for now) is over: SIGTERM, a suspend, or Slurm's
+    act on their jobs."""
+    if rule.action == SUSPEND:
+        aside = "their GPU memory set aside in host memory until resumed (gpukillctl resume PID)"
+        if not left:
+            return f"suspending {_pids(targets)} now: {aside}"
+        return f"{_pids(targets)} are suspended in {left} unless it comes back under: {aside}"
+    if through_slurm(rule.action):
+        return _slurm_plan(rule, targets, f"in {left} unless it comes back under" if left else "now")
+    if not left:
+        return f"stopping {_pids(targets)} now"
+    return f"{_pids(targets)} get SIGTERM in {left} unless it comes back under"
+
+
 def _pids(targets: tuple[Target, ...]) -> str:
     return ", ".join(
         f"{t.pid} ({t.comm}" + (f", {format_size(t.gpu_memory)}" if t.gpu_memory else "") + ")" for t in targets
@@ -148,12 +171,10 @@ def ask_for_time(rule: Rule, targets: tuple[Target, ...]) -> list[str]:
     ]
 
 
-def _fate(rule: Rule, targets: tuple[Target, ...], when: str) -> str:
-    """What a kill, requeue or cancel rule does to the processes `when` ("in 2m unless it comes back under",
-    "now"): "PID 11 (python3) get SIGTERM in 2m ...", "job 42 (PID 11 (python3)) is requeued through Slurm in 2m
-    ...", with the processes of no Slurm job that a requeue or cancel leaves running."""
-    if not through_slurm(rule.action):
-        return f"{_pids(targets)} get SIGTERM {when}"
+def _slurm_plan(rule: Rule, targets: tuple[Target, ...], when: str) -> str:
+    """What a requeue or cancel rule does to the targets' jobs `when` ("in 2m unless it comes back under", "now"):
+    "job 42 (PID 11 (python3)) is requeued through Slurm in 2m ...", with the processes of no Slurm job that it
+    leaves running."""
     jobs = sorted({t.slurm_job for t in targets if t.slurm_job}, key=lambda j: (len(j), j))
     parts = []
     if jobs:
@@ -169,18 +190,10 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float, saving: str =
     """saving: the checkpoint signals sent when the grace began, in words (acts/checkpoint.py's asked_text:
     "sent SIGUSR1 to PID 12 to save, waiting up to 2min"; in a dry run "would send ..."); "" when none was."""
     rule = ev.rule
-    dry = ""
-    if dry_run and stops_subject(rule.action):
-        dry = " (dry run: nothing will be signalled)" if rule.action == KILL else " (dry run: Slurm will not be asked)"
+    dry = f" (dry run: {_nothing(rule, future=True)})" if dry_run and stops_subject(rule.action) else ""
     if stops_subject(rule.action):
-        if rule.action != KILL:
-            when = f"in {format_duration(rule.grace_period)} unless it comes back under" if rule.grace_period else "now"
-            what = _fate(rule, ev.targets, when)
-        elif rule.grace_period:
-            what = f"its process(es) {_fate(rule, ev.targets, 'in ' + format_duration(rule.grace_period))}"
-            what += " unless it comes back under"
-        else:
-            what = f"stopping {_pids(ev.targets)} now"
+        plan = _stop_plan(rule, ev.targets, format_duration(rule.grace_period) if rule.grace_period else "")
+        what = f"its process(es) {plan}" if rule.grace_period and not through_slurm(rule.action) else plan
     elif rule.action == RESET:
         dry = " (dry run: nothing will be reset)" if dry_run else ""
         what = _reset_plan(rule, ev.targets)
@@ -241,11 +254,12 @@ def violation(ev: Violation, dry_run: bool, host: str, now: float, saving: str =
 
 
 def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
-    """A warning of the rule's schedule: what will be stopped, when, why, and what the owner can do."""
+    """A warning of the rule's schedule: what will be stopped (or suspended), when, why, and what the owner can
+    do."""
     rule = ev.rule
     left = format_duration(max(1.0, round(ev.remaining)))
-    dry = "" if not dry_run else " (dry run: nothing will be signalled)" if rule.action == KILL else " (dry run)"
-    what = f"{_fate(rule, ev.targets, f'in {left} unless it comes back under')}{dry}"
+    dry = f" (dry run: {_nothing(rule, future=True)})" if dry_run else ""
+    what = f"{_stop_plan(rule, ev.targets, left)}{dry}"
     journal = AuditEntry(
         audit.GUARD_WARNING,
         f"Guard rule {rule.name}: warning {ev.number} of {len(rule.warn)} to {ev.subject}: {what} ({ev.reason})",
@@ -263,10 +277,11 @@ def warning(ev: GraceWarning, dry_run: bool, host: str, now: float) -> Report:
         },
     )
     recent = RecentEvent(now, rule.name, ev.subject, ev.uid, "warning", rule.action, "", None, dry_run)
+    stopped = "suspended" if rule.action == SUSPEND else JOB_DONE.get(rule.action, "stopped")
     notice = _notice(
         rule,
         "warning",
-        f"{rule.name}: {ev.subject} will be stopped in {left}",
+        f"{rule.name}: {ev.subject} will be {stopped} in {left}",
         [
             f"Host: {host}",
             f"Rule: {rule.name}" + (f" ({rule.description})" if rule.description else ""),
@@ -299,7 +314,7 @@ def cancelled(ev: GraceCancelled, dry_run: bool, now: float) -> Report:
     outcome = Outcome.CANCELLED
     journal = AuditEntry(
         audit.GUARD_ACTION,
-        f"Guard rule {ev.rule.name}: {ev.subject} {outcome.text}; nothing was signalled",
+        f"Guard rule {ev.rule.name}: {ev.subject} {outcome.text}; {_nothing(ev.rule)}",
         {
             "action": "guard",
             "result": outcome,
@@ -315,17 +330,18 @@ def cancelled(ev: GraceCancelled, dry_run: bool, now: float) -> Report:
 
 
 def would_kill(order: KillOrder, host: str, now: float) -> Report:
-    """A dry run's kill order: one entry per process it names, one notice for them all."""
-    rule, outcome = order.rule, Outcome.WOULD_KILL
+    """A dry run's kill (or suspend) order: one entry per process it names, one notice for them all."""
+    rule = order.rule
+    outcome = Outcome.WOULD_SUSPEND if rule.action == SUSPEND else Outcome.WOULD_KILL
     entries = []
     for i, t in enumerate(order.targets):
         scoped = order.scoped[i] if i < len(order.scoped) else None
         detail = scoped_text(scoped) if scoped is not None else ""
+        held = f", {format_size(t.gpu_memory)}" if t.gpu_memory and rule.action == SUSPEND else ""
         journal = AuditEntry(
             audit.GUARD_DRY_RUN,
-            f"Dry run: guard rule {rule.name} {outcome.text} PID {t.pid} ({t.comm}, user "
-            f"{t.user}) for {order.subject}{f'; {detail}' if detail else ''}; nothing was "
-            "signalled",
+            f"Dry run: guard rule {rule.name} {outcome.text} PID {t.pid} ({t.comm}{held}, user "
+            f"{t.user}) for {order.subject}{f'; {detail}' if detail else ''}; {_nothing(rule)}",
             {
                 "action": "guard",
                 "result": outcome,
@@ -341,9 +357,12 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
                 **_scope_fields(scoped),
             },
         )
-        signal = ActionTaken(rule.name, order.subject, KILL, t.pid, t.start_time, outcome, True)
-        recent = RecentEvent(now, rule.name, order.subject, t.uid, "action", KILL, outcome, t.pid, True, detail=detail)
+        signal = ActionTaken(rule.name, order.subject, rule.action, t.pid, t.start_time, outcome, True)
+        recent = RecentEvent(
+            now, rule.name, order.subject, t.uid, "action", rule.action, outcome, t.pid, True, detail=detail
+        )
         entries.append(Entry(journal, signal, recent))
+    would = "would have suspended" if rule.action == SUSPEND else "would have stopped"
     notice = _notice(
         rule,
         "action",
@@ -353,12 +372,12 @@ def would_kill(order: KillOrder, host: str, now: float) -> Report:
             f"Rule: {rule.name}",
             f"Subject: {order.subject}",
             f"Why: {order.reason}",
-            f"Dry run: would have stopped {_pids(order.targets)}; nothing was signalled",
+            f"Dry run: {would} {_pids(order.targets)}; {_nothing(rule)}",
         ],
         {
             "subject": order.subject,
             "reason": order.reason,
-            "action": KILL,
+            "action": rule.action,
             "dry_run": True,
             "outcome": outcome,
             "pids": [t.pid for t in order.targets],
@@ -376,7 +395,8 @@ def left(ev: Left, now: float) -> Report:
     rule = ev.rule
     journal = AuditEntry(
         audit.GUARD_DRY_RUN,
-        f"Dry run: guard rule {rule.name}: {ev.subject} no longer violates it ({ev.why}); its would-kill episode ended",
+        f"Dry run: guard rule {rule.name}: {ev.subject} no longer violates it ({ev.why}); its "
+        f"{Outcome.WOULD_SUSPEND if rule.action == SUSPEND else Outcome.WOULD_KILL} episode ended",
         {
             "action": "guard",
             "result": LEFT,
@@ -411,11 +431,11 @@ def kill_done(
     scoped: Scoped | None = None,
     results: dict[tuple[int, int], tuple[str, str]] | None = None,
 ) -> Report:
-    """One process of a kill order once the kill path answered: an Outcome, or its refusal's result with the
-    error's message (the kill path audited the refusal itself; this entry says what became of the rule's act).
-    scoped: what the rule's kill_scope added to it, with the kill path's results for those (each process's own
-    kill entry has the details)."""
-    text = result_text(outcome, error)
+    """One process of a kill (or suspend) order once the kill (suspend) path answered: an Outcome, or its
+    refusal's result with the error's message (the path audited the refusal itself; this entry says what became
+    of the rule's act). scoped: what the rule's kill_scope added to it, with the path's results for those (each
+    process's own entry has the details). A suspended process's owner reads how to resume it."""
+    text = resume_hint(t.pid) if outcome == Outcome.SUSPENDED else result_text(outcome, error, order.rule.action)
     detail = scoped_text(scoped, results or {}) if scoped is not None else ""
     return _kill_result(
         order.rule,
@@ -468,8 +488,8 @@ def _kill_result(
             "dry_run": int(dry_run),
         },
     )
-    signal = ActionTaken(rule.name, subject, KILL, t.pid, t.start_time, outcome, dry_run)
-    recent = RecentEvent(now, rule.name, subject, t.uid, "action", KILL, outcome, t.pid, dry_run, detail=detail)
+    signal = ActionTaken(rule.name, subject, rule.action, t.pid, t.start_time, outcome, dry_run)
+    recent = RecentEvent(now, rule.name, subject, t.uid, "action", rule.action, outcome, t.pid, dry_run, detail=detail)
     notice = _notice(
         rule,
         "action",
@@ -485,7 +505,7 @@ def _kill_result(
         {
             "subject": subject,
             "reason": reason,
-            "action": KILL,
+            "action": rule.action,
             "dry_run": dry_run,
             "outcome": outcome,
             "pids": [t.pid],

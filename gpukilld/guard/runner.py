@@ -5,10 +5,13 @@ Also where the policy in force is swapped.
 The guard never signals by itself: every kill goes through Actions.kill with initiator "guard:RULE", which
 pins the process with a pidfd, refuses protected processes and audits; every reset (action reset) through
 Actions.reset with the rule, which checks the device can be reset, refuses while processes hold it unless
-the rule says force (then kills them through the kill path first) and audits; every requeue or cancel of a
-Slurm job through acts/slurm.py (Slurm's own scontrol requeue and scancel), once per job. Kills and Slurm's
-commands run as asyncio tasks, so the evaluation of the next snapshot never waits for a grace period or for
-Slurm; a dry run never calls the kill path, nor Slurm, at all.
+the rule says force (then kills them through the kill path first) and audits; every suspend (action suspend)
+through the suspend path (Suspender.suspend) with no caller and initiator "guard:RULE", which makes every check a
+manual suspend makes but polkit's, journals and signals ProcessSuspended (a refusal there is the rule's outcome,
+never a kill instead, and Guard never resumes); every requeue or cancel of a Slurm job through acts/slurm.py
+(Slurm's own scontrol requeue and scancel), once per job. Kills, suspends and Slurm's commands run as asyncio
+tasks, so the evaluation of the next snapshot never waits for a grace period or for Slurm; a dry run never calls
+the kill or suspend path, nor Slurm, at all.
 Nothing here may raise into the daemon: a failure is logged and audited, and the daemon goes on.
 """
 
@@ -39,7 +42,8 @@ from gpukill.records.guard import (
     Window,
 )
 from gpukill.records.reclaim import KILL_TREE
-from gpukill.rules import EMPTY_POLICY, JOB_DONE, KILL, REQUEUE, Policy, Rule, stops_subject
+from gpukill.records.suspend import STUCK, SUSPENDED, UNDONE
+from gpukill.rules import EMPTY_POLICY, JOB_DONE, KILL, REQUEUE, SUSPEND, Policy, Rule, stops_subject
 from gpukill.text import shown
 from gpukill.units import format_duration
 
@@ -83,6 +87,7 @@ ResetPath = Callable[..., Awaitable[Any]]  # Actions.reset(caller, device, force
 # Actions.ask_to_save(targets, initiator, rule, rule_checkpoint, dry_run) -> list[Asked]: checkpoint signals
 AskPath = Callable[..., Awaitable[list[Asked]]]
 MAX_ASKED = 4096  # checkpoint signals remembered until their kill; the oldest are forgotten past this
+SuspendPath = Callable[..., Awaitable[Any]]  # Suspender.suspend(caller, selection, initiator) -> SuspendReply
 
 
 def _stamp(t: float) -> str:
@@ -149,6 +154,7 @@ class GuardRunner:
         kill_workload: WorkloadPath | None = None,
         ask_to_save: AskPath | None = None,
         slurm: Slurm | None = None,
+        suspend: SuspendPath | None = None,
     ) -> None:
         self.kill = kill
         # Actions.ask_to_save: a kill rule's checkpoint signals at the start of its grace, and its kills' checkpoint
@@ -156,6 +162,7 @@ class GuardRunner:
         self.ask_to_save = ask_to_save
         self._asked: dict[tuple[int, int], Asked] = {}  # sent at a grace's start, awaited by its kill
         self.slurm = slurm  # Slurm's commands, for rules with action requeue or cancel; None: such acts are refused
+        self.suspend = suspend  # None: a suspend rule's orders are refused as not supported
         # Actions.kill_workload, for rules with kill_scope tree or unit; None: such a rule kills its target alone
         self.kill_workload = kill_workload
         self.reset = reset  # None: resets are refused as not supported (a runner without a reset path)
@@ -515,9 +522,10 @@ class GuardRunner:
             if event.dry_run:
                 self._publish(event.rule, report.would_kill(event, host, now))
             else:
+                act = self._suspend if event.rule.action == SUSPEND else self._kill
                 for i, target in enumerate(event.targets):
                     scoped = event.scoped[i] if i < len(event.scoped) else None
-                    task = asyncio.get_running_loop().create_task(self._kill(event, target, scoped))
+                    task = asyncio.get_running_loop().create_task(act(event, target, scoped))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
 
@@ -657,6 +665,50 @@ class GuardRunner:
             self._save_soon()
         except Exception:
             log.exception("guard could not report the %s of Slurm job %s", order.rule.action, job)
+
+    async def _suspend(self, order: KillOrder, t: Target, scoped: Scoped | None = None) -> None:
+        """One target of a suspend rule's order, with what its kill_scope adds, suspended together or not at all:
+        the suspend path refuses a workload the rule would leave a process of running."""
+        results: dict[tuple[int, int], tuple[str, str]] = {}
+        unsent = (NoSuchProcess.result, "gone before the suspend")  # a member the suspend did not list
+        scope = order.rule.kill_scope
+        selection = Selection(
+            "pid" if scoped is None else "tree" if scope == KILL_TREE else "unit_of",
+            str(t.pid),
+            t.start_time,
+            t.uid,
+            only=frozenset((m.pid, m.start_time) for m in (t, *(scoped.members if scoped else ()))),
+            spare=tuple((p.pid, p.start_time, why) for p, why in scoped.left) if scoped else (),
+        )
+        try:
+            if self.suspend is None:
+                raise NotSupported("this daemon has no suspend path for Guard")
+            reply = await self.suspend(None, selection, guard_initiator(order.rule.name))
+            for e in reply.entries:
+                if e.state == SUSPENDED:
+                    results[(e.pid, e.start_time)] = (Outcome.SUSPENDED, "")
+                elif e.state == STUCK:
+                    results[(e.pid, e.start_time)] = (STUCK, f"{e.error}; {e.remedy}")
+                else:  # running again: the suspend was undone
+                    results[(e.pid, e.start_time)] = (UNDONE, reply.message)
+        except GpukillError as e:  # refused (not supported here, busy, gone): the suspend path audited it already
+            unsent = (e.result, str(e))
+        except Exception as e:
+            log.exception("guard suspend of PID %d failed", t.pid)
+            unsent = (GpukillError.result, f"{type(e).__name__}: {e}")
+        members = scoped.members if scoped is not None else ()
+        results = {(m.pid, m.start_time): results.get((m.pid, m.start_time), unsent) for m in (t, *members)}
+        outcome, error = results[(t.pid, t.start_time)]
+        try:
+            for m in members:
+                self.engine.kill_finished(order, m, results[(m.pid, m.start_time)][0])
+            self.engine.kill_finished(order, t, outcome)
+            self._publish(
+                order.rule, report.kill_done(order, t, outcome, error, self._host, self.clock.wall(), scoped, results)
+            )
+            self._save_soon()
+        except Exception:
+            log.exception("guard could not report the suspend of PID %d", t.pid)
 
     async def _reset(self, order: ResetOrder) -> None:
         killed: tuple[int, ...] = ()
