@@ -270,7 +270,7 @@ BROKEN = [
             "type: exe\noperator: '=='\nvalue: x", action="notify", rule_extra="notify: [journal]\ngrace_period: 30s"
         ),
         "5:5",
-        "grace_period applies only to actions kill, requeue and cancel",
+        "grace_period applies only to actions kill, suspend, requeue and cancel",
     ),
     (
         "user_memory without per_user",

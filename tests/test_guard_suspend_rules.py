@@ -69,12 +69,12 @@ def test_a_suspend_rule_takes_the_keys_of_when_and_what_and_not_those_of_signals
     (rule,) = policy(IDLE.replace("    warn:", "    kill_scope: unit\n    warn:")).rules
     assert (rule.grace_period, rule.warn, rule.kill_scope) == (30.0, (30.0, 10.0), "unit")
     assert errors(IDLE + "    force: true\n    kill_grace: 2s\n") == [
-        "p.yaml:8:5: force applies only to action kill, not suspend",
+        "p.yaml:8:5: force applies only to actions kill and reset, not suspend",
         "p.yaml:9:5: kill_grace applies only to action kill, not suspend",
     ]
     assert errors(IDLE.replace("action: suspend", "action: notify")) == [
-        "p.yaml:5:5: grace_period applies only to action kill or suspend, not notify",
-        "p.yaml:6:5: warn applies only to action kill or suspend, not notify",
+        "p.yaml:5:5: grace_period applies only to actions kill, suspend, requeue and cancel, not notify",
+        "p.yaml:6:5: warn applies only to actions kill, suspend, requeue and cancel, not notify",
     ]
 
 
@@ -86,7 +86,7 @@ def test_suspend_per_device_and_an_unknown_action_are_errors_where_they_are_writ
     assert error.startswith("p.yaml:5:13: action suspend sets an owner's workload aside"), error
     assert "needs scope per_process, per_user or per_group, not per_device" in error
     (error,) = errors(IDLE.replace("action: suspend", "action: pause"))
-    assert error == "p.yaml:4:13: unknown action 'pause' (known: kill, suspend, notify, log, reset)"
+    assert error == "p.yaml:4:13: unknown action 'pause' (known: kill, suspend, notify, log, reset, requeue, cancel)"
     (error,) = errors(
         "rules:\n  - name: u\n    scope: per_user\n    action: suspend\n"
         "    conditions: [{type: process_name, operator: ==, value: x}]\n"

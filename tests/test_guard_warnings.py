@@ -56,7 +56,7 @@ def test_warn_applies_only_to_kill_rules():
     message = error_of(
         rule("[at_start]", action="notify").replace("    grace_period: 100s\n", "") + "    notify: [journal]\n"
     )
-    assert "warn applies only to actions kill, requeue and cancel" in message
+    assert "warn applies only to actions kill, suspend, requeue and cancel" in message
 
 
 def engine(warn: str) -> tuple[Engine, FakeTime]:

@@ -15,7 +15,7 @@ import pytest
 from gpukill.errors import InvalidArgs
 from gpukill.records.suspend import FROZEN_CGROUP, FROZEN_SIGSTOP, STUCK, SUSPENDED, SuspendedProcess
 from gpukilld import journal
-from gpukilld.acts import checkpoint
+from gpukilld.acts import cuda_checkpoint as checkpoint
 from gpukilld.acts.cuda_checkpoint import CheckpointError, CudaCheckpoint, find_cuda_checkpoint
 from gpukilld.acts.freezer import Frozen, freeze, thaw
 from gpukilld.acts.selection import Selection
