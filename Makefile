@@ -37,7 +37,9 @@ test: venv
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-# The NVIDIA checks against a real driver, compared with nvidia-smi; skipped with the reason elsewhere.
+# The checks against a real NVIDIA driver, each skipped with the reason elsewhere: the backend compared with
+# nvidia-smi (tests/gpu/test_real_nvidia.py), and suspend and resume through cuda-checkpoint, printing seconds per
+# GiB (tests/gpu/test_suspend_real.py; GPUKILL_SUSPEND_GIB=N sets the memory held, 4 GiB by default).
 test-gpu: venv
 	$(PY) -m pytest -q -rs tests/gpu
 

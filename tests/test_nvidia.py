@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 import subprocess
-import sys
 
 import pytest
 from helpers.marks import needs_root
-from helpers.nvml_host import fake_nvidia_host, mig_instance
+from helpers.nvml_host import fake_nvidia_host, mig_instance, peer_view
 from helpers.testbed import ROOT
 from helpers.waiting import wait_until
 
@@ -21,7 +17,6 @@ pytestmark = needs_root
 
 GIB = 2**30
 MIB = 2**20
-PEER_VIEW = os.path.join(os.path.dirname(__file__), "clients", "nvml_peer_view.py")
 # Entry points that drivers after 550 added (in nvml.h of 12.5 to 12.8): the fake, claiming 550, must lack them
 LATER_THAN_550 = [
     "nvmlDeviceGetTemperatureV",
@@ -252,22 +247,6 @@ def test_driver_not_loaded_is_reported(fresh_bed, nvhost, users):
     finally:
         del nvhost.state["init_error"]
         nvhost.write()
-
-
-def peer_view(host, symbols=()) -> dict:
-    """What nvitop and plain pynvml read from the host (tests/clients/nvml_peer_view.py, in its own process)."""
-    if importlib.util.find_spec("nvitop") is None:
-        pytest.skip("nvitop is not installed (pip install -e '.[test]')")
-    r = subprocess.run(
-        [sys.executable, PEER_VIEW],
-        input=json.dumps(list(symbols)),
-        capture_output=True,
-        text=True,
-        env={**os.environ, **host.env()},
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 def with_mig_instance(nvhost, job_pid: int) -> tuple[dict, dict]:

@@ -1,19 +1,39 @@
 """A fake NVIDIA host for tests and benches: the C fake libnvidia-ml built with cc, a JSON state that the
-library re-reads when it changes, and a fake nvidia-smi that records resets. pynvml loads it as the real one.
+library re-reads when it changes, a fake nvidia-smi that records resets, and, once installed, a fake
+cuda-checkpoint sharing the state (tests/helpers/fake_cuda_checkpoint/). pynvml loads the library as the real one.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.machinery
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 HERE = Path(__file__).resolve().parent / "fake_nvml"
 SOURCE = HERE / "fake_nvml.c"
+FAKE_CUDA_CHECKPOINT = Path(__file__).resolve().parent / "fake_cuda_checkpoint" / "cuda-checkpoint"
+PEER_VIEW = Path(__file__).resolve().parents[1] / "clients" / "nvml_peer_view.py"
+
+
+def fake_cuda_checkpoint() -> ModuleType:
+    """The fake cuda-checkpoint as a module: the owner of how both states are locked and written."""
+    loader = importlib.machinery.SourceFileLoader("fake_cuda_checkpoint", str(FAKE_CUDA_CHECKPOINT))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+_checkpoint = fake_cuda_checkpoint()
 
 
 def build_fake_nvml(outdir: Path, optimize: str = "-O2") -> Path:
@@ -97,6 +117,7 @@ class FakeNvidiaHost:
         shutil.copy(HERE / "nvidia-smi", self.bin / "nvidia-smi")
         os.chmod(self.bin, 0o755)
         self.state_path = self.dir / "state.json"
+        self.checkpoint_state_path = self.dir / "cuda-checkpoint-state.json"  # the fake cuda-checkpoint's own
         self.smi_log = self.dir / "nvidia-smi.log"
         self.counts_path = self.dir / "nvml-counts"  # the library's own totals of init/shutdown and event sets
         self.calls_path = self.dir / "nvml-calls"  # every NVML call, counted by the library (see calls())
@@ -108,12 +129,17 @@ class FakeNvidiaHost:
         self.write()
 
     def write(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state))
-        os.replace(tmp, self.state_path)  # atomic: the library never reads half a file
-        # the library compares mtimes; make sure two writes within one timestamp tick differ
-        st = os.stat(self.state_path)
-        os.utime(self.state_path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+        """self.state to the file, whole (the library never reads half a file), its mtime moved past the last
+        write's, under the lock the fake cuda-checkpoint takes. After the fake changed the state, refresh()
+        before changing it here, or this write undoes what the fake did."""
+        with _checkpoint.nvml_lock(str(self.state_path)):
+            _checkpoint.write_nvml_state(str(self.state_path), self.state)
+
+    def refresh(self) -> dict:
+        """self.state as the file has it now (the fake cuda-checkpoint writes it too)."""
+        with _checkpoint.nvml_lock(str(self.state_path)):
+            self.state = json.loads(self.state_path.read_text())
+        return self.state
 
     def device(self, i: int) -> dict:
         return self.state["devices"][i]
@@ -149,9 +175,55 @@ class FakeNvidiaHost:
         self.device(i).pop("faults", None)
         self.write()
 
+    def install_cuda_checkpoint(self) -> Path:
+        """The fake cuda-checkpoint in this host's bin (on env()'s PATH), beside the JSON naming both states, so it
+        finds them under a daemon that starts it with a clean environment; its path, for gpukilld.conf's
+        `cuda_checkpoint = PATH`."""
+        path = self.bin / "cuda-checkpoint"
+        shutil.copy(FAKE_CUDA_CHECKPOINT, path)
+        os.chmod(path, 0o755)
+        beside = {"nvml_state": str(self.state_path), "state": str(self.checkpoint_state_path)}
+        Path(f"{path}.json").write_text(json.dumps(beside))
+        if not self.checkpoint_state_path.exists():
+            self._update_checkpoint_state(lambda own: None)
+        return path
+
+    def _update_checkpoint_state(self, change) -> None:
+        with _checkpoint.nvml_lock(str(self.state_path)):
+            own = _checkpoint.load(str(self.checkpoint_state_path))
+            change(own)
+            _checkpoint.write_json(str(self.checkpoint_state_path), own)
+
+    def checkpoint_fault(self, pid: int, **faults) -> None:
+        """Inject failures of the fake cuda-checkpoint for one process (its header lists them: lock_timeout,
+        checkpoint_error, checkpoint_error_state, restore_oom, hang)."""
+        self._update_checkpoint_state(lambda own: own.setdefault("faults", {}).setdefault(str(pid), {}).update(faults))
+
+    def clear_checkpoint_faults(self, pid: int) -> None:
+        self._update_checkpoint_state(lambda own: own.get("faults", {}).pop(str(pid), None))
+
+    def set_checkpoint_copy_rate(self, gib_per_s: float | None) -> None:
+        """Checkpoint and restore take the process's memory over this rate (None: at once)."""
+        self._update_checkpoint_state(lambda own: own.update(copy_gib_per_s=gib_per_s))
+
+    def checkpoint_states(self) -> dict[int, str]:
+        """The driver state of every process the fake cuda-checkpoint has seen: running, locked, checkpointed,
+        failed."""
+        own = _checkpoint.load(str(self.checkpoint_state_path))
+        return {int(pid): r["state"] for pid, r in own.get("processes", {}).items()}
+
+    def checkpoint_calls(self) -> list[dict]:
+        """Every run of the fake cuda-checkpoint, in order: op, pid, timeout_ms, before, after (states), rc, error
+        (a CUDA error name or None), slept and seconds (inside the interpreter)."""
+        log = Path(f"{self.checkpoint_state_path}.log")
+        if not log.exists():
+            return []
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
     def env(self, with_library: bool = True) -> dict[str, str]:
         env = {
             "GPUKILL_FAKE_NVML_STATE": str(self.state_path),
+            "GPUKILL_FAKE_CUDA_CHECKPOINT_STATE": str(self.checkpoint_state_path),
             "GPUKILL_FAKE_SMI_LOG": str(self.smi_log),
             "GPUKILL_FAKE_NVML_COUNTS": str(self.counts_path),
             "GPUKILL_FAKE_NVML_CALLS": str(self.calls_path),
@@ -184,6 +256,24 @@ class FakeNvidiaHost:
 
     def snapshot(self) -> dict:
         return copy.deepcopy(self.state)
+
+
+def peer_view(host: FakeNvidiaHost, symbols=()) -> dict:
+    """What nvitop and plain pynvml read from the host (tests/clients/nvml_peer_view.py, in its own process)."""
+    import pytest
+
+    if importlib.util.find_spec("nvitop") is None:
+        pytest.skip("nvitop is not installed (pip install -e '.[test]')")
+    r = subprocess.run(
+        [sys.executable, str(PEER_VIEW)],
+        input=json.dumps(list(symbols)),
+        capture_output=True,
+        text=True,
+        env={**os.environ, **host.env()},
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
 def fake_nvidia_host(workdir: Path, devices: int = 8, optimize: str = "-O2") -> FakeNvidiaHost:
