@@ -315,20 +315,10 @@ def _named_selection(args: argparse.Namespace, devices: list) -> tuple[str, str 
     return subject, problem
 
 
-async def _suspended(client: ClientAPI) -> list:
-    """What gpukilld holds suspended; [] from a gpukilld that suspends nothing (one older than ListSuspended)."""
-    try:
-        return await client.list_suspended()
-    except ClientError as e:
-        if e.name in ("org.freedesktop.DBus.Error.UnknownMethod", "org.gpukill1.Error.NotSupported"):
-            return []
-        raise
-
-
 async def cmd_list(client: ClientAPI, args: argparse.Namespace) -> int:
     devices = await client.list_devices()
     procs = await client.list_processes(_filter(args))
-    suspended = await _suspended(client)
+    suspended = await client.suspended()
     if not procs and (args.device is not None or args.user is not None):
         subject, problem = _named_selection(args, devices)
         if problem:
