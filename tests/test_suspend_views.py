@@ -21,9 +21,6 @@ from helpers.tmux import EXITED, TmuxPane
 
 from gpukilld import journal as audit
 
-prometheus_parser = pytest.importorskip("prometheus_client.parser", reason="the `exporter` extra is not installed")
-text_string_to_metric_families = prometheus_parser.text_string_to_metric_families
-
 pytestmark = needs_root
 
 GIB = 2**30
@@ -69,6 +66,7 @@ def test_top_lists_the_suspended_process_apart_and_the_resume_brings_it_back_amo
 
 
 def test_rest_exporter_and_usage_see_the_suspended_process(suspended_bed, users):
+    parser = pytest.importorskip("prometheus_client.parser", reason="the `exporter` extra is not installed")
     bed, pid = suspended_bed
     owner, other = users["owner"], users["other"]
     server = Server(bed, owner).wait_ready()
@@ -89,7 +87,7 @@ def test_rest_exporter_and_usage_see_the_suspended_process(suspended_bed, users)
     assert r.returncode == 0, r
     exported = {
         s.name: (s.labels, s.value)
-        for family in text_string_to_metric_families((out / "gpukill.prom").read_text())
+        for family in parser.text_string_to_metric_families((out / "gpukill.prom").read_text())
         for s in family.samples
         if s.name.startswith("gpukill_suspended_")
     }

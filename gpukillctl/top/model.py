@@ -2,8 +2,9 @@
 
 Pure: no bus, no curses, no clock. gpukillctl/top/app.py feeds it samples from the client library and keys from the
 terminal, and paints the lines `render` returns. So every rule of the view (sorting, filtering, the selection
-that follows a process across refreshes, Guard's windows and graces against the processes they concern,
-escaping) is tested without a terminal, and the cost of a frame is measured without one.
+that follows a process across refreshes, Guard's windows and graces against the processes they concern, the
+suspended processes apart from the running ones, escaping) is tested without a terminal, and the cost of a frame
+is measured without one.
 
 Durations print as everywhere else (gpukill.units.format_duration, systemd's "2h 26min 9s"), an unknown value
 as "–". Colour is a style of a segment, as nvitop's users read it: utilization and memory green, yellow or red
