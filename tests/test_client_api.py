@@ -66,6 +66,29 @@ def test_a_missing_method_is_an_error_like_any_other():
         assert len(client.calls) == 1, client.calls  # asked once, nothing else tried
 
 
+def test_the_suspended_list_beside_a_listing_is_empty_from_a_gpukilld_that_suspends_nothing():
+    """list, top, the page and the exporter show ListSuspended beside the processes: a gpukilld without it (an
+    older one over -H, or one that refuses it as NotSupported) has nothing suspended; any other error is said."""
+
+    def failing(name: str) -> Recorder:
+        class Failing(Recorder):
+            async def _call(self, member, *args, **kwargs):
+                await super()._call(member, *args, **kwargs)
+                raise api.error_for(name, "no")
+
+        return Failing([])
+
+    for name in ("org.freedesktop.DBus.Error.UnknownMethod", errors.NotSupported.dbus_name):
+        client = failing(name)
+        assert asyncio.run(client.suspended()) == [] and [c[0] for c in client.calls] == ["ListSuspended"]
+    with pytest.raises(api.ClientError) as caught:
+        asyncio.run(failing(errors.AccessDenied.dbus_name).suspended())
+    assert caught.value.name == errors.AccessDenied.dbus_name
+    held = {"pid": 42, "start_time": 7, "uid": 1000, "comm": "train.py", "state": "suspended", "memory": 1 << 30}
+    (record,) = asyncio.run(Recorder([[held]]).suspended())
+    assert (record.pid, record.state, record.memory) == (42, "suspended", 1 << 30)
+
+
 # -- plain values as a{sv}: one converter, one policy ------------------------------------------------------
 
 

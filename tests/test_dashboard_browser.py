@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import cgroups as cgroup_helper
 from helpers import lab as lab_helper
+from helpers import nvml_host, suspending
 from helpers import sshd as sshd_helper
 from helpers.browser import Browser, why_not
 from helpers.http_server import Server, request_as
@@ -628,6 +629,65 @@ def test_two_hosts_over_ssh_on_one_page_one_of_them_stopped(browser, lab, victim
             wait_row(browser, mine.pid, host, timeout=30)
     finally:
         served.stop()
+
+
+# -- suspended workloads -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nvhost(tmp_path_factory):
+    return nvml_host.fake_nvidia_host(tmp_path_factory.mktemp("nvml"), devices=2)
+
+
+@in_browser
+def test_suspended_processes_have_their_section_and_leave_it_when_resumed(browser, fresh_bed, nvhost, users):
+    """On the fake NVIDIA host with the fake cuda-checkpoint: the overview's host and the processes page show a
+    "Suspended" section (the host memory held, a stuck process in red with its remedy), kept apart from the
+    running processes; a resume made elsewhere moves the process back among them, without a reload."""
+    owner = users["owner"]
+    saved = nvhost.snapshot()
+    suspending.start_daemon(fresh_bed, nvhost)
+    served = Server(fresh_bed, owner, tcp=True).wait_ready()
+    try:
+        running = suspending.on_gpu(fresh_bed, nvhost, owner, "train.py", 30 * suspending.GIB)
+        held = suspending.suspended(fresh_bed, nvhost, owner, "notebook", 4 * suspending.GIB)
+        stuck = suspending.suspended(fresh_bed, nvhost, owner, "eval.py", 2 * suspending.GIB, gpu=1)
+        nvhost.checkpoint_fault(stuck, restore_oom=True)
+        assert fresh_bed.ctl(owner, "resume", str(stuck)).returncode == 1  # its restore fails: stuck
+        browser.login(served, "overview")
+        section = browser.wait(
+            lambda: [t for t in browser.css("section.host table.suspended-table") if t.is_displayed()],
+            15,
+            lambda: "no suspended table on the overview: " + browser.text("#hosts-overview"),
+        )[0]
+        assert "2 processes, 6.0 GiB of GPU memory held in host memory" in browser.text("#hosts-overview")
+        rows = {r.get_attribute("data-pid"): r for r in section.find_elements("css selector", "tr.suspended")}
+        assert set(rows) == {str(held), str(stuck)}, rows
+        assert "notebook" in rows[str(held)].text and "4.0 GiB" in rows[str(held)].text
+        assert rows[str(stuck)].get_attribute("data-state") == "stuck" and "kill" in rows[str(stuck)].text
+        browser.screenshot("suspended-overview")
+
+        browser.open(served, "processes")
+        wait_row(browser, running)
+        browser.wait(lambda: browser.css("#suspended tr.suspended"), 10, "no suspended section on the processes page")
+        assert browser.css("#suspended-section")[0].is_displayed()
+        assert not browser.css(row_selector(held)), "a suspended process is not a running row"
+        assert "(2 processes, 6.0 GiB of GPU memory held in host memory)" in browser.text("#suspended-count")
+        browser.screenshot("suspended-processes")
+
+        assert fresh_bed.ctl(owner, "resume", str(held)).returncode == 0
+        wait_row(browser, held)  # back among the running ones
+        browser.wait(
+            lambda: [r.get_attribute("data-pid") for r in browser.css("#suspended tr.suspended")] == [str(stuck)],
+            10,
+            "the resumed process is still in the suspended section",
+        )
+        problems = [e for e in browser.driver.get_log("browser") if e.get("source") != "network"]
+        assert not problems, problems
+    finally:
+        served.stop()
+        nvhost.state = saved
+        nvhost.write()
 
 
 # -- every page --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from gpukill.records.manager import Process  # noqa: E402
 from gpukillctl.web import hosts as hosts_mod  # noqa: E402
 from gpukillctl.web import hub as hub_mod  # noqa: E402
 
-VIEW_KEYS = {"id", "name", "state", "error", "generation", "at", "interval", "devices", "processes"}
+VIEW_KEYS = {"id", "name", "state", "error", "generation", "at", "interval", "devices", "processes", "suspended"}
 SCRIPT_NAME = "</script><script>alert(1)</script>"
 CHANGE_WITHIN = 2.0  # the dashboard's bound: a kill made elsewhere is gone from the open page within 2 s
 

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from gpukill.records.manager import Device, Process  # noqa: E402
 from gpukill.records.status import BackendStatus  # noqa: E402
+from gpukill.records.suspend import SuspendedProcess  # noqa: E402
 from gpukillctl.exporter.metrics import Reading, families  # noqa: E402
 
 GIB = 1 << 30
@@ -311,7 +312,7 @@ def test_guard_notices_are_counted_per_channel_and_result_delivered_apart_from_s
     assert (("channel", "desktop"), ("result", "delivered")) not in counts, "the desktop only announces"
 
 
-def samples_of(reading: Reading, per_process: bool = False) -> dict[tuple[str, frozenset], float]:
+def exposition(reading: Reading, per_process: bool = False) -> str:
     from prometheus_client import CollectorRegistry, generate_latest
 
     class Once:
@@ -320,7 +321,56 @@ def samples_of(reading: Reading, per_process: bool = False) -> dict[tuple[str, f
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Once())
-    return samples(generate_latest(registry).decode())
+    return generate_latest(registry).decode()
+
+
+def samples_of(reading: Reading, per_process: bool = False) -> dict[tuple[str, frozenset], float]:
+    return samples(exposition(reading, per_process))
+
+
+def test_suspended_processes_and_the_host_memory_they_hold_per_user_gpu_and_state():
+    def held(pid: int, uid: int, devices: tuple[int, ...], memory: int, state: str = "suspended") -> SuspendedProcess:
+        return SuspendedProcess(
+            pid=pid, start_time=1, uid=uid, comm="train.py", state=state, devices=devices, memory=memory
+        )
+
+    reading = Reading(
+        suspended=(
+            held(10, 1000, (0,), 8 * GIB),
+            held(11, 1000, (0,), 2 * GIB),
+            held(12, 1000, (1,), GIB, state="stuck"),
+            held(13, 1001, (0, 1), 4 * GIB),
+            held(14, 4242, (2,), GIB),  # a uid without a name here: the number
+        ),
+        user_names=((1000, "alice"), (1001, "bob")),
+        daemon_up=True,
+    )
+    got = samples_of(reading)
+
+    def series(name: str) -> dict[tuple[str, str, str], float]:
+        return {
+            (d["user"], d["gpu"], d["state"]): v for (n, labels), v in got.items() if n == name for d in [dict(labels)]
+        }
+
+    assert series("gpukill_suspended_processes") == {
+        ("alice", "0", "suspended"): 2.0,
+        ("alice", "1", "stuck"): 1.0,
+        ("bob", "0,1", "suspended"): 1.0,
+        ("4242", "2", "suspended"): 1.0,
+    }
+    assert series("gpukill_suspended_host_memory_bytes") == {
+        ("alice", "0", "suspended"): 10.0 * GIB,
+        ("alice", "1", "stuck"): 1.0 * GIB,
+        ("bob", "0,1", "suspended"): 4.0 * GIB,
+        ("4242", "2", "suspended"): 1.0 * GIB,
+    }
+    assert not [k for k in got if k[0] == "gpukill_suspended_process_host_memory_bytes"]
+    per_process = samples_of(reading, True)
+    assert len([k for k in per_process if k[0] == "gpukill_suspended_process_host_memory_bytes"]) == 5
+    if PROMTOOL is not None:
+        for text in (exposition(reading, True), exposition(Reading(daemon_up=True))):
+            r = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r
 
 
 @needs_promtool

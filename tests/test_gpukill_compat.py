@@ -133,6 +133,9 @@ class RecordingClient:
     async def list_suspended(self):
         return []  # `list` shows what gpukilld holds suspended too; gpu-kill's flags translate to nothing of it
 
+    async def suspended(self):
+        return await self.list_suspended()
+
     async def kill(self, pid, start_time, *, force=False, grace=None, interactive=False):
         self._record("kill", pid, start_time, force=force, grace=grace)
         return Outcome.TERMINATED

@@ -37,6 +37,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 READ_ONLY_TOOLS = {
     "list_devices",
     "list_processes",
+    "list_suspended",
     "audit_rogue",
     "guard_status",
     "guard_test_policy",
@@ -53,6 +54,7 @@ DESTRUCTIVE_TOOLS = {
 RESOURCES = {
     "gpukill://devices",
     "gpukill://processes",
+    "gpukill://suspended",
     "gpukill://guard/status",
     "gpukill://guard/policies",
     "gpukill://audit",
@@ -100,6 +102,8 @@ def test_tools_declare_hints_and_output_schemas(bed, users):
     assert outputs["list_processes"]["properties"]["processes"]["type"] == "array"
     process = outputs["list_processes"]["$defs"]["Process"]["properties"]
     assert {"pid", "start_time", "comm", "user", "gpu_memory"} <= set(process)
+    held = outputs["list_suspended"]["$defs"]["SuspendedProcess"]["properties"]
+    assert {"pid", "start_time", "uid", "state", "devices", "memory", "workload", "remedy"} <= set(held)
     assert set(outputs["kill_process"]["properties"]["outcome"]["enum"]) == {"terminated", "killed", "still-alive"}
     assert "Finding" in outputs["audit_rogue"]["$defs"] and "GuardStatus" in outputs["guard_status"]["$defs"]
     kill_args = by_name["kill_process"].input_schema

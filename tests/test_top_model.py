@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import statistics
 import unicodedata
 
@@ -10,7 +12,9 @@ from helpers.cpu_time import cpu_time
 from gpukill.outcome import Outcome
 from gpukill.records.guard import Grace, GuardStatus, Window
 from gpukill.records.manager import Device, Process
+from gpukill.records.suspend import SuspendedProcess
 from gpukillctl.top.model import (
+    ERROR,
     QUIT,
     SORTS,
     GuardMarks,
@@ -437,3 +441,88 @@ def test_load_is_coloured_as_nvitop_does_and_unknown_is_a_dash_not_zero():
     assert _styles_of(rows[4])["30%"] == "moderate"
     assert text_of([rows[4]]).split()[3] == "–"  # GPU MEM unknown
     assert "1min" in text_of([rows[2]])  # RUNTIME as systemd writes it (the processes are 60s old)
+
+
+# -- suspended processes -----------------------------------------------------------------------------------
+
+WALL = 1_800_000_000.0
+
+
+def held(pid: int, state: str = "suspended", memory: int = 8 * GiB, ago: float = 300.0, **more) -> SuspendedProcess:
+    return SuspendedProcess(
+        pid=pid,
+        start_time=1,
+        uid=more.pop("uid", 1000),
+        comm=more.pop("comm", "train.py"),
+        state=state,
+        devices=(0,),
+        device_ids=("GPU-0",),
+        memory=memory,
+        workload=more.pop("workload", f"tree of PID {pid}"),
+        suspended_at=WALL - ago,
+        **more,
+    )
+
+
+def with_suspended(*records: SuspendedProcess, procs: tuple[Process, ...] = ()) -> TopState:
+    state = TopState()
+    state.update(
+        dataclasses.replace(sample(*procs), suspended=records, user_names=((1000, "alice"), (1001, "bob")), wall=WALL)
+    )
+    return state
+
+
+def test_suspended_processes_are_listed_apart_with_the_host_memory_they_hold():
+    stuck = held(
+        8,
+        state="stuck",
+        uid=1001,
+        ago=60,
+        error="restore: CUDA_ERROR_OUT_OF_MEMORY",
+        remedy="kill it (gpukillctl kill 8)",
+    )
+    state = with_suspended(held(7), stuck, procs=(proc(1), proc(2)))
+    screen = text_of(render(state, 160, 40))
+    assert "2 processes, 2 suspended" in screen.splitlines()[0]
+    lines = screen.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("SUSPENDED: "))
+    assert lines[at] == "SUSPENDED: 2 processes, 16.0 GiB held in host memory"
+    assert lines[at + 1].split()[:6] == ["PID", "USER", "GPU", "HOST", "MEM", "STATE"]
+    assert lines[at + 2].split()[:7] == ["7", "alice", "0", "8.0", "GiB", "suspended", "5min"]
+    assert lines[at + 2].endswith("tree of PID 7")  # the longest suspended first
+    assert lines[at + 3].split()[:6] == ["8", "bob", "0", "8.0", "GiB", "stuck"]
+    assert "kill it (gpukillctl kill 8) (restore: CUDA_ERROR_OUT_OF_MEMORY)" in lines[at + 3]
+    # neither is a running row: the selection and k stay on the running processes
+    assert pids(state) == [1, 2] and all(not line.startswith(("7 ", "8 ")) for line in lines[:at])
+    stuck_line = render(state, 160, 40)[at + 3]
+    assert stuck_line[-1][1] == ERROR
+
+
+def test_suspended_time_moves_with_the_redraws_and_the_filter_applies_to_suspended_rows():
+    state = with_suspended(held(7, comm="notebook", workload="unit jupyter.service"), held(9, comm="train.py"))
+    state.update(state.sample.at(BOOTTIME + 60))
+    assert "6min" in text_of(render(state, 160, 40))  # suspended 5 min before the sample, seen a minute later
+    for key in "/jupyter":
+        state.key(key)
+    state.key("ENTER")
+    assert [s.pid for s in state.suspended_rows()] == [7]
+    screen = text_of(render(state, 160, 40))
+    assert "SUSPENDED: 1 process, 8.0 GiB" in screen and "notebook" in screen and "train.py" not in screen
+
+
+def test_many_suspended_processes_leave_room_for_the_running_ones_and_say_what_is_not_shown():
+    state = with_suspended(*(held(100 + i) for i in range(40)), procs=tuple(proc(i) for i in range(1, 30)))
+    for width, height in ((160, 40), (80, 24), (41, 12)):
+        lines = render(state, width, height)
+        assert len(lines) == height and all(sum(len(t) for t, _ in line) == width for line in lines)
+        screen = text_of(lines)
+        running = sum(
+            1
+            for line in screen.splitlines()
+            if line.split()[:1] and line.split()[0].isdigit() and int(line.split()[0]) < 100
+        )
+        assert running >= 1, screen
+        if height >= 24:
+            assert re.search(r"SUSPENDED: 40 processes, 320\.0 GiB held in host memory \(\d+ shown\)", screen)
+    assert "SUSPENDED" not in text_of(render(state, 80, 12))  # too small: the title counts them alone
+    assert "40 suspended" in text_of(render(state, 80, 12))

@@ -744,3 +744,49 @@ def test_a_zombie_has_exited_not_left():
     assert not running(os.getpid(), me.start_time + 1)  # another start time: the PID was reused
     child.wait()
     assert not running(child.pid, start)
+
+
+def test_gpu_time_stops_while_a_process_is_suspended_and_counts_again_after_its_resume(tmp_path):
+    """A suspended process leaves the GPU's lists (its memory is in host memory) and runs on, stopped: its record
+    closes as "left" at the last sample that saw it, and the resume opens a new one at the first sample that sees
+    it again. The time between counts in neither; the two add up, once, to the time it held the GPU, in the
+    journal and in what GetUsage sums (the store and the open records together)."""
+    from gpukilld.access.visibility import FULL, Viewer
+    from gpukilld.usage.query import UsageQuery
+    from gpukilld.usage.store import UsageStore
+
+    k = keeper(tmp_path, alive=living)
+    feed = Feed()
+    for t in range(11):  # on GPU 0 from 0 s to 10 s
+        k.on_snapshot(feed.at(t, gp(10)))
+    for t in range(11, 111):  # suspended for 100 s: off the lists, alive (frozen)
+        k.on_snapshot(feed.at(t))
+    (paused,) = k.store.added
+    assert (paused.ended, paused.gpu_seconds, paused.last_seen) == ("left", 10, WALL + 10)
+    assert paused.memory_byte_seconds == 10 * 2 * GiB and paused.sm_seconds == 5
+    assert k.live() == []  # nothing runs up while it is suspended
+    for t in range(111, 121):  # resumed: the same process (PID and start time) listed again, 111 s to 120 s
+        k.on_snapshot(feed.at(t, gp(10)))
+    (running,) = k.live()
+    assert (running.first_seen, running.gpu_seconds, running.ended) == (WALL + 111, 9, "")
+
+    store = UsageStore(str(tmp_path / "store" / "usage.sqlite"))
+    store.open()
+    try:
+        store.add(list(k.store.added))
+        assert store.flush()
+
+        def gpu_seconds(live: list[UsageRecord]) -> float:
+            (row,) = store.query(UsageQuery(since=WALL, until=WALL + 1000), Viewer(0, FULL), live).rows
+            return row.gpu_seconds
+
+        assert gpu_seconds(k.live()) == 10 + 9  # the stored half and the running half, each once
+        k.on_snapshot(feed.at(121))  # suspended again (or ended): the second record closes too
+        store.add(k.store.added[1:])
+        assert store.flush()
+        assert [(r.first_seen, r.gpu_seconds) for r in k.store.added] == [(WALL, 10), (WALL + 111, 9)]
+        assert gpu_seconds(k.live()) == 19 and k.live() == []
+    finally:
+        store.close()
+    assert [f["GPU_SECONDS"] for _, f in k.audit.entries] == ["10.000", "9.000"]  # journaled once each
+    k.stop()

@@ -324,16 +324,6 @@ def _named_selection(args: argparse.Namespace, devices: list) -> tuple[str, str 
     return subject, problem
 
 
-async def _suspended(client: ClientAPI) -> list:
-    """What gpukilld holds suspended; [] from a gpukilld that suspends nothing (one older than ListSuspended)."""
-    try:
-        return await client.list_suspended()
-    except ClientError as e:
-        if e.name in ("org.freedesktop.DBus.Error.UnknownMethod", "org.gpukill1.Error.NotSupported"):
-            return []
-        raise
-
-
 def _suspended_selected(args: argparse.Namespace, records: list) -> list:
     """The suspended processes (gpukill.records.suspend.SuspendedProcess) that list's filters select, as the
     daemon selects the processes on a GPU: a GPU by index or UUID, a user by name or uid."""
@@ -366,7 +356,7 @@ def _suspended_selected(args: argparse.Namespace, records: list) -> list:
 async def cmd_list(client: ClientAPI, args: argparse.Namespace) -> int:
     devices = await client.list_devices()
     procs = await client.list_processes(_filter(args))
-    suspended = _suspended_selected(args, await _suspended(client))
+    suspended = _suspended_selected(args, await client.suspended())
     if not procs and (args.device is not None or args.user is not None):
         subject, problem = _named_selection(args, devices)
         if problem:

@@ -55,6 +55,7 @@ PROMPT_TIME = 300.0  # seconds for a password prompt, where one may be asked
 SUSPEND_REPLY_TIME = 1200.0
 PAGE_SIZE = 500  # records per ListProcesses page: well inside one reply (the daemon allows up to 1000)
 DBUS = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
+UNKNOWN_METHOD = "org.freedesktop.DBus.Error.UnknownMethod"  # what the bus answers for a method gpukilld lacks
 ALLOW_INTERACTIVE_AUTHORIZATION = 0x4  # the message flag, as the D-Bus specification numbers it
 
 # The keys of `list --json`, in their order.
@@ -390,6 +391,16 @@ class ClientAPI:
 
         (records,) = await self._call("ListSuspended")
         return [from_plain(SuspendedProcess, r) for r in records]
+
+    async def suspended(self) -> list[SuspendedProcess]:
+        """list_suspended(), or [] from a gpukilld that suspends nothing (one older than ListSuspended, or one
+        without the NVIDIA backend's checkpoint support): what every view lists beside the running processes."""
+        try:
+            return await self.list_suspended()
+        except ClientError as e:
+            if e.name in (UNKNOWN_METHOD, errors.NotSupported.dbus_name):
+                return []
+            raise
 
     async def reset(self, device: str, *, force: bool = False, interactive: bool = False) -> ResetReply:
         from gpukill.records.status import ResetReply

@@ -75,23 +75,27 @@ def processes_table(procs: list[Process]) -> str:
     return table(["GPU", "PID", "USER", "COMMAND", "GPU MEMORY", "UTIL", "UNIT/CONTAINER"], rows)
 
 
+def user_name(uid: int) -> str:
+    """A uid's user name here, or the number where this host has no such user (a suspended process's record
+    carries its uid alone)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def suspended_table(records: list) -> str:
     """The processes gpukilld holds suspended (gpukill.records.suspend.SuspendedProcess): state "suspended", or
     "stuck" with its remedy; HOST MEMORY is the GPU memory set aside in host memory."""
-    import pwd
     import time
-
-    def user(uid: int) -> str:
-        try:
-            return pwd.getpwuid(uid).pw_name
-        except KeyError:
-            return str(uid)
 
     rows = [
         [
             ",".join(map(str, r.devices)) or UNKNOWN,
             str(r.pid),
-            user(r.uid),
+            user_name(r.uid),
             r.comm or UNKNOWN,
             r.state,
             size(r.memory),

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from ..client.dbus import ClientError, GpukillClient
 from ..client.exits import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from ..client.format import user_name
 from ..client.ports import port_number
 from ..http.listen import ServeError
 
@@ -200,8 +201,8 @@ class DaemonReader:
 
         try:
             client = await self._client()
-            devices, processes, status = await asyncio.gather(
-                client.list_devices(), client.list_processes(), client.status()
+            devices, processes, status, suspended = await asyncio.gather(
+                client.list_devices(), client.list_processes(), client.status(), client.suspended()
             )
         except ClientError:
             return Reading()
@@ -219,6 +220,8 @@ class DaemonReader:
             True,
             status.version,
             usage=None if self.usage is None else self.usage.copy(),
+            suspended=tuple(suspended),
+            user_names=tuple((uid, user_name(uid)) for uid in {r.uid for r in suspended}),
         )
 
     async def _read_usage(self, client: GpukillClient) -> None:

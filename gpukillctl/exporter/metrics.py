@@ -23,6 +23,7 @@ from gpukill.records.guard import GuardStatus
 from gpukill.records.manager import STATE_OK, Device, Process
 from gpukill.records.signals import DeviceReset, ProcessKilled
 from gpukill.records.status import BackendStatus
+from gpukill.records.suspend import SuspendedProcess
 from gpukill.records.usage import UsageReport
 
 DEVICE_LABELS = ["gpu", "uuid", "pci_bus_id", "vendor", "model"]
@@ -165,6 +166,9 @@ class Reading:
     age: float = 0.0  # how long ago that reading started, when served (the HTTP server serves one per interval)
     signals: SignalCounts | None = None
     usage: UsageCounters | None = None  # None: the daemon keeps no accounting (or has not answered GetUsage yet)
+    # What gpukilld holds suspended (ListSuspended), and the names of their owners' uids: (uid, name)
+    suspended: tuple[SuspendedProcess, ...] = ()
+    user_names: tuple[tuple[int, str], ...] = ()
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -234,6 +238,46 @@ def process_families(processes: Iterable[Process]) -> list[Metric]:
         if p.gpu_utilization is not None:
             util.add_metric(key, p.gpu_utilization / 100.0)
     return [mem, util]
+
+
+SUSPENDED_LABELS = ["user", "gpu", "state"]
+
+
+def suspended_families(
+    records: Iterable[SuspendedProcess], user_names: Iterable[tuple[int, str]], per_process: bool
+) -> list[Metric]:
+    """The suspended processes (gpukillctl suspend) per user, GPU and state ("suspended", or "stuck" after a failed
+    step): how many, and the GPU memory they hold in host memory. A process suspended off several GPUs is one
+    series whose gpu label lists them ("0,1"); its memory is not split among them (the record holds its total).
+    With per_process, one series per suspended process besides."""
+    names = dict(user_names)
+    count = _gauge(
+        "gpukill_suspended_processes",
+        "processes gpukilld holds suspended (off the GPU, their memory in host memory) or stuck, per user, GPU and "
+        "state",
+        SUSPENDED_LABELS,
+    )
+    held = _gauge(
+        "gpukill_suspended_host_memory_bytes",
+        "GPU memory of suspended processes held in host memory, per user, GPU and state",
+        SUSPENDED_LABELS,
+    )
+    one = _gauge(
+        "gpukill_suspended_process_host_memory_bytes",
+        "GPU memory a suspended process holds in host memory",
+        ["pid", "user", "comm", "gpu", "state"],
+    )
+    totals: dict[tuple[str, str, str], tuple[int, int]] = {}
+    for r in records:
+        user, gpu = names.get(r.uid, str(r.uid)), ",".join(map(str, r.devices))
+        n, memory = totals.get((user, gpu, r.state), (0, 0))
+        totals[(user, gpu, r.state)] = (n + 1, memory + r.memory)
+        if per_process:
+            one.add_metric([str(r.pid), user, r.comm, gpu, r.state], float(r.memory))
+    for key, (n, memory) in sorted(totals.items()):
+        count.add_metric(list(key), float(n))
+        held.add_metric(list(key), float(memory))
+    return [count, held, one] if per_process else [count, held]
 
 
 def guard_families(guard: GuardStatus) -> list[Metric]:
@@ -307,6 +351,7 @@ def families(reading: Reading, per_process: bool) -> Iterator[Metric]:
     yield from attribution_families(reading.processes)
     if per_process:
         yield from process_families(reading.processes)
+    yield from suspended_families(reading.suspended, reading.user_names, per_process)
     if reading.guard is not None:
         yield from guard_families(reading.guard)
     if reading.usage is not None:

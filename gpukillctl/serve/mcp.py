@@ -61,6 +61,7 @@ from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry
 from gpukill.records.manager import Device, Process
 from gpukill.records.reclaim import CheckpointStep, Reclaim
 from gpukill.records.status import ResetReply
+from gpukill.records.suspend import SuspendedProcess
 from gpukill.records.usage import UsageBy, UsageReport
 from gpukill.regex import MAX_PATTERN, RegexError
 from gpukill.text import shown
@@ -109,6 +110,14 @@ class ProcessList(BaseModel):
     processes: list[Process] = Field(
         description="one record per (process, device) matching the filters; other users' processes as "
         "the caller may see them"
+    )
+
+
+class SuspendedList(BaseModel):
+    suspended: list[SuspendedProcess] = Field(
+        description="the processes gpukilld holds suspended (state suspended: off the GPU, their GPU memory "
+        "held in host memory) or stuck after a failed step (error, remedy), by PID; other users' as the caller "
+        "may see them"
     )
 
 
@@ -407,7 +416,7 @@ def build_mcp(connect: Connect) -> MCPServer:
 
 
 def _process_tools(box: Toolbox) -> None:
-    """list_devices, list_processes, kill_process, reset_device."""
+    """list_devices, list_processes, list_suspended, kill_process, reset_device."""
 
     @box.register(title="List GPUs", annotations=READ_ONLY)
     async def list_devices() -> DeviceList:
@@ -438,6 +447,14 @@ def _process_tools(box: Toolbox) -> None:
         org.gpukill.view-all-processes lets you see them."""
         flt = process_filter(name, name_regex, user, device, memory_gt)
         return await box.call(lambda c: c.list_processes(flt), lambda procs: ProcessList(processes=procs))
+
+    @box.register(title="List suspended GPU processes", annotations=READ_ONLY)
+    async def list_suspended() -> SuspendedList:
+        """The processes suspended by gpukilld (`gpukillctl suspend`): they left list_processes, their GPU
+        memory is held in host memory (memory, in bytes) until `gpukillctl resume`; state "stuck" when a step
+        failed, with its remedy. Needs no authorization; other users' as org.gpukill.view-all-processes lets
+        you see them."""
+        return await box.call(lambda c: c.suspended(), lambda held: SuspendedList(suspended=held))
 
     @box.register(title="Stop a GPU process", annotations=DESTRUCTIVE)
     async def kill_process(
@@ -750,6 +767,11 @@ def _resources(mcp: MCPServer, connect: Connect) -> None:
     async def processes_resource() -> str:
         """Every GPU process the server's user may see (as list_processes without filters)."""
         return await resource(lambda c: _model(ProcessList, "processes", c.list_processes()))
+
+    @mcp.resource("gpukill://suspended", name="suspended", title="Suspended GPU processes", mime_type=JSON)
+    async def suspended_resource() -> str:
+        """The processes gpukilld holds suspended or stuck (as list_suspended)."""
+        return await resource(lambda c: _model(SuspendedList, "suspended", c.suspended()))
 
     @mcp.resource("gpukill://guard/status", name="guard-status", title="Guard status", mime_type=JSON)
     async def guard_status_resource() -> str:

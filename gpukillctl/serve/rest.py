@@ -52,6 +52,7 @@ from gpukill.records.guard import Decision, GuardStatus, ManagedPolicyEntry
 from gpukill.records.manager import Device, Process
 from gpukill.records.reclaim import CheckpointStep, Reclaim
 from gpukill.records.status import ResetReply
+from gpukill.records.suspend import SuspendedProcess
 from gpukill.records.usage import UsageBy, UsageReport
 from gpukill.regex import RegexError, compile_regex
 from gpukill.units import (
@@ -267,6 +268,7 @@ FindingModel = model_of(Finding)
 GuardStatusModel = model_of(GuardStatus)
 DecisionModel = model_of(Decision)
 UsageReportModel = model_of(UsageReport)
+SuspendedModel = model_of(SuspendedProcess)
 PolicyEntryModel = model_of(ManagedPolicyEntry)
 MAX_USAGE_LIMIT = 1000  # GetUsage's own bound
 # A Literal built at run time from the shared table, for the OpenAPI schema's enum: to mypy, a str
@@ -290,6 +292,14 @@ class ErrorBody(BaseModel):
 
 class DeviceList(BaseModel):
     devices: list[DeviceModel] = Field(description="the GPUs gpukilld manages")  # type: ignore[valid-type]
+
+
+class SuspendedList(BaseModel):
+    suspended: list[SuspendedModel] = Field(  # type: ignore[valid-type]  # a model made at run time
+        description="the processes gpukilld holds suspended (their GPU memory set aside in host memory) or stuck "
+        "after a failed step, by PID; other users' as the server's user may see them; empty where gpukilld "
+        "suspends nothing"
+    )
 
 
 class ProcessList(BaseModel):
@@ -566,6 +576,16 @@ def build_rest(connect: Connect) -> FastAPI:
             wanted["min_memory"] = Variant("t", memory_gt + 1)  # the daemon's floor is "at least"
         found = await with_daemon(lambda c: c.list_processes(wanted))
         return {"processes": [to_plain(p) for p in found]}
+
+    @app.get(
+        f"{API_PREFIX}/suspended",
+        response_model=SuspendedList,
+        responses=_responses(),
+        summary="the suspended processes: off the GPUs, their memory held in host memory",
+        operation_id="list_suspended",
+    )
+    async def suspended() -> dict:
+        return {"suspended": [to_plain(r) for r in await with_daemon(lambda c: c.suspended())]}
 
     @app.post(
         f"{API_PREFIX}/kill",

@@ -3,11 +3,11 @@
 The view is stdlib curses (why: docs/using.md, "gpukillctl top"); what it shows and how keys change it is
 gpukillctl/top/model.py, which knows nothing of terminals. This module runs the two on one asyncio loop:
 
-- a refresh task fetches devices, processes (paged by the client library), the daemon's status and Guard's
-  status, then sleeps what is left of the daemon's sample interval: the view is never refreshed faster than
-  gpukilld samples, and a key never waits for the bus. It fetches only when gpukilld signalled a change since
-  the last fetch (model.must_fetch says when); on the other ticks it only redraws, so that runtimes still
-  move;
+- a refresh task fetches devices, processes (paged by the client library), the suspended processes, the
+  daemon's status and Guard's status, then sleeps what is left of the daemon's sample interval: the view is
+  never refreshed faster than gpukilld samples, and a key never waits for the bus. It fetches only when
+  gpukilld signalled a change since the last fetch (model.must_fetch says when: ProcessSuspended and
+  ProcessResumed among them); on the other ticks it only redraws, so that runtimes still move;
 - keys are read when the terminal has input (add_reader on stdin) and the screen is redrawn at once from
   the sample already held;
 - the session's totals line (GPU time, memory, energy since top started) is GetUsage at most every
@@ -35,6 +35,7 @@ from gpukill.procstat import CLK_TCK
 from gpukill.text import UNKNOWN
 
 from ..client.dbus import ClientError, GpukillClient
+from ..client.format import user_name
 from ..client.polkit_agent import PolkitAgent
 from .model import (
     BAR,
@@ -93,20 +94,29 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 async def fetch(client: GpukillClient) -> tuple[Sample, str]:
     """One sample through the client library, and why Guard's part is missing ("" when it is there)."""
-    status, devices, processes, guard = await asyncio.gather(
-        client.status(), client.list_devices(), client.list_processes(), client.guard_status(), return_exceptions=True
+    status, devices, processes, guard, suspended = await asyncio.gather(
+        client.status(),
+        client.list_devices(),
+        client.list_processes(),
+        client.guard_status(),
+        client.suspended(),
+        return_exceptions=True,
     )
-    for result in (status, devices, processes):
+    for result in (status, devices, processes, suspended):
         if isinstance(result, BaseException):
             raise result
+    boottime, wall = time.clock_gettime(time.CLOCK_BOOTTIME), time.time()
     sample = Sample(
         # an exception among them was raised above: mypy does not narrow through the loop (the ignores)
         devices=tuple(devices),  # type: ignore[arg-type]
         processes=tuple(processes),  # type: ignore[arg-type]
         guard=None if isinstance(guard, BaseException) else guard,
         interval=status.sample_interval,  # type: ignore[union-attr]
-        boottime=time.clock_gettime(time.CLOCK_BOOTTIME),
+        boottime=boottime,
         clock_ticks=CLK_TCK,
+        suspended=tuple(suspended),  # type: ignore[arg-type]
+        user_names=tuple((uid, user_name(uid)) for uid in {s.uid for s in suspended}),  # type: ignore[union-attr]
+        wall=wall,
     )
     if isinstance(guard, ClientError):
         return sample, f"guard status unavailable: {guard}"

@@ -2,8 +2,9 @@
 
 Pure: no bus, no curses, no clock. gpukillctl/top/app.py feeds it samples from the client library and keys from the
 terminal, and paints the lines `render` returns. So every rule of the view (sorting, filtering, the selection
-that follows a process across refreshes, Guard's windows and graces against the processes they concern,
-escaping) is tested without a terminal, and the cost of a frame is measured without one.
+that follows a process across refreshes, Guard's windows and graces against the processes they concern, the
+suspended processes apart from the running ones, escaping) is tested without a terminal, and the cost of a frame
+is measured without one.
 
 Durations print as everywhere else (gpukill.units.format_duration, systemd's "2h 26min 9s"), an unknown value
 as "–". Colour is a style of a segment, as nvitop's users read it: utilization and memory green, yellow or red
@@ -28,6 +29,7 @@ from enum import Enum
 from gpukill.outcome import Outcome
 from gpukill.records.guard import GuardStatus
 from gpukill.records.manager import STATE_OK, Device, Process
+from gpukill.records.suspend import STUCK, SuspendedProcess
 from gpukill.records.usage import UsageReport
 from gpukill.text import UNKNOWN, shown
 from gpukill.units import format_duration
@@ -48,10 +50,14 @@ class Sample:
     interval: float  # the daemon's sample interval: the view refreshes at this pace, never faster
     boottime: float
     clock_ticks: int = 100  # sysconf(SC_CLK_TCK): the unit of Process.start_time
+    # What gpukilld holds suspended (ListSuspended): off the GPU's lists, its memory held in host memory.
+    suspended: tuple[SuspendedProcess, ...] = ()
+    user_names: tuple[tuple[int, str], ...] = ()  # (uid, name) of the suspended processes' owners
+    wall: float = 0.0  # the wall clock at `boottime`: how long each has been suspended
 
     def at(self, boottime: float) -> Sample:
         """The same sample, seen later: runtimes move on, nothing else does (no change was signalled)."""
-        return dataclasses.replace(self, boottime=boottime)
+        return dataclasses.replace(self, boottime=boottime, wall=self.wall + (boottime - self.boottime))
 
     @property
     def guard_counts_time(self) -> bool:
@@ -179,6 +185,11 @@ SORTS: dict[str, SortOrder] = {
 DEFAULT_SORT = "m"
 
 
+def suspended_haystack(s: SuspendedProcess, user: str) -> str:
+    """What the filter looks in for a suspended process: its PID, user, name, workload and state, lower case."""
+    return " ".join((str(s.pid), user, s.comm, s.workload, s.state)).casefold()
+
+
 def haystack(p: Process) -> str:
     """What the filter looks in: names, command line, user, PID and where the process runs, lower case."""
     return " ".join(
@@ -265,6 +276,17 @@ class TopState:
             procs.sort(key=lambda p: order.value(self.sample, p), reverse=order.descending != self.reverse)
             self._rows = procs
         return self._rows
+
+    def suspended_rows(self) -> list[SuspendedProcess]:
+        """The suspended processes shown (the filter applies to them too), the longest suspended first."""
+        held = list(self.sample.suspended)
+        if self.filter:
+            needle = self.filter.casefold()
+            held = [s for s in held if needle in suspended_haystack(s, self.user_of(s))]
+        return sorted(held, key=lambda s: (s.suspended_at, s.pid))
+
+    def user_of(self, s: SuspendedProcess) -> str:
+        return dict(self.sample.user_names).get(s.uid, str(s.uid))
 
     def _haystack(self, p: Process) -> str:
         key = id(p)
@@ -527,6 +549,48 @@ def _process_line(state: TopState, p: Process, width: int, selected: bool) -> Li
     )
 
 
+# (header, width) of the suspended table; COMMAND and WORKLOAD / REMEDY share what is left
+_SUSPENDED_COLUMNS = (("PID", 8), ("USER", 10), ("GPU", 4), ("HOST MEM", 10), ("STATE", 10), ("FOR", 14))
+_SUSPENDED_COMMAND = 24  # COMMAND's most cells: the workload, or a stuck process's remedy, needs the rest
+_SUSPENDED_MIN_ROOM = 4  # process rows below which the suspended section is left out (the title counts them)
+
+
+def _suspended_section(state: TopState, rows: list[SuspendedProcess], shown_rows: int, width: int) -> list[Line]:
+    """The suspended processes apart from the running ones: a header saying how many and the host memory they
+    hold, then `shown_rows` of them, the longest suspended first."""
+    held = sum(r.memory for r in rows)
+    more = f" ({shown_rows} shown)" if shown_rows < len(rows) else ""
+    count = f"{len(rows)} process{'es' if len(rows) != 1 else ''}"
+    title = f"SUSPENDED: {count}, {size(held)} held in host memory{more}"
+    heads = "".join(h.ljust(w) for h, w in _SUSPENDED_COLUMNS)
+    command = min(_command_width(width - len(heads)), _SUSPENDED_COMMAND)
+    lines: list[Line] = [
+        ((fit(title, width), HEADER),),
+        ((fit(heads + "COMMAND".ljust(command) + "WORKLOAD / REMEDY", width), HEADER),),
+    ]
+    for r in rows[:shown_rows]:
+        since = state.sample.wall - r.suspended_at if r.suspended_at and state.sample.wall else None
+        cols = [
+            str(r.pid),
+            shown(state.user_of(r)),
+            ",".join(map(str, r.devices)) or UNKNOWN,
+            size(r.memory),
+            r.state,
+            format_duration(since if since is None or since >= 0 else None),
+        ]
+        text = "".join(fit(c, w - 1) + " " for c, (_, w) in zip(cols, _SUSPENDED_COLUMNS, strict=True))
+        what = shown(f"{r.remedy} ({r.error})" if r.state == STUCK else r.workload)
+        style = ERROR if r.state == STUCK else DIM
+        lines.append(
+            (
+                (text, NORMAL),
+                (fit(shown(r.comm or UNKNOWN), command - 1) + " ", DIM),
+                (fit(what, max(width - len(text) - command, 0)), style),
+            )
+        )
+    return [clip(list(line), width) for line in lines]
+
+
 def _details(state: TopState, p: Process | None, width: int) -> list[Line]:
     if p is None:
         return [((fit("no process selected" if not state.filter else "no process matches the filter", width), DIM),)]
@@ -566,6 +630,8 @@ def _title(state: TopState, width: int) -> Line:
         guard += ", policy files rejected (gpukillctl guard status says why)"
     shown_rows = len(state.rows())
     count = f"{len(s.processes)} processes" + (f", {shown_rows} match /{state.filter}" if state.filter else "")
+    if s.suspended:
+        count += f", {len(s.suspended)} suspended"
     order = SORTS[state.sort]
     text = (
         f"gpukill top - {len(s.devices)} GPUs, {count} - sorted by {order.name}"
@@ -624,6 +690,12 @@ def render(state: TopState, width: int, height: int) -> list[Line]:
     lines.append(_usage_line(state, width))  # the line between the GPUs and the processes
     lines.append(_process_header(state, width))
     room = height - len(lines) - 1 - _DETAIL_LINES - 2
+    held = state.suspended_rows()
+    section: list[Line] = []
+    if held and room >= _SUSPENDED_MIN_ROOM + 3:
+        shown_held = min(len(held), max((room - 2) // 3, 1))
+        section = _suspended_section(state, held, shown_held, width)
+        room -= len(section)
     state.page = max(room - 1, 1)
     rows = state.rows()
     if state.index < state.top:
@@ -636,6 +708,7 @@ def render(state: TopState, width: int, height: int) -> list[Line]:
             lines.append(_process_line(state, rows[i], width, i == state.index))
         else:
             lines.append(((" " * width, NORMAL),))
+    lines += section
     current = state.current()
     lines.append(((("-- selected " + "-" * width)[:width], DIM),))
     details = _details(state, current, width)

@@ -3,8 +3,10 @@
 Thirty-two open tabs must cost gpukilld no more than one: so the pages never list, the hub does. Per host one
 bus connection (over ssh for a remote host), started when the first page subscribes and stopped LINGER after
 the last leaves (a reload does not reconnect); on each SnapshotChanged (client.snapshot_changes(), spread as
-every observer's is) ONE list_devices() and ONE list_processes(), turned into the host's view and JSON-encoded
-once, and the same bytes handed to every subscriber. gpukilld's other signals go out as `signal` events.
+every observer's is) ONE list_devices(), ONE list_processes() and ONE list of the suspended processes, turned
+into the host's view and JSON-encoded once, and the same bytes handed to every subscriber; ProcessSuspended and
+ProcessResumed list again too (a suspended process leaves the GPU's lists a sample before gpukilld records it
+suspended). gpukilld's other signals go out as `signal` events.
 
 A subscriber never holds the hub up: it keeps the newest view of each host and at most MAX_SIGNALS signals
 (the oldest go), and its own task writes them as fast as its page reads. A host that does not answer is
@@ -25,7 +27,7 @@ import collections
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -35,9 +37,11 @@ from starlette.routing import Route
 from gpukill.procstat import seconds_since_start
 from gpukill.records.base import to_plain
 from gpukill.records.manager import Device, Process
-from gpukill.records.signals import SnapshotChanged
+from gpukill.records.signals import ProcessResumed, ProcessSuspended, SnapshotChanged
+from gpukill.records.suspend import SuspendedProcess
 
 from ..client.dbus import DaemonUnavailable, GpukillClient
+from ..client.format import user_name
 from ..http.protocol import MAX_CONNECTIONS
 from .hosts import HostSpec
 
@@ -51,6 +55,8 @@ PING = 15.0  # seconds between comment lines on a quiet stream: proxies and brow
 BACKOFF_FIRST, BACKOFF_MAX = 2.0, 60.0  # retrying a host that is down: doubling from the first to the last
 SIGNAL_TYPES = (
     "ProcessKilled",
+    "ProcessSuspended",
+    "ProcessResumed",
     "DeviceReset",
     "DeviceStateChanged",
     "PolicyViolated",
@@ -143,6 +149,7 @@ class Feed:
                 "interval": self.interval,
                 "devices": [],
                 "processes": [],
+                "suspended": [],
             },
             publish,
         )
@@ -191,7 +198,7 @@ class Feed:
         # with the last listing. When org.gpukill1 leaves the bus the host is down, and retried.
         absent = asyncio.Event()
         watcher = asyncio.create_task(watch())
-        forwarder = asyncio.create_task(self._forward_signals(client, absent.set))
+        forwarder = asyncio.create_task(self._forward_signals(client, absent.set, changed.set))
         try:
             await self._list(client, None)
             # That listing may have been taken before the subscriptions were in place (they are made meanwhile,
@@ -220,16 +227,22 @@ class Feed:
     async def _list(self, client: GpukillClient, generation: int | None) -> None:
         devices = await client.list_devices()
         processes = await client.list_processes()
+        suspended = await client.suspended()
         # a host of 2,048 processes is a view of ~850 KB: built and encoded in a thread, so that the server's
         # other requests and hosts do not wait for it (the IdleClock is this feed's alone)
         at = time.time()
-        data = await asyncio.to_thread(lambda: sse("host", self.view_of(devices, processes, generation, at)))
+        data = await asyncio.to_thread(lambda: sse("host", self.view_of(devices, processes, generation, at, suspended)))
         self.view, self.shown = data, ("up", "")
         self.on_view(self)
         self.listed = True
 
     def view_of(
-        self, devices: list[Device], processes: list[Process], generation: int | None, at: float
+        self,
+        devices: list[Device],
+        processes: list[Process],
+        generation: int | None,
+        at: float,
+        suspended: Sequence[SuspendedProcess] = (),
     ) -> dict[str, Any]:
         # runtime from this machine's boot clock: a remote host's start times count from its own boot
         boot = time.clock_gettime(time.CLOCK_BOOTTIME) if self.host.id == 0 else None
@@ -250,12 +263,28 @@ class Feed:
             "interval": self.interval,
             "devices": [to_plain(d) for d in devices],
             "processes": rows,
+            "suspended": self.suspended_rows(suspended, processes),
         }
 
-    async def _forward_signals(self, client: GpukillClient, on_absent: Callable[[], None]) -> None:
+    def suspended_rows(self, suspended: Sequence[SuspendedProcess], processes: list[Process]) -> list[dict[str, Any]]:
+        """The suspended processes as the page shows them: each record with its owner's name ("user"), as the
+        host's listing names that uid, else as this machine does for its own host, else the uid."""
+        names = {p.uid: p.user for p in processes}
+        rows = []
+        for r in suspended:
+            row = to_plain(r)
+            row["user"] = names.get(r.uid) or (user_name(r.uid) if self.host.id == 0 else str(r.uid))
+            rows.append(row)
+        return rows
+
+    async def _forward_signals(
+        self, client: GpukillClient, on_absent: Callable[[], None], on_suspension: Callable[[], None]
+    ) -> None:
         async for record in client.events(on_absent=on_absent):
             if isinstance(record, SnapshotChanged):  # it becomes the next host event
                 continue
+            if isinstance(record, ProcessSuspended | ProcessResumed):  # the suspended list changed: list again
+                on_suspension()
             kind = type(record).__name__
             if kind in SIGNAL_TYPES:
                 self.on_signal(

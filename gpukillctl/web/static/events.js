@@ -12,6 +12,12 @@ function summary(signal) {
   switch (signal.type) {
     case "ProcessKilled": return `PID ${r.pid} (${r.comm}) of uid ${r.uid}: ${r.outcome}, by ${r.initiator}`;
     case "DeviceReset": return `GPU ${r.index}: ${r.success ? "reset" : "not reset"}: ${r.message}`;
+    case "ProcessSuspended":
+    case "ProcessResumed": {
+      const p = r.process || {};
+      const act = signal.type === "ProcessSuspended" ? "suspended" : p.state === "running" ? "resumed" : `${p.state}: ${p.remedy}`;
+      return `PID ${p.pid} (${p.comm}) of uid ${p.uid} on GPU ${(p.devices || []).join(",")}: ${act}, ${fmt.bytes(p.memory)}, by uid ${r.caller_uid}`;
+    }
     case "DeviceStateChanged": return `GPU ${r.index}: ${r.state}${r.reason ? ": " + r.reason : ""}`;
     default: return Object.entries(r).map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join(" ");
   }

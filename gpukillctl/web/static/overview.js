@@ -1,10 +1,11 @@
 // The overview: a section per host (its state, the error of a host that does not answer), a card per GPU
 // (utilization and memory bars, temperature, power, state), and the processes holding GPU memory at 0%
-// utilization for long: the memory to reclaim.
+// utilization for long: the memory to reclaim; the suspended processes, their memory held in host memory.
 
 import {$, bar, el, replace} from "./dom.js";
 import * as fmt from "./format.js";
 import {hostName, state} from "./state.js";
+import * as suspended from "./suspended.js";
 
 function gpuCard(hostId, device, processes) {
   const memPct = device.memory_total ? (100 * (device.memory_used ?? 0)) / device.memory_total : null;
@@ -41,6 +42,7 @@ function hostSection(host, view, idleAfter) {
   const viewState = view ? view.state : "connecting";
   const devices = view ? view.devices : [];
   const processes = view ? view.processes : [];
+  const held = view && view.suspended ? view.suspended : [];
   const perDevice = new Map();
   for (const p of processes) perDevice.set(p.device, (perDevice.get(p.device) || 0) + 1);
   const idle = processes.filter((p) => typeof p.idle_seconds === "number" && p.idle_seconds >= idleAfter
@@ -52,7 +54,9 @@ function hostSection(host, view, idleAfter) {
     el("div", {class: "gpus"}, devices.map((d) => gpuCard(host.id, d, perDevice.get(d.index) || 0))),
     viewState === "up" && devices.length === 0 ? el("p", {class: "muted"}, "No GPU found.") : null,
     el("h3", null, "Held but idle: memory to reclaim"),
-    reclaimTable(host.id, idle));
+    reclaimTable(host.id, idle),
+    held.length ? el("h3", null, "Suspended: ", el("span", {class: "muted"}, suspended.summary(held))) : null,
+    held.length ? suspended.table(held.map((r) => ({...r, host: host.id})), false) : null);
 }
 
 export function render() {

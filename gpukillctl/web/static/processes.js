@@ -1,11 +1,12 @@
 // The processes page: every host's GPU processes in one table (owner, unit, job, pod, container, memory,
-// utilization, runtime), filtered by a text and sorted by a column. Rows are kept by key and only their
+// utilization, runtime), filtered by a text and sorted by a column; below, the suspended ones (suspended.js). Rows are kept by key and only their
 // cells' text is updated, so a change redraws little and a row under the pointer stays where it is.
 
-import {$, el} from "./dom.js";
+import {$, el, replace} from "./dom.js";
 import * as fmt from "./format.js";
 import {confirmKill} from "./kill.js";
 import {hostName, state} from "./state.js";
+import * as suspended from "./suspended.js";
 
 // [sort key, header, value of a process (for sorting), its text (for the cell)]
 const COLUMNS = [
@@ -50,7 +51,7 @@ function allProcesses() {
 
 function matches(p, needle) {
   if (!needle) return true;
-  return [p.comm, p.cmdline, p.user, p.unit, p.slurm_job, p.pod_uid, p.container_id]
+  return [p.comm, p.cmdline, p.user, p.unit, p.slurm_job, p.pod_uid, p.container_id, p.workload]
     .some((v) => typeof v === "string" && v.toLowerCase().includes(needle));
 }
 
@@ -107,6 +108,10 @@ export function render() {
     if (!seen.has(k)) { tr.remove(); rows.delete(k); }
   }
   $("#process-count").textContent = `${shown.length} shown`;
+  const held = suspended.all().filter((r) => matches(r, needle));
+  $("#suspended-section").hidden = held.length === 0;
+  $("#suspended-count").textContent = held.length ? `(${suspended.summary(held)})` : "";
+  replace($("#suspended"), held.length ? suspended.table(held, state.hosts.length > 1) : null);
   $("#processes").classList.toggle("one-host", state.hosts.length < 2);
   for (const th of document.querySelectorAll("#processes th[data-sort]")) {
     th.setAttribute("aria-sort", th.dataset.sort === sortKey ? (descending ? "descending" : "ascending") : "none");
