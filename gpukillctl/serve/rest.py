@@ -219,6 +219,7 @@ _SCALARS: dict[str, Any] = {
     "s": str,
     "as": list[str],
     "au": list[Annotated[int, Field(ge=0, le=MAX_UINT32)]],
+    "at": list[Annotated[int, Field(ge=0, le=MAX_UINT64)]],
 }
 
 
