@@ -38,7 +38,7 @@ from ..client.ports import port_number
 from .audit import GPU_KILL_THRESHOLDS, gpu_kill_threshold
 from .gpu_kill_files import guard_import, read_file, rogue_import
 from .guard import cmd_guard
-from .main import COMMANDS, cmd_kill, cmd_list, cmd_reset, positive_int, seconds
+from .main import COMMANDS, cmd_kill, cmd_list, cmd_reset, pid_number, seconds
 from .main import build_parser as gpukillctl_parser
 
 PROG = "gpukill"
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     kill = p.add_argument_group("with --kill")
-    kill.add_argument("--pid", type=positive_int, metavar="PID", help="the process to stop (gpukillctl kill PID)")
+    kill.add_argument("--pid", type=pid_number, metavar="PID", help="the process to stop (gpukillctl kill PID)")
     kill.add_argument(
         "--filter",
         metavar="REGEX",

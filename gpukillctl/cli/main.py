@@ -66,7 +66,7 @@ def help_width() -> int:
     return columns - 2
 
 
-def positive_int(text: str) -> int:
+def pid_number(text: str) -> int:
     try:
         value = int(text, 10)
     except ValueError:
@@ -178,7 +178,7 @@ def _register_kill(sub: argparse._SubParsersAction) -> None:
 
     kill = sub.add_parser("kill", help="stop a GPU process (or a workload's) and say whether its GPU memory is back")
     target = kill.add_mutually_exclusive_group(required=True)
-    target.add_argument("pid", type=positive_int, metavar="PID", nargs="?")
+    target.add_argument("pid", type=pid_number, metavar="PID", nargs="?")
     target.add_argument(
         "--job",
         type=slurm_job_id,
@@ -187,7 +187,7 @@ def _register_kill(sub: argparse._SubParsersAction) -> None:
     )
     target.add_argument(
         "--tree",
-        type=positive_int,
+        type=pid_number,
         metavar="PID",
         help="PID and its descendants on a GPU (the others are left running)",
     )
@@ -225,8 +225,8 @@ def _register_suspend(sub: argparse._SubParsersAction, name: str) -> None:
     }[name]
     cmd = sub.add_parser(name, help=what)
     target = cmd.add_mutually_exclusive_group(required=True)
-    target.add_argument("pid", type=positive_int, metavar="PID", nargs="?")
-    target.add_argument("--tree", type=positive_int, metavar="PID", help="PID and its descendants on a GPU, together")
+    target.add_argument("pid", type=pid_number, metavar="PID", nargs="?")
+    target.add_argument("--tree", type=pid_number, metavar="PID", help="PID and its descendants on a GPU, together")
     target.add_argument("--unit", type=unit_name, metavar="UNIT", help="every GPU process of this systemd unit")
     target.add_argument("--job", type=slurm_job_id, metavar="ID", help="every GPU process of this Slurm job here")
 

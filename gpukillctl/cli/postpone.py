@@ -11,6 +11,7 @@ import time
 from ..client.api import ClientAPI
 from ..client.exits import EXIT_FAILURE, EXIT_OK
 from ..client.format import shown
+from .main import pid_number
 
 MAX_REASON = 200  # characters, as gpukilld bounds it (gpukilld/bus/guard.py)
 MAX_POSTPONE = 7 * 86400.0  # a week: gpukilld refuses more (a rule's max caps it further)
@@ -33,16 +34,6 @@ def reason_text(text: str) -> str:
     if len(text) > MAX_REASON:
         raise argparse.ArgumentTypeError(f"the reason is longer than {MAX_REASON} characters")
     return text
-
-
-def pid_number(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a PID: {text!r}") from None
-    if not 0 < value < 2**22:
-        raise argparse.ArgumentTypeError(f"PID out of range: {value}")
-    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -16,6 +16,8 @@ import os
 
 from gpukill.errors import GpukillError
 
+from .children import read_bounded
+
 SEARCH_PATH = ("/usr/bin", "/usr/local/bin", "/usr/local/cuda/bin")
 MAX_OUTPUT = 4096
 CALL_TIMEOUT = 120.0  # seconds one call may take, and for a checkpoint or restore SECONDS_PER_GIB more per GiB moved
@@ -40,17 +42,6 @@ def find_cuda_checkpoint(configured: str | None) -> str | None:
     the first `cuda-checkpoint` in SEARCH_PATH."""
     candidates = [configured] if configured else [os.path.join(d, "cuda-checkpoint") for d in SEARCH_PATH]
     return next((p for p in candidates if os.path.isfile(p) and os.access(p, os.X_OK)), None)
-
-
-async def _bounded(stream: asyncio.StreamReader | None) -> bytes:
-    """What a child writes, up to MAX_OUTPUT bytes; the rest is read and dropped, so the child never blocks."""
-    if stream is None:
-        return b""
-    kept = bytearray()
-    while chunk := await stream.read(65536):
-        if len(kept) < MAX_OUTPUT:
-            kept += chunk[: MAX_OUTPUT - len(kept)]
-    return bytes(kept)
 
 
 def _line(data: bytes) -> str:
@@ -81,7 +72,10 @@ class CudaCheckpoint:
             raise CheckpointError(f"cannot run {self.path}: {e.strerror or e}") from None
         try:
             out, err, _ = await asyncio.wait_for(
-                asyncio.gather(_bounded(child.stdout), _bounded(child.stderr), child.wait()), timeout
+                asyncio.gather(
+                    read_bounded(child.stdout, MAX_OUTPUT), read_bounded(child.stderr, MAX_OUTPUT), child.wait()
+                ),
+                timeout,
             )
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):

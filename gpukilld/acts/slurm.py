@@ -33,6 +33,8 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from .children import read_bounded
+
 SLURM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin"  # where Slurm's commands are looked for
 TIMEOUT = 30.0  # seconds one command may take: slurmctld answers in well under a second when it is up
 MAX_OUTPUT = 64 * 1024  # bytes kept of a command's stdout and of its stderr (a batch script is cut there)
@@ -88,17 +90,6 @@ def job_id(text: str) -> str:
     return text
 
 
-async def _bounded(stream: asyncio.StreamReader | None) -> bytes:
-    """The stream's first MAX_OUTPUT bytes; the rest is read and dropped, so the command never blocks on a pipe."""
-    if stream is None:
-        return b""
-    kept = bytearray()
-    while chunk := await stream.read(65536):
-        if len(kept) < MAX_OUTPUT:
-            kept += chunk[: MAX_OUTPUT - len(kept)]
-    return bytes(kept)
-
-
 async def run_command(argv: Sequence[str], timeout: float) -> Ran:
     """Run one of Slurm's commands: found on SLURM_PATH, with a plain environment, no stdin, killed at the timeout."""
     path = shutil.which(argv[0], path=SLURM_PATH)
@@ -117,7 +108,9 @@ async def run_command(argv: Sequence[str], timeout: float) -> Ran:
     except OSError as e:
         raise SlurmError(FAILED, f"{argv[0]} could not be started: {e.strerror or e}") from None
     try:
-        out, err = await asyncio.wait_for(asyncio.gather(_bounded(proc.stdout), _bounded(proc.stderr)), timeout)
+        out, err = await asyncio.wait_for(
+            asyncio.gather(read_bounded(proc.stdout, MAX_OUTPUT), read_bounded(proc.stderr, MAX_OUTPUT)), timeout
+        )
         await asyncio.wait_for(proc.wait(), timeout)
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
