@@ -7,11 +7,14 @@ writes beside it)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import threading
 import time
 
 import pytest
-from helpers.nvml_host import fake_nvidia_host, peer_view
+from helpers.nvml_host import fake_cuda_checkpoint, fake_nvidia_host, peer_view
 
 GIB = 2**30
 CLEAN_ENV = {"PATH": "/usr/bin:/bin"}
@@ -309,3 +312,70 @@ def test_concurrent_runs_keep_every_update(host, spawn):
     host.write()
     assert host.refresh()["devices"][0]["graphics"] == [{"pid": pids[0], "used_memory": GIB}]
     assert host.checkpoint_states()[pids[1]] == "checkpointed"
+
+
+def test_a_stopped_process_waits_out_every_action_and_completes_once_it_runs(host, spawn):
+    """The driver acts through a thread of the process: stopped, none of the four actions completes."""
+    pid = gpu_process(host, spawn, 0, 2 * GIB)
+    host.set_checkpoint_stopped_wait(0.3)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = action(host, "lock", pid, "--timeout", "400")
+        assert failed_with(r, TIMEOUT, f'Could not lock on process ID {pid}: "the operation timed out"'), r
+        assert 0.4 <= time.monotonic() - t0 < 10
+        assert state(host, pid) == "running"  # get-state answers at once
+        os.kill(pid, signal.SIGCONT)
+        assert action(host, "lock", pid).returncode == 0
+        for name, before in (("checkpoint", "locked"), ("unlock", "locked")):
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            assert failed_with(action(host, name, pid), TIMEOUT, '"the operation timed out"'), name
+            assert time.monotonic() - t0 >= 0.3 and state(host, pid) == before
+            os.kill(pid, signal.SIGCONT)
+        assert action(host, "checkpoint", pid).returncode == 0
+        os.kill(pid, signal.SIGSTOP)
+        assert failed_with(action(host, "restore", pid), TIMEOUT, "timed out")
+        assert state(host, pid) == "checkpointed" and host.refresh()["devices"][0]["memory_allocated"] == 0
+        host.set_checkpoint_stopped_wait(10)
+        threading.Timer(0.5, os.kill, (pid, signal.SIGCONT)).start()  # thawed while the call waits
+        t0 = time.monotonic()
+        assert action(host, "restore", pid).returncode == 0
+        assert 0.4 <= time.monotonic() - t0 < 5
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert action(host, "unlock", pid).returncode == 0 and state(host, pid) == "running"
+    held = [c for c in host.checkpoint_calls() if c.get("held")]
+    assert [c["op"] for c in held] == ["lock", "checkpoint", "unlock", "restore"]
+    assert all(c["error"] == "CUDA_ERROR_TIMEOUT" for c in held)
+
+
+def test_a_frozen_cgroup_holds_the_process_as_a_stop_does(tmp_path, monkeypatch):
+    """cgroup v2 (its own cgroup.freeze or events, or an ancestor's cgroup.freeze) and v1's freezer.state."""
+    fake = fake_cuda_checkpoint()
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    monkeypatch.setattr(fake, "PROC", str(proc))
+    monkeypatch.setattr(fake, "CGROUP_ROOT", str(cgroups))
+    job = cgroups / "work.slice" / "job.scope"
+    job.mkdir(parents=True)
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "stat").write_text("7 (train (1)) S 1 7 7 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n")
+    (proc / "7" / "cgroup").write_text("0::/work.slice/job.scope\n")
+    for name, text in (("cgroup.freeze", "0\n"), ("cgroup.events", "populated 1\nfrozen 0\n")):
+        (job / name).write_text(text)
+    assert not fake.held(7)
+    (job / "cgroup.events").write_text("populated 1\nfrozen 1\n")
+    assert fake.held(7)
+    (job / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    (cgroups / "work.slice" / "cgroup.freeze").write_text("1\n")  # freezing from above, not yet frozen
+    assert fake.held(7)
+    (cgroups / "work.slice" / "cgroup.freeze").write_text("0\n")
+    (proc / "7" / "cgroup").write_text("4:freezer:/job\n0::/\n")
+    (cgroups / "freezer" / "job").mkdir(parents=True)
+    for text, frozen in (("THAWED\n", False), ("FREEZING\n", True), ("FROZEN\n", True)):
+        (cgroups / "freezer" / "job" / "freezer.state").write_text(text)
+        assert fake.held(7) is frozen, text
+    (proc / "7" / "cgroup").write_text("0::/\n")
+    (proc / "7" / "stat").write_text("7 (train) t 1 7 7 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n")
+    assert fake.held(7)  # stopped by a tracer
+    assert not fake.held(8)  # no such process: the state machine answers for it

@@ -1,14 +1,12 @@
-"""Suspend and resume through gpukilld on the fake NVIDIA host: the real pynvml against the C NVML fake, and a
-cuda-checkpoint stand-in that follows the utility's command line and edits the NVML fake's state as the driver
-would (a checkpointed process leaves the GPU's lists and its memory is freed; a restore puts it back).
-
-The stand-in is this file's own (STAND_IN below): small, with the failures these tests inject (per PID: lock,
-checkpoint, restore out of memory); the project's full fake lives in tests/helpers/fake_cuda_checkpoint/.
+"""Suspend and resume through gpukilld on the fake NVIDIA host: the real pynvml against the C NVML fake, and the
+fake cuda-checkpoint (tests/helpers/fake_cuda_checkpoint/), which follows the utility's command line and edits the
+NVML fake's state as the driver would (a checkpointed process leaves the GPU's lists and its memory is freed; a
+restore puts it back; no action completes on a stopped or frozen process). Failures are injected per PID through
+FakeNvidiaHost.checkpoint_fault.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tempfile
@@ -26,87 +24,7 @@ from gpukilld import journal as audit
 pytestmark = needs_root
 
 GIB = 2**30
-
-# cuda-checkpoint's command line, as the daemon runs it; the driver's states per PID in $..._STATE.
-STAND_IN = r"""
-import fcntl, json, os, sys, time
-
-def load(path, default):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return default
-
-def save(path, value):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
-    st = os.stat(path)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
-
-def allocated(dev):
-    return sum(p.get("used_memory", 0) for k in ("compute", "graphics", "mps") for p in dev.get(k, []))
-
-args = sys.argv[1:]
-pid = args[args.index("--pid") + 1]
-mine = os.environ["GPUKILL_FAKE_CUDA_CHECKPOINT_STATE"]
-nvml = os.environ["GPUKILL_FAKE_NVML_STATE"]
-if "--action" in args and load(mine, {}).get("fail", {}).get(pid) == "slow-" + args[args.index("--action") + 1]:
-    time.sleep(3)  # a slow step: the driver copying a large process's memory
-with open(mine + ".lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    me = load(mine, {})
-    procs, fail = me.setdefault("procs", {}), me.setdefault("fail", {})
-    state = load(nvml, {})
-    on_gpu = any(p["pid"] == int(pid) for d in state["devices"] for k in ("compute", "graphics", "mps")
-                 for p in d.get(k, []))
-    if pid not in procs and not on_gpu:
-        sys.exit(print(f"Error: PID {pid} is not a CUDA process", file=sys.stderr) or 1)
-    proc = procs.setdefault(pid, {"state": "running", "saved": []})
-    if "--get-state" in args:
-        print(proc["state"])
-        save(mine, me)
-        sys.exit(0)
-    action = args[args.index("--action") + 1]
-    me.setdefault("calls", []).append([action, int(pid)])
-    want = {"lock": "running", "checkpoint": "locked", "restore": "checkpointed", "unlock": "locked"}[action]
-    def fail_with(text, new_state=None):
-        if new_state:
-            proc["state"] = new_state
-        save(mine, me)
-        print(f"Error {action}ing PID {pid}: {text}", file=sys.stderr)
-        sys.exit(1)
-    if proc["state"] != want:
-        fail_with("CUDA_ERROR_ILLEGAL_STATE")
-    with open(f"/proc/{pid}/stat") as f:  # the driver acts through a thread of the process: never a stopped one
-        if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-            fail_with("CUDA_ERROR_TIMEOUT (the process is stopped: its restore thread never ran)")
-    if fail.get(pid) == action:
-        fail_with({"lock": "CUDA_ERROR_TIMEOUT (lock timed out)", "checkpoint": "CUDA_ERROR_UNKNOWN",
-                   "restore": "CUDA_ERROR_OUT_OF_MEMORY"}[action], "failed" if action == "restore" else None)
-    if action == "checkpoint":
-        for i, dev in enumerate(state["devices"]):
-            for kind in ("compute", "graphics", "mps"):
-                for p in [p for p in dev.get(kind, []) if p["pid"] == int(pid)]:
-                    dev[kind].remove(p)
-                    proc["saved"].append([i, kind, p])
-            dev["memory_allocated"] = allocated(dev)
-        save(nvml, state)
-    if action == "restore":
-        for i, kind, p in proc["saved"]:
-            dev = state["devices"][i]
-            free = dev["memory_total"] - dev.get("memory_reserved", 0) - dev["memory_allocated"]
-            if p.get("used_memory", 0) > free:
-                fail_with("CUDA_ERROR_OUT_OF_MEMORY", "failed")
-            dev[kind].append(p)
-            dev["memory_allocated"] = allocated(dev)
-        proc["saved"] = []
-        save(nvml, state)
-    proc["state"] = {"lock": "locked", "checkpoint": "checkpointed", "restore": "locked", "unlock": "running"}[action]
-    save(mine, me)
-"""
+ACTIONS = ("lock", "checkpoint", "restore", "unlock")
 
 # A process that counts, writing its count to PATH every 50 ms; with WORKERS > 0 it starts that many counting
 # children first (a DataLoader's workers), and prints "ready PID..." with theirs.
@@ -132,28 +50,25 @@ def nvhost(tmp_path_factory):
 
 
 class Suspending:
-    """gpukilld on the fake NVIDIA host with the stand-in cuda-checkpoint, and the counting workloads."""
+    """gpukilld on the fake NVIDIA host with the fake cuda-checkpoint, and the counting workloads."""
 
     def __init__(self, bed, nvhost, users) -> None:
         self.bed, self.nv, self.users = bed, nvhost, users
         self.dir = Path(tempfile.mkdtemp(prefix="gpukill-suspend-"))
         os.chmod(self.dir, 0o777)
-        self.tool = self.dir / "cuda-checkpoint"
-        self.tool.write_text(f"#!{SYSTEM_PYTHON}\n{STAND_IN}")
-        self.tool.chmod(0o755)
+        nvhost.checkpoint_state_path.unlink(missing_ok=True)  # the driver's states and faults of earlier tests
+        self.tool = nvhost.install_cuda_checkpoint()
+        self.calls_before = len(nvhost.checkpoint_calls())
         self.counter = self.dir / "counter.py"
         self.counter.write_text(COUNTER)
         self.counter.chmod(0o644)
-        self.state = self.dir / "cuda-checkpoint.json"
 
     def start(self, driver: str = "550.54.15", **daemon: str) -> None:
+        self.nv.refresh()
         self.nv.state["driver_version"] = driver
         self.nv.write()
         self.bed.write_conf(daemon={"backends": "nvidia", "cuda_checkpoint": self.tool, **daemon})
-        self.bed.start_daemon(
-            args=["--sample-interval", "0.3"],
-            env={**self.nv.env(), "GPUKILL_FAKE_CUDA_CHECKPOINT_STATE": str(self.state)},
-        )
+        self.bed.start_daemon(args=["--sample-interval", "0.3"], env=self.nv.env())
 
     def counting(self, user_key: str = "owner", workers: int = 0, memory: int = 2 * GIB) -> list[tuple[int, Path]]:
         """A counter (and its workers), each on GPU 0 with `memory`: [(pid, its count file)], the root first."""
@@ -182,21 +97,21 @@ class Suspending:
         state["devices"][0]["compute"].append({"pid": pid, "used_memory": memory})
 
     def nvml(self, change) -> None:
-        """Change the NVML fake's state as it is now (the stand-in edits it too), its memory recounted."""
-        self.nv.state = json.loads(self.nv.state_path.read_text())
+        """Change the NVML fake's state as it is now (the fake cuda-checkpoint edits it too), its memory recounted."""
+        self.nv.refresh()
         change(self.nv.state)
         for dev in self.nv.state["devices"]:
             dev["memory_allocated"] = sum(p.get("used_memory", 0) for p in dev["compute"])
         self.nv.write()
 
-    def driver(self) -> dict:
-        """The stand-in's state: per PID the driver's state, the calls made."""
-        return json.loads(self.state.read_text()) if self.state.exists() else {"procs": {}, "calls": []}
+    def states(self) -> dict[int, str]:
+        """The driver's state of each process the fake cuda-checkpoint has seen."""
+        return self.nv.checkpoint_states()
 
-    def inject(self, pid: int, step: str) -> None:
-        me = self.driver()
-        me.setdefault("fail", {})[str(pid)] = step
-        self.state.write_text(json.dumps(me))
+    def calls(self) -> list[tuple[str, int]]:
+        """The actions the daemon ran through the fake in this test, failed ones too: (action, PID)."""
+        calls = self.nv.checkpoint_calls()[self.calls_before :]
+        return [(c["op"], c["pid"]) for c in calls if c["op"] in ACTIONS]
 
     def ctl(self, user_key: str, *args: str) -> subprocess.CompletedProcess:
         return self.bed.ctl(self.users[user_key], *args)
@@ -238,7 +153,7 @@ def test_suspend_frees_the_gpu_and_resume_gives_it_back_while_the_count_waits(su
     r = sus.ctl("owner", "suspend", str(pid))
     assert r.returncode == 0, r
     assert "1 process(es) suspended: 2.0 GiB" in r.stdout and "SIGSTOP" in r.stdout, r.stdout
-    assert sus.driver()["procs"][str(pid)]["state"] == "checkpointed"
+    assert sus.states()[pid] == "checkpointed"
     wait_until(lambda: sus.used() == 0, 5, "the GPU's memory was not freed in the listing")
     doc = sus.bed.listing(sus.users["owner"])
     assert pid not in {p["pid"] for p in doc["processes"]}
@@ -254,12 +169,12 @@ def test_suspend_frees_the_gpu_and_resume_gives_it_back_while_the_count_waits(su
     r = sus.ctl("owner", "resume", str(pid))
     assert r.returncode == 0, r
     assert "1 process(es) resumed: 2.0 GiB" in r.stdout, r.stdout
-    assert sus.driver()["procs"][str(pid)]["state"] == "running"
+    assert sus.states()[pid] == "running"
     wait_until(lambda: sus.used() == 2 * GIB, 5, "the memory did not come back")
     sus.bed.wait_listed(pid)
     assert counting_on(path)  # the count continues where it stopped
     assert sus.suspended() == []
-    assert [c[0] for c in sus.driver()["calls"]] == ["lock", "checkpoint", "restore", "unlock"]
+    assert [op for op, _ in sus.calls()] == list(ACTIONS)
     for member, state in (("ProcessSuspended", "suspended"), ("ProcessResumed", "running")):
         signal = heard.wait_for(member)
         assert signal is not None, f"no {member} signal"
@@ -301,16 +216,18 @@ def test_a_process_on_two_gpus_needs_its_memory_back_on_each(sus):
 def test_a_failure_on_one_of_two_leaves_both_running(sus, step):
     sus.start(driver="610.43")
     (root, proot), (worker, pworker) = sus.counting(workers=1)
-    sus.inject(worker, step)
+    sus.nv.checkpoint_fault(worker, **({"lock_timeout": True} if step == "lock" else {"checkpoint_error": True}))
     r = sus.ctl("owner", "suspend", "--tree", str(root))
     assert r.returncode == 1, r
     assert f"{step} of PID {worker} failed" in r.stdout and "every process is running again" in r.stdout, r.stdout
-    states = sus.driver()["procs"]
-    assert states[str(root)]["state"] == states[str(worker)]["state"] == "running"
-    calls = sus.driver()["calls"]
-    assert ["unlock", root] in calls
-    if step == "checkpoint":  # the root was checkpointed: restored, then unlocked; the worker unlocked
-        assert ["restore", root] in calls and ["unlock", worker] in calls
+    states = sus.states()
+    assert states[root] == states[worker] == "running"
+    calls = sus.calls()
+    assert ("unlock", root) in calls
+    if step == "lock":  # the lock waited out the daemon's --timeout for the worker's submitted work
+        assert ("lock", worker) in calls and ("unlock", worker) not in calls
+    else:  # the root was checkpointed: restored, then unlocked; the worker unlocked
+        assert ("restore", root) in calls and ("unlock", worker) in calls
     wait_until(lambda: sus.used() == 4 * GIB, 5, "the restored memory is not back on the GPU")
     assert counting_on(proot) and counting_on(pworker)
     assert sus.suspended() == []
@@ -321,17 +238,17 @@ def test_restore_out_of_memory_is_stuck_with_its_remedy_and_killed_through_the_s
     sus.start()
     ((pid, _),) = sus.counting()
     assert sus.ctl("owner", "suspend", str(pid)).returncode == 0
-    sus.inject(pid, "restore")
+    sus.nv.checkpoint_fault(pid, restore_oom=True)
     r = sus.ctl("owner", "resume", str(pid))
     assert r.returncode == 1, r
     assert "stuck" in r.stdout and "kill it (gpukillctl kill" in r.stdout, r.stdout
     (held,) = sus.suspended()
-    assert held["state"] == "stuck" and "CUDA_ERROR_OUT_OF_MEMORY" in held["error"] and held["remedy"]
+    assert held["state"] == "stuck" and "out of memory" in held["error"] and held["remedy"]
     entries = sus.bed.wait_journal(MESSAGE_ID=audit.SUSPEND_FAILED.message_id, GPUKILL_ACTION="resume")
     assert entries and entries[0]["GPUKILL_REMEDY"]
-    calls = len(sus.driver()["calls"])
+    calls = len(sus.calls())
     time.sleep(1)
-    assert len(sus.driver()["calls"]) == calls  # never retried by itself
+    assert len(sus.calls()) == calls  # never retried by itself
     r = sus.ctl("owner", "kill", str(pid))
     assert r.returncode == 0, r
     wait_until(lambda: not alive(pid), 5, "the stuck process was not killed")
@@ -352,7 +269,7 @@ def test_kill_of_a_suspended_process_sends_sigkill_and_forgets_it(sus, alive):
 def test_no_kill_meets_a_process_mid_suspend(sus, alive):
     sus.start()
     ((pid, _),) = sus.counting()
-    sus.inject(pid, "slow-checkpoint")
+    sus.nv.checkpoint_fault(pid, hang={"checkpoint": 3})  # a slow copy of a large process's memory
     suspending = subprocess.Popen(
         [PYTHON, "-m", "gpukillctl", "suspend", str(pid)],
         stdout=subprocess.PIPE,
@@ -360,7 +277,7 @@ def test_no_kill_meets_a_process_mid_suspend(sus, alive):
         text=True,
         env=sus.bed.env(),
     )
-    wait_until(lambda: sus.driver()["procs"].get(str(pid), {}).get("state") == "locked", 10, "never locked")
+    wait_until(lambda: sus.states().get(pid) == "locked", 10, "never locked")
     r = sus.ctl("root", "kill", "--force", str(pid))
     assert r.returncode == 13, r  # busy: try again
     assert "is being suspended; kill it once the suspend is done" in r.stderr, r.stderr
@@ -394,7 +311,7 @@ def test_refusals_are_one_line_and_touch_nothing(sus):
     sus.bed.wait_listed(on_mig.pid)
     r = sus.ctl("owner", "suspend", str(on_mig.pid))
     assert r.returncode == 9 and r.stderr.count("\n") == 1 and "MIG" in r.stderr, r
-    assert sus.driver()["calls"] == []
+    assert sus.calls() == []
 
 
 def test_an_old_driver_is_refused_in_one_line(sus):
@@ -405,7 +322,7 @@ def test_an_old_driver_is_refused_in_one_line(sus):
     assert r.stderr == (
         "gpukillctl: NVIDIA driver 535.104.05 cannot suspend: the checkpoint API needs driver 550 or later\n"
     )
-    assert sus.driver()["calls"] == [] and counting_on(path)
+    assert sus.calls() == [] and counting_on(path)
 
 
 def test_another_users_suspend_and_resume_are_refused_by_polkit(sus):
@@ -413,7 +330,7 @@ def test_another_users_suspend_and_resume_are_refused_by_polkit(sus):
     ((pid, path),) = sus.counting()
     r = sus.ctl("other", "suspend", str(pid))
     assert r.returncode == 4, r  # denied: suspend-any-process needs an administrator
-    assert sus.driver()["calls"] == [] and counting_on(path)
+    assert sus.calls() == [] and counting_on(path)
     assert sus.bed.wait_journal(MESSAGE_ID=audit.SUSPEND_DENIED.message_id)
     assert sus.ctl("owner", "suspend", str(pid)).returncode == 0
     r = sus.ctl("other", "resume", str(pid))
@@ -435,7 +352,7 @@ def test_a_restart_keeps_the_suspended_workload_and_drops_a_gone_one(sus):
     sus.start()
     (held,) = sus.suspended()
     assert (held["pid"], held["state"]) == (pid, "suspended")  # kept, never resumed by itself
-    assert not counting_on(path) and sus.driver()["procs"][str(pid)]["state"] == "checkpointed"
+    assert not counting_on(path) and sus.states()[pid] == "checkpointed"
     assert sus.bed.wait_journal(
         MESSAGE_ID=audit.SUSPEND.message_id, GPUKILL_ACTION="gone", GPUKILL_TARGET_PID=str(gone)
     )

@@ -7,21 +7,38 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from helpers.nvml_host import fake_nvidia_host
 
 from gpukill.errors import InvalidArgs
-from gpukill.records.suspend import FROZEN_CGROUP, FROZEN_SIGSTOP, STUCK, SUSPENDED, SuspendedProcess
+from gpukill.records.suspend import (
+    DONE,
+    FROZEN_CGROUP,
+    FROZEN_SIGSTOP,
+    PARTIAL,
+    STUCK,
+    SUSPENDED,
+    SuspendedProcess,
+    SuspendReply,
+)
 from gpukilld import journal
 from gpukilld.acts import cuda_checkpoint as checkpoint
+from gpukilld.acts import suspend
 from gpukilld.acts.cuda_checkpoint import CheckpointError, CudaCheckpoint, find_cuda_checkpoint
 from gpukilld.acts.freezer import Frozen, freeze, thaw
 from gpukilld.acts.selection import Selection
+from gpukilld.acts.suspend import Suspender, SuspendSettings
 from gpukilld.acts.suspended import SuspendedWorkloads, Workload
+from gpukilld.model import EMPTY_SNAPSHOT, Snapshot
 from gpukilld.proc.procfs import ProcFS
 
+GIB = 2**30
 NOBODY = 4_190_000  # PIDs no process has (pid_max is at most 2^22): nothing here may signal a real process
 
 
@@ -167,3 +184,74 @@ def test_the_configuration_keys_are_read_and_bad_values_are_one_line(tmp_path):
         with pytest.raises(ConfigError) as e:
             load_config(str(conf))
         assert why in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def resumed_on_the_fake(tmp_path: Path, monkeypatch, restore_before_thaw: bool) -> tuple[SuspendReply, str, int]:
+    """A child on the fake NVIDIA host, locked, checkpointed and SIGSTOPped as a suspend leaves it, then resumed by
+    the daemon's Suspender.resume through the fake cuda-checkpoint; restore_before_thaw: with the resume's order
+    reversed (the thaw held back until the restore step has run). (the reply, the driver's state of the child,
+    its GPU's allocated memory)."""
+    host = fake_nvidia_host(tmp_path / "nvml", devices=1)
+    tool = str(host.install_cuda_checkpoint())
+    host.set_checkpoint_stopped_wait(0.5)
+    procfs = ProcFS()
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        start = procfs.start_time(child.pid)
+        assert start is not None
+        host.add_process(0, child.pid, 2 * GIB)
+        host.write()
+        for action in ("lock", "checkpoint"):
+            asyncio.run(CudaCheckpoint(tool).act(action, child.pid))
+        frozen = freeze(procfs, "/sys", [(child.pid, start)])
+        assert frozen.kind == FROZEN_SIGSTOP  # the child shares the test's cgroup
+        log = Journal()
+        kept = SuspendedWorkloads(str(tmp_path / "state"), log, procfs)  # type: ignore[arg-type]
+        held = SuspendedProcess(child.pid, start, os.getuid(), "sleep", SUSPENDED, (), (), 2 * GIB, (), "PID", 1.0)
+        kept.add(Workload(f"PID {child.pid}", [held], frozen))
+        if restore_before_thaw:
+            held_back: list[Frozen] = []
+            monkeypatch.setattr(suspend, "thaw", lambda _procfs, frozen: held_back.append(frozen))
+            step = Suspender._step
+
+            async def thaw_after_restore(self, tool, action, targets, moved=None):
+                errors = await step(self, tool, action, targets, moved)
+                if action == "restore":
+                    for f in held_back:
+                        thaw(procfs, f)
+                return errors
+
+            monkeypatch.setattr(Suspender, "_step", thaw_after_restore)
+
+        async def sample() -> Snapshot:
+            return EMPTY_SNAPSHOT
+
+        suspender = Suspender(
+            lambda: EMPTY_SNAPSHOT,
+            sample,
+            dict,
+            None,  # type: ignore[arg-type]  # no caller: polkit is not asked
+            SimpleNamespace(procfs=procfs),  # type: ignore[arg-type]  # resume sends no signal through the killer
+            log,  # type: ignore[arg-type]
+            kept,
+            lambda: SuspendSettings(cuda_checkpoint=tool),
+            lambda _r, _c: None,
+            lambda _r, _c: None,
+        )
+        reply = asyncio.run(suspender.resume(None, Selection("pid", str(child.pid), start)))
+        return reply, host.checkpoint_states()[child.pid], host.refresh()["devices"][0]["memory_allocated"]
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+
+
+def test_resume_thaws_before_the_restore_or_the_driver_cannot_restore(tmp_path, monkeypatch):
+    """The driver restores through a thread of the process: the daemon's order (thaw, restore, unlock) gives the
+    memory back; restore before thaw leaves the stopped process checkpointed, the restore timed out."""
+    reply, state, allocated = resumed_on_the_fake(tmp_path / "ordered", monkeypatch, restore_before_thaw=False)
+    assert (reply.result, state, allocated) == (DONE, "running", 2 * GIB), reply.message
+    reply, state, allocated = resumed_on_the_fake(tmp_path / "reversed", monkeypatch, restore_before_thaw=True)
+    assert (reply.result, state, allocated) == (PARTIAL, "checkpointed", 0), reply.message
+    (entry,) = reply.entries
+    assert entry.state == STUCK and '"the operation timed out"' in entry.error, entry

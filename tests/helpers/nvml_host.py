@@ -206,6 +206,11 @@ class FakeNvidiaHost:
         """Checkpoint and restore take the process's memory over this rate (None: at once)."""
         self._update_checkpoint_state(lambda own: own.update(copy_gib_per_s=gib_per_s))
 
+    def set_checkpoint_stopped_wait(self, seconds: float | None) -> None:
+        """How long an action without --timeout waits for a stopped or frozen process before it fails as timed out
+        (None: the fake's STOPPED_WAIT)."""
+        self._update_checkpoint_state(lambda own: own.update(stopped_wait_s=seconds))
+
     def checkpoint_states(self) -> dict[int, str]:
         """The driver state of every process the fake cuda-checkpoint has seen: running, locked, checkpointed,
         failed."""
