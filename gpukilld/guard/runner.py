@@ -543,15 +543,16 @@ class GuardRunner:
         task.add_done_callback(self._tasks.discard)
 
     async def _violation_asking(self, event: Violation, dry_run: bool, host: str, now: float) -> None:
-        """A kill rule's grace begins: the targets that declare a checkpoint signal (or all, by the rule's
-        checkpoint:) get it now, through the kill path's pinning and checks (in a dry run: none, said as
+        """A kill rule's grace begins: the processes its kill will take (the targets, and what its kill_scope adds
+        to them) that declare a checkpoint signal (or all, by the rule's checkpoint:) get it now, the leader
+        rule deciding who of a batch, through the kill path's pinning and checks (in a dry run: none, said as
         "would send"); what was sent is saved at once, so that a restart keeps the kill waiting for it; then the
         violation is reported, saying so."""
         asked: list[Asked] = []
         assert self.ask_to_save is not None
         try:
             asked = await self.ask_to_save(
-                [(t.pid, t.start_time) for t in event.targets],
+                event.workload,
                 guard_initiator(event.rule.name),
                 event.rule.name,
                 event.rule.checkpoint,
