@@ -7,11 +7,13 @@ other daemon tests restart it (SIGTERM), and once killed with SIGKILL, as a cras
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 from helpers.guard_inputs import OWN_PID, FakeTime, proc, snap
 from helpers.marks import needs_root
@@ -19,11 +21,14 @@ from helpers.testbed import ROOT, SYSTEM_PYTHON, Testbed, sim_env, start_time_of
 from helpers.waiting import wait_until
 
 from gpukill.checkpoint import Declaration
+from gpukill.outcome import Outcome
 from gpukill.policy import load_texts
 from gpukilld import journal as audit
 from gpukilld.acts.checkpoint import Asked
 from gpukilld.guard import clocks
 from gpukilld.guard.engine import Clock, Engine
+from gpukilld.guard.notify import NotifyConfig
+from gpukilld.guard.runner import GuardRunner
 
 BOOT = "7d3f0c1e-0000-4000-8000-000000000001"
 
@@ -245,6 +250,55 @@ def test_a_saved_checkpoint_signal_that_is_not_one_is_dropped():
     back, note = clocks.restore_asked(flood, BOOT, alive)
     assert len(back) == clocks.MAX_ASKED and note is not None and "5 malformed or excess dropped" in note
     assert clocks.restore_asked({**good, "asked": {"no": "list"}}, BOOT, alive) == ([], None)
+
+
+class Journal:
+    def log(self, kind, message, **fields) -> None:
+        pass
+
+
+def test_the_runner_keeps_a_signal_sent_saved_until_its_kill_is_over(tmp_path):
+    """Saved when the grace's signal goes; still saved while the kill waits for the save (a restart then
+    resumes the wait); forgotten once the kill is over."""
+    t = FakeTime()
+    sent = awaited(10, sent_ago=0.0)
+    release = asyncio.Event()
+    options: dict = {}
+
+    async def ask(targets, initiator, rule, rule_checkpoint, dry_run):
+        return [sent] if targets == [(10, 100)] else []
+
+    async def kill(caller, pid, start_time, grace, force, initiator, **checkpoint):
+        options.update(checkpoint)
+        await release.wait()
+        return SimpleNamespace(outcome=Outcome.TERMINATED)
+
+    r = GuardRunner(kill, Journal(), NotifyConfig(), str(tmp_path / "g"), str(tmp_path / "s"), t.clock(), OWN_PID)
+    r.ask_to_save = ask
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "10.yaml").write_text(grace_policy("30s"))
+    r.start()
+
+    def saved() -> list:
+        return json.loads((tmp_path / "s" / "guard-state.json").read_text())["clocks"]["asked"]
+
+    async def go() -> None:
+        r.on_snapshot(MINER)  # the grace begins: the signal goes, and is saved at once
+        await asyncio.gather(*r._tasks)
+        assert [e[0] for e in saved()] == [10]
+        t.now += 31
+        r.on_snapshot(MINER)  # the grace is over: the kill waits for the rest of the save
+        await asyncio.sleep(0.01)
+        assert options["asked"] == {(10, 100): sent} and not options["checkpoint"]
+        r._save_now()
+        assert [e[0] for e in saved()] == [10]
+        release.set()
+        await asyncio.gather(*r._tasks)
+        r._save_now()
+        assert saved() == []
+
+    asyncio.run(go())
+    r.stop()
 
 
 # -- the daemon ----------------------------------------------------------------------------------------------
