@@ -1,7 +1,8 @@
 """The checkpoint step on real processes: a job that declared a checkpoint signal (GPUKILL_CHECKPOINT) gets it
 before any SIGTERM, saves and exits; one that declared nothing never gets it; the policy caps the wait; of a
-tree the leader gets it once (each member with :each); Guard sends it when a kill rule's grace begins and a job
-without a declaration lives through the whole grace until SIGTERM; every step is journaled.
+tree the leader gets it once (each member with :each); Guard sends it when a kill rule's grace begins (to the
+whole workload its kill_scope takes, the leader once) and a job without a declaration lives through the whole
+grace until SIGTERM; every step is journaled.
 
 Each victim records every signal it receives (with the time) in a file of its own, named by its PID, so a test
 can say that a process never got SIGTERM, or never got SIGUSR1."""
@@ -46,6 +47,14 @@ rules:
     action: kill
     conditions:
       - {{type: process_name, operator: '==', value: ckpt-now}}
+  - name: ckpt-unit
+    scope: per_user
+    action: kill
+    grace_period: {GRACE:g}s
+    kill_scope: unit
+    conditions:
+      - {{type: unit, operator: matches, value: '^ckpt-train-'}}
+      - {{type: user_memory, operator: '>', value: 3GiB}}
 """
 
 # argv: LOGDIR WORKERS ON_USR1 COMM; ON_USR1 "save" (log, save 0.3 s, exit 0), "ignore" (log, keep running) or
@@ -353,3 +362,94 @@ def test_a_dry_run_says_what_it_would_send_and_sends_nothing(jobs, users):
         assert steps(bed, pid) == ["would-send"]
     finally:
         assert bed.ctl(ROOT, "guard", "dry-run", "off").returncode == 0
+
+
+# argv: LOGDIR ROLE CODE GPU_ENV. The launcher (on no GPU) waits for a line on stdin (the test moves it into its
+# unit meanwhile), then becomes the trainer: on the GPU (1 GiB) with GPU_ENV, it starts a worker with 3 GiB of it;
+# both inherit its unit and its declaration. On SIGUSR1 the trainer saves (0.3 s) and exits; the worker ends when
+# its trainer is gone. Each logs what it gets.
+TRAINER_SAVES = r"""
+import ctypes, json, os, signal, subprocess, sys, time
+logdir, role, code = sys.argv[1], sys.argv[2], sys.argv[3]
+if role == "launcher":
+    print(os.getpid(), flush=True)
+    sys.stdin.readline()
+    env = {**os.environ, **json.loads(sys.argv[4])}
+    os.execve(sys.executable, [sys.executable, "-c", code, logdir, "trainer", code], env)
+ctypes.CDLL(None).prctl(15, role.encode(), 0, 0, 0)  # PR_SET_NAME
+def log(what):
+    with open(f"{logdir}/{os.getpid()}", "a") as f:
+        f.write(f"{what} {time.time():.3f}\n")
+def on_term(n, frame):
+    log("TERM")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+def on_usr1(n, frame):
+    log("USR1")
+    if role == "trainer":
+        time.sleep(0.3)
+        log("saved")
+        os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGUSR1, on_usr1)
+if role == "worker":
+    trainer = os.getppid()
+    print(os.getpid(), flush=True)
+    while os.getppid() == trainer:
+        time.sleep(0.05)
+    log("done")
+    sys.exit(0)
+env = {**os.environ, "GPUKILL_SIM_MEM": "3GiB"}
+worker = subprocess.Popen([sys.executable, "-c", code, logdir, "worker", code], stdout=subprocess.PIPE, env=env)
+print(os.getpid(), int(worker.stdout.readline()), flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def test_a_unit_kill_asks_the_trainer_that_leads_the_worker_it_targets(jobs, users):
+    """A per_user rule, kill_scope unit: its victim is the worker with the most memory, whose trainer (in the
+    same unit, declaring the same) leads it. The trainer is asked when the grace begins, saves and exits, its
+    worker with it: nobody gets SIGTERM, and the worker no SIGUSR1."""
+    from helpers.cgroups import Cgroups, systemd_roots, why_no_cgroups
+
+    if why := why_no_cgroups():
+        pytest.skip(why)
+    bed = jobs
+    unit = f"ckpt-train-{bed.scope[-6:]}.service".replace("_", "-")
+    groups = Cgroups()
+    try:
+        dirs = [groups.make(root, f"system.slice/{unit}") for root in systemd_roots()]
+        gpu_env = {**sim_env(bed.scope, 0, "1GiB", 50), "GPUKILL_CHECKPOINT": "USR1:5s"}
+        logdir = str(bed.logdir)  # type: ignore[attr-defined]
+        proc = subprocess.Popen(
+            [SYSTEM_PYTHON, "-c", TRAINER_SAVES, logdir, "launcher", TRAINER_SAVES, json.dumps(gpu_env)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin"},
+            cwd="/",
+            start_new_session=True,
+            **users["owner"].popen_kwargs(),
+        )
+        bed.procs.append(proc)
+        assert proc.stdin is not None and proc.stdout is not None
+        assert int(proc.stdout.readline()) == proc.pid
+        for d in dirs:
+            (d / "cgroup.procs").write_text(str(proc.pid))
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        trainer, worker = (int(p) for p in proc.stdout.readline().split())
+        assert proc.wait(GRACE + 10) == 0, "the trainer did not save and exit by itself"
+        wait_until(lambda: gone(worker), 10, "the worker is still running")
+        assert what(bed, trainer) == ["USR1", "saved"] and what(bed, worker) == ["done"]
+        began = _violation_time(bed, "ckpt-unit", worker)
+        (_, t_usr1), _ = received(bed, trainer)
+        assert t_usr1 - began < GRACE - 1.0, "the trainer was asked late in the grace"
+        assert steps(bed, trainer) == ["sent"] and steps(bed, worker) == []
+        violation = bed.journal(MESSAGE_ID=audit.GUARD_VIOLATION.message_id, GPUKILL_RULE="ckpt-unit")
+        assert f"sent SIGUSR1 to PID {trainer} to save" in violation[0]["MESSAGE"], violation
+        ended = bed.wait_journal(MESSAGE_ID=audit.GUARD_ACTION.message_id, GPUKILL_RULE="ckpt-unit")
+        assert [e["GPUKILL_RESULT"] for e in ended] == ["cancelled"], "the episode did not end without a kill"
+        assert not bed.journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(worker))
+    finally:
+        groups.cleanup()

@@ -768,6 +768,32 @@ def test_kill_scope_unit_members_pass_the_checks_too():
     assert [(x.pid, why) for x, why in order.scoped[0].left] == [(12, "exempt: process name ckpt")]
 
 
+WORKER_CAP = (
+    "rules:\n  - name: cap\n    scope: per_user\n    action: kill\n    grace_period: {grace}\n"
+    "    kill_scope: {scope}\n    conditions: [{{type: user_memory, operator: '>', value: 3GiB}}]\n"
+)
+
+
+def test_a_kill_rules_violation_names_what_its_kill_scope_takes_with_each_victim():
+    """A per_user rule's victim is the worker with the most memory; its trainer, in the same unit, comes with it.
+    The violation that begins the grace names both (the checkpoint signals then go to the whole workload)."""
+    s = snap(
+        proc(10, "trainer", mem=GiB, unit="train.service"),
+        proc(11, "python", mem=3 * GiB, unit="train.service"),
+        proc(12, "python", mem=GiB, unit="other.service"),
+    )
+    t = FakeTime()
+    e = Engine(policy(WORKER_CAP.format(grace="30s", scope="unit")), t.clock(), own_pid=OWN_PID)
+    (ev,) = e.evaluate(s, False)
+    assert isinstance(ev, Violation) and [x.pid for x in ev.targets] == [11]
+    assert [[m.pid for m in sc.members] for sc in ev.scoped] == [[10]]
+    assert ev.workload == [(11, 100), (10, 100)]
+    for grace, scope in (("30s", "process"), ("0s", "unit")):  # nothing added; no grace: the kill's own step asks
+        e = Engine(policy(WORKER_CAP.format(grace=grace, scope=scope)), FakeTime().clock(), own_pid=OWN_PID)
+        (ev,) = [x for x in e.evaluate(s, False) if isinstance(x, Violation)]
+        assert ev.scoped == () and ev.workload == [(11, 100)]
+
+
 def test_kill_scope_members_count_toward_the_cap_and_a_scope_is_never_half_killed():
     """Cap 3: trainer 10 and its two workers fill it; trainer 20 and its worker wait for the next cycle, whole;
     trainer 30 with four workers would take 5: never stopped, said once per episode and in the preview."""

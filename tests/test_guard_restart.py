@@ -7,20 +7,28 @@ other daemon tests restart it (SIGTERM), and once killed with SIGKILL, as a cras
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 from helpers.guard_inputs import OWN_PID, FakeTime, proc, snap
 from helpers.marks import needs_root
-from helpers.testbed import ROOT, Testbed, start_time_of
+from helpers.testbed import ROOT, SYSTEM_PYTHON, Testbed, sim_env, start_time_of
 from helpers.waiting import wait_until
 
+from gpukill.checkpoint import Declaration
+from gpukill.outcome import Outcome
 from gpukill.policy import load_texts
+from gpukilld import journal as audit
+from gpukilld.acts.checkpoint import Asked
 from gpukilld.guard import clocks
 from gpukilld.guard.engine import Clock, Engine
+from gpukilld.guard.notify import NotifyConfig
+from gpukilld.guard.runner import GuardRunner
 
 BOOT = "7d3f0c1e-0000-4000-8000-000000000001"
 
@@ -198,6 +206,101 @@ def test_nothing_saved_can_make_the_restore_fail_and_what_is_read_is_bounded():
     assert restored == clocks.MAX_ENTRIES and "10 malformed or excess entries dropped" in note
 
 
+def awaited(pid: int = 10, sent_ago: float = 3.0) -> Asked:
+    """A checkpoint signal sent `sent_ago` seconds ago, with 8 s to save (the kill path's real clock)."""
+    return Asked(
+        pid, 100, "train", Declaration(signal.SIGUSR1, 8.0, False, "environment"), 8.0, time.monotonic() - sent_ago
+    )
+
+
+def test_checkpoint_signals_awaited_are_kept_with_what_is_left_of_their_wait():
+    t = FakeTime()
+    saved = json.loads(json.dumps(clocks.save(engine(grace_policy(), t), BOOT, [awaited(10), awaited(11)])))
+    back, note = clocks.restore_asked(saved, BOOT, alive)
+    assert note is None and [(a.pid, a.start_time, a.comm, a.declaration, a.wait) for a in back] == [
+        (pid, 100, "train", Declaration(signal.SIGUSR1, 8.0, False, "environment"), 8.0) for pid in (10, 11)
+    ]
+    assert 4.5 < back[0].left(time.monotonic()) <= 5.0  # 3 s of the 8 were spent before the restart
+    back, note = clocks.restore_asked(saved, BOOT, lambda pid, start: pid != 11)
+    assert [a.pid for a in back] == [
+        10
+    ] and note == "checkpoint signals awaited restored (1); 1 of processes gone dropped"
+    assert clocks.restore_asked(saved, "another-boot", alive) == ([], None)
+    assert clocks.restore_asked(saved, "", alive) == ([], None)
+
+
+def test_a_saved_checkpoint_signal_that_is_not_one_is_dropped():
+    good = clocks.save(engine(grace_policy(), FakeTime()), BOOT, [awaited()])
+    entry = good["asked"][0]  # pid, start, comm, signal, declared wait, each, source, wait, sent at
+    bad = [
+        [*entry[:3], int(signal.SIGKILL), *entry[4:]],  # no process saves on KILL
+        [*entry[:3], 1 << 40, *entry[4:]],
+        [*entry[:7], 9.0, entry[8]],  # waits longer than it declared
+        [*entry[:8], entry[8] + 3600],  # sent in the future
+        [*entry[:6], "x" * (clocks.MAX_SOURCE + 1), *entry[7:]],
+        [*entry[:2], None, *entry[3:]],
+        entry[:8],
+        "entry",
+    ]
+    back, note = clocks.restore_asked({**good, "asked": [*bad, entry]}, BOOT, alive)
+    assert [a.pid for a in back] == [
+        10
+    ] and note == "checkpoint signals awaited restored (1); 8 malformed or excess dropped"
+    flood = {**good, "asked": [entry] * (clocks.MAX_ASKED + 5)}
+    back, note = clocks.restore_asked(flood, BOOT, alive)
+    assert len(back) == clocks.MAX_ASKED and note is not None and "5 malformed or excess dropped" in note
+    assert clocks.restore_asked({**good, "asked": {"no": "list"}}, BOOT, alive) == ([], None)
+
+
+class Journal:
+    def log(self, kind, message, **fields) -> None:
+        pass
+
+
+def test_the_runner_keeps_a_signal_sent_saved_until_its_kill_is_over(tmp_path):
+    """Saved when the grace's signal goes; still saved while the kill waits for the save (a restart then
+    resumes the wait); forgotten once the kill is over."""
+    t = FakeTime()
+    sent = awaited(10, sent_ago=0.0)
+    release = asyncio.Event()
+    options: dict = {}
+
+    async def ask(targets, initiator, rule, rule_checkpoint, dry_run):
+        return [sent] if targets == [(10, 100)] else []
+
+    async def kill(caller, pid, start_time, grace, force, initiator, **checkpoint):
+        options.update(checkpoint)
+        await release.wait()
+        return SimpleNamespace(outcome=Outcome.TERMINATED)
+
+    r = GuardRunner(kill, Journal(), NotifyConfig(), str(tmp_path / "g"), str(tmp_path / "s"), t.clock(), OWN_PID)
+    r.ask_to_save = ask
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "10.yaml").write_text(grace_policy("30s"))
+    r.start()
+
+    def saved() -> list:
+        return json.loads((tmp_path / "s" / "guard-state.json").read_text())["clocks"]["asked"]
+
+    async def go() -> None:
+        r.on_snapshot(MINER)  # the grace begins: the signal goes, and is saved at once
+        await asyncio.gather(*r._tasks)
+        assert [e[0] for e in saved()] == [10]
+        t.now += 31
+        r.on_snapshot(MINER)  # the grace is over: the kill waits for the rest of the save
+        await asyncio.sleep(0.01)
+        assert options["asked"] == {(10, 100): sent} and not options["checkpoint"]
+        r._save_now()
+        assert [e[0] for e in saved()] == [10]
+        release.set()
+        await asyncio.gather(*r._tasks)
+        r._save_now()
+        assert saved() == []
+
+    asyncio.run(go())
+    r.stop()
+
+
 # -- the daemon ----------------------------------------------------------------------------------------------
 
 INTERVAL = 0.2
@@ -299,3 +402,67 @@ def test_clocks_of_another_boot_or_a_corrupt_file_are_ignored_with_a_line_and_th
     assert "cannot be read" in bed.daemon.log()
     assert [r["name"] for r in status(bed)["rules"]] == ["slow"]
     assert wait_until(lambda: status(bed)["windows"], 10, "the daemon does not evaluate")
+
+
+SAVE = 7.0  # seconds the declared victim's handler takes to save: longer than the grace and the restart
+DECLARED = "USR1:10s"
+CHECKPOINT_POLICY = """max_checkpoint_wait: 20s
+rules:
+  - name: savers
+    action: kill
+    grace_period: 2s
+    conditions:
+      - {type: process_name, operator: ==, value: ckpt-saver}
+"""
+# Saves for SAVE seconds on SIGUSR1 and exits 0; says each signal on stdout ("USR1 TIME"). A SIGTERM during the
+# save is said and ends it, as SIGTERM's default action would.
+SAVER = r"""
+import ctypes, os, signal, time
+def say(what):
+    print(what, f"{time.time():.3f}", flush=True)
+def on_term(n, frame):
+    say("TERM")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+def on_usr1(n, frame):
+    say("USR1")
+    time.sleep(%r)
+    say("saved")
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGUSR1, on_usr1)
+ctypes.CDLL(None).prctl(15, b"ckpt-saver", 0, 0, 0)
+say("ready")
+time.sleep(3600)
+"""
+
+
+@needs_root
+def test_a_restart_during_the_grace_keeps_the_kill_waiting_for_the_declared_save(fresh_bed, users):
+    """The victim was sent SIGUSR1 when the grace began and saves for longer than the grace; gpukilld crashes
+    and restarts during the grace: the kill after the restart waits for what is left of the declared wait, so
+    the victim saves and exits by itself, never SIGTERMed."""
+    bed = fresh_bed
+    start(bed, CHECKPOINT_POLICY)
+    env = {**sim_env(bed.scope, 0, "1GiB", 50), "GPUKILL_CHECKPOINT": DECLARED}
+    saver = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", SAVER % SAVE],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd="/",
+        start_new_session=True,
+        **users["owner"].popen_kwargs(),
+    )
+    bed.procs.append(saver)
+    assert saver.stdout is not None and saver.stdout.readline().startswith("ready")
+    assert saver.stdout.readline().startswith("USR1")  # the grace began: asked to save at once
+    state = bed.workdir / "state" / "guard-state.json"
+    asked = wait_until(lambda: json.loads(state.read_text())["clocks"]["asked"], 5, "the signal sent was not saved")
+    assert [(a[0], a[3], a[7]) for a in asked] == [(saver.pid, signal.SIGUSR1, 10.0)], asked
+    restart(bed, crash=True)  # within the 2 s grace; the new daemon ends it at its first evaluation
+    assert saver.wait(SAVE + 10) == 0, "SIGTERM came before the declared wait was over"
+    assert [line.split()[0] for line in saver.stdout.read().splitlines()] == ["saved"]
+    kill = bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(saver.pid))
+    assert kill and kill[0]["GPUKILL_INITIATOR"] == "guard:savers" and kill[0]["GPUKILL_CHECKPOINT"] == "saved", kill
+    assert "Traceback" not in bed.daemon.log()

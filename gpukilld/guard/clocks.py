@@ -16,6 +16,10 @@ section) and given back to the engine at start:
 - A process subject is (pid, start time): an entry whose process is gone at load (no such PID, or another
   start time: the PID was reused) is dropped. Users (uid) and devices (id) stay; the next evaluation ends
   what no longer holds, as it would have without the restart.
+- The checkpoint signals sent when a kill rule's grace began (runner.py, acts/checkpoint.py Asked: process,
+  signal, wait, when sent), so that the kill after a restart still waits for what is left of the declared wait
+  before SIGTERM. Each is given back while its process runs, whatever became of the rule: its kill, if one
+  comes, decides. They are timed on the real CLOCK_MONOTONIC (the kill path's), not the engine's clock.
 - A rule's clocks are given back only to a rule of the same name that means the same: the same fingerprint
   and global exemptions, the test a reload applies (Engine.set_policy). A rule that changed starts afresh.
 
@@ -28,12 +32,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from gpukill.checkpoint import MAX_CHECKPOINT_WAIT, BadDeclaration, Declaration, parse_signal, signal_name
 from gpukill.procstat import read_stat
 from gpukill.rules import PER_DEVICE, PER_GROUP, PER_PROCESS, PER_USER
 
+from ..acts.checkpoint import Asked
+from .conditions import boot_seconds
 from .engine import HOUR, Engine, Episode, RuleState
 
 FORMAT = 1
@@ -42,6 +50,8 @@ MAX_ENTRIES = 50_000  # windows, episodes, cooldowns and resets together: a few 
 MAX_LABEL = 512  # an episode's label ("PID 123 (xmrig, user ann)"): comm is 15 bytes, user names are short
 MAX_DEVICE_ID = 256
 SLACK = 1.0  # seconds an instant may lie ahead of the clock read at load (the two clocks are read apart)
+MAX_ASKED = 4096  # checkpoint signals remembered until their kill; the oldest are forgotten past this
+MAX_SOURCE = 4096 + 64  # a declaration's source: "policy FILE:LINE:COL", a policy name at most 4096 characters
 _KINDS = {PER_PROCESS: "p", PER_USER: "u", PER_DEVICE: "d", PER_GROUP: "g"}  # how a subject's key is written
 
 
@@ -119,8 +129,19 @@ def _postponed_in(raw: Any, ep: Episode, times: int) -> bool:
     return True
 
 
-def save(engine: Engine, boot: str) -> dict[str, Any]:
-    """The engine's clocks as JSON, on CLOCK_BOOTTIME."""
+def _asked_offset() -> float:
+    """CLOCK_BOOTTIME less the real CLOCK_MONOTONIC now: what puts an Asked's sent_at on the boot's clock."""
+    return boot_seconds() - time.monotonic()
+
+
+def _asked_out(a: Asked, offset: float) -> list[Any]:
+    d = a.declaration
+    return [a.pid, a.start_time, a.comm, d.signal, d.wait, d.each, d.source, a.wait, a.sent_at + offset]
+
+
+def save(engine: Engine, boot: str, asked: Iterable[Asked] = ()) -> dict[str, Any]:
+    """The engine's clocks as JSON, on CLOCK_BOOTTIME, and the checkpoint signals Guard's kills still await."""
+    asked_offset = _asked_offset()
     offset = engine.clock.boottime() - engine.clock.monotonic()
     rules = []
     for st in engine.states:
@@ -158,6 +179,7 @@ def save(engine: Engine, boot: str) -> dict[str, Any]:
         "rules": rules,
         "resets": {d: [t + offset for t in ts] for d, ts in engine.resets.items() if ts},
         "dry_resets": {d: [t + offset for t in ts] for d, ts in engine.dry_resets.items() if ts},
+        "asked": [_asked_out(a, asked_offset) for a in asked],
     }
 
 
@@ -315,3 +337,53 @@ def restore(engine: Engine, data: Any, boot: str, alive: Callable[[int, int], bo
         notes.append(f"{reader.bad} malformed or excess entr{'y' if reader.bad == 1 else 'ies'} dropped")
     line = f"guard clocks restored ({reader.restored} entries); " + "; ".join(notes) if notes else None
     return reader.restored, line
+
+
+def _declaration_in(number: Any, declared: Any, each: Any, source: Any) -> Declaration | None:
+    """A saved declaration, checked as the grammar checks one; None when it is not one."""
+    if not (_int(number) and _instant(declared) and declared > 0 and isinstance(each, bool)):
+        return None
+    if not (isinstance(source, str) and 0 < len(source) <= MAX_SOURCE):
+        return None
+    try:
+        parse_signal(signal_name(number))
+    except BadDeclaration:
+        return None
+    return Declaration(number, float(declared), each, source)
+
+
+def restore_asked(data: Any, boot: str, alive: Callable[[int, int], bool]) -> tuple[list[Asked], str | None]:
+    """The checkpoint signals saved with the clocks, on the monotonic clock now, of processes still running;
+    nothing from another boot or a format this daemon does not read. Returns them and, where some were
+    dropped, one line saying why (for the log)."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not boot or data.get("boot_id") != boot:
+        return [], None  # restore() says why the clocks were not given back
+    raw = data.get("asked")
+    entries = raw[-MAX_ASKED:] if isinstance(raw, list) else []
+    boot_now, offset = boot_seconds(), _asked_offset()
+    out: list[Asked] = []
+    gone, bad = 0, (len(raw) - len(entries)) if isinstance(raw, list) else 0
+    for e in entries:
+        if not (isinstance(e, list) and len(e) == 9):
+            bad += 1
+            continue
+        pid, start_time, comm, number, declared, each, source, wait, sent_at = e
+        d = _declaration_in(number, declared, each, source)
+        if (
+            d is None
+            or not (_int(pid) and _int(start_time) and isinstance(comm, str) and len(comm) <= MAX_LABEL)
+            or not (_instant(wait) and 0 <= wait <= min(d.wait, MAX_CHECKPOINT_WAIT))
+            or not (_instant(sent_at) and sent_at <= boot_now + SLACK)
+        ):
+            bad += 1
+        elif not alive(pid, start_time):
+            gone += 1
+        else:
+            out.append(Asked(pid, start_time, comm, d, float(wait), sent_at - offset))
+    notes = []
+    if gone:
+        notes.append(f"{gone} of processes gone dropped")
+    if bad:
+        notes.append(f"{bad} malformed or excess dropped")
+    line = f"checkpoint signals awaited restored ({len(out)}); " + "; ".join(notes) if notes else None
+    return out, line

@@ -133,6 +133,17 @@ class Violation:
     reason: str
     at: float  # wall clock
     reason_for_others: str = ""  # the reason as other users may read it (PolicyViolated goes to every listener)
+    # A kill rule with a grace and a kill_scope other than process: one per target, what its kill will take with it
+    # as the engine decides it now (the checkpoint signals of the grace's start go to the whole workload)
+    scoped: tuple[Scoped, ...] = ()
+
+    @property
+    def workload(self) -> list[ProcKey]:
+        """The targets and what the kill_scope adds to them, each once, targets first."""
+        keys = dict.fromkeys((t.pid, t.start_time) for t in self.targets)
+        for sc in self.scoped:
+            keys.update(dict.fromkeys((m.pid, m.start_time) for m in sc.members))
+        return list(keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -698,9 +709,11 @@ class Engine:
                 self.clocks_changed = True
                 stats.triggers += 1
                 stats.last_triggered = wall
+                scoped: tuple[Scoped, ...] = ()
                 if stops_subject(rule.action):
                     concerned = st.compiled.victims(s, self._going, self._refused)
                     ep.targets = tuple(Target.of(p) for p in concerned)
+                    scoped = self._grace_scope(st, concerned, cycle)
                 else:
                     concerned = [s] if isinstance(s, ProcView) else list(s.procs)
                 events.append(
@@ -713,6 +726,7 @@ class Engine:
                         self._reason(st, s),
                         wall,
                         self._reason(st, s, for_others=True),
+                        scoped,
                     )
                 )
             if rule.action == RESET:
@@ -905,6 +919,23 @@ class Engine:
             else:
                 members.append(Target.of(m))
         return Scoped(tuple(members), tuple(left))
+
+    def _grace_scope(self, st: RuleState, victims: list[ProcView], cycle: Cycle) -> tuple[Scoped, ...]:
+        """What a kill rule's kill_scope will take with each victim, decided as its kill decides it, for the
+        checkpoint signals sent when its grace begins: the workload's leader may be a member, not a victim (a
+        per_user rule's victim is the worker with the most memory; its trainer is in the unit). () for
+        kill_scope process and for a rule without a grace (its kill's own checkpoint step asks then)."""
+        rule = st.rule
+        if rule.action != KILL or rule.kill_scope == KILL_PROCESS or not rule.grace_period:
+            return ()
+        taken: set[ProcKey] = set()
+        out = []
+        for v in victims:
+            scoped = self._scope(st, v, cycle, taken)
+            taken.add(v.key)
+            taken.update((m.pid, m.start_time) for m in scoped.members)
+            out.append(scoped)
+        return tuple(out)
 
     def scope_too_large(self, st: RuleState, victim: ProcView, cycle: Cycle) -> int:
         """How many processes the victim and its kill_scope take when that is more than max_kills_per_cycle:

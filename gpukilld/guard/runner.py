@@ -24,7 +24,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Protocol
 
 from gpukill.errors import GpukillError, NoSuchProcess, NotSupported
@@ -86,7 +86,6 @@ WorkloadPath = Callable[..., Awaitable[Any]]  # Actions.kill_workload(caller, se
 ResetPath = Callable[..., Awaitable[Any]]  # Actions.reset(caller, device, force, rule) -> ResetReply
 # Actions.ask_to_save(targets, initiator, rule, rule_checkpoint, dry_run) -> list[Asked]: checkpoint signals
 AskPath = Callable[..., Awaitable[list[Asked]]]
-MAX_ASKED = 4096  # checkpoint signals remembered until their kill; the oldest are forgotten past this
 SuspendPath = Callable[..., Awaitable[Any]]  # Suspender.suspend(caller, selection, initiator) -> SuspendReply
 
 
@@ -266,7 +265,8 @@ class GuardRunner:
         return policy
 
     def _restore_clocks(self, saved: dict[str, Any]) -> None:
-        """The windows and graces running when the daemon stopped (clocks.py); never fails the start."""
+        """The windows and graces running when the daemon stopped, and the checkpoint signals their kills await
+        (clocks.py); never fails the start."""
         try:
             restored, note = clocks.restore(self.engine, saved, self._boot, self._alive)
         except Exception:  # a bug in reading them must not keep the guard (or the daemon) from starting
@@ -277,6 +277,14 @@ class GuardRunner:
             log.warning("%s", note)
         elif restored:
             log.info("guard clocks restored: %d entries", restored)
+        try:
+            asked, note = clocks.restore_asked(saved, self._boot, self._alive)
+        except Exception:  # as above: the kills go on, each without the wait of a signal sent before the restart
+            log.exception("the checkpoint signals saved with the guard's clocks could not be restored")
+            return
+        if note:
+            log.warning("%s", note)
+        self._remember_asked(asked)
 
     def stop(self) -> None:
         if self._save_handle is not None:
@@ -535,14 +543,16 @@ class GuardRunner:
         task.add_done_callback(self._tasks.discard)
 
     async def _violation_asking(self, event: Violation, dry_run: bool, host: str, now: float) -> None:
-        """A kill rule's grace begins: the targets that declare a checkpoint signal (or all, by the rule's
-        checkpoint:) get it now, through the kill path's pinning and checks (in a dry run: none, said as
-        "would send"); then the violation is reported, saying so."""
+        """A kill rule's grace begins: the processes its kill will take (the targets, and what its kill_scope adds
+        to them) that declare a checkpoint signal (or all, by the rule's checkpoint:) get it now, the leader
+        rule deciding who of a batch, through the kill path's pinning and checks (in a dry run: none, said as
+        "would send"); what was sent is saved at once, so that a restart keeps the kill waiting for it; then the
+        violation is reported, saying so."""
         asked: list[Asked] = []
         assert self.ask_to_save is not None
         try:
             asked = await self.ask_to_save(
-                [(t.pid, t.start_time) for t in event.targets],
+                event.workload,
                 guard_initiator(event.rule.name),
                 event.rule.name,
                 event.rule.checkpoint,
@@ -550,25 +560,32 @@ class GuardRunner:
             )
         except Exception:
             log.exception("guard could not send the checkpoint signals of rule %s", event.rule.name)
-        if not dry_run:
-            for a in asked:
-                self._asked[(a.pid, a.start_time)] = a
-            stale = time.monotonic() - 86400.0  # a grace lasts at most a day: its kill never comes after that
-            for key in [k for k, a in self._asked.items() if a.sent_at < stale]:
-                del self._asked[key]
-            while len(self._asked) > MAX_ASKED:
-                del self._asked[next(iter(self._asked))]
+        if not dry_run and asked:
+            self._remember_asked(asked)
+            self._save_now()
         try:
             self._publish(event.rule, report.violation(event, dry_run, host, now, asked_text(asked, dry_run)))
         except Exception:
             log.exception("guard could not report the violation of rule %s", event.rule.name)
 
+    def _remember_asked(self, asked: Iterable[Asked]) -> None:
+        """Checkpoint signals sent at a grace's start (or restored after a restart), until their kill is over;
+        a day old, or past MAX_ASKED, the oldest are forgotten."""
+        for a in asked:
+            self._asked[(a.pid, a.start_time)] = a
+        stale = time.monotonic() - 86400.0  # a grace lasts at most a day: its kill never comes after that
+        for key in [k for k, a in self._asked.items() if a.sent_at < stale]:
+            del self._asked[key]
+        while len(self._asked) > clocks.MAX_ASKED:
+            del self._asked[next(iter(self._asked))]
+
     def _checkpoint_options(self, order: KillOrder, keys: list[tuple[int, int]]) -> dict[str, Any]:
         """The kill path's checkpoint options for an order's kill: the waits of the signals sent when its grace
-        began, or (grace 0) the whole checkpoint step; {} for a runner without checkpoints."""
+        began, or (grace 0) the whole checkpoint step; {} for a runner without checkpoints. What was sent stays
+        remembered (and saved) until the kill is over: a restart during the wait resumes it."""
         if self.ask_to_save is None:
             return {}
-        asked = {k: self._asked.pop(k) for k in keys if k in self._asked}
+        asked = {k: self._asked[k] for k in keys if k in self._asked}
         return {
             "checkpoint": order.rule.grace_period == 0,
             "rule_checkpoint": order.rule.checkpoint,
@@ -621,6 +638,8 @@ class GuardRunner:
             log.exception("guard kill of PID %d failed", t.pid)
             outcome, error = GpukillError.result, f"{type(e).__name__}: {e}"
             unsent = (outcome, error)
+        for m in (t, *(scoped.members if scoped is not None else ())):
+            self._asked.pop((m.pid, m.start_time), None)  # the kill is over, and its checkpoint wait with it
         if scoped is not None:
             if self.kill_workload is None:
                 unsent = (NotSupported.result, "this daemon has no workload kill path for Guard")
@@ -938,7 +957,7 @@ class GuardRunner:
             self._save_handle = None
         self.state.stats = {name: s.to_dict() for name, s in self.engine.stats.items()}
         if self.started:  # before start() has restored them, the clocks loaded stay as they were read
-            self.state.clocks = clocks.save(self.engine, self._boot)
+            self.state.clocks = clocks.save(self.engine, self._boot, self._asked.values())
             self.engine.clocks_changed = False
         if self._save_watch.path != state_path(self.state_dir):
             self._save_watch = self._watch_for(self.state_dir)

@@ -4,7 +4,8 @@ Kept: enabled, dry run (and why the daemon keeps it on, where a re-read of guard
 recent violations, and the policy in force with its source (the guard.d files, or a policy loaded with LoadPolicy,
 by whom and when), guard.d's dry_run as last read, what the last re-read of guard.d replaced, and the engine's
 clocks (windows, grace periods,
-cooldowns: the "clocks" section, written and read by clocks.py, which checks it). Keeping the policy text means a
+cooldowns, and the checkpoint signals sent at a grace's start that its kill still awaits: the "clocks" section,
+written and read by clocks.py, which checks it). Keeping the policy text means a
 restart enforces
 what was in force before even if a file in guard.d was broken meanwhile. Written atomically (a temporary
 file in the same directory, fsync, rename, fsync of the directory): a crash leaves the old file or the new
