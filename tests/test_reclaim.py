@@ -317,6 +317,8 @@ def test_selection_errors_are_one_line(victims, users):
         ({"tree": {"$variant": ["s", "1"]}}, invalid),
         ({"tree": {"$variant": ["(ut)", [1, 0]]}}, "org.gpukill1.Error.ProcessChanged"),
         ({"bogus": {"$variant": ["s", "x"]}}, invalid),
+        ({"job": {"$variant": ["s", "12_3"]}}, invalid),
+        ({"job": {"$variant": ["u", 12]}}, invalid),
     ]:
         r = bed.manager(users["owner"], "KillWorkload", "a{sv}a{sv}", [sel, {}])
         assert r.error == err and "\n" not in r.message, (sel, r)
