@@ -1,8 +1,9 @@
 """The checkpoint step on real processes: a job that declared a checkpoint signal (GPUKILL_CHECKPOINT) gets it
 before any SIGTERM, saves and exits; one that declared nothing never gets it; the policy caps the wait; of a
-tree the leader gets it once (each member with :each); Guard sends it when a kill rule's grace begins (to the
-whole workload its kill_scope takes, the leader once) and a job without a declaration lives through the whole
-grace until SIGTERM; every step is journaled.
+tree the leader gets it once (each member with :each), and so of a Slurm job (`kill --job`: one act, its workers
+stopped only after the leader saved); Guard sends it when a kill rule's grace begins (to the whole workload its
+kill_scope takes, the leader once) and a job without a declaration lives through the whole grace until SIGTERM;
+every step is journaled.
 
 Each victim records every signal it receives (with the time) in a file of its own, named by its PID, so a test
 can say that a process never got SIGTERM, or never got SIGUSR1."""
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.cgroups import slurm_task_cgroups, start_in
 from helpers.marks import needs_root
 from helpers.testbed import ROOT, SYSTEM_PYTHON, Testbed, User, sim_env
 from helpers.waiting import wait_until
@@ -138,6 +140,25 @@ def start(bed: Testbed, user: User, declare: str | None, on_usr1: str, workers: 
     return proc, pids
 
 
+def start_job(bed: Testbed, user: User, job: str, declare: str | None, on_usr1: str, workers: int = 0):
+    """start()'s recorder as a task of Slurm job `job` (proctrack/linuxproc: in slurmd's unit, SLURM_JOB_ID in
+    its environment, which its workers inherit with the declaration); returns (its Popen, the PIDs: leader
+    first)."""
+    env = sim_env(bed.scope, 0, "1GiB", 50) | {"SLURM_JOB_ID": job}
+    if declare is not None:
+        env["GPUKILL_CHECKPOINT"] = declare
+    argv = ["-c", str(bed.logdir), str(workers), on_usr1, "ckpt-job", RECORDER]  # type: ignore[attr-defined]
+    code = f"import sys\nsys.argv = {argv!r}\nprint('ready', flush=True)\nexec(sys.argv[5])\n"
+    proc = start_in(user, slurm_task_cgroups(bed, user, None), env, code)
+    bed.procs.append(proc)
+    assert proc.stdout is not None
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert pids and pids[0] == proc.pid
+    for pid in pids:
+        assert bed.wait_listed(pid, comm="ckpt-job" if pid == proc.pid else None)["slurm_job"] == job
+    return proc, pids
+
+
 def received(bed: Testbed, pid: int) -> list[tuple[str, float]]:
     """What PID logged: (what, when), in order."""
     try:
@@ -239,6 +260,46 @@ def test_a_trees_leader_gets_the_signal_once_and_its_workers_none(jobs, users):
     for w in workers:
         wait_until(lambda w=w: gone(w), 10, f"worker {w} still running")
         assert what(bed, w) == ["TERM"], w  # no SIGUSR1: the leader alone was asked
+        assert steps(bed, w) == []
+    assert steps(bed, leader) == ["sent", "saved"]
+
+
+def test_kill_job_stops_every_gpu_process_of_the_job_in_one_act(jobs, users):
+    bed = jobs
+    proc, pids = start_job(bed, users["owner"], "5151", None, "none", workers=2)
+    _, (bystander,) = start_job(bed, users["owner"], "515", None, "none")  # another job: left running
+    r = bed.ctl(users["owner"], "kill", "--job", "5151", "--grace", "2")
+    assert r.returncode == 0, r
+    assert proc.wait(5) == -signal.SIGTERM
+    for pid in pids:
+        wait_until(lambda pid=pid: gone(pid), 10, f"PID {pid} still running")
+        assert what(bed, pid) == ["TERM"], pid
+        assert f"PID {pid} (" in r.stdout and ") terminated" in r.stdout, r.stdout
+    terms = [received(bed, pid)[0][1] for pid in pids]
+    assert max(terms) - min(terms) < 1.0, terms  # signalled together: one grace, not one per process
+    assert "Slurm job 5151: GPU memory reclaimed" in r.stdout, r.stdout
+    for pid in pids:  # each audited as a kill of the one selection
+        (kill,) = bed.wait_journal(MESSAGE_ID=audit.KILL.message_id, GPUKILL_TARGET_PID=str(pid))
+        assert kill["GPUKILL_SELECTION"] == "Slurm job 5151" and kill["GPUKILL_RESULT"] == "terminated", kill
+    assert not gone(bystander) and what(bed, bystander) == []
+    again = bed.ctl(users["owner"], "kill", "--job", "5151")
+    assert again.returncode == 0 and again.stdout == "no GPU processes of Slurm job 5151 on this host\n", again
+
+
+def test_kill_job_checkpoint_asks_the_leader_once_and_terms_no_one_before_it_saved(jobs, users):
+    bed = jobs
+    proc, pids = start_job(bed, users["owner"], "5252", "USR1:5s", "save", workers=2)
+    leader, workers = pids[0], pids[1:]
+    r = bed.ctl(users["owner"], "kill", "--job", "5252", "--checkpoint")
+    assert r.returncode == 0, r
+    assert f"Slurm job 5252 checkpoint: SIGUSR1 sent to PID {leader}: exited after saving" in r.stdout, r.stdout
+    assert proc.wait(5) == 0 and what(bed, leader) == ["USR1", "saved"]  # once, and never SIGTERM
+    (_, saved_at) = received(bed, leader)[-1]
+    for w in workers:
+        wait_until(lambda w=w: gone(w), 10, f"worker {w} still running")
+        assert what(bed, w) == ["TERM"], w  # no SIGUSR1: the leader alone was asked
+        ((_, term_at),) = received(bed, w)
+        assert term_at >= saved_at, (w, term_at, saved_at)
         assert steps(bed, w) == []
     assert steps(bed, leader) == ["sent", "saved"]
 

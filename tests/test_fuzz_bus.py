@@ -371,7 +371,7 @@ FILTER_TYPES = {
     "after": ("(uu)",),
 }
 KILL_TYPES = {"force": ("b",), "grace": ("d", "u", "y", "t", "x")}
-SELECTION_TYPES = {"tree": ("(ut)", "(uu)", "s"), "unit": ("s", "u"), "container": ("s",)}
+SELECTION_TYPES = {"tree": ("(ut)", "(uu)", "s"), "unit": ("s", "u"), "container": ("s",), "job": ("s", "u")}
 # SuspendWorkload's and ResumeWorkload's (the testbed's GPUs are simulated: every suspend is refused)
 WORKLOAD_TYPES = {"pid": ("(ut)", "(uu)", "s"), "tree": ("(ut)", "s"), "unit": ("s", "u"), "job": ("s", "u")}
 RESET_TYPES = {"force": ("b",)}
@@ -850,7 +850,7 @@ class Fuzz:
         if spec["member"] == "KillWorkload" and spec["signature"] == "a{sv}a{sv}" and len(spec["body"]) == 2:
             tree = [e for e in spec["body"][0] if isinstance(e, list) and e and e[0] == "tree"]
             if not tree or tree[0][1][0] != "(ut)":
-                return True  # a unit or container: the testbed's victim is in neither
+                return True  # a unit, container or job: the testbed's victim is in none
             pid, start = tree[0][1][1]
         elif (
             spec["member"] not in ("KillProcess", "KillProcessReport")

@@ -317,6 +317,8 @@ def test_selection_errors_are_one_line(victims, users):
         ({"tree": {"$variant": ["s", "1"]}}, invalid),
         ({"tree": {"$variant": ["(ut)", [1, 0]]}}, "org.gpukill1.Error.ProcessChanged"),
         ({"bogus": {"$variant": ["s", "x"]}}, invalid),
+        ({"job": {"$variant": ["s", "12_3"]}}, invalid),
+        ({"job": {"$variant": ["u", 12]}}, invalid),
     ]:
         r = bed.manager(users["owner"], "KillWorkload", "a{sv}a{sv}", [sel, {}])
         assert r.error == err and "\n" not in r.message, (sel, r)
@@ -527,7 +529,7 @@ def test_kill_scope_is_validated():
     assert rule.kill_scope == "unit"
     with pytest.raises(PolicyError, match="kill_scope must be one of process, tree, unit"):
         load_texts([("p.yaml", GUARD_POLICY % "everything")])
-    with pytest.raises(PolicyError, match="kill_scope applies only to action kill"):
+    with pytest.raises(PolicyError, match="kill_scope applies only to actions kill and suspend"):
         load_texts(
             [
                 (

@@ -10,14 +10,16 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.cgroups import SLEEPER, Cgroups, controller_root, start_in, systemd_roots, why_no_cgroups
+from helpers.cgroups import SLEEPER, slurm_task_cgroups, start_in
 from helpers.guard_inputs import FakeGroups, FakeTime, GiB, proc, snap
 from helpers.marks import needs_root
 from helpers.testbed import PYTHON, REPO, ROOT
 
+from gpukill.errors import InvalidArgs
 from gpukill.policy import load_texts
-from gpukill.records.manager import Process
-from gpukillctl.cli.job_kill import job_processes, slurm_job_id
+from gpukillctl.cli.kill_answer import slurm_job_id
+from gpukilld.access.visibility import FULL, HIDDEN, PROGRAM, Viewer
+from gpukilld.acts.selection import Selection
 from gpukilld.guard.engine import Engine
 from gpukilld.proc.attribution import parse_cgroup, slurm_job_from_environ
 from gpukilld.proc.procfs import MAX_ENVIRON, ProcFS
@@ -104,32 +106,37 @@ def test_the_environment_is_read_bounded(tmp_path):
     assert ProcFS(str(tmp_path)).slurm_job(pid + 1) is None  # no such process
 
 
-def _proc(pid: int, job: str | None, device: int = 0, start_time: int = 100) -> Process:
-    return Process(
-        pid=pid,
-        start_time=start_time,
-        uid=1000,
-        user="alice",
-        comm="train",
-        cmdline="train",
-        device=device,
-        device_id=f"GPU-{device}",
-        slurm_job=job,
-    )
-
-
-def test_kill_job_selects_each_process_of_the_job_once():
+def test_kill_workloads_job_selects_each_gpu_process_of_the_job_once():
     procs = [
-        _proc(30, "12", device=0),
-        _proc(30, "12", device=1),
-        _proc(20, "12", start_time=7),
-        _proc(40, "123"),
-        _proc(50, None),
-        _proc(60, "1"),
+        proc(30, slurm_job="12", device=0),
+        proc(30, slurm_job="12", device=1),  # on two GPUs: one process
+        proc(20, slurm_job="12", start=7),
+        proc(40, slurm_job="123"),
+        proc(50),
+        proc(60, slurm_job="1"),
     ]
-    chosen = job_processes(procs, "12")
-    assert [(p.pid, p.start_time) for p in chosen] == [(20, 7), (30, 100)]
-    assert job_processes(procs, "99") == []
+    job = Selection.parse({"job": "012"})
+    assert job == Selection("job", "12") and job.text == "Slurm job 12"
+    assert job.resolve(ProcFS(), snap(*procs)) == ([(20, 7), (30, 100)], [])
+    assert Selection.parse({"job": "99"}).resolve(ProcFS(), snap(*procs)) == ([], [])
+    for bad in ("12_3", "12+1", "", "12345678901", "١٢", 12):
+        with pytest.raises(InvalidArgs, match="Slurm job id"):
+            Selection.parse({"job": bad})
+    with pytest.raises(InvalidArgs, match="exactly one"):
+        Selection.parse({"job": "12", "unit": "a.service"})
+
+
+def test_a_callers_job_is_the_job_its_listing_shows():
+    """A job read from SLURM_JOB_ID is its owner's (and full viewers') to see: another user's job id selects none
+    of that owner's processes, so it tells nothing of which carry it; a job cgroup's is everyone's."""
+    from_environ = dataclasses.replace(proc(30, uid=1000, slurm_job="12"), job_from_environ=True)
+    from_cgroup = proc(31, uid=1000, slurm_job="12")
+    hers = snap(from_environ, from_cgroup)
+    job = Selection.parse({"job": "12"})
+    assert dataclasses.replace(job, viewer=Viewer(1000, PROGRAM)).resolve(ProcFS(), hers)[0] == [(30, 100), (31, 100)]
+    assert dataclasses.replace(job, viewer=Viewer(0, FULL)).resolve(ProcFS(), hers)[0] == [(30, 100), (31, 100)]
+    assert dataclasses.replace(job, viewer=Viewer(1001, PROGRAM)).resolve(ProcFS(), hers)[0] == [(31, 100)]
+    assert dataclasses.replace(job, viewer=Viewer(1001, HIDDEN)).resolve(ProcFS(), hers)[0] == []
 
 
 @pytest.mark.parametrize(("text", "job"), [("42", "42"), ("007", "7")])
@@ -143,21 +150,6 @@ def test_what_is_not_a_job_id_is_refused(text):
         slurm_job_id(text)
 
 
-def _slurm_cgroups(bed, user, job: str | None) -> list[Path]:
-    """Where slurmd puts a task: with proctrack/linuxproc in slurmd's unit (a name of the bed's own, so runs
-    side by side do not share it); with job set, in the job's cgroup as cgroup/v1 makes it (the freezer's
-    /slurm/uid_N/job_N/step_0). Made as root, removed when the bed stops (bed.cgroups, deepest first)."""
-    if why := why_no_cgroups():
-        pytest.skip(why)
-    made = Cgroups()
-    if job is not None:
-        dirs = [made.make(controller_root("freezer"), f"slurm/uid_{user.uid}/job_{job}/step_0")]
-    else:
-        dirs = [made.make(r, f"system.slice/slurmd@{bed.scope}.service") for r in systemd_roots()]
-    bed.cgroups.extend(sorted(made.made, key=lambda d: len(d.parts), reverse=True))
-    return dirs
-
-
 def _job_victim(
     bed, user, job: str | None, gpu: int = 0, comm: str | None = None, job_cgroup: bool = False
 ) -> subprocess.Popen:
@@ -168,7 +160,7 @@ def _job_victim(
     if job is not None:
         env["SLURM_JOB_ID"] = job
     rename = f"import ctypes\nctypes.CDLL(None).prctl(15, {comm.encode()!r}, 0, 0, 0)\n" if comm else ""
-    proc = start_in(user, _slurm_cgroups(bed, user, job if job_cgroup else None), env, rename + SLEEPER)
+    proc = start_in(user, slurm_task_cgroups(bed, user, job if job_cgroup else None), env, rename + SLEEPER)
     bed.procs.append(proc)
     return proc
 

@@ -123,7 +123,7 @@ class WorkloadEntry:
 class WorkloadReply:
     """What KillWorkload returns: each selected process, then the GPU's answer for them all."""
 
-    selection: str = wire("s", 'what was selected: "tree PID", "unit NAME" or "container ID"')
+    selection: str = wire("s", 'what was selected: "tree of PID N", "unit NAME", "container ID" or "Slurm job N"')
     entries: tuple[WorkloadEntry, ...] = wire("aa{sv}", "each process selected, by PID", (), of=WorkloadEntry)
     reclaim: Reclaim = wire("a{sv}", "the GPU's answer for the batch", Reclaim(UNWATCHED), of=Reclaim)
     hidden: int = wire(

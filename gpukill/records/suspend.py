@@ -54,7 +54,7 @@ class SuspendedProcess:
 class SuspendReply:
     """What SuspendWorkload and ResumeWorkload return."""
 
-    selection: str = wire("s", 'what was selected: "PID 42", "tree of PID 42", "unit x.service", "job 123"')
+    selection: str = wire("s", 'what was selected: "PID 42", "tree of PID 42", "unit x.service", "Slurm job 123"')
     act: str = wire("s", '"suspend" or "resume"')
     result: str = wire("s", '"done", "undone" (a step failed, all running again) or "partial" (some stuck)')
     message: str = wire("s", "one line: what was done, or what failed and what was undone")

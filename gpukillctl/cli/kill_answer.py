@@ -1,9 +1,12 @@
 """`gpukillctl kill`'s answer: one line for the process (or each process of a workload) and one for the GPU.
 
 A kill is done when the GPU memory is back: the line says reclaimed, held by whom (exit status 14), or still
-alive after SIGKILL with the reason and the reset that frees the GPU (exit status 10). `--tree`, `--unit` and
-`--container` go through KillWorkload: every GPU process of the workload, each pinned and authorized by
-gpukilld as a single kill is, listed with what became of it.
+alive after SIGKILL with the reason and the reset that frees the GPU (exit status 10). `--tree`, `--unit`,
+`--container` and `--job` go through KillWorkload: every GPU process of the workload, each pinned and authorized
+by gpukilld as a single kill is, stopped together (one grace, one checkpoint step), listed with what became of
+it. The Slurm epilog runs `kill --job`: it passes the lines on, reads "no GPU processes of Slurm job ..." as
+nothing left behind, and drains the node on a failing exit status (14: memory still held) where
+GPUKILL_EPILOG_DRAIN asks it to.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ def unit_name(text: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9:_.\\@-]+\.(service|scope)", text) or len(text) > 256:
         raise argparse.ArgumentTypeError(f"not a systemd .service or .scope name: {text!r}")
     return text
+
+
+def slurm_job_id(text: str) -> str:
+    """A Slurm job id as the daemon lists it (decimal); an array task's or a het job's component's own id, not
+    "123_4" or "123+1" (SLURM_JOB_ID in the epilog is already the plain one)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 10):
+        raise argparse.ArgumentTypeError(f"not a Slurm job id: {text!r}")
+    return str(int(text))
 
 
 def container_id(text: str) -> str:
@@ -82,7 +93,7 @@ def answer(what: str, outcome: str, reclaim: Any, checkpoint: Any = None) -> int
 def workload_answer(reply: Any) -> int:
     """Print each process of a KillWorkload, then the GPU's answer; the first failure's exit status (14 when
     every process ended but memory is still held), else 0."""
-    if not reply.entries and not reply.hidden:  # as kill --job says it: nothing of it runs on a GPU here
+    if not reply.entries and not reply.hidden:  # nothing of it runs on a GPU here: the epilog's usual case
         print(f"no GPU processes of {shown(reply.selection)} on this host")
         return EXIT_OK
     codes = []

@@ -5,8 +5,8 @@ Errors are one line on stderr with a distinct exit code (listed in --help); neve
 Start-up time is most of a one-shot command's time, so this module and what it imports for the one-shot
 commands (list, kill PID, reset, status, guard, postpone, audit, usage) load neither asyncio nor dbus-fast: those
 commands run on the blocking transport (gpukillctl/client/blocking.py). The long-lived commands (top, monitor,
-notify-agent, mcp, serve, exporter), `kill --job` (its kills run together) and -H (ssh's start dwarfs any import)
-run on asyncio; their modules are imported only when one of them is asked for (tests/test_imports.py checks it).
+notify-agent, mcp, serve, exporter) and -H (ssh's start dwarfs any import) run on asyncio; their modules are
+imported only when one of them is asked for (tests/test_imports.py checks it).
 """
 
 from __future__ import annotations
@@ -173,8 +173,7 @@ def _register_list(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_kill(sub: argparse._SubParsersAction) -> None:
-    from .job_kill import slurm_job_id
-    from .kill_answer import container_id, unit_name
+    from .kill_answer import container_id, slurm_job_id, unit_name
 
     kill = sub.add_parser("kill", help="stop a GPU process (or a workload's) and say whether its GPU memory is back")
     target = kill.add_mutually_exclusive_group(required=True)
@@ -183,7 +182,7 @@ def _register_kill(sub: argparse._SubParsersAction) -> None:
         "--job",
         type=slurm_job_id,
         metavar="ID",
-        help="every GPU process of this Slurm job on this host, each as listed",
+        help="every GPU process of this Slurm job on this host, together",
     )
     target.add_argument(
         "--tree",
@@ -216,8 +215,7 @@ def _register_kill(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_suspend(sub: argparse._SubParsersAction, name: str) -> None:
-    from .job_kill import slurm_job_id
-    from .kill_answer import unit_name
+    from .kill_answer import slurm_job_id, unit_name
 
     what = {
         "suspend": "set a workload's GPU memory aside in host memory and free the GPU, without ending it (NVIDIA)",
@@ -393,18 +391,8 @@ async def cmd_list(client: ClientAPI, args: argparse.Namespace) -> int:
 async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
     from .kill_answer import answer, workload_answer
 
-    if args.job is not None:
-        if args.start_time is not None:
-            return fail("--start-time names one process: it does not go with --job", EXIT_USAGE)
-        from .job_kill import kill_job
-
-        agent = polkit_agent()
-        try:
-            return await kill_job(client, args, agent.active)
-        finally:
-            agent.close()
-    if (args.unit or args.container) and args.start_time is not None:
-        return fail("--start-time names one process: it does not go with --unit or --container", EXIT_USAGE)
+    if (args.unit or args.container or args.job is not None) and args.start_time is not None:
+        return fail("--start-time names one process: it does not go with --unit, --container or --job", EXIT_USAGE)
     pid = args.tree or args.pid
     start_time = args.start_time
     listed: Process | None = None
@@ -412,12 +400,14 @@ async def cmd_kill(client: ClientAPI, args: argparse.Namespace) -> int:
         listed = next((p for p in await client.list_processes() if p.pid == pid), None)
         # this host's /proc says nothing of a PID on another host: 0 lets that daemon say why it refuses
         start_time = listed.start_time if listed else 0 if args.host else _start_time_from_proc(pid)
-    if args.tree or args.unit or args.container:
+    if args.tree or args.unit or args.container or args.job is not None:
         selection = (
             {"tree": Var("(ut)", (args.tree, start_time))}
             if args.tree
             else {"unit": Var("s", args.unit)}
             if args.unit
+            else {"job": Var("s", args.job)}
+            if args.job is not None
             else {"container": Var("s", args.container)}
         )
         agent = polkit_agent()
@@ -541,7 +531,7 @@ def command(name: str) -> Any:
 
 
 def needs_event_loop(args: argparse.Namespace) -> bool:
-    return args.command not in ONE_SHOT or bool(args.host) or getattr(args, "job", None) is not None
+    return args.command not in ONE_SHOT or bool(args.host)
 
 
 def run_blocking(args: argparse.Namespace) -> int:

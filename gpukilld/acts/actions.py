@@ -351,11 +351,11 @@ class Actions:
         rule_checkpoint: Declaration | None = None,
         asked: dict[tuple[int, int], Asked] | None = None,
     ) -> WorkloadReply:
-        """Kill every GPU process a selection names (a tree, a unit, a container), each as kill() kills one:
-        pinned by pidfd and start time before any signal, each authorized by polkit (one after the other, so
-        a prompt's auth_admin_keep covers the rest), refusals reported per process (when polkit refuses every
-        one, the call is refused as a single kill would be); then all are signalled together and the GPU's
-        answer is watched once for the batch. checkpoint, rule_checkpoint, asked: as kill()'s, for the batch
+        """Kill every GPU process a selection names (a tree, a unit, a container, a Slurm job), each as kill()
+        kills one: pinned by pidfd and start time before any signal, each authorized by polkit (one after the
+        other, so a prompt's auth_admin_keep covers the rest), refusals reported per process (when polkit
+        refuses every one, the call is refused as a single kill would be); then all are signalled together and
+        the GPU's answer is watched once for the batch. checkpoint, rule_checkpoint, asked: as kill()'s, for the batch
         (its leaders get the signal, all are awaited together)."""
         check_grace(grace)
         snapshot = await self._resample()  # a worker started since the last sample is in the batch too
@@ -364,7 +364,7 @@ class Actions:
         try:
             chosen, not_on_gpu = await asyncio.to_thread(selection.resolve, procfs, snapshot)
         except GpukillError as e:  # gone, a reused PID, nothing of it on a GPU: audited as a single kill's
-            pid = int(selection.value) if selection.value.isdigit() else 0
+            pid = int(selection.value) if selection.kind in ("tree", "pid", "unit_of") else 0  # a job's is no PID
             self._refused(
                 caller,
                 journal.KILL_FAILED,

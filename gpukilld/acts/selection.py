@@ -1,10 +1,12 @@
-"""What one KillWorkload names: a process tree, a systemd unit or a container, turned into GPU processes.
+"""What one KillWorkload names: a process tree, a systemd unit, a container or a Slurm job, turned into GPU processes.
 
 Only processes on a GPU are ever signalled: a tree's processes that use no GPU (a shell, a data loader, a
 monitoring helper sharing the process group) are listed as left running, never killed, because the kill path
 acts on GPU processes alone (killer.open refuses the others) and a tree is the daemon's reading of ppid links,
 not something the caller proved about each process. A tree is read from /proc once (remember_tree), its root
-named by pid and start time as listed, so a PID reused since the listing selects nothing.
+named by pid and start time as listed, so a PID reused since the listing selects nothing. A caller's job selects
+the processes its own listing shows in that job (viewer): a job read from SLURM_JOB_ID is its owner's to see
+(gpukilld/access/visibility.py), so a job id never tells a caller which of another user's processes carry it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 from gpukill.errors import InvalidArgs, NoSuchProcess, NotAGpuProcess, ProcessChanged, Protected
 
-from ..model import Snapshot
+from ..access.visibility import Viewer, as_seen_by
+from ..model import GpuProcess, Snapshot
 from ..proc.procfs import ProcFS
 from .reclaim import remember_tree, workload_unit
 
@@ -25,6 +28,7 @@ MAX_WORKLOAD = 256  # GPU processes killed in one act; a larger selection is ref
 MAX_NAME = 256
 _UNIT = re.compile(r"[A-Za-z0-9:_.\\@-]+\.(service|scope)")
 _CONTAINER = re.compile(r"[0-9a-f]{12,64}")
+KILL_KEYS = ("tree", "unit", "container", "job")  # KillWorkload's selection keys
 
 Key = tuple[int, int]
 Left = tuple[int, int, int, str]  # a process not on a GPU: pid, start time, uid, comm
@@ -56,6 +60,7 @@ class Selection:
     # but in neither started since the decision: it is left running too (GUARD_ONLY).
     only: frozenset[Key] | None = None
     spare: tuple[tuple[int, int, str], ...] = ()
+    viewer: Viewer | None = None  # a caller's "job": the job as its listing shows it (None: the daemon's view)
 
     @property
     def text(self) -> str:
@@ -63,7 +68,14 @@ class Selection:
             return f"unit of PID {self.value}"
         if self.kind == "pid":
             return f"PID {self.value}"
+        if self.kind == "job":
+            return f"Slurm job {self.value}"
         return f"tree of PID {self.value}" if self.kind == "tree" else f"{self.kind} {self.value}"
+
+    def in_job(self, p: GpuProcess) -> bool:
+        """p is of the selected job, as the viewer (if any) sees it."""
+        seen = p if self.viewer is None else as_seen_by(p, self.viewer)
+        return seen is not None and seen.slurm_job == self.value
 
     def guard_left(self, chosen: list[Key], owner_of: Callable[[Key], int | None]) -> list[tuple[Key, str]]:
         """Of the processes selected, those Guard's rule leaves running, with why: what it decided to spare,
@@ -94,22 +106,24 @@ class Selection:
             if not (isinstance(value, list | tuple) and len(value) == 2 and all(type(v) is int for v in value)):
                 raise InvalidArgs("selection 'pid' is (pid, start_time)")
             return dataclasses.replace(cls.parse({"tree": value}), kind="pid")
-        if kind == "job":
-            if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 10):
-                raise InvalidArgs(f"selection 'job' is a Slurm job id (decimal digits), not {str(value)[:64]!r}")
-            return cls("job", str(int(value)))
         return cls.parse({kind: value})
 
     @classmethod
     def parse(cls, options: dict[str, object]) -> Selection:
-        """From KillWorkload's selection a{sv} (plain values): exactly one of tree (ut), unit (s), container (s)."""
-        given = [k for k in ("tree", "unit", "container") if k in options]
-        unknown = [k for k in options if k not in ("tree", "unit", "container")]
+        """From KillWorkload's selection a{sv} (plain values): exactly one of tree (ut), unit (s), container (s)
+        or job (s, a Slurm job id)."""
+        given = [k for k in KILL_KEYS if k in options]
+        unknown = [k for k in options if k not in KILL_KEYS]
         if unknown:
-            raise InvalidArgs(f"unknown selection key {str(unknown[0])[:64]!r} (known: tree, unit, container)")
+            raise InvalidArgs(f"unknown selection key {str(unknown[0])[:64]!r} (known: {', '.join(KILL_KEYS)})")
         if len(given) != 1:
-            raise InvalidArgs("give exactly one of the selection keys tree, unit, container")
+            raise InvalidArgs(f"give exactly one of the selection keys {', '.join(KILL_KEYS)}")
         kind, value = given[0], options[given[0]]
+        if kind == "job":
+            # decimal, as the daemon lists a job: an array task's or a het job component's own id, not "12_3"
+            if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 10):
+                raise InvalidArgs(f"selection 'job' is a Slurm job id (decimal digits), not {str(value)[:64]!r}")
+            return cls("job", str(int(value)))
         if kind == "tree":
             if not (isinstance(value, list | tuple) and len(value) == 2 and all(type(v) is int for v in value)):
                 raise InvalidArgs("selection 'tree' is (pid, start_time)")
@@ -137,7 +151,7 @@ class Selection:
         if self.kind == "unit":
             return sorted(k for k, p in on_gpu.items() if p.unit == self.value), []
         if self.kind == "job":
-            return sorted(k for k, p in on_gpu.items() if p.slurm_job == self.value), []
+            return sorted(k for k, p in on_gpu.items() if self.in_job(p)), []
         if self.kind == "container":
             ids = {p.container_id for p in on_gpu.values() if p.container_id and p.container_id.startswith(self.value)}
             if len(ids) > 1:

@@ -29,10 +29,10 @@ from gpukill.records.suspend import SuspendedProcess, SuspendReply
 from gpukill.regex import RegexError, compile_regex
 
 from .. import __version__, audit_settings, journal
-from ..access.bouncer import KILL_REPORT_METHOD, Bouncer, Request
+from ..access.bouncer import KILL_REPORT_METHOD, Bouncer, Caller, Request
 from ..access.visibility import FULL, HIDDEN, PROGRAM, Viewer, seen_as
 from ..acts.actions import Actions, KillResult
-from ..acts.selection import Selection
+from ..acts.selection import KILL_KEYS, Selection
 from ..acts.suspend import Suspender
 from ..audit_settings import AuditSettingsKeeper
 from ..model import Device, GpuProcess, Snapshot
@@ -626,11 +626,17 @@ class ManagerInterface(ServiceInterface):
     async def KillWorkload(self, selection: "a{sv}", options: "a{sv}") -> "a{sv}":
         caller = await current_caller(self._bouncer)
         grace, force, checkpoint = self._kill_options(options)
-        if len(selection) > 3:
-            raise InvalidArgs("give exactly one of the selection keys tree, unit, container")
-        chosen = Selection.parse({k: v.value for k, v in selection.items()})
+        if len(selection) > len(KILL_KEYS):
+            raise InvalidArgs(f"give exactly one of the selection keys {', '.join(KILL_KEYS)}")
+        chosen = await self._as_seen(Selection.parse({k: v.value for k, v in selection.items()}), caller)
         reply = await self._actions.kill_workload(caller, chosen, grace, force, INITIATOR_USER, checkpoint=checkpoint)
         return to_dbus(_workload_as_seen(reply, await self._bouncer.viewer(caller)))
+
+    async def _as_seen(self, chosen: Selection, caller: Caller) -> Selection:
+        """A job selection as the caller's listing shows the job (Selection.viewer); the others as they are."""
+        if chosen.kind != "job":
+            return chosen
+        return dataclasses.replace(chosen, viewer=await self._bouncer.viewer(caller))
 
     @method()
     @dbus_errors
@@ -657,7 +663,7 @@ class ManagerInterface(ServiceInterface):
     @dbus_errors
     async def SuspendWorkload(self, selection: "a{sv}", options: "a{sv}") -> "a{sv}":
         caller = await current_caller(self._bouncer)
-        chosen = self._workload_selection(selection, options)
+        chosen = await self._as_seen(self._workload_selection(selection, options), caller)
         reply = await self._suspend_side().suspend(caller, chosen)
         return to_dbus(_suspend_reply_as_seen(reply, await self._bouncer.viewer(caller)))
 

@@ -118,4 +118,19 @@ def start_in(user: User, dirs: list[Path], env: dict[str, str], code: str) -> su
     return proc
 
 
+def slurm_task_cgroups(bed, user: User, job: str | None) -> list[Path]:
+    """Where slurmd puts a task: with proctrack/linuxproc in slurmd's unit (a name of the bed's own, so runs
+    side by side do not share it); with job set, in the job's cgroup as cgroup/v1 makes it (the freezer's
+    /slurm/uid_N/job_N/step_0). Made as root, removed when the bed stops (bed.cgroups, deepest first)."""
+    if why := why_no_cgroups():
+        pytest.skip(why)
+    made = Cgroups()
+    if job is not None:
+        dirs = [made.make(controller_root("freezer"), f"slurm/uid_{user.uid}/job_{job}/step_0")]
+    else:
+        dirs = [made.make(r, f"system.slice/slurmd@{bed.scope}.service") for r in systemd_roots()]
+    bed.cgroups.extend(sorted(made.made, key=lambda d: len(d.parts), reverse=True))
+    return dirs
+
+
 SLEEPER = "import time\nprint('ready', flush=True)\ntime.sleep(3600)\n"
