@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.guard_inputs import proc
 
 from gpukill.outcome import Outcome, reclaim_text
 from gpukill.records.base import from_plain, to_plain
@@ -24,20 +25,7 @@ GIB = 1 << 30
 
 
 def _gpu(pid: int, unit: str = "train.service", mem: int = GIB) -> GpuProcess:
-    return GpuProcess(
-        pid=pid,
-        start_time=pid,
-        uid=1000,
-        user="u",
-        comm=f"p{pid}",
-        cmdline="",
-        exe=None,
-        device=0,
-        device_id="GPU-0",
-        gpu_memory=mem,
-        gpu_utilization=None,
-        unit=unit,
-    )
+    return proc(pid, comm=f"p{pid}", mem=mem, user="u", start=pid, unit=unit)
 
 
 class Samples:
