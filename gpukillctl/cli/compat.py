@@ -38,8 +38,9 @@ from ..client.ports import port_number
 from .audit import GPU_KILL_THRESHOLDS, gpu_kill_threshold
 from .gpu_kill_files import guard_import, read_file, rogue_import
 from .guard import cmd_guard
-from .main import COMMANDS, cmd_kill, cmd_list, cmd_reset, pid_number, seconds
+from .main import COMMANDS, cmd_kill, cmd_list, cmd_reset, seconds
 from .main import build_parser as gpukillctl_parser
+from .pids import pid_number
 
 PROG = "gpukill"
 WATCH_INTERVAL = 2.0  # seconds between --watch refreshes: gpu-kill's default

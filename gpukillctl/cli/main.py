@@ -31,6 +31,7 @@ from ..client.exits import (
     exit_code,
 )
 from ..client.format import devices_table, processes_table, shown
+from .pids import pid_number
 
 JSON_FORMAT = 1
 # The commands that run on the blocking transport and whose parsers need no asyncio module: for these
@@ -64,16 +65,6 @@ def help_width() -> int:
         except (AttributeError, ValueError, OSError):
             columns = 80
     return columns - 2
-
-
-def pid_number(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a PID: {text!r}") from None
-    if not 0 < value < 2**22:
-        raise argparse.ArgumentTypeError(f"PID out of range: {value}")
-    return value
 
 
 def byte_count(text: str) -> int:

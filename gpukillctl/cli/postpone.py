@@ -11,7 +11,7 @@ import time
 from ..client.api import ClientAPI
 from ..client.exits import EXIT_FAILURE, EXIT_OK
 from ..client.format import shown
-from .main import pid_number
+from .pids import pid_number
 
 MAX_REASON = 200  # characters, as gpukilld bounds it (gpukilld/bus/guard.py)
 MAX_POSTPONE = 7 * 86400.0  # a week: gpukilld refuses more (a rule's max caps it further)
