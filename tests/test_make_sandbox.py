@@ -155,7 +155,9 @@ def test_the_printed_lines_reach_the_sandbox_and_ctrl_c_leaves_nothing(sandbox):
 
 
 def shape(text: str) -> str:
-    """Output with its numbers of four digits or more (PIDs, uids) and its column widths left out."""
+    """Output with its numbers of four digits or more (PIDs, uids), the time a kill's memory took to come back
+    ("1.1s after SIGTERM": the machine's pace) and its column widths left out."""
+    text = re.sub(r"\b[\d.]+(?:ms|s|min) after (SIG[A-Z0-9]+)", r"T after \1", text)
     return re.sub(r"\s+", " ", re.sub(r"\d{4,}", "N", text)).strip()
 
 
