@@ -645,6 +645,10 @@ def test_suspended_processes_have_their_section_and_leave_it_when_resumed(browse
     "Suspended" section (the host memory held, a stuck process in red with its remedy), kept apart from the
     running processes; a resume made elsewhere moves the process back among them, without a reload."""
     owner = users["owner"]
+    # the log from here on is this test's: the last test's page (its server stopped) is left first, and what it
+    # logged on the way out is drained
+    browser.driver.get("about:blank")
+    browser.driver.get_log("browser")
     saved = nvhost.snapshot()
     suspending.start_daemon(fresh_bed, nvhost)
     served = Server(fresh_bed, owner, tcp=True).wait_ready()

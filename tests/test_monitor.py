@@ -32,6 +32,7 @@ POLICY = f"""rules:
   - name: {RULE}
     conditions: [{{type: process_name, operator: contains_any, value: [gpkmon]}}]
     action: kill
+    grace_period: 1s  # a grace: ReclaimPending is heard too
     force: true
     notify: [desktop]
 """
@@ -149,7 +150,7 @@ def test_every_signal_kind_as_json_and_human_lines(bed, users):
     human = Monitor(bed, other)
     probe_until(bed, lambda: as_json.out and human.out, "the monitors never printed the probe's reset")
 
-    victim = bed.victim(owner, gpu=0, comm=COMM)  # the Guard rule kills it at once, with a desktop notice
+    victim = bed.victim(owner, gpu=0, comm=COMM)  # the Guard rule kills it after a second, with a desktop notice
     set_device_state(bed, LOST_DEVICE, "lost", "fell off the bus")
     # "list again" is for observers: monitor leaves it out; a suspend needs the NVIDIA backend, which this
     # bed's simulated GPUs are not (tests/test_suspend.py hears those signals on the fake NVIDIA host)
