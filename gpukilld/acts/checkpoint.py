@@ -36,7 +36,6 @@ from gpukill.units import format_duration
 
 from .. import journal
 from ..model import Snapshot
-from ..proc.checkpoint import declared
 from ..proc.procfs import ProcFS
 from .killer import Killer, PinnedProcess
 from .slurm import SlurmError
@@ -109,7 +108,7 @@ class Checkpoints:
         """Each target's own declaration (its environment), where it makes one. Worker thread."""
         out: dict[int, Declaration | BadDeclaration] = {}
         for t in targets:
-            own = declared(self.killer.procfs, t.pid)
+            own = self.killer.procfs.checkpoint(t.pid)
             if own is not None:
                 out[t.pid] = own
         return out
